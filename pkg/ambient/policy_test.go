@@ -1,0 +1,108 @@
+package ambient
+
+import (
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+type podOpt func(*corev1.Pod)
+
+func withLabel(k, v string) podOpt { return func(p *corev1.Pod) { p.Labels[k] = v } }
+func withAnn(k, v string) podOpt   { return func(p *corev1.Pod) { p.Annotations[k] = v } }
+func withPhase(ph corev1.PodPhase) podOpt {
+	return func(p *corev1.Pod) { p.Status.Phase = ph }
+}
+func hostNet(p *corev1.Pod) { p.Spec.HostNetwork = true }
+func deleting(p *corev1.Pod) {
+	now := metav1.Now()
+	p.DeletionTimestamp = &now
+}
+
+func pod(ns string, opts ...podOpt) *corev1.Pod {
+	p := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "p", Namespace: ns, Labels: map[string]string{}, Annotations: map[string]string{}},
+		Status:     corev1.PodStatus{Phase: corev1.PodRunning},
+	}
+	for _, o := range opts {
+		o(p)
+	}
+	return p
+}
+
+func namespace(name string, ambient bool) *corev1.Namespace {
+	n := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{}}}
+	if ambient {
+		n.Labels[DataplaneModeLabel] = DataplaneModeAmbient
+	}
+	return n
+}
+
+func TestDecide(t *testing.T) {
+	on, off := namespace("shop", true), namespace("shop", false)
+	sys := namespace("kube-system", true)
+	amb := withLabel(DataplaneModeLabel, DataplaneModeAmbient)
+	none := withLabel(DataplaneModeLabel, DataplaneModeNone)
+	cases := []struct {
+		name   string
+		pod    *corev1.Pod
+		ns     *corev1.Namespace
+		enroll bool
+		reason Reason
+	}{
+		{"namespace enabled", pod("shop"), on, true, ReasonNamespaceLabel},
+		{"namespace not enabled", pod("shop"), off, false, ReasonNotEnabled},
+		{"namespace unknown", pod("shop"), nil, false, ReasonNotEnabled},
+		{"pod label in plain namespace", pod("shop", amb), off, true, ReasonPodLabel},
+		{"pod label with unknown namespace", pod("shop", amb), nil, true, ReasonPodLabel},
+		{"pod opt-out in enabled namespace", pod("shop", none), on, false, ReasonPodOptOut},
+		{"other pod label value follows namespace", pod("shop", withLabel(DataplaneModeLabel, "sidecar")), on, true, ReasonNamespaceLabel},
+		{"other namespace label value", pod("shop"), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{DataplaneModeLabel: "Ambient"}}}, false, ReasonNotEnabled},
+		{"hostNetwork beats pod label", pod("shop", amb, hostNet), on, false, ReasonHostNetwork},
+		{"sidecar beats namespace", pod("shop", withAnn(SidecarStatusAnnotation, "{}")), on, false, ReasonSidecar},
+		{"sidecar beats pod label", pod("shop", amb, withAnn(SidecarStatusAnnotation, "")), on, false, ReasonSidecar},
+		{"excluded namespace beats labels", pod("kube-system", amb), sys, false, ReasonExcludedNamespace},
+		{"ztunnel pod", pod("shop", withLabel("app", "ztunnel")), on, false, ReasonDataPlanePod},
+		{"agent pod", pod("shop", withLabel(AgentNameLabel, AgentNameLabelValue), amb), on, false, ReasonDataPlanePod},
+		{"succeeded pod", pod("shop", amb, withPhase(corev1.PodSucceeded)), on, false, ReasonTerminal},
+		{"failed pod", pod("shop", withPhase(corev1.PodFailed)), on, false, ReasonTerminal},
+		{"pending pod is enrolled", pod("shop", withPhase(corev1.PodPending)), on, true, ReasonNamespaceLabel},
+		{"deleting pod", pod("shop", deleting), on, false, ReasonDeleting},
+		{"nil pod", nil, on, false, ReasonNoPod},
+	}
+	p := DefaultPolicy()
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			got := p.Decide(c.pod, c.ns)
+			if got.Enroll != c.enroll || got.Reason != c.reason {
+				t.Fatalf("Decide = %+v, want enroll=%v reason=%q", got, c.enroll, c.reason)
+			}
+		})
+	}
+}
+
+func TestExcludedNamespacesConfigurable(t *testing.T) {
+	p := Policy{ExcludedNamespaces: []string{"infra"}}
+	if d := p.Decide(pod("kube-system"), namespace("kube-system", true)); !d.Enroll {
+		t.Fatalf("kube-system not excluded by custom policy: %+v", d)
+	}
+	if d := p.Decide(pod("infra"), namespace("infra", true)); d.Enroll {
+		t.Fatalf("infra excluded by custom policy but enrolled: %+v", d)
+	}
+}
+
+func TestPerPodOverrides(t *testing.T) {
+	if !DNSCapture(pod("a", withAnn(DNSCaptureAnnotation, "true")), false) {
+		t.Error("dns-capture=true ignored")
+	}
+	if DNSCapture(pod("a", withAnn(DNSCaptureAnnotation, "false")), true) {
+		t.Error("dns-capture=false ignored")
+	}
+	if !DNSCapture(pod("a", withAnn(DNSCaptureAnnotation, "maybe")), true) || DNSCapture(nil, false) {
+		t.Error("invalid override should fall back to default")
+	}
+	if !BypassInbound(pod("a", withAnn(BypassInboundCaptureAnnotation, "true"))) || BypassInbound(pod("a")) || BypassInbound(nil) {
+		t.Error("bypass-inbound-capture misread")
+	}
+}
