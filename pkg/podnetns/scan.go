@@ -38,10 +38,11 @@ func (s Scanner) root() string {
 }
 
 // HostNetns identifies the network namespace this process runs in, read
-// from /proc/self/ns/net (PID 1's may be unreadable, and the agent runs in
-// the host netns).
+// from /proc/self/ns/net: the agent runs in the host netns, PID 1's may be
+// unreadable, and "self" under a host proc mounted from another PID
+// namespace would not resolve to us.
 func (s Scanner) HostNetns() (Netns, error) {
-	return statNetns(filepath.Join(s.root(), "self", "ns", "net"))
+	return statNetns("/proc/self/ns/net")
 }
 
 // Scan makes one pass over the proc filesystem and returns, for each UID in
