@@ -5,6 +5,10 @@ BIN           ?= bin
 TOOLS_CACHE   ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ambient-cni/tools
 STATICCHECK_VERSION ?= v0.8.2
 STATICCHECK   := $(TOOLS_CACHE)/staticcheck-$(STATICCHECK_VERSION)/staticcheck
+# protoc-gen-go tracks the google.golang.org/protobuf version in go.mod.
+PROTOC_GEN_GO_VERSION ?= v1.36.12
+PROTOC_GEN_GO := $(TOOLS_CACHE)/protoc-gen-go-$(PROTOC_GEN_GO_VERSION)/protoc-gen-go
+PROTOC        ?= protoc
 # Test timeout for the whole suite; CI allows far more, but keep it honest.
 TEST_TIMEOUT  ?= 20m
 PLUGIN_LDFLAGS := -s -w
@@ -39,6 +43,13 @@ staticcheck: $(STATICCHECK)
 
 $(STATICCHECK):
 	GOBIN=$(dir $(STATICCHECK)) $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
+
+generate: $(PROTOC_GEN_GO) ## regenerate committed protobuf Go code (needs protoc: Debian protobuf-compiler)
+	$(PROTOC) --plugin=protoc-gen-go=$(PROTOC_GEN_GO) -I pkg/zds/zdspb \
+		--go_out=pkg/zds/zdspb --go_opt=paths=source_relative pkg/zds/zdspb/zds.proto
+
+$(PROTOC_GEN_GO):
+	GOBIN=$(dir $(PROTOC_GEN_GO)) $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@$(PROTOC_GEN_GO_VERSION)
 
 clean:
 	rm -rf $(BIN)
