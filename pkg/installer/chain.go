@@ -329,6 +329,11 @@ func appendElem(b []byte, l arrayLayout, ent []byte) []byte {
 		var buf bytes.Buffer
 		if err := json.Indent(&buf, ent, indent, unit); err == nil {
 			formatted = buf.Bytes()
+			if strings.Contains(sep, "\r\n") {
+				// Match a CRLF file; JSON strings hold no raw newlines,
+				// so every '\n' here is formatting.
+				formatted = bytes.ReplaceAll(formatted, []byte("\n"), []byte("\r\n"))
+			}
 		}
 	}
 	out := make([]byte, 0, len(b)+len(sep)+len(formatted))
