@@ -1,0 +1,15 @@
+// Command cni-plugin is the thin chained CNI plugin: it hands each pod to
+// the ambient node agent. All logic lives in pkg/plugin.
+package main
+
+import (
+	"os"
+
+	"github.com/containernetworking/cni/pkg/skel"
+
+	"github.com/ambient-cni/ambient-cni/pkg/plugin"
+)
+
+func main() {
+	skel.PluginMainFuncs(plugin.New(os.Stdout, os.Stderr).Funcs(), plugin.VersionInfo, plugin.About)
+}

@@ -1,0 +1,161 @@
+// Package plugin is the logic of the thin CNI plugin: it parses the plugin
+// configuration and the runtime's CNI_ARGS, forwards each pod to the node
+// agent over its Unix socket, falls back to the agent's enablement snapshot
+// when the agent is unreachable, and passes prevResult through unchanged.
+//
+// It must stay small: the runtime execs the plugin for every pod, so it
+// imports no Kubernetes client and no net/http (see the deps test).
+package plugin
+
+import (
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/containernetworking/cni/pkg/types"
+	"github.com/containernetworking/cni/pkg/version"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
+)
+
+// SupportedVersions are the CNI spec versions the plugin speaks.
+var SupportedVersions = []string{"0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"}
+
+// VersionInfo is what the plugin reports for CNI VERSION.
+var VersionInfo = version.PluginSupports(SupportedVersions...)
+
+// Defaults for the optional configuration keys.
+const (
+	DefaultTimeout  = 30 * time.Second
+	DefaultLogLevel = "warn"
+	// MaxTimeout bounds the timeout key: kubelet's own runtime request
+	// timeout is two minutes, waiting longer only hides a stuck agent.
+	MaxTimeout = 2 * time.Minute
+)
+
+// rawConfig is the JSON the runtime hands the plugin on stdin. Unknown keys
+// are ignored: runtimes inject their own (runtimeConfig, args, ...).
+type rawConfig struct {
+	types.PluginConf
+	AgentSocket         string    `json:"agentSocket"`
+	Timeout             string    `json:"timeout"`
+	LogLevel            string    `json:"logLevel"`
+	ExcludedNamespaces  *[]string `json:"excludedNamespaces"`
+	StatusRequiresAgent bool      `json:"statusRequiresAgent"`
+}
+
+// Config is the parsed and validated plugin configuration.
+type Config struct {
+	// CNIVersion is the config's spec version; results are printed in it.
+	CNIVersion string
+	// Name is the network name.
+	Name string
+	// AgentSocket is the node agent's Unix socket (key "agentSocket").
+	AgentSocket string
+	// SnapshotFile is the agent's enablement snapshot, next to the socket.
+	SnapshotFile string
+	// SpoolDir holds DELs recorded while the agent was unreachable.
+	SpoolDir string
+	// Timeout bounds one exchange with the agent (key "timeout").
+	Timeout time.Duration
+	// LogLevel filters the plugin's stderr log (key "logLevel").
+	LogLevel slog.Level
+	// ExcludedNamespaces pass through without asking the agent
+	// (key "excludedNamespaces"; default kube-system).
+	ExcludedNamespaces []string
+	// StatusRequiresAgent makes STATUS fail with code 50 while the agent is
+	// unreachable (key "statusRequiresAgent"; default false, because a
+	// failing STATUS marks the whole node NotReady).
+	StatusRequiresAgent bool
+	// PrevResult is the previous plugin's result, nil when absent.
+	PrevResult types.Result
+	// ValidAttachments is set for GC.
+	ValidAttachments []types.GCAttachment
+}
+
+// maxConfigBytes bounds the stdin config; real ones are a few KiB.
+const maxConfigBytes = 1 << 20
+
+// ParseConfig decodes and validates the stdin configuration. The returned
+// error is a *types.Error with a CNI error code.
+func ParseConfig(stdin []byte) (*Config, error) {
+	if len(stdin) > maxConfigBytes {
+		return nil, types.NewError(types.ErrInvalidNetworkConfig, fmt.Sprintf("config is %d bytes, more than %d", len(stdin), maxConfigBytes), "")
+	}
+	var raw rawConfig
+	if err := json.Unmarshal(stdin, &raw); err != nil {
+		return nil, types.NewError(types.ErrDecodingFailure, "decode ambient-cni config: "+err.Error(), "")
+	}
+	if !slices.Contains(SupportedVersions, raw.CNIVersion) {
+		return nil, types.NewError(types.ErrIncompatibleCNIVersion,
+			fmt.Sprintf("cniVersion %q is not supported", raw.CNIVersion),
+			"supported: "+strings.Join(SupportedVersions, ", "))
+	}
+	c := &Config{
+		CNIVersion:          raw.CNIVersion,
+		Name:                raw.Name,
+		AgentSocket:         raw.AgentSocket,
+		Timeout:             DefaultTimeout,
+		ExcludedNamespaces:  []string{ambient.DefaultExcludedNamespace},
+		StatusRequiresAgent: raw.StatusRequiresAgent,
+		ValidAttachments:    raw.ValidAttachments,
+	}
+	if c.AgentSocket == "" {
+		c.AgentSocket = ambient.DefaultAgentSocket
+	}
+	if !filepath.IsAbs(c.AgentSocket) || filepath.Clean(c.AgentSocket) != c.AgentSocket || len(c.AgentSocket) > 107 {
+		// 107: sun_path holds 108 bytes including the terminating NUL.
+		return nil, invalidConfig("agentSocket %q must be a clean absolute path of at most 107 bytes", c.AgentSocket)
+	}
+	c.SnapshotFile = nodefiles.SnapshotPath(c.AgentSocket)
+	c.SpoolDir = nodefiles.SpoolDir(c.AgentSocket)
+	if raw.Timeout != "" {
+		d, err := time.ParseDuration(raw.Timeout)
+		if err != nil || d <= 0 || d > MaxTimeout {
+			return nil, invalidConfig("timeout %q must be a Go duration in (0, %s]", raw.Timeout, MaxTimeout)
+		}
+		c.Timeout = d
+	}
+	lvl := raw.LogLevel
+	if lvl == "" {
+		lvl = DefaultLogLevel
+	}
+	if err := c.LogLevel.UnmarshalText([]byte(lvl)); err != nil {
+		return nil, invalidConfig("logLevel %q must be debug, info, warn or error", raw.LogLevel)
+	}
+	if raw.ExcludedNamespaces != nil {
+		c.ExcludedNamespaces = *raw.ExcludedNamespaces
+		for _, ns := range c.ExcludedNamespaces {
+			if !validNamespace(ns) {
+				return nil, invalidConfig("excludedNamespaces: %q is not a valid namespace name", ns)
+			}
+		}
+	}
+	if err := version.ParsePrevResult(&raw.PluginConf); err != nil {
+		return nil, types.NewError(types.ErrDecodingFailure, "decode prevResult: "+err.Error(), "")
+	}
+	c.PrevResult = raw.PrevResult
+	return c, nil
+}
+
+func invalidConfig(format string, a ...any) error {
+	return types.NewError(types.ErrInvalidNetworkConfig, "ambient-cni config: "+fmt.Sprintf(format, a...), "")
+}
+
+// validNamespace checks a DNS-1123 label, the form of namespace names.
+func validNamespace(s string) bool {
+	if s == "" || len(s) > 63 || s[0] == '-' || s[len(s)-1] == '-' {
+		return false
+	}
+	for _, c := range s {
+		if !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '-') {
+			return false
+		}
+	}
+	return true
+}

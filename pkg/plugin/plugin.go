@@ -1,0 +1,347 @@
+package plugin
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/netip"
+	"os"
+	"slices"
+
+	"github.com/containernetworking/cni/pkg/skel"
+	"github.com/containernetworking/cni/pkg/types"
+	current "github.com/containernetworking/cni/pkg/types/100"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
+)
+
+// About is printed by the plugin when run without CNI_COMMAND.
+const About = "ambient-cni: chained CNI plugin that hands Kubernetes pods to the ambient node agent"
+
+// Plugin implements the CNI verbs. Stdout receives results; Stderr the log.
+type Plugin struct {
+	Stdout io.Writer
+	Stderr io.Writer
+}
+
+// New returns a plugin writing results to stdout and logs to stderr.
+func New(stdout, stderr io.Writer) *Plugin {
+	return &Plugin{Stdout: stdout, Stderr: stderr}
+}
+
+// Funcs wires the verbs for skel.PluginMainFuncs.
+func (p *Plugin) Funcs() skel.CNIFuncs {
+	return skel.CNIFuncs{Add: p.Add, Del: p.Del, Check: p.Check, Status: p.Status, GC: p.GC}
+}
+
+// call is the per-invocation context shared by the verbs.
+type call struct {
+	cfg    *Config
+	log    *slog.Logger
+	client *Client
+	ctx    context.Context
+	cancel context.CancelFunc
+}
+
+func (p *Plugin) start(verb string, args *skel.CmdArgs) (*call, error) {
+	cfg, err := ParseConfig(args.StdinData)
+	if err != nil {
+		return nil, err
+	}
+	log := slog.New(slog.NewTextHandler(p.Stderr, &slog.HandlerOptions{Level: cfg.LogLevel})).
+		With("plugin", "ambient-cni", "cmd", verb)
+	if args.ContainerID != "" {
+		log = log.With("sandbox", args.ContainerID)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), cfg.Timeout)
+	return &call{cfg: cfg, log: log, client: &Client{Socket: cfg.AgentSocket}, ctx: ctx, cancel: cancel}, nil
+}
+
+// Add tells the agent about a new pod and waits for its verdict; the pod
+// starts (prevResult is printed) only once the agent has enrolled it or
+// declared it out of scope.
+func (p *Plugin) Add(args *skel.CmdArgs) error {
+	c, err := p.start("ADD", args)
+	if err != nil {
+		return err
+	}
+	defer c.cancel()
+	if c.cfg.PrevResult == nil {
+		return types.NewError(types.ErrInvalidNetworkConfig,
+			"ambient-cni got no prevResult: it must be chained after the primary CNI plugin in a .conflist", "")
+	}
+	k8s, err := ParseK8sArgs(args.Args)
+	if err != nil {
+		return err
+	}
+	if err := k8s.requirePod(); err != nil {
+		return err
+	}
+	ns, name := string(k8s.K8S_POD_NAMESPACE), string(k8s.K8S_POD_NAME)
+	log := c.log.With("pod", ns+"/"+name)
+	if slices.Contains(c.cfg.ExcludedNamespaces, ns) {
+		log.Debug("namespace excluded by plugin config; passing through")
+		return p.passThrough(c.cfg)
+	}
+	ips, err := podIPs(c.cfg.PrevResult)
+	if err != nil {
+		return err
+	}
+	ev := &ambient.PodEvent{
+		Command: ambient.CommandAdd, PodName: name, PodNamespace: ns, PodUID: string(k8s.K8S_POD_UID),
+		SandboxID: args.ContainerID, Netns: args.Netns, IfName: args.IfName, IPs: ips,
+	}
+	if err := ev.Validate(); err != nil {
+		return types.NewError(types.ErrInvalidEnvironmentVariables, "ambient-cni: invalid pod data from the runtime: "+err.Error(), "")
+	}
+	resp, err := c.client.PodEvent(c.ctx, ev)
+	var unreachable *UnreachableError
+	switch {
+	case errors.As(err, &unreachable):
+		return p.fallback(c, log, ns, err)
+	case err != nil:
+		return tryAgain("ambient-cni: %v; the pod was not started, the runtime will retry", err)
+	case resp.Error != "":
+		return agentError("ADD", resp)
+	}
+	switch resp.Verdict {
+	case ambient.VerdictEnrolled, ambient.VerdictNotEnrolled:
+		log.Info("agent verdict", "verdict", resp.Verdict)
+		return p.passThrough(c.cfg)
+	default:
+		return types.NewError(types.ErrInternal, fmt.Sprintf("ambient-cni: unexpected agent verdict %q for ADD", resp.Verdict), "")
+	}
+}
+
+// fallback decides from the enablement snapshot while the agent is away:
+// fail closed with code 11 when the pod may need capture, else pass through.
+func (p *Plugin) fallback(c *call, log *slog.Logger, ns string, cause error) error {
+	snap, serr := readSnapshot(c.cfg.SnapshotFile)
+	if !snap.MayNeedCapture(ns) {
+		log.Warn("node agent unreachable; namespace not enabled per snapshot, passing through",
+			"err", cause, "generation", snap.generation())
+		return p.passThrough(c.cfg)
+	}
+	why := fmt.Sprintf("namespace %q may need ambient capture per the enablement snapshot (generation %d)", ns, snap.generation())
+	if serr != nil {
+		why = fmt.Sprintf("no usable enablement snapshot (%v), so namespace %q may need ambient capture", serr, ns)
+	}
+	log.Warn("node agent unreachable; failing closed", "err", cause, "reason", why)
+	return tryAgain("ambient-cni: %v, and %s; refusing to start the pod uncaptured. The runtime will retry: check that the ambient-cni node agent is running on this node", cause, why)
+}
+
+func (p *Plugin) passThrough(cfg *Config) error {
+	res, err := cfg.PrevResult.GetAsVersion(cfg.CNIVersion)
+	if err != nil {
+		return types.NewError(types.ErrIncompatibleCNIVersion, "convert prevResult to "+cfg.CNIVersion+": "+err.Error(), "")
+	}
+	return res.PrintTo(p.Stdout)
+}
+
+// Del tells the agent a sandbox is gone. It never fails because the agent
+// is unreachable: the request is spooled for the agent to replay.
+func (p *Plugin) Del(args *skel.CmdArgs) error {
+	c, err := p.start("DEL", args)
+	if err != nil {
+		return err
+	}
+	defer c.cancel()
+	k8s, err := ParseK8sArgs(args.Args)
+	if err != nil {
+		// Nothing about the pod is needed to remove a sandbox.
+		c.log.Warn("ignoring unparsable CNI_ARGS on DEL", "err", err)
+		k8s = &K8sArgs{}
+	}
+	ev := &ambient.PodEvent{
+		Command: ambient.CommandDel, PodName: string(k8s.K8S_POD_NAME), PodNamespace: string(k8s.K8S_POD_NAMESPACE),
+		PodUID: string(k8s.K8S_POD_UID), SandboxID: args.ContainerID, Netns: args.Netns, IfName: args.IfName,
+	}
+	if ev.Validate() != nil {
+		// Keep only what identifies the sandbox; the agent needs no more.
+		ev = &ambient.PodEvent{Command: ambient.CommandDel, SandboxID: args.ContainerID}
+		if err := ev.Validate(); err != nil {
+			return types.NewError(types.ErrInvalidEnvironmentVariables, "ambient-cni: invalid sandbox id: "+err.Error(), "")
+		}
+	}
+	resp, err := c.client.PodEvent(c.ctx, ev)
+	if err != nil {
+		if serr := nodefiles.Spool(c.cfg.SpoolDir, *ev); serr != nil {
+			c.log.Error("node agent unreachable and DEL could not be spooled; the agent's GC will clean up", "err", err, "spool_err", serr)
+		} else {
+			c.log.Warn("node agent unreachable; DEL spooled for the agent", "err", err, "dir", c.cfg.SpoolDir)
+		}
+		return nil
+	}
+	if resp.Error != "" {
+		return agentError("DEL", resp)
+	}
+	return nil
+}
+
+// Check asks the agent to verify the pod's rules.
+func (p *Plugin) Check(args *skel.CmdArgs) error {
+	c, err := p.start("CHECK", args)
+	if err != nil {
+		return err
+	}
+	defer c.cancel()
+	if c.cfg.PrevResult == nil {
+		return types.NewError(types.ErrInvalidNetworkConfig, "ambient-cni got no prevResult for CHECK", "")
+	}
+	k8s, err := ParseK8sArgs(args.Args)
+	if err != nil {
+		return err
+	}
+	if err := k8s.requirePod(); err != nil {
+		return err
+	}
+	ns, name := string(k8s.K8S_POD_NAMESPACE), string(k8s.K8S_POD_NAME)
+	if slices.Contains(c.cfg.ExcludedNamespaces, ns) {
+		return nil
+	}
+	ips, err := podIPs(c.cfg.PrevResult)
+	if err != nil {
+		return err
+	}
+	ev := &ambient.PodEvent{
+		Command: ambient.CommandCheck, PodName: name, PodNamespace: ns, PodUID: string(k8s.K8S_POD_UID),
+		SandboxID: args.ContainerID, Netns: args.Netns, IfName: args.IfName, IPs: ips,
+	}
+	if err := ev.Validate(); err != nil {
+		return types.NewError(types.ErrInvalidEnvironmentVariables, "ambient-cni: invalid pod data from the runtime: "+err.Error(), "")
+	}
+	resp, err := c.client.PodEvent(c.ctx, ev)
+	var unreachable *UnreachableError
+	switch {
+	case errors.As(err, &unreachable):
+		snap, _ := readSnapshot(c.cfg.SnapshotFile)
+		if !snap.MayNeedCapture(ns) {
+			return nil
+		}
+		return tryAgain("ambient-cni: %v; cannot verify pod %s/%s, whose namespace may need capture", err, ns, name)
+	case err != nil:
+		return tryAgain("ambient-cni: %v", err)
+	case resp.Error != "":
+		return agentError("CHECK", resp)
+	}
+	return nil
+}
+
+// Status succeeds unless configured to require the agent, because a
+// failing STATUS marks the whole node NotReady.
+func (p *Plugin) Status(args *skel.CmdArgs) error {
+	c, err := p.start("STATUS", args)
+	if err != nil {
+		return err
+	}
+	defer c.cancel()
+	if !c.cfg.StatusRequiresAgent {
+		return nil
+	}
+	if err := c.client.Status(c.ctx); err != nil {
+		return types.NewError(types.ErrPluginNotAvailable,
+			fmt.Sprintf("ambient-cni: %v; pods cannot be enrolled until the node agent is back", err), "")
+	}
+	return nil
+}
+
+// GC forwards the runtime's valid attachments so the agent can forget
+// sandboxes that no longer exist.
+func (p *Plugin) GC(args *skel.CmdArgs) error {
+	c, err := p.start("GC", args)
+	if err != nil {
+		return err
+	}
+	defer c.cancel()
+	req := &ambient.GCRequest{ValidSandboxIDs: []string{}}
+	for _, a := range c.cfg.ValidAttachments {
+		if !slices.Contains(req.ValidSandboxIDs, a.ContainerID) {
+			req.ValidSandboxIDs = append(req.ValidSandboxIDs, a.ContainerID)
+		}
+	}
+	resp, err := c.client.GC(c.ctx, req)
+	if err != nil {
+		// The agent garbage-collects on its own when it returns.
+		c.log.Warn("GC not forwarded", "err", err)
+		return nil
+	}
+	if resp.Error != "" {
+		return agentError("GC", resp)
+	}
+	return nil
+}
+
+// podIPs lists the addresses prevResult gave the pod's own interfaces.
+func podIPs(prev types.Result) ([]string, error) {
+	res, err := current.NewResultFromResult(prev)
+	if err != nil {
+		return nil, types.NewError(types.ErrDecodingFailure, "read prevResult: "+err.Error(), "")
+	}
+	var out []string
+	for _, ip := range res.IPs {
+		if ip.Interface != nil {
+			i := *ip.Interface
+			if i < 0 || i >= len(res.Interfaces) || res.Interfaces[i].Sandbox == "" {
+				continue // an address on a host-side interface
+			}
+		}
+		a, ok := netip.AddrFromSlice(ip.Address.IP)
+		if !ok {
+			continue
+		}
+		s := a.Unmap().String()
+		if !slices.Contains(out, s) {
+			out = append(out, s)
+		}
+	}
+	return out, nil
+}
+
+// snapshotView wraps a possibly-nil snapshot for logging.
+type snapshotView struct{ *ambient.EnablementSnapshot }
+
+func (s snapshotView) generation() int64 {
+	if s.EnablementSnapshot == nil {
+		return 0
+	}
+	return s.Generation
+}
+
+// readSnapshot loads the agent's enablement snapshot; on any problem it
+// returns a nil snapshot, which MayNeedCapture treats as "fail closed".
+func readSnapshot(path string) (snapshotView, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return snapshotView{}, err
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, maxSnapshotFile+1))
+	if err != nil {
+		return snapshotView{}, fmt.Errorf("read %s: %w", path, err)
+	}
+	s, err := ambient.ParseSnapshot(b)
+	if err != nil {
+		return snapshotView{}, fmt.Errorf("%s: %w", path, err)
+	}
+	return snapshotView{s}, nil
+}
+
+// maxSnapshotFile bounds the snapshot read; ParseSnapshot applies the
+// exact limit.
+const maxSnapshotFile = 8 << 20
+
+func tryAgain(format string, a ...any) error {
+	return types.NewError(types.ErrTryAgainLater, fmt.Sprintf(format, a...), "")
+}
+
+// agentError turns an agent-side failure into a CNI error: code 11 when the
+// agent says retrying will help, else an internal error.
+func agentError(verb string, resp *ambient.PodEventResponse) error {
+	if resp.Retryable {
+		return tryAgain("ambient-cni: node agent could not complete %s yet: %s; the runtime will retry", verb, resp.Error)
+	}
+	return types.NewError(types.ErrInternal, fmt.Sprintf("ambient-cni: node agent refused %s: %s", verb, resp.Error), "")
+}

@@ -1,0 +1,387 @@
+package plugin
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/containernetworking/cni/pkg/skel"
+	"github.com/containernetworking/cni/pkg/types"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
+)
+
+// fakeAgent is a canned agent on a real Unix socket (pure-logic tests of
+// the plugin; the real agent is exercised in pkg/nodeagent and test/cni).
+type fakeAgent struct {
+	dir, sock string
+	mu        sync.Mutex
+	events    []ambient.PodEvent
+	gcs       []ambient.GCRequest
+	answer    func(ambient.PodEvent) (int, ambient.PodEventResponse)
+}
+
+func newFakeAgent(t *testing.T, answer func(ambient.PodEvent) (int, ambient.PodEventResponse)) *fakeAgent {
+	t.Helper()
+	dir := t.TempDir()
+	a := &fakeAgent{dir: dir, sock: filepath.Join(dir, "agent.sock"), answer: answer}
+	ln, err := net.Listen("unix", a.sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(a.serve)}
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() { _ = srv.Close() })
+	return a
+}
+
+func (a *fakeAgent) serve(w http.ResponseWriter, r *http.Request) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	switch r.URL.Path {
+	case ambient.PathPodEvent:
+		var ev ambient.PodEvent
+		_ = json.NewDecoder(r.Body).Decode(&ev)
+		a.events = append(a.events, ev)
+		code, resp := a.answer(ev)
+		w.WriteHeader(code)
+		_ = json.NewEncoder(w).Encode(resp)
+	case ambient.PathGC:
+		var req ambient.GCRequest
+		_ = json.NewDecoder(r.Body).Decode(&req)
+		a.gcs = append(a.gcs, req)
+		_ = json.NewEncoder(w).Encode(ambient.PodEventResponse{Verdict: ambient.VerdictOK})
+	case ambient.PathStatus:
+		_ = json.NewEncoder(w).Encode(ambient.PodEventResponse{Verdict: ambient.VerdictOK})
+	}
+}
+
+func (a *fakeAgent) got() []ambient.PodEvent {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return append([]ambient.PodEvent(nil), a.events...)
+}
+
+func verdict(v ambient.Verdict) func(ambient.PodEvent) (int, ambient.PodEventResponse) {
+	return func(ambient.PodEvent) (int, ambient.PodEventResponse) {
+		return 200, ambient.PodEventResponse{Verdict: v}
+	}
+}
+
+const k8sArgs = "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=web-1;K8S_POD_INFRA_CONTAINER_ID=sb1;K8S_POD_UID=0b7c6f0e-1111"
+
+func conf(sock, version string, extra string) []byte {
+	prev := prevFor(version)
+	return []byte(fmt.Sprintf(`{"cniVersion":%q,"name":"k8s","type":"ambient-cni","agentSocket":%q%s,"prevResult":%s}`, version, sock, extra, prev))
+}
+
+// prevFor renders the test prevResult in version's own format: before
+// 1.0.0 every IP carries its family as "version".
+func prevFor(version string) string {
+	prev := strings.Replace(prevV1, `"cniVersion":"1.0.0"`, `"cniVersion":"`+version+`"`, 1)
+	if strings.HasPrefix(version, "0.") {
+		prev = strings.Replace(prev, `{"interface":1,"address":"fd00`, `{"version":"6","interface":1,"address":"fd00`, 1)
+		prev = strings.ReplaceAll(prev, `{"interface":`, `{"version":"4","interface":`)
+		// 0.x results always carry a (possibly empty) dns object.
+		prev = strings.TrimSuffix(prev, "}") + `,"dns":{}}`
+	}
+	return prev
+}
+
+func run(t *testing.T, verb func(*Plugin) func(*skel.CmdArgs) error, stdin []byte, args string) (string, error) {
+	t.Helper()
+	var out, logs bytes.Buffer
+	p := New(&out, &logs)
+	err := verb(p)(&skel.CmdArgs{ContainerID: "sb1", Netns: "/var/run/netns/cni-1", IfName: "eth0", Args: args, StdinData: stdin})
+	if logs.Len() > 0 {
+		t.Logf("plugin log:\n%s", logs.String())
+	}
+	return out.String(), err
+}
+
+func add(p *Plugin) func(*skel.CmdArgs) error   { return p.Add }
+func del(p *Plugin) func(*skel.CmdArgs) error   { return p.Del }
+func check(p *Plugin) func(*skel.CmdArgs) error { return p.Check }
+
+func cniCode(t *testing.T, err error) uint {
+	t.Helper()
+	var te *types.Error
+	if !errors.As(err, &te) {
+		t.Fatalf("error %v is not a CNI error", err)
+	}
+	return te.Code
+}
+
+// jsonEqual compares two JSON documents by content.
+func jsonEqual(t *testing.T, a, b string) bool {
+	t.Helper()
+	var x, y any
+	if err := json.Unmarshal([]byte(a), &x); err != nil {
+		t.Fatalf("decode %q: %v", a, err)
+	}
+	if err := json.Unmarshal([]byte(b), &y); err != nil {
+		t.Fatalf("decode %q: %v", b, err)
+	}
+	xa, _ := json.Marshal(x)
+	ya, _ := json.Marshal(y)
+	return bytes.Equal(xa, ya)
+}
+
+func TestAddPassesPrevResultThrough(t *testing.T) {
+	for _, v := range []ambient.Verdict{ambient.VerdictEnrolled, ambient.VerdictNotEnrolled} {
+		a := newFakeAgent(t, verdict(v))
+		out, err := run(t, add, conf(a.sock, "1.0.0", ""), k8sArgs)
+		if err != nil {
+			t.Fatalf("%s: %v", v, err)
+		}
+		if !jsonEqual(t, out, prevV1) {
+			t.Errorf("%s: result %s differs from prevResult %s", v, out, prevV1)
+		}
+		evs := a.got()
+		if len(evs) != 1 {
+			t.Fatalf("agent got %d events", len(evs))
+		}
+		ev := evs[0]
+		if ev.Command != ambient.CommandAdd || ev.PodName != "web-1" || ev.PodNamespace != "shop" || ev.PodUID != "0b7c6f0e-1111" ||
+			ev.SandboxID != "sb1" || ev.Netns != "/var/run/netns/cni-1" || ev.IfName != "eth0" || strings.Join(ev.IPs, ",") != "10.1.0.5,fd00::5" {
+			t.Errorf("event = %+v", ev)
+		}
+	}
+}
+
+func TestAddAgentErrors(t *testing.T) {
+	a := newFakeAgent(t, func(ambient.PodEvent) (int, ambient.PodEventResponse) {
+		return 503, ambient.PodEventResponse{Error: "no ztunnel connected", Retryable: true}
+	})
+	_, err := run(t, add, conf(a.sock, "1.0.0", ""), k8sArgs)
+	if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "no ztunnel connected") {
+		t.Errorf("retryable agent error gave %v", err)
+	}
+	b := newFakeAgent(t, func(ambient.PodEvent) (int, ambient.PodEventResponse) {
+		return 400, ambient.PodEventResponse{Error: "netns /tmp/x is not under an allowed root"}
+	})
+	_, err = run(t, add, conf(b.sock, "1.0.0", ""), k8sArgs)
+	if cniCode(t, err) != types.ErrInternal || !strings.Contains(err.Error(), "allowed root") {
+		t.Errorf("permanent agent error gave %v", err)
+	}
+	c := newFakeAgent(t, func(ambient.PodEvent) (int, ambient.PodEventResponse) { return 500, ambient.PodEventResponse{} })
+	_, err = run(t, add, conf(c.sock, "1.0.0", ""), k8sArgs)
+	if cniCode(t, err) != types.ErrInternal || !strings.Contains(err.Error(), "HTTP 500") {
+		t.Errorf("bare 500 gave %v", err)
+	}
+}
+
+func TestAddRejectsBadInput(t *testing.T) {
+	a := newFakeAgent(t, verdict(ambient.VerdictEnrolled))
+	if _, err := run(t, add, conf(a.sock, "1.0.0", ""), ""); cniCode(t, err) != types.ErrInvalidEnvironmentVariables ||
+		!strings.Contains(err.Error(), "K8S_POD_NAME") {
+		t.Errorf("missing CNI_ARGS gave %v", err)
+	}
+	if _, err := run(t, add, conf(a.sock, "1.0.0", ""), "K8S_POD_NAME"); cniCode(t, err) != types.ErrInvalidEnvironmentVariables {
+		t.Errorf("malformed CNI_ARGS gave %v", err)
+	}
+	if _, err := run(t, add, []byte(`{"cniVersion":"1.0.0","name":"k8s","agentSocket":"`+a.sock+`"}`), k8sArgs); cniCode(t, err) != types.ErrInvalidNetworkConfig ||
+		!strings.Contains(err.Error(), "prevResult") {
+		t.Errorf("missing prevResult gave %v", err)
+	}
+	if _, err := run(t, add, []byte(`{"cniVersion":"1.0.0",`), k8sArgs); cniCode(t, err) != types.ErrDecodingFailure {
+		t.Errorf("malformed config gave %v", err)
+	}
+	if _, err := run(t, add, conf(a.sock, "1.0.0", ""), "K8S_POD_NAME=Web_1;K8S_POD_NAMESPACE=shop"); cniCode(t, err) != types.ErrInvalidEnvironmentVariables {
+		t.Errorf("invalid pod name gave %v", err)
+	}
+	if n := len(a.got()); n != 0 {
+		t.Errorf("agent was asked %d times about bad input", n)
+	}
+}
+
+func TestAddExcludedNamespaceSkipsAgent(t *testing.T) {
+	dir := t.TempDir() // no agent at all
+	out, err := run(t, add, conf(filepath.Join(dir, "agent.sock"), "1.0.0", `,"excludedNamespaces":["shop"]`), k8sArgs)
+	if err != nil || !jsonEqual(t, out, prevV1) {
+		t.Errorf("excluded namespace: %q, %v", out, err)
+	}
+}
+
+func writeSnapshot(t *testing.T, dir string, s ambient.EnablementSnapshot) {
+	t.Helper()
+	b, _ := json.Marshal(s)
+	if err := os.WriteFile(filepath.Join(dir, nodefiles.SnapshotName), b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestAddAgentDownUsesSnapshot(t *testing.T) {
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "agent.sock")
+	// No snapshot: fail closed.
+	_, err := run(t, add, conf(sock, "1.0.0", ""), k8sArgs)
+	if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "unreachable") || !strings.Contains(err.Error(), "no usable enablement snapshot") {
+		t.Errorf("no snapshot gave %v", err)
+	}
+	writeSnapshot(t, dir, ambient.EnablementSnapshot{Generation: 4, EnabledNamespaces: []string{"shop"}})
+	_, err = run(t, add, conf(sock, "1.0.0", ""), k8sArgs)
+	if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), `namespace "shop" may need ambient capture`) {
+		t.Errorf("enabled namespace gave %v", err)
+	}
+	writeSnapshot(t, dir, ambient.EnablementSnapshot{Generation: 5, EnabledNamespaces: []string{"other"}})
+	out, err := run(t, add, conf(sock, "1.0.0", ""), k8sArgs)
+	if err != nil || !jsonEqual(t, out, prevV1) {
+		t.Errorf("non-enabled namespace: %q, %v", out, err)
+	}
+	writeSnapshot(t, dir, ambient.EnablementSnapshot{Generation: 6, PodLevelEnablement: true})
+	if _, err = run(t, add, conf(sock, "1.0.0", ""), k8sArgs); cniCode(t, err) != types.ErrTryAgainLater {
+		t.Errorf("pod-level enablement gave %v", err)
+	}
+	// A socket file with nobody listening is unreachable too.
+	ln, _ := net.Listen("unix", sock)
+	_ = ln.(*net.UnixListener)
+	ln.(*net.UnixListener).SetUnlinkOnClose(false)
+	_ = ln.Close()
+	if _, err = run(t, add, conf(sock, "1.0.0", ""), k8sArgs); cniCode(t, err) != types.ErrTryAgainLater {
+		t.Errorf("stale socket gave %v", err)
+	}
+}
+
+func TestAddAgentHangsIsRetryable(t *testing.T) {
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "agent.sock")
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		c, err := ln.Accept()
+		if err == nil {
+			_, _ = io.Copy(io.Discard, c) // read, never answer
+		}
+	}()
+	writeSnapshot(t, dir, ambient.EnablementSnapshot{Generation: 1}) // would pass through if used
+	_, err = run(t, add, conf(sock, "1.0.0", `,"timeout":"200ms"`), k8sArgs)
+	if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "timeout") {
+		t.Errorf("hung agent gave %v", err)
+	}
+}
+
+func TestDelSpoolsWhenAgentDown(t *testing.T) {
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "agent.sock")
+	for range 2 {
+		if _, err := run(t, del, conf(sock, "1.0.0", ""), k8sArgs); err != nil {
+			t.Fatalf("DEL with agent down: %v", err)
+		}
+	}
+	entries, err := nodefiles.List(nodefiles.SpoolDir(sock))
+	if err != nil || len(entries) != 1 || entries[0].Event == nil {
+		t.Fatalf("spool = %+v, %v", entries, err)
+	}
+	if ev := entries[0].Event; ev.SandboxID != "sb1" || ev.PodUID != "0b7c6f0e-1111" || ev.PodName != "web-1" {
+		t.Errorf("spooled %+v", ev)
+	}
+	st, err := os.Stat(entries[0].Path)
+	if err != nil || st.Mode().Perm() != 0o600 {
+		t.Errorf("spool entry mode %v, %v", st.Mode(), err)
+	}
+	// DEL without any CNI_ARGS still identifies the sandbox.
+	if _, err := run(t, del, conf(sock, "1.0.0", ""), ""); err != nil {
+		t.Errorf("bare DEL: %v", err)
+	}
+}
+
+func TestDelForwarded(t *testing.T) {
+	a := newFakeAgent(t, verdict(ambient.VerdictRemoved))
+	if _, err := run(t, del, conf(a.sock, "1.0.0", ""), k8sArgs); err != nil {
+		t.Fatal(err)
+	}
+	if evs := a.got(); len(evs) != 1 || evs[0].Command != ambient.CommandDel || evs[0].SandboxID != "sb1" {
+		t.Errorf("agent got %+v", evs)
+	}
+	if entries, _ := nodefiles.List(nodefiles.SpoolDir(a.sock)); len(entries) != 0 {
+		t.Errorf("DEL spooled although the agent answered")
+	}
+}
+
+func TestCheck(t *testing.T) {
+	a := newFakeAgent(t, func(ambient.PodEvent) (int, ambient.PodEventResponse) {
+		return 500, ambient.PodEventResponse{Error: "in-pod rules drifted: ipv4 nat ISTIO_OUTPUT: missing rule #3"}
+	})
+	if _, err := run(t, check, conf(a.sock, "1.0.0", ""), k8sArgs); err == nil || !strings.Contains(err.Error(), "drifted") {
+		t.Errorf("drift not reported: %v", err)
+	}
+	b := newFakeAgent(t, verdict(ambient.VerdictOK))
+	if _, err := run(t, check, conf(b.sock, "1.0.0", ""), k8sArgs); err != nil {
+		t.Errorf("clean CHECK: %v", err)
+	}
+}
+
+func TestStatus(t *testing.T) {
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "agent.sock")
+	stdin := []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q}`, sock))
+	if _, err := run(t, func(p *Plugin) func(*skel.CmdArgs) error { return p.Status }, stdin, ""); err != nil {
+		t.Errorf("default STATUS with agent down: %v", err)
+	}
+	strict := []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q,"statusRequiresAgent":true}`, sock))
+	_, err := run(t, func(p *Plugin) func(*skel.CmdArgs) error { return p.Status }, strict, "")
+	if cniCode(t, err) != types.ErrPluginNotAvailable {
+		t.Errorf("strict STATUS with agent down: %v", err)
+	}
+	a := newFakeAgent(t, verdict(ambient.VerdictOK))
+	strict = []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q,"statusRequiresAgent":true}`, a.sock))
+	if _, err := run(t, func(p *Plugin) func(*skel.CmdArgs) error { return p.Status }, strict, ""); err != nil {
+		t.Errorf("strict STATUS with agent up: %v", err)
+	}
+}
+
+func TestGCForwardsValidAttachments(t *testing.T) {
+	a := newFakeAgent(t, verdict(ambient.VerdictOK))
+	stdin := []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q,"cni.dev/valid-attachments":[{"containerID":"a","ifname":"eth0"},{"containerID":"b","ifname":"eth0"},{"containerID":"a","ifname":"net1"}]}`, a.sock))
+	if _, err := run(t, func(p *Plugin) func(*skel.CmdArgs) error { return p.GC }, stdin, ""); err != nil {
+		t.Fatal(err)
+	}
+	if len(a.gcs) != 1 || strings.Join(a.gcs[0].ValidSandboxIDs, ",") != "a,b" {
+		t.Errorf("agent got GC %+v", a.gcs)
+	}
+	// Agent down: GC is skipped, not failed.
+	down := []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q}`, filepath.Join(t.TempDir(), "agent.sock")))
+	if _, err := run(t, func(p *Plugin) func(*skel.CmdArgs) error { return p.GC }, down, ""); err != nil {
+		t.Errorf("GC with agent down: %v", err)
+	}
+}
+
+func TestVersionConversion(t *testing.T) {
+	for _, v := range SupportedVersions {
+		a := newFakeAgent(t, verdict(ambient.VerdictEnrolled))
+		out, err := run(t, add, conf(a.sock, v, ""), k8sArgs)
+		if err != nil {
+			t.Fatalf("%s: %v", v, err)
+		}
+		var got struct {
+			CNIVersion string `json:"cniVersion"`
+			IPs        []struct {
+				Version string `json:"version"`
+			} `json:"ips"`
+		}
+		if err := json.Unmarshal([]byte(out), &got); err != nil || got.CNIVersion != v || len(got.IPs) != 3 {
+			t.Fatalf("%s: result %s (%v)", v, out, err)
+		}
+		if !jsonEqual(t, out, prevFor(v)) {
+			t.Errorf("%s: result %s differs from prevResult %s", v, out, prevFor(v))
+		}
+		// 0.3.x/0.4.0 results carry a per-IP "version"; 1.x dropped it.
+		if hasVer := got.IPs[0].Version != ""; hasVer != strings.HasPrefix(v, "0.") {
+			t.Errorf("%s: result not in that version's format: %s", v, out)
+		}
+	}
+}
