@@ -1,0 +1,627 @@
+// Package zds is the node agent's side of ZDS, the protocol that hands pod
+// network namespaces to ztunnel over a SOCK_SEQPACKET Unix socket.
+//
+// The agent listens; each ztunnel connects, says hello, and receives a
+// snapshot of every enrolled pod (Add with the netns fd, or Keep) followed by
+// SnapshotSent. After that the server sends Add and Del one at a time per
+// connection, each matched to its own Ack. Adds go to the newest connection,
+// Dels to every connection, so a rolling ztunnel upgrade works.
+package zds
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"golang.org/x/sys/unix"
+)
+
+// Defaults for the zero values of Config.
+const (
+	DefaultAckTimeout     = 5 * time.Second
+	DefaultWriteTimeout   = 5 * time.Second
+	DefaultHelloTimeout   = 5 * time.Second
+	DefaultMaxConnections = 8
+	DefaultAcceptRate     = 10.0
+	DefaultAcceptBurst    = 5
+)
+
+var (
+	// ErrNoZtunnel means no ztunnel was connected (with its hello done)
+	// before the caller's context ended. Callers treat it as retryable.
+	ErrNoZtunnel = errors.New("no ztunnel connected")
+	// ErrClosed means the server has stopped serving.
+	ErrClosed = errors.New("zds server closed")
+	// errConnLost marks a request that died with its connection; Add
+	// retries it on another connection, Del ignores it (the next snapshot
+	// of that ztunnel will not name the pod).
+	errConnLost = errors.New("ztunnel connection lost")
+)
+
+// AckError is ztunnel's refusal of one request (an Ack with a non-empty
+// error). The connection stays up.
+type AckError struct {
+	Op  string // "add", "keep", "del" or "snapshot"
+	UID string
+	Msg string // ztunnel's error text
+}
+
+func (e *AckError) Error() string {
+	return fmt.Sprintf("ztunnel refused %s %s: %s", e.Op, e.UID, e.Msg)
+}
+
+// WorkloadInfo names a pod for ztunnel.
+type WorkloadInfo struct {
+	Name, Namespace, ServiceAccount string
+}
+
+// Workload is one enrolled pod.
+type Workload struct {
+	UID  string
+	Info WorkloadInfo
+	// Netns is the pod's network namespace. The caller owns the file: the
+	// server duplicates the descriptor while holding a reference to it, so
+	// the owner may close it at any time (a file closed before the server
+	// got to it is left out of a snapshot). Nil makes a snapshot send Keep.
+	Netns *os.File
+}
+
+// Config configures a Server. Zero values take the defaults.
+type Config struct {
+	// SocketPath is where to listen (default ambient.DefaultZDSSocket).
+	SocketPath string
+	// Snapshot returns the currently enrolled pods, including those whose
+	// Add is still in flight. It runs on a connection's own goroutine right
+	// after the hello, so it must be cheap and never wait on enroll work.
+	Snapshot func() []Workload
+	// AckTimeout bounds the wait for each Ack; a missed ack tears the
+	// connection down so no late ack is ever matched to the next request.
+	AckTimeout time.Duration
+	// WriteTimeout is the deadline for each datagram write.
+	WriteTimeout time.Duration
+	// HelloTimeout bounds the wait for ztunnel's hello after accept.
+	HelloTimeout time.Duration
+	// MaxConnections caps concurrent connections; more are closed at once.
+	MaxConnections int
+	// AcceptRate (per second) and AcceptBurst bound how fast connections
+	// are accepted; the rest wait in the listen backlog.
+	AcceptRate  float64
+	AcceptBurst int
+	// Logger receives structured logs (default: discarded).
+	Logger *slog.Logger
+}
+
+func (c Config) withDefaults() Config {
+	if c.SocketPath == "" {
+		c.SocketPath = ambient.DefaultZDSSocket
+	}
+	if c.AckTimeout <= 0 {
+		c.AckTimeout = DefaultAckTimeout
+	}
+	if c.WriteTimeout <= 0 {
+		c.WriteTimeout = DefaultWriteTimeout
+	}
+	if c.HelloTimeout <= 0 {
+		c.HelloTimeout = DefaultHelloTimeout
+	}
+	if c.MaxConnections <= 0 {
+		c.MaxConnections = DefaultMaxConnections
+	}
+	if c.AcceptRate <= 0 {
+		c.AcceptRate = DefaultAcceptRate
+	}
+	if c.AcceptBurst <= 0 {
+		c.AcceptBurst = DefaultAcceptBurst
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	return c
+}
+
+// Server is the ZDS listener and its connections.
+type Server struct {
+	cfg Config
+	log *slog.Logger
+
+	mu      sync.Mutex
+	ln      *net.UnixListener
+	lnID    fileID // identity of the socket file we bound, to unlink only ours
+	conns   []*conn
+	changed chan struct{} // closed and replaced whenever conns or a state changes
+	serving bool
+	closed  bool
+	cancel  context.CancelFunc
+	nextID  uint64
+
+	wg sync.WaitGroup // connection goroutines
+}
+
+type fileID struct{ dev, ino uint64 }
+
+// NewServer returns a server for cfg; call Listen, then Serve.
+func NewServer(cfg Config) *Server {
+	cfg = cfg.withDefaults()
+	return &Server{cfg: cfg, log: cfg.Logger, changed: make(chan struct{})}
+}
+
+// SocketPath is the path the server listens on.
+func (s *Server) SocketPath() string { return s.cfg.SocketPath }
+
+// Listen creates the socket directory if needed, removes a stale socket
+// file and binds a SOCK_SEQPACKET listener. A non-socket file at the path is
+// an error rather than something to delete.
+func (s *Server) Listen() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return ErrClosed
+	}
+	if s.ln != nil {
+		return nil
+	}
+	path := s.cfg.SocketPath
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return fmt.Errorf("create zds socket dir: %w", err)
+	}
+	if fi, err := os.Lstat(path); err == nil {
+		if fi.Mode()&os.ModeSocket == 0 {
+			return fmt.Errorf("zds socket path %s exists and is not a socket", path)
+		}
+		if err := os.Remove(path); err != nil {
+			return fmt.Errorf("remove stale zds socket: %w", err)
+		}
+	} else if !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("stat zds socket: %w", err)
+	}
+	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
+	if err != nil {
+		return fmt.Errorf("listen on zds socket %s: %w", path, err)
+	}
+	// A newer agent may already have replaced the file by the time we
+	// stop; unlink only the file we created (see removeSocket).
+	ln.SetUnlinkOnClose(false)
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		_ = ln.Close()
+		return fmt.Errorf("stat zds socket: %w", err)
+	}
+	s.ln, s.lnID = ln, fileID{dev: st.Dev, ino: st.Ino}
+	s.log.Info("zds listening", "path", path)
+	return nil
+}
+
+// Serve accepts ztunnel connections until ctx ends (or Close is called),
+// then closes every connection, waits for their goroutines and removes the
+// socket file if it is still the one it created. It calls Listen if needed.
+func (s *Server) Serve(ctx context.Context) error {
+	if err := s.Listen(); err != nil {
+		return err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	s.mu.Lock()
+	if s.serving || s.closed {
+		s.mu.Unlock()
+		return errors.New("zds server already serving or closed")
+	}
+	s.serving, s.cancel = true, cancel
+	ln := s.ln
+	s.mu.Unlock()
+
+	stopped := make(chan struct{})
+	go func() { // owner: Serve, which waits for it below
+		defer close(stopped)
+		<-ctx.Done()
+		_ = ln.Close()
+	}()
+
+	lim := newLimiter(s.cfg.AcceptRate, s.cfg.AcceptBurst)
+	backoff := 10 * time.Millisecond
+	for {
+		if err := lim.wait(ctx); err != nil {
+			break
+		}
+		uc, err := ln.AcceptUnix()
+		if err != nil {
+			if ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
+				break
+			}
+			// EMFILE and friends: wait rather than spin.
+			s.log.Warn("zds accept failed", "err", err, "retry_in", backoff)
+			if sleepCtx(ctx, backoff) != nil {
+				break
+			}
+			backoff = min(backoff*2, time.Second)
+			continue
+		}
+		backoff = 10 * time.Millisecond
+		s.startConn(uc)
+	}
+	cancel()
+	<-stopped
+
+	s.mu.Lock()
+	s.closed = true
+	conns := append([]*conn(nil), s.conns...)
+	s.notifyLocked()
+	s.mu.Unlock()
+	for _, c := range conns {
+		c.fail(ErrClosed)
+	}
+	s.wg.Wait()
+	s.removeSocket()
+	s.log.Info("zds server stopped")
+	return nil
+}
+
+// Close stops a serving server (Serve returns) or releases the listener of
+// one that never served.
+func (s *Server) Close() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.serving {
+		s.cancel()
+		return nil
+	}
+	s.closed = true
+	s.notifyLocked()
+	if s.ln != nil {
+		err := s.ln.Close()
+		s.removeSocketLocked()
+		s.ln = nil
+		return err
+	}
+	return nil
+}
+
+func (s *Server) removeSocket() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.removeSocketLocked()
+}
+
+func (s *Server) removeSocketLocked() {
+	var st unix.Stat_t
+	if unix.Stat(s.cfg.SocketPath, &st) == nil && (fileID{dev: st.Dev, ino: st.Ino}) == s.lnID {
+		_ = os.Remove(s.cfg.SocketPath)
+	}
+}
+
+// Connections is the number of live ztunnel connections.
+func (s *Server) Connections() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.conns)
+}
+
+// ReadyConnections is the number of connections whose snapshot ztunnel
+// has acknowledged.
+func (s *Server) ReadyConnections() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for _, c := range s.conns {
+		if c.state == stateReady {
+			n++
+		}
+	}
+	return n
+}
+
+// WaitReady blocks until at least one connection has its snapshot acked or
+// ctx ends.
+func (s *Server) WaitReady(ctx context.Context) error {
+	for {
+		s.mu.Lock()
+		if s.closed {
+			s.mu.Unlock()
+			return ErrClosed
+		}
+		for _, c := range s.conns {
+			if c.state == stateReady {
+				s.mu.Unlock()
+				return nil
+			}
+		}
+		ch := s.changed
+		s.mu.Unlock()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return fmt.Errorf("wait for ztunnel snapshot: %w: %w", ErrNoZtunnel, ctx.Err())
+		}
+	}
+}
+
+// Add hands a pod to ztunnel and waits for the ack of the newest
+// connection whose snapshot is done. Newer connections still sending their
+// snapshot also get the Add, queued behind the snapshot and not awaited, so
+// a ztunnel that connects during an enrollment learns the pod even if its
+// snapshot was taken too early; callers must record the pod in the state
+// Snapshot reads before calling Add. With only snapshotting connections Add
+// awaits the newest of them. When the awaited connection dies first, Add
+// retries on the next. With no ztunnel it waits until ctx ends and returns
+// an error wrapping ErrNoZtunnel; ctx should carry a deadline. A refusal by
+// ztunnel is an *AckError. The caller keeps ownership of w.Netns.
+func (s *Server) Add(ctx context.Context, w Workload) error {
+	if w.UID == "" {
+		return errors.New("zds add: empty uid")
+	}
+	if w.Netns == nil {
+		return fmt.Errorf("zds add %s: no netns file", w.UID)
+	}
+	msg, err := encodeRequest(addRequest(w.UID, w.Info))
+	if err != nil {
+		return fmt.Errorf("zds add %s: %w", w.UID, err)
+	}
+	for {
+		target, extra, wait, err := s.addTargets()
+		if err != nil {
+			return fmt.Errorf("zds add %s: %w", w.UID, err)
+		}
+		if target == nil {
+			select {
+			case <-wait:
+				continue
+			case <-ctx.Done():
+				return fmt.Errorf("zds add %s: %w: %w", w.UID, ErrNoZtunnel, ctx.Err())
+			}
+		}
+		for _, c := range extra {
+			// Not awaited: it outlives this call, so it must not be
+			// skipped when the caller's context ends.
+			if _, err := s.submitAdd(context.WithoutCancel(ctx), c, w, msg); err != nil {
+				return err
+			}
+		}
+		req, err := s.submitAdd(ctx, target, w, msg)
+		if err != nil {
+			return err
+		}
+		if req == nil {
+			continue // connection went away before taking it
+		}
+		select {
+		case err := <-req.done:
+			if errors.Is(err, errConnLost) {
+				s.log.Info("zds add: connection lost, retrying on another", "uid", w.UID, "conn", target.id, "err", err)
+				continue
+			}
+			if err != nil {
+				return fmt.Errorf("zds add %s: %w", w.UID, err)
+			}
+			return nil
+		case <-ctx.Done():
+			return fmt.Errorf("zds add %s: waiting for ztunnel ack: %w", w.UID, ctx.Err())
+		}
+	}
+}
+
+// submitAdd queues an Add with its own duplicate of the netns descriptor;
+// a nil request means c was already gone.
+func (s *Server) submitAdd(ctx context.Context, c *conn, w Workload, msg []byte) (*request, error) {
+	fd, err := dupFile(w.Netns)
+	if err != nil {
+		return nil, fmt.Errorf("zds add %s: duplicate netns fd: %w", w.UID, err)
+	}
+	req := newRequest(ctx, "add", w.UID, msg, fd)
+	if !c.submit(req) {
+		_ = unix.Close(fd)
+		return nil, nil
+	}
+	return req, nil
+}
+
+// Del removes a pod from every connected ztunnel (past its hello) and waits
+// for their acks. Connections that die meanwhile are ignored: their
+// ztunnel's next snapshot will not name the pod, provided the caller removed
+// it from the state Snapshot reads before calling Del. With no connection
+// it returns nil. A refusal by ztunnel is an *AckError.
+func (s *Server) Del(ctx context.Context, uid string) error {
+	if uid == "" {
+		return errors.New("zds del: empty uid")
+	}
+	msg, err := encodeRequest(delRequest(uid))
+	if err != nil {
+		return fmt.Errorf("zds del %s: %w", uid, err)
+	}
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return fmt.Errorf("zds del %s: %w", uid, ErrClosed)
+	}
+	conns := s.liveConns()
+	s.mu.Unlock()
+
+	var reqs []*request
+	for _, c := range conns {
+		r := newRequest(ctx, "del", uid, msg, -1)
+		if c.submit(r) {
+			reqs = append(reqs, r)
+		}
+	}
+	var errs []error
+	for _, r := range reqs {
+		select {
+		case err := <-r.done:
+			if err != nil && !errors.Is(err, errConnLost) {
+				errs = append(errs, err)
+			}
+		case <-ctx.Done():
+			return fmt.Errorf("zds del %s: waiting for ztunnel acks: %w", uid, ctx.Err())
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("zds del %s: %w", uid, err)
+	}
+	return nil
+}
+
+// addTargets picks the connection whose ack an Add awaits (the newest
+// ready one, else the newest still in its snapshot) and the newer ones in
+// their snapshot that also get it. With no target it returns a channel that
+// is closed when that may have changed.
+func (s *Server) addTargets() (target *conn, extra []*conn, wait <-chan struct{}, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, nil, nil, ErrClosed
+	}
+	for i := len(s.conns) - 1; i >= 0; i-- {
+		c := s.conns[i]
+		if c.state == stateReady {
+			return c, extra, nil, nil
+		}
+		if c.state == stateSnapshot {
+			extra = append(extra, c)
+		}
+	}
+	if len(extra) > 0 {
+		return extra[0], extra[1:], nil, nil
+	}
+	return nil, nil, s.changed, nil
+}
+
+// liveConns lists the connections past their hello: a connection still
+// waiting for one takes its snapshot later, which no longer names a pod
+// removed from the state before Del.
+func (s *Server) liveConns() []*conn {
+	var out []*conn
+	for _, c := range s.conns {
+		if c.state != stateHello {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
+func (s *Server) notifyLocked() {
+	close(s.changed)
+	s.changed = make(chan struct{})
+}
+
+func (s *Server) setState(c *conn, st connState) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	c.state = st
+	s.notifyLocked()
+}
+
+func (s *Server) removeConn(c *conn) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i, x := range s.conns {
+		if x == c {
+			s.conns = append(s.conns[:i], s.conns[i+1:]...)
+			break
+		}
+	}
+	s.notifyLocked()
+}
+
+func (s *Server) startConn(uc *net.UnixConn) {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		_ = uc.Close()
+		return
+	}
+	if len(s.conns) >= s.cfg.MaxConnections {
+		s.mu.Unlock()
+		s.log.Warn("zds connection refused: too many connections", "max", s.cfg.MaxConnections)
+		_ = uc.Close()
+		return
+	}
+	s.nextID++
+	c := newConn(s, s.nextID, uc)
+	s.conns = append(s.conns, c)
+	s.wg.Add(2)
+	s.mu.Unlock()
+	go c.readLoop() // owner: c; ends when c.uc is closed
+	go c.run()      // owner: c; ends at teardown
+}
+
+// dupFile duplicates f's descriptor while holding a reference to f, so a
+// concurrent Close by its owner can neither race nor let the number be
+// reused for another file.
+func dupFile(f *os.File) (int, error) {
+	rc, err := f.SyscallConn()
+	if err != nil {
+		return -1, err
+	}
+	nfd, derr := -1, error(nil)
+	if err := rc.Control(func(fd uintptr) {
+		nfd, derr = unix.FcntlInt(fd, unix.F_DUPFD_CLOEXEC, 0)
+	}); err != nil {
+		return -1, err
+	}
+	if derr != nil {
+		return -1, derr
+	}
+	return nfd, nil
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// limiter is a token bucket bounding the accept rate.
+type limiter struct {
+	rate   float64
+	burst  float64
+	tokens float64
+	last   time.Time
+}
+
+func newLimiter(rate float64, burst int) *limiter {
+	return &limiter{rate: rate, burst: float64(burst), tokens: float64(burst), last: time.Now()}
+}
+
+func (l *limiter) wait(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	now := time.Now()
+	l.tokens = min(l.burst, l.tokens+now.Sub(l.last).Seconds()*l.rate)
+	l.last = now
+	if l.tokens >= 1 {
+		l.tokens--
+		return nil
+	}
+	need := time.Duration((1 - l.tokens) / l.rate * float64(time.Second))
+	if err := sleepCtx(ctx, need); err != nil {
+		return err
+	}
+	l.tokens, l.last = 0, time.Now()
+	return nil
+}
+
+// peerCred reads the peer's pid and uid for logs.
+func peerCred(uc *net.UnixConn) (pid, uid int) {
+	rc, err := uc.SyscallConn()
+	if err != nil {
+		return -1, -1
+	}
+	pid, uid = -1, -1
+	_ = rc.Control(func(fd uintptr) {
+		if cred, err := unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED); err == nil {
+			pid, uid = int(cred.Pid), int(cred.Uid)
+		}
+	})
+	return pid, uid
+}
