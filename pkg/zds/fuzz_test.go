@@ -1,0 +1,111 @@
+package zds
+
+import (
+	"errors"
+	"net"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/ambient-cni/ambient-cni/pkg/zds/zdspb"
+	"google.golang.org/protobuf/proto"
+)
+
+// addSeeds adds every file in testdata/seeds/<name> as a seed; go test
+// also replays testdata/fuzz/<name> on its own.
+func addSeeds(f *testing.F, name string) {
+	files, _ := filepath.Glob(filepath.Join("testdata", "seeds", name, "*"))
+	if len(files) == 0 {
+		f.Fatalf("no seeds for %s", name)
+	}
+	for _, p := range files {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+	}
+}
+
+func FuzzDecodeAck(f *testing.F) {
+	addSeeds(f, "FuzzDecodeAck")
+	f.Fuzz(func(t *testing.T, b []byte) {
+		ack, err := decodeAck(b)
+		if err != nil {
+			if !errors.Is(err, errProtocol) {
+				t.Fatalf("decode error not marked as protocol violation: %v", err)
+			}
+			return
+		}
+		if len(b) == 0 || len(b) > MaxMessageSize {
+			t.Fatalf("accepted a %d-byte response", len(b))
+		}
+		// What was accepted must survive a round trip as an ack.
+		out, err := proto.Marshal(&zdspb.WorkloadResponse{Payload: &zdspb.WorkloadResponse_Ack{Ack: ack}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		again, err := decodeAck(out)
+		if err != nil || again.GetError() != ack.GetError() {
+			t.Fatalf("round trip changed the ack: %v %v", again, err)
+		}
+	})
+}
+
+func FuzzDecodeHello(f *testing.F) {
+	addSeeds(f, "FuzzDecodeHello")
+	f.Fuzz(func(t *testing.T, b []byte) {
+		h, err := decodeHello(b)
+		if err != nil {
+			return
+		}
+		if h.GetVersion() < zdspb.Version_V1 || len(b) == 0 || len(b) > MaxMessageSize {
+			t.Fatalf("accepted hello %v from %d bytes", h, len(b))
+		}
+	})
+}
+
+// FuzzPeer lets the fuzzer play ztunnel against a live server: its input
+// is a length byte, a hello datagram and the ack for SnapshotSent. The
+// server must hang up exactly when the hello or the ack is bad, become
+// ready exactly when both are good, and keep serving afterwards.
+func FuzzPeer(f *testing.F) {
+	addSeeds(f, "FuzzPeer")
+	s := startServer(f, Config{AckTimeout: 200 * time.Millisecond, HelloTimeout: 200 * time.Millisecond, MaxConnections: 64})
+	f.Fuzz(func(t *testing.T, in []byte) {
+		if len(in) == 0 {
+			return
+		}
+		n := min(int(in[0]), len(in)-1)
+		hello, ack := in[1:1+n], in[1+n:]
+		c, err := net.Dial("unixpacket", s.SocketPath())
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := &peer{t: t, uc: c.(*net.UnixConn)}
+		defer func() {
+			_ = p.uc.Close()
+			eventually(t, "connection released", func() bool { return s.Connections() == 0 })
+		}()
+		if len(hello) > 0 {
+			p.send(hello)
+		}
+		if _, err := decodeHello(hello); err != nil {
+			p.expectClosed()
+			return
+		}
+		if d := p.mustRecv(); d.req.GetSnapshotSent() == nil {
+			t.Fatalf("want SnapshotSent, got %v", d.req)
+		}
+		if len(ack) > 0 {
+			p.send(ack)
+		}
+		a, err := decodeAck(ack)
+		if err != nil || a.GetError() != "" {
+			p.expectClosed()
+			return
+		}
+		eventually(t, "ready", func() bool { return s.ReadyConnections() == 1 })
+	})
+}
