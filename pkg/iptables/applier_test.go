@@ -1,0 +1,133 @@
+package iptables
+
+import (
+	"reflect"
+	"strings"
+	"testing"
+)
+
+func fakeApplier(b Backend) (*Applier, *fakeHost) {
+	h := newFakeHost(b)
+	return NewApplier(nil, b, WithExecutor(h), WithRouter(h)), h
+}
+
+func TestApplierFlowWithFake(t *testing.T) {
+	a, h := fakeApplier(BackendNFT)
+	const pod = "/run/netns/pod"
+	if err := a.Apply(pod, PodConfig{}); err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"iptables-nft-save", "iptables-nft-restore", "ip6tables-nft-save", "ip6tables-nft-restore"}
+	if got := h.takeLog(); !reflect.DeepEqual(got, want) {
+		t.Fatalf("first apply ran %v, want %v", got, want)
+	}
+	if d, err := a.Verify(pod, PodConfig{}); err != nil || !d.Empty() {
+		t.Fatalf("verify after apply: %v\n%s", err, d)
+	}
+	h.takeLog()
+	// Converged: a second apply only reads.
+	if err := a.Apply(pod, PodConfig{}); err != nil {
+		t.Fatal(err)
+	}
+	if got := h.takeLog(); !reflect.DeepEqual(got, []string{"iptables-nft-save", "ip6tables-nft-save"}) {
+		t.Fatalf("converged apply ran %v", got)
+	}
+	// Verify against other options names the difference.
+	d, err := a.Verify(pod, PodConfig{DNSCapture: true})
+	if err != nil || d.Empty() || !strings.Contains(d.String(), "ipv4 raw: missing chain ISTIO_PRERT") {
+		t.Fatalf("verify with DNS: %v\n%s", err, d)
+	}
+	// Lost routing is drift too.
+	h.ns[pod].rule[IPv6] = false
+	d, _ = a.Verify(pod, PodConfig{})
+	if !strings.Contains(d.String(), "ipv6: missing ip rule") {
+		t.Fatalf("routing drift not reported:\n%s", d)
+	}
+
+	h.takeLog()
+	if err := a.Remove(pod); err != nil {
+		t.Fatal(err)
+	}
+	got := strings.Join(h.takeLog(), " ")
+	if got != "iptables-nft-save iptables-nft-restore nft nft ip6tables-nft-save ip6tables-nft-restore nft nft" {
+		t.Fatalf("remove ran %s", got)
+	}
+	n := h.ns[pod]
+	for _, f := range Families {
+		if len(n.saves[f].Tables) != 0 || n.rule[f] || n.route[f] {
+			t.Fatalf("%s not restored: rule=%v route=%v\n%s", f, n.rule[f], n.route[f], n.saves[f])
+		}
+	}
+	// Removing again is a read-only no-op.
+	if err := a.Remove(pod); err != nil {
+		t.Fatal(err)
+	}
+	if got := h.takeLog(); !reflect.DeepEqual(got, []string{"iptables-nft-save", "ip6tables-nft-save"}) {
+		t.Fatalf("idle remove ran %v", got)
+	}
+}
+
+func TestApplierLegacyKeepsTables(t *testing.T) {
+	a, h := fakeApplier(BackendLegacy)
+	if err := a.Apply("p", PodConfig{DNSCapture: true}); err != nil {
+		t.Fatal(err)
+	}
+	h.takeLog()
+	if err := a.Remove("p"); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range h.takeLog() {
+		if c == "nft" {
+			t.Fatal("legacy backend ran nft")
+		}
+	}
+}
+
+func TestApplierIPv6Disabled(t *testing.T) {
+	a, h := fakeApplier(BackendNFT)
+	h.get("p").noIPv6 = true
+	if err := a.Apply("p", PodConfig{}); err != nil {
+		t.Fatal(err)
+	}
+	n := h.ns["p"]
+	if len(n.saves[IPv6].Tables) != 0 || n.rule[IPv6] {
+		t.Fatal("IPv6 programmed in a namespace without IPv6")
+	}
+	if d, err := a.Verify("p", PodConfig{}); err != nil || !d.Empty() {
+		t.Fatalf("verify: %v %s", err, d)
+	}
+	// Leftovers from when IPv6 was on are removed by the next apply.
+	n.noIPv6 = false
+	if err := a.Apply("p", PodConfig{}); err != nil {
+		t.Fatal(err)
+	}
+	n.noIPv6 = true
+	if d, _ := a.Verify("p", PodConfig{}); !strings.Contains(d.String(), "ipv6 nat: extra chain ISTIO_OUTPUT") {
+		t.Fatalf("leftovers not reported:\n%s", d)
+	}
+	if err := a.Apply("p", PodConfig{}); err != nil {
+		t.Fatal(err)
+	}
+	if d, _ := a.Verify("p", PodConfig{}); !d.Empty() {
+		t.Fatalf("leftovers not removed:\n%s", d)
+	}
+}
+
+func TestApplierErrors(t *testing.T) {
+	a, h := fakeApplier(BackendNFT)
+	h.failOn = "iptables-nft-restore"
+	err := a.Apply("/run/netns/x", PodConfig{})
+	if err == nil || !strings.Contains(err.Error(), "apply ipv4 rules in netns /run/netns/x") || !strings.Contains(err.Error(), "injected") {
+		t.Fatalf("restore failure: %v", err)
+	}
+	h.failOn = "iptables-nft-save"
+	if _, err := a.Verify("/run/netns/x", PodConfig{}); err == nil {
+		t.Fatal("save failure not reported by Verify")
+	}
+	if err := a.Remove("/run/netns/x"); err == nil {
+		t.Fatal("save failure not reported by Remove")
+	}
+	if err := a.Apply("p", PodConfig{ProbeSNATv4: PodRules(PodConfig{}, IPv6).Routing.Local.Addr()}); err == nil {
+		t.Fatal("invalid config accepted")
+	}
+}

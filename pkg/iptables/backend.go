@@ -1,0 +1,182 @@
+package iptables
+
+import (
+	"context"
+	"fmt"
+	"os/exec"
+	"strings"
+	"time"
+
+	goipt "github.com/coreos/go-iptables/iptables"
+)
+
+// Backend is the iptables flavour used in every namespace: the kernel's
+// nf_tables through iptables-nft, or the legacy x_tables.
+type Backend string
+
+const (
+	// BackendNFT drives nf_tables through iptables-nft.
+	BackendNFT Backend = "nft"
+	// BackendLegacy drives x_tables through iptables-legacy.
+	BackendLegacy Backend = "legacy"
+)
+
+// ParseBackend accepts "nft" or "legacy" (also "iptables-nft" and
+// "iptables-legacy").
+func ParseBackend(s string) (Backend, error) {
+	switch strings.TrimPrefix(strings.ToLower(strings.TrimSpace(s)), "iptables-") {
+	case "nft", "nf_tables":
+		return BackendNFT, nil
+	case "legacy":
+		return BackendLegacy, nil
+	}
+	return "", fmt.Errorf("unknown iptables backend %q (want nft or legacy)", s)
+}
+
+func (b Backend) bin(f Family, suffix string) string {
+	prefix := "iptables"
+	if f == IPv6 {
+		prefix = "ip6tables"
+	}
+	return prefix + "-" + string(b) + suffix
+}
+
+// SaveCmd names the save binary for family f, e.g. "ip6tables-nft-save".
+func (b Backend) SaveCmd(f Family) string { return b.bin(f, "-save") }
+
+// RestoreCmd names the restore binary for family f.
+func (b Backend) RestoreCmd(f Family) string { return b.bin(f, "-restore") }
+
+// Cmd names the plain iptables binary for family f, e.g. "iptables-legacy".
+func (b Backend) Cmd(f Family) string { return b.bin(f, "") }
+
+// DetectBackend picks the backend once, in the caller's network namespace
+// (the node agent runs in the host's). A non-empty override ("nft" or
+// "legacy") wins if its binaries work. Otherwise, with both flavours
+// installed, it follows the node: the flavour holding kubelet's hint
+// chains, else the one holding more rules, else the mode of the default
+// `iptables` binary. go-iptables probes each binary and its version.
+func DetectBackend(override string) (Backend, error) {
+	if override != "" {
+		b, err := ParseBackend(override)
+		if err != nil {
+			return "", err
+		}
+		if err := probeBackend(b); err != nil {
+			return "", fmt.Errorf("iptables backend %s requested but unusable: %w", b, err)
+		}
+		return b, nil
+	}
+	var usable []Backend
+	var errs []string
+	for _, b := range []Backend{BackendNFT, BackendLegacy} {
+		if err := probeBackend(b); err != nil {
+			errs = append(errs, err.Error())
+			continue
+		}
+		usable = append(usable, b)
+	}
+	switch len(usable) {
+	case 0:
+		return "", fmt.Errorf("no usable iptables backend: %s", strings.Join(errs, "; "))
+	case 1:
+		return usable[0], nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var st [2]nodeState
+	for i, b := range usable {
+		st[i] = inspectNode(ctx, b)
+	}
+	if choice, ok := chooseBackend(usable[0], st[0], usable[1], st[1]); ok {
+		return choice, nil
+	}
+	return defaultMode(ctx)
+}
+
+// probeBackend checks that the iptables binary and both restore/save
+// binaries of b exist and run.
+func probeBackend(b Backend) error {
+	ipt, err := goipt.New(goipt.Path(b.Cmd(IPv4)))
+	if err != nil {
+		return fmt.Errorf("%s: %w", b.Cmd(IPv4), err)
+	}
+	if v1, _, _ := ipt.GetIptablesVersion(); v1 < 1 {
+		return fmt.Errorf("%s: unexpected version", b.Cmd(IPv4))
+	}
+	for _, f := range Families {
+		for _, bin := range []string{b.SaveCmd(f), b.RestoreCmd(f)} {
+			if _, err := exec.LookPath(bin); err != nil {
+				return fmt.Errorf("%s: %w", bin, err)
+			}
+		}
+	}
+	return nil
+}
+
+// nodeState is what one backend shows in the caller's namespace.
+type nodeState struct {
+	hint  bool // kubelet's KUBE-IPTABLES-HINT or KUBE-KUBELET-CANARY chain
+	rules int
+}
+
+// inspectNode reads both families' dumps; iptables-save never
+// instantiates tables, so looking changes nothing.
+func inspectNode(ctx context.Context, b Backend) nodeState {
+	var st nodeState
+	for _, f := range Families {
+		out, err := exec.CommandContext(ctx, b.SaveCmd(f)).Output()
+		if err != nil {
+			continue
+		}
+		s, err := ParseSave(string(out))
+		if err != nil {
+			continue
+		}
+		for _, t := range s.Tables {
+			for _, c := range t.Chains {
+				if c.Name == "KUBE-IPTABLES-HINT" || c.Name == "KUBE-KUBELET-CANARY" {
+					st.hint = true
+				}
+				st.rules += len(c.Rules)
+			}
+		}
+	}
+	return st
+}
+
+// chooseBackend decides between two usable backends from what they show.
+func chooseBackend(a Backend, sa nodeState, b Backend, sb nodeState) (Backend, bool) {
+	switch {
+	case sa.hint != sb.hint:
+		if sa.hint {
+			return a, true
+		}
+		return b, true
+	case sa.rules != sb.rules:
+		if sa.rules > sb.rules {
+			return a, true
+		}
+		return b, true
+	}
+	return "", false
+}
+
+// defaultMode reports the mode of the `iptables` on PATH, which
+// `iptables --version` prints as "(nf_tables)" or "(legacy)".
+func defaultMode(ctx context.Context) (Backend, error) {
+	out, err := exec.CommandContext(ctx, "iptables", "--version").Output()
+	if err != nil {
+		return "", fmt.Errorf("iptables --version: %w", err)
+	}
+	return modeFromVersion(string(out)), nil
+}
+
+// modeFromVersion maps `iptables --version` output to a backend; old
+// versions without a mode are legacy.
+func modeFromVersion(v string) Backend {
+	if strings.Contains(v, "nf_tables") {
+		return BackendNFT
+	}
+	return BackendLegacy
+}

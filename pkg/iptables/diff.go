@@ -1,0 +1,379 @@
+package iptables
+
+import (
+	"fmt"
+	"strings"
+)
+
+// DriftKind says how the namespace differs from the desired state.
+type DriftKind string
+
+const (
+	// DriftMissing: something we want is absent.
+	DriftMissing DriftKind = "missing"
+	// DriftExtra: something refers to our chains that we did not put there
+	// (a duplicate jump, a stray rule in our chain, a chain we no longer want).
+	DriftExtra DriftKind = "extra"
+	// DriftChanged: the rule at a position differs from the one we want.
+	DriftChanged DriftKind = "changed"
+	// DriftMoved: a rule we want is present but at the wrong position.
+	DriftMoved DriftKind = "moved"
+)
+
+// DriftItem is one difference. For rules, Want and Have hold the full
+// "-A <chain> <spec>" text; Position is 1-based within the chain (the
+// desired position for missing/changed/moved, the actual one for extra).
+type DriftItem struct {
+	Family   Family
+	Kind     DriftKind
+	Object   string // "chain", "rule", "ip rule", "route"
+	Table    string // empty for routing
+	Chain    string
+	Position int
+	Want     string
+	Have     string
+}
+
+// String describes the item in one line.
+func (d DriftItem) String() string {
+	where := d.Family.String()
+	if d.Table != "" {
+		where += " " + d.Table
+	}
+	if d.Chain != "" && d.Object != "chain" {
+		where += " " + d.Chain
+	}
+	obj := d.Object
+	if d.Position > 0 {
+		obj = fmt.Sprintf("%s #%d", obj, d.Position)
+	}
+	switch {
+	case d.Object == "chain":
+		return fmt.Sprintf("%s: %s chain %s", where, d.Kind, d.Chain)
+	case d.Kind == DriftChanged:
+		return fmt.Sprintf("%s: changed %s: want %q, have %q", where, obj, d.Want, d.Have)
+	case d.Kind == DriftExtra:
+		return fmt.Sprintf("%s: extra %s %q", where, obj, d.Have)
+	case d.Kind == DriftMoved:
+		return fmt.Sprintf("%s: moved %s %q", where, obj, d.Want)
+	default:
+		return fmt.Sprintf("%s: missing %s %q", where, obj, d.Want)
+	}
+}
+
+// Drift is the difference between a namespace and its desired rule set.
+type Drift struct {
+	Items []DriftItem
+}
+
+// Empty reports whether the namespace matches the desired state.
+func (d Drift) Empty() bool { return len(d.Items) == 0 }
+
+// String lists every item, one per line, or "no drift".
+func (d Drift) String() string {
+	if d.Empty() {
+		return "no drift"
+	}
+	lines := make([]string, len(d.Items))
+	for i, it := range d.Items {
+		lines[i] = it.String()
+	}
+	return strings.Join(lines, "\n")
+}
+
+// tableState is what one table holds of ours, computed from a save.
+type tableState struct {
+	// chains maps each of our chains present to its canonical rules.
+	chains map[string][]string
+	// jumps counts exact desired-form jumps per target chain.
+	jumps map[string]int
+	// refs are other rules referring to our chains (chain, spec), in order.
+	refs [][2]string
+	// dupJumps are surplus exact jumps (chain, spec), in order.
+	dupJumps [][2]string
+}
+
+// scanTable collects our chains and every reference to them in t.
+func scanTable(t *SavedTable, want map[string]bool) tableState {
+	st := tableState{chains: map[string][]string{}, jumps: map[string]int{}}
+	if t == nil {
+		return st
+	}
+	for _, c := range t.Chains {
+		if isOurChain(c.Name) {
+			rules := make([]string, len(c.Rules))
+			for i, r := range c.Rules {
+				rules[i] = r.Spec()
+			}
+			st.chains[c.Name] = rules
+		}
+	}
+	for _, c := range t.Chains {
+		if isOurChain(c.Name) {
+			continue // their contents are compared or flushed as a whole
+		}
+		for _, r := range c.Rules {
+			target := r.Target()
+			if !isOurChain(target) {
+				continue
+			}
+			spec := r.Spec()
+			if want[target] && c.Name == hookOf[target] && spec == jumpSpec(target) {
+				st.jumps[target]++
+				if st.jumps[target] > 1 {
+					st.dupJumps = append(st.dupJumps, [2]string{c.Name, spec})
+				}
+				continue
+			}
+			st.refs = append(st.refs, [2]string{c.Name, spec})
+		}
+	}
+	return st
+}
+
+// wanted returns the desired chains of table as name → canonical rules.
+func (rs RuleSet) wanted(table string) map[string][]string {
+	m := map[string][]string{}
+	for _, t := range rs.Tables {
+		if t.Name != table {
+			continue
+		}
+		for _, c := range t.Chains {
+			rules := make([]string, len(c.Rules))
+			for i, r := range c.Rules {
+				rules[i] = canonical(r)
+			}
+			m[c.Name] = rules
+		}
+	}
+	return m
+}
+
+func keys(m map[string][]string) map[string]bool {
+	k := make(map[string]bool, len(m))
+	for n := range m {
+		k[n] = true
+	}
+	return k
+}
+
+func equalRules(a, b []string) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// Diff compares the iptables part of the desired rule set with a parsed
+// save of the same family. Rules that do not involve our chains are ignored.
+func (rs RuleSet) Diff(cur *Save) Drift {
+	var d Drift
+	for _, table := range ourTables {
+		want := rs.wanted(table)
+		st := scanTable(cur.Table(table), keys(want))
+		item := func(kind DriftKind, obj, chain string) DriftItem {
+			return DriftItem{Family: rs.Family, Kind: kind, Object: obj, Table: table, Chain: chain}
+		}
+		for _, name := range ourChains {
+			rules, wanted := want[name]
+			have, present := st.chains[name]
+			switch {
+			case wanted && !present:
+				d.Items = append(d.Items, item(DriftMissing, "chain", name))
+				for i, r := range rules {
+					it := item(DriftMissing, "rule", name)
+					it.Position, it.Want = i+1, "-A "+name+" "+r
+					d.Items = append(d.Items, it)
+				}
+			case wanted:
+				d.Items = append(d.Items, diffChain(item(DriftMissing, "rule", name), rules, have)...)
+			case present:
+				d.Items = append(d.Items, item(DriftExtra, "chain", name))
+			}
+			if wanted && st.jumps[name] == 0 {
+				it := item(DriftMissing, "rule", hookOf[name])
+				it.Want = "-A " + hookOf[name] + " " + jumpSpec(name)
+				d.Items = append(d.Items, it)
+			}
+		}
+		for _, r := range st.dupJumps {
+			it := item(DriftExtra, "rule", r[0])
+			it.Have = "-A " + r[0] + " " + r[1]
+			d.Items = append(d.Items, it)
+		}
+		for _, r := range st.refs {
+			it := item(DriftExtra, "rule", r[0])
+			it.Have = "-A " + r[0] + " " + r[1]
+			d.Items = append(d.Items, it)
+		}
+	}
+	return d
+}
+
+// diffChain aligns want and have with a longest common subsequence and
+// reports the gaps: paired gaps as changed, the rest as missing or extra,
+// and a missing rule that also appears as extra as moved.
+func diffChain(proto DriftItem, want, have []string) []DriftItem {
+	n, m := len(want), len(have)
+	lcs := make([][]int, n+1)
+	for i := range lcs {
+		lcs[i] = make([]int, m+1)
+	}
+	for i := n - 1; i >= 0; i-- {
+		for j := m - 1; j >= 0; j-- {
+			if want[i] == have[j] {
+				lcs[i][j] = lcs[i+1][j+1] + 1
+			} else {
+				lcs[i][j] = max(lcs[i+1][j], lcs[i][j+1])
+			}
+		}
+	}
+	type gap struct{ miss, extra []int }
+	var gaps []gap
+	var g gap
+	flush := func() {
+		if len(g.miss)+len(g.extra) > 0 {
+			gaps = append(gaps, g)
+		}
+		g = gap{}
+	}
+	i, j := 0, 0
+	for i < n || j < m {
+		switch {
+		case i < n && j < m && want[i] == have[j]:
+			flush()
+			i, j = i+1, j+1
+		case j < m && (i == n || lcs[i][j+1] >= lcs[i+1][j]):
+			g.extra = append(g.extra, j)
+			j++
+		default:
+			g.miss = append(g.miss, i)
+			i++
+		}
+	}
+	flush()
+
+	chain := proto.Chain
+	full := func(spec string) string { return "-A " + chain + " " + spec }
+	var missing, extra, out []DriftItem
+	for _, g := range gaps {
+		k := min(len(g.miss), len(g.extra))
+		for x := 0; x < k; x++ {
+			it := proto
+			it.Kind, it.Position = DriftChanged, g.miss[x]+1
+			it.Want, it.Have = full(want[g.miss[x]]), full(have[g.extra[x]])
+			out = append(out, it)
+		}
+		for _, w := range g.miss[k:] {
+			it := proto
+			it.Kind, it.Position, it.Want = DriftMissing, w+1, full(want[w])
+			missing = append(missing, it)
+		}
+		for _, h := range g.extra[k:] {
+			it := proto
+			it.Kind, it.Position, it.Have = DriftExtra, h+1, full(have[h])
+			extra = append(extra, it)
+		}
+	}
+	for _, mi := range missing {
+		for x, ex := range extra {
+			if ex.Have == mi.Want {
+				mi.Kind = DriftMoved
+				extra = append(extra[:x], extra[x+1:]...)
+				break
+			}
+		}
+		out = append(out, mi)
+	}
+	return append(out, extra...)
+}
+
+// PlanApply returns iptables-restore --noflush input that turns cur into the
+// desired state, touching only our chains and references to them, or "" when
+// cur already matches. Chains whose rules differ are rewritten whole, which
+// is atomic within the restore transaction.
+func PlanApply(desired RuleSet, cur *Save) string {
+	var b strings.Builder
+	for _, table := range ourTables {
+		want := desired.wanted(table)
+		st := scanTable(cur.Table(table), keys(want))
+		var decl, del, add, body, drop []string
+		for _, name := range ourChains {
+			rules, wanted := want[name]
+			have, present := st.chains[name]
+			switch {
+			case wanted && (!present || !equalRules(rules, have)):
+				decl = append(decl, ":"+name+" - [0:0]")
+				for _, r := range rules {
+					body = append(body, "-A "+name+" "+r)
+				}
+			case !wanted && present:
+				drop = append(drop, name)
+			}
+			if wanted && st.jumps[name] == 0 {
+				add = append(add, "-A "+hookOf[name]+" "+jumpSpec(name))
+			}
+		}
+		for _, r := range append(st.dupJumps, st.refs...) {
+			del = append(del, "-D "+r[0]+" "+r[1])
+		}
+		if len(decl)+len(del)+len(add)+len(drop) == 0 {
+			continue
+		}
+		fmt.Fprintf(&b, "*%s\n", table)
+		for _, l := range append(append(append(decl, del...), add...), body...) {
+			b.WriteString(l + "\n")
+		}
+		for _, c := range drop {
+			b.WriteString("-F " + c + "\n")
+		}
+		for _, c := range drop {
+			b.WriteString("-X " + c + "\n")
+		}
+		b.WriteString("COMMIT\n")
+	}
+	return b.String()
+}
+
+// PlanRemove returns iptables-restore --noflush input that deletes our
+// chains and every rule referring to them, or "" when there is nothing.
+func PlanRemove(cur *Save) string { return PlanApply(RuleSet{}, cur) }
+
+// touchedTables lists the tables a plan writes to.
+func touchedTables(plan string) []string {
+	var ts []string
+	for _, l := range strings.Split(plan, "\n") {
+		if strings.HasPrefix(l, "*") {
+			ts = append(ts, l[1:])
+		}
+	}
+	return ts
+}
+
+// emptyAfterRemove reports whether table t holds nothing but empty built-in
+// chains with ACCEPT policy once our chains and references are gone: such
+// a table has no effect and can be deleted to restore the prior state.
+func emptyAfterRemove(t *SavedTable) bool {
+	if t == nil {
+		return false
+	}
+	for _, c := range t.Chains {
+		if isOurChain(c.Name) {
+			continue
+		}
+		if c.Policy != "ACCEPT" {
+			return false
+		}
+		for _, r := range c.Rules {
+			if !isOurChain(r.Target()) {
+				return false
+			}
+		}
+	}
+	return true
+}
