@@ -56,6 +56,16 @@ var ErrNoPrimaryConfig = errors.New("no primary CNI config")
 // errClosed is returned by passes after Shutdown.
 var errClosed = errors.New("installer shut down")
 
+// ErrConfigInFlux means a config file that would come first does not load but
+// was written just now: most likely the primary CNI is halfway through a
+// non-atomic write. Choosing the next file (or "no config") would chain
+// into the wrong place and flap the logs, so the pass waits instead.
+var ErrConfigInFlux = errors.New("CNI config is being written")
+
+// settleTime is how long after its last write an unloadable config is
+// taken for broken rather than half-written.
+const settleTime = time.Second
+
 // Config configures an Installer. BinDir, ConfDir and PluginBinary are
 // required; every other field has a default.
 type Config struct {
@@ -311,7 +321,7 @@ func (i *Installer) Run(ctx context.Context) error {
 			case errors.Is(err, errClosed):
 				// Shut down: nothing more to guard, but keep Run's contract
 				// of returning only when ctx is done.
-			case err != nil && !errors.Is(err, ErrNoPrimaryConfig):
+			case err != nil && !errors.Is(err, ErrNoPrimaryConfig) && !errors.Is(err, ErrConfigInFlux):
 				backoff = min(max(2*backoff, 200*time.Millisecond), 10*time.Second)
 				schedule(backoff)
 			default:
@@ -361,7 +371,7 @@ func (i *Installer) pass(force bool) (retry time.Duration, err error) {
 		return 0, errClosed
 	}
 	defer func() {
-		if err != nil && !errors.Is(err, ErrNoPrimaryConfig) {
+		if err != nil && !errors.Is(err, ErrNoPrimaryConfig) && !errors.Is(err, ErrConfigInFlux) {
 			i.errs.Add(1)
 			i.log.Warn("install pass failed", "err", err)
 		}
@@ -378,6 +388,10 @@ func (i *Installer) pass(force bool) (retry time.Duration, err error) {
 		return retry, err
 	}
 	path, err := i.findPrimary()
+	if errors.Is(err, ErrConfigInFlux) {
+		i.log.Debug("config being written; looking again shortly", "err", err)
+		return settleTime / 4, err
+	}
 	if errors.Is(err, ErrNoPrimaryConfig) {
 		if !i.waiting {
 			i.log.Info("waiting for a primary CNI config", "dir", i.cfg.ConfDir, "name", i.cfg.PrimaryConfName)
@@ -466,6 +480,9 @@ func (i *Installer) findPrimary() (string, error) {
 		}
 		p := filepath.Join(dir, e.Name())
 		if err := loadable(p); err != nil {
+			if fi, serr := os.Stat(p); serr == nil && time.Since(fi.ModTime()) < settleTime {
+				return "", fmt.Errorf("%w: %s: %v", ErrConfigInFlux, p, err)
+			}
 			i.log.Debug("skipping CNI config the runtime would not load", "file", p, "err", err)
 			continue
 		}

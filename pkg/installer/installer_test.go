@@ -324,6 +324,21 @@ func TestInstallPicksPrimaryLikeTheRuntime(t *testing.T) {
 	e.write(t, "20-later.conflist", bridgeList, 0o644)
 
 	i := e.installer(t, nil)
+	// Freshly written junk first in line looks like a primary mid-write:
+	// the installer waits rather than chain into the next file.
+	if err := i.Install(context.Background()); !errors.Is(err, ErrConfigInFlux) {
+		t.Fatalf("err %v, want ErrConfigInFlux", err)
+	}
+	if e.read(t, "10-real.conflist") != bridgeList {
+		t.Fatal("chained past a config that is being written")
+	}
+	// Once settled, junk is skipped the way the runtime skips it.
+	old := time.Now().Add(-time.Minute)
+	for n := range junk {
+		if err := os.Chtimes(e.path(n), old, old); err != nil {
+			t.Fatal(err)
+		}
+	}
 	if err := i.Install(context.Background()); err != nil {
 		t.Fatal(err)
 	}
