@@ -96,6 +96,11 @@ type Config struct {
 	// ResyncInterval is how often Run checks everything without an event,
 	// in case one was missed. Default DefaultResyncInterval.
 	ResyncInterval time.Duration
+	// StateFile, when set, is where the installer keeps the original bytes
+	// of the configs it edited, so that an uninstall after an agent restart
+	// (an upgrade) still restores them exactly. Put it in a root-only
+	// directory that survives container restarts (a host path).
+	StateFile string
 	// Logger receives structured logs; nil discards them.
 	Logger *slog.Logger
 }
@@ -132,6 +137,7 @@ type Installer struct {
 	installed   bool // first complete install done
 	waiting     bool // "waiting for primary config" already logged
 	tempsCleant bool
+	stateLoaded bool
 
 	configWrites, binaryCopies, reinstalls, throttled, errs atomic.Uint64
 }
@@ -169,6 +175,10 @@ func stampOf(fi fs.FileInfo) stamp {
 func New(cfg Config) (*Installer, error) {
 	if cfg.BinDir == "" || cfg.ConfDir == "" || cfg.PluginBinary == "" {
 		return nil, errors.New("installer: BinDir, ConfDir and PluginBinary are required")
+	}
+	cfg.BinDir, cfg.ConfDir = filepath.Clean(cfg.BinDir), filepath.Clean(cfg.ConfDir)
+	if cfg.StateFile != "" {
+		cfg.StateFile = filepath.Clean(cfg.StateFile)
 	}
 	if cfg.PluginName == "" {
 		cfg.PluginName = DefaultPluginName
@@ -293,7 +303,7 @@ func (i *Installer) Run(ctx context.Context) error {
 			if !ok {
 				return errors.New("installer: fsnotify watcher closed")
 			}
-			if ev.Name == filepath.Clean(i.cfg.ConfDir) || ev.Name == filepath.Clean(i.cfg.BinDir) {
+			if ev.Name == i.cfg.ConfDir || ev.Name == i.cfg.BinDir {
 				// The directory itself went away: its watch is gone with it.
 				watching = false
 				schedule(i.cfg.Debounce)
@@ -355,11 +365,11 @@ func (i *Installer) relevant(ev fsnotify.Event) bool {
 	if isOurTemp(base) {
 		return false
 	}
-	if dir == filepath.Clean(i.cfg.BinDir) && base == i.cfg.PluginName {
+	if dir == i.cfg.BinDir && base == i.cfg.PluginName {
 		return true
 	}
 	// A chmod of a config changes nothing the runtime reads.
-	return dir == filepath.Clean(i.cfg.ConfDir) && isConfigName(base) && !ev.Has(fsnotify.Chmod)
+	return dir == i.cfg.ConfDir && isConfigName(base) && !ev.Has(fsnotify.Chmod)
 }
 
 // pass brings binary and config to the desired state. force skips the
@@ -376,6 +386,7 @@ func (i *Installer) pass(force bool) (retry time.Duration, err error) {
 			i.log.Warn("install pass failed", "err", err)
 		}
 	}()
+	i.loadState()
 	if !i.tempsCleant {
 		for _, d := range []string{i.cfg.BinDir, i.cfg.ConfDir} {
 			if n, err := removeStaleTemps(d); err == nil && n > 0 {
@@ -592,6 +603,7 @@ func (i *Installer) ensureChained(path string, force bool) (time.Duration, error
 		rec.orig, rec.origPath, rec.origMode, rec.origOwner = old.orig, old.origPath, old.origMode, old.origOwner
 	}
 	i.records[target] = rec
+	i.saveState()
 
 	i.configWrites.Add(1)
 	if i.installed {
@@ -700,6 +712,7 @@ func (i *Installer) Shutdown(ctx context.Context, upgrade bool) error {
 	i.mu.Lock()
 	defer i.mu.Unlock()
 	i.closed = true
+	i.loadState()
 	if upgrade {
 		i.log.Info("upgrade: leaving plugin binary and config entry in place")
 		return nil
@@ -727,6 +740,9 @@ func (i *Installer) Shutdown(ctx context.Context, upgrade bool) error {
 	}
 	for _, d := range []string{i.cfg.BinDir, i.cfg.ConfDir} {
 		_, _ = removeStaleTemps(d)
+	}
+	if len(errs) == 0 {
+		i.dropState()
 	}
 	return errors.Join(errs...)
 }

@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"encoding/base64"
 	"errors"
+	"fmt"
 	"io/fs"
 	"log/slog"
 	"os"
@@ -674,5 +676,99 @@ func TestEnsurePrivateDir(t *testing.T) {
 	}
 	if err := EnsurePrivateDir(file); err == nil {
 		t.Error("file accepted")
+	}
+}
+
+func TestStateFileCarriesOriginalsAcrossRestart(t *testing.T) {
+	e := newEnv(t)
+	state := filepath.Join(t.TempDir(), "private", "installer-state.json")
+	conf, err := os.ReadFile(filepath.Join("testdata", "chain", "conf-convert", "in.conf"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.write(t, "10-mynet.conf", string(conf), 0o644)
+	e.write(t, "20-bridge.conflist", bridgeList, 0o644)
+
+	// The old agent converts and chains, then is upgraded away.
+	old := e.installer(t, func(c *Config) { c.StateFile = state })
+	if err := old.Install(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if fi, err := os.Stat(state); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("state file: %v", err)
+	}
+	if err := old.Shutdown(context.Background(), true); err != nil {
+		t.Fatal(err)
+	}
+
+	// The new agent has a different entry, so it rewrites ours once.
+	next := e.installer(t, func(c *Config) {
+		c.StateFile = state
+		c.PluginConfig = []byte(`{"socket":"/var/run/ambient-cni/agent.sock","timeout":"10s"}`)
+	})
+	if err := next.Install(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if next.Stats().ConfigWrites != 1 {
+		t.Fatalf("new entry not written: %+v", next.Stats())
+	}
+	if err := next.Shutdown(context.Background(), false); err != nil {
+		t.Fatal(err)
+	}
+	if got := e.read(t, "10-mynet.conf"); got != string(conf) {
+		t.Errorf("original .conf not restored after a restart:\n%s", got)
+	}
+	if _, err := os.Stat(e.path("10-mynet.conflist")); !errors.Is(err, fs.ErrNotExist) {
+		t.Error("converted list left behind")
+	}
+	if got := e.read(t, "20-bridge.conflist"); got != bridgeList {
+		t.Error("other config changed")
+	}
+	if _, err := os.Stat(state); !errors.Is(err, fs.ErrNotExist) {
+		t.Error("state file not removed after uninstall")
+	}
+}
+
+func TestStateFileHostile(t *testing.T) {
+	e := newEnv(t)
+	outside := filepath.Join(t.TempDir(), "victim.conf")
+	e.write(t, "10-bridge.conflist", bridgeList, 0o644)
+	chained := mustChain(t, bridgeList, "x.conflist")
+	for name, content := range map[string]string{
+		"garbage":       "{{{{",
+		"wrong version": `{"version":9,"records":[]}`,
+		// A record that would make us write outside the conf dir.
+		"escape": fmt.Sprintf(`{"version":1,"records":[{"path":%q,"written":%q,"origPath":%q,"orig":%q}]}`,
+			e.path("10-bridge.conflist"), base64.StdEncoding.EncodeToString([]byte(chained)),
+			outside, base64.StdEncoding.EncodeToString([]byte("pwned"))),
+	} {
+		t.Run(name, func(t *testing.T) {
+			state := filepath.Join(t.TempDir(), "state.json")
+			if err := os.WriteFile(state, []byte(content), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			e.write(t, "10-bridge.conflist", bridgeList, 0o644)
+			i := e.installer(t, func(c *Config) { c.StateFile = state })
+			if err := i.Install(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			// Forget this run's own record to force use of the loaded one.
+			i.mu.Lock()
+			i.records = map[string]*record{}
+			i.stateLoaded = false
+			i.mu.Unlock()
+			if err := os.WriteFile(state, []byte(content), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			if err := i.Shutdown(context.Background(), false); err != nil {
+				t.Fatal(err)
+			}
+			if got := e.read(t, "10-bridge.conflist"); got != bridgeList {
+				t.Errorf("config:\n%s", got)
+			}
+			if _, err := os.Stat(outside); !errors.Is(err, fs.ErrNotExist) {
+				t.Errorf("wrote outside the conf dir: %v", err)
+			}
+		})
 	}
 }
