@@ -5,6 +5,8 @@ BIN           ?= bin
 TOOLS_CACHE   ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ambient-cni/tools
 STATICCHECK_VERSION ?= v0.8.2
 STATICCHECK   := $(TOOLS_CACHE)/staticcheck-$(STATICCHECK_VERSION)/staticcheck
+# hack/kube-tools.sh and test/kubeenv find etcd, kube-apiserver and helm here.
+export AMBIENT_TOOLS_CACHE ?= $(TOOLS_CACHE)
 # protoc-gen-go tracks the google.golang.org/protobuf version in go.mod.
 PROTOC_GEN_GO_VERSION ?= v1.36.12
 PROTOC_GEN_GO := $(TOOLS_CACHE)/protoc-gen-go-$(PROTOC_GEN_GO_VERSION)/protoc-gen-go
@@ -13,7 +15,7 @@ PROTOC        ?= protoc
 TEST_TIMEOUT  ?= 20m
 PLUGIN_LDFLAGS := -s -w
 
-.PHONY: all build test test-unit lint fmt vet staticcheck generate manifests help clean
+.PHONY: all build tools test test-unit lint fmt vet staticcheck generate manifests help clean
 
 all: build
 
@@ -24,7 +26,10 @@ build: ## build the plugin and the agent into ./bin
 	$(GO) build -trimpath -ldflags='$(PLUGIN_LDFLAGS)' -o $(BIN)/ambient-cni ./cmd/cni-plugin
 	$(GO) build -trimpath -o $(BIN)/install-cni ./cmd/install-cni
 
-test: ## run every test (root tests need root; CI=true turns skips into failures)
+tools: ## build etcd, kube-apiserver and helm from the Go module proxy into the tools cache (minutes the first time, then cached)
+	GO='$(GO)' hack/kube-tools.sh
+
+test: tools ## run every test (root tests need root; CI=true turns skips into failures)
 	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...
 
 test-unit: ## run the tests that need neither root nor built tools

@@ -107,7 +107,7 @@ build() {
 	) &
 	pid=$!
 	rc=0
-	(cd "$tools/$dir" && CGO_ENABLED=0 "$GO" build -mod=readonly -trimpath -ldflags "$(ldflags "$name" "$v")" -o "$tmp" "$pkg") || rc=$?
+	(cd "$tools/$dir" && CGO_ENABLED=0 "$GO" build -mod=readonly -trimpath -ldflags "-s -w $(ldflags "$name" "$v")" -o "$tmp" "$pkg") || rc=$?
 	kill "$pid" 2>/dev/null || true
 	wait "$pid" 2>/dev/null || true
 	if [[ $rc -ne 0 ]]; then

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 
 	authenticationv1 "k8s.io/api/authentication/v1"
@@ -324,15 +325,16 @@ func TestApplyDryRun(t *testing.T) {
 	}
 
 	// The server, not a client-side check, rejects what a cluster would.
-	for name, bad := range map[string]string{
-		"invalid field value": strings.Replace(dryRunManifest, "operator: Exists", "operator: Sometimes", 1),
-		"missing image":       strings.Replace(dryRunManifest, "image: docker.io/local/agent:1", "", 1),
-		"unknown kind":        "apiVersion: example.com/v1\nkind: Widget\nmetadata: {name: w}\n",
-		"missing namespace":   "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c, namespace: no-such-ns}\n",
-		"not yaml":            "{[",
+	for name, c := range map[string]struct{ manifest, want string }{
+		"invalid field value": {strings.Replace(dryRunManifest, "operator: Exists", "operator: Sometimes", 1), "Unsupported value"},
+		"missing image":       {strings.Replace(dryRunManifest, "image: docker.io/local/agent:1", "", 1), "image: Required value"},
+		"unknown kind":        {"apiVersion: example.com/v1\nkind: Widget\nmetadata: {name: w}\n", "no matches for kind"},
+		"missing namespace":   {"apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c, namespace: no-such-ns}\n", "not found"},
+		"not yaml":            {"{[", "decode manifest"},
 	} {
-		if err := env.ApplyDryRun(ctx, []byte(bad)); err == nil {
-			t.Errorf("%s: dry run accepted it", name)
+		err := env.ApplyDryRun(ctx, []byte(c.manifest))
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: want an error containing %q, got %v", name, c.want, err)
 		}
 	}
 }
@@ -392,5 +394,25 @@ func TestUserConfigNodeIdentity(t *testing.T) {
 	}
 	if _, err := cs.CoreV1().Secrets("default").List(ctx, metav1.ListOptions{}); !apierrors.IsForbidden(err) {
 		t.Errorf("node lists secrets: want Forbidden, got %v", err)
+	}
+}
+
+// A per-test Env leaves no process behind when its test ends.
+func TestStartStopsWithTest(t *testing.T) {
+	var pids []int
+	t.Run("env", func(t *testing.T) {
+		env := Start(t)
+		if _, err := env.Client.CoreV1().Namespaces().List(context.Background(), metav1.ListOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		pids = []int{env.etcd.cmd.Process.Pid, env.apiserver.cmd.Process.Pid}
+	})
+	if len(pids) == 0 {
+		t.Skip("env did not start")
+	}
+	for _, pid := range pids {
+		if err := syscall.Kill(pid, 0); err != syscall.ESRCH {
+			t.Errorf("pid %d still exists after the test ended (kill 0: %v)", pid, err)
+		}
 	}
 }
