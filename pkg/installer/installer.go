@@ -138,6 +138,7 @@ type Installer struct {
 	waiting     bool // "waiting for primary config" already logged
 	tempsCleant bool
 	stateLoaded bool
+	lastErr     string // last pass error logged at Warn
 
 	configWrites, binaryCopies, reinstalls, throttled, errs atomic.Uint64
 }
@@ -260,11 +261,24 @@ func (i *Installer) Stats() Stats {
 // when there is no primary config yet. It ignores the rewrite limit: the
 // caller asked for exactly one pass.
 func (i *Installer) Install(ctx context.Context) error {
-	if err := ctx.Err(); err != nil {
-		return err
+	for attempt := 1; ; attempt++ {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		retry, err := i.pass(true)
+		if err != nil || retry == 0 {
+			return err
+		}
+		// The primary wrote the file while we did: read it again.
+		if attempt == 5 {
+			return errors.New("installer: CNI config kept changing during install")
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(retry):
+		}
 	}
-	_, err := i.pass(true)
-	return err
 }
 
 // Run installs, then watches the conf dir and the bin dir and repairs our
@@ -381,9 +395,18 @@ func (i *Installer) pass(force bool) (retry time.Duration, err error) {
 		return 0, errClosed
 	}
 	defer func() {
-		if err != nil && !errors.Is(err, ErrNoPrimaryConfig) && !errors.Is(err, ErrConfigInFlux) {
-			i.errs.Add(1)
+		if err == nil || errors.Is(err, ErrNoPrimaryConfig) || errors.Is(err, ErrConfigInFlux) {
+			i.lastErr = ""
+			return
+		}
+		i.errs.Add(1)
+		// A lasting problem (say, a config we refuse to edit) is retried
+		// with back-off; say so once, not on every retry.
+		if msg := err.Error(); msg != i.lastErr {
 			i.log.Warn("install pass failed", "err", err)
+			i.lastErr = msg
+		} else {
+			i.log.Debug("install pass failed again", "err", err)
 		}
 	}()
 	i.loadState()
@@ -729,7 +752,14 @@ func (i *Installer) Shutdown(ctx context.Context, upgrade bool) error {
 		if e.IsDir() || filepath.Ext(e.Name()) != ConflistExt {
 			continue
 		}
-		if err := i.unchainFile(filepath.Join(i.cfg.ConfDir, e.Name())); err != nil {
+		p := filepath.Join(i.cfg.ConfDir, e.Name())
+		err := i.unchainFile(p)
+		// Racing a primary that is writing the same file: try again.
+		for try := 0; errors.Is(err, errChanged) && try < 3; try++ {
+			time.Sleep(i.cfg.Debounce)
+			err = i.unchainFile(p)
+		}
+		if err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -763,7 +793,7 @@ func (i *Installer) unchainFile(path string) error {
 	guard := func() error {
 		now, _, err := readLimited(path)
 		if err != nil || !bytes.Equal(now, cur) {
-			return fmt.Errorf("%s changed while removing our entry", path)
+			return fmt.Errorf("%s: %w", path, errChanged)
 		}
 		return nil
 	}
