@@ -543,7 +543,7 @@ func TestNoLeaksAcrossAddDelAndReconnects(t *testing.T) {
 	waitWarm()
 	eventually(t, "warm-up conn gone", func() bool { return s.Connections() == 0 })
 
-	fds0, g0 := openFDs(t), goroutines()
+	g0, fds0 := goroutines(), openFDs(t)
 	p := dialPeer(t, s)
 	p.handshake()
 	wait := p.autoAck(nil)
@@ -574,7 +574,7 @@ func TestNoLeaksAcrossAddDelAndReconnects(t *testing.T) {
 	eventually(t, "connections gone", func() bool { return s.Connections() == 0 })
 	var fds1, g1 int
 	eventually(t, "fds and goroutines back to where they started", func() bool {
-		fds1, g1 = openFDs(t), goroutines()
+		g1, fds1 = goroutines(), openFDs(t)
 		return fds1 <= fds0 && g1 <= g0
 	})
 	t.Logf("fds %d -> %d, goroutines %d -> %d", fds0, fds1, g0, g1)

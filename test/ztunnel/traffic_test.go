@@ -1,0 +1,185 @@
+package ztunnel
+
+import (
+	"context"
+	"net/netip"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/ambient-cni/ambient-cni/internal/testnet"
+)
+
+func waitFor(t *testing.T, z *StandIn, what string, cond func() bool) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := z.Wait(ctx, cond); err != nil {
+		t.Fatalf("timed out waiting for %s", what)
+	}
+}
+
+func hasRecord(z *StandIn, match func(Record) bool) bool {
+	return slices.ContainsFunc(z.Records(), match)
+}
+
+// TestTrafficThroughStandIn: real pods on a bridge with the project's
+// in-pod rules; traffic between enrolled pods is tunneled A:15001 ->
+// B:15008, an unenrolled client lands on B:15006, and everything keeps
+// working across a stand-in restart, a snapshot that drops a pod, and a
+// rolling upgrade with two stand-ins.
+func TestTrafficThroughStandIn(t *testing.T) {
+	testnet.RequireRoot(t)
+	testnet.RequireCommands(t, "iptables-restore", "ip6tables-restore")
+	pods := newBridge(t, "a", "b", "c", "d")
+	a, b, c, d := pods["a"], pods["b"], pods["c"], pods["d"]
+	for _, p := range []*tpod{a, b, d} {
+		p.capture(t)
+	}
+	ag := startAgent(t, 5*time.Second)
+	z1, stop1 := runStandInStoppable(t, Config{SocketPath: ag.srv.SocketPath()})
+	waitFor(t, z1, "first snapshot", z1.Ready)
+	ag.enroll(t, a)
+	ag.enroll(t, b)
+
+	b8080 := netip.AddrPortFrom(b.v4, 8080)
+	a.mustGet(t, b8080, "b")
+	if !hasRecord(z1, func(r Record) bool {
+		return r.UID == a.uid && r.Port == 15001 && r.OrigDst == b8080 && r.Tunneled && r.Upstream == netip.AddrPortFrom(b.v4, 15008)
+	}) {
+		t.Fatalf("no record of A's 15001 tunneling to B: %+v", z1.Records())
+	}
+	if !hasRecord(z1, func(r Record) bool {
+		return r.UID == b.uid && r.Port == 15008 && r.OrigDst == b8080 && r.Source.Addr() == a.v4
+	}) {
+		t.Fatalf("no record of B's 15008 from A: %+v", z1.Records())
+	}
+
+	c.mustGet(t, b8080, "b")
+	if !hasRecord(z1, func(r Record) bool {
+		return r.UID == b.uid && r.Port == 15006 && r.OrigDst == b8080 && r.Source.Addr() == c.v4
+	}) {
+		t.Fatalf("no record of B's 15006 from unenrolled C: %+v", z1.Records())
+	}
+
+	c8080 := netip.AddrPortFrom(c.v4, 8080)
+	a.mustGet(t, c8080, "c")
+	if !hasRecord(z1, func(r Record) bool {
+		return r.UID == a.uid && r.Port == 15001 && r.OrigDst == c8080 && !r.Tunneled && r.Upstream == c8080
+	}) {
+		t.Fatalf("no record of A's 15001 going directly to unenrolled C: %+v", z1.Records())
+	}
+
+	b6 := netip.AddrPortFrom(b.v6, 8080)
+	a.mustGet(t, b6, "b")
+	if !hasRecord(z1, func(r Record) bool {
+		return r.UID == b.uid && r.Port == 15008 && r.OrigDst == b6 && r.Source.Addr() == a.v6
+	}) {
+		t.Fatalf("no IPv6 tunnel record: %+v", z1.Records())
+	}
+
+	t.Run("restart gets a snapshot", func(t *testing.T) {
+		stop1()
+		if _, err := a.get(context.Background(), b8080); err == nil {
+			t.Fatalf("traffic flowed with no ztunnel listening")
+		}
+		z2 := runStandIn(t, Config{SocketPath: ag.srv.SocketPath()})
+		waitFor(t, z2, "snapshot after restart", z2.Ready)
+		msgs := z2.Messages()
+		if len(msgs) != 3 || msgs[2].Kind != KindSnapshotSent {
+			t.Fatalf("want Add, Add, SnapshotSent; got %+v", msgs)
+		}
+		want := map[string]NetnsID{a.uid: netnsOf(t, a), b.uid: netnsOf(t, b)}
+		for _, m := range msgs[:2] {
+			if m.Kind != KindAdd || m.FDs != 1 || m.AckError != "" || want[m.UID] != m.Netns {
+				t.Errorf("snapshot message %+v, want an acked Add with the pod's netns", m)
+			}
+			delete(want, m.UID)
+		}
+		a.mustGet(t, b8080, "b")
+		c.mustGet(t, b8080, "b")
+
+		t.Run("snapshot drops what the agent no longer has", func(t *testing.T) {
+			ag.forget(t, b, false)
+			z2.Disconnect()
+			waitFor(t, z2, "B dropped", func() bool { _, ok := z2.Workload(b.uid); return !ok && z2.Ready() })
+			if _, ok := z2.Workload(a.uid); !ok {
+				t.Fatalf("A dropped too")
+			}
+			if _, err := c.get(context.Background(), b8080); err == nil {
+				t.Fatalf("B still served after the snapshot dropped it")
+			}
+			ag.enroll(t, b)
+			c.mustGet(t, b8080, "b")
+		})
+
+		t.Run("rolling upgrade", func(t *testing.T) {
+			z3 := runStandIn(t, Config{SocketPath: ag.srv.SocketPath()})
+			waitFor(t, z3, "second stand-in ready", z3.Ready)
+			// The stand-in is ready before its ack reaches the agent.
+			eventually(t, "two ready connections", func() bool { return ag.srv.ReadyConnections() == 2 })
+			before := len(z2.Messages())
+			ag.enroll(t, d)
+			if _, ok := z3.Workload(d.uid); !ok {
+				t.Fatalf("newest stand-in did not get the new pod")
+			}
+			if _, ok := z2.Workload(d.uid); ok {
+				t.Fatalf("older stand-in got the new pod")
+			}
+			d8080 := netip.AddrPortFrom(d.v4, 8080)
+			c.mustGet(t, d8080, "d")
+			if !hasRecord(z3, func(r Record) bool { return r.UID == d.uid && r.Port == 15006 }) {
+				t.Fatalf("new pod's traffic not through the newest stand-in")
+			}
+			// Both hold A and B (SO_REUSEPORT): traffic still works.
+			a.mustGet(t, b8080, "b")
+
+			ag.forget(t, a, true)
+			waitFor(t, z2, "Del on the old stand-in", func() bool { _, ok := z2.Workload(a.uid); return !ok })
+			waitFor(t, z3, "Del on the new stand-in", func() bool { _, ok := z3.Workload(a.uid); return !ok })
+			for _, m := range z2.Messages()[before:] {
+				if m.Kind == KindAdd {
+					t.Errorf("older stand-in got %+v after the newer connected", m)
+				}
+			}
+		})
+	})
+}
+
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// runStandInStoppable runs a stand-in (misbehaving as faults say) that
+// the test can stop early.
+func runStandInStoppable(t *testing.T, cfg Config, faults ...Faults) (*StandIn, func()) {
+	t.Helper()
+	cfg.MinBackoff, cfg.MaxBackoff = 20*time.Millisecond, 200*time.Millisecond
+	z := New(cfg)
+	for _, f := range faults {
+		z.SetFaults(f)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- z.Run(ctx) }()
+	var stopped bool
+	stop := func() {
+		if stopped {
+			return
+		}
+		stopped = true
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("stand-in: %v", err)
+		}
+	}
+	t.Cleanup(stop)
+	return z, stop
+}
