@@ -101,6 +101,10 @@ type Config struct {
 	// (an upgrade) still restores them exactly. Put it in a root-only
 	// directory that survives container restarts (a host path).
 	StateFile string
+	// OnReinstall, when set, is called once per reinstall (see
+	// Stats.Reinstalls), e.g. a prometheus Counter's Inc. It runs with the
+	// Installer's lock held: it must be quick and must not call back.
+	OnReinstall func()
 	// Logger receives structured logs; nil discards them.
 	Logger *slog.Logger
 }
@@ -477,7 +481,7 @@ func (i *Installer) ensureBinary(force bool) (time.Duration, error) {
 	}
 	i.binaryCopies.Add(1)
 	if i.installed {
-		i.reinstalls.Add(1)
+		i.countReinstall()
 	}
 	i.log.Info("installed plugin binary", "path", i.dst, "reinstall", i.installed)
 	return 0, nil
@@ -630,11 +634,18 @@ func (i *Installer) ensureChained(path string, force bool) (time.Duration, error
 
 	i.configWrites.Add(1)
 	if i.installed {
-		i.reinstalls.Add(1)
+		i.countReinstall()
 	}
 	i.log.Info("chained plugin into primary CNI config", "file", target, "from", path, "reinstall", i.installed)
 	i.markInstalled(target)
 	return 0, nil
+}
+
+func (i *Installer) countReinstall() {
+	i.reinstalls.Add(1)
+	if i.cfg.OnReinstall != nil {
+		i.cfg.OnReinstall()
+	}
 }
 
 func (i *Installer) markInstalled(path string) {

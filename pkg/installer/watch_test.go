@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -28,7 +29,8 @@ func (e *env) chainedOK(t testing.TB, name, primary string) func() error {
 func TestRunRestoresAfterPrimaryRewrites(t *testing.T) {
 	e := newEnv(t)
 	e.write(t, "10-bridge.conflist", bridgeList, 0o644)
-	i := e.installer(t, nil)
+	var hooked atomic.Uint64
+	i := e.installer(t, func(c *Config) { c.OnReinstall = func() { hooked.Add(1) } })
 	run(t, i)
 	waitFor(t, "initial install", i.Check)
 
@@ -78,8 +80,8 @@ func TestRunRestoresAfterPrimaryRewrites(t *testing.T) {
 	})
 	// The counter moves just after the rename the checks above see.
 	waitFor(t, "reinstall count", func() error {
-		if st := i.Stats(); st.Reinstalls < 6 || st.BinaryCopies != 3 {
-			return fmt.Errorf("want a reinstall per repair: %+v", st)
+		if st := i.Stats(); st.Reinstalls < 6 || st.BinaryCopies != 3 || hooked.Load() != st.Reinstalls {
+			return fmt.Errorf("want a reinstall per repair: %+v, hook saw %d", st, hooked.Load())
 		}
 		return nil
 	})
