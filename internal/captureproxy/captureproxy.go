@@ -17,6 +17,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 	"unsafe"
 
@@ -113,7 +114,8 @@ func Start(netnsPath string, cfg Config) (*Proxy, error) {
 				tcp = append(tcp, l)
 			}
 			for _, port := range cfg.UDPPorts {
-				c, err := lc.ListenPacket(ctx, n.udp, net.JoinHostPort(n.host, strconv.Itoa(int(port))))
+				ulc := net.ListenConfig{Control: pktinfoOn}
+				c, err := ulc.ListenPacket(ctx, n.udp, net.JoinHostPort(n.host, strconv.Itoa(int(port))))
 				if err != nil {
 					return fmt.Errorf("listen %s port %d: %w", n.udp, port, err)
 				}
@@ -284,23 +286,77 @@ func (p *Proxy) handleTCP(port uint16, c *net.TCPConn) {
 	_, _ = io.Copy(io.Discard, io.LimitReader(c, maxDrain))
 }
 
-func (p *Proxy) serveUDP(c net.PacketConn) {
+func (p *Proxy) serveUDP(pc net.PacketConn) {
 	defer p.wg.Done()
-	local := addrPort(c.LocalAddr())
+	c := pc.(*net.UDPConn)
+	bound := addrPort(c.LocalAddr())
 	buf := make([]byte, 64<<10)
+	oob := make([]byte, 512)
 	for {
-		n, from, err := c.ReadFrom(buf)
+		n, oobn, _, from, err := c.ReadMsgUDPAddrPort(buf, oob)
 		if err != nil {
 			if p.ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
 				return
 			}
 			continue
 		}
-		r := Record{Proto: "udp", Port: local.Port(), Local: local, Peer: addrPort(from),
+		// The datagram's own destination: a wildcard socket must answer
+		// from it, or conntrack cannot undo a REDIRECT on the reply.
+		dst := pktDst(oob[:oobn])
+		local := bound
+		var reply []byte
+		if dst.IsValid() {
+			local = netip.AddrPortFrom(dst.Unmap(), bound.Port())
+			reply = pktinfoFrom(dst)
+		}
+		r := Record{Proto: "udp", Port: bound.Port(), Local: local, Peer: unmap(from),
 			Data: append([]byte(nil), buf[:min(n, MaxDatagram)]...)}
 		p.add(r)
-		_, _ = c.WriteTo([]byte(r.banner()), from)
+		_, _, _ = c.WriteMsgUDPAddrPort([]byte(r.banner()), reply, from)
 	}
+}
+
+// pktinfoOn asks the kernel for each datagram's destination address.
+func pktinfoOn(network, _ string, rc syscall.RawConn) error {
+	var serr error
+	err := rc.Control(func(fd uintptr) {
+		if network == "udp6" {
+			serr = unix.SetsockoptInt(int(fd), unix.SOL_IPV6, unix.IPV6_RECVPKTINFO, 1)
+		} else {
+			serr = unix.SetsockoptInt(int(fd), unix.SOL_IP, unix.IP_PKTINFO, 1)
+		}
+	})
+	if err != nil {
+		return err
+	}
+	return serr
+}
+
+// pktDst extracts the destination address from IP_PKTINFO/IPV6_PKTINFO.
+func pktDst(oob []byte) netip.Addr {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return netip.Addr{}
+	}
+	for _, m := range msgs {
+		switch {
+		case m.Header.Level == unix.SOL_IP && m.Header.Type == unix.IP_PKTINFO && len(m.Data) >= unix.SizeofInet4Pktinfo:
+			info := (*unix.Inet4Pktinfo)(unsafe.Pointer(&m.Data[0]))
+			return netip.AddrFrom4(info.Addr)
+		case m.Header.Level == unix.SOL_IPV6 && m.Header.Type == unix.IPV6_PKTINFO && len(m.Data) >= unix.SizeofInet6Pktinfo:
+			info := (*unix.Inet6Pktinfo)(unsafe.Pointer(&m.Data[0]))
+			return netip.AddrFrom16(info.Addr)
+		}
+	}
+	return netip.Addr{}
+}
+
+// pktinfoFrom builds the control message that sets a reply's source.
+func pktinfoFrom(a netip.Addr) []byte {
+	if a.Is4() {
+		return unix.PktInfo4(&unix.Inet4Pktinfo{Spec_dst: a.As4()})
+	}
+	return unix.PktInfo6(&unix.Inet6Pktinfo{Addr: a.As16()})
 }
 
 func addrPort(a net.Addr) netip.AddrPort {

@@ -20,6 +20,10 @@ type DialOptions struct {
 	Source netip.Addr
 	// Mark sets SO_MARK, as ztunnel does on its own sockets.
 	Mark uint32
+	// Transparent sets IP_TRANSPARENT / IPV6_TRANSPARENT so Source may be
+	// an address the namespace does not own, as ztunnel does when it
+	// connects to an application with the client's address.
+	Transparent bool
 	// Timeout bounds the whole exchange; default 5s.
 	Timeout time.Duration
 }
@@ -29,12 +33,20 @@ func (o DialOptions) dialer() *net.Dialer {
 	if o.Source.IsValid() {
 		d.LocalAddr = &net.TCPAddr{IP: o.Source.AsSlice()}
 	}
-	if o.Mark != 0 {
-		mark := int(o.Mark)
-		d.Control = func(_, _ string, c syscall.RawConn) error {
+	if o.Mark != 0 || o.Transparent {
+		d.Control = func(network, _ string, c syscall.RawConn) error {
 			var serr error
 			if err := c.Control(func(fd uintptr) {
-				serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, mark)
+				if o.Mark != 0 {
+					serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, int(o.Mark))
+				}
+				if serr == nil && o.Transparent {
+					if network == "tcp6" || network == "udp6" {
+						serr = unix.SetsockoptInt(int(fd), unix.SOL_IPV6, unix.IPV6_TRANSPARENT, 1)
+					} else {
+						serr = unix.SetsockoptInt(int(fd), unix.SOL_IP, unix.IP_TRANSPARENT, 1)
+					}
+				}
 			}); err != nil {
 				return err
 			}

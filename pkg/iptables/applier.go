@@ -2,9 +2,12 @@ package iptables
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
+	"sync"
 	"time"
 )
 
@@ -112,29 +115,51 @@ func (a *Applier) ApplyContext(ctx context.Context, netnsPath string, cfg PodCon
 	if err != nil {
 		return err
 	}
-	for _, f := range Families {
+	return perFamily(func(f Family) error {
 		if f == IPv6 && !v6 {
 			if err := a.removeFamily(ctx, netnsPath, f, false); err != nil {
 				a.log.Debug("no IPv6 leftovers removed", "netns", netnsPath, "err", err)
 			}
-			continue
+			return nil
 		}
-		rs := PodRules(cfg, f)
-		cur, err := a.save(ctx, netnsPath, f)
-		if err != nil {
+		return a.applyFamily(ctx, netnsPath, PodRules(cfg, f))
+	})
+}
+
+// perFamily runs fn for both families at once (they share nothing, and
+// each costs a few process executions) and joins their errors.
+func perFamily(fn func(Family) error) error {
+	errs := make([]error, len(Families))
+	var wg sync.WaitGroup
+	for i, f := range Families {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = fn(f)
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// applyFamily converges one family: restore only when the plan is not
+// empty, then the policy route.
+func (a *Applier) applyFamily(ctx context.Context, netnsPath string, rs RuleSet) error {
+	f := rs.Family
+	cur, err := a.save(ctx, netnsPath, f)
+	if err != nil {
+		return err
+	}
+	plan := PlanApply(rs, cur)
+	if plan != "" {
+		if err := a.restore(ctx, netnsPath, f, plan); err != nil {
 			return err
 		}
-		plan := PlanApply(rs, cur)
-		if plan != "" {
-			if err := a.restore(ctx, netnsPath, f, plan); err != nil {
-				return err
-			}
-		}
-		if err := a.router.EnsurePolicyRoute(netnsPath, f, rs.Routing); err != nil {
-			return fmt.Errorf("policy routing in netns %s: %w", netnsPath, err)
-		}
-		a.log.Debug("rules applied", "netns", netnsPath, "family", f.String(), "changed", plan != "")
 	}
+	if err := a.router.EnsurePolicyRoute(netnsPath, f, rs.Routing); err != nil {
+		return fmt.Errorf("%s policy routing in netns %s: %w", f, netnsPath, err)
+	}
+	a.log.Debug("rules applied", "netns", netnsPath, "family", f.String(), "changed", plan != "")
 	return nil
 }
 
@@ -155,28 +180,34 @@ func (a *Applier) VerifyContext(ctx context.Context, netnsPath string, cfg PodCo
 	if err != nil {
 		return Drift{}, err
 	}
-	var d Drift
-	for _, f := range Families {
+	drifts := make([][]DriftItem, len(Families))
+	err = perFamily(func(f Family) error {
+		i := slices.Index(Families, f)
 		rs := PodRules(cfg, f)
 		if f == IPv6 && !v6 {
 			// Only leftovers can drift in a disabled family.
-			cur, err := a.save(ctx, netnsPath, f)
-			if err != nil {
-				continue
+			if cur, err := a.save(ctx, netnsPath, f); err == nil {
+				drifts[i] = RuleSet{Family: f}.Diff(cur).Items
 			}
-			d.Items = append(d.Items, RuleSet{Family: f}.Diff(cur).Items...)
-			continue
+			return nil
 		}
 		cur, err := a.save(ctx, netnsPath, f)
 		if err != nil {
-			return Drift{}, err
+			return err
 		}
-		d.Items = append(d.Items, rs.Diff(cur).Items...)
 		rule, route, err := a.router.PolicyRouteState(netnsPath, f, rs.Routing)
 		if err != nil {
-			return Drift{}, fmt.Errorf("policy routing in netns %s: %w", netnsPath, err)
+			return fmt.Errorf("%s policy routing in netns %s: %w", f, netnsPath, err)
 		}
-		d.Items = append(d.Items, routingDrift(f, rs.Routing, rule, route)...)
+		drifts[i] = append(rs.Diff(cur).Items, routingDrift(f, rs.Routing, rule, route)...)
+		return nil
+	})
+	if err != nil {
+		return Drift{}, err
+	}
+	var d Drift
+	for _, items := range drifts {
+		d.Items = append(d.Items, items...)
 	}
 	return d, nil
 }
@@ -213,17 +244,15 @@ func (a *Applier) RemoveContext(ctx context.Context, netnsPath string) error {
 	if err != nil {
 		return err
 	}
-	for _, f := range Families {
-		if err := a.removeFamily(ctx, netnsPath, f, f == IPv4 || v6); err != nil {
-			if f == IPv6 && !v6 {
-				// ip6tables may be unusable without IPv6; nothing of ours can be there.
-				a.log.Debug("skipping IPv6 removal", "netns", netnsPath, "err", err)
-				continue
-			}
-			return err
+	return perFamily(func(f Family) error {
+		err := a.removeFamily(ctx, netnsPath, f, f == IPv4 || v6)
+		if err != nil && f == IPv6 && !v6 {
+			// ip6tables may be unusable without IPv6; nothing of ours can be there.
+			a.log.Debug("skipping IPv6 removal", "netns", netnsPath, "err", err)
+			return nil
 		}
-	}
-	return nil
+		return err
+	})
 }
 
 // removeFamily removes our rules of family f; routing too when routes is set.
@@ -245,7 +274,7 @@ func (a *Applier) removeFamily(ctx context.Context, netnsPath string, f Family, 
 		return nil
 	}
 	if err := a.router.RemovePolicyRoute(netnsPath, f, PodRules(PodConfig{}, f).Routing); err != nil {
-		return fmt.Errorf("policy routing in netns %s: %w", netnsPath, err)
+		return fmt.Errorf("%s policy routing in netns %s: %w", f, netnsPath, err)
 	}
 	return nil
 }

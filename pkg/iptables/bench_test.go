@@ -1,0 +1,91 @@
+package iptables
+
+import (
+	"testing"
+
+	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/containernetworking/plugins/pkg/ns"
+)
+
+// TestDetectBackend runs detection inside throwaway namespaces, so the
+// host's own rules do not decide the outcome.
+func TestDetectBackend(t *testing.T) {
+	requireBackend(t, BackendNFT)
+	requireBackend(t, BackendLegacy)
+	for _, tc := range []struct{ override, want string }{{"legacy", "legacy"}, {"iptables-nft", "nft"}} {
+		if got, err := DetectBackend(tc.override); err != nil || string(got) != tc.want {
+			t.Errorf("override %q: %q, %v", tc.override, got, err)
+		}
+	}
+	if _, err := DetectBackend("ebpf"); err == nil {
+		t.Error("unknown override accepted")
+	}
+	for _, b := range []Backend{BackendNFT, BackendLegacy} {
+		n := testnet.NewNS(t)
+		run(t, n.Path(), b.Cmd(IPv4), "-t", "nat", "-A", "POSTROUTING", "-j", "RETURN")
+		var got Backend
+		err := n.Do(func(ns.NetNS) error {
+			var err error
+			got, err = DetectBackend("")
+			return err
+		})
+		if err != nil || got != b {
+			t.Errorf("namespace with %s rules: detected %q, %v", b, got, err)
+		}
+	}
+	// With no rules anywhere the default binary's mode decides.
+	n := testnet.NewNS(t)
+	var got Backend
+	if err := n.Do(func(ns.NetNS) error {
+		var err error
+		got, err = DetectBackend("")
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	want := modeFromVersion(run(t, "", "iptables", "--version"))
+	if got != want {
+		t.Errorf("empty namespace: detected %q, default binary is %q", got, want)
+	}
+}
+
+// BenchmarkApply measures one pod's Apply (both families, real netns,
+// real iptables-restore and netlink) into a fresh namespace, and the
+// converged re-apply that only reads.
+func BenchmarkApply(b *testing.B) {
+	for _, be := range []Backend{BackendNFT, BackendLegacy} {
+		b.Run(string(be)+"/fresh", func(b *testing.B) {
+			requireBackendB(b, be)
+			a := NewApplier(nil, be)
+			for i := 0; i < b.N; i++ {
+				b.StopTimer()
+				n := testnet.NewNS(b)
+				b.StartTimer()
+				if err := a.Apply(n.Path(), PodConfig{}); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+		b.Run(string(be)+"/converged", func(b *testing.B) {
+			requireBackendB(b, be)
+			a := NewApplier(nil, be)
+			n := testnet.NewNS(b)
+			if err := a.Apply(n.Path(), PodConfig{}); err != nil {
+				b.Fatal(err)
+			}
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				if err := a.Apply(n.Path(), PodConfig{}); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+func requireBackendB(b *testing.B, be Backend) {
+	testnet.RequireRoot(b)
+	for _, f := range Families {
+		testnet.RequireCommands(b, be.SaveCmd(f), be.RestoreCmd(f))
+	}
+}
