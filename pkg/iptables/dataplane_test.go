@@ -376,7 +376,9 @@ func dnsCapture(t *testing.T, b Backend) {
 		if err != nil || got.Port != 53 {
 			t.Errorf("%s marked UDP DNS: %v %v, want answer from B:53", f, got, err)
 		}
-		if _, err := proxB.WaitFor(ctx, func(r captureproxy.Record) bool { return string(r.Data) == "upstream" && r.Peer.Addr() == podAddr(pair.A, f) }); err != nil {
+		if _, err := proxB.WaitFor(ctx, func(r captureproxy.Record) bool {
+			return string(r.Data) == "upstream" && r.Peer.Addr() == podAddr(pair.A, f)
+		}); err != nil {
 			t.Errorf("%s: B never saw the marked query: %v", f, err)
 		}
 	}
