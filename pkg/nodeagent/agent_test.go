@@ -1,0 +1,364 @@
+package nodeagent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
+)
+
+type harness struct {
+	agent   *Agent
+	rules   *fakeRules
+	zt      *fakeZtunnel
+	ann     *fakeAnnotator
+	decider *PolicyDecider
+	dir     string
+}
+
+func newHarness(t *testing.T) *harness {
+	t.Helper()
+	testnet.RequireRoot(t)
+	h := &harness{rules: newFakeRules(), zt: &fakeZtunnel{}, ann: &fakeAnnotator{}, decider: NewPolicyDecider(ambient.DefaultPolicy()), dir: t.TempDir()}
+	a, err := NewAgent(Config{
+		Decider: h.decider, Rules: h.rules, Ztunnel: h.zt, Annotator: h.ann, Enablement: h.decider,
+		SnapshotFile: filepath.Join(h.dir, nodefiles.SnapshotName), SpoolDir: filepath.Join(h.dir, nodefiles.SpoolName),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = a.Close() })
+	h.agent = a
+	h.decider.SetNamespace(namespace("shop", true))
+	h.decider.SetNamespace(namespace("plain", false))
+	return h
+}
+
+func openNS(t *testing.T, n ns.NetNS) *Netns {
+	t.Helper()
+	h, err := OpenNetns(n.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return h
+}
+
+func info(p string, uid, sandbox string) PodInfo {
+	nsName, name, _ := strings.Cut(p, "/")
+	return PodInfo{Namespace: nsName, Name: name, UID: types.UID(uid), SandboxID: sandbox, IPs: []netip.Addr{netip.MustParseAddr("10.9.0.5")}}
+}
+
+func TestEnrollAndRemove(t *testing.T) {
+	h := newHarness(t)
+	fds := openFDs(t)
+	pn := testnet.NewNS(t)
+	h.decider.SetPod(pod("shop", "web", "u1", nil))
+
+	v, err := h.agent.HandleAdd(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn))
+	if err != nil || v != ambient.VerdictEnrolled {
+		t.Fatalf("HandleAdd = %q, %v", v, err)
+	}
+	pods := h.agent.Pods()
+	if len(pods) != 1 || pods[0].UID != "u1" || pods[0].State != StateEnabled || pods[0].SandboxID != "sb1" || pods[0].Netns != pn.Path() ||
+		pods[0].ServiceAccount != "sa-web" || len(pods[0].IPs) != 1 {
+		t.Fatalf("state = %+v", pods)
+	}
+	if h.rules.count() != 1 || len(h.zt.adds) != 1 || h.zt.adds[0].UID != "u1" || h.zt.adds[0].Info.ServiceAccount != "sa-web" {
+		t.Fatalf("rules %d, ztunnel adds %+v", h.rules.count(), h.zt.adds)
+	}
+	if got := h.ann.history("u1"); got != "enabled" {
+		t.Errorf("annotations %q, want one write of enabled", got)
+	}
+	if uid, ok := h.agent.EnrolledUID("shop", "web"); !ok || uid != "u1" {
+		t.Errorf("EnrolledUID = %q, %v", uid, ok)
+	}
+	if w := h.agent.Workloads(); len(w) != 1 || w[0].Netns == nil {
+		t.Errorf("workloads = %+v", w)
+	}
+	// A repeated ADD for the same sandbox is idempotent.
+	if v, err := h.agent.HandleAdd(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil || v != ambient.VerdictEnrolled {
+		t.Fatalf("second HandleAdd = %q, %v", v, err)
+	}
+	if len(h.agent.Pods()) != 1 {
+		t.Fatalf("duplicate state after repeated ADD")
+	}
+	// DEL of an older sandbox of the same pod changes nothing.
+	if err := h.agent.RemoveSandbox(context.Background(), "old-sandbox", "u1"); err != nil || len(h.agent.Pods()) != 1 {
+		t.Fatalf("DEL of another sandbox removed the pod (%v)", err)
+	}
+	for i := range 2 {
+		if err := h.agent.RemoveSandbox(context.Background(), "sb1", "u1"); err != nil {
+			t.Fatalf("DEL #%d: %v", i+1, err)
+		}
+	}
+	if len(h.agent.Pods()) != 0 || h.rules.count() != 0 || strings.Join(h.zt.dels, ",") != "u1" {
+		t.Errorf("after DEL: pods %v, rules %d, dels %v", h.agent.Pods(), h.rules.count(), h.zt.dels)
+	}
+	if got := h.ann.history("u1"); got != "enabled,enabled," {
+		t.Errorf("annotations %q", got)
+	}
+	if n := openFDs(t); n != fds+1 { // +1: pn's own handle
+		t.Errorf("open fds %d, want %d: netns handles leaked", n, fds+1)
+	}
+}
+
+func TestEnrollDecisions(t *testing.T) {
+	h := newHarness(t)
+	pn := testnet.NewNS(t)
+	h.decider.SetPod(pod("plain", "a", "u-a", nil))
+	h.decider.SetPod(pod("plain", "b", "u-b", map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}))
+	h.decider.SetPod(pod("shop", "c", "u-c", map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeNone}))
+	for _, tc := range []struct {
+		pod  string
+		uid  string
+		want ambient.Verdict
+	}{{"plain/a", "u-a", ambient.VerdictNotEnrolled}, {"plain/b", "u-b", ambient.VerdictEnrolled}, {"shop/c", "u-c", ambient.VerdictNotEnrolled}} {
+		v, err := h.agent.HandleAdd(context.Background(), info(tc.pod, tc.uid, "sb-"+tc.uid), openNS(t, pn))
+		if err != nil || v != tc.want {
+			t.Errorf("%s: %q, %v; want %q", tc.pod, v, err, tc.want)
+		}
+	}
+	if ops := h.rules.ops(); ops != "apply" {
+		t.Errorf("rule ops %q: only the pod-labelled pod gets rules", ops)
+	}
+	// Unknown pod, or the runtime naming another uid: retry later.
+	for _, p := range []PodInfo{info("shop/ghost", "", "sb-x"), info("plain/a", "other-uid", "sb-y")} {
+		if _, err := h.agent.HandleAdd(context.Background(), p, openNS(t, pn)); !IsRetryable(err) {
+			t.Errorf("%s/%s: %v, want retryable", p.Namespace, p.Name, err)
+		}
+	}
+}
+
+func TestEnrollFailures(t *testing.T) {
+	h := newHarness(t)
+	pn := testnet.NewNS(t)
+	h.decider.SetPod(pod("shop", "web", "u1", nil))
+
+	h.rules.applyErr = errors.New("xtables lock busy")
+	_, err := h.agent.HandleAdd(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn))
+	if !IsRetryable(err) || !strings.Contains(err.Error(), "xtables lock busy") || len(h.agent.Pods()) != 0 {
+		t.Fatalf("apply failure: %v, state %v", err, h.agent.Pods())
+	}
+	h.rules.applyErr = nil
+	h.zt.addErr = errors.New("no ztunnel connected")
+	_, err = h.agent.HandleAdd(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn))
+	if !IsRetryable(err) || !strings.Contains(err.Error(), "no ztunnel") {
+		t.Fatalf("ztunnel failure: %v", err)
+	}
+	if p := h.agent.Pods(); len(p) != 1 || p[0].State != StatePending {
+		t.Fatalf("state after ztunnel failure = %+v, want pending", p)
+	}
+	if got := h.ann.history("u1"); got != "pending" {
+		t.Errorf("annotations %q", got)
+	}
+	h.zt.addErr = nil
+	if _, err := h.agent.HandleAdd(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
+		t.Fatalf("retry: %v", err)
+	}
+	if p := h.agent.Pods(); len(p) != 1 || p[0].State != StateEnabled {
+		t.Fatalf("state after retry = %+v", p)
+	}
+}
+
+func TestCheck(t *testing.T) {
+	h := newHarness(t)
+	pn, other := testnet.NewNS(t), testnet.NewNS(t)
+	h.decider.SetPod(pod("shop", "web", "u1", nil))
+	h.decider.SetPod(pod("plain", "x", "u2", nil))
+	ctx := context.Background()
+	if err := h.agent.Check(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn)); err == nil || !strings.Contains(err.Error(), "not enrolled") {
+		t.Errorf("CHECK of an unenrolled pod that needs capture: %v", err)
+	}
+	if err := h.agent.Check(ctx, info("plain/x", "u2", "sb2"), openNS(t, pn)); err != nil {
+		t.Errorf("CHECK of a pod out of scope: %v", err)
+	}
+	if _, err := h.agent.HandleAdd(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.agent.Check(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
+		t.Errorf("clean CHECK: %v", err)
+	}
+	if err := h.agent.Check(ctx, info("shop/web", "u1", "sb1"), openNS(t, other)); err == nil || !strings.Contains(err.Error(), "enrolled in netns") {
+		t.Errorf("CHECK with another netns: %v", err)
+	}
+	h.rules.drift = iptables.Drift{Items: []iptables.DriftItem{{Family: iptables.IPv4, Kind: iptables.DriftMissing, Object: "rule", Table: "nat", Chain: "ISTIO_OUTPUT", Position: 3, Want: "-A ISTIO_OUTPUT -p tcp -j REDIRECT"}}}
+	err := h.agent.Check(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn))
+	if !errors.Is(err, ErrDrift) || !strings.Contains(err.Error(), "ISTIO_OUTPUT") || IsRetryable(err) {
+		t.Errorf("CHECK with drift: %v", err)
+	}
+}
+
+func TestGCAndUnenroll(t *testing.T) {
+	h := newHarness(t)
+	ctx := context.Background()
+	for _, n := range []string{"a", "b", "c"} {
+		h.decider.SetPod(pod("shop", n, "u-"+n, nil))
+		if _, err := h.agent.HandleAdd(ctx, info("shop/"+n, "u-"+n, "sb-"+n), openNS(t, testnet.NewNS(t))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// d is enrolled by the controller (no sandbox id): GC leaves it alone.
+	d := pod("shop", "d", "u-d", nil)
+	h.decider.SetPod(d)
+	if err := h.agent.Enroll(ctx, d, testnet.NewNS(t).Path()); err != nil {
+		t.Fatal(err)
+	}
+	if n := h.agent.GC(ctx, []string{"sb-b"}); n != 2 {
+		t.Errorf("GC removed %d, want 2", n)
+	}
+	var left []string
+	for _, p := range h.agent.Pods() {
+		left = append(left, p.Name)
+	}
+	if strings.Join(left, ",") != "b,d" {
+		t.Errorf("after GC: %v", left)
+	}
+	if err := h.agent.Unenroll(ctx, "u-d"); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.agent.Unenroll(ctx, "u-unknown"); err != nil {
+		t.Errorf("unenroll of an unknown uid: %v", err)
+	}
+	if len(h.agent.Pods()) != 1 || h.ann.history("u-d") != "enabled," {
+		t.Errorf("after unenroll: %v, annotations %q", h.agent.Pods(), h.ann.history("u-d"))
+	}
+}
+
+func TestRestore(t *testing.T) {
+	h := newHarness(t)
+	pn := testnet.NewNS(t)
+	p := pod("shop", "web", "u1", nil)
+	if err := h.agent.Restore(context.Background(), p, pn.Path()); err != nil {
+		t.Fatal(err)
+	}
+	if ops := h.rules.ops(); ops != "verify" || len(h.zt.adds) != 0 {
+		t.Errorf("restore without drift: rule ops %q, ztunnel adds %d", ops, len(h.zt.adds))
+	}
+	h.rules.drift = iptables.Drift{Items: []iptables.DriftItem{{Kind: iptables.DriftMissing, Object: "chain", Chain: "ISTIO_OUTPUT"}}}
+	if err := h.agent.Restore(context.Background(), p, pn.Path()); err != nil {
+		t.Fatal(err)
+	}
+	if ops := h.rules.ops(); ops != "verify,verify,apply" {
+		t.Errorf("restore with drift: rule ops %q", ops)
+	}
+	if ps := h.agent.Pods(); len(ps) != 1 || ps[0].State != StateEnabled {
+		t.Errorf("state %+v", ps)
+	}
+	// Never the host's own namespace.
+	if err := h.agent.Restore(context.Background(), p, "/proc/self/ns/net"); err == nil || !strings.Contains(err.Error(), "host network namespace") {
+		t.Errorf("restore into the host netns: %v", err)
+	}
+}
+
+func TestDrainSpool(t *testing.T) {
+	h := newHarness(t)
+	ctx := context.Background()
+	h.decider.SetPod(pod("shop", "web", "u1", nil))
+	if _, err := h.agent.HandleAdd(ctx, info("shop/web", "u1", "sb1"), openNS(t, testnet.NewNS(t))); err != nil {
+		t.Fatal(err)
+	}
+	spool := filepath.Join(h.dir, nodefiles.SpoolName)
+	if err := nodefiles.Spool(spool, ambient.PodEvent{Command: ambient.CommandDel, SandboxID: "sb1"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := nodefiles.Spool(spool, ambient.PodEvent{Command: ambient.CommandDel, SandboxID: "sb-unknown", PodUID: "u9"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(spool, "junk.json"), []byte("{not json"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	n, err := h.agent.DrainSpool(ctx)
+	if err != nil || n != 2 {
+		t.Fatalf("DrainSpool = %d, %v", n, err)
+	}
+	if len(h.agent.Pods()) != 0 {
+		t.Errorf("spooled DEL not applied: %v", h.agent.Pods())
+	}
+	if des, _ := os.ReadDir(spool); len(des) != 0 {
+		t.Errorf("spool not emptied: %v", des)
+	}
+}
+
+func TestSnapshotFollowsEnablement(t *testing.T) {
+	h := newHarness(t)
+	h.decider.OnChange(func() { _ = h.agent.RefreshSnapshot() })
+	path := filepath.Join(h.dir, nodefiles.SnapshotName)
+	read := func() *ambient.EnablementSnapshot {
+		t.Helper()
+		b, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, err := ambient.ParseSnapshot(b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	h.decider.SetNamespace(namespace("shop", true)) // no change of content: still writes the first one
+	s := read()
+	if s.Generation != 1 || strings.Join(s.EnabledNamespaces, ",") != "shop" || s.PodLevelEnablement || strings.Join(s.ExcludedNamespaces, ",") != "kube-system" {
+		t.Fatalf("first snapshot %+v", s)
+	}
+	if st, _ := os.Stat(path); st.Mode().Perm() != 0o600 {
+		t.Errorf("snapshot mode %v", st.Mode())
+	}
+	h.decider.SetNamespace(namespace("shop", true))
+	if read().Generation != 1 {
+		t.Errorf("unchanged content rewrote the snapshot")
+	}
+	h.decider.SetNamespace(namespace("blog", true))
+	h.decider.SetPod(pod("plain", "solo", "u5", map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}))
+	s = read()
+	if s.Generation != 3 || strings.Join(s.EnabledNamespaces, ",") != "blog,shop" || !s.PodLevelEnablement {
+		t.Errorf("snapshot after changes %+v", s)
+	}
+	// A new writer (agent restart) continues the generation.
+	w := NewSnapshotWriter(path)
+	if wrote, err := w.Update(nil, false, nil); err != nil || !wrote || read().Generation != 4 {
+		t.Errorf("restarted writer: %v %v gen %d", wrote, err, read().Generation)
+	}
+	var raw map[string]any
+	b, _ := os.ReadFile(path)
+	if err := json.Unmarshal(b, &raw); err != nil || raw["enabledNamespaces"] == nil {
+		t.Errorf("empty lists must be written as [], got %s", b)
+	}
+	if leftovers, _ := filepath.Glob(filepath.Join(h.dir, ".*tmp")); len(leftovers) != 0 {
+		t.Errorf("temp files left: %v", leftovers)
+	}
+}
+
+func TestEnrollCyclesLeakNothing(t *testing.T) {
+	h := newHarness(t)
+	pn := testnet.NewNS(t)
+	h.decider.SetPod(pod("shop", "web", "u1", nil))
+	ctx := context.Background()
+	fds := openFDs(t)
+	for i := range 200 {
+		sb := "sb" + string(rune('a'+i%26))
+		if _, err := h.agent.HandleAdd(ctx, info("shop/web", "u1", sb), openNS(t, pn)); err != nil {
+			t.Fatal(err)
+		}
+		if err := h.agent.RemoveSandbox(ctx, sb, ""); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := openFDs(t); n != fds {
+		t.Errorf("open fds %d after 200 add/del cycles, want %d", n, fds)
+	}
+	if len(h.agent.busy) != 0 {
+		t.Errorf("per-pod locks left: %d", len(h.agent.busy))
+	}
+}

@@ -1,0 +1,51 @@
+// Package nodeagent is the node agent's pod-event path: the core that
+// enrolls and removes pods (the one way in for both the CNI plugin and the
+// pod controller), the enrolled-pod state, the plugin event server on the
+// agent's Unix socket, the enablement snapshot file the plugin falls back
+// to, and the replay of DELs the plugin spooled while the agent was away.
+package nodeagent
+
+import "errors"
+
+// RetryableError marks a failure that may go away on its own (no ztunnel
+// yet, an API hiccup, a busy xtables lock): the plugin maps it to CNI
+// error 11 so the runtime simply retries.
+type RetryableError struct {
+	Err error
+}
+
+func (e *RetryableError) Error() string { return e.Err.Error() }
+
+func (e *RetryableError) Unwrap() error { return e.Err }
+
+// Retryable wraps err as retryable; nil stays nil.
+func Retryable(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &RetryableError{Err: err}
+}
+
+// IsRetryable reports whether err (or anything it wraps) is retryable.
+func IsRetryable(err error) bool {
+	var r *RetryableError
+	return errors.As(err, &r)
+}
+
+// InvalidError marks a request that can never succeed as given (a bad
+// netns path, a malformed field); the event server answers it with 400.
+type InvalidError struct {
+	Err error
+}
+
+func (e *InvalidError) Error() string { return e.Err.Error() }
+
+func (e *InvalidError) Unwrap() error { return e.Err }
+
+func invalid(err error) error { return &InvalidError{Err: err} }
+
+// IsInvalid reports whether err (or anything it wraps) is an InvalidError.
+func IsInvalid(err error) bool {
+	var i *InvalidError
+	return errors.As(err, &i)
+}

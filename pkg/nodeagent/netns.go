@@ -1,0 +1,162 @@
+package nodeagent
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// Netns is an open handle on a pod network namespace. Holding it pins the
+// namespace: what was validated is what gets entered, and the namespace
+// stays usable for ZDS and rule removal until the agent lets go.
+type Netns struct {
+	f        *os.File
+	source   string
+	dev, ino uint64
+}
+
+// OpenNetns opens path and checks that it is a network namespace (an nsfs
+// file of type CLONE_NEWNET) other than the agent's own, which is the
+// host's. It does not restrict where the path lives; NetnsPolicy does.
+func OpenNetns(path string) (*Netns, error) {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open netns %s: %w", path, err)
+	}
+	n, err := netnsFromFD(fd, path)
+	if err != nil {
+		_ = unix.Close(fd)
+		return nil, err
+	}
+	return n, nil
+}
+
+func netnsFromFD(fd int, path string) (*Netns, error) {
+	var sfs unix.Statfs_t
+	if err := unix.Fstatfs(fd, &sfs); err != nil {
+		return nil, fmt.Errorf("statfs netns %s: %w", path, err)
+	}
+	if sfs.Type != unix.NSFS_MAGIC {
+		return nil, invalid(fmt.Errorf("netns %s is not an nsfs mount (filesystem magic %#x)", path, sfs.Type))
+	}
+	typ, err := unix.IoctlRetInt(fd, unix.NS_GET_NSTYPE)
+	if err != nil {
+		return nil, fmt.Errorf("query namespace type of %s: %w", path, err)
+	}
+	if typ != unix.CLONE_NEWNET {
+		return nil, invalid(fmt.Errorf("%s is a namespace, but not a network namespace", path))
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, fmt.Errorf("stat netns %s: %w", path, err)
+	}
+	var host unix.Stat_t
+	if err := unix.Stat("/proc/self/ns/net", &host); err != nil {
+		return nil, fmt.Errorf("stat the agent's own netns: %w", err)
+	}
+	if st.Dev == host.Dev && st.Ino == host.Ino {
+		return nil, invalid(fmt.Errorf("netns %s is the host network namespace", path))
+	}
+	return &Netns{f: os.NewFile(uintptr(fd), path), source: path, dev: st.Dev, ino: st.Ino}, nil
+}
+
+// Path names the held namespace for code that enters it by path (the rule
+// applier, subprocesses): /proc/<agent pid>/fd/<fd>, valid while the
+// handle is open.
+func (n *Netns) Path() string {
+	return fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), n.f.Fd())
+}
+
+// Source is the path the namespace was opened from, for logs.
+func (n *Netns) Source() string { return n.source }
+
+// File is the open namespace file, e.g. to pass to ztunnel.
+func (n *Netns) File() *os.File { return n.f }
+
+// SameAs reports whether both handles are the same namespace.
+func (n *Netns) SameAs(o *Netns) bool {
+	return n != nil && o != nil && n.dev == o.dev && n.ino == o.ino
+}
+
+// ID is the namespace's inode number, as ip netns and /proc show it.
+func (n *Netns) ID() uint64 { return n.ino }
+
+// Close releases the handle.
+func (n *Netns) Close() error {
+	if n == nil {
+		return nil
+	}
+	return n.f.Close()
+}
+
+// DefaultNetnsRoots are where runtimes mount pod network namespaces:
+// iproute2/CRI-O/containerd's default, and containerd's state dir when
+// netns_mounts_under_state_dir is on.
+var DefaultNetnsRoots = []string{
+	"/var/run/netns",
+	"/run/netns",
+	"/run/containerd/io.containerd.grpc.v1.cri/netns",
+}
+
+// procNetns matches a process's network namespace link.
+var procNetns = regexp.MustCompile(`^/proc/[1-9][0-9]{0,9}/ns/net$`)
+
+// NetnsPolicy decides which netns paths the event server accepts: an nsfs
+// mount below one of Roots (after resolving symlinks) or /proc/<pid>/ns/net.
+type NetnsPolicy struct {
+	Roots []string
+}
+
+// Open validates path against the policy and opens it.
+func (p NetnsPolicy) Open(path string) (*Netns, error) {
+	if !filepath.IsAbs(path) || strings.ContainsRune(path, 0) {
+		return nil, invalid(fmt.Errorf("netns path %q is not absolute", path))
+	}
+	if procNetns.MatchString(path) {
+		// A magic link, not a path to resolve: open it as it is.
+		return OpenNetns(path)
+	}
+	real, err := filepath.EvalSymlinks(path)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return nil, invalid(fmt.Errorf("netns %s does not exist", path))
+		}
+		return nil, fmt.Errorf("resolve netns path %s: %w", path, err)
+	}
+	if !p.allowed(real) {
+		return nil, invalid(fmt.Errorf("netns %s (resolved %s) is not under an allowed root %v nor /proc/<pid>/ns/net", path, real, p.Roots))
+	}
+	// O_NOFOLLOW: the path was resolved above; a symlink swapped in since
+	// then must not redirect us.
+	fd, err := unix.Open(real, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open netns %s: %w", real, err)
+	}
+	n, err := netnsFromFD(fd, path)
+	if err != nil {
+		_ = unix.Close(fd)
+		return nil, err
+	}
+	return n, nil
+}
+
+// allowed reports whether real lies strictly below a root. Roots are
+// resolved too (/var/run is usually a symlink to /run); missing roots are
+// skipped.
+func (p NetnsPolicy) allowed(real string) bool {
+	for _, r := range p.Roots {
+		rr, err := filepath.EvalSymlinks(r)
+		if err != nil {
+			continue
+		}
+		if rr != "/" && strings.HasPrefix(real, rr+"/") {
+			return true
+		}
+	}
+	return false
+}

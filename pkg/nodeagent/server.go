@@ -1,0 +1,399 @@
+package nodeagent
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+)
+
+// ServerConfig configures the plugin event server. Zero values take the
+// defaults.
+type ServerConfig struct {
+	// Socket is the Unix socket path (default ambient.DefaultAgentSocket).
+	// Its directory is created (or tightened) to 0700, the socket is 0600.
+	Socket string
+	// NetnsRoots are where pod netns mounts may live (default
+	// DefaultNetnsRoots); /proc/<pid>/ns/net is always accepted.
+	NetnsRoots []string
+	// HandlerTimeout bounds the work for one request (default 25s, below
+	// the plugin's default 30s so the plugin gets an answer, not a timeout).
+	HandlerTimeout time.Duration
+	// ReadHeaderTimeout, ReadTimeout and IdleTimeout bound slow clients
+	// (defaults 2s, 5s, 10s).
+	ReadHeaderTimeout, ReadTimeout, IdleTimeout time.Duration
+	// Observe, when set, is told about every request: verb (ADD, DEL,
+	// CHECK, GC, STATUS), result (enrolled, not-enrolled, removed, ok,
+	// retry, error, rejected) and handling time. Wire metrics here.
+	Observe func(verb, result string, took time.Duration)
+	// Logger receives structured logs (default: discarded).
+	Logger *slog.Logger
+}
+
+func (c ServerConfig) withDefaults() ServerConfig {
+	if c.Socket == "" {
+		c.Socket = ambient.DefaultAgentSocket
+	}
+	if c.NetnsRoots == nil {
+		c.NetnsRoots = DefaultNetnsRoots
+	}
+	if c.HandlerTimeout <= 0 {
+		c.HandlerTimeout = 25 * time.Second
+	}
+	if c.ReadHeaderTimeout <= 0 {
+		c.ReadHeaderTimeout = 2 * time.Second
+	}
+	if c.ReadTimeout <= 0 {
+		c.ReadTimeout = 5 * time.Second
+	}
+	if c.IdleTimeout <= 0 {
+		c.IdleTimeout = 10 * time.Second
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	return c
+}
+
+// Server is the plugin event server: HTTP+JSON on a root-only Unix socket.
+type Server struct {
+	cfg    ServerConfig
+	agent  *Agent
+	netns  NetnsPolicy
+	log    *slog.Logger
+	http   *http.Server
+	mu     sync.Mutex
+	ln     *net.UnixListener
+	closed bool
+}
+
+// NewServer returns a server that hands requests to agent.
+func NewServer(cfg ServerConfig, agent *Agent) *Server {
+	cfg = cfg.withDefaults()
+	s := &Server{cfg: cfg, agent: agent, netns: NetnsPolicy{Roots: cfg.NetnsRoots}, log: cfg.Logger.With("component", "event-server")}
+	mux := http.NewServeMux()
+	mux.HandleFunc(ambient.PathPodEvent, s.handlePodEvent)
+	mux.HandleFunc(ambient.PathStatus, s.handleStatus)
+	mux.HandleFunc(ambient.PathGC, s.handleGC)
+	s.http = &http.Server{
+		Handler:           s.rootOnly(mux),
+		ReadHeaderTimeout: cfg.ReadHeaderTimeout,
+		ReadTimeout:       cfg.ReadTimeout,
+		WriteTimeout:      cfg.HandlerTimeout + 5*time.Second,
+		IdleTimeout:       cfg.IdleTimeout,
+		MaxHeaderBytes:    8 << 10,
+		ConnContext:       peerCredContext,
+		ErrorLog:          slog.NewLogLogger(cfg.Logger.Handler(), slog.LevelDebug),
+	}
+	return s
+}
+
+// Socket is the path the server listens on.
+func (s *Server) Socket() string { return s.cfg.Socket }
+
+// Listen prepares the socket directory (0700), replaces a stale socket
+// file (never any other kind of file) and listens (socket 0600).
+func (s *Server) Listen() error {
+	dir := filepath.Dir(s.cfg.Socket)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("create socket dir %s: %w", dir, err)
+	}
+	if err := os.Chmod(dir, 0o700); err != nil {
+		return fmt.Errorf("restrict socket dir %s: %w", dir, err)
+	}
+	if st, err := os.Lstat(s.cfg.Socket); err == nil {
+		if st.Mode().Type() != os.ModeSocket {
+			return fmt.Errorf("%s exists and is not a socket; refusing to replace it", s.cfg.Socket)
+		}
+		if err := os.Remove(s.cfg.Socket); err != nil {
+			return fmt.Errorf("remove stale socket %s: %w", s.cfg.Socket, err)
+		}
+	}
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: s.cfg.Socket, Net: "unix"})
+	if err != nil {
+		return fmt.Errorf("listen on %s: %w", s.cfg.Socket, err)
+	}
+	if err := os.Chmod(s.cfg.Socket, 0o600); err != nil {
+		_ = ln.Close()
+		return fmt.Errorf("restrict socket %s: %w", s.cfg.Socket, err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		_ = ln.Close()
+		return http.ErrServerClosed
+	}
+	s.ln = ln
+	return nil
+}
+
+// Serve answers requests until ctx ends or Close is called; it then shuts
+// down gracefully (in-flight requests get HandlerTimeout to finish) and
+// removes the socket. Call Listen first.
+func (s *Server) Serve(ctx context.Context) error {
+	s.mu.Lock()
+	ln := s.ln
+	s.mu.Unlock()
+	if ln == nil {
+		return errors.New("event server: Serve before Listen")
+	}
+	stop := context.AfterFunc(ctx, func() { _ = s.Close() })
+	defer stop()
+	err := s.http.Serve(ln)
+	if errors.Is(err, http.ErrServerClosed) {
+		return nil
+	}
+	return err
+}
+
+// Close stops the server, waiting up to HandlerTimeout for in-flight
+// requests.
+func (s *Server) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	s.mu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.HandlerTimeout)
+	defer cancel()
+	err := s.http.Shutdown(ctx)
+	if err != nil {
+		err = s.http.Close()
+	}
+	return err
+}
+
+type credKey struct{}
+
+type peerCred struct {
+	ucred *unix.Ucred
+	err   error
+}
+
+// peerCredContext records the connecting process's credentials
+// (SO_PEERCRED, fixed at connect time) for rootOnly.
+func peerCredContext(ctx context.Context, c net.Conn) context.Context {
+	pc := peerCred{err: errors.New("not a unix socket")}
+	if uc, ok := c.(*net.UnixConn); ok {
+		raw, err := uc.SyscallConn()
+		if err == nil {
+			cerr := raw.Control(func(fd uintptr) {
+				pc.ucred, pc.err = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+			})
+			if cerr != nil {
+				pc.err = cerr
+			}
+		} else {
+			pc.err = err
+		}
+	}
+	return context.WithValue(ctx, credKey{}, pc)
+}
+
+// rootOnly refuses every request whose peer is not uid 0.
+func (s *Server) rootOnly(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		pc, _ := r.Context().Value(credKey{}).(peerCred)
+		switch {
+		case pc.err != nil || pc.ucred == nil:
+			s.log.Warn("refusing request: peer credentials unknown", "err", pc.err)
+			reply(w, http.StatusForbidden, ambient.PodEventResponse{Error: "peer credentials unavailable; only root may use this socket"})
+		case pc.ucred.Uid != 0:
+			s.log.Warn("refusing request from non-root peer", "uid", pc.ucred.Uid, "pid", pc.ucred.Pid)
+			reply(w, http.StatusForbidden, ambient.PodEventResponse{Error: fmt.Sprintf("peer uid %d is not root; only root may use this socket", pc.ucred.Uid)})
+		default:
+			next.ServeHTTP(w, r)
+		}
+	})
+}
+
+func reply(w http.ResponseWriter, code int, resp ambient.PodEventResponse) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
+	_ = json.NewEncoder(w).Encode(resp)
+}
+
+// readBody reads a POST body of at most MaxRequestBytes.
+func readBody(w http.ResponseWriter, r *http.Request) ([]byte, int, error) {
+	if r.Method != http.MethodPost {
+		return nil, http.StatusMethodNotAllowed, fmt.Errorf("method %s not allowed; use POST", r.Method)
+	}
+	b, err := io.ReadAll(http.MaxBytesReader(w, r.Body, ambient.MaxRequestBytes))
+	if err != nil {
+		var tooBig *http.MaxBytesError
+		if errors.As(err, &tooBig) {
+			return nil, http.StatusRequestEntityTooLarge, fmt.Errorf("request body exceeds %d bytes", ambient.MaxRequestBytes)
+		}
+		return nil, http.StatusBadRequest, fmt.Errorf("read request: %w", err)
+	}
+	return b, 0, nil
+}
+
+// decodeStrict decodes exactly one JSON value with no unknown fields and
+// nothing after it.
+func decodeStrict(b []byte, v any) error {
+	if len(b) > ambient.MaxRequestBytes {
+		return fmt.Errorf("request body exceeds %d bytes", ambient.MaxRequestBytes)
+	}
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return fmt.Errorf("decode request: %w", err)
+	}
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
+		return errors.New("decode request: data after the JSON value")
+	}
+	return nil
+}
+
+// DecodePodEvent decodes and validates a pod event body exactly as the
+// server does.
+func DecodePodEvent(b []byte) (*ambient.PodEvent, error) {
+	var ev ambient.PodEvent
+	if err := decodeStrict(b, &ev); err != nil {
+		return nil, err
+	}
+	if err := ev.Validate(); err != nil {
+		return nil, fmt.Errorf("invalid pod event: %w", err)
+	}
+	return &ev, nil
+}
+
+// DecodeGCRequest decodes and validates a GC request body exactly as the
+// server does.
+func DecodeGCRequest(b []byte) (*ambient.GCRequest, error) {
+	var req ambient.GCRequest
+	if err := decodeStrict(b, &req); err != nil {
+		return nil, err
+	}
+	if err := validateGC(&req); err != nil {
+		return nil, err
+	}
+	return &req, nil
+}
+
+func (s *Server) handlePodEvent(w http.ResponseWriter, r *http.Request) {
+	b, code, err := readBody(w, r)
+	if err != nil {
+		s.log.Warn("bad pod event", "err", err)
+		s.observe("invalid", "rejected", 0)
+		reply(w, code, ambient.PodEventResponse{Error: err.Error()})
+		return
+	}
+	ev, err := DecodePodEvent(b)
+	if err != nil {
+		s.log.Warn("bad pod event", "err", err)
+		s.observe("invalid", "rejected", 0)
+		reply(w, http.StatusBadRequest, ambient.PodEventResponse{Error: err.Error()})
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.HandlerTimeout)
+	defer cancel()
+	start := time.Now()
+	verdict, err := s.dispatch(ctx, ev)
+	took := time.Since(start)
+	log := s.log.With("cmd", ev.Command, "pod", ev.PodNamespace+"/"+ev.PodName, "sandbox", ev.SandboxID, "took", took)
+	if err != nil {
+		code, result := http.StatusInternalServerError, "error"
+		switch {
+		case IsInvalid(err):
+			code, result = http.StatusBadRequest, "rejected"
+		case IsRetryable(err):
+			code, result = http.StatusServiceUnavailable, "retry"
+		}
+		s.observe(string(ev.Command), result, took)
+		log.Warn("pod event failed", "err", err, "retryable", IsRetryable(err))
+		reply(w, code, ambient.PodEventResponse{Error: err.Error(), Retryable: IsRetryable(err)})
+		return
+	}
+	s.observe(string(ev.Command), string(verdict), took)
+	log.Debug("pod event done", "verdict", verdict)
+	reply(w, http.StatusOK, ambient.PodEventResponse{Verdict: verdict})
+}
+
+func (s *Server) dispatch(ctx context.Context, ev *ambient.PodEvent) (ambient.Verdict, error) {
+	if ev.Command == ambient.CommandDel {
+		// DEL never needs the netns: the agent holds its own handle, and
+		// the runtime may already have removed the mount.
+		return ambient.VerdictRemoved, s.agent.RemoveSandbox(ctx, ev.SandboxID, types.UID(ev.PodUID))
+	}
+	ns, err := s.netns.Open(ev.Netns)
+	if err != nil {
+		return "", err
+	}
+	info := PodInfo{Namespace: ev.PodNamespace, Name: ev.PodName, UID: types.UID(ev.PodUID), SandboxID: ev.SandboxID, IPs: ev.Addrs()}
+	if ev.Command == ambient.CommandCheck {
+		return ambient.VerdictOK, s.agent.Check(ctx, info, ns)
+	}
+	return s.agent.HandleAdd(ctx, info, ns)
+}
+
+func (s *Server) handleStatus(w http.ResponseWriter, r *http.Request) {
+	if r.Method != http.MethodGet {
+		reply(w, http.StatusMethodNotAllowed, ambient.PodEventResponse{Error: "method not allowed; use GET"})
+		return
+	}
+	s.observe("STATUS", string(ambient.VerdictOK), 0)
+	reply(w, http.StatusOK, ambient.PodEventResponse{Verdict: ambient.VerdictOK})
+}
+
+func (s *Server) observe(verb, result string, took time.Duration) {
+	if s.cfg.Observe != nil {
+		s.cfg.Observe(verb, result, took)
+	}
+}
+
+// maxGCIDs bounds a GC request (the body cap bounds it too).
+const maxGCIDs = 4096
+
+func (s *Server) handleGC(w http.ResponseWriter, r *http.Request) {
+	b, code, err := readBody(w, r)
+	if err != nil {
+		reply(w, code, ambient.PodEventResponse{Error: err.Error()})
+		return
+	}
+	req, err := DecodeGCRequest(b)
+	if err != nil {
+		reply(w, http.StatusBadRequest, ambient.PodEventResponse{Error: err.Error()})
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.HandlerTimeout)
+	defer cancel()
+	start := time.Now()
+	n := s.agent.GC(ctx, req.ValidSandboxIDs)
+	s.observe("GC", string(ambient.VerdictOK), time.Since(start))
+	s.log.Info("gc", "valid", len(req.ValidSandboxIDs), "removed", n)
+	reply(w, http.StatusOK, ambient.PodEventResponse{Verdict: ambient.VerdictOK})
+}
+
+func validateGC(req *ambient.GCRequest) error {
+	if req.ValidSandboxIDs == nil {
+		return errors.New("validSandboxIDs: required (an empty list means none is valid)")
+	}
+	if len(req.ValidSandboxIDs) > maxGCIDs {
+		return fmt.Errorf("validSandboxIDs: at most %d", maxGCIDs)
+	}
+	for _, id := range req.ValidSandboxIDs {
+		probe := ambient.PodEvent{Command: ambient.CommandDel, SandboxID: id}
+		if err := probe.Validate(); err != nil {
+			return fmt.Errorf("validSandboxIDs: %w", err)
+		}
+	}
+	return nil
+}

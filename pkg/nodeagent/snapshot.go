@@ -1,0 +1,98 @@
+package nodeagent
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
+)
+
+// SnapshotWriter keeps the enablement snapshot file that the plugin reads
+// when the agent is unreachable. It writes only when the content changes,
+// atomically (temp file and rename) with mode 0600, and continues the
+// generation found in an existing file so generations never go backwards
+// across agent restarts.
+type SnapshotWriter struct {
+	path string
+
+	mu   sync.Mutex
+	gen  int64
+	last *ambient.EnablementSnapshot
+}
+
+// NewSnapshotWriter returns a writer for path; an existing readable
+// snapshot there sets the starting generation.
+func NewSnapshotWriter(path string) *SnapshotWriter {
+	w := &SnapshotWriter{path: path}
+	if b, err := os.ReadFile(path); err == nil {
+		if s, err := ambient.ParseSnapshot(b); err == nil {
+			w.gen = s.Generation
+		}
+	}
+	return w
+}
+
+// Path is the snapshot file's path.
+func (w *SnapshotWriter) Path() string { return w.path }
+
+// Update writes a snapshot of the given state unless it equals the last
+// one written. It reports whether it wrote.
+func (w *SnapshotWriter) Update(enabled []string, podLevel bool, excluded []string) (bool, error) {
+	next := &ambient.EnablementSnapshot{
+		EnabledNamespaces:  sortedCopy(enabled),
+		PodLevelEnablement: podLevel,
+		ExcludedNamespaces: sortedCopy(excluded),
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.last != nil && sameSnapshot(w.last, next) {
+		return false, nil
+	}
+	next.Generation = w.gen + 1
+	next.Written = time.Now().UTC()
+	b, err := json.MarshalIndent(next, "", "  ")
+	if err != nil {
+		return false, fmt.Errorf("encode enablement snapshot: %w", err)
+	}
+	if err := os.MkdirAll(filepath.Dir(w.path), 0o700); err != nil {
+		return false, fmt.Errorf("create snapshot dir: %w", err)
+	}
+	if err := nodefiles.WriteFileAtomic(w.path, b); err != nil {
+		return false, fmt.Errorf("enablement snapshot: %w", err)
+	}
+	w.gen, w.last = next.Generation, next
+	return true, nil
+}
+
+// Remove deletes the snapshot file (for an uninstall); missing is fine.
+func (w *SnapshotWriter) Remove() error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.last = nil
+	if err := os.Remove(w.path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("remove enablement snapshot: %w", err)
+	}
+	return nil
+}
+
+func sortedCopy(s []string) []string {
+	out := slices.Clone(s)
+	if out == nil {
+		out = []string{}
+	}
+	slices.Sort(out)
+	return slices.Compact(out)
+}
+
+func sameSnapshot(a, b *ambient.EnablementSnapshot) bool {
+	return a.PodLevelEnablement == b.PodLevelEnablement &&
+		slices.Equal(a.EnabledNamespaces, b.EnabledNamespaces) &&
+		slices.Equal(a.ExcludedNamespaces, b.ExcludedNamespaces)
+}

@@ -1,0 +1,341 @@
+package cni
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/containernetworking/cni/libcni"
+	"github.com/containernetworking/cni/pkg/types"
+	current "github.com/containernetworking/cni/pkg/types/100"
+
+	"github.com/ambient-cni/ambient-cni/internal/captureproxy"
+	"github.com/ambient-cni/ambient-cni/internal/cnibin"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
+)
+
+// Versions is the CNI spec version matrix the plugin supports.
+var Versions = []string{"0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"}
+
+func sameJSON(t *testing.T, a, b []byte) bool {
+	t.Helper()
+	var x, y any
+	if err := json.Unmarshal(a, &x); err != nil {
+		t.Fatalf("decode %s: %v", a, err)
+	}
+	if err := json.Unmarshal(b, &y); err != nil {
+		t.Fatalf("decode %s: %v", b, err)
+	}
+	xa, _ := json.Marshal(x)
+	ya, _ := json.Marshal(y)
+	return string(xa) == string(ya)
+}
+
+// hostProxy listens in the host netns on a free port of the bridge's
+// gateway address, standing in for "some destination outside the pod".
+func hostProxy(t *testing.T, gw netip.Addr) (*captureproxy.Proxy, netip.AddrPort) {
+	t.Helper()
+	p, err := captureproxy.Start("", captureproxy.Config{TCPPorts: []uint16{0}, NoIPv6: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Close() })
+	return p, netip.AddrPortFrom(gw, p.Addrs()[0].Port())
+}
+
+func TestChainVersionMatrix(t *testing.T) {
+	for _, v := range Versions {
+		t.Run(v, func(t *testing.T) { chainScenario(t, v) })
+	}
+}
+
+// chainScenario: ADD/CHECK/DEL of an enabled and a disabled pod through
+// bridge + host-local + ambient-cni at cniVersion v.
+func chainScenario(t *testing.T, v string) {
+	n := newNode(t, v, nil)
+	ctx := context.Background()
+	_, dst := hostProxy(t, n.gateway)
+
+	// Enabled pod: rules in place when ADD returns, result = bridge's.
+	web := n.newPod("shop", "web", nil)
+	res, err := n.add(web)
+	if err != nil {
+		t.Fatalf("ADD enabled pod: %v", err)
+	}
+	if res.Version() != v {
+		t.Errorf("result version %s, want %s", res.Version(), v)
+	}
+	ours, bridge := n.rec.last("ambient-cni"), n.rec.last("bridge")
+	if len(ours) == 0 || len(bridge) == 0 || !sameJSON(t, ours, bridge) {
+		t.Errorf("our result differs from the bridge's:\nours:   %s\nbridge: %s", ours, bridge)
+	}
+	var shape struct {
+		CNIVersion string `json:"cniVersion"`
+		IPs        []struct {
+			Version *string `json:"version"`
+		} `json:"ips"`
+	}
+	if err := json.Unmarshal(ours, &shape); err != nil || shape.CNIVersion != v || len(shape.IPs) != 2 {
+		t.Fatalf("result %s (%v)", ours, err)
+	}
+	if hasVer := shape.IPs[0].Version != nil; hasVer != strings.HasPrefix(v, "0.") {
+		t.Errorf("result not in %s format: %s", v, ours)
+	}
+	cur, err := current.NewResultFromResult(res)
+	if err != nil {
+		t.Fatal(err)
+	}
+	podIP := web.podAddr(t)
+	if got, _ := netip.AddrFromSlice(cur.IPs[0].Address.IP.To4()); got != podIP {
+		t.Errorf("result IP %s, pod has %s", got, podIP)
+	}
+	if p := n.agent.Pods(); len(p) != 1 || p[0].Name != "web" || p[0].SandboxID != web.id || len(p[0].IPs) != 2 {
+		t.Fatalf("agent state %+v", p)
+	}
+
+	// The rules work: outbound lands on 15001, inbound on 15006.
+	proxy, err := captureproxy.Start(web.ns.Path(), captureproxy.Config{TCPPorts: []uint16{ambient.ZtunnelOutboundPort, ambient.ZtunnelInboundPlaintextPort}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer proxy.Close()
+	rec, err := captureproxy.Dial(ctx, web.ns.Path(), dst, captureproxy.DialOptions{})
+	if err != nil || rec.Port != ambient.ZtunnelOutboundPort || rec.OrigDst != dst {
+		t.Errorf("outbound from enabled pod: %v, %v; want port 15001 with original destination %s", rec, err, dst)
+	}
+	in := netip.AddrPortFrom(podIP, 8080)
+	rec, err = captureproxy.Dial(ctx, "", in, captureproxy.DialOptions{})
+	if err != nil || rec.Port != ambient.ZtunnelInboundPlaintextPort || rec.OrigDst != in {
+		t.Errorf("inbound to enabled pod: %v, %v; want port 15006 with original destination %s", rec, err, in)
+	}
+
+	// Disabled pod: passes through, no rules, traffic goes straight out.
+	plain := n.newPod("plain", "db", nil)
+	if _, err := n.add(plain); err != nil {
+		t.Fatalf("ADD disabled pod: %v", err)
+	}
+	if !sameJSON(t, n.rec.last("ambient-cni"), n.rec.last("bridge")) {
+		t.Errorf("disabled pod: our result differs from the bridge's")
+	}
+	if n.ourChains(t, plain) {
+		t.Errorf("disabled pod got our chains")
+	}
+	plainProxy, err := captureproxy.Start(plain.ns.Path(), captureproxy.Config{TCPPorts: []uint16{ambient.ZtunnelOutboundPort}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plainProxy.Close()
+	if rec, err := captureproxy.Dial(ctx, plain.ns.Path(), dst, captureproxy.DialOptions{}); err != nil || rec.Port != dst.Port() {
+		t.Errorf("outbound from disabled pod: %v, %v; want the host listener directly", rec, err)
+	}
+	if len(n.agent.Pods()) != 1 {
+		t.Errorf("disabled pod entered the agent state: %+v", n.agent.Pods())
+	}
+
+	// CHECK (0.4.0+): clean, then fails once a rule is deleted by hand.
+	if v != "0.3.0" && v != "0.3.1" {
+		if err := n.check(web); err != nil {
+			t.Errorf("CHECK of intact pod: %v", err)
+		}
+		if err := n.check(plain); err != nil {
+			t.Errorf("CHECK of disabled pod: %v", err)
+		}
+		web.inNS(t, n.rules.Backend().Cmd(iptables.IPv4), "-t", "nat", "-D", iptables.ChainOutput, "1")
+		err := n.check(web)
+		if err == nil || !strings.Contains(err.Error(), "drifted") || !strings.Contains(err.Error(), iptables.ChainOutput) {
+			t.Errorf("CHECK after deleting a rule by hand: %v", err)
+		}
+	}
+
+	// DEL twice succeeds; state and rules are gone.
+	for i := range 2 {
+		if err := n.del(web); err != nil {
+			t.Fatalf("DEL #%d: %v", i+1, err)
+		}
+	}
+	if len(n.agent.Pods()) != 0 {
+		t.Errorf("agent state after DEL: %+v", n.agent.Pods())
+	}
+	if n.ourChains(t, web) {
+		t.Errorf("our chains survived DEL")
+	}
+	if err := n.del(plain); err != nil {
+		t.Errorf("DEL disabled pod: %v", err)
+	}
+}
+
+func cniCode(err error) uint {
+	var te *types.Error
+	if errors.As(err, &te) {
+		return te.Code
+	}
+	return 0
+}
+
+func TestChainAgentDown(t *testing.T) {
+	n := newNode(t, "1.0.0", nil)
+	// Enroll a pod while the agent is up; the snapshot now names "shop".
+	web := n.newPod("shop", "web", nil)
+	if _, err := n.add(web); err != nil {
+		t.Fatal(err)
+	}
+	if !n.ourChains(t, web) {
+		t.Fatal("no rules after ADD")
+	}
+	snap, err := os.ReadFile(nodefiles.SnapshotPath(n.sock))
+	if err != nil || !strings.Contains(string(snap), `"shop"`) {
+		t.Fatalf("snapshot %s, %v", snap, err)
+	}
+	n.stopAgent()
+	if _, err := os.Stat(n.sock); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("socket still present after stop: %v", err)
+	}
+
+	// Enabled namespace: fail closed with code 11 and a clear message.
+	shop2 := n.newPod("shop", "api", nil)
+	_, err = n.add(shop2)
+	if cniCode(err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "unreachable") ||
+		!strings.Contains(err.Error(), `namespace "shop" may need ambient capture`) {
+		t.Errorf("ADD in enabled namespace with agent down: %v", err)
+	}
+	_ = n.del(shop2)
+	// Not enabled: pass through.
+	plain := n.newPod("plain", "db", nil)
+	if _, err := n.add(plain); err != nil {
+		t.Errorf("ADD in plain namespace with agent down: %v", err)
+	}
+	if n.ourChains(t, plain) {
+		t.Errorf("pass-through pod got rules")
+	}
+	// DEL succeeds and is spooled.
+	if err := n.del(web); err != nil {
+		t.Fatalf("DEL with agent down: %v", err)
+	}
+	entries, err := nodefiles.List(nodefiles.SpoolDir(n.sock))
+	if err != nil || len(entries) == 0 {
+		t.Fatalf("spool %+v, %v", entries, err)
+	}
+	if len(n.agent.Pods()) != 1 {
+		t.Fatalf("agent state changed while it was down")
+	}
+	// The agent returns: the pod is cleaned up.
+	n.startAgent()
+	if len(n.agent.Pods()) != 0 {
+		t.Errorf("pod not cleaned up after the agent returned: %+v", n.agent.Pods())
+	}
+	if entries, _ := nodefiles.List(nodefiles.SpoolDir(n.sock)); len(entries) != 0 {
+		t.Errorf("spool not drained: %+v", entries)
+	}
+	// And pods in enabled namespaces start again.
+	again := n.newPod("shop", "api2", nil)
+	if _, err := n.add(again); err != nil {
+		t.Errorf("ADD after the agent returned: %v", err)
+	}
+}
+
+func TestChainStatusAndGC(t *testing.T) {
+	n := newNode(t, "1.1.0", nil)
+	ctx := context.Background()
+	if err := n.cni.GetStatusNetworkList(ctx, n.list); err != nil {
+		t.Errorf("STATUS: %v", err)
+	}
+	a, b := n.newPod("shop", "a", nil), n.newPod("shop", "b", nil)
+	for _, s := range []*sandbox{a, b} {
+		if _, err := n.add(s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// GC with only b valid: libcni DELs a from its cache, then GCs every
+	// plugin; our GC makes the agent forget a even if the DEL was lost.
+	if err := n.cni.GCNetworkList(ctx, n.list, &libcni.GCArgs{ValidAttachments: []types.GCAttachment{{ContainerID: b.id, IfName: "eth0"}}}); err != nil {
+		t.Fatalf("GC: %v", err)
+	}
+	if p := n.agent.Pods(); len(p) != 1 || p[0].Name != "b" {
+		t.Errorf("after GC: %+v", p)
+	}
+	n.stopAgent()
+	if err := n.cni.GetStatusNetworkList(ctx, n.list); err != nil {
+		t.Errorf("default STATUS with agent down must succeed: %v", err)
+	}
+	strict := newNode(t, "1.1.0", map[string]any{"statusRequiresAgent": true})
+	if err := strict.cni.GetStatusNetworkList(ctx, strict.list); err != nil {
+		t.Errorf("strict STATUS with agent up: %v", err)
+	}
+	strict.stopAgent()
+	if err := strict.cni.GetStatusNetworkList(ctx, strict.list); cniCode(err) != types.ErrPluginNotAvailable {
+		t.Errorf("strict STATUS with agent down: %v", err)
+	}
+}
+
+func TestChainGCWithoutCachedDEL(t *testing.T) {
+	n := newNode(t, "1.1.0", nil)
+	a := n.newPod("shop", "a", nil)
+	if _, err := n.add(a); err != nil {
+		t.Fatal(err)
+	}
+	// Drop libcni's cache so GC reaches our plugin without a DEL first.
+	if err := os.RemoveAll(filepath.Join(n.dir, "cache")); err != nil {
+		t.Fatal(err)
+	}
+	if err := n.cni.GCNetworkList(context.Background(), n.list, &libcni.GCArgs{ValidAttachments: []types.GCAttachment{}}); err != nil {
+		t.Fatalf("GC: %v", err)
+	}
+	if p := n.agent.Pods(); len(p) != 0 {
+		t.Errorf("GC left %+v", p)
+	}
+}
+
+func TestChainBadInput(t *testing.T) {
+	n := newNode(t, "1.0.0", nil)
+	s := n.newPod("shop", "web", nil)
+	rt := s.rt()
+	rt.Args = nil // a runtime that passes no Kubernetes args
+	ctx := context.Background()
+	_, err := n.cni.AddNetworkList(ctx, n.list, rt)
+	t.Cleanup(func() { _ = n.cni.DelNetworkList(context.Background(), n.list, rt) })
+	if cniCode(err) != types.ErrInvalidEnvironmentVariables || !strings.Contains(err.Error(), "K8S_POD_NAME") {
+		t.Errorf("ADD without CNI_ARGS: %v", err)
+	}
+	// Malformed config straight to our binary.
+	out, code := execPlugin(t, "ADD", s, []byte(`{"cniVersion":"1.0.0","name":"x","type":"ambient-cni","timeout":7}`))
+	if code != types.ErrDecodingFailure || !strings.Contains(out, "decode ambient-cni config") {
+		t.Errorf("malformed config: code %d, %s", code, out)
+	}
+	out, code = execPlugin(t, "ADD", s, []byte(`not json`))
+	if code != types.ErrDecodingFailure {
+		t.Errorf("garbage config: code %d, %s", code, out)
+	}
+	if len(n.agent.Pods()) != 0 || n.ourChains(t, s) {
+		t.Errorf("bad input changed something")
+	}
+}
+
+// execPlugin runs our binary directly and returns its stdout and CNI error
+// code (0 on success).
+func execPlugin(t *testing.T, cmd string, s *sandbox, stdin []byte) (string, uint) {
+	t.Helper()
+	c := exec.Command(cnibin.Plugin(t))
+	c.Stdin = bytes.NewReader(stdin)
+	c.Env = append([]string{}, []string{
+		"CNI_COMMAND=" + cmd, "CNI_CONTAINERID=" + s.id, "CNI_NETNS=" + s.ns.Path(), "CNI_IFNAME=eth0", "CNI_PATH=/nonexistent",
+		"CNI_ARGS=K8S_POD_NAMESPACE=" + s.namespace + ";K8S_POD_NAME=" + s.name,
+	}...)
+	out, err := c.Output()
+	if err == nil {
+		return string(out), 0
+	}
+	var e types.Error
+	if json.Unmarshal(out, &e) != nil {
+		t.Fatalf("plugin failed without a CNI error: %v\n%s", err, out)
+	}
+	return string(out), e.Code
+}

@@ -1,0 +1,281 @@
+// Package cni runs the CNI plugin for real: the reference bridge and
+// host-local plugins and ours, chained in a conflist like a real node's and
+// driven through libcni, against an in-process node agent that applies the
+// real in-pod rules.
+package cni
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+	"github.com/containernetworking/cni/pkg/invoke"
+	"github.com/containernetworking/cni/pkg/types"
+	"github.com/containernetworking/cni/pkg/version"
+	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/vishvananda/netlink"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	k8stypes "k8s.io/apimachinery/pkg/types"
+
+	"github.com/ambient-cni/ambient-cni/internal/cnibin"
+	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
+	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
+)
+
+// recordingExec is libcni's own executor, remembering what each plugin
+// printed so tests can compare our output with the bridge's.
+type recordingExec struct {
+	*invoke.DefaultExec
+	mu  sync.Mutex
+	out map[string][]byte // plugin type → last stdout
+}
+
+func (r *recordingExec) ExecPlugin(ctx context.Context, path string, stdin []byte, env []string) ([]byte, error) {
+	out, err := r.DefaultExec.ExecPlugin(ctx, path, stdin, env)
+	r.mu.Lock()
+	r.out[filepath.Base(path)] = out
+	r.mu.Unlock()
+	return out, err
+}
+
+func (r *recordingExec) last(plugin string) []byte {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.out[plugin]
+}
+
+// node is one simulated node: a bridge network, a CNI config, an agent.
+type node struct {
+	t       *testing.T
+	version string
+	dir     string
+	sock    string
+	bridge  string
+	subnet  netip.Prefix
+	gateway netip.Addr
+	list    *libcni.NetworkConfigList
+	cni     *libcni.CNIConfig
+	rec     *recordingExec
+
+	decider *nodeagent.PolicyDecider
+	rules   *iptables.Applier
+	agent   *nodeagent.Agent
+	srv     *nodeagent.Server
+	stop    func()
+}
+
+func randByte() byte {
+	var b [1]byte
+	_, _ = rand.Read(b[:])
+	return b[0]
+}
+
+// newNode sets up a node whose conflist has cniVersion cniVersion; extra
+// keys go into our plugin's entry.
+func newNode(t *testing.T, cniVersion string, extra map[string]any) *node {
+	t.Helper()
+	testnet.RequireRoot(t)
+	testnet.RequireCommands(t, "ip", "iptables-restore", "iptables-save")
+	backend, err := iptables.DetectBackend(os.Getenv("AMBIENT_IPTABLES_BACKEND"))
+	if err != nil {
+		testnet.Missing(t, "no usable iptables backend: "+err.Error())
+	}
+	// A short private dir: the socket path must fit in sun_path.
+	dir, err := os.MkdirTemp("", "acni-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	n := &node{
+		t: t, version: cniVersion, dir: dir, sock: filepath.Join(dir, "run", "agent.sock"),
+		bridge: testnet.RandName("acb", 8),
+	}
+	n.subnet = netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 100 + randByte()%50, randByte(), 0}), 24)
+	n.gateway = n.subnet.Addr().Next()
+	keys := map[string]any{"agentSocket": n.sock, "timeout": "20s", "logLevel": "debug"}
+	for k, v := range extra {
+		keys[k] = v
+	}
+	conf := cnibin.Conflist(cnibin.Network{
+		CNIVersion: cniVersion, Bridge: n.bridge, Subnet: n.subnet,
+		Subnet6: netip.MustParsePrefix(fmt.Sprintf("fd00:ac:%x::/64", uint16(randByte())<<8|uint16(randByte()))),
+		DataDir: filepath.Join(dir, "ipam"), Plugin: keys,
+	})
+	n.list, err = libcni.ConfListFromBytes(conf)
+	if err != nil {
+		t.Fatalf("conflist: %v\n%s", err, conf)
+	}
+	n.rec = &recordingExec{DefaultExec: &invoke.DefaultExec{RawExec: &invoke.RawExec{Stderr: &testWriter{t: t}}, PluginDecoder: version.PluginDecoder{}},
+		out: map[string][]byte{}}
+	n.cni = libcni.NewCNIConfigWithCacheDir(cnibin.Paths(t), filepath.Join(dir, "cache"), n.rec)
+	t.Cleanup(func() {
+		if l, err := netlink.LinkByName(n.bridge); err == nil {
+			_ = netlink.LinkDel(l)
+		}
+	})
+
+	log := slog.New(slog.NewTextHandler(&testWriter{t: t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	n.decider = nodeagent.NewPolicyDecider(ambient.DefaultPolicy())
+	n.rules = iptables.NewApplier(log, backend)
+	n.agent, err = nodeagent.NewAgent(nodeagent.Config{
+		Decider: n.decider, Rules: n.rules, Enablement: n.decider, Logger: log,
+		SnapshotFile: nodefiles.SnapshotPath(n.sock), SpoolDir: nodefiles.SpoolDir(n.sock),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = n.agent.Close() })
+	n.decider.OnChange(func() { _ = n.agent.RefreshSnapshot() })
+	n.decider.SetNamespace(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop",
+		Labels: map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}}})
+	n.decider.SetNamespace(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "plain"}})
+	n.startAgent()
+	return n
+}
+
+// startAgent starts the event server and replays the DEL spool, as the
+// agent does at startup.
+func (n *node) startAgent() {
+	n.t.Helper()
+	n.srv = nodeagent.NewServer(nodeagent.ServerConfig{Socket: n.sock, Logger: n.agentLog()}, n.agent)
+	if err := n.srv.Listen(); err != nil {
+		n.t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := n.srv.Serve(ctx); err != nil {
+			n.t.Errorf("event server: %v", err)
+		}
+	}()
+	var once sync.Once
+	n.stop = func() { once.Do(func() { cancel(); <-done }) }
+	n.t.Cleanup(n.stop)
+	if _, err := n.agent.DrainSpool(ctx); err != nil {
+		n.t.Fatal(err)
+	}
+}
+
+func (n *node) agentLog() *slog.Logger {
+	return slog.New(slog.NewTextHandler(&testWriter{t: n.t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+// stopAgent stops the event server; the socket file goes with it.
+func (n *node) stopAgent() { n.stop() }
+
+// testWriter sends plugin stderr and agent logs to the test log.
+type testWriter struct{ t *testing.T }
+
+func (w *testWriter) Write(p []byte) (int, error) {
+	w.t.Helper()
+	w.t.Log(strings.TrimRight(string(p), "\n"))
+	return len(p), nil
+}
+
+// sandbox is one pod sandbox on the node.
+type sandbox struct {
+	ns        ns.NetNS
+	namespace string
+	name      string
+	uid       string
+	id        string
+}
+
+// newPod registers a pod with the decider and creates its netns.
+func (n *node) newPod(namespace, name string, labels map[string]string) *sandbox {
+	n.t.Helper()
+	id := make([]byte, 32)
+	_, _ = rand.Read(id)
+	s := &sandbox{ns: testnet.NewNS(n.t), namespace: namespace, name: name, uid: "uid-" + hex.EncodeToString(id[:8]), id: hex.EncodeToString(id)}
+	n.decider.SetPod(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: name, UID: k8stypes.UID(s.uid), Labels: labels}})
+	return s
+}
+
+func (s *sandbox) rt() *libcni.RuntimeConf {
+	return &libcni.RuntimeConf{ContainerID: s.id, NetNS: s.ns.Path(), IfName: "eth0", Args: [][2]string{
+		{"IgnoreUnknown", "1"}, {"K8S_POD_NAMESPACE", s.namespace}, {"K8S_POD_NAME", s.name},
+		{"K8S_POD_INFRA_CONTAINER_ID", s.id}, {"K8S_POD_UID", s.uid},
+	}}
+}
+
+func (n *node) add(s *sandbox) (types.Result, error) {
+	n.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	res, err := n.cni.AddNetworkList(ctx, n.list, s.rt())
+	n.t.Cleanup(func() { _ = n.cni.DelNetworkList(context.Background(), n.list, s.rt()) })
+	return res, err
+}
+
+func (n *node) del(s *sandbox) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	return n.cni.DelNetworkList(ctx, n.list, s.rt())
+}
+
+func (n *node) check(s *sandbox) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	return n.cni.CheckNetworkList(ctx, n.list, s.rt())
+}
+
+// inNS runs a command inside the sandbox's netns.
+func (s *sandbox) inNS(t *testing.T, name string, args ...string) string {
+	t.Helper()
+	var out bytes.Buffer
+	err := s.ns.Do(func(ns.NetNS) error {
+		cmd := exec.Command(name, args...)
+		cmd.Stdout, cmd.Stderr = &out, &out
+		return cmd.Run()
+	})
+	if err != nil {
+		t.Fatalf("%s %v in %s: %v\n%s", name, args, s.ns.Path(), err, out.String())
+	}
+	return out.String()
+}
+
+// ourChains reports whether the sandbox's netns holds any of our chains.
+func (n *node) ourChains(t *testing.T, s *sandbox) bool {
+	t.Helper()
+	out := s.inNS(t, n.rules.Backend().SaveCmd(iptables.IPv4))
+	return strings.Contains(out, iptables.ChainOutput) || strings.Contains(out, iptables.ChainPrerouting)
+}
+
+// podAddr is the sandbox's IPv4 address on eth0.
+func (s *sandbox) podAddr(t *testing.T) netip.Addr {
+	t.Helper()
+	var addr netip.Addr
+	err := s.ns.Do(func(ns.NetNS) error {
+		l, err := netlink.LinkByName("eth0")
+		if err != nil {
+			return err
+		}
+		as, err := netlink.AddrList(l, netlink.FAMILY_V4)
+		if err != nil || len(as) == 0 {
+			return fmt.Errorf("no IPv4 address on eth0: %v", err)
+		}
+		addr, _ = netip.AddrFromSlice(as[0].IP.To4())
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return addr
+}
