@@ -8,6 +8,20 @@
 // every byte the primary CNI wrote survives; the Installer is the thin
 // side-effecting shell around it (atomic writes, fsnotify, a rewrite rate
 // limit).
+//
+// The primary config is the lexically first .conf/.conflist/.json in the
+// conf dir that libcni loads (or a configured name). Files that do not load
+// are skipped, as libcni-based tools do; containerd's go-cni instead stops
+// at such a file and has no network at all, so chaining into the next one
+// is harmless there. A file that does not load but was written within the
+// last second is taken for a primary mid-write, not skipped
+// (ErrConfigInFlux), so a non-atomic writer never sends us to the wrong
+// file.
+//
+// Wiring: New, then Run in a goroutine owned by main; Ready/Check for
+// /readyz; Stats or Config.OnReinstall for metrics; on SIGTERM cancel Run's
+// context and call ShutdownChecked (or Shutdown). EnsurePrivateDir makes
+// the root-only directory for the agent socket and enablement snapshot.
 package installer
 
 import (
