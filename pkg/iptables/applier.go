@@ -69,6 +69,15 @@ func (a *Applier) bound(ctx context.Context) (context.Context, context.CancelFun
 	return context.WithTimeout(ctx, a.timeout)
 }
 
+// podNetns refuses an empty path: for the Executor it means "the caller's
+// namespace", which for the node agent is the host's, never a pod's.
+func podNetns(path string) error {
+	if path == "" {
+		return errors.New("pod netns path is empty")
+	}
+	return nil
+}
+
 // save reads and parses the family's current state in the namespace.
 func (a *Applier) save(ctx context.Context, netnsPath string, f Family) (*Save, error) {
 	out, err := a.exec.Run(ctx, netnsPath, Cmd{Name: a.backend.SaveCmd(f)})
@@ -106,6 +115,9 @@ func (a *Applier) Apply(netnsPath string, cfg PodConfig) error {
 
 // ApplyContext is Apply with a context.
 func (a *Applier) ApplyContext(ctx context.Context, netnsPath string, cfg PodConfig) error {
+	if err := podNetns(netnsPath); err != nil {
+		return err
+	}
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
@@ -171,6 +183,9 @@ func (a *Applier) Verify(netnsPath string, cfg PodConfig) (Drift, error) {
 
 // VerifyContext is Verify with a context.
 func (a *Applier) VerifyContext(ctx context.Context, netnsPath string, cfg PodConfig) (Drift, error) {
+	if err := podNetns(netnsPath); err != nil {
+		return Drift{}, err
+	}
 	if err := cfg.Validate(); err != nil {
 		return Drift{}, err
 	}
@@ -238,6 +253,9 @@ func (a *Applier) Remove(netnsPath string) error {
 
 // RemoveContext is Remove with a context.
 func (a *Applier) RemoveContext(ctx context.Context, netnsPath string) error {
+	if err := podNetns(netnsPath); err != nil {
+		return err
+	}
 	ctx, cancel := a.bound(ctx)
 	defer cancel()
 	v6, err := a.router.IPv6Enabled(netnsPath)
@@ -266,7 +284,7 @@ func (a *Applier) removeFamily(ctx context.Context, netnsPath string, f Family, 
 			return err
 		}
 		if a.backend == BackendNFT {
-			a.dropEmptyTables(ctx, netnsPath, f, cur, touchedTables(plan))
+			a.dropEmptyTables(ctx, netnsPath, f, podScope, cur, touchedTables(plan))
 		}
 		a.log.Debug("rules removed", "netns", netnsPath, "family", f.String())
 	}
@@ -282,13 +300,13 @@ func (a *Applier) removeFamily(ctx context.Context, netnsPath string, f Family, 
 // dropEmptyTables deletes nf_tables tables that held only our rules, so
 // the namespace's ruleset is what it was before Apply. Failure only costs
 // an empty, inert table, so it is logged, not returned.
-func (a *Applier) dropEmptyTables(ctx context.Context, netnsPath string, f Family, before *Save, tables []string) {
+func (a *Applier) dropEmptyTables(ctx context.Context, netnsPath string, f Family, sc *scope, before *Save, tables []string) {
 	family := "ip"
 	if f == IPv6 {
 		family = "ip6"
 	}
 	for _, t := range tables {
-		if !emptyAfterRemove(before.Table(t)) {
+		if !emptyAfterRemove(sc, before.Table(t)) {
 			continue
 		}
 		cmd := Cmd{Name: "nft", Args: []string{"delete", "table", family, t}}

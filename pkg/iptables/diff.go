@@ -94,13 +94,13 @@ type tableState struct {
 }
 
 // scanTable collects our chains and every reference to them in t.
-func scanTable(t *SavedTable, want map[string]bool) tableState {
+func scanTable(sc *scope, t *SavedTable, want map[string]bool) tableState {
 	st := tableState{chains: map[string][]string{}, jumps: map[string]int{}}
 	if t == nil {
 		return st
 	}
 	for _, c := range t.Chains {
-		if isOurChain(c.Name) {
+		if sc.owns(c.Name) {
 			rules := make([]string, len(c.Rules))
 			for i, r := range c.Rules {
 				rules[i] = r.Spec()
@@ -109,16 +109,16 @@ func scanTable(t *SavedTable, want map[string]bool) tableState {
 		}
 	}
 	for _, c := range t.Chains {
-		if isOurChain(c.Name) {
+		if sc.owns(c.Name) {
 			continue // their contents are compared or flushed as a whole
 		}
 		for _, r := range c.Rules {
 			target := r.Target()
-			if !isOurChain(target) {
+			if !sc.owns(target) {
 				continue
 			}
 			spec := r.Spec()
-			if want[target] && c.Name == hookOf[target] && spec == jumpSpec(target) {
+			if want[target] && c.Name == sc.hook[target] && spec == jumpSpec(target) {
 				st.jumps[target]++
 				if st.jumps[target] > 1 {
 					st.dupJumps = append(st.dupJumps, [2]string{c.Name, spec})
@@ -173,13 +173,14 @@ func equalRules(a, b []string) bool {
 // save of the same family. Rules that do not involve our chains are ignored.
 func (rs RuleSet) Diff(cur *Save) Drift {
 	var d Drift
-	for _, table := range ourTables {
+	sc := rs.sc()
+	for _, table := range sc.tables {
 		want := rs.wanted(table)
-		st := scanTable(cur.Table(table), keys(want))
+		st := scanTable(sc, cur.Table(table), keys(want))
 		item := func(kind DriftKind, obj, chain string) DriftItem {
 			return DriftItem{Family: rs.Family, Kind: kind, Object: obj, Table: table, Chain: chain}
 		}
-		for _, name := range ourChains {
+		for _, name := range sc.chains {
 			rules, wanted := want[name]
 			have, present := st.chains[name]
 			switch {
@@ -196,8 +197,8 @@ func (rs RuleSet) Diff(cur *Save) Drift {
 				d.Items = append(d.Items, item(DriftExtra, "chain", name))
 			}
 			if wanted && st.jumps[name] == 0 {
-				it := item(DriftMissing, "rule", hookOf[name])
-				it.Want = "-A " + hookOf[name] + " " + jumpSpec(name)
+				it := item(DriftMissing, "rule", sc.hook[name])
+				it.Want = "-A " + sc.hook[name] + " " + jumpSpec(name)
 				d.Items = append(d.Items, it)
 			}
 		}
@@ -299,11 +300,12 @@ func diffChain(proto DriftItem, want, have []string) []DriftItem {
 // is atomic within the restore transaction.
 func PlanApply(desired RuleSet, cur *Save) string {
 	var b strings.Builder
-	for _, table := range ourTables {
+	sc := desired.sc()
+	for _, table := range sc.tables {
 		want := desired.wanted(table)
-		st := scanTable(cur.Table(table), keys(want))
+		st := scanTable(sc, cur.Table(table), keys(want))
 		var decl, del, add, body, drop []string
-		for _, name := range ourChains {
+		for _, name := range sc.chains {
 			rules, wanted := want[name]
 			have, present := st.chains[name]
 			switch {
@@ -316,7 +318,7 @@ func PlanApply(desired RuleSet, cur *Save) string {
 				drop = append(drop, name)
 			}
 			if wanted && st.jumps[name] == 0 {
-				add = append(add, "-A "+hookOf[name]+" "+jumpSpec(name))
+				add = append(add, "-A "+sc.hook[name]+" "+jumpSpec(name))
 			}
 		}
 		for _, r := range append(st.dupJumps, st.refs...) {
@@ -341,8 +343,12 @@ func PlanApply(desired RuleSet, cur *Save) string {
 }
 
 // PlanRemove returns iptables-restore --noflush input that deletes our
-// chains and every rule referring to them, or "" when there is nothing.
+// in-pod chains and every rule referring to them, or "" when there is
+// nothing.
 func PlanRemove(cur *Save) string { return PlanApply(RuleSet{}, cur) }
+
+// planRemoveScope is PlanRemove for any scope.
+func planRemoveScope(sc *scope, cur *Save) string { return PlanApply(RuleSet{scope: sc}, cur) }
 
 // touchedTables lists the tables a plan writes to.
 func touchedTables(plan string) []string {
@@ -358,19 +364,19 @@ func touchedTables(plan string) []string {
 // emptyAfterRemove reports whether table t holds nothing but empty built-in
 // chains with ACCEPT policy once our chains and references are gone: such
 // a table has no effect and can be deleted to restore the prior state.
-func emptyAfterRemove(t *SavedTable) bool {
+func emptyAfterRemove(sc *scope, t *SavedTable) bool {
 	if t == nil {
 		return false
 	}
 	for _, c := range t.Chains {
-		if isOurChain(c.Name) {
+		if sc.owns(c.Name) {
 			continue
 		}
 		if c.Policy != "ACCEPT" {
 			return false
 		}
 		for _, r := range c.Rules {
-			if !isOurChain(r.Target()) {
+			if !sc.owns(r.Target()) {
 				return false
 			}
 		}

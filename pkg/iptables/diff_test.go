@@ -122,7 +122,7 @@ COMMIT
 	if got := removed.String(); got != want {
 		t.Errorf("after removal:\n%s\nwant:\n%s", got, want)
 	}
-	if !emptyAfterRemove(s.Table("mangle")) || emptyAfterRemove(s.Table("nat")) || emptyAfterRemove(s.Table("filter")) {
+	if !emptyAfterRemove(podScope, s.Table("mangle")) || emptyAfterRemove(podScope, s.Table("nat")) || emptyAfterRemove(podScope, s.Table("filter")) {
 		t.Error("emptyAfterRemove: only mangle holds nothing but ours")
 	}
 	if got := touchedTables(PlanRemove(s)); !reflect.DeepEqual(got, []string{"mangle", "nat"}) {

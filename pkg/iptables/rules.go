@@ -63,6 +63,9 @@ const (
 	ChainPrerouting = "ISTIO_PRERT"
 	// ChainOutput holds our rules for packets the pod sends.
 	ChainOutput = "ISTIO_OUTPUT"
+	// ChainProbeSNAT holds the host's kubelet-probe SNAT rule (nat table,
+	// jumped to from POSTROUTING).
+	ChainProbeSNAT = "AMBIENT_PROBE_SNAT"
 )
 
 // Tables we write to, in the order they are rendered.
@@ -72,18 +75,41 @@ const (
 	TableNAT    = "nat"
 )
 
-// ourTables and ourChains bound what this package may create or delete.
+// scope bounds what one kind of rule set may create or delete: its
+// tables, its chains, and the built-in chain that jumps to each. Planning
+// and removal never touch a chain outside the scope.
+type scope struct {
+	tables []string
+	chains []string
+	hook   map[string]string
+}
+
+func (s *scope) owns(chain string) bool {
+	for _, c := range s.chains {
+		if c == chain {
+			return true
+		}
+	}
+	return false
+}
+
 var (
-	ourTables = []string{TableRaw, TableMangle, TableNAT}
-	ourChains = []string{ChainPrerouting, ChainOutput}
-	// hookOf names the built-in chain that jumps to each of our chains.
-	hookOf = map[string]string{ChainPrerouting: "PREROUTING", ChainOutput: "OUTPUT"}
+	// podScope is what the in-pod rule set owns.
+	podScope = &scope{
+		tables: []string{TableRaw, TableMangle, TableNAT},
+		chains: []string{ChainPrerouting, ChainOutput},
+		hook:   map[string]string{ChainPrerouting: "PREROUTING", ChainOutput: "OUTPUT"},
+	}
+	// hostScope is what the host probe SNAT owns.
+	hostScope = &scope{
+		tables: []string{TableNAT},
+		chains: []string{ChainProbeSNAT},
+		hook:   map[string]string{ChainProbeSNAT: "POSTROUTING"},
+	}
 )
 
-// isOurChain reports whether name is one of the chains this package owns.
-func isOurChain(name string) bool {
-	return name == ChainPrerouting || name == ChainOutput
-}
+// isOurChain reports whether name is a chain this package owns anywhere.
+func isOurChain(name string) bool { return podScope.owns(name) || hostScope.owns(name) }
 
 // DNSConntrackZone is the conntrack zone for ztunnel's upstream DNS leg, so
 // it never shares conntrack entries with the application's (redirected) leg.
@@ -166,12 +192,21 @@ func (p PolicyRoute) String() string {
 		p.Priority, p.Mark, p.Mask, p.Table, p.Local, p.Table)
 }
 
-// RuleSet is the desired state of one address family in a pod network
-// namespace: iptables chains and the policy route.
+// RuleSet is the desired state of one address family in a network
+// namespace: iptables chains and, for pods, the policy route.
 type RuleSet struct {
 	Family  Family
 	Tables  []TableRules
 	Routing PolicyRoute
+	// scope is what the set owns; nil means the in-pod scope.
+	scope *scope
+}
+
+func (rs RuleSet) sc() *scope {
+	if rs.scope == nil {
+		return podScope
+	}
+	return rs.scope
 }
 
 // markSpec renders value/mask in iptables' hex notation.
@@ -271,7 +306,7 @@ func (rs RuleSet) Render() string {
 			fmt.Fprintf(&b, ":%s - [0:0]\n", c.Name)
 		}
 		for _, c := range t.Chains {
-			fmt.Fprintf(&b, "-A %s %s\n", hookOf[c.Name], jumpSpec(c.Name))
+			fmt.Fprintf(&b, "-A %s %s\n", rs.sc().hook[c.Name], jumpSpec(c.Name))
 		}
 		for _, c := range t.Chains {
 			for _, r := range c.Rules {
