@@ -232,9 +232,14 @@ func (c *conn) run() {
 		if err != nil {
 			c.log.Info("zds request failed", "op", r.op, "uid", r.uid, "err", err)
 		}
-		r.finish(err)
-		if errors.Is(err, errConnLost) {
+		lost := errors.Is(err, errConnLost)
+		if lost {
+			// Leave the server's list before the caller hears of it, so
+			// its retry cannot pick this connection again.
 			c.fail(err)
+		}
+		r.finish(err)
+		if lost {
 			return
 		}
 	}

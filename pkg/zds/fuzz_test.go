@@ -72,7 +72,7 @@ func FuzzDecodeHello(f *testing.F) {
 // ready exactly when both are good, and keep serving afterwards.
 func FuzzPeer(f *testing.F) {
 	addSeeds(f, "FuzzPeer")
-	s := startServer(f, Config{AckTimeout: 200 * time.Millisecond, HelloTimeout: 200 * time.Millisecond, MaxConnections: 64})
+	s := startServer(f, Config{AckTimeout: time.Second, HelloTimeout: time.Second, MaxConnections: 64})
 	f.Fuzz(func(t *testing.T, in []byte) {
 		if len(in) == 0 {
 			return

@@ -6,6 +6,12 @@
 // SnapshotSent. After that the server sends Add and Del one at a time per
 // connection, each matched to its own Ack. Adds go to the newest connection,
 // Dels to every connection, so a rolling ztunnel upgrade works.
+//
+// Liveness: every connection is read continuously, so a ztunnel that dies
+// (its socket closes with it) or sends anything unasked is dropped at once,
+// even while idle; a ztunnel that hangs is dropped at the first ack it
+// misses (AckTimeout), and every write has a deadline (WriteTimeout). ZDS
+// has no ping message, so an idle hung peer is found on its next request.
 package zds
 
 import (
@@ -53,6 +59,7 @@ type AckError struct {
 	Msg string // ztunnel's error text
 }
 
+// Error describes the refusal.
 func (e *AckError) Error() string {
 	return fmt.Sprintf("ztunnel refused %s %s: %s", e.Op, e.UID, e.Msg)
 }

@@ -238,7 +238,7 @@ func TestMisbehavingPeers(t *testing.T) {
 	}
 	for name, misbehave := range cases {
 		t.Run(name, func(t *testing.T) {
-			s := startServer(t, Config{AckTimeout: 300 * time.Millisecond})
+			s := startServer(t, Config{AckTimeout: time.Second})
 			good := dialPeer(t, s)
 			good.handshake()
 			waitGood := good.autoAck(nil)
@@ -266,7 +266,7 @@ func TestMisbehavingPeers(t *testing.T) {
 // the next request's.
 func TestOneOutstanding(t *testing.T) {
 	ns := selfNetns(t)
-	s := startServer(t, Config{AckTimeout: 400 * time.Millisecond})
+	s := startServer(t, Config{AckTimeout: time.Second})
 	p := dialPeer(t, s)
 	p.handshake()
 	eventually(t, "ready", func() bool { return s.ReadyConnections() == 1 })
@@ -277,14 +277,14 @@ func TestOneOutstanding(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			errs[i] = s.Add(ctxTimeout(t, 700*time.Millisecond), Workload{UID: uid, Netns: ns})
+			errs[i] = s.Add(ctxTimeout(t, 1500*time.Millisecond), Workload{UID: uid, Netns: ns})
 		}()
 		time.Sleep(20 * time.Millisecond) // order the two submissions
 	}
 	first := p.mustRecv()
 	first.close()
-	p.expectSilence(150 * time.Millisecond) // second must wait for the first ack
-	time.Sleep(400 * time.Millisecond)      // let the first ack time out
+	p.expectSilence(200 * time.Millisecond) // second must wait for the first ack
+	time.Sleep(time.Second)                 // let the first ack time out
 	late, _ := proto.Marshal(&zdspb.WorkloadResponse{Payload: &zdspb.WorkloadResponse_Ack{Ack: &zdspb.Ack{}}})
 	_, _ = p.uc.Write(late) // may already fail: the server hung up at the timeout
 	p.expectClosed()

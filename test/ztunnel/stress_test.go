@@ -23,7 +23,7 @@ func TestMisbehavingStandInsDoNotHurtHealthyOne(t *testing.T) {
 	a, b := pods["a"], pods["b"]
 	a.capture(t)
 	b.capture(t)
-	ag := startAgent(t, 300*time.Millisecond)
+	ag := startAgent(t, time.Second)
 	good := runStandIn(t, Config{SocketPath: ag.srv.SocketPath()})
 	waitFor(t, good, "healthy ready", good.Ready)
 	ag.enroll(t, a)
