@@ -19,6 +19,7 @@ type Applier struct {
 	backend  Backend
 	exec     Executor
 	router   Router
+	sets     IPSets
 	lockWait time.Duration
 	timeout  time.Duration
 }
@@ -50,6 +51,7 @@ func NewApplier(log *slog.Logger, b Backend, opts ...Option) *Applier {
 		backend:  b,
 		exec:     NetnsExecutor{},
 		router:   NetlinkRouter{},
+		sets:     NetlinkIPSets{},
 		lockWait: 10 * time.Second,
 		timeout:  60 * time.Second,
 	}

@@ -3,6 +3,8 @@ package iptables
 import (
 	"context"
 	"fmt"
+	"net/netip"
+	"slices"
 	"strings"
 	"sync"
 )
@@ -259,4 +261,75 @@ func (h *fakeHost) takeLog() []string {
 	l := h.log
 	h.log = nil
 	return l
+}
+
+// fakeSets implements IPSets in memory, per namespace path.
+type fakeSets struct {
+	mu   sync.Mutex
+	sets map[string]map[string]map[netip.Addr]bool // netns → set → members
+	fam  map[string]Family
+}
+
+func newFakeSets() *fakeSets {
+	return &fakeSets{sets: map[string]map[string]map[netip.Addr]bool{}, fam: map[string]Family{}}
+}
+
+func (s *fakeSets) EnsureSet(ns, name string, f Family) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.sets[ns] == nil {
+		s.sets[ns] = map[string]map[netip.Addr]bool{}
+	}
+	if s.sets[ns][name] == nil {
+		s.sets[ns][name] = map[netip.Addr]bool{}
+		s.fam[name] = f
+	}
+	return nil
+}
+
+func (s *fakeSets) DestroySet(ns, name string) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.sets[ns], name)
+	return nil
+}
+
+func (s *fakeSets) AddIP(ns, name string, ip netip.Addr) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	set := s.sets[ns][name]
+	if set == nil {
+		return fmt.Errorf("no set %s", name)
+	}
+	if ip.Is4() != (s.fam[name] == IPv4) {
+		return fmt.Errorf("family mismatch for %s in %s", ip, name)
+	}
+	set[ip] = true
+	return nil
+}
+
+func (s *fakeSets) DelIP(ns, name string, ip netip.Addr) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	set := s.sets[ns][name]
+	if set == nil {
+		return fmt.Errorf("no set %s", name)
+	}
+	delete(set, ip)
+	return nil
+}
+
+func (s *fakeSets) ListSet(ns, name string) ([]netip.Addr, bool, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	set, ok := s.sets[ns][name]
+	if !ok {
+		return nil, false, nil
+	}
+	var out []netip.Addr
+	for a := range set {
+		out = append(out, a)
+	}
+	slices.SortFunc(out, func(a, b netip.Addr) int { return a.Compare(b) })
+	return out, true, nil
 }

@@ -1,0 +1,338 @@
+package iptables
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/netip"
+	"slices"
+	"sync"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netlink/nl"
+	"golang.org/x/sys/unix"
+)
+
+// Host probe SNAT: kubelet's health probes come from sockets in the host
+// network namespace. SNATing them to the probe address lets the in-pod
+// rules tell them apart from other traffic (kube-proxy's, say) and let them
+// reach the application directly. Only locally generated TCP to an
+// enrolled pod IP is rewritten: forwarded traffic has no local socket.
+
+// Default ipset names holding the enrolled pod IPs, one per family.
+const (
+	ProbeSetV4 = "ambient-probes-v4"
+	ProbeSetV6 = "ambient-probes-v6"
+)
+
+// ProbeSet names the ipset of family f.
+func ProbeSet(f Family) string {
+	if f == IPv6 {
+		return ProbeSetV6
+	}
+	return ProbeSetV4
+}
+
+// HostProbeConfig holds the host-side options.
+type HostProbeConfig struct {
+	// ProbeSNATv4 and ProbeSNATv6 are the SNAT sources; zero means the
+	// ambient defaults. They must match the pods' PodConfig.
+	ProbeSNATv4, ProbeSNATv6 netip.Addr
+}
+
+func (c HostProbeConfig) pod() PodConfig {
+	return PodConfig{ProbeSNATv4: c.ProbeSNATv4, ProbeSNATv6: c.ProbeSNATv6}
+}
+
+// HostProbeRules builds the host's probe SNAT rule set for family f: one
+// chain in nat, jumped to from POSTROUTING, with one rule. Pure.
+func HostProbeRules(cfg HostProbeConfig, f Family) RuleSet {
+	return RuleSet{
+		Family: f,
+		scope:  hostScope,
+		Tables: []TableRules{{Name: TableNAT, Chains: []ChainRules{{Name: ChainProbeSNAT, Rules: []string{
+			fmt.Sprintf("-p tcp -m owner --socket-exists -m set --match-set %s dst -j SNAT --to-source %s",
+				ProbeSet(f), cfg.pod().probe(f)),
+		}}}}},
+	}
+}
+
+// IPSets manages ipsets in a network namespace; NetlinkIPSets is the real
+// one, tests of the control flow substitute a fake.
+type IPSets interface {
+	// EnsureSet creates a hash:ip set of family f unless it exists.
+	EnsureSet(netnsPath, name string, f Family) error
+	// DestroySet deletes the set; a missing set is not an error.
+	DestroySet(netnsPath, name string) error
+	// AddIP adds ip; already present is not an error.
+	AddIP(netnsPath, name string, ip netip.Addr) error
+	// DelIP removes ip; already absent is not an error.
+	DelIP(netnsPath, name string, ip netip.Addr) error
+	// ListSet returns the members and whether the set exists.
+	ListSet(netnsPath, name string) ([]netip.Addr, bool, error)
+}
+
+// WithIPSets replaces the ipset side of a HostProbe (tests use a fake).
+func WithIPSets(s IPSets) Option { return func(a *Applier) { a.sets = s } }
+
+// NetlinkIPSets implements IPSets over netlink in the target namespace.
+type NetlinkIPSets struct{}
+
+func isNoSet(err error) bool {
+	return errors.Is(err, unix.ENOENT) || errors.Is(err, nl.IPSetError(nl.IPSET_ERR_PROTOCOL))
+}
+
+// EnsureSet implements IPSets.
+func (NetlinkIPSets) EnsureSet(netnsPath, name string, f Family) error {
+	h, err := handle(netnsPath)
+	if err != nil {
+		return err
+	}
+	defer h.Close()
+	// Without NLM_F_EXCL (Replace) an identical existing set is success.
+	if err := h.IpsetCreate(name, "hash:ip", netlink.IpsetCreateOptions{Replace: true, Family: uint8(nlFamily(f))}); err != nil {
+		return fmt.Errorf("create ipset %s: %w", name, err)
+	}
+	return nil
+}
+
+// DestroySet implements IPSets.
+func (NetlinkIPSets) DestroySet(netnsPath, name string) error {
+	h, err := handle(netnsPath)
+	if err != nil {
+		return err
+	}
+	defer h.Close()
+	if err := h.IpsetDestroy(name); err != nil && !isNoSet(err) {
+		return fmt.Errorf("destroy ipset %s: %w", name, err)
+	}
+	return nil
+}
+
+// AddIP implements IPSets.
+func (NetlinkIPSets) AddIP(netnsPath, name string, ip netip.Addr) error {
+	h, err := handle(netnsPath)
+	if err != nil {
+		return err
+	}
+	defer h.Close()
+	if err := h.IpsetAdd(name, &netlink.IPSetEntry{IP: net.IP(ip.AsSlice()), Replace: true}); err != nil {
+		return fmt.Errorf("add %s to ipset %s: %w", ip, name, err)
+	}
+	return nil
+}
+
+// DelIP implements IPSets.
+func (NetlinkIPSets) DelIP(netnsPath, name string, ip netip.Addr) error {
+	h, err := handle(netnsPath)
+	if err != nil {
+		return err
+	}
+	defer h.Close()
+	// Without NLM_F_EXCL deleting an absent member is success.
+	if err := h.IpsetDel(name, &netlink.IPSetEntry{IP: net.IP(ip.AsSlice()), Replace: true}); err != nil {
+		return fmt.Errorf("delete %s from ipset %s: %w", ip, name, err)
+	}
+	return nil
+}
+
+// ListSet implements IPSets.
+func (NetlinkIPSets) ListSet(netnsPath, name string) ([]netip.Addr, bool, error) {
+	h, err := handle(netnsPath)
+	if err != nil {
+		return nil, false, err
+	}
+	defer h.Close()
+	res, err := h.IpsetList(name)
+	if err != nil {
+		if isNoSet(err) {
+			return nil, false, nil
+		}
+		return nil, false, fmt.Errorf("list ipset %s: %w", name, err)
+	}
+	var out []netip.Addr
+	for _, e := range res.Entries {
+		if a, ok := netip.AddrFromSlice(e.IP); ok {
+			out = append(out, a.Unmap())
+		}
+	}
+	slices.SortFunc(out, func(a, b netip.Addr) int { return a.Compare(b) })
+	return out, true, nil
+}
+
+// HostProbe keeps the probe SNAT in one network namespace: the node's
+// (netnsPath "") in production, a stand-in in tests. Ensure installs the
+// sets and rule, AddIP/DelIP track enrolled pod IPs, Remove undoes it all.
+// Safe for concurrent use.
+type HostProbe struct {
+	a     *Applier
+	netns string
+	cfg   HostProbeConfig
+	mu    sync.Mutex // serialises Ensure/Remove against each other
+}
+
+// NewHostProbe returns a HostProbe for the namespace at netnsPath ("" =
+// the caller's) using backend b. Options are the Applier's, plus
+// WithIPSets.
+func NewHostProbe(log *slog.Logger, b Backend, netnsPath string, cfg HostProbeConfig, opts ...Option) *HostProbe {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	a := NewApplier(log.With("part", "host-probe"), b, opts...)
+	return &HostProbe{a: a, netns: netnsPath, cfg: cfg}
+}
+
+// families returns the families the namespace has enabled.
+func (h *HostProbe) families() ([]Family, error) {
+	v6, err := h.a.router.IPv6Enabled(h.netns)
+	if err != nil {
+		return nil, err
+	}
+	if v6 {
+		return Families, nil
+	}
+	return []Family{IPv4}, nil
+}
+
+// Ensure creates the ipsets and installs the SNAT rule (one
+// iptables-restore per family, skipped when already in place). Existing
+// set members are kept, so it is safe at every agent start.
+func (h *HostProbe) Ensure() error {
+	if err := h.cfg.pod().Validate(); err != nil {
+		return err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	fams, err := h.families()
+	if err != nil {
+		return err
+	}
+	ctx, cancel := h.a.bound(context.Background())
+	defer cancel()
+	for _, f := range fams {
+		// The rule refers to the set, so the set comes first.
+		if err := h.a.sets.EnsureSet(h.netns, ProbeSet(f), f); err != nil {
+			return fmt.Errorf("host probe %s: %w", f, err)
+		}
+		rs := HostProbeRules(h.cfg, f)
+		cur, err := h.a.save(ctx, h.netns, f)
+		if err != nil {
+			return err
+		}
+		if plan := PlanApply(rs, cur); plan != "" {
+			if err := h.a.restore(ctx, h.netns, f, plan); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// AddIP adds an enrolled pod IP to its family's set (idempotent). Call
+// after the pod's rules are in place.
+func (h *HostProbe) AddIP(ip netip.Addr) error {
+	ip, f, err := probeIP(ip)
+	if err != nil {
+		return err
+	}
+	return h.a.sets.AddIP(h.netns, ProbeSet(f), ip)
+}
+
+// DelIP removes a pod IP from its family's set (idempotent).
+func (h *HostProbe) DelIP(ip netip.Addr) error {
+	ip, f, err := probeIP(ip)
+	if err != nil {
+		return err
+	}
+	return h.a.sets.DelIP(h.netns, ProbeSet(f), ip)
+}
+
+// IPs lists the IPs in both sets, for reconciliation after a restart.
+func (h *HostProbe) IPs() ([]netip.Addr, error) {
+	var out []netip.Addr
+	for _, f := range Families {
+		ips, _, err := h.a.sets.ListSet(h.netns, ProbeSet(f))
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, ips...)
+	}
+	return out, nil
+}
+
+func probeIP(ip netip.Addr) (netip.Addr, Family, error) {
+	if !ip.IsValid() || ip.Zone() != "" || ip.IsUnspecified() || ip.IsLoopback() || ip.IsMulticast() {
+		return netip.Addr{}, 0, fmt.Errorf("not a pod IP: %s", ip)
+	}
+	ip = ip.Unmap()
+	if ip.Is4() {
+		return ip, IPv4, nil
+	}
+	return ip, IPv6, nil
+}
+
+// Verify reports drift of the SNAT rule and missing sets.
+func (h *HostProbe) Verify() (Drift, error) {
+	fams, err := h.families()
+	if err != nil {
+		return Drift{}, err
+	}
+	ctx, cancel := h.a.bound(context.Background())
+	defer cancel()
+	var d Drift
+	for _, f := range fams {
+		cur, err := h.a.save(ctx, h.netns, f)
+		if err != nil {
+			return Drift{}, err
+		}
+		d.Items = append(d.Items, HostProbeRules(h.cfg, f).Diff(cur).Items...)
+		if _, ok, err := h.a.sets.ListSet(h.netns, ProbeSet(f)); err != nil {
+			return Drift{}, err
+		} else if !ok {
+			d.Items = append(d.Items, DriftItem{Family: f, Kind: DriftMissing, Object: "ipset", Want: ProbeSet(f) + " hash:ip"})
+		}
+	}
+	return d, nil
+}
+
+// Remove deletes the rule, its chain and the sets (with their members),
+// leaving the namespace as before Ensure. With the nft backend a nat table
+// that held only our rule is deleted too. Idempotent.
+func (h *HostProbe) Remove() error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	v6, err := h.a.router.IPv6Enabled(h.netns)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := h.a.bound(context.Background())
+	defer cancel()
+	for _, f := range Families {
+		cur, err := h.a.save(ctx, h.netns, f)
+		if err != nil {
+			if f == IPv6 && !v6 {
+				continue
+			}
+			return err
+		}
+		if plan := planRemoveScope(hostScope, cur); plan != "" {
+			if err := h.a.restore(ctx, h.netns, f, plan); err != nil {
+				return err
+			}
+			if h.a.backend == BackendNFT {
+				h.a.dropEmptyTables(ctx, h.netns, f, hostScope, cur, touchedTables(plan))
+			}
+		}
+		// The rule is gone, so the kernel lets the set go.
+		if err := h.a.sets.DestroySet(h.netns, ProbeSet(f)); err != nil {
+			return fmt.Errorf("host probe %s: %w", f, err)
+		}
+	}
+	return nil
+}
+
+// Probe returns the SNAT source for family f, for callers wiring the pods'
+// PodConfig to the same addresses.
+func (c HostProbeConfig) Probe(f Family) netip.Addr { return c.pod().probe(f) }
