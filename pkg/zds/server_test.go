@@ -613,3 +613,28 @@ func TestSnapshotSkipsClosedNetns(t *testing.T) {
 		t.Fatalf("closed netns and empty uid should be left out, got %v", d.req)
 	}
 }
+
+// BenchmarkAddDel measures one Add (with its netns fd) plus one Del
+// round trip against an in-process peer that acks at once.
+func BenchmarkAddDel(b *testing.B) {
+	ns := selfNetns(b)
+	s := startServer(b, Config{})
+	p := dialPeer(b, s)
+	p.handshake()
+	wait := p.autoAck(nil)
+	eventually(b, "ready", func() bool { return s.ReadyConnections() == 1 })
+	ctx := context.Background()
+	w := Workload{UID: "bench", Info: WorkloadInfo{Name: "p", Namespace: "n", ServiceAccount: "sa"}, Netns: ns}
+	b.ResetTimer()
+	for b.Loop() {
+		if err := s.Add(ctx, w); err != nil {
+			b.Fatal(err)
+		}
+		if err := s.Del(ctx, w.UID); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.StopTimer()
+	_ = p.uc.Close()
+	wait()
+}

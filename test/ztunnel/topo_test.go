@@ -228,7 +228,9 @@ func startAgent(t *testing.T, ackTimeout time.Duration) *agent {
 		a.mu.Lock()
 		defer a.mu.Unlock()
 		for _, w := range a.wl {
-			_ = w.Netns.Close()
+			if w.Netns != nil {
+				_ = w.Netns.Close()
+			}
 		}
 	})
 	return a
@@ -253,7 +255,7 @@ func (a *agent) enroll(t *testing.T, p *tpod) {
 	}
 	w := zds.Workload{UID: p.uid, Info: zds.WorkloadInfo{Name: p.name, Namespace: "test", ServiceAccount: "default"}, Netns: f}
 	a.mu.Lock()
-	if old, ok := a.wl[p.uid]; ok {
+	if old, ok := a.wl[p.uid]; ok && old.Netns != nil {
 		_ = old.Netns.Close()
 	}
 	a.wl[p.uid] = w
@@ -265,13 +267,27 @@ func (a *agent) enroll(t *testing.T, p *tpod) {
 	}
 }
 
+// lose keeps a pod in the state but without its netns handle, so a
+// snapshot names it with Keep.
+func (a *agent) lose(p *tpod) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if w, ok := a.wl[p.uid]; ok && w.Netns != nil {
+		_ = w.Netns.Close()
+		w.Netns = nil
+		a.wl[p.uid] = w
+	}
+}
+
 // forget drops a pod from the state without telling ztunnel (an agent
 // that lost it), or with a Del when del is set.
 func (a *agent) forget(t *testing.T, p *tpod, del bool) {
 	t.Helper()
 	a.mu.Lock()
 	if w, ok := a.wl[p.uid]; ok {
-		_ = w.Netns.Close()
+		if w.Netns != nil {
+			_ = w.Netns.Close()
+		}
 		delete(a.wl, p.uid)
 	}
 	a.mu.Unlock()

@@ -99,6 +99,27 @@ func TestTrafficThroughStandIn(t *testing.T) {
 		a.mustGet(t, b8080, "b")
 		c.mustGet(t, b8080, "b")
 
+		t.Run("keep preserves a pod whose netns the agent lost", func(t *testing.T) {
+			ag.lose(b)
+			before := z2.Connections()
+			z2.Disconnect()
+			waitFor(t, z2, "next snapshot", func() bool { return z2.Connections() > before && z2.Ready() })
+			var kinds []string
+			for _, m := range z2.Messages() {
+				if m.Conn == z2.Connections() {
+					kinds = append(kinds, m.Kind+":"+m.UID)
+				}
+			}
+			if !slices.Contains(kinds, KindKeep+":"+b.uid) || !slices.Contains(kinds, KindAdd+":"+a.uid) {
+				t.Fatalf("snapshot %v, want Add for A and Keep for B", kinds)
+			}
+			if w, ok := z2.Workload(b.uid); !ok || w.Netns != netnsOf(t, b) {
+				t.Fatalf("Keep did not preserve B")
+			}
+			c.mustGet(t, b8080, "b")
+			ag.enroll(t, b)
+		})
+
 		t.Run("snapshot drops what the agent no longer has", func(t *testing.T) {
 			ag.forget(t, b, false)
 			z2.Disconnect()
