@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"log/slog"
 	"slices"
 	"strconv"
@@ -22,6 +23,18 @@ type Applier struct {
 	sets     IPSets
 	lockWait time.Duration
 	timeout  time.Duration
+	// stripes serialise Apply and Remove per namespace path, so two
+	// callers converging the same pod cannot both add a missing jump.
+	stripes [64]sync.Mutex
+}
+
+// lock takes the stripe of netnsPath and returns its unlock.
+func (a *Applier) lock(netnsPath string) func() {
+	h := fnv.New32a()
+	_, _ = h.Write([]byte(netnsPath))
+	m := &a.stripes[h.Sum32()%uint32(len(a.stripes))]
+	m.Lock()
+	return m.Unlock
 }
 
 // Option configures an Applier.
@@ -123,6 +136,7 @@ func (a *Applier) ApplyContext(ctx context.Context, netnsPath string, cfg PodCon
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
+	defer a.lock(netnsPath)()
 	ctx, cancel := a.bound(ctx)
 	defer cancel()
 	v6, err := a.router.IPv6Enabled(netnsPath)
@@ -258,6 +272,7 @@ func (a *Applier) RemoveContext(ctx context.Context, netnsPath string) error {
 	if err := podNetns(netnsPath); err != nil {
 		return err
 	}
+	defer a.lock(netnsPath)()
 	ctx, cancel := a.bound(ctx)
 	defer cancel()
 	v6, err := a.router.IPv6Enabled(netnsPath)

@@ -3,6 +3,7 @@ package iptables
 import (
 	"reflect"
 	"strings"
+	"sync"
 	"testing"
 )
 
@@ -150,5 +151,45 @@ func TestApplierErrors(t *testing.T) {
 	}
 	if err := a.Apply("p", PodConfig{ProbeSNATv4: PodRules(PodConfig{}, IPv6).Routing.Local.Addr()}); err == nil {
 		t.Fatal("invalid config accepted")
+	}
+}
+
+// TestApplierConcurrentSamePod: callers racing to converge one pod (CNI
+// ADD and the informer, say) never duplicate a jump.
+func TestApplierConcurrentSamePod(t *testing.T) {
+	a, h := fakeApplier(BackendNFT)
+	var wg sync.WaitGroup
+	errs := make(chan error, 40)
+	for i := 0; i < 40; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			cfg := PodConfig{DNSCapture: i%2 == 0}
+			if i == 39 {
+				cfg = PodConfig{}
+			}
+			errs <- a.Apply("p", cfg)
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, f := range Families {
+		s := h.ns["p"].saves[f]
+		for _, tbl := range s.Tables {
+			for _, c := range tbl.Chains {
+				seen := map[string]bool{}
+				for _, r := range c.Rules {
+					if isOurChain(r.Target()) && seen[r.Spec()] {
+						t.Fatalf("%s %s %s: duplicate %q\n%s", f, tbl.Name, c.Name, r.Spec(), s)
+					}
+					seen[r.Spec()] = true
+				}
+			}
+		}
 	}
 }
