@@ -142,6 +142,62 @@ func (p *tpod) serveApp(t *testing.T) {
 	t.Cleanup(func() { _ = srv.Close(); wg.Wait() })
 }
 
+// serveEcho runs a TCP echo server on port inside the pod.
+func (p *tpod) serveEcho(t *testing.T, port uint16) uint16 {
+	t.Helper()
+	var ln net.Listener
+	if err := p.ns.Do(func(ns.NetNS) error {
+		var err error
+		ln, err = net.Listen("tcp", fmt.Sprintf(":%d", port))
+		return err
+	}); err != nil {
+		t.Fatalf("echo listener in %s: %v", p.name, err)
+	}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var conns []net.Conn
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			wg.Add(1)
+			go func() { defer wg.Done(); _, _ = io.Copy(c, c) }()
+		}
+	}()
+	t.Cleanup(func() {
+		_ = ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+	return port
+}
+
+// dial opens a TCP connection from inside the pod.
+func (p *tpod) dial(t *testing.T, target netip.AddrPort) net.Conn {
+	t.Helper()
+	var c net.Conn
+	if err := p.ns.Do(func(ns.NetNS) error {
+		var err error
+		c, err = net.DialTimeout("tcp", target.String(), 5*time.Second)
+		return err
+	}); err != nil {
+		t.Fatalf("%s dial %s: %v", p.name, target, err)
+	}
+	t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
 // get makes one HTTP request from inside pod p (a fresh connection).
 func (p *tpod) get(ctx context.Context, target netip.AddrPort) (string, error) {
 	tr := &http.Transport{
@@ -207,9 +263,17 @@ type agent struct {
 
 func startAgent(t *testing.T, ackTimeout time.Duration) *agent {
 	t.Helper()
+	a, _ := startAgentAt(t, t.TempDir()+"/zds.sock", ackTimeout)
+	return a
+}
+
+// startAgentAt runs an agent on path; stop shuts it down (also at the end
+// of the test) and closes its netns handles.
+func startAgentAt(t *testing.T, path string, ackTimeout time.Duration) (*agent, func()) {
+	t.Helper()
 	a := &agent{wl: map[string]zds.Workload{}}
 	a.srv = zds.NewServer(zds.Config{
-		SocketPath: t.TempDir() + "/zds.sock",
+		SocketPath: path,
 		Snapshot:   a.snapshot,
 		AckTimeout: ackTimeout,
 		AcceptRate: 1000, AcceptBurst: 100,
@@ -220,20 +284,24 @@ func startAgent(t *testing.T, ackTimeout time.Duration) *agent {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- a.srv.Serve(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("serve: %v", err)
-		}
-		a.mu.Lock()
-		defer a.mu.Unlock()
-		for _, w := range a.wl {
-			if w.Netns != nil {
-				_ = w.Netns.Close()
+	var once sync.Once
+	stop := func() {
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("serve: %v", err)
 			}
-		}
-	})
-	return a
+			a.mu.Lock()
+			defer a.mu.Unlock()
+			for _, w := range a.wl {
+				if w.Netns != nil {
+					_ = w.Netns.Close()
+				}
+			}
+		})
+	}
+	t.Cleanup(stop)
+	return a, stop
 }
 
 func (a *agent) snapshot() []zds.Workload {

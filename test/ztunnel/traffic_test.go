@@ -2,12 +2,15 @@ package ztunnel
 
 import (
 	"context"
+	"io"
 	"net/netip"
+	"os"
 	"slices"
 	"testing"
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
 
 func waitFor(t *testing.T, z *StandIn, what string, cond func() bool) {
@@ -203,4 +206,65 @@ func runStandInStoppable(t *testing.T, cfg Config, faults ...Faults) (*StandIn, 
 	}
 	t.Cleanup(stop)
 	return z, stop
+}
+
+// TestAgentRestartKeepsConnections: the agent stops and a new one starts
+// on the same socket with the same pods; the stand-in reconnects, takes
+// the snapshot's Adds for the same netns as no-ops, and a TCP connection
+// opened through it before the restart still carries data.
+func TestAgentRestartKeepsConnections(t *testing.T) {
+	testnet.RequireRoot(t)
+	testnet.RequireCommands(t, "iptables-restore", "ip6tables-restore")
+	pods := newBridge(t, "a", "b")
+	a, b := pods["a"], pods["b"]
+	a.capture(t)
+	b.capture(t)
+	echo := b.serveEcho(t, 9090)
+
+	path := t.TempDir() + "/zds.sock"
+	ag1, stop1 := startAgentAt(t, path, 5*time.Second)
+	z := runStandIn(t, Config{SocketPath: path})
+	waitFor(t, z, "ready", z.Ready)
+	ag1.enroll(t, a)
+	ag1.enroll(t, b)
+	before := z.Workloads()
+
+	conn := a.dial(t, netip.AddrPortFrom(b.v4, echo))
+	roundTrip := func(msg string) {
+		t.Helper()
+		_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
+		if _, err := conn.Write([]byte(msg)); err != nil {
+			t.Fatalf("write %q: %v", msg, err)
+		}
+		buf := make([]byte, len(msg))
+		if _, err := io.ReadFull(conn, buf); err != nil || string(buf) != msg {
+			t.Fatalf("echo of %q: %q, %v", msg, buf, err)
+		}
+	}
+	roundTrip("before restart")
+	if !hasRecord(z, func(r Record) bool { return r.UID == a.uid && r.Port == 15001 && r.OrigDst == netip.AddrPortFrom(b.v4, echo) }) {
+		t.Fatalf("echo connection did not go through the stand-in: %+v", z.Records())
+	}
+
+	stop1()
+	ag2, _ := startAgentAt(t, path, 5*time.Second)
+	ag2.mu.Lock()
+	for _, p := range []*tpod{a, b} {
+		f, err := os.Open(p.ns.Path())
+		if err != nil {
+			t.Fatal(err)
+		}
+		ag2.wl[p.uid] = zds.Workload{UID: p.uid, Info: zds.WorkloadInfo{Name: p.name, Namespace: "test"}, Netns: f}
+	}
+	ag2.mu.Unlock()
+	waitFor(t, z, "snapshot from the new agent", func() bool { return z.Connections() >= 2 && z.Ready() })
+	eventually(t, "agent sees the ready stand-in", func() bool { return ag2.srv.ReadyConnections() == 1 })
+
+	roundTrip("after restart")
+	if after := z.Workloads(); !slices.EqualFunc(before, after, func(x, y Workload) bool {
+		return x.UID == y.UID && x.Netns == y.Netns && slices.Equal(x.Ports, y.Ports)
+	}) {
+		t.Fatalf("workloads changed across the agent restart: %+v -> %+v", before, after)
+	}
+	_ = conn.Close()
 }
