@@ -242,7 +242,9 @@ func TestAgentRestartKeepsConnections(t *testing.T) {
 		}
 	}
 	roundTrip("before restart")
-	if !hasRecord(z, func(r Record) bool { return r.UID == a.uid && r.Port == 15001 && r.OrigDst == netip.AddrPortFrom(b.v4, echo) }) {
+	if !hasRecord(z, func(r Record) bool {
+		return r.UID == a.uid && r.Port == 15001 && r.OrigDst == netip.AddrPortFrom(b.v4, echo)
+	}) {
 		t.Fatalf("echo connection did not go through the stand-in: %+v", z.Records())
 	}
 
