@@ -16,6 +16,8 @@ package zds
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -162,9 +164,9 @@ func NewServer(cfg Config) *Server {
 // SocketPath is the path the server listens on.
 func (s *Server) SocketPath() string { return s.cfg.SocketPath }
 
-// Listen creates the socket directory if needed, removes a stale socket
-// file and binds a SOCK_SEQPACKET listener. A non-socket file at the path is
-// an error rather than something to delete.
+// Listen creates the socket directory if needed and binds a SOCK_SEQPACKET
+// listener that atomically replaces a stale socket file. A non-socket file
+// at the path is an error rather than something to delete.
 func (s *Server) Listen() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -175,30 +177,36 @@ func (s *Server) Listen() error {
 		return nil
 	}
 	path := s.cfg.SocketPath
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return fmt.Errorf("create zds socket dir: %w", err)
 	}
-	if fi, err := os.Lstat(path); err == nil {
-		if fi.Mode()&os.ModeSocket == 0 {
-			return fmt.Errorf("zds socket path %s exists and is not a socket", path)
-		}
-		if err := os.Remove(path); err != nil {
-			return fmt.Errorf("remove stale zds socket: %w", err)
-		}
-	} else if !errors.Is(err, os.ErrNotExist) {
+	if fi, err := os.Lstat(path); err == nil && fi.Mode()&os.ModeSocket == 0 {
+		return fmt.Errorf("zds socket path %s exists and is not a socket", path)
+	} else if err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("stat zds socket: %w", err)
 	}
-	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: path, Net: "unixpacket"})
+	// Bind under a private name, note that file's identity, then rename it
+	// over the path: the identity is surely ours (so shutdown never unlinks
+	// a newer agent's socket) and ztunnel never sees the path missing.
+	var rnd [4]byte
+	_, _ = rand.Read(rnd[:])
+	tmp := filepath.Join(dir, ".zds-"+hex.EncodeToString(rnd[:]))
+	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: tmp, Net: "unixpacket"})
 	if err != nil {
-		return fmt.Errorf("listen on zds socket %s: %w", path, err)
+		return fmt.Errorf("listen on zds socket %s: %w", tmp, err)
 	}
-	// A newer agent may already have replaced the file by the time we
-	// stop; unlink only the file we created (see removeSocket).
 	ln.SetUnlinkOnClose(false)
 	var st unix.Stat_t
-	if err := unix.Stat(path, &st); err != nil {
+	if err := unix.Stat(tmp, &st); err != nil {
 		_ = ln.Close()
+		_ = os.Remove(tmp)
 		return fmt.Errorf("stat zds socket: %w", err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		_ = ln.Close()
+		_ = os.Remove(tmp)
+		return fmt.Errorf("move zds socket into place: %w", err)
 	}
 	s.ln, s.lnID = ln, fileID{dev: st.Dev, ino: st.Ino}
 	s.log.Info("zds listening", "path", path)
