@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/containernetworking/cni/libcni"
 	"github.com/containernetworking/cni/pkg/types"
@@ -20,7 +21,9 @@ import (
 	"github.com/ambient-cni/ambient-cni/internal/cnibin"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
+	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
 
 // Versions is the CNI spec version matrix the plugin supports.
@@ -338,4 +341,45 @@ func execPlugin(t *testing.T, cmd string, s *sandbox, stdin []byte) (string, uin
 		t.Fatalf("plugin failed without a CNI error: %v\n%s", err, out)
 	}
 	return string(out), e.Code
+}
+
+// TestChainNoZtunnelIsRetryable: with the real ZDS server and no ztunnel
+// connected, ADD of an enabled pod fails with code 11 once the bounded wait
+// for ztunnel's ack runs out, with the rules already in place so the retry
+// is cheap; a pass-through pod is not held up.
+func TestChainNoZtunnelIsRetryable(t *testing.T) {
+	n := newNode(t, "1.0.0", nil)
+	n.stopAgent()
+	zs := zds.NewServer(zds.Config{SocketPath: filepath.Join(n.dir, "zds", "ztunnel.sock")})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- zs.Serve(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+	agent, err := nodeagent.NewAgent(nodeagent.Config{
+		Decider: n.decider, Rules: n.rules, Ztunnel: zs, ZtunnelTimeout: 300 * time.Millisecond,
+		SnapshotFile: nodefiles.SnapshotPath(n.sock), SpoolDir: nodefiles.SpoolDir(n.sock),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = agent.Close() })
+	n.agent = agent
+	n.startAgent()
+
+	web := n.newPod("shop", "web", nil)
+	_, err = n.add(web)
+	if cniCode(err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "no ztunnel connected") {
+		t.Fatalf("ADD with no ztunnel: %v", err)
+	}
+	if p := agent.Pods(); len(p) != 1 || p[0].State != nodeagent.StatePending {
+		t.Errorf("state %+v, want the pod pending", p)
+	}
+	// The runtime tears the failed sandbox down with DEL.
+	if err := n.del(web); err != nil || len(agent.Pods()) != 0 {
+		t.Errorf("DEL after failed ADD: %v, state %+v", err, agent.Pods())
+	}
+	plain := n.newPod("plain", "db", nil)
+	if _, err := n.add(plain); err != nil {
+		t.Errorf("pass-through pod with no ztunnel: %v", err)
+	}
 }

@@ -62,7 +62,7 @@ func (r *recordingExec) last(plugin string) []byte {
 
 // node is one simulated node: a bridge network, a CNI config, an agent.
 type node struct {
-	t       *testing.T
+	t       testing.TB
 	version string
 	dir     string
 	sock    string
@@ -88,7 +88,7 @@ func randByte() byte {
 
 // newNode sets up a node whose conflist has cniVersion cniVersion; extra
 // keys go into our plugin's entry.
-func newNode(t *testing.T, cniVersion string, extra map[string]any) *node {
+func newNode(t testing.TB, cniVersion string, extra map[string]any) *node {
 	t.Helper()
 	testnet.RequireRoot(t)
 	testnet.RequireCommands(t, "ip", "iptables-restore", "iptables-save")
@@ -181,7 +181,7 @@ func (n *node) agentLog() *slog.Logger {
 func (n *node) stopAgent() { n.stop() }
 
 // testWriter sends plugin stderr and agent logs to the test log.
-type testWriter struct{ t *testing.T }
+type testWriter struct{ t testing.TB }
 
 func (w *testWriter) Write(p []byte) (int, error) {
 	w.t.Helper()
@@ -237,7 +237,7 @@ func (n *node) check(s *sandbox) error {
 }
 
 // inNS runs a command inside the sandbox's netns.
-func (s *sandbox) inNS(t *testing.T, name string, args ...string) string {
+func (s *sandbox) inNS(t testing.TB, name string, args ...string) string {
 	t.Helper()
 	var out bytes.Buffer
 	err := s.ns.Do(func(ns.NetNS) error {
@@ -252,14 +252,14 @@ func (s *sandbox) inNS(t *testing.T, name string, args ...string) string {
 }
 
 // ourChains reports whether the sandbox's netns holds any of our chains.
-func (n *node) ourChains(t *testing.T, s *sandbox) bool {
+func (n *node) ourChains(t testing.TB, s *sandbox) bool {
 	t.Helper()
 	out := s.inNS(t, n.rules.Backend().SaveCmd(iptables.IPv4))
 	return strings.Contains(out, iptables.ChainOutput) || strings.Contains(out, iptables.ChainPrerouting)
 }
 
 // podAddr is the sandbox's IPv4 address on eth0.
-func (s *sandbox) podAddr(t *testing.T) netip.Addr {
+func (s *sandbox) podAddr(t testing.TB) netip.Addr {
 	t.Helper()
 	var addr netip.Addr
 	err := s.ns.Do(func(ns.NetNS) error {

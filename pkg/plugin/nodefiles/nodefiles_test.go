@@ -1,0 +1,123 @@
+package nodefiles
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+)
+
+func TestPaths(t *testing.T) {
+	if SnapshotPath(ambient.DefaultAgentSocket) != ambient.DefaultSnapshotFile {
+		t.Errorf("snapshot path %s disagrees with ambient.DefaultSnapshotFile", SnapshotPath(ambient.DefaultAgentSocket))
+	}
+	if SpoolDir("/run/a/agent.sock") != "/run/a/pending-del" {
+		t.Errorf("spool dir %s", SpoolDir("/run/a/agent.sock"))
+	}
+}
+
+func TestSpoolRoundTrip(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "spool")
+	ev := ambient.PodEvent{Command: ambient.CommandDel, SandboxID: "abc-1", PodUID: "u1", PodName: "web", PodNamespace: "shop"}
+	if err := Spool(dir, ev); err != nil {
+		t.Fatal(err)
+	}
+	if err := Spool(dir, ev); err != nil { // same sandbox: overwritten
+		t.Fatal(err)
+	}
+	st, err := os.Stat(dir)
+	if err != nil || st.Mode().Perm() != 0o700 {
+		t.Errorf("spool dir mode %v, %v", st.Mode(), err)
+	}
+	entries, err := List(dir)
+	if err != nil || len(entries) != 1 || entries[0].Err != nil || entries[0].Event.PodUID != "u1" {
+		t.Fatalf("List = %+v, %v", entries, err)
+	}
+	if err := Remove(entries[0].Path); err != nil {
+		t.Fatal(err)
+	}
+	if err := Remove(entries[0].Path); err != nil {
+		t.Errorf("removing twice: %v", err)
+	}
+	if entries, err := List(filepath.Join(dir, "missing")); err != nil || len(entries) != 0 {
+		t.Errorf("missing spool: %v, %v", entries, err)
+	}
+}
+
+func TestSpoolRejects(t *testing.T) {
+	dir := t.TempDir()
+	for name, ev := range map[string]ambient.PodEvent{
+		"not DEL":        {Command: ambient.CommandAdd, SandboxID: "a", PodName: "a", PodNamespace: "b", Netns: "/x"},
+		"no sandbox":     {Command: ambient.CommandDel},
+		"dot sandbox":    {Command: ambient.CommandDel, SandboxID: ".."},
+		"slash sandbox":  {Command: ambient.CommandDel, SandboxID: "a/b"},
+		"invalid fields": {Command: ambient.CommandDel, SandboxID: "a", PodName: "../x"},
+	} {
+		if err := Spool(dir, ev); err == nil {
+			t.Errorf("%s: spooled", name)
+		}
+	}
+	if des, _ := os.ReadDir(dir); len(des) != 0 {
+		t.Errorf("rejected entries left files: %v", des)
+	}
+}
+
+func TestListHostileEntries(t *testing.T) {
+	dir := t.TempDir()
+	secret := filepath.Join(t.TempDir(), "secret.json")
+	if err := os.WriteFile(secret, []byte(`{"command":"DEL","sandboxID":"stolen"}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	write := func(name, body string) {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(body), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("garbage.json", "{{{")
+	write("add.json", `{"command":"ADD","sandboxID":"a","podName":"a","podNamespace":"b","netns":"/x"}`)
+	write("big.json", `{"command":"DEL","sandboxID":"a","podName":"`+strings.Repeat("a", maxEntryBytes)+`"}`)
+	write("invalid.json", `{"command":"DEL","sandboxID":""}`)
+	write(".x.json.1234.tmp", `{"command":"DEL","sandboxID":"half"}`)
+	if err := os.Symlink(secret, filepath.Join(dir, "link.json")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(filepath.Join(dir, "dir.json"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	entries, err := List(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(entries) != 6 {
+		t.Fatalf("got %d entries, want 6 (temp file skipped): %+v", len(entries), entries)
+	}
+	for _, e := range entries {
+		if e.Err == nil {
+			t.Errorf("%s accepted as %+v", e.Path, e.Event)
+		}
+	}
+}
+
+func TestWriteFileAtomic(t *testing.T) {
+	dir := t.TempDir()
+	p := filepath.Join(dir, "f.json")
+	for _, body := range []string{"one", "two"} {
+		if err := WriteFileAtomic(p, []byte(body)); err != nil {
+			t.Fatal(err)
+		}
+		if b, _ := os.ReadFile(p); string(b) != body {
+			t.Errorf("content %q, want %q", b, body)
+		}
+	}
+	if st, _ := os.Stat(p); st.Mode().Perm() != 0o600 {
+		t.Errorf("mode %v", st.Mode())
+	}
+	if des, _ := os.ReadDir(dir); len(des) != 1 {
+		t.Errorf("temp files left: %v", des)
+	}
+	if err := WriteFileAtomic(filepath.Join(dir, "missing", "f"), nil); err == nil {
+		t.Errorf("write into a missing dir succeeded")
+	}
+}
