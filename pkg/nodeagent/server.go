@@ -79,6 +79,12 @@ type Server struct {
 	mu     sync.Mutex
 	ln     *net.UnixListener
 	closed bool
+	// sockDev and sockIno identify the socket file Listen created.
+	sockDev uint64
+	sockIno uint64
+
+	closeOnce sync.Once
+	closeErr  error
 }
 
 // NewServer returns a server that hands requests to agent.
@@ -127,23 +133,45 @@ func (s *Server) Listen() error {
 	if err != nil {
 		return fmt.Errorf("listen on %s: %w", s.cfg.Socket, err)
 	}
+	// Unlink only our own socket on close: a newer agent may have replaced
+	// the file by the time this one stops.
+	ln.SetUnlinkOnClose(false)
+	var st unix.Stat_t
+	if err := unix.Stat(s.cfg.Socket, &st); err != nil {
+		_ = ln.Close()
+		return fmt.Errorf("stat socket %s: %w", s.cfg.Socket, err)
+	}
 	if err := os.Chmod(s.cfg.Socket, 0o600); err != nil {
 		_ = ln.Close()
+		_ = os.Remove(s.cfg.Socket)
 		return fmt.Errorf("restrict socket %s: %w", s.cfg.Socket, err)
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
 		_ = ln.Close()
+		_ = os.Remove(s.cfg.Socket)
 		return http.ErrServerClosed
 	}
-	s.ln = ln
+	s.ln, s.sockDev, s.sockIno = ln, st.Dev, st.Ino
 	return nil
+}
+
+// removeSocket unlinks the socket file if it is still the one Listen made.
+func (s *Server) removeSocket() {
+	s.mu.Lock()
+	dev, ino := s.sockDev, s.sockIno
+	s.mu.Unlock()
+	var st unix.Stat_t
+	if ino == 0 || unix.Lstat(s.cfg.Socket, &st) != nil || st.Dev != dev || st.Ino != ino {
+		return
+	}
+	_ = os.Remove(s.cfg.Socket)
 }
 
 // Serve answers requests until ctx ends or Close is called; it then shuts
 // down gracefully (in-flight requests get HandlerTimeout to finish) and
-// removes the socket. Call Listen first.
+// removes the socket before returning. Call Listen first.
 func (s *Server) Serve(ctx context.Context) error {
 	s.mu.Lock()
 	ln := s.ln
@@ -154,29 +182,38 @@ func (s *Server) Serve(ctx context.Context) error {
 	stop := context.AfterFunc(ctx, func() { _ = s.Close() })
 	defer stop()
 	err := s.http.Serve(ln)
+	// Whatever ended serving, finish the shutdown (or wait for the one in
+	// progress) so the socket is gone when Serve returns.
+	cerr := s.Close()
 	if errors.Is(err, http.ErrServerClosed) {
-		return nil
+		return cerr
 	}
 	return err
 }
 
 // Close stops the server, waiting up to HandlerTimeout for in-flight
-// requests.
+// requests, and removes the socket. Concurrent and repeated calls all wait
+// for the one shutdown.
 func (s *Server) Close() error {
-	s.mu.Lock()
-	if s.closed {
+	s.closeOnce.Do(func() {
+		s.mu.Lock()
+		s.closed = true
+		ln := s.ln
 		s.mu.Unlock()
-		return nil
-	}
-	s.closed = true
-	s.mu.Unlock()
-	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.HandlerTimeout)
-	defer cancel()
-	err := s.http.Shutdown(ctx)
-	if err != nil {
-		err = s.http.Close()
-	}
-	return err
+		ctx, cancel := context.WithTimeout(context.Background(), s.cfg.HandlerTimeout)
+		defer cancel()
+		err := s.http.Shutdown(ctx)
+		if err != nil {
+			err = s.http.Close()
+		}
+		if ln != nil {
+			// Shutdown closed it if Serve ran; closing again is harmless.
+			_ = ln.Close()
+		}
+		s.removeSocket()
+		s.closeErr = err
+	})
+	return s.closeErr
 }
 
 type credKey struct{}

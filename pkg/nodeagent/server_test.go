@@ -186,6 +186,26 @@ func TestServerSocketReplacement(t *testing.T) {
 	if b, _ := os.ReadFile(file); string(b) != "keep me" {
 		t.Errorf("regular file changed")
 	}
+	// An old agent stopping after a newer one took over the path leaves
+	// the newer one's socket alone.
+	shared := filepath.Join(dir, "shared.sock")
+	older := NewServer(ServerConfig{Socket: shared}, h.agent)
+	if err := older.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	newer := NewServer(ServerConfig{Socket: shared}, h.agent)
+	if err := newer.Listen(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = newer.Serve(context.Background()) }()
+	_ = older.Close()
+	if err := (&plugin.Client{Socket: shared}).Status(context.Background()); err != nil {
+		t.Errorf("newer agent unreachable after the older one stopped: %v", err)
+	}
+	_ = newer.Close()
+	if _, err := os.Lstat(shared); !os.IsNotExist(err) {
+		t.Errorf("socket left after the last agent stopped: %v", err)
+	}
 	// A loose directory is tightened.
 	loose := filepath.Join(dir, "loose")
 	if err := os.Mkdir(loose, 0o777); err != nil {
