@@ -256,6 +256,12 @@ func (p *Plugin) GC(args *skel.CmdArgs) error {
 		return err
 	}
 	defer c.cancel()
+	if c.cfg.ValidAttachments == nil {
+		// No list is not an empty list: forwarding it would make the agent
+		// forget every pod on the node.
+		c.log.Warn("GC without cni.dev/valid-attachments; nothing to forward")
+		return nil
+	}
 	req := &ambient.GCRequest{ValidSandboxIDs: []string{}}
 	for _, a := range c.cfg.ValidAttachments {
 		if !slices.Contains(req.ValidSandboxIDs, a.ContainerID) {

@@ -353,8 +353,17 @@ func TestGCForwardsValidAttachments(t *testing.T) {
 	if len(a.gcs) != 1 || strings.Join(a.gcs[0].ValidSandboxIDs, ",") != "a,b" {
 		t.Errorf("agent got GC %+v", a.gcs)
 	}
+	// Without the key (not an empty list) nothing is forwarded.
+	bare := []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q}`, a.sock))
+	if _, err := run(t, func(p *Plugin) func(*skel.CmdArgs) error { return p.GC }, bare, ""); err != nil || len(a.gcs) != 1 {
+		t.Errorf("GC without valid-attachments: %v, forwarded %d", err, len(a.gcs))
+	}
+	empty := []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q,"cni.dev/valid-attachments":[]}`, a.sock))
+	if _, err := run(t, func(p *Plugin) func(*skel.CmdArgs) error { return p.GC }, empty, ""); err != nil || len(a.gcs) != 2 || len(a.gcs[1].ValidSandboxIDs) != 0 {
+		t.Errorf("GC with an empty list: %v, forwarded %+v", err, a.gcs)
+	}
 	// Agent down: GC is skipped, not failed.
-	down := []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q}`, filepath.Join(t.TempDir(), "agent.sock")))
+	down := []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q,"cni.dev/valid-attachments":[]}`, filepath.Join(t.TempDir(), "agent.sock")))
 	if _, err := run(t, func(p *Plugin) func(*skel.CmdArgs) error { return p.GC }, down, ""); err != nil {
 		t.Errorf("GC with agent down: %v", err)
 	}
