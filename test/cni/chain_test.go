@@ -383,3 +383,21 @@ func TestChainNoZtunnelIsRetryable(t *testing.T) {
 		t.Errorf("pass-through pod with no ztunnel: %v", err)
 	}
 }
+
+// TestChainDelWithoutNetns: the runtime may call DEL after the netns is
+// gone (CNI_NETNS empty); the agent forgets the pod all the same.
+func TestChainDelWithoutNetns(t *testing.T) {
+	n := newNode(t, "1.0.0", nil)
+	web := n.newPod("shop", "web", nil)
+	if _, err := n.add(web); err != nil {
+		t.Fatal(err)
+	}
+	rt := web.rt()
+	rt.NetNS = ""
+	if err := n.cni.DelNetworkList(context.Background(), n.list, rt); err != nil {
+		t.Fatalf("DEL without netns: %v", err)
+	}
+	if p := n.agent.Pods(); len(p) != 0 {
+		t.Errorf("state after DEL without netns: %+v", p)
+	}
+}
