@@ -14,8 +14,10 @@ type RetryableError struct {
 	Err error
 }
 
+// Error describes the wrapped error.
 func (e *RetryableError) Error() string { return e.Err.Error() }
 
+// Unwrap returns the wrapped error.
 func (e *RetryableError) Unwrap() error { return e.Err }
 
 // Retryable wraps err as retryable; nil stays nil.
@@ -38,8 +40,10 @@ type InvalidError struct {
 	Err error
 }
 
+// Error describes the wrapped error.
 func (e *InvalidError) Error() string { return e.Err.Error() }
 
+// Unwrap returns the wrapped error.
 func (e *InvalidError) Unwrap() error { return e.Err }
 
 func invalid(err error) error { return &InvalidError{Err: err} }

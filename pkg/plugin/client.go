@@ -33,10 +33,12 @@ type UnreachableError struct {
 	Err    error
 }
 
+// Error describes the wrapped error.
 func (e *UnreachableError) Error() string {
 	return fmt.Sprintf("node agent unreachable at %s: %v", e.Socket, e.Err)
 }
 
+// Unwrap returns the wrapped error.
 func (e *UnreachableError) Unwrap() error { return e.Err }
 
 // ExchangeError means the agent was reached but the exchange failed
@@ -47,10 +49,12 @@ type ExchangeError struct {
 	Err error
 }
 
+// Error describes the wrapped error.
 func (e *ExchangeError) Error() string {
 	return fmt.Sprintf("node agent %s: %v", e.Op, e.Err)
 }
 
+// Unwrap returns the wrapped error.
 func (e *ExchangeError) Unwrap() error { return e.Err }
 
 // Limits on what the plugin reads back from the agent.
