@@ -99,7 +99,7 @@ build() {
 	# go list fetches exactly the modules the build needs, so the silent
 	# compile that follows is split from the network part.
 	(cd "$tools/$dir" && "$GO" list -mod=readonly -deps "$pkg" >/dev/null)
-	echo "kube-tools: building $name $v (first build takes minutes: kube-apiserver ~5 min on 2 cores) ..."
+	echo "kube-tools: building $name $v (a cold build takes minutes: etcd ~2, kube-apiserver ~5-10, helm ~1.5 on 2 cores) ..."
 	tmp="$(dirname "$out")/.$name.tmp.$$"
 	# Progress heartbeat: go build is silent until it finishes.
 	(
