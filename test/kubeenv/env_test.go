@@ -3,6 +3,7 @@ package kubeenv
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -16,7 +17,6 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
@@ -222,49 +222,41 @@ func TestShippedRBACRules(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	type rule struct{ kind, group, resource, verbs string }
-	var got []rule
 	for _, o := range objs {
-		var rules []rbacv1.PolicyRule
-		switch o.GetKind() {
-		case "ClusterRole":
-			var cr rbacv1.ClusterRole
-			must(t, runtime.DefaultUnstructuredConverter.FromUnstructured(o.Object, &cr))
-			rules = cr.Rules
-		case "Role":
-			var r rbacv1.Role
-			must(t, runtime.DefaultUnstructuredConverter.FromUnstructured(o.Object, &r))
-			rules = r.Rules
-		default:
-			t.Fatalf("unexpected %s in shipped RBAC", o.GetKind())
+		if k := o.GetKind(); k != "ClusterRole" && k != "Role" {
+			t.Errorf("unexpected %s in shipped RBAC", k)
 		}
+	}
+	cluster, namespaced, err := RoleRules(ShippedRBAC(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	type rule struct{ scope, group, resource, verbs string }
+	var got []rule
+	for scope, rules := range map[string][]rbacv1.PolicyRule{"cluster": cluster, "namespace": namespaced} {
 		for _, r := range rules {
 			if len(r.ResourceNames) > 0 || len(r.NonResourceURLs) > 0 {
 				t.Errorf("unexpected rule shape %+v", r)
 			}
 			for _, g := range r.APIGroups {
 				for _, res := range r.Resources {
-					got = append(got, rule{o.GetKind(), g, res, strings.Join(r.Verbs, ",")})
+					got = append(got, rule{scope, g, res, strings.Join(r.Verbs, ",")})
 				}
 			}
 		}
 	}
 	want := []rule{
-		{"ClusterRole", "", "pods", "get,list,watch"},
-		{"ClusterRole", "", "pods/status", "patch"},
-		{"ClusterRole", "", "namespaces", "get,list,watch"},
-		{"ClusterRole", "", "events", "create,patch"},
-		{"Role", "apps", "daemonsets", "get"},
+		{"cluster", "", "pods", "get,list,watch"},
+		{"cluster", "", "pods/status", "patch"},
+		{"cluster", "", "namespaces", "get,list,watch"},
+		{"cluster", "", "events", "create,patch"},
+		{"namespace", "apps", "daemonsets", "get"},
 	}
+	sortRules := func(a, b rule) int { return strings.Compare(fmt.Sprint(a), fmt.Sprint(b)) }
+	slices.SortFunc(got, sortRules)
+	slices.SortFunc(want, sortRules)
 	if !slices.Equal(got, want) {
 		t.Errorf("shipped RBAC rules\n got %v\nwant %v", got, want)
-	}
-}
-
-func must(t *testing.T, err error) {
-	t.Helper()
-	if err != nil {
-		t.Fatal(err)
 	}
 }
 

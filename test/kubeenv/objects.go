@@ -380,3 +380,33 @@ func (e *Env) ApplyDryRun(ctx context.Context, manifest []byte) error {
 	_, err := e.Apply(ctx, manifest, ApplyOptions{DryRun: true})
 	return err
 }
+
+// RoleRules collects the rules of every ClusterRole and every Role in a
+// manifest (other kinds are ignored), so a test can check that a rendered
+// chart grants exactly what ShippedRBAC does.
+func RoleRules(manifest []byte) (cluster, namespaced []rbacv1.PolicyRule, err error) {
+	objs, err := ParseObjects(manifest)
+	if err != nil {
+		return nil, nil, err
+	}
+	for _, o := range objs {
+		if o.GroupVersionKind().Group != rbacv1.GroupName {
+			continue
+		}
+		switch o.GetKind() {
+		case "ClusterRole":
+			var cr rbacv1.ClusterRole
+			if err := runtime.DefaultUnstructuredConverter.FromUnstructured(o.Object, &cr); err != nil {
+				return nil, nil, fmt.Errorf("decode clusterrole %s: %w", o.GetName(), err)
+			}
+			cluster = append(cluster, cr.Rules...)
+		case "Role":
+			var r rbacv1.Role
+			if err := runtime.DefaultUnstructuredConverter.FromUnstructured(o.Object, &r); err != nil {
+				return nil, nil, fmt.Errorf("decode role %s: %w", o.GetName(), err)
+			}
+			namespaced = append(namespaced, r.Rules...)
+		}
+	}
+	return cluster, namespaced, nil
+}
