@@ -1,0 +1,244 @@
+// Package kubesim plays kubelet and the container runtime for tests: it
+// binds Pod objects to a test node, and for each pod creates a network
+// namespace, runs CNI ADD through libcni with the node's real conflist,
+// starts a long-lived process in that namespace inside a kubelet-shaped
+// cgroup carrying the pod UID, and writes the pod's status (IPs, Running)
+// to the API server. Deleting a pod runs CNI DEL, kills the process and
+// removes the namespace and the object.
+package kubesim
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/netip"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ambient-cni/ambient-cni/internal/sandbox"
+	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/containernetworking/cni/libcni"
+	types100 "github.com/containernetworking/cni/pkg/types/100"
+	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/containernetworking/plugins/pkg/testutils"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+)
+
+// Node is one simulated kubelet.
+type Node struct {
+	Name   string
+	Client kubernetes.Interface
+	CNI    *libcni.CNIConfig
+	Conf   *libcni.NetworkConfigList
+	// Driver is the cgroup layout of pods' processes.
+	Driver sandbox.Driver
+
+	t          testing.TB
+	cgroupRoot string
+	mu         sync.Mutex
+	pods       map[string]*Pod // by uid
+}
+
+// Pod is a pod running on a Node.
+type Pod struct {
+	Obj       *corev1.Pod
+	NS        ns.NetNS
+	SandboxID string
+	IPs       []netip.Addr
+	Result    *types100.Result
+	proc      *sandbox.Sandbox
+}
+
+// NewNode creates a node named name whose runtime uses cniPaths and the
+// conflist bytes. Pods still running when the test ends are torn down.
+func NewNode(t testing.TB, client kubernetes.Interface, name string, cniPaths []string, conflist []byte) *Node {
+	t.Helper()
+	conf, err := libcni.ConfListFromBytes(conflist)
+	if err != nil {
+		t.Fatalf("kubesim: parse conflist: %v", err)
+	}
+	n := &Node{
+		Name: name, Client: client, Conf: conf,
+		CNI:        libcni.NewCNIConfigWithCacheDir(cniPaths, t.TempDir(), nil),
+		t:          t,
+		cgroupRoot: testnet.RandName("kubepods-sim-", 8),
+		pods:       map[string]*Pod{},
+	}
+	t.Cleanup(func() {
+		n.mu.Lock()
+		pods := make([]*Pod, 0, len(n.pods))
+		for _, p := range n.pods {
+			pods = append(pods, p)
+		}
+		n.mu.Unlock()
+		for _, p := range pods {
+			_ = n.teardown(context.Background(), p)
+		}
+	})
+	return n
+}
+
+func (n *Node) rt(p *Pod) *libcni.RuntimeConf {
+	return &libcni.RuntimeConf{
+		ContainerID: p.SandboxID,
+		NetNS:       p.NS.Path(),
+		IfName:      "eth0",
+		Args: [][2]string{
+			{"IgnoreUnknown", "1"},
+			{"K8S_POD_NAMESPACE", p.Obj.Namespace},
+			{"K8S_POD_NAME", p.Obj.Name},
+			{"K8S_POD_INFRA_CONTAINER_ID", p.SandboxID},
+			{"K8S_POD_UID", string(p.Obj.UID)},
+		},
+	}
+}
+
+// Create stores the Pod object bound to this node (nodeName set, no
+// service-account token), as a scheduler would, without running it.
+func (n *Node) Create(ctx context.Context, pod *corev1.Pod) (*corev1.Pod, error) {
+	pod = pod.DeepCopy()
+	pod.Spec.NodeName = n.Name
+	f := false
+	pod.Spec.AutomountServiceAccountToken = &f
+	if len(pod.Spec.Containers) == 0 {
+		pod.Spec.Containers = []corev1.Container{{Name: "app", Image: "docker.io/local/app:1", ImagePullPolicy: corev1.PullNever}}
+	}
+	return n.Client.CoreV1().Pods(pod.Namespace).Create(ctx, pod, metav1.CreateOptions{})
+}
+
+// Run creates the pod object and starts it. A failed CNI ADD is returned
+// (after the runtime's cleanup: DEL and netns removal), like a sandbox
+// creation failure the kubelet would retry; see Start to retry on an
+// existing object.
+func (n *Node) Run(ctx context.Context, pod *corev1.Pod) (*Pod, error) {
+	obj, err := n.Create(ctx, pod)
+	if err != nil {
+		return nil, fmt.Errorf("create pod %s/%s: %w", pod.Namespace, pod.Name, err)
+	}
+	return n.Start(ctx, obj)
+}
+
+// Start runs the sandbox for an existing pod object: netns, CNI ADD,
+// process in the pod cgroup, status Running with the pod IPs.
+func (n *Node) Start(ctx context.Context, obj *corev1.Pod) (*Pod, error) {
+	netns, err := testutils.NewNS()
+	if err != nil {
+		return nil, fmt.Errorf("create netns: %w", err)
+	}
+	p := &Pod{Obj: obj, NS: netns, SandboxID: testnet.RandName("", 64)}
+	res, err := n.CNI.AddNetworkList(ctx, n.Conf, n.rt(p))
+	if err != nil {
+		_ = n.CNI.DelNetworkList(ctx, n.Conf, n.rt(p))
+		n.closeNS(p)
+		return nil, fmt.Errorf("CNI ADD for %s/%s: %w", obj.Namespace, obj.Name, err)
+	}
+	if p.Result, err = types100.NewResultFromResult(res); err != nil {
+		return nil, n.fail(ctx, p, fmt.Errorf("convert CNI result: %w", err))
+	}
+	for _, ipc := range p.Result.IPs {
+		if a, ok := netip.AddrFromSlice(ipc.Address.IP); ok {
+			p.IPs = append(p.IPs, a.Unmap())
+		}
+	}
+	if p.proc, err = sandbox.Start(string(obj.UID), netns.Path(), sandbox.Options{Driver: n.Driver, Root: n.cgroupRoot}); err != nil {
+		return nil, n.fail(ctx, p, err)
+	}
+	n.mu.Lock()
+	n.pods[string(obj.UID)] = p
+	n.mu.Unlock()
+	if err := n.SetStatus(ctx, p, corev1.PodRunning); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+func (n *Node) fail(ctx context.Context, p *Pod, err error) error {
+	_ = n.CNI.DelNetworkList(ctx, n.Conf, n.rt(p))
+	if p.proc != nil {
+		p.proc.Stop()
+	}
+	n.closeNS(p)
+	return err
+}
+
+func (n *Node) closeNS(p *Pod) {
+	_ = p.NS.Close()
+	_ = testutils.UnmountNS(p.NS)
+}
+
+// SetStatus writes the pod's phase, IPs and Ready condition to the API,
+// as kubelet's status manager does.
+func (n *Node) SetStatus(ctx context.Context, p *Pod, phase corev1.PodPhase) error {
+	st := corev1.PodStatus{Phase: phase, HostIP: "127.0.0.1", StartTime: &metav1.Time{Time: time.Now()}}
+	for _, a := range p.IPs {
+		st.PodIPs = append(st.PodIPs, corev1.PodIP{IP: a.String()})
+	}
+	if len(p.IPs) > 0 {
+		st.PodIP = p.IPs[0].String()
+	}
+	ready := corev1.ConditionTrue
+	if phase != corev1.PodRunning {
+		ready = corev1.ConditionFalse
+	}
+	st.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: ready, LastTransitionTime: metav1.Now()}}
+	patch, err := json.Marshal(map[string]any{"status": st})
+	if err != nil {
+		return err
+	}
+	obj, err := n.Client.CoreV1().Pods(p.Obj.Namespace).Patch(ctx, p.Obj.Name, "application/strategic-merge-patch+json", patch, metav1.PatchOptions{}, "status")
+	if err != nil {
+		return fmt.Errorf("update status of %s/%s: %w", p.Obj.Namespace, p.Obj.Name, err)
+	}
+	p.Obj = obj
+	return nil
+}
+
+// Delete tears the pod down like kubelet (CNI DEL, process killed, netns
+// removed) and deletes the object immediately.
+func (n *Node) Delete(ctx context.Context, p *Pod) error {
+	if err := n.teardown(ctx, p); err != nil {
+		return err
+	}
+	zero := int64(0)
+	return n.Client.CoreV1().Pods(p.Obj.Namespace).Delete(ctx, p.Obj.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero})
+}
+
+// Finish marks the pod Succeeded and tears its sandbox down, as kubelet
+// does for a pod whose containers all exited; the object stays.
+func (n *Node) Finish(ctx context.Context, p *Pod) error {
+	if err := n.SetStatus(ctx, p, corev1.PodSucceeded); err != nil {
+		return err
+	}
+	return n.teardown(ctx, p)
+}
+
+func (n *Node) teardown(ctx context.Context, p *Pod) error {
+	n.mu.Lock()
+	_, ok := n.pods[string(p.Obj.UID)]
+	delete(n.pods, string(p.Obj.UID))
+	n.mu.Unlock()
+	if !ok {
+		return nil
+	}
+	err := n.CNI.DelNetworkList(ctx, n.Conf, n.rt(p))
+	p.proc.Stop()
+	n.closeNS(p)
+	if err != nil {
+		return fmt.Errorf("CNI DEL for %s/%s: %w", p.Obj.Namespace, p.Obj.Name, err)
+	}
+	return nil
+}
+
+// Addr returns the pod's first IP of the given family (4 or 6).
+func (p *Pod) Addr(family int) netip.Addr {
+	for _, a := range p.IPs {
+		if (family == 6) == a.Is6() {
+			return a
+		}
+	}
+	return netip.Addr{}
+}
+
