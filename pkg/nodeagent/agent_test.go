@@ -11,6 +11,7 @@ import (
 	"testing"
 
 	"github.com/containernetworking/plugins/pkg/ns"
+	"golang.org/x/sys/unix"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/internal/testnet"
@@ -360,5 +361,30 @@ func TestEnrollCyclesLeakNothing(t *testing.T) {
 	}
 	if len(h.agent.busy) != 0 {
 		t.Errorf("per-pod locks left: %d", len(h.agent.busy))
+	}
+}
+
+// TestHeldNetnsDoesNotPinMount: the runtime must be able to unmount a
+// pod's netns path (even without MNT_DETACH) while the agent still holds
+// the pod, and the agent can still clean up through its own handle.
+func TestHeldNetnsDoesNotPinMount(t *testing.T) {
+	h := newHarness(t)
+	pn := testnet.NewNS(t)
+	h.decider.SetPod(pod("shop", "web", "u1", nil))
+	if _, err := h.agent.HandleAdd(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
+		t.Fatal(err)
+	}
+	_ = pn.Close() // the test's own handle was opened through the mount
+	if err := unix.Unmount(pn.Path(), 0); err != nil {
+		t.Fatalf("unmount the netns path while enrolled: %v", err)
+	}
+	if err := os.Remove(pn.Path()); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.agent.RemoveSandbox(context.Background(), "sb1", ""); err != nil || len(h.agent.Pods()) != 0 {
+		t.Fatalf("DEL after the netns path is gone: %v", err)
+	}
+	if ops := h.rules.ops(); ops != "apply,remove" || h.rules.count() != 0 {
+		t.Errorf("rule ops %q, left %d: removal must work through the held handle", ops, h.rules.count())
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -62,7 +63,58 @@ func netnsFromFD(fd int, path string) (*Netns, error) {
 	if st.Dev == host.Dev && st.Ino == host.Ino {
 		return nil, invalid(fmt.Errorf("netns %s is the host network namespace", path))
 	}
-	return &Netns{f: os.NewFile(uintptr(fd), path), source: path, dev: st.Dev, ino: st.Ino}, nil
+	held, err := reopenUnpinned(fd)
+	if err != nil {
+		return nil, fmt.Errorf("reopen netns %s: %w", path, err)
+	}
+	return &Netns{f: os.NewFile(uintptr(held), path), source: path, dev: st.Dev, ino: st.Ino}, nil
+}
+
+// reopenUnpinned returns a new descriptor for the namespace behind fd that
+// does not go through the runtime's bind mount, so holding it never keeps
+// the runtime from unmounting the netns path (umount without MNT_DETACH
+// fails with EBUSY while a file opened through the mount is open). It
+// enters the namespace on a throwaway locked thread and opens
+// /proc/thread-self/ns/net there; fd itself is closed on success.
+func reopenUnpinned(fd int) (int, error) {
+	type result struct {
+		fd  int
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		runtime.LockOSThread()
+		orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			runtime.UnlockOSThread()
+			ch <- result{-1, err}
+			return
+		}
+		defer unix.Close(orig)
+		if err := unix.Setns(fd, unix.CLONE_NEWNET); err != nil {
+			runtime.UnlockOSThread()
+			ch <- result{-1, fmt.Errorf("setns: %w", err)}
+			return
+		}
+		nfd, oerr := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err := unix.Setns(orig, unix.CLONE_NEWNET); err != nil {
+			// The thread stays locked and dies with this goroutine rather
+			// than run other goroutines in the pod's namespace.
+			if oerr == nil {
+				_ = unix.Close(nfd)
+			}
+			ch <- result{-1, fmt.Errorf("return to the agent's netns: %w", err)}
+			return
+		}
+		runtime.UnlockOSThread()
+		ch <- result{nfd, oerr}
+	}()
+	r := <-ch
+	if r.err != nil {
+		return -1, r.err
+	}
+	_ = unix.Close(fd)
+	return r.fd, nil
 }
 
 // Path names the held namespace for code that enters it by path (the rule
