@@ -1,6 +1,7 @@
 // Package ambient holds the contract shared by the CNI plugin and the node
-// agent: Kubernetes label and annotation keys, ztunnel ports, packet marks,
-// the enablement policy, and the plugin↔agent wire types.
+// agent: Kubernetes label and annotation keys, ztunnel ports, packet marks and
+// the plugin↔agent wire types. The enablement policy, which needs the
+// Kubernetes API types, is in the enablement subpackage.
 //
 // Every value here is an interface fact that the real ztunnel and istiod
 // depend on; change none of them without checking the compatibility spec.

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -56,7 +57,7 @@ type Finder interface {
 type Config struct {
 	Client   kubernetes.Interface
 	NodeName string
-	Policy   ambient.Policy
+	Policy   enablement.Policy
 	// Self is the agent's own pod, never enrolled.
 	Self     types.NamespacedName
 	Enroller Enroller
@@ -285,9 +286,9 @@ func parallel[T any](ctx context.Context, n int, items []T, f func(T)) {
 }
 
 // decide applies the policy with the pod's namespace from the cache.
-func (c *Controller) decide(p *corev1.Pod) ambient.Decision {
+func (c *Controller) decide(p *corev1.Pod) enablement.Decision {
 	if p.Namespace == c.cfg.Self.Namespace && p.Name == c.cfg.Self.Name {
-		return ambient.Decision{Enroll: false, Reason: ambient.ReasonDataPlanePod}
+		return enablement.Decision{Enroll: false, Reason: enablement.ReasonDataPlanePod}
 	}
 	ns, _ := c.nss.Get(p.Namespace)
 	return c.cfg.Policy.Decide(p, ns)
@@ -422,25 +423,25 @@ func podIPs(p *corev1.Pod) []netip.Addr {
 // Decide answers the CNI path: the enablement decision for a pod the
 // runtime is starting. It reads the informer cache and, on a miss (or a
 // stale entry with another UID), the API server once.
-func (c *Controller) Decide(ctx context.Context, namespace, name, uid string) (ambient.Decision, *corev1.Pod, error) {
+func (c *Controller) Decide(ctx context.Context, namespace, name, uid string) (enablement.Decision, *corev1.Pod, error) {
 	p, err := c.pods.Pods(namespace).Get(name)
 	if err != nil || (uid != "" && string(p.UID) != uid) {
 		p, err = c.cfg.Client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
 		if err != nil {
-			return ambient.Decision{}, nil, fmt.Errorf("get pod %s/%s: %w", namespace, name, err)
+			return enablement.Decision{}, nil, fmt.Errorf("get pod %s/%s: %w", namespace, name, err)
 		}
 		if uid != "" && string(p.UID) != uid {
-			return ambient.Decision{}, nil, fmt.Errorf("pod %s/%s has uid %s, runtime asked for %s", namespace, name, p.UID, uid)
+			return enablement.Decision{}, nil, fmt.Errorf("pod %s/%s has uid %s, runtime asked for %s", namespace, name, p.UID, uid)
 		}
 	}
 	ns, err := c.nss.Get(namespace)
 	if apierrors.IsNotFound(err) {
 		if ns, err = c.cfg.Client.CoreV1().Namespaces().Get(ctx, namespace, metav1.GetOptions{}); err != nil {
-			return ambient.Decision{}, nil, fmt.Errorf("get namespace %s: %w", namespace, err)
+			return enablement.Decision{}, nil, fmt.Errorf("get namespace %s: %w", namespace, err)
 		}
 	}
 	if p.Namespace == c.cfg.Self.Namespace && p.Name == c.cfg.Self.Name {
-		return ambient.Decision{Enroll: false, Reason: ambient.ReasonDataPlanePod}, p, nil
+		return enablement.Decision{Enroll: false, Reason: enablement.ReasonDataPlanePod}, p, nil
 	}
 	return c.cfg.Policy.Decide(p, ns), p, nil
 }
@@ -451,7 +452,7 @@ func (c *Controller) Decide(ctx context.Context, namespace, name, uid string) (a
 func (c *Controller) EnablementState() (enabled []string, podLevel bool) {
 	nss, _ := c.nss.List(labels.Everything())
 	for _, n := range nss {
-		if ambient.NamespaceEnabled(n) && !c.cfg.Policy.IsExcludedNamespace(n.Name) {
+		if enablement.NamespaceEnabled(n) && !c.cfg.Policy.IsExcludedNamespace(n.Name) {
 			enabled = append(enabled, n.Name)
 		}
 	}

@@ -16,6 +16,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
@@ -40,7 +41,7 @@ type Ztunnel interface {
 // The pod controller implements it over its informer cache; tests use
 // PolicyDecider.
 type Decider interface {
-	Decide(ctx context.Context, namespace, name, uid string) (ambient.Decision, *corev1.Pod, error)
+	Decide(ctx context.Context, namespace, name, uid string) (enablement.Decision, *corev1.Pod, error)
 }
 
 // EnablementSource is the node-wide view the enablement snapshot is built
@@ -247,8 +248,8 @@ func (a *Agent) ruleConfig(pod *corev1.Pod) iptables.PodConfig {
 	return iptables.PodConfig{
 		ProbeSNATv4:   a.cfg.ProbeSNATv4,
 		ProbeSNATv6:   a.cfg.ProbeSNATv6,
-		DNSCapture:    ambient.DNSCapture(pod, a.cfg.DNSCapture),
-		BypassInbound: ambient.BypassInbound(pod),
+		DNSCapture:    enablement.DNSCapture(pod, a.cfg.DNSCapture),
+		BypassInbound: enablement.BypassInbound(pod),
 	}
 }
 

@@ -16,6 +16,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/internal/testnet"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
 )
@@ -32,7 +33,7 @@ type harness struct {
 func newHarness(t *testing.T) *harness {
 	t.Helper()
 	testnet.RequireRoot(t)
-	h := &harness{rules: newFakeRules(), zt: &fakeZtunnel{}, ann: &fakeAnnotator{}, decider: NewPolicyDecider(ambient.DefaultPolicy()), dir: t.TempDir()}
+	h := &harness{rules: newFakeRules(), zt: &fakeZtunnel{}, ann: &fakeAnnotator{}, decider: NewPolicyDecider(enablement.DefaultPolicy()), dir: t.TempDir()}
 	a, err := NewAgent(Config{
 		Decider: h.decider, Rules: h.rules, Ztunnel: h.zt, Annotator: h.ann, Enablement: h.decider,
 		SnapshotFile: filepath.Join(h.dir, nodefiles.SnapshotName), SpoolDir: filepath.Join(h.dir, nodefiles.SpoolName),

@@ -9,13 +9,14 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 )
 
 // PolicyDecider decides from pod and namespace objects handed to it
-// directly, with ambient.Policy. It stands in for the pod controller where
+// directly, with enablement.Policy. It stands in for the pod controller where
 // no API server is involved (tests, a static node).
 type PolicyDecider struct {
-	Policy ambient.Policy
+	Policy enablement.Policy
 
 	mu       sync.Mutex
 	pods     map[string]*corev1.Pod
@@ -24,7 +25,7 @@ type PolicyDecider struct {
 }
 
 // NewPolicyDecider returns an empty decider using policy.
-func NewPolicyDecider(policy ambient.Policy) *PolicyDecider {
+func NewPolicyDecider(policy enablement.Policy) *PolicyDecider {
 	return &PolicyDecider{Policy: policy, pods: map[string]*corev1.Pod{}, nss: map[string]*corev1.Namespace{}}
 }
 
@@ -70,15 +71,15 @@ func (d *PolicyDecider) SetNamespace(ns *corev1.Namespace) {
 
 // Decide implements Decider. An unknown pod is an error (the runtime is
 // starting a pod the decider has not heard of yet: retry).
-func (d *PolicyDecider) Decide(_ context.Context, namespace, name, uid string) (ambient.Decision, *corev1.Pod, error) {
+func (d *PolicyDecider) Decide(_ context.Context, namespace, name, uid string) (enablement.Decision, *corev1.Pod, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	p := d.pods[namespace+"/"+name]
 	if p == nil {
-		return ambient.Decision{}, nil, fmt.Errorf("pod %s/%s not known", namespace, name)
+		return enablement.Decision{}, nil, fmt.Errorf("pod %s/%s not known", namespace, name)
 	}
 	if uid != "" && string(p.UID) != uid {
-		return ambient.Decision{}, nil, fmt.Errorf("pod %s/%s is uid %s, not %s", namespace, name, p.UID, uid)
+		return enablement.Decision{}, nil, fmt.Errorf("pod %s/%s is uid %s, not %s", namespace, name, p.UID, uid)
 	}
 	return d.Policy.Decide(p, d.nss[namespace]), p.DeepCopy(), nil
 }
@@ -88,7 +89,7 @@ func (d *PolicyDecider) EnablementState() (enabled []string, podLevel bool) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	for name, ns := range d.nss {
-		if ambient.NamespaceEnabled(ns) && !d.Policy.IsExcludedNamespace(name) {
+		if enablement.NamespaceEnabled(ns) && !d.Policy.IsExcludedNamespace(name) {
 			enabled = append(enabled, name)
 		}
 	}

@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 )
 
 func TestDecodePodEvent(t *testing.T) {
@@ -50,7 +51,7 @@ func TestDecodeGCRequest(t *testing.T) {
 }
 
 func TestPolicyDecider(t *testing.T) {
-	d := NewPolicyDecider(ambient.DefaultPolicy())
+	d := NewPolicyDecider(enablement.DefaultPolicy())
 	calls := 0
 	d.OnChange(func() { calls++ })
 	d.SetNamespace(namespace("shop", true))
@@ -60,7 +61,7 @@ func TestPolicyDecider(t *testing.T) {
 	if dec, p, err := d.Decide(t.Context(), "shop", "a", "u-a"); err != nil || !dec.Enroll || p.UID != "u-a" {
 		t.Errorf("shop/a: %+v %v", dec, err)
 	}
-	if dec, _, err := d.Decide(t.Context(), "kube-system", "dns", ""); err != nil || dec.Enroll || dec.Reason != ambient.ReasonExcludedNamespace {
+	if dec, _, err := d.Decide(t.Context(), "kube-system", "dns", ""); err != nil || dec.Enroll || dec.Reason != enablement.ReasonExcludedNamespace {
 		t.Errorf("kube-system/dns: %+v %v", dec, err)
 	}
 	if _, _, err := d.Decide(t.Context(), "shop", "a", "other"); err == nil {

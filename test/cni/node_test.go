@@ -33,6 +33,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/internal/cnibin"
 	"github.com/ambient-cni/ambient-cni/internal/testnet"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
@@ -131,7 +132,7 @@ func newNode(t testing.TB, cniVersion string, extra map[string]any) *node {
 	})
 
 	log := slog.New(slog.NewTextHandler(&testWriter{t: t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	n.decider = nodeagent.NewPolicyDecider(ambient.DefaultPolicy())
+	n.decider = nodeagent.NewPolicyDecider(enablement.DefaultPolicy())
 	n.rules = iptables.NewApplier(log, backend)
 	n.agent, err = nodeagent.NewAgent(nodeagent.Config{
 		Decider: n.decider, Rules: n.rules, Enablement: n.decider, Logger: log,

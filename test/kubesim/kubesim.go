@@ -241,4 +241,3 @@ func (p *Pod) Addr(family int) netip.Addr {
 	}
 	return netip.Addr{}
 }
-

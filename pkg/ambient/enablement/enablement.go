@@ -1,7 +1,13 @@
-package ambient
+// Package enablement is the ambient enablement policy as pure functions
+// over Pod and Namespace objects. It lives apart from package ambient so
+// the CNI plugin, which needs only the wire contract, does not link the
+// Kubernetes API types.
+package enablement
 
 import (
 	"slices"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 
 	corev1 "k8s.io/api/core/v1"
 )
@@ -26,7 +32,7 @@ type Policy struct {
 
 // DefaultPolicy returns the policy with the compatibility defaults.
 func DefaultPolicy() Policy {
-	return Policy{ExcludedNamespaces: []string{DefaultExcludedNamespace}}
+	return Policy{ExcludedNamespaces: []string{ambient.DefaultExcludedNamespace}}
 }
 
 // Reason explains an enablement decision; it is stable text for logs,
@@ -71,20 +77,20 @@ func (p Policy) Decide(pod *corev1.Pod, ns *corev1.Namespace) Decision {
 		return Decision{false, ReasonTerminal}
 	case pod.DeletionTimestamp != nil:
 		return Decision{false, ReasonDeleting}
-	case hasKey(pod.Annotations, SidecarStatusAnnotation):
+	case hasKey(pod.Annotations, ambient.SidecarStatusAnnotation):
 		return Decision{false, ReasonSidecar}
 	case p.IsExcludedNamespace(pod.Namespace):
 		return Decision{false, ReasonExcludedNamespace}
 	case IsDataPlanePod(pod):
 		return Decision{false, ReasonDataPlanePod}
 	}
-	switch pod.Labels[DataplaneModeLabel] {
-	case DataplaneModeAmbient:
+	switch pod.Labels[ambient.DataplaneModeLabel] {
+	case ambient.DataplaneModeAmbient:
 		return Decision{true, ReasonPodLabel}
-	case DataplaneModeNone:
+	case ambient.DataplaneModeNone:
 		return Decision{false, ReasonPodOptOut}
 	}
-	if ns != nil && ns.Labels[DataplaneModeLabel] == DataplaneModeAmbient {
+	if ns != nil && ns.Labels[ambient.DataplaneModeLabel] == ambient.DataplaneModeAmbient {
 		return Decision{true, ReasonNamespaceLabel}
 	}
 	return Decision{false, ReasonNotEnabled}
@@ -104,7 +110,7 @@ func IsDataPlanePod(pod *corev1.Pod) bool {
 
 // NamespaceEnabled reports whether a namespace carries the ambient label.
 func NamespaceEnabled(ns *corev1.Namespace) bool {
-	return ns != nil && ns.Labels[DataplaneModeLabel] == DataplaneModeAmbient
+	return ns != nil && ns.Labels[ambient.DataplaneModeLabel] == ambient.DataplaneModeAmbient
 }
 
 // DNSCapture resolves the per-pod DNS capture override against a default.
@@ -112,7 +118,7 @@ func DNSCapture(pod *corev1.Pod, def bool) bool {
 	if pod == nil {
 		return def
 	}
-	switch pod.Annotations[DNSCaptureAnnotation] {
+	switch pod.Annotations[ambient.DNSCaptureAnnotation] {
 	case "true":
 		return true
 	case "false":
@@ -123,7 +129,7 @@ func DNSCapture(pod *corev1.Pod, def bool) bool {
 
 // BypassInbound reports whether the pod asked for no inbound redirection.
 func BypassInbound(pod *corev1.Pod) bool {
-	return pod != nil && pod.Annotations[BypassInboundCaptureAnnotation] == "true"
+	return pod != nil && pod.Annotations[ambient.BypassInboundCaptureAnnotation] == "true"
 }
 
 func hasKey(m map[string]string, k string) bool {

@@ -1,7 +1,9 @@
-package ambient
+package enablement
 
 import (
 	"testing"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -31,10 +33,10 @@ func pod(ns string, opts ...podOpt) *corev1.Pod {
 	return p
 }
 
-func namespace(name string, ambient bool) *corev1.Namespace {
+func namespace(name string, enabled bool) *corev1.Namespace {
 	n := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{}}}
-	if ambient {
-		n.Labels[DataplaneModeLabel] = DataplaneModeAmbient
+	if enabled {
+		n.Labels[ambient.DataplaneModeLabel] = ambient.DataplaneModeAmbient
 	}
 	return n
 }
@@ -42,8 +44,8 @@ func namespace(name string, ambient bool) *corev1.Namespace {
 func TestDecide(t *testing.T) {
 	on, off := namespace("shop", true), namespace("shop", false)
 	sys := namespace("kube-system", true)
-	amb := withLabel(DataplaneModeLabel, DataplaneModeAmbient)
-	none := withLabel(DataplaneModeLabel, DataplaneModeNone)
+	amb := withLabel(ambient.DataplaneModeLabel, ambient.DataplaneModeAmbient)
+	none := withLabel(ambient.DataplaneModeLabel, ambient.DataplaneModeNone)
 	cases := []struct {
 		name   string
 		pod    *corev1.Pod
@@ -57,11 +59,11 @@ func TestDecide(t *testing.T) {
 		{"pod label in plain namespace", pod("shop", amb), off, true, ReasonPodLabel},
 		{"pod label with unknown namespace", pod("shop", amb), nil, true, ReasonPodLabel},
 		{"pod opt-out in enabled namespace", pod("shop", none), on, false, ReasonPodOptOut},
-		{"other pod label value follows namespace", pod("shop", withLabel(DataplaneModeLabel, "sidecar")), on, true, ReasonNamespaceLabel},
-		{"other namespace label value", pod("shop"), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{DataplaneModeLabel: "Ambient"}}}, false, ReasonNotEnabled},
+		{"other pod label value follows namespace", pod("shop", withLabel(ambient.DataplaneModeLabel, "sidecar")), on, true, ReasonNamespaceLabel},
+		{"other namespace label value", pod("shop"), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{ambient.DataplaneModeLabel: "Ambient"}}}, false, ReasonNotEnabled},
 		{"hostNetwork beats pod label", pod("shop", amb, hostNet), on, false, ReasonHostNetwork},
-		{"sidecar beats namespace", pod("shop", withAnn(SidecarStatusAnnotation, "{}")), on, false, ReasonSidecar},
-		{"sidecar beats pod label", pod("shop", amb, withAnn(SidecarStatusAnnotation, "")), on, false, ReasonSidecar},
+		{"sidecar beats namespace", pod("shop", withAnn(ambient.SidecarStatusAnnotation, "{}")), on, false, ReasonSidecar},
+		{"sidecar beats pod label", pod("shop", amb, withAnn(ambient.SidecarStatusAnnotation, "")), on, false, ReasonSidecar},
 		{"excluded namespace beats labels", pod("kube-system", amb), sys, false, ReasonExcludedNamespace},
 		{"ztunnel pod", pod("shop", withLabel("app", "ztunnel")), on, false, ReasonDataPlanePod},
 		{"agent pod", pod("shop", withLabel(AgentNameLabel, AgentNameLabelValue), amb), on, false, ReasonDataPlanePod},
@@ -93,16 +95,16 @@ func TestExcludedNamespacesConfigurable(t *testing.T) {
 }
 
 func TestPerPodOverrides(t *testing.T) {
-	if !DNSCapture(pod("a", withAnn(DNSCaptureAnnotation, "true")), false) {
+	if !DNSCapture(pod("a", withAnn(ambient.DNSCaptureAnnotation, "true")), false) {
 		t.Error("dns-capture=true ignored")
 	}
-	if DNSCapture(pod("a", withAnn(DNSCaptureAnnotation, "false")), true) {
+	if DNSCapture(pod("a", withAnn(ambient.DNSCaptureAnnotation, "false")), true) {
 		t.Error("dns-capture=false ignored")
 	}
-	if !DNSCapture(pod("a", withAnn(DNSCaptureAnnotation, "maybe")), true) || DNSCapture(nil, false) {
+	if !DNSCapture(pod("a", withAnn(ambient.DNSCaptureAnnotation, "maybe")), true) || DNSCapture(nil, false) {
 		t.Error("invalid override should fall back to default")
 	}
-	if !BypassInbound(pod("a", withAnn(BypassInboundCaptureAnnotation, "true"))) || BypassInbound(pod("a")) || BypassInbound(nil) {
+	if !BypassInbound(pod("a", withAnn(ambient.BypassInboundCaptureAnnotation, "true"))) || BypassInbound(pod("a")) || BypassInbound(nil) {
 		t.Error("bypass-inbound-capture misread")
 	}
 }
