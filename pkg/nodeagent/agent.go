@@ -57,6 +57,15 @@ type Annotator interface {
 	SetRedirection(ctx context.Context, namespace, name string, uid types.UID, value string) error
 }
 
+// HostProbe keeps the host's probe SNAT set (pkg/iptables.HostProbe): the
+// IPs of enrolled pods, whose kubelet probes are SNATed to the probe
+// address so the in-pod rules let them reach the application directly.
+type HostProbe interface {
+	AddIP(ip netip.Addr) error
+	DelIP(ip netip.Addr) error
+	IPs() ([]netip.Addr, error)
+}
+
 // Config configures an Agent. Decider and Rules are required.
 type Config struct {
 	Decider Decider
@@ -67,6 +76,8 @@ type Config struct {
 	// ZtunnelTimeout bounds the wait for ztunnel's ack of an Add (default
 	// 5s); past it the enroll fails as retryable.
 	ZtunnelTimeout time.Duration
+	// HostProbe, when set, gets each enrolled pod's IPs.
+	HostProbe HostProbe
 	// Annotator writes the redirection annotation; nil writes none.
 	Annotator Annotator
 	// Enablement feeds the snapshot file; nil writes no snapshot.
@@ -287,7 +298,9 @@ func (a *Agent) enroll(ctx context.Context, pod *corev1.Pod, sandboxID string, n
 		// Same netns: a repeated ADD. Another netns: the sandbox was
 		// recreated; ztunnel replaces the old netns on Add.
 		_ = old.ns.Close()
+		a.dropProbeIPs(log, old.IPs, ips)
 	}
+	a.addProbeIPs(log, ips)
 
 	if a.cfg.Ztunnel != nil {
 		zctx, cancel := context.WithTimeout(ctx, a.cfg.ZtunnelTimeout)
@@ -375,6 +388,7 @@ func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, netnsPath string) 
 	if old != nil {
 		_ = old.ns.Close()
 	}
+	a.addProbeIPs(a.log, e.IPs)
 	return nil
 }
 
@@ -449,7 +463,81 @@ func (a *Agent) forget(ctx context.Context, log *slog.Logger, e *entry) {
 	}
 	a.mu.Unlock()
 	_ = e.ns.Close()
+	a.dropProbeIPs(log, e.IPs, nil)
 	log.Info("pod removed")
+}
+
+// addProbeIPs puts a pod's IPs in the host probe set. A failure costs the
+// pod its kubelet probes' bypass, not its capture, so it is logged and
+// counted rather than failing the enroll.
+func (a *Agent) addProbeIPs(log *slog.Logger, ips []netip.Addr) {
+	if a.cfg.HostProbe == nil {
+		return
+	}
+	for _, ip := range ips {
+		if err := a.cfg.HostProbe.AddIP(ip); err != nil {
+			a.ruleError("probe")
+			log.Warn("add pod IP to host probe set", "ip", ip, "err", err)
+		}
+	}
+}
+
+// dropProbeIPs removes IPs from the host probe set, except those in keep
+// and those another enrolled pod holds (an IP reused before a late DEL).
+func (a *Agent) dropProbeIPs(log *slog.Logger, ips, keep []netip.Addr) {
+	if a.cfg.HostProbe == nil {
+		return
+	}
+	inUse := a.enrolledIPs()
+	for _, ip := range ips {
+		if slices.Contains(keep, ip) || inUse[ip] {
+			continue
+		}
+		if err := a.cfg.HostProbe.DelIP(ip); err != nil {
+			a.ruleError("probe")
+			log.Warn("remove pod IP from host probe set", "ip", ip, "err", err)
+		}
+	}
+}
+
+func (a *Agent) enrolledIPs() map[netip.Addr]bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	out := map[netip.Addr]bool{}
+	for _, e := range a.pods {
+		for _, ip := range e.IPs {
+			out[ip] = true
+		}
+	}
+	return out
+}
+
+// SyncHostProbe makes the host probe set hold exactly the enrolled pods'
+// IPs. Call it once the state is restored after a restart: pods deleted
+// while the agent was down leave their IPs behind otherwise.
+func (a *Agent) SyncHostProbe() error {
+	if a.cfg.HostProbe == nil {
+		return nil
+	}
+	have, err := a.cfg.HostProbe.IPs()
+	if err != nil {
+		return fmt.Errorf("list host probe set: %w", err)
+	}
+	want := a.enrolledIPs()
+	var errs []error
+	inSet := make(map[netip.Addr]bool, len(have))
+	for _, ip := range have {
+		inSet[ip] = true
+		if !want[ip] {
+			errs = append(errs, a.cfg.HostProbe.DelIP(ip))
+		}
+	}
+	for ip := range want {
+		if !inSet[ip] {
+			errs = append(errs, a.cfg.HostProbe.AddIP(ip))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 func (a *Agent) uidOfSandbox(sandboxID string) types.UID {

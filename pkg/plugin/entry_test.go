@@ -1,0 +1,31 @@
+package plugin
+
+import (
+	"encoding/json"
+	"slices"
+	"testing"
+	"time"
+)
+
+// TestEntryRoundTrip proves the installer's entry is read back by the
+// plugin with every value intact (a renamed key would be silently ignored).
+func TestEntryRoundTrip(t *testing.T) {
+	e := Entry{Type: "ambient-cni", AgentSocket: "/run/x/agent.sock", Timeout: "12s", LogLevel: "debug",
+		ExcludedNamespaces: []string{"infra", "kube-system"}, StatusRequiresAgent: true}
+	b, err := json.Marshal(e)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var m map[string]any
+	_ = json.Unmarshal(b, &m)
+	m["cniVersion"], m["name"] = "1.0.0", "k8s-pod-network"
+	stdin, _ := json.Marshal(m)
+	c, err := ParseConfig(stdin)
+	if err != nil {
+		t.Fatalf("ParseConfig(entry): %v", err)
+	}
+	if c.AgentSocket != e.AgentSocket || c.Timeout != 12*time.Second || c.LogLevel.String() != "DEBUG" ||
+		!slices.Equal(c.ExcludedNamespaces, e.ExcludedNamespaces) || !c.StatusRequiresAgent {
+		t.Fatalf("entry %s parsed as %+v", b, c)
+	}
+}
