@@ -55,7 +55,7 @@ func Paths(t testing.TB) []string {
 	if _, err := exec.LookPath("go"); err != nil {
 		testnet.Missing(t, "the go command is needed to build CNI plugins")
 	}
-	once.Do(func() { paths, ours, onceErr = build() })
+	once.Do(func() { paths, ours, onceErr = Build() })
 	if onceErr != nil {
 		t.Fatalf("build CNI plugins: %v", onceErr)
 	}
@@ -98,7 +98,10 @@ func cacheRoot() (string, error) {
 	return filepath.Join(base, "ambient-cni", "cnibin"), nil
 }
 
-func build() ([]string, string, error) {
+// Build builds (or finds cached) the reference plugins and ours, and
+// returns the CNI_PATH directories and our plugin's path. Tests use Paths;
+// Build is for programs such as the local sandbox.
+func Build() (paths []string, plugin string, err error) {
 	root, err := cacheRoot()
 	if err != nil {
 		return nil, "", err

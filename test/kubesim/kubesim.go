@@ -13,7 +13,6 @@ import (
 	"fmt"
 	"net/netip"
 	"sync"
-	"testing"
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/internal/sandbox"
@@ -27,6 +26,15 @@ import (
 	"k8s.io/client-go/kubernetes"
 )
 
+// T is what a Node needs from its owner: testing.TB satisfies it, and so
+// can a program (the local sandbox) that runs cleanups on exit.
+type T interface {
+	Helper()
+	Cleanup(func())
+	TempDir() string
+	Fatalf(format string, args ...any)
+}
+
 // Node is one simulated kubelet.
 type Node struct {
 	Name   string
@@ -36,7 +44,7 @@ type Node struct {
 	// Driver is the cgroup layout of pods' processes.
 	Driver sandbox.Driver
 
-	t          testing.TB
+	t          T
 	cgroupRoot string
 	mu         sync.Mutex
 	pods       map[string]*Pod // by uid
@@ -54,7 +62,7 @@ type Pod struct {
 
 // NewNode creates a node named name whose runtime uses cniPaths and the
 // conflist bytes. Pods still running when the test ends are torn down.
-func NewNode(t testing.TB, client kubernetes.Interface, name string, cniPaths []string, conflist []byte) *Node {
+func NewNode(t T, client kubernetes.Interface, name string, cniPaths []string, conflist []byte) *Node {
 	t.Helper()
 	conf, err := libcni.ConfListFromBytes(conflist)
 	if err != nil {
