@@ -314,15 +314,26 @@ func (d *Daemon) Run(ctx context.Context) error {
 }
 
 // shutdown releases state and decides whether the plugin stays installed.
+// During an upgrade (the DaemonSet lives on) the plugin, its config entry
+// and the host probe set stay, so pods keep their probes and new pods wait
+// for the next agent; otherwise all three are removed.
 func (d *Daemon) shutdown() error {
 	_ = d.agent.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	checker := controller.DaemonSetUpgradeChecker{Client: d.client, Namespace: d.cfg.PodNamespace, Name: d.cfg.DaemonSet}
-	if err := d.installer.ShutdownChecked(ctx, checker); err != nil {
-		return fmt.Errorf("installer shutdown: %w", err)
+	upgrade := installer.IsUpgrade(ctx, checker, d.log)
+	var errs []error
+	if err := d.installer.Shutdown(ctx, upgrade); err != nil {
+		errs = append(errs, fmt.Errorf("installer shutdown: %w", err))
 	}
-	return nil
+	if !upgrade {
+		if err := d.probe.Remove(); err != nil {
+			errs = append(errs, fmt.Errorf("remove host probe set: %w", err))
+		}
+	}
+	d.log.Info("install-cni stopped", "upgrade", upgrade)
+	return errors.Join(errs...)
 }
 
 // pollMetrics keeps the gauges current.
