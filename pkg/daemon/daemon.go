@@ -117,7 +117,7 @@ func New(o Options) (*Daemon, error) {
 		PrimaryConfName: c.CNIConfName, PluginConfig: entry,
 		StateFile:   filepath.Join(filepath.Dir(c.AgentSocket), "installer-state.json"),
 		OnReinstall: d.metrics.InstallerReinstalls.Inc,
-		Logger:      d.log.With("component", "installer"),
+		Logger:      d.log,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("installer: %w", err)

@@ -21,6 +21,7 @@ import (
 	types100 "github.com/containernetworking/cni/pkg/types/100"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/containernetworking/plugins/pkg/testutils"
+	"github.com/vishvananda/netlink"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -137,6 +138,18 @@ func (n *Node) Start(ctx context.Context, obj *corev1.Pod) (*Pod, error) {
 		return nil, fmt.Errorf("create netns: %w", err)
 	}
 	p := &Pod{Obj: obj, NS: netns, SandboxID: testnet.RandName("", 64)}
+	// Runtimes bring the sandbox's loopback up (containerd runs the
+	// loopback plugin before the network's chain).
+	if err := netns.Do(func(ns.NetNS) error {
+		lo, err := netlink.LinkByName("lo")
+		if err != nil {
+			return err
+		}
+		return netlink.LinkSetUp(lo)
+	}); err != nil {
+		n.closeNS(p)
+		return nil, fmt.Errorf("bring up lo: %w", err)
+	}
 	res, err := n.CNI.AddNetworkList(ctx, n.Conf, n.rt(p))
 	if err != nil {
 		_ = n.CNI.DelNetworkList(ctx, n.Conf, n.rt(p))
