@@ -15,7 +15,7 @@ PROTOC        ?= protoc
 TEST_TIMEOUT  ?= 20m
 PLUGIN_LDFLAGS := -s -w
 
-.PHONY: all build tools test test-unit lint fmt vet staticcheck generate manifests help clean
+.PHONY: all build tools test test-unit lint fmt vet staticcheck generate manifests help clean sandbox
 
 all: build
 
@@ -58,3 +58,6 @@ $(PROTOC_GEN_GO):
 
 clean:
 	rm -rf $(BIN)
+
+sandbox: build tools ## run the main job locally as root: API server, install-cni, ztunnel stand-in, pods
+	$(GO) run ./test/sandbox/cmd/sandbox -install-cni $(BIN)/install-cni

@@ -1,0 +1,386 @@
+// Package sandbox runs the project's main job on this machine, end to end
+// and for real: an API server, the install-cni process (installer + node
+// agent), a ztunnel stand-in, and simulated kubelet pods whose CNI ADD goes
+// through a real bridge chain. It labels a namespace ambient and shows the
+// pods' traffic move through ztunnel, then cleans everything up.
+package sandbox
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/ambient-cni/ambient-cni/internal/captureproxy"
+	"github.com/ambient-cni/ambient-cni/internal/cnibin"
+	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/test/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/ztunnel"
+	"github.com/vishvananda/netlink"
+)
+
+// Options configure Run.
+type Options struct {
+	// Dir holds everything the sandbox creates; it is removed at the end.
+	Dir string
+	// InstallCNI is the install-cni binary to run (make build puts it in bin/).
+	InstallCNI string
+	// Stay keeps the sandbox running after the demo until ctx ends, for
+	// exploring it with kubectl.
+	Stay bool
+	// Out receives the narrative.
+	Out io.Writer
+}
+
+// owner runs cleanups in reverse order and gives kubesim temp dirs.
+type owner struct {
+	dir      string
+	n        int
+	cleanups []func()
+}
+
+func (o *owner) Helper()          {}
+func (o *owner) Cleanup(f func()) { o.cleanups = append(o.cleanups, f) }
+func (o *owner) TempDir() string {
+	o.n++
+	d := filepath.Join(o.dir, fmt.Sprintf("tmp-%d", o.n))
+	_ = os.MkdirAll(d, 0o700)
+	return d
+}
+
+// fatal carries a kubesim failure out of the call that raised it.
+type fatal struct{ msg string }
+
+func (o *owner) Fatalf(format string, args ...any) { panic(fatal{fmt.Sprintf(format, args...)}) }
+
+func (o *owner) close() {
+	for i := len(o.cleanups) - 1; i >= 0; i-- {
+		o.cleanups[i]()
+	}
+	o.cleanups = nil
+}
+
+// Run runs the sandbox demo. It needs root.
+func Run(ctx context.Context, opts Options) (err error) {
+	if os.Geteuid() != 0 {
+		return errors.New("the sandbox creates network namespaces and iptables rules: run it as root")
+	}
+	out := opts.Out
+	say := func(format string, args ...any) { fmt.Fprintf(out, format+"\n", args...) }
+	o := &owner{dir: opts.Dir}
+	defer func() {
+		if r := recover(); r != nil {
+			f, ok := r.(fatal)
+			if !ok {
+				panic(r)
+			}
+			err = errors.New(f.msg)
+		}
+		say("cleaning up")
+		o.close()
+	}()
+
+	say("== starting etcd and kube-apiserver")
+	env, err := kubeenv.Launch(ctx, kubeenv.Options{Dir: filepath.Join(opts.Dir, "kube")})
+	if err != nil {
+		return fmt.Errorf("start API server (build it with %s): %w", kubeenv.BuildCommand, err)
+	}
+	o.Cleanup(env.Stop)
+	kubeconfig := filepath.Join(opts.Dir, "kubeconfig")
+	if err := kubeenv.WriteKubeconfig(env.Config, kubeconfig); err != nil {
+		return err
+	}
+	say("   API server ready in %v; admin kubeconfig: %s", env.StartTime.Round(time.Millisecond), kubeconfig)
+
+	say("== building the reference CNI plugins and ours")
+	cniPaths, pluginBin, err := cnibin.Build()
+	if err != nil {
+		return err
+	}
+	binDir, confDir := filepath.Join(opts.Dir, "cni", "bin"), filepath.Join(opts.Dir, "cni", "net.d")
+	for _, d := range []string{binDir, confDir} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return err
+		}
+	}
+	for _, p := range cnibin.ReferencePlugins {
+		if err := copyFile(filepath.Join(cniPaths[0], p), filepath.Join(binDir, p)); err != nil {
+			return err
+		}
+	}
+	var r [2]byte
+	_, _ = rand.Read(r[:])
+	bridge := testnet.RandName("sbx", 8)
+	subnet := netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 100 + r[0]%100, r[1], 0}), 24)
+	primary := cnibin.Conflist(cnibin.Network{Bridge: bridge, Subnet: subnet, DataDir: filepath.Join(opts.Dir, "cni", "ipam")})
+	confPath := filepath.Join(confDir, "10-bridge.conflist")
+	if err := os.WriteFile(confPath, primary, 0o644); err != nil {
+		return err
+	}
+	o.Cleanup(func() {
+		if l, err := netlink.LinkByName(bridge); err == nil {
+			_ = netlink.LinkDel(l)
+		}
+	})
+	say("   primary CNI config %s: bridge %s, pods in %s", confPath, bridge, subnet)
+
+	say("== starting install-cni (installer + node agent)")
+	healthAddr, err := freeAddr()
+	if err != nil {
+		return err
+	}
+	run := filepath.Join(opts.Dir, "run")
+	agentLog, err := os.Create(filepath.Join(opts.Dir, "install-cni.log"))
+	if err != nil {
+		return err
+	}
+	defer agentLog.Close()
+	agent := exec.Command(opts.InstallCNI,
+		"--node-name=sandbox-node", "--kubeconfig="+kubeconfig,
+		"--cni-bin-dir="+binDir, "--cni-conf-dir="+confDir, "--plugin-binary="+pluginBin,
+		"--agent-socket="+filepath.Join(run, "ambient-cni", "agent.sock"),
+		"--zds-socket="+filepath.Join(run, "ztunnel", "ztunnel.sock"),
+		"--health-addr="+healthAddr, "--log-level=debug")
+	agent.Stdout, agent.Stderr = agentLog, agentLog
+	if err := agent.Start(); err != nil {
+		return fmt.Errorf("start install-cni: %w", err)
+	}
+	o.Cleanup(func() {
+		_ = agent.Process.Signal(syscall.SIGTERM)
+		done := make(chan struct{})
+		go func() { _ = agent.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(15 * time.Second):
+			_ = agent.Process.Kill()
+			<-done
+		}
+	})
+	say("   logs: %s; health: http://%s/readyz", agentLog.Name(), healthAddr)
+
+	say("== starting the ztunnel stand-in (speaks ZDS, proxies real TCP inside pods)")
+	zctx, zcancel := context.WithCancel(ctx)
+	zt := ztunnel.New(ztunnel.Config{SocketPath: filepath.Join(run, "ztunnel", "ztunnel.sock"), Logger: slog.New(slog.DiscardHandler)})
+	zdone := make(chan struct{})
+	go func() { _ = zt.Run(zctx); close(zdone) }()
+	o.Cleanup(func() { zcancel(); <-zdone })
+
+	if err := waitFor(ctx, 60*time.Second, func() bool { return get("http://"+healthAddr+"/readyz") == 200 }); err != nil {
+		return fmt.Errorf("install-cni never became ready (see %s): %w", agentLog.Name(), err)
+	}
+	chained, err := os.ReadFile(confPath)
+	if err != nil {
+		return err
+	}
+	say("   ready: the installer chained %q into %s", cnibin.PluginName, confPath)
+
+	client := env.Client
+	node := kubesim.NewNode(o, client, "sandbox-node", []string{binDir}, chained)
+	for _, ns := range []string{"demo", "plain"} {
+		if err := createNamespace(ctx, client, ns); err != nil {
+			return err
+		}
+	}
+	say("== starting pods: demo/client, demo/server (app on :8080), plain/outsider")
+	pods := map[string]*kubesim.Pod{}
+	for _, p := range [][2]string{{"demo", "client"}, {"demo", "server"}, {"plain", "outsider"}} {
+		pod, err := node.Run(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: p[0], Name: p[1]}})
+		if err != nil {
+			return err
+		}
+		pods[p[1]] = pod
+	}
+	app, err := captureproxy.Start(pods["server"].NS.Path(), captureproxy.Config{TCPPorts: []uint16{8080}, NoIPv6: true})
+	if err != nil {
+		return err
+	}
+	o.Cleanup(func() { _ = app.Close() })
+	server := netip.AddrPortFrom(pods["server"].Addr(4), 8080)
+
+	call := func(from string) error {
+		before := len(zt.Records())
+		if _, err := captureproxy.Dial(ctx, pods[from].NS.Path(), server, captureproxy.DialOptions{}); err != nil {
+			return fmt.Errorf("%s -> server: %w", from, err)
+		}
+		recs := zt.Records()[before:]
+		if len(recs) == 0 {
+			say("   %s -> %s: reached the app directly (ztunnel saw nothing)", from, server)
+			return nil
+		}
+		var hops []string
+		for _, r := range recs {
+			hops = append(hops, fmt.Sprintf("%s:%d", podName(zt, r.UID), r.Port))
+		}
+		say("   %s -> %s: through ztunnel via %s", from, server, strings.Join(hops, " then "))
+		return nil
+	}
+	if err := call("client"); err != nil {
+		return err
+	}
+
+	say("== labelling namespace demo %s=%s", ambient.DataplaneModeLabel, ambient.DataplaneModeAmbient)
+	start := time.Now()
+	if err := labelNamespace(ctx, client, "demo", ambient.DataplaneModeAmbient); err != nil {
+		return err
+	}
+	if err := waitAnnotations(ctx, client, "demo", []string{"client", "server"}, ambient.RedirectionEnabled); err != nil {
+		return err
+	}
+	say("   client and server annotated %s=%s after %v", ambient.RedirectionAnnotation, ambient.RedirectionEnabled, time.Since(start).Round(time.Millisecond))
+	if err := call("client"); err != nil {
+		return err
+	}
+	if err := call("outsider"); err != nil {
+		return err
+	}
+
+	say("== starting demo/late: enrolled by its own CNI ADD before it runs")
+	late, err := node.Run(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "demo", Name: "late"}})
+	if err != nil {
+		return err
+	}
+	lp, err := client.CoreV1().Pods("demo").Get(ctx, "late", metav1.GetOptions{})
+	if err != nil {
+		return err
+	}
+	say("   demo/late at %s: %s=%q", late.Addr(4), ambient.RedirectionAnnotation, lp.Annotations[ambient.RedirectionAnnotation])
+
+	say("== removing the label from namespace demo")
+	if err := labelNamespace(ctx, client, "demo", ""); err != nil {
+		return err
+	}
+	if err := waitAnnotations(ctx, client, "demo", []string{"client", "server", "late"}, ""); err != nil {
+		return err
+	}
+	// The agent drops the annotation first (istiod stops sending HBONE),
+	// then the rules, then tells ztunnel.
+	if err := waitFor(ctx, 30*time.Second, func() bool { return len(zt.Workloads()) == 0 }); err != nil {
+		return fmt.Errorf("ztunnel still serves pods after unlabel: %w", err)
+	}
+	say("   annotations removed, rules and ztunnel listeners gone")
+	if err := call("client"); err != nil {
+		return err
+	}
+	say("== agent metrics (excerpt)")
+	for _, l := range strings.Split(body("http://"+healthAddr+"/metrics"), "\n") {
+		if strings.HasPrefix(l, "ambient_cni_cni_requests_total") || strings.HasPrefix(l, "ambient_cni_enrolled_pods") {
+			say("   %s", l)
+		}
+	}
+	if opts.Stay {
+		say("== sandbox up; kubectl --kubeconfig %s get pods -A; Ctrl-C to stop", kubeconfig)
+		<-ctx.Done()
+	}
+	return nil
+}
+
+func podName(zt *ztunnel.StandIn, uid string) string {
+	if w, ok := zt.Workload(uid); ok {
+		return w.Info.Name
+	}
+	return uid
+}
+
+func createNamespace(ctx context.Context, c kubernetes.Interface, name string) error {
+	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("create namespace %s: %w", name, err)
+	}
+	// No controller-manager here: make the default ServiceAccount ourselves.
+	_, err := c.CoreV1().ServiceAccounts(name).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default"}}, metav1.CreateOptions{})
+	if err != nil {
+		return fmt.Errorf("create default service account in %s: %w", name, err)
+	}
+	return nil
+}
+
+func labelNamespace(ctx context.Context, c kubernetes.Interface, name, value string) error {
+	var v any
+	if value != "" {
+		v = value
+	}
+	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]any{ambient.DataplaneModeLabel: v}}})
+	_, err := c.CoreV1().Namespaces().Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{})
+	return err
+}
+
+func waitAnnotations(ctx context.Context, c kubernetes.Interface, ns string, names []string, want string) error {
+	return waitFor(ctx, 30*time.Second, func() bool {
+		for _, n := range names {
+			p, err := c.CoreV1().Pods(ns).Get(ctx, n, metav1.GetOptions{})
+			if err != nil || p.Annotations[ambient.RedirectionAnnotation] != want {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+func waitFor(ctx context.Context, limit time.Duration, cond func() bool) error {
+	deadline := time.Now().Add(limit)
+	for !cond() {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("gave up after %v", limit)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+	return nil
+}
+
+func get(url string) int {
+	resp, err := http.Get(url)
+	if err != nil {
+		return 0
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+func body(url string) string {
+	resp, err := http.Get(url)
+	if err != nil {
+		return ""
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return string(b)
+}
+
+func freeAddr() (string, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", err
+	}
+	defer l.Close()
+	return l.Addr().String(), nil
+}
+
+func copyFile(src, dst string) error {
+	b, err := os.ReadFile(src)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(dst, b, 0o755)
+}
