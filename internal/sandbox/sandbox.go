@@ -41,7 +41,7 @@ type Sandbox struct {
 	UID         string
 	ContainerID string
 	Cmd         *exec.Cmd
-	dirs        []string // cgroup dirs created, leaf last
+	dirs        []string // cgroup dirs below each hierarchy, leaf last
 }
 
 // Options configure Start.
@@ -98,18 +98,19 @@ func Start(uid, netnsPath string, o Options) (*Sandbox, error) {
 }
 
 func (s *Sandbox) place(hier, rel string) error {
-	// Create each level so Stop can remove exactly what we made.
+	// Every level below the hierarchy is ours (Options.Root is per test),
+	// so Stop removes each one that is empty by then: the last pod out
+	// takes the shared parents with it.
 	cur := hier
 	for _, seg := range strings.Split(rel, "/") {
 		if seg == "" {
 			continue
 		}
 		cur = filepath.Join(cur, seg)
-		if err := os.Mkdir(cur, 0o755); err == nil {
-			s.dirs = append(s.dirs, cur)
-		} else if !os.IsExist(err) {
+		if err := os.Mkdir(cur, 0o755); err != nil && !os.IsExist(err) {
 			return fmt.Errorf("create cgroup %s: %w", cur, err)
 		}
+		s.dirs = append(s.dirs, cur)
 	}
 	pid := strconv.Itoa(s.Cmd.Process.Pid)
 	if err := os.WriteFile(filepath.Join(cur, "cgroup.procs"), []byte(pid), 0o644); err != nil {
@@ -138,7 +139,8 @@ func waitInNetns(pid int, netnsPath string) error {
 }
 
 // Stop kills the process (nsenter execs sleep, so the PID is the sleeper)
-// and removes the cgroup directories Start created, deepest first.
+// and removes the pod's cgroup directories, deepest first, with every
+// parent below the hierarchy that no other pod still uses.
 func (s *Sandbox) Stop() {
 	if s.Cmd.Process != nil {
 		_ = s.Cmd.Process.Kill()
