@@ -332,7 +332,12 @@ func (a *Agent) annotate(ctx context.Context, log *slog.Logger, e *entry, value 
 	}
 	err := a.cfg.Annotator.SetRedirection(ctx, e.Namespace, e.Name, e.UID, value)
 	if err != nil {
-		log.Warn("set redirection annotation", "value", value, "err", err)
+		if apierrors.IsNotFound(err) {
+			// A deleted pod has nothing left to annotate: not worth a warning.
+			log.Debug("pod gone; annotation not written", "value", value)
+		} else {
+			log.Warn("set redirection annotation", "value", value, "err", err)
+		}
 		return fmt.Errorf("annotate pod %s/%s %s=%q: %w", e.Namespace, e.Name, ambient.RedirectionAnnotation, value, err)
 	}
 	return nil

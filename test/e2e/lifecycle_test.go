@@ -1,0 +1,111 @@
+package e2e
+
+import (
+	"context"
+	"slices"
+	"testing"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/test/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/ztunnel"
+)
+
+// TestNewPodEnrolledByCNI: a pod started in an enabled namespace is
+// enrolled by its CNI ADD: when the ADD returns, the stand-in already
+// serves it, its rules are in place and it is annotated enabled.
+func TestNewPodEnrolledByCNI(t *testing.T) {
+	n := newNode(t, nodeOptions{})
+	shop := n.namespace("shop", ambientLabel)
+	p, err := n.kube.Run(context.Background(), podSpec(shop, "web", nil, nil))
+	if err != nil {
+		t.Fatalf("run pod: %v", err)
+	}
+	// No waiting: everything must already hold when the ADD returned.
+	if _, ok := n.zt.Workload(string(p.Obj.UID)); !ok {
+		t.Fatal("the stand-in does not serve the pod when its ADD returned")
+	}
+	if got := n.annotation(p); got != ambient.RedirectionEnabled {
+		t.Fatalf("annotation after ADD = %q, want %q", got, ambient.RedirectionEnabled)
+	}
+	if !n.hasRules(p) {
+		t.Fatal("no redirection rules when the ADD returned")
+	}
+	var sandbox string
+	for _, e := range n.d.Agent().Pods() {
+		if e.UID == p.Obj.UID {
+			sandbox = e.SandboxID
+		}
+	}
+	if sandbox != p.SandboxID {
+		t.Fatalf("agent state has sandbox %q for the pod, want the CNI ADD's %q", sandbox, p.SandboxID)
+	}
+	add := slices.IndexFunc(n.zt.Messages(), func(m ztunnel.Message) bool {
+		return m.Kind == ztunnel.KindAdd && m.UID == string(p.Obj.UID)
+	})
+	if add < 0 {
+		t.Fatalf("no ZDS Add for the pod: %+v", n.zt.Messages())
+	}
+	if m := n.zt.Messages()[add]; m.Info == nil || m.Info.Name != "web" || m.Info.Namespace != shop || m.Info.ServiceAccount != "default" {
+		t.Fatalf("ZDS Add carries workload info %+v", m.Info)
+	}
+
+	// The app is reachable through the stand-in from a second enrolled pod.
+	serveApp(t, p)
+	q := n.runPod(podSpec(shop, "client", nil, nil))
+	mustGet(t, q, p)
+	n.requireTunneled(q, p)
+}
+
+// TestDeletedAndFinishedPodsAreRemoved: deleting an enrolled pod, or one
+// reaching phase Succeeded, sends Del to ztunnel and drops the agent's
+// state, and the agent logs no error about the namespace having vanished.
+// Both enrollment paths are covered: a pod enrolled by its CNI ADD and
+// running pods enrolled by the controller (whose DEL carries a sandbox the
+// agent did not record).
+func TestDeletedAndFinishedPodsAreRemoved(t *testing.T) {
+	n := newNode(t, nodeOptions{})
+	plain := n.namespace("plain", nil)
+	running := n.runPod(podSpec(plain, "running", nil, nil))
+	finishing := n.runPod(podSpec(plain, "finishing", nil, nil))
+	n.setNamespaceMode(plain, ambient.DataplaneModeAmbient)
+	n.waitEnrolled(waitLong, running, finishing)
+	viaCNI := n.runPod(podSpec(plain, "via-cni", nil, nil))
+	n.waitEnrolled(waitLong, viaCNI)
+
+	mark := n.logs.mark()
+	for _, tc := range []struct {
+		pod    *kubesim.Pod
+		finish bool
+	}{{viaCNI, false}, {running, false}, {finishing, true}} {
+		uid := string(tc.pod.Obj.UID)
+		var err error
+		if tc.finish {
+			err = n.kube.Finish(context.Background(), tc.pod)
+		} else {
+			err = n.kube.Delete(context.Background(), tc.pod)
+		}
+		if err != nil {
+			t.Fatalf("remove %s: %v", tc.pod.Obj.Name, err)
+		}
+		n.waitStandIn(func() bool {
+			return slices.IndexFunc(n.zt.Messages(), func(m ztunnel.Message) bool { return m.Kind == ztunnel.KindDel && m.UID == uid }) >= 0
+		}, "Del of "+tc.pod.Obj.Name)
+		if _, ok := n.zt.Workload(uid); ok {
+			t.Fatalf("stand-in still serves %s after its Del", tc.pod.Obj.Name)
+		}
+		eventually(t, tc.pod.Obj.Name+" gone from the agent state", func() bool {
+			_, ok := n.d.Agent().EnrolledUID(tc.pod.Obj.Namespace, tc.pod.Obj.Name)
+			return !ok
+		})
+		if tc.finish && n.annotation(tc.pod) != "" {
+			t.Fatalf("finished pod %s keeps its annotation %q", tc.pod.Obj.Name, n.annotation(tc.pod))
+		}
+	}
+	if len(n.d.Agent().Pods()) != 0 {
+		t.Fatalf("agent state not empty: %+v", n.d.Agent().Pods())
+	}
+	// Not only no word about the vanished namespaces: no warning at all.
+	for _, w := range n.logs.warningsSince(mark) {
+		t.Errorf("agent complained while removing pods: %s", w)
+	}
+}
