@@ -300,6 +300,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	d.listening.Store(true)
 	run("zds", d.zds.Serve)
 	run("event-server", d.events.Serve)
+	run("spool", d.drainSpoolLoop)
 	d.log.Info("node agent ready", "node", c.NodeName, "pods", len(d.agent.Pods()))
 
 	var runErr error
@@ -334,6 +335,23 @@ func (d *Daemon) shutdown() error {
 	}
 	d.log.Info("install-cni stopped", "upgrade", upgrade)
 	return errors.Join(errs...)
+}
+
+// drainSpoolLoop replays DELs the plugin spooled while it could not reach
+// the agent (a timeout while the agent stayed up), not just at startup.
+func (d *Daemon) drainSpoolLoop(ctx context.Context) error {
+	t := time.NewTicker(30 * time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+			if _, err := d.agent.DrainSpool(ctx); err != nil {
+				d.log.Warn("drain DEL spool", "err", err)
+			}
+		}
+	}
 }
 
 // pollMetrics keeps the gauges current.
