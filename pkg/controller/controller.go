@@ -62,7 +62,13 @@ type Config struct {
 	Self     types.NamespacedName
 	Enroller Enroller
 	Finder   Finder
-	Logger   *slog.Logger
+	// Annotator clears a stale redirection annotation from a pod that is
+	// not enrolled and should not be (e.g. its namespace was unlabelled
+	// while the agent was down); nil leaves such annotations alone.
+	Annotator interface {
+		SetRedirection(ctx context.Context, namespace, name string, uid types.UID, value string) error
+	}
+	Logger *slog.Logger
 	// Parallel bounds concurrent Enroll/Unenroll calls within a batch.
 	Parallel int
 	// BatchWindow is how long the worker lets a burst of changes gather
@@ -230,7 +236,10 @@ func (c *Controller) restore(ctx context.Context) {
 	want := map[types.UID][]netip.Addr{}
 	byUID := map[types.UID]*corev1.Pod{}
 	for _, p := range all {
-		if redirectionState(p) == "" || !c.decide(p).Enroll {
+		// Adopt every pod a previous agent marked, even one that should no
+		// longer be captured (unlabelled while the agent was down): once in
+		// the state, the normal reconcile unenrolls it properly.
+		if redirectionState(p) == "" || enablement.IsTerminal(p) {
 			continue
 		}
 		want[p.UID] = podIPs(p)
@@ -295,10 +304,11 @@ func (c *Controller) decide(p *corev1.Pod) enablement.Decision {
 }
 
 type work struct {
-	key  types.NamespacedName
-	pod  *corev1.Pod // nil when deleted
-	uid  types.UID   // enrolled UID to remove, if any
-	need bool        // needs enrolling (netns lookup)
+	key   types.NamespacedName
+	pod   *corev1.Pod // nil when deleted
+	uid   types.UID   // enrolled UID to remove, if any
+	need  bool        // needs enrolling (netns lookup)
+	clear bool        // not enrolled, not wanted, but still annotated
 }
 
 // processBatch takes one queued key, lets a burst gather for BatchWindow,
@@ -377,6 +387,8 @@ func (c *Controller) plan(k types.NamespacedName) work {
 		w.need = len(podIPs(p)) > 0 && p.Status.Phase == corev1.PodRunning
 	case !d.Enroll && isEnrolled && enrolled == p.UID:
 		w.uid = enrolled
+	case !d.Enroll && redirectionState(p) != "":
+		w.clear = true
 	}
 	return w
 }
@@ -390,6 +402,12 @@ func (c *Controller) apply(ctx context.Context, w work, found map[types.UID]stri
 			return fmt.Errorf("unenroll %s: %w", w.uid, err)
 		}
 		c.log.Info("unenrolled pod", "pod", w.key.String(), "uid", w.uid)
+	}
+	if w.clear && c.cfg.Annotator != nil {
+		if err := c.cfg.Annotator.SetRedirection(ctx, w.pod.Namespace, w.pod.Name, w.pod.UID, ""); err != nil && !apierrors.IsNotFound(err) {
+			return fmt.Errorf("clear stale annotation: %w", err)
+		}
+		c.log.Info("cleared stale redirection annotation", "pod", w.key.String())
 	}
 	if !w.need {
 		return nil

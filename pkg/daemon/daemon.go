@@ -154,10 +154,11 @@ func New(o Options) (*Daemon, error) {
 	}
 	ctrl = controller.New(controller.Config{
 		Client: o.Client, NodeName: c.NodeName, Policy: policy,
-		Self:     types.NamespacedName{Namespace: c.PodNamespace, Name: c.PodName},
-		Enroller: eventingEnroller{Enroller: d.agent, rec: d.recorder},
-		Finder:   controller.ProcFinder{Scanner: podnetns.Scanner{ProcRoot: c.ProcRoot}, Logger: d.log},
-		Logger:   d.log,
+		Self:      types.NamespacedName{Namespace: c.PodNamespace, Name: c.PodName},
+		Enroller:  eventingEnroller{Enroller: d.agent, rec: d.recorder},
+		Annotator: controller.Annotator{Client: o.Client},
+		Finder:    controller.ProcFinder{Scanner: podnetns.Scanner{ProcRoot: c.ProcRoot}, Logger: d.log},
+		Logger:    d.log,
 		OnEnablementChange: func() {
 			if d.restored.Load() {
 				_ = d.agent.RefreshSnapshot()
