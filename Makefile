@@ -15,7 +15,7 @@ PROTOC        ?= protoc
 TEST_TIMEOUT  ?= 20m
 PLUGIN_LDFLAGS := -s -w
 
-.PHONY: all build tools test test-unit lint fmt vet staticcheck generate manifests help clean sandbox
+.PHONY: all build tools test test-unit lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -29,7 +29,7 @@ build: ## build the plugin and the agent into ./bin
 tools: ## build etcd, kube-apiserver and helm from the Go module proxy into the tools cache (minutes the first time, then cached)
 	GO='$(GO)' hack/kube-tools.sh
 
-test: tools ## run every test (root tests need root; CI=true turns skips into failures)
+test: tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures)
 	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...
 
 test-unit: ## run the tests that need neither root nor built tools
@@ -52,6 +52,19 @@ $(STATICCHECK):
 generate: $(PROTOC_GEN_GO) ## regenerate committed protobuf Go code (needs protoc: Debian protobuf-compiler)
 	$(PROTOC) --plugin=protoc-gen-go=$(PROTOC_GEN_GO) -I pkg/zds/zdspb \
 		--go_out=pkg/zds/zdspb --go_opt=paths=source_relative pkg/zds/zdspb/zds.proto
+
+# The chart is the source; the manifest is its helm template output. The
+# release name, namespace and header live in one place: test/deploy, whose
+# TestManifestUpToDate rewrites the file when UPDATE_MANIFESTS=1.
+MANIFEST_TEST := -count=1 -run '^TestManifestUpToDate$$' ./test/deploy
+
+manifests: ## render deploy/manifests/ambient-cni.yaml from deploy/charts/ambient-cni (helm template; builds helm if needed)
+	GO='$(GO)' hack/kube-tools.sh helm
+	UPDATE_MANIFESTS=1 $(GO) test $(MANIFEST_TEST)
+
+check-manifests: ## fail unless deploy/manifests/ambient-cni.yaml is what the chart renders (run by make test)
+	GO='$(GO)' hack/kube-tools.sh helm
+	CI=true $(GO) test $(MANIFEST_TEST)
 
 $(PROTOC_GEN_GO):
 	GOBIN=$(dir $(PROTOC_GEN_GO)) $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@$(PROTOC_GEN_GO_VERSION)

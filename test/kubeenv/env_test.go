@@ -14,6 +14,7 @@ import (
 
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
+	eventsv1 "k8s.io/api/events/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -119,7 +120,7 @@ func testPod(name string) *corev1.Pod {
 	}
 }
 
-// The agent's permissions are the shipped file's, no more: what it needs
+// The agent's permissions are the shipped manifest's, no more: what it needs
 // works, and what it must not do is Forbidden.
 func TestServiceAccountClientHasExactlyShippedRBAC(t *testing.T) {
 	env := kube.Env(t)
@@ -198,6 +199,23 @@ func TestServiceAccountClientHasExactlyShippedRBAC(t *testing.T) {
 			_, err := sa.CoreV1().Namespaces().Patch(ctx, appNS, types.MergePatchType, []byte(`{"metadata":{"labels":{"x":"y"}}}`), metav1.PatchOptions{})
 			return err
 		},
+		"get another daemonset in its namespace": func() error {
+			_, err := sa.AppsV1().DaemonSets(agentNS).Get(ctx, "ztunnel", metav1.GetOptions{})
+			return err
+		},
+		"list daemonsets in its namespace": func() error {
+			_, err := sa.AppsV1().DaemonSets(agentNS).List(ctx, metav1.ListOptions{})
+			return err
+		},
+		"create events.k8s.io events": func() error {
+			_, err := sa.EventsV1().Events(appNS).Create(ctx, &eventsv1.Event{
+				ObjectMeta: metav1.ObjectMeta{GenerateName: "app."},
+				EventTime:  metav1.NowMicro(), ReportingController: "ambient-cni", ReportingInstance: "x",
+				Action: "Test", Reason: "Test", Type: corev1.EventTypeNormal,
+				Regarding: corev1.ObjectReference{Kind: "Pod", Namespace: appNS, Name: "app"},
+			}, metav1.CreateOptions{})
+			return err
+		},
 		"get daemonsets outside its namespace": func() error {
 			_, err := sa.AppsV1().DaemonSets("kube-system").Get(ctx, "ambient-cni", metav1.GetOptions{})
 			return err
@@ -215,8 +233,8 @@ func TestServiceAccountClientHasExactlyShippedRBAC(t *testing.T) {
 	}
 }
 
-// The shipped file holds exactly the rules issue 5 allows; a drift here
-// must be a deliberate change to this test too.
+// The shipped manifest grants exactly the rules issue 5 allows; a drift
+// here must be a deliberate change to this test too.
 func TestShippedRBACRules(t *testing.T) {
 	objs, err := ParseObjects(ShippedRBAC(t))
 	if err != nil {
@@ -226,37 +244,94 @@ func TestShippedRBACRules(t *testing.T) {
 		if k := o.GetKind(); k != "ClusterRole" && k != "Role" {
 			t.Errorf("unexpected %s in shipped RBAC", k)
 		}
+		if ns := o.GetNamespace(); ns != "" {
+			t.Errorf("%s %s keeps namespace %q; ServiceAccountClient must place it", o.GetKind(), o.GetName(), ns)
+		}
 	}
 	cluster, namespaced, err := RoleRules(ShippedRBAC(t))
 	if err != nil {
 		t.Fatal(err)
 	}
-	type rule struct{ scope, group, resource, verbs string }
+	type rule struct{ scope, group, resource, names, verbs string }
 	var got []rule
 	for scope, rules := range map[string][]rbacv1.PolicyRule{"cluster": cluster, "namespace": namespaced} {
 		for _, r := range rules {
-			if len(r.ResourceNames) > 0 || len(r.NonResourceURLs) > 0 {
+			if len(r.NonResourceURLs) > 0 {
 				t.Errorf("unexpected rule shape %+v", r)
 			}
 			for _, g := range r.APIGroups {
 				for _, res := range r.Resources {
-					got = append(got, rule{scope, g, res, strings.Join(r.Verbs, ",")})
+					got = append(got, rule{scope, g, res, strings.Join(r.ResourceNames, ","), strings.Join(r.Verbs, ",")})
 				}
 			}
 		}
 	}
 	want := []rule{
-		{"cluster", "", "pods", "get,list,watch"},
-		{"cluster", "", "pods/status", "patch"},
-		{"cluster", "", "namespaces", "get,list,watch"},
-		{"cluster", "", "events", "create,patch"},
-		{"namespace", "apps", "daemonsets", "get"},
+		{"cluster", "", "pods", "", "get,list,watch"},
+		{"cluster", "", "pods/status", "", "patch"},
+		{"cluster", "", "namespaces", "", "get,list,watch"},
+		{"cluster", "", "events", "", "create,patch"},
+		// Only its own DaemonSet (the default release's name).
+		{"namespace", "apps", "daemonsets", "ambient-cni", "get"},
 	}
 	sortRules := func(a, b rule) int { return strings.Compare(fmt.Sprint(a), fmt.Sprint(b)) }
 	slices.SortFunc(got, sortRules)
 	slices.SortFunc(want, sortRules)
 	if !slices.Equal(got, want) {
 		t.Errorf("shipped RBAC rules\n got %v\nwant %v", got, want)
+	}
+}
+
+// ExtractRoles keeps roles only, strips Role namespaces, and refuses a
+// manifest that grants nothing cluster-wide.
+func TestExtractRoles(t *testing.T) {
+	manifest := `
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: sa, namespace: ns1}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {name: cr}
+rules: [{apiGroups: [""], resources: [pods], verbs: [get]}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: crb}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: cr}
+subjects: [{kind: ServiceAccount, name: sa, namespace: ns1}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata: {name: r, namespace: ns1}
+rules: [{apiGroups: [apps], resources: [daemonsets], resourceNames: [ds], verbs: [get]}]
+`
+	out, err := ExtractRoles([]byte(manifest))
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs, err := ParseObjects(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, o := range objs {
+		got = append(got, o.GetKind()+"/"+o.GetNamespace()+"/"+o.GetName())
+	}
+	if want := []string{"ClusterRole//cr", "Role//r"}; !slices.Equal(got, want) {
+		t.Errorf("extracted %v, want %v", got, want)
+	}
+	_, namespaced, err := RoleRules(out)
+	if err != nil || len(namespaced) != 1 || !slices.Equal(namespaced[0].ResourceNames, []string{"ds"}) {
+		t.Errorf("role rules %+v (err %v): resourceNames lost", namespaced, err)
+	}
+	for name, bad := range map[string]string{
+		"no clusterrole": "apiVersion: v1\nkind: ServiceAccount\nmetadata: {name: sa}\n",
+		"not yaml":       "{[",
+	} {
+		if _, err := ExtractRoles([]byte(bad)); err == nil {
+			t.Errorf("%s: want an error", name)
+		}
 	}
 }
 

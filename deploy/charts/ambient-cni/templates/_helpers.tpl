@@ -1,12 +1,19 @@
-{{- define "ambient-cni.name" -}}ambient-cni{{- end -}}
+{{/*
+Name of every object of the release (DaemonSet, ServiceAccount, RBAC). The
+agent reads its own DaemonSet by this name on shutdown, so the Role's
+resourceNames and AMBIENT_DAEMONSET_NAME both come from here.
+*/}}
+{{- define "ambient-cni.fullname" -}}
+{{- .Values.nameOverride | default "ambient-cni" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
 
 {{- define "ambient-cni.labels" -}}
-app.kubernetes.io/name: ambient-cni
-app.kubernetes.io/instance: {{ .Release.Name }}
+{{ include "ambient-cni.selector" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 
+{{/* Selector labels: immutable on a DaemonSet, so nothing that changes per release. */}}
 {{- define "ambient-cni.selector" -}}
 app.kubernetes.io/name: ambient-cni
 app.kubernetes.io/instance: {{ .Release.Name }}
@@ -14,4 +21,71 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{- define "ambient-cni.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/*
+Container paths of the host directories install-cni works on. The host side
+comes from values; these stay fixed so the image and the env agree.
+*/}}
+{{- define "ambient-cni.containerBinDir" -}}/host/opt/cni/bin{{- end -}}
+{{- define "ambient-cni.containerConfDir" -}}/host/etc/cni/net.d{{- end -}}
+{{- define "ambient-cni.containerProc" -}}/host/proc{{- end -}}
+
+{{/*
+The environment of install-cni: one AMBIENT_* variable per setting of
+docs/install-cni.md (all but AMBIENT_KUBECONFIG: in-cluster configuration is
+used). Paths the plugin also uses on the host (agent socket, netns dirs) are
+mounted at the same path in the container, so one value serves both sides.
+*/}}
+{{- define "ambient-cni.env" -}}
+- name: AMBIENT_NODE_NAME
+  valueFrom: {fieldRef: {fieldPath: spec.nodeName}}
+- name: AMBIENT_POD_NAME
+  valueFrom: {fieldRef: {fieldPath: metadata.name}}
+- name: AMBIENT_POD_NAMESPACE
+  valueFrom: {fieldRef: {fieldPath: metadata.namespace}}
+- name: AMBIENT_DAEMONSET_NAME
+  value: {{ include "ambient-cni.fullname" . | quote }}
+- name: AMBIENT_CNI_BIN_DIR
+  value: {{ include "ambient-cni.containerBinDir" . | quote }}
+- name: AMBIENT_CNI_CONF_DIR
+  value: {{ include "ambient-cni.containerConfDir" . | quote }}
+- name: AMBIENT_CNI_CONF_NAME
+  value: {{ .Values.cni.confName | quote }}
+- name: AMBIENT_CNI_PLUGIN_TYPE
+  value: {{ .Values.cni.pluginType | quote }}
+- name: AMBIENT_PLUGIN_BINARY
+  value: {{ .Values.image.pluginBinary | quote }}
+- name: AMBIENT_PLUGIN_TIMEOUT
+  value: {{ .Values.cni.pluginTimeout | quote }}
+- name: AMBIENT_PLUGIN_LOG_LEVEL
+  value: {{ .Values.cni.pluginLogLevel | quote }}
+- name: AMBIENT_PLUGIN_STATUS_CHECKS_AGENT
+  value: {{ .Values.cni.statusChecksAgent | toString | quote }}
+- name: AMBIENT_AGENT_SOCKET
+  value: {{ printf "%s/agent.sock" (.Values.agent.socketDir | trimSuffix "/") | quote }}
+- name: AMBIENT_ZDS_SOCKET
+  value: {{ printf "%s/%s" (.Values.ztunnel.socketDir | trimSuffix "/") .Values.ztunnel.socketName | quote }}
+- name: AMBIENT_PROC_ROOT
+  value: {{ include "ambient-cni.containerProc" . | quote }}
+- name: AMBIENT_NETNS_DIRS
+  value: {{ join "," .Values.cni.netnsDirs | quote }}
+- name: AMBIENT_EXCLUDED_NAMESPACES
+  value: {{ join "," .Values.agent.excludedNamespaces | quote }}
+- name: AMBIENT_ASSUME_POD_LEVEL_ENABLEMENT
+  value: {{ .Values.agent.assumePodLevelEnablement | toString | quote }}
+- name: AMBIENT_ZTUNNEL_WAIT
+  value: {{ .Values.agent.ztunnelWait | quote }}
+- name: AMBIENT_DNS_CAPTURE
+  value: {{ .Values.agent.dnsCapture | toString | quote }}
+- name: AMBIENT_IPTABLES_BACKEND
+  value: {{ .Values.agent.iptablesBackend | quote }}
+- name: AMBIENT_PROBE_SNAT_IPV4
+  value: {{ .Values.agent.probeSNATIPv4 | quote }}
+- name: AMBIENT_PROBE_SNAT_IPV6
+  value: {{ .Values.agent.probeSNATIPv6 | quote }}
+- name: AMBIENT_HEALTH_ADDR
+  value: {{ printf ":%v" .Values.agent.healthPort | quote }}
+- name: AMBIENT_LOG_LEVEL
+  value: {{ .Values.agent.logLevel | quote }}
 {{- end -}}

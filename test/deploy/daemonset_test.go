@@ -1,0 +1,392 @@
+package deploy
+
+import (
+	"bufio"
+	"bytes"
+	"io"
+	"net/netip"
+	"path/filepath"
+	"reflect"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+
+	"github.com/ambient-cni/ambient-cni/pkg/agentconfig"
+	"github.com/ambient-cni/ambient-cni/test/kubeenv"
+)
+
+// objects decodes a rendered manifest into typed objects.
+type objects struct {
+	ds       *appsv1.DaemonSet
+	sa       *corev1.ServiceAccount
+	cr       *rbacv1.ClusterRole
+	crb      *rbacv1.ClusterRoleBinding
+	role     *rbacv1.Role
+	rb       *rbacv1.RoleBinding
+	kinds    []string
+	manifest []byte
+}
+
+func decode(t testing.TB, manifest []byte) *objects {
+	t.Helper()
+	objs, err := kubeenv.ParseObjects(manifest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := &objects{manifest: manifest}
+	for _, o := range objs {
+		out.kinds = append(out.kinds, o.GetKind())
+		var dst any
+		switch o.GetKind() {
+		case "DaemonSet":
+			out.ds = &appsv1.DaemonSet{}
+			dst = out.ds
+		case "ServiceAccount":
+			out.sa = &corev1.ServiceAccount{}
+			dst = out.sa
+		case "ClusterRole":
+			out.cr = &rbacv1.ClusterRole{}
+			dst = out.cr
+		case "ClusterRoleBinding":
+			out.crb = &rbacv1.ClusterRoleBinding{}
+			dst = out.crb
+		case "Role":
+			out.role = &rbacv1.Role{}
+			dst = out.role
+		case "RoleBinding":
+			out.rb = &rbacv1.RoleBinding{}
+			dst = out.rb
+		default:
+			t.Fatalf("unexpected %s %s in the manifest", o.GetKind(), o.GetName())
+		}
+		if err := runtime.DefaultUnstructuredConverter.FromUnstructuredWithValidation(o.Object, dst, true); err != nil {
+			t.Fatalf("%s %s: %v", o.GetKind(), o.GetName(), err)
+		}
+	}
+	slices.Sort(out.kinds)
+	want := []string{"ClusterRole", "ClusterRoleBinding", "DaemonSet", "Role", "RoleBinding", "ServiceAccount"}
+	if !slices.Equal(out.kinds, want) {
+		t.Fatalf("manifest holds %v, want one each of %v", out.kinds, want)
+	}
+	return out
+}
+
+func (o *objects) container(t testing.TB) corev1.Container {
+	t.Helper()
+	cs := o.ds.Spec.Template.Spec.Containers
+	if len(cs) != 1 || len(o.ds.Spec.Template.Spec.InitContainers) != 0 {
+		t.Fatalf("want exactly one container, got %d (+%d init)", len(cs), len(o.ds.Spec.Template.Spec.InitContainers))
+	}
+	return cs[0]
+}
+
+// downward stands in for the kubelet's downward API.
+var downward = map[string]string{"spec.nodeName": "node-a", "metadata.name": "agent-x1"}
+
+// env resolves the container's environment as the kubelet would.
+func (o *objects) env(t testing.TB) map[string]string {
+	t.Helper()
+	m := map[string]string{}
+	for _, e := range o.container(t).Env {
+		if _, dup := m[e.Name]; dup {
+			t.Errorf("env %s is set twice", e.Name)
+		}
+		switch {
+		case e.ValueFrom == nil:
+			m[e.Name] = e.Value
+		case e.ValueFrom.FieldRef != nil && e.ValueFrom.FieldRef.FieldPath == "metadata.namespace":
+			m[e.Name] = o.ds.Namespace
+		case e.ValueFrom.FieldRef != nil && downward[e.ValueFrom.FieldRef.FieldPath] != "":
+			m[e.Name] = downward[e.ValueFrom.FieldRef.FieldPath]
+		default:
+			t.Errorf("env %s: unexpected source %+v", e.Name, e.ValueFrom)
+		}
+	}
+	return m
+}
+
+// config parses the container's environment with install-cni's own code.
+func (o *objects) config(t testing.TB) *agentconfig.Config {
+	t.Helper()
+	env := o.env(t)
+	c, err := agentconfig.Parse(nil, func(k string) string { return env[k] }, io.Discard)
+	if err != nil {
+		t.Fatalf("install-cni refuses the rendered environment: %v", err)
+	}
+	return c
+}
+
+// settings reads install-cni's settings table (flag and variable of every
+// option) from the documentation agentconfig renders.
+func settings(t testing.TB) map[string]string {
+	t.Helper()
+	var doc bytes.Buffer
+	if err := agentconfig.WriteMarkdown(&doc); err != nil {
+		t.Fatal(err)
+	}
+	row := regexp.MustCompile("^\\| `--([a-z0-9-]+)` \\| `([A-Z0-9_]+)` \\|")
+	out := map[string]string{}
+	sc := bufio.NewScanner(&doc)
+	for sc.Scan() {
+		if m := row.FindStringSubmatch(sc.Text()); m != nil {
+			if agentconfig.EnvName(m[1]) != m[2] {
+				t.Fatalf("table row %q: EnvName(%s) = %s", sc.Text(), m[1], agentconfig.EnvName(m[1]))
+			}
+			out[m[2]] = m[1]
+		}
+	}
+	if len(out) < 20 {
+		t.Fatalf("only %d settings parsed from agentconfig's table", len(out))
+	}
+	return out
+}
+
+// notInChart lists the settings the chart deliberately leaves to their
+// defaults, with the reason.
+var notInChart = map[string]string{
+	"AMBIENT_KUBECONFIG": "the agent uses its ServiceAccount (in-cluster configuration); extraEnv can still set it",
+}
+
+// Every AMBIENT_* variable the chart sets is a real setting of install-cni,
+// every setting is set by the chart (or deliberately left out), and
+// install-cni accepts the rendered values.
+func TestEnvNamesAreKnownSettings(t *testing.T) {
+	known := settings(t)
+	for name, manifest := range map[string][]byte{
+		"defaults":   render(t, releaseName, namespace),
+		"all values": render(t, "all", "all-values-ns", "-f", allValues),
+	} {
+		o := decode(t, manifest)
+		env := o.env(t)
+		for k := range env {
+			if !strings.HasPrefix(k, agentconfig.EnvPrefix) {
+				if name == "defaults" {
+					t.Errorf("%s: unexpected non-AMBIENT variable %s", name, k)
+				}
+				continue
+			}
+			if _, ok := known[k]; !ok {
+				t.Errorf("%s: the chart sets %s, which install-cni does not read", name, k)
+			}
+		}
+		for k := range known {
+			_, set := env[k]
+			if _, skip := notInChart[k]; skip && name == "defaults" {
+				if set {
+					t.Errorf("%s: %s is listed as not set by the chart, but it is", name, k)
+				}
+				continue
+			}
+			if !set && notInChart[k] == "" {
+				t.Errorf("%s: install-cni reads %s but the chart does not set it", name, k)
+			}
+		}
+		o.config(t)
+	}
+}
+
+// With default values the chart configures install-cni exactly as its own
+// defaults do, except where the container's view differs on purpose.
+func TestChartDefaultsMatchProcessDefaults(t *testing.T) {
+	o := decode(t, render(t, releaseName, namespace))
+	got := o.config(t)
+	want, err := agentconfig.Parse([]string{"--node-name=node-a"}, func(string) string { return "" }, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want.PodName = "agent-x1"
+	want.PodNamespace = namespace
+	want.ProcRoot = "/host/proc" // the host's /proc, mounted read-only
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("chart defaults differ from install-cni's:\n got %+v\nwant %+v", got, want)
+	}
+}
+
+// Every value of the all-values file lands in the configuration install-cni
+// parses.
+func TestAllValuesReachTheProcess(t *testing.T) {
+	o := decode(t, render(t, "all", "all-values-ns", "-f", allValues))
+	got := o.config(t)
+	want := &agentconfig.Config{
+		NodeName: "node-a", PodName: "agent-x1", PodNamespace: "all-values-ns",
+		DaemonSet: "mesh-node", Kubeconfig: "/etc/mesh/kubeconfig",
+		CNIBinDir: "/host/opt/cni/bin", CNIConfDir: "/host/etc/cni/net.d", CNIConfName: "10-primary.conflist",
+		PluginType: "mesh-cni", PluginBinary: "/custom/plugins/ambient-cni",
+		PluginTimeout: 45 * time.Second, PluginLogLevel: "debug", StatusChecksAgent: true,
+		AgentSocket: "/var/run/mesh-agent/agent.sock", ZDSSocket: "/var/run/ztunnel-custom/zds.sock",
+		ProcRoot: "/host/proc", NetnsDirs: []string{"/var/run/custom-netns", "/run/custom/netns"},
+		ExcludedNamespaces:       []string{"kube-system", "istio-system", "monitoring"},
+		AssumePodLevelEnablement: true, ZtunnelWait: 7 * time.Second, DNSCapture: true, IPTablesBackend: "nft",
+		ProbeSNATv4: netip.MustParseAddr("169.254.7.42"), ProbeSNATv6: netip.MustParseAddr("fd16::42"),
+		HealthAddr: ":15999", LogLevel: "debug",
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("all-values configuration\n got %+v\nwant %+v", got, want)
+	}
+}
+
+// hostPaths are the host side of what install-cni touches, per values.
+type hostPaths struct {
+	binDir, confDir, agentDir, ztunnelDir, xtablesLock string
+	netnsDirs                                          []string
+}
+
+// Every path install-cni is configured with is backed by the right host
+// mount; the plugin binary comes from the image, not the host.
+func TestMountsBackEveryPath(t *testing.T) {
+	cases := map[string]struct {
+		manifest []byte
+		host     hostPaths
+	}{
+		"defaults": {render(t, releaseName, namespace), hostPaths{
+			"/opt/cni/bin", "/etc/cni/net.d", "/var/run/ambient-cni", "/var/run/ztunnel", "/run/xtables.lock",
+			[]string{"/var/run/netns", "/run/netns", "/run/containerd/io.containerd.grpc.v1.cri/netns"}}},
+		"all values": {render(t, "all", "all-values-ns", "-f", allValues), hostPaths{
+			"/home/kubernetes/bin", "/etc/cni/custom.d", "/var/run/mesh-agent", "/var/run/ztunnel-custom", "/var/run/xtables-custom.lock",
+			[]string{"/var/run/custom-netns", "/run/custom/netns"}}},
+	}
+	for name, c := range cases {
+		o := decode(t, c.manifest)
+		cfg := o.config(t)
+		ctr := o.container(t)
+		vols := map[string]corev1.Volume{}
+		for _, v := range o.ds.Spec.Template.Spec.Volumes {
+			vols[v.Name] = v
+		}
+		// mountOf finds the mount holding a container path.
+		mountOf := func(p string) (corev1.VolumeMount, *corev1.HostPathVolumeSource) {
+			var best corev1.VolumeMount
+			for _, m := range ctr.VolumeMounts {
+				if (p == m.MountPath || strings.HasPrefix(p, m.MountPath+"/")) && len(m.MountPath) > len(best.MountPath) {
+					best = m
+				}
+			}
+			return best, vols[best.Name].HostPath
+		}
+		check := func(what, containerPath, wantHost string, wantType corev1.HostPathType, readOnly bool) {
+			t.Helper()
+			m, hp := mountOf(containerPath)
+			switch {
+			case hp == nil:
+				t.Errorf("%s: %s %s is on no host mount", name, what, containerPath)
+			case hp.Path != wantHost:
+				t.Errorf("%s: %s %s comes from host %s, want %s", name, what, containerPath, hp.Path, wantHost)
+			case hp.Type == nil || *hp.Type != wantType:
+				t.Errorf("%s: %s host path type %v, want %s", name, what, hp.Type, wantType)
+			case m.ReadOnly != readOnly:
+				t.Errorf("%s: %s mount readOnly=%v, want %v", name, what, m.ReadOnly, readOnly)
+			}
+		}
+		check("cni bin dir", cfg.CNIBinDir, c.host.binDir, corev1.HostPathDirectoryOrCreate, false)
+		check("cni conf dir", cfg.CNIConfDir, c.host.confDir, corev1.HostPathDirectoryOrCreate, false)
+		check("proc root", cfg.ProcRoot, "/proc", corev1.HostPathDirectory, true)
+		check("xtables lock", "/run/xtables.lock", c.host.xtablesLock, corev1.HostPathFileOrCreate, false)
+		// The plugin on the host dials the socket path the agent listens
+		// on, so the container sees the socket dir at its host path.
+		check("agent socket dir", filepath.Dir(cfg.AgentSocket), c.host.agentDir, corev1.HostPathDirectoryOrCreate, false)
+		if filepath.Dir(cfg.AgentSocket) != c.host.agentDir {
+			t.Errorf("%s: agent socket %s is not in host dir %s", name, cfg.AgentSocket, c.host.agentDir)
+		}
+		check("ZDS socket dir", filepath.Dir(cfg.ZDSSocket), c.host.ztunnelDir, corev1.HostPathDirectoryOrCreate, false)
+		// The runtime hands the plugin host paths of netns mounts; the
+		// agent opens them at the same path, seeing later mounts.
+		if !slices.Equal(cfg.NetnsDirs, c.host.netnsDirs) {
+			t.Errorf("%s: netns dirs %v, want %v", name, cfg.NetnsDirs, c.host.netnsDirs)
+		}
+		for _, d := range cfg.NetnsDirs {
+			check("netns dir", d, d, corev1.HostPathDirectoryOrCreate, true)
+			if m, _ := mountOf(d); m.MountPath != d || m.MountPropagation == nil || *m.MountPropagation != corev1.MountPropagationHostToContainer {
+				t.Errorf("%s: netns dir %s mount %+v: want it at the same path with HostToContainer propagation", name, d, m)
+			}
+		}
+		if _, hp := mountOf(cfg.PluginBinary); hp != nil {
+			t.Errorf("%s: plugin binary %s is on a host mount; it must come from the image", name, cfg.PluginBinary)
+		}
+		for _, m := range ctr.VolumeMounts {
+			if m.MountPropagation != nil && *m.MountPropagation == corev1.MountPropagationBidirectional {
+				t.Errorf("%s: %s: Bidirectional propagation needs a privileged container", name, m.Name)
+			}
+		}
+	}
+}
+
+// The DaemonSet has the shape issue 6 asks for.
+func TestDaemonSetShape(t *testing.T) {
+	o := decode(t, render(t, releaseName, namespace))
+	spec := o.ds.Spec.Template.Spec
+	ctr := o.container(t)
+	cfg := o.config(t)
+
+	if !spec.HostNetwork || spec.HostPID || spec.HostIPC {
+		t.Errorf("hostNetwork=%v hostPID=%v hostIPC=%v: want only the host network", spec.HostNetwork, spec.HostPID, spec.HostIPC)
+	}
+	if spec.PriorityClassName != "system-node-critical" {
+		t.Errorf("priorityClassName %q", spec.PriorityClassName)
+	}
+	if len(spec.Tolerations) != 1 || spec.Tolerations[0].Operator != corev1.TolerationOpExists || spec.Tolerations[0].Key != "" || spec.Tolerations[0].Effect != "" {
+		t.Errorf("tolerations %+v: want to tolerate every taint", spec.Tolerations)
+	}
+	if s := o.ds.Spec.UpdateStrategy; s.Type != appsv1.RollingUpdateDaemonSetStrategyType || s.RollingUpdate == nil || s.RollingUpdate.MaxUnavailable.String() != "1" {
+		t.Errorf("update strategy %+v: want a rolling update, one node at a time", s)
+	}
+	if spec.ServiceAccountName != o.sa.Name || o.sa.Namespace != o.ds.Namespace {
+		t.Errorf("serviceAccountName %q, ServiceAccount %s/%s", spec.ServiceAccountName, o.sa.Namespace, o.sa.Name)
+	}
+	if o.ds.Name != cfg.DaemonSet || o.ds.Namespace != namespace {
+		t.Errorf("DaemonSet %s/%s, agent told %s", o.ds.Namespace, o.ds.Name, cfg.DaemonSet)
+	}
+	labels := o.ds.Spec.Template.Labels
+	if labels["istio.io/dataplane-mode"] != "none" || labels["sidecar.istio.io/inject"] != "false" {
+		t.Errorf("pod labels %v: want it out of the mesh", labels)
+	}
+	for k, v := range o.ds.Spec.Selector.MatchLabels {
+		if labels[k] != v {
+			t.Errorf("selector %s=%s does not match the pod template", k, v)
+		}
+	}
+
+	sc := ctr.SecurityContext
+	if sc == nil || sc.RunAsUser == nil || *sc.RunAsUser != 0 || (sc.Privileged != nil && *sc.Privileged) {
+		t.Fatalf("security context %+v: want root, not privileged", sc)
+	}
+	if sc.Capabilities == nil || !slices.Equal(sc.Capabilities.Drop, []corev1.Capability{"ALL"}) {
+		t.Errorf("capabilities %+v: want ALL dropped", sc.Capabilities)
+	} else {
+		add := slices.Clone(sc.Capabilities.Add)
+		slices.Sort(add)
+		if want := []corev1.Capability{"NET_ADMIN", "NET_RAW", "SYS_ADMIN", "SYS_PTRACE"}; !slices.Equal(add, want) {
+			t.Errorf("added capabilities %v, want %v", add, want)
+		}
+	}
+	if sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
+		t.Errorf("root filesystem writable")
+	}
+	if sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation {
+		t.Errorf("privilege escalation allowed")
+	}
+
+	rp := ctr.ReadinessProbe
+	if rp == nil || rp.HTTPGet == nil || rp.HTTPGet.Path != "/readyz" {
+		t.Fatalf("readiness probe %+v: want GET /readyz", rp)
+	}
+	var port int32
+	for _, p := range ctr.Ports {
+		if p.Name == rp.HTTPGet.Port.String() || p.ContainerPort == rp.HTTPGet.Port.IntVal {
+			port = p.ContainerPort
+		}
+	}
+	if want := ":" + strconv.Itoa(int(port)); port == 0 || cfg.HealthAddr != want {
+		t.Errorf("readiness probe port %s (container port %d), agent listens on %s", rp.HTTPGet.Port.String(), port, cfg.HealthAddr)
+	}
+	if lp := ctr.LivenessProbe; lp == nil || lp.HTTPGet == nil || lp.HTTPGet.Path != "/healthz" {
+		t.Errorf("liveness probe %+v: want GET /healthz", lp)
+	}
+}

@@ -1,0 +1,112 @@
+package deploy
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+)
+
+// dockerfile holds the parts of deploy/Dockerfile the chart depends on.
+type dockerfile struct {
+	builds     map[string]string // output -> package, of every go build -o
+	copies     map[string]string // image path -> build output, of COPY --from
+	entrypoint []string
+	packages   []string // apt-get install
+	runs       []string
+}
+
+func parseDockerfile(t testing.TB) dockerfile {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(repoRoot(t), "deploy", "Dockerfile"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// One instruction per line: join continuations, drop comments.
+	var lines []string
+	var cur strings.Builder
+	for l := range strings.SplitSeq(string(b), "\n") {
+		if strings.HasPrefix(strings.TrimSpace(l), "#") {
+			continue
+		}
+		if s, ok := strings.CutSuffix(l, "\\"); ok {
+			cur.WriteString(s + " ")
+			continue
+		}
+		cur.WriteString(l)
+		if s := strings.TrimSpace(cur.String()); s != "" {
+			lines = append(lines, s)
+		}
+		cur.Reset()
+	}
+	d := dockerfile{builds: map[string]string{}, copies: map[string]string{}}
+	build := regexp.MustCompile(`CGO_ENABLED=0 [^&]*go build [^&]*-o (\S+) (\./cmd/\S+)`)
+	for _, l := range lines {
+		instr, rest, _ := strings.Cut(l, " ")
+		switch strings.ToUpper(instr) {
+		case "RUN":
+			d.runs = append(d.runs, rest)
+			for _, m := range build.FindAllStringSubmatch(rest, -1) {
+				d.builds[m[1]] = m[2]
+			}
+			if _, pkgs, ok := strings.Cut(rest, "apt-get install "); ok {
+				pkgs, _, _ = strings.Cut(pkgs, "&&")
+				for _, f := range strings.Fields(pkgs) {
+					if !strings.HasPrefix(f, "-") {
+						d.packages = append(d.packages, f)
+					}
+				}
+			}
+		case "COPY":
+			f := strings.Fields(rest)
+			if len(f) == 3 && strings.HasPrefix(f[0], "--from=") {
+				d.copies[f[2]] = f[1]
+			}
+		case "ENTRYPOINT":
+			if err := json.Unmarshal([]byte(rest), &d.entrypoint); err != nil {
+				t.Fatalf("ENTRYPOINT %s: want exec form: %v", rest, err)
+			}
+		}
+	}
+	return d
+}
+
+// The image holds the binaries where the chart looks for them, built
+// static from the right packages, and the netfilter tools.
+func TestDockerfileMatchesChart(t *testing.T) {
+	d := parseDockerfile(t)
+	defaults := readYAML(t, filepath.Join(chartDir, "values.yaml"))
+	cmd, _ := lookup(defaults, "image.command")
+	plugin, _ := lookup(defaults, "image.pluginBinary")
+	o := decode(t, readManifest(t))
+	if got := o.config(t).PluginBinary; got != plugin {
+		t.Errorf("manifest AMBIENT_PLUGIN_BINARY %s, values image.pluginBinary %v", got, plugin)
+	}
+	if got := o.container(t).Command; !slices.Equal(got, []string{cmd.(string)}) {
+		t.Errorf("manifest command %v, values image.command %v", got, cmd)
+	}
+	for path, pkg := range map[string]string{plugin.(string): "./cmd/cni-plugin", cmd.(string): "./cmd/install-cni"} {
+		out, ok := d.copies[path]
+		if !ok {
+			t.Errorf("the image has nothing at %s (COPY targets %v)", path, d.copies)
+			continue
+		}
+		if d.builds[out] != pkg {
+			t.Errorf("%s in the image is %s, built from %q; want a static build of %s", path, out, d.builds[out], pkg)
+		}
+		if _, err := os.Stat(filepath.Join(repoRoot(t), pkg)); err != nil {
+			t.Errorf("%s: %v", pkg, err)
+		}
+	}
+	if !slices.Equal(d.entrypoint, []string{cmd.(string)}) {
+		t.Errorf("ENTRYPOINT %v, want [%v]", d.entrypoint, cmd)
+	}
+	for _, p := range []string{"iptables", "nftables", "ipset"} {
+		if !slices.Contains(d.packages, p) {
+			t.Errorf("image lacks Debian package %s (installs %v)", p, d.packages)
+		}
+	}
+}

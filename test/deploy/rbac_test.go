@@ -1,0 +1,160 @@
+package deploy
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"reflect"
+	"testing"
+	"time"
+
+	authenticationv1 "k8s.io/api/authentication/v1"
+	authorizationv1 "k8s.io/api/authorization/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+
+	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/test/kubeenv"
+)
+
+func readManifest(t testing.TB) []byte {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(repoRoot(t), manifestPath))
+	if err != nil {
+		t.Fatalf("%v; run make manifests", err)
+	}
+	return b
+}
+
+// The roles in the manifest are exactly what the agent's end-to-end tests
+// run under, and its bindings give them to the DaemonSet's ServiceAccount.
+func TestManifestRBACIsShippedRBAC(t *testing.T) {
+	manifest := readManifest(t)
+	cluster, namespaced, err := kubeenv.RoleRules(manifest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	shippedCluster, shippedNamespaced, err := kubeenv.RoleRules(kubeenv.ShippedRBAC(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(cluster, shippedCluster) || !reflect.DeepEqual(namespaced, shippedNamespaced) {
+		t.Errorf("manifest rules differ from kubeenv.ShippedRBAC:\nmanifest %+v %+v\nshipped  %+v %+v", cluster, namespaced, shippedCluster, shippedNamespaced)
+	}
+
+	o := decode(t, manifest)
+	subject := rbacv1.Subject{Kind: rbacv1.ServiceAccountKind, Name: o.sa.Name, Namespace: o.sa.Namespace}
+	if o.crb.RoleRef != (rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: o.cr.Name}) ||
+		!reflect.DeepEqual(o.crb.Subjects, []rbacv1.Subject{subject}) {
+		t.Errorf("ClusterRoleBinding %+v does not bind ClusterRole %s to %+v", o.crb, o.cr.Name, subject)
+	}
+	if o.rb.RoleRef != (rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: o.role.Name}) ||
+		!reflect.DeepEqual(o.rb.Subjects, []rbacv1.Subject{subject}) || o.rb.Namespace != o.role.Namespace {
+		t.Errorf("RoleBinding %+v does not bind Role %s to %+v", o.rb, o.role.Name, subject)
+	}
+	if o.role.Namespace != o.ds.Namespace {
+		t.Errorf("Role in %s, DaemonSet in %s", o.role.Namespace, o.ds.Namespace)
+	}
+	for _, r := range o.role.Rules {
+		if !reflect.DeepEqual(r.ResourceNames, []string{o.ds.Name}) {
+			t.Errorf("Role rule %+v: want it limited to DaemonSet %s", r, o.ds.Name)
+		}
+	}
+
+	// A renamed release grants the same, on its own DaemonSet's name.
+	all := decode(t, render(t, "all", "all-values-ns", "-f", allValues))
+	if !reflect.DeepEqual(all.cr.Rules, o.cr.Rules) {
+		t.Errorf("all-values ClusterRole rules %+v differ from the manifest's %+v", all.cr.Rules, o.cr.Rules)
+	}
+	want := []rbacv1.PolicyRule{{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{"mesh-node"}, Verbs: []string{"get"}}}
+	if !reflect.DeepEqual(all.role.Rules, want) {
+		t.Errorf("all-values Role rules %+v, want %+v", all.role.Rules, want)
+	}
+}
+
+// The shipped manifest applies cleanly (server-side dry run) in its
+// namespace, and so does the chart with every value set.
+func TestManifestDryRun(t *testing.T) {
+	env := kube.Env(t)
+	ctx := context.Background()
+	env.CreateNamespace(t, namespace, nil)
+	if err := env.ApplyDryRun(ctx, readManifest(t)); err != nil {
+		t.Errorf("shipped manifest: %v", err)
+	}
+	ns := env.CreateNamespace(t, "", nil).Name
+	if err := env.ApplyDryRun(ctx, render(t, "all", ns, "-f", allValues)); err != nil {
+		t.Errorf("all values: %v", err)
+	}
+}
+
+// Applied for real, the chart's own bindings give its ServiceAccount what
+// the agent needs and nothing beyond its own DaemonSet.
+func TestChartBindingsGrantTheAgent(t *testing.T) {
+	env := kube.Env(t)
+	ctx := context.Background()
+	ns := env.CreateNamespace(t, "", nil).Name
+	name := testnet.RandName("agent-", 6)
+	if _, err := env.Apply(ctx, render(t, name, ns, "--set", "nameOverride="+name), kubeenv.ApplyOptions{Namespace: ns}); err != nil {
+		t.Fatal(err)
+	}
+	tr, err := env.Client.CoreV1().ServiceAccounts(ns).CreateToken(ctx, name, &authenticationv1.TokenRequest{
+		Spec: authenticationv1.TokenRequestSpec{ExpirationSeconds: new(int64(600))},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := &rest.Config{Host: env.Config.Host, TLSClientConfig: rest.TLSClientConfig{CAData: env.Config.CAData}, BearerToken: tr.Status.Token}
+	sa, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	allowed := func(a authorizationv1.ResourceAttributes) (bool, error) {
+		r, err := sa.AuthorizationV1().SelfSubjectAccessReviews().Create(ctx, &authorizationv1.SelfSubjectAccessReview{
+			Spec: authorizationv1.SelfSubjectAccessReviewSpec{ResourceAttributes: &a},
+		}, metav1.CreateOptions{})
+		if err != nil {
+			return false, err
+		}
+		return r.Status.Allowed, nil
+	}
+	grant := []authorizationv1.ResourceAttributes{
+		{Verb: "list", Resource: "pods"},
+		{Verb: "watch", Resource: "pods"},
+		{Verb: "patch", Resource: "pods", Subresource: "status", Namespace: "default", Name: "p"},
+		{Verb: "watch", Resource: "namespaces"},
+		{Verb: "create", Resource: "events", Namespace: "default"},
+		{Verb: "patch", Resource: "events", Namespace: "default"},
+		{Verb: "get", Group: "apps", Resource: "daemonsets", Namespace: ns, Name: name},
+	}
+	// The RBAC authorizer sees new bindings through a watch: wait for them.
+	deadline := time.Now().Add(30 * time.Second)
+	for _, a := range grant {
+		for {
+			ok, err := allowed(a)
+			if ok {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%+v never allowed (last error %v)", a, err)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	deny := []authorizationv1.ResourceAttributes{
+		{Verb: "get", Group: "apps", Resource: "daemonsets", Namespace: ns, Name: "ztunnel"},
+		{Verb: "get", Group: "apps", Resource: "daemonsets", Namespace: "default", Name: name},
+		{Verb: "list", Group: "apps", Resource: "daemonsets", Namespace: ns},
+		{Verb: "update", Resource: "pods", Namespace: "default", Name: "p"},
+		{Verb: "delete", Resource: "pods", Namespace: "default", Name: "p"},
+		{Verb: "list", Resource: "secrets"},
+		{Verb: "patch", Resource: "namespaces", Name: "default"},
+		{Verb: "create", Group: "events.k8s.io", Resource: "events", Namespace: "default"},
+	}
+	for _, a := range deny {
+		if ok, err := allowed(a); ok || err != nil {
+			t.Errorf("%+v: allowed=%v err=%v, want denied", a, ok, err)
+		}
+	}
+}
