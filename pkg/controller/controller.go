@@ -417,6 +417,13 @@ func (c *Controller) apply(ctx context.Context, w work, found map[types.UID]stri
 		return fmt.Errorf("pod %s (uid %s): %w", w.key, w.pod.UID, errNotFound)
 	}
 	if err := c.cfg.Enroller.Enroll(ctx, w.pod, path); err != nil {
+		// A half-done enroll (rules in place, ztunnel never acked) is in
+		// the agent's state, so the retry's plan would take the pod for
+		// enrolled and never finish it: roll it back, leaving the running
+		// pod as it was, and let the retry start clean.
+		if uerr := c.cfg.Enroller.Unenroll(ctx, w.pod.UID); uerr != nil {
+			c.log.Warn("roll back failed enroll", "pod", w.key.String(), "err", uerr)
+		}
 		return fmt.Errorf("enroll: %w", err)
 	}
 	c.log.Info("enrolled running pod", "pod", w.key.String(), "uid", w.pod.UID)

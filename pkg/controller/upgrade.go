@@ -23,6 +23,12 @@ func (d DaemonSetUpgradeChecker) IsUpgrade(ctx context.Context) (bool, error) {
 	if apierrors.IsNotFound(err) {
 		return false, nil
 	}
+	// helm uninstall deletes the ServiceAccount and RBAC right after the
+	// DaemonSet, before its pods stop: losing our own identity or rights
+	// means the release is going away, not being upgraded.
+	if apierrors.IsForbidden(err) || apierrors.IsUnauthorized(err) {
+		return false, nil
+	}
 	if err != nil {
 		return false, fmt.Errorf("get daemonset %s/%s: %w", d.Namespace, d.Name, err)
 	}

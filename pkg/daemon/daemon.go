@@ -126,7 +126,13 @@ func New(o Options) (*Daemon, error) {
 	d.broadcast = record.NewBroadcaster()
 	d.recorder = d.broadcast.NewRecorder(scheme.Scheme, corev1.EventSource{Component: "ambient-cni", Host: c.NodeName})
 
-	d.zds = zds.NewServer(zds.Config{SocketPath: c.ZDSSocket, Logger: d.log.With("component", "zds")})
+	d.zds = zds.NewServer(zds.Config{
+		SocketPath: c.ZDSSocket, Logger: d.log.With("component", "zds"),
+		// Every ztunnel that connects (a restarted one, or ours after an
+		// agent restart) must get the enrolled pods, or it drops them all.
+		// The agent exists before Run lets the server listen.
+		Snapshot: func() []zds.Workload { return d.agent.Workloads() },
+	})
 	policy := enablement.Policy{ExcludedNamespaces: c.ExcludedNamespaces}
 	var ctrl *controller.Controller
 	d.agent, err = nodeagent.NewAgent(nodeagent.Config{
@@ -169,7 +175,7 @@ func New(o Options) (*Daemon, error) {
 	d.ctrl = ctrl
 
 	d.events = nodeagent.NewServer(nodeagent.ServerConfig{
-		Socket: c.AgentSocket, NetnsRoots: c.NetnsDirs,
+		Socket: c.AgentSocket, NetnsRoots: c.NetnsDirs, ProcRoot: c.ProcRoot,
 		// Answer the plugin before its own timeout fires.
 		HandlerTimeout: c.PluginTimeout - time.Second,
 		Observe: func(verb, result string, took time.Duration) {

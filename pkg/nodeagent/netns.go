@@ -162,6 +162,11 @@ var procNetns = regexp.MustCompile(`^/proc/[1-9][0-9]{0,9}/ns/net$`)
 // mount below one of Roots (after resolving symlinks) or /proc/<pid>/ns/net.
 type NetnsPolicy struct {
 	Roots []string
+	// ProcRoot is where the host's /proc is mounted in the agent's
+	// container ("" or "/proc" when the agent shares the host PID
+	// namespace): a /proc/<pid>/ns/net path from the plugin names a host
+	// PID, so it is opened below ProcRoot.
+	ProcRoot string
 }
 
 // Open validates path against the policy and opens it.
@@ -170,7 +175,11 @@ func (p NetnsPolicy) Open(path string) (*Netns, error) {
 		return nil, invalid(fmt.Errorf("netns path %q is not absolute", path))
 	}
 	if procNetns.MatchString(path) {
-		// A magic link, not a path to resolve: open it as it is.
+		// A magic link, not a path to resolve: open it as it is, in the
+		// host's PID namespace.
+		if p.ProcRoot != "" && p.ProcRoot != "/proc" {
+			return OpenNetns(filepath.Join(p.ProcRoot, strings.TrimPrefix(path, "/proc/")))
+		}
 		return OpenNetns(path)
 	}
 	real, err := filepath.EvalSymlinks(path)

@@ -30,6 +30,9 @@ type ServerConfig struct {
 	// NetnsRoots are where pod netns mounts may live (default
 	// DefaultNetnsRoots); /proc/<pid>/ns/net is always accepted.
 	NetnsRoots []string
+	// ProcRoot is the host's /proc as mounted in the agent's container;
+	// /proc/<pid>/ns/net paths from the plugin are opened below it.
+	ProcRoot string
 	// HandlerTimeout bounds the work for one request (default 25s, below
 	// the plugin's default 30s so the plugin gets an answer, not a timeout).
 	HandlerTimeout time.Duration
@@ -90,7 +93,7 @@ type Server struct {
 // NewServer returns a server that hands requests to agent.
 func NewServer(cfg ServerConfig, agent *Agent) *Server {
 	cfg = cfg.withDefaults()
-	s := &Server{cfg: cfg, agent: agent, netns: NetnsPolicy{Roots: cfg.NetnsRoots}, log: cfg.Logger.With("component", "event-server")}
+	s := &Server{cfg: cfg, agent: agent, netns: NetnsPolicy{Roots: cfg.NetnsRoots, ProcRoot: cfg.ProcRoot}, log: cfg.Logger.With("component", "event-server")}
 	mux := http.NewServeMux()
 	mux.HandleFunc(ambient.PathPodEvent, s.handlePodEvent)
 	mux.HandleFunc(ambient.PathStatus, s.handleStatus)
