@@ -18,15 +18,18 @@ const enrollWithin = 5 * time.Second
 // enabled carry nothing; labelling the namespace enrolls them (rules,
 // stand-in listeners, annotation) and pod-to-pod traffic goes through the
 // stand-in, except for a pod that opted out; removing the label undoes it
-// all and traffic flows directly again.
+// all and traffic flows directly again. Afterwards the host is as before.
 func TestNamespaceEnablement(t *testing.T) {
-	n := newNode(t, nodeOptions{})
+	var n *node
+	var all []*kubesim.Pod
+	requireHostClean(t, &n, &all)
+	n = newNode(t, nodeOptions{})
 	shop := n.namespace("shop", nil)
 	a := n.runPod(podSpec(shop, "a", nil, nil))
 	b := n.runPod(podSpec(shop, "b", nil, nil))
 	c := n.runPod(podSpec(shop, "c", nil, nil))
 	optOut := n.runPod(podSpec(shop, "opt-out", map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeNone}, nil))
-	all := []*kubesim.Pod{a, b, c, optOut}
+	all = []*kubesim.Pod{a, b, c, optOut}
 
 	for _, p := range all {
 		n.requireNotEnrolled(p)

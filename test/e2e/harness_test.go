@@ -69,6 +69,8 @@ type nodeOptions struct {
 	Upgrade bool
 	// Faults make the stand-in misbehave from the start.
 	Faults ztunnel.Faults
+	// LogLevel of the agent's and stand-in's logs (default info).
+	LogLevel slog.Level
 }
 
 // node is one simulated Kubernetes node: a bridge pod network whose
@@ -76,7 +78,7 @@ type nodeOptions struct {
 // daemon itself (in-process, under the shipped RBAC), a ztunnel stand-in
 // on its ZDS socket, and a kubelet simulator using the chained conflist.
 type node struct {
-	t       *testing.T
+	t       testing.TB
 	env     *kubeenv.Env
 	Name    string
 	dir     string
@@ -112,7 +114,7 @@ func randByte() byte {
 
 // newNode builds a node and starts its daemon (and stand-in unless
 // NoStandIn), returning once the daemon reports ready.
-func newNode(t *testing.T, opts nodeOptions) *node {
+func newNode(t testing.TB, opts nodeOptions) *node {
 	t.Helper()
 	testnet.RequireRoot(t)
 	testnet.RequireCommands(t, "ip", "nsenter", "sleep", "iptables-save", "iptables-restore", "ip6tables-restore")
@@ -124,7 +126,7 @@ func newNode(t *testing.T, opts nodeOptions) *node {
 	n := &node{t: t, env: env, backend: backend, Name: testnet.RandName("node-", 8)}
 	n.logs = &logSink{t: t}
 	t.Cleanup(n.logs.stop) // registered first: runs after every other cleanup
-	n.log = slog.New(slog.NewTextHandler(n.logs, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	n.log = slog.New(slog.NewTextHandler(n.logs, &slog.HandlerOptions{Level: opts.LogLevel}))
 
 	// A short private dir: socket paths must fit in sun_path.
 	if n.dir, err = os.MkdirTemp("", "ae2e-"); err != nil {
@@ -370,7 +372,7 @@ func (n *node) runPod(pod *corev1.Pod) *kubesim.Pod {
 }
 
 // serveApp runs an HTTP app on appPort inside the pod that says who it is.
-func serveApp(t *testing.T, p *kubesim.Pod) {
+func serveApp(t testing.TB, p *kubesim.Pod) {
 	t.Helper()
 	var ln net.Listener
 	if err := p.NS.Do(func(ns.NetNS) error {
@@ -390,6 +392,11 @@ func serveApp(t *testing.T, p *kubesim.Pod) {
 	var wg sync.WaitGroup
 	wg.Go(func() { _ = srv.Serve(ln) })
 	t.Cleanup(func() { _ = srv.Close(); wg.Wait() })
+}
+
+// netip4Port is the pod's IPv4 address with port.
+func netip4Port(p *kubesim.Pod, port int) netip.AddrPort {
+	return netip.AddrPortFrom(p.Addr(4), uint16(port))
 }
 
 // app is the pod's HTTP app address.
@@ -426,7 +433,7 @@ func get(from, to *kubesim.Pod) (string, error) {
 }
 
 // mustGet requires a successful request from one pod to another's app.
-func mustGet(t *testing.T, from, to *kubesim.Pod) {
+func mustGet(t testing.TB, from, to *kubesim.Pod) {
 	t.Helper()
 	body, err := get(from, to)
 	if err != nil {
@@ -438,7 +445,7 @@ func mustGet(t *testing.T, from, to *kubesim.Pod) {
 }
 
 // dial opens a TCP connection from inside pod from.
-func dial(t *testing.T, from *kubesim.Pod, to netip.AddrPort) net.Conn {
+func dial(t testing.TB, from *kubesim.Pod, to netip.AddrPort) net.Conn {
 	t.Helper()
 	var c net.Conn
 	if err := from.NS.Do(func(ns.NetNS) error {
@@ -598,7 +605,7 @@ func (n *node) waitUnenrolled(pods ...*kubesim.Pod) {
 }
 
 // eventually polls cond until it holds or waitLong passes.
-func eventually(t *testing.T, what string, cond func() bool) {
+func eventually(t testing.TB, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(waitLong)
 	for !cond() {

@@ -1,0 +1,131 @@
+package e2e
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/ambient-cni/ambient-cni/internal/sandbox"
+	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/test/kubesim"
+)
+
+// hostState is what a test could leave behind in the host network
+// namespace and cgroup tree.
+type hostState struct {
+	rules   map[string][]string // save command -> lines
+	ipsets  []string
+	cgroups []string // kubesim cgroup roots
+}
+
+var counters = regexp.MustCompile(`\[\d+:\d+\]`)
+
+// snapshotHost reads the host's rules (every installed iptables flavour),
+// ipsets and kubesim cgroup roots.
+func snapshotHost(t testing.TB) hostState {
+	t.Helper()
+	st := hostState{rules: map[string][]string{}}
+	for _, cmd := range []string{"iptables-legacy-save", "ip6tables-legacy-save", "iptables-nft-save", "ip6tables-nft-save"} {
+		if _, err := exec.LookPath(cmd); err != nil {
+			continue
+		}
+		out, err := exec.Command(cmd).Output()
+		if err != nil {
+			t.Fatalf("%s: %v", cmd, err)
+		}
+		var lines []string
+		for l := range strings.SplitSeq(string(out), "\n") {
+			if l == "" || strings.HasPrefix(l, "#") {
+				continue
+			}
+			lines = append(lines, counters.ReplaceAllString(l, ""))
+		}
+		st.rules[cmd] = lines
+	}
+	if _, err := exec.LookPath("ipset"); err == nil {
+		out, err := exec.Command("ipset", "list").Output()
+		if err != nil {
+			t.Fatalf("ipset list: %v", err)
+		}
+		st.ipsets = strings.Split(strings.TrimSpace(string(out)), "\n")
+	}
+	for _, h := range sandbox.DefaultHierarchies() {
+		m, _ := filepath.Glob(filepath.Join(h, "kubepods-sim-*"))
+		st.cgroups = append(st.cgroups, m...)
+	}
+	return st
+}
+
+// added returns the lines of after that are not in before.
+func added(before, after []string) []string {
+	var out []string
+	for _, l := range after {
+		if !slices.Contains(before, l) {
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+// requireHostClean snapshots the host now and, once the test and all its
+// cleanups are done, requires that the test left nothing behind: no host
+// rule or ipset of ours or naming its bridge or pod subnet, no bridge, no
+// pod netns, no kubesim cgroup. Changes that are not ours (another
+// package's tests may run at the same time) are only logged. Call it
+// before newNode; node and pods are read at the end.
+func requireHostClean(t *testing.T, n **node, pods *[]*kubesim.Pod) {
+	t.Helper()
+	before := snapshotHost(t)
+	t.Cleanup(func() {
+		after := snapshotHost(t)
+		if *n == nil {
+			return
+		}
+		nd := *n
+		subnet := strings.TrimSuffix(nd.subnet.Addr().String(), ".0") + "."
+		ours := func(l string) bool {
+			for _, m := range []string{iptables.ChainOutput, iptables.ChainPrerouting, iptables.ChainProbeSNAT,
+				"ISTIO_", "AMBIENT_", iptables.ProbeSetV4, iptables.ProbeSetV6, nd.bridge, subnet} {
+				if strings.Contains(l, m) {
+					return true
+				}
+			}
+			return false
+		}
+		report := func(what string, diff []string) {
+			for _, l := range diff {
+				if ours(l) {
+					t.Errorf("host %s: left behind %q", what, l)
+				} else {
+					t.Logf("host %s changed during the test (not ours): %q", what, l)
+				}
+			}
+		}
+		for cmd, lines := range after.rules {
+			report(cmd, added(before.rules[cmd], lines))
+			report(cmd+" (removed)", added(lines, before.rules[cmd]))
+		}
+		report("ipset", added(before.ipsets, after.ipsets))
+		for _, cg := range added(before.cgroups, after.cgroups) {
+			t.Errorf("kubesim cgroup left behind: %s", cg)
+		}
+		if _, err := os.Stat(filepath.Join("/sys/class/net", nd.bridge)); err == nil {
+			t.Errorf("bridge %s left behind", nd.bridge)
+		}
+		for _, p := range *pods {
+			if _, err := os.Stat(p.NS.Path()); err == nil {
+				t.Errorf("pod netns %s left behind", p.NS.Path())
+			}
+		}
+		for _, d := range []string{nd.dir} {
+			if _, err := os.Stat(d); err == nil {
+				t.Errorf("node dir %s left behind", d)
+			}
+		}
+		t.Logf("host clean: %d rule dumps, %d ipset lines, %d pod netns checked", len(after.rules), len(after.ipsets), len(*pods))
+	})
+}

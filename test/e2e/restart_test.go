@@ -1,0 +1,267 @@
+package e2e
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
+
+	"github.com/ambient-cni/ambient-cni/internal/cnibin"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/test/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/ztunnel"
+)
+
+// TestAgentRestartKeepsTraffic: with three enrolled pods, the agent stops
+// (an upgrade: its DaemonSet remains) and a new one starts. A TCP
+// connection opened through the stand-in before the restart still carries
+// data during and after it, the in-pod rules are left exactly as they were
+// (same rules, counters only grown: nothing was re-created), and the
+// stand-in's new connection got a snapshot naming all three pods.
+func TestAgentRestartKeepsTraffic(t *testing.T) {
+	n := newNode(t, nodeOptions{Upgrade: true})
+	shop := n.namespace("shop", ambientLabel)
+	a := n.runPod(podSpec(shop, "a", nil, nil))
+	b := n.runPod(podSpec(shop, "b", nil, nil))
+	c := n.runPod(podSpec(shop, "c", nil, nil))
+	pods := []*kubesim.Pod{a, b, c}
+	n.waitEnrolled(waitLong, pods...)
+
+	const echoPort = 9090
+	serveEcho(t, b, echoPort)
+	conn := dial(t, a, netip4Port(b, echoPort))
+	roundTrip(t, conn, "before the restart")
+	if !n.hasRecord(func(r ztunnel.Record) bool {
+		return r.UID == string(a.Obj.UID) && r.Port == ambient.ZtunnelOutboundPort && r.OrigDst == netip4Port(b, echoPort) && r.Tunneled
+	}) {
+		t.Fatalf("echo connection did not go through the stand-in: %+v", n.zt.Records())
+	}
+	mustGet(t, c, a)
+	mustGet(t, b, c)
+	before := map[string]string{}
+	for _, p := range pods {
+		before[p.Obj.Name] = n.save(p.NS.Path(), iptables.IPv4) + n.save(p.NS.Path(), iptables.IPv6)
+	}
+	served := n.zt.Workloads()
+	conns, msgs := n.zt.Connections(), len(n.zt.Messages())
+
+	n.stopDaemon()
+	conf, err := os.ReadFile(filepath.Join(n.confDir, primaryConf))
+	if err != nil || !strings.Contains(string(conf), `"`+cnibin.PluginName+`"`) {
+		t.Fatalf("an upgrade must leave the plugin chained (err %v):\n%s", err, conf)
+	}
+	roundTrip(t, conn, "while the agent is down")
+
+	n.startDaemon()
+	n.waitStandIn(func() bool { return n.zt.Connections() > conns && n.zt.Ready() }, "the stand-in's snapshot from the new agent")
+	roundTrip(t, conn, "after the restart")
+
+	// The snapshot on the new connection: an Add with the netns for each
+	// pod, then SnapshotSent.
+	var snap []ztunnel.Message
+	for _, m := range n.zt.Messages()[msgs:] {
+		if m.Conn == conns+1 {
+			snap = append(snap, m)
+		}
+	}
+	if len(snap) != 4 || snap[3].Kind != ztunnel.KindSnapshotSent {
+		t.Fatalf("snapshot on the new connection: %+v, want three Adds then SnapshotSent", snap)
+	}
+	for _, p := range pods {
+		if !slices.ContainsFunc(snap[:3], func(m ztunnel.Message) bool {
+			return m.Kind == ztunnel.KindAdd && m.UID == string(p.Obj.UID) && m.FDs == 1 && m.AckError == ""
+		}) {
+			t.Errorf("snapshot does not name %s with its netns: %+v", p.Obj.Name, snap)
+		}
+	}
+	if after := n.zt.Workloads(); !slices.EqualFunc(served, after, func(x, y ztunnel.Workload) bool {
+		return x.UID == y.UID && x.Netns == y.Netns && slices.Equal(x.Ports, y.Ports)
+	}) {
+		t.Fatalf("stand-in workloads changed across the restart: %+v -> %+v", served, after)
+	}
+
+	mustGet(t, c, a)
+	mustGet(t, b, c)
+	for _, p := range pods {
+		after := n.save(p.NS.Path(), iptables.IPv4) + n.save(p.NS.Path(), iptables.IPv6)
+		if err := rulesKept(before[p.Obj.Name], after); err != nil {
+			t.Errorf("pod %s: %v", p.Obj.Name, err)
+		}
+	}
+	if got := counter(t, n.metrics.RuleDrift); got != 0 {
+		t.Errorf("the restarted agent repaired drift %v times; there was none", got)
+	}
+	for _, p := range pods {
+		if got := n.annotation(p); got != ambient.RedirectionEnabled {
+			t.Errorf("pod %s annotation %q after the restart", p.Obj.Name, got)
+		}
+	}
+}
+
+// TestRestartRepairsRuleRemovedWhileDown: a rule deleted by hand while the
+// agent was down is back when the restarted agent reports ready; the
+// other pod's rules are left untouched.
+func TestRestartRepairsRuleRemovedWhileDown(t *testing.T) {
+	n := newNode(t, nodeOptions{})
+	shop := n.namespace("shop", ambientLabel)
+	a := n.runPod(podSpec(shop, "a", nil, nil))
+	b := n.runPod(podSpec(shop, "b", nil, nil))
+	n.waitEnrolled(waitLong, a, b)
+	mustGet(t, a, b)
+	bBefore := n.save(b.NS.Path(), iptables.IPv4) + n.save(b.NS.Path(), iptables.IPv6)
+
+	n.stopDaemon()
+	cmd := n.backend.Cmd(iptables.IPv4)
+	if out, err := exec.Command("nsenter", "--net="+a.NS.Path(), "--", cmd, "-t", "nat", "-D", iptables.ChainOutput, "1").CombinedOutput(); err != nil {
+		t.Fatalf("delete a rule by hand: %v\n%s", err, out)
+	}
+	verifier := iptables.NewApplier(nil, n.backend)
+	want := iptables.PodConfig{ProbeSNATv4: n.cfg.ProbeSNATv4, ProbeSNATv6: n.cfg.ProbeSNATv6}
+	drift, err := verifier.Verify(a.NS.Path(), want)
+	if err != nil || drift.Empty() {
+		t.Fatalf("the hand-made drift is not visible (err %v)", err)
+	}
+	t.Logf("drift made while the agent is down: %s", drift)
+
+	n.startDaemon() // returns once ready, i.e. after the startup restore
+	if drift, err := verifier.Verify(a.NS.Path(), want); err != nil || !drift.Empty() {
+		t.Fatalf("after restart: drift %s, err %v", drift, err)
+	}
+	if got := counter(t, n.metrics.RuleDrift); got != 1 {
+		t.Errorf("drift repairs counted %v, want 1", got)
+	}
+	if err := rulesKept(bBefore, n.save(b.NS.Path(), iptables.IPv4)+n.save(b.NS.Path(), iptables.IPv6)); err != nil {
+		t.Errorf("pod b (no drift): %v", err)
+	}
+	n.waitStandIn(func() bool { return n.zt.Ready() && n.zt.Connections() >= 2 }, "the stand-in's snapshot from the new agent")
+	mustGet(t, a, b)
+	n.requireTunneled(a, b)
+}
+
+// counterLine is one rule of iptables-save -c: "[packets:bytes] -A ...".
+var counterLine = regexp.MustCompile(`^\[(\d+):(\d+)\] (-A .*)$`)
+
+// rulesKept compares two iptables-save -c dumps of a pod: the same rules
+// must be there, each with counters no smaller than before (a re-created
+// rule starts at zero), and some rule of ours must have counted traffic
+// before, or the comparison would prove nothing.
+func rulesKept(before, after string) error {
+	parse := func(s string) ([]string, map[string][2]uint64) {
+		var order []string
+		counts := map[string][2]uint64{}
+		table := ""
+		sc := bufio.NewScanner(strings.NewReader(s))
+		for sc.Scan() {
+			line := sc.Text()
+			if strings.HasPrefix(line, "*") {
+				table = line
+			}
+			m := counterLine.FindStringSubmatch(line)
+			if m == nil {
+				continue
+			}
+			p, _ := strconv.ParseUint(m[1], 10, 64)
+			b, _ := strconv.ParseUint(m[2], 10, 64)
+			key := table + " " + m[3]
+			for slices.Contains(order, key) {
+				key += " (again)" // identical rules: keep them apart by position
+			}
+			order = append(order, key)
+			counts[key] = [2]uint64{p, b}
+		}
+		return order, counts
+	}
+	bo, bc := parse(before)
+	ao, ac := parse(after)
+	if !slices.Equal(bo, ao) {
+		return fmt.Errorf("rules changed across the restart:\nbefore:\n%s\nafter:\n%s", before, after)
+	}
+	counted := false
+	for _, k := range bo {
+		if ac[k][0] < bc[k][0] || ac[k][1] < bc[k][1] {
+			return fmt.Errorf("rule %q was re-created: counters %v before, %v after", k, bc[k], ac[k])
+		}
+		if strings.Contains(k, "ISTIO_") && bc[k][0] > 0 {
+			counted = true
+		}
+	}
+	if !counted {
+		return fmt.Errorf("no rule of ours had counted traffic before the restart:\n%s", before)
+	}
+	return nil
+}
+
+// counter reads a prometheus counter.
+func counter(t *testing.T, c prometheus.Counter) float64 {
+	t.Helper()
+	var m dto.Metric
+	if err := c.Write(&m); err != nil {
+		t.Fatal(err)
+	}
+	return m.GetCounter().GetValue()
+}
+
+// serveEcho runs a TCP echo server on port inside the pod.
+func serveEcho(t *testing.T, p *kubesim.Pod, port int) {
+	t.Helper()
+	var ln net.Listener
+	if err := p.NS.Do(func(ns.NetNS) error {
+		var err error
+		ln, err = net.Listen("tcp", fmt.Sprintf(":%d", port))
+		return err
+	}); err != nil {
+		t.Fatalf("echo listener in %s: %v", p.Obj.Name, err)
+	}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var conns []net.Conn
+	wg.Go(func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			wg.Go(func() { _, _ = io.Copy(c, c) })
+		}
+	})
+	t.Cleanup(func() {
+		_ = ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			_ = c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+}
+
+// roundTrip sends msg on an echo connection and requires it back.
+func roundTrip(t *testing.T, c net.Conn, msg string) {
+	t.Helper()
+	_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := c.Write([]byte(msg)); err != nil {
+		t.Fatalf("write %q: %v", msg, err)
+	}
+	buf := make([]byte, len(msg))
+	if _, err := io.ReadFull(c, buf); err != nil || string(buf) != msg {
+		t.Fatalf("echo of %q: %q, %v", msg, buf, err)
+	}
+}
