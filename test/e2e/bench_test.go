@@ -105,6 +105,7 @@ func BenchmarkEnrollRunningNamespace(b *testing.B) {
 			})
 		}
 		wg.Wait()
+		eventually(b, "the agent to forget the deleted pods", func() bool { return len(n.d.Agent().Pods()) == 0 })
 		b.StartTimer()
 	}
 	b.ReportMetric(total.Seconds()/float64(iters), "s-to-enabled")

@@ -118,6 +118,7 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 	t.Helper()
 	testnet.RequireRoot(t)
 	testnet.RequireCommands(t, "ip", "nsenter", "sleep", "iptables-save", "iptables-restore", "ip6tables-restore")
+	cnibin.Paths(t) // skips under AMBIENT_UNIT_ONLY before an apiserver starts; builds the plugins once
 	env := kube.Env(t)
 	backend, err := iptables.DetectBackend(os.Getenv("AMBIENT_IPTABLES_BACKEND"))
 	if err != nil {
