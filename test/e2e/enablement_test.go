@@ -4,6 +4,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ambient-cni/ambient-cni/internal/sandbox"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/test/kubesim"
 	"github.com/ambient-cni/ambient-cni/test/ztunnel"
@@ -72,8 +73,11 @@ func TestNamespaceEnablement(t *testing.T) {
 
 // TestPodEnablement: a pod labelled ambient in a namespace that is not
 // enabled is enrolled while running, and unenrolled when the label goes.
+// This node's kubelet uses the systemd cgroup driver's layout, so /proc
+// discovery is proven for it too (the other tests use cgroupfs).
 func TestPodEnablement(t *testing.T) {
 	n := newNode(t, nodeOptions{})
+	n.kube.Driver = sandbox.Systemd
 	plain := n.namespace("plain", nil)
 	a := n.runPod(podSpec(plain, "a", nil, nil))
 	b := n.runPod(podSpec(plain, "b", nil, nil))

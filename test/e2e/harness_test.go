@@ -181,6 +181,17 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 		n.createDaemonSet()
 	}
 
+	// One cleanup for whichever daemon and stand-in run at the end,
+	// registered before the kubelet simulator's, so pods are torn down
+	// (CNI DEL) while the agent still runs.
+	t.Cleanup(func() {
+		if n.stopZT != nil {
+			n.stopZT()
+		}
+		if n.stopD != nil {
+			n.stopD()
+		}
+	})
 	n.startDaemon()
 	if !opts.NoStandIn {
 		n.startStandIn(opts.Faults)
@@ -237,25 +248,26 @@ func (n *node) startDaemon() {
 		t.Fatalf("daemon: %v", err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- d.Run(ctx) }()
+	done := make(chan struct{}) // closed when Run returned runErr
+	var runErr error
+	go func() { runErr = d.Run(ctx); close(done) }()
 	var once sync.Once
 	stop := func() {
 		once.Do(func() {
 			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("daemon Run: %v", err)
+			<-done
+			if runErr != nil {
+				t.Errorf("daemon Run: %v", runErr)
 			}
 		})
 	}
-	t.Cleanup(stop)
 	n.d, n.stopD = d, stop
 
 	deadline := time.After(waitLong)
 	select {
 	case n.health = <-addr:
-	case err := <-done:
-		t.Fatalf("daemon exited during start: %v", err)
+	case <-done:
+		t.Fatalf("daemon exited during start: %v", runErr)
 	case <-deadline:
 		t.Fatal("daemon health server did not start")
 	}
@@ -265,8 +277,8 @@ func (n *node) startDaemon() {
 			return
 		}
 		select {
-		case err := <-done:
-			t.Fatalf("daemon exited during start: %v", err)
+		case <-done:
+			t.Fatalf("daemon exited during start: %v", runErr)
 		case <-deadline:
 			t.Fatalf("daemon not ready after %v: %v", waitLong, failed)
 		case <-time.After(20 * time.Millisecond):
@@ -302,7 +314,6 @@ func (n *node) startStandIn(f ztunnel.Faults) {
 			}
 		})
 	}
-	t.Cleanup(stop)
 	n.zt, n.stopZT = z, stop
 	n.waitStandIn(func() bool { return z.Ready() }, "stand-in snapshot")
 }
@@ -521,6 +532,17 @@ func (n *node) hasRules(p *kubesim.Pod) bool {
 	return strings.Contains(n.save(p.NS.Path(), iptables.IPv4), ":"+iptables.ChainOutput+" ")
 }
 
+// inProbeSet reports whether the pod's IPv4 address is in the probe SNAT
+// set of the stand-in host netns.
+func (n *node) inProbeSet(p *kubesim.Pod) bool {
+	n.t.Helper()
+	ips, _, err := iptables.NetlinkIPSets{}.ListSet(n.hostNS.Path(), iptables.ProbeSetV4)
+	if err != nil {
+		n.t.Fatalf("list host probe set: %v", err)
+	}
+	return slices.Contains(ips, p.Addr(4))
+}
+
 // enrolled reports whether the pod is fully enrolled as far as the API
 // and ztunnel see it.
 func (n *node) enrolled(p *kubesim.Pod) bool {
@@ -552,6 +574,9 @@ func (n *node) waitEnrolled(within time.Duration, pods ...*kubesim.Pod) {
 				n.t.Fatalf("pod %s is enabled but nothing listens on %d", p.Obj.Name, port)
 			}
 		}
+		if !n.inProbeSet(p) {
+			n.t.Fatalf("pod %s is enabled but its IP is not in the host probe set", p.Obj.Name)
+		}
 	}
 }
 
@@ -574,6 +599,9 @@ func (n *node) requireNotEnrolled(p *kubesim.Pod) {
 	}
 	if _, ok := n.d.Agent().EnrolledUID(p.Obj.Namespace, p.Obj.Name); ok {
 		n.t.Errorf("pod %s is in the agent's state", p.Obj.Name)
+	}
+	if n.inProbeSet(p) {
+		n.t.Errorf("pod %s: its IP is in the host probe set", p.Obj.Name)
 	}
 }
 

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"io"
 	"net"
@@ -23,6 +24,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/internal/cnibin"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
 	"github.com/ambient-cni/ambient-cni/test/kubesim"
 	"github.com/ambient-cni/ambient-cni/test/ztunnel"
 )
@@ -115,17 +117,28 @@ func TestAgentRestartKeepsTraffic(t *testing.T) {
 
 // TestRestartRepairsRuleRemovedWhileDown: a rule deleted by hand while the
 // agent was down is back when the restarted agent reports ready; the
-// other pod's rules are left untouched.
+// other pod's rules are left untouched; a pod deleted while the agent was
+// down is cleaned up (ztunnel drops it with the snapshot, its IP leaves
+// the host probe set, its spooled DEL is replayed).
 func TestRestartRepairsRuleRemovedWhileDown(t *testing.T) {
-	n := newNode(t, nodeOptions{})
+	// An upgrade: the plugin stays installed and spools DELs meanwhile.
+	n := newNode(t, nodeOptions{Upgrade: true})
 	shop := n.namespace("shop", ambientLabel)
 	a := n.runPod(podSpec(shop, "a", nil, nil))
 	b := n.runPod(podSpec(shop, "b", nil, nil))
-	n.waitEnrolled(waitLong, a, b)
+	gone := n.runPod(podSpec(shop, "gone", nil, nil))
+	n.waitEnrolled(waitLong, a, b, gone)
 	mustGet(t, a, b)
 	bBefore := n.save(b.NS.Path(), iptables.IPv4) + n.save(b.NS.Path(), iptables.IPv6)
 
 	n.stopDaemon()
+	// Deleted while the agent is down: the plugin spools the DEL.
+	if err := n.kube.Delete(context.Background(), gone); err != nil {
+		t.Fatalf("delete pod while the agent is down: %v", err)
+	}
+	if spooled, _ := nodefiles.List(nodefiles.SpoolDir(n.cfg.AgentSocket)); len(spooled) != 1 {
+		t.Fatalf("spooled DELs while the agent is down: %+v, want the deleted pod's", spooled)
+	}
 	cmd := n.backend.Cmd(iptables.IPv4)
 	if out, err := exec.Command("nsenter", "--net="+a.NS.Path(), "--", cmd, "-t", "nat", "-D", iptables.ChainOutput, "1").CombinedOutput(); err != nil {
 		t.Fatalf("delete a rule by hand: %v\n%s", err, out)
@@ -151,6 +164,22 @@ func TestRestartRepairsRuleRemovedWhileDown(t *testing.T) {
 	n.waitStandIn(func() bool { return n.zt.Ready() && n.zt.Connections() >= 2 }, "the stand-in's snapshot from the new agent")
 	mustGet(t, a, b)
 	n.requireTunneled(a, b)
+
+	if _, ok := n.zt.Workload(string(gone.Obj.UID)); ok {
+		t.Error("the stand-in still serves the pod deleted while the agent was down")
+	}
+	if _, ok := n.d.Agent().EnrolledUID(shop, "gone"); ok {
+		t.Error("the pod deleted while the agent was down is in the agent state")
+	}
+	if n.inProbeSet(gone) {
+		t.Error("the IP of the pod deleted while the agent was down is still in the host probe set")
+	}
+	if !n.inProbeSet(a) || !n.inProbeSet(b) {
+		t.Error("the restored pods' IPs are not in the host probe set")
+	}
+	if spooled, _ := nodefiles.List(nodefiles.SpoolDir(n.cfg.AgentSocket)); len(spooled) != 0 {
+		t.Errorf("spooled DELs left after the restart: %+v", spooled)
+	}
 }
 
 // counterLine is one rule of iptables-save -c: "[packets:bytes] -A ...".

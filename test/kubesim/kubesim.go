@@ -10,8 +10,10 @@ package kubesim
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/netip"
+	"os"
 	"sync"
 	"time"
 
@@ -22,6 +24,7 @@ import (
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/containernetworking/plugins/pkg/testutils"
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
@@ -147,13 +150,13 @@ func (n *Node) Start(ctx context.Context, obj *corev1.Pod) (*Pod, error) {
 		}
 		return netlink.LinkSetUp(lo)
 	}); err != nil {
-		n.closeNS(p)
+		_ = n.closeNS(p)
 		return nil, fmt.Errorf("bring up lo: %w", err)
 	}
 	res, err := n.CNI.AddNetworkList(ctx, n.Conf, n.rt(p))
 	if err != nil {
 		_ = n.CNI.DelNetworkList(ctx, n.Conf, n.rt(p))
-		n.closeNS(p)
+		_ = n.closeNS(p)
 		return nil, fmt.Errorf("CNI ADD for %s/%s: %w", obj.Namespace, obj.Name, err)
 	}
 	if p.Result, err = types100.NewResultFromResult(res); err != nil {
@@ -181,13 +184,39 @@ func (n *Node) fail(ctx context.Context, p *Pod, err error) error {
 	if p.proc != nil {
 		p.proc.Stop()
 	}
-	n.closeNS(p)
+	_ = n.closeNS(p)
 	return err
 }
 
-func (n *Node) closeNS(p *Pod) {
+// closeNS releases the pod's netns and removes its mount. umount without
+// MNT_DETACH fails with EBUSY while any descriptor opened through the
+// mount exists, which is how an agent pinning the namespace would show.
+// But a child process being forked anywhere in this test process holds a
+// copy of every descriptor until its exec, so EBUSY is retried for a
+// moment before it counts; a mount still busy then is detached (nothing
+// leaks) and reported.
+func (n *Node) closeNS(p *Pod) error {
+	path := p.NS.Path()
 	_ = p.NS.Close()
-	_ = testutils.UnmountNS(p.NS)
+	var err error
+	for range 50 {
+		if err = unix.Unmount(path, 0); !errors.Is(err, unix.EBUSY) {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if errors.Is(err, unix.EBUSY) {
+		_ = unix.Unmount(path, unix.MNT_DETACH)
+		_ = os.Remove(path)
+		return fmt.Errorf("netns %s stayed busy for a second (a descriptor opened through its mount is held): %w", path, err)
+	}
+	if rerr := os.Remove(path); rerr != nil && !os.IsNotExist(rerr) {
+		return errors.Join(err, rerr)
+	}
+	if err != nil && !errors.Is(err, unix.EINVAL) {
+		return fmt.Errorf("unmount netns %s: %w", path, err)
+	}
+	return nil
 }
 
 // SetStatus writes the pod's phase, IPs and Ready condition to the API,
@@ -246,11 +275,11 @@ func (n *Node) teardown(ctx context.Context, p *Pod) error {
 	}
 	err := n.CNI.DelNetworkList(ctx, n.Conf, n.rt(p))
 	p.proc.Stop()
-	n.closeNS(p)
+	nsErr := n.closeNS(p)
 	if err != nil {
-		return fmt.Errorf("CNI DEL for %s/%s: %w", p.Obj.Namespace, p.Obj.Name, err)
+		err = fmt.Errorf("CNI DEL for %s/%s: %w", p.Obj.Namespace, p.Obj.Name, err)
 	}
-	return nil
+	return errors.Join(err, nsErr)
 }
 
 // Addr returns the pod's first IP of the given family (4 or 6).
