@@ -2,8 +2,11 @@ package e2e
 
 import (
 	"context"
+	"os"
 	"slices"
 	"testing"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/test/kubesim"
@@ -58,33 +61,45 @@ func TestNewPodEnrolledByCNI(t *testing.T) {
 
 // TestDeletedAndFinishedPodsAreRemoved: deleting an enrolled pod, or one
 // reaching phase Succeeded, sends Del to ztunnel and drops the agent's
-// state, and the agent logs no error about the namespace having vanished.
-// Both enrollment paths are covered: a pod enrolled by its CNI ADD and
-// running pods enrolled by the controller (whose DEL carries a sandbox the
-// agent did not record).
+// state, and the agent logs no warning at all, in particular none about a
+// namespace that vanished. Covered: a pod enrolled by its CNI ADD and one
+// enrolled by the controller, each deleted gracefully (deletionTimestamp,
+// then kubelet's teardown, then the object goes); a pod whose sandbox
+// vanished before its object was force-deleted (the agent only has its
+// own netns handle left); and a pod that finished.
 func TestDeletedAndFinishedPodsAreRemoved(t *testing.T) {
 	n := newNode(t, nodeOptions{})
 	plain := n.namespace("plain", nil)
 	running := n.runPod(podSpec(plain, "running", nil, nil))
+	vanishing := n.runPod(podSpec(plain, "vanishing", nil, nil))
 	finishing := n.runPod(podSpec(plain, "finishing", nil, nil))
 	n.setNamespaceMode(plain, ambient.DataplaneModeAmbient)
-	n.waitEnrolled(waitLong, running, finishing)
+	n.waitEnrolled(waitLong, running, vanishing, finishing)
 	viaCNI := n.runPod(podSpec(plain, "via-cni", nil, nil))
 	n.waitEnrolled(waitLong, viaCNI)
 
+	ctx := context.Background()
 	mark := n.logs.mark()
 	for _, tc := range []struct {
 		pod    *kubesim.Pod
-		finish bool
-	}{{viaCNI, false}, {running, false}, {finishing, true}} {
+		remove func(*kubesim.Pod) error
+	}{
+		{viaCNI, func(p *kubesim.Pod) error { return n.kube.Delete(ctx, p) }},
+		{running, func(p *kubesim.Pod) error { return n.kube.Delete(ctx, p) }},
+		{vanishing, func(p *kubesim.Pod) error {
+			if err := n.kube.Teardown(ctx, p); err != nil {
+				return err
+			}
+			if _, err := os.Stat(p.NS.Path()); err == nil {
+				t.Fatalf("netns %s still there after teardown", p.NS.Path())
+			}
+			zero := int64(0)
+			return n.env.Client.CoreV1().Pods(p.Obj.Namespace).Delete(ctx, p.Obj.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero})
+		}},
+		{finishing, func(p *kubesim.Pod) error { return n.kube.Finish(ctx, p) }},
+	} {
 		uid := string(tc.pod.Obj.UID)
-		var err error
-		if tc.finish {
-			err = n.kube.Finish(context.Background(), tc.pod)
-		} else {
-			err = n.kube.Delete(context.Background(), tc.pod)
-		}
-		if err != nil {
+		if err := tc.remove(tc.pod); err != nil {
 			t.Fatalf("remove %s: %v", tc.pod.Obj.Name, err)
 		}
 		n.waitStandIn(func() bool {
@@ -97,8 +112,11 @@ func TestDeletedAndFinishedPodsAreRemoved(t *testing.T) {
 			_, ok := n.d.Agent().EnrolledUID(tc.pod.Obj.Namespace, tc.pod.Obj.Name)
 			return !ok
 		})
-		if tc.finish && n.annotation(tc.pod) != "" {
+		if tc.pod == finishing && n.annotation(tc.pod) != "" {
 			t.Fatalf("finished pod %s keeps its annotation %q", tc.pod.Obj.Name, n.annotation(tc.pod))
+		}
+		if n.inProbeSet(tc.pod) {
+			t.Fatalf("%s: its IP is still in the host probe set", tc.pod.Obj.Name)
 		}
 	}
 	if len(n.d.Agent().Pods()) != 0 {

@@ -87,7 +87,7 @@ func NewNode(t T, client kubernetes.Interface, name string, cniPaths []string, c
 		}
 		n.mu.Unlock()
 		for _, p := range pods {
-			_ = n.teardown(context.Background(), p)
+			_ = n.Teardown(context.Background(), p)
 		}
 	})
 	return n
@@ -246,14 +246,25 @@ func (n *Node) SetStatus(ctx context.Context, p *Pod, phase corev1.PodPhase) err
 	return nil
 }
 
-// Delete tears the pod down like kubelet (CNI DEL, process killed, netns
-// removed) and deletes the object immediately.
+// Delete deletes the pod the way a user and kubelet do together: a
+// graceful API delete marks the object (deletionTimestamp) while it stays,
+// kubelet tears the sandbox down (CNI DEL, process killed, netns removed),
+// then removes the object for good (grace period 0).
 func (n *Node) Delete(ctx context.Context, p *Pod) error {
-	if err := n.teardown(ctx, p); err != nil {
+	grace := int64(30)
+	pods := n.Client.CoreV1().Pods(p.Obj.Namespace)
+	uid := metav1.Preconditions{UID: &p.Obj.UID}
+	if err := pods.Delete(ctx, p.Obj.Name, metav1.DeleteOptions{GracePeriodSeconds: &grace, Preconditions: &uid}); err != nil {
+		return fmt.Errorf("delete pod %s/%s: %w", p.Obj.Namespace, p.Obj.Name, err)
+	}
+	if err := n.Teardown(ctx, p); err != nil {
 		return err
 	}
 	zero := int64(0)
-	return n.Client.CoreV1().Pods(p.Obj.Namespace).Delete(ctx, p.Obj.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero})
+	if err := pods.Delete(ctx, p.Obj.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero, Preconditions: &uid}); err != nil {
+		return fmt.Errorf("remove pod %s/%s: %w", p.Obj.Namespace, p.Obj.Name, err)
+	}
+	return nil
 }
 
 // Finish marks the pod Succeeded and tears its sandbox down, as kubelet
@@ -262,10 +273,13 @@ func (n *Node) Finish(ctx context.Context, p *Pod) error {
 	if err := n.SetStatus(ctx, p, corev1.PodSucceeded); err != nil {
 		return err
 	}
-	return n.teardown(ctx, p)
+	return n.Teardown(ctx, p)
 }
 
-func (n *Node) teardown(ctx context.Context, p *Pod) error {
+// Teardown removes the pod's sandbox (CNI DEL, process killed, netns
+// removed) and leaves the object alone, as when a runtime loses a sandbox
+// under a pod the API still shows running. Tearing down twice is a no-op.
+func (n *Node) Teardown(ctx context.Context, p *Pod) error {
 	n.mu.Lock()
 	_, ok := n.pods[string(p.Obj.UID)]
 	delete(n.pods, string(p.Obj.UID))
