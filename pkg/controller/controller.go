@@ -242,7 +242,7 @@ func (c *Controller) restore(ctx context.Context) {
 		if redirectionState(p) == "" || enablement.IsTerminal(p) {
 			continue
 		}
-		want[p.UID] = podIPs(p)
+		want[p.UID] = enablement.PodIPs(p)
 		byUID[p.UID] = p
 	}
 	if len(want) == 0 {
@@ -342,7 +342,7 @@ func (c *Controller) processBatch(ctx context.Context) bool {
 	for _, k := range batch {
 		w := c.plan(k)
 		if w.need {
-			want[w.pod.UID] = podIPs(w.pod)
+			want[w.pod.UID] = enablement.PodIPs(w.pod)
 		}
 		works = append(works, w)
 	}
@@ -384,7 +384,7 @@ func (c *Controller) plan(k types.NamespacedName) work {
 	case d.Enroll && (!isEnrolled || enrolled != p.UID):
 		// A pod the CNI path is still setting up has no IP yet; its ADD
 		// enrolls it, and its status update brings it back here.
-		w.need = len(podIPs(p)) > 0 && p.Status.Phase == corev1.PodRunning
+		w.need = len(enablement.PodIPs(p)) > 0 && p.Status.Phase == corev1.PodRunning
 	case !d.Enroll && isEnrolled && enrolled == p.UID:
 		w.uid = enrolled
 	case !d.Enroll && redirectionState(p) != "":
@@ -430,20 +430,6 @@ func (c *Controller) apply(ctx context.Context, w work, found map[types.UID]stri
 	return nil
 }
 
-func podIPs(p *corev1.Pod) []netip.Addr {
-	var out []netip.Addr
-	for _, ip := range p.Status.PodIPs {
-		if a, err := netip.ParseAddr(ip.IP); err == nil {
-			out = append(out, a)
-		}
-	}
-	if len(out) == 0 && p.Status.PodIP != "" {
-		if a, err := netip.ParseAddr(p.Status.PodIP); err == nil {
-			out = append(out, a)
-		}
-	}
-	return out
-}
 
 // Decide answers the CNI path: the enablement decision for a pod the
 // runtime is starting. It reads the informer cache and, on a miss (or a

@@ -251,7 +251,7 @@ func (a *Agent) Enroll(ctx context.Context, pod *corev1.Pod, netnsPath string) e
 	if err != nil {
 		return fmt.Errorf("enroll %s/%s: %w", pod.Namespace, pod.Name, err)
 	}
-	return a.enroll(ctx, pod, "", ns, podIPs(pod))
+	return a.enroll(ctx, pod, "", ns, enablement.PodIPs(pod))
 }
 
 // ruleConfig is the rule set options for one pod.
@@ -381,7 +381,7 @@ func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, netnsPath string) 
 	}
 	e := &entry{ns: ns, EnrolledPod: EnrolledPod{
 		UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, ServiceAccount: pod.Spec.ServiceAccountName,
-		Netns: ns.Source(), NetnsID: ns.ID(), IPs: podIPs(pod), State: StateEnabled, Rules: cfg, Since: time.Now(),
+		Netns: ns.Source(), NetnsID: ns.ID(), IPs: enablement.PodIPs(pod), State: StateEnabled, Rules: cfg, Since: time.Now(),
 	}}
 	a.mu.Lock()
 	old := a.pods[pod.UID]
@@ -730,18 +730,3 @@ func (a *Agent) Close() error {
 	return nil
 }
 
-// podIPs lists a pod's IPs from its status.
-func podIPs(p *corev1.Pod) []netip.Addr {
-	var out []netip.Addr
-	for _, ip := range p.Status.PodIPs {
-		if a, err := netip.ParseAddr(ip.IP); err == nil {
-			out = append(out, a.Unmap())
-		}
-	}
-	if len(out) == 0 && p.Status.PodIP != "" {
-		if a, err := netip.ParseAddr(p.Status.PodIP); err == nil {
-			out = append(out, a.Unmap())
-		}
-	}
-	return out
-}

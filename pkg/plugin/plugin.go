@@ -86,16 +86,9 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		log.Debug("namespace excluded by plugin config; passing through")
 		return p.passThrough(c.cfg)
 	}
-	ips, err := podIPs(c.cfg.PrevResult)
+	ev, err := podEvent(ambient.CommandAdd, args, k8s, c.cfg.PrevResult)
 	if err != nil {
 		return err
-	}
-	ev := &ambient.PodEvent{
-		Command: ambient.CommandAdd, PodName: name, PodNamespace: ns, PodUID: string(k8s.K8S_POD_UID),
-		SandboxID: args.ContainerID, Netns: args.Netns, IfName: args.IfName, IPs: ips,
-	}
-	if err := ev.Validate(); err != nil {
-		return types.NewError(types.ErrInvalidEnvironmentVariables, "ambient-cni: invalid pod data from the runtime: "+err.Error(), "")
 	}
 	resp, err := c.client.PodEvent(c.ctx, ev)
 	var unreachable *UnreachableError
@@ -202,16 +195,9 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 	if slices.Contains(c.cfg.ExcludedNamespaces, ns) {
 		return nil
 	}
-	ips, err := podIPs(c.cfg.PrevResult)
+	ev, err := podEvent(ambient.CommandCheck, args, k8s, c.cfg.PrevResult)
 	if err != nil {
 		return err
-	}
-	ev := &ambient.PodEvent{
-		Command: ambient.CommandCheck, PodName: name, PodNamespace: ns, PodUID: string(k8s.K8S_POD_UID),
-		SandboxID: args.ContainerID, Netns: args.Netns, IfName: args.IfName, IPs: ips,
-	}
-	if err := ev.Validate(); err != nil {
-		return types.NewError(types.ErrInvalidEnvironmentVariables, "ambient-cni: invalid pod data from the runtime: "+err.Error(), "")
 	}
 	resp, err := c.client.PodEvent(c.ctx, ev)
 	var unreachable *UnreachableError
@@ -281,6 +267,22 @@ func (p *Plugin) GC(args *skel.CmdArgs) error {
 }
 
 // podIPs lists the addresses prevResult gave the pod's own interfaces.
+// podEvent builds and validates the request ADD and CHECK send.
+func podEvent(cmd ambient.Command, args *skel.CmdArgs, k8s *K8sArgs, prev types.Result) (*ambient.PodEvent, error) {
+	ips, err := podIPs(prev)
+	if err != nil {
+		return nil, err
+	}
+	ev := &ambient.PodEvent{
+		Command: cmd, PodName: string(k8s.K8S_POD_NAME), PodNamespace: string(k8s.K8S_POD_NAMESPACE),
+		PodUID: string(k8s.K8S_POD_UID), SandboxID: args.ContainerID, Netns: args.Netns, IfName: args.IfName, IPs: ips,
+	}
+	if err := ev.Validate(); err != nil {
+		return nil, types.NewError(types.ErrInvalidEnvironmentVariables, "ambient-cni: invalid pod data from the runtime: "+err.Error(), "")
+	}
+	return ev, nil
+}
+
 func podIPs(prev types.Result) ([]string, error) {
 	res, err := current.NewResultFromResult(prev)
 	if err != nil {

@@ -8,7 +8,6 @@ import (
 	"net/netip"
 	"runtime"
 	"syscall"
-	"unsafe"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/vishvananda/netlink"
@@ -146,56 +145,4 @@ func dialFrom(ctx context.Context, nsfd int, target netip.AddrPort) (net.Conn, e
 		return err
 	})
 	return c, err
-}
-
-// originalDst reads the pre-NAT destination of a redirected connection.
-func originalDst(c *net.TCPConn) (netip.AddrPort, error) {
-	local, ok := c.LocalAddr().(*net.TCPAddr)
-	if !ok {
-		return netip.AddrPort{}, errors.New("not a TCP connection")
-	}
-	rc, err := c.SyscallConn()
-	if err != nil {
-		return netip.AddrPort{}, err
-	}
-	var out netip.AddrPort
-	var serr error
-	is4 := local.IP.To4() != nil
-	cerr := rc.Control(func(fd uintptr) {
-		if is4 {
-			var sa unix.RawSockaddrInet4
-			serr = getsockopt(fd, unix.SOL_IP, unix.SO_ORIGINAL_DST, unsafe.Pointer(&sa), unsafe.Sizeof(sa))
-			out = netip.AddrPortFrom(netip.AddrFrom4(sa.Addr), ntohs(sa.Port))
-			return
-		}
-		var sa unix.RawSockaddrInet6
-		serr = getsockopt(fd, unix.SOL_IPV6, ip6tSoOriginalDst, unsafe.Pointer(&sa), unsafe.Sizeof(sa))
-		out = netip.AddrPortFrom(netip.AddrFrom16(sa.Addr).Unmap(), ntohs(sa.Port))
-	})
-	if cerr != nil {
-		return netip.AddrPort{}, cerr
-	}
-	if serr != nil {
-		return netip.AddrPort{}, fmt.Errorf("SO_ORIGINAL_DST: %w", serr)
-	}
-	return out, nil
-}
-
-// ip6tSoOriginalDst is IP6T_SO_ORIGINAL_DST from linux/netfilter_ipv6/ip6_tables.h
-// (same number as SO_ORIGINAL_DST, at level SOL_IPV6); x/sys lacks it.
-const ip6tSoOriginalDst = 80
-
-func getsockopt(fd uintptr, level, opt int, p unsafe.Pointer, size uintptr) error {
-	l := uint32(size)
-	_, _, e := unix.Syscall6(unix.SYS_GETSOCKOPT, fd, uintptr(level), uintptr(opt), uintptr(p), uintptr(unsafe.Pointer(&l)), 0)
-	if e != 0 {
-		return e
-	}
-	return nil
-}
-
-// ntohs reads a port stored in network byte order.
-func ntohs(p uint16) uint16 {
-	b := (*[2]byte)(unsafe.Pointer(&p))
-	return uint16(b[0])<<8 | uint16(b[1])
 }

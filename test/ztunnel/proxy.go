@@ -12,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ambient-cni/ambient-cni/internal/captureproxy"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"golang.org/x/sys/unix"
 )
@@ -182,7 +183,7 @@ func (p *pod) handle(c *net.TCPConn, port int) {
 // outbound (15001): tunnel to the destination pod's 15008 when it is a pod
 // this stand-in serves, else connect to the destination directly.
 func (p *pod) outbound(c *net.TCPConn, rec *Record) (net.Conn, error) {
-	orig, err := originalDst(c)
+	orig, err := captureproxy.OriginalDst(c)
 	if err != nil {
 		return nil, err
 	}
@@ -222,7 +223,7 @@ func (p *pod) outbound(c *net.TCPConn, rec *Record) (net.Conn, error) {
 
 // inboundPlain (15006): connect to the original destination inside the pod.
 func (p *pod) inboundPlain(c *net.TCPConn, rec *Record) (net.Conn, error) {
-	orig, err := originalDst(c)
+	orig, err := captureproxy.OriginalDst(c)
 	if err != nil {
 		return nil, err
 	}

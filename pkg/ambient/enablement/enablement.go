@@ -5,6 +5,7 @@
 package enablement
 
 import (
+	"net/netip"
 	"slices"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
@@ -135,4 +136,21 @@ func BypassInbound(pod *corev1.Pod) bool {
 func hasKey(m map[string]string, k string) bool {
 	_, ok := m[k]
 	return ok
+}
+
+// PodIPs lists the pod's IPs from its status (status.podIPs, or the legacy
+// status.podIP), IPv4-mapped addresses unmapped.
+func PodIPs(pod *corev1.Pod) []netip.Addr {
+	var out []netip.Addr
+	for _, ip := range pod.Status.PodIPs {
+		if a, err := netip.ParseAddr(ip.IP); err == nil {
+			out = append(out, a.Unmap())
+		}
+	}
+	if len(out) == 0 && pod.Status.PodIP != "" {
+		if a, err := netip.ParseAddr(pod.Status.PodIP); err == nil {
+			out = append(out, a.Unmap())
+		}
+	}
+	return out
 }

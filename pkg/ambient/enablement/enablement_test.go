@@ -108,3 +108,18 @@ func TestPerPodOverrides(t *testing.T) {
 		t.Error("bypass-inbound-capture misread")
 	}
 }
+
+func TestPodIPs(t *testing.T) {
+	p := pod("a")
+	if got := PodIPs(p); len(got) != 0 {
+		t.Fatalf("no IPs: got %v", got)
+	}
+	p.Status.PodIP = "10.0.0.9"
+	if got := PodIPs(p); len(got) != 1 || got[0].String() != "10.0.0.9" {
+		t.Fatalf("legacy podIP: got %v", got)
+	}
+	p.Status.PodIPs = []corev1.PodIP{{IP: "::ffff:10.0.0.5"}, {IP: "fd00::5"}, {IP: "garbage"}}
+	if got := PodIPs(p); len(got) != 2 || got[0].String() != "10.0.0.5" || got[1].String() != "fd00::5" {
+		t.Fatalf("podIPs: got %v", got)
+	}
+}
