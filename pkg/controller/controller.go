@@ -44,6 +44,10 @@ type Enroller interface {
 	Unenroll(ctx context.Context, uid types.UID) error
 	// EnrolledUID reports the UID enrolled under namespace/name, if any.
 	EnrolledUID(namespace, name string) (types.UID, bool)
+	// Pending reports whether uid is in the state with its rules in place
+	// but ztunnel has not acknowledged it yet (a failed handoff): the pod
+	// stays captured (fail closed) and the controller retries the enroll.
+	Pending(uid types.UID) bool
 }
 
 // Finder locates running pods' network namespaces.
@@ -381,7 +385,7 @@ func (c *Controller) plan(k types.NamespacedName) work {
 	}
 	d := c.decide(p)
 	switch {
-	case d.Enroll && (!isEnrolled || enrolled != p.UID):
+	case d.Enroll && (!isEnrolled || enrolled != p.UID || c.cfg.Enroller.Pending(p.UID)):
 		// A pod the CNI path is still setting up has no IP yet; its ADD
 		// enrolls it, and its status update brings it back here.
 		w.need = len(enablement.PodIPs(p)) > 0 && p.Status.Phase == corev1.PodRunning
@@ -417,19 +421,11 @@ func (c *Controller) apply(ctx context.Context, w work, found map[types.UID]stri
 		return fmt.Errorf("pod %s (uid %s): %w", w.key, w.pod.UID, errNotFound)
 	}
 	if err := c.cfg.Enroller.Enroll(ctx, w.pod, path); err != nil {
-		// A half-done enroll (rules in place, ztunnel never acked) is in
-		// the agent's state, so the retry's plan would take the pod for
-		// enrolled and never finish it: roll it back, leaving the running
-		// pod as it was, and let the retry start clean.
-		if uerr := c.cfg.Enroller.Unenroll(ctx, w.pod.UID); uerr != nil {
-			c.log.Warn("roll back failed enroll", "pod", w.key.String(), "err", uerr)
-		}
 		return fmt.Errorf("enroll: %w", err)
 	}
 	c.log.Info("enrolled running pod", "pod", w.key.String(), "uid", w.pod.UID)
 	return nil
 }
-
 
 // Decide answers the CNI path: the enablement decision for a pod the
 // runtime is starting. It reads the informer cache and, on a miss (or a

@@ -654,6 +654,15 @@ func (a *Agent) DrainSpool(ctx context.Context) (int, error) {
 	return n, nil
 }
 
+// Pending reports whether uid is enrolled with its rules in place but not
+// yet acknowledged by ztunnel.
+func (a *Agent) Pending(uid types.UID) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	e := a.pods[uid]
+	return e != nil && e.State == StatePending
+}
+
 // EnrolledUID reports the uid enrolled under namespace/name, if any.
 func (a *Agent) EnrolledUID(namespace, name string) (types.UID, bool) {
 	a.mu.Lock()
@@ -729,4 +738,3 @@ func (a *Agent) Close() error {
 	}
 	return nil
 }
-

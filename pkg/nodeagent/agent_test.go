@@ -159,7 +159,7 @@ func TestEnrollFailures(t *testing.T) {
 	if !IsRetryable(err) || !strings.Contains(err.Error(), "no ztunnel") {
 		t.Fatalf("ztunnel failure: %v", err)
 	}
-	if p := h.agent.Pods(); len(p) != 1 || p[0].State != StatePending {
+	if p := h.agent.Pods(); len(p) != 1 || p[0].State != StatePending || !h.agent.Pending("u1") {
 		t.Fatalf("state after ztunnel failure = %+v, want pending", p)
 	}
 	if got := h.ann.history("u1"); got != "pending" {
@@ -169,7 +169,7 @@ func TestEnrollFailures(t *testing.T) {
 	if _, err := h.agent.HandleAdd(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
 		t.Fatalf("retry: %v", err)
 	}
-	if p := h.agent.Pods(); len(p) != 1 || p[0].State != StateEnabled {
+	if p := h.agent.Pods(); len(p) != 1 || p[0].State != StateEnabled || h.agent.Pending("u1") {
 		t.Fatalf("state after retry = %+v", p)
 	}
 }
