@@ -81,6 +81,9 @@ type Config struct {
 	// OnEnablementChange is called (from the informer goroutine) whenever
 	// the set of enabled namespaces or pod-level enablement may have changed.
 	OnEnablementChange func()
+	// OnScan, when set, is told about every /proc scan: how many pods it
+	// looked for, how many it found, and how long it took.
+	OnScan func(pods, found int, took time.Duration)
 	// AssumePodLevelEnablement makes EnablementState report pod-level
 	// enablement even when no pod on this node uses it yet.
 	AssumePodLevelEnablement bool
@@ -252,7 +255,7 @@ func (c *Controller) restore(ctx context.Context) {
 	if len(want) == 0 {
 		return
 	}
-	found, err := c.cfg.Finder.Find(want)
+	found, err := c.find(want)
 	if err != nil {
 		c.log.Error("find netns of enrolled pods", "err", err)
 	}
@@ -353,7 +356,7 @@ func (c *Controller) processBatch(ctx context.Context) bool {
 	var found map[types.UID]string
 	if len(want) > 0 {
 		var err error
-		if found, err = c.cfg.Finder.Find(want); err != nil {
+		if found, err = c.find(want); err != nil {
 			c.log.Error("scan for pod netns", "pods", len(want), "err", err)
 		}
 	}
@@ -366,6 +369,18 @@ func (c *Controller) processBatch(ctx context.Context) bool {
 		c.queue.Forget(w.key)
 	})
 	return true
+}
+
+// find runs one netns scan for every pod in want.
+func (c *Controller) find(want map[types.UID][]netip.Addr) (map[types.UID]string, error) {
+	start := time.Now()
+	found, err := c.cfg.Finder.Find(want)
+	took := time.Since(start)
+	c.log.Debug("scanned for pod netns", "pods", len(want), "found", len(found), "took", took)
+	if c.cfg.OnScan != nil {
+		c.cfg.OnScan(len(want), len(found), took)
+	}
+	return found, err
 }
 
 // plan decides what one key needs without side effects.

@@ -171,6 +171,7 @@ func New(o Options) (*Daemon, error) {
 			}
 		},
 		AssumePodLevelEnablement: c.AssumePodLevelEnablement,
+		OnScan:                   func(int, int, time.Duration) { d.metrics.NetnsScans.Inc() },
 	})
 	d.ctrl = ctrl
 

@@ -27,6 +27,9 @@ type Metrics struct {
 	RuleErrors *prometheus.CounterVec
 	// RuleDrift counts verifications that found drift and repaired it.
 	RuleDrift prometheus.Counter
+	// NetnsScans counts /proc passes made to find running pods' network
+	// namespaces; one serves a whole batch of pods.
+	NetnsScans prometheus.Counter
 	// InstallerReinstalls counts how often the installer restored the
 	// plugin binary or its conflist entry.
 	InstallerReinstalls prometheus.Counter
@@ -63,13 +66,17 @@ func New() *Metrics {
 			Namespace: namespace, Name: "rule_drift_repairs_total",
 			Help: "In-pod rule sets found drifted and re-applied.",
 		}),
+		NetnsScans: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: namespace, Name: "netns_scans_total",
+			Help: "Passes over /proc to find running pods' network namespaces (one per batch of pods).",
+		}),
 		InstallerReinstalls: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: namespace, Name: "installer_reinstalls_total",
 			Help: "Times the installer restored the plugin binary or its config entry.",
 		}),
 	}
 	r.MustRegister(m.CNIRequests, m.AddLatency, m.EnrolledPods, m.ZtunnelConnections,
-		m.RuleErrors, m.RuleDrift, m.InstallerReinstalls,
+		m.RuleErrors, m.RuleDrift, m.NetnsScans, m.InstallerReinstalls,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	// Label values known up front appear at zero, so dashboards and alerts
 	// see the series before the first event.

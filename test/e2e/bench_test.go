@@ -59,6 +59,7 @@ func BenchmarkEnrollRunningNamespace(b *testing.B) {
 			b.Fatalf("start pods: %v", err)
 		}
 
+		scans := counter(b, n.metrics.NetnsScans)
 		b.StartTimer()
 		start := time.Now()
 		n.setNamespaceMode(ns, ambient.DataplaneModeAmbient)
@@ -91,6 +92,7 @@ func BenchmarkEnrollRunningNamespace(b *testing.B) {
 			benchPods, took.Round(time.Millisecond), rss/1024, hwm/1024)
 		b.ReportMetric(float64(rss)/1024, "MiB-rss")
 		b.ReportMetric(float64(hwm)/1024, "MiB-rss-peak")
+		b.ReportMetric(counter(b, n.metrics.NetnsScans)-scans, "proc-scans")
 		if len(n.zt.Workloads()) < benchPods {
 			b.Fatalf("stand-in serves %d workloads, want at least %d", len(n.zt.Workloads()), benchPods)
 		}

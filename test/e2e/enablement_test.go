@@ -40,10 +40,16 @@ func TestNamespaceEnablement(t *testing.T) {
 		t.Fatalf("stand-in proxied traffic of pods that are not enrolled: %+v", r)
 	}
 
+	scans := counter(t, n.metrics.NetnsScans)
 	n.setNamespaceMode(shop, ambient.DataplaneModeAmbient)
 	start := time.Now()
 	n.waitEnrolled(enrollWithin, a, b, c)
 	t.Logf("three running pods enrolled %v after the namespace label", time.Since(start).Round(time.Millisecond))
+	// One /proc scan serves the whole batch the label flip queued, not one
+	// scan per pod (a retry could add one; three would mean per pod).
+	if got := counter(t, n.metrics.NetnsScans) - scans; got < 1 || got >= 3 {
+		t.Errorf("enrolling three running pods took %v /proc scans, want 1 (at most 2)", got)
+	}
 	n.requireNotEnrolled(optOut)
 
 	mustGet(t, a, b)

@@ -236,7 +236,7 @@ func rulesKept(before, after string) error {
 }
 
 // counter reads a prometheus counter.
-func counter(t *testing.T, c prometheus.Counter) float64 {
+func counter(t testing.TB, c prometheus.Counter) float64 {
 	t.Helper()
 	var m dto.Metric
 	if err := c.Write(&m); err != nil {
