@@ -73,13 +73,16 @@ type Daemon struct {
 	listening atomic.Bool
 }
 
-// deciderFunc adapts a function to nodeagent.Decider, breaking the
-// construction cycle between the agent and the controller.
-type deciderFunc func(ctx context.Context, namespace, name, uid string) (enablement.Decision, *corev1.Pod, error)
+// lateController lets the agent use the controller (as its Decider and
+// EnablementSource) although the controller, which needs the agent as its
+// Enroller, is built after it. Nothing calls it before Run.
+type lateController struct{ c *controller.Controller }
 
-func (f deciderFunc) Decide(ctx context.Context, namespace, name, uid string) (enablement.Decision, *corev1.Pod, error) {
-	return f(ctx, namespace, name, uid)
+func (l *lateController) Decide(ctx context.Context, namespace, name, uid string) (enablement.Decision, *corev1.Pod, error) {
+	return l.c.Decide(ctx, namespace, name, uid)
 }
+
+func (l *lateController) EnablementState() ([]string, bool) { return l.c.EnablementState() }
 
 // New builds every part; nothing runs or touches the node until Run.
 func New(o Options) (*Daemon, error) {
@@ -134,17 +137,15 @@ func New(o Options) (*Daemon, error) {
 		Snapshot: func() []zds.Workload { return d.agent.Workloads() },
 	})
 	policy := enablement.Policy{ExcludedNamespaces: c.ExcludedNamespaces}
-	var ctrl *controller.Controller
+	late := &lateController{}
 	d.agent, err = nodeagent.NewAgent(nodeagent.Config{
-		Decider: deciderFunc(func(ctx context.Context, ns, name, uid string) (enablement.Decision, *corev1.Pod, error) {
-			return ctrl.Decide(ctx, ns, name, uid)
-		}),
+		Decider:            late,
 		Rules:              rules,
 		Ztunnel:            d.zds,
 		ZtunnelTimeout:     c.ZtunnelWait,
 		HostProbe:          d.probe,
 		Annotator:          controller.Annotator{Client: o.Client},
-		Enablement:         enablementSource{&ctrl},
+		Enablement:         late,
 		SnapshotFile:       nodefiles.SnapshotPath(c.AgentSocket),
 		SpoolDir:           nodefiles.SpoolDir(c.AgentSocket),
 		ExcludedNamespaces: nonNil(c.ExcludedNamespaces),
@@ -158,7 +159,7 @@ func New(o Options) (*Daemon, error) {
 	if err != nil {
 		return nil, err
 	}
-	ctrl = controller.New(controller.Config{
+	d.ctrl = controller.New(controller.Config{
 		Client: o.Client, NodeName: c.NodeName, Policy: policy,
 		Self:      types.NamespacedName{Namespace: c.PodNamespace, Name: c.PodName},
 		Enroller:  eventingEnroller{Enroller: d.agent, rec: d.recorder},
@@ -173,7 +174,7 @@ func New(o Options) (*Daemon, error) {
 		AssumePodLevelEnablement: c.AssumePodLevelEnablement,
 		OnScan:                   func(int, int, time.Duration) { d.metrics.NetnsScans.Inc() },
 	})
-	d.ctrl = ctrl
+	late.c = d.ctrl
 
 	d.events = nodeagent.NewServer(nodeagent.ServerConfig{
 		Socket: c.AgentSocket, NetnsRoots: c.NetnsDirs, ProcRoot: c.ProcRoot,
@@ -211,11 +212,6 @@ func nonNil(s []string) []string {
 	}
 	return s
 }
-
-// enablementSource reads the controller once it exists.
-type enablementSource struct{ c **controller.Controller }
-
-func (e enablementSource) EnablementState() ([]string, bool) { return (*e.c).EnablementState() }
 
 // eventingEnroller records a Kubernetes Event on the pod when the
 // controller's enroll fails, so operators see why a pod is not captured.

@@ -40,7 +40,32 @@ func ownerOf(fi fs.FileInfo) *owner {
 // writeAtomic replaces path with data: temp file in the same directory,
 // fsync, mode (and owner when we may), then rename and fsync the directory.
 // guard, when set, runs just before the rename and can veto it.
-func writeAtomic(path string, data []byte, mode fs.FileMode, own *owner, guard func() error) (err error) {
+func writeAtomic(path string, data []byte, mode fs.FileMode, own *owner, guard func() error) error {
+	return replaceAtomic(path, mode, own, guard, func(w io.Writer) error {
+		_, err := w.Write(data)
+		return err
+	})
+}
+
+// copyAtomic copies src over dst the same way, streaming.
+func copyAtomic(src, dst string, mode fs.FileMode) error {
+	in, err := os.Open(src)
+	if err != nil {
+		return fmt.Errorf("open plugin binary: %w", err)
+	}
+	defer in.Close()
+	return replaceAtomic(dst, mode, nil, nil, func(w io.Writer) error {
+		if _, err := io.Copy(w, in); err != nil {
+			return fmt.Errorf("copy %s: %w", src, err)
+		}
+		return nil
+	})
+}
+
+// replaceAtomic is the one way the installer replaces a file: fill writes
+// the content into a temp file next to path, which is synced, given mode
+// (and owner), checked by guard and renamed over path.
+func replaceAtomic(path string, mode fs.FileMode, own *owner, guard func() error, fill func(io.Writer) error) (err error) {
 	dir := filepath.Dir(path)
 	f, err := os.CreateTemp(dir, tempPrefix+"*"+tempSuffix)
 	if err != nil {
@@ -53,7 +78,7 @@ func writeAtomic(path string, data []byte, mode fs.FileMode, own *owner, guard f
 			_ = os.Remove(tmp)
 		}
 	}()
-	if _, err = f.Write(data); err != nil {
+	if err = fill(f); err != nil {
 		return fmt.Errorf("write %s: %w", tmp, err)
 	}
 	if err = f.Chmod(mode.Perm()); err != nil {
@@ -78,44 +103,6 @@ func writeAtomic(path string, data []byte, mode fs.FileMode, own *owner, guard f
 	}
 	if err = os.Rename(tmp, path); err != nil {
 		return fmt.Errorf("rename %s to %s: %w", tmp, path, err)
-	}
-	syncDir(dir)
-	return nil
-}
-
-// copyAtomic copies src over dst the same way, streaming.
-func copyAtomic(src, dst string, mode fs.FileMode) (err error) {
-	in, err := os.Open(src)
-	if err != nil {
-		return fmt.Errorf("open plugin binary: %w", err)
-	}
-	defer in.Close()
-	dir := filepath.Dir(dst)
-	f, err := os.CreateTemp(dir, tempPrefix+"*"+tempSuffix)
-	if err != nil {
-		return fmt.Errorf("create temp file in %s: %w", dir, err)
-	}
-	tmp := f.Name()
-	defer func() {
-		if err != nil {
-			_ = f.Close()
-			_ = os.Remove(tmp)
-		}
-	}()
-	if _, err = io.Copy(f, in); err != nil {
-		return fmt.Errorf("copy %s to %s: %w", src, tmp, err)
-	}
-	if err = f.Chmod(mode.Perm()); err != nil {
-		return fmt.Errorf("chmod %s: %w", tmp, err)
-	}
-	if err = f.Sync(); err != nil {
-		return fmt.Errorf("sync %s: %w", tmp, err)
-	}
-	if err = f.Close(); err != nil {
-		return fmt.Errorf("close %s: %w", tmp, err)
-	}
-	if err = os.Rename(tmp, dst); err != nil {
-		return fmt.Errorf("rename %s to %s: %w", tmp, dst, err)
 	}
 	syncDir(dir)
 	return nil

@@ -73,22 +73,15 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		return types.NewError(types.ErrInvalidNetworkConfig,
 			"ambient-cni got no prevResult: it must be chained after the primary CNI plugin in a .conflist", "")
 	}
-	k8s, err := ParseK8sArgs(args.Args)
+	ev, excluded, err := c.podEvent(ambient.CommandAdd, args)
 	if err != nil {
 		return err
 	}
-	if err := k8s.requirePod(); err != nil {
-		return err
-	}
-	ns, name := string(k8s.K8S_POD_NAMESPACE), string(k8s.K8S_POD_NAME)
+	ns, name := ev.PodNamespace, ev.PodName
 	log := c.log.With("pod", ns+"/"+name)
-	if slices.Contains(c.cfg.ExcludedNamespaces, ns) {
+	if excluded {
 		log.Debug("namespace excluded by plugin config; passing through")
 		return p.passThrough(c.cfg)
-	}
-	ev, err := podEvent(ambient.CommandAdd, args, k8s, c.cfg.PrevResult)
-	if err != nil {
-		return err
 	}
 	resp, err := c.client.PodEvent(c.ctx, ev)
 	var unreachable *UnreachableError
@@ -184,21 +177,11 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 	if c.cfg.PrevResult == nil {
 		return types.NewError(types.ErrInvalidNetworkConfig, "ambient-cni got no prevResult for CHECK", "")
 	}
-	k8s, err := ParseK8sArgs(args.Args)
-	if err != nil {
+	ev, excluded, err := c.podEvent(ambient.CommandCheck, args)
+	if err != nil || excluded {
 		return err
 	}
-	if err := k8s.requirePod(); err != nil {
-		return err
-	}
-	ns, name := string(k8s.K8S_POD_NAMESPACE), string(k8s.K8S_POD_NAME)
-	if slices.Contains(c.cfg.ExcludedNamespaces, ns) {
-		return nil
-	}
-	ev, err := podEvent(ambient.CommandCheck, args, k8s, c.cfg.PrevResult)
-	if err != nil {
-		return err
-	}
+	ns, name := ev.PodNamespace, ev.PodName
 	resp, err := c.client.PodEvent(c.ctx, ev)
 	var unreachable *UnreachableError
 	switch {
@@ -267,20 +250,32 @@ func (p *Plugin) GC(args *skel.CmdArgs) error {
 }
 
 // podIPs lists the addresses prevResult gave the pod's own interfaces.
-// podEvent builds and validates the request ADD and CHECK send.
-func podEvent(cmd ambient.Command, args *skel.CmdArgs, k8s *K8sArgs, prev types.Result) (*ambient.PodEvent, error) {
-	ips, err := podIPs(prev)
+// podEvent reads the pod from CNI_ARGS and builds and validates the
+// request ADD and CHECK send. excluded reports a pod in a namespace the
+// plugin config excludes (the event then holds only its name and
+// namespace): the caller lets it through without asking the agent.
+func (c *call) podEvent(cmd ambient.Command, args *skel.CmdArgs) (ev *ambient.PodEvent, excluded bool, err error) {
+	k8s, err := ParseK8sArgs(args.Args)
 	if err != nil {
-		return nil, err
+		return nil, false, err
 	}
-	ev := &ambient.PodEvent{
-		Command: cmd, PodName: string(k8s.K8S_POD_NAME), PodNamespace: string(k8s.K8S_POD_NAMESPACE),
-		PodUID: string(k8s.K8S_POD_UID), SandboxID: args.ContainerID, Netns: args.Netns, IfName: args.IfName, IPs: ips,
+	if err := k8s.requirePod(); err != nil {
+		return nil, false, err
 	}
+	ev = &ambient.PodEvent{PodName: string(k8s.K8S_POD_NAME), PodNamespace: string(k8s.K8S_POD_NAMESPACE)}
+	if slices.Contains(c.cfg.ExcludedNamespaces, ev.PodNamespace) {
+		return ev, true, nil
+	}
+	ips, err := podIPs(c.cfg.PrevResult)
+	if err != nil {
+		return nil, false, err
+	}
+	ev.Command, ev.PodUID, ev.IPs = cmd, string(k8s.K8S_POD_UID), ips
+	ev.SandboxID, ev.Netns, ev.IfName = args.ContainerID, args.Netns, args.IfName
 	if err := ev.Validate(); err != nil {
-		return nil, types.NewError(types.ErrInvalidEnvironmentVariables, "ambient-cni: invalid pod data from the runtime: "+err.Error(), "")
+		return nil, false, types.NewError(types.ErrInvalidEnvironmentVariables, "ambient-cni: invalid pod data from the runtime: "+err.Error(), "")
 	}
-	return ev, nil
+	return ev, false, nil
 }
 
 func podIPs(prev types.Result) ([]string, error) {

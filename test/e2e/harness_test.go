@@ -416,32 +416,9 @@ func app(p *kubesim.Pod) netip.AddrPort { return netip.AddrPortFrom(p.Addr(4), a
 
 // get makes one HTTP request from inside pod from to to's app.
 func get(from, to *kubesim.Pod) (string, error) {
-	tr := &http.Transport{
-		DisableKeepAlives: true,
-		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
-			var c net.Conn
-			err := from.NS.Do(func(ns.NetNS) error {
-				var err error
-				c, err = (&net.Dialer{}).DialContext(ctx, network, addr)
-				return err
-			})
-			return c, err
-		},
-	}
-	defer tr.CloseIdleConnections()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+app(to).String()+"/", nil)
-	if err != nil {
-		return "", err
-	}
-	resp, err := (&http.Client{Transport: tr}).Do(req)
-	if err != nil {
-		return "", err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	return string(b), err
+	return testnet.HTTPGet(ctx, from.NS, "http://"+app(to).String()+"/")
 }
 
 // mustGet requires a successful request from one pod to another's app.

@@ -13,15 +13,14 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
-	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/ambient-cni/ambient-cni/internal/cnibin"
+	"github.com/ambient-cni/ambient-cni/internal/testnet"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
@@ -45,7 +44,7 @@ func TestAgentRestartKeepsTraffic(t *testing.T) {
 	n.waitEnrolled(waitLong, pods...)
 
 	const echoPort = 9090
-	serveEcho(t, b, echoPort)
+	testnet.ServeEcho(t, b.NS, echoPort)
 	conn := dial(t, a, netip4Port(b, echoPort))
 	roundTrip(t, conn, "before the restart")
 	if !n.hasRecord(func(r ztunnel.Record) bool {
@@ -243,43 +242,6 @@ func counter(t testing.TB, c prometheus.Counter) float64 {
 		t.Fatal(err)
 	}
 	return m.GetCounter().GetValue()
-}
-
-// serveEcho runs a TCP echo server on port inside the pod.
-func serveEcho(t *testing.T, p *kubesim.Pod, port int) {
-	t.Helper()
-	var ln net.Listener
-	if err := p.NS.Do(func(ns.NetNS) error {
-		var err error
-		ln, err = net.Listen("tcp", fmt.Sprintf(":%d", port))
-		return err
-	}); err != nil {
-		t.Fatalf("echo listener in %s: %v", p.Obj.Name, err)
-	}
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	var conns []net.Conn
-	wg.Go(func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			wg.Go(func() { _, _ = io.Copy(c, c) })
-		}
-	})
-	t.Cleanup(func() {
-		_ = ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
 }
 
 // roundTrip sends msg on an echo connection and requires it back.

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"net/netip"
@@ -145,41 +144,7 @@ func (p *tpod) serveApp(t *testing.T) {
 // serveEcho runs a TCP echo server on port inside the pod.
 func (p *tpod) serveEcho(t *testing.T, port uint16) uint16 {
 	t.Helper()
-	var ln net.Listener
-	if err := p.ns.Do(func(ns.NetNS) error {
-		var err error
-		ln, err = net.Listen("tcp", fmt.Sprintf(":%d", port))
-		return err
-	}); err != nil {
-		t.Fatalf("echo listener in %s: %v", p.name, err)
-	}
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	var conns []net.Conn
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			wg.Add(1)
-			go func() { defer wg.Done(); _, _ = io.Copy(c, c) }()
-		}
-	}()
-	t.Cleanup(func() {
-		_ = ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			_ = c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
+	testnet.ServeEcho(t, p.ns, int(port))
 	return port
 }
 
@@ -200,32 +165,9 @@ func (p *tpod) dial(t *testing.T, target netip.AddrPort) net.Conn {
 
 // get makes one HTTP request from inside pod p (a fresh connection).
 func (p *tpod) get(ctx context.Context, target netip.AddrPort) (string, error) {
-	tr := &http.Transport{
-		DisableKeepAlives: true,
-		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
-			var c net.Conn
-			err := p.ns.Do(func(ns.NetNS) error {
-				var err error
-				c, err = (&net.Dialer{}).DialContext(ctx, network, addr)
-				return err
-			})
-			return c, err
-		},
-	}
-	defer tr.CloseIdleConnections()
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+target.String()+"/", nil)
-	if err != nil {
-		return "", err
-	}
-	resp, err := (&http.Client{Transport: tr}).Do(req)
-	if err != nil {
-		return "", err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	return string(b), err
+	return testnet.HTTPGet(ctx, p.ns, "http://"+target.String()+"/")
 }
 
 func (p *tpod) mustGet(t *testing.T, target netip.AddrPort, wantFrom string) {
