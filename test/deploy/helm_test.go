@@ -158,6 +158,10 @@ func TestTemplateRejectsBadValues(t *testing.T) {
 		"extraEnv shadows a value":  {[]string{"--set", "extraEnv[0].name=AMBIENT_DNS_CAPTURE", "--set", "extraEnv[0].value=true"}, "AMBIENT_DNS_CAPTURE is set by the chart"},
 		"socket name with a slash":  {[]string{"--set", "ztunnel.socketName=a/b"}, "socketName"},
 		"name not a DNS-1123 label": {[]string{"--set", "nameOverride=Mesh_Node"}, "nameOverride"},
+		"API server host as a URL":  {[]string{"--set", "apiServer.host=https://10.0.0.1"}, "host"},
+		"API server host with port": {[]string{"--set", "apiServer.host=10.0.0.1:6443"}, "host"},
+		"API server port zero":      {[]string{"--set", "apiServer.port=0"}, "port"},
+		"extraEnv shadows the API":  {[]string{"--set", "apiServer.host=10.0.0.1", "--set", "extraEnv[0].name=KUBERNETES_SERVICE_HOST", "--set", "extraEnv[0].value=x"}, "KUBERNETES_SERVICE_HOST is set by the chart"},
 	}
 	for name, c := range cases {
 		_, err := helm(t, append([]string{"template", releaseName, chartDir, "--namespace", namespace}, c.args...)...)

@@ -62,6 +62,10 @@ type Env struct {
 	Dir string
 	// StartTime is how long the Env took from start until /readyz was ok.
 	StartTime time.Duration
+	// CAFile is the cluster CA certificate (PEM) and ServiceAccountKeyFile
+	// the key that signs ServiceAccount tokens, for control-plane
+	// components started beside the apiserver (kube-controller-manager).
+	CAFile, ServiceAccountKeyFile string
 
 	ca        *authority
 	etcd      *process
@@ -223,6 +227,7 @@ func (e *Env) start(ctx context.Context, etcdBin, apiBin string, opts Options) e
 	opts.Logf("kubeenv: kube-apiserver pid %d on https://127.0.0.1:%d", e.apiserver.cmd.Process.Pid, securePort)
 
 	e.ca = ca
+	e.CAFile, e.ServiceAccountKeyFile = filepath.Join(run, "ca.crt"), saKey
 	e.Config = &rest.Config{
 		Host: "https://127.0.0.1:" + strconv.Itoa(securePort),
 		TLSClientConfig: rest.TLSClientConfig{

@@ -34,7 +34,7 @@ comes from values; these stay fixed so the image and the env agree.
 {{/*
 The environment of install-cni: one AMBIENT_* variable per setting of
 docs/install-cni.md (all but AMBIENT_KUBECONFIG: in-cluster configuration is
-used). Paths the plugin also uses on the host (agent socket, netns dirs) are
+used), plus the API server override of apiServer.host. Paths the plugin also uses on the host (agent socket, netns dirs) are
 mounted at the same path in the container, so one value serves both sides.
 */}}
 {{- define "ambient-cni.env" -}}
@@ -88,4 +88,12 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ printf ":%v" .Values.agent.healthPort | quote }}
 - name: AMBIENT_LOG_LEVEL
   value: {{ .Values.agent.logLevel | quote }}
+{{- /* In-cluster client configuration reads these two; they override the
+  values kubelet derives from the kubernetes Service. */}}
+{{- with .Values.apiServer.host }}
+- name: KUBERNETES_SERVICE_HOST
+  value: {{ . | quote }}
+- name: KUBERNETES_SERVICE_PORT
+  value: {{ $.Values.apiServer.port | toString | quote }}
+{{- end }}
 {{- end -}}
