@@ -143,7 +143,7 @@ rootfs() {
 		echo "kube-tools: debian-rootfs needs mmdebstrap (Debian package mmdebstrap; .ci/run installs it)" >&2
 		return 1
 	fi
-	mmdebstrap --quiet "${rootfs_args[@]}" "$rootfs_suite" "$1"
+	mmdebstrap --quiet --format=tar "${rootfs_args[@]}" "$rootfs_suite" "$1"
 }
 
 build() {

@@ -44,6 +44,10 @@ type Options struct {
 	ReadyTimeout time.Duration
 	// Logf, when set, receives progress lines (tests pass t.Logf).
 	Logf func(format string, args ...any)
+	// KubeletClient gives the apiserver a client certificate of the CA for
+	// kubelets (logs, exec) that authenticate clients against it, and has
+	// it reach them by their InternalIP (a node name may not resolve).
+	KubeletClient bool
 }
 
 // ServiceCIDR is the service cluster IP range the apiserver is given.
@@ -218,6 +222,21 @@ func (e *Env) start(ctx context.Context, etcdBin, apiBin string, opts Options) e
 		"--allow-privileged=true",
 		"--profiling=false",
 		"--v=1",
+	}
+	if opts.KubeletClient {
+		crt, key, err := ca.client("kube-apiserver-kubelet-client", "system:masters")
+		if err != nil {
+			return err
+		}
+		for name, data := range map[string][]byte{"kubelet-client.crt": crt, "kubelet-client.key": key} {
+			if err := os.WriteFile(filepath.Join(run, name), data, 0o600); err != nil {
+				return fmt.Errorf("write %s: %w", name, err)
+			}
+		}
+		args = append(args,
+			"--kubelet-client-certificate="+filepath.Join(run, "kubelet-client.crt"),
+			"--kubelet-client-key="+filepath.Join(run, "kubelet-client.key"),
+			"--kubelet-preferred-address-types=InternalIP")
 	}
 	args = append(args, opts.APIServerArgs...)
 	e.apiserver, err = startProcess(KubeAPIServer, apiBin, args, filepath.Join(e.Dir, "kube-apiserver.log"))
