@@ -368,11 +368,11 @@ func (n *Node) WaitPodPhase(ctx context.Context, namespace, name string, phase c
 			return false, err
 		}
 		pod = p
-		return p.Status.Phase == phase, fmt.Errorf("pod %s/%s: %s", namespace, name, podSummary(p))
+		if p.Status.Phase != phase {
+			return false, fmt.Errorf("pod %s/%s: %s", namespace, name, podSummary(p))
+		}
+		return true, nil
 	})
-	if err == nil {
-		return pod, nil
-	}
 	return pod, err
 }
 

@@ -270,6 +270,11 @@ func (s *Story) checkReleased(ctx context.Context, name, what string) {
 
 // released is true when a pod has no trace of capture.
 func (n *Node) released(ctx context.Context, p *corev1.Pod) (bool, error) {
+	return n.releasedFrom(ctx, p, n.standInPort != 0)
+}
+
+// releasedFrom is released, asking the stand-in only when withStandIn.
+func (n *Node) releasedFrom(ctx context.Context, p *corev1.Pod, withStandIn bool) (bool, error) {
 	cur, err := n.Client.CoreV1().Pods(p.Namespace).Get(ctx, p.Name, metav1.GetOptions{})
 	if err != nil {
 		return false, err
@@ -284,7 +289,7 @@ func (n *Node) released(ctx context.Context, p *corev1.Pod) (bool, error) {
 	if HasCaptureRules(rules) {
 		return false, errors.New("capture rules in its netns")
 	}
-	if n.standInPort != 0 {
+	if withStandIn {
 		wls, err := n.StandInWorkloads(ctx)
 		if err != nil {
 			return false, err
