@@ -29,6 +29,19 @@ const (
 	Systemd
 )
 
+// QoS is a pod's quality-of-service class, which names the kubelet cgroup
+// the pod sits in. The zero value is BestEffort.
+type QoS int
+
+const (
+	// BestEffort pods sit below kubepods/besteffort.
+	BestEffort QoS = iota
+	// Burstable pods sit below kubepods/burstable.
+	Burstable
+	// Guaranteed pods sit directly below kubepods.
+	Guaranteed
+)
+
 // DefaultHierarchies returns the cgroup mounts to place the process in: one
 // v1 controller and the v2 mount, so both line formats appear in
 // /proc/<pid>/cgroup. Missing mounts are skipped.
@@ -52,16 +65,32 @@ type Options struct {
 	Root string
 	// Hierarchies overrides DefaultHierarchies.
 	Hierarchies []string
+	// QoS picks the pod's QoS cgroup; the zero value is BestEffort.
+	QoS QoS
 }
 
-// CgroupPath returns the pod's container cgroup path below a hierarchy.
+// CgroupPath returns a BestEffort pod's container cgroup path below a
+// hierarchy.
 func CgroupPath(d Driver, root, uid, containerID string) string {
+	return CgroupPathQoS(d, BestEffort, root, uid, containerID)
+}
+
+// CgroupPathQoS returns the container cgroup path below a hierarchy of a pod
+// of class q, laid out as kubelet's driver d does.
+func CgroupPathQoS(d Driver, q QoS, root, uid, containerID string) string {
+	qos := map[QoS]string{BestEffort: "besteffort", Burstable: "burstable"}[q]
 	if d == Systemd {
-		u := strings.ReplaceAll(uid, "-", "_")
-		return filepath.Join(root, "kubepods.slice", "kubepods-besteffort.slice",
-			"kubepods-besteffort-pod"+u+".slice", "cri-containerd-"+containerID+".scope")
+		// systemd escapes the dashes of the uid; each slice repeats its
+		// parents' names.
+		pod := "kubepods-pod" + strings.ReplaceAll(uid, "-", "_") + ".slice"
+		parts := []string{root, "kubepods.slice"}
+		if qos != "" {
+			pod = "kubepods-" + qos + "-pod" + strings.ReplaceAll(uid, "-", "_") + ".slice"
+			parts = append(parts, "kubepods-"+qos+".slice")
+		}
+		return filepath.Join(append(parts, pod, "cri-containerd-"+containerID+".scope")...)
 	}
-	return filepath.Join(root, "kubepods", "besteffort", "pod"+uid, containerID)
+	return filepath.Join(root, "kubepods", qos, "pod"+uid, containerID)
 }
 
 // Start runs `sleep infinity` inside the netns at netnsPath and moves it
@@ -84,7 +113,7 @@ func Start(uid, netnsPath string, o Options) (*Sandbox, error) {
 		s.Stop()
 		return nil, err
 	}
-	rel := CgroupPath(o.Driver, o.Root, uid, s.ContainerID)
+	rel := CgroupPathQoS(o.Driver, o.QoS, o.Root, uid, s.ContainerID)
 	for _, h := range hier {
 		if _, err := os.Stat(h); err != nil {
 			continue

@@ -17,6 +17,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/podnetns"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -52,9 +53,10 @@ type Enroller interface {
 
 // Finder locates running pods' network namespaces.
 type Finder interface {
-	// Find returns a netns path per pod UID it could locate and confirm
-	// (one of the pod's IPs is on an interface there). One call is one scan.
-	Find(pods map[types.UID][]netip.Addr) (map[types.UID]string, error)
+	// Find returns a held netns per pod UID it could locate and confirm
+	// (one of the pod's IPs is on an interface there). One call is one
+	// scan. The caller closes every returned namespace.
+	Find(pods map[types.UID][]netip.Addr) (map[types.UID]podnetns.Found, error)
 }
 
 // Config configures a Controller.
@@ -259,16 +261,19 @@ func (c *Controller) restore(ctx context.Context) {
 	if err != nil {
 		c.log.Error("find netns of enrolled pods", "err", err)
 	}
+	defer podnetns.CloseAll(found) // those not handed over (closing twice is harmless)
 	start := time.Now()
 	parallel(ctx, c.cfg.Parallel, keys(byUID), func(uid types.UID) {
 		p := byUID[uid]
-		path, ok := found[uid]
+		ns, ok := found[uid]
 		if !ok {
 			// Requeue: the normal path enrolls it (or clears its annotation).
 			c.queue.Add(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
 			return
 		}
-		if err := c.cfg.Enroller.Restore(ctx, p, path); err != nil {
+		err := c.cfg.Enroller.Restore(ctx, p, heldPath(ns))
+		_ = ns.Close() // the Enroller holds its own handle now
+		if err != nil {
 			c.log.Error("restore enrolled pod", "pod", p.Namespace+"/"+p.Name, "err", err)
 			c.queue.Add(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
 		}
@@ -353,12 +358,13 @@ func (c *Controller) processBatch(ctx context.Context) bool {
 		}
 		works = append(works, w)
 	}
-	var found map[types.UID]string
+	var found map[types.UID]podnetns.Found
 	if len(want) > 0 {
 		var err error
 		if found, err = c.find(want); err != nil {
 			c.log.Error("scan for pod netns", "pods", len(want), "err", err)
 		}
+		defer podnetns.CloseAll(found) // those not handed over (closing twice is harmless)
 	}
 	parallel(ctx, c.cfg.Parallel, works, func(w work) {
 		if err := c.apply(ctx, w, found); err != nil {
@@ -372,7 +378,7 @@ func (c *Controller) processBatch(ctx context.Context) bool {
 }
 
 // find runs one netns scan for every pod in want.
-func (c *Controller) find(want map[types.UID][]netip.Addr) (map[types.UID]string, error) {
+func (c *Controller) find(want map[types.UID][]netip.Addr) (map[types.UID]podnetns.Found, error) {
 	start := time.Now()
 	found, err := c.cfg.Finder.Find(want)
 	took := time.Since(start)
@@ -415,7 +421,7 @@ func (c *Controller) plan(k types.NamespacedName) work {
 // errNotFound marks a pod whose netns could not be located; it is retried.
 var errNotFound = errors.New("netns not found")
 
-func (c *Controller) apply(ctx context.Context, w work, found map[types.UID]string) error {
+func (c *Controller) apply(ctx context.Context, w work, found map[types.UID]podnetns.Found) error {
 	if w.uid != "" {
 		if err := c.cfg.Enroller.Unenroll(ctx, w.uid); err != nil {
 			return fmt.Errorf("unenroll %s: %w", w.uid, err)
@@ -431,11 +437,13 @@ func (c *Controller) apply(ctx context.Context, w work, found map[types.UID]stri
 	if !w.need {
 		return nil
 	}
-	path, ok := found[w.pod.UID]
+	ns, ok := found[w.pod.UID]
 	if !ok {
 		return fmt.Errorf("pod %s (uid %s): %w", w.key, w.pod.UID, errNotFound)
 	}
-	if err := c.cfg.Enroller.Enroll(ctx, w.pod, path); err != nil {
+	err := c.cfg.Enroller.Enroll(ctx, w.pod, heldPath(ns))
+	_ = ns.Close() // the Enroller holds its own handle now
+	if err != nil {
 		return fmt.Errorf("enroll: %w", err)
 	}
 	c.log.Info("enrolled running pod", "pod", w.key.String(), "uid", w.pod.UID)

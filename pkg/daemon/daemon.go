@@ -164,7 +164,7 @@ func New(o Options) (*Daemon, error) {
 		Self:      types.NamespacedName{Namespace: c.PodNamespace, Name: c.PodName},
 		Enroller:  eventingEnroller{Enroller: d.agent, rec: d.recorder},
 		Annotator: controller.Annotator{Client: o.Client},
-		Finder:    controller.ProcFinder{Scanner: podnetns.Scanner{ProcRoot: c.ProcRoot}, Logger: d.log},
+		Finder:    controller.ProcFinder{Scanner: podnetns.Scanner{ProcRoot: c.ProcRoot, Logger: d.log}},
 		Logger:    d.log,
 		OnEnablementChange: func() {
 			if d.restored.Load() {

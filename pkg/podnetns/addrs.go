@@ -10,21 +10,16 @@ import (
 )
 
 // Addrs lists the unicast addresses configured on any interface of the
-// network namespace at path, without moving the calling thread into it.
-func Addrs(path string) ([]netip.Addr, error) {
-	f, err := os.Open(path)
+// open network namespace ns, without moving the calling thread into it.
+func Addrs(ns *os.File) ([]netip.Addr, error) {
+	h, err := netlink.NewHandleAt(netns.NsHandle(int(ns.Fd())))
 	if err != nil {
-		return nil, fmt.Errorf("open netns %s: %w", path, err)
-	}
-	defer f.Close()
-	h, err := netlink.NewHandleAt(netns.NsHandle(int(f.Fd())))
-	if err != nil {
-		return nil, fmt.Errorf("netlink in netns %s: %w", path, err)
+		return nil, fmt.Errorf("netlink in netns %s: %w", ns.Name(), err)
 	}
 	defer h.Close()
 	list, err := h.AddrList(nil, netlink.FAMILY_ALL)
 	if err != nil {
-		return nil, fmt.Errorf("list addresses in netns %s: %w", path, err)
+		return nil, fmt.Errorf("list addresses in netns %s: %w", ns.Name(), err)
 	}
 	out := make([]netip.Addr, 0, len(list))
 	for _, a := range list {
@@ -35,12 +30,12 @@ func Addrs(path string) ([]netip.Addr, error) {
 	return out, nil
 }
 
-// HoldsAnyOf reports whether the namespace at path has one of ips on an
-// interface. The agent checks this before touching a namespace found by a
-// /proc scan, so a reused PID or a stale cgroup can never point it at the
-// wrong namespace.
-func HoldsAnyOf(path string, ips []netip.Addr) (bool, error) {
-	have, err := Addrs(path)
+// HoldsAnyOf reports whether the open network namespace ns has one of ips
+// on an interface. Find checks this on the very descriptor it returns, so
+// a reused PID or a stale cgroup can never point the agent at the wrong
+// namespace.
+func HoldsAnyOf(ns *os.File, ips []netip.Addr) (bool, error) {
+	have, err := Addrs(ns)
 	if err != nil {
 		return false, err
 	}

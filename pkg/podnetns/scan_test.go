@@ -3,99 +3,277 @@ package podnetns
 import (
 	"crypto/rand"
 	"fmt"
+	"net"
 	"net/netip"
+	"os"
+	"syscall"
 	"testing"
 
 	"github.com/ambient-cni/ambient-cni/internal/sandbox"
 	"github.com/ambient-cni/ambient-cni/internal/testnet"
 	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/containernetworking/plugins/pkg/testutils"
+	"github.com/vishvananda/netlink"
+	"k8s.io/apimachinery/pkg/types"
 )
 
-func randUID() string {
-	b := make([]byte, 16)
-	_, _ = rand.Read(b)
-	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
+func TestMain(m *testing.M) {
+	// The private-cgroup-namespace test re-runs this binary as the agent.
+	if req := os.Getenv(cgnsHelperEnv); req != "" {
+		os.Exit(cgnsHelper(req))
+	}
+	os.Exit(m.Run())
 }
 
-// startPod starts a sandbox process for uid in a fresh netns.
-func startPod(t *testing.T, uid string, d sandbox.Driver, root string) (ns.NetNS, *sandbox.Sandbox) {
+func randUID() types.UID {
+	b := make([]byte, 16)
+	_, _ = rand.Read(b)
+	return types.UID(fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16]))
+}
+
+// randIP returns an address from 10.200.0.0-10.249.255.255, only ever
+// configured inside namespaces the test made.
+func randIP() netip.Addr {
+	var b [3]byte
+	_, _ = rand.Read(b[:])
+	return netip.AddrFrom4([4]byte{10, 200 + b[0]%50, b[1], b[2]})
+}
+
+// podNS creates a netns with ip on its loopback.
+func podNS(t *testing.T, ip netip.Addr) ns.NetNS {
 	t.Helper()
 	n := testnet.NewNS(t)
-	sb, err := sandbox.Start(uid, n.Path(), sandbox.Options{Driver: d, Root: root})
+	if err := n.Do(func(ns.NetNS) error {
+		lo, err := netlink.LinkByName("lo")
+		if err != nil {
+			return err
+		}
+		return netlink.AddrAdd(lo, &netlink.Addr{IPNet: &net.IPNet{IP: ip.AsSlice(), Mask: net.CIDRMask(ip.BitLen(), ip.BitLen())}})
+	}); err != nil {
+		t.Fatalf("add %s: %v", ip, err)
+	}
+	return n
+}
+
+// startPod starts a process of pod uid in the netns at path, in the pod's
+// kubelet-shaped cgroup.
+func startPod(t *testing.T, uid types.UID, path string, o sandbox.Options) *sandbox.Sandbox {
+	t.Helper()
+	sb, err := sandbox.Start(string(uid), path, o)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(sb.Stop)
-	return n, sb
+	return sb
 }
 
-func TestScanFindsPodsInOnePass(t *testing.T) {
-	testnet.RequireRoot(t)
-	testnet.RequireCommands(t, "nsenter", "sleep")
-	root := testnet.RandName("kubepods-test-", 8)
-	a, b, hostPod, absent := randUID(), randUID(), randUID(), randUID()
-	nsA, sbA := startPod(t, a, sandbox.Cgroupfs, root)
-	nsB, sbB := startPod(t, b, sandbox.Systemd, root)
+func netnsOf(t *testing.T, path string) Netns {
+	t.Helper()
+	var st syscall.Stat_t
+	if err := syscall.Stat(path, &st); err != nil {
+		t.Fatal(err)
+	}
+	return Netns{Dev: st.Dev, Ino: st.Ino}
+}
 
-	// A process of a pod that lives in the host netns (hostNetwork, or a
-	// leftover) must never be returned.
-	hostSb, err := sandbox.Start(hostPod, "/proc/self/ns/net", sandbox.Options{Root: root})
+func openFDs(t *testing.T) int {
+	t.Helper()
+	e, err := os.ReadDir("/proc/self/fd")
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(hostSb.Stop)
+	return len(e)
+}
 
-	got, err := Scanner{}.Scan(map[string]bool{a: true, b: true, hostPod: true, absent: true})
+func TestFindHoldsCheckedNamespaces(t *testing.T) {
+	testnet.RequireRoot(t)
+	testnet.RequireCommands(t, "nsenter", "sleep")
+	root := testnet.RandName("kubepods-test-", 8)
+	a, b, hostPod, wrongIP, noIPs, absent := randUID(), randUID(), randUID(), randUID(), randUID(), randUID()
+	ipA, ipB := randIP(), randIP()
+	nsA, nsB := podNS(t, ipA), podNS(t, ipB)
+	sbA := startPod(t, a, nsA.Path(), sandbox.Options{Driver: sandbox.Cgroupfs, Root: root})
+	sbB := startPod(t, b, nsB.Path(), sandbox.Options{Driver: sandbox.Systemd, Root: root, QoS: sandbox.Burstable})
+	// A process of a pod that lives in the host netns (hostNetwork, or a
+	// leftover) must never be returned, even if the host had its IP.
+	startPod(t, hostPod, "/proc/self/ns/net", sandbox.Options{Root: root})
+	// A pod whose process sits in a namespace without the pod's IP.
+	startPod(t, wrongIP, podNS(t, randIP()).Path(), sandbox.Options{Root: root, QoS: sandbox.Guaranteed})
+	// A pod without IPs cannot be confirmed.
+	startPod(t, noIPs, podNS(t, randIP()).Path(), sandbox.Options{Root: root})
+
+	want := map[types.UID][]netip.Addr{
+		a: {randIP(), ipA}, b: {ipB}, hostPod: {netip.MustParseAddr("127.0.0.1")},
+		wrongIP: {randIP()}, noIPs: nil, absent: {randIP()},
+	}
+	s := Scanner{}
+	// Warm up whatever the runtime opens once (netlink, epoll) before
+	// counting descriptors.
+	findAndClose(t, s, want)
+	before := openFDs(t)
+
+	got, err := s.Find(want)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(got) != 2 {
-		t.Fatalf("Scan found %d pods, want 2: %+v", len(got), got)
+		CloseAll(got)
+		t.Fatalf("Find found %d pods, want 2: %+v", len(got), got)
 	}
-	for uid, want := range map[string]struct {
+	if held := openFDs(t); held != before+2 {
+		t.Errorf("holding 2 namespaces: %d descriptors open, want %d+2", held, before)
+	}
+	for uid, w := range map[types.UID]struct {
 		n  ns.NetNS
 		sb *sandbox.Sandbox
 	}{a: {nsA, sbA}, b: {nsB, sbB}} {
 		f := got[uid]
-		if f.PID != want.sb.Cmd.Process.Pid {
-			t.Errorf("%s: pid %d, want %d", uid, f.PID, want.sb.Cmd.Process.Pid)
+		if f.PID != w.sb.Cmd.Process.Pid || f.ContainerID != w.sb.ContainerID {
+			t.Errorf("%s: pid %d container %s, want %d %s", uid, f.PID, f.ContainerID, w.sb.Cmd.Process.Pid, w.sb.ContainerID)
 		}
-		wantNs, err := statNetns(want.n.Path())
-		if err != nil {
-			t.Fatal(err)
-		}
-		if f.Netns != wantNs {
+		if wantNs := netnsOf(t, w.n.Path()); f.Netns != wantNs {
 			t.Errorf("%s: netns %+v, want %+v", uid, f.Netns, wantNs)
 		}
+		if held := netnsOf(t, fmt.Sprintf("/proc/self/fd/%d", f.File.Fd())); held != f.Netns {
+			t.Errorf("%s: file holds %+v, Found says %+v", uid, held, f.Netns)
+		}
+	}
+
+	// The pod's process exits and nothing else keeps its namespace: the
+	// descriptor Find returned is still that namespace, with the pod's IP,
+	// while the /proc path it was found through is gone.
+	fa := got[a]
+	procPath := fmt.Sprintf("/proc/%d/ns/net", fa.PID)
+	sbA.Stop()
+	_ = nsA.Close()
+	if err := testutils.UnmountNS(nsA); err != nil {
+		t.Fatalf("unmount %s: %v", nsA.Path(), err)
+	}
+	if _, err := os.Stat(procPath); err == nil {
+		t.Fatalf("%s still exists after the process exited", procPath)
+	}
+	if held := netnsOf(t, fmt.Sprintf("/proc/self/fd/%d", fa.File.Fd())); held != fa.Netns {
+		t.Errorf("after exit, file holds %+v, want %+v", held, fa.Netns)
+	}
+	if ok, err := HoldsAnyOf(fa.File, []netip.Addr{ipA}); err != nil || !ok {
+		t.Errorf("after exit, held namespace holds %s = %v, %v; want true", ipA, ok, err)
+	}
+
+	// Stopping the pod released descriptors of its own (the netns handle,
+	// the process's pidfd): count again before closing what Find returned.
+	holding := openFDs(t)
+	CloseAll(got)
+	if after := openFDs(t); after != holding-2 {
+		t.Errorf("closing the 2 namespaces Find returned: %d descriptors open, want %d-2", after, holding)
+	}
+	t.Logf("descriptors: %d before Find, %d while holding 2 (%d after the pod stopped), %d after closing them", before, before+2, holding, openFDs(t))
+}
+
+// TestFindLeaksNothing repeats Find over found and not-found pods and
+// checks that every descriptor it did not return is closed.
+func TestFindLeaksNothing(t *testing.T) {
+	testnet.RequireRoot(t)
+	testnet.RequireCommands(t, "nsenter", "sleep")
+	root := testnet.RandName("kubepods-test-", 8)
+	found, wrongIP, hostPod := randUID(), randUID(), randUID()
+	ip := randIP()
+	startPod(t, found, podNS(t, ip).Path(), sandbox.Options{Root: root})
+	wrongNS := podNS(t, randIP())
+	// Several processes in the same wrong namespace: checked once each
+	// scan, and closed every time.
+	for range 3 {
+		startPod(t, wrongIP, wrongNS.Path(), sandbox.Options{Root: root, Driver: sandbox.Systemd})
+	}
+	startPod(t, hostPod, "/proc/self/ns/net", sandbox.Options{Root: root})
+	s := Scanner{}
+	for _, c := range []struct {
+		name  string
+		pods  map[types.UID][]netip.Addr
+		found int
+	}{
+		{"found", map[types.UID][]netip.Addr{found: {ip}}, 1},
+		{"not found", map[types.UID][]netip.Addr{wrongIP: {randIP()}, hostPod: {randIP()}, randUID(): {randIP()}}, 0},
+		{"mixed", map[types.UID][]netip.Addr{found: {ip}, wrongIP: {randIP()}, hostPod: {randIP()}}, 1},
+	} {
+		findAndClose(t, s, c.pods)
+		before := openFDs(t)
+		for range 20 {
+			got, err := s.Find(c.pods)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(got) != c.found {
+				t.Fatalf("%s: found %d, want %d", c.name, len(got), c.found)
+			}
+			CloseAll(got)
+		}
+		if after := openFDs(t); after != before {
+			t.Errorf("%s: %d descriptors open after 20 scans, %d before", c.name, after, before)
+		}
+		t.Logf("%s: %d descriptors before and %d after 20 scans", c.name, before, openFDs(t))
+	}
+}
+
+func TestFindErrors(t *testing.T) {
+	_, err := Scanner{ProcRoot: t.TempDir() + "/missing"}.Find(map[types.UID][]netip.Addr{randUID(): {randIP()}})
+	if err == nil {
+		t.Fatal("missing proc root accepted")
+	}
+	// A proc root without processes finds nothing, without error.
+	got, err := Scanner{ProcRoot: t.TempDir()}.Find(map[types.UID][]netip.Addr{randUID(): {randIP()}})
+	if err != nil || len(got) != 0 {
+		t.Fatalf("empty proc root: %v, %v", got, err)
 	}
 }
 
 func TestHoldsAnyOf(t *testing.T) {
 	testnet.RequireRoot(t)
 	p := testnet.NewPair(t)
-	ok, err := HoldsAnyOf(p.A.NS.Path(), []netip.Addr{p.B.V4, p.A.V6})
+	f, err := os.Open(p.A.NS.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	ok, err := HoldsAnyOf(f, []netip.Addr{p.B.V4, p.A.V6})
 	if err != nil || !ok {
 		t.Fatalf("HoldsAnyOf(A, [B.v4, A.v6]) = %v, %v; want true", ok, err)
 	}
-	ok, err = HoldsAnyOf(p.A.NS.Path(), []netip.Addr{p.B.V4, p.B.V6})
+	ok, err = HoldsAnyOf(f, []netip.Addr{p.B.V4, p.B.V6})
 	if err != nil || ok {
 		t.Fatalf("HoldsAnyOf(A, B's addrs) = %v, %v; want false", ok, err)
 	}
-	if _, err := HoldsAnyOf("/nonexistent/netns", nil); err == nil {
-		t.Fatal("missing netns path accepted")
+	notNS, err := os.Open("/dev/null")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer notNS.Close()
+	if _, err := HoldsAnyOf(notNS, nil); err == nil {
+		t.Fatal("a file that is not a netns accepted")
 	}
 }
 
-// BenchmarkScan measures one /proc pass looking for 500 pods, most of
-// them absent, on whatever this machine runs.
-func BenchmarkScan(b *testing.B) {
-	want := make(map[string]bool, 500)
+// findAndClose runs Find and closes what it returns.
+func findAndClose(t *testing.T, s Scanner, pods map[types.UID][]netip.Addr) {
+	t.Helper()
+	got, err := s.Find(pods)
+	if err != nil {
+		t.Fatal(err)
+	}
+	CloseAll(got)
+}
+
+// BenchmarkFind measures one /proc pass looking for 500 pods, most of them
+// absent, on whatever this machine runs.
+func BenchmarkFind(b *testing.B) {
+	want := make(map[types.UID][]netip.Addr, 500)
 	for range 500 {
-		want[randUID()] = true
+		want[randUID()] = []netip.Addr{randIP()}
 	}
 	for b.Loop() {
-		if _, err := (Scanner{}).Scan(want); err != nil {
+		got, err := (Scanner{}).Find(want)
+		if err != nil {
 			b.Fatal(err)
 		}
+		CloseAll(got)
 	}
 }
