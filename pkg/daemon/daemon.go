@@ -319,17 +319,30 @@ func (d *Daemon) Run(ctx context.Context) error {
 }
 
 // shutdown releases state and decides whether the plugin stays installed.
-// During an upgrade (the DaemonSet lives on) the plugin, its config entry
-// and the host probe set stay, so pods keep their probes and new pods wait
-// for the next agent; otherwise all three are removed.
+// During an upgrade (the DaemonSet lives on) the pods keep their rules,
+// and the plugin, its config entry and the host probe set stay, so pods
+// keep their probes and new pods wait for the next agent. On an uninstall
+// every captured pod is released first (annotation, rules), then all
+// three are removed: nothing stays redirected to a ztunnel that may go.
 func (d *Daemon) shutdown() error {
-	_ = d.agent.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	checker := controller.DaemonSetUpgradeChecker{Client: d.client, Namespace: d.cfg.PodNamespace, Name: d.cfg.DaemonSet}
 	upgrade := installer.IsUpgrade(ctx, checker, d.log)
 	var errs []error
-	if err := d.installer.Shutdown(ctx, upgrade); err != nil {
+	if !upgrade {
+		// Its own budget (within the chart's 30 s grace period): one API
+		// call and one rule removal per pod.
+		rctx, rcancel := context.WithTimeout(context.Background(), 12*time.Second)
+		if err := d.agent.ReleaseAll(rctx); err != nil {
+			errs = append(errs, fmt.Errorf("release pods: %w", err))
+		}
+		rcancel()
+	}
+	_ = d.agent.Close()
+	ictx, icancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer icancel()
+	if err := d.installer.Shutdown(ictx, upgrade); err != nil {
 		errs = append(errs, fmt.Errorf("installer shutdown: %w", err))
 	}
 	if !upgrade {

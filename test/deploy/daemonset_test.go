@@ -17,6 +17,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 
 	"github.com/ambient-cni/ambient-cni/pkg/agentconfig"
@@ -33,6 +34,9 @@ type objects struct {
 	rb       *rbacv1.RoleBinding
 	kinds    []string
 	manifest []byte
+	// hooks are the helm hook objects (helm.sh/hook annotation), kept
+	// apart: helm runs them around the release, they are not part of it.
+	hooks []*unstructured.Unstructured
 }
 
 func decode(t testing.TB, manifest []byte) *objects {
@@ -43,6 +47,10 @@ func decode(t testing.TB, manifest []byte) *objects {
 	}
 	out := &objects{manifest: manifest}
 	for _, o := range objs {
+		if _, hook := o.GetAnnotations()["helm.sh/hook"]; hook {
+			out.hooks = append(out.hooks, o)
+			continue
+		}
 		out.kinds = append(out.kinds, o.GetKind())
 		var dst any
 		switch o.GetKind() {

@@ -39,10 +39,11 @@ func imageName(name string) string { return ImageRepository + "/" + name + ":" +
 const AgentRepository = ImageRepository + "/ambient-cni"
 
 // The DaemonSet image layout, as deploy/Dockerfile builds it (the chart's
-// image.command and image.pluginBinary).
+// image.command, image.pluginBinary and image.uninstallCommand).
 const (
-	agentCommand = "/usr/local/bin/install-cni"
-	pluginBinary = "/opt/ambient-cni/bin/ambient-cni"
+	agentCommand     = "/usr/local/bin/install-cni"
+	pluginBinary     = "/opt/ambient-cni/bin/ambient-cni"
+	uninstallCommand = "/usr/local/bin/ambient-cni-uninstall"
 )
 
 // BuildImages builds the binaries of every image from the repository
@@ -56,16 +57,16 @@ func BuildImages(ctx context.Context, dir string, t Tools, logf func(string, ...
 	}
 	start := time.Now()
 	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags=-s -w", "-o", bin+"/",
-		"./cmd/cni-plugin", "./cmd/install-cni", "./test/ztunnel/cmd/ztunnel-standin", "./test/realnode/cmd/app", "./test/realnode/cmd/pause")
+		"./cmd/cni-plugin", "./cmd/install-cni", "./cmd/ambient-cni-uninstall", "./test/ztunnel/cmd/ztunnel-standin", "./test/realnode/cmd/app", "./test/realnode/cmd/pause")
 	cmd.Dir = t.Repo
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return Images{}, fmt.Errorf("build image binaries: %w\n%s", err, out)
 	}
-	logf("   built install-cni, the plugin, the stand-in, app and pause (static) in %v", time.Since(start).Round(100*time.Millisecond))
+	logf("   built install-cni, the plugin, the uninstall hook, the stand-in, app and pause (static) in %v", time.Since(start).Round(100*time.Millisecond))
 
 	imgs := Images{Agent: imageName("ambient-cni"), Pause: imageName("pause"), App: imageName("app"), StandIn: imageName("ztunnel-standin")}
-	one := func(name, file string, entry []string, cmd []string, layers ...imagearchive.Layer) error {
+	one := func(name string, entry []string, cmd []string, layers ...imagearchive.Layer) error {
 		a := filepath.Join(imgDir, strings.NewReplacer("/", "_", ":", "_").Replace(name)+".tar")
 		if err := imagearchive.WriteFile(a, imagearchive.Image{Name: name, Entrypoint: entry, Cmd: cmd, Layers: layers}); err != nil {
 			return fmt.Errorf("write image %s: %w", name, err)
@@ -80,7 +81,7 @@ func BuildImages(ctx context.Context, dir string, t Tools, logf func(string, ...
 		}
 		return l
 	}
-	for _, b := range []string{"cni-plugin", "install-cni", "ztunnel-standin", "app", "pause"} {
+	for _, b := range []string{"cni-plugin", "install-cni", "ambient-cni-uninstall", "ztunnel-standin", "app", "pause"} {
 		if _, err := os.Stat(filepath.Join(bin, b)); err != nil {
 			return Images{}, fmt.Errorf("image binary %s: %w", b, err)
 		}
@@ -88,17 +89,18 @@ func BuildImages(ctx context.Context, dir string, t Tools, logf func(string, ...
 	agentTop := files(
 		imagearchive.File{Path: agentCommand, Mode: 0o755, Source: filepath.Join(bin, "install-cni")},
 		imagearchive.File{Path: pluginBinary, Mode: 0o755, Source: filepath.Join(bin, "cni-plugin")},
+		imagearchive.File{Path: uninstallCommand, Mode: 0o755, Source: filepath.Join(bin, "ambient-cni-uninstall")},
 	)
-	if err := one(imgs.Agent, "ambient-cni", []string{agentCommand}, nil, imagearchive.FileLayer(t.Rootfs), agentTop); err != nil {
+	if err := one(imgs.Agent, []string{agentCommand}, nil, imagearchive.FileLayer(t.Rootfs), agentTop); err != nil {
 		return imgs, err
 	}
-	if err := one(imgs.Pause, "pause", []string{"/pause"}, nil, files(imagearchive.File{Path: "/pause", Mode: 0o755, Source: filepath.Join(bin, "pause")})); err != nil {
+	if err := one(imgs.Pause, []string{"/pause"}, nil, files(imagearchive.File{Path: "/pause", Mode: 0o755, Source: filepath.Join(bin, "pause")})); err != nil {
 		return imgs, err
 	}
-	if err := one(imgs.App, "app", []string{"/app"}, []string{"serve"}, files(imagearchive.File{Path: "/app", Mode: 0o755, Source: filepath.Join(bin, "app")})); err != nil {
+	if err := one(imgs.App, []string{"/app"}, []string{"serve"}, files(imagearchive.File{Path: "/app", Mode: 0o755, Source: filepath.Join(bin, "app")})); err != nil {
 		return imgs, err
 	}
-	if err := one(imgs.StandIn, "ztunnel-standin", []string{"/ztunnel-standin"}, nil, files(imagearchive.File{Path: "/ztunnel-standin", Mode: 0o755, Source: filepath.Join(bin, "ztunnel-standin")})); err != nil {
+	if err := one(imgs.StandIn, []string{"/ztunnel-standin"}, nil, files(imagearchive.File{Path: "/ztunnel-standin", Mode: 0o755, Source: filepath.Join(bin, "ztunnel-standin")})); err != nil {
 		return imgs, err
 	}
 	logf("   wrote 4 image archives in %v", time.Since(start).Round(100*time.Millisecond))

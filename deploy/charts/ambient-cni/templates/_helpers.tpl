@@ -88,8 +88,15 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ printf ":%v" .Values.agent.healthPort | quote }}
 - name: AMBIENT_LOG_LEVEL
   value: {{ .Values.agent.logLevel | quote }}
-{{- /* In-cluster client configuration reads these two; they override the
-  values kubelet derives from the kubernetes Service. */}}
+{{- include "ambient-cni.apiServerEnv" . }}
+{{- end -}}
+
+{{/*
+The API server override of apiServer.host: in-cluster client configuration
+reads these two, and they win over the values kubelet derives from the
+kubernetes Service. Empty when apiServer.host is.
+*/}}
+{{- define "ambient-cni.apiServerEnv" -}}
 {{- with .Values.apiServer.host }}
 - name: KUBERNETES_SERVICE_HOST
   value: {{ . | quote }}
