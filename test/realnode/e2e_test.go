@@ -84,11 +84,15 @@ func TestRealNode(t *testing.T) {
 		testnet.Missing(t, err.Error())
 	}
 	ctx := context.Background()
+	out := &lineWriter{t: t}
+	// What an earlier, killed run left is not this run's to report.
+	if err := Reap(ctx, out); err != nil {
+		t.Fatal(err)
+	}
 	before, err := TakeHostSnapshot()
 	if err != nil {
 		t.Fatal(err)
 	}
-	out := &lineWriter{t: t}
 
 	// A node whose owner was killed (no chance to tear down) is torn down
 	// by the next Up: the host snapshot at the end covers it too.

@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 )
 
 // ConflistName is the node's primary CNI config file.
@@ -133,12 +134,14 @@ func removeLinks(st *state) []error {
 	links, _ := netlink.LinkList()
 	for _, l := range links {
 		if l.Attrs().MasterIndex == br.Attrs().Index {
-			if err := netlink.LinkDel(l); err != nil {
+			// A veth goes by itself when its pod's netns does, which may
+			// happen between the listing and here.
+			if err := netlink.LinkDel(l); err != nil && !errors.Is(err, unix.ENODEV) {
 				errs = append(errs, fmt.Errorf("delete %s: %w", l.Attrs().Name, err))
 			}
 		}
 	}
-	if err := netlink.LinkDel(br); err != nil {
+	if err := netlink.LinkDel(br); err != nil && !errors.Is(err, unix.ENODEV) {
 		errs = append(errs, fmt.Errorf("delete bridge %s: %w", st.Bridge, err))
 	}
 	return errs

@@ -646,6 +646,23 @@ func DownDir(dir string, out io.Writer) error {
 	return errors.Join(errs...)
 }
 
+// Reap tears down every node whose owner died, under the machine-wide
+// lock (tests call it before recording the host's state).
+func Reap(ctx context.Context, out io.Writer) error {
+	logf := func(format string, args ...any) {
+		if out != nil {
+			fmt.Fprintf(out, format+"\n", args...)
+		}
+	}
+	lock, err := acquireLock(ctx, logf)
+	if err != nil {
+		return err
+	}
+	defer releaseLock(lock)
+	reapStale(logf)
+	return nil
+}
+
 // reapStale tears down nodes whose owner died.
 func reapStale(logf func(string, ...any)) {
 	dirs, _ := filepath.Glob(filepath.Join(os.TempDir(), dirPrefix+"*"))
