@@ -57,8 +57,6 @@ func startProc(name, path string, args []string, env []string, logPath string) (
 	return p, nil
 }
 
-func (p *proc) pid() int { return p.cmd.Process.Pid }
-
 func (p *proc) exited() bool {
 	select {
 	case <-p.done:
@@ -126,19 +124,6 @@ func alive(pid int, start uint64) bool {
 	}
 	s, err := procStart(pid)
 	return err == nil && s == start
-}
-
-// killRecorded SIGKILLs a process a previous run recorded, if it is still
-// the same process, and waits for it to go.
-func killRecorded(pid int, start uint64) {
-	if !alive(pid, start) {
-		return
-	}
-	_ = syscall.Kill(pid, syscall.SIGKILL)
-	deadline := time.Now().Add(10 * time.Second)
-	for alive(pid, start) && time.Now().Before(deadline) {
-		time.Sleep(50 * time.Millisecond)
-	}
 }
 
 // pidsWithArg returns the processes whose command line has arg as one of
