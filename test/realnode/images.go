@@ -74,34 +74,35 @@ func BuildImages(ctx context.Context, dir string, t Tools, logf func(string, ...
 		imgs.archives = append(imgs.archives, a)
 		return nil
 	}
-	files := func(fs ...imagearchive.File) imagearchive.Layer {
-		l, err := imagearchive.FilesLayer(fs...)
-		if err != nil {
-			panic(err) // fixed paths, cannot fail but for a missing binary, checked below
-		}
-		return l
-	}
 	for _, b := range []string{"cni-plugin", "install-cni", "ambient-cni-uninstall", "ztunnel-standin", "app", "pause"} {
 		if _, err := os.Stat(filepath.Join(bin, b)); err != nil {
 			return Images{}, fmt.Errorf("image binary %s: %w", b, err)
 		}
 	}
-	agentTop := files(
+	agentTop, err := imagearchive.FilesLayer(
 		imagearchive.File{Path: agentCommand, Mode: 0o755, Source: filepath.Join(bin, "install-cni")},
 		imagearchive.File{Path: pluginBinary, Mode: 0o755, Source: filepath.Join(bin, "cni-plugin")},
 		imagearchive.File{Path: uninstallCommand, Mode: 0o755, Source: filepath.Join(bin, "ambient-cni-uninstall")},
 	)
+	if err != nil {
+		return imgs, err
+	}
 	if err := one(imgs.Agent, []string{agentCommand}, nil, imagearchive.FileLayer(t.Rootfs), agentTop); err != nil {
 		return imgs, err
 	}
-	if err := one(imgs.Pause, []string{"/pause"}, nil, files(imagearchive.File{Path: "/pause", Mode: 0o755, Source: filepath.Join(bin, "pause")})); err != nil {
-		return imgs, err
-	}
-	if err := one(imgs.App, []string{"/app"}, []string{"serve"}, files(imagearchive.File{Path: "/app", Mode: 0o755, Source: filepath.Join(bin, "app")})); err != nil {
-		return imgs, err
-	}
-	if err := one(imgs.StandIn, []string{"/ztunnel-standin"}, nil, files(imagearchive.File{Path: "/ztunnel-standin", Mode: 0o755, Source: filepath.Join(bin, "ztunnel-standin")})); err != nil {
-		return imgs, err
+	// The other images hold one static binary each, at the root.
+	for _, single := range []struct{ name, bin string }{{imgs.Pause, "pause"}, {imgs.App, "app"}, {imgs.StandIn, "ztunnel-standin"}} {
+		l, err := imagearchive.FilesLayer(imagearchive.File{Path: "/" + single.bin, Mode: 0o755, Source: filepath.Join(bin, single.bin)})
+		if err != nil {
+			return imgs, err
+		}
+		var cmd []string
+		if single.bin == "app" {
+			cmd = []string{"serve"}
+		}
+		if err := one(single.name, []string{"/" + single.bin}, cmd, l); err != nil {
+			return imgs, err
+		}
 	}
 	logf("   wrote 4 image archives in %v", time.Since(start).Round(100*time.Millisecond))
 	return imgs, nil
