@@ -42,7 +42,7 @@ test: tools check-manifests ## run every test (root tests need root; CI=true tur
 # A static binary, so Ctrl-C reaches it directly (not through go run) and
 # it tears the node down before make returns.
 $(BIN)/ambient-node: FORCE
-	CGO_ENABLED=0 $(GO) build -o $@ ./test/realnode/cmd/node
+	CGO_ENABLED=0 $(GO) build -trimpath -o $@ ./test/realnode/cmd/node
 
 demo: node-tools $(BIN)/ambient-node ## as root: a real kubelet + containerd node, ambient-cni installed by helm, the story with checked proofs, then teardown (KEEP=1: stay up to explore)
 	$(BIN)/ambient-node demo $(if $(KEEP),-keep)

@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -123,6 +124,7 @@ func TestRealNode(t *testing.T) {
 	}
 	e := &e2e{n: n, out: out}
 
+	t.Run("the egress guard catches traffic off the machine", e.testGuardCatches)
 	t.Run("agent runs as the chart's DaemonSet pod", e.testAgentPod)
 	t.Run("story", e.testStory)
 	t.Run("graceful deletion keeps the pod captured until its container is gone", e.testGracefulDeletion)
@@ -335,6 +337,44 @@ func (e *e2e) agentForgot(t *testing.T, uid types.UID, ip string) {
 	})
 	if err != nil {
 		t.Error(err)
+	}
+}
+
+// testNet is TEST-NET-1 (RFC 5737): documentation addresses, never routed
+// anywhere; the guard rejects the attempts before they leave anyway.
+const testNet = "192.0.2.1"
+
+// The guard is not vacuous: an attempt off the machine from the node's own
+// processes and one from a pod are both counted (and rejected); then the
+// counters start over for the real run.
+func (e *e2e) testGuardCatches(t *testing.T) {
+	ctx := context.Background()
+	c, err := net.DialTimeout("tcp", testNet+":80", 5*time.Second)
+	if err == nil {
+		_ = c.Close()
+		t.Fatalf("a connection to %s succeeded", testNet)
+	}
+	e.namespace(t, "guard", false)
+	pod := e.n.AppPod("guard", "leaker", AppOptions{RestartNever: true, Args: []string{"get", "-timeout", "5s", "http://" + testNet + "/"}})
+	if _, err := e.n.Client.CoreV1().Pods("guard").Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.n.WaitPodPhase(ctx, "guard", "leaker", corev1.PodFailed); err != nil {
+		t.Fatal(err)
+	}
+	hits, err := e.n.GuardHits()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if hits["node to outside"] == 0 || hits["pods to outside"] == 0 {
+		t.Errorf("guard counted %v: want both the node's and the pod's attempt", hits)
+	}
+	zero := int64(0)
+	if err := e.n.Client.CoreV1().Pods("guard").Delete(ctx, "leaker", metav1.DeleteOptions{GracePeriodSeconds: &zero}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.n.ResetGuard(); err != nil {
+		t.Fatal(err)
 	}
 }
 

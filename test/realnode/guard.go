@@ -126,3 +126,15 @@ func removeGuard(table string) error {
 	}
 	return nil
 }
+
+// ResetGuard zeroes the guard's counters (after a test proved they count).
+func (n *Node) ResetGuard() error {
+	if n.st == nil || n.st.Guard == "" {
+		return nil
+	}
+	out, err := exec.Command("nft", "reset", "counters", "table", "inet", n.st.Guard).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("reset egress guard counters: %v: %s", err, out)
+	}
+	return nil
+}

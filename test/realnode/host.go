@@ -53,6 +53,48 @@ var hostPaths = []string{
 	"/etc/kubernetes",
 }
 
+// hostSysctls are the kernel settings the node changes: the bridge plugin
+// turns on forwarding (isGateway), kubelet sets its kernel tunables
+// (protectKernelDefaults false modifies them; true would refuse to start
+// on a host that has other values). Down writes back what Up found.
+var hostSysctls = []string{
+	"net/ipv4/ip_forward",
+	"net/ipv6/conf/all/forwarding",
+	"vm/overcommit_memory",
+	"vm/panic_on_oom",
+	"kernel/panic",
+	"kernel/panic_on_oops",
+	"kernel/keys/root_maxkeys",
+	"kernel/keys/root_maxbytes",
+}
+
+// readSysctls returns the current value of every hostSysctls entry.
+func readSysctls() map[string]string {
+	out := map[string]string{}
+	for _, k := range hostSysctls {
+		if b, err := os.ReadFile(filepath.Join("/proc/sys", k)); err == nil {
+			out[k] = strings.TrimSpace(string(b))
+		}
+	}
+	return out
+}
+
+// restoreSysctls writes back every value that differs from before.
+func restoreSysctls(before map[string]string) []error {
+	var errs []error
+	now := readSysctls()
+	for _, k := range hostSysctls {
+		want, ok := before[k]
+		if !ok || now[k] == want {
+			continue
+		}
+		if err := os.WriteFile(filepath.Join("/proc/sys", k), []byte(want+"\n"), 0o644); err != nil {
+			errs = append(errs, fmt.Errorf("restore %s=%s: %w", k, want, err))
+		}
+	}
+	return errs
+}
+
 // kubeletChains are the iptables chains kubelet creates in the host netns.
 var kubeletChains = []string{"KUBE-FIREWALL", "KUBE-KUBELET-CANARY", "KUBE-IPTABLES-HINT"}
 

@@ -120,6 +120,7 @@ type before struct {
 	NftTables []string
 	IPSets    []string
 	Kubepods  []string
+	Sysctls   map[string]string
 }
 
 func (n *Node) logf(format string, args ...any) {
@@ -266,6 +267,7 @@ func recordBefore() (before, error) {
 		return b, err
 	}
 	b.Kubepods = topCgroups("kubepods")
+	b.Sysctls = readSysctls()
 	return b, nil
 }
 
@@ -603,6 +605,7 @@ func finish(st *state, logf func(string, ...any)) []error {
 	}
 	errs = append(errs, removeEmptyNewTables(st.Before.NftTables)...)
 	errs = append(errs, removeNew(st.Before.Paths)...)
+	errs = append(errs, restoreSysctls(st.Before.Sysctls)...)
 	if len(errs) == 0 && st.Dir != "" {
 		if err := os.RemoveAll(st.Dir); err != nil {
 			errs = append(errs, err)

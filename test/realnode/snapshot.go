@@ -62,6 +62,9 @@ func TakeHostSnapshot() (HostSnapshot, error) {
 	for p := range existing(hostPaths) {
 		s.add("files", p)
 	}
+	for k, v := range readSysctls() {
+		s.add("sysctl", k+"="+v)
+	}
 	for _, v := range s.Sections {
 		slices.Sort(v)
 	}
@@ -112,7 +115,7 @@ func Relevant(diff []string) []string {
 	var out []string
 	for _, l := range diff {
 		section, _, _ := strings.Cut(l, ":")
-		if section == "files" {
+		if section == "files" || section == "sysctl" {
 			out = append(out, l)
 			continue
 		}
