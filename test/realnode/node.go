@@ -87,6 +87,7 @@ type Node struct {
 
 	opts        Options
 	standInPort int
+	guardBase   map[string]int
 	st          *state
 	lock        *os.File
 	procs       []*proc
