@@ -158,6 +158,10 @@ type Installer struct {
 	stateLoaded bool
 	lastErr     string // last pass error logged at Warn
 
+	// testHookBinaryCopied, when set, runs right after a copy of the
+	// binary landed, to let a test play a writer racing the installer.
+	testHookBinaryCopied func()
+
 	configWrites, binaryCopies, reinstalls, throttled, errs atomic.Uint64
 }
 
@@ -179,6 +183,23 @@ type stamp struct {
 	size       int64
 	mtim, ctim syscall.Timespec
 	mode       fs.FileMode
+}
+
+// stampSettle is how long a file must have been left alone before its
+// stamp is trusted. A write in the same timestamp tick as the stat that
+// made a stamp can leave size, times and inode as they were ("racily
+// clean", as git calls it); one that comes this much later cannot.
+const stampSettle = time.Second
+
+// trustedStamp is fi's stamp when the file last changed well before
+// checked (a time taken before fi), else no stamp, so the next pass
+// compares the content again.
+func trustedStamp(fi fs.FileInfo, checked time.Time) stamp {
+	s := stampOf(fi)
+	if !s.ok || !time.Unix(s.ctim.Unix()).Before(checked.Add(-stampSettle)) {
+		return stamp{}
+	}
+	return s
 }
 
 func stampOf(fi fs.FileInfo) stamp {
@@ -464,6 +485,7 @@ func (i *Installer) pass(force bool) (retry time.Duration, err error) {
 // ensureBinary copies the plugin binary into BinDir unless an identical
 // executable copy is already there.
 func (i *Installer) ensureBinary(force bool) (time.Duration, error) {
+	checked := time.Now() // before the stat: see trustedStamp
 	fi, err := os.Stat(i.dst)
 	if err == nil && i.binStamp.ok && stampOf(fi) == i.binStamp {
 		return 0, nil
@@ -474,7 +496,10 @@ func (i *Installer) ensureBinary(force bool) (time.Duration, error) {
 			return 0, fmt.Errorf("compare plugin binary: %w", err)
 		}
 		if same {
-			i.binStamp = stampOf(fi)
+			// fi was taken before the content was read, so it describes
+			// what was compared or something older: a later change
+			// shows as a different stamp.
+			i.binStamp = trustedStamp(fi, checked)
 			return 0, nil
 		}
 	}
@@ -490,9 +515,14 @@ func (i *Installer) ensureBinary(force bool) (time.Duration, error) {
 	if err := copyAtomic(i.cfg.PluginBinary, i.dst, 0o755); err != nil {
 		return 0, fmt.Errorf("install plugin binary: %w", err)
 	}
-	if fi, err := os.Stat(i.dst); err == nil {
-		i.binStamp = stampOf(fi)
+	if i.testHookBinaryCopied != nil {
+		i.testHookBinaryCopied()
 	}
+	// No stamp for the copy: a stat now would describe whatever is at the
+	// path by then, and a writer may already have overwritten or replaced
+	// our copy; stamping that would hide it from every later pass. The
+	// pass our own rename triggers compares the content and stamps it.
+	i.binStamp = stamp{}
 	i.binaryCopies.Add(1)
 	if i.installed {
 		i.countReinstall()
