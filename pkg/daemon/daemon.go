@@ -34,6 +34,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/plugin"
 	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/podnetns"
+	"github.com/ambient-cni/ambient-cni/pkg/unixsock"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
 
@@ -240,7 +241,7 @@ func (d *Daemon) Ready() []string { return d.health.Ready() }
 func (d *Daemon) Run(ctx context.Context) error {
 	c := d.cfg
 	for _, dir := range []string{filepath.Dir(c.AgentSocket), filepath.Dir(c.ZDSSocket)} {
-		if err := installer.EnsurePrivateDir(dir); err != nil {
+		if err := unixsock.EnsurePrivateDir(dir); err != nil {
 			return err
 		}
 	}

@@ -20,8 +20,7 @@
 //
 // Wiring: New, then Run in a goroutine owned by main; Ready/Check for
 // /readyz; Stats or Config.OnReinstall for metrics; on SIGTERM cancel Run's
-// context and call ShutdownChecked (or Shutdown). EnsurePrivateDir makes
-// the root-only directory for the agent socket and enablement snapshot.
+// context and call ShutdownChecked (or Shutdown).
 package installer
 
 import (
@@ -42,6 +41,8 @@ import (
 
 	"github.com/containernetworking/cni/libcni"
 	"github.com/fsnotify/fsnotify"
+
+	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
 )
 
 // Defaults for Config.
@@ -149,7 +150,7 @@ type Installer struct {
 
 	mu          sync.Mutex // serializes passes and Shutdown
 	closed      bool
-	limiter     *tokenBucket
+	limiter     rewriteLimit
 	records     map[string]*record
 	binStamp    stamp
 	installed   bool // first complete install done
@@ -172,7 +173,7 @@ type record struct {
 	origPath  string      // the primary's file (differs after a .conf conversion)
 	orig      []byte      // its bytes, nil when they already held our entry
 	origMode  fs.FileMode // its mode
-	origOwner *owner
+	origOwner *atomicfile.Owner
 }
 
 // stamp identifies one version of the installed binary cheaply, so a pass
@@ -266,7 +267,7 @@ func New(cfg Config) (*Installer, error) {
 		log:     log.With("component", "installer"),
 		entry:   entry,
 		dst:     filepath.Join(cfg.BinDir, cfg.PluginName),
-		limiter: newTokenBucket(cfg.MaxRewritesPerSecond, cfg.RewriteBurst, time.Now()),
+		limiter: newRewriteLimit(cfg.MaxRewritesPerSecond, cfg.RewriteBurst),
 		records: map[string]*record{},
 	}, nil
 }
@@ -415,7 +416,7 @@ func (i *Installer) addWatches(w *fsnotify.Watcher) bool {
 // relevant filters events down to the files we care about.
 func (i *Installer) relevant(ev fsnotify.Event) bool {
 	dir, base := filepath.Dir(ev.Name), filepath.Base(ev.Name)
-	if isOurTemp(base) {
+	if atomicfile.IsTemp(base) {
 		return false
 	}
 	if dir == i.cfg.BinDir && base == i.cfg.PluginName {
@@ -451,7 +452,7 @@ func (i *Installer) pass(force bool) (retry time.Duration, err error) {
 	i.loadState()
 	if !i.tempsCleant {
 		for _, d := range []string{i.cfg.BinDir, i.cfg.ConfDir} {
-			if n, err := removeStaleTemps(d); err == nil && n > 0 {
+			if n, err := atomicfile.RemoveStaleTemps(d); err == nil && n > 0 {
 				i.log.Info("removed stale temporary files", "dir", d, "count", n)
 			}
 		}
@@ -512,7 +513,7 @@ func (i *Installer) ensureBinary(force bool) (time.Duration, error) {
 	if err := os.MkdirAll(i.cfg.BinDir, 0o755); err != nil {
 		return 0, fmt.Errorf("create CNI bin dir: %w", err)
 	}
-	if err := copyAtomic(i.cfg.PluginBinary, i.dst, 0o755); err != nil {
+	if err := atomicfile.CopyFile(i.cfg.PluginBinary, i.dst, atomicfile.Options{Mode: 0o755}); err != nil {
 		return 0, fmt.Errorf("install plugin binary: %w", err)
 	}
 	if i.testHookBinaryCopied != nil {
@@ -648,13 +649,13 @@ func (i *Installer) ensureChained(path string, force bool) (time.Duration, error
 	guard := func() error {
 		now, _, err := readLimited(path)
 		if err != nil || !bytes.Equal(now, cur) {
-			return errChanged
+			return atomicfile.ErrChanged
 		}
 		return nil
 	}
-	own := ownerOf(fi)
-	if err := writeAtomic(target, out, fi.Mode(), own, guard); err != nil {
-		if errors.Is(err, errChanged) {
+	own := atomicfile.OwnerOf(fi)
+	if err := atomicfile.WriteFile(target, out, atomicfile.Options{Mode: fi.Mode(), Owner: own, Guard: guard}); err != nil {
+		if errors.Is(err, atomicfile.ErrChanged) {
 			return i.cfg.Debounce, nil
 		}
 		return 0, fmt.Errorf("write %s: %w", target, err)
@@ -810,7 +811,7 @@ func (i *Installer) Shutdown(ctx context.Context, upgrade bool) error {
 		p := filepath.Join(i.cfg.ConfDir, e.Name())
 		err := i.unchainFile(p)
 		// Racing a primary that is writing the same file: try again.
-		for try := 0; errors.Is(err, errChanged) && try < 3; try++ {
+		for try := 0; errors.Is(err, atomicfile.ErrChanged) && try < 3; try++ {
 			time.Sleep(i.cfg.Debounce)
 			err = i.unchainFile(p)
 		}
@@ -824,7 +825,7 @@ func (i *Installer) Shutdown(ctx context.Context, upgrade bool) error {
 		i.log.Info("removed plugin binary", "path", i.dst)
 	}
 	for _, d := range []string{i.cfg.BinDir, i.cfg.ConfDir} {
-		_, _ = removeStaleTemps(d)
+		_, _ = atomicfile.RemoveStaleTemps(d)
 	}
 	if len(errs) == 0 {
 		i.dropState()
@@ -848,7 +849,7 @@ func (i *Installer) unchainFile(path string) error {
 	guard := func() error {
 		now, _, err := readLimited(path)
 		if err != nil || !bytes.Equal(now, cur) {
-			return fmt.Errorf("%s: %w", path, errChanged)
+			return fmt.Errorf("%s: %w", path, atomicfile.ErrChanged)
 		}
 		return nil
 	}
@@ -858,7 +859,7 @@ func (i *Installer) unchainFile(path string) error {
 	}
 	if rec != nil && rec.orig != nil && bytes.Equal(cur, rec.written) {
 		if rec.origPath == path || rec.origPath == target {
-			if err := writeAtomic(target, rec.orig, fi.Mode(), ownerOf(fi), guard); err != nil {
+			if err := atomicfile.WriteFile(target, rec.orig, atomicfile.Options{Mode: fi.Mode(), Owner: atomicfile.OwnerOf(fi), Guard: guard}); err != nil {
 				return fmt.Errorf("restore %s: %w", path, err)
 			}
 			i.log.Info("restored primary CNI config", "file", path)
@@ -867,7 +868,7 @@ func (i *Installer) unchainFile(path string) error {
 		// We converted origPath into this list. Put the .conf back unless
 		// the primary has written a new one meanwhile; then drop the list.
 		if _, err := os.Lstat(rec.origPath); errors.Is(err, fs.ErrNotExist) {
-			if err := writeAtomic(rec.origPath, rec.orig, rec.origMode, rec.origOwner, nil); err != nil {
+			if err := atomicfile.WriteFile(rec.origPath, rec.orig, atomicfile.Options{Mode: rec.origMode, Owner: rec.origOwner}); err != nil {
 				return fmt.Errorf("restore %s: %w", rec.origPath, err)
 			}
 		}
@@ -883,7 +884,7 @@ func (i *Installer) unchainFile(path string) error {
 	if err != nil {
 		return fmt.Errorf("remove our entry from %s: %w", path, err)
 	}
-	if err := writeAtomic(target, out, fi.Mode(), ownerOf(fi), guard); err != nil {
+	if err := atomicfile.WriteFile(target, out, atomicfile.Options{Mode: fi.Mode(), Owner: atomicfile.OwnerOf(fi), Guard: guard}); err != nil {
 		return fmt.Errorf("write %s: %w", path, err)
 	}
 	i.log.Info("removed our entry from CNI config", "file", path)

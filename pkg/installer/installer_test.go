@@ -15,6 +15,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
 )
 
 // eventually is the generous bounded wait for asynchronous repairs: the
@@ -316,9 +318,9 @@ func TestInstallPicksPrimaryLikeTheRuntime(t *testing.T) {
 		t.Fatal(err)
 	}
 	// A temp file of ours left by a crash: never a candidate, and removed.
-	stale := e.path(tempPrefix + "12345" + tempSuffix)
+	stale := e.path(atomicfile.TempPrefix + "12345" + atomicfile.TempSuffix)
 	e.write(t, filepath.Base(stale), bridgeList, 0o600)
-	staleBin := filepath.Join(e.bin, tempPrefix+"999"+tempSuffix)
+	staleBin := filepath.Join(e.bin, atomicfile.TempPrefix+"999"+atomicfile.TempSuffix)
 	if err := os.WriteFile(staleBin, []byte("half a binary"), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -638,44 +640,6 @@ func TestSymlinkedPrimaryKeepsLink(t *testing.T) {
 	}
 	if got, _ := os.ReadFile(realFile); string(got) != bridgeList {
 		t.Errorf("target not restored:\n%s", got)
-	}
-}
-
-func TestEnsurePrivateDir(t *testing.T) {
-	root := t.TempDir()
-	d := filepath.Join(root, "run", "ambient-cni")
-	if err := EnsurePrivateDir(d); err != nil {
-		t.Fatal(err)
-	}
-	if fi, _ := os.Stat(d); fi.Mode().Perm() != 0o700 || !fi.IsDir() {
-		t.Errorf("mode %v", fi.Mode())
-	}
-	loose := filepath.Join(root, "loose")
-	if err := os.Mkdir(loose, 0o777); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Chmod(loose, 0o777); err != nil {
-		t.Fatal(err)
-	}
-	if err := EnsurePrivateDir(loose); err != nil {
-		t.Fatal(err)
-	}
-	if fi, _ := os.Stat(loose); fi.Mode().Perm() != 0o700 {
-		t.Errorf("existing dir not tightened: %v", fi.Mode())
-	}
-	link := filepath.Join(root, "link")
-	if err := os.Symlink(loose, link); err != nil {
-		t.Fatal(err)
-	}
-	if err := EnsurePrivateDir(link); err == nil {
-		t.Error("symlink accepted")
-	}
-	file := filepath.Join(root, "file")
-	if err := os.WriteFile(file, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := EnsurePrivateDir(file); err == nil {
-		t.Error("file accepted")
 	}
 }
 

@@ -10,8 +10,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"os"
-	"path/filepath"
 	"sync"
 	"time"
 
@@ -19,6 +17,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/unixsock"
 )
 
 // ServerConfig configures the plugin event server. Zero values take the
@@ -80,11 +79,8 @@ type Server struct {
 	log    *slog.Logger
 	http   *http.Server
 	mu     sync.Mutex
-	ln     *net.UnixListener
+	ln     *unixsock.Listener // closing it removes the socket file while it is ours
 	closed bool
-	// sockDev and sockIno identify the socket file Listen created.
-	sockDev uint64
-	sockIno uint64
 
 	closeOnce sync.Once
 	closeErr  error
@@ -114,62 +110,21 @@ func NewServer(cfg ServerConfig, agent *Agent) *Server {
 // Socket is the path the server listens on.
 func (s *Server) Socket() string { return s.cfg.Socket }
 
-// Listen prepares the socket directory (0700), replaces a stale socket
-// file (never any other kind of file) and listens (socket 0600).
+// Listen makes the socket directory root-only (0700), replaces a stale
+// socket file (never any other kind of file) and listens (socket 0600).
 func (s *Server) Listen() error {
-	dir := filepath.Dir(s.cfg.Socket)
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return fmt.Errorf("create socket dir %s: %w", dir, err)
-	}
-	if err := os.Chmod(dir, 0o700); err != nil {
-		return fmt.Errorf("restrict socket dir %s: %w", dir, err)
-	}
-	if st, err := os.Lstat(s.cfg.Socket); err == nil {
-		if st.Mode().Type() != os.ModeSocket {
-			return fmt.Errorf("%s exists and is not a socket; refusing to replace it", s.cfg.Socket)
-		}
-		if err := os.Remove(s.cfg.Socket); err != nil {
-			return fmt.Errorf("remove stale socket %s: %w", s.cfg.Socket, err)
-		}
-	}
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: s.cfg.Socket, Net: "unix"})
+	ln, err := unixsock.Listen(unixsock.Config{Path: s.cfg.Socket, Net: "unix", Mode: 0o600, PrivateDir: true})
 	if err != nil {
-		return fmt.Errorf("listen on %s: %w", s.cfg.Socket, err)
-	}
-	// Unlink only our own socket on close: a newer agent may have replaced
-	// the file by the time this one stops.
-	ln.SetUnlinkOnClose(false)
-	var st unix.Stat_t
-	if err := unix.Stat(s.cfg.Socket, &st); err != nil {
-		_ = ln.Close()
-		return fmt.Errorf("stat socket %s: %w", s.cfg.Socket, err)
-	}
-	if err := os.Chmod(s.cfg.Socket, 0o600); err != nil {
-		_ = ln.Close()
-		_ = os.Remove(s.cfg.Socket)
-		return fmt.Errorf("restrict socket %s: %w", s.cfg.Socket, err)
+		return err
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
 		_ = ln.Close()
-		_ = os.Remove(s.cfg.Socket)
 		return http.ErrServerClosed
 	}
-	s.ln, s.sockDev, s.sockIno = ln, st.Dev, st.Ino
+	s.ln = ln
 	return nil
-}
-
-// removeSocket unlinks the socket file if it is still the one Listen made.
-func (s *Server) removeSocket() {
-	s.mu.Lock()
-	dev, ino := s.sockDev, s.sockIno
-	s.mu.Unlock()
-	var st unix.Stat_t
-	if ino == 0 || unix.Lstat(s.cfg.Socket, &st) != nil || st.Dev != dev || st.Ino != ino {
-		return
-	}
-	_ = os.Remove(s.cfg.Socket)
 }
 
 // Serve answers requests until ctx ends or Close is called; it then shuts
@@ -213,7 +168,6 @@ func (s *Server) Close() error {
 			// Shutdown closed it if Serve ran; closing again is harmless.
 			_ = ln.Close()
 		}
-		s.removeSocket()
 		s.closeErr = err
 	})
 	return s.closeErr
@@ -231,17 +185,7 @@ type peerCred struct {
 func peerCredContext(ctx context.Context, c net.Conn) context.Context {
 	pc := peerCred{err: errors.New("not a unix socket")}
 	if uc, ok := c.(*net.UnixConn); ok {
-		raw, err := uc.SyscallConn()
-		if err == nil {
-			cerr := raw.Control(func(fd uintptr) {
-				pc.ucred, pc.err = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
-			})
-			if cerr != nil {
-				pc.err = cerr
-			}
-		} else {
-			pc.err = err
-		}
+		pc.ucred, pc.err = unixsock.PeerCred(uc)
 	}
 	return context.WithValue(ctx, credKey{}, pc)
 }

@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
+	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
 )
 
 // SnapshotWriter keeps the enablement snapshot file that the plugin reads
@@ -64,7 +64,7 @@ func (w *SnapshotWriter) Update(enabled []string, podLevel bool, excluded []stri
 	if err := os.MkdirAll(filepath.Dir(w.path), 0o700); err != nil {
 		return false, fmt.Errorf("create snapshot dir: %w", err)
 	}
-	if err := nodefiles.WriteFileAtomic(w.path, b); err != nil {
+	if err := atomicfile.WriteFile(w.path, b, atomicfile.Options{Mode: 0o600}); err != nil {
 		return false, fmt.Errorf("enablement snapshot: %w", err)
 	}
 	w.gen, w.last = next.Generation, next

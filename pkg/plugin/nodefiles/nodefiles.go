@@ -5,8 +5,6 @@
 package nodefiles
 
 import (
-	"crypto/rand"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -17,6 +15,7 @@ import (
 	"syscall"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
 )
 
 const (
@@ -78,7 +77,7 @@ func Spool(dir string, ev ambient.PodEvent) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return fmt.Errorf("spool: create %s: %w", dir, err)
 	}
-	return WriteFileAtomic(filepath.Join(dir, ev.SandboxID+spoolSuffix), b)
+	return atomicfile.WriteFile(filepath.Join(dir, ev.SandboxID+spoolSuffix), b, atomicfile.Options{Mode: 0o600})
 }
 
 // Entry is one spooled DEL.
@@ -157,36 +156,6 @@ func readEntry(p string) (*ambient.PodEvent, error) {
 func Remove(path string) error {
 	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("remove spool entry: %w", err)
-	}
-	return nil
-}
-
-// WriteFileAtomic writes b to path through a temp file in the same
-// directory and a rename, with mode 0600, so readers see either the old or
-// the new contents, never a mix.
-func WriteFileAtomic(path string, b []byte) error {
-	var r [8]byte
-	if _, err := rand.Read(r[:]); err != nil {
-		return fmt.Errorf("write %s: %w", path, err)
-	}
-	tmp := filepath.Join(filepath.Dir(path), "."+filepath.Base(path)+"."+hex.EncodeToString(r[:])+".tmp")
-	f, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
-	if err != nil {
-		return fmt.Errorf("write %s: %w", path, err)
-	}
-	_, werr := f.Write(b)
-	if werr == nil {
-		werr = f.Sync()
-	}
-	if cerr := f.Close(); werr == nil {
-		werr = cerr
-	}
-	if werr == nil {
-		werr = os.Rename(tmp, path)
-	}
-	if werr != nil {
-		_ = os.Remove(tmp)
-		return fmt.Errorf("write %s: %w", path, werr)
 	}
 	return nil
 }
