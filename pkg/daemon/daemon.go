@@ -24,15 +24,15 @@ import (
 	"k8s.io/client-go/tools/record"
 
 	"github.com/ambient-cni/ambient-cni/pkg/agentconfig"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/controller"
 	"github.com/ambient-cni/ambient-cni/pkg/health"
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/metrics"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
-	"github.com/ambient-cni/ambient-cni/pkg/plugin"
-	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/podnetns"
 	"github.com/ambient-cni/ambient-cni/pkg/unixsock"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
@@ -108,8 +108,8 @@ func New(o Options) (*Daemon, error) {
 	d.probe = iptables.NewHostProbe(d.log.With("component", "host-probe"), backend, o.HostNetns,
 		iptables.HostProbeConfig{ProbeSNATv4: c.ProbeSNATv4, ProbeSNATv6: c.ProbeSNATv6})
 
-	entry, err := json.Marshal(plugin.Entry{
-		Type: c.PluginType, AgentSocket: c.AgentSocket, Timeout: c.PluginTimeout.String(),
+	entry, err := json.Marshal(ambient.PluginConf{
+		AgentSocket: c.AgentSocket, Timeout: c.PluginTimeout.String(),
 		LogLevel: c.PluginLogLevel, ExcludedNamespaces: nonNil(c.ExcludedNamespaces),
 		StatusRequiresAgent: c.StatusChecksAgent,
 	})

@@ -17,8 +17,8 @@ import (
 	"github.com/ambient-cni/ambient-cni/internal/testnet"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
-	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
 )
 
 type harness struct {
@@ -297,13 +297,13 @@ func TestSnapshotFollowsEnablement(t *testing.T) {
 	h := newHarness(t)
 	h.decider.OnChange(func() { _ = h.agent.RefreshSnapshot() })
 	path := filepath.Join(h.dir, nodefiles.SnapshotName)
-	read := func() *ambient.EnablementSnapshot {
+	read := func() *nodefiles.EnablementSnapshot {
 		t.Helper()
 		b, err := os.ReadFile(path)
 		if err != nil {
 			t.Fatal(err)
 		}
-		s, err := ambient.ParseSnapshot(b)
+		s, err := nodefiles.ParseSnapshot(b)
 		if err != nil {
 			t.Fatal(err)
 		}

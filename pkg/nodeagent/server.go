@@ -1,7 +1,6 @@
 package nodeagent
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -229,49 +228,6 @@ func readBody(w http.ResponseWriter, r *http.Request) ([]byte, int, error) {
 	return b, 0, nil
 }
 
-// decodeStrict decodes exactly one JSON value with no unknown fields and
-// nothing after it.
-func decodeStrict(b []byte, v any) error {
-	if len(b) > ambient.MaxRequestBytes {
-		return fmt.Errorf("request body exceeds %d bytes", ambient.MaxRequestBytes)
-	}
-	dec := json.NewDecoder(bytes.NewReader(b))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(v); err != nil {
-		return fmt.Errorf("decode request: %w", err)
-	}
-	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
-		return errors.New("decode request: data after the JSON value")
-	}
-	return nil
-}
-
-// DecodePodEvent decodes and validates a pod event body exactly as the
-// server does.
-func DecodePodEvent(b []byte) (*ambient.PodEvent, error) {
-	var ev ambient.PodEvent
-	if err := decodeStrict(b, &ev); err != nil {
-		return nil, err
-	}
-	if err := ev.Validate(); err != nil {
-		return nil, fmt.Errorf("invalid pod event: %w", err)
-	}
-	return &ev, nil
-}
-
-// DecodeGCRequest decodes and validates a GC request body exactly as the
-// server does.
-func DecodeGCRequest(b []byte) (*ambient.GCRequest, error) {
-	var req ambient.GCRequest
-	if err := decodeStrict(b, &req); err != nil {
-		return nil, err
-	}
-	if err := validateGC(&req); err != nil {
-		return nil, err
-	}
-	return &req, nil
-}
-
 func (s *Server) handlePodEvent(w http.ResponseWriter, r *http.Request) {
 	b, code, err := readBody(w, r)
 	if err != nil {
@@ -280,7 +236,7 @@ func (s *Server) handlePodEvent(w http.ResponseWriter, r *http.Request) {
 		reply(w, code, ambient.PodEventResponse{Error: err.Error()})
 		return
 	}
-	ev, err := DecodePodEvent(b)
+	ev, err := ambient.DecodePodEvent(b)
 	if err != nil {
 		s.log.Warn("bad pod event", "err", err)
 		s.observe("invalid", "rejected", 0)
@@ -343,16 +299,13 @@ func (s *Server) observe(verb, result string, took time.Duration) {
 	}
 }
 
-// maxGCIDs bounds a GC request (the body cap bounds it too).
-const maxGCIDs = 4096
-
 func (s *Server) handleGC(w http.ResponseWriter, r *http.Request) {
 	b, code, err := readBody(w, r)
 	if err != nil {
 		reply(w, code, ambient.PodEventResponse{Error: err.Error()})
 		return
 	}
-	req, err := DecodeGCRequest(b)
+	req, err := ambient.DecodeGCRequest(b)
 	if err != nil {
 		reply(w, http.StatusBadRequest, ambient.PodEventResponse{Error: err.Error()})
 		return
@@ -364,20 +317,4 @@ func (s *Server) handleGC(w http.ResponseWriter, r *http.Request) {
 	s.observe("GC", string(ambient.VerdictOK), time.Since(start))
 	s.log.Info("gc", "valid", len(req.ValidSandboxIDs), "removed", n)
 	reply(w, http.StatusOK, ambient.PodEventResponse{Verdict: ambient.VerdictOK})
-}
-
-func validateGC(req *ambient.GCRequest) error {
-	if req.ValidSandboxIDs == nil {
-		return errors.New("validSandboxIDs: required (an empty list means none is valid)")
-	}
-	if len(req.ValidSandboxIDs) > maxGCIDs {
-		return fmt.Errorf("validSandboxIDs: at most %d", maxGCIDs)
-	}
-	for _, id := range req.ValidSandboxIDs {
-		probe := ambient.PodEvent{Command: ambient.CommandDel, SandboxID: id}
-		if err := probe.Validate(); err != nil {
-			return fmt.Errorf("validSandboxIDs: %w", err)
-		}
-	}
-	return nil
 }

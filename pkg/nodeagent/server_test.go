@@ -19,7 +19,6 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/internal/testnet"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/plugin"
 )
 
 // peerHelperEnv makes the test binary act as a plugin-side client instead
@@ -28,7 +27,7 @@ const peerHelperEnv = "AMBIENT_NODEAGENT_PEER_HELPER_SOCKET"
 
 func TestMain(m *testing.M) {
 	if sock := os.Getenv(peerHelperEnv); sock != "" {
-		c := &plugin.Client{Socket: sock}
+		c := &ambient.Client{Socket: sock}
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		resp, err := c.PodEvent(ctx, &ambient.PodEvent{Command: ambient.CommandAdd, PodName: "web", PodNamespace: "shop",
@@ -80,7 +79,7 @@ func (s *serverHarness) send(t *testing.T, ev *ambient.PodEvent) (*ambient.PodEv
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	return (&plugin.Client{Socket: s.sock}).PodEvent(ctx, ev)
+	return (&ambient.Client{Socket: s.sock}).PodEvent(ctx, ev)
 }
 
 // raw sends bytes on a fresh connection and returns the status line and
@@ -96,7 +95,7 @@ func (s *serverHarness) raw(t *testing.T, req string) (string, string) {
 	if _, err := io.WriteString(c, req); err != nil {
 		t.Fatal(err)
 	}
-	st, body, err := plugin.ReadResponse(bufio.NewReader(c))
+	st, body, err := ambient.ReadResponse(bufio.NewReader(c))
 	if err != nil {
 		return "", "read error: " + err.Error()
 	}
@@ -128,7 +127,7 @@ func TestServerEndToEnd(t *testing.T) {
 	if resp, err := s.send(t, check); err != nil || resp.Verdict != ambient.VerdictOK {
 		t.Fatalf("CHECK = %+v, %v", resp, err)
 	}
-	if err := (&plugin.Client{Socket: s.sock}).Status(context.Background()); err != nil {
+	if err := (&ambient.Client{Socket: s.sock}).Status(context.Background()); err != nil {
 		t.Errorf("STATUS: %v", err)
 	}
 	// DEL ignores the netns path: the runtime may have removed it already.
@@ -141,7 +140,7 @@ func TestServerEndToEnd(t *testing.T) {
 	if len(s.agent.Pods()) != 0 {
 		t.Errorf("pod still enrolled after DEL")
 	}
-	gc, err := (&plugin.Client{Socket: s.sock}).GC(context.Background(), &ambient.GCRequest{ValidSandboxIDs: []string{}})
+	gc, err := (&ambient.Client{Socket: s.sock}).GC(context.Background(), &ambient.GCRequest{ValidSandboxIDs: []string{}})
 	if err != nil || gc.Verdict != ambient.VerdictOK {
 		t.Errorf("GC = %+v, %v", gc, err)
 	}
@@ -199,7 +198,7 @@ func TestServerSocketReplacement(t *testing.T) {
 	}
 	go func() { _ = newer.Serve(context.Background()) }()
 	_ = older.Close()
-	if err := (&plugin.Client{Socket: shared}).Status(context.Background()); err != nil {
+	if err := (&ambient.Client{Socket: shared}).Status(context.Background()); err != nil {
 		t.Errorf("newer agent unreachable after the older one stopped: %v", err)
 	}
 	_ = newer.Close()
@@ -297,7 +296,7 @@ func TestServerSlowClients(t *testing.T) {
 	idle := dial() // connects, sends nothing
 
 	// Meanwhile a well-behaved client is served.
-	if err := (&plugin.Client{Socket: s.sock}).Status(context.Background()); err != nil {
+	if err := (&ambient.Client{Socket: s.sock}).Status(context.Background()); err != nil {
 		t.Errorf("STATUS while slow clients hang: %v", err)
 	}
 	for name, c := range map[string]net.Conn{"slow header": slowHeader, "slow body": slowBody, "idle": idle} {

@@ -1,17 +1,14 @@
 package nodeagent
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"slices"
 	"sync"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 )
 
 // SnapshotWriter keeps the enablement snapshot file that the plugin reads
@@ -24,7 +21,7 @@ type SnapshotWriter struct {
 
 	mu   sync.Mutex
 	gen  int64
-	last *ambient.EnablementSnapshot
+	last *nodefiles.EnablementSnapshot
 }
 
 // NewSnapshotWriter returns a writer for path; an existing readable
@@ -32,7 +29,7 @@ type SnapshotWriter struct {
 func NewSnapshotWriter(path string) *SnapshotWriter {
 	w := &SnapshotWriter{path: path}
 	if b, err := os.ReadFile(path); err == nil {
-		if s, err := ambient.ParseSnapshot(b); err == nil {
+		if s, err := nodefiles.ParseSnapshot(b); err == nil {
 			w.gen = s.Generation
 		}
 	}
@@ -45,7 +42,7 @@ func (w *SnapshotWriter) Path() string { return w.path }
 // Update writes a snapshot of the given state unless it equals the last
 // one written. It reports whether it wrote.
 func (w *SnapshotWriter) Update(enabled []string, podLevel bool, excluded []string) (bool, error) {
-	next := &ambient.EnablementSnapshot{
+	next := &nodefiles.EnablementSnapshot{
 		EnabledNamespaces:  sortedCopy(enabled),
 		PodLevelEnablement: podLevel,
 		ExcludedNamespaces: sortedCopy(excluded),
@@ -57,15 +54,8 @@ func (w *SnapshotWriter) Update(enabled []string, podLevel bool, excluded []stri
 	}
 	next.Generation = w.gen + 1
 	next.Written = time.Now().UTC()
-	b, err := json.MarshalIndent(next, "", "  ")
-	if err != nil {
-		return false, fmt.Errorf("encode enablement snapshot: %w", err)
-	}
-	if err := os.MkdirAll(filepath.Dir(w.path), 0o700); err != nil {
-		return false, fmt.Errorf("create snapshot dir: %w", err)
-	}
-	if err := atomicfile.WriteFile(w.path, b, atomicfile.Options{Mode: 0o600}); err != nil {
-		return false, fmt.Errorf("enablement snapshot: %w", err)
+	if err := nodefiles.WriteSnapshot(w.path, next); err != nil {
+		return false, err
 	}
 	w.gen, w.last = next.Generation, next
 	return true, nil
@@ -91,7 +81,7 @@ func sortedCopy(s []string) []string {
 	return slices.Compact(out)
 }
 
-func sameSnapshot(a, b *ambient.EnablementSnapshot) bool {
+func sameSnapshot(a, b *nodefiles.EnablementSnapshot) bool {
 	return a.PodLevelEnablement == b.PodLevelEnablement &&
 		slices.Equal(a.EnabledNamespaces, b.EnabledNamespaces) &&
 		slices.Equal(a.ExcludedNamespaces, b.ExcludedNamespaces)

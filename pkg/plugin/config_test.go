@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/pkg/types"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 )
 
 const prevV1 = `{"cniVersion":"1.0.0","interfaces":[{"name":"cni0","mac":"aa:bb:cc:dd:ee:01"},{"name":"eth0","mac":"aa:bb:cc:dd:ee:02","sandbox":"/var/run/netns/x"}],` +
@@ -20,7 +22,7 @@ func TestParseConfigDefaults(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.AgentSocket != "/var/run/ambient-cni/agent.sock" || c.Timeout != DefaultTimeout || c.LogLevel != slog.LevelWarn ||
+	if c.AgentSocket != "/var/run/ambient-cni/agent.sock" || c.Timeout != ambient.DefaultPluginTimeout || c.LogLevel != slog.LevelWarn ||
 		len(c.ExcludedNamespaces) != 1 || c.ExcludedNamespaces[0] != "kube-system" || c.StatusRequiresAgent || c.PrevResult != nil {
 		t.Errorf("defaults wrong: %+v", c)
 	}
@@ -125,7 +127,7 @@ func FuzzParseConfig(f *testing.F) {
 			}
 			return
 		}
-		if c.Timeout <= 0 || c.Timeout > MaxTimeout || !filepath.IsAbs(c.AgentSocket) {
+		if c.Timeout <= 0 || c.Timeout > ambient.MaxPluginTimeout || !filepath.IsAbs(c.AgentSocket) {
 			t.Fatalf("accepted invalid config: %+v", c)
 		}
 		if c.PrevResult != nil {

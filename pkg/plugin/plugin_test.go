@@ -18,7 +18,7 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 )
 
 // fakeAgent is a canned agent on a real Unix socket (pure-logic tests of
@@ -213,7 +213,7 @@ func TestAddExcludedNamespaceSkipsAgent(t *testing.T) {
 	}
 }
 
-func writeSnapshot(t *testing.T, dir string, s ambient.EnablementSnapshot) {
+func writeSnapshot(t *testing.T, dir string, s nodefiles.EnablementSnapshot) {
 	t.Helper()
 	b, _ := json.Marshal(s)
 	if err := os.WriteFile(filepath.Join(dir, nodefiles.SnapshotName), b, 0o600); err != nil {
@@ -229,17 +229,17 @@ func TestAddAgentDownUsesSnapshot(t *testing.T) {
 	if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "unreachable") || !strings.Contains(err.Error(), "no usable enablement snapshot") {
 		t.Errorf("no snapshot gave %v", err)
 	}
-	writeSnapshot(t, dir, ambient.EnablementSnapshot{Generation: 4, EnabledNamespaces: []string{"shop"}})
+	writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 4, EnabledNamespaces: []string{"shop"}})
 	_, err = run(t, add, conf(sock, "1.0.0", ""), k8sArgs)
 	if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), `namespace "shop" may need ambient capture`) {
 		t.Errorf("enabled namespace gave %v", err)
 	}
-	writeSnapshot(t, dir, ambient.EnablementSnapshot{Generation: 5, EnabledNamespaces: []string{"other"}})
+	writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 5, EnabledNamespaces: []string{"other"}})
 	out, err := run(t, add, conf(sock, "1.0.0", ""), k8sArgs)
 	if err != nil || !jsonEqual(t, out, prevV1) {
 		t.Errorf("non-enabled namespace: %q, %v", out, err)
 	}
-	writeSnapshot(t, dir, ambient.EnablementSnapshot{Generation: 6, PodLevelEnablement: true})
+	writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 6, PodLevelEnablement: true})
 	if _, err = run(t, add, conf(sock, "1.0.0", ""), k8sArgs); cniCode(t, err) != types.ErrTryAgainLater {
 		t.Errorf("pod-level enablement gave %v", err)
 	}
@@ -267,7 +267,7 @@ func TestAddAgentHangsIsRetryable(t *testing.T) {
 			_, _ = io.Copy(io.Discard, c) // read, never answer
 		}
 	}()
-	writeSnapshot(t, dir, ambient.EnablementSnapshot{Generation: 1}) // would pass through if used
+	writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 1}) // would pass through if used
 	_, err = run(t, add, conf(sock, "1.0.0", `,"timeout":"200ms"`), k8sArgs)
 	if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "timeout") {
 		t.Errorf("hung agent gave %v", err)

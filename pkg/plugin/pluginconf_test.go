@@ -5,12 +5,14 @@ import (
 	"slices"
 	"testing"
 	"time"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 )
 
-// TestEntryRoundTrip proves the installer's entry is read back by the
-// plugin with every value intact (a renamed key would be silently ignored).
+// TestEntryRoundTrip proves the entry the installer writes from
+// ambient.PluginConf is read back by the plugin with every value intact.
 func TestEntryRoundTrip(t *testing.T) {
-	e := Entry{Type: "ambient-cni", AgentSocket: "/run/x/agent.sock", Timeout: "12s", LogLevel: "debug",
+	e := ambient.PluginConf{AgentSocket: "/run/x/agent.sock", Timeout: "12s", LogLevel: "debug",
 		ExcludedNamespaces: []string{"infra", "kube-system"}, StatusRequiresAgent: true}
 	b, err := json.Marshal(e)
 	if err != nil {
@@ -18,7 +20,7 @@ func TestEntryRoundTrip(t *testing.T) {
 	}
 	var m map[string]any
 	_ = json.Unmarshal(b, &m)
-	m["cniVersion"], m["name"] = "1.0.0", "k8s-pod-network"
+	m["cniVersion"], m["name"], m["type"] = "1.0.0", "k8s-pod-network", "ambient-cni"
 	stdin, _ := json.Marshal(m)
 	c, err := ParseConfig(stdin)
 	if err != nil {

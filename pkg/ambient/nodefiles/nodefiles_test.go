@@ -10,8 +10,8 @@ import (
 )
 
 func TestPaths(t *testing.T) {
-	if SnapshotPath(ambient.DefaultAgentSocket) != ambient.DefaultSnapshotFile {
-		t.Errorf("snapshot path %s disagrees with ambient.DefaultSnapshotFile", SnapshotPath(ambient.DefaultAgentSocket))
+	if SnapshotPath(ambient.DefaultAgentSocket) != "/var/run/ambient-cni/enablement.json" {
+		t.Errorf("default snapshot path %s", SnapshotPath(ambient.DefaultAgentSocket))
 	}
 	if SpoolDir("/run/a/agent.sock") != "/run/a/pending-del" {
 		t.Errorf("spool dir %s", SpoolDir("/run/a/agent.sock"))

@@ -1,7 +1,9 @@
-// Package nodefiles holds the files the CNI plugin and the node agent share
-// on the host next to the agent socket: where the enablement snapshot lives,
-// and the spool of DEL requests the plugin records while the agent is
-// unreachable. It is deliberately tiny because the plugin binary imports it.
+// Package nodefiles is the part of the plugin↔agent contract that lives on
+// the node's disk next to the agent socket: the enablement snapshot the
+// agent writes and the plugin falls back to while the agent is unreachable,
+// and the spool of DEL requests the plugin records meanwhile and the agent
+// replays: their paths, formats, readers and writers. The plugin binary
+// imports it, so it stays small.
 package nodefiles
 
 import (

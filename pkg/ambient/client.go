@@ -1,4 +1,4 @@
-package plugin
+package ambient
 
 import (
 	"bufio"
@@ -12,15 +12,14 @@ import (
 	"strconv"
 	"strings"
 	"time"
-
-	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 )
 
-// Client talks to the node agent: HTTP+JSON over its Unix socket, one
-// request per connection. It speaks just enough HTTP/1.0 for that instead
-// of importing net/http, which would double the plugin binary and its
-// start-up time; HTTP/1.0 keeps the agent's answer unchunked and lets the
-// connection's end mark the end of the body.
+// Client is the plugin's side of the exchange with the node agent:
+// HTTP+JSON over its Unix socket, one request per connection. It speaks
+// just enough HTTP/1.0 for that instead of importing net/http, which would
+// double the plugin binary and its start-up time; HTTP/1.0 keeps the
+// agent's answer unchunked and lets the connection's end mark the end of
+// the body.
 type Client struct {
 	// Socket is the agent's Unix socket path.
 	Socket string
@@ -59,23 +58,23 @@ func (e *ExchangeError) Unwrap() error { return e.Err }
 
 // Limits on what the plugin reads back from the agent.
 const (
-	maxResponseBody   = ambient.MaxRequestBytes
+	maxResponseBody   = MaxRequestBytes
 	maxResponseHeader = 16 << 10
 )
 
 // PodEvent sends ev and returns the agent's answer. A non-nil response may
 // carry an agent-side error in its Error field.
-func (c *Client) PodEvent(ctx context.Context, ev *ambient.PodEvent) (*ambient.PodEventResponse, error) {
+func (c *Client) PodEvent(ctx context.Context, ev *PodEvent) (*PodEventResponse, error) {
 	body, err := json.Marshal(ev)
 	if err != nil {
 		return nil, fmt.Errorf("encode pod event: %w", err)
 	}
-	return c.exchange(ctx, "POST", ambient.PathPodEvent, body)
+	return c.exchange(ctx, "POST", PathPodEvent, body)
 }
 
 // Status asks whether the agent is up and serving.
 func (c *Client) Status(ctx context.Context) error {
-	resp, err := c.exchange(ctx, "GET", ambient.PathStatus, nil)
+	resp, err := c.exchange(ctx, "GET", PathStatus, nil)
 	if err != nil {
 		return err
 	}
@@ -86,15 +85,15 @@ func (c *Client) Status(ctx context.Context) error {
 }
 
 // GC sends the runtime's list of valid attachments.
-func (c *Client) GC(ctx context.Context, req *ambient.GCRequest) (*ambient.PodEventResponse, error) {
+func (c *Client) GC(ctx context.Context, req *GCRequest) (*PodEventResponse, error) {
 	body, err := json.Marshal(req)
 	if err != nil {
 		return nil, fmt.Errorf("encode gc request: %w", err)
 	}
-	return c.exchange(ctx, "POST", ambient.PathGC, body)
+	return c.exchange(ctx, "POST", PathGC, body)
 }
 
-func (c *Client) exchange(ctx context.Context, method, path string, body []byte) (*ambient.PodEventResponse, error) {
+func (c *Client) exchange(ctx context.Context, method, path string, body []byte) (*PodEventResponse, error) {
 	var d net.Dialer
 	conn, err := d.DialContext(ctx, "unix", c.Socket)
 	if err != nil {
@@ -115,7 +114,7 @@ func (c *Client) exchange(ctx context.Context, method, path string, body []byte)
 	if err != nil {
 		return nil, &ExchangeError{Op: method + " " + path, Err: err}
 	}
-	var resp ambient.PodEventResponse
+	var resp PodEventResponse
 	if err := json.Unmarshal(respBody, &resp); err != nil {
 		return nil, &ExchangeError{Op: method + " " + path, Err: fmt.Errorf("HTTP %d with undecodable body: %w", status, err)}
 	}
