@@ -16,12 +16,8 @@ import (
 	"sync/atomic"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/kubernetes/scheme"
-	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
-	"k8s.io/client-go/tools/record"
 
 	"github.com/ambient-cni/ambient-cni/pkg/agentconfig"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
@@ -31,8 +27,10 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/health"
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
 	"github.com/ambient-cni/ambient-cni/pkg/metrics"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
+	"github.com/ambient-cni/ambient-cni/pkg/podcache"
 	"github.com/ambient-cni/ambient-cni/pkg/podnetns"
 	"github.com/ambient-cni/ambient-cni/pkg/unixsock"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
@@ -55,35 +53,24 @@ type Options struct {
 
 // Daemon is one running install-cni process.
 type Daemon struct {
-	cfg       *agentconfig.Config
-	log       *slog.Logger
-	client    kubernetes.Interface
-	metrics   *metrics.Metrics
-	installer *installer.Installer
-	agent     *nodeagent.Agent
-	events    *nodeagent.Server
-	zds       *zds.Server
-	ctrl      *controller.Controller
-	probe     *iptables.HostProbe
-	health    *health.Server
-	recorder  record.EventRecorder
-	broadcast record.EventBroadcaster
-	opts      Options
+	cfg        *agentconfig.Config
+	log        *slog.Logger
+	client     kubernetes.Interface
+	metrics    *metrics.Metrics
+	installer  *installer.Installer
+	agent      *nodeagent.Agent
+	events     *nodeagent.Server
+	zds        *zds.Server
+	pods       *podcache.Cache
+	ctrl       *controller.Controller
+	probe      *iptables.HostProbe
+	health     *health.Server
+	kubeEvents *kubeadapter.Events
+	opts       Options
 
 	restored  atomic.Bool
 	listening atomic.Bool
 }
-
-// lateController lets the agent use the controller (as its Decider and
-// EnablementSource) although the controller, which needs the agent as its
-// Enroller, is built after it. Nothing calls it before Run.
-type lateController struct{ c *controller.Controller }
-
-func (l *lateController) Decide(ctx context.Context, namespace, name, uid string) (enablement.Decision, *corev1.Pod, error) {
-	return l.c.Decide(ctx, namespace, name, uid)
-}
-
-func (l *lateController) EnablementState() ([]string, bool) { return l.c.EnablementState() }
 
 // New builds every part; nothing runs or touches the node until Run.
 func New(o Options) (*Daemon, error) {
@@ -127,8 +114,7 @@ func New(o Options) (*Daemon, error) {
 		return nil, fmt.Errorf("installer: %w", err)
 	}
 
-	d.broadcast = record.NewBroadcaster()
-	d.recorder = d.broadcast.NewRecorder(scheme.Scheme, corev1.EventSource{Component: "ambient-cni", Host: c.NodeName})
+	d.kubeEvents = kubeadapter.NewEvents(o.Client, c.NodeName)
 
 	d.zds = zds.NewServer(zds.Config{
 		SocketPath: c.ZDSSocket, Logger: d.log.With("component", "zds"),
@@ -137,16 +123,21 @@ func New(o Options) (*Daemon, error) {
 		// The agent exists before Run lets the server listen.
 		Snapshot: func() []zds.Workload { return d.agent.Workloads() },
 	})
-	policy := enablement.Policy{ExcludedNamespaces: c.ExcludedNamespaces}
-	late := &lateController{}
+	d.pods = podcache.New(podcache.Config{
+		Client: o.Client, NodeName: c.NodeName,
+		Policy:                   enablement.Policy{ExcludedNamespaces: c.ExcludedNamespaces},
+		Self:                     types.NamespacedName{Namespace: c.PodNamespace, Name: c.PodName},
+		AssumePodLevelEnablement: c.AssumePodLevelEnablement,
+		Logger:                   d.log,
+	})
+	annotator := kubeadapter.Annotator{Client: o.Client}
 	d.agent, err = nodeagent.NewAgent(nodeagent.Config{
-		Decider:            late,
 		Rules:              rules,
 		Ztunnel:            d.zds,
 		ZtunnelTimeout:     c.ZtunnelWait,
 		HostProbe:          d.probe,
-		Annotator:          controller.Annotator{Client: o.Client},
-		Enablement:         late,
+		Annotator:          annotator,
+		Enablement:         d.pods,
 		SnapshotFile:       nodefiles.SnapshotPath(c.AgentSocket),
 		SpoolDir:           nodefiles.SpoolDir(c.AgentSocket),
 		ExcludedNamespaces: nonNil(c.ExcludedNamespaces),
@@ -160,22 +151,20 @@ func New(o Options) (*Daemon, error) {
 	if err != nil {
 		return nil, err
 	}
-	d.ctrl = controller.New(controller.Config{
-		Client: o.Client, NodeName: c.NodeName, Policy: policy,
-		Self:      types.NamespacedName{Namespace: c.PodNamespace, Name: c.PodName},
-		Enroller:  eventingEnroller{Enroller: d.agent, rec: d.recorder},
-		Annotator: controller.Annotator{Client: o.Client},
-		Finder:    controller.ProcFinder{Scanner: podnetns.Scanner{ProcRoot: c.ProcRoot}, Logger: d.log},
-		Logger:    d.log,
-		OnEnablementChange: func() {
-			if d.restored.Load() {
-				_ = d.agent.RefreshSnapshot()
-			}
-		},
-		AssumePodLevelEnablement: c.AssumePodLevelEnablement,
-		OnScan:                   func(int, int, time.Duration) { d.metrics.NetnsScans.Inc() },
+	d.pods.OnEnablementChange(func() {
+		if d.restored.Load() {
+			_ = d.agent.RefreshSnapshot()
+		}
 	})
-	late.c = d.ctrl
+	d.ctrl = controller.New(controller.Config{
+		Pods:      d.pods,
+		Agent:     d.agent,
+		Finder:    nodeagent.ProcFinder{Scanner: podnetns.Scanner{ProcRoot: c.ProcRoot}, Logger: d.log},
+		Annotator: annotator,
+		Events:    d.kubeEvents,
+		Logger:    d.log,
+		OnScan:    func(int, int, time.Duration) { d.metrics.NetnsScans.Inc() },
+	})
 
 	d.events = nodeagent.NewServer(nodeagent.ServerConfig{
 		Socket: c.AgentSocket, NetnsRoots: c.NetnsDirs, ProcRoot: c.ProcRoot,
@@ -188,7 +177,7 @@ func New(o Options) (*Daemon, error) {
 			}
 		},
 		Logger: d.log,
-	}, d.agent)
+	}, d.pods, d.agent)
 
 	d.health = health.New(d.log, d.metrics.Registry, func() any { return d.agent.Pods() })
 	d.health.AddCheck("installer", d.installer.Check)
@@ -214,21 +203,6 @@ func nonNil(s []string) []string {
 	return s
 }
 
-// eventingEnroller records a Kubernetes Event on the pod when the
-// controller's enroll fails, so operators see why a pod is not captured.
-type eventingEnroller struct {
-	controller.Enroller
-	rec record.EventRecorder
-}
-
-func (e eventingEnroller) Enroll(ctx context.Context, pod *corev1.Pod, netnsPath string) error {
-	err := e.Enroller.Enroll(ctx, pod, netnsPath)
-	if err != nil {
-		e.rec.Eventf(pod, corev1.EventTypeWarning, "AmbientEnrollFailed", "could not enroll pod in the ambient mesh: %v", err)
-	}
-	return err
-}
-
 // Agent is the node agent core (for tests and debugging).
 func (d *Daemon) Agent() *nodeagent.Agent { return d.agent }
 
@@ -248,8 +222,8 @@ func (d *Daemon) Run(ctx context.Context) error {
 	if err := d.probe.Ensure(); err != nil {
 		return fmt.Errorf("host probe set: %w", err)
 	}
-	d.broadcast.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: d.client.CoreV1().Events("")})
-	defer d.broadcast.Shutdown()
+	d.kubeEvents.Start()
+	defer d.kubeEvents.Shutdown()
 
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -264,6 +238,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	}
 	run("health", func(ctx context.Context) error { return d.health.Serve(ctx, c.HealthAddr, d.opts.HealthReady) })
 	run("installer", d.installer.Run)
+	run("pod-cache", d.pods.Run)
 	run("controller", d.ctrl.Run)
 	run("metrics", d.pollMetrics)
 
@@ -305,7 +280,7 @@ func (d *Daemon) Run(ctx context.Context) error {
 	d.listening.Store(true)
 	run("zds", d.zds.Serve)
 	run("event-server", d.events.Serve)
-	run("spool", d.drainSpoolLoop)
+	run("spool", d.agent.RunSpoolDrain)
 	d.log.Info("node agent ready", "node", c.NodeName, "pods", len(d.agent.Pods()))
 
 	var runErr error
@@ -327,7 +302,7 @@ func (d *Daemon) shutdown() error {
 	_ = d.agent.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	checker := controller.DaemonSetUpgradeChecker{Client: d.client, Namespace: d.cfg.PodNamespace, Name: d.cfg.DaemonSet}
+	checker := kubeadapter.DaemonSetUpgradeChecker{Client: d.client, Namespace: d.cfg.PodNamespace, Name: d.cfg.DaemonSet}
 	upgrade := installer.IsUpgrade(ctx, checker, d.log)
 	var errs []error
 	if err := d.installer.Shutdown(ctx, upgrade); err != nil {
@@ -340,23 +315,6 @@ func (d *Daemon) shutdown() error {
 	}
 	d.log.Info("install-cni stopped", "upgrade", upgrade)
 	return errors.Join(errs...)
-}
-
-// drainSpoolLoop replays DELs the plugin spooled while it could not reach
-// the agent (a timeout while the agent stayed up), not just at startup.
-func (d *Daemon) drainSpoolLoop(ctx context.Context) error {
-	t := time.NewTicker(30 * time.Second)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-t.C:
-			if _, err := d.agent.DrainSpool(ctx); err != nil {
-				d.log.Warn("drain DEL spool", "err", err)
-			}
-		}
-	}
 }
 
 // pollMetrics keeps the gauges current.

@@ -37,22 +37,16 @@ type Ztunnel interface {
 	Del(ctx context.Context, uid string) error
 }
 
-// Decider answers the CNI path's question: should this pod be captured?
-// The pod controller implements it over its informer cache; tests use
-// PolicyDecider.
-type Decider interface {
-	Decide(ctx context.Context, namespace, name, uid string) (enablement.Decision, *corev1.Pod, error)
-}
-
 // EnablementSource is the node-wide view the enablement snapshot is built
 // from: namespaces labelled ambient, and whether pod-level enablement is in
-// use.
+// use (pkg/podcache.Cache).
 type EnablementSource interface {
 	EnablementState() (enabled []string, podLevel bool)
 }
 
 // Annotator writes the pod's redirection status annotation; value "" removes
-// it.
+// it (pkg/kubeadapter.Annotator). The pod controller uses it too, to clear
+// stale annotations.
 type Annotator interface {
 	SetRedirection(ctx context.Context, namespace, name string, uid types.UID, value string) error
 }
@@ -66,15 +60,18 @@ type HostProbe interface {
 	IPs() ([]netip.Addr, error)
 }
 
-// Config configures an Agent. Decider and Rules are required.
+// DefaultZtunnelTimeout is how long a capture waits for ztunnel's ack of
+// the pod by default.
+const DefaultZtunnelTimeout = 5 * time.Second
+
+// Config configures an Agent. Rules is required.
 type Config struct {
-	Decider Decider
-	Rules   RuleApplier
+	Rules RuleApplier
 	// Ztunnel receives enrolled pods; nil means no ztunnel handoff (pods
 	// count as enabled once their rules are in place).
 	Ztunnel Ztunnel
 	// ZtunnelTimeout bounds the wait for ztunnel's ack of an Add (default
-	// 5s); past it the enroll fails as retryable.
+	// DefaultZtunnelTimeout); past it the capture fails as retryable.
 	ZtunnelTimeout time.Duration
 	// HostProbe, when set, gets each enrolled pod's IPs.
 	HostProbe HostProbe
@@ -115,7 +112,7 @@ const (
 	StateEnabled PodState = ambient.RedirectionEnabled
 )
 
-// PodInfo identifies a pod the runtime is starting (the CNI path).
+// PodInfo identifies the pod of a CNI request.
 type PodInfo struct {
 	Namespace, Name string
 	// UID may be empty when the runtime does not pass K8S_POD_UID.
@@ -139,14 +136,24 @@ type EnrolledPod struct {
 	Since   time.Time
 }
 
+// Sandbox is what the runtime says about a pod's sandbox at CNI ADD: its
+// id, which a later DEL names, and the IPs the primary CNI gave it (the
+// pod's status does not show them yet).
+type Sandbox struct {
+	ID  string
+	IPs []netip.Addr
+}
+
 type entry struct {
 	EnrolledPod
 	ns *Netns
 }
 
-// Agent is the node agent's core: the one way pods get in (Enroll,
-// HandleAdd, Restore) and out (Unenroll, RemoveSandbox, GC). It owns the
-// enrolled-pod state and the netns handles in it.
+// Agent is the node agent's core: the one way pods get in (Capture, and
+// Restore after a restart) and out (Unenroll, RemoveSandbox, GC). It owns
+// the enrolled-pod state and the netns handles in it. Deciding whether a
+// pod should be captured is its callers' job: the plugin event server and
+// the pod controller decide with the pod cache, then call Capture.
 type Agent struct {
 	cfg      Config
 	log      *slog.Logger
@@ -166,11 +173,11 @@ type podLock struct {
 
 // NewAgent checks cfg and returns an agent with empty state.
 func NewAgent(cfg Config) (*Agent, error) {
-	if cfg.Decider == nil || cfg.Rules == nil {
-		return nil, errors.New("nodeagent: Decider and Rules are required")
+	if cfg.Rules == nil {
+		return nil, errors.New("nodeagent: Rules is required")
 	}
 	if cfg.ZtunnelTimeout <= 0 {
-		cfg.ZtunnelTimeout = 5 * time.Second
+		cfg.ZtunnelTimeout = DefaultZtunnelTimeout
 	}
 	if cfg.SnapshotFile == "" {
 		cfg.SnapshotFile = nodefiles.SnapshotPath(ambient.DefaultAgentSocket)
@@ -219,41 +226,6 @@ func (a *Agent) get(uid types.UID) *entry {
 	return a.pods[uid]
 }
 
-// HandleAdd is the CNI ADD: decide, then enroll. It takes ownership of ns
-// and answers only once the pod's rules are in place (and ztunnel acked).
-func (a *Agent) HandleAdd(ctx context.Context, p PodInfo, ns *Netns) (ambient.Verdict, error) {
-	d, pod, err := a.cfg.Decider.Decide(ctx, p.Namespace, p.Name, string(p.UID))
-	if err != nil {
-		_ = ns.Close()
-		return "", Retryable(fmt.Errorf("decide on pod %s/%s: %w", p.Namespace, p.Name, err))
-	}
-	log := a.log.With("pod", p.Namespace+"/"+p.Name, "sandbox", p.SandboxID)
-	if pod != nil && p.UID != "" && pod.UID != p.UID {
-		_ = ns.Close()
-		return "", Retryable(fmt.Errorf("pod %s/%s is uid %s, the runtime asked for %s", p.Namespace, p.Name, pod.UID, p.UID))
-	}
-	if !d.Enroll {
-		_ = ns.Close()
-		log.Info("pod not enrolled", "reason", d.Reason)
-		return ambient.VerdictNotEnrolled, nil
-	}
-	if err := a.enroll(ctx, pod, p.SandboxID, ns, p.IPs); err != nil {
-		return "", err
-	}
-	log.Info("pod enrolled", "reason", d.Reason, "uid", pod.UID)
-	return ambient.VerdictEnrolled, nil
-}
-
-// Enroll captures a pod the controller decided to enroll, whose netns is
-// at netnsPath (found by a /proc scan). Idempotent.
-func (a *Agent) Enroll(ctx context.Context, pod *corev1.Pod, netnsPath string) error {
-	ns, err := OpenNetns(netnsPath)
-	if err != nil {
-		return fmt.Errorf("enroll %s/%s: %w", pod.Namespace, pod.Name, err)
-	}
-	return a.enroll(ctx, pod, "", ns, enablement.PodIPs(pod))
-}
-
 // ruleConfig is the rule set options for one pod.
 func (a *Agent) ruleConfig(pod *corev1.Pod) iptables.PodConfig {
 	return iptables.PodConfig{
@@ -264,12 +236,22 @@ func (a *Agent) ruleConfig(pod *corev1.Pod) iptables.PodConfig {
 	}
 }
 
-// enroll is the one enroll path. It owns ns: kept in the state on
-// success, closed otherwise.
-func (a *Agent) enroll(ctx context.Context, pod *corev1.Pod, sandboxID string, ns *Netns, ips []netip.Addr) error {
+// Capture is the one way a pod gets captured, for the CNI path and the pod
+// controller alike: in-pod rules, host probe set, ztunnel handoff (waits
+// for the ack), status annotation. ns is the pod's network namespace, held
+// open: Capture owns it, keeps it in the state on success and closes it
+// otherwise. sb is the sandbox at CNI ADD; nil (the controller) takes the
+// IPs from the pod's status. Idempotent; a failure that may pass is
+// Retryable, and a pod whose ztunnel handoff failed stays captured and
+// Pending.
+func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *Sandbox) error {
 	if pod == nil || pod.UID == "" {
 		_ = ns.Close()
-		return errors.New("enroll: pod without uid")
+		return errors.New("capture: pod without uid")
+	}
+	sandboxID, ips := "", enablement.PodIPs(pod)
+	if sb != nil {
+		sandboxID, ips = sb.ID, sb.IPs
 	}
 	unlock := a.lock(pod.UID)
 	defer unlock()
@@ -353,12 +335,9 @@ func (a *Agent) workload(e *entry) zds.Workload {
 
 // Restore adopts a pod enrolled before the agent restarted: it verifies the
 // rules (re-applying only on drift) and puts the pod in the state the ZDS
-// snapshot is built from, without a ztunnel Add of its own.
-func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, netnsPath string) error {
-	ns, err := OpenNetns(netnsPath)
-	if err != nil {
-		return fmt.Errorf("restore %s/%s: %w", pod.Namespace, pod.Name, err)
-	}
+// snapshot is built from, without a ztunnel Add of its own. It owns ns
+// like Capture.
+func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, ns *Netns) error {
 	unlock := a.lock(pod.UID)
 	defer unlock()
 	cfg := a.ruleConfig(pod)
@@ -560,18 +539,12 @@ func (a *Agent) uidOfSandbox(sandboxID string) types.UID {
 // what the agent applied.
 var ErrDrift = errors.New("in-pod rules drifted")
 
-// Check is the CNI CHECK: a pod that should be captured must be enrolled in
-// this very namespace with its rules intact. It takes ownership of ns.
-func (a *Agent) Check(ctx context.Context, p PodInfo, ns *Netns) error {
+// Check is the CNI CHECK once decided (d): a pod that should be captured
+// must be enrolled in this very namespace with its rules intact. p.UID
+// names the pod. It takes ownership of ns.
+func (a *Agent) Check(ctx context.Context, p PodInfo, d enablement.Decision, ns *Netns) error {
 	defer ns.Close()
-	d, pod, err := a.cfg.Decider.Decide(ctx, p.Namespace, p.Name, string(p.UID))
-	if err != nil {
-		return Retryable(fmt.Errorf("decide on pod %s/%s: %w", p.Namespace, p.Name, err))
-	}
 	uid := p.UID
-	if uid == "" && pod != nil {
-		uid = pod.UID
-	}
 	unlock := a.lock(uid)
 	defer unlock()
 	e := a.get(uid)
@@ -626,7 +599,8 @@ func (a *Agent) GC(ctx context.Context, valid []string) int {
 
 // DrainSpool replays the DELs the plugin spooled while the agent was
 // unreachable, removing each entry once handled (unusable entries are
-// logged and removed). Call it at startup after restoring state.
+// logged and removed). Call it at startup after restoring state, then
+// leave it to RunSpoolDrain.
 func (a *Agent) DrainSpool(ctx context.Context) (int, error) {
 	entries, err := nodefiles.List(a.cfg.SpoolDir)
 	if err != nil {
@@ -652,6 +626,27 @@ func (a *Agent) DrainSpool(ctx context.Context) (int, error) {
 		a.log.Info("replayed spooled DELs", "count", n)
 	}
 	return n, nil
+}
+
+// SpoolDrainInterval is how often RunSpoolDrain replays spooled DELs.
+const SpoolDrainInterval = 30 * time.Second
+
+// RunSpoolDrain replays spooled DELs every SpoolDrainInterval until ctx
+// ends: the plugin also spools a DEL that timed out while the agent stayed
+// up, not only while it was away.
+func (a *Agent) RunSpoolDrain(ctx context.Context) error {
+	t := time.NewTicker(SpoolDrainInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+			if _, err := a.DrainSpool(ctx); err != nil {
+				a.log.Warn("drain DEL spool", "err", err)
+			}
+		}
+	}
 }
 
 // Pending reports whether uid is enrolled with its rules in place but not
@@ -708,9 +703,10 @@ func (a *Agent) Workloads() []zds.Workload {
 }
 
 // RefreshSnapshot rewrites the enablement snapshot from cfg.Enablement if
-// it changed. Wire it to the controller's OnEnablementChange: the first
-// call should come once the controller's caches are synced, since a
-// premature empty snapshot would let the plugin pass pods through.
+// it changed. Wire it to the pod cache's OnEnablementChange: the first
+// call should come once the cache is synced and the pods enrolled before a
+// restart are restored, since a premature empty snapshot would let the
+// plugin pass pods through.
 func (a *Agent) RefreshSnapshot() error {
 	if a.cfg.Enablement == nil {
 		return nil

@@ -13,9 +13,11 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/unixsock"
 )
 
@@ -70,25 +72,35 @@ func (c ServerConfig) withDefaults() ServerConfig {
 	return c
 }
 
+// Decider answers the CNI path's question: should this pod be captured?
+// It returns the pod too (pkg/podcache.Cache).
+type Decider interface {
+	Decide(ctx context.Context, namespace, name, uid string) (enablement.Decision, *corev1.Pod, error)
+}
+
 // Server is the plugin event server: HTTP+JSON on a root-only Unix socket.
+// For each ADD it decides with the pod cache, then captures through the
+// agent; CHECK, DEL and GC go to the agent likewise.
 type Server struct {
-	cfg    ServerConfig
-	agent  *Agent
-	netns  NetnsPolicy
-	log    *slog.Logger
-	http   *http.Server
-	mu     sync.Mutex
-	ln     *unixsock.Listener // closing it removes the socket file while it is ours
-	closed bool
+	cfg     ServerConfig
+	decider Decider
+	agent   *Agent
+	netns   NetnsPolicy
+	log     *slog.Logger
+	http    *http.Server
+	mu      sync.Mutex
+	ln      *unixsock.Listener // closing it removes the socket file while it is ours
+	closed  bool
 
 	closeOnce sync.Once
 	closeErr  error
 }
 
-// NewServer returns a server that hands requests to agent.
-func NewServer(cfg ServerConfig, agent *Agent) *Server {
+// NewServer returns a server that decides with decider and hands pods to
+// agent.
+func NewServer(cfg ServerConfig, decider Decider, agent *Agent) *Server {
 	cfg = cfg.withDefaults()
-	s := &Server{cfg: cfg, agent: agent, netns: NetnsPolicy{Roots: cfg.NetnsRoots, ProcRoot: cfg.ProcRoot}, log: cfg.Logger.With("component", "event-server")}
+	s := &Server{cfg: cfg, decider: decider, agent: agent, netns: NetnsPolicy{Roots: cfg.NetnsRoots, ProcRoot: cfg.ProcRoot}, log: cfg.Logger.With("component", "event-server")}
 	mux := http.NewServeMux()
 	mux.HandleFunc(ambient.PathPodEvent, s.handlePodEvent)
 	mux.HandleFunc(ambient.PathStatus, s.handleStatus)
@@ -277,11 +289,52 @@ func (s *Server) dispatch(ctx context.Context, ev *ambient.PodEvent) (ambient.Ve
 	if err != nil {
 		return "", err
 	}
-	info := PodInfo{Namespace: ev.PodNamespace, Name: ev.PodName, UID: types.UID(ev.PodUID), SandboxID: ev.SandboxID, IPs: ev.Addrs()}
+	p := PodInfo{Namespace: ev.PodNamespace, Name: ev.PodName, UID: types.UID(ev.PodUID), SandboxID: ev.SandboxID, IPs: ev.Addrs()}
 	if ev.Command == ambient.CommandCheck {
-		return ambient.VerdictOK, s.agent.Check(ctx, info, ns)
+		return ambient.VerdictOK, s.Check(ctx, p, ns)
 	}
-	return s.agent.HandleAdd(ctx, info, ns)
+	return s.Add(ctx, p, ns)
+}
+
+// Add is the CNI ADD: decide, then capture. It takes ownership of ns and
+// answers only once the pod's rules are in place (and ztunnel acked), or
+// the pod is out of scope.
+func (s *Server) Add(ctx context.Context, p PodInfo, ns *Netns) (ambient.Verdict, error) {
+	d, pod, err := s.decider.Decide(ctx, p.Namespace, p.Name, string(p.UID))
+	if err != nil {
+		_ = ns.Close()
+		return "", Retryable(fmt.Errorf("decide on pod %s/%s: %w", p.Namespace, p.Name, err))
+	}
+	log := s.log.With("pod", p.Namespace+"/"+p.Name, "sandbox", p.SandboxID)
+	if pod != nil && p.UID != "" && pod.UID != p.UID {
+		_ = ns.Close()
+		return "", Retryable(fmt.Errorf("pod %s/%s is uid %s, the runtime asked for %s", p.Namespace, p.Name, pod.UID, p.UID))
+	}
+	if !d.Enroll {
+		_ = ns.Close()
+		log.Info("pod not enrolled", "reason", d.Reason)
+		return ambient.VerdictNotEnrolled, nil
+	}
+	if err := s.agent.Capture(ctx, pod, ns, &Sandbox{ID: p.SandboxID, IPs: p.IPs}); err != nil {
+		return "", err
+	}
+	log.Info("pod enrolled", "reason", d.Reason, "uid", pod.UID)
+	return ambient.VerdictEnrolled, nil
+}
+
+// Check is the CNI CHECK: decide, then verify that a pod that should be
+// captured is enrolled in this very namespace with its rules intact. It
+// takes ownership of ns.
+func (s *Server) Check(ctx context.Context, p PodInfo, ns *Netns) error {
+	d, pod, err := s.decider.Decide(ctx, p.Namespace, p.Name, string(p.UID))
+	if err != nil {
+		_ = ns.Close()
+		return Retryable(fmt.Errorf("decide on pod %s/%s: %w", p.Namespace, p.Name, err))
+	}
+	if p.UID == "" && pod != nil {
+		p.UID = pod.UID
+	}
+	return s.agent.Check(ctx, p, d, ns)
 }
 
 func (s *Server) handleStatus(w http.ResponseWriter, r *http.Request) {

@@ -59,7 +59,7 @@ func newServer(t *testing.T, roots []string, tweak func(*ServerConfig)) *serverH
 	if tweak != nil {
 		tweak(&cfg)
 	}
-	srv := NewServer(cfg, h.agent)
+	srv := NewServer(cfg, h.kube.Cache, h.agent)
 	if err := srv.Listen(); err != nil {
 		t.Fatal(err)
 	}
@@ -109,7 +109,7 @@ func addEvent(netns string) *ambient.PodEvent {
 func TestServerEndToEnd(t *testing.T) {
 	s := newServer(t, nil, nil)
 	pn := testnet.NewNS(t)
-	s.decider.SetPod(pod("shop", "web", "u1", nil))
+	s.kube.SetPod(pod("shop", "web", "u1", nil))
 
 	st, err := os.Stat(filepath.Dir(s.sock))
 	if err != nil || st.Mode().Perm() != 0o700 {
@@ -149,9 +149,9 @@ func TestServerEndToEnd(t *testing.T) {
 func TestServerRetryableAnswer(t *testing.T) {
 	s := newServer(t, nil, nil)
 	pn := testnet.NewNS(t)
-	// The pod is unknown to the decider: the agent says "retry".
+	// The pod is unknown to the API server: the agent says "retry".
 	resp, err := s.send(t, addEvent(pn.Path()))
-	if err != nil || resp.Error == "" || !resp.Retryable || !strings.Contains(resp.Error, "not known") {
+	if err != nil || resp.Error == "" || !resp.Retryable || !strings.Contains(resp.Error, `pods "web" not found`) {
 		t.Fatalf("ADD of unknown pod = %+v, %v", resp, err)
 	}
 }
@@ -168,7 +168,7 @@ func TestServerSocketReplacement(t *testing.T) {
 	ln.(*net.UnixListener).SetUnlinkOnClose(false)
 	_ = ln.Close()
 	h := newHarness(t)
-	srv := NewServer(ServerConfig{Socket: sock}, h.agent)
+	srv := NewServer(ServerConfig{Socket: sock}, h.kube.Cache, h.agent)
 	if err := srv.Listen(); err != nil {
 		t.Fatalf("stale socket not replaced: %v", err)
 	}
@@ -178,7 +178,7 @@ func TestServerSocketReplacement(t *testing.T) {
 	if err := os.WriteFile(file, []byte("keep me"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	srv = NewServer(ServerConfig{Socket: file}, h.agent)
+	srv = NewServer(ServerConfig{Socket: file}, h.kube.Cache, h.agent)
 	if err := srv.Listen(); err == nil || !strings.Contains(err.Error(), "not a socket") {
 		t.Errorf("regular file at the socket path: %v", err)
 	}
@@ -188,11 +188,11 @@ func TestServerSocketReplacement(t *testing.T) {
 	// An old agent stopping after a newer one took over the path leaves
 	// the newer one's socket alone.
 	shared := filepath.Join(dir, "shared.sock")
-	older := NewServer(ServerConfig{Socket: shared}, h.agent)
+	older := NewServer(ServerConfig{Socket: shared}, h.kube.Cache, h.agent)
 	if err := older.Listen(); err != nil {
 		t.Fatal(err)
 	}
-	newer := NewServer(ServerConfig{Socket: shared}, h.agent)
+	newer := NewServer(ServerConfig{Socket: shared}, h.kube.Cache, h.agent)
 	if err := newer.Listen(); err != nil {
 		t.Fatal(err)
 	}
@@ -210,7 +210,7 @@ func TestServerSocketReplacement(t *testing.T) {
 	if err := os.Mkdir(loose, 0o777); err != nil {
 		t.Fatal(err)
 	}
-	srv = NewServer(ServerConfig{Socket: filepath.Join(loose, "a.sock")}, h.agent)
+	srv = NewServer(ServerConfig{Socket: filepath.Join(loose, "a.sock")}, h.kube.Cache, h.agent)
 	if err := srv.Listen(); err != nil {
 		t.Fatal(err)
 	}
@@ -223,7 +223,7 @@ func TestServerSocketReplacement(t *testing.T) {
 func TestServerRejectsMalformedRequests(t *testing.T) {
 	s := newServer(t, nil, nil)
 	pn := testnet.NewNS(t)
-	s.decider.SetPod(pod("shop", "web", "u1", nil))
+	s.kube.SetPod(pod("shop", "web", "u1", nil))
 	good, _ := json.Marshal(addEvent(pn.Path()))
 	post := func(path, body string) string {
 		return fmt.Sprintf("POST %s HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n%s", path, len(body), body)
@@ -316,7 +316,7 @@ func TestServerNetnsPolicy(t *testing.T) {
 	testnet.RequireRoot(t)
 	allowed := t.TempDir()
 	s := newServer(t, []string{allowed}, nil)
-	s.decider.SetPod(pod("shop", "web", "u1", nil))
+	s.kube.SetPod(pod("shop", "web", "u1", nil))
 	outside := testnet.NewNS(t) // under the runtime dir, not under allowed
 
 	// A regular file under an allowed root.
@@ -422,7 +422,7 @@ func TestServerRefusesNonRootPeer(t *testing.T) {
 	s := newServer(t, nil, func(c *ServerConfig) { c.Socket = filepath.Join(shared, "run", "agent.sock") })
 	s.sock = filepath.Join(shared, "run", "agent.sock")
 	pn := testnet.NewNS(t)
-	s.decider.SetPod(pod("shop", "web", "u1", nil))
+	s.kube.SetPod(pod("shop", "web", "u1", nil))
 	// Loosen the file modes so only SO_PEERCRED stands in the way.
 	if err := os.Chmod(filepath.Dir(s.sock), 0o755); err != nil {
 		t.Fatal(err)

@@ -356,7 +356,7 @@ func TestChainNoZtunnelIsRetryable(t *testing.T) {
 	go func() { done <- zs.Serve(ctx) }()
 	t.Cleanup(func() { cancel(); <-done })
 	agent, err := nodeagent.NewAgent(nodeagent.Config{
-		Decider: n.decider, Rules: n.rules, Ztunnel: zs, ZtunnelTimeout: 300 * time.Millisecond,
+		Rules: n.rules, Ztunnel: zs, ZtunnelTimeout: 300 * time.Millisecond,
 		SnapshotFile: nodefiles.SnapshotPath(n.sock), SpoolDir: nodefiles.SpoolDir(n.sock),
 	})
 	if err != nil {
