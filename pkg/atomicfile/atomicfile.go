@@ -45,7 +45,7 @@ func OwnerOf(fi fs.FileInfo) *Owner {
 	return nil
 }
 
-// Options tune Replace.
+// Options tune a write.
 type Options struct {
 	// Mode is the new file's permission bits.
 	Mode fs.FileMode
@@ -58,7 +58,7 @@ type Options struct {
 
 // WriteFile replaces path with data.
 func WriteFile(path string, data []byte, o Options) error {
-	return Replace(path, o, func(w io.Writer) error {
+	return replace(path, o, func(w io.Writer) error {
 		_, err := w.Write(data)
 		return err
 	})
@@ -71,7 +71,7 @@ func CopyFile(src, dst string, o Options) error {
 		return fmt.Errorf("open %s: %w", src, err)
 	}
 	defer in.Close()
-	return Replace(dst, o, func(w io.Writer) error {
+	return replace(dst, o, func(w io.Writer) error {
 		if _, err := io.Copy(w, in); err != nil {
 			return fmt.Errorf("copy %s: %w", src, err)
 		}
@@ -79,11 +79,11 @@ func CopyFile(src, dst string, o Options) error {
 	})
 }
 
-// Replace is the one way to replace a file: fill writes the content into
+// replace is the one way to replace a file: fill writes the content into
 // a temporary file next to path (created exclusively, so a planted symlink
 // is never followed), which is synced, given its mode and owner, checked by
 // the guard and renamed over path; the directory is synced after.
-func Replace(path string, o Options, fill func(io.Writer) error) (err error) {
+func replace(path string, o Options, fill func(io.Writer) error) (err error) {
 	dir := filepath.Dir(path)
 	f, err := os.CreateTemp(dir, TempPrefix+"*"+TempSuffix)
 	if err != nil {

@@ -20,6 +20,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
+// DefaultAddr is where install-cni serves the endpoints unless told
+// otherwise (the port Istio's node components use for health).
+const DefaultAddr = ":15021"
+
 // Check reports nil when its part of the agent is ready.
 type Check func() error
 

@@ -54,8 +54,8 @@ func (a Annotator) SetRedirection(ctx context.Context, namespace, name string, u
 	return nil
 }
 
-// EventComponent is the source component of the agent's Events.
-const EventComponent = "ambient-cni"
+// eventComponent is the source component of the agent's Events.
+const eventComponent = "ambient-cni"
 
 // Events records Kubernetes Events as the agent on this node. Record
 // through the embedded EventRecorder; Start sends them to the API server
@@ -66,11 +66,11 @@ type Events struct {
 	broadcaster record.EventBroadcaster
 }
 
-// NewEvents returns a recorder for events from EventComponent on nodeName.
+// NewEvents returns a recorder for events from eventComponent on nodeName.
 func NewEvents(client kubernetes.Interface, nodeName string) *Events {
 	b := record.NewBroadcaster()
 	return &Events{
-		EventRecorder: b.NewRecorder(scheme.Scheme, corev1.EventSource{Component: EventComponent, Host: nodeName}),
+		EventRecorder: b.NewRecorder(scheme.Scheme, corev1.EventSource{Component: eventComponent, Host: nodeName}),
 		client:        client,
 		broadcaster:   b,
 	}

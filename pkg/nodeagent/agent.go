@@ -55,6 +55,9 @@ type Annotator interface {
 // IPs of enrolled pods, whose kubelet probes are SNATed to the probe
 // address so the in-pod rules let them reach the application directly.
 type HostProbe interface {
+	// Ensure creates the set and its rule; Remove takes both away.
+	Ensure() error
+	Remove() error
 	AddIP(ip netip.Addr) error
 	DelIP(ip netip.Addr) error
 	IPs() ([]netip.Addr, error)
@@ -157,7 +160,7 @@ type entry struct {
 type Agent struct {
 	cfg      Config
 	log      *slog.Logger
-	snapshot *SnapshotWriter
+	snapshot *snapshotWriter
 
 	mu   sync.Mutex
 	pods map[types.UID]*entry
@@ -194,7 +197,7 @@ func NewAgent(cfg Config) (*Agent, error) {
 	return &Agent{
 		cfg:      cfg,
 		log:      cfg.Logger.With("component", "nodeagent"),
-		snapshot: NewSnapshotWriter(cfg.SnapshotFile),
+		snapshot: newSnapshotWriter(cfg.SnapshotFile),
 		pods:     map[types.UID]*entry{},
 		busy:     map[types.UID]*podLock{},
 	}, nil
@@ -496,6 +499,30 @@ func (a *Agent) enrolledIPs() map[netip.Addr]bool {
 	return out
 }
 
+// EnsureHostProbe creates the host probe set and its rule; call it at
+// startup, before pods are restored into it.
+func (a *Agent) EnsureHostProbe() error {
+	if a.cfg.HostProbe == nil {
+		return nil
+	}
+	if err := a.cfg.HostProbe.Ensure(); err != nil {
+		return fmt.Errorf("host probe set: %w", err)
+	}
+	return nil
+}
+
+// RemoveHostProbe takes the host probe set and its rule away; only an
+// uninstall does, since an upgrade's next agent keeps the pods' probes.
+func (a *Agent) RemoveHostProbe() error {
+	if a.cfg.HostProbe == nil {
+		return nil
+	}
+	if err := a.cfg.HostProbe.Remove(); err != nil {
+		return fmt.Errorf("remove host probe set: %w", err)
+	}
+	return nil
+}
+
 // SyncHostProbe makes the host probe set hold exactly the enrolled pods'
 // IPs. Call it once the state is restored after a restart: pods deleted
 // while the agent was down leave their IPs behind otherwise.
@@ -628,14 +655,14 @@ func (a *Agent) DrainSpool(ctx context.Context) (int, error) {
 	return n, nil
 }
 
-// SpoolDrainInterval is how often RunSpoolDrain replays spooled DELs.
-const SpoolDrainInterval = 30 * time.Second
+// spoolDrainInterval is how often RunSpoolDrain replays spooled DELs.
+const spoolDrainInterval = 30 * time.Second
 
-// RunSpoolDrain replays spooled DELs every SpoolDrainInterval until ctx
+// RunSpoolDrain replays spooled DELs every spoolDrainInterval until ctx
 // ends: the plugin also spools a DEL that timed out while the agent stayed
 // up, not only while it was away.
 func (a *Agent) RunSpoolDrain(ctx context.Context) error {
-	t := time.NewTicker(SpoolDrainInterval)
+	t := time.NewTicker(spoolDrainInterval)
 	defer t.Stop()
 	for {
 		select {
@@ -668,6 +695,18 @@ func (a *Agent) EnrolledUID(namespace, name string) (types.UID, bool) {
 		}
 	}
 	return "", false
+}
+
+// StateCounts counts the enrolled pods per state (the redirection
+// annotation's value), every state present, for the metrics.
+func (a *Agent) StateCounts() map[string]int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	out := map[string]int{string(StatePending): 0, string(StateEnabled): 0}
+	for _, e := range a.pods {
+		out[string(e.State)]++
+	}
+	return out
 }
 
 // Pods returns a copy of the enrolled-pod state, sorted by namespace/name.

@@ -345,7 +345,7 @@ func TestSnapshotFollowsEnablement(t *testing.T) {
 		t.Errorf("snapshot after changes %+v", s)
 	}
 	// A new writer (agent restart) continues the generation.
-	w := NewSnapshotWriter(path)
+	w := newSnapshotWriter(path)
 	if wrote, err := w.Update(nil, false, nil); err != nil || !wrote || read().Generation != 4 {
 		t.Errorf("restarted writer: %v %v gen %d", wrote, err, read().Generation)
 	}

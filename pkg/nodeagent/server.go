@@ -138,6 +138,13 @@ func (s *Server) Listen() error {
 	return nil
 }
 
+// Listening reports whether Listen succeeded.
+func (s *Server) Listening() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.ln != nil && !s.closed
+}
+
 // Serve answers requests until ctx ends or Close is called; it then shuts
 // down gracefully (in-flight requests get HandlerTimeout to finish) and
 // removes the socket before returning. Call Listen first.

@@ -11,12 +11,12 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 )
 
-// SnapshotWriter keeps the enablement snapshot file that the plugin reads
+// snapshotWriter keeps the enablement snapshot file that the plugin reads
 // when the agent is unreachable. It writes only when the content changes,
 // atomically (temp file and rename) with mode 0600, and continues the
 // generation found in an existing file so generations never go backwards
 // across agent restarts.
-type SnapshotWriter struct {
+type snapshotWriter struct {
 	path string
 
 	mu   sync.Mutex
@@ -24,10 +24,10 @@ type SnapshotWriter struct {
 	last *nodefiles.EnablementSnapshot
 }
 
-// NewSnapshotWriter returns a writer for path; an existing readable
+// newSnapshotWriter returns a writer for path; an existing readable
 // snapshot there sets the starting generation.
-func NewSnapshotWriter(path string) *SnapshotWriter {
-	w := &SnapshotWriter{path: path}
+func newSnapshotWriter(path string) *snapshotWriter {
+	w := &snapshotWriter{path: path}
 	if b, err := os.ReadFile(path); err == nil {
 		if s, err := nodefiles.ParseSnapshot(b); err == nil {
 			w.gen = s.Generation
@@ -37,11 +37,11 @@ func NewSnapshotWriter(path string) *SnapshotWriter {
 }
 
 // Path is the snapshot file's path.
-func (w *SnapshotWriter) Path() string { return w.path }
+func (w *snapshotWriter) Path() string { return w.path }
 
 // Update writes a snapshot of the given state unless it equals the last
 // one written. It reports whether it wrote.
-func (w *SnapshotWriter) Update(enabled []string, podLevel bool, excluded []string) (bool, error) {
+func (w *snapshotWriter) Update(enabled []string, podLevel bool, excluded []string) (bool, error) {
 	next := &nodefiles.EnablementSnapshot{
 		EnabledNamespaces:  sortedCopy(enabled),
 		PodLevelEnablement: podLevel,
@@ -62,7 +62,7 @@ func (w *SnapshotWriter) Update(enabled []string, podLevel bool, excluded []stri
 }
 
 // Remove deletes the snapshot file (for an uninstall); missing is fine.
-func (w *SnapshotWriter) Remove() error {
+func (w *snapshotWriter) Remove() error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.last = nil

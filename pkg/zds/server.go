@@ -185,6 +185,13 @@ func (s *Server) Listen() error {
 	return nil
 }
 
+// Listening reports whether Listen succeeded and the server is not closed.
+func (s *Server) Listening() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.ln != nil && !s.closed
+}
+
 // Serve accepts ztunnel connections until ctx ends (or Close is called),
 // then closes every connection, waits for their goroutines and removes the
 // socket file if it is still the one it created. It calls Listen if needed.

@@ -1,4 +1,4 @@
-package agentconfig
+package app
 
 import (
 	"bytes"
@@ -70,9 +70,9 @@ func TestRejectsBadInput(t *testing.T) {
 }
 
 // TestDocsUpToDate keeps docs/install-cni.md in step with the settings
-// table; regenerate with UPDATE_DOCS=1 go test ./pkg/agentconfig.
+// table; regenerate with UPDATE_DOCS=1 go test ./cmd/install-cni/app.
 func TestDocsUpToDate(t *testing.T) {
-	const path = "../../docs/install-cni.md"
+	const path = "../../../docs/install-cni.md"
 	const begin, end = "<!-- BEGIN GENERATED OPTIONS -->\n", "<!-- END GENERATED OPTIONS -->\n"
 	doc, err := os.ReadFile(path)
 	if err != nil {
@@ -94,6 +94,6 @@ func TestDocsUpToDate(t *testing.T) {
 			}
 			return
 		}
-		t.Fatalf("%s is out of date; run UPDATE_DOCS=1 go test ./pkg/agentconfig", path)
+		t.Fatalf("%s is out of date; run UPDATE_DOCS=1 go test ./cmd/install-cni/app", path)
 	}
 }

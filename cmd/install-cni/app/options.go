@@ -1,7 +1,4 @@
-// Package agentconfig holds the install-cni process's settings: every
-// command-line flag, its environment-variable equivalent and its default,
-// in one table that also renders the reference documentation.
-package agentconfig
+package app
 
 import (
 	"errors"
@@ -14,10 +11,29 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/health"
+	"github.com/ambient-cni/ambient-cni/pkg/installer"
+	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 )
 
 // EnvPrefix prefixes every flag's environment-variable name.
 const EnvPrefix = "AMBIENT_"
+
+// Defaults owned by the process itself; every other default in the table
+// below is the owning package's constant.
+const (
+	// defaultDaemonSet is the chart's DaemonSet name.
+	defaultDaemonSet = "ambient-cni"
+	// defaultPluginBinary is where the image carries the plugin.
+	defaultPluginBinary = "/opt/ambient-cni/bin/ambient-cni"
+	// hostRoot is where the DaemonSet mounts the host's CNI directories.
+	hostRoot = "/host"
+	// defaultProcRoot is the process's own /proc (the chart mounts the
+	// host's elsewhere).
+	defaultProcRoot = "/proc"
+	// defaultLogLevel is install-cni's own log level.
+	defaultLogLevel = "info"
+)
 
 // Config is the parsed configuration of install-cni.
 type Config struct {
@@ -117,28 +133,29 @@ func addr(dst func(*Config) *netip.Addr, want6 bool) func(*Config, string) error
 }
 
 // options is the settings table; its order is the documentation's order.
+// Each default names the constant of the package that owns it.
 func options() []option {
 	return []option{
 		{"node-name", "Name of this node (from the downward API); required.", "", str(func(c *Config) *string { return &c.NodeName })},
 		{"pod-name", "Name of the agent's own pod, never enrolled.", "", str(func(c *Config) *string { return &c.PodName })},
 		{"pod-namespace", "Namespace of the agent's own pod and DaemonSet.", "", str(func(c *Config) *string { return &c.PodNamespace })},
-		{"daemonset-name", "The agent's DaemonSet; while it exists and is not being deleted, shutdown is an upgrade and the plugin stays installed.", "ambient-cni", str(func(c *Config) *string { return &c.DaemonSet })},
+		{"daemonset-name", "The agent's DaemonSet; while it exists and is not being deleted, shutdown is an upgrade and the plugin stays installed.", defaultDaemonSet, str(func(c *Config) *string { return &c.DaemonSet })},
 		{"kubeconfig", "Kubeconfig file; empty means in-cluster configuration.", "", str(func(c *Config) *string { return &c.Kubeconfig })},
-		{"cni-bin-dir", "Host CNI binary directory, as mounted in the container.", "/host/opt/cni/bin", str(func(c *Config) *string { return &c.CNIBinDir })},
-		{"cni-conf-dir", "Host CNI config directory, as mounted in the container.", "/host/etc/cni/net.d", str(func(c *Config) *string { return &c.CNIConfDir })},
+		{"cni-bin-dir", "Host CNI binary directory, as mounted in the container.", hostRoot + installer.DefaultBinDir, str(func(c *Config) *string { return &c.CNIBinDir })},
+		{"cni-conf-dir", "Host CNI config directory, as mounted in the container.", hostRoot + installer.DefaultConfDir, str(func(c *Config) *string { return &c.CNIConfDir })},
 		{"cni-conf-name", "Primary CNI config file to chain into; empty picks the runtime's choice (lexically first valid file).", "", str(func(c *Config) *string { return &c.CNIConfName })},
-		{"cni-plugin-type", "Plugin type (and binary name) written into the conflist.", "ambient-cni", str(func(c *Config) *string { return &c.PluginType })},
-		{"plugin-binary", "Plugin binary inside the image, copied into cni-bin-dir.", "/opt/ambient-cni/bin/ambient-cni", str(func(c *Config) *string { return &c.PluginBinary })},
-		{"plugin-timeout", "How long the plugin waits for the agent's answer; must exceed ztunnel-wait.", "30s", duration(func(c *Config) *time.Duration { return &c.PluginTimeout })},
-		{"plugin-log-level", "Log level of the plugin on the runtime's log (debug, info, warn, error).", "warn", str(func(c *Config) *string { return &c.PluginLogLevel })},
+		{"cni-plugin-type", "Plugin type (and binary name) written into the conflist.", installer.DefaultPluginName, str(func(c *Config) *string { return &c.PluginType })},
+		{"plugin-binary", "Plugin binary inside the image, copied into cni-bin-dir.", defaultPluginBinary, str(func(c *Config) *string { return &c.PluginBinary })},
+		{"plugin-timeout", "How long the plugin waits for the agent's answer; must exceed ztunnel-wait.", ambient.DefaultPluginTimeout.String(), duration(func(c *Config) *time.Duration { return &c.PluginTimeout })},
+		{"plugin-log-level", "Log level of the plugin on the runtime's log (debug, info, warn, error).", ambient.DefaultPluginLogLevel, str(func(c *Config) *string { return &c.PluginLogLevel })},
 		{"plugin-status-checks-agent", "Make CNI STATUS fail (error 50) while the agent is unreachable; off by default because a failing STATUS marks the node NotReady.", "false", boolean(func(c *Config) *bool { return &c.StatusChecksAgent })},
 		{"agent-socket", "Unix socket the plugin reaches the agent on (directory 0700, socket 0600).", ambient.DefaultAgentSocket, str(func(c *Config) *string { return &c.AgentSocket })},
 		{"zds-socket", "ZDS socket ztunnel connects to.", ambient.DefaultZDSSocket, str(func(c *Config) *string { return &c.ZDSSocket })},
-		{"proc-root", "The host's /proc as mounted in the container, scanned to find running pods' network namespaces.", "/proc", str(func(c *Config) *string { return &c.ProcRoot })},
-		{"netns-dirs", "Comma-separated directories where the runtime mounts pod network namespaces; the only netns paths accepted from the plugin besides /proc/<pid>/ns/net.", "/var/run/netns,/run/netns,/run/containerd/io.containerd.grpc.v1.cri/netns", list(func(c *Config) *[]string { return &c.NetnsDirs })},
+		{"proc-root", "The host's /proc as mounted in the container, scanned to find running pods' network namespaces.", defaultProcRoot, str(func(c *Config) *string { return &c.ProcRoot })},
+		{"netns-dirs", "Comma-separated directories where the runtime mounts pod network namespaces; the only netns paths accepted from the plugin besides /proc/<pid>/ns/net.", strings.Join(nodeagent.DefaultNetnsRoots, ","), list(func(c *Config) *[]string { return &c.NetnsDirs })},
 		{"excluded-namespaces", "Comma-separated namespaces never captured.", ambient.DefaultExcludedNamespace, list(func(c *Config) *[]string { return &c.ExcludedNamespaces })},
 		{"assume-pod-level-enablement", "Tell the plugin's fallback (agent unreachable) that any namespace may hold a pod enabled by its own label, so it fails closed everywhere but excluded namespaces.", "false", boolean(func(c *Config) *bool { return &c.AssumePodLevelEnablement })},
-		{"ztunnel-wait", "How long CNI ADD waits for a connected ztunnel to acknowledge a pod before failing with a retryable error.", "5s", duration(func(c *Config) *time.Duration { return &c.ZtunnelWait })},
+		{"ztunnel-wait", "How long CNI ADD waits for a connected ztunnel to acknowledge a pod before failing with a retryable error.", nodeagent.DefaultZtunnelTimeout.String(), duration(func(c *Config) *time.Duration { return &c.ZtunnelWait })},
 		{"dns-capture", "Capture DNS (port 53) to ztunnel by default; per pod: annotation ambient.istio.io/dns-capture.", "false", boolean(func(c *Config) *bool { return &c.DNSCapture })},
 		{"iptables-backend", "iptables backend inside pods: empty detects, or nft or legacy.", "", func(c *Config, v string) error {
 			switch v {
@@ -150,8 +167,8 @@ func options() []option {
 		}},
 		{"probe-snat-ipv4", "Source address kubelet probes are SNATed to (IPv4).", ambient.DefaultProbeSNATv4.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv4 }, false)},
 		{"probe-snat-ipv6", "Source address kubelet probes are SNATed to (IPv6).", ambient.DefaultProbeSNATv6.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv6 }, true)},
-		{"health-addr", "Address of /healthz, /readyz, /metrics and /debug/pods.", ":15021", str(func(c *Config) *string { return &c.HealthAddr })},
-		{"log-level", "Log level (debug, info, warn, error).", "info", func(c *Config, v string) error {
+		{"health-addr", "Address of /healthz, /readyz, /metrics and /debug/pods.", health.DefaultAddr, str(func(c *Config) *string { return &c.HealthAddr })},
+		{"log-level", "Log level (debug, info, warn, error).", defaultLogLevel, func(c *Config, v string) error {
 			switch v {
 			case "debug", "info", "warn", "error":
 				c.LogLevel = v

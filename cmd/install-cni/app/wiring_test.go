@@ -1,4 +1,4 @@
-package nodeagent_test
+package app_test
 
 import (
 	"github.com/ambient-cni/ambient-cni/pkg/controller"
