@@ -86,3 +86,24 @@ func sameSnapshot(a, b *nodefiles.EnablementSnapshot) bool {
 		slices.Equal(a.EnabledNamespaces, b.EnabledNamespaces) &&
 		slices.Equal(a.ExcludedNamespaces, b.ExcludedNamespaces)
 }
+
+// RefreshSnapshot rewrites the enablement snapshot from cfg.Enablement if
+// it changed. Wire it to the pod cache's OnEnablementChange: the first
+// call should come once the cache is synced and the pods enrolled before a
+// restart are restored, since a premature empty snapshot would let the
+// plugin pass pods through.
+func (a *Agent) RefreshSnapshot() error {
+	if a.cfg.Enablement == nil {
+		return nil
+	}
+	enabled, podLevel := a.cfg.Enablement.EnablementState()
+	wrote, err := a.snapshot.Update(enabled, podLevel, a.cfg.ExcludedNamespaces)
+	if err != nil {
+		a.log.Error("write enablement snapshot", "err", err)
+		return err
+	}
+	if wrote {
+		a.log.Info("enablement snapshot written", "path", a.snapshot.Path(), "enabled", enabled, "podLevel", podLevel)
+	}
+	return nil
+}
