@@ -15,13 +15,13 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
 	"github.com/ambient-cni/ambient-cni/test/fakecluster"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
 // harness is an agent with fake rules, ztunnel and annotator, the real
@@ -30,7 +30,7 @@ import (
 type harness struct {
 	agent *Agent
 	srv   *Server
-	rules *fakeRules
+	rules *recordedRules
 	zt    *fakeZtunnel
 	ann   *fakeAnnotator
 	kube  *fakecluster.Cluster
@@ -40,7 +40,7 @@ type harness struct {
 func newHarness(t *testing.T) *harness {
 	t.Helper()
 	testnet.RequireRoot(t)
-	h := &harness{rules: newFakeRules(), zt: &fakeZtunnel{}, ann: &fakeAnnotator{}, dir: t.TempDir(),
+	h := &harness{rules: newRecordedRules(), zt: &fakeZtunnel{}, ann: &fakeAnnotator{}, dir: t.TempDir(),
 		kube: fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy()})}
 	a, err := NewAgent(Config{
 		Rules: h.rules, Ztunnel: h.zt, Annotator: h.ann, Enablement: h.kube.Cache,
@@ -158,12 +158,12 @@ func TestEnrollFailures(t *testing.T) {
 	pn := testnet.NewNS(t)
 	h.kube.SetPod(pod("shop", "web", "u1", nil))
 
-	h.rules.applyErr = errors.New("xtables lock busy")
+	h.rules.setApplyErr(errors.New("xtables lock busy"))
 	_, err := h.srv.Add(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn))
 	if !IsRetryable(err) || !strings.Contains(err.Error(), "xtables lock busy") || len(h.agent.Pods()) != 0 {
 		t.Fatalf("apply failure: %v, state %v", err, h.agent.Pods())
 	}
-	h.rules.applyErr = nil
+	h.rules.setApplyErr(nil)
 	h.zt.addErr = errors.New("no ztunnel connected")
 	_, err = h.srv.Add(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn))
 	if !IsRetryable(err) || !strings.Contains(err.Error(), "no ztunnel") {
@@ -205,7 +205,7 @@ func TestCheck(t *testing.T) {
 	if err := h.srv.Check(ctx, info("shop/web", "u1", "sb1"), openNS(t, other)); err == nil || !strings.Contains(err.Error(), "enrolled in netns") {
 		t.Errorf("CHECK with another netns: %v", err)
 	}
-	h.rules.drift = iptables.Drift{Items: []iptables.DriftItem{{Family: iptables.IPv4, Kind: iptables.DriftMissing, Object: "rule", Table: "nat", Chain: "ISTIO_OUTPUT", Position: 3, Want: "-A ISTIO_OUTPUT -p tcp -j REDIRECT"}}}
+	h.rules.dropRule(t, pn.Path(), iptables.ChainOutput, 3)
 	err := h.srv.Check(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn))
 	if !errors.Is(err, ErrDrift) || !strings.Contains(err.Error(), "ISTIO_OUTPUT") || IsRetryable(err) {
 		t.Errorf("CHECK with drift: %v", err)
@@ -252,13 +252,17 @@ func TestRestore(t *testing.T) {
 	h := newHarness(t)
 	pn := testnet.NewNS(t)
 	p := pod("shop", "web", "u1", nil)
+	// A previous agent captured the pod.
+	if err := h.rules.real.Apply(pn.Path(), iptables.PodConfig{}); err != nil {
+		t.Fatal(err)
+	}
 	if err := h.agent.Restore(context.Background(), p, openNS(t, pn)); err != nil {
 		t.Fatal(err)
 	}
 	if ops := h.rules.ops(); ops != "verify" || len(h.zt.adds) != 0 {
 		t.Errorf("restore without drift: rule ops %q, ztunnel adds %d", ops, len(h.zt.adds))
 	}
-	h.rules.drift = iptables.Drift{Items: []iptables.DriftItem{{Kind: iptables.DriftMissing, Object: "chain", Chain: "ISTIO_OUTPUT"}}}
+	h.rules.dropRule(t, pn.Path(), iptables.ChainOutput, 1)
 	if err := h.agent.Restore(context.Background(), p, openNS(t, pn)); err != nil {
 		t.Fatal(err)
 	}

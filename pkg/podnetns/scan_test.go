@@ -6,8 +6,8 @@ import (
 	"net/netip"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/internal/sandbox"
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	sandbox "github.com/ambient-cni/ambient-cni/test/podproc"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"github.com/containernetworking/plugins/pkg/ns"
 )
 

@@ -17,13 +17,13 @@ import (
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
 
-	"github.com/ambient-cni/ambient-cni/internal/captureproxy"
-	"github.com/ambient-cni/ambient-cni/internal/cnibin"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
+	"github.com/ambient-cni/ambient-cni/test/captureproxy"
+	"github.com/ambient-cni/ambient-cni/test/cnibin"
 )
 
 // Versions is the CNI spec version matrix the plugin supports.

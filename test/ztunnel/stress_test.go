@@ -8,8 +8,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
 // TestMisbehavingStandInsDoNotHurtHealthyOne: a stand-in that never acks,

@@ -9,8 +9,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
 func waitFor(t *testing.T, z *StandIn, what string, cond func() bool) {

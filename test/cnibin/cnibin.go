@@ -22,7 +22,7 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
 // PluginsVersion is the containernetworking/plugins release built (the one
