@@ -83,6 +83,8 @@ func reopenUnpinned(fd int) (int, error) {
 	}
 	ch := make(chan result, 1)
 	go func() {
+		// Every descriptor but the result is closed before the result is
+		// sent, so the caller never sees one of ours still open.
 		runtime.LockOSThread()
 		orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
 		if err != nil {
@@ -90,14 +92,16 @@ func reopenUnpinned(fd int) (int, error) {
 			ch <- result{-1, err}
 			return
 		}
-		defer unix.Close(orig)
 		if err := unix.Setns(fd, unix.CLONE_NEWNET); err != nil {
+			_ = unix.Close(orig)
 			runtime.UnlockOSThread()
 			ch <- result{-1, fmt.Errorf("setns: %w", err)}
 			return
 		}
 		nfd, oerr := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err := unix.Setns(orig, unix.CLONE_NEWNET); err != nil {
+		err = unix.Setns(orig, unix.CLONE_NEWNET)
+		_ = unix.Close(orig)
+		if err != nil {
 			// The thread stays locked and dies with this goroutine rather
 			// than run other goroutines in the pod's namespace.
 			if oerr == nil {
