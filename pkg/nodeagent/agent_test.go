@@ -11,6 +11,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
+
 	"github.com/containernetworking/plugins/pkg/ns"
 	"golang.org/x/sys/unix"
 	"k8s.io/apimachinery/pkg/types"
@@ -82,10 +85,10 @@ func TestEnrollAndRemove(t *testing.T) {
 	if err != nil || v != ambient.VerdictEnrolled {
 		t.Fatalf("HandleAdd = %q, %v", v, err)
 	}
-	pods := h.agent.Pods()
-	if len(pods) != 1 || pods[0].UID != "u1" || pods[0].State != StateEnabled || pods[0].SandboxID != "sb1" || pods[0].Netns != pn.Path() ||
-		pods[0].ServiceAccount != "sa-web" || len(pods[0].IPs) != 1 {
-		t.Fatalf("state = %+v", pods)
+	want := []EnrolledPod{{UID: "u1", Namespace: "shop", Name: "web", ServiceAccount: "sa-web", SandboxID: "sb1", Netns: pn.Path(),
+		IPs: []netip.Addr{netip.MustParseAddr("10.9.0.5")}, State: StateEnabled}}
+	if diff := cmp.Diff(want, h.agent.Pods(), cmpopts.EquateComparable(netip.Addr{}), cmpopts.IgnoreFields(EnrolledPod{}, "NetnsID", "Rules", "Since")); diff != "" {
+		t.Fatalf("state (-want +got):\n%s", diff)
 	}
 	if h.rules.count() != 1 || len(h.zt.adds) != 1 || h.zt.adds[0].UID != "u1" || h.zt.adds[0].Info.ServiceAccount != "sa-web" {
 		t.Fatalf("rules %d, ztunnel adds %+v", h.rules.count(), h.zt.adds)
@@ -330,8 +333,10 @@ func TestSnapshotFollowsEnablement(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := read()
-	if s.Generation != 1 || strings.Join(s.EnabledNamespaces, ",") != "shop" || s.PodLevelEnablement || strings.Join(s.ExcludedNamespaces, ",") != "kube-system" {
-		t.Fatalf("first snapshot %+v", s)
+	ignoreWritten := cmpopts.IgnoreFields(nodefiles.EnablementSnapshot{}, "Written")
+	want := &nodefiles.EnablementSnapshot{Generation: 1, EnabledNamespaces: []string{"shop"}, ExcludedNamespaces: []string{"kube-system"}}
+	if diff := cmp.Diff(want, s, ignoreWritten); diff != "" {
+		t.Fatalf("first snapshot (-want +got):\n%s", diff)
 	}
 	if st, _ := os.Stat(path); st.Mode().Perm() != 0o600 {
 		t.Errorf("snapshot mode %v", st.Mode())
@@ -344,9 +349,9 @@ func TestSnapshotFollowsEnablement(t *testing.T) {
 	waitFor(t, "blog in the snapshot", func() bool { return strings.Join(read().EnabledNamespaces, ",") == "blog,shop" })
 	h.kube.SetPod(pod("plain", "solo", "u5", map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}))
 	waitFor(t, "pod-level enablement in the snapshot", func() bool { return read().PodLevelEnablement })
-	s = read()
-	if s.Generation != 3 || strings.Join(s.EnabledNamespaces, ",") != "blog,shop" || !s.PodLevelEnablement {
-		t.Errorf("snapshot after changes %+v", s)
+	want = &nodefiles.EnablementSnapshot{Generation: 3, EnabledNamespaces: []string{"blog", "shop"}, PodLevelEnablement: true, ExcludedNamespaces: []string{"kube-system"}}
+	if diff := cmp.Diff(want, read(), ignoreWritten); diff != "" {
+		t.Errorf("snapshot after changes (-want +got):\n%s", diff)
 	}
 	// A new writer (agent restart) continues the generation.
 	w := newSnapshotWriter(path)

@@ -9,6 +9,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
+
 	"github.com/containernetworking/cni/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
@@ -22,12 +25,13 @@ func TestParseConfigDefaults(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.AgentSocket != "/var/run/ambient-cni/agent.sock" || c.Timeout != ambient.DefaultPluginTimeout || c.LogLevel != slog.LevelWarn ||
-		len(c.ExcludedNamespaces) != 1 || c.ExcludedNamespaces[0] != "kube-system" || c.StatusRequiresAgent || c.PrevResult != nil {
-		t.Errorf("defaults wrong: %+v", c)
+	want := &Config{
+		CNIVersion: "1.0.0", Name: "k8s", AgentSocket: "/var/run/ambient-cni/agent.sock",
+		SnapshotFile: "/var/run/ambient-cni/enablement.json", SpoolDir: "/var/run/ambient-cni/pending-del",
+		Timeout: ambient.DefaultPluginTimeout, LogLevel: slog.LevelWarn, ExcludedNamespaces: []string{"kube-system"},
 	}
-	if c.SnapshotFile != "/var/run/ambient-cni/enablement.json" || c.SpoolDir != "/var/run/ambient-cni/pending-del" {
-		t.Errorf("derived paths wrong: %s %s", c.SnapshotFile, c.SpoolDir)
+	if diff := cmp.Diff(want, c); diff != "" {
+		t.Errorf("defaults wrong (-want +got):\n%s", diff)
 	}
 }
 
@@ -39,9 +43,16 @@ func TestParseConfigKeys(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.AgentSocket != "/run/a/agent.sock" || c.Timeout != 1500*time.Millisecond || c.LogLevel != slog.LevelDebug ||
-		len(c.ExcludedNamespaces) != 0 || !c.StatusRequiresAgent || c.PrevResult == nil || c.SpoolDir != "/run/a/pending-del" {
-		t.Errorf("keys not honoured: %+v", c)
+	if c.PrevResult == nil {
+		t.Fatal("prevResult not parsed")
+	}
+	want := &Config{
+		CNIVersion: "0.4.0", Name: "k8s", AgentSocket: "/run/a/agent.sock",
+		SnapshotFile: "/run/a/enablement.json", SpoolDir: "/run/a/pending-del",
+		Timeout: 1500 * time.Millisecond, LogLevel: slog.LevelDebug, ExcludedNamespaces: []string{}, StatusRequiresAgent: true,
+	}
+	if diff := cmp.Diff(want, c, cmpopts.IgnoreFields(Config{}, "PrevResult")); diff != "" {
+		t.Errorf("keys not honoured (-want +got):\n%s", diff)
 	}
 	ips, err := podIPs(c.PrevResult)
 	if err != nil || strings.Join(ips, ",") != "10.1.0.5,fd00::5" {
@@ -91,8 +102,9 @@ func TestParseK8sArgs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if a.K8S_POD_NAMESPACE != "shop" || a.K8S_POD_NAME != "web-1" || a.K8S_POD_INFRA_CONTAINER_ID != "abc" || a.K8S_POD_UID != "u-1" {
-		t.Errorf("args = %+v", a)
+	want := &K8sArgs{CommonArgs: a.CommonArgs, K8S_POD_NAMESPACE: "shop", K8S_POD_NAME: "web-1", K8S_POD_INFRA_CONTAINER_ID: "abc", K8S_POD_UID: "u-1"}
+	if diff := cmp.Diff(want, a); diff != "" {
+		t.Errorf("args (-want +got):\n%s", diff)
 	}
 	if err := a.requirePod(); err != nil {
 		t.Errorf("requirePod: %v", err)

@@ -14,6 +14,8 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/google/go-cmp/cmp"
+
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 
@@ -151,10 +153,10 @@ func TestAddPassesPrevResultThrough(t *testing.T) {
 		if len(evs) != 1 {
 			t.Fatalf("agent got %d events", len(evs))
 		}
-		ev := evs[0]
-		if ev.Command != ambient.CommandAdd || ev.PodName != "web-1" || ev.PodNamespace != "shop" || ev.PodUID != "0b7c6f0e-1111" ||
-			ev.SandboxID != "sb1" || ev.Netns != "/var/run/netns/cni-1" || ev.IfName != "eth0" || strings.Join(ev.IPs, ",") != "10.1.0.5,fd00::5" {
-			t.Errorf("event = %+v", ev)
+		want := ambient.PodEvent{Command: ambient.CommandAdd, PodName: "web-1", PodNamespace: "shop", PodUID: "0b7c6f0e-1111",
+			SandboxID: "sb1", Netns: "/var/run/netns/cni-1", IfName: "eth0", IPs: []string{"10.1.0.5", "fd00::5"}}
+		if diff := cmp.Diff(want, evs[0]); diff != "" {
+			t.Errorf("event (-want +got):\n%s", diff)
 		}
 	}
 }
@@ -286,8 +288,9 @@ func TestDelSpoolsWhenAgentDown(t *testing.T) {
 	if err != nil || len(entries) != 1 || entries[0].Event == nil {
 		t.Fatalf("spool = %+v, %v", entries, err)
 	}
-	if ev := entries[0].Event; ev.SandboxID != "sb1" || ev.PodUID != "0b7c6f0e-1111" || ev.PodName != "web-1" {
-		t.Errorf("spooled %+v", ev)
+	got := *entries[0].Event
+	if diff := cmp.Diff(ambient.PodEvent{SandboxID: "sb1", PodUID: "0b7c6f0e-1111", PodName: "web-1"}, ambient.PodEvent{SandboxID: got.SandboxID, PodUID: got.PodUID, PodName: got.PodName}); diff != "" {
+		t.Errorf("spooled %+v (-want +got):\n%s", got, diff)
 	}
 	st, err := os.Stat(entries[0].Path)
 	if err != nil || st.Mode().Perm() != 0o600 {

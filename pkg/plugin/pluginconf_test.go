@@ -2,9 +2,11 @@ package plugin
 
 import (
 	"encoding/json"
-	"slices"
+	"log/slog"
 	"testing"
 	"time"
+
+	"github.com/google/go-cmp/cmp"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 )
@@ -26,8 +28,12 @@ func TestEntryRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatalf("ParseConfig(entry): %v", err)
 	}
-	if c.AgentSocket != e.AgentSocket || c.Timeout != 12*time.Second || c.LogLevel.String() != "DEBUG" ||
-		!slices.Equal(c.ExcludedNamespaces, e.ExcludedNamespaces) || !c.StatusRequiresAgent {
-		t.Fatalf("entry %s parsed as %+v", b, c)
+	want := &Config{
+		CNIVersion: "1.0.0", Name: "k8s-pod-network", AgentSocket: e.AgentSocket,
+		SnapshotFile: "/run/x/enablement.json", SpoolDir: "/run/x/pending-del",
+		Timeout: 12 * time.Second, LogLevel: slog.LevelDebug, ExcludedNamespaces: e.ExcludedNamespaces, StatusRequiresAgent: true,
+	}
+	if diff := cmp.Diff(want, c); diff != "" {
+		t.Fatalf("entry %s parsed wrong (-want +got):\n%s", b, diff)
 	}
 }

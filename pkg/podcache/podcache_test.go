@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
+
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -78,14 +80,23 @@ func TestDecide(t *testing.T) {
 	k.SetPod(pod("kube-system", "dns", "u-dns", nil))
 	k.SetPod(pod(self.Namespace, self.Name, "u-self", nil))
 
-	if dec, p, err := k.Cache.Decide(ctx, "shop", "a", "u-a"); err != nil || !dec.Enroll || p.UID != "u-a" {
-		t.Errorf("shop/a: %+v %v", dec, err)
-	}
-	if dec, _, err := k.Cache.Decide(ctx, "kube-system", "dns", ""); err != nil || dec.Enroll || dec.Reason != enablement.ReasonExcludedNamespace {
-		t.Errorf("kube-system/dns: %+v %v", dec, err)
-	}
-	if dec, _, err := k.Cache.Decide(ctx, self.Namespace, self.Name, ""); err != nil || dec.Enroll || dec.Reason != enablement.ReasonDataPlanePod {
-		t.Errorf("the agent's own pod: %+v %v", dec, err)
+	for _, tc := range []struct {
+		ns, name, uid string // uid "" asks without one
+		podUID        types.UID
+		want          enablement.Decision
+	}{
+		{"shop", "a", "u-a", "u-a", enablement.Decision{Enroll: true, Reason: enablement.ReasonNamespaceLabel}},
+		{"kube-system", "dns", "", "u-dns", enablement.Decision{Enroll: false, Reason: enablement.ReasonExcludedNamespace}},
+		{self.Namespace, self.Name, "", "u-self", enablement.Decision{Enroll: false, Reason: enablement.ReasonDataPlanePod}},
+	} {
+		dec, p, err := k.Cache.Decide(ctx, tc.ns, tc.name, tc.uid)
+		if err != nil {
+			t.Errorf("%s/%s: %v", tc.ns, tc.name, err)
+			continue
+		}
+		if diff := cmp.Diff(tc.want, dec); diff != "" || p.UID != tc.podUID {
+			t.Errorf("%s/%s: pod uid %s, decision (-want +got):\n%s", tc.ns, tc.name, p.UID, diff)
+		}
 	}
 	if _, _, err := k.Cache.Decide(ctx, "shop", "a", "other"); err == nil {
 		t.Errorf("uid mismatch accepted")

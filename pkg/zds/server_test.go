@@ -11,10 +11,13 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/pkg/zds/zdspb"
+	"github.com/google/go-cmp/cmp"
+
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/ambient-cni/ambient-cni/pkg/zds/zdspb"
 )
 
 // TestWireConformance drives a server through snapshot, Add and Del and
@@ -41,7 +44,7 @@ func TestWireConformance(t *testing.T) {
 				t.Fatalf("want Add %s, got %v", w.UID, d.req)
 			}
 			wi := add.GetWorkloadInfo()
-			if wi.GetName() != w.Info.Name || wi.GetNamespace() != w.Info.Namespace || wi.GetServiceAccount() != w.Info.ServiceAccount {
+			if diff := cmp.Diff(w.Info, WorkloadInfo{Name: wi.GetName(), Namespace: wi.GetNamespace(), ServiceAccount: wi.GetServiceAccount()}); diff != "" {
 				t.Errorf("workload info %v, want %+v", wi, w.Info)
 			}
 			if len(d.fds) != 1 {

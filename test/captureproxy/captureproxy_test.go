@@ -14,8 +14,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
+
 	"github.com/containernetworking/plugins/pkg/ns"
+
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
 func TestParseBanner(t *testing.T) {
@@ -106,7 +110,7 @@ func TestRecordsAndBanner(t *testing.T) {
 	if err != nil {
 		t.Fatalf("dial: %v", err)
 	}
-	if got.Port != dst.Port() || got.Local != dst || got.Redirected() {
+	if diff := cmp.Diff(Record{Port: dst.Port(), Local: dst}, Record{Port: got.Port, Local: got.Local}, cmpopts.EquateComparable(netip.AddrPort{})); diff != "" || got.Redirected() {
 		t.Fatalf("banner %v, want port %d local %s, not redirected", got, dst.Port(), dst)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)

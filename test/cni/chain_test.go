@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
+
 	"github.com/containernetworking/cni/libcni"
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
@@ -101,8 +103,16 @@ func chainScenario(t *testing.T, v string) {
 	if got, _ := netip.AddrFromSlice(cur.IPs[0].Address.IP.To4()); got != podIP {
 		t.Errorf("result IP %s, pod has %s", got, podIP)
 	}
-	if p := n.agent.Pods(); len(p) != 1 || p[0].Name != "web" || p[0].SandboxID != web.id || len(p[0].IPs) != 2 {
+	p := n.agent.Pods()
+	if len(p) != 1 {
 		t.Fatalf("agent state %+v", p)
+	}
+	type state struct {
+		Name, SandboxID string
+		IPs             int
+	}
+	if diff := cmp.Diff(state{"web", web.id, 2}, state{p[0].Name, p[0].SandboxID, len(p[0].IPs)}); diff != "" {
+		t.Fatalf("agent state (-want +got):\n%s", diff)
 	}
 
 	// The rules work: outbound lands on 15001, inbound on 15006.

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
+
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
@@ -94,7 +96,7 @@ func TestTrafficThroughStandIn(t *testing.T) {
 		}
 		want := map[string]NetnsID{a.uid: netnsOf(t, a), b.uid: netnsOf(t, b)}
 		for _, m := range msgs[:2] {
-			if m.Kind != KindAdd || m.FDs != 1 || m.AckError != "" || want[m.UID] != m.Netns {
+			if diff := cmp.Diff(Message{Kind: KindAdd, FDs: 1, Netns: want[m.UID]}, Message{Kind: m.Kind, FDs: m.FDs, AckError: m.AckError, Netns: m.Netns}); diff != "" {
 				t.Errorf("snapshot message %+v, want an acked Add with the pod's netns", m)
 			}
 			delete(want, m.UID)

@@ -8,6 +8,9 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
 )
 
 func env(m map[string]string) func(string) string {
@@ -19,10 +22,18 @@ func TestDefaults(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.ZDSSocket != "/var/run/ztunnel/ztunnel.sock" || c.ZtunnelWait != 5*time.Second ||
-		c.ProbeSNATv4 != netip.MustParseAddr("169.254.7.127") || len(c.ExcludedNamespaces) != 1 ||
-		c.ExcludedNamespaces[0] != "kube-system" || c.PluginType != "ambient-cni" || c.DNSCapture {
-		t.Fatalf("defaults wrong: %+v", c)
+	type defaults struct {
+		ZDSSocket          string
+		ZtunnelWait        time.Duration
+		ProbeSNATv4        netip.Addr
+		ExcludedNamespaces []string
+		PluginType         string
+		DNSCapture         bool
+	}
+	got := defaults{c.ZDSSocket, c.ZtunnelWait, c.ProbeSNATv4, c.ExcludedNamespaces, c.PluginType, c.DNSCapture}
+	want := defaults{"/var/run/ztunnel/ztunnel.sock", 5 * time.Second, netip.MustParseAddr("169.254.7.127"), []string{"kube-system"}, "ambient-cni", false}
+	if diff := cmp.Diff(want, got, cmpopts.EquateComparable(netip.Addr{})); diff != "" {
+		t.Fatalf("defaults wrong (-want +got):\n%s", diff)
 	}
 }
 
@@ -37,8 +48,15 @@ func TestEnvThenFlags(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.NodeName != "from-env" || strings.Join(c.ExcludedNamespaces, "|") != "a|b|c" || !c.DNSCapture || c.ZtunnelWait != 3*time.Second {
-		t.Fatalf("env/flag precedence wrong: %+v", c)
+	type precedence struct {
+		NodeName           string
+		ExcludedNamespaces []string
+		DNSCapture         bool
+		ZtunnelWait        time.Duration
+	}
+	got := precedence{c.NodeName, c.ExcludedNamespaces, c.DNSCapture, c.ZtunnelWait}
+	if diff := cmp.Diff(precedence{"from-env", []string{"a", "b", "c"}, true, 3 * time.Second}, got); diff != "" {
+		t.Fatalf("env/flag precedence wrong (-want +got):\n%s", diff)
 	}
 }
 

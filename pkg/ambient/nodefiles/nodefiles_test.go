@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/google/go-cmp/cmp"
+
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 )
 
@@ -32,8 +34,12 @@ func TestSpoolRoundTrip(t *testing.T) {
 		t.Errorf("spool dir mode %v, %v", st.Mode(), err)
 	}
 	entries, err := List(dir)
-	if err != nil || len(entries) != 1 || entries[0].Err != nil || entries[0].Event.PodUID != "u1" {
-		t.Fatalf("List = %+v, %v", entries, err)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []Entry{{Path: filepath.Join(dir, "abc-1.json"), Event: &ev}}
+	if diff := cmp.Diff(want, entries); diff != "" {
+		t.Fatalf("List (-want +got):\n%s", diff)
 	}
 	if err := Remove(entries[0].Path); err != nil {
 		t.Fatal(err)
