@@ -1,8 +1,9 @@
 // Package atomicfile replaces files so readers see the old content or the
-// new, never a mix: a temporary file next to the target, synced, given its
-// mode (and owner), then renamed over the target. The installer, the
-// plugin's DEL spool and the agent's enablement snapshot all write through
-// it; it uses only the standard library, so the plugin binary stays thin.
+// new, never a mix, for everything that writes files on the node: the
+// installer, the plugin's DEL spool and the agent's enablement snapshot. It
+// writes a temporary file next to the target, syncs it, gives it its mode
+// (and owner) and renames it over the target; it uses only the standard
+// library, so the plugin binary stays thin.
 package atomicfile
 
 import (

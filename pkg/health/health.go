@@ -1,6 +1,6 @@
-// Package health serves the node agent's operational endpoints: /healthz
-// (the process is alive), /readyz (every readiness check passes), /metrics
-// and /debug/pods.
+// Package health serves install-cni's operational endpoints, with the
+// readiness checks install-cni registers: /healthz (the process is alive),
+// /readyz (every readiness check passes), /metrics and /debug/pods.
 package health
 
 import (

@@ -1,5 +1,5 @@
-// Package installer puts the ambient-cni plugin on a node and keeps it
-// there: it copies the plugin binary into the host's CNI bin directory,
+// Package installer puts the ambient-cni plugin on a node for install-cni
+// and keeps it there: it copies the plugin binary into the host's CNI bin directory,
 // chains the plugin as the last entry of the primary CNI's configuration
 // list, restores both whenever the primary CNI (or anyone) rewrites or
 // removes them, and takes them away again on a real uninstall.

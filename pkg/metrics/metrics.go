@@ -1,6 +1,8 @@
-// Package metrics defines the node agent's Prometheus metrics. They live on
-// a registry the caller owns (no global registration), so tests and several
-// agents in one process never collide.
+// Package metrics defines install-cni's Prometheus metrics, which it wires
+// to the agent, the servers, the controller and the installer, and keeps
+// the gauges current (RunGauges). They live on a registry the caller owns
+// (no global registration), so tests and several agents in one process
+// never collide.
 package metrics
 
 import (

@@ -1,10 +1,9 @@
-// Package podcache is the node agent's view of the cluster: informers and
-// listers for the pods bound to this node and for every namespace, the
-// enablement policy applied to them, and change notifications. The plugin
-// event server decides CNI ADDs with it, the pod controller decides and
-// requeues running pods with it, and the agent builds the plugin's
-// enablement snapshot from it. Build it first; it needs nothing else of the
-// agent.
+// Package podcache is the node agent's view of the cluster, used by the
+// plugin event server to decide CNI ADDs, by the pod controller to decide
+// on running pods and requeue them, and by the agent to build the plugin's
+// enablement snapshot: informers and listers for the pods bound to this
+// node and for every namespace, the enablement policy applied to them, and
+// change notifications. Build it first; it needs nothing else of the agent.
 package podcache
 
 import (

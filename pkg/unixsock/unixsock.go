@@ -1,5 +1,5 @@
-// Package unixsock owns the node agent's listening Unix sockets (the plugin
-// event socket and the ZDS socket): it binds under a private name and
+// Package unixsock owns the node agent's listening Unix sockets for the
+// plugin event server and the ZDS server: it binds under a private name and
 // renames the socket into place with its final mode, so peers never see the
 // path missing or too open, a stale socket is replaced and any other kind
 // of file is refused; it remembers the file it bound so closing removes the

@@ -1,5 +1,6 @@
-// Package zds is the node agent's side of ZDS, the protocol that hands pod
-// network namespaces to ztunnel over a SOCK_SEQPACKET Unix socket.
+// Package zds is the node agent's side of ZDS, the protocol through which
+// the agent hands pod network namespaces to ztunnel over a SOCK_SEQPACKET
+// Unix socket.
 //
 // The agent listens; each ztunnel connects, says hello, and receives a
 // snapshot of every enrolled pod (Add with the netns fd, or Keep) followed by

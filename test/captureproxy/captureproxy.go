@@ -1,5 +1,6 @@
 // Package captureproxy is a tiny stand-in for ztunnel's capture listeners,
-// for tests: it listens inside a network namespace on the ports it is given
+// for the data-plane tests of pkg/iptables and test/cni and for the
+// ztunnel stand-in: it listens inside a network namespace on the ports it is given
 // (typically 15001, 15006, 15008, 15053 and an application port), and for
 // every TCP connection or UDP datagram records which listener got it, the
 // original destination the kernel's NAT saw (SO_ORIGINAL_DST or

@@ -1,6 +1,6 @@
-// Package testnet builds throwaway network topologies for tests: network
-// namespaces ("pods") joined by veth pairs, with cleanup registered on the
-// test. It needs root; RequireRoot turns a missing privilege into a skip, or
+// Package testnet builds throwaway network topologies for every root test:
+// network namespaces ("pods") joined by veth pairs, with cleanup
+// registered on the test. It needs root; RequireRoot turns a missing privilege into a skip, or
 // into a failure when CI=true.
 package testnet
 

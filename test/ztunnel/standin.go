@@ -1,4 +1,5 @@
-// Package ztunnel is a ztunnel stand-in for tests and the local sandbox. It
+// Package ztunnel is a ztunnel stand-in for the end-to-end tests and the
+// local sandbox. It
 // speaks ZDS to the node agent exactly as the compatibility spec describes
 // (hello, snapshot, one ack per request, protocol errors that hang up) and,
 // for every pod it is handed, opens real listeners inside the pod's network

@@ -1,10 +1,11 @@
-// Package app assembles the install-cni process, the ambient-cni DaemonSet
-// container: its settings (options.go: every flag, its environment variable
-// and its default, validated and rendered into docs/install-cni.md) and the
-// wiring of the installer, the pod cache, the node agent with its plugin
-// event server and ZDS server, the pod controller, the host probe set and
-// the health/metrics server (New), run until a signal (Run). cmd/install-cni
-// calls Main; the end-to-end tests run New and Run in-process.
+// Package app assembles the install-cni process (the DaemonSet container)
+// for cmd/install-cni, which calls Main, and for the end-to-end tests,
+// which run New and Run in-process. options.go holds every setting: flag,
+// environment variable, default (the owning package's constant),
+// validation, and the table rendered into docs/install-cni.md. app.go
+// wires the installer, the pod cache, the node agent with its plugin event
+// server and ZDS server, the pod controller, the host probe set and the
+// health/metrics server (New), and runs them until a signal (Run).
 package app
 
 import (
