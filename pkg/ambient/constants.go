@@ -7,7 +7,7 @@
 // binary and the agent both import it, so it needs only the standard
 // library. The enablement policy (Kubernetes API types) is in the
 // enablement subpackage, the files the plugin and agent share on the node
-// in nodefiles.
+// in nodefiles, the ZDS messages the agent and ztunnel exchange in zdspb.
 //
 // Every key, port and mark here is an interface fact that the real ztunnel
 // and istiod depend on; change none of them without checking the

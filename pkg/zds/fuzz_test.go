@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/pkg/zds/zdspb"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/zdspb"
 	"google.golang.org/protobuf/proto"
 )
 

@@ -25,7 +25,7 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/zds/zdspb"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/zdspb"
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
 )

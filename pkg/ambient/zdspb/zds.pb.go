@@ -620,7 +620,7 @@ const file_zds_proto_rawDesc = "" +
 	"\apayload*\x1f\n" +
 	"\aVersion\x12\f\n" +
 	"\bNOT_USED\x10\x00\x12\x06\n" +
-	"\x02V1\x10\x01B2Z0github.com/ambient-cni/ambient-cni/pkg/zds/zdspbb\x06proto3"
+	"\x02V1\x10\x01B6Z4github.com/ambient-cni/ambient-cni/pkg/ambient/zdspbb\x06proto3"
 
 var (
 	file_zds_proto_rawDescOnce sync.Once
