@@ -4,6 +4,8 @@ import (
 	"bufio"
 	"strings"
 	"testing"
+
+	"github.com/ambient-cni/ambient-cni/test/fuzzseed"
 )
 
 func TestReadResponse(t *testing.T) {
@@ -63,7 +65,7 @@ func TestEncodeRequest(t *testing.T) {
 }
 
 func FuzzReadResponse(f *testing.F) {
-	addSeeds(f, "FuzzReadResponse")
+	fuzzseed.Add(f, "FuzzReadResponse")
 	f.Add([]byte("HTTP/1.1 200 OK\r\nContent-Length: 22\r\n\r\n{\"verdict\":\"enrolled\"}"))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		st, body, err := ReadResponse(bufio.NewReader(strings.NewReader(string(b))))

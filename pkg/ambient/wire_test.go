@@ -2,10 +2,10 @@ package ambient
 
 import (
 	"encoding/json"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/ambient-cni/ambient-cni/test/fuzzseed"
 )
 
 func validEvent() PodEvent {
@@ -87,7 +87,7 @@ func TestDecodeGCRequest(t *testing.T) {
 }
 
 func FuzzPodEventDecode(f *testing.F) {
-	addSeeds(f, "FuzzPodEventDecode")
+	fuzzseed.Add(f, "FuzzPodEventDecode")
 	good, _ := json.Marshal(validEvent())
 	f.Add(good)
 	f.Fuzz(func(t *testing.T, b []byte) {
@@ -109,7 +109,7 @@ func FuzzPodEventDecode(f *testing.F) {
 }
 
 func FuzzDecodePodEvent(f *testing.F) {
-	addSeeds(f, "FuzzDecodePodEvent")
+	fuzzseed.Add(f, "FuzzDecodePodEvent")
 	f.Fuzz(func(t *testing.T, b []byte) {
 		ev, err := DecodePodEvent(b)
 		if err != nil {
@@ -125,7 +125,7 @@ func FuzzDecodePodEvent(f *testing.F) {
 }
 
 func FuzzDecodeGCRequest(f *testing.F) {
-	addSeeds(f, "FuzzDecodeGCRequest")
+	fuzzseed.Add(f, "FuzzDecodeGCRequest")
 	f.Fuzz(func(t *testing.T, b []byte) {
 		r, err := DecodeGCRequest(b)
 		if err != nil {
@@ -140,17 +140,4 @@ func FuzzDecodeGCRequest(f *testing.F) {
 			}
 		}
 	})
-}
-
-// addSeeds adds every file in testdata/seeds/<name> as a seed; go test
-// also replays testdata/fuzz/<name> on its own.
-func addSeeds(f *testing.F, name string) {
-	files, _ := filepath.Glob(filepath.Join("testdata", "seeds", name, "*"))
-	for _, p := range files {
-		b, err := os.ReadFile(p)
-		if err != nil {
-			f.Fatal(err)
-		}
-		f.Add(b)
-	}
 }

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ambient-cni/ambient-cni/test/poll"
+
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -237,17 +239,6 @@ func running(ns, name, uid, ip string) *corev1.Pod {
 	}
 }
 
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 // TestNamespaceFlipCapturesRunningPods: labelling a namespace captures its
 // running pods with one /proc scan for the burst, not one per pod.
 func TestNamespaceFlipCapturesRunningPods(t *testing.T) {
@@ -260,7 +251,7 @@ func TestNamespaceFlipCapturesRunningPods(t *testing.T) {
 	scans := len(e.finder.scanLog())
 	e.kube.SetNamespace(namespace("shop", true))
 	for _, n := range []string{"a", "b", "c"} {
-		eventually(t, "capture of shop/"+n, func() bool { return e.agent.count("capture shop/"+n) == 1 })
+		poll.Until(t, "capture of shop/"+n, func() bool { return e.agent.count("capture shop/"+n) == 1 })
 	}
 	if got := len(e.finder.scanLog()) - scans; got < 1 || got >= 3 {
 		t.Errorf("%d scans for one namespace flip of 3 pods, want them batched: %v", got, e.finder.scanLog())
@@ -269,15 +260,15 @@ func TestNamespaceFlipCapturesRunningPods(t *testing.T) {
 
 func TestUnenrollsPodsNoLongerWanted(t *testing.T) {
 	e := newEnv(t, []types.UID{"u-a", "u-b"}, running("blog", "a", "u-a", "10.1.0.1"), running("blog", "b", "u-b", "10.1.0.2"))
-	eventually(t, "captures", func() bool { return e.agent.count("capture blog/a") == 1 && e.agent.count("capture blog/b") == 1 })
+	poll.Until(t, "captures", func() bool { return e.agent.count("capture blog/a") == 1 && e.agent.count("capture blog/b") == 1 })
 	// The pod opts out with its own label.
 	a := running("blog", "a", "u-a", "10.1.0.1")
 	a.Labels = map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeNone}
 	e.kube.SetPod(a)
-	eventually(t, "unenroll of the opted-out pod", func() bool { return e.agent.count("unenroll u-a") == 1 })
+	poll.Until(t, "unenroll of the opted-out pod", func() bool { return e.agent.count("unenroll u-a") == 1 })
 	// The pod is deleted while enrolled.
 	e.kube.DeletePod("blog", "b")
-	eventually(t, "unenroll of the deleted pod", func() bool { return e.agent.count("unenroll u-b") == 1 })
+	poll.Until(t, "unenroll of the deleted pod", func() bool { return e.agent.count("unenroll u-b") == 1 })
 	// The namespace is unlabelled: nothing left to unenroll.
 	if _, ok := e.agent.EnrolledUID("blog", "a"); ok {
 		t.Errorf("blog/a still enrolled")
@@ -305,8 +296,8 @@ func TestRestoreAdoptsMarkedPods(t *testing.T) {
 	if want := []string{"restore blog/keep", "restore shop/stale"}; !slices.Equal(restored, want) {
 		t.Errorf("restored before Restored(): %v, want %v", restored, want)
 	}
-	eventually(t, "unenroll of the pod no longer wanted", func() bool { return e.agent.count("unenroll u-stale") == 1 })
-	eventually(t, "stale annotation cleared", func() bool { return slices.Contains(e.ann.log(), `shop/gone=""`) })
+	poll.Until(t, "unenroll of the pod no longer wanted", func() bool { return e.agent.count("unenroll u-stale") == 1 })
+	poll.Until(t, "stale annotation cleared", func() bool { return slices.Contains(e.ann.log(), `shop/gone=""`) })
 	time.Sleep(100 * time.Millisecond)
 	for _, c := range e.agent.log() {
 		if strings.Contains(c, "keep") && c != "restore blog/keep" || strings.Contains(c, "done") {
@@ -328,7 +319,7 @@ func TestCaptureFailureIsEventedAndRetried(t *testing.T) {
 		t.Fatal("no event for the failed capture")
 	}
 	e.agent.setCaptureErr(nil)
-	eventually(t, "the retry captures the pod", func() bool {
+	poll.Until(t, "the retry captures the pod", func() bool {
 		_, ok := e.agent.EnrolledUID("blog", "a")
 		return ok
 	})
@@ -343,8 +334,8 @@ func TestPendingAndRecreatedPods(t *testing.T) {
 	e.agent.enroll("blog", "r", "u-old", false)
 	e.kube.SetPod(running("blog", "p", "u-p", "10.1.0.1"))
 	e.kube.SetPod(running("blog", "r", "u-new", "10.1.0.2"))
-	eventually(t, "pending pod captured again", func() bool { return e.agent.count("capture blog/p") == 1 })
-	eventually(t, "recreated pod replaced", func() bool {
+	poll.Until(t, "pending pod captured again", func() bool { return e.agent.count("capture blog/p") == 1 })
+	poll.Until(t, "recreated pod replaced", func() bool {
 		calls := e.agent.log()
 		i, j := slices.Index(calls, "unenroll u-old"), slices.Index(calls, "capture blog/r")
 		return i >= 0 && j > i
@@ -361,7 +352,7 @@ func TestLeavesAloneWhatIsNotItsJob(t *testing.T) {
 	starting.Status = corev1.PodStatus{Phase: corev1.PodPending}
 	e.kube.SetPod(starting)
 	e.kube.SetPod(running("blog", "lost", "u-lost", "10.1.0.6"))
-	eventually(t, "a scan for the lost pod", func() bool {
+	poll.Until(t, "a scan for the lost pod", func() bool {
 		for _, s := range e.finder.scanLog() {
 			if slices.Contains(s, "u-lost") {
 				return true
@@ -380,5 +371,5 @@ func TestLeavesAloneWhatIsNotItsJob(t *testing.T) {
 	}
 	// Once its netns shows up, the retry captures it.
 	e.finder.setRunning("u-lost")
-	eventually(t, "capture once found", func() bool { return e.agent.count("capture blog/lost") == 1 })
+	poll.Until(t, "capture once found", func() bool { return e.agent.count("capture blog/lost") == 1 })
 }

@@ -9,7 +9,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
+
+	"github.com/ambient-cni/ambient-cni/test/poll"
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/google/go-cmp/cmp/cmpopts"
@@ -346,9 +347,9 @@ func TestSnapshotFollowsEnablement(t *testing.T) {
 	}
 	// Changes reach the snapshot through the cache's notifications.
 	h.kube.SetNamespace(namespace("blog", true))
-	waitFor(t, "blog in the snapshot", func() bool { return strings.Join(read().EnabledNamespaces, ",") == "blog,shop" })
+	poll.Until(t, "blog in the snapshot", func() bool { return strings.Join(read().EnabledNamespaces, ",") == "blog,shop" })
 	h.kube.SetPod(pod("plain", "solo", "u5", map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}))
-	waitFor(t, "pod-level enablement in the snapshot", func() bool { return read().PodLevelEnablement })
+	poll.Until(t, "pod-level enablement in the snapshot", func() bool { return read().PodLevelEnablement })
 	want = &nodefiles.EnablementSnapshot{Generation: 3, EnabledNamespaces: []string{"blog", "shop"}, PodLevelEnablement: true, ExcludedNamespaces: []string{"kube-system"}}
 	if diff := cmp.Diff(want, read(), ignoreWritten); diff != "" {
 		t.Errorf("snapshot after changes (-want +got):\n%s", diff)
@@ -365,19 +366,6 @@ func TestSnapshotFollowsEnablement(t *testing.T) {
 	}
 	if leftovers, _ := filepath.Glob(filepath.Join(h.dir, ".*tmp")); len(leftovers) != 0 {
 		t.Errorf("temp files left: %v", leftovers)
-	}
-}
-
-// waitFor polls cond with a generous deadline (the cache's notifications
-// run on their own goroutine).
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
 	}
 }
 

@@ -3,11 +3,12 @@ package plugin
 import (
 	"errors"
 	"log/slog"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ambient-cni/ambient-cni/test/fuzzseed"
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/google/go-cmp/cmp/cmpopts"
@@ -128,7 +129,7 @@ func TestParseK8sArgs(t *testing.T) {
 }
 
 func FuzzParseConfig(f *testing.F) {
-	addSeeds(f, "FuzzParseConfig")
+	fuzzseed.Add(f, "FuzzParseConfig")
 	f.Add([]byte(`{"cniVersion":"1.0.0","name":"n","prevResult":` + prevV1 + `}`))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		c, err := ParseConfig(b)
@@ -148,17 +149,4 @@ func FuzzParseConfig(f *testing.F) {
 			}
 		}
 	})
-}
-
-// addSeeds adds every file in testdata/seeds/<name> as a seed; go test
-// also replays testdata/fuzz/<name> on its own.
-func addSeeds(f *testing.F, name string) {
-	files, _ := filepath.Glob(filepath.Join("testdata", "seeds", name, "*"))
-	for _, p := range files {
-		b, err := os.ReadFile(p)
-		if err != nil {
-			f.Fatal(err)
-		}
-		f.Add(b)
-	}
 }

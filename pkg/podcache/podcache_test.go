@@ -6,7 +6,8 @@ import (
 	"strings"
 	"sync"
 	"testing"
-	"time"
+
+	"github.com/ambient-cni/ambient-cni/test/poll"
 
 	"github.com/google/go-cmp/cmp"
 
@@ -55,17 +56,6 @@ func (r *recorder) state() ([]string, int) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return slices.Clone(r.changed), r.enablement
-}
-
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }
 
 func TestDecide(t *testing.T) {
@@ -157,13 +147,13 @@ func TestNotifications(t *testing.T) {
 	k.Cache.OnEnablementChange(r.onEnablement)
 	k.Start()
 	k.SetNamespace(namespace("shop", false))
-	waitFor(t, "namespace add notified", func() bool { _, n := r.state(); return n == 1 })
+	poll.Until(t, "namespace add notified", func() bool { _, n := r.state(); return n == 1 })
 	k.SetPod(pod("shop", "a", "u-a", nil))
 	k.SetPod(pod("shop", "b", "u-b", nil))
-	waitFor(t, "pod adds notified", func() bool { c, _ := r.state(); return len(c) == 2 })
+	poll.Until(t, "pod adds notified", func() bool { c, _ := r.state(); return len(c) == 2 })
 	// A label flip of the namespace touches every pod in it.
 	k.SetNamespace(namespace("shop", true))
-	waitFor(t, "namespace label flip notified", func() bool {
+	poll.Until(t, "namespace label flip notified", func() bool {
 		c, n := r.state()
 		return n == 2 && len(c) == 4
 	})
@@ -174,7 +164,7 @@ func TestNotifications(t *testing.T) {
 	// A pod labelled ambient may change pod-level enablement.
 	k.SetPod(pod("shop", "c", "u-c", map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}))
 	k.DeletePod("shop", "a")
-	waitFor(t, "pod change and delete notified", func() bool { c, _ := r.state(); return len(c) == 6 })
+	poll.Until(t, "pod change and delete notified", func() bool { c, _ := r.state(); return len(c) == 6 })
 	changed, n := r.state()
 	if n != 3 {
 		t.Errorf("enablement notified %d times, want 3 (namespace add, label flip, labelled pod)", n)

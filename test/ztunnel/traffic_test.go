@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ambient-cni/ambient-cni/test/poll"
+
 	"github.com/google/go-cmp/cmp"
 
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
@@ -143,7 +145,7 @@ func TestTrafficThroughStandIn(t *testing.T) {
 			z3 := runStandIn(t, Config{SocketPath: ag.srv.SocketPath()})
 			waitFor(t, z3, "second stand-in ready", z3.Ready)
 			// The stand-in is ready before its ack reaches the agent.
-			eventually(t, "two ready connections", func() bool { return ag.srv.ReadyConnections() == 2 })
+			poll.Until(t, "two ready connections", func() bool { return ag.srv.ReadyConnections() == 2 })
 			before := len(z2.Messages())
 			ag.enroll(t, d)
 			if _, ok := z3.Workload(d.uid); !ok {
@@ -170,17 +172,6 @@ func TestTrafficThroughStandIn(t *testing.T) {
 			}
 		})
 	})
-}
-
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }
 
 // runStandInStoppable runs a stand-in (misbehaving as faults say) that
@@ -262,7 +253,7 @@ func TestAgentRestartKeepsConnections(t *testing.T) {
 	}
 	ag2.mu.Unlock()
 	waitFor(t, z, "snapshot from the new agent", func() bool { return z.Connections() >= 2 && z.Ready() })
-	eventually(t, "agent sees the ready stand-in", func() bool { return ag2.srv.ReadyConnections() == 1 })
+	poll.Until(t, "agent sees the ready stand-in", func() bool { return ag2.srv.ReadyConnections() == 1 })
 
 	roundTrip("after restart")
 	if after := z.Workloads(); !slices.EqualFunc(before, after, func(x, y Workload) bool {

@@ -2,9 +2,9 @@ package nodefiles
 
 import (
 	"encoding/json"
-	"os"
-	"path/filepath"
 	"testing"
+
+	"github.com/ambient-cni/ambient-cni/test/fuzzseed"
 )
 
 func TestSnapshotRule(t *testing.T) {
@@ -44,7 +44,7 @@ func TestParseSnapshot(t *testing.T) {
 }
 
 func FuzzParseSnapshot(f *testing.F) {
-	addSeeds(f, "FuzzParseSnapshot")
+	fuzzseed.Add(f, "FuzzParseSnapshot")
 	f.Add([]byte(`{"generation":1,"enabledNamespaces":["a"],"podLevelEnablement":true}`))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		s, err := ParseSnapshot(b)
@@ -52,17 +52,4 @@ func FuzzParseSnapshot(f *testing.F) {
 			t.Fatalf("accepted generation %d", s.Generation)
 		}
 	})
-}
-
-// addSeeds adds every file in testdata/seeds/<name> as a seed; go test
-// also replays testdata/fuzz/<name> on its own.
-func addSeeds(f *testing.F, name string) {
-	files, _ := filepath.Glob(filepath.Join("testdata", "seeds", name, "*"))
-	for _, p := range files {
-		b, err := os.ReadFile(p)
-		if err != nil {
-			f.Fatal(err)
-		}
-		f.Add(b)
-	}
 }
