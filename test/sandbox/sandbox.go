@@ -19,6 +19,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -226,6 +227,11 @@ func Run(ctx context.Context, opts Options) (err error) {
 			say("   %s -> %s: reached the app directly (ztunnel saw nothing)", from, server)
 			return nil
 		}
+		// The stand-in records a hop once its upstream is connected, so
+		// the inbound hop may be recorded before the outbound one that
+		// tunnelled to it; a connection's path runs outbound (15001)
+		// before inbound (15006, 15008), which is port order.
+		slices.SortStableFunc(recs, func(a, b ztunnel.Record) int { return a.Port - b.Port })
 		var hops []string
 		for _, r := range recs {
 			hops = append(hops, fmt.Sprintf("%s:%d", podName(zt, r.UID), r.Port))
