@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -135,10 +136,24 @@ func waitFor(t testing.TB, what string, cond func() error) time.Duration {
 			return time.Since(start)
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("%s: not within %v: %v", what, eventually, err)
+			t.Fatalf("%s: not within %v: %v\n%s", what, eventually, err, installerStacks())
 		}
 		time.Sleep(2 * time.Millisecond)
 	}
+}
+
+// installerStacks shows where the installer's goroutines are (in a pass,
+// and at which step, or waiting for an event), so a timeout says why.
+func installerStacks() string {
+	buf := make([]byte, 1<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	var out []string
+	for g := range strings.SplitSeq(string(buf), "\n\n") {
+		if strings.Contains(g, "installer.(*Installer)") {
+			out = append(out, g)
+		}
+	}
+	return "installer goroutines:\n" + strings.Join(out, "\n\n")
 }
 
 // run starts i.Run and stops it when the test ends, checking it returned.
