@@ -50,8 +50,8 @@ $(STATICCHECK):
 	GOBIN=$(dir $(STATICCHECK)) $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
 
 generate: $(PROTOC_GEN_GO) ## regenerate committed protobuf Go code (needs protoc: Debian protobuf-compiler)
-	$(PROTOC) --plugin=protoc-gen-go=$(PROTOC_GEN_GO) -I pkg/zds/zdspb \
-		--go_out=pkg/zds/zdspb --go_opt=paths=source_relative pkg/zds/zdspb/zds.proto
+	$(PROTOC) --plugin=protoc-gen-go=$(PROTOC_GEN_GO) -I pkg/ambient/zdspb \
+		--go_out=pkg/ambient/zdspb --go_opt=paths=source_relative pkg/ambient/zdspb/zds.proto
 
 # The chart is the source; the manifest is its helm template output. The
 # release name, namespace and header live in one place: test/deploy, whose

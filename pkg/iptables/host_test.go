@@ -10,9 +10,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/internal/captureproxy"
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/test/captureproxy"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"github.com/vishvananda/netlink"
 )
 

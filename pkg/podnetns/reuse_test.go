@@ -14,8 +14,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/internal/sandbox"
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/test/podproc"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"k8s.io/apimachinery/pkg/types"
 )
 
@@ -129,18 +129,18 @@ func TestFindIgnoresReusedPID(t *testing.T) {
 	testnet.RequireRoot(t)
 	testnet.RequireCommands(t, "unshare", "nsenter", "sleep", "sh", "mount")
 	var hier []string
-	for _, h := range sandbox.DefaultHierarchies() {
+	for _, h := range podproc.DefaultHierarchies() {
 		if _, err := os.Stat(filepath.Join(h, "cgroup.procs")); err == nil {
 			hier = append(hier, h)
 		}
 	}
 	if len(hier) == 0 {
-		testnet.Missing(t, fmt.Sprintf("none of the cgroup hierarchies %v is mounted", sandbox.DefaultHierarchies()))
+		testnet.Missing(t, fmt.Sprintf("none of the cgroup hierarchies %v is mounted", podproc.DefaultHierarchies()))
 	}
 	u, ip := randUID(), randIP()
 	// Cleanups run last first: the PID namespace (and every process in
 	// it) goes before the netns and cgroups it used.
-	cg := makeCgroup(t, hier, sandbox.CgroupPath(sandbox.Cgroupfs, testnet.RandName("kubepods-test-", 8), string(u), testnet.RandName("", 64)))
+	cg := makeCgroup(t, hier, podproc.CgroupPath(podproc.Cgroupfs, testnet.RandName("kubepods-test-", 8), string(u), testnet.RandName("", 64)))
 	podNetns, impostorNetns := podNS(t, ip), podNS(t, ip)
 	p := newPidns(t)
 	pid := p.sleeper(t, podNetns.Path(), cg)

@@ -9,8 +9,8 @@ import (
 	"syscall"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/internal/sandbox"
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/test/podproc"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/containernetworking/plugins/pkg/testutils"
 	"github.com/vishvananda/netlink"
@@ -57,9 +57,9 @@ func podNS(t *testing.T, ip netip.Addr) ns.NetNS {
 
 // startPod starts a process of pod uid in the netns at path, in the pod's
 // kubelet-shaped cgroup.
-func startPod(t *testing.T, uid types.UID, path string, o sandbox.Options) *sandbox.Sandbox {
+func startPod(t *testing.T, uid types.UID, path string, o podproc.Options) *podproc.Sandbox {
 	t.Helper()
-	sb, err := sandbox.Start(string(uid), path, o)
+	sb, err := podproc.Start(string(uid), path, o)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -92,15 +92,15 @@ func TestFindHoldsCheckedNamespaces(t *testing.T) {
 	a, b, hostPod, wrongIP, noIPs, absent := randUID(), randUID(), randUID(), randUID(), randUID(), randUID()
 	ipA, ipB := randIP(), randIP()
 	nsA, nsB := podNS(t, ipA), podNS(t, ipB)
-	sbA := startPod(t, a, nsA.Path(), sandbox.Options{Driver: sandbox.Cgroupfs, Root: root})
-	sbB := startPod(t, b, nsB.Path(), sandbox.Options{Driver: sandbox.Systemd, Root: root, QoS: sandbox.Burstable})
+	sbA := startPod(t, a, nsA.Path(), podproc.Options{Driver: podproc.Cgroupfs, Root: root})
+	sbB := startPod(t, b, nsB.Path(), podproc.Options{Driver: podproc.Systemd, Root: root, QoS: podproc.Burstable})
 	// A process of a pod that lives in the host netns (hostNetwork, or a
 	// leftover) must never be returned, even if the host had its IP.
-	startPod(t, hostPod, "/proc/self/ns/net", sandbox.Options{Root: root})
+	startPod(t, hostPod, "/proc/self/ns/net", podproc.Options{Root: root})
 	// A pod whose process sits in a namespace without the pod's IP.
-	startPod(t, wrongIP, podNS(t, randIP()).Path(), sandbox.Options{Root: root, QoS: sandbox.Guaranteed})
+	startPod(t, wrongIP, podNS(t, randIP()).Path(), podproc.Options{Root: root, QoS: podproc.Guaranteed})
 	// A pod without IPs cannot be confirmed.
-	startPod(t, noIPs, podNS(t, randIP()).Path(), sandbox.Options{Root: root})
+	startPod(t, noIPs, podNS(t, randIP()).Path(), podproc.Options{Root: root})
 
 	want := map[types.UID][]netip.Addr{
 		a: {randIP(), ipA}, b: {ipB}, hostPod: {netip.MustParseAddr("127.0.0.1")},
@@ -125,7 +125,7 @@ func TestFindHoldsCheckedNamespaces(t *testing.T) {
 	}
 	for uid, w := range map[types.UID]struct {
 		n  ns.NetNS
-		sb *sandbox.Sandbox
+		sb *podproc.Sandbox
 	}{a: {nsA, sbA}, b: {nsB, sbB}} {
 		f := got[uid]
 		if f.PID != w.sb.Cmd.Process.Pid || f.ContainerID != w.sb.ContainerID {
@@ -177,14 +177,14 @@ func TestFindLeaksNothing(t *testing.T) {
 	root := testnet.RandName("kubepods-test-", 8)
 	found, wrongIP, hostPod := randUID(), randUID(), randUID()
 	ip := randIP()
-	startPod(t, found, podNS(t, ip).Path(), sandbox.Options{Root: root})
+	startPod(t, found, podNS(t, ip).Path(), podproc.Options{Root: root})
 	wrongNS := podNS(t, randIP())
 	// Several processes in the same wrong namespace: checked once each
 	// scan, and closed every time.
 	for range 3 {
-		startPod(t, wrongIP, wrongNS.Path(), sandbox.Options{Root: root, Driver: sandbox.Systemd})
+		startPod(t, wrongIP, wrongNS.Path(), podproc.Options{Root: root, Driver: podproc.Systemd})
 	}
-	startPod(t, hostPod, "/proc/self/ns/net", sandbox.Options{Root: root})
+	startPod(t, hostPod, "/proc/self/ns/net", podproc.Options{Root: root})
 	s := Scanner{}
 	for _, c := range []struct {
 		name  string

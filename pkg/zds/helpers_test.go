@@ -12,9 +12,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/pkg/zds/zdspb"
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/zdspb"
 )
 
 // startServer runs a server on a socket in a temp dir until the test ends.
@@ -221,18 +222,6 @@ func (p *peer) autoAck(errFor func(*zdspb.WorkloadRequest) string) (wait func())
 		}
 	}()
 	return wg.Wait
-}
-
-// eventually polls cond for a generous bounded time.
-func eventually(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }
 
 // selfNetns opens this process's own network namespace: a real netns fd

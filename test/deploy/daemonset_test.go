@@ -19,7 +19,7 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 
-	"github.com/ambient-cni/ambient-cni/pkg/agentconfig"
+	"github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
 	"github.com/ambient-cni/ambient-cni/test/kubeenv"
 )
 
@@ -114,10 +114,10 @@ func (o *objects) env(t testing.TB) map[string]string {
 }
 
 // config parses the container's environment with install-cni's own code.
-func (o *objects) config(t testing.TB) *agentconfig.Config {
+func (o *objects) config(t testing.TB) *app.Config {
 	t.Helper()
 	env := o.env(t)
-	c, err := agentconfig.Parse(nil, func(k string) string { return env[k] }, io.Discard)
+	c, err := app.Parse(nil, func(k string) string { return env[k] }, io.Discard)
 	if err != nil {
 		t.Fatalf("install-cni refuses the rendered environment: %v", err)
 	}
@@ -125,11 +125,11 @@ func (o *objects) config(t testing.TB) *agentconfig.Config {
 }
 
 // settings reads install-cni's settings table (flag and variable of every
-// option) from the documentation agentconfig renders.
+// option) from the documentation install-cni's settings table renders.
 func settings(t testing.TB) map[string]string {
 	t.Helper()
 	var doc bytes.Buffer
-	if err := agentconfig.WriteMarkdown(&doc); err != nil {
+	if err := app.WriteMarkdown(&doc); err != nil {
 		t.Fatal(err)
 	}
 	row := regexp.MustCompile("^\\| `--([a-z0-9-]+)` \\| `([A-Z0-9_]+)` \\|")
@@ -137,14 +137,14 @@ func settings(t testing.TB) map[string]string {
 	sc := bufio.NewScanner(&doc)
 	for sc.Scan() {
 		if m := row.FindStringSubmatch(sc.Text()); m != nil {
-			if agentconfig.EnvName(m[1]) != m[2] {
-				t.Fatalf("table row %q: EnvName(%s) = %s", sc.Text(), m[1], agentconfig.EnvName(m[1]))
+			if app.EnvName(m[1]) != m[2] {
+				t.Fatalf("table row %q: EnvName(%s) = %s", sc.Text(), m[1], app.EnvName(m[1]))
 			}
 			out[m[2]] = m[1]
 		}
 	}
 	if len(out) < 20 {
-		t.Fatalf("only %d settings parsed from agentconfig's table", len(out))
+		t.Fatalf("only %d settings parsed from install-cni's table", len(out))
 	}
 	return out
 }
@@ -167,7 +167,7 @@ func TestEnvNamesAreKnownSettings(t *testing.T) {
 		o := decode(t, manifest)
 		env := o.env(t)
 		for k := range env {
-			if !strings.HasPrefix(k, agentconfig.EnvPrefix) {
+			if !strings.HasPrefix(k, app.EnvPrefix) {
 				if name == "defaults" {
 					t.Errorf("%s: unexpected non-AMBIENT variable %s", name, k)
 				}
@@ -198,7 +198,7 @@ func TestEnvNamesAreKnownSettings(t *testing.T) {
 func TestChartDefaultsMatchProcessDefaults(t *testing.T) {
 	o := decode(t, render(t, releaseName, namespace))
 	got := o.config(t)
-	want, err := agentconfig.Parse([]string{"--node-name=node-a"}, func(string) string { return "" }, io.Discard)
+	want, err := app.Parse([]string{"--node-name=node-a"}, func(string) string { return "" }, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -215,7 +215,7 @@ func TestChartDefaultsMatchProcessDefaults(t *testing.T) {
 func TestAllValuesReachTheProcess(t *testing.T) {
 	o := decode(t, render(t, "all", "all-values-ns", "-f", allValues))
 	got := o.config(t)
-	want := &agentconfig.Config{
+	want := &app.Config{
 		NodeName: "node-a", PodName: "agent-x1", PodNamespace: "all-values-ns",
 		DaemonSet: "mesh-node", Kubeconfig: "/etc/mesh/kubeconfig",
 		CNIBinDir: "/host/opt/cni/bin", CNIConfDir: "/host/etc/cni/net.d", CNIConfName: "10-primary.conflist",

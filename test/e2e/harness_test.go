@@ -28,15 +28,14 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/ambient-cni/ambient-cni/internal/cnibin"
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
-	"github.com/ambient-cni/ambient-cni/pkg/agentconfig"
+	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/daemon"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/metrics"
+	"github.com/ambient-cni/ambient-cni/test/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"github.com/ambient-cni/ambient-cni/test/ztunnel"
 )
 
@@ -91,11 +90,11 @@ type node struct {
 
 	agentNS, agentPod string
 	client            kubernetes.Interface // the agent's ServiceAccount client
-	cfg               *agentconfig.Config
+	cfg               *installcni.Config
 	logs              *logSink
 	log               *slog.Logger
 
-	d       *daemon.Daemon
+	d       *installcni.App
 	metrics *metrics.Metrics
 	health  string // the daemon's health/metrics address
 	stopD   func()
@@ -174,7 +173,7 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 	if opts.ZtunnelWait > 0 {
 		args = append(args, "--ztunnel-wait="+opts.ZtunnelWait.String())
 	}
-	if n.cfg, err = agentconfig.Parse(args, func(string) string { return "" }, io.Discard); err != nil {
+	if n.cfg, err = installcni.Parse(args, func(string) string { return "" }, io.Discard); err != nil {
 		t.Fatalf("agent config: %v", err)
 	}
 	if opts.Upgrade {
@@ -239,7 +238,7 @@ func (n *node) startDaemon() {
 	t.Helper()
 	n.metrics = metrics.New()
 	addr := make(chan string, 1)
-	d, err := daemon.New(daemon.Options{
+	d, err := installcni.New(installcni.Options{
 		Config: n.cfg, Client: n.client, Logger: n.log, Metrics: n.metrics,
 		HostNetns:   n.hostNS.Path(),
 		HealthReady: func(a net.Addr) { addr <- a.String() },

@@ -9,9 +9,9 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/internal/sandbox"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/test/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/podproc"
 )
 
 // hostState is what a test could leave behind in the host network
@@ -53,7 +53,7 @@ func snapshotHost(t testing.TB) hostState {
 		}
 		st.ipsets = strings.Split(strings.TrimSpace(string(out)), "\n")
 	}
-	for _, h := range sandbox.DefaultHierarchies() {
+	for _, h := range podproc.DefaultHierarchies() {
 		m, _ := filepath.Glob(filepath.Join(h, "kubepods-sim-*"))
 		st.cgroups = append(st.cgroups, m...)
 	}

@@ -8,8 +8,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/test/poll"
+
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
 // TestMisbehavingStandInsDoNotHurtHealthyOne: a stand-in that never acks,
@@ -40,7 +42,7 @@ func TestMisbehavingStandInsDoNotHurtHealthyOne(t *testing.T) {
 			a.mustGet(t, netip.AddrPortFrom(b.v4, 8080), "b")
 			ag.forget(t, b, true)
 			stop()
-			eventually(t, "only the healthy connection left", func() bool { return ag.srv.Connections() == 1 })
+			poll.Until(t, "only the healthy connection left", func() bool { return ag.srv.Connections() == 1 })
 		})
 	}
 	if n := good.Connections(); n != 1 {
@@ -88,7 +90,7 @@ func TestNoLeaksWithStandIn(t *testing.T) {
 		t.Fatalf("stand-in still serves %d workloads", n)
 	}
 	var fds1, g1 int
-	eventually(t, "fds and goroutines back after 1000 cycles", func() bool {
+	poll.Until(t, "fds and goroutines back after 1000 cycles", func() bool {
 		g1, fds1 = countGoroutines(), countFDs(t)
 		return fds1 <= fds0 && g1 <= g0
 	})
@@ -96,7 +98,7 @@ func TestNoLeaksWithStandIn(t *testing.T) {
 
 	// ztunnels come and go: the stand-in stopped and started 20 times.
 	stop()
-	eventually(t, "no connections", func() bool { return ag.srv.Connections() == 0 })
+	poll.Until(t, "no connections", func() bool { return ag.srv.Connections() == 0 })
 	g0, fds0 = countGoroutines(), countFDs(t)
 	for range 20 {
 		z, stop := runStandInStoppable(t, Config{SocketPath: ag.srv.SocketPath()}, Faults{})
@@ -104,7 +106,7 @@ func TestNoLeaksWithStandIn(t *testing.T) {
 		cycle()
 		stop()
 	}
-	eventually(t, "fds and goroutines back after restarts", func() bool {
+	poll.Until(t, "fds and goroutines back after restarts", func() bool {
 		g1, fds1 = countGoroutines(), countFDs(t)
 		return ag.srv.Connections() == 0 && fds1 <= fds0 && g1 <= g0
 	})

@@ -1,0 +1,22 @@
+package app_test
+
+import (
+	"github.com/ambient-cni/ambient-cni/pkg/controller"
+	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
+	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
+	"github.com/ambient-cni/ambient-cni/pkg/podcache"
+	"github.com/ambient-cni/ambient-cni/pkg/zds"
+)
+
+// The agent plugs into the real collaborators without adapters.
+var (
+	_ controller.Agent           = (*nodeagent.Agent)(nil)
+	_ controller.Finder          = nodeagent.ProcFinder{}
+	_ controller.Pods            = (*podcache.Cache)(nil)
+	_ nodeagent.Decider          = (*podcache.Cache)(nil)
+	_ nodeagent.EnablementSource = (*podcache.Cache)(nil)
+	_ nodeagent.Annotator        = kubeadapter.Annotator{}
+	_ nodeagent.Ztunnel          = (*zds.Server)(nil)
+	_ nodeagent.RuleApplier      = (*iptables.Applier)(nil)
+)

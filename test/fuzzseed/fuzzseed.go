@@ -1,0 +1,26 @@
+// Package fuzzseed feeds committed seed inputs to the fuzz tests of the
+// parsers (pkg/ambient, its nodefiles, pkg/plugin, pkg/zds).
+package fuzzseed
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+// Add adds every file in testdata/seeds/<name> as a seed, and fails when
+// there is none; go test also replays testdata/fuzz/<name> on its own.
+func Add(f *testing.F, name string) {
+	f.Helper()
+	files, _ := filepath.Glob(filepath.Join("testdata", "seeds", name, "*"))
+	if len(files) == 0 {
+		f.Fatalf("no seeds for %s", name)
+	}
+	for _, p := range files {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+	}
+}
