@@ -139,7 +139,7 @@ func options() []option {
 		{"excluded-namespaces", "Comma-separated namespaces never captured.", ambient.DefaultExcludedNamespace, list(func(c *Config) *[]string { return &c.ExcludedNamespaces })},
 		{"assume-pod-level-enablement", "Tell the plugin's fallback (agent unreachable) that any namespace may hold a pod enabled by its own label, so it fails closed everywhere but excluded namespaces.", "false", boolean(func(c *Config) *bool { return &c.AssumePodLevelEnablement })},
 		{"ztunnel-wait", "How long CNI ADD waits for a connected ztunnel to acknowledge a pod before failing with a retryable error.", "5s", duration(func(c *Config) *time.Duration { return &c.ZtunnelWait })},
-		{"dns-capture", "Capture DNS (port 53) to ztunnel by default; per pod: annotation ambient.istio.io/dns-capture.", "false", boolean(func(c *Config) *bool { return &c.DNSCapture })},
+		{"dns-capture", "Capture DNS (port 53) to ztunnel by default, as Istio's chart does (ambient.dnsCapture); per pod: annotation ambient.istio.io/dns-capture.", "true", boolean(func(c *Config) *bool { return &c.DNSCapture })},
 		{"iptables-backend", "iptables backend inside pods: empty detects, or nft or legacy.", "", func(c *Config, v string) error {
 			switch v {
 			case "", "nft", "legacy":

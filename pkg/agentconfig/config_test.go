@@ -21,7 +21,7 @@ func TestDefaults(t *testing.T) {
 	}
 	if c.ZDSSocket != "/var/run/ztunnel/ztunnel.sock" || c.ZtunnelWait != 5*time.Second ||
 		c.ProbeSNATv4 != netip.MustParseAddr("169.254.7.127") || len(c.ExcludedNamespaces) != 1 ||
-		c.ExcludedNamespaces[0] != "kube-system" || c.PluginType != "ambient-cni" || c.DNSCapture {
+		c.ExcludedNamespaces[0] != "kube-system" || c.PluginType != "ambient-cni" || !c.DNSCapture {
 		t.Fatalf("defaults wrong: %+v", c)
 	}
 }

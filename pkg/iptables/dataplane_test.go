@@ -353,7 +353,7 @@ func dnsCapture(t *testing.T, b Backend) {
 	A, B := pair.A.NS.Path(), pair.B.NS.Path()
 	a := NewApplier(testLogger(t), b)
 	before := snapshot(t, b, A)
-	proxA := startProxy(t, A, captureproxy.Config{TCPPorts: []uint16{15001, 15053}, UDPPorts: []uint16{15053}})
+	proxA := startProxy(t, A, captureproxy.Config{TCPPorts: []uint16{15001, 15053}, UDPPorts: []uint16{53, 15053}})
 	proxB := startProxy(t, B, captureproxy.Config{UDPPorts: []uint16{53}})
 	cfg := PodConfig{DNSCapture: true}
 	if err := a.Apply(A, cfg); err != nil {
@@ -370,6 +370,15 @@ func dnsCapture(t *testing.T, b Backend) {
 		got, err := captureproxy.ExchangeUDP(ctx, A, ap(ipB, 53), []byte("query"), captureproxy.DialOptions{})
 		if err != nil || got.Port != 15053 {
 			t.Errorf("%s UDP DNS: %v %v, want answer from 15053", f, got, err)
+		}
+		// TCP DNS that leaves via lo (to the pod's own address) is captured
+		// too; UDP DNS via lo is not (Istio's rules: `! -o lo` for UDP,
+		// `! -d <loopback>` for TCP).
+		ipA := podAddr(pair.A, f)
+		flow{name: f.String() + " TCP DNS to own address via lo", from: A, dst: ap(ipA, 53), at: proxA, wantPort: 15053, wantOrig: ap(ipA, 53)}.check(t)
+		got, err = captureproxy.ExchangeUDP(ctx, A, ap(ipA, 53), []byte("local"), captureproxy.DialOptions{})
+		if err != nil || got.Port != 53 {
+			t.Errorf("%s UDP DNS to own address: %v %v, want answer from A:53 directly", f, got, err)
 		}
 		// ztunnel's own (marked) query goes out, in its own conntrack zone.
 		got, err = captureproxy.ExchangeUDP(ctx, A, ap(ipB, 53), []byte("upstream"), captureproxy.DialOptions{Mark: ambient.ZtunnelMark})

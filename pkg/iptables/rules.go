@@ -261,16 +261,22 @@ func PodRules(cfg PodConfig, f Family) RuleSet {
 	}
 	out := []string{
 		fmt.Sprintf("-d %s -p tcp -j RETURN", probe),
-		"-o lo -j RETURN",
 	}
 	if cfg.DNSCapture {
-		for _, proto := range []string{"udp", "tcp"} {
-			out = append(out, fmt.Sprintf("! -d %s -p %s -m %s --dport %d -m mark ! --mark %s -j REDIRECT --to-ports %d",
-				lo, proto, proto, ambient.DNSPort, ztunnel, ambient.ZtunnelDNSPort))
-		}
+		// Before the lo exception, as Istio orders them: UDP DNS to a
+		// resolver outside the pod, and TCP DNS to anything but the
+		// loopback address, even when it leaves via lo (to the pod's own
+		// address, say).
+		out = append(out,
+			fmt.Sprintf("! -o lo -p udp -m udp --dport %d -m mark ! --mark %s -j REDIRECT --to-ports %d",
+				ambient.DNSPort, ztunnel, ambient.ZtunnelDNSPort),
+			fmt.Sprintf("! -d %s -p tcp -m tcp --dport %d -m mark ! --mark %s -j REDIRECT --to-ports %d",
+				lo, ambient.DNSPort, ztunnel, ambient.ZtunnelDNSPort))
 	}
-	out = append(out, fmt.Sprintf("! -d %s -p tcp -m mark ! --mark %s -j REDIRECT --to-ports %d",
-		lo, ztunnel, ambient.ZtunnelOutboundPort))
+	out = append(out,
+		"-o lo -j RETURN",
+		fmt.Sprintf("! -d %s -p tcp -m mark ! --mark %s -j REDIRECT --to-ports %d",
+			lo, ztunnel, ambient.ZtunnelOutboundPort))
 	nat = append(nat, ChainRules{Name: ChainOutput, Rules: out})
 	tables = append(tables, TableRules{Name: TableNAT, Chains: nat})
 

@@ -83,6 +83,10 @@ func TestRulesBehaviour(t *testing.T) {
 				t.Errorf("%s DNS rules lack %q", f, want)
 			}
 		}
+		// TCP DNS is captured even when it leaves via lo (Istio's order).
+		if strings.Index(dns, "-p tcp -m tcp --dport 53") > strings.Index(dns, "-o lo -j RETURN") {
+			t.Errorf("%s: TCP DNS redirect after the lo exception", f)
+		}
 		// DNS redirect must precede the catch-all TCP redirect.
 		if strings.Index(dns, "--dport 53") > strings.Index(dns, "--to-ports 15001") {
 			t.Errorf("%s: DNS redirect after the outbound catch-all", f)
