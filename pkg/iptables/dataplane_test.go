@@ -229,6 +229,7 @@ func TestDataplane(t *testing.T) {
 			t.Run("dns-capture", func(t *testing.T) { dnsCapture(t, b) })
 			t.Run("bypass-inbound", func(t *testing.T) { bypassInbound(t, b) })
 			t.Run("netns-paths", func(t *testing.T) { netnsPaths(t, b) })
+			t.Run("virtual-interfaces", func(t *testing.T) { virtualInterfaces(t, b) })
 		})
 	}
 }
@@ -475,5 +476,61 @@ func netnsPaths(t *testing.T, b Backend) {
 		if err := a.Apply(bad, PodConfig{}); err == nil {
 			t.Errorf("apply into %s succeeded", bad)
 		}
+	}
+}
+
+// virtualInterfaces: a VM behind a virtual interface of the pod (KubeVirt)
+// sends TCP to a remote workload; with the interface named it reaches
+// ztunnel's outbound port with the original destination, inbound or not.
+func virtualInterfaces(t *testing.T, b Backend) {
+	pair := testnet.NewPair(t)
+	A, B := pair.A.NS.Path(), pair.B.NS.Path()
+	vm := testnet.Pod{NS: testnet.NewNS(t), IfName: "eth0", V4: netip.MustParseAddr("192.168.99.2"), V6: netip.MustParseAddr("fd99::2")}
+	bridge := testnet.Pod{NS: pair.A.NS, IfName: "k6t-eth0", V4: netip.MustParseAddr("192.168.99.1"), V6: netip.MustParseAddr("fd99::1")}
+	joinPods(t, bridge, vm)
+	link(t, vm, netip.MustParsePrefix("0.0.0.0/0"), bridge.V4)
+	link(t, vm, netip.MustParsePrefix("::/0"), bridge.V6)
+	a := NewApplier(testLogger(t), b)
+	before := snapshot(t, b, A)
+	proxA := startProxy(t, A, captureproxy.Config{TCPPorts: []uint16{15001, 15006, 8080}})
+	startProxy(t, B, captureproxy.Config{TCPPorts: []uint16{8080}})
+
+	// Without the option the VM's traffic is taken for inbound.
+	if err := a.Apply(A, PodConfig{}); err != nil {
+		t.Fatal(err)
+	}
+	flow{name: "VM traffic without the option", from: vm.NS.Path(), dst: ap(pair.B.V4, 8080), at: proxA, wantPort: 15006, wantOrig: ap(pair.B.V4, 8080)}.check(t)
+
+	for _, cfg := range []PodConfig{
+		{VirtualInterfaces: []string{"k6t-eth0"}},
+		{VirtualInterfaces: []string{"tap0", "k6t+"}, BypassInbound: true},
+	} {
+		if err := a.Apply(A, cfg); err != nil {
+			t.Fatalf("%+v: %v", cfg, err)
+		}
+		if d, err := a.Verify(A, cfg); err != nil || !d.Empty() {
+			t.Fatalf("%+v: verify: %v\n%s", cfg, err, d)
+		}
+		inbound := uint16(15006)
+		if cfg.BypassInbound {
+			inbound = 8080
+		}
+		for _, f := range Families {
+			ipA, ipB := podAddr(pair.A, f), podAddr(pair.B, f)
+			name := fmt.Sprintf("%s %v", f, cfg.VirtualInterfaces)
+			flow{name: name + " VM->B:8080 captured as outbound", from: vm.NS.Path(), dst: ap(ipB, 8080), at: proxA, wantPort: 15001, wantOrig: ap(ipB, 8080)}.check(t)
+			flow{name: name + " A->B:8080 still outbound", from: A, dst: ap(ipB, 8080), at: proxA, wantPort: 15001, wantOrig: ap(ipB, 8080)}.check(t)
+			fl := flow{name: name + " B->A:8080 inbound", from: B, dst: ap(ipA, 8080), at: proxA, wantPort: inbound}
+			if !cfg.BypassInbound {
+				fl.wantOrig = ap(ipA, 8080)
+			}
+			fl.check(t)
+		}
+	}
+	if err := a.Remove(A); err != nil {
+		t.Fatal(err)
+	}
+	if after := snapshot(t, b, A); after != before {
+		t.Fatalf("remove did not restore:\n%s\n---\n%s", before, after)
 	}
 }

@@ -147,19 +147,18 @@ func link(t *testing.T, pod testnet.Pod, dst netip.Prefix, via netip.Addr) {
 	})
 }
 
-func newHostTopology(t *testing.T) *hostTopology {
+// joinPods links two namespaces with a veth pair, each end named and
+// addressed (/24 and /64) as its Pod says.
+func joinPods(t *testing.T, x, y testnet.Pod) {
 	t.Helper()
-	pair := testnet.NewPair(t)
-	c := testnet.Pod{NS: testnet.NewNS(t), IfName: "eth0", V4: netip.MustParseAddr("192.168.77.2"), V6: netip.MustParseAddr("fd77::2")}
-	hOnC := testnet.Pod{NS: pair.A.NS, IfName: "eth1", V4: netip.MustParseAddr("192.168.77.1"), V6: netip.MustParseAddr("fd77::1")}
-	tmpH, tmpC := testnet.RandName("thh", 8), testnet.RandName("thc", 8)
-	if err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: tmpH}, PeerName: tmpC}); err != nil {
+	tmpX, tmpY := testnet.RandName("tjx", 8), testnet.RandName("tjy", 8)
+	if err := netlink.LinkAdd(&netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: tmpX}, PeerName: tmpY}); err != nil {
 		t.Fatal(err)
 	}
 	for _, side := range []struct {
 		tmp string
 		pod testnet.Pod
-	}{{tmpH, hOnC}, {tmpC, c}} {
+	}{{tmpX, x}, {tmpY, y}} {
 		l, err := netlink.LinkByName(side.tmp)
 		if err != nil {
 			t.Fatal(err)
@@ -188,6 +187,14 @@ func newHostTopology(t *testing.T) *hostTopology {
 			return netlink.LinkSetUp(l)
 		})
 	}
+}
+
+func newHostTopology(t *testing.T) *hostTopology {
+	t.Helper()
+	pair := testnet.NewPair(t)
+	c := testnet.Pod{NS: testnet.NewNS(t), IfName: "eth0", V4: netip.MustParseAddr("192.168.77.2"), V6: netip.MustParseAddr("fd77::2")}
+	hOnC := testnet.Pod{NS: pair.A.NS, IfName: "eth1", V4: netip.MustParseAddr("192.168.77.1"), V6: netip.MustParseAddr("fd77::1")}
+	joinPods(t, hOnC, c)
 	pair.A.Do(t, func() error {
 		for _, k := range []string{"/proc/sys/net/ipv4/ip_forward", "/proc/sys/net/ipv6/conf/all/forwarding"} {
 			if err := os.WriteFile(k, []byte("1"), 0o644); err != nil {

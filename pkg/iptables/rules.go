@@ -125,6 +125,32 @@ type PodConfig struct {
 	DNSCapture bool
 	// BypassInbound disables inbound redirection to 15006 (ingress mode).
 	BypassInbound bool
+	// VirtualInterfaces are interfaces in the pod (KubeVirt's bridge to a
+	// VM, say) whose incoming TCP is redirected to ztunnel's outbound port
+	// as if the pod had sent it, whatever BypassInbound says. A trailing
+	// "+" matches every name with that prefix, as with iptables -i.
+	VirtualInterfaces []string
+}
+
+// MaxVirtualInterfaces bounds PodConfig.VirtualInterfaces: each name costs
+// a rule per family, and an annotation is not a place for hundreds.
+const MaxVirtualInterfaces = 32
+
+// validInterface accepts what the kernel accepts as an interface name (1 to
+// 15 bytes, no '/', ':' or whitespace, not "." or "..") in printable ASCII
+// without quotes or backslashes, with an optional trailing "+" wildcard.
+func validInterface(name string) error {
+	base := strings.TrimSuffix(name, "+")
+	if base == "" || len(name) > 15 || name == "." || name == ".." {
+		return fmt.Errorf("virtual interface name %q: want 1 to 15 characters", name)
+	}
+	for i := 0; i < len(base); i++ {
+		c := base[i]
+		if c <= ' ' || c >= 0x7f || strings.IndexByte("/:\"'+*", c) >= 0 {
+			return fmt.Errorf("virtual interface name %q: character %q not allowed", name, c)
+		}
+	}
+	return nil
 }
 
 // withDefaults fills in the probe addresses.
@@ -146,6 +172,14 @@ func (c PodConfig) Validate() error {
 	}
 	if !c.ProbeSNATv6.Is6() || c.ProbeSNATv6.Is4In6() || c.ProbeSNATv6.Zone() != "" {
 		return fmt.Errorf("probe SNAT v6 address %s is not a plain IPv6 address", c.ProbeSNATv6)
+	}
+	if len(c.VirtualInterfaces) > MaxVirtualInterfaces {
+		return fmt.Errorf("%d virtual interfaces, at most %d", len(c.VirtualInterfaces), MaxVirtualInterfaces)
+	}
+	for _, n := range c.VirtualInterfaces {
+		if err := validInterface(n); err != nil {
+			return err
+		}
 	}
 	return nil
 }
@@ -252,12 +286,21 @@ func PodRules(cfg PodConfig, f Family) RuleSet {
 	// Exceptions RETURN rather than ACCEPT so rules others put after our
 	// jump in the built-in chain still run.
 	var nat []ChainRules
+	var pre []string
+	// TCP arriving from a virtual interface is the VM's outbound traffic:
+	// to ztunnel's outbound port, ahead of every inbound rule. REDIRECT
+	// ends the nat traversal, so no RETURN is needed after it.
+	for _, vif := range cfg.VirtualInterfaces {
+		pre = append(pre, fmt.Sprintf("-i %s -p tcp -j REDIRECT --to-ports %d", vif, ambient.ZtunnelOutboundPort))
+	}
 	if !cfg.BypassInbound {
-		nat = append(nat, ChainRules{Name: ChainPrerouting, Rules: []string{
+		pre = append(pre,
 			fmt.Sprintf("-s %s -p tcp -j RETURN", probe),
 			fmt.Sprintf("! -d %s -p tcp -m tcp ! --dport %d -m mark ! --mark %s -j REDIRECT --to-ports %d",
-				lo, ambient.ZtunnelInboundHBONEPort, ztunnel, ambient.ZtunnelInboundPlaintextPort),
-		}})
+				lo, ambient.ZtunnelInboundHBONEPort, ztunnel, ambient.ZtunnelInboundPlaintextPort))
+	}
+	if len(pre) > 0 {
+		nat = append(nat, ChainRules{Name: ChainPrerouting, Rules: pre})
 	}
 	out := []string{
 		fmt.Sprintf("-d %s -p tcp -j RETURN", probe),

@@ -13,11 +13,13 @@ var update = flag.Bool("update", false, "rewrite golden files")
 
 // goldenConfigs are the option combinations with golden renderings.
 var goldenConfigs = map[string]PodConfig{
-	"default":      {},
-	"dns":          {DNSCapture: true},
-	"bypass":       {BypassInbound: true},
-	"dns-bypass":   {DNSCapture: true, BypassInbound: true},
-	"custom-probe": {ProbeSNATv4: netip.MustParseAddr("169.254.9.9"), ProbeSNATv6: netip.MustParseAddr("fd00:9999::9")},
+	"default":        {},
+	"dns":            {DNSCapture: true},
+	"bypass":         {BypassInbound: true},
+	"dns-bypass":     {DNSCapture: true, BypassInbound: true},
+	"custom-probe":   {ProbeSNATv4: netip.MustParseAddr("169.254.9.9"), ProbeSNATv6: netip.MustParseAddr("fd00:9999::9")},
+	"virtual":        {VirtualInterfaces: []string{"k6t-eth0", "tap+"}},
+	"virtual-bypass": {VirtualInterfaces: []string{"k6t-eth0"}, BypassInbound: true},
 }
 
 func TestRenderGolden(t *testing.T) {
@@ -115,7 +117,21 @@ func TestPodConfigValidate(t *testing.T) {
 			t.Errorf("%+v rejected: %v", c, err)
 		}
 	}
+	good = append(good, PodConfig{VirtualInterfaces: []string{"k6t-eth0", "tap+", "a", "abcdefghijklmn+", "net1.100", "x@y"}})
 	bad := []PodConfig{
+		{VirtualInterfaces: []string{""}},
+		{VirtualInterfaces: []string{"+"}},
+		{VirtualInterfaces: []string{"abcdefghijklmnop"}},
+		{VirtualInterfaces: []string{"eth 0"}},
+		{VirtualInterfaces: []string{"eth0/1"}},
+		{VirtualInterfaces: []string{"eth:0"}},
+		{VirtualInterfaces: []string{"a+b"}},
+		{VirtualInterfaces: []string{"tap*"}},
+		{VirtualInterfaces: []string{"."}},
+		{VirtualInterfaces: []string{"eth0\"", "-j ACCEPT"}},
+		{VirtualInterfaces: []string{"asd^&&*$&*(#$&*(#&$*()))"}},
+		{VirtualInterfaces: []string{"t\u00e4p0"}},
+		{VirtualInterfaces: make([]string, MaxVirtualInterfaces+1)},
 		{ProbeSNATv4: netip.MustParseAddr("fd00::1")},
 		{ProbeSNATv6: netip.MustParseAddr("10.0.0.1")},
 		{ProbeSNATv6: netip.MustParseAddr("::ffff:10.0.0.1")},

@@ -257,10 +257,11 @@ func (a *Agent) Enroll(ctx context.Context, pod *corev1.Pod, netnsPath string) e
 // ruleConfig is the rule set options for one pod.
 func (a *Agent) ruleConfig(pod *corev1.Pod) iptables.PodConfig {
 	return iptables.PodConfig{
-		ProbeSNATv4:   a.cfg.ProbeSNATv4,
-		ProbeSNATv6:   a.cfg.ProbeSNATv6,
-		DNSCapture:    enablement.DNSCapture(pod, a.cfg.DNSCapture),
-		BypassInbound: enablement.BypassInbound(pod),
+		ProbeSNATv4:       a.cfg.ProbeSNATv4,
+		ProbeSNATv6:       a.cfg.ProbeSNATv6,
+		DNSCapture:        enablement.DNSCapture(pod, a.cfg.DNSCapture),
+		BypassInbound:     enablement.BypassInbound(pod),
+		VirtualInterfaces: enablement.VirtualInterfaces(pod),
 	}
 }
 
