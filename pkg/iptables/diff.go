@@ -91,11 +91,22 @@ type tableState struct {
 	refs [][2]string
 	// dupJumps are surplus exact jumps (chain, spec), in order.
 	dupJumps [][2]string
+	// atTop tells, for chains whose jump must come first, whether the hook
+	// chain's first rule is that exact jump.
+	atTop map[string]bool
+}
+
+// reinsert reports whether the jump to a chain that must come first has
+// to be rebuilt: present, but not alone at the top of its hook chain.
+// Deleting by spec removes the first copy, so the plan deletes every copy
+// and inserts one at 1.
+func (st tableState) reinsert(sc *scope, chain string) bool {
+	return sc.first[chain] && st.jumps[chain] > 0 && (!st.atTop[chain] || st.jumps[chain] > 1)
 }
 
 // scanTable collects our chains and every reference to them in t.
 func scanTable(sc *scope, t *SavedTable, want map[string]bool) tableState {
-	st := tableState{chains: map[string][]string{}, jumps: map[string]int{}}
+	st := tableState{chains: map[string][]string{}, jumps: map[string]int{}, atTop: map[string]bool{}}
 	if t == nil {
 		return st
 	}
@@ -112,13 +123,14 @@ func scanTable(sc *scope, t *SavedTable, want map[string]bool) tableState {
 		if sc.owns(c.Name) {
 			continue // their contents are compared or flushed as a whole
 		}
-		for _, r := range c.Rules {
+		for i, r := range c.Rules {
 			target := r.Target()
 			if !sc.owns(target) {
 				continue
 			}
 			spec := r.Spec()
 			if want[target] && c.Name == sc.hook[target] && spec == jumpSpec(target) {
+				st.atTop[target] = st.atTop[target] || i == 0
 				st.jumps[target]++
 				if st.jumps[target] > 1 {
 					st.dupJumps = append(st.dupJumps, [2]string{c.Name, spec})
@@ -199,6 +211,14 @@ func (rs RuleSet) Diff(cur *Save) Drift {
 			if wanted && st.jumps[name] == 0 {
 				it := item(DriftMissing, "rule", sc.hook[name])
 				it.Want = "-A " + sc.hook[name] + " " + jumpSpec(name)
+				if sc.first[name] {
+					it.Position = 1
+				}
+				d.Items = append(d.Items, it)
+			}
+			if wanted && sc.first[name] && st.jumps[name] > 0 && !st.atTop[name] {
+				it := item(DriftMoved, "rule", sc.hook[name])
+				it.Position, it.Want = 1, "-A "+sc.hook[name]+" "+jumpSpec(name)
 				d.Items = append(d.Items, it)
 			}
 		}
@@ -317,11 +337,22 @@ func PlanApply(desired RuleSet, cur *Save) string {
 			case !wanted && present:
 				drop = append(drop, name)
 			}
-			if wanted && st.jumps[name] == 0 {
-				add = append(add, "-A "+sc.hook[name]+" "+jumpSpec(name))
+			switch {
+			case wanted && st.reinsert(sc, name):
+				for range st.jumps[name] {
+					del = append(del, "-D "+sc.hook[name]+" "+jumpSpec(name))
+				}
+				add = append(add, sc.addJump(name))
+			case wanted && st.jumps[name] == 0:
+				add = append(add, sc.addJump(name))
 			}
 		}
-		for _, r := range append(st.dupJumps, st.refs...) {
+		for _, r := range st.dupJumps {
+			if target := strings.TrimPrefix(r[1], "-j "); !st.reinsert(sc, target) {
+				del = append(del, "-D "+r[0]+" "+r[1])
+			}
+		}
+		for _, r := range st.refs {
 			del = append(del, "-D "+r[0]+" "+r[1])
 		}
 		if len(decl)+len(del)+len(add)+len(drop) == 0 {

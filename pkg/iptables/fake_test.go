@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 )
@@ -94,7 +95,7 @@ func simulateRestore(cur *Save, input string) (*Save, error) {
 				return fail("bad command")
 			}
 			c := work.Chain(args[1])
-			if c == nil && args[0] == "-A" && isBuiltin(work.Name, args[1]) {
+			if c == nil && (args[0] == "-A" || args[0] == "-I") && isBuiltin(work.Name, args[1]) {
 				c = &SavedChain{Name: args[1], Policy: "ACCEPT"}
 				work.Chains = append(work.Chains, c)
 			}
@@ -108,6 +109,13 @@ func simulateRestore(cur *Save, input string) (*Save, error) {
 					return fail("jump to missing chain %s", t)
 				}
 				c.Rules = append(c.Rules, SavedRule{Args: args[2:]})
+			case "-I":
+				pos, err := strconv.Atoi(args[2])
+				if err != nil || pos < 1 || pos > len(c.Rules)+1 {
+					return fail("bad position")
+				}
+				rule := SavedRule{Args: args[3:]}
+				c.Rules = append(c.Rules[:pos-1], append([]SavedRule{rule}, c.Rules[pos-1:]...)...)
 			case "-D":
 				i := 0
 				for ; i < len(c.Rules) && c.Rules[i].Spec() != spec; i++ {

@@ -55,6 +55,68 @@ func TestHostProbeScopeIsolation(t *testing.T) {
 	}
 }
 
+// TestHostProbeJumpFirst: the jump is inserted at the top of POSTROUTING,
+// above rules already there, and every plan puts it back there.
+func TestHostProbeJumpFirst(t *testing.T) {
+	rs := HostProbeRules(HostProbeConfig{}, IPv4)
+	base, err := ParseSave("*nat\n:POSTROUTING ACCEPT [0:0]\n-A POSTROUTING -s 10.0.0.0/8 -j MASQUERADE\nCOMMIT\n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	jump := "-j " + ChainProbeSNAT
+	wantChain := func(s *Save, want ...string) {
+		t.Helper()
+		var got []string
+		for _, r := range s.Table("nat").Chain("POSTROUTING").Rules {
+			got = append(got, r.Spec())
+		}
+		if !reflect.DeepEqual(got, want) {
+			t.Fatalf("POSTROUTING = %q, want %q", got, want)
+		}
+		if d := rs.Diff(s); !d.Empty() {
+			t.Fatalf("drift after plan:\n%s", d)
+		}
+		if p := PlanApply(rs, s); p != "" {
+			t.Fatalf("converged state still plans:\n%s", p)
+		}
+	}
+	applied := edit(t, base, PlanApply(rs, base))
+	wantChain(applied, jump, "-s 10.0.0.0/8 -j MASQUERADE")
+
+	for _, tc := range []struct {
+		name, snippet string
+		drift         []string
+		after         []string
+	}{
+		{"rule inserted above", "*nat\n-I POSTROUTING 1 -p tcp -j ACCEPT\nCOMMIT\n",
+			[]string{`ipv4 nat POSTROUTING: moved rule #1 "-A POSTROUTING -j AMBIENT_PROBE_SNAT"`},
+			[]string{jump, "-p tcp -j ACCEPT", "-s 10.0.0.0/8 -j MASQUERADE"}},
+		{"copy appended", "*nat\n-A POSTROUTING -j AMBIENT_PROBE_SNAT\nCOMMIT\n",
+			[]string{`ipv4 nat POSTROUTING: extra rule "-A POSTROUTING -j AMBIENT_PROBE_SNAT"`},
+			[]string{jump, "-s 10.0.0.0/8 -j MASQUERADE"}},
+		{"moved and copied", "*nat\n-I POSTROUTING 1 -j MASQUERADE\n-A POSTROUTING -j AMBIENT_PROBE_SNAT\nCOMMIT\n",
+			[]string{`ipv4 nat POSTROUTING: moved rule #1`, `ipv4 nat POSTROUTING: extra rule "-A POSTROUTING -j AMBIENT_PROBE_SNAT"`},
+			[]string{jump, "-j MASQUERADE", "-s 10.0.0.0/8 -j MASQUERADE"}},
+		{"jump deleted", "*nat\n-D POSTROUTING -j AMBIENT_PROBE_SNAT\nCOMMIT\n",
+			[]string{`ipv4 nat POSTROUTING: missing rule #1 "-A POSTROUTING -j AMBIENT_PROBE_SNAT"`},
+			[]string{jump, "-s 10.0.0.0/8 -j MASQUERADE"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := edit(t, applied, tc.snippet)
+			d := rs.Diff(s)
+			if len(d.Items) != len(tc.drift) {
+				t.Fatalf("drift:\n%s\nwant %q", d, tc.drift)
+			}
+			for i, w := range tc.drift {
+				if !strings.HasPrefix(d.Items[i].String(), w) {
+					t.Errorf("drift %d = %s, want prefix %s", i, d.Items[i], w)
+				}
+			}
+			wantChain(edit(t, s, PlanApply(rs, s)), tc.after...)
+		})
+	}
+}
+
 func fakeHostProbe() (*HostProbe, *fakeHost, *fakeSets) {
 	h, sets := newFakeHost(BackendNFT), newFakeSets()
 	return NewHostProbe(nil, BackendNFT, "", HostProbeConfig{}, WithExecutor(h), WithRouter(h), WithIPSets(sets)), h, sets
@@ -245,6 +307,12 @@ func TestHostProbe(t *testing.T) {
 			requireBackend(t, b)
 			testnet.RequireCommands(t, "ipset")
 			top := newHostTopology(t)
+			// Another tool's MASQUERADE of the node's own traffic, already
+			// in place: the probe SNAT must still win (its jump goes in
+			// first).
+			for _, f := range Families {
+				run(t, top.H, b.Cmd(f), "-t", "nat", "-A", "POSTROUTING", "-s", podAddr(top.pair.A, f).String(), "-p", "tcp", "-j", "MASQUERADE")
+			}
 			before := hostSnapshot(t, b, top.H)
 			hp := NewHostProbe(testLogger(t), b, top.H, HostProbeConfig{})
 			pod := top.pair.B
@@ -290,9 +358,29 @@ func TestHostProbe(t *testing.T) {
 				}
 			}
 
+			// A rule another tool inserts above ours later is drift, and
+			// the next Ensure puts the jump back on top.
+			accept := []string{"-t", "nat", "-I", "POSTROUTING", "1", "-s", top.pair.A.V4.String(), "-p", "tcp", "-j", "ACCEPT"}
+			run(t, top.H, b.Cmd(IPv4), accept...)
+			if got := peerSeen(t, top.H, pod.V4); got != top.pair.A.V4 {
+				t.Fatalf("an ACCEPT above the jump did not take the probe (P saw %s): the check proves nothing", got)
+			}
+			d, err := hp.Verify()
+			if err != nil || d.String() != `ipv4 nat POSTROUTING: moved rule #1 "-A POSTROUTING -j AMBIENT_PROBE_SNAT"` {
+				t.Fatalf("jump below another rule not named: %v\n%s", err, d)
+			}
+			if err := hp.Ensure(); err != nil {
+				t.Fatal(err)
+			}
+			if got := peerSeen(t, top.H, pod.V4); got != probeAddr(IPv4) {
+				t.Errorf("after Ensure moved the jump back P saw %s", got)
+			}
+			accept[2] = "-D"
+			run(t, top.H, b.Cmd(IPv4), append(accept[:4], accept[5:]...)...)
+
 			// Drift: delete the SNAT rule by hand.
 			run(t, top.H, b.Cmd(IPv4), "-t", "nat", "-F", ChainProbeSNAT)
-			d, err := hp.Verify()
+			d, err = hp.Verify()
 			if err != nil || !strings.Contains(d.String(), `ipv4 nat AMBIENT_PROBE_SNAT: missing rule #1 "-A AMBIENT_PROBE_SNAT -p tcp -m owner --socket-exists -m set --match-set ambient-probes-v4 dst -j SNAT --to-source 169.254.7.127"`) {
 				t.Fatalf("drift not named: %v\n%s", err, d)
 			}

@@ -82,6 +82,9 @@ type scope struct {
 	tables []string
 	chains []string
 	hook   map[string]string
+	// first names chains whose jump must be the first rule of its hook
+	// chain (inserted at 1, moved back there by every apply).
+	first map[string]bool
 }
 
 func (s *scope) owns(chain string) bool {
@@ -101,10 +104,14 @@ var (
 		hook:   map[string]string{ChainPrerouting: "PREROUTING", ChainOutput: "OUTPUT"},
 	}
 	// hostScope is what the host probe SNAT owns.
+	// The probe SNAT jump goes first in POSTROUTING (Istio inserts it at
+	// 1): a MASQUERADE or ACCEPT that other tools put earlier would
+	// otherwise take kubelet's probes before they are SNATed.
 	hostScope = &scope{
 		tables: []string{TableNAT},
 		chains: []string{ChainProbeSNAT},
 		hook:   map[string]string{ChainProbeSNAT: "POSTROUTING"},
+		first:  map[string]bool{ChainProbeSNAT: true},
 	}
 )
 
@@ -343,6 +350,15 @@ func PodRules(cfg PodConfig, f Family) RuleSet {
 // jumpSpec is the rule spec of the jump from a built-in chain to ours.
 func jumpSpec(chain string) string { return "-j " + chain }
 
+// addJump is the restore command that adds the jump to chain: appended, or
+// inserted at 1 for a chain that must come first.
+func (s *scope) addJump(chain string) string {
+	if s.first[chain] {
+		return "-I " + s.hook[chain] + " 1 " + jumpSpec(chain)
+	}
+	return "-A " + s.hook[chain] + " " + jumpSpec(chain)
+}
+
 // Render returns iptables-restore --noflush input that installs the rule set
 // into a namespace that has none of our chains yet. The Applier does not use
 // it directly: it plans against the namespace's current state so that
@@ -355,7 +371,7 @@ func (rs RuleSet) Render() string {
 			fmt.Fprintf(&b, ":%s - [0:0]\n", c.Name)
 		}
 		for _, c := range t.Chains {
-			fmt.Fprintf(&b, "-A %s %s\n", rs.sc().hook[c.Name], jumpSpec(c.Name))
+			b.WriteString(rs.sc().addJump(c.Name) + "\n")
 		}
 		for _, c := range t.Chains {
 			for _, r := range c.Rules {
