@@ -272,6 +272,16 @@ func scenarios(t *testing.T, b Backend) {
 			} {
 				fl.check(t)
 			}
+			// A packet carrying the connmark's mark is never redirected
+			// (Istio's 0x111 exception); table 100 then delivers it in
+			// the pod itself, to A's listener. Only IPv6 can show it with
+			// a plain listener: IPv4 refuses to route the SYN-ACK from
+			// B's (non-local) address. The source is A's own address, as
+			// with the mark the kernel would pick B's.
+			if f == IPv6 {
+				flow{name: "A->B:8080 with mark 0x111 is not redirected", from: A, dst: ap(ipB, 8080),
+					opt: captureproxy.DialOptions{Mark: ambient.ConnSkipMark, Source: ipA}, at: proxA, wantPort: 8080}.check(t)
+			}
 		})
 	}
 
@@ -293,7 +303,7 @@ func scenarios(t *testing.T, b Backend) {
 		t.Fatal(err)
 	}
 	want := []string{
-		`ipv4 nat ISTIO_OUTPUT: missing rule #2 "-A ISTIO_OUTPUT -o lo -j RETURN"`,
+		`ipv4 nat ISTIO_OUTPUT: missing rule #3 "-A ISTIO_OUTPUT -o lo -j RETURN"`,
 		`ipv6 mangle PREROUTING: missing rule "-A PREROUTING -j ISTIO_PRERT"`,
 	}
 	if len(d.Items) != len(want) {
@@ -419,6 +429,10 @@ func bypassInbound(t *testing.T, b Backend) {
 		ipA, ipB := podAddr(pair.A, f), podAddr(pair.B, f)
 		flow{name: f.String() + " inbound bypassed", from: B, dst: ap(ipA, 8080), at: proxA, wantPort: 8080}.check(t)
 		flow{name: f.String() + " outbound still captured", from: A, dst: ap(ipB, 8080), at: proxA, wantPort: 15001, wantOrig: ap(ipB, 8080)}.check(t)
+		// ztunnel still reaches the app for HBONE (15008 is never
+		// redirected): the replies of its spoofed connections stay local.
+		flow{name: f.String() + " ztunnel-style spoofed inbound stays local", from: A, dst: ap(ipA, 8080),
+			opt: captureproxy.DialOptions{Source: ipB, Mark: ambient.ZtunnelMark, Transparent: true}, at: proxA, wantPort: 8080, wantPeer: ipB}.check(t)
 	}
 	// Switching the option off converges in place.
 	if err := a.Apply(A, PodConfig{}); err != nil {

@@ -118,6 +118,10 @@ var (
 // isOurChain reports whether name is a chain this package owns anywhere.
 func isOurChain(name string) bool { return podScope.owns(name) || hostScope.owns(name) }
 
+// RestoreMask is the nfmask and ctmask of the connmark restore: the whole
+// connmark becomes the packet mark, as in Istio's rules.
+const RestoreMask uint32 = 0xffffffff
+
 // DNSConntrackZone is the conntrack zone for ztunnel's upstream DNS leg, so
 // it never shares conntrack entries with the application's (redirected) leg.
 const DNSConntrackZone = 1
@@ -261,7 +265,6 @@ func PodRules(cfg PodConfig, f Family) RuleSet {
 	probe := hostPrefix(cfg.probe(f))
 	ztunnel := markSpec(ambient.ZtunnelMark, ambient.MarkMask)
 	skip := markSpec(ambient.ConnSkipMark, ambient.MarkMask)
-	mask := fmt.Sprintf("%#x", ambient.MarkMask)
 
 	var tables []TableRules
 
@@ -280,13 +283,15 @@ func PodRules(cfg PodConfig, f Family) RuleSet {
 	}
 
 	// Packets ztunnel sends into the pod (marked) tag their connection;
-	// replies get the mark back so policy routing keeps them local.
+	// replies get the mark back so policy routing keeps them local. The
+	// restore copies the whole connmark into the packet mark, as Istio's
+	// does (masks 0xffffffff).
 	tables = append(tables, TableRules{Name: TableMangle, Chains: []ChainRules{
 		{Name: ChainPrerouting, Rules: []string{
 			fmt.Sprintf("-m mark --mark %s -j CONNMARK --set-xmark %s", ztunnel, skip),
 		}},
 		{Name: ChainOutput, Rules: []string{
-			fmt.Sprintf("-m connmark --mark %s -j CONNMARK --restore-mark --nfmask %s --ctmask %s", skip, mask, mask),
+			fmt.Sprintf("-m connmark --mark %s -j CONNMARK --restore-mark --nfmask %#x --ctmask %#x", skip, RestoreMask, RestoreMask),
 		}},
 	}})
 
@@ -324,6 +329,9 @@ func PodRules(cfg PodConfig, f Family) RuleSet {
 				lo, ambient.DNSPort, ztunnel, ambient.ZtunnelDNSPort))
 	}
 	out = append(out,
+		// Packets routed by the connmark (mark 0x111: policy routing keeps
+		// them in the pod) are never redirected, as in Istio.
+		fmt.Sprintf("-p tcp -m mark --mark %s -j RETURN", skip),
 		"-o lo -j RETURN",
 		fmt.Sprintf("! -d %s -p tcp -m mark ! --mark %s -j REDIRECT --to-ports %d",
 			lo, ztunnel, ambient.ZtunnelOutboundPort))

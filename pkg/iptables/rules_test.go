@@ -67,7 +67,8 @@ func TestRulesBehaviour(t *testing.T) {
 			"-A ISTIO_OUTPUT -d " + probe + " -p tcp -j RETURN",
 			"-A ISTIO_OUTPUT -o lo -j RETURN",
 			"-A ISTIO_PRERT -m mark --mark 0x539/0xfff -j CONNMARK --set-xmark 0x111/0xfff",
-			"-j CONNMARK --restore-mark --nfmask 0xfff --ctmask 0xfff",
+			"-j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff",
+			"-A ISTIO_OUTPUT -p tcp -m mark --mark 0x111/0xfff -j RETURN\n-A ISTIO_OUTPUT -o lo -j RETURN\n",
 		} {
 			if !strings.Contains(def, want) {
 				t.Errorf("%s default rules lack %q", f, want)
