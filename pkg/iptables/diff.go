@@ -414,3 +414,82 @@ func emptyAfterRemove(sc *scope, t *SavedTable) bool {
 	}
 	return true
 }
+
+// planRevert returns iptables-restore --noflush input that turns what sc
+// owns in after back into what it was in before: our chains with their
+// rules, and every rule elsewhere that refers to them, each at its old
+// position. It undoes a failed apply. Rules of others are not touched.
+func planRevert(sc *scope, before, after *Save) string {
+	var b strings.Builder
+	for _, table := range sc.tables {
+		bt, at := before.Table(table), after.Table(table)
+		var decl, del, ins, body, drop []string
+		for _, name := range sc.chains {
+			bc, ac := bt.Chain(name), at.Chain(name)
+			switch {
+			case bc != nil:
+				decl = append(decl, ":"+name+" - [0:0]")
+				for _, r := range bc.Rules {
+					body = append(body, "-A "+name+" "+r.Spec())
+				}
+			case ac != nil:
+				drop = append(drop, name)
+			}
+		}
+		// References now: all go. Then the old ones come back in order,
+		// at their old positions among the other rules.
+		if at != nil {
+			for _, c := range at.Chains {
+				if sc.owns(c.Name) {
+					continue
+				}
+				for _, r := range c.Rules {
+					if sc.owns(r.Target()) {
+						del = append(del, "-D "+c.Name+" "+r.Spec())
+					}
+				}
+			}
+		}
+		if bt != nil {
+			for _, c := range bt.Chains {
+				if sc.owns(c.Name) {
+					continue
+				}
+				others := 0
+				if ac := at.Chain(c.Name); ac != nil {
+					for _, r := range ac.Rules {
+						if !sc.owns(r.Target()) {
+							others++
+						}
+					}
+				}
+				inserted := 0
+				for i, r := range c.Rules {
+					if !sc.owns(r.Target()) {
+						continue
+					}
+					// Position i+1 as before, unless others' rules changed
+					// meanwhile and the chain is now shorter.
+					pos := min(i+1, others+inserted+1)
+					ins = append(ins, fmt.Sprintf("-I %s %d %s", c.Name, pos, r.Spec()))
+					inserted++
+				}
+			}
+		}
+		if len(decl)+len(del)+len(ins)+len(drop) == 0 {
+			continue
+		}
+		fmt.Fprintf(&b, "*%s\n", table)
+		for _, l := range append(append(append(decl, del...), ins...), body...) {
+			b.WriteString(l + "\n")
+		}
+		for _, c := range drop {
+			b.WriteString("-F " + c + "\n")
+		}
+		for _, c := range drop {
+			b.WriteString("-X " + c + "\n")
+		}
+		b.WriteString("COMMIT\n")
+	}
+	return b.String()
+}

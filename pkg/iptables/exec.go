@@ -38,16 +38,44 @@ type Executor interface {
 // Router reads and changes what the Applier sets through netlink and
 // sysctl in a network namespace; NetlinkRouter is the real one.
 type Router interface {
-	// IPv6Enabled reports whether the namespace has IPv6 enabled.
-	IPv6Enabled(netnsPath string) (bool, error)
+	// State reports the namespace's loopback and IPv6 state.
+	State(netnsPath string) (NetnsState, error)
 	// PolicyRouteState reports whether the fwmark rule and the local route
 	// of want exist.
 	PolicyRouteState(netnsPath string, f Family, want PolicyRoute) (rule, route bool, err error)
-	// EnsurePolicyRoute installs the rule and route if missing.
-	EnsurePolicyRoute(netnsPath string, f Family, want PolicyRoute) error
-	// RemovePolicyRoute deletes the rule and route if present.
-	RemovePolicyRoute(netnsPath string, f Family, want PolicyRoute) error
+	// EnsurePolicyRoute installs the rule and route if missing and reports
+	// what it added. On error it has added nothing.
+	EnsurePolicyRoute(netnsPath string, f Family, want PolicyRoute) (RouteParts, error)
+	// RemovePolicyRoute deletes the named parts if present.
+	RemovePolicyRoute(netnsPath string, f Family, want PolicyRoute, parts RouteParts) error
 }
+
+// NetnsState is what a network namespace offers the capture rules.
+type NetnsState struct {
+	// LoopbackUp: lo is up. Redirected traffic reaches ztunnel over lo,
+	// so without it capture cannot work and Apply refuses, changing
+	// nothing.
+	LoopbackUp bool
+	// IPv6: the kernel has IPv6 and the namespace does not turn it off
+	// everywhere (net.ipv6.conf.all, or some interface other than lo, has
+	// disable_ipv6 = 0). IPv6 capture rules are needed.
+	IPv6 bool
+	// IPv6Loopback: lo has IPv6 (net.ipv6.conf.lo.disable_ipv6 = 0), so the
+	// IPv6 local route can exist; without it the kernel refuses the route
+	// ("IPv6 is disabled on nexthop device") and, as Istio does, we skip
+	// the IPv6 policy route. Redirected IPv6 then fails closed (it cannot
+	// reach ztunnel over lo) instead of leaving uncaptured.
+	IPv6Loopback bool
+}
+
+// RouteParts names parts of a policy route: the ip rule, the local route.
+type RouteParts struct{ Rule, Route bool }
+
+// Any reports whether any part is named.
+func (p RouteParts) Any() bool { return p.Rule || p.Route }
+
+// allRoute names both parts.
+var allRoute = RouteParts{Rule: true, Route: true}
 
 // maxOutput bounds what a command may print; iptables-save of a pod
 // namespace is tiny, so more than this is an error, not a memory hazard.
@@ -129,21 +157,43 @@ func handle(netnsPath string) (*netlink.Handle, error) {
 	return h, nil
 }
 
-// IPv6Enabled implements Router. IPv6 counts as enabled when the kernel
-// has it and the namespace's net.ipv6.conf.all.disable_ipv6 is 0; net
-// sysctls resolve against the reading thread's namespace, so the file is
-// read from inside it.
-func (NetlinkRouter) IPv6Enabled(netnsPath string) (bool, error) {
-	var enabled bool
+// State implements Router. net sysctls and links resolve against the
+// reading thread's namespace, so both are read from inside it.
+func (NetlinkRouter) State(netnsPath string) (NetnsState, error) {
+	var st NetnsState
 	read := func() error {
-		b, err := os.ReadFile("/proc/sys/net/ipv6/conf/all/disable_ipv6")
+		lo, err := net.InterfaceByName("lo")
+		if err != nil {
+			return fmt.Errorf("find lo: %w", err)
+		}
+		st.LoopbackUp = lo.Flags&net.FlagUp != 0
+		const dir = "/proc/sys/net/ipv6/conf"
+		entries, err := os.ReadDir(dir)
 		if errors.Is(err, os.ErrNotExist) {
 			return nil // kernel without IPv6
 		}
 		if err != nil {
 			return err
 		}
-		enabled = strings.TrimSpace(string(b)) == "0"
+		for _, e := range entries {
+			name := e.Name()
+			if name == "default" {
+				continue // the template for interfaces yet to come
+			}
+			b, err := os.ReadFile(dir + "/" + name + "/disable_ipv6")
+			if errors.Is(err, os.ErrNotExist) {
+				continue // interface gone meanwhile
+			}
+			if err != nil {
+				return err
+			}
+			on := strings.TrimSpace(string(b)) == "0"
+			if name == "lo" {
+				st.IPv6Loopback = on
+			} else if on {
+				st.IPv6 = true
+			}
+		}
 		return nil
 	}
 	var err error
@@ -153,9 +203,9 @@ func (NetlinkRouter) IPv6Enabled(netnsPath string) (bool, error) {
 		err = ns.WithNetNSPath(netnsPath, func(ns.NetNS) error { return read() })
 	}
 	if err != nil {
-		return false, fmt.Errorf("read IPv6 state of netns %s: %w", netnsPath, err)
+		return NetnsState{}, fmt.Errorf("read state of netns %s: %w", netnsPath, err)
 	}
-	return enabled, nil
+	return st, nil
 }
 
 func nlFamily(f Family) int {
@@ -245,58 +295,78 @@ func (NetlinkRouter) PolicyRouteState(netnsPath string, f Family, want PolicyRou
 }
 
 // EnsurePolicyRoute implements Router.
-func (NetlinkRouter) EnsurePolicyRoute(netnsPath string, f Family, want PolicyRoute) error {
+func (NetlinkRouter) EnsurePolicyRoute(netnsPath string, f Family, want PolicyRoute) (RouteParts, error) {
+	h, err := handle(netnsPath)
+	if err != nil {
+		return RouteParts{}, err
+	}
+	defer h.Close()
+	var added RouteParts
+	route, lo, err := findRoute(h, f, want)
+	if err != nil {
+		return added, err
+	}
+	// Route before rule: the rule must never point at an empty table.
+	if !route {
+		if err := h.RouteAdd(want.route(lo)); err != nil && !errors.Is(err, unix.EEXIST) {
+			return added, fmt.Errorf("add route local %s dev lo table %d: %w", want.Local, want.Table, err)
+		} else if err == nil {
+			added.Route = true
+		}
+	}
+	rule, err := findRule(h, f, want)
+	if err == nil && !rule {
+		if err = h.RuleAdd(want.rule(f)); err != nil && !errors.Is(err, unix.EEXIST) {
+			err = fmt.Errorf("add %s rule fwmark %#x/%#x lookup %d: %w", f, want.Mark, want.Mask, want.Table, err)
+		} else {
+			added.Rule, err = err == nil, nil
+		}
+	}
+	if err != nil {
+		// Leave nothing behind: the caller treats a failure as no change.
+		if added.Route {
+			if derr := deleteRoute(h, want, lo); derr != nil {
+				err = errors.Join(err, derr)
+			}
+		}
+		return RouteParts{}, err
+	}
+	return added, nil
+}
+
+// RemovePolicyRoute implements Router.
+func (NetlinkRouter) RemovePolicyRoute(netnsPath string, f Family, want PolicyRoute, parts RouteParts) error {
 	h, err := handle(netnsPath)
 	if err != nil {
 		return err
 	}
 	defer h.Close()
-	route, lo, err := findRoute(h, f, want)
-	if err != nil {
-		return err
-	}
-	// Route before rule: the rule must never point at an empty table.
-	if !route {
-		if err := h.RouteAdd(want.route(lo)); err != nil && !errors.Is(err, unix.EEXIST) {
-			return fmt.Errorf("add route local %s dev lo table %d: %w", want.Local, want.Table, err)
+	if parts.Rule {
+		rule, err := findRule(h, f, want)
+		if err != nil {
+			return err
+		}
+		if rule {
+			if err := h.RuleDel(want.rule(f)); err != nil && !errors.Is(err, unix.ENOENT) {
+				return fmt.Errorf("delete %s rule fwmark %#x/%#x lookup %d: %w", f, want.Mark, want.Mask, want.Table, err)
+			}
 		}
 	}
-	rule, err := findRule(h, f, want)
-	if err != nil {
-		return err
-	}
-	if !rule {
-		if err := h.RuleAdd(want.rule(f)); err != nil && !errors.Is(err, unix.EEXIST) {
-			return fmt.Errorf("add %s rule fwmark %#x/%#x lookup %d: %w", f, want.Mark, want.Mask, want.Table, err)
+	if parts.Route {
+		route, lo, err := findRoute(h, f, want)
+		if err != nil {
+			return err
+		}
+		if route {
+			return deleteRoute(h, want, lo)
 		}
 	}
 	return nil
 }
 
-// RemovePolicyRoute implements Router.
-func (NetlinkRouter) RemovePolicyRoute(netnsPath string, f Family, want PolicyRoute) error {
-	h, err := handle(netnsPath)
-	if err != nil {
-		return err
-	}
-	defer h.Close()
-	rule, err := findRule(h, f, want)
-	if err != nil {
-		return err
-	}
-	if rule {
-		if err := h.RuleDel(want.rule(f)); err != nil && !errors.Is(err, unix.ENOENT) {
-			return fmt.Errorf("delete %s rule fwmark %#x/%#x lookup %d: %w", f, want.Mark, want.Mask, want.Table, err)
-		}
-	}
-	route, lo, err := findRoute(h, f, want)
-	if err != nil {
-		return err
-	}
-	if route {
-		if err := h.RouteDel(want.route(lo)); err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENOENT) {
-			return fmt.Errorf("delete route local %s dev lo table %d: %w", want.Local, want.Table, err)
-		}
+func deleteRoute(h *netlink.Handle, want PolicyRoute, lo int) error {
+	if err := h.RouteDel(want.route(lo)); err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("delete route local %s dev lo table %d: %w", want.Local, want.Table, err)
 	}
 	return nil
 }

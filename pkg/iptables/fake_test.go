@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+
+	"github.com/ambient-cni/ambient-cni/pkg/nftables"
 )
 
 // builtinChains are the chains iptables creates on its own per table.
@@ -170,6 +172,11 @@ type fakeNS struct {
 	rule   map[Family]bool
 	route  map[Family]bool
 	noIPv6 bool
+	noLoV6 bool // lo has IPv6 disabled
+	loDown bool
+	owned  map[string]bool // "ip nat": tables CreateOwned made
+	// routeErr makes EnsurePolicyRoute of a family fail.
+	routeErr map[Family]error
 }
 
 // fakeHost implements Executor and Router over fake namespaces and logs
@@ -189,7 +196,8 @@ func newFakeHost(b Backend) *fakeHost {
 func (h *fakeHost) get(path string) *fakeNS {
 	n, ok := h.ns[path]
 	if !ok {
-		n = &fakeNS{saves: map[Family]*Save{IPv4: {}, IPv6: {}}, rule: map[Family]bool{}, route: map[Family]bool{}}
+		n = &fakeNS{saves: map[Family]*Save{IPv4: {}, IPv6: {}}, rule: map[Family]bool{}, route: map[Family]bool{},
+			owned: map[string]bool{}, routeErr: map[Family]error{}}
 		h.ns[path] = n
 	}
 	return n
@@ -216,27 +224,14 @@ func (h *fakeHost) Run(_ context.Context, path string, cmd Cmd) ([]byte, error) 
 			return nil, nil
 		}
 	}
-	if cmd.Name == "nft" && len(cmd.Args) == 4 && cmd.Args[0] == "delete" {
-		f := IPv4
-		if cmd.Args[2] == "ip6" {
-			f = IPv6
-		}
-		s := n.saves[f]
-		for i, t := range s.Tables {
-			if t.Name == cmd.Args[3] {
-				s.Tables = append(s.Tables[:i], s.Tables[i+1:]...)
-				return nil, nil
-			}
-		}
-		return nil, fmt.Errorf("no table %s", cmd.Args[3])
-	}
 	return nil, fmt.Errorf("fake: unexpected command %s", cmd)
 }
 
-func (h *fakeHost) IPv6Enabled(path string) (bool, error) {
+func (h *fakeHost) State(path string) (NetnsState, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return !h.get(path).noIPv6, nil
+	n := h.get(path)
+	return NetnsState{LoopbackUp: !n.loDown, IPv6: !n.noIPv6, IPv6Loopback: !n.noIPv6 && !n.noLoV6}, nil
 }
 
 func (h *fakeHost) PolicyRouteState(path string, f Family, _ PolicyRoute) (bool, bool, error) {
@@ -246,20 +241,91 @@ func (h *fakeHost) PolicyRouteState(path string, f Family, _ PolicyRoute) (bool,
 	return n.rule[f], n.route[f], nil
 }
 
-func (h *fakeHost) EnsurePolicyRoute(path string, f Family, _ PolicyRoute) error {
+func (h *fakeHost) EnsurePolicyRoute(path string, f Family, _ PolicyRoute) (RouteParts, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	n := h.get(path)
+	if err := n.routeErr[f]; err != nil {
+		return RouteParts{}, err
+	}
+	added := RouteParts{Rule: !n.rule[f], Route: !n.route[f]}
 	n.rule[f], n.route[f] = true, true
+	return added, nil
+}
+
+func (h *fakeHost) RemovePolicyRoute(path string, f Family, _ PolicyRoute, parts RouteParts) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	n := h.get(path)
+	if parts.Rule {
+		n.rule[f] = false
+	}
+	if parts.Route {
+		n.route[f] = false
+	}
 	return nil
 }
 
-func (h *fakeHost) RemovePolicyRoute(path string, f Family, _ PolicyRoute) error {
+func fakeFamily(t nftables.TableRef) Family {
+	if t.Family == nftables.FamilyIPv6 {
+		return IPv6
+	}
+	return IPv4
+}
+
+// CreateOwned implements TableOwner: tables appear empty (built-in chains
+// only), as iptables-nft-save shows a table it did not fill. Chains are
+// not modelled: iptables-nft-save shows built-in chains either way.
+func (h *fakeHost) CreateOwned(path string, tables []nftables.TableRef, _ []nftables.BaseChain) (nftables.Created, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	h.log = append(h.log, "create-owned")
 	n := h.get(path)
-	n.rule[f], n.route[f] = false, false
-	return nil
+	var created []nftables.TableRef
+	for _, t := range tables {
+		s := n.saves[fakeFamily(t)]
+		if s.Table(t.Name) != nil {
+			continue
+		}
+		nt := &SavedTable{Name: t.Name}
+		for _, c := range builtinChains[t.Name] {
+			nt.Chains = append(nt.Chains, &SavedChain{Name: c, Policy: "ACCEPT"})
+		}
+		s.Tables = append(s.Tables, nt)
+		n.owned[t.String()] = true
+		created = append(created, t)
+	}
+	return nftables.Created{Tables: created}, nil
+}
+
+// DeleteOwned implements TableOwner: only owned tables with no rules and
+// no user chains go.
+func (h *fakeHost) DeleteOwned(path string, tables []nftables.TableRef) (nftables.Created, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.log = append(h.log, "delete-owned")
+	n := h.get(path)
+	var deleted []nftables.TableRef
+	for _, t := range tables {
+		s := n.saves[fakeFamily(t)]
+		tbl := s.Table(t.Name)
+		if tbl == nil || !n.owned[t.String()] {
+			continue
+		}
+		empty := true
+		for _, c := range tbl.Chains {
+			if len(c.Rules) > 0 || c.Policy == "-" {
+				empty = false
+			}
+		}
+		if !empty {
+			continue
+		}
+		s.Tables = slices.DeleteFunc(s.Tables, func(x *SavedTable) bool { return x == tbl })
+		delete(n.owned, t.String())
+		deleted = append(deleted, t)
+	}
+	return nftables.Created{Tables: deleted}, nil
 }
 
 // takeLog returns and clears the command log.

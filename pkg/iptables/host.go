@@ -186,19 +186,21 @@ func NewHostProbe(log *slog.Logger, b Backend, netnsPath string, cfg HostProbeCo
 
 // families returns the families the namespace has enabled.
 func (h *HostProbe) families() ([]Family, error) {
-	v6, err := h.a.router.IPv6Enabled(h.netns)
+	v6, err := h.a.router.State(h.netns)
 	if err != nil {
 		return nil, err
 	}
-	if v6 {
+	if v6.IPv6 {
 		return Families, nil
 	}
 	return []Family{IPv4}, nil
 }
 
 // Ensure creates the ipsets and installs the SNAT rule (one
-// iptables-restore per family, skipped when already in place). Existing
-// set members are kept, so it is safe at every agent start.
+// iptables-restore per family, skipped when already in place; both
+// families or neither), and puts the jump back at the top of POSTROUTING
+// if another rule got above it. Existing set members are kept, so it is
+// safe at every agent start and as a periodic resync.
 func (h *HostProbe) Ensure() error {
 	if err := h.cfg.pod().Validate(); err != nil {
 		return err
@@ -211,23 +213,26 @@ func (h *HostProbe) Ensure() error {
 	}
 	ctx, cancel := h.a.bound(context.Background())
 	defer cancel()
+	var plans []*familyPlan
 	for _, f := range fams {
 		// The rule refers to the set, so the set comes first.
 		if err := h.a.sets.EnsureSet(h.netns, ProbeSet(f), f); err != nil {
 			return fmt.Errorf("host probe %s: %w", f, err)
 		}
-		rs := HostProbeRules(h.cfg, f)
-		cur, err := h.a.save(ctx, h.netns, f)
+		plans = append(plans, &familyPlan{f: f, rs: HostProbeRules(h.cfg, f)})
+	}
+	err = each(plans, func(p *familyPlan) error {
+		cur, err := h.a.save(ctx, h.netns, p.f)
 		if err != nil {
 			return err
 		}
-		if plan := PlanApply(rs, cur); plan != "" {
-			if err := h.a.restore(ctx, h.netns, f, plan); err != nil {
-				return err
-			}
-		}
+		p.cur, p.plan = cur, PlanApply(p.rs, cur)
+		return nil
+	})
+	if err != nil {
+		return err
 	}
-	return nil
+	return h.a.applyPlans(ctx, h.netns, plans, hostScope)
 }
 
 // AddIP adds an enrolled pod IP to its family's set (idempotent). Call
@@ -299,11 +304,12 @@ func (h *HostProbe) Verify() (Drift, error) {
 
 // Remove deletes the rule, its chain and the sets (with their members),
 // leaving the namespace as before Ensure. With the nft backend a nat table
-// that held only our rule is deleted too. Idempotent.
+// that Ensure created is deleted too once empty (never one that was there
+// before, see Applier.dropOwnedTables). Idempotent.
 func (h *HostProbe) Remove() error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	v6, err := h.a.router.IPv6Enabled(h.netns)
+	v6, err := h.a.router.State(h.netns)
 	if err != nil {
 		return err
 	}
@@ -312,7 +318,7 @@ func (h *HostProbe) Remove() error {
 	for _, f := range Families {
 		cur, err := h.a.save(ctx, h.netns, f)
 		if err != nil {
-			if f == IPv6 && !v6 {
+			if f == IPv6 && !v6.IPv6 {
 				continue
 			}
 			return err
@@ -321,9 +327,7 @@ func (h *HostProbe) Remove() error {
 			if err := h.a.restore(ctx, h.netns, f, plan); err != nil {
 				return err
 			}
-			if h.a.backend == BackendNFT {
-				h.a.dropEmptyTables(ctx, h.netns, f, hostScope, cur, touchedTables(plan))
-			}
+			h.a.dropOwnedTables(h.netns, f, touchedTables(plan))
 		}
 		// The rule is gone, so the kernel lets the set go.
 		if err := h.a.sets.DestroySet(h.netns, ProbeSet(f)); err != nil {

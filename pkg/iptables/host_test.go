@@ -119,7 +119,7 @@ func TestHostProbeJumpFirst(t *testing.T) {
 
 func fakeHostProbe() (*HostProbe, *fakeHost, *fakeSets) {
 	h, sets := newFakeHost(BackendNFT), newFakeSets()
-	return NewHostProbe(nil, BackendNFT, "", HostProbeConfig{}, WithExecutor(h), WithRouter(h), WithIPSets(sets)), h, sets
+	return NewHostProbe(nil, BackendNFT, "", HostProbeConfig{}, WithExecutor(h), WithRouter(h), WithTableOwner(h), WithIPSets(sets)), h, sets
 }
 
 func TestHostProbeFlowWithFake(t *testing.T) {
@@ -127,7 +127,7 @@ func TestHostProbeFlowWithFake(t *testing.T) {
 	if err := hp.Ensure(); err != nil {
 		t.Fatal(err)
 	}
-	wantLog(t, h.takeLog(), BackendNFT, []string{"save", "restore"}, 0)
+	wantLog(t, h.takeLog(), BackendNFT, []string{"save", "restore"}, 1)
 	if err := hp.Ensure(); err != nil {
 		t.Fatal(err)
 	}
@@ -422,4 +422,78 @@ func TestHostProbe(t *testing.T) {
 			}
 		})
 	}
+}
+
+// addForeignRule runs the removal's restore, then adds another tool's rule
+// to POSTROUTING: what a kube-proxy sync between our look at the ruleset
+// and our table deletion would do.
+type addForeignRule struct {
+	Executor
+	b Backend
+}
+
+func (e addForeignRule) Run(ctx context.Context, netnsPath string, cmd Cmd) ([]byte, error) {
+	out, err := e.Executor.Run(ctx, netnsPath, cmd)
+	if err == nil && cmd.Name == e.b.RestoreCmd(IPv4) && strings.Contains(string(cmd.Stdin), "-X "+ChainProbeSNAT) {
+		_, err = e.Executor.Run(ctx, netnsPath, Cmd{Name: e.b.Cmd(IPv4), Args: []string{"-t", "nat", "-A", "POSTROUTING", "-d", "10.99.99.99/32", "-j", "ACCEPT"}})
+	}
+	return out, err
+}
+
+// TestHostProbeRemovesOnlyItsOwn: install + uninstall leave the host's
+// rulesets and sets as they were: a nat table that was there before (even
+// empty) stays, one Ensure created goes, and a rule another tool adds
+// while we remove ours keeps its table.
+func TestHostProbeRemovesOnlyItsOwn(t *testing.T) {
+	requireBackend(t, BackendNFT)
+	testnet.RequireCommands(t, "ipset")
+	b := BackendNFT
+	snap := func(t *testing.T, path string) string {
+		return hostSnapshot(t, b, path) + run(t, path, "nft", "list", "ruleset")
+	}
+	for _, tc := range []struct {
+		name  string
+		setup []string // nft commands run before Ensure
+	}{
+		{"no nat table", nil},
+		{"empty nat tables", []string{"add table ip nat", "add table ip6 nat"}},
+		{"empty nat base chains", []string{"add table ip nat", "add chain ip nat POSTROUTING { type nat hook postrouting priority srcnat; }",
+			"add table ip6 nat", "add chain ip6 nat POSTROUTING { type nat hook postrouting priority srcnat; }"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			n := testnet.NewNS(t)
+			H := n.Path()
+			for _, c := range tc.setup {
+				run(t, H, "nft", strings.Fields(c)...)
+			}
+			before := snap(t, H)
+			hp := NewHostProbe(testLogger(t), b, H, HostProbeConfig{})
+			if err := hp.Ensure(); err != nil {
+				t.Fatal(err)
+			}
+			if err := hp.AddIP(netip.MustParseAddr("10.1.2.3")); err != nil {
+				t.Fatal(err)
+			}
+			if err := hp.Remove(); err != nil {
+				t.Fatal(err)
+			}
+			if after := snap(t, H); after != before {
+				t.Fatalf("install + uninstall changed the host:\nbefore:\n%s\nafter:\n%s", before, after)
+			}
+		})
+	}
+	t.Run("rule added during removal", func(t *testing.T) {
+		n := testnet.NewNS(t)
+		H := n.Path()
+		hp := NewHostProbe(testLogger(t), b, H, HostProbeConfig{}, WithExecutor(addForeignRule{NetnsExecutor{}, b}))
+		if err := hp.Ensure(); err != nil {
+			t.Fatal(err)
+		}
+		if err := hp.Remove(); err != nil {
+			t.Fatal(err)
+		}
+		if out := run(t, H, b.SaveCmd(IPv4)); !strings.Contains(out, "-A POSTROUTING -d 10.99.99.99/32 -j ACCEPT") {
+			t.Fatalf("another tool's rule went with our table:\n%s", out)
+		}
+	})
 }
