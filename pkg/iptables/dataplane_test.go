@@ -16,6 +16,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/internal/captureproxy"
 	"github.com/ambient-cni/ambient-cni/internal/testnet"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
 )
@@ -316,7 +317,7 @@ func scenarios(t *testing.T, b Backend) {
 	}
 	// Lost routing is named too.
 	pair.A.Do(t, func() error {
-		return netlink.RuleDel(PodRules(PodConfig{}, IPv4).Routing.rule(IPv4))
+		return netlink.RuleDel(policyroute.IPRule(PodRules(PodConfig{}, IPv4).Routing, IPv4))
 	})
 	if d, _ := a.Verify(A, PodConfig{}); !strings.Contains(d.String(), `ipv4: missing ip rule "pref 32764 fwmark 0x111/0xfff lookup 100"`) {
 		t.Errorf("deleted ip rule not named:\n%s", d)

@@ -10,6 +10,7 @@ import (
 	"slices"
 	"sync"
 
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
@@ -23,41 +24,12 @@ import (
 
 // Default ipset names holding the enrolled pod IPs, one per family.
 const (
-	ProbeSetV4 = "ambient-probes-v4"
-	ProbeSetV6 = "ambient-probes-v6"
+	ProbeSetV4 = ruleset.ProbeSetV4
+	ProbeSetV6 = ruleset.ProbeSetV6
 )
 
 // ProbeSet names the ipset of family f.
-func ProbeSet(f Family) string {
-	if f == IPv6 {
-		return ProbeSetV6
-	}
-	return ProbeSetV4
-}
-
-// HostProbeConfig holds the host-side options.
-type HostProbeConfig struct {
-	// ProbeSNATv4 and ProbeSNATv6 are the SNAT sources; zero means the
-	// ambient defaults. They must match the pods' PodConfig.
-	ProbeSNATv4, ProbeSNATv6 netip.Addr
-}
-
-func (c HostProbeConfig) pod() PodConfig {
-	return PodConfig{ProbeSNATv4: c.ProbeSNATv4, ProbeSNATv6: c.ProbeSNATv6}
-}
-
-// HostProbeRules builds the host's probe SNAT rule set for family f: one
-// chain in nat, jumped to from POSTROUTING, with one rule. Pure.
-func HostProbeRules(cfg HostProbeConfig, f Family) RuleSet {
-	return RuleSet{
-		Family: f,
-		scope:  hostScope,
-		Tables: []TableRules{{Name: TableNAT, Chains: []ChainRules{{Name: ChainProbeSNAT, Rules: []string{
-			fmt.Sprintf("-p tcp -m owner --socket-exists -m set --match-set %s dst -j SNAT --to-source %s",
-				ProbeSet(f), cfg.pod().probe(f)),
-		}}}}},
-	}
-}
+func ProbeSet(f Family) string { return ruleset.ProbeSet(f) }
 
 // IPSets manages ipsets in a network namespace; NetlinkIPSets is the real
 // one, tests of the control flow substitute a fake.
@@ -202,7 +174,7 @@ func (h *HostProbe) families() ([]Family, error) {
 // if another rule got above it. Existing set members are kept, so it is
 // safe at every agent start and as a periodic resync.
 func (h *HostProbe) Ensure() error {
-	if err := h.cfg.pod().Validate(); err != nil {
+	if err := h.cfg.Validate(); err != nil {
 		return err
 	}
 	h.mu.Lock()
@@ -336,7 +308,3 @@ func (h *HostProbe) Remove() error {
 	}
 	return nil
 }
-
-// Probe returns the SNAT source for family f, for callers wiring the pods'
-// PodConfig to the same addresses.
-func (c HostProbeConfig) Probe(f Family) netip.Addr { return c.pod().probe(f) }

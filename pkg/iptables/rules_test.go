@@ -111,40 +111,6 @@ func TestRulesBehaviour(t *testing.T) {
 	}
 }
 
-func TestPodConfigValidate(t *testing.T) {
-	good := []PodConfig{{}, {ProbeSNATv4: netip.MustParseAddr("10.0.0.1"), ProbeSNATv6: netip.MustParseAddr("fd00::1")}}
-	for _, c := range good {
-		if err := c.Validate(); err != nil {
-			t.Errorf("%+v rejected: %v", c, err)
-		}
-	}
-	good = append(good, PodConfig{VirtualInterfaces: []string{"k6t-eth0", "tap+", "a", "abcdefghijklmn+", "net1.100", "x@y"}})
-	bad := []PodConfig{
-		{VirtualInterfaces: []string{""}},
-		{VirtualInterfaces: []string{"+"}},
-		{VirtualInterfaces: []string{"abcdefghijklmnop"}},
-		{VirtualInterfaces: []string{"eth 0"}},
-		{VirtualInterfaces: []string{"eth0/1"}},
-		{VirtualInterfaces: []string{"eth:0"}},
-		{VirtualInterfaces: []string{"a+b"}},
-		{VirtualInterfaces: []string{"tap*"}},
-		{VirtualInterfaces: []string{"."}},
-		{VirtualInterfaces: []string{"eth0\"", "-j ACCEPT"}},
-		{VirtualInterfaces: []string{"asd^&&*$&*(#$&*(#&$*()))"}},
-		{VirtualInterfaces: []string{"t\u00e4p0"}},
-		{VirtualInterfaces: make([]string, MaxVirtualInterfaces+1)},
-		{ProbeSNATv4: netip.MustParseAddr("fd00::1")},
-		{ProbeSNATv6: netip.MustParseAddr("10.0.0.1")},
-		{ProbeSNATv6: netip.MustParseAddr("::ffff:10.0.0.1")},
-		{ProbeSNATv6: netip.MustParseAddr("fe80::1%eth0")},
-	}
-	for _, c := range bad {
-		if err := c.Validate(); err == nil {
-			t.Errorf("%+v accepted", c)
-		}
-	}
-}
-
 func TestParseBackend(t *testing.T) {
 	for in, want := range map[string]Backend{"nft": BackendNFT, "NFT": BackendNFT, "iptables-nft": BackendNFT,
 		"nf_tables": BackendNFT, "legacy": BackendLegacy, " iptables-legacy ": BackendLegacy} {
