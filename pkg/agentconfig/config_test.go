@@ -54,7 +54,7 @@ func TestRejectsBadInput(t *testing.T) {
 		"timeout below wait": {[]string{"--node-name=n", "--plugin-timeout=2s", "--ztunnel-wait=3s"}, nil, "must exceed"},
 		"v6 as v4":           {[]string{"--node-name=n", "--probe-snat-ipv4=fd00::1"}, nil, "IPv4"},
 		"bad bool":           {[]string{"--node-name=n", "--dns-capture=yes please"}, nil, "true or false"},
-		"bad backend":        {[]string{"--node-name=n", "--iptables-backend=ebtables"}, nil, "nft, legacy"},
+		"bad backend":        {[]string{"--node-name=n", "--iptables-backend=ebtables"}, nil, "nftables, iptables, nft or legacy"},
 		"relative socket":    {[]string{"--node-name=n", "--agent-socket=agent.sock"}, nil, "absolute"},
 		"relative netns dir": {[]string{"--node-name=n", "--netns-dirs=/run/netns,netns"}, nil, "not absolute"},
 		"unknown flag":       {[]string{"--node-name=n", "--frobnicate"}, nil, "frobnicate"},

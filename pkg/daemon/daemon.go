@@ -34,6 +34,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/plugin"
 	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/podnetns"
+	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
 
@@ -63,7 +64,7 @@ type Daemon struct {
 	events    *nodeagent.Server
 	zds       *zds.Server
 	ctrl      *controller.Controller
-	probe     *iptables.HostProbe
+	probe     rulesbackend.HostProbe
 	health    *health.Server
 	recorder  record.EventRecorder
 	broadcast record.EventBroadcaster
@@ -98,14 +99,14 @@ func New(o Options) (*Daemon, error) {
 	}
 	d := &Daemon{cfg: c, log: o.Logger, client: o.Client, metrics: o.Metrics, opts: o}
 
-	backend, err := iptables.DetectBackend(c.IPTablesBackend)
+	backend, err := rulesbackend.New(rulesbackend.Config{Backend: c.IPTablesBackend, HostNetns: o.HostNetns, Logger: d.log,
+		Probe: iptables.HostProbeConfig{ProbeSNATv4: c.ProbeSNATv4, ProbeSNATv6: c.ProbeSNATv6}})
 	if err != nil {
-		return nil, fmt.Errorf("detect iptables backend: %w", err)
+		return nil, fmt.Errorf("rules backend: %w", err)
 	}
-	d.log.Info("iptables backend", "backend", backend)
-	rules := iptables.NewApplier(d.log.With("component", "iptables"), backend)
-	d.probe = iptables.NewHostProbe(d.log.With("component", "host-probe"), backend, o.HostNetns,
-		iptables.HostProbeConfig{ProbeSNATv4: c.ProbeSNATv4, ProbeSNATv6: c.ProbeSNATv6})
+	d.log.Info("rules backend", "backend", backend.Name)
+	rules := backend.Rules
+	d.probe = backend.Probe
 
 	entry, err := json.Marshal(plugin.Entry{
 		Type: c.PluginType, AgentSocket: c.AgentSocket, Timeout: c.PluginTimeout.String(),
@@ -265,6 +266,10 @@ func (d *Daemon) Run(ctx context.Context) error {
 	run("installer", d.installer.Run)
 	run("controller", d.ctrl.Run)
 	run("metrics", d.pollMetrics)
+	run("host-probe", func(ctx context.Context) error {
+		rulesbackend.KeepHostProbe(ctx, d.probe, 30*time.Second, d.log)
+		return nil
+	})
 
 	// ztunnel must not get a snapshot before the pods enrolled by a
 	// previous agent are back in the state, or it would drop them all:

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"hash/fnv"
 	"log/slog"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -13,6 +14,8 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
+	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
+	"github.com/containernetworking/plugins/pkg/ns"
 	"golang.org/x/sys/unix"
 )
 
@@ -441,7 +444,7 @@ func (a *Applier) VerifyContext(ctx context.Context, netnsPath string, cfg PodCo
 		if err != nil {
 			return fmt.Errorf("%s policy routing in netns %s: %w", f, netnsPath, err)
 		}
-		drifts[i] = append(drifts[i], routingDrift(f, rs.Routing, rule, route)...)
+		drifts[i] = append(drifts[i], policyroute.Drift(f, rs.Routing, rule, route)...)
 		return nil
 	})
 	if err != nil {
@@ -452,20 +455,6 @@ func (a *Applier) VerifyContext(ctx context.Context, netnsPath string, cfg PodCo
 		d.Items = append(d.Items, items...)
 	}
 	return d, nil
-}
-
-// routingDrift reports a missing rule or route.
-func routingDrift(f Family, p PolicyRoute, rule, route bool) []DriftItem {
-	var items []DriftItem
-	if !rule {
-		items = append(items, DriftItem{Family: f, Kind: DriftMissing, Object: "ip rule",
-			Want: fmt.Sprintf("pref %d fwmark %#x/%#x lookup %d", p.Priority, p.Mark, p.Mask, p.Table)})
-	}
-	if !route {
-		items = append(items, DriftItem{Family: f, Kind: DriftMissing, Object: "route",
-			Want: fmt.Sprintf("local %s dev lo table %d", p.Local, p.Table)})
-	}
-	return items
 }
 
 // Remove deletes everything Apply installed in the namespace, whatever
@@ -499,6 +488,81 @@ func (a *Applier) RemoveContext(ctx context.Context, netnsPath string) error {
 		}
 		return err
 	})
+}
+
+// RemoveRules deletes our chains and every rule referring to them in both
+// families but keeps the policy routes: for moving a pod to the other
+// backend, which uses the same routes. Idempotent.
+func (a *Applier) RemoveRules(netnsPath string) error {
+	if err := podNetns(netnsPath); err != nil {
+		return err
+	}
+	defer a.lock(netnsPath)()
+	ctx, cancel := a.bound(context.Background())
+	defer cancel()
+	st, err := a.router.State(netnsPath)
+	if err != nil {
+		return err
+	}
+	return perFamily(func(f Family) error {
+		err := a.removeFamily(ctx, netnsPath, f, false)
+		if err != nil && f == IPv6 && !st.IPv6 {
+			return nil // ip6tables may be unusable without IPv6; nothing of ours can be there
+		}
+		return err
+	})
+}
+
+// HasRules reports whether the namespace holds any chain of ours or any
+// rule referring to one, in either family.
+func (a *Applier) HasRules(netnsPath string) (bool, error) {
+	if err := podNetns(netnsPath); err != nil {
+		return false, err
+	}
+	ctx, cancel := a.bound(context.Background())
+	defer cancel()
+	st, err := a.router.State(netnsPath)
+	if err != nil {
+		return false, err
+	}
+	found := make([]bool, len(Families))
+	err = perFamily(func(f Family) error {
+		cur, err := a.save(ctx, netnsPath, f)
+		if err != nil {
+			if f == IPv6 && !st.IPv6 {
+				return nil
+			}
+			return err
+		}
+		found[slices.Index(Families, f)] = PlanRemove(cur) != ""
+		return nil
+	})
+	return slices.Contains(found, true), err
+}
+
+// LegacyTables lists the x_tables (iptables-legacy) tables registered in
+// the namespace, both families; x_tables registers a table in a namespace
+// on first use, so a namespace legacy iptables never touched has none.
+// Read from /proc/thread-self/net inside the namespace.
+func LegacyTables(netnsPath string) ([]string, error) {
+	var out []string
+	read := func() error {
+		for _, p := range []string{"/proc/thread-self/net/ip_tables_names", "/proc/thread-self/net/ip6_tables_names"} {
+			b, err := os.ReadFile(p)
+			if errors.Is(err, os.ErrNotExist) {
+				continue
+			}
+			if err != nil {
+				return err
+			}
+			out = append(out, strings.Fields(string(b))...)
+		}
+		return nil
+	}
+	if err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error { return read() }); err != nil {
+		return nil, fmt.Errorf("read x_tables tables of netns %s: %w", netnsPath, err)
+	}
+	return out, nil
 }
 
 // removeFamily removes our rules of family f; routing too when routes is set.

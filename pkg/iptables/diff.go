@@ -2,6 +2,7 @@ package iptables
 
 import (
 	"fmt"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"strings"
 )
 
@@ -128,7 +129,7 @@ func (rs RuleSet) Diff(cur *Save) Drift {
 					d.Items = append(d.Items, it)
 				}
 			case wanted:
-				d.Items = append(d.Items, diffChain(item(DriftMissing, "rule", name), rules, have)...)
+				d.Items = append(d.Items, ruleset.DiffRules(item(DriftMissing, "rule", name), rules, have)...)
 			case present:
 				d.Items = append(d.Items, item(DriftExtra, "chain", name))
 			}
@@ -158,84 +159,6 @@ func (rs RuleSet) Diff(cur *Save) Drift {
 		}
 	}
 	return d
-}
-
-// diffChain aligns want and have with a longest common subsequence and
-// reports the gaps: paired gaps as changed, the rest as missing or extra,
-// and a missing rule that also appears as extra as moved.
-func diffChain(proto DriftItem, want, have []string) []DriftItem {
-	n, m := len(want), len(have)
-	lcs := make([][]int, n+1)
-	for i := range lcs {
-		lcs[i] = make([]int, m+1)
-	}
-	for i := n - 1; i >= 0; i-- {
-		for j := m - 1; j >= 0; j-- {
-			if want[i] == have[j] {
-				lcs[i][j] = lcs[i+1][j+1] + 1
-			} else {
-				lcs[i][j] = max(lcs[i+1][j], lcs[i][j+1])
-			}
-		}
-	}
-	type gap struct{ miss, extra []int }
-	var gaps []gap
-	var g gap
-	flush := func() {
-		if len(g.miss)+len(g.extra) > 0 {
-			gaps = append(gaps, g)
-		}
-		g = gap{}
-	}
-	i, j := 0, 0
-	for i < n || j < m {
-		switch {
-		case i < n && j < m && want[i] == have[j]:
-			flush()
-			i, j = i+1, j+1
-		case j < m && (i == n || lcs[i][j+1] >= lcs[i+1][j]):
-			g.extra = append(g.extra, j)
-			j++
-		default:
-			g.miss = append(g.miss, i)
-			i++
-		}
-	}
-	flush()
-
-	chain := proto.Chain
-	full := func(spec string) string { return "-A " + chain + " " + spec }
-	var missing, extra, out []DriftItem
-	for _, g := range gaps {
-		k := min(len(g.miss), len(g.extra))
-		for x := 0; x < k; x++ {
-			it := proto
-			it.Kind, it.Position = DriftChanged, g.miss[x]+1
-			it.Want, it.Have = full(want[g.miss[x]]), full(have[g.extra[x]])
-			out = append(out, it)
-		}
-		for _, w := range g.miss[k:] {
-			it := proto
-			it.Kind, it.Position, it.Want = DriftMissing, w+1, full(want[w])
-			missing = append(missing, it)
-		}
-		for _, h := range g.extra[k:] {
-			it := proto
-			it.Kind, it.Position, it.Have = DriftExtra, h+1, full(have[h])
-			extra = append(extra, it)
-		}
-	}
-	for _, mi := range missing {
-		for x, ex := range extra {
-			if ex.Have == mi.Want {
-				mi.Kind = DriftMoved
-				extra = append(extra[:x], extra[x+1:]...)
-				break
-			}
-		}
-		out = append(out, mi)
-	}
-	return append(out, extra...)
 }
 
 // PlanApply returns iptables-restore --noflush input that turns cur into the

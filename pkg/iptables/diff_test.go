@@ -1,6 +1,7 @@
 package iptables
 
 import (
+	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"reflect"
 	"strings"
 	"testing"
@@ -148,13 +149,13 @@ func TestPlanSwitchesOptions(t *testing.T) {
 }
 
 func TestDriftItemStrings(t *testing.T) {
-	items := routingDrift(IPv6, PodRules(PodConfig{}, IPv6).Routing, false, false)
+	items := policyroute.Drift(IPv6, PodRules(PodConfig{}, IPv6).Routing, false, false)
 	got := Drift{Items: items}.String()
 	want := "ipv6: missing ip rule \"pref 32764 fwmark 0x111/0xfff lookup 100\"\nipv6: missing route \"local ::/0 dev lo table 100\""
 	if got != want {
 		t.Errorf("got\n%s\nwant\n%s", got, want)
 	}
-	if len(routingDrift(IPv4, PolicyRoute{}, true, true)) != 0 {
+	if len(policyroute.Drift(IPv4, PolicyRoute{}, true, true)) != 0 {
 		t.Error("present rule and route reported")
 	}
 }

@@ -297,3 +297,17 @@ func deleteRoute(h *netlink.Handle, want ruleset.PolicyRoute, lo int) error {
 	}
 	return nil
 }
+
+// Drift reports a missing ip rule or route of p in family f.
+func Drift(f ruleset.Family, p ruleset.PolicyRoute, rule, route bool) []ruleset.DriftItem {
+	var items []ruleset.DriftItem
+	if !rule {
+		items = append(items, ruleset.DriftItem{Family: f, Kind: ruleset.DriftMissing, Object: "ip rule",
+			Want: fmt.Sprintf("pref %d fwmark %#x/%#x lookup %d", p.Priority, p.Mark, p.Mask, p.Table)})
+	}
+	if !route {
+		items = append(items, ruleset.DriftItem{Family: f, Kind: ruleset.DriftMissing, Object: "route",
+			Want: fmt.Sprintf("local %s dev lo table %d", p.Local, p.Table)})
+	}
+	return items
+}

@@ -1,0 +1,397 @@
+// Package rulesbackend picks the backend that installs the capture rules,
+// iptables (pkg/iptables) or native nftables (pkg/nftables), and moves pods
+// and the host between them: the active backend's Apply, Verify and Remove
+// also see and clear what the other one left (a pod enrolled by an agent
+// configured the other way, say), so switching backends needs no manual
+// cleanup and never leaves two sets of capture rules in a pod.
+package rulesbackend
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"os/exec"
+	"runtime"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/nftables"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	"golang.org/x/sys/unix"
+)
+
+// Choice is the configured backend.
+type Choice string
+
+// The choices. An iptables flavour (nft, legacy) also selects iptables.
+const (
+	// Auto picks nftables when the kernel supports what the rules need,
+	// else iptables.
+	Auto Choice = "auto"
+	// NFTables installs native nf_tables tables over netlink.
+	NFTables Choice = "nftables"
+	// IPTables runs iptables-restore, in the flavour the node uses.
+	IPTables Choice = "iptables"
+)
+
+// Parse reads a configured value: "" or "auto", "nftables", "iptables",
+// or an iptables flavour ("nft", "legacy"), which means iptables with that
+// flavour.
+func Parse(s string) (Choice, string, error) {
+	switch v := strings.ToLower(strings.TrimSpace(s)); v {
+	case "", "auto":
+		return Auto, "", nil
+	case "nftables":
+		return NFTables, "", nil
+	case "iptables":
+		return IPTables, "", nil
+	default:
+		b, err := iptables.ParseBackend(v)
+		if err != nil {
+			return "", "", fmt.Errorf("unknown rules backend %q (want auto, nftables, iptables, nft or legacy)", s)
+		}
+		return IPTables, string(b), nil
+	}
+}
+
+// Rules installs, verifies and removes one pod's rules (what the node
+// agent's RuleApplier needs).
+type Rules interface {
+	Apply(netnsPath string, cfg ruleset.PodConfig) error
+	Verify(netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift, error)
+	Remove(netnsPath string) error
+}
+
+// HostProbe keeps the host's kubelet probe SNAT.
+type HostProbe interface {
+	Ensure() error
+	Verify() (ruleset.Drift, error)
+	Remove() error
+	AddIP(ip netip.Addr) error
+	DelIP(ip netip.Addr) error
+	IPs() ([]netip.Addr, error)
+}
+
+// Config selects and configures a backend.
+type Config struct {
+	// Backend is the configured value (see Parse).
+	Backend string
+	// HostNetns is the namespace of the host probe ("" = the caller's).
+	HostNetns string
+	// Probe holds the probe SNAT addresses.
+	Probe ruleset.HostProbeConfig
+	// Logger receives structured logs (default: discarded).
+	Logger *slog.Logger
+}
+
+// Backend is the chosen backend's rules and host probe.
+type Backend struct {
+	// Name says what was chosen: "nftables", "iptables-nft" or
+	// "iptables-legacy".
+	Name  string
+	Rules Rules
+	Probe HostProbe
+}
+
+// New chooses the backend and builds it. With Auto it probes the kernel
+// once, in a throwaway network namespace.
+func New(cfg Config) (*Backend, error) {
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	choice, flavour, err := Parse(cfg.Backend)
+	if err != nil {
+		return nil, err
+	}
+	if choice == Auto {
+		if err := ProbeNFTables(); err != nil {
+			log.Info("nftables unusable, using iptables", "err", err)
+			choice = IPTables
+		} else {
+			choice = NFTables
+		}
+	}
+	// The iptables side is needed for NFTables too, to clear what an
+	// iptables agent left; missing binaries then only disable that.
+	var ipt []*iptables.Applier
+	var iptHosts []*iptables.HostProbe
+	var primaryIPT iptables.Backend
+	if choice == IPTables {
+		b, err := iptables.DetectBackend(flavour)
+		if err != nil {
+			return nil, fmt.Errorf("detect iptables backend: %w", err)
+		}
+		primaryIPT = b
+	}
+	for _, b := range []iptables.Backend{iptables.BackendNFT, iptables.BackendLegacy} {
+		if b != primaryIPT && !iptablesUsable(b) {
+			continue
+		}
+		a := iptables.NewApplier(log.With("component", "iptables"), b)
+		h := iptables.NewHostProbe(log.With("component", "host-probe"), b, cfg.HostNetns, cfg.Probe)
+		if b == primaryIPT {
+			ipt, iptHosts = append([]*iptables.Applier{a}, ipt...), append([]*iptables.HostProbe{h}, iptHosts...)
+		} else {
+			ipt, iptHosts = append(ipt, a), append(iptHosts, h)
+		}
+	}
+	nft := nftables.NewApplier(log)
+	nftHost := nftables.NewHostProbe(log, cfg.HostNetns, cfg.Probe)
+	legacyLoaded := legacyTablesLoaded()
+
+	if choice == NFTables {
+		var others []remnants
+		var hostOthers []HostProbe
+		for i, a := range ipt {
+			others = append(others, iptRemnants{a: a, legacy: a.Backend() == iptables.BackendLegacy, legacyLoaded: legacyLoaded})
+			hostOthers = append(hostOthers, iptHosts[i])
+		}
+		return &Backend{Name: "nftables",
+			Rules: &migrating{log: log, primary: nft, others: others},
+			Probe: &migratingHost{log: log, HostProbe: nftHost, others: hostOthers}}, nil
+	}
+	primary := ipt[0]
+	others := []remnants{nftRemnants{nft}}
+	hostOthers := []HostProbe{nftHost}
+	for i, a := range ipt[1:] {
+		others = append(others, iptRemnants{a: a, legacy: a.Backend() == iptables.BackendLegacy, legacyLoaded: legacyLoaded})
+		hostOthers = append(hostOthers, iptHosts[i+1])
+	}
+	return &Backend{Name: "iptables-" + string(primary.Backend()),
+		Rules: &migrating{log: log, primary: primary, others: others},
+		Probe: &migratingHost{log: log, HostProbe: iptHosts[0], others: hostOthers}}, nil
+}
+
+// iptablesUsable reports whether b's binaries exist, without running them.
+func iptablesUsable(b iptables.Backend) bool {
+	for _, f := range ruleset.Families {
+		for _, bin := range []string{b.SaveCmd(f), b.RestoreCmd(f)} {
+			if _, err := lookPath(bin); err != nil {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// legacyTablesLoaded reports whether x_tables (iptables-legacy) is in use on
+// the node at all: without it no pod can hold legacy rules, and checking
+// for them can be skipped.
+func legacyTablesLoaded() bool {
+	for _, p := range []string{"/proc/net/ip_tables_names", "/proc/net/ip6_tables_names"} {
+		if _, err := os.Stat(p); err == nil {
+			return true
+		}
+	}
+	return false
+}
+
+// ProbeNFTables checks, in a throwaway network namespace, that the kernel
+// accepts what the nftables backend installs (inet tables with nat, route
+// and filter base chains, sets). It leaves nothing behind: the namespace
+// dies with the thread that made it.
+func ProbeNFTables() error {
+	errc := make(chan error, 1)
+	go func() {
+		// Never unlocked: the runtime discards the thread, and with it
+		// the namespace, when this goroutine ends.
+		runtime.LockOSThread()
+		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+			errc <- fmt.Errorf("unshare network namespace: %w", err)
+			return
+		}
+		errc <- nftables.Probe()
+	}()
+	return <-errc
+}
+
+// remnants is the other backend as the active one sees it.
+type remnants interface {
+	name() string
+	// present reports whether the namespace holds the other backend's
+	// rules.
+	present(netnsPath string) (bool, error)
+	// drift names them for Verify.
+	drift() ruleset.DriftItem
+	// removeRules deletes them, keeping the shared policy routes.
+	removeRules(netnsPath string) error
+}
+
+// migrating is the active backend plus cleanup of the others.
+type migrating struct {
+	log     *slog.Logger
+	primary interface {
+		Rules
+		RemoveRules(netnsPath string) error
+	}
+	others []remnants
+}
+
+// Apply implements Rules: the active backend's apply, then removal of
+// rules another backend left in the pod. Capture holds throughout: both
+// sets redirect to the same ports until the old one goes.
+func (m *migrating) Apply(netnsPath string, cfg ruleset.PodConfig) error {
+	if err := m.primary.Apply(netnsPath, cfg); err != nil {
+		return err
+	}
+	return m.clear(netnsPath)
+}
+
+func (m *migrating) clear(netnsPath string) error {
+	var errs []error
+	for _, o := range m.others {
+		ok, err := o.present(netnsPath)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("look for %s rules: %w", o.name(), err))
+			continue
+		}
+		if !ok {
+			continue
+		}
+		if err := o.removeRules(netnsPath); err != nil {
+			errs = append(errs, fmt.Errorf("remove %s rules: %w", o.name(), err))
+			continue
+		}
+		m.log.Info("removed rules of another backend", "netns", netnsPath, "backend", o.name())
+	}
+	return errors.Join(errs...)
+}
+
+// Verify implements Rules: the active backend's drift, plus an extra item
+// per other backend whose rules are still in the pod.
+func (m *migrating) Verify(netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift, error) {
+	d, err := m.primary.Verify(netnsPath, cfg)
+	if err != nil {
+		return d, err
+	}
+	for _, o := range m.others {
+		ok, err := o.present(netnsPath)
+		if err != nil {
+			return d, fmt.Errorf("look for %s rules: %w", o.name(), err)
+		}
+		if ok {
+			d.Items = append(d.Items, o.drift())
+		}
+	}
+	return d, nil
+}
+
+// Remove implements Rules: every backend's rules and the policy routes.
+func (m *migrating) Remove(netnsPath string) error {
+	if err := m.primary.Remove(netnsPath); err != nil {
+		return err
+	}
+	return m.clear(netnsPath)
+}
+
+// nftRemnants is the nftables backend seen from iptables.
+type nftRemnants struct{ a *nftables.Applier }
+
+func (nftRemnants) name() string { return "nftables" }
+func (nftRemnants) present(netnsPath string) (bool, error) {
+	return nftables.HasTables(netnsPath, nftables.PodTables)
+}
+func (nftRemnants) drift() ruleset.DriftItem {
+	return ruleset.DriftItem{Kind: ruleset.DriftExtra, Object: "table", Table: "istio-ambient-* (nftables backend)"}
+}
+func (r nftRemnants) removeRules(netnsPath string) error { return r.a.RemoveRules(netnsPath) }
+
+// iptRemnants is an iptables flavour seen from the other backends.
+type iptRemnants struct {
+	a            *iptables.Applier
+	legacy       bool
+	legacyLoaded bool
+}
+
+func (r iptRemnants) name() string { return "iptables-" + string(r.a.Backend()) }
+
+// present: iptables-nft chains show in nf_tables (one netlink dump);
+// legacy ones only where the namespace has x_tables tables registered
+// (x_tables registers them per namespace on first use), and then
+// iptables-legacy-save tells.
+func (r iptRemnants) present(netnsPath string) (bool, error) {
+	if !r.legacy {
+		return nftables.HasChains(netnsPath, []string{iptables.ChainPrerouting, iptables.ChainOutput})
+	}
+	if !r.legacyLoaded {
+		return false, nil
+	}
+	tables, err := iptables.LegacyTables(netnsPath)
+	if err != nil || len(tables) == 0 {
+		return false, err
+	}
+	return r.a.HasRules(netnsPath)
+}
+
+func (r iptRemnants) drift() ruleset.DriftItem {
+	return ruleset.DriftItem{Kind: ruleset.DriftExtra, Object: "chain", Chain: "ISTIO_* (" + r.name() + " backend)"}
+}
+func (r iptRemnants) removeRules(netnsPath string) error { return r.a.RemoveRules(netnsPath) }
+
+// migratingHost is the active host probe plus removal of the others'.
+type migratingHost struct {
+	log *slog.Logger
+	HostProbe
+	others []HostProbe
+	mu     sync.Mutex
+	clean  bool // the others' leftovers are gone
+}
+
+// Ensure installs the active backend's probe SNAT, then, until that has
+// once succeeded, removes what another backend installed (its rules and
+// sets): the agent's resync of the probe set then fills the active one.
+func (m *migratingHost) Ensure() error {
+	if err := m.HostProbe.Ensure(); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.clean {
+		return nil
+	}
+	var errs []error
+	for _, o := range m.others {
+		errs = append(errs, o.Remove())
+	}
+	if err := errors.Join(errs...); err != nil {
+		m.log.Warn("could not remove another backend's host probe SNAT; retrying at the next resync", "err", err)
+		return nil
+	}
+	m.clean = true
+	return nil
+}
+
+// KeepHostProbe runs p.Ensure every interval until ctx ends: it puts back
+// what another tool removed and, with iptables, moves the SNAT jump back
+// to the top of POSTROUTING when a rule got above it.
+func KeepHostProbe(ctx context.Context, p HostProbe, every time.Duration, log *slog.Logger) {
+	t := time.NewTicker(every)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			if err := p.Ensure(); err != nil && log != nil {
+				log.Warn("host probe SNAT resync failed", "err", err)
+			}
+		}
+	}
+}
+
+// Remove removes every backend's probe SNAT.
+func (m *migratingHost) Remove() error {
+	errs := []error{m.HostProbe.Remove()}
+	for _, o := range m.others {
+		errs = append(errs, o.Remove())
+	}
+	return errors.Join(errs...)
+}
+
+func lookPath(bin string) (string, error) { return exec.LookPath(bin) }
