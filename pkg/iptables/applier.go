@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"hash/fnv"
 	"log/slog"
-	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -15,7 +14,6 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
 	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
-	"github.com/containernetworking/plugins/pkg/ns"
 	"golang.org/x/sys/unix"
 )
 
@@ -62,19 +60,6 @@ type TableOwner interface {
 	DeleteOwned(netnsPath string, tables []nftables.TableRef) (nftables.Created, error)
 }
 
-// NetlinkTableOwner implements TableOwner with pkg/nftables.
-type NetlinkTableOwner struct{}
-
-// CreateOwned implements TableOwner.
-func (NetlinkTableOwner) CreateOwned(netnsPath string, tables []nftables.TableRef, chains []nftables.BaseChain) (nftables.Created, error) {
-	return nftables.CreateOwned(netnsPath, tables, chains)
-}
-
-// DeleteOwned implements TableOwner.
-func (NetlinkTableOwner) DeleteOwned(netnsPath string, tables []nftables.TableRef) (nftables.Created, error) {
-	return nftables.DeleteOwned(netnsPath, tables)
-}
-
 // WithTableOwner replaces the nf_tables table side (tests use a fake).
 func WithTableOwner(t TableOwner) Option { return func(a *Applier) { a.tables = t } }
 
@@ -96,7 +81,7 @@ func NewApplier(log *slog.Logger, b Backend, opts ...Option) *Applier {
 		backend:  b,
 		exec:     NetnsExecutor{},
 		router:   NetlinkRouter{},
-		tables:   NetlinkTableOwner{},
+		tables:   &nftables.Owner{},
 		sets:     NetlinkIPSets{},
 		lockWait: 10 * time.Second,
 		timeout:  60 * time.Second,
@@ -105,6 +90,15 @@ func NewApplier(log *slog.Logger, b Backend, opts ...Option) *Applier {
 		o(a)
 	}
 	return a
+}
+
+// Close waits for netlink connections the Applier closes in the
+// background (see nftables.Owner).
+func (a *Applier) Close() error {
+	if c, ok := a.tables.(interface{ Close() error }); ok {
+		return c.Close()
+	}
+	return nil
 }
 
 // Backend returns the backend the Applier drives.
@@ -538,31 +532,6 @@ func (a *Applier) HasRules(netnsPath string) (bool, error) {
 		return nil
 	})
 	return slices.Contains(found, true), err
-}
-
-// LegacyTables lists the x_tables (iptables-legacy) tables registered in
-// the namespace, both families; x_tables registers a table in a namespace
-// on first use, so a namespace legacy iptables never touched has none.
-// Read from /proc/thread-self/net inside the namespace.
-func LegacyTables(netnsPath string) ([]string, error) {
-	var out []string
-	read := func() error {
-		for _, p := range []string{"/proc/thread-self/net/ip_tables_names", "/proc/thread-self/net/ip6_tables_names"} {
-			b, err := os.ReadFile(p)
-			if errors.Is(err, os.ErrNotExist) {
-				continue
-			}
-			if err != nil {
-				return err
-			}
-			out = append(out, strings.Fields(string(b))...)
-		}
-		return nil
-	}
-	if err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error { return read() }); err != nil {
-		return nil, fmt.Errorf("read x_tables tables of netns %s: %w", netnsPath, err)
-	}
-	return out, nil
 }
 
 // removeFamily removes our rules of family f; routing too when routes is set.

@@ -23,10 +23,9 @@ import (
 // open (set updates delete elements; see Applier), closed by Remove or
 // Close. Safe for concurrent use.
 type HostProbe struct {
-	log    *slog.Logger
-	netns  string
-	cfg    ruleset.HostProbeConfig
-	router policyroute.Router
+	log   *slog.Logger
+	netns string
+	cfg   ruleset.HostProbeConfig
 
 	mu sync.Mutex
 	c  conn // lazily dialled; zero when closed
@@ -34,12 +33,11 @@ type HostProbe struct {
 
 // NewHostProbe returns a HostProbe for the namespace at netnsPath ("" = the
 // caller's).
-func NewHostProbe(log *slog.Logger, netnsPath string, cfg ruleset.HostProbeConfig, opts ...Option) *HostProbe {
+func NewHostProbe(log *slog.Logger, netnsPath string, cfg ruleset.HostProbeConfig) *HostProbe {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	o := apply(opts)
-	return &HostProbe{log: log.With("component", "nftables", "part", "host-probe"), netns: netnsPath, cfg: cfg, router: o.router}
+	return &HostProbe{log: log.With("component", "nftables", "part", "host-probe"), netns: netnsPath, cfg: cfg}
 }
 
 // conn returns the lasting connection, dialling it first. h.mu held.
@@ -73,7 +71,7 @@ func (h *HostProbe) Close() error {
 }
 
 func (h *HostProbe) families() ([]ruleset.Family, error) {
-	st, err := h.router.State(h.netns)
+	st, err := policyroute.Netlink{}.State(h.netns)
 	if err != nil {
 		return nil, err
 	}
@@ -108,7 +106,7 @@ func (h *HostProbe) Ensure() error {
 	if err != nil {
 		return err
 	}
-	live, err := readLive(c, []string{TableHost}, true)
+	live, _, err := readLive(c, []string{TableHost}, true)
 	if err != nil {
 		h.drop()
 		return fmt.Errorf("read host nf_tables state: %w", err)
@@ -199,7 +197,7 @@ func (h *HostProbe) IPs() ([]netip.Addr, error) {
 	if err != nil {
 		return nil, err
 	}
-	live, err := readLive(c, []string{TableHost}, true)
+	live, _, err := readLive(c, []string{TableHost}, true)
 	if err != nil {
 		h.drop()
 		return nil, err
@@ -240,7 +238,7 @@ func (h *HostProbe) Verify() (ruleset.Drift, error) {
 	if err != nil {
 		return ruleset.Drift{}, err
 	}
-	live, err := readLive(c, []string{TableHost}, true)
+	live, _, err := readLive(c, []string{TableHost}, true)
 	if err != nil {
 		h.drop()
 		return ruleset.Drift{}, err

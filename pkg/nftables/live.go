@@ -54,25 +54,30 @@ func (t *liveTable) chain(name string) *liveChain {
 	return nil
 }
 
-// readLive reads the tables named in names that exist, with their chains,
-// rules and sets. A missing table is absent from the map.
-func readLive(c conn, names []string, withSets bool) (map[string]*liveTable, error) {
-	tables, err := c.ListTablesOfFamily(gnft.TableFamilyINet)
+// readLive reads the inet tables named in names that exist, with their
+// chains, rules and sets; a missing table is absent from the map. foreign
+// tells whether any ip or ip6 table exists (where iptables-nft keeps its
+// rules).
+func readLive(c conn, names []string, withSets bool) (live map[string]*liveTable, foreign bool, err error) {
+	tables, err := c.ListTablesOfFamily(gnft.TableFamilyUnspecified)
 	if err != nil {
-		return nil, fmt.Errorf("list nf_tables tables: %w", err)
+		return nil, false, fmt.Errorf("list nf_tables tables: %w", err)
 	}
-	live := map[string]*liveTable{}
+	live = map[string]*liveTable{}
 	for _, t := range tables {
-		if slices.Contains(names, t.Name) {
+		switch {
+		case t.Family == gnft.TableFamilyIPv4 || t.Family == gnft.TableFamilyIPv6:
+			foreign = true
+		case t.Family == gnft.TableFamilyINet && slices.Contains(names, t.Name):
 			live[t.Name] = &liveTable{}
 		}
 	}
 	if len(live) == 0 {
-		return live, nil
+		return live, foreign, nil
 	}
 	chains, err := c.ListChainsOfTableFamily(gnft.TableFamilyINet)
 	if err != nil {
-		return nil, fmt.Errorf("list nf_tables chains: %w", err)
+		return nil, false, fmt.Errorf("list nf_tables chains: %w", err)
 	}
 	for _, ch := range chains {
 		lt := live[ch.Table.Name]
@@ -81,7 +86,7 @@ func readLive(c conn, names []string, withSets bool) (map[string]*liveTable, err
 		}
 		rules, err := c.GetRules(ch.Table, ch)
 		if err != nil {
-			return nil, fmt.Errorf("list rules of %s %s: %w", ch.Table.Name, ch.Name, err)
+			return nil, false, fmt.Errorf("list rules of %s %s: %w", ch.Table.Name, ch.Name, err)
 		}
 		lt.chains = append(lt.chains, &liveChain{c: ch, rules: rules})
 	}
@@ -89,12 +94,12 @@ func readLive(c conn, names []string, withSets bool) (map[string]*liveTable, err
 		for name, lt := range live {
 			sets, err := c.GetSets(&gnft.Table{Name: name, Family: gnft.TableFamilyINet})
 			if err != nil {
-				return nil, fmt.Errorf("list sets of %s: %w", name, err)
+				return nil, false, fmt.Errorf("list sets of %s: %w", name, err)
 			}
 			lt.sets = sets
 		}
 	}
-	return live, nil
+	return live, foreign, nil
 }
 
 // sameSpec reports whether a live chain is the base chain we want.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 
 	gnft "github.com/google/nftables"
 	"github.com/mdlayher/netlink"
@@ -214,6 +215,34 @@ func tablesByFamily(c *netlink.Conn, refs []TableRef) (map[TableRef]tableInfo, e
 // stays. It returns what it deleted; what it keeps because it is not ours
 // or not empty is no error.
 func DeleteOwned(netnsPath string, tables []TableRef) (Created, error) {
+	return deleteOwned(netnsPath, tables, func(c *netlink.Conn) { _ = c.Close() })
+}
+
+// Owner runs CreateOwned and DeleteOwned for a long-lived caller: a
+// connection whose batch deleted something is closed in the background,
+// since closing it waits for the kernel to finish the deletion (10-25 ms).
+// Close waits for those.
+type Owner struct {
+	closing sync.WaitGroup
+}
+
+// CreateOwned is the package's CreateOwned.
+func (o *Owner) CreateOwned(netnsPath string, tables []TableRef, chains []BaseChain) (Created, error) {
+	return CreateOwned(netnsPath, tables, chains)
+}
+
+// DeleteOwned is the package's DeleteOwned, closing in the background.
+func (o *Owner) DeleteOwned(netnsPath string, tables []TableRef) (Created, error) {
+	return deleteOwned(netnsPath, tables, func(c *netlink.Conn) { o.closing.Go(func() { _ = c.Close() }) })
+}
+
+// Close waits for background closes.
+func (o *Owner) Close() error {
+	o.closing.Wait()
+	return nil
+}
+
+func deleteOwned(netnsPath string, tables []TableRef, closeConn func(*netlink.Conn)) (Created, error) {
 	var deleted Created
 	if len(tables) == 0 {
 		return deleted, nil
@@ -227,7 +256,7 @@ func DeleteOwned(netnsPath string, tables []TableRef) (Created, error) {
 	if err != nil {
 		return deleted, err
 	}
-	defer c.Close()
+	defer closeConn(c)
 	have, err := tablesByFamily(c, tables)
 	if err != nil {
 		return deleted, err

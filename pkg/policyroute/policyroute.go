@@ -15,7 +15,6 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 )
 
@@ -50,6 +49,10 @@ type NetnsState struct {
 	// the IPv6 policy route. Redirected IPv6 then fails closed (it cannot
 	// reach ztunnel over lo) instead of leaving uncaptured.
 	IPv6Loopback bool
+	// XTables lists the x_tables (iptables-legacy) tables registered in
+	// the namespace; x_tables registers one on first use, so a namespace
+	// legacy iptables never touched has none.
+	XTables []string
 }
 
 // Parts names parts of a policy route: the ip rule, the local route.
@@ -61,75 +64,102 @@ func (p Parts) Any() bool { return p.Rule || p.Route }
 // All names both parts.
 var All = Parts{Rule: true, Route: true}
 
-// Netlink implements Router: routes and rules through netlink sockets
-// opened inside the target namespace; State reads the namespace's sysctls
-// and links from a thread that enters it for the read.
-type Netlink struct{}
-
-// handle opens a netlink handle in the namespace ("" = current).
-func handle(netnsPath string) (*netlink.Handle, error) {
-	if netnsPath == "" {
-		return netlink.NewHandle()
-	}
-	nsh, err := netns.GetFromPath(netnsPath)
-	if err != nil {
-		return nil, fmt.Errorf("open netns %s: %w", netnsPath, err)
-	}
-	defer nsh.Close()
-	h, err := netlink.NewHandleAt(nsh)
-	if err != nil {
-		return nil, fmt.Errorf("netlink in netns %s: %w", netnsPath, err)
-	}
-	return h, nil
+// Conn is the policy-route side of one namespace: a NETLINK_ROUTE socket
+// opened inside it, usable from any thread, and the namespace's state read
+// at the same time. Open enters the namespace once; everything after runs
+// on the socket.
+type Conn struct {
+	h     *netlink.Handle
+	lo    int
+	State NetnsState
 }
 
-// State implements Router. net sysctls and links resolve against the
-// reading thread's namespace, so both are read from inside it.
-func (Netlink) State(netnsPath string) (NetnsState, error) {
-	var st NetnsState
-	read := func() error {
-		lo, err := net.InterfaceByName("lo")
-		if err != nil {
-			return fmt.Errorf("find lo: %w", err)
-		}
-		st.LoopbackUp = lo.Flags&net.FlagUp != 0
-		const dir = "/proc/sys/net/ipv6/conf"
-		entries, err := os.ReadDir(dir)
-		if errors.Is(err, os.ErrNotExist) {
-			return nil // kernel without IPv6
-		}
-		if err != nil {
+// Open enters the namespace at netnsPath ("" = the caller's) once: reads
+// its state, opens the route socket, and runs also (if not nil) there, so
+// a caller can open its own sockets in the same switch. The caller closes
+// the Conn.
+func Open(netnsPath string, also func() error) (*Conn, error) {
+	c := &Conn{}
+	inside := func() error {
+		var err error
+		if c.State, err = readSysctls(); err != nil {
 			return err
 		}
-		for _, e := range entries {
-			name := e.Name()
-			if name == "default" {
-				continue // the template for interfaces yet to come
-			}
-			b, err := os.ReadFile(dir + "/" + name + "/disable_ipv6")
-			if errors.Is(err, os.ErrNotExist) {
-				continue // interface gone meanwhile
-			}
-			if err != nil {
-				return err
-			}
-			on := strings.TrimSpace(string(b)) == "0"
-			if name == "lo" {
-				st.IPv6Loopback = on
-			} else if on {
-				st.IPv6 = true
-			}
+		if c.h, err = netlink.NewHandle(unix.NETLINK_ROUTE); err != nil {
+			return fmt.Errorf("netlink: %w", err)
+		}
+		if also != nil {
+			return also()
 		}
 		return nil
 	}
 	var err error
 	if netnsPath == "" {
-		err = read()
+		err = inside()
 	} else {
-		err = ns.WithNetNSPath(netnsPath, func(ns.NetNS) error { return read() })
+		err = ns.WithNetNSPath(netnsPath, func(ns.NetNS) error { return inside() })
+	}
+	if err == nil {
+		var lo netlink.Link
+		if lo, err = c.h.LinkByName("lo"); err == nil {
+			c.lo = lo.Attrs().Index
+			c.State.LoopbackUp = lo.Attrs().Flags&net.FlagUp != 0
+		} else {
+			err = fmt.Errorf("find lo: %w", err)
+		}
 	}
 	if err != nil {
-		return NetnsState{}, fmt.Errorf("read state of netns %s: %w", netnsPath, err)
+		c.Close()
+		return nil, fmt.Errorf("netns %s: %w", netnsPath, err)
+	}
+	return c, nil
+}
+
+// Close closes the route socket.
+func (c *Conn) Close() {
+	if c.h != nil {
+		c.h.Close()
+		c.h = nil
+	}
+}
+
+// readSysctls reads the IPv6 and x_tables state of the calling thread's
+// namespace (net sysctls and /proc/thread-self/net resolve against it).
+func readSysctls() (NetnsState, error) {
+	var st NetnsState
+	for _, p := range []string{"/proc/thread-self/net/ip_tables_names", "/proc/thread-self/net/ip6_tables_names"} {
+		b, err := os.ReadFile(p)
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			return st, err
+		}
+		st.XTables = append(st.XTables, strings.Fields(string(b))...)
+	}
+	const dir = "/proc/sys/net/ipv6/conf"
+	entries, err := os.ReadDir(dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return st, nil // kernel without IPv6
+	}
+	if err != nil {
+		return st, err
+	}
+	for _, e := range entries {
+		name := e.Name()
+		if name == "default" {
+			continue // the template for interfaces yet to come
+		}
+		b, err := os.ReadFile(dir + "/" + name + "/disable_ipv6")
+		if errors.Is(err, os.ErrNotExist) {
+			continue // interface gone meanwhile
+		}
+		if err != nil {
+			return st, err
+		}
+		on := strings.TrimSpace(string(b)) == "0"
+		if name == "lo" {
+			st.IPv6Loopback = on
+		} else if on {
+			st.IPv6 = true
+		}
 	}
 	return st, nil
 }
@@ -154,25 +184,22 @@ func IPRule(p ruleset.PolicyRoute, f ruleset.Family) *netlink.Rule {
 }
 
 func localRoute(p ruleset.PolicyRoute, lo int) *netlink.Route {
+	f := ruleset.IPv4
+	if p.Local.Addr().Is6() {
+		f = ruleset.IPv6
+	}
 	return &netlink.Route{
 		LinkIndex: lo,
 		Dst:       &net.IPNet{IP: p.Local.Addr().AsSlice(), Mask: net.CIDRMask(p.Local.Bits(), p.Local.Addr().BitLen())},
 		Table:     p.Table,
 		Type:      unix.RTN_LOCAL,
 		Scope:     netlink.SCOPE_HOST,
-		Family:    nlFamily(familyOf(p)),
+		Family:    nlFamily(f),
 	}
 }
 
-func familyOf(p ruleset.PolicyRoute) ruleset.Family {
-	if p.Local.Addr().Is6() {
-		return ruleset.IPv6
-	}
-	return ruleset.IPv4
-}
-
-func findRule(h *netlink.Handle, f ruleset.Family, want ruleset.PolicyRoute) (bool, error) {
-	rules, err := h.RuleList(nlFamily(f))
+func (c *Conn) findRule(f ruleset.Family, want ruleset.PolicyRoute) (bool, error) {
+	rules, err := c.h.RuleList(nlFamily(f))
 	if err != nil {
 		return false, fmt.Errorf("list %s rules: %w", f, err)
 	}
@@ -185,74 +212,52 @@ func findRule(h *netlink.Handle, f ruleset.Family, want ruleset.PolicyRoute) (bo
 	return false, nil
 }
 
-func findRoute(h *netlink.Handle, f ruleset.Family, want ruleset.PolicyRoute) (bool, int, error) {
-	lo, err := h.LinkByName("lo")
+func (c *Conn) findRoute(f ruleset.Family, want ruleset.PolicyRoute) (bool, error) {
+	routes, err := c.h.RouteListFiltered(nlFamily(f), &netlink.Route{Table: want.Table}, netlink.RT_FILTER_TABLE)
 	if err != nil {
-		return false, 0, fmt.Errorf("find lo: %w", err)
-	}
-	routes, err := h.RouteListFiltered(nlFamily(f), &netlink.Route{Table: want.Table}, netlink.RT_FILTER_TABLE)
-	if err != nil {
-		return false, 0, fmt.Errorf("list %s routes in table %d: %w", f, want.Table, err)
+		return false, fmt.Errorf("list %s routes in table %d: %w", f, want.Table, err)
 	}
 	for _, r := range routes {
 		ones := 0
 		if r.Dst != nil {
 			ones, _ = r.Dst.Mask.Size()
 		}
-		if r.Type == unix.RTN_LOCAL && ones == want.Local.Bits() && r.LinkIndex == lo.Attrs().Index {
-			return true, lo.Attrs().Index, nil
+		if r.Type == unix.RTN_LOCAL && ones == want.Local.Bits() && r.LinkIndex == c.lo {
+			return true, nil
 		}
 	}
-	return false, lo.Attrs().Index, nil
+	return false, nil
 }
 
-// PolicyRouteState implements Router.
-func (Netlink) PolicyRouteState(netnsPath string, f ruleset.Family, want ruleset.PolicyRoute) (bool, bool, error) {
-	h, err := handle(netnsPath)
-	if err != nil {
+// PolicyRouteState reports whether the rule and the route of want exist.
+func (c *Conn) PolicyRouteState(f ruleset.Family, want ruleset.PolicyRoute) (rule, route bool, err error) {
+	if rule, err = c.findRule(f, want); err != nil {
 		return false, false, err
 	}
-	defer h.Close()
-	rule, err := findRule(h, f, want)
-	if err != nil {
-		return false, false, err
-	}
-	route, _, err := findRoute(h, f, want)
+	route, err = c.findRoute(f, want)
 	return rule, route, err
 }
 
-// EnsurePolicyRoute implements Router.
-func (Netlink) EnsurePolicyRoute(netnsPath string, f ruleset.Family, want ruleset.PolicyRoute) (Parts, error) {
-	h, err := handle(netnsPath)
-	if err != nil {
-		return Parts{}, err
-	}
-	defer h.Close()
+// EnsurePolicyRoute installs the rule and route if missing and reports what
+// it added. On error it has added nothing. Both are added with NLM_F_EXCL,
+// so one that exists answers EEXIST: two requests, no listing.
+func (c *Conn) EnsurePolicyRoute(f ruleset.Family, want ruleset.PolicyRoute) (Parts, error) {
 	var added Parts
-	route, lo, err := findRoute(h, f, want)
-	if err != nil {
-		return added, err
-	}
 	// Route before rule: the rule must never point at an empty table.
-	if !route {
-		if err := h.RouteAdd(localRoute(want, lo)); err != nil && !errors.Is(err, unix.EEXIST) {
-			return added, fmt.Errorf("add route local %s dev lo table %d: %w", want.Local, want.Table, err)
-		} else if err == nil {
-			added.Route = true
-		}
+	switch err := c.h.RouteAdd(localRoute(want, c.lo)); {
+	case err == nil:
+		added.Route = true
+	case !errors.Is(err, unix.EEXIST):
+		return added, fmt.Errorf("add route local %s dev lo table %d: %w", want.Local, want.Table, err)
 	}
-	rule, err := findRule(h, f, want)
-	if err == nil && !rule {
-		if err = h.RuleAdd(IPRule(want, f)); err != nil && !errors.Is(err, unix.EEXIST) {
-			err = fmt.Errorf("add %s rule fwmark %#x/%#x lookup %d: %w", f, want.Mark, want.Mask, want.Table, err)
-		} else {
-			added.Rule, err = err == nil, nil
-		}
-	}
-	if err != nil {
+	switch err := c.h.RuleAdd(IPRule(want, f)); {
+	case err == nil:
+		added.Rule = true
+	case !errors.Is(err, unix.EEXIST):
+		err = fmt.Errorf("add %s rule fwmark %#x/%#x lookup %d: %w", f, want.Mark, want.Mask, want.Table, err)
 		// Leave nothing behind: the caller treats a failure as no change.
 		if added.Route {
-			if derr := deleteRoute(h, want, lo); derr != nil {
+			if derr := c.deleteRoute(want); derr != nil {
 				err = errors.Join(err, derr)
 			}
 		}
@@ -261,41 +266,79 @@ func (Netlink) EnsurePolicyRoute(netnsPath string, f ruleset.Family, want rulese
 	return added, nil
 }
 
-// RemovePolicyRoute implements Router.
-func (Netlink) RemovePolicyRoute(netnsPath string, f ruleset.Family, want ruleset.PolicyRoute, parts Parts) error {
-	h, err := handle(netnsPath)
-	if err != nil {
-		return err
-	}
-	defer h.Close()
+// RemovePolicyRoute deletes the named parts if present.
+func (c *Conn) RemovePolicyRoute(f ruleset.Family, want ruleset.PolicyRoute, parts Parts) error {
 	if parts.Rule {
-		rule, err := findRule(h, f, want)
+		rule, err := c.findRule(f, want)
 		if err != nil {
 			return err
 		}
 		if rule {
-			if err := h.RuleDel(IPRule(want, f)); err != nil && !errors.Is(err, unix.ENOENT) {
+			if err := c.h.RuleDel(IPRule(want, f)); err != nil && !errors.Is(err, unix.ENOENT) {
 				return fmt.Errorf("delete %s rule fwmark %#x/%#x lookup %d: %w", f, want.Mark, want.Mask, want.Table, err)
 			}
 		}
 	}
 	if parts.Route {
-		route, lo, err := findRoute(h, f, want)
+		route, err := c.findRoute(f, want)
 		if err != nil {
 			return err
 		}
 		if route {
-			return deleteRoute(h, want, lo)
+			return c.deleteRoute(want)
 		}
 	}
 	return nil
 }
 
-func deleteRoute(h *netlink.Handle, want ruleset.PolicyRoute, lo int) error {
-	if err := h.RouteDel(localRoute(want, lo)); err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENOENT) {
+func (c *Conn) deleteRoute(want ruleset.PolicyRoute) error {
+	if err := c.h.RouteDel(localRoute(want, c.lo)); err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENOENT) {
 		return fmt.Errorf("delete route local %s dev lo table %d: %w", want.Local, want.Table, err)
 	}
 	return nil
+}
+
+// Netlink implements Router over a Conn per call.
+type Netlink struct{}
+
+// State implements Router.
+func (Netlink) State(netnsPath string) (NetnsState, error) {
+	c, err := Open(netnsPath, nil)
+	if err != nil {
+		return NetnsState{}, err
+	}
+	defer c.Close()
+	return c.State, nil
+}
+
+// PolicyRouteState implements Router.
+func (Netlink) PolicyRouteState(netnsPath string, f ruleset.Family, want ruleset.PolicyRoute) (bool, bool, error) {
+	c, err := Open(netnsPath, nil)
+	if err != nil {
+		return false, false, err
+	}
+	defer c.Close()
+	return c.PolicyRouteState(f, want)
+}
+
+// EnsurePolicyRoute implements Router.
+func (Netlink) EnsurePolicyRoute(netnsPath string, f ruleset.Family, want ruleset.PolicyRoute) (Parts, error) {
+	c, err := Open(netnsPath, nil)
+	if err != nil {
+		return Parts{}, err
+	}
+	defer c.Close()
+	return c.EnsurePolicyRoute(f, want)
+}
+
+// RemovePolicyRoute implements Router.
+func (Netlink) RemovePolicyRoute(netnsPath string, f ruleset.Family, want ruleset.PolicyRoute, parts Parts) error {
+	c, err := Open(netnsPath, nil)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	return c.RemovePolicyRoute(f, want, parts)
 }
 
 // Drift reports a missing ip rule or route of p in family f.

@@ -21,6 +21,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
+	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"golang.org/x/sys/unix"
 )
@@ -214,6 +215,9 @@ func ProbeNFTables() error {
 // remnants is the other backend as the active one sees it.
 type remnants interface {
 	name() string
+	// possible reports whether, by what the nftables backend saw at no
+	// cost, the namespace may hold this backend's rules.
+	possible(seen nftables.Others) bool
 	// present reports whether the namespace holds the other backend's
 	// rules.
 	present(netnsPath string) (bool, error)
@@ -233,19 +237,40 @@ type migrating struct {
 	others []remnants
 }
 
+// seer is a backend that reports what it saw of the others (nftables:
+// from the namespace state and table list it reads anyway), so that the
+// costlier checks run only where something may be left.
+type seer interface {
+	ApplySeeing(netnsPath string, cfg ruleset.PodConfig) (nftables.Others, error)
+	VerifySeeing(netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift, nftables.Others, error)
+	RemoveSeeing(netnsPath string) (nftables.Others, error)
+}
+
+// everything stands in for what a backend that does not report saw.
+var everything = nftables.Others{IPTablesNFT: true, XTables: true}
+
 // Apply implements Rules: the active backend's apply, then removal of
 // rules another backend left in the pod. Capture holds throughout: both
 // sets redirect to the same ports until the old one goes.
 func (m *migrating) Apply(netnsPath string, cfg ruleset.PodConfig) error {
-	if err := m.primary.Apply(netnsPath, cfg); err != nil {
+	seen := everything
+	if s, ok := m.primary.(seer); ok {
+		var err error
+		if seen, err = s.ApplySeeing(netnsPath, cfg); err != nil {
+			return err
+		}
+	} else if err := m.primary.Apply(netnsPath, cfg); err != nil {
 		return err
 	}
-	return m.clear(netnsPath)
+	return m.clear(netnsPath, seen)
 }
 
-func (m *migrating) clear(netnsPath string) error {
+func (m *migrating) clear(netnsPath string, seen nftables.Others) error {
 	var errs []error
 	for _, o := range m.others {
+		if !o.possible(seen) {
+			continue
+		}
 		ok, err := o.present(netnsPath)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("look for %s rules: %w", o.name(), err))
@@ -266,11 +291,21 @@ func (m *migrating) clear(netnsPath string) error {
 // Verify implements Rules: the active backend's drift, plus an extra item
 // per other backend whose rules are still in the pod.
 func (m *migrating) Verify(netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift, error) {
-	d, err := m.primary.Verify(netnsPath, cfg)
+	seen := everything
+	var d ruleset.Drift
+	var err error
+	if s, ok := m.primary.(seer); ok {
+		d, seen, err = s.VerifySeeing(netnsPath, cfg)
+	} else {
+		d, err = m.primary.Verify(netnsPath, cfg)
+	}
 	if err != nil {
 		return d, err
 	}
 	for _, o := range m.others {
+		if !o.possible(seen) {
+			continue
+		}
 		ok, err := o.present(netnsPath)
 		if err != nil {
 			return d, fmt.Errorf("look for %s rules: %w", o.name(), err)
@@ -284,16 +319,23 @@ func (m *migrating) Verify(netnsPath string, cfg ruleset.PodConfig) (ruleset.Dri
 
 // Remove implements Rules: every backend's rules and the policy routes.
 func (m *migrating) Remove(netnsPath string) error {
-	if err := m.primary.Remove(netnsPath); err != nil {
+	seen := everything
+	if s, ok := m.primary.(seer); ok {
+		var err error
+		if seen, err = s.RemoveSeeing(netnsPath); err != nil {
+			return err
+		}
+	} else if err := m.primary.Remove(netnsPath); err != nil {
 		return err
 	}
-	return m.clear(netnsPath)
+	return m.clear(netnsPath, seen)
 }
 
 // nftRemnants is the nftables backend seen from iptables.
 type nftRemnants struct{ a *nftables.Applier }
 
-func (nftRemnants) name() string { return "nftables" }
+func (nftRemnants) name() string                       { return "nftables" }
+func (nftRemnants) possible(seen nftables.Others) bool { return true }
 func (nftRemnants) present(netnsPath string) (bool, error) {
 	return nftables.HasTables(netnsPath, nftables.PodTables)
 }
@@ -311,6 +353,13 @@ type iptRemnants struct {
 
 func (r iptRemnants) name() string { return "iptables-" + string(r.a.Backend()) }
 
+func (r iptRemnants) possible(seen nftables.Others) bool {
+	if r.legacy {
+		return r.legacyLoaded && seen.XTables
+	}
+	return seen.IPTablesNFT
+}
+
 // present: iptables-nft chains show in nf_tables (one netlink dump);
 // legacy ones only where the namespace has x_tables tables registered
 // (x_tables registers them per namespace on first use), and then
@@ -322,8 +371,8 @@ func (r iptRemnants) present(netnsPath string) (bool, error) {
 	if !r.legacyLoaded {
 		return false, nil
 	}
-	tables, err := iptables.LegacyTables(netnsPath)
-	if err != nil || len(tables) == 0 {
+	st, err := policyroute.Netlink{}.State(netnsPath)
+	if err != nil || len(st.XTables) == 0 {
 		return false, err
 	}
 	return r.a.HasRules(netnsPath)
