@@ -11,9 +11,9 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/containernetworking/plugins/pkg/ns"
 	gnft "github.com/google/nftables"
 	"github.com/google/nftables/expr"
-	"github.com/containernetworking/plugins/pkg/ns"
 
 	dt "github.com/ambient-cni/ambient-cni/internal/dataplanetest"
 	"github.com/ambient-cni/ambient-cni/internal/testnet"
