@@ -278,7 +278,13 @@ func (h *HostProbe) Verify() (Drift, error) {
 // leaving the namespace as before Ensure. With the nft backend a nat table
 // that Ensure created is deleted too once empty (never one that was there
 // before, see Applier.dropOwnedTables). Idempotent.
-func (h *HostProbe) Remove() error {
+func (h *HostProbe) Remove() error { return h.remove(true) }
+
+// RemoveRules deletes the rule and its chain but keeps the sets, which
+// iptables of the other flavour uses too (ipsets are one per namespace).
+func (h *HostProbe) RemoveRules() error { return h.remove(false) }
+
+func (h *HostProbe) remove(sets bool) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	v6, err := h.a.router.State(h.netns)
@@ -300,6 +306,9 @@ func (h *HostProbe) Remove() error {
 				return err
 			}
 			h.a.dropOwnedTables(h.netns, f, touchedTables(plan))
+		}
+		if !sets {
+			continue
 		}
 		// The rule is gone, so the kernel lets the set go.
 		if err := h.a.sets.DestroySet(h.netns, ProbeSet(f)); err != nil {

@@ -246,6 +246,9 @@ func (h *HostProbe) Verify() (ruleset.Drift, error) {
 	return ruleset.Drift{Items: diff(p, live, []string{TableHost})}, nil
 }
 
+// RemoveRules is Remove: the sets live in the table.
+func (h *HostProbe) RemoveRules() error { return h.Remove() }
+
 // Remove deletes the table with its sets and chain, leaving the namespace
 // as before Ensure, and closes the connection. Idempotent.
 func (h *HostProbe) Remove() error {

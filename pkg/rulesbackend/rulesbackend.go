@@ -148,10 +148,10 @@ func New(cfg Config) (*Backend, error) {
 
 	if choice == NFTables {
 		var others []remnants
-		var hostOthers []HostProbe
+		var hostOthers []otherHost
 		for i, a := range ipt {
 			others = append(others, iptRemnants{a: a, legacy: a.Backend() == iptables.BackendLegacy, legacyLoaded: legacyLoaded})
-			hostOthers = append(hostOthers, iptHosts[i])
+			hostOthers = append(hostOthers, otherHost{p: iptHosts[i]})
 		}
 		return &Backend{Name: "nftables",
 			Rules: &migrating{log: log, primary: nft, others: others},
@@ -159,10 +159,10 @@ func New(cfg Config) (*Backend, error) {
 	}
 	primary := ipt[0]
 	others := []remnants{nftRemnants{nft}}
-	hostOthers := []HostProbe{nftHost}
+	hostOthers := []otherHost{{p: nftHost}}
 	for i, a := range ipt[1:] {
 		others = append(others, iptRemnants{a: a, legacy: a.Backend() == iptables.BackendLegacy, legacyLoaded: legacyLoaded})
-		hostOthers = append(hostOthers, iptHosts[i+1])
+		hostOthers = append(hostOthers, otherHost{p: iptHosts[i+1], sharesSets: true})
 	}
 	return &Backend{Name: "iptables-" + string(primary.Backend()),
 		Rules: &migrating{log: log, primary: primary, others: others},
@@ -383,18 +383,29 @@ func (r iptRemnants) drift() ruleset.DriftItem {
 }
 func (r iptRemnants) removeRules(netnsPath string) error { return r.a.RemoveRules(netnsPath) }
 
+// otherHost is another backend's host probe SNAT as the active one sees
+// it. sharesSets: both are iptables flavours, which use the same ipsets.
+type otherHost struct {
+	p interface {
+		Remove() error
+		RemoveRules() error
+	}
+	sharesSets bool
+}
+
 // migratingHost is the active host probe plus removal of the others'.
 type migratingHost struct {
 	log *slog.Logger
 	HostProbe
-	others []HostProbe
+	others []otherHost
 	mu     sync.Mutex
 	clean  bool // the others' leftovers are gone
 }
 
 // Ensure installs the active backend's probe SNAT, then, until that has
-// once succeeded, removes what another backend installed (its rules and
-// sets): the agent's resync of the probe set then fills the active one.
+// once succeeded, removes what another backend installed (its rules, and
+// its sets unless the active backend uses them too): the agent's resync of
+// the probe set then fills the active one.
 func (m *migratingHost) Ensure() error {
 	if err := m.HostProbe.Ensure(); err != nil {
 		return err
@@ -406,7 +417,11 @@ func (m *migratingHost) Ensure() error {
 	}
 	var errs []error
 	for _, o := range m.others {
-		errs = append(errs, o.Remove())
+		if o.sharesSets {
+			errs = append(errs, o.p.RemoveRules())
+		} else {
+			errs = append(errs, o.p.Remove())
+		}
 	}
 	if err := errors.Join(errs...); err != nil {
 		m.log.Warn("could not remove another backend's host probe SNAT; retrying at the next resync", "err", err)
@@ -414,6 +429,20 @@ func (m *migratingHost) Ensure() error {
 	}
 	m.clean = true
 	return nil
+}
+
+// Remove removes every backend's probe SNAT: all rules first, since a set
+// cannot go while a rule uses it, then the sets.
+func (m *migratingHost) Remove() error {
+	var errs []error
+	for _, o := range m.others {
+		errs = append(errs, o.p.RemoveRules())
+	}
+	errs = append(errs, m.HostProbe.Remove())
+	for _, o := range m.others {
+		errs = append(errs, o.p.Remove())
+	}
+	return errors.Join(errs...)
 }
 
 // KeepHostProbe runs p.Ensure every interval until ctx ends: it puts back
@@ -432,15 +461,6 @@ func KeepHostProbe(ctx context.Context, p HostProbe, every time.Duration, log *s
 			}
 		}
 	}
-}
-
-// Remove removes every backend's probe SNAT.
-func (m *migratingHost) Remove() error {
-	errs := []error{m.HostProbe.Remove()}
-	for _, o := range m.others {
-		errs = append(errs, o.Remove())
-	}
-	return errors.Join(errs...)
 }
 
 func lookPath(bin string) (string, error) { return exec.LookPath(bin) }
