@@ -6,13 +6,13 @@ import (
 )
 
 func TestPodConfigValidate(t *testing.T) {
-	good := []PodConfig{{}, {ProbeSNATv4: netip.MustParseAddr("10.0.0.1"), ProbeSNATv6: netip.MustParseAddr("fd00::1")}}
+	good := []PodConfig{{}, {ProbeSNATv4: netip.MustParseAddr("10.0.0.1"), ProbeSNATv6: netip.MustParseAddr("fd00::1")},
+		{VirtualInterfaces: []string{"k6t-eth0", "tap+", "a", "abcdefghijklmn+", "net1.100", "x@y"}}}
 	for _, c := range good {
 		if err := c.Validate(); err != nil {
 			t.Errorf("%+v rejected: %v", c, err)
 		}
 	}
-	good = append(good, PodConfig{VirtualInterfaces: []string{"k6t-eth0", "tap+", "a", "abcdefghijklmn+", "net1.100", "x@y"}})
 	bad := []PodConfig{
 		{VirtualInterfaces: []string{""}},
 		{VirtualInterfaces: []string{"+"}},
