@@ -143,7 +143,7 @@ func TestRestartRepairsRuleRemovedWhileDown(t *testing.T) {
 		t.Fatalf("delete a rule by hand: %v\n%s", err, out)
 	}
 	verifier := iptables.NewApplier(nil, n.backend)
-	want := iptables.PodConfig{ProbeSNATv4: n.cfg.ProbeSNATv4, ProbeSNATv6: n.cfg.ProbeSNATv6}
+	want := iptables.PodConfig{ProbeSNATv4: n.cfg.ProbeSNATv4, ProbeSNATv6: n.cfg.ProbeSNATv6, DNSCapture: n.cfg.DNSCapture}
 	drift, err := verifier.Verify(a.NS.Path(), want)
 	if err != nil || drift.Empty() {
 		t.Fatalf("the hand-made drift is not visible (err %v)", err)
