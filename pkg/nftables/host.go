@@ -122,6 +122,14 @@ func (h *HostProbe) Ensure() error {
 		for _, lc := range lt.chains {
 			c.DelChain(lc.c)
 		}
+		// A set of the wrong type cannot be added over; its rules went
+		// with the chain above, so it can go.
+		for _, ls := range lt.sets {
+			i := slices.IndexFunc(t.sets, func(s *set) bool { return s.name == ls.Name })
+			if i >= 0 && ls.KeyType.GetNFTMagic() != t.sets[i].keyType.GetNFTMagic() {
+				c.DelSet(ls)
+			}
+		}
 	}
 	add(c, p)
 	if err := c.Flush(); err != nil {

@@ -359,6 +359,18 @@ func TestHostProbeRepairKeepsMembers(t *testing.T) {
 	if ips, err := h.IPs(); err != nil || !slices.Equal(ips, []netip.Addr{ip}) {
 		t.Fatalf("members after repair: %v %v", ips, err)
 	}
+	// A set replaced by one of another type is repaired too.
+	loadText(t, n.Path(), "delete chain inet ambient-probe-snat postrouting\ndelete set inet ambient-probe-snat ambient-probes-v4\n"+
+		"add set inet ambient-probe-snat ambient-probes-v4 { type ipv6_addr; }\n")
+	if d, err := h.Verify(); err != nil || !strings.Contains(d.String(), `missing set "ambient-probes-v4 ipv4_addr"`) {
+		t.Fatalf("drift: %v\n%s", err, d)
+	}
+	if err := h.Ensure(); err != nil {
+		t.Fatal(err)
+	}
+	if d, err := h.Verify(); err != nil || !d.Empty() {
+		t.Fatalf("after repairing the set: %v\n%s", err, d)
+	}
 	if err := h.Remove(); err != nil {
 		t.Fatal(err)
 	}

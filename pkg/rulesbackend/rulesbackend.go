@@ -399,8 +399,14 @@ type migratingHost struct {
 	HostProbe
 	others []otherHost
 	mu     sync.Mutex
-	clean  bool // the others' leftovers are gone
+	clean  bool // the others' leftovers are gone, or no longer tried
+	tries  int
 }
+
+// cleanupTries bounds the attempts to remove another backend's host probe
+// SNAT: on a node where that backend cannot even run, trying every resync
+// would only repeat the same warning.
+const cleanupTries = 3
 
 // Ensure installs the active backend's probe SNAT, then, until that has
 // once succeeded, removes what another backend installed (its rules, and
@@ -424,8 +430,11 @@ func (m *migratingHost) Ensure() error {
 		}
 	}
 	if err := errors.Join(errs...); err != nil {
-		m.log.Warn("could not remove another backend's host probe SNAT; retrying at the next resync", "err", err)
-		return nil
+		if m.tries++; m.tries < cleanupTries {
+			m.log.Warn("could not remove another backend's host probe SNAT; retrying at the next resync", "err", err)
+			return nil
+		}
+		m.log.Warn("could not remove another backend's host probe SNAT; giving up", "err", err, "tries", m.tries)
 	}
 	m.clean = true
 	return nil
