@@ -453,10 +453,10 @@ func (a *Applier) VerifyContext(ctx context.Context, netnsPath string, cfg PodCo
 
 // Remove deletes everything Apply installed in the namespace, whatever
 // options it was applied with: our chains, every rule referring to them,
-// the policy rule and route. With the nft backend a table left empty by the
-// removal is deleted too, since iptables-nft created it for us (legacy
-// tables cannot be unregistered, and an empty one has no effect). It is
-// idempotent and safe when nothing is installed.
+// the policy rule and route. With the nft backend the tables and built-in
+// chains Apply created are deleted too once empty (see dropOwnedTables;
+// legacy tables cannot be unregistered, and an empty one has no effect).
+// It is idempotent and safe when nothing is installed.
 func (a *Applier) Remove(netnsPath string) error {
 	return a.RemoveContext(context.Background(), netnsPath)
 }

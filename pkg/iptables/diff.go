@@ -239,28 +239,6 @@ func touchedTables(plan string) []string {
 	return ts
 }
 
-// emptyAfterRemove reports whether table t holds nothing but empty built-in
-// chains with ACCEPT policy once our chains and references are gone: such
-// a table has no effect and can be deleted to restore the prior state.
-func emptyAfterRemove(sc *scope, t *SavedTable) bool {
-	if t == nil {
-		return false
-	}
-	for _, c := range t.Chains {
-		if sc.owns(c.Name) {
-			continue
-		}
-		if c.Policy != "ACCEPT" {
-			return false
-		}
-		for _, r := range c.Rules {
-			if !sc.owns(r.Target()) {
-				return false
-			}
-		}
-	}
-	return true
-}
 
 // planRevert returns iptables-restore --noflush input that turns what sc
 // owns in after back into what it was in before: our chains with their
