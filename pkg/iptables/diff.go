@@ -239,7 +239,6 @@ func touchedTables(plan string) []string {
 	return ts
 }
 
-
 // planRevert returns iptables-restore --noflush input that turns what sc
 // owns in after back into what it was in before: our chains with their
 // rules, and every rule elsewhere that refers to them, each at its old
