@@ -146,6 +146,13 @@ func TestHostMigration(t *testing.T) {
 				if err := cur.Probe.Ensure(); err != nil {
 					t.Fatal(err)
 				}
+				// Enrolled pods keep their probe SNAT through the switch.
+				if ips, err := cur.Probe.IPs(); err != nil || len(ips) != 1 || ips[0] != netip.MustParseAddr("10.1.2.3") {
+					t.Fatalf("probe set after the move: %v %v", ips, err)
+				}
+				if err := cur.Probe.DelIP(netip.MustParseAddr("10.1.2.3")); err != nil {
+					t.Fatal(err)
+				}
 				if got := hostSnapshot(t, H); got != want {
 					t.Fatalf("after the move the host holds:\n%s\n--- want\n%s", got, want)
 				}

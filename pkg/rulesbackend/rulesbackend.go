@@ -389,6 +389,7 @@ type otherHost struct {
 	p interface {
 		Remove() error
 		RemoveRules() error
+		IPs() ([]netip.Addr, error)
 	}
 	sharesSets bool
 }
@@ -409,9 +410,10 @@ type migratingHost struct {
 const cleanupTries = 3
 
 // Ensure installs the active backend's probe SNAT, then, until that has
-// once succeeded, removes what another backend installed (its rules, and
-// its sets unless the active backend uses them too): the agent's resync of
-// the probe set then fills the active one.
+// once succeeded, moves what another backend installed over: the members
+// of its probe sets into the active ones (so kubelet probes of enrolled
+// pods keep their SNAT through the switch), then its rules, and its sets
+// unless the active backend uses them too.
 func (m *migratingHost) Ensure() error {
 	if err := m.HostProbe.Ensure(); err != nil {
 		return err
@@ -425,9 +427,17 @@ func (m *migratingHost) Ensure() error {
 	for _, o := range m.others {
 		if o.sharesSets {
 			errs = append(errs, o.p.RemoveRules())
-		} else {
-			errs = append(errs, o.p.Remove())
+			continue
 		}
+		ips, err := o.p.IPs()
+		for _, ip := range ips {
+			err = errors.Join(err, m.HostProbe.AddIP(ip))
+		}
+		if err != nil {
+			errs = append(errs, err)
+			continue // keep the old set until its members are over
+		}
+		errs = append(errs, o.p.Remove())
 	}
 	if err := errors.Join(errs...); err != nil {
 		if m.tries++; m.tries < cleanupTries {
