@@ -41,6 +41,11 @@ type backendCase struct {
 	// masquerade adds another tool's MASQUERADE of the node's own traffic
 	// (src) in the flavour this backend lives next to.
 	masquerade func(t *testing.T, netnsPath string, src netip.Addr)
+	// acceptAbove has another tool accept the node's IPv4 TCP (src) in
+	// nat POSTROUTING ahead of the probe SNAT, after Ensure, and returns
+	// the drift Verify must report ("" when the SNAT still wins) and how
+	// to undo it.
+	acceptAbove func(t *testing.T, netnsPath string, src netip.Addr) (string, func())
 }
 
 var backends = []backendCase{
@@ -60,6 +65,14 @@ var backends = []backendCase{
 			return `ipv4 nat AMBIENT_PROBE_SNAT: missing rule #1 "-A AMBIENT_PROBE_SNAT -p tcp -m owner --socket-exists -m set --match-set ambient-probes-v4 dst -j SNAT --to-source 169.254.7.127"`
 		},
 		masquerade: func(t *testing.T, p string, src netip.Addr) { iptMasquerade(t, p, "nft", src) },
+		acceptAbove: func(t *testing.T, p string, src netip.Addr) (string, func()) {
+			args := []string{"-t", "nat", "-I", "POSTROUTING", "1", "-s", src.String(), "-p", "tcp", "-j", "ACCEPT"}
+			dt.Run(t, p, "iptables-nft", args...)
+			return `ipv4 nat POSTROUTING: moved rule #1 "-A POSTROUTING -j AMBIENT_PROBE_SNAT"`, func() {
+				args[2] = "-D"
+				dt.Run(t, p, "iptables-nft", append(args[:4], args[5:]...)...)
+			}
+		},
 	},
 	{
 		name: "iptables-legacy", value: "legacy",
@@ -77,6 +90,14 @@ var backends = []backendCase{
 			return `ipv4 nat AMBIENT_PROBE_SNAT: missing rule #1 "-A AMBIENT_PROBE_SNAT -p tcp -m owner --socket-exists -m set --match-set ambient-probes-v4 dst -j SNAT --to-source 169.254.7.127"`
 		},
 		masquerade: func(t *testing.T, p string, src netip.Addr) { iptMasquerade(t, p, "legacy", src) },
+		acceptAbove: func(t *testing.T, p string, src netip.Addr) (string, func()) {
+			args := []string{"-t", "nat", "-I", "POSTROUTING", "1", "-s", src.String(), "-p", "tcp", "-j", "ACCEPT"}
+			dt.Run(t, p, "iptables-legacy", args...)
+			return `ipv4 nat POSTROUTING: moved rule #1 "-A POSTROUTING -j AMBIENT_PROBE_SNAT"`, func() {
+				args[2] = "-D"
+				dt.Run(t, p, "iptables-legacy", append(args[:4], args[5:]...)...)
+			}
+		},
 	},
 	{
 		name: "nftables", value: "nftables",
@@ -105,6 +126,14 @@ var backends = []backendCase{
 			dt.Run(t, p, "nft", "add", "table", fam, tbl)
 			dt.Run(t, p, "nft", "add", "chain", fam, tbl, "post", "{ type nat hook postrouting priority srcnat; }")
 			dt.Run(t, p, "nft", "add", "rule", fam, tbl, "post", fam, name, src.String(), "meta", "l4proto", "tcp", "masquerade")
+		},
+		acceptAbove: func(t *testing.T, p string, src netip.Addr) (string, func()) {
+			// An accept in an earlier nat chain ends only that chain:
+			// the SNAT at 90 still runs, nothing to repair.
+			dt.Run(t, p, "nft", "add", "table", "ip", "early")
+			dt.Run(t, p, "nft", "add", "chain", "ip", "early", "post", "{ type nat hook postrouting priority 50; }")
+			dt.Run(t, p, "nft", "add", "rule", "ip", "early", "post", "ip", "saddr", src.String(), "meta", "l4proto", "tcp", "accept")
+			return "", func() { dt.Run(t, p, "nft", "delete", "table", "ip", "early") }
 		},
 	},
 }
@@ -604,8 +633,27 @@ func hostProbe(t *testing.T, bc backendCase) {
 		}
 	}
 
+	// Another tool's rule ahead of ours, added later: named and repaired
+	// (iptables: the jump goes back on top), or harmless (nftables).
+	want, undo := bc.acceptAbove(t, top.H, top.Pair.A.V4)
+	if d, err := hp.Verify(); err != nil || d.String() != map[bool]string{true: "no drift", false: want}[want == ""] {
+		t.Fatalf("rule ahead of the SNAT: %v\n%s\nwant %q", err, d, want)
+	}
+	if want != "" {
+		if got := dt.PeerSeen(t, top.H, pod.V4); got == dt.Probe(4) {
+			t.Fatalf("the rule ahead did not take the probe: the check proves nothing")
+		}
+		if err := hp.Ensure(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := dt.PeerSeen(t, top.H, pod.V4); got != dt.Probe(4) {
+		t.Errorf("with another tool's rule ahead, P saw %s", got)
+	}
+	undo()
+
 	// Drift: delete the SNAT rule by hand; Ensure repairs it.
-	want := bc.breakHost(t, top.H)
+	want = bc.breakHost(t, top.H)
 	if d, err := hp.Verify(); err != nil || !strings.Contains(d.String(), want) {
 		t.Fatalf("drift not named: %v\n%s\nwant %s", err, d, want)
 	}
