@@ -1,7 +1,9 @@
 package rulesbackend
 
 import (
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/ambient-cni/ambient-cni/internal/testnet"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
@@ -12,9 +14,11 @@ import (
 // pod's Apply into a fresh namespace (both families: the shipped DNS
 // capture default, real netns, real iptables-restore or netlink), the
 // converged re-apply, Verify, and Remove. Namespaces are made outside the
-// timed part; Remove's namespaces come from a timed-out Apply.
+// timed part. Besides wall time per operation it reports cpu-ms/op: the
+// CPU time (user and system) of the process and the commands it ran,
+// during the operations only.
 //
-//	go test -run '^$' -bench . -benchtime 200x ./pkg/rulesbackend
+//	go test -run '^$' -bench Backends -benchtime 200x ./pkg/rulesbackend
 func BenchmarkBackends(b *testing.B) {
 	cfg := ruleset.PodConfig{DNSCapture: true}
 	for _, bc := range backends {
@@ -37,36 +41,48 @@ func BenchmarkBackends(b *testing.B) {
 			}
 			b.Run("apply", func(b *testing.B) {
 				nss := fresh(b)
+				var cpu cpuMeter
 				b.ResetTimer()
 				for i := 0; i < b.N; i++ {
+					cpu.start()
 					if err := r.Apply(nss[i].Path(), cfg); err != nil {
 						b.Fatal(err)
 					}
+					cpu.stop()
 				}
+				cpu.report(b)
 			})
 			b.Run("reapply-converged", func(b *testing.B) {
 				n := testnet.NewNS(b)
 				if err := r.Apply(n.Path(), cfg); err != nil {
 					b.Fatal(err)
 				}
+				var cpu cpuMeter
 				b.ResetTimer()
 				for i := 0; i < b.N; i++ {
+					cpu.start()
 					if err := r.Apply(n.Path(), cfg); err != nil {
 						b.Fatal(err)
 					}
+					cpu.stop()
 				}
+				cpu.report(b)
 			})
 			b.Run("verify", func(b *testing.B) {
 				n := testnet.NewNS(b)
 				if err := r.Apply(n.Path(), cfg); err != nil {
 					b.Fatal(err)
 				}
+				var cpu cpuMeter
 				b.ResetTimer()
 				for i := 0; i < b.N; i++ {
+					cpu.start()
 					if d, err := r.Verify(n.Path(), cfg); err != nil || !d.Empty() {
 						b.Fatal(err, d)
 					}
+					cpu.stop()
 				}
+				cpu.report(b)
 			})
 			b.Run("remove", func(b *testing.B) {
 				nss := fresh(b)
@@ -76,13 +92,41 @@ func BenchmarkBackends(b *testing.B) {
 						b.Fatal(err)
 					}
 				}
+				var cpu cpuMeter
 				b.StartTimer()
 				for i := 0; i < b.N; i++ {
+					cpu.start()
 					if err := r.Remove(nss[i].Path()); err != nil {
 						b.Fatal(err)
 					}
+					cpu.stop()
 				}
+				cpu.report(b)
 			})
 		})
+	}
+}
+
+// cpuMeter sums the CPU time of the process and its waited-for children
+// over the measured stretches.
+type cpuMeter struct {
+	total, at time.Duration
+	n         int
+}
+
+func cpuNow() time.Duration {
+	var self, children syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &self)
+	_ = syscall.Getrusage(syscall.RUSAGE_CHILDREN, &children)
+	d := func(tv syscall.Timeval) time.Duration { return time.Duration(tv.Nano()) }
+	return d(self.Utime) + d(self.Stime) + d(children.Utime) + d(children.Stime)
+}
+
+func (m *cpuMeter) start() { m.at = cpuNow() }
+func (m *cpuMeter) stop()  { m.total += cpuNow() - m.at; m.n++ }
+
+func (m *cpuMeter) report(b *testing.B) {
+	if m.n > 0 {
+		b.ReportMetric(float64(m.total)/float64(m.n)/1e6, "cpu-ms/op")
 	}
 }
