@@ -39,6 +39,10 @@ const (
 	DNSCaptureAnnotation = "ambient.istio.io/dns-capture"
 	// BypassInboundCaptureAnnotation disables inbound redirection when "true".
 	BypassInboundCaptureAnnotation = "ambient.istio.io/bypass-inbound-capture"
+	// RerouteVirtualInterfacesAnnotation lists (comma-separated) the pod's
+	// virtual interfaces (KubeVirt's bridge, say) whose incoming TCP is
+	// redirected as outbound traffic.
+	RerouteVirtualInterfacesAnnotation = "istio.io/reroute-virtual-interfaces"
 
 	// DefaultExcludedNamespace is never enrolled unless configured otherwise.
 	DefaultExcludedNamespace = "kube-system"

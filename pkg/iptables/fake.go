@@ -5,10 +5,13 @@ import (
 	"fmt"
 	"net/netip"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ambient-cni/ambient-cni/pkg/nftables"
 )
 
 // This file is the package's in-memory fake of the namespaces it drives,
@@ -42,8 +45,8 @@ func cloneSave(s *Save) *Save {
 
 // simulateRestore models iptables-restore --noflush closely enough to
 // check plans: a table block is all-or-nothing; declaring an existing user
-// chain flushes it; -D needs an exact match; -X needs an empty,
-// unreferenced user chain.
+// chain flushes it; -I inserts at a position; -D needs an exact match; -X
+// needs an empty, unreferenced user chain.
 func simulateRestore(cur *Save, input string) (*Save, error) {
 	s := cloneSave(cur)
 	var work *SavedTable
@@ -101,7 +104,7 @@ func simulateRestore(cur *Save, input string) (*Save, error) {
 				return fail("bad command")
 			}
 			c := work.Chain(args[1])
-			if c == nil && args[0] == "-A" && isBuiltin(work.Name, args[1]) {
+			if c == nil && (args[0] == "-A" || args[0] == "-I") && isBuiltin(work.Name, args[1]) {
 				c = &SavedChain{Name: args[1], Policy: "ACCEPT"}
 				work.Chains = append(work.Chains, c)
 			}
@@ -115,6 +118,13 @@ func simulateRestore(cur *Save, input string) (*Save, error) {
 					return fail("jump to missing chain %s", t)
 				}
 				c.Rules = append(c.Rules, SavedRule{Args: args[2:]})
+			case "-I":
+				pos, err := strconv.Atoi(args[2])
+				if err != nil || pos < 1 || pos > len(c.Rules)+1 {
+					return fail("bad position")
+				}
+				rule := SavedRule{Args: args[3:]}
+				c.Rules = append(c.Rules[:pos-1], append([]SavedRule{rule}, c.Rules[pos-1:]...)...)
 			case "-D":
 				i := 0
 				for ; i < len(c.Rules) && c.Rules[i].Spec() != spec; i++ {
@@ -162,26 +172,35 @@ func isBuiltin(table, chain string) bool {
 	return false
 }
 
-// fakeNS is one fake network namespace: per-family iptables state plus
-// policy routing flags, driven through the Executor and Router interfaces.
+// fakeNS is one fake network namespace: per-family iptables state, the
+// nf_tables tables made for iptables-nft, and the policy routing flags and
+// namespace state, driven through the Executor, Router and TableOwner
+// interfaces.
 type fakeNS struct {
 	saves  map[Family]*Save
 	rule   map[Family]bool
 	route  map[Family]bool
 	noIPv6 bool
+	noLoV6 bool // lo has IPv6 disabled
+	loDown bool
+	owned  map[string]bool // "ip nat": tables CreateOwned made
+	// routeErr makes EnsurePolicyRoute of a family fail.
+	routeErr map[Family]error
 }
 
-// Fake implements Executor and Router over simulated network namespaces:
-// backend b's iptables-save prints, and iptables-restore --noflush
-// applies, a namespace's state, modelled closely enough to check plans (a
-// table block is all-or-nothing; declaring an existing user chain flushes
-// it; -D needs an exact match; -X needs an empty, unreferenced user
-// chain); nft table deletion and the policy route are modelled too. A path
+// Fake implements Executor, Router and TableOwner over simulated network
+// namespaces: backend b's iptables-save prints, and iptables-restore
+// --noflush applies, a namespace's state, modelled closely enough to check
+// plans (a table block is all-or-nothing; declaring an existing user chain
+// flushes it; -I inserts at a position; -D needs an exact match; -X needs
+// an empty, unreferenced user chain); the nf_tables tables iptables-nft
+// needs (created and deleted as ours), the namespace state (lo, IPv6) and
+// the policy route are modelled too. A path
 // names a simulated namespace by itself, except one that opens a real
 // network namespace (a held handle's /proc/<pid>/fd/<n>, say), which
 // names that namespace whatever path reaches it. Every command run is
-// logged. Pass it to NewApplier or NewHostProbe with WithExecutor and
-// WithRouter.
+// logged. Pass it to NewApplier or NewHostProbe with WithExecutor,
+// WithRouter and WithTableOwner.
 type Fake struct {
 	mu      sync.Mutex
 	ns      map[string]*fakeNS
@@ -211,7 +230,8 @@ func (h *Fake) get(path string) *fakeNS {
 	k := key(path)
 	n, ok := h.ns[k]
 	if !ok {
-		n = &fakeNS{saves: map[Family]*Save{IPv4: {}, IPv6: {}}, rule: map[Family]bool{}, route: map[Family]bool{}}
+		n = &fakeNS{saves: map[Family]*Save{IPv4: {}, IPv6: {}}, rule: map[Family]bool{}, route: map[Family]bool{},
+			owned: map[string]bool{}, routeErr: map[Family]error{}}
 		h.ns[k] = n
 	}
 	return n
@@ -239,28 +259,15 @@ func (h *Fake) Run(_ context.Context, path string, cmd Cmd) ([]byte, error) {
 			return nil, nil
 		}
 	}
-	if cmd.Name == "nft" && len(cmd.Args) == 4 && cmd.Args[0] == "delete" {
-		f := IPv4
-		if cmd.Args[2] == "ip6" {
-			f = IPv6
-		}
-		s := n.saves[f]
-		for i, t := range s.Tables {
-			if t.Name == cmd.Args[3] {
-				s.Tables = append(s.Tables[:i], s.Tables[i+1:]...)
-				return nil, nil
-			}
-		}
-		return nil, fmt.Errorf("no table %s", cmd.Args[3])
-	}
 	return nil, fmt.Errorf("fake: unexpected command %s", cmd)
 }
 
-// IPv6Enabled implements Router.
-func (h *Fake) IPv6Enabled(path string) (bool, error) {
+// State implements Router.
+func (h *Fake) State(path string) (NetnsState, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return !h.get(path).noIPv6, nil
+	n := h.get(path)
+	return NetnsState{LoopbackUp: !n.loDown, IPv6: !n.noIPv6, IPv6Loopback: !n.noIPv6 && !n.noLoV6}, nil
 }
 
 // PolicyRouteState implements Router.
@@ -271,22 +278,93 @@ func (h *Fake) PolicyRouteState(path string, f Family, _ PolicyRoute) (bool, boo
 	return n.rule[f], n.route[f], nil
 }
 
-// EnsurePolicyRoute implements Router.
-func (h *Fake) EnsurePolicyRoute(path string, f Family, _ PolicyRoute) error {
+// EnsurePolicyRoute implements Router: it reports the parts it added.
+func (h *Fake) EnsurePolicyRoute(path string, f Family, _ PolicyRoute) (RouteParts, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	n := h.get(path)
+	if err := n.routeErr[f]; err != nil {
+		return RouteParts{}, err
+	}
+	added := RouteParts{Rule: !n.rule[f], Route: !n.route[f]}
 	n.rule[f], n.route[f] = true, true
+	return added, nil
+}
+
+// RemovePolicyRoute implements Router: only the named parts go.
+func (h *Fake) RemovePolicyRoute(path string, f Family, _ PolicyRoute, parts RouteParts) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	n := h.get(path)
+	if parts.Rule {
+		n.rule[f] = false
+	}
+	if parts.Route {
+		n.route[f] = false
+	}
 	return nil
 }
 
-// RemovePolicyRoute implements Router.
-func (h *Fake) RemovePolicyRoute(path string, f Family, _ PolicyRoute) error {
+func fakeFamily(t nftables.TableRef) Family {
+	if t.Family == nftables.FamilyIPv6 {
+		return IPv6
+	}
+	return IPv4
+}
+
+// CreateOwned implements TableOwner: tables appear empty (built-in chains
+// only), as iptables-nft-save shows a table it did not fill. Chains are
+// not modelled: iptables-nft-save shows built-in chains either way.
+func (h *Fake) CreateOwned(path string, tables []nftables.TableRef, _ []nftables.BaseChain) (nftables.Created, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	h.log = append(h.log, "create-owned")
 	n := h.get(path)
-	n.rule[f], n.route[f] = false, false
-	return nil
+	var created []nftables.TableRef
+	for _, t := range tables {
+		s := n.saves[fakeFamily(t)]
+		if s.Table(t.Name) != nil {
+			continue
+		}
+		nt := &SavedTable{Name: t.Name}
+		for _, c := range builtinChains[t.Name] {
+			nt.Chains = append(nt.Chains, &SavedChain{Name: c, Policy: "ACCEPT"})
+		}
+		s.Tables = append(s.Tables, nt)
+		n.owned[t.String()] = true
+		created = append(created, t)
+	}
+	return nftables.Created{Tables: created}, nil
+}
+
+// DeleteOwned implements TableOwner: only owned tables with no rules and
+// no user chains go.
+func (h *Fake) DeleteOwned(path string, tables []nftables.TableRef) (nftables.Created, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.log = append(h.log, "delete-owned")
+	n := h.get(path)
+	var deleted []nftables.TableRef
+	for _, t := range tables {
+		s := n.saves[fakeFamily(t)]
+		tbl := s.Table(t.Name)
+		if tbl == nil || !n.owned[t.String()] {
+			continue
+		}
+		empty := true
+		for _, c := range tbl.Chains {
+			if len(c.Rules) > 0 || c.Policy == "-" {
+				empty = false
+			}
+		}
+		if !empty {
+			continue
+		}
+		s.Tables = slices.DeleteFunc(s.Tables, func(x *SavedTable) bool { return x == tbl })
+		delete(n.owned, t.String())
+		deleted = append(deleted, t)
+	}
+	return nftables.Created{Tables: deleted}, nil
 }
 
 // TakeLog returns and clears the log of command names run.

@@ -14,15 +14,15 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
-	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
 
 // RuleApplier installs, verifies and removes the in-pod rules inside the
-// namespace at a path (pkg/iptables.Applier).
+// namespace at a path (pkg/rulesbackend: the iptables or nftables backend).
 type RuleApplier interface {
-	Apply(netns string, cfg iptables.PodConfig) error
-	Verify(netns string, cfg iptables.PodConfig) (iptables.Drift, error)
+	Apply(netns string, cfg ruleset.PodConfig) error
+	Verify(netns string, cfg ruleset.PodConfig) (ruleset.Drift, error)
 	Remove(netns string) error
 }
 
@@ -47,7 +47,7 @@ type Annotator interface {
 	SetRedirection(ctx context.Context, namespace, name string, uid types.UID, value string) error
 }
 
-// HostProbe keeps the host's probe SNAT set (pkg/iptables.HostProbe): the
+// HostProbe keeps the host's probe SNAT set (pkg/rulesbackend): the
 // IPs of enrolled pods, whose kubelet probes are SNATed to the probe
 // address so the in-pod rules let them reach the application directly.
 type HostProbe interface {
@@ -131,7 +131,7 @@ type EnrolledPod struct {
 	NetnsID uint64
 	IPs     []netip.Addr
 	State   PodState
-	Rules   iptables.PodConfig
+	Rules   ruleset.PodConfig
 	Since   time.Time
 }
 

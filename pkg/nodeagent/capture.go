@@ -10,7 +10,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
-	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
 // Capture is the one way a pod gets captured, for the CNI path and the pod
@@ -80,12 +80,13 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *San
 }
 
 // ruleConfig is the rule set options for one pod.
-func (a *Agent) ruleConfig(pod *corev1.Pod) iptables.PodConfig {
-	return iptables.PodConfig{
-		ProbeSNATv4:   a.cfg.ProbeSNATv4,
-		ProbeSNATv6:   a.cfg.ProbeSNATv6,
-		DNSCapture:    enablement.DNSCapture(pod, a.cfg.DNSCapture),
-		BypassInbound: enablement.BypassInbound(pod),
+func (a *Agent) ruleConfig(pod *corev1.Pod) ruleset.PodConfig {
+	return ruleset.PodConfig{
+		ProbeSNATv4:       a.cfg.ProbeSNATv4,
+		ProbeSNATv6:       a.cfg.ProbeSNATv6,
+		DNSCapture:        enablement.DNSCapture(pod, a.cfg.DNSCapture),
+		BypassInbound:     enablement.BypassInbound(pod),
+		VirtualInterfaces: enablement.VirtualInterfaces(pod),
 	}
 }
 

@@ -35,7 +35,7 @@ type recordedRules struct {
 
 func newRecordedRules() *recordedRules {
 	fake := iptables.NewFake(iptables.BackendNFT)
-	return &recordedRules{fake: fake, real: iptables.NewApplier(nil, iptables.BackendNFT, iptables.WithExecutor(fake), iptables.WithRouter(fake))}
+	return &recordedRules{fake: fake, real: iptables.NewApplier(nil, iptables.BackendNFT, iptables.WithExecutor(fake), iptables.WithRouter(fake), iptables.WithTableOwner(fake))}
 }
 
 // record notes op and checks path; a non-nil error ends the operation.

@@ -224,7 +224,7 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 		AgentSocket: "/var/run/mesh-agent/agent.sock", ZDSSocket: "/var/run/ztunnel-custom/zds.sock",
 		ProcRoot: "/host/proc", NetnsDirs: []string{"/var/run/custom-netns", "/run/custom/netns"},
 		ExcludedNamespaces:       []string{"kube-system", "istio-system", "monitoring"},
-		AssumePodLevelEnablement: true, ZtunnelWait: 7 * time.Second, DNSCapture: true, IPTablesBackend: "nft",
+		AssumePodLevelEnablement: true, ZtunnelWait: 7 * time.Second, DNSCapture: false, IPTablesBackend: "nft",
 		ProbeSNATv4: netip.MustParseAddr("169.254.7.42"), ProbeSNATv6: netip.MustParseAddr("fd16::42"),
 		HealthAddr: ":15999", LogLevel: "debug",
 	}

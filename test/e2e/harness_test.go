@@ -12,7 +12,6 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -30,8 +29,8 @@ import (
 
 	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/metrics"
+	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/test/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/kubesim"
@@ -86,7 +85,9 @@ type node struct {
 	bridge  string
 	subnet  netip.Prefix
 	hostNS  ns.NetNS // stands in for the host netns of the probe SNAT set
-	backend iptables.Backend
+	// rules reads pods' rules and the host probe set in the backend the
+	// agent chose (see openRules).
+	rules *rulesbackend.Backend
 
 	agentNS, agentPod string
 	client            kubernetes.Interface // the agent's ServiceAccount client
@@ -116,14 +117,11 @@ func randByte() byte {
 func newNode(t testing.TB, opts nodeOptions) *node {
 	t.Helper()
 	testnet.RequireRoot(t)
-	testnet.RequireCommands(t, "ip", "nsenter", "sleep", "iptables-save", "iptables-restore", "ip6tables-restore")
+	testnet.RequireCommands(t, "ip", "nsenter", "sleep")
 	cnibin.Paths(t) // skips under AMBIENT_UNIT_ONLY before an apiserver starts; builds the plugins once
 	env := kube.Env(t)
-	backend, err := iptables.DetectBackend(os.Getenv("AMBIENT_IPTABLES_BACKEND"))
-	if err != nil {
-		testnet.Missing(t, "no usable iptables backend: "+err.Error())
-	}
-	n := &node{t: t, env: env, backend: backend, Name: testnet.RandName("node-", 8)}
+	n := &node{t: t, env: env, Name: testnet.RandName("node-", 8)}
+	var err error
 	n.logs = &logSink{t: t}
 	t.Cleanup(n.logs.stop) // registered first: runs after every other cleanup
 	n.log = slog.New(slog.NewTextHandler(n.logs, &slog.HandlerOptions{Level: opts.LogLevel}))
@@ -168,7 +166,6 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 		"--agent-socket=" + filepath.Join(n.dir, "agent", "agent.sock"),
 		"--zds-socket=" + filepath.Join(n.dir, "zt", "ztunnel.sock"),
 		"--health-addr=127.0.0.1:0",
-		"--iptables-backend=" + string(backend),
 	}
 	if opts.ZtunnelWait > 0 {
 		args = append(args, "--ztunnel-wait="+opts.ZtunnelWait.String())
@@ -176,6 +173,7 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 	if n.cfg, err = installcni.Parse(args, func(string) string { return "" }, io.Discard); err != nil {
 		t.Fatalf("agent config: %v", err)
 	}
+	n.openRules()
 	if opts.Upgrade {
 		n.createDaemonSet()
 	}
@@ -261,6 +259,7 @@ func (n *node) startDaemon() {
 		})
 	}
 	n.d, n.stopD = d, stop
+	n.requireAgentBackend()
 
 	deadline := time.After(waitLong)
 	select {
@@ -492,33 +491,6 @@ func (n *node) annotation(p *kubesim.Pod) string {
 	return obj.Annotations[ambient.RedirectionAnnotation]
 }
 
-// save returns iptables-save (with counters) of one family inside netns.
-func (n *node) save(netnsPath string, f iptables.Family) string {
-	n.t.Helper()
-	out, err := exec.Command("nsenter", "--net="+netnsPath, "--", n.backend.SaveCmd(f), "-c").CombinedOutput()
-	if err != nil {
-		n.t.Fatalf("%s in %s: %v\n%s", n.backend.SaveCmd(f), netnsPath, err, out)
-	}
-	return string(out)
-}
-
-// hasRules reports whether the pod's netns holds our redirection chains.
-func (n *node) hasRules(p *kubesim.Pod) bool {
-	n.t.Helper()
-	return strings.Contains(n.save(p.NS.Path(), iptables.IPv4), ":"+iptables.ChainOutput+" ")
-}
-
-// inProbeSet reports whether the pod's IPv4 address is in the probe SNAT
-// set of the stand-in host netns.
-func (n *node) inProbeSet(p *kubesim.Pod) bool {
-	n.t.Helper()
-	ips, _, err := iptables.NetlinkIPSets{}.ListSet(n.hostNS.Path(), iptables.ProbeSetV4)
-	if err != nil {
-		n.t.Fatalf("list host probe set: %v", err)
-	}
-	return slices.Contains(ips, p.Addr(4))
-}
-
 // enrolled reports whether the pod is fully enrolled as far as the API
 // and ztunnel see it.
 func (n *node) enrolled(p *kubesim.Pod) bool {
@@ -543,7 +515,7 @@ func (n *node) waitEnrolled(within time.Duration, pods ...*kubesim.Pod) {
 	}
 	for _, p := range pods {
 		if !n.hasRules(p) {
-			n.t.Fatalf("pod %s is enabled but has no redirection rules:\n%s", p.Obj.Name, n.save(p.NS.Path(), iptables.IPv4))
+			n.t.Fatalf("pod %s is enabled but has no redirection rules:\n%s", p.Obj.Name, n.rulesDump(p))
 		}
 		for _, port := range []int{ambient.ZtunnelOutboundPort, ambient.ZtunnelInboundPlaintextPort, ambient.ZtunnelInboundHBONEPort} {
 			if !listening(p, port) {
@@ -562,8 +534,8 @@ func (n *node) requireNotEnrolled(p *kubesim.Pod) {
 	if a := n.annotation(p); a != "" {
 		n.t.Errorf("pod %s has annotation %s=%q", p.Obj.Name, ambient.RedirectionAnnotation, a)
 	}
-	if n.hasRules(p) {
-		n.t.Errorf("pod %s has redirection rules:\n%s", p.Obj.Name, n.save(p.NS.Path(), iptables.IPv4))
+	if ipt, nft := n.ourRules(p.NS.Path()); ipt || nft {
+		n.t.Errorf("pod %s has redirection rules (iptables %v, nftables %v):\n%s", p.Obj.Name, ipt, nft, n.rulesDump(p))
 	}
 	if _, ok := n.zt.Workload(string(p.Obj.UID)); ok {
 		n.t.Errorf("pod %s is served by the stand-in", p.Obj.Name)

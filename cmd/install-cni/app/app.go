@@ -34,12 +34,13 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/controller"
 	"github.com/ambient-cni/ambient-cni/pkg/health"
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
-	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
 	"github.com/ambient-cni/ambient-cni/pkg/metrics"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
 	"github.com/ambient-cni/ambient-cni/pkg/podnetns"
+	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/pkg/unixsock"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
@@ -104,6 +105,10 @@ const installerStateName = "installer-state.json"
 // shutdownTimeout bounds the upgrade check and the uninstall at shutdown.
 const shutdownTimeout = 10 * time.Second
 
+// hostProbeResync is how often the host probe SNAT is put back (another
+// tool removed it, or got a rule above it in POSTROUTING).
+const hostProbeResync = 30 * time.Second
+
 // App is one install-cni process.
 type App struct {
 	cfg     *Config
@@ -113,6 +118,7 @@ type App struct {
 
 	installer *installer.Installer
 	upgrade   installer.UpgradeChecker
+	rules     *rulesbackend.Backend
 	events    *kubeadapter.Events
 	pods      *podcache.Cache
 	agent     *nodeagent.Agent
@@ -137,11 +143,15 @@ func New(o Options) (*App, error) {
 	a := &App{cfg: c, log: o.Logger, opts: o, metrics: o.Metrics}
 	m := a.metrics
 
-	backend, err := iptables.DetectBackend(c.IPTablesBackend)
+	// Rules in pods and the host probe SNAT: nothing is dialled or
+	// installed until used; Run closes what the backend holds.
+	rules, err := rulesbackend.New(rulesbackend.Config{Backend: c.IPTablesBackend, HostNetns: o.HostNetns, Logger: a.log,
+		Probe: ruleset.HostProbeConfig{ProbeSNATv4: c.ProbeSNATv4, ProbeSNATv6: c.ProbeSNATv6}})
 	if err != nil {
-		return nil, fmt.Errorf("detect iptables backend: %w", err)
+		return nil, fmt.Errorf("rules backend: %w", err)
 	}
-	a.log.Info("iptables backend", "backend", backend)
+	a.rules = rules
+	a.log.Info("rules backend", "backend", rules.Name)
 
 	// The plugin on the node: binary and conflist entry.
 	entry, err := json.Marshal(ambient.PluginConf{
@@ -184,9 +194,8 @@ func New(o Options) (*App, error) {
 	})
 	annotator := kubeadapter.Annotator{Client: o.Client}
 	a.agent, err = nodeagent.NewAgent(nodeagent.Config{
-		Rules: iptables.NewApplier(a.log.With("component", "iptables"), backend),
-		HostProbe: iptables.NewHostProbe(a.log.With("component", "host-probe"), backend, o.HostNetns,
-			iptables.HostProbeConfig{ProbeSNATv4: c.ProbeSNATv4, ProbeSNATv6: c.ProbeSNATv6}),
+		Rules:              rules.Rules,
+		HostProbe:          rules.Probe,
 		Ztunnel:            a.zds,
 		ZtunnelTimeout:     c.ZtunnelWait,
 		Annotator:          annotator,
@@ -273,14 +282,25 @@ func closed(ch <-chan struct{}) bool {
 // Agent is the node agent core (for tests and debugging).
 func (a *App) Agent() *nodeagent.Agent { return a.agent }
 
+// RulesBackend names the rules backend in use ("nftables", "iptables-nft"
+// or "iptables-legacy").
+func (a *App) RulesBackend() string { return a.rules.Name }
+
 // Ready lists what is not ready yet; empty means ready.
 func (a *App) Ready() []string { return a.health.Ready() }
 
 // Run runs everything until ctx ends, then shuts down: servers stop, the
 // held netns handles are released (rules stay in the pods), and unless
-// this is an upgrade the plugin and the host probe set are removed.
-func (a *App) Run(ctx context.Context) error {
+// this is an upgrade the plugin and the host probe set are removed. Last,
+// once every goroutine using them has stopped, the rules backend's
+// connections are closed.
+func (a *App) Run(ctx context.Context) (err error) {
 	c := a.cfg
+	defer func() {
+		if cerr := a.rules.Close(); cerr != nil {
+			err = errors.Join(err, fmt.Errorf("close rules backend: %w", cerr))
+		}
+	}()
 	for _, dir := range []string{filepath.Dir(c.AgentSocket), filepath.Dir(c.ZDSSocket)} {
 		if err := unixsock.EnsurePrivateDir(dir); err != nil {
 			return err
@@ -309,6 +329,10 @@ func (a *App) Run(ctx context.Context) error {
 	run("controller", a.ctrl.Run)
 	run("metrics", func(ctx context.Context) error {
 		return a.metrics.RunGauges(ctx, a.agent.StateCounts, a.zds.Connections)
+	})
+	run("host-probe", func(ctx context.Context) error {
+		rulesbackend.KeepHostProbe(ctx, a.rules.Probe, hostProbeResync, a.log)
+		return nil
 	})
 
 	// ztunnel must not get a snapshot before the pods enrolled by a

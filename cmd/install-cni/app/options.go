@@ -14,6 +14,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/health"
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
+	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 )
 
 // EnvPrefix prefixes every flag's environment-variable name.
@@ -156,14 +157,14 @@ func options() []option {
 		{"excluded-namespaces", "Comma-separated namespaces never captured.", ambient.DefaultExcludedNamespace, list(func(c *Config) *[]string { return &c.ExcludedNamespaces })},
 		{"assume-pod-level-enablement", "Tell the plugin's fallback (agent unreachable) that any namespace may hold a pod enabled by its own label, so it fails closed everywhere but excluded namespaces.", "false", boolean(func(c *Config) *bool { return &c.AssumePodLevelEnablement })},
 		{"ztunnel-wait", "How long CNI ADD waits for a connected ztunnel to acknowledge a pod before failing with a retryable error.", nodeagent.DefaultZtunnelTimeout.String(), duration(func(c *Config) *time.Duration { return &c.ZtunnelWait })},
-		{"dns-capture", "Capture DNS (port 53) to ztunnel by default; per pod: annotation ambient.istio.io/dns-capture.", "false", boolean(func(c *Config) *bool { return &c.DNSCapture })},
-		{"iptables-backend", "iptables backend inside pods: empty detects, or nft or legacy.", "", func(c *Config, v string) error {
+		{"dns-capture", "Capture DNS (port 53) to ztunnel by default, as Istio's chart does (ambient.dnsCapture); per pod: annotation ambient.istio.io/dns-capture.", "true", boolean(func(c *Config) *bool { return &c.DNSCapture })},
+		{"iptables-backend", "Rules backend in pods and for the host probe SNAT: auto (native nftables when the kernel supports it, else iptables), nftables, iptables (flavour detected from the node), or iptables in one flavour: nft or legacy. Each backend also removes what the other left.", string(rulesbackend.Auto), func(c *Config, v string) error {
 			switch v {
-			case "", "nft", "legacy":
+			case "", "auto", "nftables", "iptables", "nft", "legacy":
 				c.IPTablesBackend = v
 				return nil
 			}
-			return fmt.Errorf("want nft, legacy or empty")
+			return fmt.Errorf("want auto, nftables, iptables, nft or legacy")
 		}},
 		{"probe-snat-ipv4", "Source address kubelet probes are SNATed to (IPv4).", ambient.DefaultProbeSNATv4.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv4 }, false)},
 		{"probe-snat-ipv6", "Source address kubelet probes are SNATed to (IPv6).", ambient.DefaultProbeSNATv6.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv6 }, true)},

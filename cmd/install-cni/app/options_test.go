@@ -29,9 +29,10 @@ func TestDefaults(t *testing.T) {
 		ExcludedNamespaces []string
 		PluginType         string
 		DNSCapture         bool
+		IPTablesBackend    string
 	}
-	got := defaults{c.ZDSSocket, c.ZtunnelWait, c.ProbeSNATv4, c.ExcludedNamespaces, c.PluginType, c.DNSCapture}
-	want := defaults{"/var/run/ztunnel/ztunnel.sock", 5 * time.Second, netip.MustParseAddr("169.254.7.127"), []string{"kube-system"}, "ambient-cni", false}
+	got := defaults{c.ZDSSocket, c.ZtunnelWait, c.ProbeSNATv4, c.ExcludedNamespaces, c.PluginType, c.DNSCapture, c.IPTablesBackend}
+	want := defaults{"/var/run/ztunnel/ztunnel.sock", 5 * time.Second, netip.MustParseAddr("169.254.7.127"), []string{"kube-system"}, "ambient-cni", true, "auto"}
 	if diff := cmp.Diff(want, got, cmpopts.EquateComparable(netip.Addr{})); diff != "" {
 		t.Fatalf("defaults wrong (-want +got):\n%s", diff)
 	}
@@ -72,7 +73,7 @@ func TestRejectsBadInput(t *testing.T) {
 		"timeout below wait": {[]string{"--node-name=n", "--plugin-timeout=2s", "--ztunnel-wait=3s"}, nil, "must exceed"},
 		"v6 as v4":           {[]string{"--node-name=n", "--probe-snat-ipv4=fd00::1"}, nil, "IPv4"},
 		"bad bool":           {[]string{"--node-name=n", "--dns-capture=yes please"}, nil, "true or false"},
-		"bad backend":        {[]string{"--node-name=n", "--iptables-backend=ebtables"}, nil, "nft, legacy"},
+		"bad backend":        {[]string{"--node-name=n", "--iptables-backend=ebtables"}, nil, "nftables, iptables, nft or legacy"},
 		"relative socket":    {[]string{"--node-name=n", "--agent-socket=agent.sock"}, nil, "absolute"},
 		"relative netns dir": {[]string{"--node-name=n", "--netns-dirs=/run/netns,netns"}, nil, "not absolute"},
 		"unknown flag":       {[]string{"--node-name=n", "--frobnicate"}, nil, "frobnicate"},

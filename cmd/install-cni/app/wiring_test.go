@@ -4,8 +4,10 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/controller"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
+	"github.com/ambient-cni/ambient-cni/pkg/nftables"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
+	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
 
@@ -18,5 +20,10 @@ var (
 	_ nodeagent.EnablementSource = (*podcache.Cache)(nil)
 	_ nodeagent.Annotator        = kubeadapter.Annotator{}
 	_ nodeagent.Ztunnel          = (*zds.Server)(nil)
-	_ nodeagent.RuleApplier      = (*iptables.Applier)(nil)
+	_ nodeagent.RuleApplier      = (rulesbackend.Rules)(nil)
+	_ nodeagent.HostProbe        = (rulesbackend.HostProbe)(nil)
+	_ rulesbackend.Rules         = (*iptables.Applier)(nil)
+	_ rulesbackend.Rules         = (*nftables.Applier)(nil)
+	_ rulesbackend.HostProbe     = (*iptables.HostProbe)(nil)
+	_ rulesbackend.HostProbe     = (*nftables.HostProbe)(nil)
 )
