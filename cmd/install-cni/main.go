@@ -48,8 +48,7 @@ func run() error {
 	if err != nil {
 		return fmt.Errorf("kubernetes client config: %w", err)
 	}
-	rc.UserAgent = "ambient-cni/" + cfg.NodeName
-	client, err := kubernetes.NewForConfig(rc)
+	client, err := kubernetes.NewForConfig(cfg.KubeClientConfig(rc))
 	if err != nil {
 		return fmt.Errorf("kubernetes client: %w", err)
 	}
