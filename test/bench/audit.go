@@ -50,6 +50,8 @@ func auditArgs(policyPath, logPath string) []string {
 type APIRequest struct {
 	Verb, Resource, Subresource string
 	Code                        int
+	// Server is the time the API server took (received to complete).
+	Server time.Duration
 }
 
 // Key is "verb resource[/subresource]".
@@ -72,6 +74,8 @@ type auditEvent struct {
 	ResponseStatus *struct {
 		Code int `json:"code"`
 	} `json:"responseStatus"`
+	Received time.Time `json:"requestReceivedTimestamp"`
+	Done     time.Time `json:"stageTimestamp"`
 }
 
 // auditLog follows the audit log file and keeps the agent's requests.
@@ -148,6 +152,9 @@ func (a *auditLog) addLine(line []byte) {
 	if ev.ResponseStatus != nil {
 		r.Code = ev.ResponseStatus.Code
 	}
+	if !ev.Received.IsZero() && ev.Done.After(ev.Received) {
+		r.Server = ev.Done.Sub(ev.Received)
+	}
 	a.reqs = append(a.reqs, r)
 }
 
@@ -197,6 +204,18 @@ func (a *auditLog) waitQuiet(ctx context.Context, quiet, limit time.Duration) er
 		}
 	}
 	return nil
+}
+
+// meanServerMs is the API server's mean time per request.
+func meanServerMs(reqs []APIRequest) float64 {
+	if len(reqs) == 0 {
+		return 0
+	}
+	var sum time.Duration
+	for _, r := range reqs {
+		sum += r.Server
+	}
+	return ms(sum) / float64(len(reqs))
 }
 
 // summarize counts requests by Key.

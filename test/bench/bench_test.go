@@ -155,7 +155,8 @@ func TestAuditLog(t *testing.T) {
 	}
 	ev := func(stage, verb, ua, res, sub string, code int) string {
 		b, _ := json.Marshal(map[string]any{"stage": stage, "verb": verb, "userAgent": ua,
-			"objectRef": map[string]any{"resource": res, "subresource": sub}, "responseStatus": map[string]any{"code": code}})
+			"objectRef": map[string]any{"resource": res, "subresource": sub}, "responseStatus": map[string]any{"code": code},
+			"requestReceivedTimestamp": "2026-01-01T00:00:00.000000Z", "stageTimestamp": "2026-01-01T00:00:00.004000Z"})
 		return string(b) + "\n"
 	}
 	lines := ev("ResponseComplete", "patch", "ambient-cni/n1", "pods", "status", 200) +
@@ -180,6 +181,9 @@ func TestAuditLog(t *testing.T) {
 	got := summarize(a.since(0))
 	if want := map[string]int{"patch pods/status": 1, "patch pods/status (409)": 1}; !reflect.DeepEqual(got, want) {
 		t.Errorf("summary %v, want %v", got, want)
+	}
+	if m := meanServerMs(a.since(0)); m != 4 {
+		t.Errorf("mean server time %v ms, want 4", m)
 	}
 	if a.watches != 1 || a.bad != 1 {
 		t.Errorf("watches %d, bad lines %d", a.watches, a.bad)
@@ -273,5 +277,24 @@ func TestQuickBench(t *testing.T) {
 	}
 	if ran == 0 {
 		t.Fatal("no backend ran")
+	}
+}
+
+// Children are timed from fork to exit by the program they exec'd;
+// threads (forked, never exec'd) and half-seen processes are skipped.
+func TestChildTimes(t *testing.T) {
+	script := `install-cni  100  10.000000: sched:sched_process_fork: comm=install-cni pid=100 child_comm=install-cni child_pid=200
+install-cni  100  10.000100: sched:sched_process_fork: comm=install-cni pid=100 child_comm=install-cni child_pid=201
+iptables-nft-re  200  10.001000: sched:sched_process_exec: filename=/usr/sbin/iptables-nft-restore pid=200 old_pid=200
+iptables-nft-re  200  10.004000: sched:sched_process_exit: comm=iptables-nft-re pid=200 prio=120 group_dead=true
+install-cni  201  10.005000: sched:sched_process_exit: comm=install-cni pid=201 prio=120 group_dead=false
+ipset  300  10.006000: sched:sched_process_exec: filename=/usr/sbin/ipset pid=300 old_pid=300
+ipset  300  10.007000: sched:sched_process_exit: comm=ipset pid=300 prio=120 group_dead=true
+garbage line
+`
+	got := childTimes([]byte(script))
+	c, ok := got["iptables-nft-restore"]
+	if len(got) != 1 || !ok || c.Count != 1 || c.TotalMs < 3.99 || c.TotalMs > 4.01 {
+		t.Errorf("child times %+v", got)
 	}
 }

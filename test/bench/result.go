@@ -61,6 +61,9 @@ type BackendResult struct {
 	// RSSPodsMB is VmRSS right after RSSPods running pods were enrolled.
 	RSSPodsMB float64 `json:"rssPodsMiB,omitempty"`
 	RSSPods   int     `json:"rssPods,omitempty"`
+	// MemoryIdle and MemoryPods break the two RSS figures down.
+	MemoryIdle Memory `json:"memoryIdle"`
+	MemoryPods Memory `json:"memoryPods"`
 	// KubeClientQPS and KubeClientBurst are the client-side rate limit the
 	// agent ran with (AgentEnv, else install-cni's default).
 	KubeClientQPS   float64 `json:"kubeClientQPS"`
@@ -95,7 +98,9 @@ type Latency struct {
 	OwnCPUMsPerPod float64        `json:"ownCpuMsPerPod"`
 	APIPerPod      float64        `json:"apiRequestsPerPod"`
 	APIRequests    map[string]int `json:"apiRequests"`
-	WindowSeconds  float64        `json:"windowSeconds"`
+	// APIServerMs is the API server's mean time per agent request.
+	APIServerMs   float64 `json:"apiServerMeanMs"`
+	WindowSeconds float64 `json:"windowSeconds"`
 	// ChainedMs and ChainMs are every sample, with and without our plugin.
 	ChainedMs []float64 `json:"chainedMs"`
 	ChainMs   []float64 `json:"chainMs"`
@@ -109,6 +114,7 @@ type Enroll struct {
 	CPUMsPerPod float64        `json:"cpuMsPerPod"`
 	APIPerPod   float64        `json:"apiRequestsPerPod"`
 	APIRequests map[string]int `json:"apiRequests"`
+	APIServerMs float64        `json:"apiServerMeanMs"`
 	// APIPerSecond is the agent's request rate over the flip: at the
 	// client-side limit, throttling is what bounds the enrollment.
 	APIPerSecond float64 `json:"apiRequestsPerSecond"`

@@ -15,6 +15,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -64,7 +65,7 @@ func (o Options) sizes() sizes {
 	if o.Quick {
 		return sizes{seq: 3, conc: 8, enroll: []int{4, 12}, execRuns: 10}
 	}
-	return sizes{seq: 60, conc: 64, enroll: []int{100, 500}, execRuns: 100}
+	return sizes{seq: 100, conc: 96, enroll: []int{100, 500}, execRuns: 100}
 }
 
 const (
@@ -309,11 +310,10 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 	if err := sleep(ctx, 2*time.Second); err != nil {
 		return err
 	}
-	rss, err := ReadRSS(r.agent.pid())
-	if err != nil {
+	if r.res.MemoryIdle, err = r.memory(); err != nil {
 		return err
 	}
-	r.res.RSSIdleMB = float64(rss) / (1 << 20)
+	r.res.RSSIdleMB = r.res.MemoryIdle.RSSMiB
 	r.logf("agent ready (backend %s), idle RSS %.1f MiB", r.res.Detected, r.res.RSSIdleMB)
 
 	pluginLog, err := os.Create(filepath.Join(r.dir, "plugin-stderr.log"))
@@ -401,8 +401,15 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 		flips = append(flips, flip{ns, n})
 	}
 	enrolls := make([]Enroll, len(r.sz.enroll))
+	// Between flips the client's token bucket refills (burst/QPS): a
+	// flip starts with the burst available, as one after a quiet spell
+	// does on a node.
+	refill := time.Duration(float64(cfg.KubeClientBurst) / float64(cfg.KubeClientQPS) * float64(time.Second))
 	for k, f := range flips {
 		if err := r.auditLog.waitQuiet(ctx, time.Second, 2*time.Minute); err != nil {
+			return err
+		}
+		if err := sleep(ctx, refill); err != nil {
 			return err
 		}
 		var stopProfile func() ([]string, error)
@@ -441,16 +448,15 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 		e := Enroll{
 			Pods: f.pods, Seconds: took.Seconds(), MsPerPod: ms(took) / float64(f.pods),
 			CPUMsPerPod: ms(cpu1.Sub(cpu0).Total()) / float64(f.pods),
-			APIPerPod:   float64(len(reqs)) / float64(f.pods), APIRequests: summarize(reqs),
+			APIPerPod:   float64(len(reqs)) / float64(f.pods), APIRequests: summarize(reqs), APIServerMs: meanServerMs(reqs),
 			APIPerSecond: float64(len(reqs)) / took.Seconds(), Running: len(running),
 		}
 		r.logf("enrolled %d running pods in %.2f s (%.1f ms per pod, %.2f API requests per pod)", f.pods, e.Seconds, e.MsPerPod, e.APIPerPod)
 		if k == 0 {
-			rss, err := ReadRSS(r.agent.pid())
-			if err != nil {
+			if r.res.MemoryPods, err = r.memory(); err != nil {
 				return err
 			}
-			r.res.RSSPodsMB, r.res.RSSPods = float64(rss)/(1<<20), f.pods
+			r.res.RSSPodsMB, r.res.RSSPods = r.res.MemoryPods.RSSMiB, f.pods
 		}
 		enrolls[order[k]] = e
 	}
@@ -470,7 +476,6 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 		start      time.Time
 		took       time.Duration
 		add0, add1 histogram
-		files      []string
 	}
 	windows := map[string]*window{}
 	profiling := r.o.Profile && kind == "ambient" && c == 1
@@ -482,8 +487,8 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 			windows[op] = w
 			var stopProfile func() ([]string, error)
 			var err error
-			if profiling && op == "ADD" {
-				if stopProfile, err = r.profile("ambient-add-seq"); err != nil {
+			if profiling {
+				if stopProfile, err = r.profile("ambient-" + strings.ToLower(op) + "-seq"); err != nil {
 					return func() error { return err }
 				}
 			}
@@ -529,7 +534,7 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 			P50Ms: ms(quantile(s.chained, .5)), P99Ms: ms(quantile(s.chained, .99)),
 			CPUMsPerPod:    ms(w.cpu1.Sub(w.cpu0).Total()) / float64(n),
 			OwnCPUMsPerPod: ms(w.cpu1.Sub(w.cpu0).Own) / float64(n),
-			APIPerPod:      float64(len(w.reqs)) / float64(n), APIRequests: summarize(w.reqs),
+			APIPerPod:      float64(len(w.reqs)) / float64(n), APIRequests: summarize(w.reqs), APIServerMs: meanServerMs(w.reqs),
 			WindowSeconds: w.took.Seconds(), ChainedMs: msList(s.chained), ChainMs: msList(s.primary),
 		}
 		l.DeltaP50Ms, l.DeltaP99Ms = l.P50Ms-l.ChainP50Ms, l.P99Ms-l.ChainP99Ms
@@ -593,7 +598,8 @@ func (r *backendRun) profile(phase string) (func() ([]string, error), error) {
 	}
 	base := filepath.Join(r.o.ProfileDir, fmt.Sprintf("profile-%s-%s", r.backend.Name, phase))
 	data := base + ".perf.data"
-	cmd := exec.Command("perf", "record", "-q", "-g", "-F", "499", "-e", "cpu-clock", "-e", "sched:sched_process_exec",
+	cmd := exec.Command("perf", "record", "-q", "-g", "-F", "499", "-e", "cpu-clock",
+		"-e", "sched:sched_process_fork", "-e", "sched:sched_process_exec", "-e", "sched:sched_process_exit",
 		"-p", strconv.Itoa(r.agent.pid()), "-o", data)
 	cmd.Stdout, cmd.Stderr = io.Discard, io.Discard
 	if err := cmd.Start(); err != nil {
@@ -620,25 +626,122 @@ func (r *backendRun) profile(phase string) (func() ([]string, error), error) {
 			}
 			files = append(files, path)
 		}
-		// Exec counts: one sched_process_exec sample per exec.
-		out, err := exec.Command("perf", "script", "-i", data, "-F", "comm,event").Output()
+		// Children: fork to exit of every process that exec'd, by program.
+		out, err := exec.Command("perf", "script", "-i", data, "-F", "comm,pid,time,event,trace").Output()
 		if err != nil {
 			return files, fmt.Errorf("perf script: %w", err)
 		}
-		counts := map[string]int{}
-		sc := bufio.NewScanner(bytes.NewReader(out))
-		for sc.Scan() {
-			if f := strings.Fields(sc.Text()); len(f) >= 2 && strings.HasPrefix(f[len(f)-1], "sched:sched_process_exec") {
-				counts[strings.Join(f[:len(f)-1], " ")]++
-			}
-		}
-		b, _ := json.MarshalIndent(counts, "", "  ")
-		path := base + "-execs.json"
+		b, _ := json.MarshalIndent(childTimes(out), "", "  ")
+		path := base + "-children.json"
 		if err := os.WriteFile(path, b, 0o644); err != nil {
 			return files, err
 		}
 		return append(files, path), os.Remove(data)
 	}, nil
+}
+
+// ChildTime sums the wall time (fork to exit) of the agent's children
+// that ran one program.
+type ChildTime struct {
+	Count   int     `json:"count"`
+	TotalMs float64 `json:"totalMs"`
+	MeanMs  float64 `json:"meanMs"`
+}
+
+// childTimes reads `perf script -F comm,pid,time,event,trace` output of
+// sched_process_fork/exec/exit events.
+func childTimes(script []byte) map[string]ChildTime {
+	forked := map[string]float64{}
+	prog := map[string]string{}
+	out := map[string]ChildTime{}
+	field := func(f []string, key string) string {
+		for _, kv := range f {
+			if v, ok := strings.CutPrefix(kv, key+"="); ok {
+				return v
+			}
+		}
+		return ""
+	}
+	sc := bufio.NewScanner(bytes.NewReader(script))
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		i := slices.IndexFunc(f, func(s string) bool { return strings.HasPrefix(s, "sched:") })
+		if i < 1 {
+			continue
+		}
+		t, err := strconv.ParseFloat(strings.TrimSuffix(f[i-1], ":"), 64)
+		if err != nil {
+			continue
+		}
+		switch f[i] {
+		case "sched:sched_process_fork:":
+			forked[field(f, "child_pid")] = t
+		case "sched:sched_process_exec:":
+			prog[field(f, "pid")] = filepath.Base(field(f, "filename"))
+		case "sched:sched_process_exit:":
+			pid := field(f, "pid")
+			name, ok := prog[pid]
+			start, forkSeen := forked[pid]
+			if !ok || !forkSeen {
+				continue
+			}
+			c := out[name]
+			c.Count++
+			c.TotalMs += 1000 * (t - start)
+			c.MeanMs = c.TotalMs / float64(c.Count)
+			out[name] = c
+			delete(prog, pid)
+		}
+	}
+	return out
+}
+
+// Memory is a breakdown of the agent's memory from its Go runtime metrics.
+type Memory struct {
+	RSSMiB       float64 `json:"rssMiB"`
+	HeapInuseMiB float64 `json:"heapInuseMiB"`
+	StackMiB     float64 `json:"stackInuseMiB"`
+	GoSysMiB     float64 `json:"goSysMiB"`
+	Goroutines   int     `json:"goroutines"`
+}
+
+// memory reads VmRSS and the Go runtime's view from /metrics.
+func (r *backendRun) memory() (Memory, error) {
+	rss, err := ReadRSS(r.agent.pid())
+	if err != nil {
+		return Memory{}, err
+	}
+	m := Memory{RSSMiB: float64(rss) / (1 << 20)}
+	vals, err := scrape(r.health, "go_memstats_heap_inuse_bytes", "go_memstats_stack_inuse_bytes", "go_memstats_sys_bytes", "go_goroutines")
+	if err != nil {
+		return m, nil // RSS is the figure; the breakdown is a bonus
+	}
+	m.HeapInuseMiB = vals["go_memstats_heap_inuse_bytes"] / (1 << 20)
+	m.StackMiB = vals["go_memstats_stack_inuse_bytes"] / (1 << 20)
+	m.GoSysMiB = vals["go_memstats_sys_bytes"] / (1 << 20)
+	m.Goroutines = int(vals["go_goroutines"])
+	return m, nil
+}
+
+// scrape reads unlabelled samples of the agent's /metrics.
+func scrape(base string, names ...string) (map[string]float64, error) {
+	resp, err := (&http.Client{Timeout: 5 * time.Second}).Get(base + "/metrics")
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	out := map[string]float64{}
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		if len(f) != 2 || !slices.Contains(names, f[0]) {
+			continue
+		}
+		if v, err := strconv.ParseFloat(f[1], 64); err == nil {
+			out[f[0]] = v
+		}
+	}
+	return out, sc.Err()
 }
 
 // histogram is a Prometheus histogram's sum and count.
@@ -647,30 +750,8 @@ type histogram struct{ sum, count float64 }
 // scrapeAddHistogram reads ambient_cni_cni_add_duration_seconds from the
 // agent's /metrics.
 func scrapeAddHistogram(base string) (histogram, error) {
-	resp, err := (&http.Client{Timeout: 5 * time.Second}).Get(base + "/metrics")
-	if err != nil {
-		return histogram{}, err
-	}
-	defer resp.Body.Close()
-	var h histogram
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		f := strings.Fields(sc.Text())
-		if len(f) != 2 {
-			continue
-		}
-		v, err := strconv.ParseFloat(f[1], 64)
-		if err != nil {
-			continue
-		}
-		switch f[0] {
-		case "ambient_cni_cni_add_duration_seconds_sum":
-			h.sum = v
-		case "ambient_cni_cni_add_duration_seconds_count":
-			h.count = v
-		}
-	}
-	return h, sc.Err()
+	v, err := scrape(base, "ambient_cni_cni_add_duration_seconds_sum", "ambient_cni_cni_add_duration_seconds_count")
+	return histogram{sum: v["ambient_cni_cni_add_duration_seconds_sum"], count: v["ambient_cni_cni_add_duration_seconds_count"]}, err
 }
 
 // pluginFigures measures the plugin binary: size, and the wall time of an
