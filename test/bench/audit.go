@@ -3,7 +3,6 @@ package bench
 import (
 	"bufio"
 	"bytes"
-	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -173,37 +172,6 @@ func (a *auditLog) since(mark int) []APIRequest {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return append([]APIRequest(nil), a.reqs[mark:]...)
-}
-
-// waitQuiet polls until the agent has made no request for quiet (work it
-// does after a CNI call returns, such as a status annotation written off
-// the ADD's critical path, belongs to the phase that caused it), or until
-// limit passes.
-func (a *auditLog) waitQuiet(ctx context.Context, quiet, limit time.Duration) error {
-	deadline := time.Now().Add(limit)
-	last, err := a.mark()
-	if err != nil {
-		return err
-	}
-	lastChange := time.Now()
-	for time.Since(lastChange) < quiet {
-		if time.Now().After(deadline) {
-			return fmt.Errorf("the agent kept calling the API server for %v", limit)
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(100 * time.Millisecond):
-		}
-		n, err := a.mark()
-		if err != nil {
-			return err
-		}
-		if n != last {
-			last, lastChange = n, time.Now()
-		}
-	}
-	return nil
 }
 
 // meanServerMs is the API server's mean time per request.

@@ -406,7 +406,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 	// does on a node.
 	refill := time.Duration(float64(cfg.KubeClientBurst) / float64(cfg.KubeClientQPS) * float64(time.Second))
 	for k, f := range flips {
-		if err := r.auditLog.waitQuiet(ctx, time.Second, 2*time.Minute); err != nil {
+		if err := r.settle(ctx); err != nil {
 			return err
 		}
 		if err := sleep(ctx, refill); err != nil {
@@ -430,7 +430,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 		if err != nil {
 			return fmt.Errorf("enroll %d running pods: %w", f.pods, err)
 		}
-		if err := r.auditLog.waitQuiet(ctx, time.Second, 2*time.Minute); err != nil {
+		if err := r.settle(ctx); err != nil {
 			return err
 		}
 		cpu1, err := ReadCPU(r.agent.pid())
@@ -481,7 +481,7 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 	profiling := r.o.Profile && kind == "ambient" && c == 1
 	lr := &latencyRun{
 		client: r.client, cni: cni, chained: chained, primary: primary, node: node, namespace: ns, pods: n, concurrency: c,
-		settle: func(ctx context.Context) error { return r.auditLog.waitQuiet(ctx, time.Second, 2*time.Minute) },
+		settle: func(ctx context.Context) error { return r.settle(ctx) },
 		window: func(op string) func() error {
 			w := &window{start: time.Now()}
 			windows[op] = w
@@ -549,6 +549,42 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 		}
 	}
 	return nil
+}
+
+// settle waits until the agent is idle: no API request and under 20 ms
+// of CPU (its own and its children's) for a whole second. Work the agent
+// does after a CNI call returned, or in reaction to an informer event (an
+// annotation written off the critical path, rules removed when a pod is
+// deleted), is then done and counted in the phase that caused it.
+func (r *backendRun) settle(ctx context.Context) error {
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		n0, err := r.auditLog.mark()
+		if err != nil {
+			return err
+		}
+		c0, err := ReadCPU(r.agent.pid())
+		if err != nil {
+			return err
+		}
+		if err := sleep(ctx, time.Second); err != nil {
+			return err
+		}
+		n1, err := r.auditLog.mark()
+		if err != nil {
+			return err
+		}
+		c1, err := ReadCPU(r.agent.pid())
+		if err != nil {
+			return err
+		}
+		if n1 == n0 && c1.Sub(c0).Total() < 20*time.Millisecond {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return errors.New("the agent stayed busy for 2 minutes")
+		}
+	}
 }
 
 // waitReady waits for the agent's /readyz.
