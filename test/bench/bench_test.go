@@ -135,12 +135,12 @@ func TestParseStatAndRSS(t *testing.T) {
 			t.Errorf("parseStat(%q): want an error", bad)
 		}
 	}
-	if n, err := parseRSS([]byte("Name:\tx\nVmRSS:\t  1024 kB\n")); err != nil || n != 1<<20 {
-		t.Errorf("parseRSS = %d, %v", n, err)
+	if m, err := parseStatus([]byte("Name:\tx\nVmRSS:\t  1024 kB\nRssFile:\t2 kB\n"), "VmRSS", "RssFile"); err != nil || m["VmRSS"] != 1<<20 || m["RssFile"] != 2048 {
+		t.Errorf("parseStatus = %v, %v", m, err)
 	}
 	for _, bad := range []string{"", "VmRSS: lots kB\n", "VmRSS: -5 kB\n"} {
-		if _, err := parseRSS([]byte(bad)); err == nil {
-			t.Errorf("parseRSS(%q): want an error", bad)
+		if _, err := parseStatus([]byte(bad), "VmRSS"); err == nil {
+			t.Errorf("parseStatus(%q): want an error", bad)
 		}
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -131,26 +132,35 @@ func parseStat(b []byte) (CPUTimes, error) {
 	return CPUTimes{Own: time.Duration(v[0]+v[1]) * tick, Children: time.Duration(v[2]+v[3]) * tick}, nil
 }
 
-// ReadRSS returns VmRSS of pid in bytes.
-func ReadRSS(pid int) (int64, error) {
+// ReadStatus returns kB fields of /proc/<pid>/status (VmRSS, RssAnon,
+// RssFile, ...) in bytes.
+func ReadStatus(pid int, fields ...string) (map[string]int64, error) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
-	return parseRSS(b)
+	return parseStatus(b, fields...)
 }
 
-func parseRSS(b []byte) (int64, error) {
+func parseStatus(b []byte, fields ...string) (map[string]int64, error) {
+	out := map[string]int64{}
 	for l := range strings.SplitSeq(string(b), "\n") {
-		if v, ok := strings.CutPrefix(l, "VmRSS:"); ok {
-			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
-			if err != nil || kb < 0 {
-				return 0, fmt.Errorf("VmRSS %q", v)
-			}
-			return kb * 1024, nil
+		name, v, ok := strings.Cut(l, ":")
+		if !ok || !slices.Contains(fields, name) {
+			continue
+		}
+		kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+		if err != nil || kb < 0 {
+			return nil, fmt.Errorf("%s %q", name, v)
+		}
+		out[name] = kb * 1024
+	}
+	for _, f := range fields {
+		if _, ok := out[f]; !ok {
+			return nil, fmt.Errorf("no %s in status", f)
 		}
 	}
-	return 0, fmt.Errorf("no VmRSS in status")
+	return out, nil
 }
 
 // LoadAvg returns the 1, 5 and 15 minute load averages.

@@ -734,7 +734,11 @@ func childTimes(script []byte) map[string]ChildTime {
 
 // Memory is a breakdown of the agent's memory from its Go runtime metrics.
 type Memory struct {
-	RSSMiB       float64 `json:"rssMiB"`
+	RSSMiB float64 `json:"rssMiB"`
+	// AnonMiB is private memory; FileMiB is the binary's (and libraries')
+	// pages mapped from files.
+	AnonMiB      float64 `json:"rssAnonMiB"`
+	FileMiB      float64 `json:"rssFileMiB"`
 	HeapInuseMiB float64 `json:"heapInuseMiB"`
 	StackMiB     float64 `json:"stackInuseMiB"`
 	GoSysMiB     float64 `json:"goSysMiB"`
@@ -743,11 +747,13 @@ type Memory struct {
 
 // memory reads VmRSS and the Go runtime's view from /metrics.
 func (r *backendRun) memory() (Memory, error) {
-	rss, err := ReadRSS(r.agent.pid())
+	st, err := ReadStatus(r.agent.pid(), "VmRSS", "RssAnon", "RssFile")
 	if err != nil {
 		return Memory{}, err
 	}
-	m := Memory{RSSMiB: float64(rss) / (1 << 20)}
+	m := Memory{
+		RSSMiB: float64(st["VmRSS"]) / (1 << 20), AnonMiB: float64(st["RssAnon"]) / (1 << 20), FileMiB: float64(st["RssFile"]) / (1 << 20),
+	}
 	vals, err := scrape(r.health, "go_memstats_heap_inuse_bytes", "go_memstats_stack_inuse_bytes", "go_memstats_sys_bytes", "go_goroutines")
 	if err != nil {
 		return m, nil // RSS is the figure; the breakdown is a bonus
