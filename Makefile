@@ -15,7 +15,7 @@ PROTOC        ?= protoc
 TEST_TIMEOUT  ?= 20m
 PLUGIN_LDFLAGS := -s -w
 
-.PHONY: all build tools test test-unit lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: all build tools bench test test-unit lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -28,6 +28,12 @@ build: ## build the plugin and the agent into ./bin
 
 tools: ## build etcd, kube-apiserver and helm from the Go module proxy into the tools cache (minutes the first time, then cached)
 	GO='$(GO)' hack/kube-tools.sh
+
+# Where make bench writes its JSON (gitignored).
+BENCH_OUT     ?= .bench
+
+bench: build tools ## as root: measure the shipped binaries with the chart's defaults, print one table (docs/performance.md); JSON in .bench/; BENCH_QUICK=1 for a smoke run, BENCH_PROFILE=1 to attach perf
+	$(GO) run ./test/bench/cmd/bench -install-cni $(BIN)/install-cni -plugin $(BIN)/ambient-cni -out $(BENCH_OUT)
 
 test: tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures)
 	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...

@@ -226,7 +226,7 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 		ExcludedNamespaces:       []string{"kube-system", "istio-system", "monitoring"},
 		AssumePodLevelEnablement: true, ZtunnelWait: 7 * time.Second, DNSCapture: false, IPTablesBackend: "nft",
 		ProbeSNATv4: netip.MustParseAddr("169.254.7.42"), ProbeSNATv6: netip.MustParseAddr("fd16::42"),
-		HealthAddr: ":15999", LogLevel: "debug",
+		HealthAddr: ":15999", LogLevel: "debug", KubeClientQPS: 12.5, KubeClientBurst: 25,
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("all-values configuration\n got %+v\nwant %+v", got, want)

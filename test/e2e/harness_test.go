@@ -152,28 +152,23 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 
 	n.agentNS = testnet.RandName("agent-", 8)
 	n.agentPod = "ambient-cni-" + testnet.RandName("", 5)
-	_, n.client = env.ServiceAccountClient(t, n.agentNS, agentSA, kubeenv.ShippedRBAC(t))
+	saConfig, _ := env.ServiceAccountClient(t, n.agentNS, agentSA, kubeenv.ShippedRBAC(t))
 
-	args := []string{
-		"--node-name=" + n.Name,
-		"--pod-name=" + n.agentPod,
-		"--pod-namespace=" + n.agentNS,
-		"--cni-bin-dir=" + n.binDir,
-		"--cni-conf-dir=" + n.confDir,
-		"--plugin-binary=" + cnibin.Plugin(t),
-		"--plugin-timeout=20s",
-
-		"--agent-socket=" + filepath.Join(n.dir, "agent", "agent.sock"),
-		"--zds-socket=" + filepath.Join(n.dir, "zt", "ztunnel.sock"),
-		"--health-addr=127.0.0.1:0",
-	}
-	if opts.ZtunnelWait > 0 {
-		args = append(args, "--ztunnel-wait="+opts.ZtunnelWait.String())
-	}
+	args := agentArgs(agentSetup{
+		node: n.Name, pod: n.agentPod, namespace: n.agentNS, dir: n.dir,
+		binDir: n.binDir, confDir: n.confDir, plugin: cnibin.Plugin(t),
+	}, opts)
 	if n.cfg, err = installcni.Parse(args, func(string) string { return "" }, io.Discard); err != nil {
 		t.Fatalf("agent config: %v", err)
 	}
 	n.openRules()
+	// The agent's client is built as install-cni builds it, with the
+	// shipped rate limit; kubeenv's raised QPS is for the test's own
+	// clients (kubesim, assertions) only. requireShippedClient pins it.
+	if n.client, err = kubernetes.NewForConfig(n.cfg.KubeClientConfig(saConfig)); err != nil {
+		t.Fatal(err)
+	}
+	requireShippedClient(t, n.client)
 	if opts.Upgrade {
 		n.createDaemonSet()
 	}
@@ -204,6 +199,49 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 	// reference plugins where cnibin built them.
 	n.kube = kubesim.NewNode(t, env.Client, n.Name, []string{n.binDir, cnibin.Paths(t)[0]}, conf)
 	return n
+}
+
+// agentSetup is what differs per test node: identity and node-local paths.
+type agentSetup struct {
+	node, pod, namespace, dir string
+	binDir, confDir, plugin   string
+}
+
+// agentArgs are the agent's flags on a test node. Everything not named
+// here runs at install-cni's default, which test/deploy keeps equal to the
+// chart's default values; TestHarnessRunsShippedDefaults fails if a flag
+// beyond harnessSettings creeps in.
+func agentArgs(s agentSetup, opts nodeOptions) []string {
+	args := []string{
+		"--node-name=" + s.node,
+		"--pod-name=" + s.pod,
+		"--pod-namespace=" + s.namespace,
+		"--cni-bin-dir=" + s.binDir,
+		"--cni-conf-dir=" + s.confDir,
+		"--plugin-binary=" + s.plugin,
+		"--agent-socket=" + filepath.Join(s.dir, "agent", "agent.sock"),
+		"--zds-socket=" + filepath.Join(s.dir, "zt", "ztunnel.sock"),
+		"--health-addr=127.0.0.1:0",
+	}
+	if opts.ZtunnelWait > 0 {
+		args = append(args, "--ztunnel-wait="+opts.ZtunnelWait.String())
+	}
+	return args
+}
+
+// requireShippedClient fails the test unless the agent's client is rate
+// limited exactly as install-cni's defaults (= the chart's) say: a test
+// environment that raised it hid a 5 pods/s cap once.
+func requireShippedClient(t testing.TB, c kubernetes.Interface) {
+	t.Helper()
+	shipped, err := installcni.Parse([]string{"--node-name=x"}, func(string) string { return "" }, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rl := c.CoreV1().RESTClient().GetRateLimiter()
+	if rl == nil || rl.QPS() != shipped.KubeClientQPS {
+		t.Fatalf("the agent's client is not limited to the shipped %v requests/s (limiter %v)", shipped.KubeClientQPS, rl)
+	}
 }
 
 // createDaemonSet creates the agent's DaemonSet (as admin), which makes

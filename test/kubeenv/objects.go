@@ -161,6 +161,13 @@ func (e *Env) ServiceAccountClient(t testing.TB, namespace, name string, rbacYAM
 	return cfg, cs
 }
 
+// ServiceAccountConfig is ServiceAccountClient for programs (a benchmark
+// running the agent as its own process): it returns the config, or an
+// error instead of failing a test.
+func (e *Env) ServiceAccountConfig(ctx context.Context, namespace, name string, rbacYAML []byte) (*rest.Config, error) {
+	return e.serviceAccountConfig(ctx, namespace, name, rbacYAML)
+}
+
 func (e *Env) serviceAccountConfig(ctx context.Context, namespace, name string, rbacYAML []byte) (*rest.Config, error) {
 	objs, err := ParseObjects(rbacYAML)
 	if err != nil {

@@ -68,8 +68,7 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("kubernetes client config: %w", err)
 	}
-	rc.UserAgent = "ambient-cni/" + cfg.NodeName
-	client, err := kubernetes.NewForConfig(rc)
+	client, err := kubernetes.NewForConfig(cfg.KubeClientConfig(rc))
 	if err != nil {
 		return fmt.Errorf("kubernetes client: %w", err)
 	}

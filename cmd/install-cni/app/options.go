@@ -5,6 +5,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"net/netip"
 	"strconv"
 	"strings"
@@ -34,6 +35,11 @@ const (
 	defaultProcRoot = "/proc"
 	// defaultLogLevel is install-cni's own log level.
 	defaultLogLevel = "info"
+	// defaultKubeClientQPS and defaultKubeClientBurst are the agent's
+	// client-side API rate limit, as Istio's CNI agent's (client-go's own
+	// 5/10 capped the agent at 5 pods/s).
+	defaultKubeClientQPS   = 80
+	defaultKubeClientBurst = 160
 )
 
 // Config is the parsed configuration of install-cni.
@@ -43,6 +49,10 @@ type Config struct {
 	PodNamespace string
 	DaemonSet    string
 	Kubeconfig   string
+	// KubeClientQPS and KubeClientBurst are the API client's client-side
+	// rate limit (client-go's token bucket); KubeClientConfig applies them.
+	KubeClientQPS   float32
+	KubeClientBurst int
 
 	CNIBinDir         string
 	CNIConfDir        string
@@ -119,6 +129,28 @@ func duration(dst func(*Config) *time.Duration) func(*Config, string) error {
 	}
 }
 
+func positiveFloat(dst func(*Config) *float32) func(*Config, string) error {
+	return func(c *Config, v string) error {
+		f, err := strconv.ParseFloat(v, 32)
+		if err != nil || !(f > 0) || math.IsInf(f, 0) {
+			return fmt.Errorf("want a positive number")
+		}
+		*dst(c) = float32(f)
+		return nil
+	}
+}
+
+func positiveInt(dst func(*Config) *int) func(*Config, string) error {
+	return func(c *Config, v string) error {
+		n, err := strconv.Atoi(v)
+		if err != nil || n <= 0 {
+			return fmt.Errorf("want a positive integer")
+		}
+		*dst(c) = n
+		return nil
+	}
+}
+
 func addr(dst func(*Config) *netip.Addr, want6 bool) func(*Config, string) error {
 	return func(c *Config, v string) error {
 		a, err := netip.ParseAddr(v)
@@ -142,6 +174,8 @@ func options() []option {
 		{"pod-namespace", "Namespace of the agent's own pod and DaemonSet.", "", str(func(c *Config) *string { return &c.PodNamespace })},
 		{"daemonset-name", "The agent's DaemonSet; while it exists and is not being deleted, shutdown is an upgrade and the plugin stays installed.", defaultDaemonSet, str(func(c *Config) *string { return &c.DaemonSet })},
 		{"kubeconfig", "Kubeconfig file; empty means in-cluster configuration.", "", str(func(c *Config) *string { return &c.Kubeconfig })},
+		{"kube-client-qps", "Requests per second the agent's Kubernetes client may send on average (client-side limit; ambient ADDs, DELs and enrollments each cost requests). Istio's CNI agent uses 80.", strconv.Itoa(defaultKubeClientQPS), positiveFloat(func(c *Config) *float32 { return &c.KubeClientQPS })},
+		{"kube-client-burst", "Requests the agent's Kubernetes client may send at once above kube-client-qps, e.g. when a namespace label enrolls many running pods. Istio's CNI agent uses 160.", strconv.Itoa(defaultKubeClientBurst), positiveInt(func(c *Config) *int { return &c.KubeClientBurst })},
 		{"cni-bin-dir", "Host CNI binary directory, as mounted in the container.", hostRoot + installer.DefaultBinDir, str(func(c *Config) *string { return &c.CNIBinDir })},
 		{"cni-conf-dir", "Host CNI config directory, as mounted in the container.", hostRoot + installer.DefaultConfDir, str(func(c *Config) *string { return &c.CNIConfDir })},
 		{"cni-conf-name", "Primary CNI config file to chain into; empty picks the runtime's choice (lexically first valid file).", "", str(func(c *Config) *string { return &c.CNIConfName })},

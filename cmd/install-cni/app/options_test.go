@@ -11,6 +11,8 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/google/go-cmp/cmp/cmpopts"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/util/flowcontrol"
 )
 
 func env(m map[string]string) func(string) string {
@@ -114,5 +116,39 @@ func TestDocsUpToDate(t *testing.T) {
 			return
 		}
 		t.Fatalf("%s is out of date; run UPDATE_DOCS=1 go test ./cmd/install-cni/app", path)
+	}
+}
+
+// The client-side rate limit is a setting with a default fit for a node
+// agent (Istio's CNI agent uses QPS 80, burst 160; client-go's own 5/10
+// capped the agent at 5 pods/s), and it reaches the client config.
+func TestKubeClientLimits(t *testing.T) {
+	c, err := Parse([]string{"--node-name=n1"}, env(nil), io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.KubeClientQPS < 80 || c.KubeClientBurst < 160 {
+		t.Errorf("default client limits %v/%d, want at least Istio's 80/160", c.KubeClientQPS, c.KubeClientBurst)
+	}
+	c, err = Parse([]string{"--node-name=n1", "--kube-client-burst=7"}, env(map[string]string{"AMBIENT_KUBE_CLIENT_QPS": "2.5"}), io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := &rest.Config{Host: "https://127.0.0.1:6443", QPS: 500, Burst: 1000, RateLimiter: flowcontrol.NewFakeAlwaysRateLimiter()}
+	rc := c.KubeClientConfig(base)
+	if rc.QPS != 2.5 || rc.Burst != 7 || rc.RateLimiter != nil || rc.UserAgent != "ambient-cni/n1" || rc.Host != base.Host {
+		t.Errorf("client config %+v", rc)
+	}
+	if base.QPS != 500 || base.UserAgent != "" {
+		t.Errorf("base config changed: %+v", base)
+	}
+	for _, bad := range []map[string]string{
+		{"AMBIENT_KUBE_CLIENT_QPS": "0"}, {"AMBIENT_KUBE_CLIENT_QPS": "-1"}, {"AMBIENT_KUBE_CLIENT_QPS": "NaN"},
+		{"AMBIENT_KUBE_CLIENT_QPS": "Inf"}, {"AMBIENT_KUBE_CLIENT_QPS": "1e40"}, {"AMBIENT_KUBE_CLIENT_QPS": "fast"},
+		{"AMBIENT_KUBE_CLIENT_BURST": "0"}, {"AMBIENT_KUBE_CLIENT_BURST": "1.5"}, {"AMBIENT_KUBE_CLIENT_BURST": "-3"},
+	} {
+		if _, err := Parse([]string{"--node-name=n1"}, env(bad), io.Discard); err == nil || !strings.Contains(err.Error(), "positive") {
+			t.Errorf("%v: err = %v, want a refusal", bad, err)
+		}
 	}
 }
