@@ -78,7 +78,7 @@ func info(p string, uid, sandbox string) PodInfo {
 
 func TestEnrollAndRemove(t *testing.T) {
 	h := newHarness(t)
-	fds := openFDs(t)
+	fds := testnet.OpenFDs(t)
 	pn := testnet.NewNS(t)
 	h.kube.SetPod(pod("shop", "web", "u1", nil))
 
@@ -125,7 +125,7 @@ func TestEnrollAndRemove(t *testing.T) {
 	if got := h.ann.history("u1"); got != "enabled,enabled," {
 		t.Errorf("annotations %q", got)
 	}
-	if n := openFDs(t); n != fds+1 { // +1: pn's own handle
+	if n := testnet.OpenFDs(t); n != fds+1 { // +1: pn's own handle
 		t.Errorf("open fds %d, want %d: netns handles leaked", n, fds+1)
 	}
 }
@@ -374,7 +374,7 @@ func TestEnrollCyclesLeakNothing(t *testing.T) {
 	pn := testnet.NewNS(t)
 	h.kube.SetPod(pod("shop", "web", "u1", nil))
 	ctx := context.Background()
-	fds := openFDs(t)
+	fds := testnet.OpenFDs(t)
 	for i := range 200 {
 		sb := "sb" + string(rune('a'+i%26))
 		if _, err := h.srv.Add(ctx, info("shop/web", "u1", sb), openNS(t, pn)); err != nil {
@@ -384,7 +384,7 @@ func TestEnrollCyclesLeakNothing(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if n := openFDs(t); n != fds {
+	if n := testnet.OpenFDs(t); n != fds {
 		t.Errorf("open fds %d after 200 add/del cycles, want %d", n, fds)
 	}
 	if len(h.agent.busy) != 0 {

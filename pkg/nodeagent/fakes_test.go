@@ -3,7 +3,6 @@ package nodeagent
 import (
 	"context"
 	"errors"
-	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -174,14 +173,4 @@ func namespace(name string, ambientOn bool) *corev1.Namespace {
 		ns.Labels = map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}
 	}
 	return ns
-}
-
-// openFDs counts the test process's open file descriptors.
-func openFDs(t *testing.T) int {
-	t.Helper()
-	des, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatal(err)
-	}
-	return len(des)
 }

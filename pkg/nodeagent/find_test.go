@@ -2,7 +2,6 @@ package nodeagent
 
 import (
 	"crypto/rand"
-	"fmt"
 	"net"
 	"net/netip"
 	"os"
@@ -126,15 +125,7 @@ func TestAdoptNetnsRejects(t *testing.T) {
 func TestProcFinderHandsOverCheckedNamespace(t *testing.T) {
 	testnet.RequireRoot(t)
 	testnet.RequireCommands(t, "nsenter", "sleep")
-	var hier []string
-	for _, h := range podproc.DefaultHierarchies() {
-		if _, err := os.Stat(filepath.Join(h, "cgroup.procs")); err == nil {
-			hier = append(hier, h)
-		}
-	}
-	if len(hier) == 0 {
-		testnet.Missing(t, fmt.Sprintf("none of the cgroup hierarchies %v is mounted", podproc.DefaultHierarchies()))
-	}
+	hier := podproc.RequireHierarchies(t)
 	var b [3]byte
 	_, _ = rand.Read(b[:])
 	ip := netip.AddrFrom4([4]byte{10, 200 + b[0]%50, b[1], b[2]})
@@ -170,7 +161,7 @@ func TestProcFinderHandsOverCheckedNamespace(t *testing.T) {
 	for _, h := range warm {
 		_ = h.Close()
 	}
-	before := countFDs(t)
+	before := testnet.OpenFDs(t)
 	got, err := f.Find(pods)
 	if err != nil {
 		t.Fatal(err)
@@ -182,20 +173,11 @@ func TestProcFinderHandsOverCheckedNamespace(t *testing.T) {
 	if !h.SameAs(want) {
 		t.Errorf("handle is namespace %d, the pod's is %d", h.ID(), want.ID())
 	}
-	if held := countFDs(t); held != before+1 {
+	if held := testnet.OpenFDs(t); held != before+1 {
 		t.Errorf("holding one handle: %d descriptors open, want %d+1", held, before)
 	}
 	_ = h.Close()
-	if after := countFDs(t); after != before {
+	if after := testnet.OpenFDs(t); after != before {
 		t.Errorf("%d descriptors open after closing the handle, %d before", after, before)
 	}
-}
-
-func countFDs(t *testing.T) int {
-	t.Helper()
-	e, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatal(err)
-	}
-	return len(e)
 }

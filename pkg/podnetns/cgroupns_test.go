@@ -107,15 +107,7 @@ func makeCgroup(t *testing.T, hier []string, rel string) []string {
 func TestFindInPrivateCgroupNamespace(t *testing.T) {
 	testnet.RequireRoot(t)
 	testnet.RequireCommands(t, "nsenter", "sleep", "unshare", "sh")
-	var hier []string
-	for _, h := range podproc.DefaultHierarchies() {
-		if _, err := os.Stat(filepath.Join(h, "cgroup.procs")); err == nil {
-			hier = append(hier, h)
-		}
-	}
-	if len(hier) == 0 {
-		testnet.Missing(t, fmt.Sprintf("none of the cgroup hierarchies %v is mounted", podproc.DefaultHierarchies()))
-	}
+	hier := podproc.RequireHierarchies(t)
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)

@@ -76,15 +76,6 @@ func netnsOf(t *testing.T, path string) Netns {
 	return Netns{Dev: st.Dev, Ino: st.Ino}
 }
 
-func openFDs(t *testing.T) int {
-	t.Helper()
-	e, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatal(err)
-	}
-	return len(e)
-}
-
 func TestFindHoldsCheckedNamespaces(t *testing.T) {
 	testnet.RequireRoot(t)
 	testnet.RequireCommands(t, "nsenter", "sleep")
@@ -110,7 +101,7 @@ func TestFindHoldsCheckedNamespaces(t *testing.T) {
 	// Warm up whatever the runtime opens once (netlink, epoll) before
 	// counting descriptors.
 	findAndClose(t, s, want)
-	before := openFDs(t)
+	before := testnet.OpenFDs(t)
 
 	got, err := s.Find(want)
 	if err != nil {
@@ -120,7 +111,7 @@ func TestFindHoldsCheckedNamespaces(t *testing.T) {
 		CloseAll(got)
 		t.Fatalf("Find found %d pods, want 2: %+v", len(got), got)
 	}
-	if held := openFDs(t); held != before+2 {
+	if held := testnet.OpenFDs(t); held != before+2 {
 		t.Errorf("holding 2 namespaces: %d descriptors open, want %d+2", held, before)
 	}
 	for uid, w := range map[types.UID]struct {
@@ -161,12 +152,12 @@ func TestFindHoldsCheckedNamespaces(t *testing.T) {
 
 	// Stopping the pod released descriptors of its own (the netns handle,
 	// the process's pidfd): count again before closing what Find returned.
-	holding := openFDs(t)
+	holding := testnet.OpenFDs(t)
 	CloseAll(got)
-	if after := openFDs(t); after != holding-2 {
+	if after := testnet.OpenFDs(t); after != holding-2 {
 		t.Errorf("closing the 2 namespaces Find returned: %d descriptors open, want %d-2", after, holding)
 	}
-	t.Logf("descriptors: %d before Find, %d while holding 2 (%d after the pod stopped), %d after closing them", before, before+2, holding, openFDs(t))
+	t.Logf("descriptors: %d before Find, %d while holding 2 (%d after the pod stopped), %d after closing them", before, before+2, holding, testnet.OpenFDs(t))
 }
 
 // TestFindLeaksNothing repeats Find over found and not-found pods and
@@ -196,7 +187,7 @@ func TestFindLeaksNothing(t *testing.T) {
 		{"mixed", map[types.UID][]netip.Addr{found: {ip}, wrongIP: {randIP()}, hostPod: {randIP()}}, 1},
 	} {
 		findAndClose(t, s, c.pods)
-		before := openFDs(t)
+		before := testnet.OpenFDs(t)
 		for range 20 {
 			got, err := s.Find(c.pods)
 			if err != nil {
@@ -207,10 +198,10 @@ func TestFindLeaksNothing(t *testing.T) {
 			}
 			CloseAll(got)
 		}
-		if after := openFDs(t); after != before {
+		if after := testnet.OpenFDs(t); after != before {
 			t.Errorf("%s: %d descriptors open after 20 scans, %d before", c.name, after, before)
 		}
-		t.Logf("%s: %d descriptors before and %d after 20 scans", c.name, before, openFDs(t))
+		t.Logf("%s: %d descriptors before and %d after 20 scans", c.name, before, testnet.OpenFDs(t))
 	}
 }
 

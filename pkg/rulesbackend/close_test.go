@@ -2,21 +2,11 @@ package rulesbackend
 
 import (
 	"net/netip"
-	"os"
 	"testing"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
-
-func openFDs(t *testing.T) int {
-	t.Helper()
-	e, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatal(err)
-	}
-	return len(e)
-}
 
 // TestCloseReleasesConnections: the nftables host probe keeps a netlink
 // connection between calls, and the appliers close some connections in the
@@ -55,15 +45,15 @@ func TestCloseReleasesConnections(t *testing.T) {
 	if err := b.Close(); err != nil {
 		t.Fatal(err)
 	}
-	before := openFDs(t)
+	before := testnet.OpenFDs(t)
 	use()
-	if held := openFDs(t); held <= before {
+	if held := testnet.OpenFDs(t); held <= before {
 		t.Fatalf("%d descriptors open while in use, %d before: the backend held nothing, so this test proves nothing", held, before)
 	}
 	if err := b.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if after := openFDs(t); after != before {
+	if after := testnet.OpenFDs(t); after != before {
 		t.Errorf("%d descriptors open after Close, %d before use", after, before)
 	}
 }

@@ -245,15 +245,6 @@ func inode(t testing.TB, fd int) uint64 {
 	return st.Ino
 }
 
-func openFDs(t testing.TB) int {
-	t.Helper()
-	ents, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatalf("read /proc/self/fd: %v", err)
-	}
-	return len(ents)
-}
-
 // goroutines lets the GC and finalizers run first, so an fd count taken
 // right after it only sees files that are really held.
 func goroutines() int {

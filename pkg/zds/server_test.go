@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/test/poll"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 
 	"github.com/google/go-cmp/cmp"
 
@@ -548,7 +549,7 @@ func TestNoLeaksAcrossAddDelAndReconnects(t *testing.T) {
 	waitWarm()
 	poll.Until(t, "warm-up conn gone", func() bool { return s.Connections() == 0 })
 
-	g0, fds0 := goroutines(), openFDs(t)
+	g0, fds0 := goroutines(), testnet.OpenFDs(t)
 	p := dialPeer(t, s)
 	p.handshake()
 	wait := p.autoAck(nil)
@@ -579,7 +580,7 @@ func TestNoLeaksAcrossAddDelAndReconnects(t *testing.T) {
 	poll.Until(t, "connections gone", func() bool { return s.Connections() == 0 })
 	var fds1, g1 int
 	poll.Until(t, "fds and goroutines back to where they started", func() bool {
-		g1, fds1 = goroutines(), openFDs(t)
+		g1, fds1 = goroutines(), testnet.OpenFDs(t)
 		return fds1 <= fds0 && g1 <= g0
 	})
 	t.Logf("fds %d -> %d, goroutines %d -> %d", fds0, fds1, g0, g1)

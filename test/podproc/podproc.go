@@ -16,7 +16,10 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"testing"
 	"time"
+
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
 // Driver is a kubelet cgroup driver layout.
@@ -48,6 +51,22 @@ const (
 // /proc/<pid>/cgroup. Missing mounts are skipped.
 func DefaultHierarchies() []string {
 	return []string{"/sys/fs/cgroup/pids", "/sys/fs/cgroup/unified"}
+}
+
+// RequireHierarchies returns the DefaultHierarchies that are mounted, and
+// skips the test (fails it under CI) when none is.
+func RequireHierarchies(t testing.TB) []string {
+	t.Helper()
+	var hier []string
+	for _, h := range DefaultHierarchies() {
+		if _, err := os.Stat(filepath.Join(h, "cgroup.procs")); err == nil {
+			hier = append(hier, h)
+		}
+	}
+	if len(hier) == 0 {
+		testnet.Missing(t, fmt.Sprintf("none of the cgroup hierarchies %v is mounted", DefaultHierarchies()))
+	}
+	return hier
 }
 
 // Sandbox is a running pod process.

@@ -50,6 +50,17 @@ func RequireCommands(t testing.TB, cmds ...string) {
 	}
 }
 
+// OpenFDs counts the test process's open file descriptors, for tests that
+// check a component closes what it opened.
+func OpenFDs(t testing.TB) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
+}
+
 // RandName returns prefix followed by n random hex characters, for names
 // that must not collide across parallel test runs (interface names are
 // limited to 15 bytes).

@@ -82,7 +82,7 @@ func TestNoLeaksWithStandIn(t *testing.T) {
 	z, stop := runStandInStoppable(t, Config{SocketPath: ag.srv.SocketPath()}, Faults{})
 	waitFor(t, z, "ready", z.Ready)
 	cycle() // warm-up: lazily created runtime state is not a leak
-	g0, fds0 := countGoroutines(), countFDs(t)
+	g0, fds0 := countGoroutines(), testnet.OpenFDs(t)
 	for range 1000 {
 		cycle()
 	}
@@ -91,7 +91,7 @@ func TestNoLeaksWithStandIn(t *testing.T) {
 	}
 	var fds1, g1 int
 	poll.Until(t, "fds and goroutines back after 1000 cycles", func() bool {
-		g1, fds1 = countGoroutines(), countFDs(t)
+		g1, fds1 = countGoroutines(), testnet.OpenFDs(t)
 		return fds1 <= fds0 && g1 <= g0
 	})
 	t.Logf("1000 add/del cycles: fds %d -> %d, goroutines %d -> %d", fds0, fds1, g0, g1)
@@ -99,7 +99,7 @@ func TestNoLeaksWithStandIn(t *testing.T) {
 	// ztunnels come and go: the stand-in stopped and started 20 times.
 	stop()
 	poll.Until(t, "no connections", func() bool { return ag.srv.Connections() == 0 })
-	g0, fds0 = countGoroutines(), countFDs(t)
+	g0, fds0 = countGoroutines(), testnet.OpenFDs(t)
 	for range 20 {
 		z, stop := runStandInStoppable(t, Config{SocketPath: ag.srv.SocketPath()}, Faults{})
 		waitFor(t, z, "ready", z.Ready)
@@ -107,19 +107,10 @@ func TestNoLeaksWithStandIn(t *testing.T) {
 		stop()
 	}
 	poll.Until(t, "fds and goroutines back after restarts", func() bool {
-		g1, fds1 = countGoroutines(), countFDs(t)
+		g1, fds1 = countGoroutines(), testnet.OpenFDs(t)
 		return ag.srv.Connections() == 0 && fds1 <= fds0 && g1 <= g0
 	})
 	t.Logf("20 ztunnel restarts: fds %d -> %d, goroutines %d -> %d", fds0, fds1, g0, g1)
-}
-
-func countFDs(t *testing.T) int {
-	t.Helper()
-	ents, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatal(err)
-	}
-	return len(ents)
 }
 
 // countGoroutines first lets the GC and finalizers run, so files that
