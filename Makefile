@@ -19,7 +19,7 @@ E2E_TIMEOUT   ?= 30m
 KEEP          ?=
 PLUGIN_LDFLAGS := -s -w
 
-.PHONY: all build tools node-tools test test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: all build tools node-tools bench test test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -35,6 +35,12 @@ tools: ## build etcd, kube-apiserver and helm from the Go module proxy into the 
 
 node-tools: ## build everything a real node needs: kubelet, kube-controller-manager, kube-scheduler, crictl, CNI plugins, the image's Debian rootfs (cached)
 	GO='$(GO)' hack/kube-tools.sh node
+
+# Where make bench writes its JSON (gitignored).
+BENCH_OUT     ?= .bench
+
+bench: build tools ## as root: measure the shipped binaries with the chart's defaults, print one table (docs/performance.md); JSON in .bench/; BENCH_QUICK=1 for a smoke run, BENCH_PROFILE=1 to attach perf
+	$(GO) run ./test/bench/cmd/bench -install-cni $(BIN)/install-cni -plugin $(BIN)/ambient-cni -out $(BENCH_OUT)
 
 test: tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures)
 	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...
@@ -71,8 +77,8 @@ $(STATICCHECK):
 	GOBIN=$(dir $(STATICCHECK)) $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
 
 generate: $(PROTOC_GEN_GO) ## regenerate committed protobuf Go code (needs protoc: Debian protobuf-compiler)
-	$(PROTOC) --plugin=protoc-gen-go=$(PROTOC_GEN_GO) -I pkg/zds/zdspb \
-		--go_out=pkg/zds/zdspb --go_opt=paths=source_relative pkg/zds/zdspb/zds.proto
+	$(PROTOC) --plugin=protoc-gen-go=$(PROTOC_GEN_GO) -I pkg/ambient/zdspb \
+		--go_out=pkg/ambient/zdspb --go_opt=paths=source_relative pkg/ambient/zdspb/zds.proto
 
 # The chart is the source; the manifest is its helm template output. The
 # release name, namespace and header live in one place: test/deploy, whose

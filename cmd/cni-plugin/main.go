@@ -1,5 +1,6 @@
-// Command cni-plugin is the thin chained CNI plugin: it hands each pod to
-// the ambient node agent. All logic lives in pkg/plugin.
+// Command cni-plugin is the thin chained CNI plugin the container runtime
+// execs for every pod; it hands each pod to the ambient node agent. All its
+// logic lives in pkg/plugin.
 package main
 
 import (

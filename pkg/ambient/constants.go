@@ -1,10 +1,17 @@
-// Package ambient holds the contract shared by the CNI plugin and the node
-// agent: Kubernetes label and annotation keys, ztunnel ports, packet marks and
-// the plugin↔agent wire types. The enablement policy, which needs the
-// Kubernetes API types, is in the enablement subpackage.
+// Package ambient is the contract between the CNI plugin and the node
+// agent, and with Istio: Kubernetes label and annotation keys, ztunnel
+// ports, packet marks and default node paths; the plugin↔agent wire types
+// with the strict decoders the agent accepts requests through and the
+// client the plugin sends them with; and the plugin's conflist entry
+// (PluginConf), which the installer writes and the plugin reads. The plugin
+// binary and the agent both import it, so it needs only the standard
+// library. The enablement policy (Kubernetes API types) is in the
+// enablement subpackage, the files the plugin and agent share on the node
+// in nodefiles, the ZDS messages the agent and ztunnel exchange in zdspb.
 //
-// Every value here is an interface fact that the real ztunnel and istiod
-// depend on; change none of them without checking the compatibility spec.
+// Every key, port and mark here is an interface fact that the real ztunnel
+// and istiod depend on; change none of them without checking the
+// compatibility spec.
 package ambient
 
 import "net/netip"
@@ -32,6 +39,10 @@ const (
 	DNSCaptureAnnotation = "ambient.istio.io/dns-capture"
 	// BypassInboundCaptureAnnotation disables inbound redirection when "true".
 	BypassInboundCaptureAnnotation = "ambient.istio.io/bypass-inbound-capture"
+	// RerouteVirtualInterfacesAnnotation lists (comma-separated) the pod's
+	// virtual interfaces (KubeVirt's bridge, say) whose incoming TCP is
+	// redirected as outbound traffic.
+	RerouteVirtualInterfacesAnnotation = "istio.io/reroute-virtual-interfaces"
 
 	// DefaultExcludedNamespace is never enrolled unless configured otherwise.
 	DefaultExcludedNamespace = "kube-system"
@@ -77,8 +88,7 @@ var (
 const (
 	// DefaultZDSSocket is where the agent listens for ztunnel.
 	DefaultZDSSocket = "/var/run/ztunnel/ztunnel.sock"
-	// DefaultAgentSocket is where the agent listens for the CNI plugin.
+	// DefaultAgentSocket is where the agent listens for the CNI plugin;
+	// the files it shares with the plugin live beside it (see nodefiles).
 	DefaultAgentSocket = "/var/run/ambient-cni/agent.sock"
-	// DefaultSnapshotFile holds the enablement snapshot the plugin falls back to.
-	DefaultSnapshotFile = "/var/run/ambient-cni/enablement.json"
 )

@@ -1,12 +1,12 @@
 package ambient
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net/netip"
-	"slices"
-	"time"
 )
 
 // Plugin → agent wire contract: HTTP+JSON over a root-only Unix socket.
@@ -19,6 +19,8 @@ const (
 	PathGC = "/v1/gc"
 	// MaxRequestBytes caps every request body the agent accepts.
 	MaxRequestBytes = 64 << 10
+	// maxGCIDs bounds a GC request (the body cap bounds it too).
+	maxGCIDs = 4096
 )
 
 // Command is the CNI verb a PodEvent carries.
@@ -162,56 +164,61 @@ func printable(s string) bool {
 	return true
 }
 
-// EnablementSnapshot is what the agent writes next to its socket so the
-// plugin can decide when the agent is unreachable.
-type EnablementSnapshot struct {
-	// Generation increases with every write.
-	Generation int64 `json:"generation"`
-	// EnabledNamespaces are namespaces labelled ambient.
-	EnabledNamespaces []string `json:"enabledNamespaces"`
-	// PodLevelEnablement is true when some pod outside an enabled namespace
-	// carries the ambient label, so any namespace may hold a captured pod.
-	PodLevelEnablement bool `json:"podLevelEnablement"`
-	// ExcludedNamespaces are never captured.
-	ExcludedNamespaces []string `json:"excludedNamespaces"`
-	// Written is when the agent wrote the snapshot.
-	Written time.Time `json:"written"`
+// decodeStrict decodes exactly one JSON value with no unknown fields and
+// nothing after it.
+func decodeStrict(b []byte, v any) error {
+	if len(b) > MaxRequestBytes {
+		return fmt.Errorf("request body exceeds %d bytes", MaxRequestBytes)
+	}
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		return fmt.Errorf("decode request: %w", err)
+	}
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
+		return errors.New("decode request: data after the JSON value")
+	}
+	return nil
 }
 
-// ErrNoSnapshot is returned by ParseSnapshot for empty input.
-var ErrNoSnapshot = errors.New("empty enablement snapshot")
-
-// maxSnapshotBytes bounds the snapshot file the plugin will read.
-const maxSnapshotBytes = 4 << 20
-
-// ParseSnapshot decodes and sanity-checks a snapshot file's contents.
-func ParseSnapshot(b []byte) (*EnablementSnapshot, error) {
-	if len(b) == 0 {
-		return nil, ErrNoSnapshot
+// DecodePodEvent decodes and validates a pod event body: the agent takes
+// requests only through it.
+func DecodePodEvent(b []byte) (*PodEvent, error) {
+	var ev PodEvent
+	if err := decodeStrict(b, &ev); err != nil {
+		return nil, err
 	}
-	if len(b) > maxSnapshotBytes {
-		return nil, fmt.Errorf("enablement snapshot is %d bytes, more than %d", len(b), maxSnapshotBytes)
+	if err := ev.Validate(); err != nil {
+		return nil, fmt.Errorf("invalid pod event: %w", err)
 	}
-	var s EnablementSnapshot
-	if err := json.Unmarshal(b, &s); err != nil {
-		return nil, fmt.Errorf("decode enablement snapshot: %w", err)
-	}
-	if s.Generation <= 0 {
-		return nil, fmt.Errorf("enablement snapshot: generation %d is not positive", s.Generation)
-	}
-	return &s, nil
+	return &ev, nil
 }
 
-// MayNeedCapture is the plugin's fallback rule when the agent is down: a
-// pod in namespace ns may need capture unless ns is excluded, or ns is not
-// enabled and no pod-level enablement is in use anywhere. A nil snapshot
-// (missing or unreadable) means "may need capture": fail closed.
-func (s *EnablementSnapshot) MayNeedCapture(ns string) bool {
-	if s == nil {
-		return true
+// DecodeGCRequest decodes and validates a GC request body: the agent takes
+// requests only through it.
+func DecodeGCRequest(b []byte) (*GCRequest, error) {
+	var req GCRequest
+	if err := decodeStrict(b, &req); err != nil {
+		return nil, err
 	}
-	if slices.Contains(s.ExcludedNamespaces, ns) {
-		return false
+	if err := validateGC(&req); err != nil {
+		return nil, err
 	}
-	return s.PodLevelEnablement || slices.Contains(s.EnabledNamespaces, ns)
+	return &req, nil
+}
+
+func validateGC(req *GCRequest) error {
+	if req.ValidSandboxIDs == nil {
+		return errors.New("validSandboxIDs: required (an empty list means none is valid)")
+	}
+	if len(req.ValidSandboxIDs) > maxGCIDs {
+		return fmt.Errorf("validSandboxIDs: at most %d", maxGCIDs)
+	}
+	for _, id := range req.ValidSandboxIDs {
+		probe := PodEvent{Command: CommandDel, SandboxID: id}
+		if err := probe.Validate(); err != nil {
+			return fmt.Errorf("validSandboxIDs: %w", err)
+		}
+	}
+	return nil
 }

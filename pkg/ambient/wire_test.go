@@ -2,10 +2,10 @@ package ambient
 
 import (
 	"encoding/json"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/ambient-cni/ambient-cni/test/fuzzseed"
 )
 
 func validEvent() PodEvent {
@@ -47,55 +47,47 @@ func TestPodEventValidate(t *testing.T) {
 	}
 }
 
-func TestSnapshotRule(t *testing.T) {
-	var missing *EnablementSnapshot
-	if !missing.MayNeedCapture("shop") {
-		t.Error("missing snapshot must fail closed")
+func TestDecodePodEvent(t *testing.T) {
+	good := `{"command":"ADD","podName":"web","podNamespace":"shop","podUID":"u1","sandboxID":"sb1","netns":"/var/run/netns/x","ips":["10.0.0.1"]}`
+	if ev, err := DecodePodEvent([]byte(good)); err != nil || ev.PodName != "web" {
+		t.Fatalf("good event: %+v, %v", ev, err)
 	}
-	s := &EnablementSnapshot{Generation: 1, EnabledNamespaces: []string{"shop"}, ExcludedNamespaces: []string{"kube-system"}}
-	if !s.MayNeedCapture("shop") || s.MayNeedCapture("other") || s.MayNeedCapture("kube-system") {
-		t.Errorf("namespace rule wrong: %+v", s)
-	}
-	s.PodLevelEnablement = true
-	if !s.MayNeedCapture("other") || s.MayNeedCapture("kube-system") {
-		t.Errorf("pod-level rule wrong: %+v", s)
-	}
-}
-
-func TestParseSnapshot(t *testing.T) {
-	good, _ := json.Marshal(EnablementSnapshot{Generation: 3, EnabledNamespaces: []string{"a"}})
-	if s, err := ParseSnapshot(good); err != nil || s.Generation != 3 {
-		t.Fatalf("ParseSnapshot(good) = %v, %v", s, err)
-	}
-	for name, in := range map[string][]byte{
-		"empty":          nil,
-		"garbage":        []byte("{{{"),
-		"zero gen":       []byte(`{"generation":0}`),
-		"wrong type":     []byte(`{"generation":"1"}`),
-		"huge":           make([]byte, maxSnapshotBytes+1),
-		"negative gen":   []byte(`{"generation":-4}`),
-		"array not obj":  []byte(`[1,2]`),
-		"trailing bytes": []byte(`{"generation":1} x`),
+	for name, in := range map[string]string{
+		"empty":         ``,
+		"null":          `null`,
+		"unknown field": strings.Replace(good, `{`, `{"x":1,`, 1),
+		"trailing":      good + ` 1`,
+		"two objects":   good + good,
+		"invalid":       strings.Replace(good, `"web"`, `"WEB"`, 1),
+		"oversized":     `{"podName":"` + strings.Repeat("a", MaxRequestBytes) + `"}`,
+		"dup command":   strings.Replace(good, `"ADD"`, `"ADD","command":"RM"`, 1),
 	} {
-		if _, err := ParseSnapshot(in); err == nil {
+		if _, err := DecodePodEvent([]byte(in)); err == nil {
 			t.Errorf("%s: accepted", name)
 		}
 	}
 }
 
-func FuzzParseSnapshot(f *testing.F) {
-	addSeeds(f, "FuzzParseSnapshot")
-	f.Add([]byte(`{"generation":1,"enabledNamespaces":["a"],"podLevelEnablement":true}`))
-	f.Fuzz(func(t *testing.T, b []byte) {
-		s, err := ParseSnapshot(b)
-		if err == nil && s.Generation <= 0 {
-			t.Fatalf("accepted generation %d", s.Generation)
+func TestDecodeGCRequest(t *testing.T) {
+	if r, err := DecodeGCRequest([]byte(`{"validSandboxIDs":["a","b"]}`)); err != nil || len(r.ValidSandboxIDs) != 2 {
+		t.Fatalf("good request: %+v, %v", r, err)
+	}
+	many, _ := json.Marshal(GCRequest{ValidSandboxIDs: make([]string, maxGCIDs+1)})
+	for name, in := range map[string]string{
+		"missing list": `{}`,
+		"null list":    `{"validSandboxIDs":null}`,
+		"empty id":     `{"validSandboxIDs":[""]}`,
+		"space in id":  `{"validSandboxIDs":["a b"]}`,
+		"too many":     string(many),
+	} {
+		if _, err := DecodeGCRequest([]byte(in)); err == nil {
+			t.Errorf("%s: accepted", name)
 		}
-	})
+	}
 }
 
 func FuzzPodEventDecode(f *testing.F) {
-	addSeeds(f, "FuzzPodEventDecode")
+	fuzzseed.Add(f, "FuzzPodEventDecode")
 	good, _ := json.Marshal(validEvent())
 	f.Add(good)
 	f.Fuzz(func(t *testing.T, b []byte) {
@@ -116,15 +108,36 @@ func FuzzPodEventDecode(f *testing.F) {
 	})
 }
 
-// addSeeds adds every file in testdata/seeds/<name> as a seed; go test
-// also replays testdata/fuzz/<name> on its own.
-func addSeeds(f *testing.F, name string) {
-	files, _ := filepath.Glob(filepath.Join("testdata", "seeds", name, "*"))
-	for _, p := range files {
-		b, err := os.ReadFile(p)
+func FuzzDecodePodEvent(f *testing.F) {
+	fuzzseed.Add(f, "FuzzDecodePodEvent")
+	f.Fuzz(func(t *testing.T, b []byte) {
+		ev, err := DecodePodEvent(b)
 		if err != nil {
-			f.Fatal(err)
+			return
 		}
-		f.Add(b)
-	}
+		if ev.Validate() != nil || len(ev.Addrs()) != len(ev.IPs) {
+			t.Fatalf("accepted an invalid event %+v", ev)
+		}
+		if ev.Command != CommandDel && ev.Netns == "" {
+			t.Fatalf("accepted %s without netns", ev.Command)
+		}
+	})
+}
+
+func FuzzDecodeGCRequest(f *testing.F) {
+	fuzzseed.Add(f, "FuzzDecodeGCRequest")
+	f.Fuzz(func(t *testing.T, b []byte) {
+		r, err := DecodeGCRequest(b)
+		if err != nil {
+			return
+		}
+		if r.ValidSandboxIDs == nil || len(r.ValidSandboxIDs) > maxGCIDs {
+			t.Fatalf("accepted %+v", r)
+		}
+		for _, id := range r.ValidSandboxIDs {
+			if id == "" || strings.IndexFunc(id, func(c rune) bool { return c < 0x21 || c > 0x7e }) >= 0 {
+				t.Fatalf("accepted id %q", id)
+			}
+		}
+	})
 }

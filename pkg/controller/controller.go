@@ -1,8 +1,10 @@
-// Package controller follows the cluster for the node agent: it watches the
-// pods bound to this node and all namespaces, applies the enablement policy,
-// and enrolls or unenrolls running pods through the same Enroller the CNI
-// path uses. Netns discovery for running pods is batched: one /proc scan
-// serves every pod that a burst of changes (a namespace label flip) queued.
+// Package controller enrolls and unenrolls the pods that are already
+// running on this node, for the node agent: it follows the pod cache's
+// change notifications through a workqueue and, per batch of changed pods,
+// decides with the pod cache, finds the network namespaces of the pods to
+// capture with one /proc scan, and captures them through the same agent
+// entry point the CNI path uses (or unenrolls them). At startup it restores
+// the pods a previous agent enrolled before any ztunnel gets a snapshot.
 package controller
 
 import (
@@ -11,100 +13,88 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
-	"slices"
 	"sync"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
-	"github.com/ambient-cni/ambient-cni/pkg/podnetns"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/fields"
-	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/informers"
-	"k8s.io/client-go/kubernetes"
-	listerscorev1 "k8s.io/client-go/listers/core/v1"
-	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/workqueue"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 )
 
-// Enroller is the node agent's one way in: the CNI path and this controller
-// call the same functions.
-type Enroller interface {
-	// Enroll captures pod, whose network namespace is at netnsPath: rules,
-	// ztunnel handoff (waits for the ack), status annotation. Idempotent.
-	Enroll(ctx context.Context, pod *corev1.Pod, netnsPath string) error
-	// Restore adopts a pod that was enrolled before the agent restarted:
-	// verify (and repair only on drift) its rules and add it to the state the
-	// ZDS snapshot is built from, without a separate ztunnel Add.
-	Restore(ctx context.Context, pod *corev1.Pod, netnsPath string) error
-	// Unenroll removes capture for uid; the netns may already be gone.
+// Pods is the pod cache as the controller uses it (pkg/podcache.Cache).
+type Pods interface {
+	// OnChange registers f for every pod whose decision may have changed.
+	OnChange(f func(pod types.NamespacedName))
+	// WaitForSync blocks until the cache has listed once, or ctx ends.
+	WaitForSync(ctx context.Context) error
+	Pod(namespace, name string) (*corev1.Pod, error)
+	Pods() ([]*corev1.Pod, error)
+	// DecideCached applies the enablement policy to a cached pod.
+	DecideCached(p *corev1.Pod) enablement.Decision
+}
+
+// Agent is the node agent as the controller uses it (*nodeagent.Agent).
+// Capture and Restore take ownership of the netns handle.
+type Agent interface {
+	Capture(ctx context.Context, pod *corev1.Pod, ns *nodeagent.Netns, sb *nodeagent.Sandbox) error
+	Restore(ctx context.Context, pod *corev1.Pod, ns *nodeagent.Netns) error
 	Unenroll(ctx context.Context, uid types.UID) error
 	// EnrolledUID reports the UID enrolled under namespace/name, if any.
 	EnrolledUID(namespace, name string) (types.UID, bool)
-	// Pending reports whether uid is in the state with its rules in place
-	// but ztunnel has not acknowledged it yet (a failed handoff): the pod
-	// stays captured (fail closed) and the controller retries the enroll.
+	// Pending reports whether uid is captured but ztunnel has not
+	// acknowledged it yet (a failed handoff): the controller retries.
 	Pending(uid types.UID) bool
 }
 
-// Finder locates running pods' network namespaces.
+// Finder locates running pods' network namespaces (nodeagent.ProcFinder).
 type Finder interface {
-	// Find returns a held netns per pod UID it could locate and confirm
-	// (one of the pod's IPs is on an interface there). One call is one
-	// scan. The caller closes every returned namespace.
-	Find(pods map[types.UID][]netip.Addr) (map[types.UID]podnetns.Found, error)
+	// Find returns an open netns handle per pod UID it could locate and
+	// confirm (one of the pod's IPs is on an interface there); the caller
+	// owns the handles. One call is one scan.
+	Find(pods map[types.UID][]netip.Addr) (map[types.UID]*nodeagent.Netns, error)
 }
 
-// Config configures a Controller.
+// Config configures a Controller. Pods, Agent and Finder are required.
 type Config struct {
-	Client   kubernetes.Interface
-	NodeName string
-	Policy   enablement.Policy
-	// Self is the agent's own pod, never enrolled.
-	Self     types.NamespacedName
-	Enroller Enroller
-	Finder   Finder
+	Pods   Pods
+	Agent  Agent
+	Finder Finder
 	// Annotator clears a stale redirection annotation from a pod that is
 	// not enrolled and should not be (e.g. its namespace was unlabelled
 	// while the agent was down); nil leaves such annotations alone.
-	Annotator interface {
-		SetRedirection(ctx context.Context, namespace, name string, uid types.UID, value string) error
-	}
+	Annotator nodeagent.Annotator
+	// Events, when set, gets a Warning on the pod whenever capturing it
+	// fails, so operators see why a pod is not captured.
+	Events record.EventRecorder
 	Logger *slog.Logger
-	// Parallel bounds concurrent Enroll/Unenroll calls within a batch.
+	// Parallel bounds concurrent captures and unenrolls within a batch
+	// (default 8).
 	Parallel int
 	// BatchWindow is how long the worker lets a burst of changes gather
-	// before it scans /proc once for all of them.
+	// before it scans /proc once for all of them (default 20ms).
 	BatchWindow time.Duration
-	// OnEnablementChange is called (from the informer goroutine) whenever
-	// the set of enabled namespaces or pod-level enablement may have changed.
-	OnEnablementChange func()
 	// OnScan, when set, is told about every /proc scan: how many pods it
 	// looked for, how many it found, and how long it took.
 	OnScan func(pods, found int, took time.Duration)
-	// AssumePodLevelEnablement makes EnablementState report pod-level
-	// enablement even when no pod on this node uses it yet.
-	AssumePodLevelEnablement bool
 }
 
 // Controller is the pod controller. Create it with New, then Run it.
 type Controller struct {
-	cfg    Config
-	log    *slog.Logger
-	queue  workqueue.TypedRateLimitingInterface[types.NamespacedName]
-	pods   listerscorev1.PodLister
-	nss    listerscorev1.NamespaceLister
-	synced []cache.InformerSynced
-	start  func(stop <-chan struct{})
+	cfg   Config
+	log   *slog.Logger
+	queue workqueue.TypedRateLimitingInterface[types.NamespacedName]
 
 	restored chan struct{} // closed once startup restore is done
 }
 
-// New builds the informers and queue; nothing runs until Run.
+// New builds the queue and subscribes it to the pod cache; nothing runs
+// until Run.
 func New(cfg Config) *Controller {
 	if cfg.Parallel <= 0 {
 		cfg.Parallel = 8
@@ -123,91 +113,19 @@ func New(cfg Config) *Controller {
 			workqueue.TypedRateLimitingQueueConfig[types.NamespacedName]{Name: "pods"}),
 		restored: make(chan struct{}),
 	}
-	podFactory := informers.NewSharedInformerFactoryWithOptions(cfg.Client, 0,
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
-			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", cfg.NodeName).String()
-		}))
-	nsFactory := informers.NewSharedInformerFactory(cfg.Client, 0)
-	podInf := podFactory.Core().V1().Pods()
-	nsInf := nsFactory.Core().V1().Namespaces()
-	c.pods, c.nss = podInf.Lister(), nsInf.Lister()
-	c.synced = []cache.InformerSynced{podInf.Informer().HasSynced, nsInf.Informer().HasSynced}
-
-	_, _ = podInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(o any) { c.enqueuePod(o) },
-		UpdateFunc: func(_, o any) { c.enqueuePod(o) },
-		DeleteFunc: func(o any) { c.enqueuePod(o) },
-	})
-	_, _ = nsInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: func(o any) { c.enqueueNamespace(o) },
-		UpdateFunc: func(old, o any) {
-			if nsLabel(old) != nsLabel(o) {
-				c.enqueueNamespace(o)
-			}
-		},
-		DeleteFunc: func(o any) { c.enqueueNamespace(o) },
-	})
-	c.start = func(stop <-chan struct{}) {
-		podFactory.Start(stop)
-		nsFactory.Start(stop)
-	}
+	cfg.Pods.OnChange(c.queue.Add)
 	return c
 }
 
-func nsLabel(o any) string {
-	if n, ok := o.(*corev1.Namespace); ok {
-		return n.Labels[ambient.DataplaneModeLabel]
-	}
-	return ""
-}
-
-func (c *Controller) enqueuePod(o any) {
-	if t, ok := o.(cache.DeletedFinalStateUnknown); ok {
-		o = t.Obj
-	}
-	p, ok := o.(*corev1.Pod)
-	if !ok {
-		return
-	}
-	c.queue.Add(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
-	if c.cfg.OnEnablementChange != nil && p.Labels[ambient.DataplaneModeLabel] == ambient.DataplaneModeAmbient {
-		c.cfg.OnEnablementChange()
-	}
-}
-
-func (c *Controller) enqueueNamespace(o any) {
-	if t, ok := o.(cache.DeletedFinalStateUnknown); ok {
-		o = t.Obj
-	}
-	n, ok := o.(*corev1.Namespace)
-	if !ok {
-		return
-	}
-	pods, err := c.pods.Pods(n.Name).List(labels.Everything())
-	if err != nil {
-		c.log.Warn("list pods of namespace", "namespace", n.Name, "err", err)
-	}
-	for _, p := range pods {
-		c.queue.Add(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
-	}
-	if c.cfg.OnEnablementChange != nil {
-		c.cfg.OnEnablementChange()
-	}
-}
-
-// Run starts the informers, restores pods enrolled before a restart, then
-// reconciles until ctx ends. It returns after its goroutines stop.
+// Run waits for the pod cache, restores pods enrolled before a restart,
+// then reconciles until ctx ends. It returns after its goroutines stop.
 func (c *Controller) Run(ctx context.Context) error {
 	defer c.queue.ShutDown()
-	c.start(ctx.Done())
-	if !cache.WaitForCacheSync(ctx.Done(), c.synced...) {
-		return fmt.Errorf("pod controller: informer caches did not sync: %w", ctx.Err())
+	if err := c.cfg.Pods.WaitForSync(ctx); err != nil {
+		return fmt.Errorf("pod controller: %w", err)
 	}
 	c.restore(ctx)
 	close(c.restored)
-	if c.cfg.OnEnablementChange != nil {
-		c.cfg.OnEnablementChange()
-	}
 
 	var wg sync.WaitGroup
 	wg.Go(func() {
@@ -224,20 +142,10 @@ func (c *Controller) Run(ctx context.Context) error {
 // the agent's state; the ZDS snapshot and readiness wait for it.
 func (c *Controller) Restored() <-chan struct{} { return c.restored }
 
-// HasSynced reports whether the informer caches are filled.
-func (c *Controller) HasSynced() bool {
-	for _, s := range c.synced {
-		if !s() {
-			return false
-		}
-	}
-	return true
-}
-
 // restore adopts pods this node's agent had enrolled (annotated pending or
-// enabled) and that should still be, before any ztunnel gets a snapshot.
+// enabled), before any ztunnel gets a snapshot.
 func (c *Controller) restore(ctx context.Context) {
-	all, err := c.pods.List(labels.Everything())
+	all, err := c.cfg.Pods.Pods()
 	if err != nil {
 		c.log.Error("list pods for restore", "err", err)
 		return
@@ -257,28 +165,23 @@ func (c *Controller) restore(ctx context.Context) {
 	if len(want) == 0 {
 		return
 	}
-	found, err := c.find(want)
-	if err != nil {
-		c.log.Error("find netns of enrolled pods", "err", err)
-	}
-	defer podnetns.CloseAll(found) // those not handed over (closing twice is harmless)
+	found := c.find(want)
+	defer found.closeRest()
 	start := time.Now()
 	parallel(ctx, c.cfg.Parallel, keys(byUID), func(uid types.UID) {
 		p := byUID[uid]
-		ns, ok := found[uid]
+		ns, ok := found.take(uid)
 		if !ok {
 			// Requeue: the normal path enrolls it (or clears its annotation).
 			c.queue.Add(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
 			return
 		}
-		err := c.cfg.Enroller.Restore(ctx, p, heldPath(ns))
-		_ = ns.Close() // the Enroller holds its own handle now
-		if err != nil {
+		if err := c.cfg.Agent.Restore(ctx, p, ns); err != nil {
 			c.log.Error("restore enrolled pod", "pod", p.Namespace+"/"+p.Name, "err", err)
 			c.queue.Add(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
 		}
 	})
-	c.log.Info("restored enrolled pods", "pods", len(found), "of", len(want), "took", time.Since(start))
+	c.log.Info("restored enrolled pods", "pods", found.n, "of", len(want), "took", time.Since(start))
 }
 
 func keys[K comparable, V any](m map[K]V) []K {
@@ -306,26 +209,18 @@ func parallel[T any](ctx context.Context, n int, items []T, f func(T)) {
 	wg.Wait()
 }
 
-// decide applies the policy with the pod's namespace from the cache.
-func (c *Controller) decide(p *corev1.Pod) enablement.Decision {
-	if p.Namespace == c.cfg.Self.Namespace && p.Name == c.cfg.Self.Name {
-		return enablement.Decision{Enroll: false, Reason: enablement.ReasonDataPlanePod}
-	}
-	ns, _ := c.nss.Get(p.Namespace)
-	return c.cfg.Policy.Decide(p, ns)
-}
-
 type work struct {
 	key   types.NamespacedName
 	pod   *corev1.Pod // nil when deleted
 	uid   types.UID   // enrolled UID to remove, if any
-	need  bool        // needs enrolling (netns lookup)
+	need  bool        // needs capturing (netns lookup)
 	clear bool        // not enrolled, not wanted, but still annotated
 }
 
 // processBatch takes one queued key, lets a burst gather for BatchWindow,
-// drains the queue, scans /proc once for every pod that needs enrolling and
-// then enrolls and unenrolls in parallel. It returns false on shutdown.
+// drains the queue, decides on every key, scans /proc once for every pod
+// that needs capturing, then captures and unenrolls in parallel. It
+// returns false on shutdown.
 func (c *Controller) processBatch(ctx context.Context) bool {
 	first, quit := c.queue.Get()
 	if quit {
@@ -358,13 +253,10 @@ func (c *Controller) processBatch(ctx context.Context) bool {
 		}
 		works = append(works, w)
 	}
-	var found map[types.UID]podnetns.Found
+	var found *handles
 	if len(want) > 0 {
-		var err error
-		if found, err = c.find(want); err != nil {
-			c.log.Error("scan for pod netns", "pods", len(want), "err", err)
-		}
-		defer podnetns.CloseAll(found) // those not handed over (closing twice is harmless)
+		found = c.find(want)
+		defer found.closeRest()
 	}
 	parallel(ctx, c.cfg.Parallel, works, func(w work) {
 		if err := c.apply(ctx, w, found); err != nil {
@@ -378,22 +270,54 @@ func (c *Controller) processBatch(ctx context.Context) bool {
 }
 
 // find runs one netns scan for every pod in want.
-func (c *Controller) find(want map[types.UID][]netip.Addr) (map[types.UID]podnetns.Found, error) {
+func (c *Controller) find(want map[types.UID][]netip.Addr) *handles {
 	start := time.Now()
 	found, err := c.cfg.Finder.Find(want)
 	took := time.Since(start)
+	if err != nil {
+		c.log.Error("scan for pod netns", "pods", len(want), "err", err)
+	}
 	c.log.Debug("scanned for pod netns", "pods", len(want), "found", len(found), "took", took)
 	if c.cfg.OnScan != nil {
 		c.cfg.OnScan(len(want), len(found), took)
 	}
-	return found, err
+	return &handles{m: found, n: len(found)}
+}
+
+// handles are the netns handles one scan found. Each goes to the agent at
+// most once; the batch closes whatever nobody took.
+type handles struct {
+	mu sync.Mutex
+	m  map[types.UID]*nodeagent.Netns
+	n  int
+}
+
+// take hands out uid's handle, if the scan found one; the caller owns it.
+func (h *handles) take(uid types.UID) (*nodeagent.Netns, bool) {
+	if h == nil {
+		return nil, false
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	ns, ok := h.m[uid]
+	delete(h.m, uid)
+	return ns, ok
+}
+
+func (h *handles) closeRest() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for uid, ns := range h.m {
+		_ = ns.Close()
+		delete(h.m, uid)
+	}
 }
 
 // plan decides what one key needs without side effects.
 func (c *Controller) plan(k types.NamespacedName) work {
 	w := work{key: k}
-	enrolled, isEnrolled := c.cfg.Enroller.EnrolledUID(k.Namespace, k.Name)
-	p, err := c.pods.Pods(k.Namespace).Get(k.Name)
+	enrolled, isEnrolled := c.cfg.Agent.EnrolledUID(k.Namespace, k.Name)
+	p, err := c.cfg.Pods.Pod(k.Namespace, k.Name)
 	if err != nil {
 		if isEnrolled {
 			w.uid = enrolled // deleted while enrolled
@@ -404,9 +328,9 @@ func (c *Controller) plan(k types.NamespacedName) work {
 	if isEnrolled && enrolled != p.UID {
 		w.uid = enrolled // recreated under the same name: drop the old one
 	}
-	d := c.decide(p)
+	d := c.cfg.Pods.DecideCached(p)
 	switch {
-	case d.Enroll && (!isEnrolled || enrolled != p.UID || c.cfg.Enroller.Pending(p.UID)):
+	case d.Enroll && (!isEnrolled || enrolled != p.UID || c.cfg.Agent.Pending(p.UID)):
 		// A pod the CNI path is still setting up has no IP yet; its ADD
 		// enrolls it, and its status update brings it back here.
 		w.need = len(enablement.PodIPs(p)) > 0 && p.Status.Phase == corev1.PodRunning
@@ -421,9 +345,9 @@ func (c *Controller) plan(k types.NamespacedName) work {
 // errNotFound marks a pod whose netns could not be located; it is retried.
 var errNotFound = errors.New("netns not found")
 
-func (c *Controller) apply(ctx context.Context, w work, found map[types.UID]podnetns.Found) error {
+func (c *Controller) apply(ctx context.Context, w work, found *handles) error {
 	if w.uid != "" {
-		if err := c.cfg.Enroller.Unenroll(ctx, w.uid); err != nil {
+		if err := c.cfg.Agent.Unenroll(ctx, w.uid); err != nil {
 			return fmt.Errorf("unenroll %s: %w", w.uid, err)
 		}
 		c.log.Info("unenrolled pod", "pod", w.key.String(), "uid", w.uid)
@@ -437,65 +361,21 @@ func (c *Controller) apply(ctx context.Context, w work, found map[types.UID]podn
 	if !w.need {
 		return nil
 	}
-	ns, ok := found[w.pod.UID]
+	ns, ok := found.take(w.pod.UID)
 	if !ok {
 		return fmt.Errorf("pod %s (uid %s): %w", w.key, w.pod.UID, errNotFound)
 	}
-	err := c.cfg.Enroller.Enroll(ctx, w.pod, heldPath(ns))
-	_ = ns.Close() // the Enroller holds its own handle now
-	if err != nil {
+	if err := c.cfg.Agent.Capture(ctx, w.pod, ns, nil); err != nil {
+		if c.cfg.Events != nil {
+			c.cfg.Events.Eventf(w.pod, corev1.EventTypeWarning, "AmbientEnrollFailed", "could not enroll pod in the ambient mesh: %v", err)
+		}
 		return fmt.Errorf("enroll: %w", err)
 	}
 	c.log.Info("enrolled running pod", "pod", w.key.String(), "uid", w.pod.UID)
 	return nil
 }
 
-// Decide answers the CNI path: the enablement decision for a pod the
-// runtime is starting. It reads the informer cache and, on a miss (or a
-// stale entry with another UID), the API server once.
-func (c *Controller) Decide(ctx context.Context, namespace, name, uid string) (enablement.Decision, *corev1.Pod, error) {
-	p, err := c.pods.Pods(namespace).Get(name)
-	if err != nil || (uid != "" && string(p.UID) != uid) {
-		p, err = c.cfg.Client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
-		if err != nil {
-			return enablement.Decision{}, nil, fmt.Errorf("get pod %s/%s: %w", namespace, name, err)
-		}
-		if uid != "" && string(p.UID) != uid {
-			return enablement.Decision{}, nil, fmt.Errorf("pod %s/%s has uid %s, runtime asked for %s", namespace, name, p.UID, uid)
-		}
-	}
-	ns, err := c.nss.Get(namespace)
-	if apierrors.IsNotFound(err) {
-		if ns, err = c.cfg.Client.CoreV1().Namespaces().Get(ctx, namespace, metav1.GetOptions{}); err != nil {
-			return enablement.Decision{}, nil, fmt.Errorf("get namespace %s: %w", namespace, err)
-		}
-	}
-	if p.Namespace == c.cfg.Self.Namespace && p.Name == c.cfg.Self.Name {
-		return enablement.Decision{Enroll: false, Reason: enablement.ReasonDataPlanePod}, p, nil
-	}
-	return c.cfg.Policy.Decide(p, ns), p, nil
-}
-
-// EnablementState is what the plugin's fallback snapshot needs: enabled
-// namespaces, and whether any pod on this node is enabled by its own label
-// outside them (or the operator said to assume so).
-func (c *Controller) EnablementState() (enabled []string, podLevel bool) {
-	nss, _ := c.nss.List(labels.Everything())
-	for _, n := range nss {
-		if enablement.NamespaceEnabled(n) && !c.cfg.Policy.IsExcludedNamespace(n.Name) {
-			enabled = append(enabled, n.Name)
-		}
-	}
-	slices.Sort(enabled)
-	podLevel = c.cfg.AssumePodLevelEnablement
-	if !podLevel {
-		pods, _ := c.pods.List(labels.Everything())
-		for _, p := range pods {
-			if p.Labels[ambient.DataplaneModeLabel] == ambient.DataplaneModeAmbient && !slices.Contains(enabled, p.Namespace) {
-				podLevel = true
-				break
-			}
-		}
-	}
-	return enabled, podLevel
+// redirectionState returns the pod's current annotation value.
+func redirectionState(pod *corev1.Pod) string {
+	return pod.Annotations[ambient.RedirectionAnnotation]
 }

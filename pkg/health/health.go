@@ -1,6 +1,6 @@
-// Package health serves the node agent's operational endpoints: /healthz
-// (the process is alive), /readyz (every readiness check passes), /metrics
-// and /debug/pods.
+// Package health serves install-cni's operational endpoints, with the
+// readiness checks install-cni registers: /healthz (the process is alive),
+// /readyz (every readiness check passes), /metrics and /debug/pods.
 package health
 
 import (
@@ -19,6 +19,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
+
+// DefaultAddr is where install-cni serves the endpoints unless told
+// otherwise (the port Istio's node components use for health).
+const DefaultAddr = ":15021"
 
 // Check reports nil when its part of the agent is ready.
 type Check func() error

@@ -1,5 +1,5 @@
-// Package installer puts the ambient-cni plugin on a node and keeps it
-// there: it copies the plugin binary into the host's CNI bin directory,
+// Package installer puts the ambient-cni plugin on a node for install-cni
+// and keeps it there: it copies the plugin binary into the host's CNI bin directory,
 // chains the plugin as the last entry of the primary CNI's configuration
 // list, restores both whenever the primary CNI (or anyone) rewrites or
 // removes them, and takes them away again on a real uninstall.
@@ -20,8 +20,7 @@
 //
 // Wiring: New, then Run in a goroutine owned by main; Ready/Check for
 // /readyz; Stats or Config.OnReinstall for metrics; on SIGTERM cancel Run's
-// context and call ShutdownChecked (or Shutdown). EnsurePrivateDir makes
-// the root-only directory for the agent socket and enablement snapshot.
+// context and call ShutdownChecked (or Shutdown).
 package installer
 
 import (
@@ -42,6 +41,8 @@ import (
 
 	"github.com/containernetworking/cni/libcni"
 	"github.com/fsnotify/fsnotify"
+
+	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
 )
 
 // Defaults for Config.
@@ -149,7 +150,7 @@ type Installer struct {
 
 	mu          sync.Mutex // serializes passes and Shutdown
 	closed      bool
-	limiter     *tokenBucket
+	limiter     rewriteLimit
 	records     map[string]*record
 	binStamp    stamp
 	installed   bool // first complete install done
@@ -157,6 +158,10 @@ type Installer struct {
 	tempsCleant bool
 	stateLoaded bool
 	lastErr     string // last pass error logged at Warn
+
+	// testHookBinaryCopied, when set, runs right after a copy of the
+	// binary landed, to let a test play a writer racing the installer.
+	testHookBinaryCopied func()
 
 	configWrites, binaryCopies, reinstalls, throttled, errs atomic.Uint64
 }
@@ -168,7 +173,7 @@ type record struct {
 	origPath  string      // the primary's file (differs after a .conf conversion)
 	orig      []byte      // its bytes, nil when they already held our entry
 	origMode  fs.FileMode // its mode
-	origOwner *owner
+	origOwner *atomicfile.Owner
 }
 
 // stamp identifies one version of the installed binary cheaply, so a pass
@@ -179,6 +184,23 @@ type stamp struct {
 	size       int64
 	mtim, ctim syscall.Timespec
 	mode       fs.FileMode
+}
+
+// stampSettle is how long a file must have been left alone before its
+// stamp is trusted. A write in the same timestamp tick as the stat that
+// made a stamp can leave size, times and inode as they were ("racily
+// clean", as git calls it); one that comes this much later cannot.
+const stampSettle = time.Second
+
+// trustedStamp is fi's stamp when the file last changed well before
+// checked (a time taken before fi), else no stamp, so the next pass
+// compares the content again.
+func trustedStamp(fi fs.FileInfo, checked time.Time) stamp {
+	s := stampOf(fi)
+	if !s.ok || !time.Unix(s.ctim.Unix()).Before(checked.Add(-stampSettle)) {
+		return stamp{}
+	}
+	return s
 }
 
 func stampOf(fi fs.FileInfo) stamp {
@@ -245,7 +267,7 @@ func New(cfg Config) (*Installer, error) {
 		log:     log.With("component", "installer"),
 		entry:   entry,
 		dst:     filepath.Join(cfg.BinDir, cfg.PluginName),
-		limiter: newTokenBucket(cfg.MaxRewritesPerSecond, cfg.RewriteBurst, time.Now()),
+		limiter: newRewriteLimit(cfg.MaxRewritesPerSecond, cfg.RewriteBurst),
 		records: map[string]*record{},
 	}, nil
 }
@@ -394,7 +416,7 @@ func (i *Installer) addWatches(w *fsnotify.Watcher) bool {
 // relevant filters events down to the files we care about.
 func (i *Installer) relevant(ev fsnotify.Event) bool {
 	dir, base := filepath.Dir(ev.Name), filepath.Base(ev.Name)
-	if isOurTemp(base) {
+	if atomicfile.IsTemp(base) {
 		return false
 	}
 	if dir == i.cfg.BinDir && base == i.cfg.PluginName {
@@ -430,7 +452,7 @@ func (i *Installer) pass(force bool) (retry time.Duration, err error) {
 	i.loadState()
 	if !i.tempsCleant {
 		for _, d := range []string{i.cfg.BinDir, i.cfg.ConfDir} {
-			if n, err := removeStaleTemps(d); err == nil && n > 0 {
+			if n, err := atomicfile.RemoveStaleTemps(d); err == nil && n > 0 {
 				i.log.Info("removed stale temporary files", "dir", d, "count", n)
 			}
 		}
@@ -464,6 +486,7 @@ func (i *Installer) pass(force bool) (retry time.Duration, err error) {
 // ensureBinary copies the plugin binary into BinDir unless an identical
 // executable copy is already there.
 func (i *Installer) ensureBinary(force bool) (time.Duration, error) {
+	checked := time.Now() // before the stat: see trustedStamp
 	fi, err := os.Stat(i.dst)
 	if err == nil && i.binStamp.ok && stampOf(fi) == i.binStamp {
 		return 0, nil
@@ -474,7 +497,10 @@ func (i *Installer) ensureBinary(force bool) (time.Duration, error) {
 			return 0, fmt.Errorf("compare plugin binary: %w", err)
 		}
 		if same {
-			i.binStamp = stampOf(fi)
+			// fi was taken before the content was read, so it describes
+			// what was compared or something older: a later change
+			// shows as a different stamp.
+			i.binStamp = trustedStamp(fi, checked)
 			return 0, nil
 		}
 	}
@@ -487,12 +513,17 @@ func (i *Installer) ensureBinary(force bool) (time.Duration, error) {
 	if err := os.MkdirAll(i.cfg.BinDir, 0o755); err != nil {
 		return 0, fmt.Errorf("create CNI bin dir: %w", err)
 	}
-	if err := copyAtomic(i.cfg.PluginBinary, i.dst, 0o755); err != nil {
+	if err := atomicfile.CopyFile(i.cfg.PluginBinary, i.dst, atomicfile.Options{Mode: 0o755}); err != nil {
 		return 0, fmt.Errorf("install plugin binary: %w", err)
 	}
-	if fi, err := os.Stat(i.dst); err == nil {
-		i.binStamp = stampOf(fi)
+	if i.testHookBinaryCopied != nil {
+		i.testHookBinaryCopied()
 	}
+	// No stamp for the copy: a stat now would describe whatever is at the
+	// path by then, and a writer may already have overwritten or replaced
+	// our copy; stamping that would hide it from every later pass. The
+	// pass our own rename triggers compares the content and stamps it.
+	i.binStamp = stamp{}
 	i.binaryCopies.Add(1)
 	if i.installed {
 		i.countReinstall()
@@ -618,13 +649,13 @@ func (i *Installer) ensureChained(path string, force bool) (time.Duration, error
 	guard := func() error {
 		now, _, err := readLimited(path)
 		if err != nil || !bytes.Equal(now, cur) {
-			return errChanged
+			return atomicfile.ErrChanged
 		}
 		return nil
 	}
-	own := ownerOf(fi)
-	if err := writeAtomic(target, out, fi.Mode(), own, guard); err != nil {
-		if errors.Is(err, errChanged) {
+	own := atomicfile.OwnerOf(fi)
+	if err := atomicfile.WriteFile(target, out, atomicfile.Options{Mode: fi.Mode(), Owner: own, Guard: guard}); err != nil {
+		if errors.Is(err, atomicfile.ErrChanged) {
 			return i.cfg.Debounce, nil
 		}
 		return 0, fmt.Errorf("write %s: %w", target, err)
@@ -780,7 +811,7 @@ func (i *Installer) Shutdown(ctx context.Context, upgrade bool) error {
 		p := filepath.Join(i.cfg.ConfDir, e.Name())
 		err := i.unchainFile(p)
 		// Racing a primary that is writing the same file: try again.
-		for try := 0; errors.Is(err, errChanged) && try < 3; try++ {
+		for try := 0; errors.Is(err, atomicfile.ErrChanged) && try < 3; try++ {
 			time.Sleep(i.cfg.Debounce)
 			err = i.unchainFile(p)
 		}
@@ -794,7 +825,7 @@ func (i *Installer) Shutdown(ctx context.Context, upgrade bool) error {
 		i.log.Info("removed plugin binary", "path", i.dst)
 	}
 	for _, d := range []string{i.cfg.BinDir, i.cfg.ConfDir} {
-		_, _ = removeStaleTemps(d)
+		_, _ = atomicfile.RemoveStaleTemps(d)
 	}
 	if len(errs) == 0 {
 		i.dropState()
@@ -818,7 +849,7 @@ func (i *Installer) unchainFile(path string) error {
 	guard := func() error {
 		now, _, err := readLimited(path)
 		if err != nil || !bytes.Equal(now, cur) {
-			return fmt.Errorf("%s: %w", path, errChanged)
+			return fmt.Errorf("%s: %w", path, atomicfile.ErrChanged)
 		}
 		return nil
 	}
@@ -828,7 +859,7 @@ func (i *Installer) unchainFile(path string) error {
 	}
 	if rec != nil && rec.orig != nil && bytes.Equal(cur, rec.written) {
 		if rec.origPath == path || rec.origPath == target {
-			if err := writeAtomic(target, rec.orig, fi.Mode(), ownerOf(fi), guard); err != nil {
+			if err := atomicfile.WriteFile(target, rec.orig, atomicfile.Options{Mode: fi.Mode(), Owner: atomicfile.OwnerOf(fi), Guard: guard}); err != nil {
 				return fmt.Errorf("restore %s: %w", path, err)
 			}
 			i.log.Info("restored primary CNI config", "file", path)
@@ -837,7 +868,7 @@ func (i *Installer) unchainFile(path string) error {
 		// We converted origPath into this list. Put the .conf back unless
 		// the primary has written a new one meanwhile; then drop the list.
 		if _, err := os.Lstat(rec.origPath); errors.Is(err, fs.ErrNotExist) {
-			if err := writeAtomic(rec.origPath, rec.orig, rec.origMode, rec.origOwner, nil); err != nil {
+			if err := atomicfile.WriteFile(rec.origPath, rec.orig, atomicfile.Options{Mode: rec.origMode, Owner: rec.origOwner}); err != nil {
 				return fmt.Errorf("restore %s: %w", rec.origPath, err)
 			}
 		}
@@ -853,7 +884,7 @@ func (i *Installer) unchainFile(path string) error {
 	if err != nil {
 		return fmt.Errorf("remove our entry from %s: %w", path, err)
 	}
-	if err := writeAtomic(target, out, fi.Mode(), ownerOf(fi), guard); err != nil {
+	if err := atomicfile.WriteFile(target, out, atomicfile.Options{Mode: fi.Mode(), Owner: atomicfile.OwnerOf(fi), Guard: guard}); err != nil {
 		return fmt.Errorf("write %s: %w", path, err)
 	}
 	i.log.Info("removed our entry from CNI config", "file", path)

@@ -11,10 +11,16 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
+
+	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
 )
 
 // eventually is the generous bounded wait for asynchronous repairs: the
@@ -130,10 +136,24 @@ func waitFor(t testing.TB, what string, cond func() error) time.Duration {
 			return time.Since(start)
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("%s: not within %v: %v", what, eventually, err)
+			t.Fatalf("%s: not within %v: %v\n%s", what, eventually, err, installerStacks())
 		}
 		time.Sleep(2 * time.Millisecond)
 	}
+}
+
+// installerStacks shows where the installer's goroutines are (in a pass,
+// and at which step, or waiting for an event), so a timeout says why.
+func installerStacks() string {
+	buf := make([]byte, 1<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	var out []string
+	for g := range strings.SplitSeq(string(buf), "\n\n") {
+		if strings.Contains(g, "installer.(*Installer)") {
+			out = append(out, g)
+		}
+	}
+	return "installer goroutines:\n" + strings.Join(out, "\n\n")
 }
 
 // run starts i.Run and stops it when the test ends, checking it returned.
@@ -241,8 +261,8 @@ func TestInstallOnce(t *testing.T) {
 		t.Fatalf("not ready after install: %v", err)
 	}
 	st := i.Stats()
-	if st.ConfigWrites != 1 || st.BinaryCopies != 1 || st.Reinstalls != 0 {
-		t.Errorf("stats %+v", st)
+	if diff := cmp.Diff(Stats{ConfigWrites: 1, BinaryCopies: 1, Reinstalls: 0}, st, cmpopts.IgnoreFields(Stats{}, "Throttled", "Errors")); diff != "" {
+		t.Errorf("stats (-want +got):\n%s", diff)
 	}
 	// A second pass finds everything in place and writes nothing.
 	before, _ := os.Stat(e.path("10-bridge.conflist"))
@@ -316,9 +336,9 @@ func TestInstallPicksPrimaryLikeTheRuntime(t *testing.T) {
 		t.Fatal(err)
 	}
 	// A temp file of ours left by a crash: never a candidate, and removed.
-	stale := e.path(tempPrefix + "12345" + tempSuffix)
+	stale := e.path(atomicfile.TempPrefix + "12345" + atomicfile.TempSuffix)
 	e.write(t, filepath.Base(stale), bridgeList, 0o600)
-	staleBin := filepath.Join(e.bin, tempPrefix+"999"+tempSuffix)
+	staleBin := filepath.Join(e.bin, atomicfile.TempPrefix+"999"+atomicfile.TempSuffix)
 	if err := os.WriteFile(staleBin, []byte("half a binary"), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -638,44 +658,6 @@ func TestSymlinkedPrimaryKeepsLink(t *testing.T) {
 	}
 	if got, _ := os.ReadFile(realFile); string(got) != bridgeList {
 		t.Errorf("target not restored:\n%s", got)
-	}
-}
-
-func TestEnsurePrivateDir(t *testing.T) {
-	root := t.TempDir()
-	d := filepath.Join(root, "run", "ambient-cni")
-	if err := EnsurePrivateDir(d); err != nil {
-		t.Fatal(err)
-	}
-	if fi, _ := os.Stat(d); fi.Mode().Perm() != 0o700 || !fi.IsDir() {
-		t.Errorf("mode %v", fi.Mode())
-	}
-	loose := filepath.Join(root, "loose")
-	if err := os.Mkdir(loose, 0o777); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Chmod(loose, 0o777); err != nil {
-		t.Fatal(err)
-	}
-	if err := EnsurePrivateDir(loose); err != nil {
-		t.Fatal(err)
-	}
-	if fi, _ := os.Stat(loose); fi.Mode().Perm() != 0o700 {
-		t.Errorf("existing dir not tightened: %v", fi.Mode())
-	}
-	link := filepath.Join(root, "link")
-	if err := os.Symlink(loose, link); err != nil {
-		t.Fatal(err)
-	}
-	if err := EnsurePrivateDir(link); err == nil {
-		t.Error("symlink accepted")
-	}
-	file := filepath.Join(root, "file")
-	if err := os.WriteFile(file, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := EnsurePrivateDir(file); err == nil {
-		t.Error("file accepted")
 	}
 }
 

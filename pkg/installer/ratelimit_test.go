@@ -5,9 +5,9 @@ import (
 	"time"
 )
 
-func TestTokenBucket(t *testing.T) {
+func TestRewriteLimit(t *testing.T) {
 	t0 := time.Unix(1000, 0)
-	b := newTokenBucket(2, 3, t0)
+	b := newRewriteLimit(2, 3)
 	for i := range 3 {
 		if w := b.take(t0); w != 0 {
 			t.Fatalf("take %d within burst waited %v", i, w)

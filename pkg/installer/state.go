@@ -8,6 +8,8 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+
+	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
 )
 
 // The state file carries the records (what we replaced in which config)
@@ -108,7 +110,7 @@ func (i *Installer) saveState() {
 		err = os.MkdirAll(filepath.Dir(i.cfg.StateFile), stateFileDirMode)
 	}
 	if err == nil {
-		err = writeAtomic(i.cfg.StateFile, b, stateFileMode, nil, nil)
+		err = atomicfile.WriteFile(i.cfg.StateFile, b, atomicfile.Options{Mode: stateFileMode})
 	}
 	if err != nil {
 		i.log.Warn("cannot save installer state", "file", i.cfg.StateFile, "err", err)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -85,6 +86,50 @@ func TestRunRestoresAfterPrimaryRewrites(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// TestRunRepairsAWriteRightAfterItsCopy: a writer that overwrites the
+// binary just after our copy landed, before the pass that made it
+// returned, is not taken for our copy (the pass once stamped whatever it
+// found at the path then, and no later pass looked at the content again).
+func TestRunRepairsAWriteRightAfterItsCopy(t *testing.T) {
+	e := newEnv(t)
+	e.write(t, "10-bridge.conflist", bridgeList, 0o644)
+	i := e.installer(t, nil)
+	var once sync.Once
+	i.testHookBinaryCopied = func() {
+		once.Do(func() {
+			if err := os.WriteFile(filepath.Join(e.bin, testType), []byte("#!/bin/sh\nexit 0\n"), 0o755); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	run(t, i)
+	waitFor(t, "binary restore", e.binaryOK)
+	waitFor(t, "second copy counted", func() error {
+		if st := i.Stats(); st.BinaryCopies != 2 {
+			return fmt.Errorf("want the first copy and its repair: %+v", st)
+		}
+		return nil
+	})
+}
+
+// TestRunReschedulesThrottledRepair: a repair the rewrite limit holds back
+// runs once the limit allows, with no further event and no resync.
+func TestRunReschedulesThrottledRepair(t *testing.T) {
+	e := newEnv(t)
+	e.write(t, "10-bridge.conflist", bridgeList, 0o644)
+	i := e.installer(t, func(c *Config) {
+		// One rewrite now, the next one 2s later: the first pass copies the
+		// binary, finds no token left for the config (its next step) and
+		// must come back for it on its own.
+		c.MaxRewritesPerSecond, c.RewriteBurst, c.ResyncInterval = 0.5, 1, time.Hour
+	})
+	run(t, i)
+	waitFor(t, "install after a throttled pass", i.Check)
+	if st := i.Stats(); st.Throttled == 0 {
+		t.Errorf("no pass was throttled: %+v", st)
+	}
 }
 
 func TestRunWaitsForPrimary(t *testing.T) {

@@ -8,8 +8,13 @@ import (
 	"log/slog"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
+
+	"github.com/ambient-cni/ambient-cni/pkg/nftables"
+	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
+	"golang.org/x/sys/unix"
 )
 
 // Applier installs, verifies and removes the in-pod rule set. It holds no
@@ -20,6 +25,7 @@ type Applier struct {
 	backend  Backend
 	exec     Executor
 	router   Router
+	tables   TableOwner
 	sets     IPSets
 	lockWait time.Duration
 	timeout  time.Duration
@@ -46,6 +52,17 @@ func WithExecutor(e Executor) Option { return func(a *Applier) { a.exec = e } }
 // WithRouter replaces the netlink side (tests use a fake).
 func WithRouter(r Router) Option { return func(a *Applier) { a.router = r } }
 
+// TableOwner creates the nf_tables tables and base chains iptables-nft
+// would create, marked as ours, and deletes them once empty
+// (pkg/nftables.CreateOwned and DeleteOwned); only the nft backend uses it.
+type TableOwner interface {
+	CreateOwned(netnsPath string, tables []nftables.TableRef, chains []nftables.BaseChain) (nftables.Created, error)
+	DeleteOwned(netnsPath string, tables []nftables.TableRef) (nftables.Created, error)
+}
+
+// WithTableOwner replaces the nf_tables table side (tests use a fake).
+func WithTableOwner(t TableOwner) Option { return func(a *Applier) { a.tables = t } }
+
 // WithLockWait sets how long iptables-restore waits for the xtables lock
 // (legacy takes a host-wide lock even for other namespaces). Default 10s.
 func WithLockWait(d time.Duration) Option { return func(a *Applier) { a.lockWait = d } }
@@ -64,6 +81,7 @@ func NewApplier(log *slog.Logger, b Backend, opts ...Option) *Applier {
 		backend:  b,
 		exec:     NetnsExecutor{},
 		router:   NetlinkRouter{},
+		tables:   &nftables.Owner{},
 		sets:     NetlinkIPSets{},
 		lockWait: 10 * time.Second,
 		timeout:  60 * time.Second,
@@ -72,6 +90,15 @@ func NewApplier(log *slog.Logger, b Backend, opts ...Option) *Applier {
 		o(a)
 	}
 	return a
+}
+
+// Close waits for netlink connections the Applier closes in the
+// background (see nftables.Owner).
+func (a *Applier) Close() error {
+	if c, ok := a.tables.(interface{ Close() error }); ok {
+		return c.Close()
+	}
+	return nil
 }
 
 // Backend returns the backend the Applier drives.
@@ -120,12 +147,25 @@ func (a *Applier) restore(ctx context.Context, netnsPath string, f Family, plan 
 	return nil
 }
 
-// Apply installs cfg's rules in the namespace: for each family one
-// iptables-restore --noflush transaction (skipped when nothing differs)
-// and the policy route. IPv6 is programmed only when the namespace has
-// IPv6 enabled; leftovers of ours in a disabled family are removed.
+// Apply installs cfg's rules in the namespace: the policy routes, then for
+// each family one iptables-restore --noflush transaction (skipped when
+// nothing differs). It is all or nothing: when any step fails, what the
+// earlier steps changed is undone and the namespace is as it was. IPv6 is
+// programmed only when the namespace has IPv6, its policy route only when
+// lo has IPv6 too; leftovers of ours in a family without IPv6 are removed.
 func (a *Applier) Apply(netnsPath string, cfg PodConfig) error {
 	return a.ApplyContext(context.Background(), netnsPath, cfg)
+}
+
+// familyPlan is one family's part of an apply.
+type familyPlan struct {
+	f      Family
+	rs     RuleSet
+	routes bool // the policy route belongs to the desired state
+	cur    *Save
+	plan   string
+	added  RouteParts // routing this apply added, undone on failure
+	done   bool       // the restore succeeded, reverted on failure
 }
 
 // ApplyContext is Apply with a context.
@@ -139,56 +179,220 @@ func (a *Applier) ApplyContext(ctx context.Context, netnsPath string, cfg PodCon
 	defer a.lock(netnsPath)()
 	ctx, cancel := a.bound(ctx)
 	defer cancel()
-	v6, err := a.router.IPv6Enabled(netnsPath)
+	v6, err := a.router.State(netnsPath)
 	if err != nil {
 		return err
 	}
-	return perFamily(func(f Family) error {
-		if f == IPv6 && !v6 {
-			if err := a.removeFamily(ctx, netnsPath, f, false); err != nil {
-				a.log.Debug("no IPv6 leftovers removed", "netns", netnsPath, "err", err)
-			}
-			return nil
+	if !v6.LoopbackUp {
+		return fmt.Errorf("lo is down in netns %s: redirected traffic could not reach ztunnel", netnsPath)
+	}
+	plans := []*familyPlan{{f: IPv4, rs: PodRules(cfg, IPv4), routes: true}}
+	if v6.IPv6 {
+		plans = append(plans, &familyPlan{f: IPv6, rs: PodRules(cfg, IPv6), routes: v6.IPv6Loopback})
+	}
+	// Read everything first: a failure here has changed nothing.
+	err = each(plans, func(p *familyPlan) error {
+		cur, err := a.save(ctx, netnsPath, p.f)
+		if err != nil {
+			return err
 		}
-		return a.applyFamily(ctx, netnsPath, PodRules(cfg, f))
+		p.cur, p.plan = cur, PlanApply(p.rs, cur)
+		return nil
 	})
+	if err != nil {
+		return err
+	}
+	if err := a.applyPlans(ctx, netnsPath, plans, podScope); err != nil {
+		return err
+	}
+	if !v6.IPv6 {
+		if err := a.removeFamily(ctx, netnsPath, IPv6, false); err != nil {
+			a.log.Debug("no IPv6 leftovers removed", "netns", netnsPath, "err", err)
+		}
+	}
+	if len(plans) > 1 && !v6.IPv6Loopback {
+		a.log.Debug("IPv6 disabled on lo: no IPv6 policy route", "netns", netnsPath)
+	}
+	return nil
 }
 
-// perFamily runs fn for both families at once (they share nothing, and
-// each costs a few process executions) and joins their errors.
-func perFamily(fn func(Family) error) error {
-	errs := make([]error, len(Families))
+// applyPlans runs the changing part of an apply: policy routes first (a
+// route without the mangle rules changes no packet: nothing carries the
+// mark yet), then the restores, both families at once. On any failure it
+// undoes what succeeded.
+func (a *Applier) applyPlans(ctx context.Context, netnsPath string, plans []*familyPlan, sc *scope) error {
+	var errs []error
+	for _, p := range plans {
+		if !p.routes || len(p.rs.Tables) == 0 || sc != podScope {
+			continue
+		}
+		added, err := a.router.EnsurePolicyRoute(netnsPath, p.f, p.rs.Routing)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s policy routing in netns %s: %w", p.f, netnsPath, err))
+			break
+		}
+		p.added = added
+	}
+	var created nftables.Created
+	if tables, chains := ownedToBe(plans); len(errs) == 0 && a.backend == BackendNFT && len(tables)+len(chains) > 0 {
+		// What iptables-nft would create is created first, marked as
+		// ours, so that removal knows it may delete it.
+		var err error
+		created, err = a.tables.CreateOwned(netnsPath, tables, chains)
+		if err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if len(errs) == 0 {
+		errs = append(errs, each(plans, func(p *familyPlan) error {
+			if p.plan == "" {
+				return nil
+			}
+			if err := a.restore(ctx, netnsPath, p.f, p.plan); err != nil {
+				return err
+			}
+			p.done = true
+			return nil
+		}))
+	}
+	err := errors.Join(errs...)
+	if err == nil {
+		for _, p := range plans {
+			a.log.Debug("rules applied", "netns", netnsPath, "family", p.f.String(), "changed", p.plan != "" || p.added.Any())
+		}
+		return nil
+	}
+	if uerr := a.undo(ctx, netnsPath, plans, sc, created); uerr != nil {
+		a.log.Error("undoing a failed apply failed; the next apply or remove converges it", "netns", netnsPath, "err", uerr)
+		return fmt.Errorf("%w (undo: %v)", err, uerr)
+	}
+	return err
+}
+
+// undo reverts what applyPlans changed, from the states read before it.
+func (a *Applier) undo(ctx context.Context, netnsPath string, plans []*familyPlan, sc *scope, created nftables.Created) error {
+	var errs []error
+	for _, p := range plans {
+		if !p.done {
+			continue
+		}
+		after, err := a.save(ctx, netnsPath, p.f)
+		if err == nil {
+			if plan := planRevert(sc, p.cur, after); plan != "" {
+				err = a.restore(ctx, netnsPath, p.f, plan)
+			}
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("revert %s rules: %w", p.f, err))
+		}
+	}
+	if !created.Empty() {
+		refs := created.Tables
+		for _, c := range created.Chains {
+			refs = append(refs, c.Table)
+		}
+		if _, err := a.tables.DeleteOwned(netnsPath, refs); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	for _, p := range plans {
+		if p.added.Any() {
+			if err := a.router.RemovePolicyRoute(netnsPath, p.f, p.rs.Routing, p.added); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// ownedToBe lists what iptables-nft would create for the plans: the
+// tables the saves do not show, and the built-in chains the plans write to
+// in tables they do show (iptables-nft-save prints built-in chains whether
+// or not they exist, so CreateOwned looks for itself).
+func ownedToBe(plans []*familyPlan) ([]nftables.TableRef, []nftables.BaseChain) {
+	var tables []nftables.TableRef
+	var chains []nftables.BaseChain
+	for _, p := range plans {
+		table := ""
+		for _, l := range strings.Split(p.plan, "\n") {
+			if strings.HasPrefix(l, "*") {
+				table = l[1:]
+				if p.cur.Table(table) == nil {
+					tables = append(tables, nftTable(p.f, table))
+				}
+				continue
+			}
+			f := strings.Fields(l)
+			if len(f) < 2 || (f[0] != "-A" && f[0] != "-I") || p.cur.Table(table) == nil {
+				continue
+			}
+			if spec, ok := baseChainSpecs[table][f[1]]; ok {
+				ch := nftables.BaseChain{Table: nftTable(p.f, table), Name: f[1], Type: spec.typ, Hook: spec.hook, Priority: spec.prio}
+				if !slices.Contains(chains, ch) {
+					chains = append(chains, ch)
+				}
+			}
+		}
+	}
+	return tables, chains
+}
+
+// baseChainSpec is how iptables-nft registers a built-in chain.
+type baseChainSpec struct {
+	typ  string
+	hook uint32
+	prio int32
+}
+
+// baseChainSpecs are iptables-nft's built-in chains of the tables we use
+// (iptables' nft.c, the same for ip and ip6).
+var baseChainSpecs = map[string]map[string]baseChainSpec{
+	TableRaw: {
+		"PREROUTING": {"filter", unix.NF_INET_PRE_ROUTING, -300},
+		"OUTPUT":     {"filter", unix.NF_INET_LOCAL_OUT, -300},
+	},
+	TableMangle: {
+		"PREROUTING":  {"filter", unix.NF_INET_PRE_ROUTING, -150},
+		"INPUT":       {"filter", unix.NF_INET_LOCAL_IN, -150},
+		"FORWARD":     {"filter", unix.NF_INET_FORWARD, -150},
+		"OUTPUT":      {"route", unix.NF_INET_LOCAL_OUT, -150},
+		"POSTROUTING": {"filter", unix.NF_INET_POST_ROUTING, -150},
+	},
+	TableNAT: {
+		"PREROUTING":  {"nat", unix.NF_INET_PRE_ROUTING, -100},
+		"INPUT":       {"nat", unix.NF_INET_LOCAL_IN, 100},
+		"OUTPUT":      {"nat", unix.NF_INET_LOCAL_OUT, -100},
+		"POSTROUTING": {"nat", unix.NF_INET_POST_ROUTING, 100},
+	},
+}
+
+// nftTable names the nf_tables table iptables-nft uses for table t.
+func nftTable(f Family, t string) nftables.TableRef {
+	if f == IPv6 {
+		return nftables.TableRef{Family: nftables.FamilyIPv6, Name: t}
+	}
+	return nftables.TableRef{Family: nftables.FamilyIPv4, Name: t}
+}
+
+// each runs fn for every plan at once (the families share nothing, and each
+// costs a few process executions) and joins the errors.
+func each(plans []*familyPlan, fn func(*familyPlan) error) error {
+	errs := make([]error, len(plans))
 	var wg sync.WaitGroup
-	for i, f := range Families {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			errs[i] = fn(f)
-		}()
+	for i, p := range plans {
+		wg.Go(func() { errs[i] = fn(p) })
 	}
 	wg.Wait()
 	return errors.Join(errs...)
 }
 
-// applyFamily converges one family: restore only when the plan is not
-// empty, then the policy route.
-func (a *Applier) applyFamily(ctx context.Context, netnsPath string, rs RuleSet) error {
-	f := rs.Family
-	cur, err := a.save(ctx, netnsPath, f)
-	if err != nil {
-		return err
+// perFamily runs fn for both families at once and joins their errors.
+func perFamily(fn func(Family) error) error {
+	plans := make([]*familyPlan, len(Families))
+	for i, f := range Families {
+		plans[i] = &familyPlan{f: f}
 	}
-	plan := PlanApply(rs, cur)
-	if plan != "" {
-		if err := a.restore(ctx, netnsPath, f, plan); err != nil {
-			return err
-		}
-	}
-	if err := a.router.EnsurePolicyRoute(netnsPath, f, rs.Routing); err != nil {
-		return fmt.Errorf("%s policy routing in netns %s: %w", f, netnsPath, err)
-	}
-	a.log.Debug("rules applied", "netns", netnsPath, "family", f.String(), "changed", plan != "")
-	return nil
+	return each(plans, func(p *familyPlan) error { return fn(p.f) })
 }
 
 // Verify compares the namespace with cfg's desired state and returns the
@@ -207,7 +411,7 @@ func (a *Applier) VerifyContext(ctx context.Context, netnsPath string, cfg PodCo
 	}
 	ctx, cancel := a.bound(ctx)
 	defer cancel()
-	v6, err := a.router.IPv6Enabled(netnsPath)
+	v6, err := a.router.State(netnsPath)
 	if err != nil {
 		return Drift{}, err
 	}
@@ -215,7 +419,7 @@ func (a *Applier) VerifyContext(ctx context.Context, netnsPath string, cfg PodCo
 	err = perFamily(func(f Family) error {
 		i := slices.Index(Families, f)
 		rs := PodRules(cfg, f)
-		if f == IPv6 && !v6 {
+		if f == IPv6 && !v6.IPv6 {
 			// Only leftovers can drift in a disabled family.
 			if cur, err := a.save(ctx, netnsPath, f); err == nil {
 				drifts[i] = RuleSet{Family: f}.Diff(cur).Items
@@ -226,11 +430,15 @@ func (a *Applier) VerifyContext(ctx context.Context, netnsPath string, cfg PodCo
 		if err != nil {
 			return err
 		}
+		drifts[i] = rs.Diff(cur).Items
+		if f == IPv6 && !v6.IPv6Loopback {
+			return nil // no IPv6 policy route without IPv6 on lo
+		}
 		rule, route, err := a.router.PolicyRouteState(netnsPath, f, rs.Routing)
 		if err != nil {
 			return fmt.Errorf("%s policy routing in netns %s: %w", f, netnsPath, err)
 		}
-		drifts[i] = append(rs.Diff(cur).Items, routingDrift(f, rs.Routing, rule, route)...)
+		drifts[i] = append(drifts[i], policyroute.Drift(f, rs.Routing, rule, route)...)
 		return nil
 	})
 	if err != nil {
@@ -243,26 +451,12 @@ func (a *Applier) VerifyContext(ctx context.Context, netnsPath string, cfg PodCo
 	return d, nil
 }
 
-// routingDrift reports a missing rule or route.
-func routingDrift(f Family, p PolicyRoute, rule, route bool) []DriftItem {
-	var items []DriftItem
-	if !rule {
-		items = append(items, DriftItem{Family: f, Kind: DriftMissing, Object: "ip rule",
-			Want: fmt.Sprintf("pref %d fwmark %#x/%#x lookup %d", p.Priority, p.Mark, p.Mask, p.Table)})
-	}
-	if !route {
-		items = append(items, DriftItem{Family: f, Kind: DriftMissing, Object: "route",
-			Want: fmt.Sprintf("local %s dev lo table %d", p.Local, p.Table)})
-	}
-	return items
-}
-
 // Remove deletes everything Apply installed in the namespace, whatever
 // options it was applied with: our chains, every rule referring to them,
-// the policy rule and route. With the nft backend a table left empty by the
-// removal is deleted too, since iptables-nft created it for us (legacy
-// tables cannot be unregistered, and an empty one has no effect). It is
-// idempotent and safe when nothing is installed.
+// the policy rule and route. With the nft backend the tables and built-in
+// chains Apply created are deleted too once empty (see dropOwnedTables;
+// legacy tables cannot be unregistered, and an empty one has no effect).
+// It is idempotent and safe when nothing is installed.
 func (a *Applier) Remove(netnsPath string) error {
 	return a.RemoveContext(context.Background(), netnsPath)
 }
@@ -275,19 +469,69 @@ func (a *Applier) RemoveContext(ctx context.Context, netnsPath string) error {
 	defer a.lock(netnsPath)()
 	ctx, cancel := a.bound(ctx)
 	defer cancel()
-	v6, err := a.router.IPv6Enabled(netnsPath)
+	v6, err := a.router.State(netnsPath)
 	if err != nil {
 		return err
 	}
 	return perFamily(func(f Family) error {
-		err := a.removeFamily(ctx, netnsPath, f, f == IPv4 || v6)
-		if err != nil && f == IPv6 && !v6 {
+		err := a.removeFamily(ctx, netnsPath, f, f == IPv4 || v6.IPv6)
+		if err != nil && f == IPv6 && !v6.IPv6 {
 			// ip6tables may be unusable without IPv6; nothing of ours can be there.
 			a.log.Debug("skipping IPv6 removal", "netns", netnsPath, "err", err)
 			return nil
 		}
 		return err
 	})
+}
+
+// RemoveRules deletes our chains and every rule referring to them in both
+// families but keeps the policy routes: for moving a pod to the other
+// backend, which uses the same routes. Idempotent.
+func (a *Applier) RemoveRules(netnsPath string) error {
+	if err := podNetns(netnsPath); err != nil {
+		return err
+	}
+	defer a.lock(netnsPath)()
+	ctx, cancel := a.bound(context.Background())
+	defer cancel()
+	st, err := a.router.State(netnsPath)
+	if err != nil {
+		return err
+	}
+	return perFamily(func(f Family) error {
+		err := a.removeFamily(ctx, netnsPath, f, false)
+		if err != nil && f == IPv6 && !st.IPv6 {
+			return nil // ip6tables may be unusable without IPv6; nothing of ours can be there
+		}
+		return err
+	})
+}
+
+// HasRules reports whether the namespace holds any chain of ours or any
+// rule referring to one, in either family.
+func (a *Applier) HasRules(netnsPath string) (bool, error) {
+	if err := podNetns(netnsPath); err != nil {
+		return false, err
+	}
+	ctx, cancel := a.bound(context.Background())
+	defer cancel()
+	st, err := a.router.State(netnsPath)
+	if err != nil {
+		return false, err
+	}
+	found := make([]bool, len(Families))
+	err = perFamily(func(f Family) error {
+		cur, err := a.save(ctx, netnsPath, f)
+		if err != nil {
+			if f == IPv6 && !st.IPv6 {
+				return nil
+			}
+			return err
+		}
+		found[slices.Index(Families, f)] = PlanRemove(cur) != ""
+		return nil
+	})
+	return slices.Contains(found, true), err
 }
 
 // removeFamily removes our rules of family f; routing too when routes is set.
@@ -300,35 +544,35 @@ func (a *Applier) removeFamily(ctx context.Context, netnsPath string, f Family, 
 		if err := a.restore(ctx, netnsPath, f, plan); err != nil {
 			return err
 		}
-		if a.backend == BackendNFT {
-			a.dropEmptyTables(ctx, netnsPath, f, podScope, cur, touchedTables(plan))
-		}
+		a.dropOwnedTables(netnsPath, f, touchedTables(plan))
 		a.log.Debug("rules removed", "netns", netnsPath, "family", f.String())
 	}
 	if !routes {
 		return nil
 	}
-	if err := a.router.RemovePolicyRoute(netnsPath, f, PodRules(PodConfig{}, f).Routing); err != nil {
+	if err := a.router.RemovePolicyRoute(netnsPath, f, PodRules(PodConfig{}, f).Routing, allRoute); err != nil {
 		return fmt.Errorf("%s policy routing in netns %s: %w", f, netnsPath, err)
 	}
 	return nil
 }
 
-// dropEmptyTables deletes nf_tables tables that held only our rules, so
-// the namespace's ruleset is what it was before Apply. Failure only costs
-// an empty, inert table, so it is logged, not returned.
-func (a *Applier) dropEmptyTables(ctx context.Context, netnsPath string, f Family, sc *scope, before *Save, tables []string) {
-	family := "ip"
-	if f == IPv6 {
-		family = "ip6"
+// dropOwnedTables deletes the nf_tables tables of family f among tables,
+// and the built-in chains in them, that this project created (they carry
+// nftables.OwnerComment) and that the removal left empty, so the
+// namespace's ruleset is what it was before us.
+// The kernel checks emptiness in the same transaction as the deletion, so
+// a rule another tool added meanwhile keeps its table; a table that was
+// there before us is never deleted. Failure costs only an empty, inert
+// table, so it is logged, not returned. Legacy tables cannot be deleted.
+func (a *Applier) dropOwnedTables(netnsPath string, f Family, tables []string) {
+	if a.backend != BackendNFT || len(tables) == 0 {
+		return
 	}
-	for _, t := range tables {
-		if !emptyAfterRemove(sc, before.Table(t)) {
-			continue
-		}
-		cmd := Cmd{Name: "nft", Args: []string{"delete", "table", family, t}}
-		if _, err := a.exec.Run(ctx, netnsPath, cmd); err != nil {
-			a.log.Debug("empty table left in place", "netns", netnsPath, "table", family+" "+t, "err", err)
-		}
+	refs := make([]nftables.TableRef, len(tables))
+	for i, t := range tables {
+		refs[i] = nftTable(f, t)
+	}
+	if _, err := a.tables.DeleteOwned(netnsPath, refs); err != nil {
+		a.log.Debug("empty tables left in place", "netns", netnsPath, "tables", refs, "err", err)
 	}
 }

@@ -39,7 +39,7 @@ func wantLog(t *testing.T, log []string, b Backend, steps []string, other int) {
 
 func fakeApplier(b Backend) (*Applier, *fakeHost) {
 	h := newFakeHost(b)
-	return NewApplier(nil, b, WithExecutor(h), WithRouter(h)), h
+	return NewApplier(nil, b, WithExecutor(h), WithRouter(h), WithTableOwner(h)), h
 }
 
 func TestApplierFlowWithFake(t *testing.T) {
@@ -48,7 +48,8 @@ func TestApplierFlowWithFake(t *testing.T) {
 	if err := a.Apply(pod, PodConfig{}); err != nil {
 		t.Fatal(err)
 	}
-	wantLog(t, h.takeLog(), BackendNFT, []string{"save", "restore"}, 0)
+	// One call creates the missing tables of both families, marked ours.
+	wantLog(t, h.takeLog(), BackendNFT, []string{"save", "restore"}, 1)
 	if d, err := a.Verify(pod, PodConfig{}); err != nil || !d.Empty() {
 		t.Fatalf("verify after apply: %v\n%s", err, d)
 	}
@@ -74,8 +75,9 @@ func TestApplierFlowWithFake(t *testing.T) {
 	if err := a.Remove(pod); err != nil {
 		t.Fatal(err)
 	}
-	// Two tables (mangle, nat) per family held only ours and are deleted.
-	wantLog(t, h.takeLog(), BackendNFT, []string{"save", "restore"}, 4)
+	// The tables (mangle, nat) of each family were created by the apply
+	// and are deleted once empty.
+	wantLog(t, h.takeLog(), BackendNFT, []string{"save", "restore"}, 2)
 	n := h.ns[pod]
 	for _, f := range Families {
 		if len(n.saves[f].Tables) != 0 || n.rule[f] || n.route[f] {

@@ -3,7 +3,7 @@ package iptables
 import (
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"github.com/containernetworking/plugins/pkg/ns"
 )
 
@@ -46,46 +46,5 @@ func TestDetectBackend(t *testing.T) {
 	want := modeFromVersion(run(t, "", "iptables", "--version"))
 	if got != want {
 		t.Errorf("empty namespace: detected %q, default binary is %q", got, want)
-	}
-}
-
-// BenchmarkApply measures one pod's Apply (both families, real netns,
-// real iptables-restore and netlink) into a fresh namespace, and the
-// converged re-apply that only reads.
-func BenchmarkApply(b *testing.B) {
-	for _, be := range []Backend{BackendNFT, BackendLegacy} {
-		b.Run(string(be)+"/fresh", func(b *testing.B) {
-			requireBackendB(b, be)
-			a := NewApplier(nil, be)
-			for i := 0; i < b.N; i++ {
-				b.StopTimer()
-				n := testnet.NewNS(b)
-				b.StartTimer()
-				if err := a.Apply(n.Path(), PodConfig{}); err != nil {
-					b.Fatal(err)
-				}
-			}
-		})
-		b.Run(string(be)+"/converged", func(b *testing.B) {
-			requireBackendB(b, be)
-			a := NewApplier(nil, be)
-			n := testnet.NewNS(b)
-			if err := a.Apply(n.Path(), PodConfig{}); err != nil {
-				b.Fatal(err)
-			}
-			b.ResetTimer()
-			for i := 0; i < b.N; i++ {
-				if err := a.Apply(n.Path(), PodConfig{}); err != nil {
-					b.Fatal(err)
-				}
-			}
-		})
-	}
-}
-
-func requireBackendB(b *testing.B, be Backend) {
-	testnet.RequireRoot(b)
-	for _, f := range Families {
-		testnet.RequireCommands(b, be.SaveCmd(f), be.RestoreCmd(f))
 	}
 }

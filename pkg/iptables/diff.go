@@ -2,84 +2,9 @@ package iptables
 
 import (
 	"fmt"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"strings"
 )
-
-// DriftKind says how the namespace differs from the desired state.
-type DriftKind string
-
-const (
-	// DriftMissing: something we want is absent.
-	DriftMissing DriftKind = "missing"
-	// DriftExtra: something refers to our chains that we did not put there
-	// (a duplicate jump, a stray rule in our chain, a chain we no longer want).
-	DriftExtra DriftKind = "extra"
-	// DriftChanged: the rule at a position differs from the one we want.
-	DriftChanged DriftKind = "changed"
-	// DriftMoved: a rule we want is present but at the wrong position.
-	DriftMoved DriftKind = "moved"
-)
-
-// DriftItem is one difference. For rules, Want and Have hold the full
-// "-A <chain> <spec>" text; Position is 1-based within the chain (the
-// desired position for missing/changed/moved, the actual one for extra).
-type DriftItem struct {
-	Family   Family
-	Kind     DriftKind
-	Object   string // "chain", "rule", "ip rule", "route"
-	Table    string // empty for routing
-	Chain    string
-	Position int
-	Want     string
-	Have     string
-}
-
-// String describes the item in one line.
-func (d DriftItem) String() string {
-	where := d.Family.String()
-	if d.Table != "" {
-		where += " " + d.Table
-	}
-	if d.Chain != "" && d.Object != "chain" {
-		where += " " + d.Chain
-	}
-	obj := d.Object
-	if d.Position > 0 {
-		obj = fmt.Sprintf("%s #%d", obj, d.Position)
-	}
-	switch {
-	case d.Object == "chain":
-		return fmt.Sprintf("%s: %s chain %s", where, d.Kind, d.Chain)
-	case d.Kind == DriftChanged:
-		return fmt.Sprintf("%s: changed %s: want %q, have %q", where, obj, d.Want, d.Have)
-	case d.Kind == DriftExtra:
-		return fmt.Sprintf("%s: extra %s %q", where, obj, d.Have)
-	case d.Kind == DriftMoved:
-		return fmt.Sprintf("%s: moved %s %q", where, obj, d.Want)
-	default:
-		return fmt.Sprintf("%s: missing %s %q", where, obj, d.Want)
-	}
-}
-
-// Drift is the difference between a namespace and its desired rule set.
-type Drift struct {
-	Items []DriftItem
-}
-
-// Empty reports whether the namespace matches the desired state.
-func (d Drift) Empty() bool { return len(d.Items) == 0 }
-
-// String lists every item, one per line, or "no drift".
-func (d Drift) String() string {
-	if d.Empty() {
-		return "no drift"
-	}
-	lines := make([]string, len(d.Items))
-	for i, it := range d.Items {
-		lines[i] = it.String()
-	}
-	return strings.Join(lines, "\n")
-}
 
 // tableState is what one table holds of ours, computed from a save.
 type tableState struct {
@@ -91,11 +16,22 @@ type tableState struct {
 	refs [][2]string
 	// dupJumps are surplus exact jumps (chain, spec), in order.
 	dupJumps [][2]string
+	// atTop tells, for chains whose jump must come first, whether the hook
+	// chain's first rule is that exact jump.
+	atTop map[string]bool
+}
+
+// reinsert reports whether the jump to a chain that must come first has
+// to be rebuilt: present, but not alone at the top of its hook chain.
+// Deleting by spec removes the first copy, so the plan deletes every copy
+// and inserts one at 1.
+func (st tableState) reinsert(sc *scope, chain string) bool {
+	return sc.first[chain] && st.jumps[chain] > 0 && (!st.atTop[chain] || st.jumps[chain] > 1)
 }
 
 // scanTable collects our chains and every reference to them in t.
 func scanTable(sc *scope, t *SavedTable, want map[string]bool) tableState {
-	st := tableState{chains: map[string][]string{}, jumps: map[string]int{}}
+	st := tableState{chains: map[string][]string{}, jumps: map[string]int{}, atTop: map[string]bool{}}
 	if t == nil {
 		return st
 	}
@@ -112,13 +48,14 @@ func scanTable(sc *scope, t *SavedTable, want map[string]bool) tableState {
 		if sc.owns(c.Name) {
 			continue // their contents are compared or flushed as a whole
 		}
-		for _, r := range c.Rules {
+		for i, r := range c.Rules {
 			target := r.Target()
 			if !sc.owns(target) {
 				continue
 			}
 			spec := r.Spec()
 			if want[target] && c.Name == sc.hook[target] && spec == jumpSpec(target) {
+				st.atTop[target] = st.atTop[target] || i == 0
 				st.jumps[target]++
 				if st.jumps[target] > 1 {
 					st.dupJumps = append(st.dupJumps, [2]string{c.Name, spec})
@@ -192,13 +129,21 @@ func (rs RuleSet) Diff(cur *Save) Drift {
 					d.Items = append(d.Items, it)
 				}
 			case wanted:
-				d.Items = append(d.Items, diffChain(item(DriftMissing, "rule", name), rules, have)...)
+				d.Items = append(d.Items, ruleset.DiffRules(item(DriftMissing, "rule", name), rules, have)...)
 			case present:
 				d.Items = append(d.Items, item(DriftExtra, "chain", name))
 			}
 			if wanted && st.jumps[name] == 0 {
 				it := item(DriftMissing, "rule", sc.hook[name])
 				it.Want = "-A " + sc.hook[name] + " " + jumpSpec(name)
+				if sc.first[name] {
+					it.Position = 1
+				}
+				d.Items = append(d.Items, it)
+			}
+			if wanted && sc.first[name] && st.jumps[name] > 0 && !st.atTop[name] {
+				it := item(DriftMoved, "rule", sc.hook[name])
+				it.Position, it.Want = 1, "-A "+sc.hook[name]+" "+jumpSpec(name)
 				d.Items = append(d.Items, it)
 			}
 		}
@@ -214,84 +159,6 @@ func (rs RuleSet) Diff(cur *Save) Drift {
 		}
 	}
 	return d
-}
-
-// diffChain aligns want and have with a longest common subsequence and
-// reports the gaps: paired gaps as changed, the rest as missing or extra,
-// and a missing rule that also appears as extra as moved.
-func diffChain(proto DriftItem, want, have []string) []DriftItem {
-	n, m := len(want), len(have)
-	lcs := make([][]int, n+1)
-	for i := range lcs {
-		lcs[i] = make([]int, m+1)
-	}
-	for i := n - 1; i >= 0; i-- {
-		for j := m - 1; j >= 0; j-- {
-			if want[i] == have[j] {
-				lcs[i][j] = lcs[i+1][j+1] + 1
-			} else {
-				lcs[i][j] = max(lcs[i+1][j], lcs[i][j+1])
-			}
-		}
-	}
-	type gap struct{ miss, extra []int }
-	var gaps []gap
-	var g gap
-	flush := func() {
-		if len(g.miss)+len(g.extra) > 0 {
-			gaps = append(gaps, g)
-		}
-		g = gap{}
-	}
-	i, j := 0, 0
-	for i < n || j < m {
-		switch {
-		case i < n && j < m && want[i] == have[j]:
-			flush()
-			i, j = i+1, j+1
-		case j < m && (i == n || lcs[i][j+1] >= lcs[i+1][j]):
-			g.extra = append(g.extra, j)
-			j++
-		default:
-			g.miss = append(g.miss, i)
-			i++
-		}
-	}
-	flush()
-
-	chain := proto.Chain
-	full := func(spec string) string { return "-A " + chain + " " + spec }
-	var missing, extra, out []DriftItem
-	for _, g := range gaps {
-		k := min(len(g.miss), len(g.extra))
-		for x := 0; x < k; x++ {
-			it := proto
-			it.Kind, it.Position = DriftChanged, g.miss[x]+1
-			it.Want, it.Have = full(want[g.miss[x]]), full(have[g.extra[x]])
-			out = append(out, it)
-		}
-		for _, w := range g.miss[k:] {
-			it := proto
-			it.Kind, it.Position, it.Want = DriftMissing, w+1, full(want[w])
-			missing = append(missing, it)
-		}
-		for _, h := range g.extra[k:] {
-			it := proto
-			it.Kind, it.Position, it.Have = DriftExtra, h+1, full(have[h])
-			extra = append(extra, it)
-		}
-	}
-	for _, mi := range missing {
-		for x, ex := range extra {
-			if ex.Have == mi.Want {
-				mi.Kind = DriftMoved
-				extra = append(extra[:x], extra[x+1:]...)
-				break
-			}
-		}
-		out = append(out, mi)
-	}
-	return append(out, extra...)
 }
 
 // PlanApply returns iptables-restore --noflush input that turns cur into the
@@ -317,11 +184,22 @@ func PlanApply(desired RuleSet, cur *Save) string {
 			case !wanted && present:
 				drop = append(drop, name)
 			}
-			if wanted && st.jumps[name] == 0 {
-				add = append(add, "-A "+sc.hook[name]+" "+jumpSpec(name))
+			switch {
+			case wanted && st.reinsert(sc, name):
+				for range st.jumps[name] {
+					del = append(del, "-D "+sc.hook[name]+" "+jumpSpec(name))
+				}
+				add = append(add, sc.addJump(name))
+			case wanted && st.jumps[name] == 0:
+				add = append(add, sc.addJump(name))
 			}
 		}
-		for _, r := range append(st.dupJumps, st.refs...) {
+		for _, r := range st.dupJumps {
+			if target := strings.TrimPrefix(r[1], "-j "); !st.reinsert(sc, target) {
+				del = append(del, "-D "+r[0]+" "+r[1])
+			}
+		}
+		for _, r := range st.refs {
 			del = append(del, "-D "+r[0]+" "+r[1])
 		}
 		if len(decl)+len(del)+len(add)+len(drop) == 0 {
@@ -361,25 +239,81 @@ func touchedTables(plan string) []string {
 	return ts
 }
 
-// emptyAfterRemove reports whether table t holds nothing but empty built-in
-// chains with ACCEPT policy once our chains and references are gone: such
-// a table has no effect and can be deleted to restore the prior state.
-func emptyAfterRemove(sc *scope, t *SavedTable) bool {
-	if t == nil {
-		return false
-	}
-	for _, c := range t.Chains {
-		if sc.owns(c.Name) {
-			continue
-		}
-		if c.Policy != "ACCEPT" {
-			return false
-		}
-		for _, r := range c.Rules {
-			if !sc.owns(r.Target()) {
-				return false
+// planRevert returns iptables-restore --noflush input that turns what sc
+// owns in after back into what it was in before: our chains with their
+// rules, and every rule elsewhere that refers to them, each at its old
+// position. It undoes a failed apply. Rules of others are not touched.
+func planRevert(sc *scope, before, after *Save) string {
+	var b strings.Builder
+	for _, table := range sc.tables {
+		bt, at := before.Table(table), after.Table(table)
+		var decl, del, ins, body, drop []string
+		for _, name := range sc.chains {
+			bc, ac := bt.Chain(name), at.Chain(name)
+			switch {
+			case bc != nil:
+				decl = append(decl, ":"+name+" - [0:0]")
+				for _, r := range bc.Rules {
+					body = append(body, "-A "+name+" "+r.Spec())
+				}
+			case ac != nil:
+				drop = append(drop, name)
 			}
 		}
+		// References now: all go. Then the old ones come back in order,
+		// at their old positions among the other rules.
+		if at != nil {
+			for _, c := range at.Chains {
+				if sc.owns(c.Name) {
+					continue
+				}
+				for _, r := range c.Rules {
+					if sc.owns(r.Target()) {
+						del = append(del, "-D "+c.Name+" "+r.Spec())
+					}
+				}
+			}
+		}
+		if bt != nil {
+			for _, c := range bt.Chains {
+				if sc.owns(c.Name) {
+					continue
+				}
+				others := 0
+				if ac := at.Chain(c.Name); ac != nil {
+					for _, r := range ac.Rules {
+						if !sc.owns(r.Target()) {
+							others++
+						}
+					}
+				}
+				inserted := 0
+				for i, r := range c.Rules {
+					if !sc.owns(r.Target()) {
+						continue
+					}
+					// Position i+1 as before, unless others' rules changed
+					// meanwhile and the chain is now shorter.
+					pos := min(i+1, others+inserted+1)
+					ins = append(ins, fmt.Sprintf("-I %s %d %s", c.Name, pos, r.Spec()))
+					inserted++
+				}
+			}
+		}
+		if len(decl)+len(del)+len(ins)+len(drop) == 0 {
+			continue
+		}
+		fmt.Fprintf(&b, "*%s\n", table)
+		for _, l := range append(append(append(decl, del...), ins...), body...) {
+			b.WriteString(l + "\n")
+		}
+		for _, c := range drop {
+			b.WriteString("-F " + c + "\n")
+		}
+		for _, c := range drop {
+			b.WriteString("-X " + c + "\n")
+		}
+		b.WriteString("COMMIT\n")
 	}
-	return true
+	return b.String()
 }

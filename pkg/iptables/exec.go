@@ -3,13 +3,12 @@ package iptables
 import (
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"strings"
 
+	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
@@ -35,19 +34,21 @@ type Executor interface {
 	Run(ctx context.Context, netnsPath string, cmd Cmd) ([]byte, error)
 }
 
-// Router reads and changes what the Applier sets through netlink and
-// sysctl in a network namespace; NetlinkRouter is the real one.
-type Router interface {
-	// IPv6Enabled reports whether the namespace has IPv6 enabled.
-	IPv6Enabled(netnsPath string) (bool, error)
-	// PolicyRouteState reports whether the fwmark rule and the local route
-	// of want exist.
-	PolicyRouteState(netnsPath string, f Family, want PolicyRoute) (rule, route bool, err error)
-	// EnsurePolicyRoute installs the rule and route if missing.
-	EnsurePolicyRoute(netnsPath string, f Family, want PolicyRoute) error
-	// RemovePolicyRoute deletes the rule and route if present.
-	RemovePolicyRoute(netnsPath string, f Family, want PolicyRoute) error
-}
+// The policy-route side, under the names this package has always used.
+type (
+	// Router reads and changes the policy route and the namespace state
+	// it depends on (pkg/policyroute).
+	Router = policyroute.Router
+	// NetlinkRouter is the real Router.
+	NetlinkRouter = policyroute.Netlink
+	// NetnsState is what a namespace offers the capture rules.
+	NetnsState = policyroute.NetnsState
+	// RouteParts names parts of a policy route.
+	RouteParts = policyroute.Parts
+)
+
+// allRoute names both parts of a policy route.
+var allRoute = policyroute.All
 
 // maxOutput bounds what a command may print; iptables-save of a pod
 // namespace is tiny, so more than this is an error, not a memory hazard.
@@ -108,10 +109,6 @@ func (c *capped) Write(p []byte) (int, error) {
 	return c.Buffer.Write(p)
 }
 
-// NetlinkRouter implements Router with netlink sockets opened inside the
-// target namespace, so no thread ever switches namespace for routing.
-type NetlinkRouter struct{}
-
 // handle opens a netlink handle in the namespace ("" = current).
 func handle(netnsPath string) (*netlink.Handle, error) {
 	if netnsPath == "" {
@@ -129,174 +126,9 @@ func handle(netnsPath string) (*netlink.Handle, error) {
 	return h, nil
 }
 
-// IPv6Enabled implements Router. IPv6 counts as enabled when the kernel
-// has it and the namespace's net.ipv6.conf.all.disable_ipv6 is 0; net
-// sysctls resolve against the reading thread's namespace, so the file is
-// read from inside it.
-func (NetlinkRouter) IPv6Enabled(netnsPath string) (bool, error) {
-	var enabled bool
-	read := func() error {
-		b, err := os.ReadFile("/proc/sys/net/ipv6/conf/all/disable_ipv6")
-		if errors.Is(err, os.ErrNotExist) {
-			return nil // kernel without IPv6
-		}
-		if err != nil {
-			return err
-		}
-		enabled = strings.TrimSpace(string(b)) == "0"
-		return nil
-	}
-	var err error
-	if netnsPath == "" {
-		err = read()
-	} else {
-		err = ns.WithNetNSPath(netnsPath, func(ns.NetNS) error { return read() })
-	}
-	if err != nil {
-		return false, fmt.Errorf("read IPv6 state of netns %s: %w", netnsPath, err)
-	}
-	return enabled, nil
-}
-
 func nlFamily(f Family) int {
 	if f == IPv6 {
 		return unix.AF_INET6
 	}
 	return unix.AF_INET
-}
-
-func (p PolicyRoute) rule(f Family) *netlink.Rule {
-	r := netlink.NewRule()
-	r.Family = nlFamily(f)
-	r.Table = p.Table
-	r.Mark = p.Mark
-	mask := p.Mask
-	r.Mask = &mask
-	r.Priority = p.Priority
-	return r
-}
-
-func (p PolicyRoute) route(lo int) *netlink.Route {
-	return &netlink.Route{
-		LinkIndex: lo,
-		Dst:       &net.IPNet{IP: p.Local.Addr().AsSlice(), Mask: net.CIDRMask(p.Local.Bits(), p.Local.Addr().BitLen())},
-		Table:     p.Table,
-		Type:      unix.RTN_LOCAL,
-		Scope:     netlink.SCOPE_HOST,
-		Family:    nlFamily(p.familyOf()),
-	}
-}
-
-func (p PolicyRoute) familyOf() Family {
-	if p.Local.Addr().Is6() {
-		return IPv6
-	}
-	return IPv4
-}
-
-func findRule(h *netlink.Handle, f Family, want PolicyRoute) (bool, error) {
-	rules, err := h.RuleList(nlFamily(f))
-	if err != nil {
-		return false, fmt.Errorf("list %s rules: %w", f, err)
-	}
-	for _, r := range rules {
-		if r.Table == want.Table && r.Mark == want.Mark && r.Mask != nil && *r.Mask == want.Mask &&
-			r.Priority == want.Priority && !r.Invert && r.Src == nil && r.Dst == nil {
-			return true, nil
-		}
-	}
-	return false, nil
-}
-
-func findRoute(h *netlink.Handle, f Family, want PolicyRoute) (bool, int, error) {
-	lo, err := h.LinkByName("lo")
-	if err != nil {
-		return false, 0, fmt.Errorf("find lo: %w", err)
-	}
-	routes, err := h.RouteListFiltered(nlFamily(f), &netlink.Route{Table: want.Table}, netlink.RT_FILTER_TABLE)
-	if err != nil {
-		return false, 0, fmt.Errorf("list %s routes in table %d: %w", f, want.Table, err)
-	}
-	for _, r := range routes {
-		ones := 0
-		if r.Dst != nil {
-			ones, _ = r.Dst.Mask.Size()
-		}
-		if r.Type == unix.RTN_LOCAL && ones == want.Local.Bits() && r.LinkIndex == lo.Attrs().Index {
-			return true, lo.Attrs().Index, nil
-		}
-	}
-	return false, lo.Attrs().Index, nil
-}
-
-// PolicyRouteState implements Router.
-func (NetlinkRouter) PolicyRouteState(netnsPath string, f Family, want PolicyRoute) (bool, bool, error) {
-	h, err := handle(netnsPath)
-	if err != nil {
-		return false, false, err
-	}
-	defer h.Close()
-	rule, err := findRule(h, f, want)
-	if err != nil {
-		return false, false, err
-	}
-	route, _, err := findRoute(h, f, want)
-	return rule, route, err
-}
-
-// EnsurePolicyRoute implements Router.
-func (NetlinkRouter) EnsurePolicyRoute(netnsPath string, f Family, want PolicyRoute) error {
-	h, err := handle(netnsPath)
-	if err != nil {
-		return err
-	}
-	defer h.Close()
-	route, lo, err := findRoute(h, f, want)
-	if err != nil {
-		return err
-	}
-	// Route before rule: the rule must never point at an empty table.
-	if !route {
-		if err := h.RouteAdd(want.route(lo)); err != nil && !errors.Is(err, unix.EEXIST) {
-			return fmt.Errorf("add route local %s dev lo table %d: %w", want.Local, want.Table, err)
-		}
-	}
-	rule, err := findRule(h, f, want)
-	if err != nil {
-		return err
-	}
-	if !rule {
-		if err := h.RuleAdd(want.rule(f)); err != nil && !errors.Is(err, unix.EEXIST) {
-			return fmt.Errorf("add %s rule fwmark %#x/%#x lookup %d: %w", f, want.Mark, want.Mask, want.Table, err)
-		}
-	}
-	return nil
-}
-
-// RemovePolicyRoute implements Router.
-func (NetlinkRouter) RemovePolicyRoute(netnsPath string, f Family, want PolicyRoute) error {
-	h, err := handle(netnsPath)
-	if err != nil {
-		return err
-	}
-	defer h.Close()
-	rule, err := findRule(h, f, want)
-	if err != nil {
-		return err
-	}
-	if rule {
-		if err := h.RuleDel(want.rule(f)); err != nil && !errors.Is(err, unix.ENOENT) {
-			return fmt.Errorf("delete %s rule fwmark %#x/%#x lookup %d: %w", f, want.Mark, want.Mask, want.Table, err)
-		}
-	}
-	route, lo, err := findRoute(h, f, want)
-	if err != nil {
-		return err
-	}
-	if route {
-		if err := h.RouteDel(want.route(lo)); err != nil && !errors.Is(err, unix.ESRCH) && !errors.Is(err, unix.ENOENT) {
-			return fmt.Errorf("delete route local %s dev lo table %d: %w", want.Local, want.Table, err)
-		}
-	}
-	return nil
 }

@@ -10,6 +10,7 @@ import (
 	"slices"
 	"sync"
 
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
@@ -23,41 +24,12 @@ import (
 
 // Default ipset names holding the enrolled pod IPs, one per family.
 const (
-	ProbeSetV4 = "ambient-probes-v4"
-	ProbeSetV6 = "ambient-probes-v6"
+	ProbeSetV4 = ruleset.ProbeSetV4
+	ProbeSetV6 = ruleset.ProbeSetV6
 )
 
 // ProbeSet names the ipset of family f.
-func ProbeSet(f Family) string {
-	if f == IPv6 {
-		return ProbeSetV6
-	}
-	return ProbeSetV4
-}
-
-// HostProbeConfig holds the host-side options.
-type HostProbeConfig struct {
-	// ProbeSNATv4 and ProbeSNATv6 are the SNAT sources; zero means the
-	// ambient defaults. They must match the pods' PodConfig.
-	ProbeSNATv4, ProbeSNATv6 netip.Addr
-}
-
-func (c HostProbeConfig) pod() PodConfig {
-	return PodConfig{ProbeSNATv4: c.ProbeSNATv4, ProbeSNATv6: c.ProbeSNATv6}
-}
-
-// HostProbeRules builds the host's probe SNAT rule set for family f: one
-// chain in nat, jumped to from POSTROUTING, with one rule. Pure.
-func HostProbeRules(cfg HostProbeConfig, f Family) RuleSet {
-	return RuleSet{
-		Family: f,
-		scope:  hostScope,
-		Tables: []TableRules{{Name: TableNAT, Chains: []ChainRules{{Name: ChainProbeSNAT, Rules: []string{
-			fmt.Sprintf("-p tcp -m owner --socket-exists -m set --match-set %s dst -j SNAT --to-source %s",
-				ProbeSet(f), cfg.pod().probe(f)),
-		}}}}},
-	}
-}
+func ProbeSet(f Family) string { return ruleset.ProbeSet(f) }
 
 // IPSets manages ipsets in a network namespace; NetlinkIPSets is the real
 // one, tests of the control flow substitute a fake.
@@ -184,23 +156,29 @@ func NewHostProbe(log *slog.Logger, b Backend, netnsPath string, cfg HostProbeCo
 	return &HostProbe{a: a, netns: netnsPath, cfg: cfg}
 }
 
+// Close waits for the netlink connections the HostProbe closes in the
+// background (see Applier.Close); the rules stay.
+func (h *HostProbe) Close() error { return h.a.Close() }
+
 // families returns the families the namespace has enabled.
 func (h *HostProbe) families() ([]Family, error) {
-	v6, err := h.a.router.IPv6Enabled(h.netns)
+	v6, err := h.a.router.State(h.netns)
 	if err != nil {
 		return nil, err
 	}
-	if v6 {
+	if v6.IPv6 {
 		return Families, nil
 	}
 	return []Family{IPv4}, nil
 }
 
 // Ensure creates the ipsets and installs the SNAT rule (one
-// iptables-restore per family, skipped when already in place). Existing
-// set members are kept, so it is safe at every agent start.
+// iptables-restore per family, skipped when already in place; both
+// families or neither), and puts the jump back at the top of POSTROUTING
+// if another rule got above it. Existing set members are kept, so it is
+// safe at every agent start and as a periodic resync.
 func (h *HostProbe) Ensure() error {
-	if err := h.cfg.pod().Validate(); err != nil {
+	if err := h.cfg.Validate(); err != nil {
 		return err
 	}
 	h.mu.Lock()
@@ -211,23 +189,26 @@ func (h *HostProbe) Ensure() error {
 	}
 	ctx, cancel := h.a.bound(context.Background())
 	defer cancel()
+	var plans []*familyPlan
 	for _, f := range fams {
 		// The rule refers to the set, so the set comes first.
 		if err := h.a.sets.EnsureSet(h.netns, ProbeSet(f), f); err != nil {
 			return fmt.Errorf("host probe %s: %w", f, err)
 		}
-		rs := HostProbeRules(h.cfg, f)
-		cur, err := h.a.save(ctx, h.netns, f)
+		plans = append(plans, &familyPlan{f: f, rs: HostProbeRules(h.cfg, f)})
+	}
+	err = each(plans, func(p *familyPlan) error {
+		cur, err := h.a.save(ctx, h.netns, p.f)
 		if err != nil {
 			return err
 		}
-		if plan := PlanApply(rs, cur); plan != "" {
-			if err := h.a.restore(ctx, h.netns, f, plan); err != nil {
-				return err
-			}
-		}
+		p.cur, p.plan = cur, PlanApply(p.rs, cur)
+		return nil
+	})
+	if err != nil {
+		return err
 	}
-	return nil
+	return h.a.applyPlans(ctx, h.netns, plans, hostScope)
 }
 
 // AddIP adds an enrolled pod IP to its family's set (idempotent). Call
@@ -299,11 +280,18 @@ func (h *HostProbe) Verify() (Drift, error) {
 
 // Remove deletes the rule, its chain and the sets (with their members),
 // leaving the namespace as before Ensure. With the nft backend a nat table
-// that held only our rule is deleted too. Idempotent.
-func (h *HostProbe) Remove() error {
+// that Ensure created is deleted too once empty (never one that was there
+// before, see Applier.dropOwnedTables). Idempotent.
+func (h *HostProbe) Remove() error { return h.remove(true) }
+
+// RemoveRules deletes the rule and its chain but keeps the sets, which
+// iptables of the other flavour uses too (ipsets are one per namespace).
+func (h *HostProbe) RemoveRules() error { return h.remove(false) }
+
+func (h *HostProbe) remove(sets bool) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	v6, err := h.a.router.IPv6Enabled(h.netns)
+	v6, err := h.a.router.State(h.netns)
 	if err != nil {
 		return err
 	}
@@ -312,7 +300,7 @@ func (h *HostProbe) Remove() error {
 	for _, f := range Families {
 		cur, err := h.a.save(ctx, h.netns, f)
 		if err != nil {
-			if f == IPv6 && !v6 {
+			if f == IPv6 && !v6.IPv6 {
 				continue
 			}
 			return err
@@ -321,9 +309,10 @@ func (h *HostProbe) Remove() error {
 			if err := h.a.restore(ctx, h.netns, f, plan); err != nil {
 				return err
 			}
-			if h.a.backend == BackendNFT {
-				h.a.dropEmptyTables(ctx, h.netns, f, hostScope, cur, touchedTables(plan))
-			}
+			h.a.dropOwnedTables(h.netns, f, touchedTables(plan))
+		}
+		if !sets {
+			continue
 		}
 		// The rule is gone, so the kernel lets the set go.
 		if err := h.a.sets.DestroySet(h.netns, ProbeSet(f)); err != nil {
@@ -332,7 +321,3 @@ func (h *HostProbe) Remove() error {
 	}
 	return nil
 }
-
-// Probe returns the SNAT source for family f, for callers wiring the pods'
-// PodConfig to the same addresses.
-func (c HostProbeConfig) Probe(f Family) netip.Addr { return c.pod().probe(f) }

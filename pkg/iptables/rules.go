@@ -1,6 +1,6 @@
-// Package iptables holds the in-pod redirection rules as data, renders them
-// to iptables-restore input, applies them inside a pod's network namespace
-// (one iptables-restore --noflush transaction per address family plus the
+// Package iptables renders the rule sets of pkg/ruleset to iptables-restore
+// input, applies them inside a pod's network namespace (one
+// iptables-restore --noflush transaction per address family plus the
 // policy-routing rule and local route via netlink), reports drift, and
 // removes exactly what it added.
 //
@@ -14,46 +14,44 @@ import (
 	"net/netip"
 	"strings"
 
-	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
-// Family is an IP address family: it selects iptables or ip6tables.
-type Family int
+// The model's types, under the names this package has always used.
+type (
+	// Family is an IP address family: it selects iptables or ip6tables.
+	Family = ruleset.Family
+	// PodConfig holds the options for one pod's rule set.
+	PodConfig = ruleset.PodConfig
+	// HostProbeConfig holds the host-side options.
+	HostProbeConfig = ruleset.HostProbeConfig
+	// PolicyRoute is the fwmark rule and local route of a pod.
+	PolicyRoute = ruleset.PolicyRoute
+	// Drift is the difference between a namespace and its desired rules.
+	Drift = ruleset.Drift
+	// DriftItem is one difference.
+	DriftItem = ruleset.DriftItem
+	// DriftKind says how the namespace differs from the desired state.
+	DriftKind = ruleset.DriftKind
+)
 
+// Families, kinds of drift and limits of the model.
 const (
-	// IPv4 selects iptables and IPv4 routing.
-	IPv4 Family = 4
-	// IPv6 selects ip6tables and IPv6 routing.
-	IPv6 Family = 6
+	IPv4 = ruleset.IPv4
+	IPv6 = ruleset.IPv6
+
+	DriftMissing = ruleset.DriftMissing
+	DriftExtra   = ruleset.DriftExtra
+	DriftChanged = ruleset.DriftChanged
+	DriftMoved   = ruleset.DriftMoved
+
+	MaxVirtualInterfaces = ruleset.MaxVirtualInterfaces
+	RestoreMask          = ruleset.RestoreMask
+	DNSConntrackZone     = ruleset.DNSConntrackZone
 )
 
 // Families lists both families in the order they are applied.
-var Families = []Family{IPv4, IPv6}
-
-// String returns "ipv4" or "ipv6".
-func (f Family) String() string {
-	switch f {
-	case IPv4:
-		return "ipv4"
-	case IPv6:
-		return "ipv6"
-	}
-	return fmt.Sprintf("family(%d)", int(f))
-}
-
-// loopback is the address the redirect rules exclude as a destination
-// (REDIRECT in OUTPUT rewrites to it, and local services bind to it).
-func (f Family) loopback() string {
-	if f == IPv6 {
-		return "::1/128"
-	}
-	return "127.0.0.1/32"
-}
-
-// hostPrefix renders a as a single-host prefix the way iptables-save prints it.
-func hostPrefix(a netip.Addr) string {
-	return netip.PrefixFrom(a, a.BitLen()).String()
-}
+var Families = ruleset.Families
 
 // Our chain names, the same in every table that uses them. They match the
 // names Istio's CNI agent uses, so a node moving between implementations
@@ -70,9 +68,9 @@ const (
 
 // Tables we write to, in the order they are rendered.
 const (
-	TableRaw    = "raw"
-	TableMangle = "mangle"
-	TableNAT    = "nat"
+	TableRaw    = string(ruleset.Raw)
+	TableMangle = string(ruleset.Mangle)
+	TableNAT    = string(ruleset.NAT)
 )
 
 // scope bounds what one kind of rule set may create or delete: its
@@ -82,6 +80,9 @@ type scope struct {
 	tables []string
 	chains []string
 	hook   map[string]string
+	// first names chains whose jump must be the first rule of its hook
+	// chain (inserted at 1, moved back there by every apply).
+	first map[string]bool
 }
 
 func (s *scope) owns(chain string) bool {
@@ -101,63 +102,19 @@ var (
 		hook:   map[string]string{ChainPrerouting: "PREROUTING", ChainOutput: "OUTPUT"},
 	}
 	// hostScope is what the host probe SNAT owns.
+	// The probe SNAT jump goes first in POSTROUTING (Istio inserts it at
+	// 1): a MASQUERADE or ACCEPT that other tools put earlier would
+	// otherwise take kubelet's probes before they are SNATed.
 	hostScope = &scope{
 		tables: []string{TableNAT},
 		chains: []string{ChainProbeSNAT},
 		hook:   map[string]string{ChainProbeSNAT: "POSTROUTING"},
+		first:  map[string]bool{ChainProbeSNAT: true},
 	}
 )
 
 // isOurChain reports whether name is a chain this package owns anywhere.
 func isOurChain(name string) bool { return podScope.owns(name) || hostScope.owns(name) }
-
-// DNSConntrackZone is the conntrack zone for ztunnel's upstream DNS leg, so
-// it never shares conntrack entries with the application's (redirected) leg.
-const DNSConntrackZone = 1
-
-// PodConfig holds the options for one pod's rule set.
-type PodConfig struct {
-	// ProbeSNATv4 and ProbeSNATv6 are the sources kubelet probes are SNATed
-	// to on the host; traffic from (and to) them bypasses capture. The zero
-	// value means ambient.DefaultProbeSNATv4 / ambient.DefaultProbeSNATv6.
-	ProbeSNATv4, ProbeSNATv6 netip.Addr
-	// DNSCapture redirects DNS (UDP and TCP port 53) to ztunnel's 15053.
-	DNSCapture bool
-	// BypassInbound disables inbound redirection to 15006 (ingress mode).
-	BypassInbound bool
-}
-
-// withDefaults fills in the probe addresses.
-func (c PodConfig) withDefaults() PodConfig {
-	if !c.ProbeSNATv4.IsValid() {
-		c.ProbeSNATv4 = ambient.DefaultProbeSNATv4
-	}
-	if !c.ProbeSNATv6.IsValid() {
-		c.ProbeSNATv6 = ambient.DefaultProbeSNATv6
-	}
-	return c
-}
-
-// Validate rejects probe addresses of the wrong family or with a zone.
-func (c PodConfig) Validate() error {
-	c = c.withDefaults()
-	if !c.ProbeSNATv4.Unmap().Is4() {
-		return fmt.Errorf("probe SNAT v4 address %s is not IPv4", c.ProbeSNATv4)
-	}
-	if !c.ProbeSNATv6.Is6() || c.ProbeSNATv6.Is4In6() || c.ProbeSNATv6.Zone() != "" {
-		return fmt.Errorf("probe SNAT v6 address %s is not a plain IPv6 address", c.ProbeSNATv6)
-	}
-	return nil
-}
-
-// probe returns the probe SNAT address for f.
-func (c PodConfig) probe(f Family) netip.Addr {
-	c = c.withDefaults()
-	if f == IPv6 {
-		return c.ProbeSNATv6
-	}
-	return c.ProbeSNATv4.Unmap()
-}
 
 // ChainRules is one of our chains with its rules in order. Each rule is the
 // rule specification exactly as iptables-save prints it after "-A <chain> ",
@@ -173,27 +130,8 @@ type TableRules struct {
 	Chains []ChainRules
 }
 
-// PolicyRoute is the fwmark rule and local route that keep replies of
-// ztunnel-originated inbound connections inside the pod.
-type PolicyRoute struct {
-	// Mark and Mask select packets (ip rule fwmark Mark/Mask).
-	Mark, Mask uint32
-	// Table is the routing table the rule points to.
-	Table int
-	// Priority is the ip rule preference.
-	Priority int
-	// Local is the destination of the "local ... dev lo" route in Table.
-	Local netip.Prefix
-}
-
-// String renders the rule and route the way `ip` would describe them.
-func (p PolicyRoute) String() string {
-	return fmt.Sprintf("rule pref %d fwmark %#x/%#x lookup %d; route local %s dev lo table %d",
-		p.Priority, p.Mark, p.Mask, p.Table, p.Local, p.Table)
-}
-
-// RuleSet is the desired state of one address family in a network
-// namespace: iptables chains and, for pods, the policy route.
+// RuleSet is a ruleset.RuleSet rendered for iptables: our chains with
+// their rules as iptables-save text, and, for pods, the policy route.
 type RuleSet struct {
 	Family  Family
 	Tables  []TableRules
@@ -209,90 +147,135 @@ func (rs RuleSet) sc() *scope {
 	return rs.scope
 }
 
+// PodRules builds the desired iptables rules of family f for a pod from
+// ruleset.PodRules. Pure. cfg should pass Validate.
+func PodRules(cfg PodConfig, f Family) RuleSet { return Render(ruleset.PodRules(cfg, f)) }
+
+// HostProbeRules builds the host's probe SNAT rules for family f (one chain
+// in nat, jumped to from the top of POSTROUTING, with one rule) from
+// ruleset.HostProbeRules. Pure.
+func HostProbeRules(cfg HostProbeConfig, f Family) RuleSet {
+	return Render(ruleset.HostProbeRules(cfg, f))
+}
+
+// chainName is our chain for hook h of a rule set of kind k.
+func chainName(k ruleset.Kind, h ruleset.Hook) string {
+	switch {
+	case k == ruleset.Host:
+		return ChainProbeSNAT
+	case h == ruleset.Prerouting:
+		return ChainPrerouting
+	}
+	return ChainOutput
+}
+
+// Render turns the model into iptables rules: one chain of ours per hook,
+// each rule as iptables-save prints it.
+func Render(m ruleset.RuleSet) RuleSet {
+	rs := RuleSet{Family: m.Family, Routing: m.Routing}
+	if m.Kind == ruleset.Host {
+		rs.scope = hostScope
+	}
+	for _, c := range m.Chains {
+		if len(rs.Tables) == 0 || rs.Tables[len(rs.Tables)-1].Name != string(c.Table) {
+			rs.Tables = append(rs.Tables, TableRules{Name: string(c.Table)})
+		}
+		t := &rs.Tables[len(rs.Tables)-1]
+		cr := ChainRules{Name: chainName(m.Kind, c.Hook)}
+		for _, r := range c.Rules {
+			cr.Rules = append(cr.Rules, Spec(r))
+		}
+		t.Chains = append(t.Chains, cr)
+	}
+	return rs
+}
+
+// not renders iptables' negation prefix.
+func not(b bool) string {
+	if b {
+		return "! "
+	}
+	return ""
+}
+
 // markSpec renders value/mask in iptables' hex notation.
 func markSpec(v, m uint32) string { return fmt.Sprintf("%#x/%#x", v, m) }
 
-// PodRules builds the desired rule set of family f for a pod. It is pure:
-// the same input always gives the same value. cfg should pass Validate.
-func PodRules(cfg PodConfig, f Family) RuleSet {
-	cfg = cfg.withDefaults()
-	lo := f.loopback()
-	probe := hostPrefix(cfg.probe(f))
-	ztunnel := markSpec(ambient.ZtunnelMark, ambient.MarkMask)
-	skip := markSpec(ambient.ConnSkipMark, ambient.MarkMask)
-	mask := fmt.Sprintf("%#x", ambient.MarkMask)
+// hostPrefix renders a prefix the way iptables-save prints it.
+func hostPrefix(p netip.Prefix) string { return p.String() }
 
-	var tables []TableRules
-
-	if cfg.DNSCapture {
-		// ztunnel's own upstream queries (marked) and the replies coming
-		// back from port 53 get their own conntrack zone, so they never
-		// collide with the application's redirected leg in zone 0.
-		tables = append(tables, TableRules{Name: TableRaw, Chains: []ChainRules{
-			{Name: ChainPrerouting, Rules: []string{
-				fmt.Sprintf("-p udp -m udp --sport %d -m mark ! --mark %s -j CT --zone %d", ambient.DNSPort, ztunnel, DNSConntrackZone),
-			}},
-			{Name: ChainOutput, Rules: []string{
-				fmt.Sprintf("-p udp -m udp --dport %d -m mark --mark %s -j CT --zone %d", ambient.DNSPort, ztunnel, DNSConntrackZone),
-			}},
-		}})
+// Spec renders one rule exactly as iptables-save prints it after
+// "-A <chain> ": addresses, interfaces and protocol first, then each match
+// module, then the target.
+func Spec(r ruleset.Rule) string {
+	var b []string
+	add := func(format string, a ...any) { b = append(b, fmt.Sprintf(format, a...)) }
+	if r.Src.IsSet() {
+		add("%s-s %s", not(r.Src.Not), hostPrefix(r.Src.Prefix))
 	}
-
-	// Packets ztunnel sends into the pod (marked) tag their connection;
-	// replies get the mark back so policy routing keeps them local.
-	tables = append(tables, TableRules{Name: TableMangle, Chains: []ChainRules{
-		{Name: ChainPrerouting, Rules: []string{
-			fmt.Sprintf("-m mark --mark %s -j CONNMARK --set-xmark %s", ztunnel, skip),
-		}},
-		{Name: ChainOutput, Rules: []string{
-			fmt.Sprintf("-m connmark --mark %s -j CONNMARK --restore-mark --nfmask %s --ctmask %s", skip, mask, mask),
-		}},
-	}})
-
-	// Exceptions RETURN rather than ACCEPT so rules others put after our
-	// jump in the built-in chain still run.
-	var nat []ChainRules
-	if !cfg.BypassInbound {
-		nat = append(nat, ChainRules{Name: ChainPrerouting, Rules: []string{
-			fmt.Sprintf("-s %s -p tcp -j RETURN", probe),
-			fmt.Sprintf("! -d %s -p tcp -m tcp ! --dport %d -m mark ! --mark %s -j REDIRECT --to-ports %d",
-				lo, ambient.ZtunnelInboundHBONEPort, ztunnel, ambient.ZtunnelInboundPlaintextPort),
-		}})
+	if r.Dst.IsSet() {
+		add("%s-d %s", not(r.Dst.Not), hostPrefix(r.Dst.Prefix))
 	}
-	out := []string{
-		fmt.Sprintf("-d %s -p tcp -j RETURN", probe),
-		"-o lo -j RETURN",
+	if r.In.IsSet() {
+		add("%s-i %s", not(r.In.Not), r.In.Name)
 	}
-	if cfg.DNSCapture {
-		for _, proto := range []string{"udp", "tcp"} {
-			out = append(out, fmt.Sprintf("! -d %s -p %s -m %s --dport %d -m mark ! --mark %s -j REDIRECT --to-ports %d",
-				lo, proto, proto, ambient.DNSPort, ztunnel, ambient.ZtunnelDNSPort))
+	if r.Out.IsSet() {
+		add("%s-o %s", not(r.Out.Not), r.Out.Name)
+	}
+	if r.Proto != ruleset.AnyProto {
+		add("-p %s", r.Proto)
+	}
+	if r.SPort.IsSet() || r.DPort.IsSet() {
+		add("-m %s", r.Proto)
+		if r.SPort.IsSet() {
+			add("%s--sport %d", not(r.SPort.Not), r.SPort.Port)
+		}
+		if r.DPort.IsSet() {
+			add("%s--dport %d", not(r.DPort.Not), r.DPort.Port)
 		}
 	}
-	out = append(out, fmt.Sprintf("! -d %s -p tcp -m mark ! --mark %s -j REDIRECT --to-ports %d",
-		lo, ztunnel, ambient.ZtunnelOutboundPort))
-	nat = append(nat, ChainRules{Name: ChainOutput, Rules: out})
-	tables = append(tables, TableRules{Name: TableNAT, Chains: nat})
-
-	local := netip.PrefixFrom(netip.IPv4Unspecified(), 0)
-	if f == IPv6 {
-		local = netip.PrefixFrom(netip.IPv6Unspecified(), 0)
+	if r.Mark.IsSet() {
+		add("-m mark %s--mark %s", not(r.Mark.Not), markSpec(r.Mark.Value, r.Mark.Mask))
 	}
-	return RuleSet{
-		Family: f,
-		Tables: tables,
-		Routing: PolicyRoute{
-			Mark:     ambient.ConnSkipMark,
-			Mask:     ambient.MarkMask,
-			Table:    ambient.RouteTable,
-			Priority: ambient.RulePriority,
-			Local:    local,
-		},
+	if r.ConnMark.IsSet() {
+		add("-m connmark %s--mark %s", not(r.ConnMark.Not), markSpec(r.ConnMark.Value, r.ConnMark.Mask))
 	}
+	if r.SocketExists {
+		add("-m owner --socket-exists")
+	}
+	if r.DstSet != "" {
+		add("-m set --match-set %s dst", r.DstSet)
+	}
+	switch a := r.Action; a.Kind {
+	case ruleset.Return:
+		add("-j RETURN")
+	case ruleset.Redirect:
+		add("-j REDIRECT --to-ports %d", a.Port)
+	case ruleset.CTZone:
+		add("-j CT --zone %d", a.Zone)
+	case ruleset.SetConnMark:
+		add("-j CONNMARK --set-xmark %s", markSpec(a.Value, a.Mask))
+	case ruleset.RestoreMark:
+		add("-j CONNMARK --restore-mark --nfmask %#x --ctmask %#x", ruleset.RestoreMask, ruleset.RestoreMask)
+	case ruleset.SNAT:
+		add("-j SNAT --to-source %s", a.To)
+	default:
+		panic(fmt.Sprintf("iptables: no rendering for action %d", a.Kind))
+	}
+	return strings.Join(b, " ")
 }
 
 // jumpSpec is the rule spec of the jump from a built-in chain to ours.
 func jumpSpec(chain string) string { return "-j " + chain }
+
+// addJump is the restore command that adds the jump to chain: appended, or
+// inserted at 1 for a chain that must come first.
+func (s *scope) addJump(chain string) string {
+	if s.first[chain] {
+		return "-I " + s.hook[chain] + " 1 " + jumpSpec(chain)
+	}
+	return "-A " + s.hook[chain] + " " + jumpSpec(chain)
+}
 
 // Render returns iptables-restore --noflush input that installs the rule set
 // into a namespace that has none of our chains yet. The Applier does not use
@@ -306,7 +289,7 @@ func (rs RuleSet) Render() string {
 			fmt.Fprintf(&b, ":%s - [0:0]\n", c.Name)
 		}
 		for _, c := range t.Chains {
-			fmt.Fprintf(&b, "-A %s %s\n", rs.sc().hook[c.Name], jumpSpec(c.Name))
+			b.WriteString(rs.sc().addJump(c.Name) + "\n")
 		}
 		for _, c := range t.Chains {
 			for _, r := range c.Rules {

@@ -1,11 +1,18 @@
-// Package metrics defines the node agent's Prometheus metrics. They live on
-// a registry the caller owns (no global registration), so tests and several
-// agents in one process never collide.
+// Package metrics defines install-cni's Prometheus metrics, which it wires
+// to the agent, the servers, the controller and the installer, and keeps
+// the gauges current (RunGauges). They live on a registry the caller owns
+// (no global registration), so tests and several agents in one process
+// never collide.
 package metrics
 
 import (
+	"context"
+	"time"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 )
 
 const namespace = "ambient_cni"
@@ -83,8 +90,34 @@ func New() *Metrics {
 	for _, op := range []string{"apply", "verify", "remove"} {
 		m.RuleErrors.WithLabelValues(op)
 	}
-	for _, st := range []string{"pending", "enabled"} {
+	for _, st := range podStates {
 		m.EnrolledPods.WithLabelValues(st)
 	}
 	return m
+}
+
+// podStates are the EnrolledPods label values: the redirection states.
+var podStates = []string{ambient.RedirectionPending, ambient.RedirectionEnabled}
+
+// gaugeInterval is how often RunGauges samples.
+const gaugeInterval = 2 * time.Second
+
+// RunGauges keeps EnrolledPods (from pods: count per state) and
+// ZtunnelConnections (from ztunnels) current, sampling every
+// gaugeInterval until ctx ends.
+func (m *Metrics) RunGauges(ctx context.Context, pods func() map[string]int, ztunnels func() int) error {
+	t := time.NewTicker(gaugeInterval)
+	defer t.Stop()
+	for {
+		counts := pods()
+		for _, st := range podStates {
+			m.EnrolledPods.WithLabelValues(st).Set(float64(counts[st]))
+		}
+		m.ZtunnelConnections.Set(float64(ztunnels()))
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+	}
 }

@@ -10,32 +10,44 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ambient-cni/ambient-cni/test/poll"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
+
 	"github.com/containernetworking/plugins/pkg/ns"
 	"golang.org/x/sys/unix"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
-	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
+	"github.com/ambient-cni/ambient-cni/pkg/podcache"
+	"github.com/ambient-cni/ambient-cni/test/fakecluster"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
+// harness is an agent with fake rules, ztunnel and annotator, the real
+// pod cache over a fake API server, and the event server's decide-then-
+// capture path (srv, not listening).
 type harness struct {
-	agent   *Agent
-	rules   *fakeRules
-	zt      *fakeZtunnel
-	ann     *fakeAnnotator
-	decider *PolicyDecider
-	dir     string
+	agent *Agent
+	srv   *Server
+	rules *recordedRules
+	zt    *fakeZtunnel
+	ann   *fakeAnnotator
+	kube  *fakecluster.Cluster
+	dir   string
 }
 
 func newHarness(t *testing.T) *harness {
 	t.Helper()
 	testnet.RequireRoot(t)
-	h := &harness{rules: newFakeRules(), zt: &fakeZtunnel{}, ann: &fakeAnnotator{}, decider: NewPolicyDecider(enablement.DefaultPolicy()), dir: t.TempDir()}
+	h := &harness{rules: newRecordedRules(), zt: &fakeZtunnel{}, ann: &fakeAnnotator{}, dir: t.TempDir(),
+		kube: fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy()})}
 	a, err := NewAgent(Config{
-		Decider: h.decider, Rules: h.rules, Ztunnel: h.zt, Annotator: h.ann, Enablement: h.decider,
+		Rules: h.rules, Ztunnel: h.zt, Annotator: h.ann, Enablement: h.kube.Cache,
 		SnapshotFile: filepath.Join(h.dir, nodefiles.SnapshotName), SpoolDir: filepath.Join(h.dir, nodefiles.SpoolName),
 	})
 	if err != nil {
@@ -43,8 +55,10 @@ func newHarness(t *testing.T) *harness {
 	}
 	t.Cleanup(func() { _ = a.Close() })
 	h.agent = a
-	h.decider.SetNamespace(namespace("shop", true))
-	h.decider.SetNamespace(namespace("plain", false))
+	h.srv = NewServer(ServerConfig{}, h.kube.Cache, a)
+	h.kube.Start()
+	h.kube.SetNamespace(namespace("shop", true))
+	h.kube.SetNamespace(namespace("plain", false))
 	return h
 }
 
@@ -64,18 +78,18 @@ func info(p string, uid, sandbox string) PodInfo {
 
 func TestEnrollAndRemove(t *testing.T) {
 	h := newHarness(t)
-	fds := openFDs(t)
+	fds := testnet.OpenFDs(t)
 	pn := testnet.NewNS(t)
-	h.decider.SetPod(pod("shop", "web", "u1", nil))
+	h.kube.SetPod(pod("shop", "web", "u1", nil))
 
-	v, err := h.agent.HandleAdd(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn))
+	v, err := h.srv.Add(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn))
 	if err != nil || v != ambient.VerdictEnrolled {
 		t.Fatalf("HandleAdd = %q, %v", v, err)
 	}
-	pods := h.agent.Pods()
-	if len(pods) != 1 || pods[0].UID != "u1" || pods[0].State != StateEnabled || pods[0].SandboxID != "sb1" || pods[0].Netns != pn.Path() ||
-		pods[0].ServiceAccount != "sa-web" || len(pods[0].IPs) != 1 {
-		t.Fatalf("state = %+v", pods)
+	want := []EnrolledPod{{UID: "u1", Namespace: "shop", Name: "web", ServiceAccount: "sa-web", SandboxID: "sb1", Netns: pn.Path(),
+		IPs: []netip.Addr{netip.MustParseAddr("10.9.0.5")}, State: StateEnabled}}
+	if diff := cmp.Diff(want, h.agent.Pods(), cmpopts.EquateComparable(netip.Addr{}), cmpopts.IgnoreFields(EnrolledPod{}, "NetnsID", "Rules", "Since")); diff != "" {
+		t.Fatalf("state (-want +got):\n%s", diff)
 	}
 	if h.rules.count() != 1 || len(h.zt.adds) != 1 || h.zt.adds[0].UID != "u1" || h.zt.adds[0].Info.ServiceAccount != "sa-web" {
 		t.Fatalf("rules %d, ztunnel adds %+v", h.rules.count(), h.zt.adds)
@@ -90,7 +104,7 @@ func TestEnrollAndRemove(t *testing.T) {
 		t.Errorf("workloads = %+v", w)
 	}
 	// A repeated ADD for the same sandbox is idempotent.
-	if v, err := h.agent.HandleAdd(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil || v != ambient.VerdictEnrolled {
+	if v, err := h.srv.Add(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil || v != ambient.VerdictEnrolled {
 		t.Fatalf("second HandleAdd = %q, %v", v, err)
 	}
 	if len(h.agent.Pods()) != 1 {
@@ -111,7 +125,7 @@ func TestEnrollAndRemove(t *testing.T) {
 	if got := h.ann.history("u1"); got != "enabled,enabled," {
 		t.Errorf("annotations %q", got)
 	}
-	if n := openFDs(t); n != fds+1 { // +1: pn's own handle
+	if n := testnet.OpenFDs(t); n != fds+1 { // +1: pn's own handle
 		t.Errorf("open fds %d, want %d: netns handles leaked", n, fds+1)
 	}
 }
@@ -119,15 +133,15 @@ func TestEnrollAndRemove(t *testing.T) {
 func TestEnrollDecisions(t *testing.T) {
 	h := newHarness(t)
 	pn := testnet.NewNS(t)
-	h.decider.SetPod(pod("plain", "a", "u-a", nil))
-	h.decider.SetPod(pod("plain", "b", "u-b", map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}))
-	h.decider.SetPod(pod("shop", "c", "u-c", map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeNone}))
+	h.kube.SetPod(pod("plain", "a", "u-a", nil))
+	h.kube.SetPod(pod("plain", "b", "u-b", map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}))
+	h.kube.SetPod(pod("shop", "c", "u-c", map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeNone}))
 	for _, tc := range []struct {
 		pod  string
 		uid  string
 		want ambient.Verdict
 	}{{"plain/a", "u-a", ambient.VerdictNotEnrolled}, {"plain/b", "u-b", ambient.VerdictEnrolled}, {"shop/c", "u-c", ambient.VerdictNotEnrolled}} {
-		v, err := h.agent.HandleAdd(context.Background(), info(tc.pod, tc.uid, "sb-"+tc.uid), openNS(t, pn))
+		v, err := h.srv.Add(context.Background(), info(tc.pod, tc.uid, "sb-"+tc.uid), openNS(t, pn))
 		if err != nil || v != tc.want {
 			t.Errorf("%s: %q, %v; want %q", tc.pod, v, err, tc.want)
 		}
@@ -137,7 +151,7 @@ func TestEnrollDecisions(t *testing.T) {
 	}
 	// Unknown pod, or the runtime naming another uid: retry later.
 	for _, p := range []PodInfo{info("shop/ghost", "", "sb-x"), info("plain/a", "other-uid", "sb-y")} {
-		if _, err := h.agent.HandleAdd(context.Background(), p, openNS(t, pn)); !IsRetryable(err) {
+		if _, err := h.srv.Add(context.Background(), p, openNS(t, pn)); !IsRetryable(err) {
 			t.Errorf("%s/%s: %v, want retryable", p.Namespace, p.Name, err)
 		}
 	}
@@ -146,16 +160,16 @@ func TestEnrollDecisions(t *testing.T) {
 func TestEnrollFailures(t *testing.T) {
 	h := newHarness(t)
 	pn := testnet.NewNS(t)
-	h.decider.SetPod(pod("shop", "web", "u1", nil))
+	h.kube.SetPod(pod("shop", "web", "u1", nil))
 
-	h.rules.applyErr = errors.New("xtables lock busy")
-	_, err := h.agent.HandleAdd(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn))
+	h.rules.setApplyErr(errors.New("xtables lock busy"))
+	_, err := h.srv.Add(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn))
 	if !IsRetryable(err) || !strings.Contains(err.Error(), "xtables lock busy") || len(h.agent.Pods()) != 0 {
 		t.Fatalf("apply failure: %v, state %v", err, h.agent.Pods())
 	}
-	h.rules.applyErr = nil
+	h.rules.setApplyErr(nil)
 	h.zt.addErr = errors.New("no ztunnel connected")
-	_, err = h.agent.HandleAdd(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn))
+	_, err = h.srv.Add(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn))
 	if !IsRetryable(err) || !strings.Contains(err.Error(), "no ztunnel") {
 		t.Fatalf("ztunnel failure: %v", err)
 	}
@@ -166,7 +180,7 @@ func TestEnrollFailures(t *testing.T) {
 		t.Errorf("annotations %q", got)
 	}
 	h.zt.addErr = nil
-	if _, err := h.agent.HandleAdd(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
+	if _, err := h.srv.Add(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
 		t.Fatalf("retry: %v", err)
 	}
 	if p := h.agent.Pods(); len(p) != 1 || p[0].State != StateEnabled || h.agent.Pending("u1") {
@@ -177,26 +191,26 @@ func TestEnrollFailures(t *testing.T) {
 func TestCheck(t *testing.T) {
 	h := newHarness(t)
 	pn, other := testnet.NewNS(t), testnet.NewNS(t)
-	h.decider.SetPod(pod("shop", "web", "u1", nil))
-	h.decider.SetPod(pod("plain", "x", "u2", nil))
+	h.kube.SetPod(pod("shop", "web", "u1", nil))
+	h.kube.SetPod(pod("plain", "x", "u2", nil))
 	ctx := context.Background()
-	if err := h.agent.Check(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn)); err == nil || !strings.Contains(err.Error(), "not enrolled") {
+	if err := h.srv.Check(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn)); err == nil || !strings.Contains(err.Error(), "not enrolled") {
 		t.Errorf("CHECK of an unenrolled pod that needs capture: %v", err)
 	}
-	if err := h.agent.Check(ctx, info("plain/x", "u2", "sb2"), openNS(t, pn)); err != nil {
+	if err := h.srv.Check(ctx, info("plain/x", "u2", "sb2"), openNS(t, pn)); err != nil {
 		t.Errorf("CHECK of a pod out of scope: %v", err)
 	}
-	if _, err := h.agent.HandleAdd(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
+	if _, err := h.srv.Add(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
 		t.Fatal(err)
 	}
-	if err := h.agent.Check(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
+	if err := h.srv.Check(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
 		t.Errorf("clean CHECK: %v", err)
 	}
-	if err := h.agent.Check(ctx, info("shop/web", "u1", "sb1"), openNS(t, other)); err == nil || !strings.Contains(err.Error(), "enrolled in netns") {
+	if err := h.srv.Check(ctx, info("shop/web", "u1", "sb1"), openNS(t, other)); err == nil || !strings.Contains(err.Error(), "enrolled in netns") {
 		t.Errorf("CHECK with another netns: %v", err)
 	}
-	h.rules.drift = iptables.Drift{Items: []iptables.DriftItem{{Family: iptables.IPv4, Kind: iptables.DriftMissing, Object: "rule", Table: "nat", Chain: "ISTIO_OUTPUT", Position: 3, Want: "-A ISTIO_OUTPUT -p tcp -j REDIRECT"}}}
-	err := h.agent.Check(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn))
+	h.rules.dropRule(t, pn.Path(), iptables.ChainOutput, 3)
+	err := h.srv.Check(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn))
 	if !errors.Is(err, ErrDrift) || !strings.Contains(err.Error(), "ISTIO_OUTPUT") || IsRetryable(err) {
 		t.Errorf("CHECK with drift: %v", err)
 	}
@@ -206,15 +220,15 @@ func TestGCAndUnenroll(t *testing.T) {
 	h := newHarness(t)
 	ctx := context.Background()
 	for _, n := range []string{"a", "b", "c"} {
-		h.decider.SetPod(pod("shop", n, "u-"+n, nil))
-		if _, err := h.agent.HandleAdd(ctx, info("shop/"+n, "u-"+n, "sb-"+n), openNS(t, testnet.NewNS(t))); err != nil {
+		h.kube.SetPod(pod("shop", n, "u-"+n, nil))
+		if _, err := h.srv.Add(ctx, info("shop/"+n, "u-"+n, "sb-"+n), openNS(t, testnet.NewNS(t))); err != nil {
 			t.Fatal(err)
 		}
 	}
 	// d is enrolled by the controller (no sandbox id): GC leaves it alone.
 	d := pod("shop", "d", "u-d", nil)
-	h.decider.SetPod(d)
-	if err := h.agent.Enroll(ctx, d, testnet.NewNS(t).Path()); err != nil {
+	h.kube.SetPod(d)
+	if err := h.agent.Capture(ctx, d, openNS(t, testnet.NewNS(t)), nil); err != nil {
 		t.Fatal(err)
 	}
 	if n := h.agent.GC(ctx, []string{"sb-b"}); n != 2 {
@@ -242,14 +256,18 @@ func TestRestore(t *testing.T) {
 	h := newHarness(t)
 	pn := testnet.NewNS(t)
 	p := pod("shop", "web", "u1", nil)
-	if err := h.agent.Restore(context.Background(), p, pn.Path()); err != nil {
+	// A previous agent captured the pod.
+	if err := h.rules.real.Apply(pn.Path(), iptables.PodConfig{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.agent.Restore(context.Background(), p, openNS(t, pn)); err != nil {
 		t.Fatal(err)
 	}
 	if ops := h.rules.ops(); ops != "verify" || len(h.zt.adds) != 0 {
 		t.Errorf("restore without drift: rule ops %q, ztunnel adds %d", ops, len(h.zt.adds))
 	}
-	h.rules.drift = iptables.Drift{Items: []iptables.DriftItem{{Kind: iptables.DriftMissing, Object: "chain", Chain: "ISTIO_OUTPUT"}}}
-	if err := h.agent.Restore(context.Background(), p, pn.Path()); err != nil {
+	h.rules.dropRule(t, pn.Path(), iptables.ChainOutput, 1)
+	if err := h.agent.Restore(context.Background(), p, openNS(t, pn)); err != nil {
 		t.Fatal(err)
 	}
 	if ops := h.rules.ops(); ops != "verify,verify,apply" {
@@ -258,17 +276,18 @@ func TestRestore(t *testing.T) {
 	if ps := h.agent.Pods(); len(ps) != 1 || ps[0].State != StateEnabled {
 		t.Errorf("state %+v", ps)
 	}
-	// Never the host's own namespace.
-	if err := h.agent.Restore(context.Background(), p, "/proc/self/ns/net"); err == nil || !strings.Contains(err.Error(), "host network namespace") {
-		t.Errorf("restore into the host netns: %v", err)
+	// Never the host's own namespace: no handle can be had for it.
+	if ns, err := OpenNetns("/proc/self/ns/net"); err == nil || !strings.Contains(err.Error(), "host network namespace") {
+		_ = ns.Close()
+		t.Errorf("a handle on the host netns: %v", err)
 	}
 }
 
 func TestDrainSpool(t *testing.T) {
 	h := newHarness(t)
 	ctx := context.Background()
-	h.decider.SetPod(pod("shop", "web", "u1", nil))
-	if _, err := h.agent.HandleAdd(ctx, info("shop/web", "u1", "sb1"), openNS(t, testnet.NewNS(t))); err != nil {
+	h.kube.SetPod(pod("shop", "web", "u1", nil))
+	if _, err := h.srv.Add(ctx, info("shop/web", "u1", "sb1"), openNS(t, testnet.NewNS(t))); err != nil {
 		t.Fatal(err)
 	}
 	spool := filepath.Join(h.dir, nodefiles.SpoolName)
@@ -295,40 +314,48 @@ func TestDrainSpool(t *testing.T) {
 
 func TestSnapshotFollowsEnablement(t *testing.T) {
 	h := newHarness(t)
-	h.decider.OnChange(func() { _ = h.agent.RefreshSnapshot() })
+	h.kube.Cache.OnEnablementChange(func() { _ = h.agent.RefreshSnapshot() })
 	path := filepath.Join(h.dir, nodefiles.SnapshotName)
-	read := func() *ambient.EnablementSnapshot {
+	read := func() *nodefiles.EnablementSnapshot {
 		t.Helper()
 		b, err := os.ReadFile(path)
 		if err != nil {
 			t.Fatal(err)
 		}
-		s, err := ambient.ParseSnapshot(b)
+		s, err := nodefiles.ParseSnapshot(b)
 		if err != nil {
 			t.Fatal(err)
 		}
 		return s
 	}
-	h.decider.SetNamespace(namespace("shop", true)) // no change of content: still writes the first one
+	// The first refresh (install-cni makes it once the cache is synced)
+	// writes the first snapshot.
+	if err := h.agent.RefreshSnapshot(); err != nil {
+		t.Fatal(err)
+	}
 	s := read()
-	if s.Generation != 1 || strings.Join(s.EnabledNamespaces, ",") != "shop" || s.PodLevelEnablement || strings.Join(s.ExcludedNamespaces, ",") != "kube-system" {
-		t.Fatalf("first snapshot %+v", s)
+	ignoreWritten := cmpopts.IgnoreFields(nodefiles.EnablementSnapshot{}, "Written")
+	want := &nodefiles.EnablementSnapshot{Generation: 1, EnabledNamespaces: []string{"shop"}, ExcludedNamespaces: []string{"kube-system"}}
+	if diff := cmp.Diff(want, s, ignoreWritten); diff != "" {
+		t.Fatalf("first snapshot (-want +got):\n%s", diff)
 	}
 	if st, _ := os.Stat(path); st.Mode().Perm() != 0o600 {
 		t.Errorf("snapshot mode %v", st.Mode())
 	}
-	h.decider.SetNamespace(namespace("shop", true))
-	if read().Generation != 1 {
-		t.Errorf("unchanged content rewrote the snapshot")
+	if err := h.agent.RefreshSnapshot(); err != nil || read().Generation != 1 {
+		t.Errorf("unchanged content rewrote the snapshot (%v)", err)
 	}
-	h.decider.SetNamespace(namespace("blog", true))
-	h.decider.SetPod(pod("plain", "solo", "u5", map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}))
-	s = read()
-	if s.Generation != 3 || strings.Join(s.EnabledNamespaces, ",") != "blog,shop" || !s.PodLevelEnablement {
-		t.Errorf("snapshot after changes %+v", s)
+	// Changes reach the snapshot through the cache's notifications.
+	h.kube.SetNamespace(namespace("blog", true))
+	poll.Until(t, "blog in the snapshot", func() bool { return strings.Join(read().EnabledNamespaces, ",") == "blog,shop" })
+	h.kube.SetPod(pod("plain", "solo", "u5", map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}))
+	poll.Until(t, "pod-level enablement in the snapshot", func() bool { return read().PodLevelEnablement })
+	want = &nodefiles.EnablementSnapshot{Generation: 3, EnabledNamespaces: []string{"blog", "shop"}, PodLevelEnablement: true, ExcludedNamespaces: []string{"kube-system"}}
+	if diff := cmp.Diff(want, read(), ignoreWritten); diff != "" {
+		t.Errorf("snapshot after changes (-want +got):\n%s", diff)
 	}
 	// A new writer (agent restart) continues the generation.
-	w := NewSnapshotWriter(path)
+	w := newSnapshotWriter(path)
 	if wrote, err := w.Update(nil, false, nil); err != nil || !wrote || read().Generation != 4 {
 		t.Errorf("restarted writer: %v %v gen %d", wrote, err, read().Generation)
 	}
@@ -345,19 +372,19 @@ func TestSnapshotFollowsEnablement(t *testing.T) {
 func TestEnrollCyclesLeakNothing(t *testing.T) {
 	h := newHarness(t)
 	pn := testnet.NewNS(t)
-	h.decider.SetPod(pod("shop", "web", "u1", nil))
+	h.kube.SetPod(pod("shop", "web", "u1", nil))
 	ctx := context.Background()
-	fds := openFDs(t)
+	fds := testnet.OpenFDs(t)
 	for i := range 200 {
 		sb := "sb" + string(rune('a'+i%26))
-		if _, err := h.agent.HandleAdd(ctx, info("shop/web", "u1", sb), openNS(t, pn)); err != nil {
+		if _, err := h.srv.Add(ctx, info("shop/web", "u1", sb), openNS(t, pn)); err != nil {
 			t.Fatal(err)
 		}
 		if err := h.agent.RemoveSandbox(ctx, sb, ""); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if n := openFDs(t); n != fds {
+	if n := testnet.OpenFDs(t); n != fds {
 		t.Errorf("open fds %d after 200 add/del cycles, want %d", n, fds)
 	}
 	if len(h.agent.busy) != 0 {
@@ -371,8 +398,8 @@ func TestEnrollCyclesLeakNothing(t *testing.T) {
 func TestHeldNetnsDoesNotPinMount(t *testing.T) {
 	h := newHarness(t)
 	pn := testnet.NewNS(t)
-	h.decider.SetPod(pod("shop", "web", "u1", nil))
-	if _, err := h.agent.HandleAdd(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
+	h.kube.SetPod(pod("shop", "web", "u1", nil))
+	if _, err := h.srv.Add(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
 		t.Fatal(err)
 	}
 	_ = pn.Close() // the test's own handle was opened through the mount

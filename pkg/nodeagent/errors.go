@@ -1,8 +1,3 @@
-// Package nodeagent is the node agent's pod-event path: the core that
-// enrolls and removes pods (the one way in for both the CNI plugin and the
-// pod controller), the enrolled-pod state, the plugin event server on the
-// agent's Unix socket, the enablement snapshot file the plugin falls back
-// to, and the replay of DELs the plugin spooled while the agent was away.
 package nodeagent
 
 import "errors"

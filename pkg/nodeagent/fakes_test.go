@@ -3,8 +3,6 @@ package nodeagent
 import (
 	"context"
 	"errors"
-	"fmt"
-	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -18,79 +16,95 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
 
-// fakeRules records rule operations; the real applier is exercised in the
-// root tests of test/cni and pkg/iptables. It checks every path it gets
-// is an open network namespace, as the real one would need.
-type fakeRules struct {
+// recordedRules is the real rule applier over iptables.Fake, the package's
+// in-memory stand-in for a namespace's iptables and routing (the applier
+// against real iptables is exercised in the root tests of test/cni and
+// pkg/iptables). It records which operations the agent asked for, can
+// inject a failure, and checks every path it gets is an open network
+// namespace, as the real executor would need.
+type recordedRules struct {
+	real *iptables.Applier
+	fake *iptables.Fake
+
 	mu        sync.Mutex
-	applied   map[string]iptables.PodConfig // netns inode → config
 	calls     []string
 	applyErr  error
 	removeErr error
-	drift     iptables.Drift
 }
 
-func newFakeRules() *fakeRules { return &fakeRules{applied: map[string]iptables.PodConfig{}} }
+func newRecordedRules() *recordedRules {
+	fake := iptables.NewFake(iptables.BackendNFT)
+	return &recordedRules{fake: fake, real: iptables.NewApplier(nil, iptables.BackendNFT, iptables.WithExecutor(fake), iptables.WithRouter(fake), iptables.WithTableOwner(fake))}
+}
 
-func (f *fakeRules) key(path string) (string, error) {
+// record notes op and checks path; a non-nil error ends the operation.
+func (r *recordedRules) record(op, path string, injected error) error {
+	r.mu.Lock()
+	r.calls = append(r.calls, op)
+	r.mu.Unlock()
+	if injected != nil {
+		return injected
+	}
 	n, err := OpenNetns(path)
 	if err != nil {
-		return "", err
-	}
-	defer n.Close()
-	return fmt.Sprint(n.ID()), nil
-}
-
-func (f *fakeRules) Apply(path string, cfg iptables.PodConfig) error {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.calls = append(f.calls, "apply")
-	if f.applyErr != nil {
-		return f.applyErr
-	}
-	k, err := f.key(path)
-	if err != nil {
 		return err
 	}
-	f.applied[k] = cfg
-	return nil
+	return n.Close()
 }
 
-func (f *fakeRules) Verify(path string, cfg iptables.PodConfig) (iptables.Drift, error) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.calls = append(f.calls, "verify")
-	if _, err := f.key(path); err != nil {
+func (r *recordedRules) Apply(path string, cfg iptables.PodConfig) error {
+	if err := r.record("apply", path, r.injected(&r.applyErr)); err != nil {
+		return err
+	}
+	return r.real.Apply(path, cfg)
+}
+
+func (r *recordedRules) Verify(path string, cfg iptables.PodConfig) (iptables.Drift, error) {
+	if err := r.record("verify", path, nil); err != nil {
 		return iptables.Drift{}, err
 	}
-	return f.drift, nil
+	return r.real.Verify(path, cfg)
 }
 
-func (f *fakeRules) Remove(path string) error {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.calls = append(f.calls, "remove")
-	if f.removeErr != nil {
-		return f.removeErr
-	}
-	k, err := f.key(path)
-	if err != nil {
+func (r *recordedRules) Remove(path string) error {
+	if err := r.record("remove", path, r.injected(&r.removeErr)); err != nil {
 		return err
 	}
-	delete(f.applied, k)
-	return nil
+	return r.real.Remove(path)
 }
 
-func (f *fakeRules) ops() string {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return strings.Join(f.calls, ",")
+func (r *recordedRules) injected(e *error) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return *e
 }
 
-func (f *fakeRules) count() int {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return len(f.applied)
+func (r *recordedRules) setApplyErr(err error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.applyErr = err
+}
+
+func (r *recordedRules) ops() string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return strings.Join(r.calls, ",")
+}
+
+// count is how many namespaces hold rules.
+func (r *recordedRules) count() int { return r.fake.Populated() }
+
+// dropRule deletes the rule at position (1-based) of a nat chain in the
+// namespace at path, as another program would: drift.
+func (r *recordedRules) dropRule(t *testing.T, path, chain string, position int) {
+	t.Helper()
+	r.fake.EditRules(path, iptables.IPv4, func(s *iptables.Save) {
+		c := s.Table(iptables.TableNAT).Chain(chain)
+		if c == nil || len(c.Rules) < position {
+			t.Fatalf("no rule #%d in nat %s:\n%s", position, chain, s)
+		}
+		c.Rules = append(c.Rules[:position-1], c.Rules[position:]...)
+	})
 }
 
 // fakeZtunnel records ZDS calls.
@@ -163,14 +177,4 @@ func namespace(name string, ambientOn bool) *corev1.Namespace {
 		ns.Labels = map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}
 	}
 	return ns
-}
-
-// openFDs counts the test process's open file descriptors.
-func openFDs(t *testing.T) int {
-	t.Helper()
-	des, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatal(err)
-	}
-	return len(des)
 }

@@ -37,6 +37,25 @@ func OpenNetns(path string) (*Netns, error) {
 	return n, nil
 }
 
+// adoptNetns takes over f, a namespace file that was opened and checked
+// elsewhere (podnetns.Scanner.Find), and returns a handle on that same
+// namespace: the checks of OpenNetns run on a duplicate of f's descriptor,
+// and the unpinned reopen enters the namespace through it. Nothing is opened
+// by path. f is closed in every case.
+func adoptNetns(f *os.File) (*Netns, error) {
+	defer f.Close()
+	fd, err := unix.FcntlInt(f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("duplicate netns descriptor %s: %w", f.Name(), err)
+	}
+	n, err := netnsFromFD(fd, f.Name())
+	if err != nil {
+		_ = unix.Close(fd)
+		return nil, err
+	}
+	return n, nil
+}
+
 func netnsFromFD(fd int, path string) (*Netns, error) {
 	var sfs unix.Statfs_t
 	if err := unix.Fstatfs(fd, &sfs); err != nil {
@@ -83,6 +102,8 @@ func reopenUnpinned(fd int) (int, error) {
 	}
 	ch := make(chan result, 1)
 	go func() {
+		// Every descriptor but the result is closed before the result is
+		// sent, so the caller never sees one of ours still open.
 		runtime.LockOSThread()
 		orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
 		if err != nil {
@@ -90,14 +111,16 @@ func reopenUnpinned(fd int) (int, error) {
 			ch <- result{-1, err}
 			return
 		}
-		defer unix.Close(orig)
 		if err := unix.Setns(fd, unix.CLONE_NEWNET); err != nil {
+			_ = unix.Close(orig)
 			runtime.UnlockOSThread()
 			ch <- result{-1, fmt.Errorf("setns: %w", err)}
 			return
 		}
 		nfd, oerr := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err := unix.Setns(orig, unix.CLONE_NEWNET); err != nil {
+		err = unix.Setns(orig, unix.CLONE_NEWNET)
+		_ = unix.Close(orig)
+		if err != nil {
 			// The thread stays locked and dies with this goroutine rather
 			// than run other goroutines in the pod's namespace.
 			if oerr == nil {

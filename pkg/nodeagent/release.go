@@ -4,39 +4,18 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 )
 
-// ReleaseAll takes every enrolled pod out of the mesh, for an uninstall:
-// the node goes back to plain networking and no pod stays redirected to a
-// ztunnel that may be going away (with the host probe SNAT removed too,
-// kubelet probes would otherwise land in ztunnel's inbound port). Each pod
-// loses its annotation, then its rules, then its ztunnel entry and probe
-// set address, as in Unenroll; but unlike Unenroll a failed annotation
-// update (the agent may have lost its RBAC already) does not keep the
-// rules: they go regardless. It returns every error it met.
-func (a *Agent) ReleaseAll(ctx context.Context) error {
-	a.mu.Lock()
-	uids := make([]types.UID, 0, len(a.pods))
-	for uid := range a.pods {
-		uids = append(uids, uid)
-	}
-	a.mu.Unlock()
-	var errs []error
-	for _, uid := range uids {
-		if err := a.release(ctx, uid); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	if len(uids) > 0 {
-		a.log.Info("released every pod for the uninstall", "pods", len(uids), "errors", len(errs))
-	}
-	return errors.Join(errs...)
-}
-
-func (a *Agent) release(ctx context.Context, uid types.UID) error {
+// Unenroll removes capture from a pod the controller no longer wants
+// captured (label removed, pod deleted or finished): annotation first, so
+// istiod stops sending HBONE before the rules go, then rules, then ztunnel.
+// The held netns handle keeps the namespace enterable even if the pod is
+// gone. An unknown uid is fine.
+func (a *Agent) Unenroll(ctx context.Context, uid types.UID) error {
 	unlock := a.lock(uid)
 	defer unlock()
 	e := a.get(uid)
@@ -44,14 +23,75 @@ func (a *Agent) release(ctx context.Context, uid types.UID) error {
 		return nil
 	}
 	log := a.log.With("pod", e.Namespace+"/"+e.Name, "uid", uid)
-	var errs []error
 	if err := a.annotate(ctx, log, e, ""); err != nil && !apierrors.IsNotFound(err) {
-		errs = append(errs, err)
+		return Retryable(err)
 	}
 	if err := a.cfg.Rules.Remove(e.ns.Path()); err != nil {
 		a.ruleError("remove")
-		errs = append(errs, fmt.Errorf("remove rules of %s/%s: %w", e.Namespace, e.Name, err))
+		return Retryable(fmt.Errorf("remove rules of %s/%s: %w", e.Namespace, e.Name, err))
 	}
 	a.forget(ctx, log, e)
-	return errors.Join(errs...)
+	return nil
+}
+
+// RemoveSandbox is the CNI DEL: forget the pod enrolled with this sandbox.
+// The namespace is about to be destroyed, so every step is best effort and
+// an unknown sandbox is fine; DEL must not wedge the runtime. A DEL for an
+// older sandbox of a pod leaves the pod's current enrollment alone.
+func (a *Agent) RemoveSandbox(ctx context.Context, sandboxID string, uid types.UID) error {
+	if sandboxID == "" {
+		return invalid(errors.New("remove sandbox: empty sandbox id"))
+	}
+	if uid == "" {
+		uid = a.uidOfSandbox(sandboxID)
+		if uid == "" {
+			return nil
+		}
+	}
+	unlock := a.lock(uid)
+	defer unlock()
+	e := a.get(uid)
+	if e == nil || e.SandboxID != sandboxID {
+		return nil
+	}
+	log := a.log.With("pod", e.Namespace+"/"+e.Name, "uid", uid, "sandbox", sandboxID)
+	_ = a.annotate(ctx, log, e, "")
+	if err := a.cfg.Rules.Remove(e.ns.Path()); err != nil {
+		a.ruleError("remove")
+		log.Warn("remove rules of a departing sandbox", "err", err)
+	}
+	a.forget(ctx, log, e)
+	return nil
+}
+
+// forget tells ztunnel, drops the entry and closes the netns handle.
+// Called with the pod's lock held.
+func (a *Agent) forget(ctx context.Context, log *slog.Logger, e *entry) {
+	if a.cfg.Ztunnel != nil {
+		zctx, cancel := context.WithTimeout(ctx, a.cfg.ZtunnelTimeout)
+		if err := a.cfg.Ztunnel.Del(zctx, string(e.UID)); err != nil {
+			// A ztunnel that missed the Del drops the pod at its next snapshot.
+			log.Warn("ztunnel del", "err", err)
+		}
+		cancel()
+	}
+	a.mu.Lock()
+	if a.pods[e.UID] == e {
+		delete(a.pods, e.UID)
+	}
+	a.mu.Unlock()
+	_ = e.ns.Close()
+	a.dropProbeIPs(log, e.IPs, nil)
+	log.Info("pod removed")
+}
+
+func (a *Agent) uidOfSandbox(sandboxID string) types.UID {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for uid, e := range a.pods {
+		if e.SandboxID == sandboxID {
+			return uid
+		}
+	}
+	return ""
 }

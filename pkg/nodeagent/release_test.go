@@ -10,7 +10,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
 // enrollThree enrolls three pods, two through the CNI path and one through
@@ -19,14 +19,14 @@ func enrollThree(t *testing.T, h *harness) {
 	t.Helper()
 	ctx := context.Background()
 	for _, n := range []string{"a", "b"} {
-		h.decider.SetPod(pod("shop", n, "u-"+n, nil))
-		if _, err := h.agent.HandleAdd(ctx, info("shop/"+n, "u-"+n, "sb-"+n), openNS(t, testnet.NewNS(t))); err != nil {
+		h.kube.SetPod(pod("shop", n, "u-"+n, nil))
+		if _, err := h.srv.Add(ctx, info("shop/"+n, "u-"+n, "sb-"+n), openNS(t, testnet.NewNS(t))); err != nil {
 			t.Fatal(err)
 		}
 	}
 	c := pod("shop", "c", "u-c", nil)
-	h.decider.SetPod(c)
-	if err := h.agent.Enroll(ctx, c, testnet.NewNS(t).Path()); err != nil {
+	h.kube.SetPod(c)
+	if err := h.agent.Capture(ctx, c, openNS(t, testnet.NewNS(t)), nil); err != nil {
 		t.Fatal(err)
 	}
 	if h.rules.count() != 3 {

@@ -1,7 +1,6 @@
 package nodeagent
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -10,15 +9,16 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"os"
-	"path/filepath"
 	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/unixsock"
 )
 
 // ServerConfig configures the plugin event server. Zero values take the
@@ -72,28 +72,35 @@ func (c ServerConfig) withDefaults() ServerConfig {
 	return c
 }
 
+// Decider answers the CNI path's question: should this pod be captured?
+// It returns the pod too (pkg/podcache.Cache).
+type Decider interface {
+	Decide(ctx context.Context, namespace, name, uid string) (enablement.Decision, *corev1.Pod, error)
+}
+
 // Server is the plugin event server: HTTP+JSON on a root-only Unix socket.
+// For each ADD it decides with the pod cache, then captures through the
+// agent; CHECK, DEL and GC go to the agent likewise.
 type Server struct {
-	cfg    ServerConfig
-	agent  *Agent
-	netns  NetnsPolicy
-	log    *slog.Logger
-	http   *http.Server
-	mu     sync.Mutex
-	ln     *net.UnixListener
-	closed bool
-	// sockDev and sockIno identify the socket file Listen created.
-	sockDev uint64
-	sockIno uint64
+	cfg     ServerConfig
+	decider Decider
+	agent   *Agent
+	netns   NetnsPolicy
+	log     *slog.Logger
+	http    *http.Server
+	mu      sync.Mutex
+	ln      *unixsock.Listener // closing it removes the socket file while it is ours
+	closed  bool
 
 	closeOnce sync.Once
 	closeErr  error
 }
 
-// NewServer returns a server that hands requests to agent.
-func NewServer(cfg ServerConfig, agent *Agent) *Server {
+// NewServer returns a server that decides with decider and hands pods to
+// agent.
+func NewServer(cfg ServerConfig, decider Decider, agent *Agent) *Server {
 	cfg = cfg.withDefaults()
-	s := &Server{cfg: cfg, agent: agent, netns: NetnsPolicy{Roots: cfg.NetnsRoots, ProcRoot: cfg.ProcRoot}, log: cfg.Logger.With("component", "event-server")}
+	s := &Server{cfg: cfg, decider: decider, agent: agent, netns: NetnsPolicy{Roots: cfg.NetnsRoots, ProcRoot: cfg.ProcRoot}, log: cfg.Logger.With("component", "event-server")}
 	mux := http.NewServeMux()
 	mux.HandleFunc(ambient.PathPodEvent, s.handlePodEvent)
 	mux.HandleFunc(ambient.PathStatus, s.handleStatus)
@@ -114,62 +121,28 @@ func NewServer(cfg ServerConfig, agent *Agent) *Server {
 // Socket is the path the server listens on.
 func (s *Server) Socket() string { return s.cfg.Socket }
 
-// Listen prepares the socket directory (0700), replaces a stale socket
-// file (never any other kind of file) and listens (socket 0600).
+// Listen makes the socket directory root-only (0700), replaces a stale
+// socket file (never any other kind of file) and listens (socket 0600).
 func (s *Server) Listen() error {
-	dir := filepath.Dir(s.cfg.Socket)
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return fmt.Errorf("create socket dir %s: %w", dir, err)
-	}
-	if err := os.Chmod(dir, 0o700); err != nil {
-		return fmt.Errorf("restrict socket dir %s: %w", dir, err)
-	}
-	if st, err := os.Lstat(s.cfg.Socket); err == nil {
-		if st.Mode().Type() != os.ModeSocket {
-			return fmt.Errorf("%s exists and is not a socket; refusing to replace it", s.cfg.Socket)
-		}
-		if err := os.Remove(s.cfg.Socket); err != nil {
-			return fmt.Errorf("remove stale socket %s: %w", s.cfg.Socket, err)
-		}
-	}
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: s.cfg.Socket, Net: "unix"})
+	ln, err := unixsock.Listen(unixsock.Config{Path: s.cfg.Socket, Net: "unix", Mode: 0o600, PrivateDir: true})
 	if err != nil {
-		return fmt.Errorf("listen on %s: %w", s.cfg.Socket, err)
-	}
-	// Unlink only our own socket on close: a newer agent may have replaced
-	// the file by the time this one stops.
-	ln.SetUnlinkOnClose(false)
-	var st unix.Stat_t
-	if err := unix.Stat(s.cfg.Socket, &st); err != nil {
-		_ = ln.Close()
-		return fmt.Errorf("stat socket %s: %w", s.cfg.Socket, err)
-	}
-	if err := os.Chmod(s.cfg.Socket, 0o600); err != nil {
-		_ = ln.Close()
-		_ = os.Remove(s.cfg.Socket)
-		return fmt.Errorf("restrict socket %s: %w", s.cfg.Socket, err)
+		return err
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
 		_ = ln.Close()
-		_ = os.Remove(s.cfg.Socket)
 		return http.ErrServerClosed
 	}
-	s.ln, s.sockDev, s.sockIno = ln, st.Dev, st.Ino
+	s.ln = ln
 	return nil
 }
 
-// removeSocket unlinks the socket file if it is still the one Listen made.
-func (s *Server) removeSocket() {
+// Listening reports whether Listen succeeded.
+func (s *Server) Listening() bool {
 	s.mu.Lock()
-	dev, ino := s.sockDev, s.sockIno
-	s.mu.Unlock()
-	var st unix.Stat_t
-	if ino == 0 || unix.Lstat(s.cfg.Socket, &st) != nil || st.Dev != dev || st.Ino != ino {
-		return
-	}
-	_ = os.Remove(s.cfg.Socket)
+	defer s.mu.Unlock()
+	return s.ln != nil && !s.closed
 }
 
 // Serve answers requests until ctx ends or Close is called; it then shuts
@@ -213,7 +186,6 @@ func (s *Server) Close() error {
 			// Shutdown closed it if Serve ran; closing again is harmless.
 			_ = ln.Close()
 		}
-		s.removeSocket()
 		s.closeErr = err
 	})
 	return s.closeErr
@@ -231,17 +203,7 @@ type peerCred struct {
 func peerCredContext(ctx context.Context, c net.Conn) context.Context {
 	pc := peerCred{err: errors.New("not a unix socket")}
 	if uc, ok := c.(*net.UnixConn); ok {
-		raw, err := uc.SyscallConn()
-		if err == nil {
-			cerr := raw.Control(func(fd uintptr) {
-				pc.ucred, pc.err = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
-			})
-			if cerr != nil {
-				pc.err = cerr
-			}
-		} else {
-			pc.err = err
-		}
+		pc.ucred, pc.err = unixsock.PeerCred(uc)
 	}
 	return context.WithValue(ctx, credKey{}, pc)
 }
@@ -285,49 +247,6 @@ func readBody(w http.ResponseWriter, r *http.Request) ([]byte, int, error) {
 	return b, 0, nil
 }
 
-// decodeStrict decodes exactly one JSON value with no unknown fields and
-// nothing after it.
-func decodeStrict(b []byte, v any) error {
-	if len(b) > ambient.MaxRequestBytes {
-		return fmt.Errorf("request body exceeds %d bytes", ambient.MaxRequestBytes)
-	}
-	dec := json.NewDecoder(bytes.NewReader(b))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(v); err != nil {
-		return fmt.Errorf("decode request: %w", err)
-	}
-	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
-		return errors.New("decode request: data after the JSON value")
-	}
-	return nil
-}
-
-// DecodePodEvent decodes and validates a pod event body exactly as the
-// server does.
-func DecodePodEvent(b []byte) (*ambient.PodEvent, error) {
-	var ev ambient.PodEvent
-	if err := decodeStrict(b, &ev); err != nil {
-		return nil, err
-	}
-	if err := ev.Validate(); err != nil {
-		return nil, fmt.Errorf("invalid pod event: %w", err)
-	}
-	return &ev, nil
-}
-
-// DecodeGCRequest decodes and validates a GC request body exactly as the
-// server does.
-func DecodeGCRequest(b []byte) (*ambient.GCRequest, error) {
-	var req ambient.GCRequest
-	if err := decodeStrict(b, &req); err != nil {
-		return nil, err
-	}
-	if err := validateGC(&req); err != nil {
-		return nil, err
-	}
-	return &req, nil
-}
-
 func (s *Server) handlePodEvent(w http.ResponseWriter, r *http.Request) {
 	b, code, err := readBody(w, r)
 	if err != nil {
@@ -336,7 +255,7 @@ func (s *Server) handlePodEvent(w http.ResponseWriter, r *http.Request) {
 		reply(w, code, ambient.PodEventResponse{Error: err.Error()})
 		return
 	}
-	ev, err := DecodePodEvent(b)
+	ev, err := ambient.DecodePodEvent(b)
 	if err != nil {
 		s.log.Warn("bad pod event", "err", err)
 		s.observe("invalid", "rejected", 0)
@@ -377,11 +296,52 @@ func (s *Server) dispatch(ctx context.Context, ev *ambient.PodEvent) (ambient.Ve
 	if err != nil {
 		return "", err
 	}
-	info := PodInfo{Namespace: ev.PodNamespace, Name: ev.PodName, UID: types.UID(ev.PodUID), SandboxID: ev.SandboxID, IPs: ev.Addrs()}
+	p := PodInfo{Namespace: ev.PodNamespace, Name: ev.PodName, UID: types.UID(ev.PodUID), SandboxID: ev.SandboxID, IPs: ev.Addrs()}
 	if ev.Command == ambient.CommandCheck {
-		return ambient.VerdictOK, s.agent.Check(ctx, info, ns)
+		return ambient.VerdictOK, s.Check(ctx, p, ns)
 	}
-	return s.agent.HandleAdd(ctx, info, ns)
+	return s.Add(ctx, p, ns)
+}
+
+// Add is the CNI ADD: decide, then capture. It takes ownership of ns and
+// answers only once the pod's rules are in place (and ztunnel acked), or
+// the pod is out of scope.
+func (s *Server) Add(ctx context.Context, p PodInfo, ns *Netns) (ambient.Verdict, error) {
+	d, pod, err := s.decider.Decide(ctx, p.Namespace, p.Name, string(p.UID))
+	if err != nil {
+		_ = ns.Close()
+		return "", Retryable(fmt.Errorf("decide on pod %s/%s: %w", p.Namespace, p.Name, err))
+	}
+	log := s.log.With("pod", p.Namespace+"/"+p.Name, "sandbox", p.SandboxID)
+	if pod != nil && p.UID != "" && pod.UID != p.UID {
+		_ = ns.Close()
+		return "", Retryable(fmt.Errorf("pod %s/%s is uid %s, the runtime asked for %s", p.Namespace, p.Name, pod.UID, p.UID))
+	}
+	if !d.Enroll {
+		_ = ns.Close()
+		log.Info("pod not enrolled", "reason", d.Reason)
+		return ambient.VerdictNotEnrolled, nil
+	}
+	if err := s.agent.Capture(ctx, pod, ns, &Sandbox{ID: p.SandboxID, IPs: p.IPs}); err != nil {
+		return "", err
+	}
+	log.Info("pod enrolled", "reason", d.Reason, "uid", pod.UID)
+	return ambient.VerdictEnrolled, nil
+}
+
+// Check is the CNI CHECK: decide, then verify that a pod that should be
+// captured is enrolled in this very namespace with its rules intact. It
+// takes ownership of ns.
+func (s *Server) Check(ctx context.Context, p PodInfo, ns *Netns) error {
+	d, pod, err := s.decider.Decide(ctx, p.Namespace, p.Name, string(p.UID))
+	if err != nil {
+		_ = ns.Close()
+		return Retryable(fmt.Errorf("decide on pod %s/%s: %w", p.Namespace, p.Name, err))
+	}
+	if p.UID == "" && pod != nil {
+		p.UID = pod.UID
+	}
+	return s.agent.Check(ctx, p, d, ns)
 }
 
 func (s *Server) handleStatus(w http.ResponseWriter, r *http.Request) {
@@ -399,16 +359,13 @@ func (s *Server) observe(verb, result string, took time.Duration) {
 	}
 }
 
-// maxGCIDs bounds a GC request (the body cap bounds it too).
-const maxGCIDs = 4096
-
 func (s *Server) handleGC(w http.ResponseWriter, r *http.Request) {
 	b, code, err := readBody(w, r)
 	if err != nil {
 		reply(w, code, ambient.PodEventResponse{Error: err.Error()})
 		return
 	}
-	req, err := DecodeGCRequest(b)
+	req, err := ambient.DecodeGCRequest(b)
 	if err != nil {
 		reply(w, http.StatusBadRequest, ambient.PodEventResponse{Error: err.Error()})
 		return
@@ -420,20 +377,4 @@ func (s *Server) handleGC(w http.ResponseWriter, r *http.Request) {
 	s.observe("GC", string(ambient.VerdictOK), time.Since(start))
 	s.log.Info("gc", "valid", len(req.ValidSandboxIDs), "removed", n)
 	reply(w, http.StatusOK, ambient.PodEventResponse{Verdict: ambient.VerdictOK})
-}
-
-func validateGC(req *ambient.GCRequest) error {
-	if req.ValidSandboxIDs == nil {
-		return errors.New("validSandboxIDs: required (an empty list means none is valid)")
-	}
-	if len(req.ValidSandboxIDs) > maxGCIDs {
-		return fmt.Errorf("validSandboxIDs: at most %d", maxGCIDs)
-	}
-	for _, id := range req.ValidSandboxIDs {
-		probe := ambient.PodEvent{Command: ambient.CommandDel, SandboxID: id}
-		if err := probe.Validate(); err != nil {
-			return fmt.Errorf("validSandboxIDs: %w", err)
-		}
-	}
-	return nil
 }

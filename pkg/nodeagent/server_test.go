@@ -17,9 +17,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/plugin"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
 // peerHelperEnv makes the test binary act as a plugin-side client instead
@@ -28,7 +27,7 @@ const peerHelperEnv = "AMBIENT_NODEAGENT_PEER_HELPER_SOCKET"
 
 func TestMain(m *testing.M) {
 	if sock := os.Getenv(peerHelperEnv); sock != "" {
-		c := &plugin.Client{Socket: sock}
+		c := &ambient.Client{Socket: sock}
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		resp, err := c.PodEvent(ctx, &ambient.PodEvent{Command: ambient.CommandAdd, PodName: "web", PodNamespace: "shop",
@@ -60,7 +59,7 @@ func newServer(t *testing.T, roots []string, tweak func(*ServerConfig)) *serverH
 	if tweak != nil {
 		tweak(&cfg)
 	}
-	srv := NewServer(cfg, h.agent)
+	srv := NewServer(cfg, h.kube.Cache, h.agent)
 	if err := srv.Listen(); err != nil {
 		t.Fatal(err)
 	}
@@ -80,7 +79,7 @@ func (s *serverHarness) send(t *testing.T, ev *ambient.PodEvent) (*ambient.PodEv
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	return (&plugin.Client{Socket: s.sock}).PodEvent(ctx, ev)
+	return (&ambient.Client{Socket: s.sock}).PodEvent(ctx, ev)
 }
 
 // raw sends bytes on a fresh connection and returns the status line and
@@ -96,7 +95,7 @@ func (s *serverHarness) raw(t *testing.T, req string) (string, string) {
 	if _, err := io.WriteString(c, req); err != nil {
 		t.Fatal(err)
 	}
-	st, body, err := plugin.ReadResponse(bufio.NewReader(c))
+	st, body, err := ambient.ReadResponse(bufio.NewReader(c))
 	if err != nil {
 		return "", "read error: " + err.Error()
 	}
@@ -110,7 +109,7 @@ func addEvent(netns string) *ambient.PodEvent {
 func TestServerEndToEnd(t *testing.T) {
 	s := newServer(t, nil, nil)
 	pn := testnet.NewNS(t)
-	s.decider.SetPod(pod("shop", "web", "u1", nil))
+	s.kube.SetPod(pod("shop", "web", "u1", nil))
 
 	st, err := os.Stat(filepath.Dir(s.sock))
 	if err != nil || st.Mode().Perm() != 0o700 {
@@ -128,7 +127,7 @@ func TestServerEndToEnd(t *testing.T) {
 	if resp, err := s.send(t, check); err != nil || resp.Verdict != ambient.VerdictOK {
 		t.Fatalf("CHECK = %+v, %v", resp, err)
 	}
-	if err := (&plugin.Client{Socket: s.sock}).Status(context.Background()); err != nil {
+	if err := (&ambient.Client{Socket: s.sock}).Status(context.Background()); err != nil {
 		t.Errorf("STATUS: %v", err)
 	}
 	// DEL ignores the netns path: the runtime may have removed it already.
@@ -141,7 +140,7 @@ func TestServerEndToEnd(t *testing.T) {
 	if len(s.agent.Pods()) != 0 {
 		t.Errorf("pod still enrolled after DEL")
 	}
-	gc, err := (&plugin.Client{Socket: s.sock}).GC(context.Background(), &ambient.GCRequest{ValidSandboxIDs: []string{}})
+	gc, err := (&ambient.Client{Socket: s.sock}).GC(context.Background(), &ambient.GCRequest{ValidSandboxIDs: []string{}})
 	if err != nil || gc.Verdict != ambient.VerdictOK {
 		t.Errorf("GC = %+v, %v", gc, err)
 	}
@@ -150,9 +149,9 @@ func TestServerEndToEnd(t *testing.T) {
 func TestServerRetryableAnswer(t *testing.T) {
 	s := newServer(t, nil, nil)
 	pn := testnet.NewNS(t)
-	// The pod is unknown to the decider: the agent says "retry".
+	// The pod is unknown to the API server: the agent says "retry".
 	resp, err := s.send(t, addEvent(pn.Path()))
-	if err != nil || resp.Error == "" || !resp.Retryable || !strings.Contains(resp.Error, "not known") {
+	if err != nil || resp.Error == "" || !resp.Retryable || !strings.Contains(resp.Error, `pods "web" not found`) {
 		t.Fatalf("ADD of unknown pod = %+v, %v", resp, err)
 	}
 }
@@ -169,7 +168,7 @@ func TestServerSocketReplacement(t *testing.T) {
 	ln.(*net.UnixListener).SetUnlinkOnClose(false)
 	_ = ln.Close()
 	h := newHarness(t)
-	srv := NewServer(ServerConfig{Socket: sock}, h.agent)
+	srv := NewServer(ServerConfig{Socket: sock}, h.kube.Cache, h.agent)
 	if err := srv.Listen(); err != nil {
 		t.Fatalf("stale socket not replaced: %v", err)
 	}
@@ -179,7 +178,7 @@ func TestServerSocketReplacement(t *testing.T) {
 	if err := os.WriteFile(file, []byte("keep me"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	srv = NewServer(ServerConfig{Socket: file}, h.agent)
+	srv = NewServer(ServerConfig{Socket: file}, h.kube.Cache, h.agent)
 	if err := srv.Listen(); err == nil || !strings.Contains(err.Error(), "not a socket") {
 		t.Errorf("regular file at the socket path: %v", err)
 	}
@@ -189,17 +188,17 @@ func TestServerSocketReplacement(t *testing.T) {
 	// An old agent stopping after a newer one took over the path leaves
 	// the newer one's socket alone.
 	shared := filepath.Join(dir, "shared.sock")
-	older := NewServer(ServerConfig{Socket: shared}, h.agent)
+	older := NewServer(ServerConfig{Socket: shared}, h.kube.Cache, h.agent)
 	if err := older.Listen(); err != nil {
 		t.Fatal(err)
 	}
-	newer := NewServer(ServerConfig{Socket: shared}, h.agent)
+	newer := NewServer(ServerConfig{Socket: shared}, h.kube.Cache, h.agent)
 	if err := newer.Listen(); err != nil {
 		t.Fatal(err)
 	}
 	go func() { _ = newer.Serve(context.Background()) }()
 	_ = older.Close()
-	if err := (&plugin.Client{Socket: shared}).Status(context.Background()); err != nil {
+	if err := (&ambient.Client{Socket: shared}).Status(context.Background()); err != nil {
 		t.Errorf("newer agent unreachable after the older one stopped: %v", err)
 	}
 	_ = newer.Close()
@@ -211,7 +210,7 @@ func TestServerSocketReplacement(t *testing.T) {
 	if err := os.Mkdir(loose, 0o777); err != nil {
 		t.Fatal(err)
 	}
-	srv = NewServer(ServerConfig{Socket: filepath.Join(loose, "a.sock")}, h.agent)
+	srv = NewServer(ServerConfig{Socket: filepath.Join(loose, "a.sock")}, h.kube.Cache, h.agent)
 	if err := srv.Listen(); err != nil {
 		t.Fatal(err)
 	}
@@ -224,7 +223,7 @@ func TestServerSocketReplacement(t *testing.T) {
 func TestServerRejectsMalformedRequests(t *testing.T) {
 	s := newServer(t, nil, nil)
 	pn := testnet.NewNS(t)
-	s.decider.SetPod(pod("shop", "web", "u1", nil))
+	s.kube.SetPod(pod("shop", "web", "u1", nil))
 	good, _ := json.Marshal(addEvent(pn.Path()))
 	post := func(path, body string) string {
 		return fmt.Sprintf("POST %s HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n%s", path, len(body), body)
@@ -297,7 +296,7 @@ func TestServerSlowClients(t *testing.T) {
 	idle := dial() // connects, sends nothing
 
 	// Meanwhile a well-behaved client is served.
-	if err := (&plugin.Client{Socket: s.sock}).Status(context.Background()); err != nil {
+	if err := (&ambient.Client{Socket: s.sock}).Status(context.Background()); err != nil {
 		t.Errorf("STATUS while slow clients hang: %v", err)
 	}
 	for name, c := range map[string]net.Conn{"slow header": slowHeader, "slow body": slowBody, "idle": idle} {
@@ -317,7 +316,7 @@ func TestServerNetnsPolicy(t *testing.T) {
 	testnet.RequireRoot(t)
 	allowed := t.TempDir()
 	s := newServer(t, []string{allowed}, nil)
-	s.decider.SetPod(pod("shop", "web", "u1", nil))
+	s.kube.SetPod(pod("shop", "web", "u1", nil))
 	outside := testnet.NewNS(t) // under the runtime dir, not under allowed
 
 	// A regular file under an allowed root.
@@ -423,7 +422,7 @@ func TestServerRefusesNonRootPeer(t *testing.T) {
 	s := newServer(t, nil, func(c *ServerConfig) { c.Socket = filepath.Join(shared, "run", "agent.sock") })
 	s.sock = filepath.Join(shared, "run", "agent.sock")
 	pn := testnet.NewNS(t)
-	s.decider.SetPod(pod("shop", "web", "u1", nil))
+	s.kube.SetPod(pod("shop", "web", "u1", nil))
 	// Loosen the file modes so only SO_PEERCRED stands in the way.
 	if err := os.Chmod(filepath.Dir(s.sock), 0o755); err != nil {
 		t.Fatal(err)

@@ -1,38 +1,35 @@
 package nodeagent
 
 import (
-	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"slices"
 	"sync"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 )
 
-// SnapshotWriter keeps the enablement snapshot file that the plugin reads
+// snapshotWriter keeps the enablement snapshot file that the plugin reads
 // when the agent is unreachable. It writes only when the content changes,
 // atomically (temp file and rename) with mode 0600, and continues the
 // generation found in an existing file so generations never go backwards
 // across agent restarts.
-type SnapshotWriter struct {
+type snapshotWriter struct {
 	path string
 
 	mu   sync.Mutex
 	gen  int64
-	last *ambient.EnablementSnapshot
+	last *nodefiles.EnablementSnapshot
 }
 
-// NewSnapshotWriter returns a writer for path; an existing readable
+// newSnapshotWriter returns a writer for path; an existing readable
 // snapshot there sets the starting generation.
-func NewSnapshotWriter(path string) *SnapshotWriter {
-	w := &SnapshotWriter{path: path}
+func newSnapshotWriter(path string) *snapshotWriter {
+	w := &snapshotWriter{path: path}
 	if b, err := os.ReadFile(path); err == nil {
-		if s, err := ambient.ParseSnapshot(b); err == nil {
+		if s, err := nodefiles.ParseSnapshot(b); err == nil {
 			w.gen = s.Generation
 		}
 	}
@@ -40,12 +37,12 @@ func NewSnapshotWriter(path string) *SnapshotWriter {
 }
 
 // Path is the snapshot file's path.
-func (w *SnapshotWriter) Path() string { return w.path }
+func (w *snapshotWriter) Path() string { return w.path }
 
 // Update writes a snapshot of the given state unless it equals the last
 // one written. It reports whether it wrote.
-func (w *SnapshotWriter) Update(enabled []string, podLevel bool, excluded []string) (bool, error) {
-	next := &ambient.EnablementSnapshot{
+func (w *snapshotWriter) Update(enabled []string, podLevel bool, excluded []string) (bool, error) {
+	next := &nodefiles.EnablementSnapshot{
 		EnabledNamespaces:  sortedCopy(enabled),
 		PodLevelEnablement: podLevel,
 		ExcludedNamespaces: sortedCopy(excluded),
@@ -57,22 +54,15 @@ func (w *SnapshotWriter) Update(enabled []string, podLevel bool, excluded []stri
 	}
 	next.Generation = w.gen + 1
 	next.Written = time.Now().UTC()
-	b, err := json.MarshalIndent(next, "", "  ")
-	if err != nil {
-		return false, fmt.Errorf("encode enablement snapshot: %w", err)
-	}
-	if err := os.MkdirAll(filepath.Dir(w.path), 0o700); err != nil {
-		return false, fmt.Errorf("create snapshot dir: %w", err)
-	}
-	if err := nodefiles.WriteFileAtomic(w.path, b); err != nil {
-		return false, fmt.Errorf("enablement snapshot: %w", err)
+	if err := nodefiles.WriteSnapshot(w.path, next); err != nil {
+		return false, err
 	}
 	w.gen, w.last = next.Generation, next
 	return true, nil
 }
 
 // Remove deletes the snapshot file (for an uninstall); missing is fine.
-func (w *SnapshotWriter) Remove() error {
+func (w *snapshotWriter) Remove() error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.last = nil
@@ -91,8 +81,29 @@ func sortedCopy(s []string) []string {
 	return slices.Compact(out)
 }
 
-func sameSnapshot(a, b *ambient.EnablementSnapshot) bool {
+func sameSnapshot(a, b *nodefiles.EnablementSnapshot) bool {
 	return a.PodLevelEnablement == b.PodLevelEnablement &&
 		slices.Equal(a.EnabledNamespaces, b.EnabledNamespaces) &&
 		slices.Equal(a.ExcludedNamespaces, b.ExcludedNamespaces)
+}
+
+// RefreshSnapshot rewrites the enablement snapshot from cfg.Enablement if
+// it changed. Wire it to the pod cache's OnEnablementChange: the first
+// call should come once the cache is synced and the pods enrolled before a
+// restart are restored, since a premature empty snapshot would let the
+// plugin pass pods through.
+func (a *Agent) RefreshSnapshot() error {
+	if a.cfg.Enablement == nil {
+		return nil
+	}
+	enabled, podLevel := a.cfg.Enablement.EnablementState()
+	wrote, err := a.snapshot.Update(enabled, podLevel, a.cfg.ExcludedNamespaces)
+	if err != nil {
+		a.log.Error("write enablement snapshot", "err", err)
+		return err
+	}
+	if wrote {
+		a.log.Info("enablement snapshot written", "path", a.snapshot.Path(), "enabled", enabled, "podLevel", podLevel)
+	}
+	return nil
 }

@@ -20,7 +20,7 @@ import (
 	"github.com/containernetworking/cni/pkg/version"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 )
 
 // SupportedVersions are the CNI spec versions the plugin speaks.
@@ -29,25 +29,16 @@ var SupportedVersions = []string{"0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"}
 // VersionInfo is what the plugin reports for CNI VERSION.
 var VersionInfo = version.PluginSupports(SupportedVersions...)
 
-// Defaults for the optional configuration keys.
-const (
-	DefaultTimeout  = 30 * time.Second
-	DefaultLogLevel = "warn"
-	// MaxTimeout bounds the timeout key: kubelet's own runtime request
-	// timeout is two minutes, waiting longer only hides a stuck agent.
-	MaxTimeout = 2 * time.Minute
-)
-
-// rawConfig is the JSON the runtime hands the plugin on stdin. Unknown keys
-// are ignored: runtimes inject their own (runtimeConfig, args, ...).
+// rawConfig is the JSON the runtime hands the plugin on stdin: the
+// standard CNI keys and ours. Unknown keys are ignored: runtimes inject
+// their own (runtimeConfig, args, ...).
 type rawConfig struct {
 	types.PluginConf
-	AgentSocket         string    `json:"agentSocket"`
-	Timeout             string    `json:"timeout"`
-	LogLevel            string    `json:"logLevel"`
-	ExcludedNamespaces  *[]string `json:"excludedNamespaces"`
-	StatusRequiresAgent bool      `json:"statusRequiresAgent"`
+	ownConf
 }
+
+// ownConf names ambient.PluginConf so both confs can be embedded.
+type ownConf = ambient.PluginConf
 
 // Config is the parsed and validated plugin configuration.
 type Config struct {
@@ -100,7 +91,7 @@ func ParseConfig(stdin []byte) (*Config, error) {
 		CNIVersion:          raw.CNIVersion,
 		Name:                raw.Name,
 		AgentSocket:         raw.AgentSocket,
-		Timeout:             DefaultTimeout,
+		Timeout:             ambient.DefaultPluginTimeout,
 		ExcludedNamespaces:  []string{ambient.DefaultExcludedNamespace},
 		StatusRequiresAgent: raw.StatusRequiresAgent,
 		ValidAttachments:    raw.ValidAttachments,
@@ -116,20 +107,20 @@ func ParseConfig(stdin []byte) (*Config, error) {
 	c.SpoolDir = nodefiles.SpoolDir(c.AgentSocket)
 	if raw.Timeout != "" {
 		d, err := time.ParseDuration(raw.Timeout)
-		if err != nil || d <= 0 || d > MaxTimeout {
-			return nil, invalidConfig("timeout %q must be a Go duration in (0, %s]", raw.Timeout, MaxTimeout)
+		if err != nil || d <= 0 || d > ambient.MaxPluginTimeout {
+			return nil, invalidConfig("timeout %q must be a Go duration in (0, %s]", raw.Timeout, ambient.MaxPluginTimeout)
 		}
 		c.Timeout = d
 	}
 	lvl := raw.LogLevel
 	if lvl == "" {
-		lvl = DefaultLogLevel
+		lvl = ambient.DefaultPluginLogLevel
 	}
 	if err := c.LogLevel.UnmarshalText([]byte(lvl)); err != nil {
 		return nil, invalidConfig("logLevel %q must be debug, info, warn or error", raw.LogLevel)
 	}
 	if raw.ExcludedNamespaces != nil {
-		c.ExcludedNamespaces = *raw.ExcludedNamespaces
+		c.ExcludedNamespaces = raw.ExcludedNamespaces
 		for _, ns := range c.ExcludedNamespaces {
 			if !validNamespace(ns) {
 				return nil, invalidConfig("excludedNamespaces: %q is not a valid namespace name", ns)

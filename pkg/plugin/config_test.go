@@ -3,13 +3,19 @@ package plugin
 import (
 	"errors"
 	"log/slog"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/ambient-cni/ambient-cni/test/fuzzseed"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
+
 	"github.com/containernetworking/cni/pkg/types"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 )
 
 const prevV1 = `{"cniVersion":"1.0.0","interfaces":[{"name":"cni0","mac":"aa:bb:cc:dd:ee:01"},{"name":"eth0","mac":"aa:bb:cc:dd:ee:02","sandbox":"/var/run/netns/x"}],` +
@@ -20,12 +26,13 @@ func TestParseConfigDefaults(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.AgentSocket != "/var/run/ambient-cni/agent.sock" || c.Timeout != DefaultTimeout || c.LogLevel != slog.LevelWarn ||
-		len(c.ExcludedNamespaces) != 1 || c.ExcludedNamespaces[0] != "kube-system" || c.StatusRequiresAgent || c.PrevResult != nil {
-		t.Errorf("defaults wrong: %+v", c)
+	want := &Config{
+		CNIVersion: "1.0.0", Name: "k8s", AgentSocket: "/var/run/ambient-cni/agent.sock",
+		SnapshotFile: "/var/run/ambient-cni/enablement.json", SpoolDir: "/var/run/ambient-cni/pending-del",
+		Timeout: ambient.DefaultPluginTimeout, LogLevel: slog.LevelWarn, ExcludedNamespaces: []string{"kube-system"},
 	}
-	if c.SnapshotFile != "/var/run/ambient-cni/enablement.json" || c.SpoolDir != "/var/run/ambient-cni/pending-del" {
-		t.Errorf("derived paths wrong: %s %s", c.SnapshotFile, c.SpoolDir)
+	if diff := cmp.Diff(want, c); diff != "" {
+		t.Errorf("defaults wrong (-want +got):\n%s", diff)
 	}
 }
 
@@ -37,9 +44,16 @@ func TestParseConfigKeys(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.AgentSocket != "/run/a/agent.sock" || c.Timeout != 1500*time.Millisecond || c.LogLevel != slog.LevelDebug ||
-		len(c.ExcludedNamespaces) != 0 || !c.StatusRequiresAgent || c.PrevResult == nil || c.SpoolDir != "/run/a/pending-del" {
-		t.Errorf("keys not honoured: %+v", c)
+	if c.PrevResult == nil {
+		t.Fatal("prevResult not parsed")
+	}
+	want := &Config{
+		CNIVersion: "0.4.0", Name: "k8s", AgentSocket: "/run/a/agent.sock",
+		SnapshotFile: "/run/a/enablement.json", SpoolDir: "/run/a/pending-del",
+		Timeout: 1500 * time.Millisecond, LogLevel: slog.LevelDebug, ExcludedNamespaces: []string{}, StatusRequiresAgent: true,
+	}
+	if diff := cmp.Diff(want, c, cmpopts.IgnoreFields(Config{}, "PrevResult")); diff != "" {
+		t.Errorf("keys not honoured (-want +got):\n%s", diff)
 	}
 	ips, err := podIPs(c.PrevResult)
 	if err != nil || strings.Join(ips, ",") != "10.1.0.5,fd00::5" {
@@ -89,8 +103,9 @@ func TestParseK8sArgs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if a.K8S_POD_NAMESPACE != "shop" || a.K8S_POD_NAME != "web-1" || a.K8S_POD_INFRA_CONTAINER_ID != "abc" || a.K8S_POD_UID != "u-1" {
-		t.Errorf("args = %+v", a)
+	want := &K8sArgs{CommonArgs: a.CommonArgs, K8S_POD_NAMESPACE: "shop", K8S_POD_NAME: "web-1", K8S_POD_INFRA_CONTAINER_ID: "abc", K8S_POD_UID: "u-1"}
+	if diff := cmp.Diff(want, a); diff != "" {
+		t.Errorf("args (-want +got):\n%s", diff)
 	}
 	if err := a.requirePod(); err != nil {
 		t.Errorf("requirePod: %v", err)
@@ -114,7 +129,7 @@ func TestParseK8sArgs(t *testing.T) {
 }
 
 func FuzzParseConfig(f *testing.F) {
-	addSeeds(f, "FuzzParseConfig")
+	fuzzseed.Add(f, "FuzzParseConfig")
 	f.Add([]byte(`{"cniVersion":"1.0.0","name":"n","prevResult":` + prevV1 + `}`))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		c, err := ParseConfig(b)
@@ -125,7 +140,7 @@ func FuzzParseConfig(f *testing.F) {
 			}
 			return
 		}
-		if c.Timeout <= 0 || c.Timeout > MaxTimeout || !filepath.IsAbs(c.AgentSocket) {
+		if c.Timeout <= 0 || c.Timeout > ambient.MaxPluginTimeout || !filepath.IsAbs(c.AgentSocket) {
 			t.Fatalf("accepted invalid config: %+v", c)
 		}
 		if c.PrevResult != nil {
@@ -134,17 +149,4 @@ func FuzzParseConfig(f *testing.F) {
 			}
 		}
 	})
-}
-
-// addSeeds adds every file in testdata/seeds/<name> as a seed; go test
-// also replays testdata/fuzz/<name> on its own.
-func addSeeds(f *testing.F, name string) {
-	files, _ := filepath.Glob(filepath.Join("testdata", "seeds", name, "*"))
-	for _, p := range files {
-		b, err := os.ReadFile(p)
-		if err != nil {
-			f.Fatal(err)
-		}
-		f.Add(b)
-	}
 }

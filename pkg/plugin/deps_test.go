@@ -8,7 +8,8 @@ import (
 
 // TestPluginBinaryStaysThin guards the plugin binary's dependency set: the
 // runtime execs it for every pod, so it must not pull in the Kubernetes
-// API types or client, net/http, metrics, protobuf or netlink.
+// API types or client, net/http, metrics, protobuf, netlink or the rules
+// backends.
 func TestPluginBinaryStaysThin(t *testing.T) {
 	if _, err := exec.LookPath("go"); err != nil {
 		t.Skip("go command not available")
@@ -22,7 +23,9 @@ func TestPluginBinaryStaysThin(t *testing.T) {
 	}
 	deps := strings.Fields(string(out))
 	forbidden := []string{"k8s.io/", "net/http", "github.com/ambient-cni/ambient-cni/pkg/ambient/enablement", "k8s.io/client-go", "github.com/prometheus/", "google.golang.org/protobuf", "github.com/vishvananda/netlink",
-		"github.com/coreos/go-iptables", "github.com/containernetworking/plugins/", "github.com/ambient-cni/ambient-cni/pkg/nodeagent"}
+		"github.com/coreos/go-iptables", "github.com/containernetworking/plugins/", "github.com/ambient-cni/ambient-cni/pkg/nodeagent",
+		"github.com/google/nftables", "github.com/mdlayher/", "github.com/ambient-cni/ambient-cni/pkg/iptables",
+		"github.com/ambient-cni/ambient-cni/pkg/nftables", "github.com/ambient-cni/ambient-cni/pkg/rulesbackend"}
 	for _, d := range deps {
 		for _, f := range forbidden {
 			if strings.HasPrefix(d, f) {

@@ -7,7 +7,6 @@ import (
 	"io"
 	"log/slog"
 	"net/netip"
-	"os"
 	"slices"
 
 	"github.com/containernetworking/cni/pkg/skel"
@@ -15,7 +14,7 @@ import (
 	current "github.com/containernetworking/cni/pkg/types/100"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 )
 
 // About is printed by the plugin when run without CNI_COMMAND.
@@ -41,7 +40,7 @@ func (p *Plugin) Funcs() skel.CNIFuncs {
 type call struct {
 	cfg    *Config
 	log    *slog.Logger
-	client *Client
+	client *ambient.Client
 	ctx    context.Context
 	cancel context.CancelFunc
 }
@@ -57,7 +56,7 @@ func (p *Plugin) start(verb string, args *skel.CmdArgs) (*call, error) {
 		log = log.With("sandbox", args.ContainerID)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), cfg.Timeout)
-	return &call{cfg: cfg, log: log, client: &Client{Socket: cfg.AgentSocket}, ctx: ctx, cancel: cancel}, nil
+	return &call{cfg: cfg, log: log, client: &ambient.Client{Socket: cfg.AgentSocket}, ctx: ctx, cancel: cancel}, nil
 }
 
 // Add tells the agent about a new pod and waits for its verdict; the pod
@@ -84,7 +83,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 		return p.passThrough(c.cfg)
 	}
 	resp, err := c.client.PodEvent(c.ctx, ev)
-	var unreachable *UnreachableError
+	var unreachable *ambient.UnreachableError
 	switch {
 	case errors.As(err, &unreachable):
 		return p.fallback(c, log, ns, err)
@@ -183,7 +182,7 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 	}
 	ns, name := ev.PodNamespace, ev.PodName
 	resp, err := c.client.PodEvent(c.ctx, ev)
-	var unreachable *UnreachableError
+	var unreachable *ambient.UnreachableError
 	switch {
 	case errors.As(err, &unreachable):
 		snap, _ := readSnapshot(c.cfg.SnapshotFile)
@@ -304,7 +303,7 @@ func podIPs(prev types.Result) ([]string, error) {
 }
 
 // snapshotView wraps a possibly-nil snapshot for logging.
-type snapshotView struct{ *ambient.EnablementSnapshot }
+type snapshotView struct{ *nodefiles.EnablementSnapshot }
 
 func (s snapshotView) generation() int64 {
 	if s.EnablementSnapshot == nil {
@@ -316,25 +315,9 @@ func (s snapshotView) generation() int64 {
 // readSnapshot loads the agent's enablement snapshot; on any problem it
 // returns a nil snapshot, which MayNeedCapture treats as "fail closed".
 func readSnapshot(path string) (snapshotView, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return snapshotView{}, err
-	}
-	defer f.Close()
-	b, err := io.ReadAll(io.LimitReader(f, maxSnapshotFile+1))
-	if err != nil {
-		return snapshotView{}, fmt.Errorf("read %s: %w", path, err)
-	}
-	s, err := ambient.ParseSnapshot(b)
-	if err != nil {
-		return snapshotView{}, fmt.Errorf("%s: %w", path, err)
-	}
-	return snapshotView{s}, nil
+	s, err := nodefiles.ReadSnapshot(path)
+	return snapshotView{s}, err
 }
-
-// maxSnapshotFile bounds the snapshot read; ParseSnapshot applies the
-// exact limit.
-const maxSnapshotFile = 8 << 20
 
 func tryAgain(format string, a ...any) error {
 	return types.NewError(types.ErrTryAgainLater, fmt.Sprintf(format, a...), "")

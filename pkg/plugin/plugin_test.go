@@ -14,11 +14,13 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/google/go-cmp/cmp"
+
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 )
 
 // fakeAgent is a canned agent on a real Unix socket (pure-logic tests of
@@ -151,10 +153,10 @@ func TestAddPassesPrevResultThrough(t *testing.T) {
 		if len(evs) != 1 {
 			t.Fatalf("agent got %d events", len(evs))
 		}
-		ev := evs[0]
-		if ev.Command != ambient.CommandAdd || ev.PodName != "web-1" || ev.PodNamespace != "shop" || ev.PodUID != "0b7c6f0e-1111" ||
-			ev.SandboxID != "sb1" || ev.Netns != "/var/run/netns/cni-1" || ev.IfName != "eth0" || strings.Join(ev.IPs, ",") != "10.1.0.5,fd00::5" {
-			t.Errorf("event = %+v", ev)
+		want := ambient.PodEvent{Command: ambient.CommandAdd, PodName: "web-1", PodNamespace: "shop", PodUID: "0b7c6f0e-1111",
+			SandboxID: "sb1", Netns: "/var/run/netns/cni-1", IfName: "eth0", IPs: []string{"10.1.0.5", "fd00::5"}}
+		if diff := cmp.Diff(want, evs[0]); diff != "" {
+			t.Errorf("event (-want +got):\n%s", diff)
 		}
 	}
 }
@@ -213,7 +215,7 @@ func TestAddExcludedNamespaceSkipsAgent(t *testing.T) {
 	}
 }
 
-func writeSnapshot(t *testing.T, dir string, s ambient.EnablementSnapshot) {
+func writeSnapshot(t *testing.T, dir string, s nodefiles.EnablementSnapshot) {
 	t.Helper()
 	b, _ := json.Marshal(s)
 	if err := os.WriteFile(filepath.Join(dir, nodefiles.SnapshotName), b, 0o600); err != nil {
@@ -229,17 +231,17 @@ func TestAddAgentDownUsesSnapshot(t *testing.T) {
 	if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "unreachable") || !strings.Contains(err.Error(), "no usable enablement snapshot") {
 		t.Errorf("no snapshot gave %v", err)
 	}
-	writeSnapshot(t, dir, ambient.EnablementSnapshot{Generation: 4, EnabledNamespaces: []string{"shop"}})
+	writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 4, EnabledNamespaces: []string{"shop"}})
 	_, err = run(t, add, conf(sock, "1.0.0", ""), k8sArgs)
 	if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), `namespace "shop" may need ambient capture`) {
 		t.Errorf("enabled namespace gave %v", err)
 	}
-	writeSnapshot(t, dir, ambient.EnablementSnapshot{Generation: 5, EnabledNamespaces: []string{"other"}})
+	writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 5, EnabledNamespaces: []string{"other"}})
 	out, err := run(t, add, conf(sock, "1.0.0", ""), k8sArgs)
 	if err != nil || !jsonEqual(t, out, prevV1) {
 		t.Errorf("non-enabled namespace: %q, %v", out, err)
 	}
-	writeSnapshot(t, dir, ambient.EnablementSnapshot{Generation: 6, PodLevelEnablement: true})
+	writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 6, PodLevelEnablement: true})
 	if _, err = run(t, add, conf(sock, "1.0.0", ""), k8sArgs); cniCode(t, err) != types.ErrTryAgainLater {
 		t.Errorf("pod-level enablement gave %v", err)
 	}
@@ -267,7 +269,7 @@ func TestAddAgentHangsIsRetryable(t *testing.T) {
 			_, _ = io.Copy(io.Discard, c) // read, never answer
 		}
 	}()
-	writeSnapshot(t, dir, ambient.EnablementSnapshot{Generation: 1}) // would pass through if used
+	writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 1}) // would pass through if used
 	_, err = run(t, add, conf(sock, "1.0.0", `,"timeout":"200ms"`), k8sArgs)
 	if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "timeout") {
 		t.Errorf("hung agent gave %v", err)
@@ -286,8 +288,9 @@ func TestDelSpoolsWhenAgentDown(t *testing.T) {
 	if err != nil || len(entries) != 1 || entries[0].Event == nil {
 		t.Fatalf("spool = %+v, %v", entries, err)
 	}
-	if ev := entries[0].Event; ev.SandboxID != "sb1" || ev.PodUID != "0b7c6f0e-1111" || ev.PodName != "web-1" {
-		t.Errorf("spooled %+v", ev)
+	got := *entries[0].Event
+	if diff := cmp.Diff(ambient.PodEvent{SandboxID: "sb1", PodUID: "0b7c6f0e-1111", PodName: "web-1"}, ambient.PodEvent{SandboxID: got.SandboxID, PodUID: got.PodUID, PodName: got.PodName}); diff != "" {
+		t.Errorf("spooled %+v (-want +got):\n%s", got, diff)
 	}
 	st, err := os.Stat(entries[0].Path)
 	if err != nil || st.Mode().Perm() != 0o600 {

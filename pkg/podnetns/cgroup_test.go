@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ambient-cni/ambient-cni/test/fuzzseed"
 	"k8s.io/apimachinery/pkg/types"
 )
 
@@ -122,17 +123,7 @@ func TestParseCgroupErrors(t *testing.T) {
 }
 
 func FuzzParseCgroup(f *testing.F) {
-	seeds, err := filepath.Glob("testdata/cgroups/*")
-	if err != nil || len(seeds) == 0 {
-		f.Fatalf("no seeds in testdata/cgroups: %v", err)
-	}
-	for _, p := range seeds {
-		b, err := os.ReadFile(p)
-		if err != nil {
-			f.Fatal(err)
-		}
-		f.Add(b)
-	}
+	fuzzseed.AddDir(f, filepath.Join("testdata", "cgroups"))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		got, err := ParseCgroup(b)
 		if err != nil {

@@ -12,8 +12,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/internal/sandbox"
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/test/podproc"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"k8s.io/apimachinery/pkg/types"
 )
 
@@ -107,35 +107,27 @@ func makeCgroup(t *testing.T, hier []string, rel string) []string {
 func TestFindInPrivateCgroupNamespace(t *testing.T) {
 	testnet.RequireRoot(t)
 	testnet.RequireCommands(t, "nsenter", "sleep", "unshare", "sh")
-	var hier []string
-	for _, h := range sandbox.DefaultHierarchies() {
-		if _, err := os.Stat(filepath.Join(h, "cgroup.procs")); err == nil {
-			hier = append(hier, h)
-		}
-	}
-	if len(hier) == 0 {
-		testnet.Missing(t, fmt.Sprintf("none of the cgroup hierarchies %v is mounted", sandbox.DefaultHierarchies()))
-	}
+	hier := podproc.RequireHierarchies(t)
 	exe, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, d := range []struct {
 		name   string
-		driver sandbox.Driver
-	}{{"cgroupfs", sandbox.Cgroupfs}, {"systemd", sandbox.Systemd}} {
+		driver podproc.Driver
+	}{{"cgroupfs", podproc.Cgroupfs}, {"systemd", podproc.Systemd}} {
 		t.Run(d.name, func(t *testing.T) {
 			root := testnet.RandName("kubepods-cgns-", 8)
-			opts := func(q sandbox.QoS) sandbox.Options {
-				return sandbox.Options{Driver: d.driver, Root: root, QoS: q, Hierarchies: hier}
+			opts := func(q podproc.QoS) podproc.Options {
+				return podproc.Options{Driver: d.driver, Root: root, QoS: q, Hierarchies: hier}
 			}
 			type pod struct {
 				uid types.UID
 				ip  netip.Addr
-				sb  *sandbox.Sandbox
+				sb  *podproc.Sandbox
 			}
 			var pods []pod
-			for _, q := range []sandbox.QoS{sandbox.Burstable, sandbox.BestEffort, sandbox.Guaranteed} {
+			for _, q := range []podproc.QoS{podproc.Burstable, podproc.BestEffort, podproc.Guaranteed} {
 				p := pod{uid: randUID(), ip: randIP()}
 				p.sb = startPod(t, p.uid, podNS(t, p.ip).Path(), opts(q))
 				pods = append(pods, p)
@@ -146,14 +138,14 @@ func TestFindInPrivateCgroupNamespace(t *testing.T) {
 			// below its own container cgroup, in a namespace holding the
 			// victim's IP.
 			hostPod, wrongIP, victim := randUID(), randUID(), randUID()
-			startPod(t, hostPod, "/proc/self/ns/net", opts(sandbox.Burstable))
-			startPod(t, wrongIP, podNS(t, randIP()).Path(), opts(sandbox.Burstable))
+			startPod(t, hostPod, "/proc/self/ns/net", opts(podproc.Burstable))
+			startPod(t, wrongIP, podNS(t, randIP()).Path(), opts(podproc.Burstable))
 			victimIP := randIP()
-			spoofRoot := sandbox.CgroupPathQoS(d.driver, sandbox.Burstable, root, string(pods[0].uid), pods[0].sb.ContainerID)
-			startPod(t, victim, podNS(t, victimIP).Path(), sandbox.Options{Driver: d.driver, Root: spoofRoot, Hierarchies: hier})
+			spoofRoot := podproc.CgroupPathQoS(d.driver, podproc.Burstable, root, string(pods[0].uid), pods[0].sb.ContainerID)
+			startPod(t, victim, podNS(t, victimIP).Path(), podproc.Options{Driver: d.driver, Root: spoofRoot, Hierarchies: hier})
 
 			// The agent's own pod cgroup, the root of its cgroup namespace.
-			agent := makeCgroup(t, hier, sandbox.CgroupPathQoS(d.driver, sandbox.Burstable, root, string(randUID()), testnet.RandName("", 64)))
+			agent := makeCgroup(t, hier, podproc.CgroupPathQoS(d.driver, podproc.Burstable, root, string(randUID()), testnet.RandName("", 64)))
 
 			req := cgnsRequest{Pods: map[types.UID][]netip.Addr{
 				hostPod: {netip.MustParseAddr("127.0.0.1")}, wrongIP: {randIP()}, victim: {victimIP},
@@ -196,7 +188,7 @@ func TestFindInPrivateCgroupNamespace(t *testing.T) {
 				if !strings.Contains(cg, ":/../") {
 					t.Fatalf("agent sees pod process %d with absolute cgroup paths:\n%s", pid, cg)
 				}
-				if d.driver == sandbox.Cgroupfs && strings.Contains(cg, "kubepods") {
+				if d.driver == podproc.Cgroupfs && strings.Contains(cg, "kubepods") {
 					t.Fatalf("agent sees pod process %d with kubepods in its path:\n%s", pid, cg)
 				}
 				t.Logf("agent sees pid %d as:\n%s", pid, strings.TrimSpace(cg))

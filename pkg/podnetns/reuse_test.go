@@ -14,8 +14,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/internal/sandbox"
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/test/podproc"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"k8s.io/apimachinery/pkg/types"
 )
 
@@ -128,19 +128,11 @@ func (p *pidns) waitNetns(t *testing.T, pid int, netnsPath string) {
 func TestFindIgnoresReusedPID(t *testing.T) {
 	testnet.RequireRoot(t)
 	testnet.RequireCommands(t, "unshare", "nsenter", "sleep", "sh", "mount")
-	var hier []string
-	for _, h := range sandbox.DefaultHierarchies() {
-		if _, err := os.Stat(filepath.Join(h, "cgroup.procs")); err == nil {
-			hier = append(hier, h)
-		}
-	}
-	if len(hier) == 0 {
-		testnet.Missing(t, fmt.Sprintf("none of the cgroup hierarchies %v is mounted", sandbox.DefaultHierarchies()))
-	}
+	hier := podproc.RequireHierarchies(t)
 	u, ip := randUID(), randIP()
 	// Cleanups run last first: the PID namespace (and every process in
 	// it) goes before the netns and cgroups it used.
-	cg := makeCgroup(t, hier, sandbox.CgroupPath(sandbox.Cgroupfs, testnet.RandName("kubepods-test-", 8), string(u), testnet.RandName("", 64)))
+	cg := makeCgroup(t, hier, podproc.CgroupPath(podproc.Cgroupfs, testnet.RandName("kubepods-test-", 8), string(u), testnet.RandName("", 64)))
 	podNetns, impostorNetns := podNS(t, ip), podNS(t, ip)
 	p := newPidns(t)
 	pid := p.sleeper(t, podNetns.Path(), cg)
@@ -157,7 +149,7 @@ func TestFindIgnoresReusedPID(t *testing.T) {
 			t.Fatalf("PID %d not reused: the impostor got %d", pid, again)
 		}
 	}}
-	before := openFDs(t)
+	before := testnet.OpenFDs(t)
 	got, err := s.Find(map[types.UID][]netip.Addr{u: {ip}})
 	if err != nil {
 		t.Fatal(err)
@@ -179,7 +171,7 @@ func TestFindIgnoresReusedPID(t *testing.T) {
 		t.Fatalf("Find returned the reused PID's namespace %+v (pod's was %+v, impostor's %+v)",
 			f.Netns, netnsOf(t, podNetns.Path()), netnsOf(t, impostorNetns.Path()))
 	}
-	if after := openFDs(t) - 1; after != before { // imp is open
+	if after := testnet.OpenFDs(t) - 1; after != before { // imp is open
 		t.Errorf("%d descriptors open after Find, %d before", after, before)
 	}
 }

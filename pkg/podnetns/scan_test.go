@@ -9,8 +9,8 @@ import (
 	"syscall"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/internal/sandbox"
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/test/podproc"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/containernetworking/plugins/pkg/testutils"
 	"github.com/vishvananda/netlink"
@@ -57,9 +57,9 @@ func podNS(t *testing.T, ip netip.Addr) ns.NetNS {
 
 // startPod starts a process of pod uid in the netns at path, in the pod's
 // kubelet-shaped cgroup.
-func startPod(t *testing.T, uid types.UID, path string, o sandbox.Options) *sandbox.Sandbox {
+func startPod(t *testing.T, uid types.UID, path string, o podproc.Options) *podproc.Sandbox {
 	t.Helper()
-	sb, err := sandbox.Start(string(uid), path, o)
+	sb, err := podproc.Start(string(uid), path, o)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -76,15 +76,6 @@ func netnsOf(t *testing.T, path string) Netns {
 	return Netns{Dev: st.Dev, Ino: st.Ino}
 }
 
-func openFDs(t *testing.T) int {
-	t.Helper()
-	e, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatal(err)
-	}
-	return len(e)
-}
-
 func TestFindHoldsCheckedNamespaces(t *testing.T) {
 	testnet.RequireRoot(t)
 	testnet.RequireCommands(t, "nsenter", "sleep")
@@ -92,15 +83,15 @@ func TestFindHoldsCheckedNamespaces(t *testing.T) {
 	a, b, hostPod, wrongIP, noIPs, absent := randUID(), randUID(), randUID(), randUID(), randUID(), randUID()
 	ipA, ipB := randIP(), randIP()
 	nsA, nsB := podNS(t, ipA), podNS(t, ipB)
-	sbA := startPod(t, a, nsA.Path(), sandbox.Options{Driver: sandbox.Cgroupfs, Root: root})
-	sbB := startPod(t, b, nsB.Path(), sandbox.Options{Driver: sandbox.Systemd, Root: root, QoS: sandbox.Burstable})
+	sbA := startPod(t, a, nsA.Path(), podproc.Options{Driver: podproc.Cgroupfs, Root: root})
+	sbB := startPod(t, b, nsB.Path(), podproc.Options{Driver: podproc.Systemd, Root: root, QoS: podproc.Burstable})
 	// A process of a pod that lives in the host netns (hostNetwork, or a
 	// leftover) must never be returned, even if the host had its IP.
-	startPod(t, hostPod, "/proc/self/ns/net", sandbox.Options{Root: root})
+	startPod(t, hostPod, "/proc/self/ns/net", podproc.Options{Root: root})
 	// A pod whose process sits in a namespace without the pod's IP.
-	startPod(t, wrongIP, podNS(t, randIP()).Path(), sandbox.Options{Root: root, QoS: sandbox.Guaranteed})
+	startPod(t, wrongIP, podNS(t, randIP()).Path(), podproc.Options{Root: root, QoS: podproc.Guaranteed})
 	// A pod without IPs cannot be confirmed.
-	startPod(t, noIPs, podNS(t, randIP()).Path(), sandbox.Options{Root: root})
+	startPod(t, noIPs, podNS(t, randIP()).Path(), podproc.Options{Root: root})
 
 	want := map[types.UID][]netip.Addr{
 		a: {randIP(), ipA}, b: {ipB}, hostPod: {netip.MustParseAddr("127.0.0.1")},
@@ -110,7 +101,7 @@ func TestFindHoldsCheckedNamespaces(t *testing.T) {
 	// Warm up whatever the runtime opens once (netlink, epoll) before
 	// counting descriptors.
 	findAndClose(t, s, want)
-	before := openFDs(t)
+	before := testnet.OpenFDs(t)
 
 	got, err := s.Find(want)
 	if err != nil {
@@ -120,12 +111,12 @@ func TestFindHoldsCheckedNamespaces(t *testing.T) {
 		CloseAll(got)
 		t.Fatalf("Find found %d pods, want 2: %+v", len(got), got)
 	}
-	if held := openFDs(t); held != before+2 {
+	if held := testnet.OpenFDs(t); held != before+2 {
 		t.Errorf("holding 2 namespaces: %d descriptors open, want %d+2", held, before)
 	}
 	for uid, w := range map[types.UID]struct {
 		n  ns.NetNS
-		sb *sandbox.Sandbox
+		sb *podproc.Sandbox
 	}{a: {nsA, sbA}, b: {nsB, sbB}} {
 		f := got[uid]
 		if f.PID != w.sb.Cmd.Process.Pid || f.ContainerID != w.sb.ContainerID {
@@ -161,12 +152,12 @@ func TestFindHoldsCheckedNamespaces(t *testing.T) {
 
 	// Stopping the pod released descriptors of its own (the netns handle,
 	// the process's pidfd): count again before closing what Find returned.
-	holding := openFDs(t)
+	holding := testnet.OpenFDs(t)
 	CloseAll(got)
-	if after := openFDs(t); after != holding-2 {
+	if after := testnet.OpenFDs(t); after != holding-2 {
 		t.Errorf("closing the 2 namespaces Find returned: %d descriptors open, want %d-2", after, holding)
 	}
-	t.Logf("descriptors: %d before Find, %d while holding 2 (%d after the pod stopped), %d after closing them", before, before+2, holding, openFDs(t))
+	t.Logf("descriptors: %d before Find, %d while holding 2 (%d after the pod stopped), %d after closing them", before, before+2, holding, testnet.OpenFDs(t))
 }
 
 // TestFindLeaksNothing repeats Find over found and not-found pods and
@@ -177,14 +168,14 @@ func TestFindLeaksNothing(t *testing.T) {
 	root := testnet.RandName("kubepods-test-", 8)
 	found, wrongIP, hostPod := randUID(), randUID(), randUID()
 	ip := randIP()
-	startPod(t, found, podNS(t, ip).Path(), sandbox.Options{Root: root})
+	startPod(t, found, podNS(t, ip).Path(), podproc.Options{Root: root})
 	wrongNS := podNS(t, randIP())
 	// Several processes in the same wrong namespace: checked once each
 	// scan, and closed every time.
 	for range 3 {
-		startPod(t, wrongIP, wrongNS.Path(), sandbox.Options{Root: root, Driver: sandbox.Systemd})
+		startPod(t, wrongIP, wrongNS.Path(), podproc.Options{Root: root, Driver: podproc.Systemd})
 	}
-	startPod(t, hostPod, "/proc/self/ns/net", sandbox.Options{Root: root})
+	startPod(t, hostPod, "/proc/self/ns/net", podproc.Options{Root: root})
 	s := Scanner{}
 	for _, c := range []struct {
 		name  string
@@ -196,7 +187,7 @@ func TestFindLeaksNothing(t *testing.T) {
 		{"mixed", map[types.UID][]netip.Addr{found: {ip}, wrongIP: {randIP()}, hostPod: {randIP()}}, 1},
 	} {
 		findAndClose(t, s, c.pods)
-		before := openFDs(t)
+		before := testnet.OpenFDs(t)
 		for range 20 {
 			got, err := s.Find(c.pods)
 			if err != nil {
@@ -207,10 +198,10 @@ func TestFindLeaksNothing(t *testing.T) {
 			}
 			CloseAll(got)
 		}
-		if after := openFDs(t); after != before {
+		if after := testnet.OpenFDs(t); after != before {
 			t.Errorf("%s: %d descriptors open after 20 scans, %d before", c.name, after, before)
 		}
-		t.Logf("%s: %d descriptors before and %d after 20 scans", c.name, before, openFDs(t))
+		t.Logf("%s: %d descriptors before and %d after 20 scans", c.name, before, testnet.OpenFDs(t))
 	}
 }
 

@@ -3,33 +3,20 @@ package zds
 import (
 	"errors"
 	"net"
-	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/pkg/zds/zdspb"
+	"github.com/ambient-cni/ambient-cni/test/poll"
+
+	"github.com/ambient-cni/ambient-cni/test/fuzzseed"
+
 	"google.golang.org/protobuf/proto"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/zdspb"
 )
 
-// addSeeds adds every file in testdata/seeds/<name> as a seed; go test
-// also replays testdata/fuzz/<name> on its own.
-func addSeeds(f *testing.F, name string) {
-	files, _ := filepath.Glob(filepath.Join("testdata", "seeds", name, "*"))
-	if len(files) == 0 {
-		f.Fatalf("no seeds for %s", name)
-	}
-	for _, p := range files {
-		b, err := os.ReadFile(p)
-		if err != nil {
-			f.Fatal(err)
-		}
-		f.Add(b)
-	}
-}
-
 func FuzzDecodeAck(f *testing.F) {
-	addSeeds(f, "FuzzDecodeAck")
+	fuzzseed.Add(f, "FuzzDecodeAck")
 	f.Fuzz(func(t *testing.T, b []byte) {
 		ack, err := decodeAck(b)
 		if err != nil {
@@ -54,7 +41,7 @@ func FuzzDecodeAck(f *testing.F) {
 }
 
 func FuzzDecodeHello(f *testing.F) {
-	addSeeds(f, "FuzzDecodeHello")
+	fuzzseed.Add(f, "FuzzDecodeHello")
 	f.Fuzz(func(t *testing.T, b []byte) {
 		h, err := decodeHello(b)
 		if err != nil {
@@ -71,7 +58,7 @@ func FuzzDecodeHello(f *testing.F) {
 // server must hang up exactly when the hello or the ack is bad, become
 // ready exactly when both are good, and keep serving afterwards.
 func FuzzPeer(f *testing.F) {
-	addSeeds(f, "FuzzPeer")
+	fuzzseed.Add(f, "FuzzPeer")
 	s := startServer(f, Config{AckTimeout: time.Second, HelloTimeout: time.Second, MaxConnections: 64})
 	f.Fuzz(func(t *testing.T, in []byte) {
 		if len(in) == 0 {
@@ -86,7 +73,7 @@ func FuzzPeer(f *testing.F) {
 		p := &peer{t: t, uc: c.(*net.UnixConn)}
 		defer func() {
 			_ = p.uc.Close()
-			eventually(t, "connection released", func() bool { return s.Connections() == 0 })
+			poll.Until(t, "connection released", func() bool { return s.Connections() == 0 })
 		}()
 		if len(hello) > 0 {
 			p.send(hello)
@@ -106,6 +93,6 @@ func FuzzPeer(f *testing.F) {
 			p.expectClosed()
 			return
 		}
-		eventually(t, "ready", func() bool { return s.ReadyConnections() == 1 })
+		poll.Until(t, "ready", func() bool { return s.ReadyConnections() == 1 })
 	})
 }

@@ -12,9 +12,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/pkg/zds/zdspb"
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/zdspb"
 )
 
 // startServer runs a server on a socket in a temp dir until the test ends.
@@ -223,18 +224,6 @@ func (p *peer) autoAck(errFor func(*zdspb.WorkloadRequest) string) (wait func())
 	return wg.Wait
 }
 
-// eventually polls cond for a generous bounded time.
-func eventually(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 // selfNetns opens this process's own network namespace: a real netns fd
 // that needs no privileges.
 func selfNetns(t testing.TB) *os.File {
@@ -254,15 +243,6 @@ func inode(t testing.TB, fd int) uint64 {
 		t.Fatalf("fstat: %v", err)
 	}
 	return st.Ino
-}
-
-func openFDs(t testing.TB) int {
-	t.Helper()
-	ents, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatalf("read /proc/self/fd: %v", err)
-	}
-	return len(ents)
 }
 
 // goroutines lets the GC and finalizers run first, so an fd count taken

@@ -1,5 +1,6 @@
-// Package zds is the node agent's side of ZDS, the protocol that hands pod
-// network namespaces to ztunnel over a SOCK_SEQPACKET Unix socket.
+// Package zds is the node agent's side of ZDS, the protocol through which
+// the agent hands pod network namespaces to ztunnel over a SOCK_SEQPACKET
+// Unix socket.
 //
 // The agent listens; each ztunnel connects, says hello, and receives a
 // snapshot of every enrolled pod (Add with the netns fd, or Keep) followed by
@@ -16,19 +17,19 @@ package zds
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"os"
-	"path/filepath"
 	"sync"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"golang.org/x/sys/unix"
+	"golang.org/x/time/rate"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/unixsock"
 )
 
 // Defaults for the zero values of Config.
@@ -141,8 +142,7 @@ type Server struct {
 	log *slog.Logger
 
 	mu      sync.Mutex
-	ln      *net.UnixListener
-	lnID    fileID // identity of the socket file we bound, to unlink only ours
+	ln      *unixsock.Listener // closing it removes the socket file while it is ours
 	conns   []*conn
 	changed chan struct{} // closed and replaced whenever conns or a state changes
 	serving bool
@@ -152,8 +152,6 @@ type Server struct {
 
 	wg sync.WaitGroup // connection goroutines
 }
-
-type fileID struct{ dev, ino uint64 }
 
 // NewServer returns a server for cfg; call Listen, then Serve.
 func NewServer(cfg Config) *Server {
@@ -176,41 +174,23 @@ func (s *Server) Listen() error {
 	if s.ln != nil {
 		return nil
 	}
-	path := s.cfg.SocketPath
-	dir := filepath.Dir(path)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return fmt.Errorf("create zds socket dir: %w", err)
-	}
-	if fi, err := os.Lstat(path); err == nil && fi.Mode()&os.ModeSocket == 0 {
-		return fmt.Errorf("zds socket path %s exists and is not a socket", path)
-	} else if err != nil && !errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("stat zds socket: %w", err)
-	}
-	// Bind under a private name, note that file's identity, then rename it
-	// over the path: the identity is surely ours (so shutdown never unlinks
-	// a newer agent's socket) and ztunnel never sees the path missing.
-	var rnd [4]byte
-	_, _ = rand.Read(rnd[:])
-	tmp := filepath.Join(dir, ".zds-"+hex.EncodeToString(rnd[:]))
-	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: tmp, Net: "unixpacket"})
+	// Bound under a private name and renamed into place: ztunnel never
+	// sees the path missing, and shutdown never unlinks a newer agent's
+	// socket.
+	ln, err := unixsock.Listen(unixsock.Config{Path: s.cfg.SocketPath, Net: "unixpacket"})
 	if err != nil {
-		return fmt.Errorf("listen on zds socket %s: %w", tmp, err)
+		return fmt.Errorf("zds socket: %w", err)
 	}
-	ln.SetUnlinkOnClose(false)
-	var st unix.Stat_t
-	if err := unix.Stat(tmp, &st); err != nil {
-		_ = ln.Close()
-		_ = os.Remove(tmp)
-		return fmt.Errorf("stat zds socket: %w", err)
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		_ = ln.Close()
-		_ = os.Remove(tmp)
-		return fmt.Errorf("move zds socket into place: %w", err)
-	}
-	s.ln, s.lnID = ln, fileID{dev: st.Dev, ino: st.Ino}
-	s.log.Info("zds listening", "path", path)
+	s.ln = ln
+	s.log.Info("zds listening", "path", s.cfg.SocketPath)
 	return nil
+}
+
+// Listening reports whether Listen succeeded and the server is not closed.
+func (s *Server) Listening() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.ln != nil && !s.closed
 }
 
 // Serve accepts ztunnel connections until ctx ends (or Close is called),
@@ -238,10 +218,10 @@ func (s *Server) Serve(ctx context.Context) error {
 		_ = ln.Close()
 	}()
 
-	lim := newLimiter(s.cfg.AcceptRate, s.cfg.AcceptBurst)
+	lim := rate.NewLimiter(rate.Limit(s.cfg.AcceptRate), s.cfg.AcceptBurst)
 	backoff := 10 * time.Millisecond
 	for {
-		if err := lim.wait(ctx); err != nil {
+		if err := lim.Wait(ctx); err != nil {
 			break
 		}
 		uc, err := ln.AcceptUnix()
@@ -272,7 +252,6 @@ func (s *Server) Serve(ctx context.Context) error {
 		c.fail(ErrClosed)
 	}
 	s.wg.Wait()
-	s.removeSocket()
 	s.log.Info("zds server stopped")
 	return nil
 }
@@ -290,24 +269,10 @@ func (s *Server) Close() error {
 	s.notifyLocked()
 	if s.ln != nil {
 		err := s.ln.Close()
-		s.removeSocketLocked()
 		s.ln = nil
 		return err
 	}
 	return nil
-}
-
-func (s *Server) removeSocket() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.removeSocketLocked()
-}
-
-func (s *Server) removeSocketLocked() {
-	var st unix.Stat_t
-	if unix.Stat(s.cfg.SocketPath, &st) == nil && (fileID{dev: st.Dev, ino: st.Ino}) == s.lnID {
-		_ = os.Remove(s.cfg.SocketPath)
-	}
 }
 
 // Connections is the number of live ztunnel connections.
@@ -595,48 +560,11 @@ func sleepCtx(ctx context.Context, d time.Duration) error {
 	}
 }
 
-// limiter is a token bucket bounding the accept rate.
-type limiter struct {
-	rate   float64
-	burst  float64
-	tokens float64
-	last   time.Time
-}
-
-func newLimiter(rate float64, burst int) *limiter {
-	return &limiter{rate: rate, burst: float64(burst), tokens: float64(burst), last: time.Now()}
-}
-
-func (l *limiter) wait(ctx context.Context) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	now := time.Now()
-	l.tokens = min(l.burst, l.tokens+now.Sub(l.last).Seconds()*l.rate)
-	l.last = now
-	if l.tokens >= 1 {
-		l.tokens--
-		return nil
-	}
-	need := time.Duration((1 - l.tokens) / l.rate * float64(time.Second))
-	if err := sleepCtx(ctx, need); err != nil {
-		return err
-	}
-	l.tokens, l.last = 0, time.Now()
-	return nil
-}
-
-// peerCred reads the peer's pid and uid for logs.
+// peerCred reads the peer's pid and uid for logs; -1 when unknown.
 func peerCred(uc *net.UnixConn) (pid, uid int) {
-	rc, err := uc.SyscallConn()
-	if err != nil {
+	cred, err := unixsock.PeerCred(uc)
+	if err != nil || cred == nil {
 		return -1, -1
 	}
-	pid, uid = -1, -1
-	_ = rc.Control(func(fd uintptr) {
-		if cred, err := unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED); err == nil {
-			pid, uid = int(cred.Pid), int(cred.Uid)
-		}
-	})
-	return pid, uid
+	return int(cred.Pid), int(cred.Uid)
 }

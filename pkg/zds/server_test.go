@@ -11,10 +11,16 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/pkg/zds/zdspb"
+	"github.com/ambient-cni/ambient-cni/test/poll"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
+
+	"github.com/google/go-cmp/cmp"
+
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/zdspb"
 )
 
 // TestWireConformance drives a server through snapshot, Add and Del and
@@ -41,7 +47,7 @@ func TestWireConformance(t *testing.T) {
 				t.Fatalf("want Add %s, got %v", w.UID, d.req)
 			}
 			wi := add.GetWorkloadInfo()
-			if wi.GetName() != w.Info.Name || wi.GetNamespace() != w.Info.Namespace || wi.GetServiceAccount() != w.Info.ServiceAccount {
+			if diff := cmp.Diff(w.Info, WorkloadInfo{Name: wi.GetName(), Namespace: wi.GetNamespace(), ServiceAccount: wi.GetServiceAccount()}); diff != "" {
 				t.Errorf("workload info %v, want %+v", wi, w.Info)
 			}
 			if len(d.fds) != 1 {
@@ -69,7 +75,7 @@ func TestWireConformance(t *testing.T) {
 	}
 	checkTags(t, d.raw, 3, nil)
 	p.ack("")
-	eventually(t, "ready connection", func() bool { return s.ReadyConnections() == 1 })
+	poll.Until(t, "ready connection", func() bool { return s.ReadyConnections() == 1 })
 
 	// Add after the snapshot, with the longest names Kubernetes allows.
 	long := WorkloadInfo{Name: strings.Repeat("n", 253), Namespace: strings.Repeat("s", 63), ServiceAccount: strings.Repeat("a", 253)}
@@ -163,7 +169,7 @@ func TestHelloRejected(t *testing.T) {
 				p.send(hello)
 			}
 			p.expectClosed()
-			eventually(t, "no connections", func() bool { return s.Connections() == 0 })
+			poll.Until(t, "no connections", func() bool { return s.Connections() == 0 })
 		})
 	}
 }
@@ -220,12 +226,12 @@ func TestMisbehavingPeers(t *testing.T) {
 		},
 		"unsolicited while idle": func(t *testing.T, s *Server, bad *peer) {
 			bad.handshake()
-			eventually(t, "bad ready", func() bool { return s.ReadyConnections() == 2 })
+			poll.Until(t, "bad ready", func() bool { return s.ReadyConnections() == 2 })
 			bad.ack("")
 		},
 		"times out on an Add": func(t *testing.T, s *Server, bad *peer) {
 			bad.handshake()
-			eventually(t, "bad ready", func() bool { return s.ReadyConnections() == 2 })
+			poll.Until(t, "bad ready", func() bool { return s.ReadyConnections() == 2 })
 			errc := make(chan error, 1)
 			go func() { errc <- s.Add(ctxTimeout(t, 10*time.Second), Workload{UID: "x", Netns: ns}) }()
 			d := bad.mustRecv() // never acked
@@ -242,12 +248,12 @@ func TestMisbehavingPeers(t *testing.T) {
 			good := dialPeer(t, s)
 			good.handshake()
 			waitGood := good.autoAck(nil)
-			eventually(t, "healthy ready", func() bool { return s.ReadyConnections() == 1 })
+			poll.Until(t, "healthy ready", func() bool { return s.ReadyConnections() == 1 })
 
 			bad := dialPeer(t, s)
 			misbehave(t, s, bad)
 			bad.expectClosed()
-			eventually(t, "bad dropped", func() bool { return s.Connections() == 1 })
+			poll.Until(t, "bad dropped", func() bool { return s.Connections() == 1 })
 
 			if err := s.Add(ctxTimeout(t, 5*time.Second), Workload{UID: "after", Netns: ns}); err != nil {
 				t.Fatalf("healthy connection affected: Add: %v", err)
@@ -269,7 +275,7 @@ func TestOneOutstanding(t *testing.T) {
 	s := startServer(t, Config{AckTimeout: time.Second})
 	p := dialPeer(t, s)
 	p.handshake()
-	eventually(t, "ready", func() bool { return s.ReadyConnections() == 1 })
+	poll.Until(t, "ready", func() bool { return s.ReadyConnections() == 1 })
 
 	var wg sync.WaitGroup
 	errs := make([]error, 2)
@@ -313,7 +319,7 @@ func TestAddWithoutZtunnel(t *testing.T) {
 
 	// A connected peer that has not said hello is not a ztunnel yet.
 	silent := dialPeer(t, s)
-	eventually(t, "accepted", func() bool { return s.Connections() == 1 })
+	poll.Until(t, "accepted", func() bool { return s.Connections() == 1 })
 	if err := s.Add(ctxTimeout(t, 100*time.Millisecond), Workload{UID: "p", Netns: ns}); !errors.Is(err, ErrNoZtunnel) {
 		t.Fatalf("with a silent peer: got %v, want ErrNoZtunnel", err)
 	}
@@ -349,10 +355,10 @@ func TestRollingUpgrade(t *testing.T) {
 	s := startServer(t, Config{})
 	old := dialPeer(t, s)
 	old.handshake()
-	eventually(t, "old ready", func() bool { return s.ReadyConnections() == 1 })
+	poll.Until(t, "old ready", func() bool { return s.ReadyConnections() == 1 })
 	newer := dialPeer(t, s)
 	newer.handshake()
-	eventually(t, "new ready", func() bool { return s.ReadyConnections() == 2 })
+	poll.Until(t, "new ready", func() bool { return s.ReadyConnections() == 2 })
 
 	errc := make(chan error, 1)
 	go func() { errc <- s.Add(ctxTimeout(t, 5*time.Second), Workload{UID: "new-pod", Netns: ns}) }()
@@ -411,7 +417,7 @@ func TestSnapshotPromptWhileAddsWait(t *testing.T) {
 	s := startServer(t, Config{AckTimeout: 3 * time.Second})
 	stuck := dialPeer(t, s)
 	stuck.handshake()
-	eventually(t, "stuck ready", func() bool { return s.ReadyConnections() == 1 })
+	poll.Until(t, "stuck ready", func() bool { return s.ReadyConnections() == 1 })
 	for i := range 20 {
 		go func() { _ = s.Add(ctxTimeout(t, 2*time.Second), Workload{UID: "p" + string(rune('a'+i)), Netns: ns}) }()
 	}
@@ -430,7 +436,7 @@ func TestMaxConnections(t *testing.T) {
 	a, b := dialPeer(t, s), dialPeer(t, s)
 	a.handshake()
 	b.handshake()
-	eventually(t, "two ready", func() bool { return s.ReadyConnections() == 2 })
+	poll.Until(t, "two ready", func() bool { return s.ReadyConnections() == 2 })
 	c := dialPeer(t, s)
 	c.expectClosed()
 	if s.Connections() != 2 {
@@ -492,10 +498,10 @@ func TestServeShutdown(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- s.Serve(ctx) }()
-	eventually(t, "listening", func() bool { _, err := os.Stat(path); return err == nil })
+	poll.Until(t, "listening", func() bool { _, err := os.Stat(path); return err == nil })
 	p := dialPeer(t, s)
 	p.handshake()
-	eventually(t, "ready", func() bool { return s.ReadyConnections() == 1 })
+	poll.Until(t, "ready", func() bool { return s.ReadyConnections() == 1 })
 	addErr := make(chan error, 1)
 	go func() { addErr <- s.Add(context.Background(), Workload{UID: "pending", Netns: ns}) }()
 	p.mustRecv().close() // in flight when we stop
@@ -521,7 +527,7 @@ func TestShutdownKeepsNewerAgentsSocket(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- old.Serve(ctx) }()
-	eventually(t, "listening", func() bool { _, err := os.Stat(path); return err == nil })
+	poll.Until(t, "listening", func() bool { _, err := os.Stat(path); return err == nil })
 	newer := startServer(t, Config{SocketPath: path}) // replaces the file
 	cancel()
 	<-done
@@ -541,13 +547,13 @@ func TestNoLeaksAcrossAddDelAndReconnects(t *testing.T) {
 	}
 	_ = warm.uc.Close()
 	waitWarm()
-	eventually(t, "warm-up conn gone", func() bool { return s.Connections() == 0 })
+	poll.Until(t, "warm-up conn gone", func() bool { return s.Connections() == 0 })
 
-	g0, fds0 := goroutines(), openFDs(t)
+	g0, fds0 := goroutines(), testnet.OpenFDs(t)
 	p := dialPeer(t, s)
 	p.handshake()
 	wait := p.autoAck(nil)
-	eventually(t, "ready", func() bool { return s.ReadyConnections() == 1 })
+	poll.Until(t, "ready", func() bool { return s.ReadyConnections() == 1 })
 	for i := range 1000 {
 		ctx := ctxTimeout(t, 5*time.Second)
 		if err := s.Add(ctx, Workload{UID: "cycle", Info: WorkloadInfo{Name: "p"}, Netns: ns}); err != nil {
@@ -571,10 +577,10 @@ func TestNoLeaksAcrossAddDelAndReconnects(t *testing.T) {
 		}
 		_ = q.uc.Close()
 	}
-	eventually(t, "connections gone", func() bool { return s.Connections() == 0 })
+	poll.Until(t, "connections gone", func() bool { return s.Connections() == 0 })
 	var fds1, g1 int
-	eventually(t, "fds and goroutines back to where they started", func() bool {
-		g1, fds1 = goroutines(), openFDs(t)
+	poll.Until(t, "fds and goroutines back to where they started", func() bool {
+		g1, fds1 = goroutines(), testnet.OpenFDs(t)
 		return fds1 <= fds0 && g1 <= g0
 	})
 	t.Logf("fds %d -> %d, goroutines %d -> %d", fds0, fds1, g0, g1)
@@ -592,7 +598,7 @@ func TestAddValidates(t *testing.T) {
 	_ = closed.Close()
 	p := dialPeer(t, s)
 	p.handshake()
-	eventually(t, "ready", func() bool { return s.ReadyConnections() == 1 })
+	poll.Until(t, "ready", func() bool { return s.ReadyConnections() == 1 })
 	if err := s.Add(ctxTimeout(t, time.Second), Workload{UID: "x", Netns: closed}); err == nil {
 		t.Error("closed netns file accepted")
 	}
@@ -622,7 +628,7 @@ func BenchmarkAddDel(b *testing.B) {
 	p := dialPeer(b, s)
 	p.handshake()
 	wait := p.autoAck(nil)
-	eventually(b, "ready", func() bool { return s.ReadyConnections() == 1 })
+	poll.Until(b, "ready", func() bool { return s.ReadyConnections() == 1 })
 	ctx := context.Background()
 	w := Workload{UID: "bench", Info: WorkloadInfo{Name: "p", Namespace: "n", ServiceAccount: "sa"}, Netns: ns}
 	b.ResetTimer()

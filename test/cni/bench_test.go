@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/internal/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/cnibin"
 )
 
 // BenchmarkPluginAddPassThrough measures the wall time of one exec of the

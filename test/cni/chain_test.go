@@ -13,17 +13,19 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/go-cmp/cmp"
+
 	"github.com/containernetworking/cni/libcni"
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
 
-	"github.com/ambient-cni/ambient-cni/internal/captureproxy"
-	"github.com/ambient-cni/ambient-cni/internal/cnibin"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
-	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
+	"github.com/ambient-cni/ambient-cni/test/captureproxy"
+	"github.com/ambient-cni/ambient-cni/test/cnibin"
 )
 
 // Versions is the CNI spec version matrix the plugin supports.
@@ -101,8 +103,16 @@ func chainScenario(t *testing.T, v string) {
 	if got, _ := netip.AddrFromSlice(cur.IPs[0].Address.IP.To4()); got != podIP {
 		t.Errorf("result IP %s, pod has %s", got, podIP)
 	}
-	if p := n.agent.Pods(); len(p) != 1 || p[0].Name != "web" || p[0].SandboxID != web.id || len(p[0].IPs) != 2 {
+	p := n.agent.Pods()
+	if len(p) != 1 {
 		t.Fatalf("agent state %+v", p)
+	}
+	type state struct {
+		Name, SandboxID string
+		IPs             int
+	}
+	if diff := cmp.Diff(state{"web", web.id, 2}, state{p[0].Name, p[0].SandboxID, len(p[0].IPs)}); diff != "" {
+		t.Fatalf("agent state (-want +got):\n%s", diff)
 	}
 
 	// The rules work: outbound lands on 15001, inbound on 15006.
@@ -356,7 +366,7 @@ func TestChainNoZtunnelIsRetryable(t *testing.T) {
 	go func() { done <- zs.Serve(ctx) }()
 	t.Cleanup(func() { cancel(); <-done })
 	agent, err := nodeagent.NewAgent(nodeagent.Config{
-		Decider: n.decider, Rules: n.rules, Ztunnel: zs, ZtunnelTimeout: 300 * time.Millisecond,
+		Rules: n.rules, Ztunnel: zs, ZtunnelTimeout: 300 * time.Millisecond,
 		SnapshotFile: nodefiles.SnapshotPath(n.sock), SpoolDir: nodefiles.SpoolDir(n.sock),
 	})
 	if err != nil {

@@ -30,13 +30,15 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	k8stypes "k8s.io/apimachinery/pkg/types"
 
-	"github.com/ambient-cni/ambient-cni/internal/cnibin"
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
-	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
+	"github.com/ambient-cni/ambient-cni/pkg/podcache"
+	"github.com/ambient-cni/ambient-cni/test/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/fakecluster"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
 // recordingExec is libcni's own executor, remembering what each plugin
@@ -74,11 +76,11 @@ type node struct {
 	cni     *libcni.CNIConfig
 	rec     *recordingExec
 
-	decider *nodeagent.PolicyDecider
-	rules   *iptables.Applier
-	agent   *nodeagent.Agent
-	srv     *nodeagent.Server
-	stop    func()
+	kube  *fakecluster.Cluster
+	rules *iptables.Applier
+	agent *nodeagent.Agent
+	srv   *nodeagent.Server
+	stop  func()
 }
 
 func randByte() byte {
@@ -132,20 +134,25 @@ func newNode(t testing.TB, cniVersion string, extra map[string]any) *node {
 	})
 
 	log := slog.New(slog.NewTextHandler(&testWriter{t: t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	n.decider = nodeagent.NewPolicyDecider(enablement.DefaultPolicy())
+	n.kube = fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy()})
 	n.rules = iptables.NewApplier(log, backend)
 	n.agent, err = nodeagent.NewAgent(nodeagent.Config{
-		Decider: n.decider, Rules: n.rules, Enablement: n.decider, Logger: log,
+		Rules: n.rules, Enablement: n.kube.Cache, Logger: log,
 		SnapshotFile: nodefiles.SnapshotPath(n.sock), SpoolDir: nodefiles.SpoolDir(n.sock),
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = n.agent.Close() })
-	n.decider.OnChange(func() { _ = n.agent.RefreshSnapshot() })
-	n.decider.SetNamespace(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop",
+	n.kube.Cache.OnEnablementChange(func() { _ = n.agent.RefreshSnapshot() })
+	n.kube.Start()
+	n.kube.SetNamespace(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop",
 		Labels: map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}}})
-	n.decider.SetNamespace(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "plain"}})
+	n.kube.SetNamespace(&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "plain"}})
+	// As install-cni does once its cache is synced.
+	if err := n.agent.RefreshSnapshot(); err != nil {
+		t.Fatal(err)
+	}
 	n.startAgent()
 	return n
 }
@@ -154,7 +161,7 @@ func newNode(t testing.TB, cniVersion string, extra map[string]any) *node {
 // agent does at startup.
 func (n *node) startAgent() {
 	n.t.Helper()
-	n.srv = nodeagent.NewServer(nodeagent.ServerConfig{Socket: n.sock, Logger: n.agentLog()}, n.agent)
+	n.srv = nodeagent.NewServer(nodeagent.ServerConfig{Socket: n.sock, Logger: n.agentLog()}, n.kube.Cache, n.agent)
 	if err := n.srv.Listen(); err != nil {
 		n.t.Fatal(err)
 	}
@@ -199,13 +206,13 @@ type sandbox struct {
 	id        string
 }
 
-// newPod registers a pod with the decider and creates its netns.
+// newPod creates a pod in the fake API server and its netns.
 func (n *node) newPod(namespace, name string, labels map[string]string) *sandbox {
 	n.t.Helper()
 	id := make([]byte, 32)
 	_, _ = rand.Read(id)
 	s := &sandbox{ns: testnet.NewNS(n.t), namespace: namespace, name: name, uid: "uid-" + hex.EncodeToString(id[:8]), id: hex.EncodeToString(id)}
-	n.decider.SetPod(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: name, UID: k8stypes.UID(s.uid), Labels: labels}})
+	n.kube.SetPod(&corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: name, UID: k8stypes.UID(s.uid), Labels: labels}})
 	return s
 }
 

@@ -20,7 +20,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 
-	"github.com/ambient-cni/ambient-cni/pkg/agentconfig"
+	"github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
 	"github.com/ambient-cni/ambient-cni/test/kubeenv"
 )
 
@@ -122,10 +122,10 @@ func (o *objects) env(t testing.TB) map[string]string {
 }
 
 // config parses the container's environment with install-cni's own code.
-func (o *objects) config(t testing.TB) *agentconfig.Config {
+func (o *objects) config(t testing.TB) *app.Config {
 	t.Helper()
 	env := o.env(t)
-	c, err := agentconfig.Parse(nil, func(k string) string { return env[k] }, io.Discard)
+	c, err := app.Parse(nil, func(k string) string { return env[k] }, io.Discard)
 	if err != nil {
 		t.Fatalf("install-cni refuses the rendered environment: %v", err)
 	}
@@ -133,11 +133,11 @@ func (o *objects) config(t testing.TB) *agentconfig.Config {
 }
 
 // settings reads install-cni's settings table (flag and variable of every
-// option) from the documentation agentconfig renders.
+// option) from the documentation install-cni's settings table renders.
 func settings(t testing.TB) map[string]string {
 	t.Helper()
 	var doc bytes.Buffer
-	if err := agentconfig.WriteMarkdown(&doc); err != nil {
+	if err := app.WriteMarkdown(&doc); err != nil {
 		t.Fatal(err)
 	}
 	row := regexp.MustCompile("^\\| `--([a-z0-9-]+)` \\| `([A-Z0-9_]+)` \\|")
@@ -145,14 +145,14 @@ func settings(t testing.TB) map[string]string {
 	sc := bufio.NewScanner(&doc)
 	for sc.Scan() {
 		if m := row.FindStringSubmatch(sc.Text()); m != nil {
-			if agentconfig.EnvName(m[1]) != m[2] {
-				t.Fatalf("table row %q: EnvName(%s) = %s", sc.Text(), m[1], agentconfig.EnvName(m[1]))
+			if app.EnvName(m[1]) != m[2] {
+				t.Fatalf("table row %q: EnvName(%s) = %s", sc.Text(), m[1], app.EnvName(m[1]))
 			}
 			out[m[2]] = m[1]
 		}
 	}
 	if len(out) < 20 {
-		t.Fatalf("only %d settings parsed from agentconfig's table", len(out))
+		t.Fatalf("only %d settings parsed from install-cni's table", len(out))
 	}
 	return out
 }
@@ -175,7 +175,7 @@ func TestEnvNamesAreKnownSettings(t *testing.T) {
 		o := decode(t, manifest)
 		env := o.env(t)
 		for k := range env {
-			if !strings.HasPrefix(k, agentconfig.EnvPrefix) {
+			if !strings.HasPrefix(k, app.EnvPrefix) {
 				if name == "defaults" {
 					t.Errorf("%s: unexpected non-AMBIENT variable %s", name, k)
 				}
@@ -206,7 +206,7 @@ func TestEnvNamesAreKnownSettings(t *testing.T) {
 func TestChartDefaultsMatchProcessDefaults(t *testing.T) {
 	o := decode(t, render(t, releaseName, namespace))
 	got := o.config(t)
-	want, err := agentconfig.Parse([]string{"--node-name=node-a"}, func(string) string { return "" }, io.Discard)
+	want, err := app.Parse([]string{"--node-name=node-a"}, func(string) string { return "" }, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -223,7 +223,7 @@ func TestChartDefaultsMatchProcessDefaults(t *testing.T) {
 func TestAllValuesReachTheProcess(t *testing.T) {
 	o := decode(t, render(t, "all", "all-values-ns", "-f", allValues))
 	got := o.config(t)
-	want := &agentconfig.Config{
+	want := &app.Config{
 		NodeName: "node-a", PodName: "agent-x1", PodNamespace: "all-values-ns",
 		DaemonSet: "mesh-node", Kubeconfig: "/etc/mesh/kubeconfig",
 		CNIBinDir: "/host/opt/cni/bin", CNIConfDir: "/host/etc/cni/net.d", CNIConfName: "10-primary.conflist",
@@ -232,9 +232,9 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 		AgentSocket: "/var/run/mesh-agent/agent.sock", ZDSSocket: "/var/run/ztunnel-custom/zds.sock",
 		ProcRoot: "/host/proc", NetnsDirs: []string{"/var/run/custom-netns", "/run/custom/netns"},
 		ExcludedNamespaces:       []string{"kube-system", "istio-system", "monitoring"},
-		AssumePodLevelEnablement: true, ZtunnelWait: 7 * time.Second, DNSCapture: true, IPTablesBackend: "nft",
+		AssumePodLevelEnablement: true, ZtunnelWait: 7 * time.Second, DNSCapture: false, IPTablesBackend: "nft",
 		ProbeSNATv4: netip.MustParseAddr("169.254.7.42"), ProbeSNATv6: netip.MustParseAddr("fd16::42"),
-		HealthAddr: ":15999", LogLevel: "debug",
+		HealthAddr: ":15999", LogLevel: "debug", KubeClientQPS: 12.5, KubeClientBurst: 25,
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("all-values configuration\n got %+v\nwant %+v", got, want)

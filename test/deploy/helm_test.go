@@ -160,6 +160,8 @@ func TestTemplateRejectsBadValues(t *testing.T) {
 		"bad duration":               {[]string{"--set", "agent.ztunnelWait=soon"}, "ztunnelWait"},
 		"v6 probe address as v4":     {[]string{"--set", "agent.probeSNATIPv4=fd00::1"}, "probeSNATIPv4"},
 		"port out of range":          {[]string{"--set", "agent.healthPort=70000"}, "healthPort"},
+		"client QPS not positive":    {[]string{"--set", "agent.kubeClientQPS=0"}, "kubeClientQPS"},
+		"client burst fractional":    {[]string{"--set", "agent.kubeClientBurst=1.5"}, "kubeClientBurst"},
 		"extraEnv shadows a value":   {[]string{"--set", "extraEnv[0].name=AMBIENT_DNS_CAPTURE", "--set", "extraEnv[0].value=true"}, "AMBIENT_DNS_CAPTURE is set by the chart"},
 		"socket name with a slash":   {[]string{"--set", "ztunnel.socketName=a/b"}, "socketName"},
 		"name not a DNS-1123 label":  {[]string{"--set", "nameOverride=Mesh_Node"}, "nameOverride"},

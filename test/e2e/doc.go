@@ -1,5 +1,5 @@
 // Package e2e proves the node agent end to end against a real
-// kube-apiserver: the whole install-cni process (pkg/daemon) runs in the
+// kube-apiserver: the whole install-cni process (cmd/install-cni/app) runs in the
 // test process under a ServiceAccount bound to exactly the shipped RBAC,
 // next to a ztunnel stand-in on its ZDS socket and a kubelet simulator
 // whose pods are real network namespaces wired by the real bridge CNI

@@ -4,9 +4,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/internal/sandbox"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/test/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/podproc"
 	"github.com/ambient-cni/ambient-cni/test/ztunnel"
 )
 
@@ -83,7 +83,7 @@ func TestNamespaceEnablement(t *testing.T) {
 // discovery is proven for it too (the other tests use cgroupfs).
 func TestPodEnablement(t *testing.T) {
 	n := newNode(t, nodeOptions{})
-	n.kube.Driver = sandbox.Systemd
+	n.kube.Driver = podproc.Systemd
 	plain := n.namespace("plain", nil)
 	a := n.runPod(podSpec(plain, "a", nil, nil))
 	b := n.runPod(podSpec(plain, "b", nil, nil))

@@ -12,7 +12,6 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -28,15 +27,14 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/ambient-cni/ambient-cni/internal/cnibin"
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
-	"github.com/ambient-cni/ambient-cni/pkg/agentconfig"
+	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/daemon"
-	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/metrics"
+	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
+	"github.com/ambient-cni/ambient-cni/test/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"github.com/ambient-cni/ambient-cni/test/ztunnel"
 )
 
@@ -87,15 +85,17 @@ type node struct {
 	bridge  string
 	subnet  netip.Prefix
 	hostNS  ns.NetNS // stands in for the host netns of the probe SNAT set
-	backend iptables.Backend
+	// rules reads pods' rules and the host probe set in the backend the
+	// agent chose (see openRules).
+	rules *rulesbackend.Backend
 
 	agentNS, agentPod string
 	client            kubernetes.Interface // the agent's ServiceAccount client
-	cfg               *agentconfig.Config
+	cfg               *installcni.Config
 	logs              *logSink
 	log               *slog.Logger
 
-	d       *daemon.Daemon
+	d       *installcni.App
 	metrics *metrics.Metrics
 	health  string // the daemon's health/metrics address
 	stopD   func()
@@ -117,14 +117,11 @@ func randByte() byte {
 func newNode(t testing.TB, opts nodeOptions) *node {
 	t.Helper()
 	testnet.RequireRoot(t)
-	testnet.RequireCommands(t, "ip", "nsenter", "sleep", "iptables-save", "iptables-restore", "ip6tables-restore")
+	testnet.RequireCommands(t, "ip", "nsenter", "sleep")
 	cnibin.Paths(t) // skips under AMBIENT_UNIT_ONLY before an apiserver starts; builds the plugins once
 	env := kube.Env(t)
-	backend, err := iptables.DetectBackend(os.Getenv("AMBIENT_IPTABLES_BACKEND"))
-	if err != nil {
-		testnet.Missing(t, "no usable iptables backend: "+err.Error())
-	}
-	n := &node{t: t, env: env, backend: backend, Name: testnet.RandName("node-", 8)}
+	n := &node{t: t, env: env, Name: testnet.RandName("node-", 8)}
+	var err error
 	n.logs = &logSink{t: t}
 	t.Cleanup(n.logs.stop) // registered first: runs after every other cleanup
 	n.log = slog.New(slog.NewTextHandler(n.logs, &slog.HandlerOptions{Level: opts.LogLevel}))
@@ -155,28 +152,23 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 
 	n.agentNS = testnet.RandName("agent-", 8)
 	n.agentPod = "ambient-cni-" + testnet.RandName("", 5)
-	_, n.client = env.ServiceAccountClient(t, n.agentNS, agentSA, kubeenv.ShippedRBAC(t))
+	saConfig, _ := env.ServiceAccountClient(t, n.agentNS, agentSA, kubeenv.ShippedRBAC(t))
 
-	args := []string{
-		"--node-name=" + n.Name,
-		"--pod-name=" + n.agentPod,
-		"--pod-namespace=" + n.agentNS,
-		"--cni-bin-dir=" + n.binDir,
-		"--cni-conf-dir=" + n.confDir,
-		"--plugin-binary=" + cnibin.Plugin(t),
-		"--plugin-timeout=20s",
-
-		"--agent-socket=" + filepath.Join(n.dir, "agent", "agent.sock"),
-		"--zds-socket=" + filepath.Join(n.dir, "zt", "ztunnel.sock"),
-		"--health-addr=127.0.0.1:0",
-		"--iptables-backend=" + string(backend),
-	}
-	if opts.ZtunnelWait > 0 {
-		args = append(args, "--ztunnel-wait="+opts.ZtunnelWait.String())
-	}
-	if n.cfg, err = agentconfig.Parse(args, func(string) string { return "" }, io.Discard); err != nil {
+	args := agentArgs(agentSetup{
+		node: n.Name, pod: n.agentPod, namespace: n.agentNS, dir: n.dir,
+		binDir: n.binDir, confDir: n.confDir, plugin: cnibin.Plugin(t),
+	}, opts)
+	if n.cfg, err = installcni.Parse(args, func(string) string { return "" }, io.Discard); err != nil {
 		t.Fatalf("agent config: %v", err)
 	}
+	n.openRules()
+	// The agent's client is built as install-cni builds it, with the
+	// shipped rate limit; kubeenv's raised QPS is for the test's own
+	// clients (kubesim, assertions) only. requireShippedClient pins it.
+	if n.client, err = kubernetes.NewForConfig(n.cfg.KubeClientConfig(saConfig)); err != nil {
+		t.Fatal(err)
+	}
+	requireShippedClient(t, n.client)
 	if opts.Upgrade {
 		n.createDaemonSet()
 	}
@@ -209,6 +201,49 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 	return n
 }
 
+// agentSetup is what differs per test node: identity and node-local paths.
+type agentSetup struct {
+	node, pod, namespace, dir string
+	binDir, confDir, plugin   string
+}
+
+// agentArgs are the agent's flags on a test node. Everything not named
+// here runs at install-cni's default, which test/deploy keeps equal to the
+// chart's default values; TestHarnessRunsShippedDefaults fails if a flag
+// beyond harnessSettings creeps in.
+func agentArgs(s agentSetup, opts nodeOptions) []string {
+	args := []string{
+		"--node-name=" + s.node,
+		"--pod-name=" + s.pod,
+		"--pod-namespace=" + s.namespace,
+		"--cni-bin-dir=" + s.binDir,
+		"--cni-conf-dir=" + s.confDir,
+		"--plugin-binary=" + s.plugin,
+		"--agent-socket=" + filepath.Join(s.dir, "agent", "agent.sock"),
+		"--zds-socket=" + filepath.Join(s.dir, "zt", "ztunnel.sock"),
+		"--health-addr=127.0.0.1:0",
+	}
+	if opts.ZtunnelWait > 0 {
+		args = append(args, "--ztunnel-wait="+opts.ZtunnelWait.String())
+	}
+	return args
+}
+
+// requireShippedClient fails the test unless the agent's client is rate
+// limited exactly as install-cni's defaults (= the chart's) say: a test
+// environment that raised it hid a 5 pods/s cap once.
+func requireShippedClient(t testing.TB, c kubernetes.Interface) {
+	t.Helper()
+	shipped, err := installcni.Parse([]string{"--node-name=x"}, func(string) string { return "" }, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rl := c.CoreV1().RESTClient().GetRateLimiter()
+	if rl == nil || rl.QPS() != shipped.KubeClientQPS {
+		t.Fatalf("the agent's client is not limited to the shipped %v requests/s (limiter %v)", shipped.KubeClientQPS, rl)
+	}
+}
+
 // createDaemonSet creates the agent's DaemonSet (as admin), which makes
 // the agent's shutdown an upgrade.
 func (n *node) createDaemonSet() {
@@ -239,7 +274,7 @@ func (n *node) startDaemon() {
 	t.Helper()
 	n.metrics = metrics.New()
 	addr := make(chan string, 1)
-	d, err := daemon.New(daemon.Options{
+	d, err := installcni.New(installcni.Options{
 		Config: n.cfg, Client: n.client, Logger: n.log, Metrics: n.metrics,
 		HostNetns:   n.hostNS.Path(),
 		HealthReady: func(a net.Addr) { addr <- a.String() },
@@ -262,6 +297,7 @@ func (n *node) startDaemon() {
 		})
 	}
 	n.d, n.stopD = d, stop
+	n.requireAgentBackend()
 
 	deadline := time.After(waitLong)
 	select {
@@ -493,33 +529,6 @@ func (n *node) annotation(p *kubesim.Pod) string {
 	return obj.Annotations[ambient.RedirectionAnnotation]
 }
 
-// save returns iptables-save (with counters) of one family inside netns.
-func (n *node) save(netnsPath string, f iptables.Family) string {
-	n.t.Helper()
-	out, err := exec.Command("nsenter", "--net="+netnsPath, "--", n.backend.SaveCmd(f), "-c").CombinedOutput()
-	if err != nil {
-		n.t.Fatalf("%s in %s: %v\n%s", n.backend.SaveCmd(f), netnsPath, err, out)
-	}
-	return string(out)
-}
-
-// hasRules reports whether the pod's netns holds our redirection chains.
-func (n *node) hasRules(p *kubesim.Pod) bool {
-	n.t.Helper()
-	return strings.Contains(n.save(p.NS.Path(), iptables.IPv4), ":"+iptables.ChainOutput+" ")
-}
-
-// inProbeSet reports whether the pod's IPv4 address is in the probe SNAT
-// set of the stand-in host netns.
-func (n *node) inProbeSet(p *kubesim.Pod) bool {
-	n.t.Helper()
-	ips, _, err := iptables.NetlinkIPSets{}.ListSet(n.hostNS.Path(), iptables.ProbeSetV4)
-	if err != nil {
-		n.t.Fatalf("list host probe set: %v", err)
-	}
-	return slices.Contains(ips, p.Addr(4))
-}
-
 // enrolled reports whether the pod is fully enrolled as far as the API
 // and ztunnel see it.
 func (n *node) enrolled(p *kubesim.Pod) bool {
@@ -544,7 +553,7 @@ func (n *node) waitEnrolled(within time.Duration, pods ...*kubesim.Pod) {
 	}
 	for _, p := range pods {
 		if !n.hasRules(p) {
-			n.t.Fatalf("pod %s is enabled but has no redirection rules:\n%s", p.Obj.Name, n.save(p.NS.Path(), iptables.IPv4))
+			n.t.Fatalf("pod %s is enabled but has no redirection rules:\n%s", p.Obj.Name, n.rulesDump(p))
 		}
 		for _, port := range []int{ambient.ZtunnelOutboundPort, ambient.ZtunnelInboundPlaintextPort, ambient.ZtunnelInboundHBONEPort} {
 			if !listening(p, port) {
@@ -563,8 +572,8 @@ func (n *node) requireNotEnrolled(p *kubesim.Pod) {
 	if a := n.annotation(p); a != "" {
 		n.t.Errorf("pod %s has annotation %s=%q", p.Obj.Name, ambient.RedirectionAnnotation, a)
 	}
-	if n.hasRules(p) {
-		n.t.Errorf("pod %s has redirection rules:\n%s", p.Obj.Name, n.save(p.NS.Path(), iptables.IPv4))
+	if ipt, nft := n.ourRules(p.NS.Path()); ipt || nft {
+		n.t.Errorf("pod %s has redirection rules (iptables %v, nftables %v):\n%s", p.Obj.Name, ipt, nft, n.rulesDump(p))
 	}
 	if _, ok := n.zt.Workload(string(p.Obj.UID)); ok {
 		n.t.Errorf("pod %s is served by the stand-in", p.Obj.Name)

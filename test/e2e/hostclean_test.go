@@ -9,9 +9,10 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/internal/sandbox"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/nftables"
 	"github.com/ambient-cni/ambient-cni/test/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/podproc"
 )
 
 // hostState is what a test could leave behind in the host network
@@ -24,8 +25,13 @@ type hostState struct {
 
 var counters = regexp.MustCompile(`\[\d+:\d+\]`)
 
-// snapshotHost reads the host's rules (every installed iptables flavour),
-// ipsets and kubesim cgroup roots.
+// nftCounters are the counters in an nft listing (iptables-nft rules carry
+// them).
+var nftCounters = regexp.MustCompile(`counter packets \d+ bytes \d+`)
+
+// snapshotHost reads the host's rules (every installed iptables flavour
+// and the whole nf_tables ruleset, where the nftables backend's tables
+// would be), ipsets and kubesim cgroup roots.
 func snapshotHost(t testing.TB) hostState {
 	t.Helper()
 	st := hostState{rules: map[string][]string{}}
@@ -46,6 +52,19 @@ func snapshotHost(t testing.TB) hostState {
 		}
 		st.rules[cmd] = lines
 	}
+	if _, err := exec.LookPath("nft"); err == nil {
+		out, err := exec.Command("nft", "list", "ruleset").Output()
+		if err != nil {
+			t.Fatalf("nft list ruleset: %v", err)
+		}
+		var lines []string
+		for l := range strings.SplitSeq(string(out), "\n") {
+			if l = strings.TrimSpace(l); l != "" {
+				lines = append(lines, nftCounters.ReplaceAllString(l, "counter"))
+			}
+		}
+		st.rules["nft list ruleset"] = lines
+	}
 	if _, err := exec.LookPath("ipset"); err == nil {
 		out, err := exec.Command("ipset", "list").Output()
 		if err != nil {
@@ -53,7 +72,7 @@ func snapshotHost(t testing.TB) hostState {
 		}
 		st.ipsets = strings.Split(strings.TrimSpace(string(out)), "\n")
 	}
-	for _, h := range sandbox.DefaultHierarchies() {
+	for _, h := range podproc.DefaultHierarchies() {
 		m, _ := filepath.Glob(filepath.Join(h, "kubepods-sim-*"))
 		st.cgroups = append(st.cgroups, m...)
 	}
@@ -89,7 +108,8 @@ func requireHostClean(t *testing.T, n **node, pods *[]*kubesim.Pod) {
 		subnet := strings.TrimSuffix(nd.subnet.Addr().String(), ".0") + "."
 		ours := func(l string) bool {
 			for _, m := range []string{iptables.ChainOutput, iptables.ChainPrerouting, iptables.ChainProbeSNAT,
-				"ISTIO_", "AMBIENT_", iptables.ProbeSetV4, iptables.ProbeSetV6, nd.bridge, subnet} {
+				"ISTIO_", "AMBIENT_", iptables.ProbeSetV4, iptables.ProbeSetV6, nd.bridge, subnet,
+				"istio-ambient-", nftables.TableHost} {
 				if strings.Contains(l, m) {
 					return true
 				}

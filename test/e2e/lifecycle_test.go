@@ -6,6 +6,8 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/google/go-cmp/cmp"
+
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
@@ -48,7 +50,7 @@ func TestNewPodEnrolledByCNI(t *testing.T) {
 	if add < 0 {
 		t.Fatalf("no ZDS Add for the pod: %+v", n.zt.Messages())
 	}
-	if m := n.zt.Messages()[add]; m.Info == nil || m.Info.Name != "web" || m.Info.Namespace != shop || m.Info.ServiceAccount != "default" {
+	if m := n.zt.Messages()[add]; m.Info == nil || cmp.Diff(ztunnel.WorkloadInfo{Name: "web", Namespace: shop, ServiceAccount: "default"}, *m.Info) != "" {
 		t.Fatalf("ZDS Add carries workload info %+v", m.Info)
 	}
 

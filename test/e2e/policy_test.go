@@ -5,14 +5,16 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/google/go-cmp/cmp"
+
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/test/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"github.com/ambient-cni/ambient-cni/test/ztunnel"
 )
 
@@ -94,7 +96,7 @@ func TestEventOnEnrollFailure(t *testing.T) {
 		ev = &list.Items[0]
 		return true
 	})
-	if ev.Type != corev1.EventTypeWarning || ev.Reason != "AmbientEnrollFailed" || !strings.Contains(ev.Message, why) {
+	if diff := cmp.Diff([2]string{corev1.EventTypeWarning, "AmbientEnrollFailed"}, [2]string{ev.Type, ev.Reason}); diff != "" || !strings.Contains(ev.Message, why) {
 		t.Fatalf("event: type %s reason %s message %q; want a Warning with the refusal in it", ev.Type, ev.Reason, ev.Message)
 	}
 	if ev.Source.Host != n.Name || ev.InvolvedObject.Name != p.Obj.Name {

@@ -1,17 +1,12 @@
 package e2e
 
 import (
-	"bufio"
 	"context"
-	"fmt"
 	"io"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"regexp"
 	"slices"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -19,12 +14,12 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 
-	"github.com/ambient-cni/ambient-cni/internal/cnibin"
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/iptables"
-	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	"github.com/ambient-cni/ambient-cni/test/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"github.com/ambient-cni/ambient-cni/test/ztunnel"
 )
 
@@ -56,7 +51,7 @@ func TestAgentRestartKeepsTraffic(t *testing.T) {
 	mustGet(t, b, c)
 	before := map[string]string{}
 	for _, p := range pods {
-		before[p.Obj.Name] = n.save(p.NS.Path(), iptables.IPv4) + n.save(p.NS.Path(), iptables.IPv6)
+		before[p.Obj.Name] = n.dump(p.NS.Path())
 	}
 	served := n.zt.Workloads()
 	conns, msgs := n.zt.Connections(), len(n.zt.Messages())
@@ -99,8 +94,8 @@ func TestAgentRestartKeepsTraffic(t *testing.T) {
 	mustGet(t, c, a)
 	mustGet(t, b, c)
 	for _, p := range pods {
-		after := n.save(p.NS.Path(), iptables.IPv4) + n.save(p.NS.Path(), iptables.IPv6)
-		if err := rulesKept(before[p.Obj.Name], after); err != nil {
+		after := n.dump(p.NS.Path())
+		if err := n.rulesKept(before[p.Obj.Name], after); err != nil {
 			t.Errorf("pod %s: %v", p.Obj.Name, err)
 		}
 	}
@@ -128,7 +123,7 @@ func TestRestartRepairsRuleRemovedWhileDown(t *testing.T) {
 	gone := n.runPod(podSpec(shop, "gone", nil, nil))
 	n.waitEnrolled(waitLong, a, b, gone)
 	mustGet(t, a, b)
-	bBefore := n.save(b.NS.Path(), iptables.IPv4) + n.save(b.NS.Path(), iptables.IPv6)
+	bBefore := n.dump(b.NS.Path())
 
 	n.stopDaemon()
 	// Deleted while the agent is down: the plugin spools the DEL.
@@ -138,12 +133,9 @@ func TestRestartRepairsRuleRemovedWhileDown(t *testing.T) {
 	if spooled, _ := nodefiles.List(nodefiles.SpoolDir(n.cfg.AgentSocket)); len(spooled) != 1 {
 		t.Fatalf("spooled DELs while the agent is down: %+v, want the deleted pod's", spooled)
 	}
-	cmd := n.backend.Cmd(iptables.IPv4)
-	if out, err := exec.Command("nsenter", "--net="+a.NS.Path(), "--", cmd, "-t", "nat", "-D", iptables.ChainOutput, "1").CombinedOutput(); err != nil {
-		t.Fatalf("delete a rule by hand: %v\n%s", err, out)
-	}
-	verifier := iptables.NewApplier(nil, n.backend)
-	want := iptables.PodConfig{ProbeSNATv4: n.cfg.ProbeSNATv4, ProbeSNATv6: n.cfg.ProbeSNATv6}
+	n.deleteFirstOutputRule(a.NS.Path())
+	verifier := n.rules.Rules
+	want := ruleset.PodConfig{ProbeSNATv4: n.cfg.ProbeSNATv4, ProbeSNATv6: n.cfg.ProbeSNATv6, DNSCapture: n.cfg.DNSCapture}
 	drift, err := verifier.Verify(a.NS.Path(), want)
 	if err != nil || drift.Empty() {
 		t.Fatalf("the hand-made drift is not visible (err %v)", err)
@@ -157,7 +149,7 @@ func TestRestartRepairsRuleRemovedWhileDown(t *testing.T) {
 	if got := counter(t, n.metrics.RuleDrift); got != 1 {
 		t.Errorf("drift repairs counted %v, want 1", got)
 	}
-	if err := rulesKept(bBefore, n.save(b.NS.Path(), iptables.IPv4)+n.save(b.NS.Path(), iptables.IPv6)); err != nil {
+	if err := n.rulesKept(bBefore, n.dump(b.NS.Path())); err != nil {
 		t.Errorf("pod b (no drift): %v", err)
 	}
 	n.waitStandIn(func() bool { return n.zt.Ready() && n.zt.Connections() >= 2 }, "the stand-in's snapshot from the new agent")
@@ -179,59 +171,6 @@ func TestRestartRepairsRuleRemovedWhileDown(t *testing.T) {
 	if spooled, _ := nodefiles.List(nodefiles.SpoolDir(n.cfg.AgentSocket)); len(spooled) != 0 {
 		t.Errorf("spooled DELs left after the restart: %+v", spooled)
 	}
-}
-
-// counterLine is one rule of iptables-save -c: "[packets:bytes] -A ...".
-var counterLine = regexp.MustCompile(`^\[(\d+):(\d+)\] (-A .*)$`)
-
-// rulesKept compares two iptables-save -c dumps of a pod: the same rules
-// must be there, each with counters no smaller than before (a re-created
-// rule starts at zero), and some rule of ours must have counted traffic
-// before, or the comparison would prove nothing.
-func rulesKept(before, after string) error {
-	parse := func(s string) ([]string, map[string][2]uint64) {
-		var order []string
-		counts := map[string][2]uint64{}
-		table := ""
-		sc := bufio.NewScanner(strings.NewReader(s))
-		for sc.Scan() {
-			line := sc.Text()
-			if strings.HasPrefix(line, "*") {
-				table = line
-			}
-			m := counterLine.FindStringSubmatch(line)
-			if m == nil {
-				continue
-			}
-			p, _ := strconv.ParseUint(m[1], 10, 64)
-			b, _ := strconv.ParseUint(m[2], 10, 64)
-			key := table + " " + m[3]
-			for slices.Contains(order, key) {
-				key += " (again)" // identical rules: keep them apart by position
-			}
-			order = append(order, key)
-			counts[key] = [2]uint64{p, b}
-		}
-		return order, counts
-	}
-	bo, bc := parse(before)
-	ao, ac := parse(after)
-	if !slices.Equal(bo, ao) {
-		return fmt.Errorf("rules changed across the restart:\nbefore:\n%s\nafter:\n%s", before, after)
-	}
-	counted := false
-	for _, k := range bo {
-		if ac[k][0] < bc[k][0] || ac[k][1] < bc[k][1] {
-			return fmt.Errorf("rule %q was re-created: counters %v before, %v after", k, bc[k], ac[k])
-		}
-		if strings.Contains(k, "ISTIO_") && bc[k][0] > 0 {
-			counted = true
-		}
-	}
-	if !counted {
-		return fmt.Errorf("no rule of ours had counted traffic before the restart:\n%s", before)
-	}
-	return nil
 }
 
 // counter reads a prometheus counter.

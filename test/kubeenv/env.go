@@ -255,7 +255,9 @@ func (e *Env) start(ctx context.Context, etcdBin, apiBin string, opts Options) e
 			KeyData:  adminKey,
 		},
 		// Tests create many objects quickly; client-side throttling would
-		// only slow them down.
+		// only slow them down. This is for the tests' own clients: an agent
+		// under test gets its client from install-cni's KubeClientConfig,
+		// with the shipped limit, never this one.
 		QPS:   500,
 		Burst: 1000,
 	}

@@ -29,7 +29,7 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	"sigs.k8s.io/yaml"
 
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
 // RBACPath is the rendered deployment manifest, relative to the
@@ -159,6 +159,13 @@ func (e *Env) ServiceAccountClient(t testing.TB, namespace, name string, rbacYAM
 		t.Fatalf("serviceaccount client %s/%s: %v", namespace, name, err)
 	}
 	return cfg, cs
+}
+
+// ServiceAccountConfig is ServiceAccountClient for programs (a benchmark
+// running the agent as its own process): it returns the config, or an
+// error instead of failing a test.
+func (e *Env) ServiceAccountConfig(ctx context.Context, namespace, name string, rbacYAML []byte) (*rest.Config, error) {
+	return e.serviceAccountConfig(ctx, namespace, name, rbacYAML)
 }
 
 func (e *Env) serviceAccountConfig(ctx context.Context, namespace, name string, rbacYAML []byte) (*rest.Config, error) {

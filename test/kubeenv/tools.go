@@ -9,7 +9,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
 // Names of the binaries that hack/kube-tools.sh builds.

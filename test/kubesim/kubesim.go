@@ -17,8 +17,8 @@ import (
 	"sync"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/internal/sandbox"
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/test/podproc"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"github.com/containernetworking/cni/libcni"
 	types100 "github.com/containernetworking/cni/pkg/types/100"
 	"github.com/containernetworking/plugins/pkg/ns"
@@ -46,7 +46,7 @@ type Node struct {
 	CNI    *libcni.CNIConfig
 	Conf   *libcni.NetworkConfigList
 	// Driver is the cgroup layout of pods' processes.
-	Driver sandbox.Driver
+	Driver podproc.Driver
 
 	t          T
 	cgroupRoot string
@@ -61,7 +61,7 @@ type Pod struct {
 	SandboxID string
 	IPs       []netip.Addr
 	Result    *types100.Result
-	proc      *sandbox.Sandbox
+	proc      *podproc.Sandbox
 }
 
 // NewNode creates a node named name whose runtime uses cniPaths and the
@@ -167,7 +167,7 @@ func (n *Node) Start(ctx context.Context, obj *corev1.Pod) (*Pod, error) {
 			p.IPs = append(p.IPs, a.Unmap())
 		}
 	}
-	if p.proc, err = sandbox.Start(string(obj.UID), netns.Path(), sandbox.Options{Driver: n.Driver, Root: n.cgroupRoot}); err != nil {
+	if p.proc, err = podproc.Start(string(obj.UID), netns.Path(), podproc.Options{Driver: n.Driver, Root: n.cgroupRoot}); err != nil {
 		return nil, n.fail(ctx, p, err)
 	}
 	n.mu.Lock()

@@ -14,6 +14,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -25,10 +26,11 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
-	"github.com/ambient-cni/ambient-cni/pkg/plugin/nodefiles"
+	"github.com/ambient-cni/ambient-cni/pkg/nftables"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/podnetns"
 	"github.com/ambient-cni/ambient-cni/test/ztunnel"
 )
@@ -1037,6 +1039,9 @@ func (e *e2e) testHelmUninstall(t *testing.T) {
 		if save, _ := iptablesSave(f); strings.Contains(save, iptables.ChainProbeSNAT) {
 			t.Errorf("%s: the host probe SNAT chain is still there", f)
 		}
+	}
+	if tables, err := nftTables(); err != nil || slices.Contains(tables, "inet "+nftables.TableHost) {
+		t.Errorf("the agent's host nftables table is still there (%v)", err)
 	}
 	if _, exists, _ := hostProbeSet(); exists {
 		t.Error("the host probe set is still there")

@@ -35,8 +35,9 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/nftables"
 	"github.com/ambient-cni/ambient-cni/test/kubeenv"
 )
 
@@ -598,6 +599,10 @@ func finish(st *state, logf func(string, ...any)) []error {
 				}
 			}
 		}
+	}
+	// The agent's host table (nftables backend), if it died with it.
+	if !slices.Contains(st.Before.NftTables, "inet "+nftables.TableHost) {
+		_ = exec.Command("nft", "delete", "table", "inet", nftables.TableHost).Run()
 	}
 	if st.Guard != "" {
 		if err := removeGuard(st.Guard); err != nil {

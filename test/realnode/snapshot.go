@@ -111,7 +111,7 @@ func (s HostSnapshot) Diff(before HostSnapshot) []string {
 // programs on a shared machine change the host too (test netns mounts,
 // their veths), and those are not ours to report.
 func Relevant(diff []string) []string {
-	markers := []string{"kubepods", "KUBE-", dirPrefix, guardPrefix, "ambient-probes", "containerd", "kubelet", "veth", "ztunnel"}
+	markers := []string{"kubepods", "KUBE-", dirPrefix, guardPrefix, "ambient-probe", "containerd", "kubelet", "veth", "ztunnel"}
 	var out []string
 	for _, l := range diff {
 		section, _, _ := strings.Cut(l, ":")

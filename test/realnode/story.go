@@ -19,6 +19,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/nftables"
 	"github.com/ambient-cni/ambient-cni/test/realnode/podapp"
 	"github.com/ambient-cni/ambient-cni/test/ztunnel"
 )
@@ -532,9 +533,17 @@ func (s *Story) stepUnlabel(ctx context.Context) error {
 	return nil
 }
 
-// hostProbeSet lists the members of the agent's host probe ipset.
+// hostProbeSet lists the members of the agent's host probe set for IPv4:
+// an nftables set in the agent's host table (nftables backend) or an
+// ipset (iptables backends).
 func hostProbeSet() (members []string, exists bool, err error) {
-	out, err := runOut("ipset", "list", iptables.ProbeSetV4)
+	out, err := runOut("nft", "list", "set", "inet", nftables.TableHost, iptables.ProbeSetV4)
+	if err == nil {
+		_, m, _ := strings.Cut(out, "elements = {")
+		m, _, _ = strings.Cut(m, "}")
+		return strings.Fields(strings.ReplaceAll(m, ",", " ")), true, nil
+	}
+	out, err = runOut("ipset", "list", iptables.ProbeSetV4)
 	if err != nil {
 		if strings.Contains(out, "does not exist") {
 			return nil, false, nil
@@ -663,7 +672,7 @@ func (n *Node) explain(out io.Writer) {
    export KUBECONFIG=%s      # admin credentials, for kubectl or helm
    kubectl get pods -A -o wide; kubectl -n %s logs %s
    %s --runtime-endpoint %s pods            # containerd's view
-   nsenter --net=%s iptables-save            # a pod's capture rules (like ip netns exec)
+   nsenter --net=%s nft list ruleset         # a pod's capture rules (like ip netns exec; iptables-save with an iptables backend)
    curl -s 127.0.0.1:%d/debug/pods            # the agent's enrolled pods
    curl -s 127.0.0.1:%d/metrics
    curl -s 127.0.0.1:%d/records                # the ztunnel stand-in's connection log

@@ -19,6 +19,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -28,12 +29,12 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/ambient-cni/ambient-cni/internal/captureproxy"
-	"github.com/ambient-cni/ambient-cni/internal/cnibin"
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/test/captureproxy"
+	"github.com/ambient-cni/ambient-cni/test/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"github.com/ambient-cni/ambient-cni/test/ztunnel"
 	"github.com/vishvananda/netlink"
 )
@@ -226,6 +227,11 @@ func Run(ctx context.Context, opts Options) (err error) {
 			say("   %s -> %s: reached the app directly (ztunnel saw nothing)", from, server)
 			return nil
 		}
+		// The stand-in records a hop once its upstream is connected, so
+		// the inbound hop may be recorded before the outbound one that
+		// tunnelled to it; a connection's path runs outbound (15001)
+		// before inbound (15006, 15008), which is port order.
+		slices.SortStableFunc(recs, func(a, b ztunnel.Record) int { return a.Port - b.Port })
 		var hops []string
 		for _, r := range recs {
 			hops = append(hops, fmt.Sprintf("%s:%d", podName(zt, r.UID), r.Port))

@@ -9,8 +9,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
 	"github.com/ambient-cni/ambient-cni/test/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
 // TestSandboxDemo runs what `make sandbox` runs, so the README's first

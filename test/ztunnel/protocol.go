@@ -4,7 +4,7 @@ import (
 	"fmt"
 	"net/netip"
 
-	"github.com/ambient-cni/ambient-cni/pkg/zds/zdspb"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/zdspb"
 	"google.golang.org/protobuf/proto"
 )
 

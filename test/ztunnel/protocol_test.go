@@ -11,7 +11,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/pkg/zds/zdspb"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/zdspb"
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
 )

@@ -12,8 +12,8 @@ import (
 	"sync"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/internal/captureproxy"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/test/captureproxy"
 	"golang.org/x/sys/unix"
 )
 

@@ -1,4 +1,5 @@
-// Package ztunnel is a ztunnel stand-in for tests and the local sandbox. It
+// Package ztunnel is a ztunnel stand-in for the end-to-end tests and the
+// local sandbox. It
 // speaks ZDS to the node agent exactly as the compatibility spec describes
 // (hello, snapshot, one ack per request, protocol errors that hang up) and,
 // for every pod it is handed, opens real listeners inside the pod's network
@@ -24,7 +25,7 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/zds/zdspb"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/zdspb"
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
 )

@@ -8,8 +8,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/test/poll"
+
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
 // TestMisbehavingStandInsDoNotHurtHealthyOne: a stand-in that never acks,
@@ -40,7 +42,7 @@ func TestMisbehavingStandInsDoNotHurtHealthyOne(t *testing.T) {
 			a.mustGet(t, netip.AddrPortFrom(b.v4, 8080), "b")
 			ag.forget(t, b, true)
 			stop()
-			eventually(t, "only the healthy connection left", func() bool { return ag.srv.Connections() == 1 })
+			poll.Until(t, "only the healthy connection left", func() bool { return ag.srv.Connections() == 1 })
 		})
 	}
 	if n := good.Connections(); n != 1 {
@@ -80,7 +82,7 @@ func TestNoLeaksWithStandIn(t *testing.T) {
 	z, stop := runStandInStoppable(t, Config{SocketPath: ag.srv.SocketPath()}, Faults{})
 	waitFor(t, z, "ready", z.Ready)
 	cycle() // warm-up: lazily created runtime state is not a leak
-	g0, fds0 := countGoroutines(), countFDs(t)
+	g0, fds0 := countGoroutines(), testnet.OpenFDs(t)
 	for range 1000 {
 		cycle()
 	}
@@ -88,36 +90,27 @@ func TestNoLeaksWithStandIn(t *testing.T) {
 		t.Fatalf("stand-in still serves %d workloads", n)
 	}
 	var fds1, g1 int
-	eventually(t, "fds and goroutines back after 1000 cycles", func() bool {
-		g1, fds1 = countGoroutines(), countFDs(t)
+	poll.Until(t, "fds and goroutines back after 1000 cycles", func() bool {
+		g1, fds1 = countGoroutines(), testnet.OpenFDs(t)
 		return fds1 <= fds0 && g1 <= g0
 	})
 	t.Logf("1000 add/del cycles: fds %d -> %d, goroutines %d -> %d", fds0, fds1, g0, g1)
 
 	// ztunnels come and go: the stand-in stopped and started 20 times.
 	stop()
-	eventually(t, "no connections", func() bool { return ag.srv.Connections() == 0 })
-	g0, fds0 = countGoroutines(), countFDs(t)
+	poll.Until(t, "no connections", func() bool { return ag.srv.Connections() == 0 })
+	g0, fds0 = countGoroutines(), testnet.OpenFDs(t)
 	for range 20 {
 		z, stop := runStandInStoppable(t, Config{SocketPath: ag.srv.SocketPath()}, Faults{})
 		waitFor(t, z, "ready", z.Ready)
 		cycle()
 		stop()
 	}
-	eventually(t, "fds and goroutines back after restarts", func() bool {
-		g1, fds1 = countGoroutines(), countFDs(t)
+	poll.Until(t, "fds and goroutines back after restarts", func() bool {
+		g1, fds1 = countGoroutines(), testnet.OpenFDs(t)
 		return ag.srv.Connections() == 0 && fds1 <= fds0 && g1 <= g0
 	})
 	t.Logf("20 ztunnel restarts: fds %d -> %d, goroutines %d -> %d", fds0, fds1, g0, g1)
-}
-
-func countFDs(t *testing.T) int {
-	t.Helper()
-	ents, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		t.Fatal(err)
-	}
-	return len(ents)
 }
 
 // countGoroutines first lets the GC and finalizers run, so files that

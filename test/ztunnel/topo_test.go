@@ -13,9 +13,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"

@@ -9,8 +9,12 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/internal/testnet"
+	"github.com/ambient-cni/ambient-cni/test/poll"
+
+	"github.com/google/go-cmp/cmp"
+
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
 func waitFor(t *testing.T, z *StandIn, what string, cond func() bool) {
@@ -94,7 +98,7 @@ func TestTrafficThroughStandIn(t *testing.T) {
 		}
 		want := map[string]NetnsID{a.uid: netnsOf(t, a), b.uid: netnsOf(t, b)}
 		for _, m := range msgs[:2] {
-			if m.Kind != KindAdd || m.FDs != 1 || m.AckError != "" || want[m.UID] != m.Netns {
+			if diff := cmp.Diff(Message{Kind: KindAdd, FDs: 1, Netns: want[m.UID]}, Message{Kind: m.Kind, FDs: m.FDs, AckError: m.AckError, Netns: m.Netns}); diff != "" {
 				t.Errorf("snapshot message %+v, want an acked Add with the pod's netns", m)
 			}
 			delete(want, m.UID)
@@ -141,7 +145,7 @@ func TestTrafficThroughStandIn(t *testing.T) {
 			z3 := runStandIn(t, Config{SocketPath: ag.srv.SocketPath()})
 			waitFor(t, z3, "second stand-in ready", z3.Ready)
 			// The stand-in is ready before its ack reaches the agent.
-			eventually(t, "two ready connections", func() bool { return ag.srv.ReadyConnections() == 2 })
+			poll.Until(t, "two ready connections", func() bool { return ag.srv.ReadyConnections() == 2 })
 			before := len(z2.Messages())
 			ag.enroll(t, d)
 			if _, ok := z3.Workload(d.uid); !ok {
@@ -168,17 +172,6 @@ func TestTrafficThroughStandIn(t *testing.T) {
 			}
 		})
 	})
-}
-
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
 }
 
 // runStandInStoppable runs a stand-in (misbehaving as faults say) that
@@ -260,7 +253,7 @@ func TestAgentRestartKeepsConnections(t *testing.T) {
 	}
 	ag2.mu.Unlock()
 	waitFor(t, z, "snapshot from the new agent", func() bool { return z.Connections() >= 2 && z.Ready() })
-	eventually(t, "agent sees the ready stand-in", func() bool { return ag2.srv.ReadyConnections() == 1 })
+	poll.Until(t, "agent sees the ready stand-in", func() bool { return ag2.srv.ReadyConnections() == 1 })
 
 	roundTrip("after restart")
 	if after := z.Workloads(); !slices.EqualFunc(before, after, func(x, y Workload) bool {

@@ -7,6 +7,8 @@ package enablement
 import (
 	"net/netip"
 	"slices"
+	"strconv"
+	"strings"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 
@@ -114,23 +116,53 @@ func NamespaceEnabled(ns *corev1.Namespace) bool {
 	return ns != nil && ns.Labels[ambient.DataplaneModeLabel] == ambient.DataplaneModeAmbient
 }
 
+// boolAnnotation reads a boolean annotation as Istio does
+// (strconv.ParseBool: 1, t, T, TRUE, true, True, 0, f, ...); a missing or
+// unparsable value is reported as absent.
+func boolAnnotation(pod *corev1.Pod, key string) (value, ok bool) {
+	if pod == nil {
+		return false, false
+	}
+	v, present := pod.Annotations[key]
+	if !present {
+		return false, false
+	}
+	b, err := strconv.ParseBool(v)
+	if err != nil {
+		return false, false
+	}
+	return b, true
+}
+
 // DNSCapture resolves the per-pod DNS capture override against a default.
 func DNSCapture(pod *corev1.Pod, def bool) bool {
-	if pod == nil {
-		return def
-	}
-	switch pod.Annotations[ambient.DNSCaptureAnnotation] {
-	case "true":
-		return true
-	case "false":
-		return false
+	if v, ok := boolAnnotation(pod, ambient.DNSCaptureAnnotation); ok {
+		return v
 	}
 	return def
 }
 
 // BypassInbound reports whether the pod asked for no inbound redirection.
 func BypassInbound(pod *corev1.Pod) bool {
-	return pod != nil && pod.Annotations[ambient.BypassInboundCaptureAnnotation] == "true"
+	v, _ := boolAnnotation(pod, ambient.BypassInboundCaptureAnnotation)
+	return v
+}
+
+// VirtualInterfaces lists the interfaces named by the pod's
+// reroute-virtual-interfaces annotation, split on commas and trimmed, in
+// order, empty entries dropped (as Istio reads it). Names are not checked
+// here: the rule set's validation rejects a bad one with a clear error.
+func VirtualInterfaces(pod *corev1.Pod) []string {
+	if pod == nil {
+		return nil
+	}
+	var out []string
+	for s := range strings.SplitSeq(pod.Annotations[ambient.RerouteVirtualInterfacesAnnotation], ",") {
+		if s = strings.TrimSpace(s); s != "" {
+			out = append(out, s)
+		}
+	}
+	return out
 }
 
 func hasKey(m map[string]string, k string) bool {

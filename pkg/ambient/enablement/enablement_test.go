@@ -1,6 +1,7 @@
 package enablement
 
 import (
+	"slices"
 	"testing"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
@@ -106,6 +107,44 @@ func TestPerPodOverrides(t *testing.T) {
 	}
 	if !BypassInbound(pod("a", withAnn(ambient.BypassInboundCaptureAnnotation, "true"))) || BypassInbound(pod("a")) || BypassInbound(nil) {
 		t.Error("bypass-inbound-capture misread")
+	}
+	// Booleans read as Istio reads them: strconv.ParseBool, anything else
+	// unset.
+	for v, want := range map[string]bool{"1": true, "t": true, "T": true, "TRUE": true, "True": true,
+		"0": false, "f": false, "F": false, "FALSE": false, "False": false} {
+		if got := DNSCapture(pod("a", withAnn(ambient.DNSCaptureAnnotation, v)), !want); got != want {
+			t.Errorf("dns-capture=%q: %v, want %v", v, got, want)
+		}
+		if got := BypassInbound(pod("a", withAnn(ambient.BypassInboundCaptureAnnotation, v))); got != want {
+			t.Errorf("bypass-inbound-capture=%q: %v, want %v", v, got, want)
+		}
+	}
+	for _, v := range []string{"", "yes", "on", " true", "tweedledum"} {
+		if got := DNSCapture(pod("a", withAnn(ambient.DNSCaptureAnnotation, v)), true); !got {
+			t.Errorf("dns-capture=%q overrode the default", v)
+		}
+		if BypassInbound(pod("a", withAnn(ambient.BypassInboundCaptureAnnotation, v))) {
+			t.Errorf("bypass-inbound-capture=%q read as true", v)
+		}
+	}
+}
+
+func TestVirtualInterfaces(t *testing.T) {
+	for in, want := range map[string][]string{
+		"":                 nil,
+		" , ,":             nil,
+		"k6t-eth0":         {"k6t-eth0"},
+		"en0ps1, en1ps1":   {"en0ps1", "en1ps1"},
+		" tap0 ,, tap1 , ": {"tap0", "tap1"},
+		"asd^&*(#),   ":    {"asd^&*(#)"},
+	} {
+		got := VirtualInterfaces(pod("a", withAnn(ambient.RerouteVirtualInterfacesAnnotation, in)))
+		if !slices.Equal(got, want) {
+			t.Errorf("%q: %q, want %q", in, got, want)
+		}
+	}
+	if VirtualInterfaces(pod("a")) != nil || VirtualInterfaces(nil) != nil {
+		t.Error("no annotation must mean no interfaces")
 	}
 }
 

@@ -88,6 +88,10 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ printf ":%v" .Values.agent.healthPort | quote }}
 - name: AMBIENT_LOG_LEVEL
   value: {{ .Values.agent.logLevel | quote }}
+- name: AMBIENT_KUBE_CLIENT_QPS
+  value: {{ .Values.agent.kubeClientQPS | toString | quote }}
+- name: AMBIENT_KUBE_CLIENT_BURST
+  value: {{ .Values.agent.kubeClientBurst | int64 | toString | quote }}
 {{- include "ambient-cni.apiServerEnv" . }}
 {{- end -}}
 

@@ -1,0 +1,423 @@
+// Package app assembles the install-cni process (the DaemonSet container)
+// for cmd/install-cni, which calls Main, and for the end-to-end tests,
+// which run New and Run in-process. options.go holds every setting: flag,
+// environment variable, default (the owning package's constant),
+// validation, and the table rendered into docs/install-cni.md. app.go
+// wires the installer, the pod cache, the node agent with its plugin event
+// server and ZDS server, the pod controller, the host probe set and the
+// health/metrics server (New), and runs them until a signal (Run).
+package app
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os/signal"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"time"
+
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/klog/v2"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
+	"github.com/ambient-cni/ambient-cni/pkg/controller"
+	"github.com/ambient-cni/ambient-cni/pkg/health"
+	"github.com/ambient-cni/ambient-cni/pkg/installer"
+	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
+	"github.com/ambient-cni/ambient-cni/pkg/metrics"
+	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
+	"github.com/ambient-cni/ambient-cni/pkg/podcache"
+	"github.com/ambient-cni/ambient-cni/pkg/podnetns"
+	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	"github.com/ambient-cni/ambient-cni/pkg/unixsock"
+	"github.com/ambient-cni/ambient-cni/pkg/zds"
+)
+
+// Main is install-cni: it parses args and the environment, connects to
+// the API server, and runs until SIGTERM or SIGINT.
+func Main(args []string, getenv func(string) string, stderr io.Writer) error {
+	cfg, err := Parse(args, getenv, stderr)
+	if err != nil {
+		return err
+	}
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(cfg.LogLevel)); err != nil {
+		return err
+	}
+	log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level}))
+	klog.SetSlogLogger(log.With("component", "client-go"))
+
+	var rc *rest.Config
+	if cfg.Kubeconfig != "" {
+		rc, err = clientcmd.BuildConfigFromFlags("", cfg.Kubeconfig)
+	} else {
+		rc, err = rest.InClusterConfig()
+	}
+	if err != nil {
+		return fmt.Errorf("kubernetes client config: %w", err)
+	}
+	client, err := kubernetes.NewForConfig(cfg.KubeClientConfig(rc))
+	if err != nil {
+		return fmt.Errorf("kubernetes client: %w", err)
+	}
+	a, err := New(Options{Config: cfg, Client: client, Logger: log})
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	log.Info("install-cni starting", "node", cfg.NodeName)
+	return a.Run(ctx)
+}
+
+// Options are what New needs besides the parsed configuration.
+type Options struct {
+	Config *Config
+	// Client talks to the API server with the agent's own identity.
+	Client kubernetes.Interface
+	Logger *slog.Logger
+	// Metrics defaults to a fresh set.
+	Metrics *metrics.Metrics
+	// HostNetns is where the host probe set lives: "" is this process's
+	// own (host) network namespace; tests point it at a stand-in.
+	HostNetns string
+	// HealthReady, when set, receives the health server's bound address.
+	HealthReady func(net.Addr)
+}
+
+// installerStateName is the installer's state file, kept beside the agent
+// socket (a root-only host directory that outlives the container).
+const installerStateName = "installer-state.json"
+
+// shutdownTimeout bounds the upgrade check and the uninstall at shutdown.
+const shutdownTimeout = 10 * time.Second
+
+// releaseTimeout bounds releasing the captured pods on an uninstall.
+const releaseTimeout = 12 * time.Second
+
+// hostProbeResync is how often the host probe SNAT is put back (another
+// tool removed it, or got a rule above it in POSTROUTING).
+const hostProbeResync = 30 * time.Second
+
+// App is one install-cni process.
+type App struct {
+	cfg     *Config
+	log     *slog.Logger
+	opts    Options
+	metrics *metrics.Metrics
+
+	installer *installer.Installer
+	upgrade   installer.UpgradeChecker
+	rules     *rulesbackend.Backend
+	events    *kubeadapter.Events
+	pods      *podcache.Cache
+	agent     *nodeagent.Agent
+	server    *nodeagent.Server
+	zds       *zds.Server
+	ctrl      *controller.Controller
+	health    *health.Server
+}
+
+// New builds every part; nothing runs or touches the node until Run.
+func New(o Options) (*App, error) {
+	c := o.Config
+	if c == nil || o.Client == nil {
+		return nil, errors.New("install-cni: Config and Client are required")
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	if o.Metrics == nil {
+		o.Metrics = metrics.New()
+	}
+	a := &App{cfg: c, log: o.Logger, opts: o, metrics: o.Metrics}
+	m := a.metrics
+
+	// Rules in pods and the host probe SNAT: nothing is dialled or
+	// installed until used; Run closes what the backend holds.
+	rules, err := rulesbackend.New(rulesbackend.Config{Backend: c.IPTablesBackend, HostNetns: o.HostNetns, Logger: a.log,
+		Probe: ruleset.HostProbeConfig{ProbeSNATv4: c.ProbeSNATv4, ProbeSNATv6: c.ProbeSNATv6}})
+	if err != nil {
+		return nil, fmt.Errorf("rules backend: %w", err)
+	}
+	a.rules = rules
+	a.log.Info("rules backend", "backend", rules.Name)
+
+	// The plugin on the node: binary and conflist entry.
+	entry, err := json.Marshal(ambient.PluginConf{
+		AgentSocket: c.AgentSocket, Timeout: c.PluginTimeout.String(),
+		LogLevel: c.PluginLogLevel, ExcludedNamespaces: nonNil(c.ExcludedNamespaces),
+		StatusRequiresAgent: c.StatusChecksAgent,
+	})
+	if err != nil {
+		return nil, err
+	}
+	a.installer, err = installer.New(installer.Config{
+		BinDir: c.CNIBinDir, ConfDir: c.CNIConfDir, PluginBinary: c.PluginBinary, PluginName: c.PluginType,
+		PrimaryConfName: c.CNIConfName, PluginConfig: entry,
+		StateFile:   filepath.Join(filepath.Dir(c.AgentSocket), installerStateName),
+		OnReinstall: m.InstallerReinstalls.Inc,
+		Logger:      a.log,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("installer: %w", err)
+	}
+	a.upgrade = kubeadapter.DaemonSetUpgradeChecker{Client: o.Client, Namespace: c.PodNamespace, Name: c.DaemonSet}
+
+	// What the agent decides with: the pod cache.
+	a.pods = podcache.New(podcache.Config{
+		Client: o.Client, NodeName: c.NodeName,
+		Policy:                   enablement.Policy{ExcludedNamespaces: c.ExcludedNamespaces},
+		Self:                     types.NamespacedName{Namespace: c.PodNamespace, Name: c.PodName},
+		AssumePodLevelEnablement: c.AssumePodLevelEnablement,
+		Logger:                   a.log,
+	})
+
+	// The agent and what it drives: rules, host probe set, ztunnel,
+	// annotations.
+	a.zds = zds.NewServer(zds.Config{
+		SocketPath: c.ZDSSocket, Logger: a.log.With("component", "zds"),
+		// Every ztunnel that connects (a restarted one, or ours after an
+		// agent restart) must get the enrolled pods, or it drops them all.
+		// The agent exists before Run lets the server listen.
+		Snapshot: func() []zds.Workload { return a.agent.Workloads() },
+	})
+	annotator := kubeadapter.Annotator{Client: o.Client}
+	a.agent, err = nodeagent.NewAgent(nodeagent.Config{
+		Rules:              rules.Rules,
+		HostProbe:          rules.Probe,
+		Ztunnel:            a.zds,
+		ZtunnelTimeout:     c.ZtunnelWait,
+		Annotator:          annotator,
+		Enablement:         a.pods,
+		SnapshotFile:       nodefiles.SnapshotPath(c.AgentSocket),
+		SpoolDir:           nodefiles.SpoolDir(c.AgentSocket),
+		ExcludedNamespaces: nonNil(c.ExcludedNamespaces),
+		DNSCapture:         c.DNSCapture,
+		ProbeSNATv4:        c.ProbeSNATv4,
+		ProbeSNATv6:        c.ProbeSNATv6,
+		OnRuleError:        func(op string) { m.RuleErrors.WithLabelValues(op).Inc() },
+		OnDriftRepaired:    m.RuleDrift.Inc,
+		Logger:             a.log,
+	})
+	if err != nil {
+		return nil, err
+	}
+
+	// The two ways in: the plugin's events (decide, capture) and the pod
+	// controller (decide, find, capture).
+	a.server = nodeagent.NewServer(nodeagent.ServerConfig{
+		Socket: c.AgentSocket, NetnsRoots: c.NetnsDirs, ProcRoot: c.ProcRoot,
+		// Answer the plugin before its own timeout fires.
+		HandlerTimeout: c.PluginTimeout - time.Second,
+		Observe: func(verb, result string, took time.Duration) {
+			m.CNIRequests.WithLabelValues(verb, result).Inc()
+			if verb == "ADD" {
+				m.AddLatency.Observe(took.Seconds())
+			}
+		},
+		Logger: a.log,
+	}, a.pods, a.agent)
+	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
+	a.ctrl = controller.New(controller.Config{
+		Pods:      a.pods,
+		Agent:     a.agent,
+		Finder:    nodeagent.ProcFinder{Scanner: podnetns.Scanner{ProcRoot: c.ProcRoot, Logger: a.log}, Logger: a.log},
+		Annotator: annotator,
+		Events:    a.events,
+		Logger:    a.log,
+		OnScan:    func(int, int, time.Duration) { m.NetnsScans.Inc() },
+	})
+	// The plugin's fallback snapshot follows the cluster once the pods of a
+	// previous agent are restored (an early one would be empty).
+	a.pods.OnEnablementChange(func() {
+		if closed(a.ctrl.Restored()) {
+			_ = a.agent.RefreshSnapshot()
+		}
+	})
+
+	a.health = health.New(a.log, m.Registry, func() any { return a.agent.Pods() })
+	a.health.AddCheck("installer", a.installer.Check)
+	a.health.AddCheck("restore", func() error {
+		if !closed(a.ctrl.Restored()) {
+			return errors.New("startup reconcile not done")
+		}
+		return nil
+	})
+	a.health.AddCheck("sockets", func() error {
+		if !a.server.Listening() || !a.zds.Listening() {
+			return errors.New("event and ZDS servers not listening yet")
+		}
+		return nil
+	})
+	return a, nil
+}
+
+func nonNil(s []string) []string {
+	if s == nil {
+		return []string{}
+	}
+	return s
+}
+
+func closed(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
+}
+
+// Agent is the node agent core (for tests and debugging).
+func (a *App) Agent() *nodeagent.Agent { return a.agent }
+
+// RulesBackend names the rules backend in use ("nftables", "iptables-nft"
+// or "iptables-legacy").
+func (a *App) RulesBackend() string { return a.rules.Name }
+
+// Ready lists what is not ready yet; empty means ready.
+func (a *App) Ready() []string { return a.health.Ready() }
+
+// Run runs everything until ctx ends, then shuts down: servers stop, the
+// held netns handles are released (rules stay in the pods), and unless
+// this is an upgrade the plugin and the host probe set are removed. Last,
+// once every goroutine using them has stopped, the rules backend's
+// connections are closed.
+func (a *App) Run(ctx context.Context) (err error) {
+	c := a.cfg
+	defer func() {
+		if cerr := a.rules.Close(); cerr != nil {
+			err = errors.Join(err, fmt.Errorf("close rules backend: %w", cerr))
+		}
+	}()
+	for _, dir := range []string{filepath.Dir(c.AgentSocket), filepath.Dir(c.ZDSSocket)} {
+		if err := unixsock.EnsurePrivateDir(dir); err != nil {
+			return err
+		}
+	}
+	if err := a.agent.EnsureHostProbe(); err != nil {
+		return err
+	}
+	a.events.Start()
+	defer a.events.Shutdown()
+
+	runCtx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make(chan error, 10)
+	run := func(name string, f func(context.Context) error) {
+		wg.Go(func() {
+			if err := f(runCtx); err != nil && runCtx.Err() == nil {
+				errs <- fmt.Errorf("%s: %w", name, err)
+			}
+		})
+	}
+	run("health", func(ctx context.Context) error { return a.health.Serve(ctx, c.HealthAddr, a.opts.HealthReady) })
+	run("installer", a.installer.Run)
+	run("pod-cache", a.pods.Run)
+	run("controller", a.ctrl.Run)
+	run("metrics", func(ctx context.Context) error {
+		return a.metrics.RunGauges(ctx, a.agent.StateCounts, a.zds.Connections)
+	})
+	run("host-probe", func(ctx context.Context) error {
+		rulesbackend.KeepHostProbe(ctx, a.rules.Probe, hostProbeResync, a.log)
+		return nil
+	})
+
+	// ztunnel must not get a snapshot before the pods enrolled by a
+	// previous agent are back in the state, or it would drop them all:
+	// listen only once the controller restored them.
+	select {
+	case <-a.ctrl.Restored():
+	case err := <-errs:
+		cancel()
+		wg.Wait()
+		return err
+	case <-ctx.Done():
+		cancel()
+		wg.Wait()
+		return a.shutdown()
+	}
+	if err := a.agent.RefreshSnapshot(); err != nil {
+		a.log.Error("enablement snapshot", "err", err)
+	}
+	if _, err := a.agent.DrainSpool(runCtx); err != nil {
+		a.log.Warn("drain DEL spool", "err", err)
+	}
+	if err := a.agent.SyncHostProbe(); err != nil {
+		a.log.Warn("sync host probe set", "err", err)
+	}
+	if err := a.zds.Listen(); err != nil {
+		cancel()
+		wg.Wait()
+		return fmt.Errorf("zds: %w", err)
+	}
+	if err := a.server.Listen(); err != nil {
+		cancel()
+		wg.Wait()
+		_ = a.zds.Close()
+		return fmt.Errorf("event server: %w", err)
+	}
+	run("zds", a.zds.Serve)
+	run("event-server", a.server.Serve)
+	run("spool", a.agent.RunSpoolDrain)
+	a.log.Info("node agent ready", "node", c.NodeName, "pods", len(a.agent.Pods()))
+
+	var runErr error
+	select {
+	case <-ctx.Done():
+	case runErr = <-errs:
+		a.log.Error("component failed; shutting down", "err", runErr)
+	}
+	cancel()
+	wg.Wait()
+	return errors.Join(runErr, a.shutdown())
+}
+
+// shutdown releases the agent's state and, unless the DaemonSet lives on
+// (an upgrade: the next agent takes over, pods keep their rules and new
+// pods wait for it), puts the node back to plain networking: every
+// captured pod is released (annotation, rules), then the plugin, its
+// config entry and the host probe set go. Nothing stays redirected to a
+// ztunnel that may be going too.
+func (a *App) shutdown() error {
+	ctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
+	defer cancel()
+	upgrade := installer.IsUpgrade(ctx, a.upgrade, a.log)
+	var errs []error
+	if !upgrade {
+		// Its own budget (within the chart's 30 s grace period): one API
+		// call and one rule removal per pod.
+		rctx, rcancel := context.WithTimeout(context.Background(), releaseTimeout)
+		if err := a.agent.ReleaseAll(rctx); err != nil {
+			errs = append(errs, fmt.Errorf("release pods: %w", err))
+		}
+		rcancel()
+	}
+	_ = a.agent.Close()
+	ictx, icancel := context.WithTimeout(context.Background(), shutdownTimeout)
+	defer icancel()
+	if err := a.installer.Shutdown(ictx, upgrade); err != nil {
+		errs = append(errs, fmt.Errorf("installer shutdown: %w", err))
+	}
+	if !upgrade {
+		if err := a.agent.RemoveHostProbe(); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	a.log.Info("install-cni stopped", "upgrade", upgrade)
+	return errors.Join(errs...)
+}

@@ -1,0 +1,290 @@
+package app
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"net/netip"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/health"
+	"github.com/ambient-cni/ambient-cni/pkg/installer"
+	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
+	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
+)
+
+// EnvPrefix prefixes every flag's environment-variable name.
+const EnvPrefix = "AMBIENT_"
+
+// Defaults owned by the process itself; every other default in the table
+// below is the owning package's constant.
+const (
+	// defaultDaemonSet is the chart's DaemonSet name.
+	defaultDaemonSet = "ambient-cni"
+	// defaultPluginBinary is where the image carries the plugin.
+	defaultPluginBinary = "/opt/ambient-cni/bin/ambient-cni"
+	// hostRoot is where the DaemonSet mounts the host's CNI directories.
+	hostRoot = "/host"
+	// defaultProcRoot is the process's own /proc (the chart mounts the
+	// host's elsewhere).
+	defaultProcRoot = "/proc"
+	// defaultLogLevel is install-cni's own log level.
+	defaultLogLevel = "info"
+	// defaultKubeClientQPS and defaultKubeClientBurst are the agent's
+	// client-side API rate limit, as Istio's CNI agent's (client-go's own
+	// 5/10 capped the agent at 5 pods/s).
+	defaultKubeClientQPS   = 80
+	defaultKubeClientBurst = 160
+)
+
+// Config is the parsed configuration of install-cni.
+type Config struct {
+	NodeName     string
+	PodName      string
+	PodNamespace string
+	DaemonSet    string
+	Kubeconfig   string
+	// KubeClientQPS and KubeClientBurst are the API client's client-side
+	// rate limit (client-go's token bucket); KubeClientConfig applies them.
+	KubeClientQPS   float32
+	KubeClientBurst int
+
+	CNIBinDir         string
+	CNIConfDir        string
+	CNIConfName       string
+	PluginType        string
+	PluginBinary      string
+	PluginTimeout     time.Duration
+	PluginLogLevel    string
+	StatusChecksAgent bool
+
+	AgentSocket string
+	ZDSSocket   string
+	ProcRoot    string
+	NetnsDirs   []string
+
+	ExcludedNamespaces       []string
+	AssumePodLevelEnablement bool
+	ZtunnelWait              time.Duration
+	DNSCapture               bool
+	IPTablesBackend          string
+	ProbeSNATv4              netip.Addr
+	ProbeSNATv6              netip.Addr
+
+	HealthAddr string
+	LogLevel   string
+}
+
+// option is one row of the settings table.
+type option struct {
+	name, help string
+	def        string
+	set        func(c *Config, v string) error
+}
+
+func str(dst func(*Config) *string) func(*Config, string) error {
+	return func(c *Config, v string) error { *dst(c) = v; return nil }
+}
+
+func list(dst func(*Config) *[]string) func(*Config, string) error {
+	return func(c *Config, v string) error {
+		var out []string
+		for s := range strings.SplitSeq(v, ",") {
+			if s = strings.TrimSpace(s); s != "" {
+				out = append(out, s)
+			}
+		}
+		*dst(c) = out
+		return nil
+	}
+}
+
+func boolean(dst func(*Config) *bool) func(*Config, string) error {
+	return func(c *Config, v string) error {
+		b, err := strconv.ParseBool(v)
+		if err != nil {
+			return fmt.Errorf("want true or false: %w", err)
+		}
+		*dst(c) = b
+		return nil
+	}
+}
+
+func duration(dst func(*Config) *time.Duration) func(*Config, string) error {
+	return func(c *Config, v string) error {
+		d, err := time.ParseDuration(v)
+		if err != nil {
+			return err
+		}
+		if d <= 0 {
+			return fmt.Errorf("must be positive")
+		}
+		*dst(c) = d
+		return nil
+	}
+}
+
+func positiveFloat(dst func(*Config) *float32) func(*Config, string) error {
+	return func(c *Config, v string) error {
+		f, err := strconv.ParseFloat(v, 32)
+		if err != nil || !(f > 0) || math.IsInf(f, 0) {
+			return fmt.Errorf("want a positive number")
+		}
+		*dst(c) = float32(f)
+		return nil
+	}
+}
+
+func positiveInt(dst func(*Config) *int) func(*Config, string) error {
+	return func(c *Config, v string) error {
+		n, err := strconv.Atoi(v)
+		if err != nil || n <= 0 {
+			return fmt.Errorf("want a positive integer")
+		}
+		*dst(c) = n
+		return nil
+	}
+}
+
+func addr(dst func(*Config) *netip.Addr, want6 bool) func(*Config, string) error {
+	return func(c *Config, v string) error {
+		a, err := netip.ParseAddr(v)
+		if err != nil {
+			return err
+		}
+		if a.Is6() != want6 || a.Zone() != "" {
+			return fmt.Errorf("%s is not a plain IPv%d address", v, map[bool]int{false: 4, true: 6}[want6])
+		}
+		*dst(c) = a
+		return nil
+	}
+}
+
+// options is the settings table; its order is the documentation's order.
+// Each default names the constant of the package that owns it.
+func options() []option {
+	return []option{
+		{"node-name", "Name of this node (from the downward API); required.", "", str(func(c *Config) *string { return &c.NodeName })},
+		{"pod-name", "Name of the agent's own pod, never enrolled.", "", str(func(c *Config) *string { return &c.PodName })},
+		{"pod-namespace", "Namespace of the agent's own pod and DaemonSet.", "", str(func(c *Config) *string { return &c.PodNamespace })},
+		{"daemonset-name", "The agent's DaemonSet; while it exists and is not being deleted, shutdown is an upgrade and the plugin stays installed.", defaultDaemonSet, str(func(c *Config) *string { return &c.DaemonSet })},
+		{"kubeconfig", "Kubeconfig file; empty means in-cluster configuration.", "", str(func(c *Config) *string { return &c.Kubeconfig })},
+		{"kube-client-qps", "Requests per second the agent's Kubernetes client may send on average (client-side limit; ambient ADDs, DELs and enrollments each cost requests). Istio's CNI agent uses 80.", strconv.Itoa(defaultKubeClientQPS), positiveFloat(func(c *Config) *float32 { return &c.KubeClientQPS })},
+		{"kube-client-burst", "Requests the agent's Kubernetes client may send at once above kube-client-qps, e.g. when a namespace label enrolls many running pods. Istio's CNI agent uses 160.", strconv.Itoa(defaultKubeClientBurst), positiveInt(func(c *Config) *int { return &c.KubeClientBurst })},
+		{"cni-bin-dir", "Host CNI binary directory, as mounted in the container.", hostRoot + installer.DefaultBinDir, str(func(c *Config) *string { return &c.CNIBinDir })},
+		{"cni-conf-dir", "Host CNI config directory, as mounted in the container.", hostRoot + installer.DefaultConfDir, str(func(c *Config) *string { return &c.CNIConfDir })},
+		{"cni-conf-name", "Primary CNI config file to chain into; empty picks the runtime's choice (lexically first valid file).", "", str(func(c *Config) *string { return &c.CNIConfName })},
+		{"cni-plugin-type", "Plugin type (and binary name) written into the conflist.", installer.DefaultPluginName, str(func(c *Config) *string { return &c.PluginType })},
+		{"plugin-binary", "Plugin binary inside the image, copied into cni-bin-dir.", defaultPluginBinary, str(func(c *Config) *string { return &c.PluginBinary })},
+		{"plugin-timeout", "How long the plugin waits for the agent's answer; must exceed ztunnel-wait.", ambient.DefaultPluginTimeout.String(), duration(func(c *Config) *time.Duration { return &c.PluginTimeout })},
+		{"plugin-log-level", "Log level of the plugin on the runtime's log (debug, info, warn, error).", ambient.DefaultPluginLogLevel, str(func(c *Config) *string { return &c.PluginLogLevel })},
+		{"plugin-status-checks-agent", "Make CNI STATUS fail (error 50) while the agent is unreachable; off by default because a failing STATUS marks the node NotReady.", "false", boolean(func(c *Config) *bool { return &c.StatusChecksAgent })},
+		{"agent-socket", "Unix socket the plugin reaches the agent on (directory 0700, socket 0600).", ambient.DefaultAgentSocket, str(func(c *Config) *string { return &c.AgentSocket })},
+		{"zds-socket", "ZDS socket ztunnel connects to.", ambient.DefaultZDSSocket, str(func(c *Config) *string { return &c.ZDSSocket })},
+		{"proc-root", "The host's /proc as mounted in the container, scanned to find running pods' network namespaces.", defaultProcRoot, str(func(c *Config) *string { return &c.ProcRoot })},
+		{"netns-dirs", "Comma-separated directories where the runtime mounts pod network namespaces; the only netns paths accepted from the plugin besides /proc/<pid>/ns/net.", strings.Join(nodeagent.DefaultNetnsRoots, ","), list(func(c *Config) *[]string { return &c.NetnsDirs })},
+		{"excluded-namespaces", "Comma-separated namespaces never captured.", ambient.DefaultExcludedNamespace, list(func(c *Config) *[]string { return &c.ExcludedNamespaces })},
+		{"assume-pod-level-enablement", "Tell the plugin's fallback (agent unreachable) that any namespace may hold a pod enabled by its own label, so it fails closed everywhere but excluded namespaces.", "false", boolean(func(c *Config) *bool { return &c.AssumePodLevelEnablement })},
+		{"ztunnel-wait", "How long CNI ADD waits for a connected ztunnel to acknowledge a pod before failing with a retryable error.", nodeagent.DefaultZtunnelTimeout.String(), duration(func(c *Config) *time.Duration { return &c.ZtunnelWait })},
+		{"dns-capture", "Capture DNS (port 53) to ztunnel by default, as Istio's chart does (ambient.dnsCapture); per pod: annotation ambient.istio.io/dns-capture.", "true", boolean(func(c *Config) *bool { return &c.DNSCapture })},
+		{"iptables-backend", "Rules backend in pods and for the host probe SNAT: auto (native nftables when the kernel supports it, else iptables), nftables, iptables (flavour detected from the node), or iptables in one flavour: nft or legacy. Each backend also removes what the other left.", string(rulesbackend.Auto), func(c *Config, v string) error {
+			switch v {
+			case "", "auto", "nftables", "iptables", "nft", "legacy":
+				c.IPTablesBackend = v
+				return nil
+			}
+			return fmt.Errorf("want auto, nftables, iptables, nft or legacy")
+		}},
+		{"probe-snat-ipv4", "Source address kubelet probes are SNATed to (IPv4).", ambient.DefaultProbeSNATv4.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv4 }, false)},
+		{"probe-snat-ipv6", "Source address kubelet probes are SNATed to (IPv6).", ambient.DefaultProbeSNATv6.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv6 }, true)},
+		{"health-addr", "Address of /healthz, /readyz, /metrics and /debug/pods.", health.DefaultAddr, str(func(c *Config) *string { return &c.HealthAddr })},
+		{"log-level", "Log level (debug, info, warn, error).", defaultLogLevel, func(c *Config, v string) error {
+			switch v {
+			case "debug", "info", "warn", "error":
+				c.LogLevel = v
+				return nil
+			}
+			return fmt.Errorf("want debug, info, warn or error")
+		}},
+	}
+}
+
+// EnvName returns the environment variable that sets flag name.
+func EnvName(name string) string {
+	return EnvPrefix + strings.ToUpper(strings.ReplaceAll(name, "-", "_"))
+}
+
+// Parse reads defaults, then environment variables (via getenv), then
+// command-line args, and validates the result. Flags win over the
+// environment.
+func Parse(args []string, getenv func(string) string, stderr io.Writer) (*Config, error) {
+	c := &Config{}
+	opts := options()
+	for _, o := range opts {
+		v := o.def
+		if e := getenv(EnvName(o.name)); e != "" {
+			v = e
+		}
+		if v == "" {
+			continue
+		}
+		if err := o.set(c, v); err != nil {
+			return nil, fmt.Errorf("%s=%q: %w", EnvName(o.name), v, err)
+		}
+	}
+	fs := flag.NewFlagSet("install-cni", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	for _, o := range opts {
+		fs.Func(o.name, fmt.Sprintf("%s (env %s, default %q)", o.help, EnvName(o.name), o.def), func(v string) error {
+			return o.set(c, v)
+		})
+	}
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	return c, c.validate()
+}
+
+func (c *Config) validate() error {
+	var errs []error
+	if c.NodeName == "" {
+		errs = append(errs, fmt.Errorf("node name is required (--node-name or %s)", EnvName("node-name")))
+	}
+	if c.PluginTimeout <= c.ZtunnelWait {
+		errs = append(errs, fmt.Errorf("plugin-timeout (%s) must exceed ztunnel-wait (%s)", c.PluginTimeout, c.ZtunnelWait))
+	}
+	for _, d := range c.NetnsDirs {
+		if !strings.HasPrefix(d, "/") {
+			errs = append(errs, fmt.Errorf("netns dir %q is not absolute", d))
+		}
+	}
+	for _, p := range []struct{ name, v string }{{"agent-socket", c.AgentSocket}, {"zds-socket", c.ZDSSocket}, {"cni-bin-dir", c.CNIBinDir}, {"cni-conf-dir", c.CNIConfDir}} {
+		if !strings.HasPrefix(p.v, "/") {
+			errs = append(errs, fmt.Errorf("%s %q is not an absolute path", p.name, p.v))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// WriteMarkdown renders the settings table as Markdown documentation.
+func WriteMarkdown(w io.Writer) error {
+	var b strings.Builder
+	b.WriteString("| flag | environment | default | meaning |\n|---|---|---|---|\n")
+	for _, o := range options() {
+		def := "`" + o.def + "`"
+		if o.def == "" {
+			def = "(empty)"
+		}
+		fmt.Fprintf(&b, "| `--%s` | `%s` | %s | %s |\n", o.name, EnvName(o.name), def, o.help)
+	}
+	_, err := io.WriteString(w, b.String())
+	return err
+}

@@ -1,0 +1,154 @@
+package app
+
+import (
+	"bytes"
+	"io"
+	"net/netip"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/util/flowcontrol"
+)
+
+func env(m map[string]string) func(string) string {
+	return func(k string) string { return m[k] }
+}
+
+func TestDefaults(t *testing.T) {
+	c, err := Parse([]string{"--node-name=n1"}, env(nil), io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type defaults struct {
+		ZDSSocket          string
+		ZtunnelWait        time.Duration
+		ProbeSNATv4        netip.Addr
+		ExcludedNamespaces []string
+		PluginType         string
+		DNSCapture         bool
+		IPTablesBackend    string
+	}
+	got := defaults{c.ZDSSocket, c.ZtunnelWait, c.ProbeSNATv4, c.ExcludedNamespaces, c.PluginType, c.DNSCapture, c.IPTablesBackend}
+	want := defaults{"/var/run/ztunnel/ztunnel.sock", 5 * time.Second, netip.MustParseAddr("169.254.7.127"), []string{"kube-system"}, "ambient-cni", true, "auto"}
+	if diff := cmp.Diff(want, got, cmpopts.EquateComparable(netip.Addr{})); diff != "" {
+		t.Fatalf("defaults wrong (-want +got):\n%s", diff)
+	}
+}
+
+func TestEnvThenFlags(t *testing.T) {
+	e := env(map[string]string{
+		"AMBIENT_NODE_NAME":           "from-env",
+		"AMBIENT_EXCLUDED_NAMESPACES": "a, b,,c",
+		"AMBIENT_DNS_CAPTURE":         "true",
+		"AMBIENT_ZTUNNEL_WAIT":        "2s",
+	})
+	c, err := Parse([]string{"--ztunnel-wait=3s"}, e, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type precedence struct {
+		NodeName           string
+		ExcludedNamespaces []string
+		DNSCapture         bool
+		ZtunnelWait        time.Duration
+	}
+	got := precedence{c.NodeName, c.ExcludedNamespaces, c.DNSCapture, c.ZtunnelWait}
+	if diff := cmp.Diff(precedence{"from-env", []string{"a", "b", "c"}, true, 3 * time.Second}, got); diff != "" {
+		t.Fatalf("env/flag precedence wrong (-want +got):\n%s", diff)
+	}
+}
+
+func TestRejectsBadInput(t *testing.T) {
+	cases := map[string]struct {
+		args []string
+		env  map[string]string
+		want string
+	}{
+		"no node":            {nil, nil, "node name is required"},
+		"bad duration env":   {nil, map[string]string{"AMBIENT_NODE_NAME": "n", "AMBIENT_ZTUNNEL_WAIT": "soon"}, "AMBIENT_ZTUNNEL_WAIT"},
+		"negative duration":  {[]string{"--node-name=n", "--ztunnel-wait=-1s"}, nil, "positive"},
+		"timeout below wait": {[]string{"--node-name=n", "--plugin-timeout=2s", "--ztunnel-wait=3s"}, nil, "must exceed"},
+		"v6 as v4":           {[]string{"--node-name=n", "--probe-snat-ipv4=fd00::1"}, nil, "IPv4"},
+		"bad bool":           {[]string{"--node-name=n", "--dns-capture=yes please"}, nil, "true or false"},
+		"bad backend":        {[]string{"--node-name=n", "--iptables-backend=ebtables"}, nil, "nftables, iptables, nft or legacy"},
+		"relative socket":    {[]string{"--node-name=n", "--agent-socket=agent.sock"}, nil, "absolute"},
+		"relative netns dir": {[]string{"--node-name=n", "--netns-dirs=/run/netns,netns"}, nil, "not absolute"},
+		"unknown flag":       {[]string{"--node-name=n", "--frobnicate"}, nil, "frobnicate"},
+		"stray argument":     {[]string{"--node-name=n", "extra"}, nil, "unexpected"},
+		"bad log level":      {[]string{"--node-name=n", "--log-level=loud"}, nil, "debug, info"},
+	}
+	for name, c := range cases {
+		_, err := Parse(c.args, env(c.env), io.Discard)
+		if err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: err = %v, want it to mention %q", name, err, c.want)
+		}
+	}
+}
+
+// TestDocsUpToDate keeps docs/install-cni.md in step with the settings
+// table; regenerate with UPDATE_DOCS=1 go test ./cmd/install-cni/app.
+func TestDocsUpToDate(t *testing.T) {
+	const path = "../../../docs/install-cni.md"
+	const begin, end = "<!-- BEGIN GENERATED OPTIONS -->\n", "<!-- END GENERATED OPTIONS -->\n"
+	doc, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	i, j := bytes.Index(doc, []byte(begin)), bytes.Index(doc, []byte(end))
+	if i < 0 || j < i {
+		t.Fatalf("%s lacks the generated-options markers", path)
+	}
+	var table bytes.Buffer
+	if err := WriteMarkdown(&table); err != nil {
+		t.Fatal(err)
+	}
+	want := append(append(append([]byte{}, doc[:i+len(begin)]...), table.Bytes()...), doc[j:]...)
+	if !bytes.Equal(doc, want) {
+		if os.Getenv("UPDATE_DOCS") == "1" {
+			if err := os.WriteFile(path, want, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			return
+		}
+		t.Fatalf("%s is out of date; run UPDATE_DOCS=1 go test ./cmd/install-cni/app", path)
+	}
+}
+
+// The client-side rate limit is a setting with a default fit for a node
+// agent (Istio's CNI agent uses QPS 80, burst 160; client-go's own 5/10
+// capped the agent at 5 pods/s), and it reaches the client config.
+func TestKubeClientLimits(t *testing.T) {
+	c, err := Parse([]string{"--node-name=n1"}, env(nil), io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.KubeClientQPS < 80 || c.KubeClientBurst < 160 {
+		t.Errorf("default client limits %v/%d, want at least Istio's 80/160", c.KubeClientQPS, c.KubeClientBurst)
+	}
+	c, err = Parse([]string{"--node-name=n1", "--kube-client-burst=7"}, env(map[string]string{"AMBIENT_KUBE_CLIENT_QPS": "2.5"}), io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := &rest.Config{Host: "https://127.0.0.1:6443", QPS: 500, Burst: 1000, RateLimiter: flowcontrol.NewFakeAlwaysRateLimiter()}
+	rc := c.KubeClientConfig(base)
+	if rc.QPS != 2.5 || rc.Burst != 7 || rc.RateLimiter != nil || rc.UserAgent != "ambient-cni/n1" || rc.Host != base.Host {
+		t.Errorf("client config %+v", rc)
+	}
+	if base.QPS != 500 || base.UserAgent != "" {
+		t.Errorf("base config changed: %+v", base)
+	}
+	for _, bad := range []map[string]string{
+		{"AMBIENT_KUBE_CLIENT_QPS": "0"}, {"AMBIENT_KUBE_CLIENT_QPS": "-1"}, {"AMBIENT_KUBE_CLIENT_QPS": "NaN"},
+		{"AMBIENT_KUBE_CLIENT_QPS": "Inf"}, {"AMBIENT_KUBE_CLIENT_QPS": "1e40"}, {"AMBIENT_KUBE_CLIENT_QPS": "fast"},
+		{"AMBIENT_KUBE_CLIENT_BURST": "0"}, {"AMBIENT_KUBE_CLIENT_BURST": "1.5"}, {"AMBIENT_KUBE_CLIENT_BURST": "-3"},
+	} {
+		if _, err := Parse([]string{"--node-name=n1"}, env(bad), io.Discard); err == nil || !strings.Contains(err.Error(), "positive") {
+			t.Errorf("%v: err = %v, want a refusal", bad, err)
+		}
+	}
+}

@@ -1,0 +1,29 @@
+package app_test
+
+import (
+	"github.com/ambient-cni/ambient-cni/pkg/controller"
+	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
+	"github.com/ambient-cni/ambient-cni/pkg/nftables"
+	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
+	"github.com/ambient-cni/ambient-cni/pkg/podcache"
+	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
+	"github.com/ambient-cni/ambient-cni/pkg/zds"
+)
+
+// The agent plugs into the real collaborators without adapters.
+var (
+	_ controller.Agent           = (*nodeagent.Agent)(nil)
+	_ controller.Finder          = nodeagent.ProcFinder{}
+	_ controller.Pods            = (*podcache.Cache)(nil)
+	_ nodeagent.Decider          = (*podcache.Cache)(nil)
+	_ nodeagent.EnablementSource = (*podcache.Cache)(nil)
+	_ nodeagent.Annotator        = kubeadapter.Annotator{}
+	_ nodeagent.Ztunnel          = (*zds.Server)(nil)
+	_ nodeagent.RuleApplier      = (rulesbackend.Rules)(nil)
+	_ nodeagent.HostProbe        = (rulesbackend.HostProbe)(nil)
+	_ rulesbackend.Rules         = (*iptables.Applier)(nil)
+	_ rulesbackend.Rules         = (*nftables.Applier)(nil)
+	_ rulesbackend.HostProbe     = (*iptables.HostProbe)(nil)
+	_ rulesbackend.HostProbe     = (*nftables.HostProbe)(nil)
+)

@@ -1,0 +1,375 @@
+package controller_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ambient-cni/ambient-cni/test/poll"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/record"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/controller"
+	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
+	"github.com/ambient-cni/ambient-cni/pkg/podcache"
+	"github.com/ambient-cni/ambient-cni/test/fakecluster"
+)
+
+// fakeAgent records what the controller asks of the agent. It never
+// enters the netns handles it gets (the fake finder hands out none).
+type fakeAgent struct {
+	mu         sync.Mutex
+	enrolled   map[types.NamespacedName]types.UID
+	pending    map[types.UID]bool
+	calls      []string
+	captureErr error
+}
+
+func newFakeAgent() *fakeAgent {
+	return &fakeAgent{enrolled: map[types.NamespacedName]types.UID{}, pending: map[types.UID]bool{}}
+}
+
+func (a *fakeAgent) Capture(_ context.Context, pod *corev1.Pod, _ *nodeagent.Netns, sb *nodeagent.Sandbox) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.calls = append(a.calls, "capture "+pod.Namespace+"/"+pod.Name)
+	if sb != nil {
+		return errors.New("the controller passed a sandbox")
+	}
+	if a.captureErr != nil {
+		return a.captureErr
+	}
+	a.enrolled[types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}] = pod.UID
+	delete(a.pending, pod.UID)
+	return nil
+}
+
+func (a *fakeAgent) Restore(_ context.Context, pod *corev1.Pod, _ *nodeagent.Netns) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.calls = append(a.calls, "restore "+pod.Namespace+"/"+pod.Name)
+	a.enrolled[types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}] = pod.UID
+	return nil
+}
+
+func (a *fakeAgent) Unenroll(_ context.Context, uid types.UID) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.calls = append(a.calls, "unenroll "+string(uid))
+	for k, u := range a.enrolled {
+		if u == uid {
+			delete(a.enrolled, k)
+		}
+	}
+	return nil
+}
+
+func (a *fakeAgent) EnrolledUID(namespace, name string) (types.UID, bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	uid, ok := a.enrolled[types.NamespacedName{Namespace: namespace, Name: name}]
+	return uid, ok
+}
+
+func (a *fakeAgent) Pending(uid types.UID) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.pending[uid]
+}
+
+func (a *fakeAgent) enroll(ns, name string, uid types.UID, pending bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.enrolled[types.NamespacedName{Namespace: ns, Name: name}] = uid
+	a.pending[uid] = pending
+}
+
+func (a *fakeAgent) setCaptureErr(err error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.captureErr = err
+}
+
+func (a *fakeAgent) log() []string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return slices.Clone(a.calls)
+}
+
+func (a *fakeAgent) count(call string) int {
+	n := 0
+	for _, c := range a.log() {
+		if c == call {
+			n++
+		}
+	}
+	return n
+}
+
+// fakeFinder "finds" the pods whose UIDs are running, one scan per call.
+type fakeFinder struct {
+	mu      sync.Mutex
+	running map[types.UID]bool
+	scans   [][]types.UID
+}
+
+func (f *fakeFinder) Find(pods map[types.UID][]netip.Addr) (map[types.UID]*nodeagent.Netns, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	out := map[types.UID]*nodeagent.Netns{}
+	var asked []types.UID
+	for uid := range pods {
+		asked = append(asked, uid)
+		if f.running[uid] {
+			out[uid] = nil
+		}
+	}
+	slices.Sort(asked)
+	f.scans = append(f.scans, asked)
+	return out, nil
+}
+
+func (f *fakeFinder) setRunning(uids ...types.UID) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, u := range uids {
+		f.running[u] = true
+	}
+}
+
+func (f *fakeFinder) scanLog() [][]types.UID {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.scans)
+}
+
+// fakeAnnotator records annotation writes.
+type fakeAnnotator struct {
+	mu     sync.Mutex
+	writes []string
+}
+
+func (a *fakeAnnotator) SetRedirection(_ context.Context, namespace, name string, _ types.UID, value string) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.writes = append(a.writes, fmt.Sprintf("%s/%s=%q", namespace, name, value))
+	return nil
+}
+
+func (a *fakeAnnotator) log() []string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return slices.Clone(a.writes)
+}
+
+type env struct {
+	kube   *fakecluster.Cluster
+	agent  *fakeAgent
+	finder *fakeFinder
+	ann    *fakeAnnotator
+	events *record.FakeRecorder
+	ctrl   *controller.Controller
+}
+
+var self = types.NamespacedName{Namespace: "istio-system", Name: "ambient-cni-x1"}
+
+// newEnv starts the pod cache (seeded with objs, as if they existed before
+// the agent) and the controller, and waits for its startup restore.
+func newEnv(t *testing.T, running []types.UID, objs ...*corev1.Pod) *env {
+	t.Helper()
+	e := &env{
+		kube:   fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy(), Self: self}),
+		agent:  newFakeAgent(),
+		finder: &fakeFinder{running: map[types.UID]bool{}},
+		ann:    &fakeAnnotator{},
+		events: record.NewFakeRecorder(100),
+	}
+	e.finder.setRunning(running...)
+	e.kube.Seed(namespace("shop", false), namespace("blog", true), namespace(self.Namespace, true))
+	for _, p := range objs {
+		e.kube.Seed(p)
+	}
+	e.ctrl = controller.New(controller.Config{
+		Pods: e.kube.Cache, Agent: e.agent, Finder: e.finder, Annotator: e.ann, Events: e.events,
+	})
+	e.kube.Start()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- e.ctrl.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	})
+	select {
+	case <-e.ctrl.Restored():
+	case err := <-done:
+		t.Fatalf("Run returned before restoring: %v", err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("startup restore not done")
+	}
+	return e
+}
+
+func namespace(name string, ambientOn bool) *corev1.Namespace {
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}
+	if ambientOn {
+		ns.Labels = map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}
+	}
+	return ns
+}
+
+// running is a running pod with an IP, as the controller finds them.
+func running(ns, name, uid, ip string) *corev1.Pod {
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, UID: types.UID(uid)},
+		Status:     corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ip, PodIPs: []corev1.PodIP{{IP: ip}}},
+	}
+}
+
+// TestNamespaceFlipCapturesRunningPods: labelling a namespace captures its
+// running pods with one /proc scan for the burst, not one per pod.
+func TestNamespaceFlipCapturesRunningPods(t *testing.T) {
+	e := newEnv(t, []types.UID{"u-a", "u-b", "u-c"},
+		running("shop", "a", "u-a", "10.1.0.1"), running("shop", "b", "u-b", "10.1.0.2"), running("shop", "c", "u-c", "10.1.0.3"))
+	time.Sleep(100 * time.Millisecond) // let the startup reconcile settle
+	if calls := e.agent.log(); len(calls) != 0 {
+		t.Fatalf("pods of an unlabelled namespace touched: %v", calls)
+	}
+	scans := len(e.finder.scanLog())
+	e.kube.SetNamespace(namespace("shop", true))
+	for _, n := range []string{"a", "b", "c"} {
+		poll.Until(t, "capture of shop/"+n, func() bool { return e.agent.count("capture shop/"+n) == 1 })
+	}
+	if got := len(e.finder.scanLog()) - scans; got < 1 || got >= 3 {
+		t.Errorf("%d scans for one namespace flip of 3 pods, want them batched: %v", got, e.finder.scanLog())
+	}
+}
+
+func TestUnenrollsPodsNoLongerWanted(t *testing.T) {
+	e := newEnv(t, []types.UID{"u-a", "u-b"}, running("blog", "a", "u-a", "10.1.0.1"), running("blog", "b", "u-b", "10.1.0.2"))
+	poll.Until(t, "captures", func() bool { return e.agent.count("capture blog/a") == 1 && e.agent.count("capture blog/b") == 1 })
+	// The pod opts out with its own label.
+	a := running("blog", "a", "u-a", "10.1.0.1")
+	a.Labels = map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeNone}
+	e.kube.SetPod(a)
+	poll.Until(t, "unenroll of the opted-out pod", func() bool { return e.agent.count("unenroll u-a") == 1 })
+	// The pod is deleted while enrolled.
+	e.kube.DeletePod("blog", "b")
+	poll.Until(t, "unenroll of the deleted pod", func() bool { return e.agent.count("unenroll u-b") == 1 })
+	// The namespace is unlabelled: nothing left to unenroll.
+	if _, ok := e.agent.EnrolledUID("blog", "a"); ok {
+		t.Errorf("blog/a still enrolled")
+	}
+}
+
+// TestRestoreAdoptsMarkedPods: at startup the pods a previous agent marked
+// are restored before Restored is closed; one that should no longer be
+// captured is then unenrolled, a marked pod whose netns is gone gets its
+// annotation cleared, and finished pods are left alone.
+func TestRestoreAdoptsMarkedPods(t *testing.T) {
+	mark := func(p *corev1.Pod) *corev1.Pod {
+		p.Annotations = map[string]string{ambient.RedirectionAnnotation: ambient.RedirectionEnabled}
+		return p
+	}
+	done := running("blog", "done", "u-done", "10.1.0.9")
+	done.Status.Phase = corev1.PodSucceeded
+	e := newEnv(t, []types.UID{"u-keep", "u-stale"},
+		mark(running("blog", "keep", "u-keep", "10.1.0.1")),
+		mark(running("shop", "stale", "u-stale", "10.1.0.2")),
+		mark(running("shop", "gone", "u-gone", "10.1.0.3")),
+		mark(done))
+	restored := e.agent.log()
+	slices.Sort(restored)
+	if want := []string{"restore blog/keep", "restore shop/stale"}; !slices.Equal(restored, want) {
+		t.Errorf("restored before Restored(): %v, want %v", restored, want)
+	}
+	poll.Until(t, "unenroll of the pod no longer wanted", func() bool { return e.agent.count("unenroll u-stale") == 1 })
+	poll.Until(t, "stale annotation cleared", func() bool { return slices.Contains(e.ann.log(), `shop/gone=""`) })
+	time.Sleep(100 * time.Millisecond)
+	for _, c := range e.agent.log() {
+		if strings.Contains(c, "keep") && c != "restore blog/keep" || strings.Contains(c, "done") {
+			t.Errorf("unexpected %q", c)
+		}
+	}
+}
+
+func TestCaptureFailureIsEventedAndRetried(t *testing.T) {
+	e := newEnv(t, []types.UID{"u-a"})
+	e.agent.setCaptureErr(errors.New("xtables lock busy"))
+	e.kube.SetPod(running("blog", "a", "u-a", "10.1.0.1"))
+	select {
+	case ev := <-e.events.Events:
+		if want := "Warning AmbientEnrollFailed could not enroll pod in the ambient mesh: xtables lock busy"; ev != want {
+			t.Errorf("event %q, want %q", ev, want)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no event for the failed capture")
+	}
+	e.agent.setCaptureErr(nil)
+	poll.Until(t, "the retry captures the pod", func() bool {
+		_, ok := e.agent.EnrolledUID("blog", "a")
+		return ok
+	})
+}
+
+// TestPendingAndRecreatedPods: a pod whose ztunnel handoff failed is
+// captured again; a pod recreated under the same name replaces the old
+// enrollment.
+func TestPendingAndRecreatedPods(t *testing.T) {
+	e := newEnv(t, []types.UID{"u-p", "u-new"})
+	e.agent.enroll("blog", "p", "u-p", true)
+	e.agent.enroll("blog", "r", "u-old", false)
+	e.kube.SetPod(running("blog", "p", "u-p", "10.1.0.1"))
+	e.kube.SetPod(running("blog", "r", "u-new", "10.1.0.2"))
+	poll.Until(t, "pending pod captured again", func() bool { return e.agent.count("capture blog/p") == 1 })
+	poll.Until(t, "recreated pod replaced", func() bool {
+		calls := e.agent.log()
+		i, j := slices.Index(calls, "unenroll u-old"), slices.Index(calls, "capture blog/r")
+		return i >= 0 && j > i
+	})
+}
+
+// TestLeavesAloneWhatIsNotItsJob: the agent's own pod, a pod still being
+// set up (no IP yet: its CNI ADD captures it) and a pod whose netns cannot
+// be found (retried, never captured blind).
+func TestLeavesAloneWhatIsNotItsJob(t *testing.T) {
+	e := newEnv(t, nil)
+	e.kube.SetPod(running(self.Namespace, self.Name, "u-self", "10.1.0.5"))
+	starting := running("blog", "starting", "u-s", "")
+	starting.Status = corev1.PodStatus{Phase: corev1.PodPending}
+	e.kube.SetPod(starting)
+	e.kube.SetPod(running("blog", "lost", "u-lost", "10.1.0.6"))
+	poll.Until(t, "a scan for the lost pod", func() bool {
+		for _, s := range e.finder.scanLog() {
+			if slices.Contains(s, "u-lost") {
+				return true
+			}
+		}
+		return false
+	})
+	time.Sleep(100 * time.Millisecond)
+	if calls := e.agent.log(); len(calls) != 0 {
+		t.Errorf("agent calls %v, want none", calls)
+	}
+	for _, s := range e.finder.scanLog() {
+		if slices.Contains(s, "u-self") || slices.Contains(s, "u-s") {
+			t.Errorf("scanned for %v", s)
+		}
+	}
+	// Once its netns shows up, the retry captures it.
+	e.finder.setRunning("u-lost")
+	poll.Until(t, "capture once found", func() bool { return e.agent.count("capture blog/lost") == 1 })
+}

@@ -1,0 +1,345 @@
+package nftables
+
+import (
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"log/slog"
+	"slices"
+	"sync"
+
+	gnft "github.com/google/nftables"
+
+	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+)
+
+// Applier installs, verifies and removes the in-pod rules as nf_tables
+// tables (inet istio-ambient-raw, -mangle, -nat) over netlink, in one
+// atomic batch per pod for both families, plus the policy route. Each call
+// enters the pod's namespace once, to read its state and open its sockets;
+// the rest runs on those sockets. It holds no per-namespace state, so one
+// Applier serves every pod and is safe for concurrent use. Close waits for
+// connections it closes in the background.
+type Applier struct {
+	log *slog.Logger
+	// stripes serialise Apply and Remove per namespace path.
+	stripes [64]sync.Mutex
+	// closing tracks connections closed in the background: closing a
+	// socket whose batch deleted rules waits for the kernel (10-25 ms), so
+	// the caller does not.
+	closing sync.WaitGroup
+
+	mu       sync.Mutex
+	programs map[string]program // rendered pod rules by configuration
+
+	// beforeFlush, set by tests only, queues more on an apply's batch.
+	beforeFlush func(conn)
+}
+
+// NewApplier returns an Applier.
+func NewApplier(log *slog.Logger) *Applier {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &Applier{log: log.With("component", "nftables"), programs: map[string]program{}}
+}
+
+// maxPrograms bounds the rendering cache; pods share a handful of
+// configurations, so the bound is only a guard.
+const maxPrograms = 256
+
+// program renders cfg's rules, or returns them from the cache. Programs
+// are never modified after rendering, so sharing them is safe.
+func (a *Applier) program(cfg ruleset.PodConfig) (program, error) {
+	key := fmt.Sprintf("%+v", cfg.WithDefaults())
+	a.mu.Lock()
+	p, ok := a.programs[key]
+	a.mu.Unlock()
+	if ok {
+		return p, nil
+	}
+	p, err := renderPod(cfg)
+	if err != nil {
+		return program{}, err
+	}
+	a.mu.Lock()
+	if len(a.programs) >= maxPrograms {
+		clear(a.programs)
+	}
+	a.programs[key] = p
+	a.mu.Unlock()
+	return p, nil
+}
+
+// Close waits for background connection closes to finish.
+func (a *Applier) Close() error {
+	a.closing.Wait()
+	return nil
+}
+
+func (a *Applier) lock(netnsPath string) func() {
+	h := fnv.New32a()
+	_, _ = h.Write([]byte(netnsPath))
+	m := &a.stripes[h.Sum32()%uint32(len(a.stripes))]
+	m.Lock()
+	return m.Unlock
+}
+
+// release closes c: at once, or in the background after a batch that
+// deleted something.
+func (a *Applier) release(c conn, deleted bool) {
+	if !deleted {
+		_ = c.CloseLasting()
+		return
+	}
+	a.closing.Go(func() { _ = c.CloseLasting() })
+}
+
+// podNetns refuses an empty path: it would mean the agent's own (the
+// host's) namespace, never a pod's.
+func podNetns(path string) error {
+	if path == "" {
+		return errors.New("pod netns path is empty")
+	}
+	return nil
+}
+
+// open enters the namespace once: its state, a route socket and an
+// nf_tables socket, both usable from any thread afterwards.
+func open(netnsPath string) (*policyroute.Conn, conn, error) {
+	var c conn
+	rt, err := policyroute.Open(netnsPath, func() error {
+		gc, err := gnft.New(gnft.AsLasting())
+		if err != nil {
+			return fmt.Errorf("nf_tables netlink: %w", err)
+		}
+		c = conn{gc}
+		return nil
+	})
+	if err != nil {
+		if c.Conn != nil {
+			_ = c.CloseLasting()
+		}
+		return nil, conn{}, err
+	}
+	return rt, c, nil
+}
+
+// routes lists the families whose policy route belongs to the desired
+// state: IPv4 always, IPv6 when the namespace and its lo have it.
+func routes(st policyroute.NetnsState) []ruleset.Family {
+	if st.IPv6 && st.IPv6Loopback {
+		return ruleset.Families
+	}
+	return []ruleset.Family{ruleset.IPv4}
+}
+
+// Others is what a call saw, at no extra cost, of another backend in the
+// namespace, for the caller that moves pods between backends.
+type Others struct {
+	// IPTablesNFT: the namespace has ip or ip6 nf_tables tables, where
+	// iptables-nft would keep rules.
+	IPTablesNFT bool
+	// XTables: the namespace has x_tables (iptables-legacy) tables.
+	XTables bool
+}
+
+func others(st policyroute.NetnsState, foreign bool) Others {
+	return Others{IPTablesNFT: foreign, XTables: len(st.XTables) > 0}
+}
+
+// Apply installs cfg's rules in the namespace: the policy routes, then one
+// nf_tables batch that replaces our tables with the desired ones (both
+// families in inet tables). When the tables already hold exactly the
+// desired rules, nothing is written. It is all or nothing: when the batch
+// fails, the routes it added are removed again and the namespace is as it
+// was.
+func (a *Applier) Apply(netnsPath string, cfg ruleset.PodConfig) error {
+	_, err := a.ApplySeeing(netnsPath, cfg)
+	return err
+}
+
+// ApplySeeing is Apply, also reporting what it saw of other backends.
+func (a *Applier) ApplySeeing(netnsPath string, cfg ruleset.PodConfig) (Others, error) {
+	if err := podNetns(netnsPath); err != nil {
+		return Others{}, err
+	}
+	if err := cfg.Validate(); err != nil {
+		return Others{}, err
+	}
+	p, err := a.program(cfg)
+	if err != nil {
+		return Others{}, err
+	}
+	defer a.lock(netnsPath)()
+	rt, c, err := open(netnsPath)
+	if err != nil {
+		return Others{}, err
+	}
+	defer rt.Close()
+	st := rt.State
+	if !st.LoopbackUp {
+		_ = c.CloseLasting()
+		return Others{}, fmt.Errorf("lo is down in netns %s: redirected traffic could not reach ztunnel", netnsPath)
+	}
+	live, foreign, err := readLive(c, PodTables, false)
+	if err != nil {
+		_ = c.CloseLasting()
+		return Others{}, fmt.Errorf("read nf_tables state of netns %s: %w", netnsPath, err)
+	}
+	seen := others(st, foreign)
+	rulesOK := len(live) > 0 && len(diff(p, live, PodTables)) == 0
+
+	var added []routeAdded
+	var errs []error
+	for _, f := range routes(st) {
+		parts, err := rt.EnsurePolicyRoute(f, ruleset.PodRules(cfg, f).Routing)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s policy routing in netns %s: %w", f, netnsPath, err))
+			break
+		}
+		added = append(added, routeAdded{f, parts})
+	}
+	if len(errs) == 0 && !rulesOK {
+		// Replace, never patch: our tables are ours alone, so deleting
+		// and re-adding them in one transaction is exact and atomic.
+		for name := range live {
+			c.DelTable(&gnft.Table{Name: name, Family: gnft.TableFamilyINet})
+		}
+		add(c, p)
+		if a.beforeFlush != nil {
+			a.beforeFlush(c)
+		}
+		if err := c.Flush(); err != nil {
+			errs = append(errs, fmt.Errorf("apply nf_tables rules in netns %s: %w", netnsPath, err))
+		}
+	}
+	a.release(c, len(live) > 0 && !rulesOK)
+	if len(errs) > 0 {
+		for _, r := range added {
+			if r.parts.Any() {
+				if err := rt.RemovePolicyRoute(r.f, ruleset.PodRules(cfg, r.f).Routing, r.parts); err != nil {
+					errs = append(errs, fmt.Errorf("undo %s policy routing: %w", r.f, err))
+				}
+			}
+		}
+		return seen, errors.Join(errs...)
+	}
+	a.log.Debug("rules applied", "netns", netnsPath, "changed", !rulesOK)
+	return seen, nil
+}
+
+type routeAdded struct {
+	f     ruleset.Family
+	parts policyroute.Parts
+}
+
+// Verify compares the namespace with cfg's desired state and returns the
+// drift; an empty Drift means the rules are exactly in place. Rules are
+// compared by the id each carries (a hash of its rendering), so a rule
+// edited or added by hand, or left by another version, shows.
+func (a *Applier) Verify(netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift, error) {
+	d, _, err := a.VerifySeeing(netnsPath, cfg)
+	return d, err
+}
+
+// VerifySeeing is Verify, also reporting what it saw of other backends.
+func (a *Applier) VerifySeeing(netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift, Others, error) {
+	if err := podNetns(netnsPath); err != nil {
+		return ruleset.Drift{}, Others{}, err
+	}
+	if err := cfg.Validate(); err != nil {
+		return ruleset.Drift{}, Others{}, err
+	}
+	p, err := a.program(cfg)
+	if err != nil {
+		return ruleset.Drift{}, Others{}, err
+	}
+	rt, c, err := open(netnsPath)
+	if err != nil {
+		return ruleset.Drift{}, Others{}, err
+	}
+	defer rt.Close()
+	defer func() { _ = c.CloseLasting() }()
+	live, foreign, err := readLive(c, PodTables, false)
+	if err != nil {
+		return ruleset.Drift{}, Others{}, fmt.Errorf("read nf_tables state of netns %s: %w", netnsPath, err)
+	}
+	d := ruleset.Drift{Items: diff(p, live, PodTables)}
+	for _, f := range routes(rt.State) {
+		want := ruleset.PodRules(cfg, f).Routing
+		rule, route, err := rt.PolicyRouteState(f, want)
+		if err != nil {
+			return ruleset.Drift{}, Others{}, fmt.Errorf("%s policy routing in netns %s: %w", f, netnsPath, err)
+		}
+		d.Items = append(d.Items, policyroute.Drift(f, want, rule, route)...)
+	}
+	return d, others(rt.State, foreign), nil
+}
+
+// Remove deletes our tables (whatever options they were applied with) in
+// one batch, then the policy routes. Idempotent, and safe when nothing is
+// installed.
+func (a *Applier) Remove(netnsPath string) error {
+	_, err := a.remove(netnsPath, true)
+	return err
+}
+
+// RemoveSeeing is Remove, also reporting what it saw of other backends.
+func (a *Applier) RemoveSeeing(netnsPath string) (Others, error) {
+	return a.remove(netnsPath, true)
+}
+
+// RemoveRules deletes our tables but keeps the policy routes: for moving a
+// pod to the other backend, which uses the same routes.
+func (a *Applier) RemoveRules(netnsPath string) error {
+	_, err := a.remove(netnsPath, false)
+	return err
+}
+
+func (a *Applier) remove(netnsPath string, routing bool) (Others, error) {
+	if err := podNetns(netnsPath); err != nil {
+		return Others{}, err
+	}
+	defer a.lock(netnsPath)()
+	rt, c, err := open(netnsPath)
+	if err != nil {
+		return Others{}, err
+	}
+	defer rt.Close()
+	tables, err := c.ListTablesOfFamily(gnft.TableFamilyUnspecified)
+	if err != nil {
+		_ = c.CloseLasting()
+		return Others{}, fmt.Errorf("list nf_tables tables in netns %s: %w", netnsPath, err)
+	}
+	n, foreign := 0, false
+	for _, t := range tables {
+		foreign = foreign || t.Family == gnft.TableFamilyIPv4 || t.Family == gnft.TableFamilyIPv6
+		if t.Family == gnft.TableFamilyINet && slices.Contains(PodTables, t.Name) {
+			c.DelTable(t)
+			n++
+		}
+	}
+	if n > 0 {
+		err = c.Flush()
+	}
+	a.release(c, n > 0)
+	seen := others(rt.State, foreign)
+	if err != nil {
+		return seen, fmt.Errorf("remove nf_tables rules in netns %s: %w", netnsPath, err)
+	}
+	if !routing {
+		return seen, nil
+	}
+	fams := []ruleset.Family{ruleset.IPv4}
+	if rt.State.IPv6 || rt.State.IPv6Loopback {
+		fams = ruleset.Families
+	}
+	for _, f := range fams {
+		if err := rt.RemovePolicyRoute(f, ruleset.PodRules(ruleset.PodConfig{}, f).Routing, policyroute.All); err != nil {
+			return seen, fmt.Errorf("%s policy routing in netns %s: %w", f, netnsPath, err)
+		}
+	}
+	return seen, nil
+}

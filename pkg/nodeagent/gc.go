@@ -1,0 +1,91 @@
+package nodeagent
+
+import (
+	"context"
+	"time"
+
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
+)
+
+// GC forgets every CNI-enrolled pod whose sandbox is not in valid (pods the
+// controller enrolled carry no sandbox id and are left to it). It returns
+// how many it removed.
+func (a *Agent) GC(ctx context.Context, valid []string) int {
+	keep := make(map[string]bool, len(valid))
+	for _, id := range valid {
+		keep[id] = true
+	}
+	type stale struct {
+		sandbox string
+		uid     types.UID
+	}
+	var drop []stale
+	a.mu.Lock()
+	for uid, e := range a.pods {
+		if e.SandboxID != "" && !keep[e.SandboxID] {
+			drop = append(drop, stale{e.SandboxID, uid})
+		}
+	}
+	a.mu.Unlock()
+	for _, s := range drop {
+		_ = a.RemoveSandbox(ctx, s.sandbox, s.uid)
+	}
+	if len(drop) > 0 {
+		a.log.Info("gc removed stale sandboxes", "count", len(drop))
+	}
+	return len(drop)
+}
+
+// DrainSpool replays the DELs the plugin spooled while the agent was
+// unreachable, removing each entry once handled (unusable entries are
+// logged and removed). Call it at startup after restoring state, then
+// leave it to RunSpoolDrain.
+func (a *Agent) DrainSpool(ctx context.Context) (int, error) {
+	entries, err := nodefiles.List(a.cfg.SpoolDir)
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, en := range entries {
+		if en.Err != nil {
+			a.log.Warn("dropping unusable spool entry", "path", en.Path, "err", en.Err)
+			_ = nodefiles.Remove(en.Path)
+			continue
+		}
+		if err := a.RemoveSandbox(ctx, en.Event.SandboxID, types.UID(en.Event.PodUID)); err != nil {
+			a.log.Warn("replay spooled DEL", "sandbox", en.Event.SandboxID, "err", err)
+			continue
+		}
+		if err := nodefiles.Remove(en.Path); err != nil {
+			a.log.Warn("remove spool entry", "err", err)
+		}
+		n++
+	}
+	if n > 0 {
+		a.log.Info("replayed spooled DELs", "count", n)
+	}
+	return n, nil
+}
+
+// spoolDrainInterval is how often RunSpoolDrain replays spooled DELs.
+const spoolDrainInterval = 30 * time.Second
+
+// RunSpoolDrain replays spooled DELs every spoolDrainInterval until ctx
+// ends: the plugin also spools a DEL that timed out while the agent stayed
+// up, not only while it was away.
+func (a *Agent) RunSpoolDrain(ctx context.Context) error {
+	t := time.NewTicker(spoolDrainInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+			if _, err := a.DrainSpool(ctx); err != nil {
+				a.log.Warn("drain DEL spool", "err", err)
+			}
+		}
+	}
+}

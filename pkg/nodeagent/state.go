@@ -1,0 +1,87 @@
+package nodeagent
+
+import (
+	"slices"
+	"sort"
+
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/ambient-cni/ambient-cni/pkg/zds"
+)
+
+// Pending reports whether uid is enrolled with its rules in place but not
+// yet acknowledged by ztunnel.
+func (a *Agent) Pending(uid types.UID) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	e := a.pods[uid]
+	return e != nil && e.State == StatePending
+}
+
+// EnrolledUID reports the uid enrolled under namespace/name, if any.
+func (a *Agent) EnrolledUID(namespace, name string) (types.UID, bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for uid, e := range a.pods {
+		if e.Namespace == namespace && e.Name == name {
+			return uid, true
+		}
+	}
+	return "", false
+}
+
+// StateCounts counts the enrolled pods per state (the redirection
+// annotation's value), every state present, for the metrics.
+func (a *Agent) StateCounts() map[string]int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	out := map[string]int{string(StatePending): 0, string(StateEnabled): 0}
+	for _, e := range a.pods {
+		out[string(e.State)]++
+	}
+	return out
+}
+
+// Pods returns a copy of the enrolled-pod state, sorted by namespace/name.
+func (a *Agent) Pods() []EnrolledPod {
+	a.mu.Lock()
+	out := make([]EnrolledPod, 0, len(a.pods))
+	for _, e := range a.pods {
+		p := e.EnrolledPod
+		p.IPs = slices.Clone(p.IPs)
+		out = append(out, p)
+	}
+	a.mu.Unlock()
+	sort.Slice(out, func(i, j int) bool {
+		if out[i].Namespace != out[j].Namespace {
+			return out[i].Namespace < out[j].Namespace
+		}
+		return out[i].Name < out[j].Name
+	})
+	return out
+}
+
+// Workloads lists every enrolled pod, including those whose ztunnel Add is
+// still in flight, for the ZDS snapshot (zds.Config.Snapshot). It never
+// waits on enroll work.
+func (a *Agent) Workloads() []zds.Workload {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	out := make([]zds.Workload, 0, len(a.pods))
+	for _, e := range a.pods {
+		out = append(out, a.workload(e))
+	}
+	return out
+}
+
+// Close releases every held netns handle; the rules stay, so a restarted
+// agent can restore the pods without touching their traffic.
+func (a *Agent) Close() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for uid, e := range a.pods {
+		_ = e.ns.Close()
+		delete(a.pods, uid)
+	}
+	return nil
+}

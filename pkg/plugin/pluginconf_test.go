@@ -1,0 +1,39 @@
+package plugin
+
+import (
+	"encoding/json"
+	"log/slog"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+)
+
+// TestEntryRoundTrip proves the entry the installer writes from
+// ambient.PluginConf is read back by the plugin with every value intact.
+func TestEntryRoundTrip(t *testing.T) {
+	e := ambient.PluginConf{AgentSocket: "/run/x/agent.sock", Timeout: "12s", LogLevel: "debug",
+		ExcludedNamespaces: []string{"infra", "kube-system"}, StatusRequiresAgent: true}
+	b, err := json.Marshal(e)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var m map[string]any
+	_ = json.Unmarshal(b, &m)
+	m["cniVersion"], m["name"], m["type"] = "1.0.0", "k8s-pod-network", "ambient-cni"
+	stdin, _ := json.Marshal(m)
+	c, err := ParseConfig(stdin)
+	if err != nil {
+		t.Fatalf("ParseConfig(entry): %v", err)
+	}
+	want := &Config{
+		CNIVersion: "1.0.0", Name: "k8s-pod-network", AgentSocket: e.AgentSocket,
+		SnapshotFile: "/run/x/enablement.json", SpoolDir: "/run/x/pending-del",
+		Timeout: 12 * time.Second, LogLevel: slog.LevelDebug, ExcludedNamespaces: e.ExcludedNamespaces, StatusRequiresAgent: true,
+	}
+	if diff := cmp.Diff(want, c); diff != "" {
+		t.Fatalf("entry %s parsed wrong (-want +got):\n%s", b, diff)
+	}
+}

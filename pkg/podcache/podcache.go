@@ -1,0 +1,277 @@
+// Package podcache is the node agent's view of the cluster, used by the
+// plugin event server to decide CNI ADDs, by the pod controller to decide
+// on running pods and requeue them, and by the agent to build the plugin's
+// enablement snapshot: informers and listers for the pods bound to this
+// node and for every namespace, the enablement policy applied to them, and
+// change notifications. Build it first; it needs nothing else of the agent.
+package podcache
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	listerscorev1 "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/tools/cache"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+)
+
+// Config configures a Cache.
+type Config struct {
+	Client   kubernetes.Interface
+	NodeName string
+	Policy   enablement.Policy
+	// Self is the agent's own pod, never enrolled.
+	Self types.NamespacedName
+	// AssumePodLevelEnablement makes EnablementState report pod-level
+	// enablement even when no pod on this node uses it yet.
+	AssumePodLevelEnablement bool
+	Logger                   *slog.Logger
+}
+
+// Cache holds the informers. Create it with New, register handlers, then
+// Run it.
+type Cache struct {
+	cfg    Config
+	log    *slog.Logger
+	pods   listerscorev1.PodLister
+	nss    listerscorev1.NamespaceLister
+	synced []cache.InformerSynced
+	start  func(stop <-chan struct{})
+	stop   func()
+
+	mu           sync.Mutex
+	onChange     []func(types.NamespacedName)
+	onEnablement []func()
+}
+
+// New builds the informers; nothing runs until Run.
+func New(cfg Config) *Cache {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	c := &Cache{cfg: cfg, log: cfg.Logger.With("component", "pod-cache")}
+	podFactory := informers.NewSharedInformerFactoryWithOptions(cfg.Client, 0,
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", cfg.NodeName).String()
+		}))
+	nsFactory := informers.NewSharedInformerFactory(cfg.Client, 0)
+	podInf := podFactory.Core().V1().Pods()
+	nsInf := nsFactory.Core().V1().Namespaces()
+	c.pods, c.nss = podInf.Lister(), nsInf.Lister()
+	c.synced = []cache.InformerSynced{podInf.Informer().HasSynced, nsInf.Informer().HasSynced}
+
+	_, _ = podInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(o any) { c.podChanged(o) },
+		UpdateFunc: func(_, o any) { c.podChanged(o) },
+		DeleteFunc: func(o any) { c.podChanged(o) },
+	})
+	_, _ = nsInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: func(o any) { c.namespaceChanged(o) },
+		UpdateFunc: func(old, o any) {
+			if nsLabel(old) != nsLabel(o) {
+				c.namespaceChanged(o)
+			}
+		},
+		DeleteFunc: func(o any) { c.namespaceChanged(o) },
+	})
+	c.start = func(stop <-chan struct{}) {
+		podFactory.Start(stop)
+		nsFactory.Start(stop)
+	}
+	c.stop = func() {
+		podFactory.Shutdown()
+		nsFactory.Shutdown()
+	}
+	return c
+}
+
+// OnChange registers f to be told about every pod whose enablement
+// decision may have changed: the pod was added, updated or deleted, or its
+// namespace's ambient label changed. It runs on an informer goroutine, so
+// it must be quick (e.g. a workqueue Add). Register before Run.
+func (c *Cache) OnChange(f func(pod types.NamespacedName)) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.onChange = append(c.onChange, f)
+}
+
+// OnEnablementChange registers f to be told whenever EnablementState may
+// have changed. It runs on an informer goroutine. Register before Run.
+func (c *Cache) OnEnablementChange(f func()) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.onEnablement = append(c.onEnablement, f)
+}
+
+func (c *Cache) handlers() ([]func(types.NamespacedName), []func()) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.onChange, c.onEnablement
+}
+
+func nsLabel(o any) string {
+	if n, ok := o.(*corev1.Namespace); ok {
+		return n.Labels[ambient.DataplaneModeLabel]
+	}
+	return ""
+}
+
+func (c *Cache) podChanged(o any) {
+	if t, ok := o.(cache.DeletedFinalStateUnknown); ok {
+		o = t.Obj
+	}
+	p, ok := o.(*corev1.Pod)
+	if !ok {
+		return
+	}
+	onChange, onEnablement := c.handlers()
+	for _, f := range onChange {
+		f(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
+	}
+	if p.Labels[ambient.DataplaneModeLabel] == ambient.DataplaneModeAmbient {
+		for _, f := range onEnablement {
+			f()
+		}
+	}
+}
+
+func (c *Cache) namespaceChanged(o any) {
+	if t, ok := o.(cache.DeletedFinalStateUnknown); ok {
+		o = t.Obj
+	}
+	n, ok := o.(*corev1.Namespace)
+	if !ok {
+		return
+	}
+	pods, err := c.pods.Pods(n.Name).List(labels.Everything())
+	if err != nil {
+		c.log.Warn("list pods of namespace", "namespace", n.Name, "err", err)
+	}
+	onChange, onEnablement := c.handlers()
+	for _, p := range pods {
+		for _, f := range onChange {
+			f(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
+		}
+	}
+	for _, f := range onEnablement {
+		f()
+	}
+}
+
+// Run starts the informers and keeps them running until ctx ends; it
+// returns once they have stopped.
+func (c *Cache) Run(ctx context.Context) error {
+	c.start(ctx.Done())
+	<-ctx.Done()
+	c.stop()
+	return nil
+}
+
+// WaitForSync blocks until both informers have listed once, or ctx ends.
+func (c *Cache) WaitForSync(ctx context.Context) error {
+	if !cache.WaitForCacheSync(ctx.Done(), c.synced...) {
+		return fmt.Errorf("pod cache did not sync: %w", ctx.Err())
+	}
+	return nil
+}
+
+// HasSynced reports whether both informers have listed once.
+func (c *Cache) HasSynced() bool {
+	for _, s := range c.synced {
+		if !s() {
+			return false
+		}
+	}
+	return true
+}
+
+// Pod returns a pod of this node from the cache.
+func (c *Cache) Pod(namespace, name string) (*corev1.Pod, error) {
+	return c.pods.Pods(namespace).Get(name)
+}
+
+// Namespace returns a namespace from the cache.
+func (c *Cache) Namespace(name string) (*corev1.Namespace, error) {
+	return c.nss.Get(name)
+}
+
+// Pods lists every pod of this node in the cache.
+func (c *Cache) Pods() ([]*corev1.Pod, error) {
+	return c.pods.List(labels.Everything())
+}
+
+// Decide answers the CNI path: the enablement decision for a pod the
+// runtime is starting, with the pod. It reads the cache and, on a miss (or
+// a stale entry with another UID), the API server once; uid, when set,
+// must match.
+func (c *Cache) Decide(ctx context.Context, namespace, name, uid string) (enablement.Decision, *corev1.Pod, error) {
+	p, err := c.pods.Pods(namespace).Get(name)
+	if err != nil || (uid != "" && string(p.UID) != uid) {
+		p, err = c.cfg.Client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return enablement.Decision{}, nil, fmt.Errorf("get pod %s/%s: %w", namespace, name, err)
+		}
+		if uid != "" && string(p.UID) != uid {
+			return enablement.Decision{}, nil, fmt.Errorf("pod %s/%s has uid %s, runtime asked for %s", namespace, name, p.UID, uid)
+		}
+	}
+	ns, err := c.nss.Get(namespace)
+	if apierrors.IsNotFound(err) {
+		if ns, err = c.cfg.Client.CoreV1().Namespaces().Get(ctx, namespace, metav1.GetOptions{}); err != nil {
+			return enablement.Decision{}, nil, fmt.Errorf("get namespace %s: %w", namespace, err)
+		}
+	}
+	return c.decide(p, ns), p, nil
+}
+
+// DecideCached is the pod controller's decision for a cached pod, with its
+// namespace from the cache (a namespace not in the cache counts as not
+// labelled).
+func (c *Cache) DecideCached(p *corev1.Pod) enablement.Decision {
+	ns, _ := c.nss.Get(p.Namespace)
+	return c.decide(p, ns)
+}
+
+func (c *Cache) decide(p *corev1.Pod, ns *corev1.Namespace) enablement.Decision {
+	if p.Namespace == c.cfg.Self.Namespace && p.Name == c.cfg.Self.Name {
+		return enablement.Decision{Enroll: false, Reason: enablement.ReasonDataPlanePod}
+	}
+	return c.cfg.Policy.Decide(p, ns)
+}
+
+// EnablementState is what the plugin's fallback snapshot needs: enabled
+// namespaces, and whether any pod on this node is enabled by its own label
+// outside them (or the operator said to assume so).
+func (c *Cache) EnablementState() (enabled []string, podLevel bool) {
+	nss, _ := c.nss.List(labels.Everything())
+	for _, n := range nss {
+		if enablement.NamespaceEnabled(n) && !c.cfg.Policy.IsExcludedNamespace(n.Name) {
+			enabled = append(enabled, n.Name)
+		}
+	}
+	slices.Sort(enabled)
+	podLevel = c.cfg.AssumePodLevelEnablement
+	if !podLevel {
+		pods, _ := c.pods.List(labels.Everything())
+		for _, p := range pods {
+			if p.Labels[ambient.DataplaneModeLabel] == ambient.DataplaneModeAmbient && !slices.Contains(enabled, p.Namespace) {
+				podLevel = true
+				break
+			}
+		}
+	}
+	return enabled, podLevel
+}

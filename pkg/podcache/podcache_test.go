@@ -1,0 +1,190 @@
+package podcache_test
+
+import (
+	"context"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/ambient-cni/ambient-cni/test/poll"
+
+	"github.com/google/go-cmp/cmp"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/podcache"
+	"github.com/ambient-cni/ambient-cni/test/fakecluster"
+)
+
+func pod(ns, name, uid string, labels map[string]string) *corev1.Pod {
+	return &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name, UID: types.UID(uid), Labels: labels}}
+}
+
+func namespace(name string, ambientOn bool) *corev1.Namespace {
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}
+	if ambientOn {
+		ns.Labels = map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}
+	}
+	return ns
+}
+
+// recorder keeps the cache's notifications.
+type recorder struct {
+	mu         sync.Mutex
+	changed    []string
+	enablement int
+}
+
+func (r *recorder) onChange(k types.NamespacedName) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.changed = append(r.changed, k.String())
+}
+
+func (r *recorder) onEnablement() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.enablement++
+}
+
+func (r *recorder) state() ([]string, int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.changed), r.enablement
+}
+
+func TestDecide(t *testing.T) {
+	self := types.NamespacedName{Namespace: "istio-system", Name: "ambient-cni-x1"}
+	k := fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy(), Self: self})
+	k.Start()
+	ctx := context.Background()
+	k.SetNamespace(namespace("shop", true))
+	k.SetNamespace(namespace("kube-system", true))
+	k.SetNamespace(namespace("istio-system", true))
+	k.SetPod(pod("shop", "a", "u-a", nil))
+	k.SetPod(pod("kube-system", "dns", "u-dns", nil))
+	k.SetPod(pod(self.Namespace, self.Name, "u-self", nil))
+
+	for _, tc := range []struct {
+		ns, name, uid string // uid "" asks without one
+		podUID        types.UID
+		want          enablement.Decision
+	}{
+		{"shop", "a", "u-a", "u-a", enablement.Decision{Enroll: true, Reason: enablement.ReasonNamespaceLabel}},
+		{"kube-system", "dns", "", "u-dns", enablement.Decision{Enroll: false, Reason: enablement.ReasonExcludedNamespace}},
+		{self.Namespace, self.Name, "", "u-self", enablement.Decision{Enroll: false, Reason: enablement.ReasonDataPlanePod}},
+	} {
+		dec, p, err := k.Cache.Decide(ctx, tc.ns, tc.name, tc.uid)
+		if err != nil {
+			t.Errorf("%s/%s: %v", tc.ns, tc.name, err)
+			continue
+		}
+		if diff := cmp.Diff(tc.want, dec); diff != "" || p.UID != tc.podUID {
+			t.Errorf("%s/%s: pod uid %s, decision (-want +got):\n%s", tc.ns, tc.name, p.UID, diff)
+		}
+	}
+	if _, _, err := k.Cache.Decide(ctx, "shop", "a", "other"); err == nil {
+		t.Errorf("uid mismatch accepted")
+	}
+	if _, _, err := k.Cache.Decide(ctx, "shop", "missing", ""); err == nil {
+		t.Errorf("unknown pod accepted")
+	}
+	if en, pl := k.Cache.EnablementState(); strings.Join(en, ",") != "istio-system,shop" || pl {
+		t.Errorf("enablement %v %v (excluded namespaces are never enabled)", en, pl)
+	}
+	// The cached decision of the controller path agrees.
+	p, err := k.Cache.Pod("shop", "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dec := k.Cache.DecideCached(p); !dec.Enroll || dec.Reason != enablement.ReasonNamespaceLabel {
+		t.Errorf("cached decision %+v", dec)
+	}
+}
+
+// TestDecideMissesGoToTheAPI: a pod the runtime starts before the cache
+// heard of it (or a stale entry under another UID) is read from the API.
+func TestDecideMissesGoToTheAPI(t *testing.T) {
+	k := fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy()})
+	k.Start()
+	ctx := context.Background()
+	// Straight to the API, not awaited: the cache may not have it yet.
+	if _, err := k.Client.CoreV1().Namespaces().Create(ctx, namespace("fresh", true), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	p := pod("fresh", "new", "u-new", nil)
+	p.Spec.NodeName = fakecluster.NodeName
+	if _, err := k.Client.CoreV1().Pods("fresh").Create(ctx, p, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if dec, got, err := k.Cache.Decide(ctx, "fresh", "new", "u-new"); err != nil || !dec.Enroll || got.UID != "u-new" {
+		t.Errorf("fresh/new: %+v %v", dec, err)
+	}
+	// Recreated under the same name: the runtime's UID wins over the cache.
+	k.SetPod(pod("fresh", "re", "u-old", nil))
+	if err := k.Client.CoreV1().Pods("fresh").Delete(ctx, "re", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	re := pod("fresh", "re", "u-new2", nil)
+	re.Spec.NodeName = fakecluster.NodeName
+	if _, err := k.Client.CoreV1().Pods("fresh").Create(ctx, re, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if dec, got, err := k.Cache.Decide(ctx, "fresh", "re", "u-new2"); err != nil || !dec.Enroll || got.UID != "u-new2" {
+		t.Errorf("fresh/re: %+v %v", dec, err)
+	}
+}
+
+func TestNotifications(t *testing.T) {
+	k := fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy()})
+	var r recorder
+	k.Cache.OnChange(r.onChange)
+	k.Cache.OnEnablementChange(r.onEnablement)
+	k.Start()
+	k.SetNamespace(namespace("shop", false))
+	poll.Until(t, "namespace add notified", func() bool { _, n := r.state(); return n == 1 })
+	k.SetPod(pod("shop", "a", "u-a", nil))
+	k.SetPod(pod("shop", "b", "u-b", nil))
+	poll.Until(t, "pod adds notified", func() bool { c, _ := r.state(); return len(c) == 2 })
+	// A label flip of the namespace touches every pod in it.
+	k.SetNamespace(namespace("shop", true))
+	poll.Until(t, "namespace label flip notified", func() bool {
+		c, n := r.state()
+		return n == 2 && len(c) == 4
+	})
+	// A namespace update that keeps the label is no change.
+	ns := namespace("shop", true)
+	ns.Annotations = map[string]string{"x": "y"}
+	k.SetNamespace(ns)
+	// A pod labelled ambient may change pod-level enablement.
+	k.SetPod(pod("shop", "c", "u-c", map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}))
+	k.DeletePod("shop", "a")
+	poll.Until(t, "pod change and delete notified", func() bool { c, _ := r.state(); return len(c) == 6 })
+	changed, n := r.state()
+	if n != 3 {
+		t.Errorf("enablement notified %d times, want 3 (namespace add, label flip, labelled pod)", n)
+	}
+	slices.Sort(changed[2:4])
+	if want := "shop/a,shop/b,shop/a,shop/b,shop/c,shop/a"; strings.Join(changed, ",") != want {
+		t.Errorf("changes %v, want %s", changed, want)
+	}
+}
+
+func TestAssumePodLevelEnablement(t *testing.T) {
+	k := fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy(), AssumePodLevelEnablement: true})
+	k.Start()
+	if _, pl := k.Cache.EnablementState(); !pl {
+		t.Error("pod-level enablement not assumed")
+	}
+	k2 := fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy()})
+	k2.Start()
+	k2.SetPod(pod("plain", "solo", "u5", map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}))
+	if _, pl := k2.Cache.EnablementState(); !pl {
+		t.Error("a pod labelled outside an enabled namespace is pod-level enablement")
+	}
+}

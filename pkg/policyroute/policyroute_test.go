@@ -1,0 +1,98 @@
+package policyroute
+
+import (
+	"os"
+	"os/exec"
+	"slices"
+	"testing"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/vishvananda/netlink"
+)
+
+// TestState reads what the backends decide on: lo up, IPv6 on the
+// interfaces and on lo, x_tables registered.
+func TestState(t *testing.T) {
+	testnet.RequireRoot(t)
+	pair := testnet.NewPair(t)
+	p := pair.A.NS.Path()
+	st, err := Netlink{}.State(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !st.LoopbackUp || !st.IPv6 || !st.IPv6Loopback || len(st.XTables) != 0 {
+		t.Fatalf("fresh pod: %+v", st)
+	}
+	pair.A.Do(t, func() error {
+		if err := os.WriteFile("/proc/sys/net/ipv6/conf/lo/disable_ipv6", []byte("1"), 0o644); err != nil {
+			return err
+		}
+		lo, err := netlink.LinkByName("lo")
+		if err != nil {
+			return err
+		}
+		return netlink.LinkSetDown(lo)
+	})
+	if st, err = (Netlink{}).State(p); err != nil || st.LoopbackUp || !st.IPv6 || st.IPv6Loopback {
+		t.Fatalf("lo down without IPv6: %+v %v", st, err)
+	}
+	if _, err := (Netlink{}).State("/nonexistent/netns"); err == nil {
+		t.Fatal("bad path accepted")
+	}
+}
+
+// TestXTables: a namespace legacy iptables touched shows its tables.
+func TestXTables(t *testing.T) {
+	testnet.RequireRoot(t)
+	testnet.RequireCommands(t, "iptables-legacy")
+	n := testnet.NewNS(t)
+	if err := n.Do(func(ns.NetNS) error {
+		return runCmd("iptables-legacy", "-t", "nat", "-S")
+	}); err != nil {
+		t.Fatal(err)
+	}
+	st, err := Netlink{}.State(n.Path())
+	if err != nil || !slices.Contains(st.XTables, "nat") {
+		t.Fatalf("after iptables-legacy -t nat: %+v %v", st, err)
+	}
+}
+
+// TestEnsureRemove: adding reports what it added, a second add adds
+// nothing, removal of the named parts leaves the other.
+func TestEnsureRemove(t *testing.T) {
+	testnet.RequireRoot(t)
+	n := testnet.NewNS(t)
+	want := ruleset.PodRules(ruleset.PodConfig{}, ruleset.IPv4).Routing
+	c, err := Open(n.Path(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if got, err := c.EnsurePolicyRoute(ruleset.IPv4, want); err != nil || got != All {
+		t.Fatalf("first ensure: %+v %v", got, err)
+	}
+	if got, err := c.EnsurePolicyRoute(ruleset.IPv4, want); err != nil || got.Any() {
+		t.Fatalf("second ensure: %+v %v", got, err)
+	}
+	if err := c.RemovePolicyRoute(ruleset.IPv4, want, Parts{Rule: true}); err != nil {
+		t.Fatal(err)
+	}
+	if rule, route, err := c.PolicyRouteState(ruleset.IPv4, want); err != nil || rule || !route {
+		t.Fatalf("after removing the rule: rule %v route %v %v", rule, route, err)
+	}
+	if d := Drift(ruleset.IPv4, want, false, true); len(d) != 1 || d[0].Object != "ip rule" {
+		t.Fatalf("drift %v", d)
+	}
+	if err := c.RemovePolicyRoute(ruleset.IPv4, want, All); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.RemovePolicyRoute(ruleset.IPv4, want, All); err != nil {
+		t.Fatalf("second remove: %v", err)
+	}
+}
+
+func runCmd(name string, args ...string) error {
+	return exec.Command(name, args...).Run()
+}

@@ -1,0 +1,107 @@
+package ruleset
+
+import (
+	"fmt"
+	"net/netip"
+	"strings"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+)
+
+// PodConfig holds the options for one pod's rule set.
+type PodConfig struct {
+	// ProbeSNATv4 and ProbeSNATv6 are the sources kubelet probes are SNATed
+	// to on the host; traffic from (and to) them bypasses capture. The zero
+	// value means ambient.DefaultProbeSNATv4 / ambient.DefaultProbeSNATv6.
+	ProbeSNATv4, ProbeSNATv6 netip.Addr
+	// DNSCapture redirects DNS (UDP and TCP port 53) to ztunnel's 15053.
+	DNSCapture bool
+	// BypassInbound disables inbound redirection to 15006 (ingress mode).
+	BypassInbound bool
+	// VirtualInterfaces are interfaces in the pod (KubeVirt's bridge to a
+	// VM, say) whose incoming TCP is redirected to ztunnel's outbound port
+	// as if the pod had sent it, whatever BypassInbound says. A trailing
+	// "+" matches every name with that prefix, as with iptables -i.
+	VirtualInterfaces []string
+}
+
+// MaxVirtualInterfaces bounds PodConfig.VirtualInterfaces: each name costs
+// a rule per family, and an annotation is not a place for hundreds.
+const MaxVirtualInterfaces = 32
+
+// validInterface accepts what the kernel accepts as an interface name (1 to
+// 15 bytes, no '/', ':' or whitespace, not "." or "..") in printable ASCII
+// without quotes or backslashes, with an optional trailing "+" wildcard.
+func validInterface(name string) error {
+	base := strings.TrimSuffix(name, "+")
+	if base == "" || len(name) > 15 || name == "." || name == ".." {
+		return fmt.Errorf("virtual interface name %q: want 1 to 15 characters", name)
+	}
+	for i := 0; i < len(base); i++ {
+		c := base[i]
+		if c <= ' ' || c >= 0x7f || strings.IndexByte("/:\"'+*\\", c) >= 0 {
+			return fmt.Errorf("virtual interface name %q: character %q not allowed", name, c)
+		}
+	}
+	return nil
+}
+
+// WithDefaults fills in the probe addresses.
+func (c PodConfig) WithDefaults() PodConfig {
+	if !c.ProbeSNATv4.IsValid() {
+		c.ProbeSNATv4 = ambient.DefaultProbeSNATv4
+	}
+	if !c.ProbeSNATv6.IsValid() {
+		c.ProbeSNATv6 = ambient.DefaultProbeSNATv6
+	}
+	return c
+}
+
+// Validate rejects probe addresses of the wrong family or with a zone, and
+// virtual interface names no backend could take.
+func (c PodConfig) Validate() error {
+	c = c.WithDefaults()
+	if !c.ProbeSNATv4.Unmap().Is4() {
+		return fmt.Errorf("probe SNAT v4 address %s is not IPv4", c.ProbeSNATv4)
+	}
+	if !c.ProbeSNATv6.Is6() || c.ProbeSNATv6.Is4In6() || c.ProbeSNATv6.Zone() != "" {
+		return fmt.Errorf("probe SNAT v6 address %s is not a plain IPv6 address", c.ProbeSNATv6)
+	}
+	if len(c.VirtualInterfaces) > MaxVirtualInterfaces {
+		return fmt.Errorf("%d virtual interfaces, at most %d", len(c.VirtualInterfaces), MaxVirtualInterfaces)
+	}
+	for _, n := range c.VirtualInterfaces {
+		if err := validInterface(n); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Probe returns the probe SNAT address for family f.
+func (c PodConfig) Probe(f Family) netip.Addr {
+	c = c.WithDefaults()
+	if f == IPv6 {
+		return c.ProbeSNATv6
+	}
+	return c.ProbeSNATv4.Unmap()
+}
+
+// HostProbeConfig holds the host-side options.
+type HostProbeConfig struct {
+	// ProbeSNATv4 and ProbeSNATv6 are the SNAT sources; zero means the
+	// ambient defaults. They must match the pods' PodConfig.
+	ProbeSNATv4, ProbeSNATv6 netip.Addr
+}
+
+// Pod returns the pod options with the same probe addresses.
+func (c HostProbeConfig) Pod() PodConfig {
+	return PodConfig{ProbeSNATv4: c.ProbeSNATv4, ProbeSNATv6: c.ProbeSNATv6}
+}
+
+// Validate rejects probe addresses of the wrong family.
+func (c HostProbeConfig) Validate() error { return c.Pod().Validate() }
+
+// Probe returns the SNAT source for family f, for callers wiring the pods'
+// PodConfig to the same addresses.
+func (c HostProbeConfig) Probe(f Family) netip.Addr { return c.Pod().Probe(f) }

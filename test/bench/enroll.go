@@ -1,0 +1,172 @@
+package bench
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/test/kubesim"
+)
+
+// owner gives kubesim what a test would: temp dirs and cleanups (run by
+// close, in reverse), and turns its Fatalf into an error.
+type owner struct {
+	dir      string
+	n        int
+	cleanups []func()
+}
+
+type fatal struct{ msg string }
+
+func (o *owner) Helper()          {}
+func (o *owner) Cleanup(f func()) { o.cleanups = append(o.cleanups, f) }
+func (o *owner) TempDir() string {
+	o.n++
+	d := filepath.Join(o.dir, fmt.Sprintf("tmp-%d", o.n))
+	_ = os.MkdirAll(d, 0o700)
+	return d
+}
+func (o *owner) Fatalf(format string, args ...any) { panic(fatal{fmt.Sprintf(format, args...)}) }
+
+func (o *owner) close() {
+	for i := len(o.cleanups) - 1; i >= 0; i-- {
+		o.cleanups[i]()
+	}
+	o.cleanups = nil
+}
+
+// catch turns an owner.Fatalf panic inside f into an error.
+func catch(f func() error) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			ft, ok := r.(fatal)
+			if !ok {
+				panic(r)
+			}
+			err = errors.New(ft.msg)
+		}
+	}()
+	return f()
+}
+
+// startPods runs n pods in namespace on the simulated kubelet: netns, CNI
+// ADD through the node's conflist, a process in a kubelet-shaped cgroup,
+// status Running with its IP. A few at a time, as a kubelet starts them.
+func startPods(ctx context.Context, node *kubesim.Node, namespace string, n int) ([]*kubesim.Pod, error) {
+	pods := make([]*kubesim.Pod, n)
+	errs := make(chan error, n)
+	sem := make(chan struct{}, 4)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			err := catch(func() error {
+				p, err := node.Run(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: fmt.Sprintf("run-%03d", i)}})
+				pods[i] = p
+				return err
+			})
+			if err != nil {
+				errs <- err
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	var all []error
+	for err := range errs {
+		all = append(all, err)
+	}
+	return pods, errors.Join(all...)
+}
+
+// teardown removes pods' sandboxes (CNI DEL through node.Conf, process,
+// netns) a few at a time; the objects stay (the API server goes with the run).
+func teardown(node *kubesim.Node, pods []*kubesim.Pod) error {
+	errs := make(chan error, len(pods))
+	sem := make(chan struct{}, 8)
+	var wg sync.WaitGroup
+	for _, p := range pods {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			if err := node.Teardown(context.Background(), p); err != nil {
+				errs <- err
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	var all []error
+	for err := range errs {
+		all = append(all, err)
+	}
+	return errors.Join(all...)
+}
+
+// enrollFlip labels the namespace ambient and returns how long it took
+// until every one of its n pods was annotated enabled, watching the pods
+// (a watch, not polling, so the benchmark adds no list load).
+func enrollFlip(ctx context.Context, client kubernetes.Interface, namespace string, n int, limit time.Duration) (time.Duration, error) {
+	ctx, cancel := context.WithTimeout(ctx, limit)
+	defer cancel()
+	pods := client.CoreV1().Pods(namespace)
+	list, err := pods.List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return 0, err
+	}
+	if len(list.Items) != n {
+		return 0, fmt.Errorf("namespace %s holds %d pods, want %d", namespace, len(list.Items), n)
+	}
+	enabled := map[types.UID]bool{}
+	for _, p := range list.Items {
+		if p.Annotations[ambient.RedirectionAnnotation] != "" {
+			return 0, fmt.Errorf("pod %s is annotated before the label", p.Name)
+		}
+	}
+	w, err := pods.Watch(ctx, metav1.ListOptions{ResourceVersion: list.ResourceVersion})
+	if err != nil {
+		return 0, err
+	}
+	defer w.Stop()
+	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]any{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}}})
+	start := time.Now()
+	if _, err := client.CoreV1().Namespaces().Patch(ctx, namespace, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		return 0, fmt.Errorf("label namespace %s: %w", namespace, err)
+	}
+	for len(enabled) < n {
+		select {
+		case <-ctx.Done():
+			return 0, fmt.Errorf("%d of %d pods enabled after %v", len(enabled), n, time.Since(start).Round(time.Millisecond))
+		case ev, ok := <-w.ResultChan():
+			if !ok {
+				return 0, fmt.Errorf("pod watch closed with %d of %d pods enabled", len(enabled), n)
+			}
+			if ev.Type == watch.Error {
+				return 0, fmt.Errorf("pod watch: %v", ev.Object)
+			}
+			p, ok := ev.Object.(*corev1.Pod)
+			if !ok {
+				continue
+			}
+			if p.Annotations[ambient.RedirectionAnnotation] == ambient.RedirectionEnabled {
+				enabled[p.UID] = true
+			} else {
+				delete(enabled, p.UID)
+			}
+		}
+	}
+	return time.Since(start), nil
+}

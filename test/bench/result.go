@@ -1,0 +1,323 @@
+package bench
+
+import (
+	"fmt"
+	"io"
+	"strings"
+	"time"
+	"unicode/utf8"
+)
+
+// Result is one `make bench` run; it is written as JSON.
+type Result struct {
+	Started  time.Time `json:"started"`
+	Seconds  float64   `json:"seconds"`
+	Quick    bool      `json:"quick"`
+	Profiled bool      `json:"profiled"`
+	Commit   string    `json:"commit"`
+	// WorkDir held the run's files; it is removed at the end.
+	WorkDir string  `json:"workDir"`
+	Machine Machine `json:"machine"`
+	Plugin  Plugin  `json:"plugin"`
+	// AgentEnv is the environment install-cni ran with (the chart's, with
+	// the NodeLocal settings of the first backend's node).
+	AgentEnv map[string]string `json:"agentEnv"`
+	// NodeLocal is the list of settings the benchmark changed, and why.
+	NodeLocal map[string]string `json:"nodeLocal"`
+	Backends  []BackendResult   `json:"backends"`
+}
+
+// Machine describes where and under what load the run happened.
+type Machine struct {
+	CPUs      int        `json:"cpus"`
+	Kernel    string     `json:"kernel"`
+	Go        string     `json:"go"`
+	LoadStart [3]float64 `json:"loadStart"`
+	LoadEnd   [3]float64 `json:"loadEnd"`
+}
+
+// Plugin holds the plugin binary's figures.
+type Plugin struct {
+	Path      string  `json:"path"`
+	SizeBytes int64   `json:"sizeBytes"`
+	ExecRuns  int     `json:"execRuns"`
+	ExecP50Ms float64 `json:"execP50Ms"`
+	ExecP99Ms float64 `json:"execP99Ms"`
+}
+
+// BackendResult holds one rules backend's figures.
+type BackendResult struct {
+	Name        string `json:"name"`
+	Selector    string `json:"selector,omitempty"`
+	Unavailable string `json:"unavailable,omitempty"`
+	// Detected is the backend the agent said it uses (its log).
+	Detected string `json:"detected,omitempty"`
+	Node     string `json:"node,omitempty"`
+	// AgentPID was install-cni's process (gone after the run).
+	AgentPID  int       `json:"agentPid,omitempty"`
+	Latency   []Latency `json:"latency,omitempty"`
+	Enroll    []Enroll  `json:"enroll,omitempty"`
+	RSSIdleMB float64   `json:"rssIdleMiB,omitempty"`
+	// RSSPodsMB is VmRSS right after RSSPods running pods were enrolled.
+	RSSPodsMB float64 `json:"rssPodsMiB,omitempty"`
+	RSSPods   int     `json:"rssPods,omitempty"`
+	// MemoryIdle and MemoryPods break the two RSS figures down.
+	MemoryIdle Memory `json:"memoryIdle"`
+	MemoryPods Memory `json:"memoryPods"`
+	// KubeClientQPS and KubeClientBurst are the client-side rate limit the
+	// agent ran with (AgentEnv, else install-cni's default).
+	KubeClientQPS   float64 `json:"kubeClientQPS"`
+	KubeClientBurst int     `json:"kubeClientBurst"`
+	// AgentAddMeanMs is the agent's own mean time per ADD (its
+	// cni_add_duration_seconds histogram), the rest of the ADD being the
+	// plugin's exec and the chain.
+	AgentAddMeanMs float64 `json:"agentAddMeanMs"`
+	// Profiles are perf report files written for this backend.
+	Profiles []string `json:"profiles,omitempty"`
+	Error    string   `json:"error,omitempty"`
+}
+
+// Latency is one (pod kind, op, concurrency) measurement.
+type Latency struct {
+	Kind        string `json:"kind"` // "ambient" or "non-ambient"
+	Op          string `json:"op"`   // "ADD" or "DEL"
+	Concurrency int    `json:"concurrency"`
+	Samples     int    `json:"samples"`
+	Errors      int    `json:"errors"`
+	// Chain* are the bridge + host-local chain alone; P* with our plugin.
+	ChainP50Ms float64 `json:"chainP50Ms"`
+	ChainP99Ms float64 `json:"chainP99Ms"`
+	P50Ms      float64 `json:"p50Ms"`
+	P99Ms      float64 `json:"p99Ms"`
+	DeltaP50Ms float64 `json:"deltaP50Ms"`
+	DeltaP99Ms float64 `json:"deltaP99Ms"`
+	// CPU of the agent (own + children) and its API requests over the
+	// op's window (Pod objects created or deleted, calls, settling), per
+	// pod with our plugin.
+	CPUMsPerPod    float64        `json:"cpuMsPerPod"`
+	OwnCPUMsPerPod float64        `json:"ownCpuMsPerPod"`
+	APIPerPod      float64        `json:"apiRequestsPerPod"`
+	APIRequests    map[string]int `json:"apiRequests"`
+	// APIServerMs is the API server's mean time per agent request.
+	APIServerMs   float64 `json:"apiServerMeanMs"`
+	WindowSeconds float64 `json:"windowSeconds"`
+	// ChainedMs and ChainMs are every sample, with and without our plugin.
+	ChainedMs []float64 `json:"chainedMs"`
+	ChainMs   []float64 `json:"chainMs"`
+}
+
+// Enroll is one namespace flip over running pods.
+type Enroll struct {
+	Pods        int            `json:"pods"`
+	Seconds     float64        `json:"seconds"`
+	MsPerPod    float64        `json:"msPerPod"`
+	CPUMsPerPod float64        `json:"cpuMsPerPod"`
+	APIPerPod   float64        `json:"apiRequestsPerPod"`
+	APIRequests map[string]int `json:"apiRequests"`
+	APIServerMs float64        `json:"apiServerMeanMs"`
+	// APIPerSecond is the agent's request rate over the flip: at the
+	// client-side limit, throttling is what bounds the enrollment.
+	APIPerSecond float64 `json:"apiRequestsPerSecond"`
+	// Running is how many pods ran on the node at the flip.
+	Running int `json:"runningPods"`
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+func (b *BackendResult) latency(kind, op string, c int) *Latency {
+	for i := range b.Latency {
+		if l := &b.Latency[i]; l.Kind == kind && l.Op == op && l.Concurrency == c {
+			return l
+		}
+	}
+	return nil
+}
+
+// targets are issue 10's, for comparison in the table.
+var targets = map[string]string{
+	"ambient ADD, 1 at a time":     "Δp50 ≤ 5, Δp99 ≤ 15",
+	"ambient ADD, 8 at a time":     "Δp50 ≤ 30",
+	"ambient DEL, 1 at a time":     "Δp50 ≤ 3",
+	"non-ambient ADD, 1 at a time": "Δp50 ≤ 3",
+	"enroll-small":                 "100 pods ≤ 0.3 s",
+	"enroll-large":                 "500 pods ≤ 1.5 s, per pod flat",
+	"cpu":                          "ADD ≤ 1.5 (nftables)",
+	"rss":                          "≤ 25 / ≤ 40",
+	"api ambient":                  "≤ 1 / 0",
+}
+
+// WriteTable prints the one table of a run.
+func (r *Result) WriteTable(w io.Writer) error {
+	fmt.Fprintf(w, "ambient-cni bench %s, commit %s%s: %d CPUs, load %.1f %.1f %.1f at start, %.1f %.1f %.1f at end; %.0f s\n",
+		r.Started.UTC().Format("2006-01-02 15:04 UTC"), r.Commit, map[bool]string{true: " (BENCH_QUICK: few samples)"}[r.Quick],
+		r.Machine.CPUs, r.Machine.LoadStart[0], r.Machine.LoadStart[1], r.Machine.LoadStart[2],
+		r.Machine.LoadEnd[0], r.Machine.LoadEnd[1], r.Machine.LoadEnd[2], r.Seconds)
+	if r.Profiled {
+		fmt.Fprintln(w, "PROFILED RUN: perf was attached to the agent; CPU and latency figures are inflated")
+	}
+	header := []string{"figure (ms over the bridge + host-local chain alone unless said)"}
+	for _, b := range r.Backends {
+		name := b.Name
+		if b.Detected != "" {
+			name += " (" + b.Detected + ")"
+		}
+		header = append(header, name)
+	}
+	header = append(header, "issue 10 target")
+	rows := [][]string{header}
+	row := func(label, target string, cell func(b *BackendResult) string) {
+		line := []string{label}
+		for i := range r.Backends {
+			b := &r.Backends[i]
+			switch c := cell(b); {
+			case b.Unavailable != "":
+				line = append(line, "n/a")
+			case c == "" && b.Error != "":
+				line = append(line, "failed")
+			case c == "":
+				line = append(line, "-")
+			default:
+				line = append(line, c)
+			}
+		}
+		rows = append(rows, append(line, target))
+	}
+	for _, kind := range []string{"ambient", "non-ambient"} {
+		for _, op := range []string{"ADD", "DEL"} {
+			for _, c := range []int{1, 8} {
+				label := fmt.Sprintf("%s %s, %d at a time: Δp50 / Δp99", kind, op, c)
+				row(label, targets[fmt.Sprintf("%s %s, %d at a time", kind, op, c)], func(b *BackendResult) string {
+					l := b.latency(kind, op, c)
+					if l == nil {
+						return ""
+					}
+					s := fmt.Sprintf("%+.1f / %+.1f", l.DeltaP50Ms, l.DeltaP99Ms)
+					if l.Errors > 0 {
+						s += fmt.Sprintf(" (%d failed)", l.Errors)
+					}
+					return s
+				})
+			}
+		}
+	}
+	for _, op := range []string{"ADD", "DEL"} {
+		for _, c := range []int{1, 8} {
+			row(fmt.Sprintf("bridge + host-local alone: %s p50 / p99, %d at a time (ms, absolute)", op, c), "", func(b *BackendResult) string {
+				l := b.latency("ambient", op, c)
+				if l == nil {
+					return ""
+				}
+				return fmt.Sprintf("%.1f / %.1f", l.ChainP50Ms, l.ChainP99Ms)
+			})
+		}
+	}
+	for i, key := range []string{"enroll-small", "enroll-large"} {
+		label := "enroll running pods (label → all enabled): s (ms per pod)"
+		for _, b := range r.Backends {
+			if i < len(b.Enroll) {
+				label = fmt.Sprintf("enroll %d running pods (label → all enabled): s (ms per pod)", b.Enroll[i].Pods)
+				break
+			}
+		}
+		row(label, targets[key], func(b *BackendResult) string {
+			if i >= len(b.Enroll) {
+				return ""
+			}
+			e := b.Enroll[i]
+			return fmt.Sprintf("%.2f (%.1f)", e.Seconds, e.MsPerPod)
+		})
+	}
+	row("agent CPU per ambient ADD / DEL (own + children; own alone): ms", targets["cpu"], func(b *BackendResult) string {
+		a, d := b.latency("ambient", "ADD", 1), b.latency("ambient", "DEL", 1)
+		if a == nil || d == nil {
+			return ""
+		}
+		return fmt.Sprintf("%.1f / %.1f (%.1f / %.1f)", a.CPUMsPerPod, d.CPUMsPerPod, a.OwnCPUMsPerPod, d.OwnCPUMsPerPod)
+	})
+	row("agent RSS idle / with the enrolled pods: MiB", targets["rss"], func(b *BackendResult) string {
+		if b.RSSIdleMB == 0 {
+			return ""
+		}
+		if b.RSSPods == 0 {
+			return fmt.Sprintf("%.1f / -", b.RSSIdleMB)
+		}
+		return fmt.Sprintf("%.1f / %.1f (%d pods)", b.RSSIdleMB, b.RSSPodsMB, b.RSSPods)
+	})
+	for _, kind := range []string{"ambient", "non-ambient"} {
+		target := ""
+		if kind == "ambient" {
+			target = targets["api ambient"]
+		}
+		row(fmt.Sprintf("API requests per %s ADD / DEL", kind), target, func(b *BackendResult) string {
+			a, d := b.latency(kind, "ADD", 1), b.latency(kind, "DEL", 1)
+			if a == nil || d == nil {
+				return ""
+			}
+			return fmt.Sprintf("%.2f / %.2f", a.APIPerPod, d.APIPerPod)
+		})
+	}
+	row("plugin binary size / exec (CNI VERSION) p50", "", func(*BackendResult) string {
+		return fmt.Sprintf("%.2f MiB / %.2f ms", float64(r.Plugin.SizeBytes)/(1<<20), r.Plugin.ExecP50Ms)
+	})
+	writeMarkdown(w, rows)
+	for _, b := range r.Backends {
+		switch {
+		case b.Unavailable != "":
+			fmt.Fprintf(w, "%s: n/a: %s\n", b.Name, b.Unavailable)
+		case b.Error != "":
+			fmt.Fprintf(w, "%s: FAILED: %s\n", b.Name, b.Error)
+		default:
+			line := fmt.Sprintf("%s: agent's own mean time per ambient ADD %.1f ms; client limit %g/s burst %d", b.Name, b.AgentAddMeanMs, b.KubeClientQPS, b.KubeClientBurst)
+			for _, e := range b.Enroll {
+				line += fmt.Sprintf("; enroll %d: %.0f API requests/s", e.Pods, e.APIPerSecond)
+			}
+			fmt.Fprintln(w, line)
+		}
+	}
+	return nil
+}
+
+// failed reports whether any backend that ran failed.
+func (r *Result) failed() []string {
+	var out []string
+	for _, b := range r.Backends {
+		if b.Error != "" {
+			out = append(out, b.Name+": "+b.Error)
+		}
+	}
+	return out
+}
+
+// String is the table, for logs.
+func (r *Result) String() string {
+	var b strings.Builder
+	_ = r.WriteTable(&b)
+	return b.String()
+}
+
+// writeMarkdown prints rows (the first is the header) as a Markdown table
+// with padded columns, readable in a terminal and pasteable into docs.
+func writeMarkdown(w io.Writer, rows [][]string) {
+	width := make([]int, len(rows[0]))
+	for _, r := range rows {
+		for i, c := range r {
+			width[i] = max(width[i], utf8.RuneCountInString(c))
+		}
+	}
+	line := func(cells []string) {
+		var b strings.Builder
+		for i, c := range cells {
+			b.WriteString("| " + c + strings.Repeat(" ", width[i]-utf8.RuneCountInString(c)) + " ")
+		}
+		fmt.Fprintln(w, b.String()+"|")
+	}
+	line(rows[0])
+	sep := make([]string, len(width))
+	for i, n := range width {
+		sep[i] = strings.Repeat("-", n)
+	}
+	line(sep)
+	for _, r := range rows[1:] {
+		line(r)
+	}
+}

@@ -1,0 +1,923 @@
+package bench
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+	"github.com/containernetworking/cni/pkg/invoke"
+	"github.com/containernetworking/cni/pkg/version"
+	"golang.org/x/sys/unix"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/test/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/ztunnel"
+)
+
+// Options configure Run.
+type Options struct {
+	// RepoRoot is the repository (chart, shipped manifest).
+	RepoRoot string
+	// InstallCNI and Plugin are the shipped binaries (make build).
+	InstallCNI, Plugin string
+	// Quick runs few samples and small enrollments: a smoke test of the
+	// harness, not figures.
+	Quick bool
+	// Profile attaches perf to the agent during the sequential ambient ADD
+	// and the large enrollment and writes its reports to ProfileDir.
+	Profile    bool
+	ProfileDir string
+	// Log receives progress lines.
+	Log io.Writer
+}
+
+// sizes are how many pods each phase uses.
+type sizes struct {
+	seq, conc int   // latency pods per kind at 1 and 8 at a time
+	enroll    []int // running pods per namespace flip, small then large
+	execRuns  int
+}
+
+func (o Options) sizes() sizes {
+	if o.Quick {
+		return sizes{seq: 3, conc: 8, enroll: []int{4, 12}, execRuns: 10}
+	}
+	return sizes{seq: 100, conc: 96, enroll: []int{100, 500}, execRuns: 100}
+}
+
+const (
+	// agentServiceAccount is where the shipped RBAC is bound, as the chart does.
+	agentNamespace = ReleaseNamespace
+	// primaryConf is the node's primary CNI config the installer chains into.
+	primaryConf = "10-bridge.conflist"
+)
+
+// Run runs the benchmark. It must run as root, in a network namespace of
+// its own (see PrivateNetns): it creates a bridge, network namespaces and
+// netfilter rules there, and the API server listens on its loopback.
+func Run(ctx context.Context, o Options) (res *Result, err error) {
+	if os.Geteuid() != 0 {
+		return nil, errors.New("the benchmark creates network namespaces, veths and netfilter rules: run it as root")
+	}
+	if o.Log == nil {
+		o.Log = io.Discard
+	}
+	logf := func(format string, args ...any) { fmt.Fprintf(o.Log, format+"\n", args...) }
+	for _, p := range []string{o.InstallCNI, o.Plugin} {
+		if st, err := os.Stat(p); err != nil || st.IsDir() {
+			return nil, fmt.Errorf("shipped binary %s missing (make build): %v", p, err)
+		}
+	}
+	for _, c := range []string{"iptables-save", "iptables-restore", "ip6tables-restore", "nsenter", "sleep"} {
+		if _, err := exec.LookPath(c); err != nil {
+			return nil, fmt.Errorf("%s not found: install the packages .ci/run installs", c)
+		}
+	}
+	if o.Profile {
+		if _, err := exec.LookPath("perf"); err != nil {
+			return nil, errors.New("profiling needs perf (Debian: linux-perf)")
+		}
+	}
+	sz := o.sizes()
+	res = &Result{
+		Started: time.Now(), Quick: o.Quick, Profiled: o.Profile, Commit: commit(o.RepoRoot),
+		Machine:   Machine{CPUs: runtime.NumCPU(), Kernel: kernel(), Go: runtime.Version(), LoadStart: LoadAvg()},
+		NodeLocal: NodeLocal,
+	}
+	defer func() {
+		res.Machine.LoadEnd = LoadAvg()
+		res.Seconds = time.Since(res.Started).Seconds()
+	}()
+
+	shipped, err := RenderChart(ctx, o.RepoRoot)
+	if err != nil {
+		return nil, err
+	}
+	if res.Plugin, err = pluginFigures(o.Plugin, sz.execRuns); err != nil {
+		return nil, err
+	}
+	logf("plugin %s: %.2f MiB, exec p50 %.2f ms", o.Plugin, float64(res.Plugin.SizeBytes)/(1<<20), res.Plugin.ExecP50Ms)
+
+	// A short directory: socket paths must fit in sun_path.
+	work, err := os.MkdirTemp("", "abench-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(work)
+	res.WorkDir = work
+
+	logf("building the reference CNI plugins (containernetworking/plugins %s)", cnibin.PluginsVersion)
+	cniPaths, _, err := cnibin.Build()
+	if err != nil {
+		return nil, err
+	}
+
+	user := fmt.Sprintf("system:serviceaccount:%s:%s", agentNamespace, shipped.ServiceAccount)
+	policy, auditPath := filepath.Join(work, "audit-policy.yaml"), filepath.Join(work, "audit.log")
+	if err := os.WriteFile(policy, []byte(auditPolicy(user)), 0o600); err != nil {
+		return nil, err
+	}
+	logf("starting etcd and kube-apiserver")
+	env, err := kubeenv.Launch(ctx, kubeenv.Options{Dir: filepath.Join(work, "kube"), APIServerArgs: auditArgs(policy, auditPath)})
+	if err != nil {
+		return nil, fmt.Errorf("start API server (build it with %s): %w", kubeenv.BuildCommand, err)
+	}
+	defer env.Stop()
+	roles, err := kubeenv.ExtractRoles(shipped.Manifest)
+	if err != nil {
+		return nil, err
+	}
+	saConfig, err := env.ServiceAccountConfig(ctx, agentNamespace, shipped.ServiceAccount, roles)
+	if err != nil {
+		return nil, err
+	}
+	kubeconfig := filepath.Join(work, "agent.kubeconfig")
+	if err := kubeenv.WriteKubeconfig(saConfig, kubeconfig); err != nil {
+		return nil, err
+	}
+
+	for _, b := range Backends() {
+		br := BackendResult{Name: b.Name, Selector: b.Selector, Unavailable: b.Unavailable}
+		if b.Unavailable == "" {
+			logf("== backend %s", b.Name)
+			bw := &backendRun{
+				o: o, sz: sz, logf: logf, shipped: shipped, backend: b, env: env, client: env.Client,
+				dir: filepath.Join(work, b.Name), refPlugins: cniPaths[0], kubeconfig: kubeconfig,
+				audit: auditPath, res: &br,
+			}
+			if err := bw.run(ctx); err != nil {
+				br.Error = err.Error()
+				logf("backend %s failed: %v", b.Name, err)
+			}
+			if res.AgentEnv == nil {
+				res.AgentEnv = bw.agentEnv
+			}
+		}
+		res.Backends = append(res.Backends, br)
+		if ctx.Err() != nil {
+			return res, ctx.Err()
+		}
+	}
+	if f := res.failed(); len(f) > 0 {
+		return res, fmt.Errorf("benchmark failed: %s", strings.Join(f, "; "))
+	}
+	return res, nil
+}
+
+// backendRun is one rules backend's run: its own node directory, agent
+// process, stand-in and pods.
+type backendRun struct {
+	o          Options
+	sz         sizes
+	logf       func(string, ...any)
+	shipped    *Shipped
+	backend    Backend
+	env        *kubeenv.Env
+	client     kubernetes.Interface
+	dir        string
+	refPlugins string
+	kubeconfig string
+	audit      string
+	res        *BackendResult
+
+	agentEnv map[string]string
+	agent    *process
+	health   string
+	log      string
+	auditLog *auditLog
+}
+
+func (r *backendRun) run(ctx context.Context) (err error) {
+	var cleanups []func() error
+	defer func() {
+		for i := len(cleanups) - 1; i >= 0; i-- {
+			err = errors.Join(err, cleanups[i]())
+		}
+	}()
+	binDir, confDir := filepath.Join(r.dir, "bin"), filepath.Join(r.dir, "net.d")
+	for _, d := range []string{binDir, confDir} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return err
+		}
+	}
+	// The node's CNI bin dir holds the reference plugins, as on a node;
+	// the installer adds ours.
+	for _, p := range cnibin.ReferencePlugins {
+		if err := copyExec(filepath.Join(r.refPlugins, p), filepath.Join(binDir, p)); err != nil {
+			return err
+		}
+	}
+	node := "bench-" + r.backend.Name
+	r.res.Node = node
+	bridge := testnet.RandName("abr", 8)
+	primary := cnibin.Conflist(cnibin.Network{
+		Bridge: bridge, Subnet: mustPrefix("10.64.0.0/16"), DataDir: filepath.Join(r.dir, "ipam"),
+	})
+	if err := os.WriteFile(filepath.Join(confDir, primaryConf), primary, 0o644); err != nil {
+		return err
+	}
+	primaryList, err := libcni.ConfListFromBytes(primary)
+	if err != nil {
+		return err
+	}
+
+	r.agentEnv, err = AgentEnv(r.shipped, Node{
+		Name: node, PodName: "ambient-cni-" + r.backend.Name,
+		CNIBinDir: binDir, CNIConfDir: confDir, PluginBinary: r.o.Plugin,
+		AgentSocket: filepath.Join(r.dir, "run", "ambient-cni", "agent.sock"),
+		ZDSSocket:   filepath.Join(r.dir, "run", "ztunnel", "ztunnel.sock"),
+		Kubeconfig:  r.kubeconfig,
+	}, r.backend)
+	if err != nil {
+		return err
+	}
+	cfg, err := installcni.Parse(nil, func(k string) string { return r.agentEnv[k] }, io.Discard)
+	if err != nil {
+		return fmt.Errorf("install-cni refuses the benchmark's environment: %w", err)
+	}
+	r.res.KubeClientQPS, r.res.KubeClientBurst = float64(cfg.KubeClientQPS), cfg.KubeClientBurst
+	r.health = healthURL(cfg.HealthAddr)
+	r.auditLog = newAuditLog(r.audit, node)
+
+	r.log = filepath.Join(r.dir, "install-cni.log")
+	r.logf("starting %s with the chart's environment (log %s)", r.o.InstallCNI, r.log)
+	r.agent, err = startProcess(r.o.InstallCNI, r.shipped.Args, Environ(r.agentEnv), r.log)
+	if err != nil {
+		return err
+	}
+	r.res.AgentPID = r.agent.pid()
+	cleanups = append(cleanups, func() error { return r.stopAgent() })
+
+	zctx, zcancel := context.WithCancel(ctx)
+	zt := ztunnel.New(ztunnel.Config{SocketPath: cfg.ZDSSocket, Logger: slog.New(slog.DiscardHandler)})
+	zdone := make(chan error, 1)
+	go func() { zdone <- zt.Run(zctx) }()
+	stopZT := func() error { zcancel(); return <-zdone }
+	cleanups = append(cleanups, func() error {
+		if zcancel != nil {
+			return stopZT()
+		}
+		return nil
+	})
+
+	if err := r.waitReady(ctx); err != nil {
+		return err
+	}
+	wctx, cancel := context.WithTimeout(ctx, time.Minute)
+	err = zt.Wait(wctx, zt.Ready)
+	cancel()
+	if err != nil {
+		return fmt.Errorf("the ztunnel stand-in got no snapshot: %w", err)
+	}
+	r.res.Detected = detectedBackend(r.log)
+	chainedBytes, err := os.ReadFile(filepath.Join(confDir, primaryConf))
+	if err != nil {
+		return err
+	}
+	chained, err := libcni.ConfListFromBytes(chainedBytes)
+	if err != nil {
+		return err
+	}
+	if len(chained.Plugins) != 2 || chained.Plugins[1].Network.Type != cfg.PluginType {
+		return fmt.Errorf("the installer did not chain %s last into %s:\n%s", cfg.PluginType, primaryConf, chainedBytes)
+	}
+
+	// Idle: ready, ztunnel connected, nothing enrolled; give the start-up
+	// garbage a moment to be collected.
+	if err := sleep(ctx, 2*time.Second); err != nil {
+		return err
+	}
+	if r.res.MemoryIdle, err = r.memory(); err != nil {
+		return err
+	}
+	r.res.RSSIdleMB = r.res.MemoryIdle.RSSMiB
+	r.logf("agent ready (backend %s), idle RSS %.1f MiB", r.res.Detected, r.res.RSSIdleMB)
+
+	pluginLog, err := os.Create(filepath.Join(r.dir, "plugin-stderr.log"))
+	if err != nil {
+		return err
+	}
+	defer pluginLog.Close()
+	cni := libcni.NewCNIConfigWithCacheDir([]string{binDir}, filepath.Join(r.dir, "cni-cache"),
+		&invoke.DefaultExec{RawExec: &invoke.RawExec{Stderr: pluginLog}, PluginDecoder: version.PluginDecoder{}})
+
+	namespaces := map[string]string{}
+	for _, kind := range []string{"ambient", "non-ambient"} {
+		var labels map[string]string
+		if kind == "ambient" {
+			labels = map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}
+		}
+		if namespaces[kind], err = createNamespace(ctx, r.client, "lat-"+kind+"-"+r.backend.Name, labels); err != nil {
+			return err
+		}
+	}
+	for _, c := range []int{1, 8} {
+		for _, kind := range []string{"ambient", "non-ambient"} {
+			n := r.sz.seq
+			if c > 1 {
+				n = r.sz.conc
+			}
+			if err := r.latency(ctx, cni, chained, primaryList, node, namespaces[kind], kind, c, n); err != nil {
+				return fmt.Errorf("%s pods, %d at a time: %w", kind, c, err)
+			}
+		}
+	}
+
+	// Enrollment: running pods on the simulated kubelet, through the
+	// chained conflist (not enrolled at ADD: their namespace is not
+	// labelled yet), then the label.
+	own := &owner{dir: filepath.Join(r.dir, "kubesim")}
+	cleanups = append(cleanups, func() error {
+		// The agent and stand-in stop first (cleanups run in reverse),
+		// so the pods are torn down by the primary chain alone, as after
+		// an uninstall: no agent work for thousands of DELs.
+		return catch(func() error { own.close(); return nil })
+	})
+	var kube *kubesim.Node
+	if err := catch(func() error {
+		kube = kubesim.NewNode(own, r.client, node, []string{binDir}, chainedBytes)
+		return nil
+	}); err != nil {
+		return err
+	}
+	var running []*kubesim.Pod
+	cleanups = append(cleanups, func() error {
+		kube.Conf = primaryList
+		zerr := stopZT()
+		zcancel = nil
+		err := errors.Join(zerr, r.stopAgent())
+		return errors.Join(err, teardown(kube, running))
+	})
+	order := []int{len(r.sz.enroll) - 1}
+	for i := range len(r.sz.enroll) - 1 {
+		order = append(order, i)
+	}
+	// The large flip first, so the RSS after it is the agent's with
+	// exactly that many pods enrolled.
+	type flip struct {
+		ns   string
+		pods int
+	}
+	var flips []flip
+	for _, i := range order {
+		n := r.sz.enroll[i]
+		ns, err := createNamespace(ctx, r.client, fmt.Sprintf("enroll-%d-%s", n, r.backend.Name), nil)
+		if err != nil {
+			return err
+		}
+		r.logf("starting %d running pods", n)
+		pods, err := startPods(ctx, kube, ns, n)
+		for _, p := range pods {
+			if p != nil {
+				running = append(running, p)
+			}
+		}
+		if err != nil {
+			return fmt.Errorf("start running pods: %w", err)
+		}
+		flips = append(flips, flip{ns, n})
+	}
+	enrolls := make([]Enroll, len(r.sz.enroll))
+	// Between flips the client's token bucket refills (burst/QPS): a
+	// flip starts with the burst available, as one after a quiet spell
+	// does on a node.
+	refill := time.Duration(float64(cfg.KubeClientBurst) / float64(cfg.KubeClientQPS) * float64(time.Second))
+	for k, f := range flips {
+		if err := r.settle(ctx); err != nil {
+			return err
+		}
+		if err := sleep(ctx, refill); err != nil {
+			return err
+		}
+		var stopProfile func() ([]string, error)
+		if r.o.Profile && k == 0 {
+			if stopProfile, err = r.profile(fmt.Sprintf("enroll-%d", f.pods)); err != nil {
+				return err
+			}
+		}
+		cpu0, err := ReadCPU(r.agent.pid())
+		if err != nil {
+			return err
+		}
+		mark, err := r.auditLog.mark()
+		if err != nil {
+			return err
+		}
+		took, err := enrollFlip(ctx, r.client, f.ns, f.pods, 10*time.Minute)
+		if err != nil {
+			return fmt.Errorf("enroll %d running pods: %w", f.pods, err)
+		}
+		if err := r.settle(ctx); err != nil {
+			return err
+		}
+		cpu1, err := ReadCPU(r.agent.pid())
+		if err != nil {
+			return err
+		}
+		if stopProfile != nil {
+			files, err := stopProfile()
+			if err != nil {
+				return err
+			}
+			r.res.Profiles = append(r.res.Profiles, files...)
+		}
+		reqs := r.auditLog.since(mark)
+		e := Enroll{
+			Pods: f.pods, Seconds: took.Seconds(), MsPerPod: ms(took) / float64(f.pods),
+			CPUMsPerPod: ms(cpu1.Sub(cpu0).Total()) / float64(f.pods),
+			APIPerPod:   float64(len(reqs)) / float64(f.pods), APIRequests: summarize(reqs), APIServerMs: meanServerMs(reqs),
+			APIPerSecond: float64(len(reqs)) / took.Seconds(), Running: len(running),
+		}
+		r.logf("enrolled %d running pods in %.2f s (%.1f ms per pod, %.2f API requests per pod)", f.pods, e.Seconds, e.MsPerPod, e.APIPerPod)
+		if k == 0 {
+			if r.res.MemoryPods, err = r.memory(); err != nil {
+				return err
+			}
+			r.res.RSSPodsMB, r.res.RSSPods = r.res.MemoryPods.RSSMiB, f.pods
+		}
+		enrolls[order[k]] = e
+	}
+	r.res.Enroll = enrolls
+	if r.agent.exited() {
+		return fmt.Errorf("install-cni exited during the run: %v; log %s", r.agent.err, r.log)
+	}
+	return nil
+}
+
+// latency measures one (kind, concurrency) and records it.
+func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained, primary *libcni.NetworkConfigList, node, ns, kind string, c, n int) error {
+	type window struct {
+		cpu0, cpu1 CPUTimes
+		mark       int
+		reqs       []APIRequest
+		start      time.Time
+		took       time.Duration
+		add0, add1 histogram
+	}
+	windows := map[string]*window{}
+	profiling := r.o.Profile && kind == "ambient" && c == 1
+	lr := &latencyRun{
+		client: r.client, cni: cni, chained: chained, primary: primary, node: node, namespace: ns, pods: n, concurrency: c,
+		settle: func(ctx context.Context) error { return r.settle(ctx) },
+		window: func(op string) func() error {
+			w := &window{start: time.Now()}
+			windows[op] = w
+			var stopProfile func() ([]string, error)
+			var err error
+			if profiling {
+				if stopProfile, err = r.profile("ambient-" + strings.ToLower(op) + "-seq"); err != nil {
+					return func() error { return err }
+				}
+			}
+			if w.cpu0, err = ReadCPU(r.agent.pid()); err != nil {
+				return func() error { return err }
+			}
+			if w.mark, err = r.auditLog.mark(); err != nil {
+				return func() error { return err }
+			}
+			w.add0, _ = scrapeAddHistogram(r.health)
+			return func() error {
+				var err error
+				if w.cpu1, err = ReadCPU(r.agent.pid()); err != nil {
+					return err
+				}
+				w.reqs = r.auditLog.since(w.mark)
+				w.took = time.Since(w.start)
+				w.add1, _ = scrapeAddHistogram(r.health)
+				if stopProfile != nil {
+					files, err := stopProfile()
+					if err != nil {
+						return err
+					}
+					r.res.Profiles = append(r.res.Profiles, files...)
+				}
+				return nil
+			}
+		},
+	}
+	r.logf("%s pods, %d at a time: %d ADDs and DELs with and without the plugin", kind, c, n)
+	add, del, err := lr.run(ctx)
+	if err != nil {
+		return err
+	}
+	for _, op := range []string{"ADD", "DEL"} {
+		s, w := add, windows[op]
+		if op == "DEL" {
+			s = del
+		}
+		l := Latency{
+			Kind: kind, Op: op, Concurrency: c, Samples: len(s.chained), Errors: s.errors,
+			ChainP50Ms: ms(quantile(s.primary, .5)), ChainP99Ms: ms(quantile(s.primary, .99)),
+			P50Ms: ms(quantile(s.chained, .5)), P99Ms: ms(quantile(s.chained, .99)),
+			CPUMsPerPod:    ms(w.cpu1.Sub(w.cpu0).Total()) / float64(n),
+			OwnCPUMsPerPod: ms(w.cpu1.Sub(w.cpu0).Own) / float64(n),
+			APIPerPod:      float64(len(w.reqs)) / float64(n), APIRequests: summarize(w.reqs), APIServerMs: meanServerMs(w.reqs),
+			WindowSeconds: w.took.Seconds(), ChainedMs: msList(s.chained), ChainMs: msList(s.primary),
+		}
+		l.DeltaP50Ms, l.DeltaP99Ms = l.P50Ms-l.ChainP50Ms, l.P99Ms-l.ChainP99Ms
+		r.res.Latency = append(r.res.Latency, l)
+		if kind == "ambient" && op == "ADD" && c == 1 && w.add1.count > w.add0.count {
+			r.res.AgentAddMeanMs = 1000 * (w.add1.sum - w.add0.sum) / (w.add1.count - w.add0.count)
+		}
+		r.logf("  %s: Δp50 %+.1f ms, Δp99 %+.1f ms, %.1f ms agent CPU and %.2f API requests per pod, %d failed",
+			op, l.DeltaP50Ms, l.DeltaP99Ms, l.CPUMsPerPod, l.APIPerPod, l.Errors)
+		if s.errors > 0 {
+			return fmt.Errorf("%d of %d %s calls failed; see %s and %s", s.errors, n, op, r.log, filepath.Join(r.dir, "plugin-stderr.log"))
+		}
+	}
+	return nil
+}
+
+// settle waits until the agent is idle: no API request and under 20 ms
+// of CPU (its own and its children's) for a whole second. Work the agent
+// does after a CNI call returned, or in reaction to an informer event (an
+// annotation written off the critical path, rules removed when a pod is
+// deleted), is then done and counted in the phase that caused it.
+func (r *backendRun) settle(ctx context.Context) error {
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		n0, err := r.auditLog.mark()
+		if err != nil {
+			return err
+		}
+		c0, err := ReadCPU(r.agent.pid())
+		if err != nil {
+			return err
+		}
+		if err := sleep(ctx, time.Second); err != nil {
+			return err
+		}
+		n1, err := r.auditLog.mark()
+		if err != nil {
+			return err
+		}
+		c1, err := ReadCPU(r.agent.pid())
+		if err != nil {
+			return err
+		}
+		if n1 == n0 && c1.Sub(c0).Total() < 20*time.Millisecond {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return errors.New("the agent stayed busy for 2 minutes")
+		}
+	}
+}
+
+// waitReady waits for the agent's /readyz.
+func (r *backendRun) waitReady(ctx context.Context) error {
+	deadline := time.Now().Add(2 * time.Minute)
+	client := &http.Client{Timeout: 2 * time.Second}
+	for {
+		resp, err := client.Get(r.health + "/readyz")
+		if err == nil {
+			_ = resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
+		}
+		if r.agent.exited() {
+			return fmt.Errorf("install-cni exited during start (%v); log tail:\n%s", r.agent.err, tail(r.log, 20))
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("install-cni not ready after 2 minutes; log tail:\n%s", tail(r.log, 20))
+		}
+		if err := sleep(ctx, 100*time.Millisecond); err != nil {
+			return err
+		}
+	}
+}
+
+// stopAgent stops install-cni as the kubelet would (SIGTERM) and checks
+// that it uninstalled itself; it is a no-op once stopped.
+func (r *backendRun) stopAgent() error {
+	if r.agent == nil {
+		return nil
+	}
+	p := r.agent
+	r.agent = nil
+	if err := p.stop(30 * time.Second); err != nil {
+		return fmt.Errorf("install-cni shutdown: %w; log tail:\n%s", err, tail(r.log, 20))
+	}
+	return nil
+}
+
+// profile attaches perf to the agent (its children inherit it: iptables
+// and ipset runs show up) until the returned function stops it and writes
+// the reports.
+func (r *backendRun) profile(phase string) (func() ([]string, error), error) {
+	if err := os.MkdirAll(r.o.ProfileDir, 0o755); err != nil {
+		return nil, err
+	}
+	base := filepath.Join(r.o.ProfileDir, fmt.Sprintf("profile-%s-%s", r.backend.Name, phase))
+	data := base + ".perf.data"
+	cmd := exec.Command("perf", "record", "-q", "-g", "-F", "499", "-e", "cpu-clock",
+		"-e", "sched:sched_process_fork", "-e", "sched:sched_process_exec", "-e", "sched:sched_process_exit",
+		"-p", strconv.Itoa(r.agent.pid()), "-o", data)
+	cmd.Stdout, cmd.Stderr = io.Discard, io.Discard
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("perf record: %w", err)
+	}
+	// perf needs a moment to attach to every thread.
+	time.Sleep(500 * time.Millisecond)
+	return func() ([]string, error) {
+		_ = cmd.Process.Signal(os.Interrupt)
+		_ = cmd.Wait()
+		var files []string
+		for suffix, args := range map[string][]string{
+			"by-command.txt":  {"report", "-i", data, "--stdio", "--sort", "comm", "-g", "none", "--percent-limit", "0.5"},
+			"agent-funcs.txt": {"report", "-i", data, "--stdio", "--comms", "install-cni", "--no-children", "--sort", "sym", "-g", "none", "--percent-limit", "0.5"},
+			"agent-tree.txt":  {"report", "-i", data, "--stdio", "--comms", "install-cni", "--children", "--sort", "sym", "-g", "none", "--percent-limit", "2"},
+		} {
+			out, err := exec.Command("perf", args...).Output()
+			if err != nil {
+				return files, fmt.Errorf("perf %s: %w", strings.Join(args, " "), err)
+			}
+			path := base + "-" + suffix
+			if err := os.WriteFile(path, out, 0o644); err != nil {
+				return files, err
+			}
+			files = append(files, path)
+		}
+		// Children: fork to exit of every process that exec'd, by program.
+		out, err := exec.Command("perf", "script", "-i", data, "-F", "comm,pid,time,event,trace").Output()
+		if err != nil {
+			return files, fmt.Errorf("perf script: %w", err)
+		}
+		b, _ := json.MarshalIndent(childTimes(out), "", "  ")
+		path := base + "-children.json"
+		if err := os.WriteFile(path, b, 0o644); err != nil {
+			return files, err
+		}
+		return append(files, path), os.Remove(data)
+	}, nil
+}
+
+// ChildTime sums the wall time (fork to exit) of the agent's children
+// that ran one program.
+type ChildTime struct {
+	Count   int     `json:"count"`
+	TotalMs float64 `json:"totalMs"`
+	MeanMs  float64 `json:"meanMs"`
+}
+
+// childTimes reads `perf script -F comm,pid,time,event,trace` output of
+// sched_process_fork/exec/exit events.
+func childTimes(script []byte) map[string]ChildTime {
+	forked := map[string]float64{}
+	prog := map[string]string{}
+	out := map[string]ChildTime{}
+	field := func(f []string, key string) string {
+		for _, kv := range f {
+			if v, ok := strings.CutPrefix(kv, key+"="); ok {
+				return v
+			}
+		}
+		return ""
+	}
+	sc := bufio.NewScanner(bytes.NewReader(script))
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		i := slices.IndexFunc(f, func(s string) bool { return strings.HasPrefix(s, "sched:") })
+		if i < 1 {
+			continue
+		}
+		t, err := strconv.ParseFloat(strings.TrimSuffix(f[i-1], ":"), 64)
+		if err != nil {
+			continue
+		}
+		switch f[i] {
+		case "sched:sched_process_fork:":
+			forked[field(f, "child_pid")] = t
+		case "sched:sched_process_exec:":
+			prog[field(f, "pid")] = filepath.Base(field(f, "filename"))
+		case "sched:sched_process_exit:":
+			pid := field(f, "pid")
+			name, ok := prog[pid]
+			start, forkSeen := forked[pid]
+			if !ok || !forkSeen {
+				continue
+			}
+			c := out[name]
+			c.Count++
+			c.TotalMs += 1000 * (t - start)
+			c.MeanMs = c.TotalMs / float64(c.Count)
+			out[name] = c
+			delete(prog, pid)
+		}
+	}
+	return out
+}
+
+// Memory is a breakdown of the agent's memory from its Go runtime metrics.
+type Memory struct {
+	RSSMiB float64 `json:"rssMiB"`
+	// AnonMiB is private memory; FileMiB is the binary's (and libraries')
+	// pages mapped from files.
+	AnonMiB      float64 `json:"rssAnonMiB"`
+	FileMiB      float64 `json:"rssFileMiB"`
+	HeapInuseMiB float64 `json:"heapInuseMiB"`
+	StackMiB     float64 `json:"stackInuseMiB"`
+	GoSysMiB     float64 `json:"goSysMiB"`
+	Goroutines   int     `json:"goroutines"`
+}
+
+// memory reads VmRSS and the Go runtime's view from /metrics.
+func (r *backendRun) memory() (Memory, error) {
+	st, err := ReadStatus(r.agent.pid(), "VmRSS", "RssAnon", "RssFile")
+	if err != nil {
+		return Memory{}, err
+	}
+	m := Memory{
+		RSSMiB: float64(st["VmRSS"]) / (1 << 20), AnonMiB: float64(st["RssAnon"]) / (1 << 20), FileMiB: float64(st["RssFile"]) / (1 << 20),
+	}
+	vals, err := scrape(r.health, "go_memstats_heap_inuse_bytes", "go_memstats_stack_inuse_bytes", "go_memstats_sys_bytes", "go_goroutines")
+	if err != nil {
+		return m, nil // RSS is the figure; the breakdown is a bonus
+	}
+	m.HeapInuseMiB = vals["go_memstats_heap_inuse_bytes"] / (1 << 20)
+	m.StackMiB = vals["go_memstats_stack_inuse_bytes"] / (1 << 20)
+	m.GoSysMiB = vals["go_memstats_sys_bytes"] / (1 << 20)
+	m.Goroutines = int(vals["go_goroutines"])
+	return m, nil
+}
+
+// scrape reads unlabelled samples of the agent's /metrics.
+func scrape(base string, names ...string) (map[string]float64, error) {
+	resp, err := (&http.Client{Timeout: 5 * time.Second}).Get(base + "/metrics")
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	out := map[string]float64{}
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		if len(f) != 2 || !slices.Contains(names, f[0]) {
+			continue
+		}
+		if v, err := strconv.ParseFloat(f[1], 64); err == nil {
+			out[f[0]] = v
+		}
+	}
+	return out, sc.Err()
+}
+
+// histogram is a Prometheus histogram's sum and count.
+type histogram struct{ sum, count float64 }
+
+// scrapeAddHistogram reads ambient_cni_cni_add_duration_seconds from the
+// agent's /metrics.
+func scrapeAddHistogram(base string) (histogram, error) {
+	v, err := scrape(base, "ambient_cni_cni_add_duration_seconds_sum", "ambient_cni_cni_add_duration_seconds_count")
+	return histogram{sum: v["ambient_cni_cni_add_duration_seconds_sum"], count: v["ambient_cni_cni_add_duration_seconds_count"]}, err
+}
+
+// pluginFigures measures the plugin binary: size, and the wall time of an
+// exec that does nothing but answer CNI VERSION (the floor of every call).
+func pluginFigures(path string, runs int) (Plugin, error) {
+	st, err := os.Stat(path)
+	if err != nil {
+		return Plugin{}, err
+	}
+	var ds []time.Duration
+	for range runs {
+		cmd := exec.Command(path)
+		cmd.Env = []string{"CNI_COMMAND=VERSION"}
+		cmd.Stdin = strings.NewReader(`{"cniVersion":"1.0.0"}`)
+		t0 := time.Now()
+		out, err := cmd.Output()
+		ds = append(ds, time.Since(t0))
+		if err != nil || !bytes.Contains(out, []byte("supportedVersions")) {
+			return Plugin{}, fmt.Errorf("%s VERSION: %v: %s", path, err, out)
+		}
+	}
+	return Plugin{Path: path, SizeBytes: st.Size(), ExecRuns: runs, ExecP50Ms: ms(quantile(ds, .5)), ExecP99Ms: ms(quantile(ds, .99))}, nil
+}
+
+// createNamespace creates a namespace and its default ServiceAccount (no
+// controller manager runs here to create it).
+func createNamespace(ctx context.Context, c kubernetes.Interface, name string, labels map[string]string) (string, error) {
+	name = name + "-" + testnet.RandName("", 4)
+	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{}); err != nil {
+		return "", fmt.Errorf("create namespace %s: %w", name, err)
+	}
+	if _, err := c.CoreV1().ServiceAccounts(name).Create(ctx, &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default"}}, metav1.CreateOptions{}); err != nil {
+		return "", fmt.Errorf("create default serviceaccount in %s: %w", name, err)
+	}
+	return name, nil
+}
+
+// detectedBackend reads the backend the agent logged at start.
+func detectedBackend(logPath string) string {
+	b, err := os.ReadFile(logPath)
+	if err != nil {
+		return ""
+	}
+	for l := range strings.SplitSeq(string(b), "\n") {
+		var m struct {
+			Msg     string `json:"msg"`
+			Backend string `json:"backend"`
+		}
+		if json.Unmarshal([]byte(l), &m) == nil && m.Backend != "" && strings.Contains(m.Msg, "backend") {
+			return m.Backend
+		}
+	}
+	return ""
+}
+
+// healthURL turns the agent's listen address (":15021") into a URL on
+// loopback.
+func healthURL(addr string) string {
+	host, port, ok := strings.Cut(addr, ":")
+	if !ok {
+		return "http://" + addr
+	}
+	if host == "" || host == "0.0.0.0" || host == "[::]" {
+		host = "127.0.0.1"
+	}
+	return "http://" + host + ":" + port
+}
+
+func tail(path string, n int) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err.Error()
+	}
+	lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
+
+func sleep(ctx context.Context, d time.Duration) error {
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-time.After(d):
+		return nil
+	}
+}
+
+func msList(ds []time.Duration) []float64 {
+	out := make([]float64, len(ds))
+	for i, d := range ds {
+		out[i] = ms(d)
+	}
+	return out
+}
+
+func mustPrefix(s string) netip.Prefix { return netip.MustParsePrefix(s) }
+
+func copyExec(src, dst string) error {
+	b, err := os.ReadFile(src)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(dst, b, 0o755)
+}
+
+// commit names the checked-out commit, "+dirty" with local changes.
+func commit(root string) string {
+	out, err := exec.Command("git", "-C", root, "rev-parse", "--short=12", "HEAD").Output()
+	if err != nil {
+		return "unknown"
+	}
+	c := strings.TrimSpace(string(out))
+	if st, err := exec.Command("git", "-C", root, "status", "--porcelain", "--untracked-files=no").Output(); err == nil && len(bytes.TrimSpace(st)) > 0 {
+		c += "+dirty"
+	}
+	return c
+}
+
+func kernel() string {
+	var u unix.Utsname
+	if err := unix.Uname(&u); err != nil {
+		return ""
+	}
+	return unix.ByteSliceToString(u.Release[:])
+}

@@ -1,0 +1,48 @@
+package bench
+
+import (
+	"strings"
+	"testing"
+)
+
+// The table has one row per figure and one column per backend; a backend
+// that cannot run is n/a in every row, a failed one says so.
+func TestWriteTable(t *testing.T) {
+	r := &Result{Commit: "abc", Plugin: Plugin{SizeBytes: 3 << 20, ExecP50Ms: 2.5}}
+	ok := BackendResult{Name: "iptables", Detected: "nft", RSSIdleMB: 30, RSSPodsMB: 45, RSSPods: 500,
+		Enroll: []Enroll{{Pods: 100, Seconds: 1, MsPerPod: 10}, {Pods: 500, Seconds: 5, MsPerPod: 10}}}
+	for _, kind := range []string{"ambient", "non-ambient"} {
+		for _, op := range []string{"ADD", "DEL"} {
+			for _, c := range []int{1, 8} {
+				ok.Latency = append(ok.Latency, Latency{Kind: kind, Op: op, Concurrency: c, DeltaP50Ms: 4, DeltaP99Ms: 9, APIPerPod: 1})
+			}
+		}
+	}
+	r.Backends = []BackendResult{ok, {Name: "nftables", Unavailable: "no setting"}, {Name: "other", Error: "boom"}}
+	out := r.String()
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	var table []string
+	for _, l := range lines {
+		if strings.HasPrefix(l, "|") {
+			table = append(table, l)
+		}
+	}
+	if len(table) < 20 {
+		t.Fatalf("table has %d rows:\n%s", len(table), out)
+	}
+	width := len([]rune(table[0]))
+	for _, l := range table {
+		if strings.Count(l, "|") != 6 || len([]rune(l)) != width {
+			t.Errorf("ragged row %q", l)
+		}
+	}
+	for _, want := range []string{"iptables (nft)", "| +4.0 / +9.0", "enroll 500 running pods", "30.0 / 45.0 (500 pods)", "3.00 MiB / 2.50 ms",
+		"nftables: n/a: no setting", "other: FAILED: boom", "| failed"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("table lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Count(out, "| n/a") < 19 {
+		t.Errorf("the unavailable backend is not n/a in every row:\n%s", out)
+	}
+}
