@@ -267,9 +267,25 @@ func cgroupV2Mount() string {
 	return ""
 }
 
-// topCgroups lists, for every hierarchy, the top-level cgroups whose name
-// starts with prefix, as paths.
-func topCgroups(prefix string) []string {
+// kubeletRoots are the top-level cgroups kubelet makes for pods: its
+// cgroupfs driver's "kubepods" (this node) and the systemd driver's slice.
+// Exact names only: other programs on a shared machine make look-alikes
+// (a kubelet simulator's "kubepods-sim-..."), and those are not ours.
+var kubeletRoots = []string{"kubepods", "kubepods.slice"}
+
+// kubeletCgroups lists kubelet's pod root cgroups in every hierarchy.
+func kubeletCgroups() []string {
+	var out []string
+	for _, c := range topCgroups() {
+		if slices.Contains(kubeletRoots, filepath.Base(c)) {
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
+// topCgroups lists the top-level cgroups of every hierarchy, as paths.
+func topCgroups() []string {
 	roots, err := cgroupMounts()
 	if err != nil {
 		return nil
@@ -281,7 +297,7 @@ func topCgroups(prefix string) []string {
 			continue
 		}
 		for _, de := range des {
-			if de.IsDir() && strings.HasPrefix(de.Name(), prefix) {
+			if de.IsDir() {
 				out = append(out, filepath.Join(r, de.Name()))
 			}
 		}

@@ -268,7 +268,7 @@ func recordBefore() (before, error) {
 	if b.IPSets, err = ipsetNames(); err != nil {
 		return b, err
 	}
-	b.Kubepods = topCgroups("kubepods")
+	b.Kubepods = kubeletCgroups()
 	b.Sysctls = readSysctls()
 	return b, nil
 }
@@ -569,7 +569,7 @@ func finish(st *state, logf func(string, ...any)) []error {
 			}
 		}
 	}
-	for _, c := range topCgroups("kubepods") {
+	for _, c := range kubeletCgroups() {
 		if slices.Contains(st.Before.Kubepods, c) {
 			continue
 		}

@@ -3,6 +3,7 @@ package realnode
 import (
 	"fmt"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"sort"
 	"strings"
@@ -31,7 +32,7 @@ func TakeHostSnapshot() (HostSnapshot, error) {
 		return s, err
 	}
 	for _, r := range roots {
-		for _, c := range topCgroups("") {
+		for _, c := range topCgroups() {
 			if under(c, r) {
 				s.add("cgroups", c)
 			}
@@ -111,12 +112,19 @@ func (s HostSnapshot) Diff(before HostSnapshot) []string {
 // programs on a shared machine change the host too (test netns mounts,
 // their veths), and those are not ours to report.
 func Relevant(diff []string) []string {
-	markers := []string{"kubepods", "KUBE-", dirPrefix, guardPrefix, "ambient-probe", "containerd", "kubelet", "veth", "ztunnel"}
+	markers := []string{"KUBE-", dirPrefix, guardPrefix, "ambient-probe", "containerd", "kubelet", "veth", "ztunnel"}
 	var out []string
 	for _, l := range diff {
 		section, _, _ := strings.Cut(l, ":")
 		if section == "files" || section == "sysctl" {
 			out = append(out, l)
+			continue
+		}
+		if section == "cgroups" {
+			// kubelet's roots exactly; look-alikes are other programs'.
+			if f := strings.Fields(l); slices.Contains(kubeletRoots, filepath.Base(f[len(f)-1])) || strings.Contains(l, dirPrefix) {
+				out = append(out, l)
+			}
 			continue
 		}
 		for _, m := range markers {
