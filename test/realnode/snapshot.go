@@ -120,6 +120,11 @@ func Relevant(diff []string) []string {
 			out = append(out, l)
 			continue
 		}
+		// The node only adds elsewhere (and removes what it added): a
+		// line that went away is another program's.
+		if !strings.HasPrefix(l, section+": + ") {
+			continue
+		}
 		if section == "cgroups" {
 			// kubelet's roots exactly; look-alikes are other programs'.
 			if f := strings.Fields(l); slices.Contains(kubeletRoots, filepath.Base(f[len(f)-1])) || strings.Contains(l, dirPrefix) {

@@ -1,6 +1,7 @@
 package realnode
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -8,7 +9,9 @@ import (
 	"io"
 	"net/netip"
 	"net/url"
+	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -434,11 +437,7 @@ func (s *Story) checkProbes(ctx context.Context, name string) {
 		}
 		if !ready || !live {
 			err := fmt.Errorf("readiness from %s: %v, liveness from %s: %v (probe sources seen %v)", snat, ready, snat, live, seen)
-			if _, exists, serr := hostProbeSet(); serr == nil && !exists {
-				// The agent made it at start; on a shared machine another
-				// agent (a sandbox, a test) may have removed it on exit.
-				err = fmt.Errorf("%w; the host probe set %s is gone", err, iptables.ProbeSetV4)
-			}
+			err = fmt.Errorf("%w; %s", err, s.N.probeSetReport(p.Status.PodIP))
 			return false, err
 		}
 		return true, nil
@@ -531,6 +530,55 @@ func (s *Story) stepUnlabel(ctx context.Context) error {
 	s.check("the host probe set is empty", err)
 	s.directRing(ctx)
 	return nil
+}
+
+// probeSetReport says whether the host probe set holds ip, and names other
+// node agents running on this machine outside this node: on a shared
+// machine one in the host network namespace (a sandbox, a test) manages
+// the same host probe set and may drop this node's addresses from it.
+func (n *Node) probeSetReport(ip string) string {
+	members, exists, err := hostProbeSet()
+	var b strings.Builder
+	switch {
+	case err != nil:
+		fmt.Fprintf(&b, "host probe set: %v", err)
+	case !exists:
+		fmt.Fprintf(&b, "the host probe set %s is gone", iptables.ProbeSetV4)
+	default:
+		fmt.Fprintf(&b, "host probe set %s holds %s: %v", iptables.ProbeSetV4, ip, slices.Contains(members, ip))
+	}
+	if others := n.foreignAgents(); len(others) > 0 {
+		fmt.Fprintf(&b, "; other agents on this machine: %s", strings.Join(others, "; "))
+	}
+	return b.String()
+}
+
+// foreignAgents lists install-cni processes in the host network namespace
+// that are not pods of this node (whose kubelet owns the kubepods cgroup:
+// one real node per machine).
+func (n *Node) foreignAgents() []string {
+	host, _ := os.Readlink("/proc/self/ns/net")
+	var out []string
+	pids, _ := os.ReadDir("/proc")
+	for _, de := range pids {
+		if _, err := strconv.Atoi(de.Name()); err != nil {
+			continue
+		}
+		dir := "/proc/" + de.Name()
+		comm, err := os.ReadFile(dir + "/comm")
+		if err != nil || strings.TrimSpace(string(comm)) != "install-cni" {
+			continue
+		}
+		if ns, _ := os.Readlink(dir + "/ns/net"); ns != host {
+			continue
+		}
+		if cg, _ := os.ReadFile(dir + "/cgroup"); bytes.Contains(cg, []byte("/kubepods/")) {
+			continue
+		}
+		cmd, _ := os.ReadFile(dir + "/cmdline")
+		out = append(out, de.Name()+" "+strings.TrimSpace(string(bytes.ReplaceAll(cmd, []byte{0}, []byte{' '}))))
+	}
+	return out
 }
 
 // hostProbeSet lists the members of the agent's host probe set for IPv4:
