@@ -83,6 +83,15 @@ type node struct {
 	stop  func()
 }
 
+// TestMain runs the package in a network namespace of its own: its nodes'
+// bridges and pod gateways live in the test process's namespace, where
+// another package's or test run's bridge could hold the same random
+// subnet. The reference CNI plugins are built first, outside, where their
+// modules can be downloaded.
+func TestMain(m *testing.M) {
+	os.Exit(testnet.MainInOwnNetns(cnibin.Prefetch, m.Run))
+}
+
 func randByte() byte {
 	var b [1]byte
 	_, _ = rand.Read(b[:])

@@ -120,6 +120,22 @@ func Build() (paths []string, plugin string, err error) {
 	return []string{ref, oursDir}, filepath.Join(oursDir, PluginName), nil
 }
 
+// Prefetch builds (or finds cached) the reference plugins, the one build
+// that may need the network (to download their modules the first time):
+// tests that then run without a route out, in a network namespace of
+// their own, find them built.
+func Prefetch() error {
+	root, err := cacheRoot()
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(root, 0o755); err != nil {
+		return err
+	}
+	_, err = buildReference(root)
+	return err
+}
+
 // buildReference builds the reference plugins inside their own module
 // (its go.mod and go.sum pin their dependencies), into a directory keyed
 // by plugin version and toolchain.

@@ -41,7 +41,16 @@ import (
 // kube is the package's one etcd + kube-apiserver.
 var kube kubeenv.Shared
 
-func TestMain(m *testing.M) { os.Exit(kube.Run(m)) }
+// TestMain runs the package in a network namespace of its own: its nodes
+// use the test process's namespace as their host (bridges and pod
+// gateways, the API server's and agents' loopback ports) and the
+// host-clean checks read it, so nothing here meets another package's
+// nodes, another test run or a real node on the machine. The reference
+// CNI plugins are built first, outside, where their modules can be
+// downloaded.
+func TestMain(m *testing.M) {
+	os.Exit(testnet.MainInOwnNetns(cnibin.Prefetch, func() int { return kube.Run(m) }))
+}
 
 const (
 	// agentSA is the agent's ServiceAccount, bound to the shipped RBAC.
@@ -592,7 +601,9 @@ func (n *node) requireNotEnrolled(p *kubesim.Pod) {
 }
 
 // waitUnenrolled waits until the stand-in no longer serves any of the
-// pods (the last step of removal) and then requires no trace of capture.
+// pods and the agent has finished removing them (it tells ztunnel, then
+// drops its entry, then takes the IPs out of the host probe set), and then
+// requires no trace of capture.
 func (n *node) waitUnenrolled(pods ...*kubesim.Pod) {
 	n.t.Helper()
 	n.waitStandIn(func() bool {
@@ -607,11 +618,13 @@ func (n *node) waitUnenrolled(pods ...*kubesim.Pod) {
 	for _, p := range pods {
 		for {
 			_, inState := n.d.Agent().EnrolledUID(p.Obj.Namespace, p.Obj.Name)
-			if !inState && n.annotation(p) == "" {
+			probed := n.inProbeSet(p)
+			if !inState && !probed && n.annotation(p) == "" {
 				break
 			}
 			if time.Now().After(deadline) {
-				n.t.Fatalf("pod %s still enrolled: in state %v, annotation %q", p.Obj.Name, inState, n.annotation(p))
+				n.t.Fatalf("pod %s still enrolled: in state %v, in the host probe set %v, annotation %q",
+					p.Obj.Name, inState, probed, n.annotation(p))
 			}
 			time.Sleep(20 * time.Millisecond)
 		}

@@ -16,11 +16,10 @@ import (
 )
 
 // hostState is what a test could leave behind in the host network
-// namespace and cgroup tree.
+// namespace (the package's own: see TestMain).
 type hostState struct {
-	rules   map[string][]string // save command -> lines
-	ipsets  []string
-	cgroups []string // kubesim cgroup roots
+	rules  map[string][]string // save command -> lines
+	ipsets []string
 }
 
 var counters = regexp.MustCompile(`\[\d+:\d+\]`)
@@ -31,7 +30,7 @@ var nftCounters = regexp.MustCompile(`counter packets \d+ bytes \d+`)
 
 // snapshotHost reads the host's rules (every installed iptables flavour
 // and the whole nf_tables ruleset, where the nftables backend's tables
-// would be), ipsets and kubesim cgroup roots.
+// would be) and ipsets.
 func snapshotHost(t testing.TB) hostState {
 	t.Helper()
 	st := hostState{rules: map[string][]string{}}
@@ -72,10 +71,6 @@ func snapshotHost(t testing.TB) hostState {
 		}
 		st.ipsets = strings.Split(strings.TrimSpace(string(out)), "\n")
 	}
-	for _, h := range podproc.DefaultHierarchies() {
-		m, _ := filepath.Glob(filepath.Join(h, "kubepods-sim-*"))
-		st.cgroups = append(st.cgroups, m...)
-	}
 	return st
 }
 
@@ -93,9 +88,10 @@ func added(before, after []string) []string {
 // requireHostClean snapshots the host now and, once the test and all its
 // cleanups are done, requires that the test left nothing behind: no host
 // rule or ipset of ours or naming its bridge or pod subnet, no bridge, no
-// pod netns, no kubesim cgroup. Changes that are not ours (another
-// package's tests may run at the same time) are only logged. Call it
-// before newNode; node and pods are read at the end.
+// pod netns, no kubesim cgroup. The host is the package's own network
+// namespace, where nothing but this package's tests runs; changes that
+// are not ours are still only logged. Call it before newNode; node and
+// pods are read at the end.
 func requireHostClean(t *testing.T, n **node, pods *[]*kubesim.Pod) {
 	t.Helper()
 	before := snapshotHost(t)
@@ -130,8 +126,15 @@ func requireHostClean(t *testing.T, n **node, pods *[]*kubesim.Pod) {
 			report(cmd+" (removed)", added(lines, before.rules[cmd]))
 		}
 		report("ipset", added(before.ipsets, after.ipsets))
-		for _, cg := range added(before.cgroups, after.cgroups) {
-			t.Errorf("kubesim cgroup left behind: %s", cg)
+		// Cgroups are machine-wide: other packages' simulated kubelets
+		// (the sandbox's, the benchmark's) make and remove theirs in the
+		// same hierarchies meanwhile. This node's are all below its root.
+		if nd.kube != nil {
+			for _, h := range podproc.DefaultHierarchies() {
+				if cg := filepath.Join(h, nd.kube.CgroupRoot()); exists(cg) {
+					t.Errorf("kubesim cgroup left behind: %s", cg)
+				}
+			}
 		}
 		if _, err := os.Stat(filepath.Join("/sys/class/net", nd.bridge)); err == nil {
 			t.Errorf("bridge %s left behind", nd.bridge)
@@ -148,4 +151,9 @@ func requireHostClean(t *testing.T, n **node, pods *[]*kubesim.Pod) {
 		}
 		t.Logf("host clean: %d rule dumps, %d ipset lines, %d pod netns checked", len(after.rules), len(after.ipsets), len(*pods))
 	})
+}
+
+func exists(path string) bool {
+	_, err := os.Stat(path)
+	return err == nil
 }

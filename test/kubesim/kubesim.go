@@ -93,6 +93,10 @@ func NewNode(t T, client kubernetes.Interface, name string, cniPaths []string, c
 	return n
 }
 
+// CgroupRoot is the node's own cgroup root segment (kubepods-sim-<random>)
+// under each cgroup hierarchy: every pod cgroup of the node lies below it.
+func (n *Node) CgroupRoot() string { return n.cgroupRoot }
+
 func (n *Node) rt(p *Pod) *libcni.RuntimeConf {
 	return &libcni.RuntimeConf{
 		ContainerID: p.SandboxID,
