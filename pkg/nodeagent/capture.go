@@ -52,6 +52,7 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *San
 		e.SandboxID = old.SandboxID
 	}
 	a.pods[pod.UID] = e
+	delete(a.released, pod.UID)
 	a.mu.Unlock()
 	if old != nil {
 		// Same netns: a repeated ADD. Another netns: the sandbox was

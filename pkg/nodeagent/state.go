@@ -3,6 +3,7 @@ package nodeagent
 import (
 	"slices"
 	"sort"
+	"time"
 
 	"k8s.io/apimachinery/pkg/types"
 
@@ -16,6 +17,34 @@ func (a *Agent) Pending(uid types.UID) bool {
 	defer a.mu.Unlock()
 	e := a.pods[uid]
 	return e != nil && e.State == StatePending
+}
+
+// releasedTTL is how long SandboxReleased remembers a pod: far longer than
+// any pod stays between its sandbox's teardown and its object's removal.
+const releasedTTL = time.Hour
+
+// noteReleased records that the runtime removed uid's captured sandbox.
+func (a *Agent) noteReleased(uid types.UID) {
+	now := time.Now()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for u, at := range a.released {
+		if now.Sub(at) > releasedTTL {
+			delete(a.released, u)
+		}
+	}
+	a.released[uid] = now
+}
+
+// SandboxReleased reports whether the runtime removed uid's sandbox (CNI
+// DEL) while it was captured and no sandbox of it was captured since. A
+// terminating pod in that state has no network left to capture: the
+// controller leaves it alone until its object is gone.
+func (a *Agent) SandboxReleased(uid types.UID) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	_, ok := a.released[uid]
+	return ok
 }
 
 // EnrolledUID reports the uid enrolled under namespace/name, if any.
