@@ -1,14 +1,21 @@
 package e2e
 
 import (
+	"bytes"
 	"context"
+	"os"
+	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/test/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/kubesim"
 	"github.com/ambient-cni/ambient-cni/test/ztunnel"
 )
@@ -139,4 +146,85 @@ func TestPodWithIPsEnrolledBeforeRunning(t *testing.T) {
 	n.waitEnrolled(waitLong, p, peer)
 	mustGet(t, p, peer)
 	n.requireTunneled(p, peer)
+}
+
+// revokeAgentRBAC deletes the agent's RoleBindings and ClusterRoleBindings
+// (as helm uninstall does, or an operator's mistake) and waits until the
+// agent's read of its DaemonSet is refused.
+func (n *node) revokeAgentRBAC() {
+	n.t.Helper()
+	ctx := context.Background()
+	rbac := n.env.Client.RbacV1()
+	rbs, err := rbac.RoleBindings(n.agentNS).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	for _, rb := range rbs.Items {
+		if err := rbac.RoleBindings(n.agentNS).Delete(ctx, rb.Name, metav1.DeleteOptions{}); err != nil {
+			n.t.Fatal(err)
+		}
+	}
+	crbs, err := rbac.ClusterRoleBindings().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	for _, crb := range crbs.Items {
+		if slices.ContainsFunc(crb.Subjects, func(s rbacv1.Subject) bool { return s.Namespace == n.agentNS }) {
+			if err := rbac.ClusterRoleBindings().Delete(ctx, crb.Name, metav1.DeleteOptions{}); err != nil {
+				n.t.Fatal(err)
+			}
+		}
+	}
+	eventually(n.t, "the agent's DaemonSet read refused", func() bool {
+		_, err := n.client.AppsV1().DaemonSets(n.agentNS).Get(ctx, n.cfg.DaemonSet, metav1.GetOptions{})
+		return apierrors.IsForbidden(err)
+	})
+}
+
+// pluginInstalled reports whether the plugin binary is on the node and
+// the primary conflist names it.
+func (n *node) pluginInstalled() (binary, chained bool) {
+	n.t.Helper()
+	_, err := os.Stat(filepath.Join(n.binDir, cnibin.PluginName))
+	conf, cerr := os.ReadFile(filepath.Join(n.confDir, primaryConf))
+	if cerr != nil {
+		n.t.Fatal(cerr)
+	}
+	return err == nil, bytes.Contains(conf, []byte(`"`+cnibin.PluginName+`"`))
+}
+
+// TestShutdownUninstallsOnlyOnProof: a stopping agent removes the plugin
+// only on proof of an uninstall. Losing its RBAC while its DaemonSet lives
+// (RBAC briefly wrong) leaves the plugin installed and says why; the order
+// helm uninstall deletes things in (DaemonSet, then RBAC, then the pods
+// stop) still removes it, because the agent's watch saw the DaemonSet go.
+func TestShutdownUninstallsOnlyOnProof(t *testing.T) {
+	t.Run("rbac lost", func(t *testing.T) {
+		n := newNode(t, nodeOptions{Upgrade: true})
+		eventually(t, "the agent's watch sees its DaemonSet", func() bool { return n.d.DaemonSetSeen() == "present" })
+		n.revokeAgentRBAC()
+		mark := n.logs.mark()
+		n.stopDaemon()
+		if bin, chained := n.pluginInstalled(); !bin || !chained {
+			t.Fatalf("RBAC lost, DaemonSet alive: plugin binary %v, chained %v; want both kept", bin, chained)
+		}
+		if !slices.ContainsFunc(n.logs.warningsSince(mark), func(w string) bool {
+			return strings.Contains(w, "leaving the plugin installed") && strings.Contains(w, "not proof of an uninstall")
+		}) {
+			t.Errorf("no warning saying why the plugin stays: %q", n.logs.warningsSince(mark))
+		}
+	})
+	t.Run("helm uninstall order", func(t *testing.T) {
+		n := newNode(t, nodeOptions{Upgrade: true})
+		eventually(t, "the agent's watch sees its DaemonSet", func() bool { return n.d.DaemonSetSeen() == "present" })
+		if err := n.env.Client.AppsV1().DaemonSets(n.agentNS).Delete(context.Background(), n.cfg.DaemonSet, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		eventually(t, "the agent's watch sees its DaemonSet deleted", func() bool { return n.d.DaemonSetSeen() == "deleted" })
+		n.revokeAgentRBAC()
+		n.stopDaemon()
+		if bin, chained := n.pluginInstalled(); bin || chained {
+			t.Fatalf("uninstalled: plugin binary %v, chained %v; want both gone", bin, chained)
+		}
+	})
 }

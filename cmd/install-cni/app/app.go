@@ -116,7 +116,7 @@ type App struct {
 	metrics *metrics.Metrics
 
 	installer *installer.Installer
-	upgrade   installer.UpgradeChecker
+	upgrade   *kubeadapter.DaemonSetUpgradeChecker
 	rules     *rulesbackend.Backend
 	events    *kubeadapter.Events
 	pods      *podcache.Cache
@@ -171,7 +171,7 @@ func New(o Options) (*App, error) {
 	if err != nil {
 		return nil, fmt.Errorf("installer: %w", err)
 	}
-	a.upgrade = kubeadapter.DaemonSetUpgradeChecker{Client: o.Client, Namespace: c.PodNamespace, Name: c.DaemonSet}
+	a.upgrade = kubeadapter.NewDaemonSetUpgradeChecker(o.Client, c.PodNamespace, c.DaemonSet, a.log)
 
 	// What the agent decides with: the pod cache.
 	a.pods = podcache.New(podcache.Config{
@@ -281,6 +281,10 @@ func closed(ch <-chan struct{}) bool {
 // Agent is the node agent core (for tests and debugging).
 func (a *App) Agent() *nodeagent.Agent { return a.agent }
 
+// DaemonSetSeen is what the watch on the agent's DaemonSet last saw: ""
+// (nothing yet), "present", "being deleted" or "deleted".
+func (a *App) DaemonSetSeen() string { return a.upgrade.Seen() }
+
 // RulesBackend names the rules backend in use ("nftables", "iptables-nft"
 // or "iptables-legacy").
 func (a *App) RulesBackend() string { return a.rules.Name }
@@ -324,6 +328,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 	}
 	run("health", func(ctx context.Context) error { return a.health.Serve(ctx, c.HealthAddr, a.opts.HealthReady) })
 	run("installer", a.installer.Run)
+	run("daemonset-watch", a.upgrade.Run)
 	run("pod-cache", a.pods.Run)
 	run("controller", a.ctrl.Run)
 	run("metrics", func(ctx context.Context) error {
