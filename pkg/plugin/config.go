@@ -1,7 +1,8 @@
 // Package plugin is the logic of the thin CNI plugin: it parses the plugin
 // configuration and the runtime's CNI_ARGS, forwards each pod to the node
-// agent over its Unix socket, falls back to the agent's enablement snapshot
-// when the agent is unreachable, and passes prevResult through unchanged.
+// agent over its Unix socket, fails closed when the agent is unreachable
+// (or, if configured, falls back to the agent's enablement snapshot), and
+// passes prevResult through unchanged.
 //
 // It must stay small: the runtime execs the plugin for every pod, so it
 // imports no Kubernetes client and no net/http (see the deps test).
@@ -63,6 +64,11 @@ type Config struct {
 	// unreachable (key "statusRequiresAgent"; default false, because a
 	// failing STATUS marks the whole node NotReady).
 	StatusRequiresAgent bool
+	// AgentUnreachable is what ADD and CHECK do for a pod outside the
+	// excluded namespaces while the agent is unreachable (key
+	// "agentUnreachable"): ambient.AgentUnreachableFailClosed (default) or
+	// ambient.AgentUnreachableSnapshot.
+	AgentUnreachable string
 	// PrevResult is the previous plugin's result, nil when absent.
 	PrevResult types.Result
 	// ValidAttachments is set for GC.
@@ -94,7 +100,15 @@ func ParseConfig(stdin []byte) (*Config, error) {
 		Timeout:             ambient.DefaultPluginTimeout,
 		ExcludedNamespaces:  []string{ambient.DefaultExcludedNamespace},
 		StatusRequiresAgent: raw.StatusRequiresAgent,
+		AgentUnreachable:    raw.AgentUnreachable,
 		ValidAttachments:    raw.ValidAttachments,
+	}
+	switch c.AgentUnreachable {
+	case "":
+		c.AgentUnreachable = ambient.AgentUnreachableFailClosed
+	case ambient.AgentUnreachableFailClosed, ambient.AgentUnreachableSnapshot:
+	default:
+		return nil, invalidConfig("agentUnreachable %q must be %q or %q", raw.AgentUnreachable, ambient.AgentUnreachableFailClosed, ambient.AgentUnreachableSnapshot)
 	}
 	if c.AgentSocket == "" {
 		c.AgentSocket = ambient.DefaultAgentSocket

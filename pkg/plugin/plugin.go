@@ -101,9 +101,18 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	}
 }
 
-// fallback decides from the enablement snapshot while the agent is away:
-// fail closed with code 11 when the pod may need capture, else pass through.
+// fallback decides while the agent is unreachable, for a pod outside the
+// excluded namespaces. By default it fails closed with code 11 (the
+// runtime retries until the agent is back): no file the plugin can read
+// proves the pod needs no capture, since its namespace may have been
+// labelled while the agent was away. With agentUnreachable "snapshot" it
+// passes through pods whose namespace the agent's last snapshot did not
+// see enabled.
 func (p *Plugin) fallback(c *call, log *slog.Logger, ns string, cause error) error {
+	if c.cfg.AgentUnreachable != ambient.AgentUnreachableSnapshot {
+		log.Warn("node agent unreachable; failing closed", "err", cause, "agentUnreachable", c.cfg.AgentUnreachable)
+		return tryAgain("ambient-cni: %v; namespace %q is not excluded, so the pod may need ambient capture and is not started until the node agent answers (agentUnreachable %q). The runtime will retry: check that the ambient-cni node agent is running on this node", cause, ns, c.cfg.AgentUnreachable)
+	}
 	snap, serr := readSnapshot(c.cfg.SnapshotFile)
 	if !snap.MayNeedCapture(ns) {
 		log.Warn("node agent unreachable; namespace not enabled per snapshot, passing through",
@@ -185,9 +194,10 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 	var unreachable *ambient.UnreachableError
 	switch {
 	case errors.As(err, &unreachable):
-		snap, _ := readSnapshot(c.cfg.SnapshotFile)
-		if !snap.MayNeedCapture(ns) {
-			return nil
+		if c.cfg.AgentUnreachable == ambient.AgentUnreachableSnapshot {
+			if snap, _ := readSnapshot(c.cfg.SnapshotFile); !snap.MayNeedCapture(ns) {
+				return nil
+			}
 		}
 		return tryAgain("ambient-cni: %v; cannot verify pod %s/%s, whose namespace may need capture", err, ns, name)
 	case err != nil:

@@ -223,9 +223,40 @@ func writeSnapshot(t *testing.T, dir string, s nodefiles.EnablementSnapshot) {
 	}
 }
 
+// TestAddAgentDownFailsClosed: by default, with the agent unreachable,
+// every pod outside the excluded namespaces fails with code 11, whatever
+// the snapshot says: a namespace labelled while the agent was away is not
+// in it. Excluded namespaces (the plugin's own, static config) pass.
+func TestAddAgentDownFailsClosed(t *testing.T) {
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "agent.sock")
+	writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 5, EnabledNamespaces: []string{"other"}, ExcludedNamespaces: []string{"kube-system"}})
+	for _, extra := range []string{"", `,"agentUnreachable":"fail-closed"`} {
+		_, err := run(t, add, conf(sock, "1.0.0", extra), k8sArgs)
+		if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "unreachable") ||
+			!strings.Contains(err.Error(), `namespace "shop" is not excluded`) {
+			t.Errorf("conf%s, namespace not enabled per snapshot: %v; want code 11", extra, err)
+		}
+		if _, err := run(t, check, conf(sock, "1.0.0", extra), k8sArgs); cniCode(t, err) != types.ErrTryAgainLater {
+			t.Errorf("conf%s: CHECK with agent down: %v; want code 11", extra, err)
+		}
+	}
+	out, err := run(t, add, conf(sock, "1.0.0", `,"excludedNamespaces":["shop"]`), k8sArgs)
+	if err != nil || !jsonEqual(t, out, prevV1) {
+		t.Errorf("excluded namespace with agent down: %q, %v", out, err)
+	}
+	if _, err := run(t, add, conf(sock, "1.0.0", `,"agentUnreachable":"open"`), k8sArgs); cniCode(t, err) != types.ErrInvalidNetworkConfig ||
+		!strings.Contains(err.Error(), "agentUnreachable") {
+		t.Errorf("unknown agentUnreachable value: %v", err)
+	}
+}
+
+// TestAddAgentDownUsesSnapshot: with agentUnreachable "snapshot" the
+// plugin decides from the agent's last enablement snapshot.
 func TestAddAgentDownUsesSnapshot(t *testing.T) {
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "agent.sock")
+	conf := func(sock, version, extra string) []byte { return conf(sock, version, `,"agentUnreachable":"snapshot"`+extra) }
 	// No snapshot: fail closed.
 	_, err := run(t, add, conf(sock, "1.0.0", ""), k8sArgs)
 	if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "unreachable") || !strings.Contains(err.Error(), "no usable enablement snapshot") {

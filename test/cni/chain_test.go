@@ -194,6 +194,11 @@ func cniCode(err error) uint {
 	return 0
 }
 
+// TestChainAgentDown: with the agent down, through the real chain, the
+// shipped default fails every pod outside the excluded namespaces with code
+// 11, also in a namespace the agent's last snapshot did not see enabled
+// (it may have been labelled since); excluded namespaces start, DEL is
+// spooled, and pods start again once the agent is back.
 func TestChainAgentDown(t *testing.T) {
 	n := newNode(t, "1.0.0", nil)
 	// Enroll a pod while the agent is up; the snapshot now names "shop".
@@ -205,7 +210,7 @@ func TestChainAgentDown(t *testing.T) {
 		t.Fatal("no rules after ADD")
 	}
 	snap, err := os.ReadFile(nodefiles.SnapshotPath(n.sock))
-	if err != nil || !strings.Contains(string(snap), `"shop"`) {
+	if err != nil || !strings.Contains(string(snap), `"shop"`) || strings.Contains(string(snap), `"plain"`) {
 		t.Fatalf("snapshot %s, %v", snap, err)
 	}
 	n.stopAgent()
@@ -213,21 +218,24 @@ func TestChainAgentDown(t *testing.T) {
 		t.Fatalf("socket still present after stop: %v", err)
 	}
 
-	// Enabled namespace: fail closed with code 11 and a clear message.
-	shop2 := n.newPod("shop", "api", nil)
-	_, err = n.add(shop2)
-	if cniCode(err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "unreachable") ||
-		!strings.Contains(err.Error(), `namespace "shop" may need ambient capture`) {
-		t.Errorf("ADD in enabled namespace with agent down: %v", err)
+	// Enabled namespace, and one the snapshot saw as not enabled (it may
+	// have been labelled since): both fail closed, retryable, saying why.
+	for _, ns := range []string{"shop", "plain"} {
+		p := n.newPod(ns, "api", nil)
+		_, err = n.add(p)
+		if cniCode(err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "unreachable") ||
+			!strings.Contains(err.Error(), `namespace "`+ns+`" is not excluded`) {
+			t.Errorf("ADD in namespace %s with agent down: %v; want code 11", ns, err)
+		}
+		if n.ourChains(t, p) {
+			t.Errorf("failed ADD in %s left rules", ns)
+		}
+		_ = n.del(p)
 	}
-	_ = n.del(shop2)
-	// Not enabled: pass through.
-	plain := n.newPod("plain", "db", nil)
-	if _, err := n.add(plain); err != nil {
-		t.Errorf("ADD in plain namespace with agent down: %v", err)
-	}
-	if n.ourChains(t, plain) {
-		t.Errorf("pass-through pod got rules")
+	// Excluded namespace (the plugin's own config): starts at once.
+	sys := n.newPod("kube-system", "dns", nil)
+	if _, err := n.add(sys); err != nil {
+		t.Errorf("ADD in an excluded namespace with agent down: %v", err)
 	}
 	// DEL succeeds and is spooled.
 	if err := n.del(web); err != nil {
@@ -248,10 +256,33 @@ func TestChainAgentDown(t *testing.T) {
 	if entries, _ := nodefiles.List(nodefiles.SpoolDir(n.sock)); len(entries) != 0 {
 		t.Errorf("spool not drained: %+v", entries)
 	}
-	// And pods in enabled namespaces start again.
-	again := n.newPod("shop", "api2", nil)
-	if _, err := n.add(again); err != nil {
-		t.Errorf("ADD after the agent returned: %v", err)
+	// And the runtime's retries succeed.
+	for _, ns := range []string{"shop", "plain"} {
+		if _, err := n.add(n.newPod(ns, "api2", nil)); err != nil {
+			t.Errorf("ADD in %s after the agent returned: %v", ns, err)
+		}
+	}
+}
+
+// TestChainAgentDownSnapshot: with agentUnreachable "snapshot" (the
+// operator's opt-in) the plugin decides from the agent's last snapshot:
+// a namespace it saw enabled fails closed, one it did not passes through.
+func TestChainAgentDownSnapshot(t *testing.T) {
+	n := newNode(t, "1.0.0", map[string]any{"agentUnreachable": ambient.AgentUnreachableSnapshot})
+	if _, err := n.add(n.newPod("shop", "web", nil)); err != nil {
+		t.Fatal(err)
+	}
+	n.stopAgent()
+	_, err := n.add(n.newPod("shop", "api", nil))
+	if cniCode(err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), `namespace "shop" may need ambient capture`) {
+		t.Errorf("ADD in enabled namespace with agent down: %v", err)
+	}
+	plain := n.newPod("plain", "db", nil)
+	if _, err := n.add(plain); err != nil {
+		t.Errorf("ADD in plain namespace with agent down: %v", err)
+	}
+	if n.ourChains(t, plain) {
+		t.Errorf("pass-through pod got rules")
 	}
 }
 

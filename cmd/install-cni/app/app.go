@@ -156,7 +156,7 @@ func New(o Options) (*App, error) {
 	entry, err := json.Marshal(ambient.PluginConf{
 		AgentSocket: c.AgentSocket, Timeout: c.PluginTimeout.String(),
 		LogLevel: c.PluginLogLevel, ExcludedNamespaces: nonNil(c.ExcludedNamespaces),
-		StatusRequiresAgent: c.StatusChecksAgent,
+		StatusRequiresAgent: c.StatusChecksAgent, AgentUnreachable: c.AgentUnreachable,
 	})
 	if err != nil {
 		return nil, err
