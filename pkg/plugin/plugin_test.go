@@ -256,7 +256,9 @@ func TestAddAgentDownFailsClosed(t *testing.T) {
 func TestAddAgentDownUsesSnapshot(t *testing.T) {
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "agent.sock")
-	conf := func(sock, version, extra string) []byte { return conf(sock, version, `,"agentUnreachable":"snapshot"`+extra) }
+	conf := func(sock, version, extra string) []byte {
+		return conf(sock, version, `,"agentUnreachable":"snapshot"`+extra)
+	}
 	// No snapshot: fail closed.
 	_, err := run(t, add, conf(sock, "1.0.0", ""), k8sArgs)
 	if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "unreachable") || !strings.Contains(err.Error(), "no usable enablement snapshot") {
