@@ -333,11 +333,26 @@ func tryAgain(format string, a ...any) error {
 	return types.NewError(types.ErrTryAgainLater, fmt.Sprintf(format, a...), "")
 }
 
-// agentError turns an agent-side failure into a CNI error: code 11 when the
-// agent says retrying will help, else an internal error.
+// agentError turns the agent's failure answer into a CNI error that names
+// the side at fault: code 11 when the agent says retrying will help, 4 when
+// it rejected the request as invalid (built from the runtime's CNI_NETNS,
+// CNI_CONTAINERID and CNI_ARGS), else 999, saying whether a CHECK found a
+// mismatch, the agent does not know the request (plugin and agent of
+// different versions) or refused it, or failed.
 func agentError(verb string, resp *ambient.PodEventResponse) error {
-	if resp.Retryable {
+	switch {
+	case resp.Retryable:
 		return tryAgain("ambient-cni: node agent could not complete %s yet: %s; the runtime will retry", verb, resp.Error)
+	case resp.Status == 400 || resp.Status == 413:
+		return types.NewError(types.ErrInvalidEnvironmentVariables,
+			fmt.Sprintf("ambient-cni: node agent rejected %s as invalid: %s", verb, resp.Error), "the request carries the runtime's CNI_NETNS, CNI_CONTAINERID and CNI_ARGS")
+	case resp.Status == 409:
+		return types.NewError(types.ErrInternal, fmt.Sprintf("ambient-cni: %s failed: %s", verb, resp.Error), "")
+	case resp.Status == 404 || resp.Status == 405:
+		return types.NewError(types.ErrInternal,
+			fmt.Sprintf("ambient-cni: node agent does not support %s (%s); are the plugin binary and the agent of the same version?", verb, resp.Error), "")
+	case resp.Status == 403:
+		return types.NewError(types.ErrInternal, fmt.Sprintf("ambient-cni: node agent refused %s: %s", verb, resp.Error), "")
 	}
-	return types.NewError(types.ErrInternal, fmt.Sprintf("ambient-cni: node agent refused %s: %s", verb, resp.Error), "")
+	return types.NewError(types.ErrInternal, fmt.Sprintf("ambient-cni: node agent failed %s: %s", verb, resp.Error), "")
 }
