@@ -114,3 +114,40 @@ func (a *Agent) Close() error {
 	}
 	return nil
 }
+
+// Inspection is one enrolled pod as the agent holds it, with its rules
+// verified at the time of the call.
+type Inspection struct {
+	EnrolledPod
+	// Drift lists, one item per line, how the pod's rules differ from what
+	// the agent applied; empty when they match.
+	Drift []string
+	// VerifyError says why the rules could not be read; empty otherwise.
+	VerifyError string
+}
+
+// Inspect returns uid's entry with its rules verified now, after any
+// capture or release in progress on it; ok is false when uid is not
+// enrolled. It changes nothing.
+func (a *Agent) Inspect(uid types.UID) (in Inspection, ok bool) {
+	unlock := a.lock(uid)
+	defer unlock()
+	e := a.get(uid)
+	if e == nil {
+		return Inspection{}, false
+	}
+	a.mu.Lock()
+	in.EnrolledPod = e.EnrolledPod
+	in.IPs = slices.Clone(e.IPs)
+	a.mu.Unlock()
+	drift, err := a.cfg.Rules.Verify(e.ns.Path(), e.Rules)
+	switch {
+	case err != nil:
+		in.VerifyError = err.Error()
+	case !drift.Empty():
+		for _, it := range drift.Items {
+			in.Drift = append(in.Drift, it.String())
+		}
+	}
+	return in, true
+}

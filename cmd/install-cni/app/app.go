@@ -16,6 +16,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/http"
 	"os/signal"
 	"path/filepath"
 	"sync"
@@ -32,6 +33,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/controller"
+	"github.com/ambient-cni/ambient-cni/pkg/explain"
 	"github.com/ambient-cni/ambient-cni/pkg/health"
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
 	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
@@ -93,8 +95,9 @@ type Options struct {
 	// HostNetns is where the host probe set lives: "" is this process's
 	// own (host) network namespace; tests point it at a stand-in.
 	HostNetns string
-	// HealthReady, when set, receives the health server's bound address.
-	HealthReady func(net.Addr)
+	// HealthReady and MetricsReady, when set, receive the health and
+	// metrics servers' bound addresses.
+	HealthReady, MetricsReady func(net.Addr)
 }
 
 // installerStateName is the installer's state file, kept beside the agent
@@ -125,6 +128,7 @@ type App struct {
 	zds       *zds.Server
 	ctrl      *controller.Controller
 	health    *health.Server
+	explain   *explain.Explainer
 }
 
 // New builds every part; nothing runs or touches the node until Run.
@@ -245,7 +249,14 @@ func New(o Options) (*App, error) {
 		}
 	})
 
-	a.health = health.New(a.log, m.Registry, func() any { return a.agent.Pods() })
+	a.health = health.New()
+	a.explain = &explain.Explainer{
+		Pods: a.pods, Agent: a.agent,
+		Finder:    nodeagent.ProcFinder{Scanner: podnetns.Scanner{ProcRoot: c.ProcRoot, Logger: a.log}, Logger: a.log},
+		Backend:   rules.Name,
+		Ztunnels:  a.zds.Connections,
+		DaemonSet: a.upgrade.Seen,
+	}
 	a.health.AddCheck("installer", a.installer.Check)
 	a.health.AddCheck("restore", func() error {
 		if !closed(a.ctrl.Restored()) {
@@ -285,6 +296,12 @@ func (a *App) Agent() *nodeagent.Agent { return a.agent }
 // (nothing yet), "present", "being deleted" or "deleted".
 func (a *App) DaemonSetSeen() string { return a.upgrade.Seen() }
 
+// DebugSocket is where the debug endpoints are served: debug.sock in the
+// agent socket's (root-only) directory.
+func (a *App) DebugSocket() string {
+	return filepath.Join(filepath.Dir(a.cfg.AgentSocket), health.DebugSocketName)
+}
+
 // RulesBackend names the rules backend in use ("nftables", "iptables-nft"
 // or "iptables-legacy").
 func (a *App) RulesBackend() string { return a.rules.Name }
@@ -322,11 +339,54 @@ func (a *App) Run(ctx context.Context) (err error) {
 	run := func(name string, f func(context.Context) error) {
 		wg.Go(func() {
 			if err := f(runCtx); err != nil && runCtx.Err() == nil {
-				errs <- fmt.Errorf("%s: %w", name, err)
+				select {
+				case errs <- fmt.Errorf("%s: %w", name, err):
+				default: // one failure already stops everything
+					a.log.Error("component failed", "component", name, "err", err)
+				}
 			}
 		})
 	}
-	run("health", func(ctx context.Context) error { return a.health.Serve(ctx, c.HealthAddr, a.opts.HealthReady) })
+	// Health for kubelet, metrics for Prometheus, each on its own TCP
+	// address; the debug endpoints (pod names, IPs, netns paths) only on a
+	// root-only socket in the agent's private directory.
+	serveTCP := func(name, addr string, h http.Handler, ready func(net.Addr)) error {
+		ln, err := health.ListenTCP(addr)
+		if err != nil {
+			return fmt.Errorf("%s: %w", name, err)
+		}
+		if ready != nil {
+			ready(ln.Addr())
+		}
+		run(name, func(ctx context.Context) error { return health.ServeListener(ctx, ln, h) })
+		return nil
+	}
+	if err := serveTCP("health", c.HealthAddr, a.health.Handler(), a.opts.HealthReady); err != nil {
+		cancel()
+		wg.Wait()
+		return err
+	}
+	if c.MetricsAddr != "" {
+		if err := serveTCP("metrics", c.MetricsAddr, health.MetricsHandler(a.metrics.Registry), a.opts.MetricsReady); err != nil {
+			cancel()
+			wg.Wait()
+			return err
+		}
+	}
+	debugLn, err := health.ListenUnix(a.DebugSocket())
+	if err != nil {
+		cancel()
+		wg.Wait()
+		return fmt.Errorf("debug socket: %w", err)
+	}
+	run("debug", func(ctx context.Context) error {
+		return health.ServeListener(ctx, debugLn, health.Debug{
+			Pods:       func() any { return a.agent.Pods() },
+			Explain:    func(ctx context.Context, ns, name string) (any, error) { return a.explain.Explain(ctx, ns, name) },
+			ExplainAll: func(ctx context.Context) any { return a.explain.ExplainAll(ctx) },
+			Logger:     a.log.With("component", "debug"),
+		}.Handler())
+	})
 	run("installer", a.installer.Run)
 	run("daemonset-watch", a.upgrade.Run)
 	run("pod-cache", a.pods.Run)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"net"
 	"net/netip"
 	"strconv"
 	"strings"
@@ -77,8 +78,9 @@ type Config struct {
 	ProbeSNATv4              netip.Addr
 	ProbeSNATv6              netip.Addr
 
-	HealthAddr string
-	LogLevel   string
+	HealthAddr  string
+	MetricsAddr string
+	LogLevel    string
 }
 
 // option is one row of the settings table.
@@ -211,7 +213,14 @@ func options() []option {
 		}},
 		{"probe-snat-ipv4", "Source address kubelet probes are SNATed to (IPv4).", ambient.DefaultProbeSNATv4.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv4 }, false)},
 		{"probe-snat-ipv6", "Source address kubelet probes are SNATed to (IPv6).", ambient.DefaultProbeSNATv6.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv6 }, true)},
-		{"health-addr", "Address of /healthz, /readyz, /metrics and /debug/pods.", health.DefaultAddr, str(func(c *Config) *string { return &c.HealthAddr })},
+		{"health-addr", "Address of /healthz and /readyz, for kubelet's probes (the chart's pod is in the host network, so this is a host port). Nothing else is served there.", health.DefaultAddr, str(func(c *Config) *string { return &c.HealthAddr })},
+		{"metrics-addr", "Address of /metrics (Prometheus; counts and gauges, no pod names); off turns it off. The debug endpoints, which name pods, are served only on the root-only Unix socket debug.sock next to agent-socket.", health.DefaultMetricsAddr, func(c *Config, v string) error {
+			if v == "off" {
+				v = ""
+			}
+			c.MetricsAddr = v
+			return nil
+		}},
 		{"log-level", "Log level (debug, info, warn, error).", defaultLogLevel, func(c *Config, v string) error {
 			switch v {
 			case "debug", "info", "warn", "error":
@@ -266,6 +275,9 @@ func (c *Config) validate() error {
 	var errs []error
 	if c.NodeName == "" {
 		errs = append(errs, fmt.Errorf("node name is required (--node-name or %s)", EnvName("node-name")))
+	}
+	if _, port, _ := net.SplitHostPort(c.HealthAddr); c.MetricsAddr != "" && c.MetricsAddr == c.HealthAddr && port != "0" {
+		errs = append(errs, fmt.Errorf("metrics-addr and health-addr are both %s: /metrics has its own address", c.HealthAddr))
 	}
 	if c.PluginTimeout <= c.ZtunnelWait {
 		errs = append(errs, fmt.Errorf("plugin-timeout (%s) must exceed ztunnel-wait (%s)", c.PluginTimeout, c.ZtunnelWait))

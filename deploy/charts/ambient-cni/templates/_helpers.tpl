@@ -88,6 +88,8 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ .Values.agent.probeSNATIPv6 | quote }}
 - name: AMBIENT_HEALTH_ADDR
   value: {{ printf ":%v" .Values.agent.healthPort | quote }}
+- name: AMBIENT_METRICS_ADDR
+  value: {{ printf ":%v" .Values.agent.metricsPort | quote }}
 - name: AMBIENT_LOG_LEVEL
   value: {{ .Values.agent.logLevel | quote }}
 - name: AMBIENT_KUBE_CLIENT_QPS
