@@ -161,6 +161,9 @@ type Agent struct {
 	mu   sync.Mutex
 	pods map[types.UID]*entry
 	busy map[types.UID]*podLock
+	// released are the pods whose sandbox the runtime removed (CNI DEL)
+	// while they were captured, and when; see SandboxReleased.
+	released map[types.UID]time.Time
 }
 
 // podLock serializes work on one pod while letting different pods proceed
@@ -196,6 +199,7 @@ func NewAgent(cfg Config) (*Agent, error) {
 		snapshot: newSnapshotWriter(cfg.SnapshotFile),
 		pods:     map[types.UID]*entry{},
 		busy:     map[types.UID]*podLock{},
+		released: map[types.UID]time.Time{},
 	}, nil
 }
 

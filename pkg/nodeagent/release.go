@@ -61,6 +61,7 @@ func (a *Agent) RemoveSandbox(ctx context.Context, sandboxID string, uid types.U
 		log.Warn("remove rules of a departing sandbox", "err", err)
 	}
 	a.forget(ctx, log, e)
+	a.noteReleased(uid)
 	return nil
 }
 

@@ -62,6 +62,8 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ .Values.cni.pluginLogLevel | quote }}
 - name: AMBIENT_PLUGIN_STATUS_CHECKS_AGENT
   value: {{ .Values.cni.statusChecksAgent | toString | quote }}
+- name: AMBIENT_PLUGIN_AGENT_UNREACHABLE
+  value: {{ .Values.cni.agentUnreachable | quote }}
 - name: AMBIENT_AGENT_SOCKET
   value: {{ printf "%s/agent.sock" (.Values.agent.socketDir | trimSuffix "/") | quote }}
 - name: AMBIENT_ZDS_SOCKET
@@ -86,6 +88,8 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ .Values.agent.probeSNATIPv6 | quote }}
 - name: AMBIENT_HEALTH_ADDR
   value: {{ printf ":%v" .Values.agent.healthPort | quote }}
+- name: AMBIENT_METRICS_ADDR
+  value: {{ printf ":%v" .Values.agent.metricsPort | quote }}
 - name: AMBIENT_LOG_LEVEL
   value: {{ .Values.agent.logLevel | quote }}
 - name: AMBIENT_KUBE_CLIENT_QPS
