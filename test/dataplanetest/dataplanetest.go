@@ -218,6 +218,8 @@ func AddProbeSource(t testing.TB, pair *testnet.Pair) {
 			return netlink.RouteAdd(&netlink.Route{LinkIndex: l.Attrs().Index, Dst: PrefixNet(pfx), Scope: netlink.SCOPE_LINK})
 		})
 	}
+	// A resolves the IPv6 probe address on B's link when it answers it.
+	testnet.WaitLinkReady(t, pair.B.NS, pair.B.IfName)
 }
 
 // JoinPods links two namespaces with a veth pair, each end named and
@@ -260,6 +262,8 @@ func JoinPods(t testing.TB, x, y testnet.Pod) {
 			return netlink.LinkSetUp(l)
 		})
 	}
+	testnet.WaitLinkReady(t, x.NS, x.IfName)
+	testnet.WaitLinkReady(t, y.NS, y.IfName)
 }
 
 // Route adds a route to dst via gw in the pod's namespace.

@@ -145,6 +145,10 @@ func NewPair(t testing.TB) *Pair {
 			t.Fatalf("configure %s: %v", side.pod.NS.Path(), err)
 		}
 	}
+	// Both ends are up; the kernel finishes bringing them up on its own
+	// time, and a connection before that can fail (see WaitLinkReady).
+	WaitLinkReady(t, p.A.NS, p.A.IfName)
+	WaitLinkReady(t, p.B.NS, p.B.IfName)
 	return p
 }
 

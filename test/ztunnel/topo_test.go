@@ -112,6 +112,8 @@ func newBridge(t *testing.T, names ...string) map[string]*tpod {
 		}); err != nil {
 			t.Fatalf("pod side: %v", err)
 		}
+		testnet.WaitLinkReady(t, hub, hubEnd)
+		testnet.WaitLinkReady(t, p.ns, "eth0")
 		p.serveApp(t)
 		pods[name] = p
 	}
