@@ -10,10 +10,10 @@ import (
 	"github.com/ambient-cni/ambient-cni/test/ztunnel"
 )
 
-// enrollWithin is the acceptance bound for running pods to be enrolled
-// after their namespace or pod label flips (a bounded wait, not a timing
-// figure: the benchmark measures that).
-const enrollWithin = 5 * time.Second
+// enrollWithin bounds the wait for running pods to be enrolled after
+// their namespace or pod label flips: a generous bound for a busy 2-core
+// CI machine, not a timing figure (the benchmark measures that).
+const enrollWithin = waitLong
 
 // TestNamespaceEnablement: running pods in a namespace that is not
 // enabled carry nothing; labelling the namespace enrolls them (rules,
