@@ -375,7 +375,12 @@ func (c *Controller) apply(ctx context.Context, w work, found *handles) error {
 	if !ok {
 		return fmt.Errorf("pod %s (uid %s): %w", w.key, w.pod.UID, errNotFound)
 	}
-	if err := c.cfg.Agent.Capture(ctx, w.pod, ns, nil); err != nil {
+	err := c.cfg.Agent.Capture(ctx, w.pod, ns, nil)
+	if errors.Is(err, nodeagent.ErrSandboxReleased) {
+		c.log.Info("not enrolling pod: the netns found is its torn-down sandbox's", "pod", w.key.String(), "uid", w.pod.UID)
+		return nil
+	}
+	if err != nil {
 		if c.cfg.Events != nil {
 			c.cfg.Events.Eventf(w.pod, corev1.EventTypeWarning, "AmbientEnrollFailed", "could not enroll pod in the ambient mesh: %v", err)
 		}

@@ -162,8 +162,16 @@ type Agent struct {
 	pods map[types.UID]*entry
 	busy map[types.UID]*podLock
 	// released are the pods whose sandbox the runtime removed (CNI DEL)
-	// while they were captured, and when; see SandboxReleased.
-	released map[types.UID]time.Time
+	// while they were captured, when, and that sandbox's network
+	// namespace; see SandboxReleased.
+	released map[types.UID]releasedSandbox
+}
+
+// releasedSandbox is a sandbox the runtime removed: when, and the
+// identity (device, inode) of its network namespace.
+type releasedSandbox struct {
+	at       time.Time
+	dev, ino uint64
 }
 
 // podLock serializes work on one pod while letting different pods proceed
@@ -199,7 +207,7 @@ func NewAgent(cfg Config) (*Agent, error) {
 		snapshot: newSnapshotWriter(cfg.SnapshotFile),
 		pods:     map[types.UID]*entry{},
 		busy:     map[types.UID]*podLock{},
-		released: map[types.UID]time.Time{},
+		released: map[types.UID]releasedSandbox{},
 	}, nil
 }
 

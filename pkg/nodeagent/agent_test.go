@@ -445,3 +445,34 @@ func TestSandboxReleased(t *testing.T) {
 		t.Fatal("still released after a new sandbox was captured")
 	}
 }
+
+// TestControllerCaptureAfterDel: the controller decided to capture a pod,
+// the runtime's CNI DEL of its sandbox ran before the capture did, and the
+// netns the controller found is that departing sandbox's (its processes
+// outlive the DEL for a moment). Capture refuses it, captures nothing and
+// tells ztunnel nothing; a new sandbox of the pod is captured as usual.
+func TestControllerCaptureAfterDel(t *testing.T) {
+	h := newHarness(t)
+	ctx := context.Background()
+	old, fresh := testnet.NewNS(t), testnet.NewNS(t)
+	p := pod("shop", "web", "u1", nil)
+	h.kube.SetPod(p)
+	if _, err := h.srv.Add(ctx, info("shop/web", "u1", "sb1"), openNS(t, old)); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.agent.RemoveSandbox(ctx, "sb1", "u1"); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.agent.Capture(ctx, p, openNS(t, old), nil); !errors.Is(err, ErrSandboxReleased) {
+		t.Fatalf("controller capture of the torn-down sandbox's netns: %v, want ErrSandboxReleased", err)
+	}
+	if _, ok := h.agent.EnrolledUID("shop", "web"); ok {
+		t.Fatal("the pod was enrolled again after its sandbox's DEL")
+	}
+	if err := h.agent.Capture(ctx, p, openNS(t, fresh), nil); err != nil {
+		t.Fatalf("controller capture of a new sandbox's netns: %v", err)
+	}
+	if _, ok := h.agent.EnrolledUID("shop", "web"); !ok {
+		t.Fatal("the new sandbox was not captured")
+	}
+}

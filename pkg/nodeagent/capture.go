@@ -33,6 +33,15 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *San
 	unlock := a.lock(pod.UID)
 	defer unlock()
 	log := a.log.With("pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID)
+	if sb == nil && a.releasedNetns(pod.UID, ns) {
+		// The controller decided to capture the pod before the runtime's
+		// CNI DEL of its sandbox, which ran under this lock meanwhile, and
+		// found the departing sandbox's netns (its processes may outlive
+		// the DEL for a moment): nothing there to capture. A new sandbox
+		// has a netns of its own.
+		_ = ns.Close()
+		return ErrSandboxReleased
+	}
 
 	cfg := a.ruleConfig(pod)
 	if err := a.cfg.Rules.Apply(ns.Path(), cfg); err != nil {
@@ -94,6 +103,11 @@ func (a *Agent) ruleConfig(pod *corev1.Pod) ruleset.PodConfig {
 // ErrDrift is wrapped by Check's error when the in-pod rules differ from
 // what the agent applied.
 var ErrDrift = errors.New("in-pod rules drifted")
+
+// ErrSandboxReleased is Capture's answer to the pod controller when the
+// netns it found belongs to a sandbox of the pod that the runtime tore
+// down (CNI DEL): nothing was captured, and nothing needs to be.
+var ErrSandboxReleased = errors.New("the pod's sandbox was torn down")
 
 // Check is the CNI CHECK once decided (d): a pod that should be captured
 // must be enrolled in this very namespace with its rules intact. p.UID

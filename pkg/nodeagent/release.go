@@ -60,8 +60,9 @@ func (a *Agent) RemoveSandbox(ctx context.Context, sandboxID string, uid types.U
 		a.ruleError("remove")
 		log.Warn("remove rules of a departing sandbox", "err", err)
 	}
+	released := e.ns // its identity outlives forget's Close
 	a.forget(ctx, log, e)
-	a.noteReleased(uid)
+	a.noteReleased(uid, released)
 	return nil
 }
 

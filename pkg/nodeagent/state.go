@@ -23,17 +23,31 @@ func (a *Agent) Pending(uid types.UID) bool {
 // any pod stays between its sandbox's teardown and its object's removal.
 const releasedTTL = time.Hour
 
-// noteReleased records that the runtime removed uid's captured sandbox.
-func (a *Agent) noteReleased(uid types.UID) {
+// noteReleased records that the runtime removed uid's captured sandbox,
+// whose network namespace was ns.
+func (a *Agent) noteReleased(uid types.UID, ns *Netns) {
 	now := time.Now()
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	for u, at := range a.released {
-		if now.Sub(at) > releasedTTL {
+	for u, r := range a.released {
+		if now.Sub(r.at) > releasedTTL {
 			delete(a.released, u)
 		}
 	}
-	a.released[uid] = now
+	r := releasedSandbox{at: now}
+	if ns != nil {
+		r.dev, r.ino = ns.dev, ns.ino
+	}
+	a.released[uid] = r
+}
+
+// releasedNetns reports whether ns is the network namespace of uid's
+// sandbox that the runtime removed.
+func (a *Agent) releasedNetns(uid types.UID, ns *Netns) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	r, ok := a.released[uid]
+	return ok && ns != nil && r.ino != 0 && r.dev == ns.dev && r.ino == ns.ino
 }
 
 // SandboxReleased reports whether the runtime removed uid's sandbox (CNI
