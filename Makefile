@@ -19,7 +19,7 @@ E2E_TIMEOUT   ?= 30m
 KEEP          ?=
 PLUGIN_LDFLAGS := -s -w
 
-.PHONY: all build tools node-tools bench test test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: check all build tools node-tools bench test test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -41,6 +41,8 @@ BENCH_OUT     ?= .bench
 
 bench: build tools ## as root: measure the shipped binaries with the chart's defaults, print one table (docs/performance.md); JSON in .bench/; BENCH_QUICK=1 for a smoke run, BENCH_PROFILE=1 to attach perf
 	$(GO) run ./test/bench/cmd/bench -install-cni $(BIN)/install-cni -plugin $(BIN)/ambient-cni -out $(BENCH_OUT)
+
+check: lint test e2e ## as root: everything CI runs (.ci/run runs exactly this)
 
 test: tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures)
 	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...
