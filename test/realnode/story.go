@@ -414,7 +414,9 @@ func (s *Story) checkProbes(ctx context.Context, name string) {
 	err := s.N.Poll(ctx, "probes of "+name, func(ctx context.Context) (bool, error) {
 		entries, err := appLog(ctx, p)
 		if err != nil {
-			return false, err
+			// The host reaches a captured pod through the probe SNAT too:
+			// say what became of it.
+			return false, fmt.Errorf("%w; %s", err, s.N.probeSetReport(p.Status.PodIP))
 		}
 		ready, live := false, false
 		seen = seen[:0]
