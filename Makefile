@@ -13,7 +13,10 @@ PROTOC_GEN_GO := $(TOOLS_CACHE)/protoc-gen-go-$(PROTOC_GEN_GO_VERSION)/protoc-ge
 PROTOC        ?= protoc
 # Test timeout for the whole suite; CI allows far more, but keep it honest.
 TEST_TIMEOUT  ?= 20m
+# Both binaries ship stripped (as deploy/Dockerfile builds them): no symbol
+# table or DWARF; panics still print file:line from the pclntab.
 PLUGIN_LDFLAGS := -s -w
+AGENT_LDFLAGS  := -s -w
 
 .PHONY: all build tools bench test test-unit lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
@@ -24,7 +27,7 @@ help: ## list targets
 
 build: ## build the plugin and the agent into ./bin
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(PLUGIN_LDFLAGS)' -o $(BIN)/ambient-cni ./cmd/cni-plugin
-	$(GO) build -trimpath -o $(BIN)/install-cni ./cmd/install-cni
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(AGENT_LDFLAGS)' -o $(BIN)/install-cni ./cmd/install-cni
 
 tools: ## build etcd, kube-apiserver and helm from the Go module proxy into the tools cache (minutes the first time, then cached)
 	GO='$(GO)' hack/kube-tools.sh

@@ -371,7 +371,8 @@ func (c *Controller) plan(k types.NamespacedName) work {
 		w.need = len(enablement.PodIPs(p)) > 0 && p.Status.Phase == corev1.PodRunning
 	case !d.Enroll && isEnrolled && enrolled == p.UID:
 		w.uid = enrolled
-	case !d.Enroll && redirectionState(p) != "":
+	case !d.Enroll && redirectionState(p) != "" && p.DeletionTimestamp == nil:
+		// A pod being deleted keeps it: not worth an API request.
 		w.clear = true
 	}
 	return w

@@ -20,8 +20,9 @@ import (
 // crash point one the next agent repairs: the rules go first (a failure
 // leaves the pod fully captured, to be retried), then the pod leaves the
 // state (no ztunnel snapshot names it from then on) and ztunnel is told,
-// then its probe-set IPs go, then the annotation is cleared, and only once
-// that is written does the capture record go. Until then the record (and
+// then its probe-set IPs go, then the annotation is cleared (not for a pod
+// being deleted: no API request for a pod that is going away), and only
+// once that is written does the capture record go. Until then the record (and
 // the annotation) make the next agent adopt the pod and finish the job.
 // The held netns handle keeps the namespace enterable even if the pod is
 // gone. A pod the agent holds only a record of (not restored after a
@@ -52,8 +53,8 @@ func (a *Agent) Unenroll(ctx context.Context, uid types.UID) error {
 	}
 	_ = e.ns.Close()
 	a.dropProbeIPs(log, e.IPs, nil)
-	if a.podGone(e.Namespace, e.Name, uid) {
-		// Nothing left to un-annotate.
+	if a.podDeleting(e.Namespace, e.Name, uid) {
+		// Gone or going: nothing worth an API request to un-annotate.
 		a.annotations.forget(uid)
 		if err := a.records.remove(uid); err != nil {
 			log.Warn("remove capture record", "err", err)
@@ -188,7 +189,7 @@ func (a *Agent) releaseRecord(rec Record, mode releaseMode) {
 	}
 	a.dropProbeIPs(log, rec.IPs, nil)
 	switch {
-	case mode == releaseUnenroll && !a.podGone(rec.Namespace, rec.Name, rec.UID):
+	case mode == releaseUnenroll && !a.podDeleting(rec.Namespace, rec.Name, rec.UID):
 		a.clearThenForget(rec.Namespace, rec.Name, rec.UID)
 	default:
 		if mode == releaseUnenroll {
@@ -246,9 +247,10 @@ func (a *Agent) delNames(e *entry, d SandboxDel) bool {
 	return a.podGoing(e.Namespace, e.Name, e.UID)
 }
 
-// podGone reports whether the pod cache knows the pod is gone (no pod
-// with this uid under the name). Without a cache nothing is known gone.
-func (a *Agent) podGone(namespace, name string, uid types.UID) bool {
+// podDeleting reports whether the pod cache knows the pod is gone (no pod
+// with this uid under the name) or being deleted: its annotation is not
+// worth an API request. Without a cache nothing is known.
+func (a *Agent) podDeleting(namespace, name string, uid types.UID) bool {
 	if a.cfg.Pods == nil {
 		return false
 	}
@@ -256,7 +258,7 @@ func (a *Agent) podGone(namespace, name string, uid types.UID) bool {
 	if apierrors.IsNotFound(err) {
 		return true
 	}
-	return err == nil && p.UID != uid
+	return err == nil && (p.UID != uid || p.DeletionTimestamp != nil)
 }
 
 // podGoing reports whether the pod is going away for good: gone,
