@@ -187,8 +187,8 @@ func TestDelOfControllerCapturedPod(t *testing.T) {
 	}
 	base := SandboxDel{SandboxID: "sb-unknown", UID: "u1", Namespace: "shop", Name: "web"}
 	for _, d := range []SandboxDel{
-		withNetns(base, older.Path()),         // an older sandbox's namespace
-		withNetns(base, ""),                   // no path, pod lives on
+		withNetns(base, older.Path()),          // an older sandbox's namespace
+		withNetns(base, ""),                    // no path, pod lives on
 		withNetns(base, "/var/run/netns/gone"), // gone, pod lives on
 	} {
 		if err := h.agent.RemoveSandbox(ctx, d); err != nil || len(h.agent.Pods()) != 1 {
@@ -395,11 +395,13 @@ func TestRecordFiles(t *testing.T) {
 		t.Fatal(err)
 	}
 	bad := map[string]func(p string) error{
-		"link.json":  func(p string) error { return os.Symlink(outside, p) },
-		"dir.json":   func(p string) error { return os.Mkdir(p, 0o700) },
-		"big.json":   func(p string) error { return os.WriteFile(p, make([]byte, maxRecordBytes+1), 0o600) },
-		"junk.json":  func(p string) error { return os.WriteFile(p, []byte("{not json"), 0o600) },
-		"other.json": func(p string) error { return os.WriteFile(p, []byte(`{"uid":"u-x","namespace":"a","name":"b"}`), 0o600) },
+		"link.json": func(p string) error { return os.Symlink(outside, p) },
+		"dir.json":  func(p string) error { return os.Mkdir(p, 0o700) },
+		"big.json":  func(p string) error { return os.WriteFile(p, make([]byte, maxRecordBytes+1), 0o600) },
+		"junk.json": func(p string) error { return os.WriteFile(p, []byte("{not json"), 0o600) },
+		"other.json": func(p string) error {
+			return os.WriteFile(p, []byte(`{"uid":"u-x","namespace":"a","name":"b"}`), 0o600)
+		},
 		"extra.json": func(p string) error {
 			return os.WriteFile(p, []byte(`{"uid":"extra","namespace":"a","name":"b","evil":1}`), 0o600)
 		},
