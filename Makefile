@@ -35,6 +35,8 @@ tools: ## build etcd, kube-apiserver and helm from the Go module proxy into the 
 # Where make bench writes its JSON (gitignored).
 BENCH_OUT     ?= .bench
 
+# A profiled run keeps the agent's symbol table: perf symbolizes from it.
+bench: AGENT_LDFLAGS := $(if $(filter 1 true,$(BENCH_PROFILE)),,-s -w)
 bench: build tools ## as root: measure the shipped binaries with the chart's defaults, print one table (docs/performance.md); JSON in .bench/; BENCH_QUICK=1 for a smoke run, BENCH_PROFILE=1 to attach perf
 	$(GO) run ./test/bench/cmd/bench -install-cni $(BIN)/install-cni -plugin $(BIN)/ambient-cni -out $(BENCH_OUT)
 

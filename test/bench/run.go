@@ -26,6 +26,7 @@ import (
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
 	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
@@ -205,6 +206,7 @@ type backendRun struct {
 
 	agentEnv map[string]string
 	agent    *process
+	zt       *ztunnel.StandIn
 	health   string
 	log      string
 	auditLog *auditLog
@@ -273,6 +275,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 
 	zctx, zcancel := context.WithCancel(ctx)
 	zt := ztunnel.New(ztunnel.Config{SocketPath: cfg.ZDSSocket, Logger: slog.New(slog.DiscardHandler)})
+	r.zt = zt
 	zdone := make(chan error, 1)
 	go func() { zdone <- zt.Run(zctx) }()
 	stopZT := func() error { zcancel(); return <-zdone }
@@ -380,6 +383,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 	type flip struct {
 		ns   string
 		pods int
+		uids []types.UID
 	}
 	var flips []flip
 	for _, i := range order {
@@ -398,7 +402,11 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 		if err != nil {
 			return fmt.Errorf("start running pods: %w", err)
 		}
-		flips = append(flips, flip{ns, n})
+		var uids []types.UID
+		for _, p := range pods {
+			uids = append(uids, p.Obj.UID)
+		}
+		flips = append(flips, flip{ns, n, uids})
 	}
 	enrolls := make([]Enroll, len(r.sz.enroll))
 	// Between flips the client's token bucket refills (burst/QPS): a
@@ -426,7 +434,8 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 		if err != nil {
 			return err
 		}
-		took, err := enrollFlip(ctx, r.client, f.ns, f.pods, 10*time.Minute)
+		times, err := enrollFlip(ctx, r.client, f.ns, f.pods, 10*time.Minute, r.zt, f.uids)
+		took := times.enabled
 		if err != nil {
 			return fmt.Errorf("enroll %d running pods: %w", f.pods, err)
 		}
@@ -450,8 +459,9 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 			CPUMsPerPod: ms(cpu1.Sub(cpu0).Total()) / float64(f.pods),
 			APIPerPod:   float64(len(reqs)) / float64(f.pods), APIRequests: summarize(reqs), APIServerMs: meanServerMs(reqs),
 			APIPerSecond: float64(len(reqs)) / took.Seconds(), Running: len(running),
+			CapturedSeconds: times.captured.Seconds(),
 		}
-		r.logf("enrolled %d running pods in %.2f s (%.1f ms per pod, %.2f API requests per pod)", f.pods, e.Seconds, e.MsPerPod, e.APIPerPod)
+		r.logf("enrolled %d running pods in %.2f s (%.1f ms per pod, %.2f API requests per pod; all served by ztunnel after %.2f s)", f.pods, e.Seconds, e.MsPerPod, e.APIPerPod, e.CapturedSeconds)
 		if k == 0 {
 			if r.res.MemoryPods, err = r.memory(); err != nil {
 				return err
