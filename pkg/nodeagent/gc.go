@@ -10,8 +10,8 @@ import (
 )
 
 // GC forgets every CNI-enrolled pod whose sandbox is not in valid (pods the
-// controller enrolled carry no sandbox id and are left to it). It returns
-// how many it removed.
+// controller enrolled carry no sandbox id and are left to it), held or
+// known only by its capture record. It returns how many it removed.
 func (a *Agent) GC(ctx context.Context, valid []string) int {
 	keep := make(map[string]bool, len(valid))
 	for _, id := range valid {
@@ -22,13 +22,21 @@ func (a *Agent) GC(ctx context.Context, valid []string) int {
 		uid     types.UID
 	}
 	var drop []stale
+	seen := map[types.UID]bool{}
 	a.mu.Lock()
 	for uid, e := range a.pods {
+		seen[uid] = true
 		if e.SandboxID != "" && !keep[e.SandboxID] {
 			drop = append(drop, stale{e.SandboxID, uid})
 		}
 	}
 	a.mu.Unlock()
+	// Pods known only by their record (not restored) too.
+	for _, r := range a.records.all() {
+		if !seen[r.UID] && r.SandboxID != "" && !keep[r.SandboxID] {
+			drop = append(drop, stale{r.SandboxID, r.UID})
+		}
+	}
 	for _, s := range drop {
 		_ = a.RemoveSandbox(ctx, SandboxDel{SandboxID: s.sandbox, UID: s.uid})
 	}

@@ -459,3 +459,27 @@ func FuzzParseRecord(f *testing.F) {
 		}
 	})
 }
+
+// TestGCDropsRecordOnlyPods: a pod known only by its capture record (a
+// restart did not restore it) whose sandbox the runtime no longer has is
+// dropped by GC: its record goes; a record whose sandbox is valid stays.
+func TestGCDropsRecordOnlyPods(t *testing.T) {
+	h := newHarness(t)
+	ctx := context.Background()
+	for _, n := range []string{"a", "b"} {
+		h.kube.SetPod(pod("shop", n, "u-"+n, nil))
+		if _, err := h.srv.Add(ctx, info("shop/"+n, "u-"+n, "sb-"+n), openNS(t, testnet.NewNS(t))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	h.restart(t) // nothing restored: both known only by their records
+	if got := h.recorded(t); len(got) != 2 {
+		t.Fatalf("records after restart: %v", got)
+	}
+	if n := h.agent.GC(ctx, []string{"sb-b"}); n != 1 {
+		t.Errorf("GC removed %d, want 1", n)
+	}
+	if got := h.recorded(t); len(got) != 1 || !strings.Contains(got[0], "u-b") {
+		t.Errorf("records after GC: %v, want only u-b's", got)
+	}
+}

@@ -225,6 +225,14 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 			return err
 		}
 	}
+	// The agent's host directories (the chart's /var/run/ambient-cni and
+	// /var/run/ztunnel) are on a tmpfs, as /var/run is on a node: its
+	// capture records are files there.
+	runDir := filepath.Join(r.dir, "run")
+	if err := mountTmpfs(runDir); err != nil {
+		return err
+	}
+	cleanups = append(cleanups, func() error { return unix.Unmount(runDir, unix.MNT_DETACH) })
 	// The node's CNI bin dir holds the reference plugins, as on a node;
 	// the installer adds ours.
 	for _, p := range cnibin.ReferencePlugins {
@@ -249,8 +257,8 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 	r.agentEnv, err = AgentEnv(r.shipped, Node{
 		Name: node, PodName: "ambient-cni-" + r.backend.Name,
 		CNIBinDir: binDir, CNIConfDir: confDir, PluginBinary: r.o.Plugin,
-		AgentSocket: filepath.Join(r.dir, "run", "ambient-cni", "agent.sock"),
-		ZDSSocket:   filepath.Join(r.dir, "run", "ztunnel", "ztunnel.sock"),
+		AgentSocket: filepath.Join(runDir, "ambient-cni", "agent.sock"),
+		ZDSSocket:   filepath.Join(runDir, "ztunnel", "ztunnel.sock"),
 		Kubeconfig:  r.kubeconfig,
 	}, r.backend)
 	if err != nil {
@@ -930,4 +938,15 @@ func kernel() string {
 		return ""
 	}
 	return unix.ByteSliceToString(u.Release[:])
+}
+
+// mountTmpfs mounts a small private tmpfs at dir (created if needed).
+func mountTmpfs(dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	if err := unix.Mount("tmpfs", dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "size=64m,mode=0755"); err != nil {
+		return fmt.Errorf("mount a tmpfs at %s: %w", dir, err)
+	}
+	return nil
 }
