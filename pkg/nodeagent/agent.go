@@ -186,6 +186,9 @@ type Agent struct {
 	// controller must not capture them again while the runtime finishes
 	// (a process may linger in one for a moment).
 	torn map[nsID]time.Time
+	// released are the pods whose sandbox the runtime removed (CNI DEL)
+	// while they were captured, and when; see SandboxReleased.
+	released map[types.UID]time.Time
 }
 
 // nsID identifies a network namespace (nsfs device and inode).
@@ -234,6 +237,7 @@ func NewAgent(cfg Config) (*Agent, error) {
 		pods:        map[types.UID]*entry{},
 		busy:        map[types.UID]*podLock{},
 		torn:        map[nsID]time.Time{},
+		released:    map[types.UID]time.Time{},
 	}, nil
 }
 

@@ -133,6 +133,7 @@ func (a *Agent) RemoveSandbox(ctx context.Context, d SandboxDel) error {
 	}
 	a.markTorn(e.ns)
 	a.forget(ctx, log, e)
+	a.noteReleased(uid)
 	return nil
 }
 
@@ -160,6 +161,7 @@ func (a *Agent) removeUnheldSandbox(ctx context.Context, log *slog.Logger, uid t
 		mode = releaseReplayedDel
 	}
 	a.releaseRecord(rec, mode)
+	a.noteReleased(uid)
 	return nil
 }
 

@@ -208,8 +208,10 @@ type backendRun struct {
 	agent    *process
 	zt       *ztunnel.StandIn
 	health   string
-	log      string
-	auditLog *auditLog
+	// metricsURL is where the agent serves /metrics (its own address).
+	metricsURL string
+	log        string
+	auditLog   *auditLog
 }
 
 func (r *backendRun) run(ctx context.Context) (err error) {
@@ -270,6 +272,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 	}
 	r.res.KubeClientQPS, r.res.KubeClientBurst = float64(cfg.KubeClientQPS), cfg.KubeClientBurst
 	r.health = healthURL(cfg.HealthAddr)
+	r.metricsURL = healthURL(cfg.MetricsAddr)
 	r.auditLog = newAuditLog(r.audit, node)
 
 	r.log = filepath.Join(r.dir, "install-cni.log")
@@ -516,7 +519,7 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 			if w.mark, err = r.auditLog.mark(); err != nil {
 				return func() error { return err }
 			}
-			w.add0, _ = scrapeAddHistogram(r.health)
+			w.add0, _ = scrapeAddHistogram(r.metricsURL)
 			return func() error {
 				var err error
 				if w.cpu1, err = ReadCPU(r.agent.pid()); err != nil {
@@ -524,7 +527,7 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 				}
 				w.reqs = r.auditLog.since(w.mark)
 				w.took = time.Since(w.start)
-				w.add1, _ = scrapeAddHistogram(r.health)
+				w.add1, _ = scrapeAddHistogram(r.metricsURL)
 				if stopProfile != nil {
 					files, err := stopProfile()
 					if err != nil {
@@ -772,7 +775,7 @@ func (r *backendRun) memory() (Memory, error) {
 	m := Memory{
 		RSSMiB: float64(st["VmRSS"]) / (1 << 20), AnonMiB: float64(st["RssAnon"]) / (1 << 20), FileMiB: float64(st["RssFile"]) / (1 << 20),
 	}
-	vals, err := scrape(r.health, "go_memstats_heap_inuse_bytes", "go_memstats_stack_inuse_bytes", "go_memstats_sys_bytes", "go_goroutines")
+	vals, err := scrape(r.metricsURL, "go_memstats_heap_inuse_bytes", "go_memstats_stack_inuse_bytes", "go_memstats_sys_bytes", "go_goroutines")
 	if err != nil {
 		return m, nil // RSS is the figure; the breakdown is a bonus
 	}
@@ -867,8 +870,8 @@ func detectedBackend(logPath string) string {
 	return ""
 }
 
-// healthURL turns the agent's listen address (":15021") into a URL on
-// loopback.
+// healthURL turns one of the agent's listen addresses (":15021",
+// ":15014") into a URL on loopback.
 func healthURL(addr string) string {
 	host, port, ok := strings.Cut(addr, ":")
 	if !ok {
