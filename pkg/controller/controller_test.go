@@ -3,6 +3,7 @@ package controller_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/netip"
 	"slices"
 	"strings"
@@ -35,6 +36,10 @@ type fakeAgent struct {
 	released   map[types.UID]bool
 	calls      []string
 	captureErr error
+	// gate, when set, holds every Capture until it is closed; inFlight
+	// and maxInFlight count the captures held at once.
+	gate                  chan struct{}
+	inFlight, maxInFlight int
 }
 
 func newFakeAgent() *fakeAgent {
@@ -43,6 +48,14 @@ func newFakeAgent() *fakeAgent {
 
 func (a *fakeAgent) Capture(_ context.Context, pod *corev1.Pod, _ *nodeagent.Netns, sb *nodeagent.Sandbox) error {
 	a.mu.Lock()
+	if gate := a.gate; gate != nil {
+		a.inFlight++
+		a.maxInFlight = max(a.maxInFlight, a.inFlight)
+		a.mu.Unlock()
+		<-gate
+		a.mu.Lock()
+		a.inFlight--
+	}
 	defer a.mu.Unlock()
 	a.calls = append(a.calls, "capture "+pod.Namespace+"/"+pod.Name)
 	if sb != nil {
@@ -275,6 +288,47 @@ func TestNamespaceFlipCapturesRunningPods(t *testing.T) {
 	}
 	if got := len(e.finder.scanLog()) - scans; got < 1 || got >= 3 {
 		t.Errorf("%d scans for one namespace flip of 3 pods, want them batched: %v", got, e.finder.scanLog())
+	}
+}
+
+// TestEnrollmentParallelAndBounded (issue 10.3): the running pods of a
+// namespace that gets labelled are captured in parallel, at most Parallel
+// (default 8) at a time, after one /proc scan for the whole burst.
+func TestEnrollmentParallelAndBounded(t *testing.T) {
+	var pods []*corev1.Pod
+	var uids []types.UID
+	for i := range 30 {
+		uid := types.UID(fmt.Sprintf("u-%02d", i))
+		pods = append(pods, running("shop", fmt.Sprintf("p%02d", i), string(uid), fmt.Sprintf("10.1.0.%d", i+1)))
+		uids = append(uids, uid)
+	}
+	e := newEnv(t, uids, pods...)
+	gate := make(chan struct{})
+	e.agent.mu.Lock()
+	e.agent.gate = gate
+	e.agent.mu.Unlock()
+	inFlight := func() (now, most int) {
+		e.agent.mu.Lock()
+		defer e.agent.mu.Unlock()
+		return e.agent.inFlight, e.agent.maxInFlight
+	}
+	scans := len(e.finder.scanLog())
+	e.kube.SetNamespace(namespace("shop", true))
+	poll.Until(t, "8 captures in flight", func() bool { now, _ := inFlight(); return now == 8 })
+	close(gate)
+	poll.Until(t, "every pod captured", func() bool {
+		for i := range 30 {
+			if e.agent.count(fmt.Sprintf("capture shop/p%02d", i)) != 1 {
+				return false
+			}
+		}
+		return true
+	})
+	if _, most := inFlight(); most != 8 {
+		t.Errorf("at most %d captures at once, want 8 (the default bound)", most)
+	}
+	if got := len(e.finder.scanLog()) - scans; got < 1 || got > 3 {
+		t.Errorf("%d scans for one namespace flip of 30 pods, want them batched: %v", got, e.finder.scanLog())
 	}
 }
 

@@ -3,6 +3,7 @@ package nodeagent
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -481,5 +482,56 @@ func TestGCDropsRecordOnlyPods(t *testing.T) {
 	}
 	if got := h.recorded(t); len(got) != 1 || !strings.Contains(got[0], "u-b") {
 		t.Errorf("records after GC: %v, want only u-b's", got)
+	}
+}
+
+// TestUnenrollOfDeletedPodWritesNothing (issue 10.1): unenrolling a pod
+// that is being deleted, or already gone, removes its rules, its ztunnel
+// workload and its record, but makes no API request: its annotation goes
+// with the object.
+func TestUnenrollOfDeletedPodWritesNothing(t *testing.T) {
+	h := newHarness(t)
+	ctx := context.Background()
+	for _, gone := range []bool{false, true} {
+		uid := types.UID(fmt.Sprintf("u-%v", gone))
+		p := pod("shop", "web", string(uid), nil)
+		h.kube.SetPod(p)
+		if err := h.agent.Capture(ctx, p, openNS(t, testnet.NewNS(t)), nil); err != nil {
+			t.Fatal(err)
+		}
+		if got := h.annotations(t, uid); got != "enabled" {
+			t.Fatalf("annotations %q", got)
+		}
+		if gone {
+			h.kube.DeletePod("shop", "web")
+			poll.Until(t, "the cache sees the pod gone", func() bool {
+				_, err := h.kube.Cache.Pod("shop", "web")
+				return apierrors.IsNotFound(err)
+			})
+		} else {
+			now := metav1.Now()
+			d := p.DeepCopy()
+			d.DeletionTimestamp = &now
+			h.kube.SetPod(d)
+			poll.Until(t, "the cache sees the deletion", func() bool {
+				c, err := h.kube.Cache.Pod("shop", "web")
+				return err == nil && c.DeletionTimestamp != nil
+			})
+		}
+		if err := h.agent.Unenroll(ctx, uid); err != nil {
+			t.Fatal(err)
+		}
+		if len(h.agent.Pods()) != 0 || h.rules.count() != 0 {
+			t.Fatalf("gone=%v: state %v, %d pods with rules", gone, h.agent.Pods(), h.rules.count())
+		}
+		if err := h.agent.FlushAnnotations(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if got := h.ann.history(uid); got != "enabled" {
+			t.Errorf("gone=%v: annotation writes %q; want none after enabled", gone, got)
+		}
+		if got := h.recorded(t); len(got) != 0 {
+			t.Errorf("gone=%v: records left %v", gone, got)
+		}
 	}
 }

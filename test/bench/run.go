@@ -502,7 +502,8 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 	profiling := r.o.Profile && kind == "ambient" && c == 1
 	lr := &latencyRun{
 		client: r.client, cni: cni, chained: chained, primary: primary, node: node, namespace: ns, pods: n, concurrency: c,
-		settle: func(ctx context.Context) error { return r.settle(ctx) },
+		annotated: kind == "ambient",
+		settle:    func(ctx context.Context) error { return r.settle(ctx) },
 		window: func(op string) func() error {
 			w := &window{start: time.Now()}
 			windows[op] = w
