@@ -32,6 +32,13 @@ func enrollThree(t *testing.T, h *harness) {
 	if h.rules.count() != 3 {
 		t.Fatalf("%d pods with rules, want 3", h.rules.count())
 	}
+	// The annotations are written off the capture path; an uninstall
+	// releases pods once the writer has stopped, so let it finish first.
+	for _, uid := range []types.UID{"u-a", "u-b", "u-c"} {
+		if got := h.annotations(t, uid); got != "enabled" {
+			t.Fatalf("%s annotations %q", uid, got)
+		}
+	}
 }
 
 // An uninstall releases every pod: annotation cleared, rules removed,

@@ -4,10 +4,17 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 )
+
+// releaseWorkers is how many pods ReleaseAll releases at once: an
+// uninstall must finish within the pod's grace period, and with the
+// iptables backend each removal runs four short processes, which a single
+// worker would run one after another for hundreds of pods.
+const releaseWorkers = 8
 
 // ReleaseAll takes every pod the agent captured out of the mesh, for an
 // uninstall: the node goes back to plain networking and no pod stays
@@ -19,7 +26,8 @@ import (
 // capture record; unlike Unenroll a failed annotation update (the agent
 // may have lost its RBAC already) does not keep the rules: they go
 // regardless. Pods known only by their capture record (a restart did not
-// restore them) are released through it. It returns every error it met.
+// restore them) are released through it, up to releaseWorkers pods at a
+// time. It returns every error it met.
 func (a *Agent) ReleaseAll(ctx context.Context) error {
 	a.mu.Lock()
 	uids := make([]types.UID, 0, len(a.pods))
@@ -29,11 +37,25 @@ func (a *Agent) ReleaseAll(ctx context.Context) error {
 		held[uid] = true
 	}
 	a.mu.Unlock()
-	var errs []error
+	var (
+		mu   sync.Mutex
+		errs []error
+		wg   sync.WaitGroup
+	)
+	sem := make(chan struct{}, releaseWorkers)
+	do := func(f func() error) {
+		sem <- struct{}{}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			if err := f(); err != nil {
+				mu.Lock()
+				errs = append(errs, err)
+				mu.Unlock()
+			}
+		})
+	}
 	for _, uid := range uids {
-		if err := a.release(ctx, uid); err != nil {
-			errs = append(errs, err)
-		}
+		do(func() error { return a.release(ctx, uid) })
 	}
 	n := len(uids)
 	for _, rec := range a.records.all() {
@@ -41,10 +63,9 @@ func (a *Agent) ReleaseAll(ctx context.Context) error {
 			continue
 		}
 		n++
-		if err := a.releaseRecordNow(ctx, rec); err != nil {
-			errs = append(errs, err)
-		}
+		do(func() error { return a.releaseRecordNow(ctx, rec) })
 	}
+	wg.Wait()
 	if n > 0 {
 		a.log.Info("released every pod for the uninstall", "pods", n, "errors", len(errs))
 	}
