@@ -10,7 +10,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 )
 
-// releaseWorkers is how many pods ReleaseAll releases at once: an
+// releaseWorkers is how many pods ReleaseAll works on at once: an
 // uninstall must finish within the pod's grace period, and with the
 // iptables backend each removal runs four short processes, which a single
 // worker would run one after another for hundreds of pods.
@@ -21,58 +21,77 @@ const releaseWorkers = 8
 // redirected to a ztunnel that may be going away (with the host probe SNAT
 // removed too, kubelet probes would otherwise land in ztunnel's inbound
 // port). It runs once the agent has stopped (its annotation writer too),
-// so the annotation is cleared here, synchronously. Each pod loses its
-// annotation, then its rules, then its ztunnel entry, probe-set address and
-// capture record; unlike Unenroll a failed annotation update (the agent
-// may have lost its RBAC already) does not keep the rules: they go
-// regardless. Pods known only by their capture record (a restart did not
-// restore them) are released through it, up to releaseWorkers pods at a
-// time. It returns every error it met.
+// so the annotations are cleared here, synchronously.
+//
+// Two passes, each up to releaseWorkers pods at a time: first every pod's
+// annotation is cleared (API requests only, paced by the client's rate
+// limit and bounded by ctx), then every pod loses its rules, its ztunnel
+// entry, probe-set address and capture record. So each pod still loses its
+// annotation before its rules, and the API requests are not queued behind
+// rule removals (which take CPU, and are not bounded by ctx: they are what
+// keeps a pod from being redirected to a ztunnel that is gone). Unlike
+// Unenroll a failed annotation update (the agent may have lost its RBAC
+// already, or ctx ran out) does not keep the rules: they go regardless.
+// Pods known only by their capture record (a restart did not restore
+// them) are released through it. It returns every error it met.
 func (a *Agent) ReleaseAll(ctx context.Context) error {
 	a.mu.Lock()
-	uids := make([]types.UID, 0, len(a.pods))
-	held := make(map[types.UID]bool, len(a.pods))
-	for uid := range a.pods {
-		uids = append(uids, uid)
-		held[uid] = true
+	held := make([]EnrolledPod, 0, len(a.pods))
+	isHeld := make(map[types.UID]bool, len(a.pods))
+	for uid, e := range a.pods {
+		held = append(held, e.EnrolledPod)
+		isHeld[uid] = true
 	}
 	a.mu.Unlock()
+	var recs []Record
+	for _, rec := range a.records.all() {
+		if !isHeld[rec.UID] {
+			recs = append(recs, rec)
+		}
+	}
 	var (
 		mu   sync.Mutex
 		errs []error
-		wg   sync.WaitGroup
 	)
-	sem := make(chan struct{}, releaseWorkers)
-	do := func(f func() error) {
-		sem <- struct{}{}
-		wg.Go(func() {
-			defer func() { <-sem }()
-			if err := f(); err != nil {
-				mu.Lock()
-				errs = append(errs, err)
-				mu.Unlock()
-			}
-		})
-	}
-	for _, uid := range uids {
-		do(func() error { return a.release(ctx, uid) })
-	}
-	n := len(uids)
-	for _, rec := range a.records.all() {
-		if held[rec.UID] {
-			continue
+	each := func(n int, f func(i int) error) {
+		sem := make(chan struct{}, releaseWorkers)
+		var wg sync.WaitGroup
+		for i := range n {
+			sem <- struct{}{}
+			wg.Go(func() {
+				defer func() { <-sem }()
+				if err := f(i); err != nil {
+					mu.Lock()
+					errs = append(errs, err)
+					mu.Unlock()
+				}
+			})
 		}
-		n++
-		do(func() error { return a.releaseRecordNow(ctx, rec) })
+		wg.Wait()
 	}
-	wg.Wait()
-	if n > 0 {
+	each(len(held)+len(recs), func(i int) error {
+		if i < len(held) {
+			return a.clearAnnotationNow(ctx, held[i].Namespace, held[i].Name, held[i].UID)
+		}
+		r := recs[i-len(held)]
+		return a.clearAnnotationNow(ctx, r.Namespace, r.Name, r.UID)
+	})
+	each(len(held)+len(recs), func(i int) error {
+		if i < len(held) {
+			return a.releaseRules(ctx, held[i].UID)
+		}
+		a.releaseRecordRules(recs[i-len(held)])
+		return nil
+	})
+	if n := len(held) + len(recs); n > 0 {
 		a.log.Info("released every pod for the uninstall", "pods", n, "errors", len(errs))
 	}
 	return errors.Join(errs...)
 }
 
-func (a *Agent) release(ctx context.Context, uid types.UID) error {
+// releaseRules removes a held pod's rules and forgets it (ReleaseAll's
+// second pass).
+func (a *Agent) releaseRules(ctx context.Context, uid types.UID) error {
 	unlock := a.lock(uid)
 	defer unlock()
 	e := a.get(uid)
@@ -80,36 +99,31 @@ func (a *Agent) release(ctx context.Context, uid types.UID) error {
 		return nil
 	}
 	log := a.log.With("pod", e.Namespace+"/"+e.Name, "uid", uid)
-	var errs []error
-	if err := a.clearAnnotationNow(ctx, e.Namespace, e.Name, uid); err != nil {
-		errs = append(errs, err)
-	}
-	if err := a.cfg.Rules.Remove(e.ns.Path()); err != nil {
+	var err error
+	if rerr := a.cfg.Rules.Remove(e.ns.Path()); rerr != nil {
 		a.ruleError("remove")
-		errs = append(errs, fmt.Errorf("remove rules of %s/%s: %w", e.Namespace, e.Name, err))
+		err = fmt.Errorf("remove rules of %s/%s: %w", e.Namespace, e.Name, rerr)
 	}
 	a.forget(ctx, log, e)
-	return errors.Join(errs...)
+	return err
 }
 
-// releaseRecordNow releases a pod known only by its record: annotation,
-// our rules in the recorded namespace (if it still exists and is the
-// recorded one), probe-set addresses, record.
-func (a *Agent) releaseRecordNow(ctx context.Context, rec Record) error {
+// releaseRecordRules releases a pod known only by its record (ReleaseAll's
+// second pass): our rules in the recorded namespace (if it still exists
+// and is the recorded one), probe-set addresses, record.
+func (a *Agent) releaseRecordRules(rec Record) {
 	unlock := a.lock(rec.UID)
 	defer unlock()
 	if a.get(rec.UID) != nil {
-		return nil // restored meanwhile; not expected once the agent stopped
+		return // restored meanwhile; not expected once the agent stopped
 	}
 	log := a.log.With("pod", rec.Namespace+"/"+rec.Name, "uid", rec.UID)
-	err := a.clearAnnotationNow(ctx, rec.Namespace, rec.Name, rec.UID)
 	a.removeRulesByPath(log, rec.Netns, &nsID{rec.NetnsDev, rec.NetnsIno}, rec.UID)
 	a.dropProbeIPs(log, rec.IPs, nil)
 	a.annotations.forget(rec.UID)
-	if rerr := a.records.remove(rec.UID); rerr != nil {
-		log.Warn("remove capture record", "err", rerr)
+	if err := a.records.remove(rec.UID); err != nil {
+		log.Warn("remove capture record", "err", err)
 	}
-	return err
 }
 
 // clearAnnotationNow removes the pod's redirection annotation with one
