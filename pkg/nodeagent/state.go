@@ -11,43 +11,34 @@ import (
 )
 
 // Pending reports whether uid is enrolled with its rules in place but not
-// yet acknowledged by ztunnel.
+// yet acknowledged by ztunnel, or known only by its capture record (a
+// restart did not restore it): either way not fully captured.
 func (a *Agent) Pending(uid types.UID) bool {
 	a.mu.Lock()
-	defer a.mu.Unlock()
 	e := a.pods[uid]
-	return e != nil && e.State == StatePending
+	a.mu.Unlock()
+	if e != nil {
+		return e.State == StatePending
+	}
+	_, recorded := a.records.get(uid)
+	return recorded
 }
 
 // releasedTTL is how long SandboxReleased remembers a pod: far longer than
 // any pod stays between its sandbox's teardown and its object's removal.
 const releasedTTL = time.Hour
 
-// noteReleased records that the runtime removed uid's captured sandbox,
-// whose network namespace was ns.
-func (a *Agent) noteReleased(uid types.UID, ns *Netns) {
+// noteReleased records that the runtime removed uid's captured sandbox.
+func (a *Agent) noteReleased(uid types.UID) {
 	now := time.Now()
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	for u, r := range a.released {
-		if now.Sub(r.at) > releasedTTL {
+	for u, at := range a.released {
+		if now.Sub(at) > releasedTTL {
 			delete(a.released, u)
 		}
 	}
-	r := releasedSandbox{at: now}
-	if ns != nil {
-		r.dev, r.ino = ns.dev, ns.ino
-	}
-	a.released[uid] = r
-}
-
-// releasedNetns reports whether ns is the network namespace of uid's
-// sandbox that the runtime removed.
-func (a *Agent) releasedNetns(uid types.UID, ns *Netns) bool {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	r, ok := a.released[uid]
-	return ok && ns != nil && r.ino != 0 && r.dev == ns.dev && r.ino == ns.ino
+	a.released[uid] = now
 }
 
 // SandboxReleased reports whether the runtime removed uid's sandbox (CNI
@@ -61,14 +52,20 @@ func (a *Agent) SandboxReleased(uid types.UID) bool {
 	return ok
 }
 
-// EnrolledUID reports the uid enrolled under namespace/name, if any.
+// EnrolledUID reports the uid enrolled under namespace/name, if any: in
+// the state, or known by a capture record only (the agent may have left
+// capture on it, so it is not free of us yet).
 func (a *Agent) EnrolledUID(namespace, name string) (types.UID, bool) {
 	a.mu.Lock()
-	defer a.mu.Unlock()
 	for uid, e := range a.pods {
 		if e.Namespace == namespace && e.Name == name {
+			a.mu.Unlock()
 			return uid, true
 		}
+	}
+	a.mu.Unlock()
+	if r, ok := a.records.byName(namespace, name); ok {
+		return r.UID, true
 	}
 	return "", false
 }
@@ -117,8 +114,16 @@ func (a *Agent) Workloads() []zds.Workload {
 	return out
 }
 
-// Close releases every held netns handle; the rules stay, so a restarted
-// agent can restore the pods without touching their traffic.
+// RemoveRecords deletes every capture record and their directory, for an
+// uninstall (after the pods were released; a pod whose release failed
+// keeps its annotation, which a later agent adopts).
+func (a *Agent) RemoveRecords() error {
+	return a.records.removeAll()
+}
+
+// Close releases every held netns handle; the rules and the capture
+// records stay, so a restarted agent can restore the pods without
+// touching their traffic.
 func (a *Agent) Close() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
