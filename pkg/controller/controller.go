@@ -44,6 +44,10 @@ type Pods interface {
 type Agent interface {
 	Capture(ctx context.Context, pod *corev1.Pod, ns *nodeagent.Netns, sb *nodeagent.Sandbox) error
 	Restore(ctx context.Context, pod *corev1.Pod, ns *nodeagent.Netns) error
+	// RestoreUnresolved adopts a captured pod whose netns was not found;
+	// Unresolved reports such a pod until it is captured or restored.
+	RestoreUnresolved(pod *corev1.Pod)
+	Unresolved(uid types.UID) bool
 	Unenroll(ctx context.Context, uid types.UID) error
 	// EnrolledUID reports the UID enrolled under namespace/name, if any.
 	EnrolledUID(namespace, name string) (types.UID, bool)
@@ -143,7 +147,9 @@ func (c *Controller) Run(ctx context.Context) error {
 func (c *Controller) Restored() <-chan struct{} { return c.restored }
 
 // restore adopts pods this node's agent had enrolled (annotated pending or
-// enabled), before any ztunnel gets a snapshot.
+// enabled), before any ztunnel gets a snapshot. A pod whose netns is not
+// found (or whose rules cannot be verified) is adopted unresolved, so
+// ztunnel keeps it and its probe-set entry stays, and is requeued.
 func (c *Controller) restore(ctx context.Context) {
 	all, err := c.cfg.Pods.Pods()
 	if err != nil {
@@ -172,12 +178,15 @@ func (c *Controller) restore(ctx context.Context) {
 		p := byUID[uid]
 		ns, ok := found.take(uid)
 		if !ok {
-			// Requeue: the normal path enrolls it (or clears its annotation).
+			// Its traffic still goes to ztunnel: keep the pod there until the
+			// normal path captures it again (or releases it).
+			c.cfg.Agent.RestoreUnresolved(p)
 			c.queue.Add(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
 			return
 		}
 		if err := c.cfg.Agent.Restore(ctx, p, ns); err != nil {
 			c.log.Error("restore enrolled pod", "pod", p.Namespace+"/"+p.Name, "err", err)
+			c.cfg.Agent.RestoreUnresolved(p)
 			c.queue.Add(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
 		}
 	})
@@ -215,6 +224,10 @@ type work struct {
 	uid   types.UID   // enrolled UID to remove, if any
 	need  bool        // needs capturing (netns lookup)
 	clear bool        // not enrolled, not wanted, but still annotated
+	// release: an unresolved pod that should no longer be captured but
+	// still runs: find its netns, restore it, then unenroll it (uid), so
+	// its rules go before ztunnel lets go of it.
+	release bool
 }
 
 // processBatch takes one queued key, lets a burst gather for BatchWindow,
@@ -329,11 +342,18 @@ func (c *Controller) plan(k types.NamespacedName) work {
 		w.uid = enrolled // recreated under the same name: drop the old one
 	}
 	d := c.cfg.Pods.DecideCached(p)
+	unresolved := isEnrolled && enrolled == p.UID && c.cfg.Agent.Unresolved(p.UID)
+	findable := len(enablement.PodIPs(p)) > 0 && p.Status.Phase == corev1.PodRunning
 	switch {
-	case d.Enroll && (!isEnrolled || enrolled != p.UID || c.cfg.Agent.Pending(p.UID)):
+	case d.Enroll && (!isEnrolled || enrolled != p.UID || c.cfg.Agent.Pending(p.UID) || unresolved):
 		// A pod the CNI path is still setting up has no IP yet; its ADD
 		// enrolls it, and its status update brings it back here.
-		w.need = len(enablement.PodIPs(p)) > 0 && p.Status.Phase == corev1.PodRunning
+		w.need = findable
+	case !d.Enroll && unresolved && !enablement.IsTerminal(p):
+		// Its rules may still redirect its traffic: they must go before
+		// ztunnel lets go of it, and that needs its netns. Without IPs it
+		// waits for its status update.
+		w.need, w.release = findable, findable
 	case !d.Enroll && isEnrolled && enrolled == p.UID:
 		w.uid = enrolled
 	case !d.Enroll && redirectionState(p) != "":
@@ -346,6 +366,16 @@ func (c *Controller) plan(k types.NamespacedName) work {
 var errNotFound = errors.New("netns not found")
 
 func (c *Controller) apply(ctx context.Context, w work, found *handles) error {
+	if w.release {
+		ns, ok := found.take(w.pod.UID)
+		if !ok {
+			return fmt.Errorf("pod %s (uid %s) to release: %w", w.key, w.pod.UID, errNotFound)
+		}
+		if err := c.cfg.Agent.Restore(ctx, w.pod, ns); err != nil {
+			return fmt.Errorf("restore before release: %w", err)
+		}
+		w.uid, w.need = w.pod.UID, false
+	}
 	if w.uid != "" {
 		if err := c.cfg.Agent.Unenroll(ctx, w.uid); err != nil {
 			return fmt.Errorf("unenroll %s: %w", w.uid, err)

@@ -32,12 +32,13 @@ type fakeAgent struct {
 	mu         sync.Mutex
 	enrolled   map[types.NamespacedName]types.UID
 	pending    map[types.UID]bool
+	unresolved map[types.UID]bool
 	calls      []string
 	captureErr error
 }
 
 func newFakeAgent() *fakeAgent {
-	return &fakeAgent{enrolled: map[types.NamespacedName]types.UID{}, pending: map[types.UID]bool{}}
+	return &fakeAgent{enrolled: map[types.NamespacedName]types.UID{}, pending: map[types.UID]bool{}, unresolved: map[types.UID]bool{}}
 }
 
 func (a *fakeAgent) Capture(_ context.Context, pod *corev1.Pod, _ *nodeagent.Netns, sb *nodeagent.Sandbox) error {
@@ -52,6 +53,7 @@ func (a *fakeAgent) Capture(_ context.Context, pod *corev1.Pod, _ *nodeagent.Net
 	}
 	a.enrolled[types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}] = pod.UID
 	delete(a.pending, pod.UID)
+	delete(a.unresolved, pod.UID)
 	return nil
 }
 
@@ -60,7 +62,22 @@ func (a *fakeAgent) Restore(_ context.Context, pod *corev1.Pod, _ *nodeagent.Net
 	defer a.mu.Unlock()
 	a.calls = append(a.calls, "restore "+pod.Namespace+"/"+pod.Name)
 	a.enrolled[types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}] = pod.UID
+	delete(a.unresolved, pod.UID)
 	return nil
+}
+
+func (a *fakeAgent) RestoreUnresolved(pod *corev1.Pod) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.calls = append(a.calls, "keep "+pod.Namespace+"/"+pod.Name)
+	a.enrolled[types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}] = pod.UID
+	a.unresolved[pod.UID] = true
+}
+
+func (a *fakeAgent) Unresolved(uid types.UID) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.unresolved[uid]
 }
 
 func (a *fakeAgent) Unenroll(_ context.Context, uid types.UID) error {
@@ -72,6 +89,7 @@ func (a *fakeAgent) Unenroll(_ context.Context, uid types.UID) error {
 			delete(a.enrolled, k)
 		}
 	}
+	delete(a.unresolved, uid)
 	return nil
 }
 
@@ -277,8 +295,9 @@ func TestUnenrollsPodsNoLongerWanted(t *testing.T) {
 
 // TestRestoreAdoptsMarkedPods: at startup the pods a previous agent marked
 // are restored before Restored is closed; one that should no longer be
-// captured is then unenrolled, a marked pod whose netns is gone gets its
-// annotation cleared, and finished pods are left alone.
+// captured is then unenrolled, a marked pod whose netns is not found is
+// adopted unresolved (ztunnel keeps it) rather than dropped, and finished
+// pods are left alone.
 func TestRestoreAdoptsMarkedPods(t *testing.T) {
 	mark := func(p *corev1.Pod) *corev1.Pod {
 		p.Annotations = map[string]string{ambient.RedirectionAnnotation: ambient.RedirectionEnabled}
@@ -289,21 +308,66 @@ func TestRestoreAdoptsMarkedPods(t *testing.T) {
 	e := newEnv(t, []types.UID{"u-keep", "u-stale"},
 		mark(running("blog", "keep", "u-keep", "10.1.0.1")),
 		mark(running("shop", "stale", "u-stale", "10.1.0.2")),
-		mark(running("shop", "gone", "u-gone", "10.1.0.3")),
+		mark(running("blog", "lost", "u-lost", "10.1.0.3")),
 		mark(done))
 	restored := e.agent.log()
 	slices.Sort(restored)
-	if want := []string{"restore blog/keep", "restore shop/stale"}; !slices.Equal(restored, want) {
+	if want := []string{"keep blog/lost", "restore blog/keep", "restore shop/stale"}; !slices.Equal(restored, want) {
 		t.Errorf("restored before Restored(): %v, want %v", restored, want)
 	}
 	poll.Until(t, "unenroll of the pod no longer wanted", func() bool { return e.agent.count("unenroll u-stale") == 1 })
-	poll.Until(t, "stale annotation cleared", func() bool { return slices.Contains(e.ann.log(), `shop/gone=""`) })
+	// The unresolved pod is looked for again, not dropped, and not
+	// released while it may still run with its rules.
+	poll.Until(t, "a scan for the unresolved pod", func() bool {
+		return slices.ContainsFunc(e.finder.scanLog()[1:], func(s []types.UID) bool { return slices.Contains(s, "u-lost") })
+	})
 	time.Sleep(100 * time.Millisecond)
 	for _, c := range e.agent.log() {
-		if strings.Contains(c, "keep") && c != "restore blog/keep" || strings.Contains(c, "done") {
+		if strings.Contains(c, "lost") && c != "keep blog/lost" || strings.Contains(c, "done") {
 			t.Errorf("unexpected %q", c)
 		}
 	}
+	for _, w := range e.ann.log() {
+		if strings.Contains(w, "lost") {
+			t.Errorf("annotation written: %v", w)
+		}
+	}
+	// Found again: captured.
+	e.finder.setRunning("u-lost")
+	poll.Until(t, "the unresolved pod captured once found", func() bool { return e.agent.count("capture blog/lost") == 1 })
+}
+
+// TestUnresolvedPodReleasedOnlyWithItsNetns: a pod restored without its
+// netns that should no longer be captured (its namespace was unlabelled
+// while the agent was down) is unenrolled only after its netns is found
+// and restored, so its rules go before ztunnel lets go of it; one deleted
+// while unresolved is unenrolled at once (its sandbox is gone).
+func TestUnresolvedPodReleasedOnlyWithItsNetns(t *testing.T) {
+	mark := func(p *corev1.Pod) *corev1.Pod {
+		p.Annotations = map[string]string{ambient.RedirectionAnnotation: ambient.RedirectionEnabled}
+		return p
+	}
+	e := newEnv(t, nil,
+		mark(running("shop", "unlabelled", "u-unl", "10.1.0.1")),
+		mark(running("blog", "deleted", "u-del", "10.1.0.2")))
+	if !e.agent.Unresolved("u-unl") || !e.agent.Unresolved("u-del") {
+		t.Fatalf("not adopted unresolved: %v", e.agent.log())
+	}
+	poll.Until(t, "a scan for the unlabelled pod", func() bool {
+		return slices.ContainsFunc(e.finder.scanLog()[1:], func(s []types.UID) bool { return slices.Contains(s, "u-unl") })
+	})
+	time.Sleep(100 * time.Millisecond)
+	if n := e.agent.count("unenroll u-unl"); n != 0 {
+		t.Fatalf("unenrolled %d times without its netns", n)
+	}
+	e.finder.setRunning("u-unl")
+	poll.Until(t, "restored, then unenrolled", func() bool {
+		calls := e.agent.log()
+		i, j := slices.Index(calls, "restore shop/unlabelled"), slices.Index(calls, "unenroll u-unl")
+		return i >= 0 && j > i
+	})
+	e.kube.DeletePod("blog", "deleted")
+	poll.Until(t, "the deleted unresolved pod unenrolled", func() bool { return e.agent.count("unenroll u-del") == 1 })
 }
 
 func TestCaptureFailureIsEventedAndRetried(t *testing.T) {

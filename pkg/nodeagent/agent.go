@@ -133,6 +133,11 @@ type EnrolledPod struct {
 	State   PodState
 	Rules   ruleset.PodConfig
 	Since   time.Time
+	// Unresolved marks a pod restored from its annotation whose netns was
+	// not found (RestoreUnresolved): Netns is empty, its rules were not
+	// verified, and ztunnel is told to keep what it has (ZDS Keep) until
+	// the pod is captured again or released.
+	Unresolved bool
 }
 
 // Sandbox is what the runtime says about a pod's sandbox at CNI ADD: its
@@ -161,6 +166,10 @@ type Agent struct {
 	mu   sync.Mutex
 	pods map[types.UID]*entry
 	busy map[types.UID]*podLock
+	// probePruneDeferred: SyncHostProbe left the probe set unpruned
+	// because an unresolved pod's IPs are unknown; the prune runs once
+	// the last such pod is resolved or gone.
+	probePruneDeferred bool
 }
 
 // podLock serializes work on one pod while letting different pods proceed
@@ -248,10 +257,15 @@ func (a *Agent) annotate(ctx context.Context, log *slog.Logger, e *entry, value 
 	return nil
 }
 
+// workload is the pod as ZDS names it; an unresolved pod has no netns
+// file, which makes a snapshot send Keep for it.
 func (a *Agent) workload(e *entry) zds.Workload {
-	return zds.Workload{
-		UID:   string(e.UID),
-		Info:  zds.WorkloadInfo{Name: e.Name, Namespace: e.Namespace, ServiceAccount: e.ServiceAccount},
-		Netns: e.ns.File(),
+	w := zds.Workload{
+		UID:  string(e.UID),
+		Info: zds.WorkloadInfo{Name: e.Name, Namespace: e.Namespace, ServiceAccount: e.ServiceAccount},
 	}
+	if e.ns != nil {
+		w.Netns = e.ns.File()
+	}
+	return w
 }

@@ -60,6 +60,9 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *San
 		a.dropProbeIPs(log, old.IPs, ips)
 	}
 	a.addProbeIPs(log, ips)
+	if old != nil && old.Unresolved {
+		a.unresolvedGone()
+	}
 
 	if a.cfg.Ztunnel != nil {
 		zctx, cancel := context.WithTimeout(ctx, a.cfg.ZtunnelTimeout)

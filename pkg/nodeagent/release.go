@@ -14,7 +14,10 @@ import (
 // captured (label removed, pod deleted or finished): annotation first, so
 // istiod stops sending HBONE before the rules go, then rules, then ztunnel.
 // The held netns handle keeps the namespace enterable even if the pod is
-// gone. An unknown uid is fine.
+// gone. An unknown uid is fine. A pod restored without its netns
+// (Unresolved) has no rules the agent can reach: the controller unenrolls
+// it so only once its sandbox is gone (deleted or finished), and otherwise
+// finds its netns and restores it first.
 func (a *Agent) Unenroll(ctx context.Context, uid types.UID) error {
 	unlock := a.lock(uid)
 	defer unlock()
@@ -26,9 +29,11 @@ func (a *Agent) Unenroll(ctx context.Context, uid types.UID) error {
 	if err := a.annotate(ctx, log, e, ""); err != nil && !apierrors.IsNotFound(err) {
 		return Retryable(err)
 	}
-	if err := a.cfg.Rules.Remove(e.ns.Path()); err != nil {
-		a.ruleError("remove")
-		return Retryable(fmt.Errorf("remove rules of %s/%s: %w", e.Namespace, e.Name, err))
+	if e.ns != nil {
+		if err := a.cfg.Rules.Remove(e.ns.Path()); err != nil {
+			a.ruleError("remove")
+			return Retryable(fmt.Errorf("remove rules of %s/%s: %w", e.Namespace, e.Name, err))
+		}
 	}
 	a.forget(ctx, log, e)
 	return nil
@@ -56,9 +61,11 @@ func (a *Agent) RemoveSandbox(ctx context.Context, sandboxID string, uid types.U
 	}
 	log := a.log.With("pod", e.Namespace+"/"+e.Name, "uid", uid, "sandbox", sandboxID)
 	_ = a.annotate(ctx, log, e, "")
-	if err := a.cfg.Rules.Remove(e.ns.Path()); err != nil {
-		a.ruleError("remove")
-		log.Warn("remove rules of a departing sandbox", "err", err)
+	if e.ns != nil {
+		if err := a.cfg.Rules.Remove(e.ns.Path()); err != nil {
+			a.ruleError("remove")
+			log.Warn("remove rules of a departing sandbox", "err", err)
+		}
 	}
 	a.forget(ctx, log, e)
 	return nil
@@ -82,6 +89,9 @@ func (a *Agent) forget(ctx context.Context, log *slog.Logger, e *entry) {
 	a.mu.Unlock()
 	_ = e.ns.Close()
 	a.dropProbeIPs(log, e.IPs, nil)
+	if e.Unresolved {
+		a.unresolvedGone()
+	}
 	log.Info("pod removed")
 }
 

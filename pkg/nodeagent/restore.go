@@ -6,7 +6,9 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 )
 
@@ -50,5 +52,50 @@ func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, ns *Netns) error {
 		_ = old.ns.Close()
 	}
 	a.addProbeIPs(a.log, e.IPs)
+	if old != nil && old.Unresolved {
+		a.unresolvedGone()
+	}
 	return nil
+}
+
+// RestoreUnresolved adopts a pod a previous agent captured (it carries the
+// redirection annotation) whose netns cannot be found yet: its cgroup path
+// did not match, or its status lost its IPs in a kubelet restart. The pod
+// enters the state without a netns, so every ZDS snapshot sends Keep for
+// it and ztunnel goes on serving the netns it already has instead of
+// dropping the pod (whose rules still redirect its traffic to ztunnel),
+// and the host probe set keeps its IPs. Its rules are left untouched. The
+// pod stays unresolved until Capture or Restore hands over its netns, or
+// Unenroll removes it once it is gone. A pod already in the state is left
+// as it is.
+func (a *Agent) RestoreUnresolved(pod *corev1.Pod) {
+	unlock := a.lock(pod.UID)
+	defer unlock()
+	state := StateEnabled
+	if pod.Annotations[ambient.RedirectionAnnotation] == ambient.RedirectionPending {
+		state = StatePending
+	}
+	e := &entry{EnrolledPod: EnrolledPod{
+		UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, ServiceAccount: pod.Spec.ServiceAccountName,
+		IPs: enablement.PodIPs(pod), State: state, Rules: a.ruleConfig(pod), Since: time.Now(), Unresolved: true,
+	}}
+	a.mu.Lock()
+	if a.pods[pod.UID] != nil {
+		a.mu.Unlock()
+		return
+	}
+	a.pods[pod.UID] = e
+	a.mu.Unlock()
+	a.log.Warn("restored a captured pod without its netns; ztunnel keeps it until the netns is found",
+		"pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID, "ips", e.IPs)
+	a.addProbeIPs(a.log, e.IPs)
+}
+
+// Unresolved reports whether uid was restored without its netns and has
+// not been captured again since (see RestoreUnresolved).
+func (a *Agent) Unresolved(uid types.UID) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	e := a.pods[uid]
+	return e != nil && e.Unresolved
 }
