@@ -219,19 +219,44 @@ func legacyTablesLoaded() bool {
 
 // ProbeNFTables checks, in a throwaway network namespace, that the kernel
 // accepts what the nftables backend installs (inet tables with nat, route
-// and filter base chains, sets). It leaves nothing behind: the namespace
-// dies with the thread that made it.
+// and filter base chains, sets). It leaves nothing behind: the thread it
+// ran on goes back to its own namespace, and the throwaway one dies with
+// its last reference.
+//
+// The thread must go back rather than be left to the runtime to discard:
+// the runtime never discards the main thread (it wedges it), and the
+// probe's goroutine runs on the main thread when the main goroutine calls
+// this and waits, as install-cni does. The main thread would then stay in
+// the throwaway namespace, and /proc/self/ns/net, which names the main
+// thread's, with it: the host probe SNAT went there instead of into the
+// node's namespace.
 func ProbeNFTables() error {
 	errc := make(chan error, 1)
 	go func() {
-		// Never unlocked: the runtime discards the thread, and with it
-		// the namespace, when this goroutine ends.
 		runtime.LockOSThread()
+		orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			runtime.UnlockOSThread()
+			errc <- fmt.Errorf("open this thread's network namespace: %w", err)
+			return
+		}
+		defer unix.Close(orig)
 		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+			// Unchanged: the thread is still in its own namespace.
+			runtime.UnlockOSThread()
 			errc <- fmt.Errorf("unshare network namespace: %w", err)
 			return
 		}
-		errc <- nftables.Probe()
+		perr := nftables.Probe()
+		if err := unix.Setns(orig, unix.CLONE_NEWNET); err != nil {
+			// Left locked: the runtime discards this thread (or, on the
+			// main thread, parks it for good) rather than run other
+			// goroutines in the throwaway namespace.
+			errc <- fmt.Errorf("return from the probe's network namespace: %w", err)
+			return
+		}
+		runtime.UnlockOSThread()
+		errc <- perr
 	}()
 	return <-errc
 }
