@@ -15,7 +15,7 @@ PROTOC        ?= protoc
 TEST_TIMEOUT  ?= 20m
 PLUGIN_LDFLAGS := -s -w
 
-.PHONY: all build tools bench test test-unit lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: all build tools bench test test-long test-unit lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -37,6 +37,13 @@ bench: build tools ## as root: measure the shipped binaries with the chart's def
 
 test: tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures)
 	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...
+
+# The fault-injection suite (test/chaos, docs/reliability.md) takes about
+# a quarter of an hour, so make test skips it; CI runs both.
+LONG_TIMEOUT  ?= 30m
+
+test-long: tools ## as root: the fault-injection suite (agent SIGKILLs, ztunnel and API server outages, a 5,000-cycle soak; AMBIENT_CHAOS_SEEDS=1,2 replays kill schedules)
+	AMBIENT_TEST_LONG=1 $(GO) test -count=1 -v -timeout $(LONG_TIMEOUT) ./test/chaos/
 
 test-unit: ## run the tests that need neither root nor built tools
 	AMBIENT_UNIT_ONLY=1 $(GO) test -count=1 ./...

@@ -64,7 +64,8 @@ func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, ns *Netns) error {
 // enters the state without a netns, so every ZDS snapshot sends Keep for
 // it and ztunnel goes on serving the netns it already has instead of
 // dropping the pod (whose rules still redirect its traffic to ztunnel),
-// and the host probe set keeps its IPs. Its rules are left untouched. The
+// and SyncHostProbe keeps whatever probe-set entries it has (none are
+// added: its sandbox may be gone). Its rules are left untouched. The
 // pod stays unresolved until Capture or Restore hands over its netns, or
 // Unenroll removes it once it is gone. A pod already in the state is left
 // as it is.
@@ -88,7 +89,6 @@ func (a *Agent) RestoreUnresolved(pod *corev1.Pod) {
 	a.mu.Unlock()
 	a.log.Warn("restored a captured pod without its netns; ztunnel keeps it until the netns is found",
 		"pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID, "ips", e.IPs)
-	a.addProbeIPs(a.log, e.IPs)
 }
 
 // Unresolved reports whether uid was restored without its netns and has
