@@ -13,9 +13,13 @@ PROTOC_GEN_GO := $(TOOLS_CACHE)/protoc-gen-go-$(PROTOC_GEN_GO_VERSION)/protoc-ge
 PROTOC        ?= protoc
 # Test timeout for the whole suite; CI allows far more, but keep it honest.
 TEST_TIMEOUT  ?= 20m
+# The real-node end-to-end tests (build tag realnode) and their timeout.
+E2E_TIMEOUT   ?= 30m
+# make demo KEEP=1 leaves the node up until Ctrl-C.
+KEEP          ?=
 PLUGIN_LDFLAGS := -s -w
 
-.PHONY: all build tools bench test test-long test-unit lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: all build tools node-tools bench test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -28,6 +32,9 @@ build: ## build the plugin and the agent into ./bin
 
 tools: ## build etcd, kube-apiserver and helm from the Go module proxy into the tools cache (minutes the first time, then cached)
 	GO='$(GO)' hack/kube-tools.sh
+
+node-tools: ## build everything a real node needs: kubelet, kube-controller-manager, kube-scheduler, crictl, CNI plugins, the image's Debian rootfs (cached)
+	GO='$(GO)' hack/kube-tools.sh node
 
 # Where make bench writes its JSON (gitignored).
 BENCH_OUT     ?= .bench
@@ -45,6 +52,20 @@ LONG_TIMEOUT  ?= 30m
 test-long: tools ## as root: the fault-injection suite (agent SIGKILLs, ztunnel and API server outages, a 5,000-cycle soak; AMBIENT_CHAOS_SEEDS=1,2 replays kill schedules)
 	AMBIENT_TEST_LONG=1 $(GO) test -count=1 -v -timeout $(LONG_TIMEOUT) ./test/chaos/
 
+# A static binary, so Ctrl-C reaches it directly (not through go run) and
+# it tears the node down before make returns.
+$(BIN)/ambient-node: FORCE
+	CGO_ENABLED=0 $(GO) build -trimpath -o $@ ./test/realnode/cmd/node
+
+demo: node-tools $(BIN)/ambient-node ## as root: a real kubelet + containerd node, ambient-cni installed by helm, the story with checked proofs, then teardown (KEEP=1: stay up to explore)
+	$(BIN)/ambient-node demo $(if $(KEEP),-keep)
+
+demo-down: $(BIN)/ambient-node ## tear down a node whose demo was killed (Ctrl-C tears down by itself)
+	$(BIN)/ambient-node down
+
+e2e: node-tools ## as root: the end-to-end tests on a real node (kubelet, containerd, helm-installed DaemonSet)
+	$(GO) test -tags realnode -count=1 -timeout $(E2E_TIMEOUT) -p 1 -v ./test/realnode/...
+
 test-unit: ## run the tests that need neither root nor built tools
 	AMBIENT_UNIT_ONLY=1 $(GO) test -count=1 ./...
 
@@ -54,10 +75,10 @@ fmt:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
 vet:
-	$(GO) vet ./...
+	$(GO) vet -tags realnode ./...
 
 staticcheck: $(STATICCHECK)
-	$(STATICCHECK) ./...
+	$(STATICCHECK) -tags realnode ./...
 
 $(STATICCHECK):
 	GOBIN=$(dir $(STATICCHECK)) $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
@@ -84,6 +105,8 @@ $(PROTOC_GEN_GO):
 
 clean:
 	rm -rf $(BIN)
+
+FORCE:
 
 sandbox: build tools ## run the main job locally as root: API server, install-cni, ztunnel stand-in, pods
 	$(GO) run ./test/sandbox/cmd/sandbox -install-cni $(BIN)/install-cni

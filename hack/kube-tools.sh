@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # Builds the external binaries the tests run (etcd, kube-apiserver, helm, and
-# on request kubelet) from the Go module proxy, into a cache outside the
-# repository keyed by version:
+# on request the real node's kubelet, kube-controller-manager,
+# kube-scheduler, crictl and the reference CNI plugins) from the Go module
+# proxy, and the real node's Debian base image rootfs from the Debian
+# packages, into a cache outside the repository keyed by version:
 #
 #   ${AMBIENT_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ambient-cni/tools}/<name>-<version>/<name>
 #
 # Each binary comes from its own tools module under hack/tools/ (committed
 # go.mod and go.sum, so builds are reproducible); versions are read from those
-# go.mod files, so bumping a version is a go.mod edit. Nothing but Go modules
-# is downloaded. A binary already in the cache is not rebuilt.
+# go.mod files, so bumping a version is a go.mod edit. cni-plugins is a
+# directory (bridge, host-local, loopback) built from the project's own
+# module at the version its go.mod requires. debian-rootfs is a tarball made
+# by mmdebstrap (Debian package); its version is a hash of what it includes.
+# Nothing else is downloaded. What is already in the cache is not rebuilt.
 #
 # usage: hack/kube-tools.sh [name...]   build (default: etcd kube-apiserver helm)
+#        hack/kube-tools.sh node        build everything the real node needs
 #        hack/kube-tools.sh --path name print the cached binary's path
 #        hack/kube-tools.sh --list      print name, version, path and state of each
 set -euo pipefail
@@ -20,7 +26,16 @@ tools="$repo/hack/tools"
 cache="${AMBIENT_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ambient-cni/tools}"
 GO="${GO:-go}"
 default_tools=(etcd kube-apiserver helm)
-all_tools=(etcd kube-apiserver kubelet helm)
+node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler crictl cni-plugins debian-rootfs)
+all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler helm crictl cni-plugins debian-rootfs)
+
+# The DaemonSet image's base, as deploy/Dockerfile's: Debian bookworm with
+# the netfilter tools, without documentation. Changing this list changes
+# the rootfs version (its cache key).
+rootfs_suite=bookworm
+rootfs_args=(--variant=apt --include=iptables,nftables,ipset
+	--dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*'
+	--dpkgopt='path-exclude=/usr/share/locale/*')
 
 # spec NAME prints: tools-module-dir version-module package
 spec() {
@@ -28,7 +43,14 @@ spec() {
 	etcd) echo "etcd go.etcd.io/etcd/server/v3 ." ;;
 	kube-apiserver) echo "kubernetes k8s.io/kubernetes k8s.io/kubernetes/cmd/kube-apiserver" ;;
 	kubelet) echo "kubernetes k8s.io/kubernetes k8s.io/kubernetes/cmd/kubelet" ;;
+	kube-controller-manager) echo "kubernetes k8s.io/kubernetes k8s.io/kubernetes/cmd/kube-controller-manager" ;;
+	kube-scheduler) echo "kubernetes k8s.io/kubernetes k8s.io/kubernetes/cmd/kube-scheduler" ;;
 	helm) echo "helm helm.sh/helm/v3 helm.sh/helm/v3/cmd/helm" ;;
+	crictl) echo "cri-tools sigs.k8s.io/cri-tools sigs.k8s.io/cri-tools/cmd/crictl" ;;
+	# "@": built inside the plugins' own module (its go.sum pins their
+	# dependencies) at the version the project's go.mod requires.
+	cni-plugins) echo "@ github.com/containernetworking/plugins ./plugins/main/bridge ./plugins/ipam/host-local ./plugins/main/loopback" ;;
+	debian-rootfs) echo "- - -" ;;
 	*)
 		echo "unknown tool $1 (known: ${all_tools[*]})" >&2
 		return 1
@@ -36,12 +58,31 @@ spec() {
 	esac
 }
 
+# moddir MODDIR [MODULE VERSION] is the directory of a tools module, or for
+# "@" the downloaded source of MODULE at VERSION.
+moddir() {
+	if [[ "$1" == @ ]]; then
+		(cd "$repo" && "$GO" mod download -json "$2@$3" | awk -F'"' '$2 == "Dir" { print $4 }')
+	else
+		echo "$tools/$1"
+	fi
+}
+
 # version MODDIR MODULE reads MODULE's required version from the tools go.mod.
+# The rootfs (MODDIR "-") is versioned by its suite and a hash of its
+# mmdebstrap arguments.
 version() {
 	local v
-	v="$(awk -v m="$2" '($1 == "require" && $2 == m) { print $3; exit } ($1 == m && $2 ~ /^v/) { print $2; exit }' "$tools/$1/go.mod")"
+	if [[ "$1" == - ]]; then
+		v="$(printf '%s\n' "$rootfs_suite" "${rootfs_args[@]}" | sha256sum)"
+		echo "$rootfs_suite-${v:0:12}"
+		return 0
+	fi
+	local gomod="$tools/$1/go.mod"
+	[[ "$1" == @ ]] && gomod="$repo/go.mod"
+	v="$(awk -v m="$2" '($1 == "require" && $2 == m) { print $3; exit } ($1 == m && $2 ~ /^v/) { print $2; exit }' "$gomod")"
 	if [[ -z "$v" ]]; then
-		echo "cannot find $2 in hack/tools/$1/go.mod" >&2
+		echo "cannot find $2 in $gomod" >&2
 		return 1
 	fi
 	echo "$v"
@@ -52,7 +93,7 @@ version() {
 ldflags() {
 	local v="$2"
 	case "$1" in
-	kube-apiserver | kubelet)
+	kube-apiserver | kubelet | kube-controller-manager | kube-scheduler)
 		local minor="${v#v1.}"
 		minor="${minor%%.*}"
 		echo "-X k8s.io/component-base/version.gitVersion=$v -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
@@ -62,6 +103,9 @@ ldflags() {
 		kv="$(version helm k8s.io/client-go)" # v0.<minor>.<patch>
 		kv="${kv#v0.}"
 		echo "-X helm.sh/helm/v3/internal/version.version=$v -X helm.sh/helm/v3/internal/version.gitTreeState=clean -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=${kv%%.*} -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/lint/rules.k8sVersionMinor=${kv%%.*}"
+		;;
+	crictl)
+		echo "-X sigs.k8s.io/cri-tools/pkg/version.Version=$v"
 		;;
 	esac
 }
@@ -73,13 +117,44 @@ binpath() {
 	echo "$cache/$1-$(version "$dir" "$mod")/$1"
 }
 
+# heartbeat NAME START prints progress every 30 s until killed: go build
+# and mmdebstrap's download are silent for minutes on a cold cache.
+heartbeat() {
+	while sleep 30; do echo "kube-tools:   still building $1 ($((SECONDS - $2)) s)"; done
+}
+
+# compile NAME VERSION SRCDIR TMP PKG... runs go build; TMP is the binary,
+# or a directory for a tool of several binaries.
+compile() {
+	local name="$1" v="$2" src="$3" tmp="$4"
+	shift 4
+	local out="$tmp"
+	if [[ $# -gt 1 ]]; then
+		mkdir -p "$tmp"
+		out="$tmp/"
+	fi
+	(cd "$src" && CGO_ENABLED=0 "$GO" build -mod=readonly -trimpath -ldflags "-s -w $(ldflags "$name" "$v")" -o "$out" "$@")
+}
+
+# rootfs TMP builds the image base with mmdebstrap (Debian package
+# mmdebstrap; as root it needs no daemon and no registry).
+rootfs() {
+	if ! command -v mmdebstrap >/dev/null; then
+		echo "kube-tools: debian-rootfs needs mmdebstrap (Debian package mmdebstrap; .ci/run installs it)" >&2
+		return 1
+	fi
+	mmdebstrap --quiet --format=tar "${rootfs_args[@]}" "$rootfs_suite" "$1"
+}
+
 build() {
-	local name="$1" s dir mod pkg v out tmp start pid rc
+	local name="$1" s dir mod v out tmp start pid rc
 	s="$(spec "$name")"
-	read -r dir mod pkg <<<"$s"
+	read -r dir mod pkgs <<<"$s"
+	local -a pkg
+	read -r -a pkg <<<"$pkgs"
 	v="$(version "$dir" "$mod")"
 	out="$cache/$name-$v/$name"
-	if [[ -x "$out" ]]; then
+	if [[ -e "$out" ]]; then
 		echo "kube-tools: $name $v cached at $out"
 		return 0
 	fi
@@ -89,34 +164,47 @@ build() {
 	if command -v flock >/dev/null; then
 		flock "$lock"
 	fi
-	if [[ -x "$out" ]]; then
+	if [[ -e "$out" ]]; then
 		echo "kube-tools: $name $v cached at $out (built by another process)"
 		exec {lock}>&-
 		return 0
 	fi
 	start=$SECONDS
-	echo "kube-tools: downloading modules for $name $v ..."
-	# go list fetches exactly the modules the build needs, so the silent
-	# compile that follows is split from the network part.
-	(cd "$tools/$dir" && "$GO" list -mod=readonly -deps "$pkg" >/dev/null)
-	echo "kube-tools: building $name $v (a cold build takes minutes: etcd ~2, kube-apiserver ~5-10, helm ~1.5 on 2 cores) ..."
 	tmp="$(dirname "$out")/.$name.tmp.$$"
-	# Progress heartbeat: go build is silent until it finishes.
-	(
-		while sleep 30; do echo "kube-tools:   still building $name ($((SECONDS - start)) s)"; done
-	) &
+	rm -rf "$tmp"
+	local src=""
+	if [[ "$dir" != - ]]; then
+		echo "kube-tools: downloading modules for $name $v ..."
+		src="$(moddir "$dir" "$mod" "$v")"
+		if [[ -z "$src" ]]; then
+			echo "kube-tools: cannot download $mod $v" >&2
+			exec {lock}>&-
+			return 1
+		fi
+		# go list fetches exactly the modules the build needs, so the silent
+		# compile that follows is split from the network part.
+		(cd "$src" && "$GO" list -mod=readonly -deps "${pkg[@]}" >/dev/null)
+		echo "kube-tools: building $name $v (a cold build takes minutes on 2 cores: etcd ~2, kube-apiserver ~5-10, then kubelet, kube-controller-manager, kube-scheduler ~1.5 each, helm ~1.5, crictl ~1) ..."
+	else
+		echo "kube-tools: building $name $v with mmdebstrap from the Debian packages (~1 min) ..."
+	fi
+	heartbeat "$name" "$start" &
 	pid=$!
 	rc=0
-	(cd "$tools/$dir" && CGO_ENABLED=0 "$GO" build -mod=readonly -trimpath -ldflags "-s -w $(ldflags "$name" "$v")" -o "$tmp" "$pkg") || rc=$?
+	if [[ "$dir" == - ]]; then
+		rootfs "$tmp" || rc=$?
+	else
+		compile "$name" "$v" "$src" "$tmp" "${pkg[@]}" || rc=$?
+	fi
 	kill "$pid" 2>/dev/null || true
 	wait "$pid" 2>/dev/null || true
 	if [[ $rc -ne 0 ]]; then
-		rm -f "$tmp"
+		rm -rf "$tmp"
 		exec {lock}>&-
 		echo "kube-tools: building $name $v failed" >&2
 		return "$rc"
 	fi
-	mv -f "$tmp" "$out"
+	mv -fT "$tmp" "$out"
 	exec {lock}>&-
 	echo "kube-tools: built $name $v in $((SECONDS - start)) s -> $out"
 }
@@ -133,10 +221,10 @@ case "${1:-}" in
 	for n in "${all_tools[@]}"; do
 		p="$(binpath "$n")"
 		state=missing
-		[[ -x "$p" ]] && state=built
+		[[ -e "$p" ]] && state=built
 		v="${p%/*}"
 		v="${v##*/"$n"-}"
-		printf '%-15s %-10s %-8s %s\n' "$n" "$v" "$state" "$p"
+		printf '%-24s %-20s %-8s %s\n' "$n" "$v" "$state" "$p"
 	done
 	;;
 -h | --help)
@@ -145,6 +233,8 @@ case "${1:-}" in
 *)
 	if [[ $# -eq 0 ]]; then
 		set -- "${default_tools[@]}"
+	elif [[ $# -eq 1 && "$1" == node ]]; then
+		set -- "${node_tools[@]}"
 	fi
 	for n in "$@"; do
 		spec "$n" >/dev/null

@@ -12,6 +12,13 @@ import (
 )
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == "debug" {
+		if err := app.DebugMain(os.Args[2:], os.Getenv, os.Stdout, os.Stderr); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		return
+	}
 	if err := app.Main(os.Args[1:], os.Getenv, os.Stderr); err != nil {
 		fmt.Fprintln(os.Stderr, "install-cni:", err)
 		os.Exit(1)

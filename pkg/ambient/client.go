@@ -118,6 +118,7 @@ func (c *Client) exchange(ctx context.Context, method, path string, body []byte)
 	if err := json.Unmarshal(respBody, &resp); err != nil {
 		return nil, &ExchangeError{Op: method + " " + path, Err: fmt.Errorf("HTTP %d with undecodable body: %w", status, err)}
 	}
+	resp.Status = status
 	if status != 200 && resp.Error == "" {
 		resp.Error = fmt.Sprintf("agent answered HTTP %d", status)
 		resp.Verdict = ""

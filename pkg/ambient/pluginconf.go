@@ -22,7 +22,26 @@ type PluginConf struct {
 	// StatusRequiresAgent makes CNI STATUS fail while the agent is
 	// unreachable (a failing STATUS marks the whole node NotReady).
 	StatusRequiresAgent bool `json:"statusRequiresAgent,omitempty"`
+	// AgentUnreachable is what ADD and CHECK do for a pod outside the
+	// excluded namespaces while the agent cannot be reached:
+	// AgentUnreachableFailClosed (default) or AgentUnreachableSnapshot.
+	AgentUnreachable string `json:"agentUnreachable,omitempty"`
 }
+
+// Values of PluginConf.AgentUnreachable.
+const (
+	// AgentUnreachableFailClosed fails ADD with CNI error 11 (try again
+	// later) for every pod outside the excluded namespaces while the agent
+	// is unreachable: nothing the plugin can read proves that such a pod
+	// needs no capture, since a namespace or pod label may have changed
+	// while the agent was away.
+	AgentUnreachableFailClosed = "fail-closed"
+	// AgentUnreachableSnapshot decides from the agent's last enablement
+	// snapshot instead: pods in namespaces it did not see enabled start
+	// uncaptured (unless pod-level enablement was in use), even if the
+	// namespace was labelled after the snapshot was written.
+	AgentUnreachableSnapshot = "snapshot"
+)
 
 // Defaults and bounds of PluginConf.
 const (

@@ -66,6 +66,10 @@ type PodEventResponse struct {
 	Verdict   Verdict `json:"verdict,omitempty"`
 	Error     string  `json:"error,omitempty"`
 	Retryable bool    `json:"retryable,omitempty"`
+	// Status is the HTTP status the answer came with (set by Client, not
+	// on the wire): 400/413 the request was invalid, 409 a CHECK found a
+	// mismatch, 503 retryable, 500 the agent failed.
+	Status int `json:"-"`
 }
 
 // GCRequest lists the attachments the runtime still considers valid.

@@ -54,6 +54,9 @@ type Agent interface {
 	// Pending reports whether uid is captured but ztunnel has not
 	// acknowledged it yet (a failed handoff): the controller retries.
 	Pending(uid types.UID) bool
+	// SandboxReleased reports whether the runtime tore down uid's captured
+	// sandbox (CNI DEL) and nothing captured it since.
+	SandboxReleased(uid types.UID) bool
 }
 
 // Finder locates running pods' network namespaces (nodeagent.ProcFinder).
@@ -343,11 +346,18 @@ func (c *Controller) plan(k types.NamespacedName) work {
 	}
 	d := c.cfg.Pods.DecideCached(p)
 	unresolved := isEnrolled && enrolled == p.UID && c.cfg.Agent.Unresolved(p.UID)
-	findable := len(enablement.PodIPs(p)) > 0 && p.Status.Phase == corev1.PodRunning
+	findable := len(enablement.PodIPs(p)) > 0
 	switch {
+	case d.Enroll && !isEnrolled && p.DeletionTimestamp != nil && c.cfg.Agent.SandboxReleased(p.UID):
+		// A terminating pod stays captured until its object goes, but
+		// once kubelet has torn its sandbox down (CNI DEL, which released
+		// it) there is no network left to capture: its remaining status
+		// updates must not send the controller looking for it.
 	case d.Enroll && (!isEnrolled || enrolled != p.UID || c.cfg.Agent.Pending(p.UID) || unresolved):
 		// A pod the CNI path is still setting up has no IP yet; its ADD
-		// enrolls it, and its status update brings it back here.
+		// enrolls it, and its status update brings it back here. With IPs
+		// its sandbox is up whatever the phase (init containers running,
+		// containers starting): capture it now, as Istio does.
 		w.need = findable
 	case !d.Enroll && unresolved && !enablement.IsTerminal(p):
 		// Its rules may still redirect its traffic: they must go before

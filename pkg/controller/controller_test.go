@@ -33,12 +33,16 @@ type fakeAgent struct {
 	enrolled   map[types.NamespacedName]types.UID
 	pending    map[types.UID]bool
 	unresolved map[types.UID]bool
+	released   map[types.UID]bool
 	calls      []string
 	captureErr error
 }
 
 func newFakeAgent() *fakeAgent {
-	return &fakeAgent{enrolled: map[types.NamespacedName]types.UID{}, pending: map[types.UID]bool{}, unresolved: map[types.UID]bool{}}
+	return &fakeAgent{
+		enrolled: map[types.NamespacedName]types.UID{}, pending: map[types.UID]bool{},
+		unresolved: map[types.UID]bool{}, released: map[types.UID]bool{},
+	}
 }
 
 func (a *fakeAgent) Capture(_ context.Context, pod *corev1.Pod, _ *nodeagent.Netns, sb *nodeagent.Sandbox) error {
@@ -104,6 +108,20 @@ func (a *fakeAgent) Pending(uid types.UID) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return a.pending[uid]
+}
+
+func (a *fakeAgent) SandboxReleased(uid types.UID) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.released[uid]
+}
+
+// releaseSandbox is a CNI DEL of the pod's sandbox.
+func (a *fakeAgent) releaseSandbox(ns, name string, uid types.UID) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	delete(a.enrolled, types.NamespacedName{Namespace: ns, Name: name})
+	a.released[uid] = true
 }
 
 func (a *fakeAgent) enroll(ns, name string, uid types.UID, pending bool) {
@@ -436,4 +454,49 @@ func TestLeavesAloneWhatIsNotItsJob(t *testing.T) {
 	// Once its netns shows up, the retry captures it.
 	e.finder.setRunning("u-lost")
 	poll.Until(t, "capture once found", func() bool { return e.agent.count("capture blog/lost") == 1 })
+}
+
+// TestTerminatingAndStartingPods: a pod with a deletionTimestamp stays
+// captured (it is released when its object goes, not when its grace
+// period starts), and a pod that has IPs but is not Running yet (init
+// containers) is captured, as Istio does both.
+func TestTerminatingAndStartingPods(t *testing.T) {
+	e := newEnv(t, []types.UID{"u-t", "u-i"}, running("blog", "t", "u-t", "10.1.0.1"))
+	poll.Until(t, "capture of the running pod", func() bool { return e.agent.count("capture blog/t") == 1 })
+	terminating := running("blog", "t", "u-t", "10.1.0.1")
+	now := metav1.Now()
+	terminating.DeletionTimestamp = &now
+	e.kube.SetPod(terminating)
+	starting := running("blog", "i", "u-i", "10.1.0.2")
+	starting.Status.Phase = corev1.PodPending
+	e.kube.SetPod(starting)
+	// The starting pod's capture comes after the terminating pod's update
+	// was handled (one worker, in order).
+	poll.Until(t, "capture of the pod whose init containers run", func() bool { return e.agent.count("capture blog/i") == 1 })
+	if e.agent.count("unenroll u-t") != 0 {
+		t.Fatalf("terminating pod unenrolled at the start of its grace period: %v", e.agent.log())
+	}
+	// kubelet tears the sandbox down (CNI DEL releases the pod) and
+	// updates the status before it removes the object: the controller
+	// does not go looking for the pod's network again.
+	e.agent.releaseSandbox("blog", "t", "u-t")
+	scans := len(e.finder.scanLog())
+	terminating = terminating.DeepCopy()
+	terminating.Status.Phase = corev1.PodRunning
+	terminating.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionFalse}}
+	e.kube.SetPod(terminating)
+	e.kube.SetPod(running("blog", "later", "u-later", "10.1.0.3"))
+	poll.Until(t, "a later pod's scan", func() bool {
+		return slices.ContainsFunc(e.finder.scanLog()[scans:], func(s []types.UID) bool { return slices.Contains(s, "u-later") })
+	})
+	for _, s := range e.finder.scanLog()[scans:] {
+		if slices.Contains(s, "u-t") {
+			t.Fatalf("looked for the released terminating pod's netns: %v", e.finder.scanLog()[scans:])
+		}
+	}
+	if n := e.agent.count("capture blog/t"); n != 1 {
+		t.Fatalf("released terminating pod captured again (%d captures)", n)
+	}
+	e.kube.DeletePod("blog", "t")
+	poll.Until(t, "the object is gone", func() bool { _, err := e.kube.Cache.Pod("blog", "t"); return err != nil })
 }

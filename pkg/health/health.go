@@ -1,6 +1,15 @@
-// Package health serves install-cni's operational endpoints, with the
-// readiness checks install-cni registers: /healthz (the process is alive),
-// /readyz (every readiness check passes), /metrics and /debug/pods.
+// Package health serves install-cni's operational endpoints, each only
+// where its audience can reach it:
+//
+//   - /healthz and /readyz (Handler) on the health address, which kubelet
+//     probes: they say ok, or which readiness check fails, and nothing
+//     about any pod;
+//   - /metrics (MetricsHandler) on its own address, for Prometheus: counts
+//     and gauges, no pod names;
+//   - /debug/pods and /debug/explain (Debug) only on a root-only Unix socket
+//     in the agent's private directory (ServeUnix): they name pods, UIDs,
+//     IPs and netns paths, so no pod and nothing on the network may read
+//     them.
 package health
 
 import (
@@ -18,29 +27,34 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/ambient-cni/ambient-cni/pkg/unixsock"
 )
 
-// DefaultAddr is where install-cni serves the endpoints unless told
+// DefaultAddr is where install-cni serves /healthz and /readyz unless told
 // otherwise (the port Istio's node components use for health).
 const DefaultAddr = ":15021"
+
+// DefaultMetricsAddr is where install-cni serves /metrics unless told
+// otherwise (the port Istio's CNI node agent exports its metrics on).
+const DefaultMetricsAddr = ":15014"
+
+// DebugSocketName is the debug socket's file name in the agent socket's
+// directory.
+const DebugSocketName = "debug.sock"
 
 // Check reports nil when its part of the agent is ready.
 type Check func() error
 
-// Server serves the endpoints. Add checks before Serve.
+// Server holds the readiness checks. Add checks before serving.
 type Server struct {
-	log      *slog.Logger
-	registry *prometheus.Registry
-	debug    func() any
-
 	mu     sync.Mutex
 	checks map[string]Check
 }
 
-// New returns a server exporting registry on /metrics and the value debug
-// returns (marshalled as JSON) on /debug/pods; either may be nil.
-func New(log *slog.Logger, registry *prometheus.Registry, debug func() any) *Server {
-	return &Server{log: log, registry: registry, debug: debug, checks: map[string]Check{}}
+// New returns a server with no checks.
+func New() *Server {
+	return &Server{checks: map[string]Check{}}
 }
 
 // AddCheck registers a named readiness check.
@@ -54,11 +68,9 @@ func (s *Server) AddCheck(name string, c Check) {
 func (s *Server) Ready() []string {
 	s.mu.Lock()
 	names := make([]string, 0, len(s.checks))
-	for n := range s.checks {
-		names = append(names, n)
-	}
 	checks := make(map[string]Check, len(s.checks))
 	for n, c := range s.checks {
+		names = append(names, n)
 		checks[n] = c
 	}
 	s.mu.Unlock()
@@ -72,7 +84,7 @@ func (s *Server) Ready() []string {
 	return failed
 }
 
-// Handler returns the HTTP handler with every endpoint.
+// Handler serves /healthz and /readyz, and nothing else.
 func (s *Server) Handler() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
@@ -86,38 +98,138 @@ func (s *Server) Handler() http.Handler {
 		}
 		_, _ = w.Write([]byte("ok\n"))
 	})
-	if s.registry != nil {
-		mux.Handle("GET /metrics", promhttp.HandlerFor(s.registry, promhttp.HandlerOpts{Registry: s.registry}))
-	}
-	if s.debug != nil {
-		mux.HandleFunc("GET /debug/pods", func(w http.ResponseWriter, _ *http.Request) {
-			w.Header().Set("Content-Type", "application/json")
-			enc := json.NewEncoder(w)
-			enc.SetIndent("", "  ")
-			if err := enc.Encode(s.debug()); err != nil {
-				s.log.Warn("encode /debug/pods", "err", err)
-			}
-		})
-	}
 	return mux
 }
 
-// Serve listens on addr until ctx ends. ready, when non-nil, receives the
-// bound address (useful with port 0).
-func (s *Server) Serve(ctx context.Context, addr string, ready func(net.Addr)) error {
+// MetricsHandler serves registry on /metrics, and nothing else.
+func MetricsHandler(registry *prometheus.Registry) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(registry, promhttp.HandlerOpts{Registry: registry}))
+	return mux
+}
+
+// ErrNoSuchPod is what Debug.Explain returns for a pod it knows nothing
+// about; the endpoint answers 404.
+var ErrNoSuchPod = errors.New("no such pod on this node")
+
+// Debug is the debug endpoints' data. Each function's result is sent as
+// indented JSON.
+type Debug struct {
+	// Pods is the agent's enrolled-pod state (/debug/pods).
+	Pods func() any
+	// Explain answers why one pod is or is not captured
+	// (/debug/explain?pod=<namespace>/<name>).
+	Explain func(ctx context.Context, namespace, name string) (any, error)
+	// ExplainAll explains every pod of the node (/debug/explain).
+	ExplainAll func(ctx context.Context) any
+	Logger     *slog.Logger
+}
+
+// Handler serves /debug/pods and /debug/explain to root peers only (serve
+// it with ServeUnix).
+func (d Debug) Handler() http.Handler {
+	log := d.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	send := func(w http.ResponseWriter, code int, v any) {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(code)
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		enc.SetEscapeHTML(false) // read by people: keep <, > and & as they are
+		if err := enc.Encode(v); err != nil {
+			log.Warn("encode debug answer", "err", err)
+		}
+	}
+	fail := func(w http.ResponseWriter, code int, msg string) {
+		send(w, code, map[string]string{"error": msg})
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /debug/pods", func(w http.ResponseWriter, _ *http.Request) {
+		send(w, http.StatusOK, d.Pods())
+	})
+	mux.HandleFunc("GET /debug/explain", func(w http.ResponseWriter, r *http.Request) {
+		pod := r.URL.Query().Get("pod")
+		if pod == "" {
+			send(w, http.StatusOK, d.ExplainAll(r.Context()))
+			return
+		}
+		ns, name, ok := strings.Cut(pod, "/")
+		if !ok || ns == "" || name == "" || strings.Contains(name, "/") || len(pod) > 512 {
+			if len(pod) > 80 {
+				pod = pod[:80] + "..."
+			}
+			fail(w, http.StatusBadRequest, fmt.Sprintf("pod %q: want <namespace>/<name>", pod))
+			return
+		}
+		v, err := d.Explain(r.Context(), ns, name)
+		switch {
+		case errors.Is(err, ErrNoSuchPod):
+			fail(w, http.StatusNotFound, fmt.Sprintf("pod %s/%s: %v", ns, name, err))
+		case err != nil:
+			fail(w, http.StatusInternalServerError, err.Error())
+		default:
+			send(w, http.StatusOK, v)
+		}
+	})
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		fail(w, http.StatusNotFound, fmt.Sprintf("no such endpoint %s %s; try GET /debug/pods, /debug/explain or /debug/explain?pod=<namespace>/<name>", r.Method, r.URL.Path))
+	})
+	return rootOnly(mux, fail, log)
+}
+
+type credKey struct{}
+
+// rootOnly refuses every request whose peer (SO_PEERCRED, recorded by
+// ServeUnix) is not uid 0: the socket's mode says so already, this holds
+// even if the mode is loosened by hand.
+func rootOnly(next http.Handler, fail func(http.ResponseWriter, int, string), log *slog.Logger) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		uid, ok := r.Context().Value(credKey{}).(uint32)
+		if !ok || uid != 0 {
+			log.Warn("refusing debug request from a non-root or unknown peer", "uid", uid, "known", ok)
+			fail(w, http.StatusForbidden, "only root may use the debug socket")
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+// ListenTCP listens on addr for ServeListener.
+func ListenTCP(addr string) (net.Listener, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
-		return fmt.Errorf("listen on %s: %w", addr, err)
+		return nil, fmt.Errorf("listen on %s: %w", addr, err)
 	}
-	if ready != nil {
-		ready(ln.Addr())
-	}
+	return ln, nil
+}
+
+// ListenUnix listens on a root-only Unix socket at path (directory 0700,
+// socket 0600, a stale socket replaced) for ServeListener.
+func ListenUnix(path string) (net.Listener, error) {
+	return unixsock.Listen(unixsock.Config{Path: path, Net: "unix", Mode: 0o600, PrivateDir: true})
+}
+
+// ServeListener serves h on ln until ctx ends, then shuts down and closes
+// ln (a Unix socket's file goes with it). On a Unix socket each request
+// carries its peer's uid for Debug's root check.
+func ServeListener(ctx context.Context, ln net.Listener, h http.Handler) error {
 	srv := &http.Server{
-		Handler:           s.Handler(),
+		Handler:           h,
 		ReadHeaderTimeout: 5 * time.Second,
 		ReadTimeout:       10 * time.Second,
 		WriteTimeout:      30 * time.Second,
 		IdleTimeout:       60 * time.Second,
+		MaxHeaderBytes:    8 << 10,
+		ConnContext: func(ctx context.Context, c net.Conn) context.Context {
+			if uc, ok := c.(*net.UnixConn); ok {
+				if cred, err := unixsock.PeerCred(uc); err == nil {
+					return context.WithValue(ctx, credKey{}, cred.Uid)
+				}
+			}
+			return ctx
+		},
 	}
 	done := make(chan struct{})
 	defer close(done)
@@ -130,8 +242,10 @@ func (s *Server) Serve(ctx context.Context, addr string, ready func(net.Addr)) e
 		case <-done:
 		}
 	}()
-	if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-		return fmt.Errorf("serve health on %s: %w", addr, err)
+	err := srv.Serve(ln)
+	_ = ln.Close()
+	if err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return fmt.Errorf("serve on %s: %w", ln.Addr(), err)
 	}
 	return nil
 }

@@ -10,14 +10,21 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"log/slog"
+	"sync"
+
+	appsv1 "k8s.io/api/apps/v1"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/record"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
@@ -84,28 +91,123 @@ func (e *Events) Start() {
 // Shutdown stops sending events.
 func (e *Events) Shutdown() { e.broadcaster.Shutdown() }
 
-// DaemonSetUpgradeChecker tells an upgrade (the agent's DaemonSet still
-// exists and is not being deleted: another agent will follow) from an
-// uninstall when the agent shuts down.
+// DaemonSetUpgradeChecker tells an upgrade from an uninstall when the
+// agent shuts down. Only proof counts as an uninstall: the agent's
+// DaemonSet is gone (NotFound) or being deleted (deletionTimestamp), read
+// at shutdown or seen earlier by the watch Run keeps on it. Anything else,
+// including 401/403 (RBAC can be briefly wrong, or removed before the pods
+// stop), leaves the plugin installed: pods then wait for the next agent
+// rather than start uncaptured. helm uninstall deletes the DaemonSet before
+// its RBAC, so the watch has seen the deletion by the time the pods get
+// SIGTERM, even when the RBAC is already gone.
 type DaemonSetUpgradeChecker struct {
-	Client          kubernetes.Interface
-	Namespace, Name string
+	client          kubernetes.Interface
+	namespace, name string
+	log             *slog.Logger
+
+	mu   sync.Mutex
+	seen watchState
 }
 
-// IsUpgrade implements installer.UpgradeChecker.
-func (d DaemonSetUpgradeChecker) IsUpgrade(ctx context.Context) (bool, error) {
-	ds, err := d.Client.AppsV1().DaemonSets(d.Namespace).Get(ctx, d.Name, metav1.GetOptions{})
-	if apierrors.IsNotFound(err) {
-		return false, nil
+// watchState is what the watch saw of the DaemonSet, latest first.
+type watchState string
+
+const (
+	seenNothing  watchState = ""
+	seenAlive    watchState = "present"
+	seenDeleting watchState = "being deleted"
+	seenGone     watchState = "deleted"
+)
+
+// NewDaemonSetUpgradeChecker returns a checker for the DaemonSet
+// namespace/name; Run its watch for the agent's lifetime.
+func NewDaemonSetUpgradeChecker(client kubernetes.Interface, namespace, name string, log *slog.Logger) *DaemonSetUpgradeChecker {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
 	}
-	// helm uninstall deletes the ServiceAccount and RBAC right after the
-	// DaemonSet, before its pods stop: losing our own identity or rights
-	// means the release is going away, not being upgraded.
-	if apierrors.IsForbidden(err) || apierrors.IsUnauthorized(err) {
-		return false, nil
-	}
+	return &DaemonSetUpgradeChecker{client: client, namespace: namespace, name: name,
+		log: log.With("component", "daemonset-watch", "daemonset", namespace+"/"+name)}
+}
+
+// Run watches the DaemonSet (list and watch by name, all the agent's RBAC
+// grants) until ctx ends.
+func (d *DaemonSetUpgradeChecker) Run(ctx context.Context) error {
+	f := informers.NewSharedInformerFactoryWithOptions(d.client, 0, informers.WithNamespace(d.namespace),
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+			o.FieldSelector = fields.OneTermEqualSelector("metadata.name", d.name).String()
+		}))
+	inf := f.Apps().V1().DaemonSets().Informer()
+	_, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(o any) { d.observe(o, false) },
+		UpdateFunc: func(_, o any) { d.observe(o, false) },
+		DeleteFunc: func(o any) { d.observe(o, true) },
+	})
 	if err != nil {
-		return false, fmt.Errorf("get daemonset %s/%s: %w", d.Namespace, d.Name, err)
+		return fmt.Errorf("watch daemonset: %w", err)
 	}
-	return ds.DeletionTimestamp == nil, nil
+	f.Start(ctx.Done())
+	<-ctx.Done()
+	f.Shutdown()
+	return nil
+}
+
+func (d *DaemonSetUpgradeChecker) observe(o any, deleted bool) {
+	if t, ok := o.(cache.DeletedFinalStateUnknown); ok {
+		o, deleted = t.Obj, true
+	}
+	ds, ok := o.(*appsv1.DaemonSet)
+	if !ok || ds.Name != d.name {
+		return
+	}
+	next := seenAlive
+	switch {
+	case deleted:
+		next = seenGone
+	case ds.DeletionTimestamp != nil:
+		next = seenDeleting
+	}
+	d.mu.Lock()
+	prev := d.seen
+	d.seen = next
+	d.mu.Unlock()
+	if next != prev && next != seenAlive {
+		d.log.Info("agent DaemonSet " + string(next) + ": this agent uninstalls the plugin when it stops")
+	}
+}
+
+// Seen reports what the watch last saw of the DaemonSet: "" (nothing yet),
+// "present", "being deleted" or "deleted".
+func (d *DaemonSetUpgradeChecker) Seen() string {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return string(d.seen)
+}
+
+// IsUpgrade implements installer.UpgradeChecker: false only on proof of
+// an uninstall; an error (the caller keeps the plugin) says why it cannot
+// tell.
+func (d *DaemonSetUpgradeChecker) IsUpgrade(ctx context.Context) (bool, error) {
+	ds, err := d.client.AppsV1().DaemonSets(d.namespace).Get(ctx, d.name, metav1.GetOptions{})
+	switch {
+	case err == nil && ds.DeletionTimestamp != nil:
+		return false, nil
+	case err == nil:
+		return true, nil
+	case apierrors.IsNotFound(err):
+		return false, nil
+	}
+	seen := watchState(d.Seen())
+	if seen == seenDeleting || seen == seenGone {
+		d.log.Info("cannot read the agent DaemonSet at shutdown, but it was seen "+string(seen)+": uninstall", "err", err)
+		return false, nil
+	}
+	why := "not proof of an uninstall"
+	if apierrors.IsForbidden(err) || apierrors.IsUnauthorized(err) {
+		why = "lost rights are not proof of an uninstall (RBAC may be briefly wrong, or removed before the pods stop)"
+	}
+	last := "it was never seen"
+	if seen != seenNothing {
+		last = "it was last seen " + string(seen)
+	}
+	return false, fmt.Errorf("get daemonset %s/%s: %w; %s, and %s", d.namespace, d.name, err, why, last)
 }

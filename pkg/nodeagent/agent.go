@@ -170,6 +170,9 @@ type Agent struct {
 	// because an unresolved pod's IPs are unknown; the prune runs once
 	// the last such pod is resolved or gone.
 	probePruneDeferred bool
+	// released are the pods whose sandbox the runtime removed (CNI DEL)
+	// while they were captured, and when; see SandboxReleased.
+	released map[types.UID]time.Time
 }
 
 // podLock serializes work on one pod while letting different pods proceed
@@ -205,6 +208,7 @@ func NewAgent(cfg Config) (*Agent, error) {
 		snapshot: newSnapshotWriter(cfg.SnapshotFile),
 		pods:     map[types.UID]*entry{},
 		busy:     map[types.UID]*podLock{},
+		released: map[types.UID]time.Time{},
 	}, nil
 }
 

@@ -416,3 +416,32 @@ func TestHeldNetnsDoesNotPinMount(t *testing.T) {
 		t.Errorf("rule ops %q, left %d: removal must work through the held handle", ops, h.rules.count())
 	}
 }
+
+// TestSandboxReleased: a CNI DEL of a captured pod's sandbox is
+// remembered (the controller then leaves the terminating pod alone), and
+// forgotten once a sandbox of the pod is captured again; a DEL of a
+// sandbox the agent never captured is not.
+func TestSandboxReleased(t *testing.T) {
+	h := newHarness(t)
+	ctx := context.Background()
+	pn := testnet.NewNS(t)
+	h.kube.SetPod(pod("shop", "web", "u1", nil))
+	if _, err := h.srv.Add(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
+		t.Fatal(err)
+	}
+	if h.agent.SandboxReleased("u1") {
+		t.Fatal("released before any DEL")
+	}
+	if err := h.agent.RemoveSandbox(ctx, "other", "u2"); err != nil || h.agent.SandboxReleased("u2") {
+		t.Fatalf("DEL of an unknown sandbox remembered (%v)", err)
+	}
+	if err := h.agent.RemoveSandbox(ctx, "sb1", "u1"); err != nil || !h.agent.SandboxReleased("u1") {
+		t.Fatalf("DEL of the captured sandbox not remembered (%v)", err)
+	}
+	if _, err := h.srv.Add(ctx, info("shop/web", "u1", "sb2"), openNS(t, pn)); err != nil {
+		t.Fatal(err)
+	}
+	if h.agent.SandboxReleased("u1") {
+		t.Fatal("still released after a new sandbox was captured")
+	}
+}

@@ -52,6 +52,7 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *San
 		e.SandboxID = old.SandboxID
 	}
 	a.pods[pod.UID] = e
+	delete(a.released, pod.UID)
 	a.mu.Unlock()
 	if old != nil {
 		// Same netns: a repeated ADD. Another netns: the sandbox was
@@ -108,12 +109,12 @@ func (a *Agent) Check(ctx context.Context, p PodInfo, d enablement.Decision, ns 
 	e := a.get(uid)
 	if e == nil {
 		if d.Enroll {
-			return fmt.Errorf("pod %s/%s should be captured (%s) but is not enrolled", p.Namespace, p.Name, d.Reason)
+			return mismatch(fmt.Errorf("pod %s/%s should be captured (%s) but is not enrolled", p.Namespace, p.Name, d.Reason))
 		}
 		return nil
 	}
 	if !e.ns.SameAs(ns) {
-		return fmt.Errorf("pod %s/%s is enrolled in netns %s (inode %d), not %s", p.Namespace, p.Name, e.Netns, e.NetnsID, ns.Source())
+		return mismatch(fmt.Errorf("pod %s/%s is enrolled in netns %s (inode %d), not %s", p.Namespace, p.Name, e.Netns, e.NetnsID, ns.Source()))
 	}
 	drift, err := a.cfg.Rules.Verify(e.ns.Path(), e.Rules)
 	if err != nil {
@@ -121,7 +122,7 @@ func (a *Agent) Check(ctx context.Context, p PodInfo, d enablement.Decision, ns 
 		return Retryable(fmt.Errorf("verify rules of %s/%s: %w", p.Namespace, p.Name, err))
 	}
 	if !drift.Empty() {
-		return fmt.Errorf("%w in pod %s/%s: %s", ErrDrift, p.Namespace, p.Name, drift.String())
+		return mismatch(fmt.Errorf("%w in pod %s/%s: %s", ErrDrift, p.Namespace, p.Name, drift.String()))
 	}
 	return nil
 }

@@ -48,3 +48,24 @@ func IsInvalid(err error) bool {
 	var i *InvalidError
 	return errors.As(err, &i)
 }
+
+// MismatchError marks a CNI CHECK that found the pod's capture not as it
+// should be (not enrolled, another netns, drifted rules): neither a bad
+// request nor an agent failure. The event server answers it with 409.
+type MismatchError struct {
+	Err error
+}
+
+// Error describes the wrapped error.
+func (e *MismatchError) Error() string { return e.Err.Error() }
+
+// Unwrap returns the wrapped error.
+func (e *MismatchError) Unwrap() error { return e.Err }
+
+func mismatch(err error) error { return &MismatchError{Err: err} }
+
+// IsMismatch reports whether err (or anything it wraps) is a MismatchError.
+func IsMismatch(err error) bool {
+	var m *MismatchError
+	return errors.As(err, &m)
+}

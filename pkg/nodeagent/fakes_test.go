@@ -138,15 +138,19 @@ func (z *fakeZtunnel) Del(_ context.Context, uid string) error {
 	return nil
 }
 
-// fakeAnnotator records annotation writes.
+// fakeAnnotator records annotation writes; with err set it fails them.
 type fakeAnnotator struct {
 	mu     sync.Mutex
 	values map[types.UID][]string
+	err    error
 }
 
 func (a *fakeAnnotator) SetRedirection(_ context.Context, _, _ string, uid types.UID, value string) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	if a.err != nil {
+		return a.err
+	}
 	if a.values == nil {
 		a.values = map[types.UID][]string{}
 	}

@@ -25,9 +25,11 @@ type Netns struct {
 // file of type CLONE_NEWNET) other than the agent's own, which is the
 // host's. It does not restrict where the path lives; NetnsPolicy does.
 func OpenNetns(path string) (*Netns, error) {
-	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	// O_NONBLOCK: a FIFO named as a netns must fail its checks, not block
+	// the open waiting for a writer.
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
 	if err != nil {
-		return nil, fmt.Errorf("open netns %s: %w", path, err)
+		return nil, openError(path, err)
 	}
 	n, err := netnsFromFD(fd, path)
 	if err != nil {
@@ -35,6 +37,20 @@ func OpenNetns(path string) (*Netns, error) {
 		return nil, err
 	}
 	return n, nil
+}
+
+// openError names the side of a failed open: a path that names nothing
+// openable as a namespace (gone, a symlink where none may be, a socket, a
+// process that exited) is the caller's; a refusal (EACCES, EPERM: the
+// agent lacks a capability) or anything else is the agent's.
+func openError(path string, err error) error {
+	err = fmt.Errorf("open netns %s: %w", path, err)
+	for _, e := range []error{unix.ENOENT, unix.ENOTDIR, unix.ELOOP, unix.ENXIO, unix.ESRCH, unix.ENAMETOOLONG, unix.ENODEV} {
+		if errors.Is(err, e) {
+			return invalid(err)
+		}
+	}
+	return err
 }
 
 // adoptNetns takes over f, a namespace file that was opened and checked
@@ -210,16 +226,22 @@ func (p NetnsPolicy) Open(path string) (*Netns, error) {
 		if errors.Is(err, os.ErrNotExist) {
 			return nil, invalid(fmt.Errorf("netns %s does not exist", path))
 		}
-		return nil, fmt.Errorf("resolve netns path %s: %w", path, err)
+		if errors.Is(err, os.ErrPermission) {
+			// The agent's own rights, not the caller's path.
+			return nil, fmt.Errorf("resolve netns path %s: %w", path, err)
+		}
+		// Not a directory on the way, a symlink loop, a name too long:
+		// the path the runtime passed cannot name a namespace.
+		return nil, invalid(fmt.Errorf("resolve netns path %s: %w", path, err))
 	}
 	if !p.allowed(real) {
 		return nil, invalid(fmt.Errorf("netns %s (resolved %s) is not under an allowed root %v nor /proc/<pid>/ns/net", path, real, p.Roots))
 	}
 	// O_NOFOLLOW: the path was resolved above; a symlink swapped in since
 	// then must not redirect us.
-	fd, err := unix.Open(real, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
+	fd, err := unix.Open(real, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
 	if err != nil {
-		return nil, fmt.Errorf("open netns %s: %w", real, err)
+		return nil, openError(real, err)
 	}
 	n, err := netnsFromFD(fd, path)
 	if err != nil {

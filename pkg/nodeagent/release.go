@@ -68,6 +68,7 @@ func (a *Agent) RemoveSandbox(ctx context.Context, sandboxID string, uid types.U
 		}
 	}
 	a.forget(ctx, log, e)
+	a.noteReleased(uid)
 	return nil
 }
 

@@ -41,7 +41,8 @@ type ServerConfig struct {
 	ReadHeaderTimeout, ReadTimeout, IdleTimeout time.Duration
 	// Observe, when set, is told about every request: verb (ADD, DEL,
 	// CHECK, GC, STATUS), result (enrolled, not-enrolled, removed, ok,
-	// retry, error, rejected) and handling time. Wire metrics here.
+	// retry, error, rejected, mismatch) and handling time. Wire metrics
+	// here.
 	Observe func(verb, result string, took time.Duration)
 	// Logger receives structured logs (default: discarded).
 	Logger *slog.Logger
@@ -105,6 +106,11 @@ func NewServer(cfg ServerConfig, decider Decider, agent *Agent) *Server {
 	mux.HandleFunc(ambient.PathPodEvent, s.handlePodEvent)
 	mux.HandleFunc(ambient.PathStatus, s.handleStatus)
 	mux.HandleFunc(ambient.PathGC, s.handleGC)
+	// Anything else (a plugin of another version, a stray client) gets a
+	// JSON answer the plugin can read, not net/http's plain-text 404.
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		reply(w, http.StatusNotFound, ambient.PodEventResponse{Error: fmt.Sprintf("no such endpoint %s %s", r.Method, r.URL.Path)})
+	})
 	s.http = &http.Server{
 		Handler:           s.rootOnly(mux),
 		ReadHeaderTimeout: cfg.ReadHeaderTimeout,
@@ -269,13 +275,7 @@ func (s *Server) handlePodEvent(w http.ResponseWriter, r *http.Request) {
 	took := time.Since(start)
 	log := s.log.With("cmd", ev.Command, "pod", ev.PodNamespace+"/"+ev.PodName, "sandbox", ev.SandboxID, "took", took)
 	if err != nil {
-		code, result := http.StatusInternalServerError, "error"
-		switch {
-		case IsInvalid(err):
-			code, result = http.StatusBadRequest, "rejected"
-		case IsRetryable(err):
-			code, result = http.StatusServiceUnavailable, "retry"
-		}
+		code, result := statusOf(err)
 		s.observe(string(ev.Command), result, took)
 		log.Warn("pod event failed", "err", err, "retryable", IsRetryable(err))
 		reply(w, code, ambient.PodEventResponse{Error: err.Error(), Retryable: IsRetryable(err)})
@@ -284,6 +284,22 @@ func (s *Server) handlePodEvent(w http.ResponseWriter, r *http.Request) {
 	s.observe(string(ev.Command), string(verdict), took)
 	log.Debug("pod event done", "verdict", verdict)
 	reply(w, http.StatusOK, ambient.PodEventResponse{Verdict: verdict})
+}
+
+// statusOf maps a request's failure to the HTTP status that names its
+// side, and the metrics result: 400 the caller's request can never succeed
+// (the plugin answers CNI error 4), 409 a CHECK found the pod's capture
+// wrong, 503 retrying may help (CNI error 11), 500 the agent failed.
+func statusOf(err error) (int, string) {
+	switch {
+	case IsInvalid(err):
+		return http.StatusBadRequest, "rejected"
+	case IsRetryable(err):
+		return http.StatusServiceUnavailable, "retry"
+	case IsMismatch(err):
+		return http.StatusConflict, "mismatch"
+	}
+	return http.StatusInternalServerError, "error"
 }
 
 func (s *Server) dispatch(ctx context.Context, ev *ambient.PodEvent) (ambient.Verdict, error) {

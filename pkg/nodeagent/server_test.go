@@ -464,3 +464,86 @@ func TestServerRefusesNonRootPeer(t *testing.T) {
 		t.Errorf("root peer: %+v, %v", resp, err)
 	}
 }
+
+// TestServerErrorsNameTheSide: every way a request can fail answers with
+// the status that names its side. A netns path from the runtime that
+// cannot name a network namespace is the caller's (400), never a 500, and
+// never hangs the handler (a FIFO); a CHECK that finds the pod's capture
+// wrong is a 409; an unknown endpoint a JSON 404.
+func TestServerErrorsNameTheSide(t *testing.T) {
+	testnet.RequireRoot(t)
+	allowed := t.TempDir()
+	s := newServer(t, []string{allowed}, nil)
+	s.kube.SetPod(pod("shop", "web", "u1", nil))
+	mk := func(name string, f func(string) error) string {
+		p := filepath.Join(allowed, name)
+		if err := f(p); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	file := mk("file", func(p string) error { return os.WriteFile(p, nil, 0o600) })
+	fifo := mk("fifo", func(p string) error { return unix.Mkfifo(p, 0o600) })
+	dir := mk("dir", func(p string) error { return os.Mkdir(p, 0o700) })
+	loop := mk("loop", func(p string) error { return os.Symlink(p, p) })
+	sockPath := mk("sock", func(p string) error {
+		ln, err := net.Listen("unix", p)
+		if err == nil {
+			t.Cleanup(func() { _ = ln.Close() })
+		}
+		return err
+	})
+	gone := exec.Command("true")
+	if err := gone.Run(); err != nil {
+		t.Fatal(err)
+	}
+	// HTTP/1.0, as the plugin speaks it: long answers come unchunked.
+	post := func(body []byte) string {
+		return fmt.Sprintf("POST %s HTTP/1.0\r\nHost: a\r\nContent-Length: %d\r\n\r\n%s", ambient.PathPodEvent, len(body), body)
+	}
+	for name, path := range map[string]string{
+		"missing":               filepath.Join(allowed, "nope"),
+		"file as a directory":   file + "/x",
+		"symlink loop":          loop,
+		"fifo":                  fifo,
+		"directory":             dir,
+		"socket":                sockPath,
+		"regular file":          file,
+		"exited process":        fmt.Sprintf("/proc/%d/ns/net", gone.Process.Pid),
+		"outside the roots":     "/etc/hostname",
+		"too long":              "/" + strings.Repeat("a/", 2000) + "x",
+		"the agent's own netns": "/proc/self/ns/net",
+	} {
+		body, _ := json.Marshal(addEvent(path))
+		done := make(chan struct{})
+		var st, msg string
+		go func() { st, msg = s.raw(t, post(body)); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(20 * time.Second):
+			t.Fatalf("%s: no answer", name)
+		}
+		if st != "400" {
+			t.Errorf("%s (%s): HTTP %s %s; want 400: the runtime's netns path is at fault", name, truncate(path), st, truncate(msg))
+		}
+	}
+
+	if ops := s.rules.ops(); ops != "" {
+		t.Errorf("failed requests reached the rules: %q", ops)
+	}
+
+	// CHECK of a pod that should be captured but is not: a finding (the
+	// default roots hold the test's namespaces).
+	d := newServer(t, nil, nil)
+	d.kube.SetPod(pod("shop", "web", "u1", nil))
+	pn := testnet.NewNS(t)
+	check := addEvent(pn.Path())
+	check.Command = ambient.CommandCheck
+	body, _ := json.Marshal(check)
+	if st, msg := d.raw(t, post(body)); st != "409" || !strings.Contains(msg, "should be captured") {
+		t.Errorf("CHECK of an unenrolled pod: HTTP %s %s; want 409", st, msg)
+	}
+	if st, msg := s.raw(t, "POST /v2/pod-event HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}"); st != "404" || !strings.Contains(msg, `"error"`) {
+		t.Errorf("unknown endpoint: HTTP %s %s; want a JSON 404", st, msg)
+	}
+}

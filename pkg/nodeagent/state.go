@@ -3,6 +3,7 @@ package nodeagent
 import (
 	"slices"
 	"sort"
+	"time"
 
 	"k8s.io/apimachinery/pkg/types"
 
@@ -16,6 +17,34 @@ func (a *Agent) Pending(uid types.UID) bool {
 	defer a.mu.Unlock()
 	e := a.pods[uid]
 	return e != nil && e.State == StatePending
+}
+
+// releasedTTL is how long SandboxReleased remembers a pod: far longer than
+// any pod stays between its sandbox's teardown and its object's removal.
+const releasedTTL = time.Hour
+
+// noteReleased records that the runtime removed uid's captured sandbox.
+func (a *Agent) noteReleased(uid types.UID) {
+	now := time.Now()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for u, at := range a.released {
+		if now.Sub(at) > releasedTTL {
+			delete(a.released, u)
+		}
+	}
+	a.released[uid] = now
+}
+
+// SandboxReleased reports whether the runtime removed uid's sandbox (CNI
+// DEL) while it was captured and no sandbox of it was captured since. A
+// terminating pod in that state has no network left to capture: the
+// controller leaves it alone until its object is gone.
+func (a *Agent) SandboxReleased(uid types.UID) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	_, ok := a.released[uid]
+	return ok
 }
 
 // EnrolledUID reports the uid enrolled under namespace/name, if any.
@@ -84,4 +113,41 @@ func (a *Agent) Close() error {
 		delete(a.pods, uid)
 	}
 	return nil
+}
+
+// Inspection is one enrolled pod as the agent holds it, with its rules
+// verified at the time of the call.
+type Inspection struct {
+	EnrolledPod
+	// Drift lists, one item per line, how the pod's rules differ from what
+	// the agent applied; empty when they match.
+	Drift []string
+	// VerifyError says why the rules could not be read; empty otherwise.
+	VerifyError string
+}
+
+// Inspect returns uid's entry with its rules verified now, after any
+// capture or release in progress on it; ok is false when uid is not
+// enrolled. It changes nothing.
+func (a *Agent) Inspect(uid types.UID) (in Inspection, ok bool) {
+	unlock := a.lock(uid)
+	defer unlock()
+	e := a.get(uid)
+	if e == nil {
+		return Inspection{}, false
+	}
+	a.mu.Lock()
+	in.EnrolledPod = e.EnrolledPod
+	in.IPs = slices.Clone(e.IPs)
+	a.mu.Unlock()
+	drift, err := a.cfg.Rules.Verify(e.ns.Path(), e.Rules)
+	switch {
+	case err != nil:
+		in.VerifyError = err.Error()
+	case !drift.Empty():
+		for _, it := range drift.Items {
+			in.Drift = append(in.Drift, it.String())
+		}
+	}
+	return in, true
 }

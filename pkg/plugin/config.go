@@ -1,7 +1,8 @@
 // Package plugin is the logic of the thin CNI plugin: it parses the plugin
 // configuration and the runtime's CNI_ARGS, forwards each pod to the node
-// agent over its Unix socket, falls back to the agent's enablement snapshot
-// when the agent is unreachable, and passes prevResult through unchanged.
+// agent over its Unix socket, fails closed when the agent is unreachable
+// (or, if configured, falls back to the agent's enablement snapshot), and
+// passes prevResult through unchanged.
 //
 // It must stay small: the runtime execs the plugin for every pod, so it
 // imports no Kubernetes client and no net/http (see the deps test).
@@ -17,6 +18,7 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/pkg/types"
+	"github.com/containernetworking/cni/pkg/types/create"
 	"github.com/containernetworking/cni/pkg/version"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
@@ -63,6 +65,11 @@ type Config struct {
 	// unreachable (key "statusRequiresAgent"; default false, because a
 	// failing STATUS marks the whole node NotReady).
 	StatusRequiresAgent bool
+	// AgentUnreachable is what ADD and CHECK do for a pod outside the
+	// excluded namespaces while the agent is unreachable (key
+	// "agentUnreachable"): ambient.AgentUnreachableFailClosed (default) or
+	// ambient.AgentUnreachableSnapshot.
+	AgentUnreachable string
 	// PrevResult is the previous plugin's result, nil when absent.
 	PrevResult types.Result
 	// ValidAttachments is set for GC.
@@ -94,7 +101,15 @@ func ParseConfig(stdin []byte) (*Config, error) {
 		Timeout:             ambient.DefaultPluginTimeout,
 		ExcludedNamespaces:  []string{ambient.DefaultExcludedNamespace},
 		StatusRequiresAgent: raw.StatusRequiresAgent,
+		AgentUnreachable:    raw.AgentUnreachable,
 		ValidAttachments:    raw.ValidAttachments,
+	}
+	switch c.AgentUnreachable {
+	case "":
+		c.AgentUnreachable = ambient.AgentUnreachableFailClosed
+	case ambient.AgentUnreachableFailClosed, ambient.AgentUnreachableSnapshot:
+	default:
+		return nil, invalidConfig("agentUnreachable %q must be %q or %q", raw.AgentUnreachable, ambient.AgentUnreachableFailClosed, ambient.AgentUnreachableSnapshot)
 	}
 	if c.AgentSocket == "" {
 		c.AgentSocket = ambient.DefaultAgentSocket
@@ -127,11 +142,49 @@ func ParseConfig(stdin []byte) (*Config, error) {
 			}
 		}
 	}
-	if err := version.ParsePrevResult(&raw.PluginConf); err != nil {
+	prev, err := parsePrevResult(raw.RawPrevResult, c.CNIVersion)
+	if err != nil {
+		return nil, err
+	}
+	c.PrevResult = prev
+	return c, nil
+}
+
+// resultVersions are the CNI versions whose results the CNI library reads.
+var resultVersions = []string{"0.1.0", "0.2.0", "0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"}
+
+// parsePrevResult reads the previous plugin's result by its own cniVersion
+// (the config's when it names none), so a primary plugin that answers in
+// another supported version than the conflist's is no reason to keep a pod
+// from starting, and checks now that it converts to the config's version,
+// in which the plugin prints it.
+func parsePrevResult(raw map[string]any, confVersion string) (types.Result, error) {
+	if raw == nil {
+		return nil, nil
+	}
+	v, ok := raw["cniVersion"].(string)
+	if _, present := raw["cniVersion"]; present && !ok {
+		return nil, types.NewError(types.ErrDecodingFailure, fmt.Sprintf("decode prevResult: cniVersion %v is not a string", raw["cniVersion"]), "")
+	}
+	if v == "" {
+		raw["cniVersion"] = confVersion
+	} else if !slices.Contains(resultVersions, v) {
+		return nil, types.NewError(types.ErrIncompatibleCNIVersion, fmt.Sprintf("prevResult has cniVersion %q, which no CNI spec defines a result for", v),
+			"known: "+strings.Join(resultVersions, ", "))
+	}
+	b, err := json.Marshal(raw)
+	if err != nil {
 		return nil, types.NewError(types.ErrDecodingFailure, "decode prevResult: "+err.Error(), "")
 	}
-	c.PrevResult = raw.PrevResult
-	return c, nil
+	res, err := create.CreateFromBytes(b)
+	if err != nil {
+		return nil, types.NewError(types.ErrDecodingFailure, "decode prevResult: "+err.Error(), "")
+	}
+	if _, err := res.GetAsVersion(confVersion); err != nil {
+		return nil, types.NewError(types.ErrIncompatibleCNIVersion,
+			fmt.Sprintf("prevResult in CNI version %s cannot be converted to the config's %s: %v", res.Version(), confVersion, err), "")
+	}
+	return res, nil
 }
 
 func invalidConfig(format string, a ...any) error {

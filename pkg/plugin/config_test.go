@@ -30,6 +30,7 @@ func TestParseConfigDefaults(t *testing.T) {
 		CNIVersion: "1.0.0", Name: "k8s", AgentSocket: "/var/run/ambient-cni/agent.sock",
 		SnapshotFile: "/var/run/ambient-cni/enablement.json", SpoolDir: "/var/run/ambient-cni/pending-del",
 		Timeout: ambient.DefaultPluginTimeout, LogLevel: slog.LevelWarn, ExcludedNamespaces: []string{"kube-system"},
+		AgentUnreachable: ambient.AgentUnreachableFailClosed,
 	}
 	if diff := cmp.Diff(want, c); diff != "" {
 		t.Errorf("defaults wrong (-want +got):\n%s", diff)
@@ -38,7 +39,7 @@ func TestParseConfigDefaults(t *testing.T) {
 
 func TestParseConfigKeys(t *testing.T) {
 	in := `{"cniVersion":"0.4.0","name":"k8s","type":"ambient-cni","agentSocket":"/run/a/agent.sock","timeout":"1.5s","logLevel":"debug",` +
-		`"excludedNamespaces":[],"statusRequiresAgent":true,"runtimeConfig":{"x":1},"prevResult":` + prevV1 + `}`
+		`"excludedNamespaces":[],"statusRequiresAgent":true,"agentUnreachable":"snapshot","runtimeConfig":{"x":1},"prevResult":` + prevV1 + `}`
 	in = strings.Replace(in, `"cniVersion":"1.0.0","interfaces"`, `"cniVersion":"0.4.0","interfaces"`, 1)
 	c, err := ParseConfig([]byte(in))
 	if err != nil {
@@ -51,6 +52,7 @@ func TestParseConfigKeys(t *testing.T) {
 		CNIVersion: "0.4.0", Name: "k8s", AgentSocket: "/run/a/agent.sock",
 		SnapshotFile: "/run/a/enablement.json", SpoolDir: "/run/a/pending-del",
 		Timeout: 1500 * time.Millisecond, LogLevel: slog.LevelDebug, ExcludedNamespaces: []string{}, StatusRequiresAgent: true,
+		AgentUnreachable: ambient.AgentUnreachableSnapshot,
 	}
 	if diff := cmp.Diff(want, c, cmpopts.IgnoreFields(Config{}, "PrevResult")); diff != "" {
 		t.Errorf("keys not honoured (-want +got):\n%s", diff)
@@ -66,25 +68,29 @@ func TestParseConfigRejects(t *testing.T) {
 		in   string
 		code uint
 	}{
-		"not json":          {`{"cniVersion":`, types.ErrDecodingFailure},
-		"array":             {`[]`, types.ErrDecodingFailure},
-		"unknown version":   {`{"cniVersion":"9.9.9","name":"n"}`, types.ErrIncompatibleCNIVersion},
-		"old version":       {`{"cniVersion":"0.2.0","name":"n"}`, types.ErrIncompatibleCNIVersion},
-		"no version":        {`{"name":"n"}`, types.ErrIncompatibleCNIVersion},
-		"relative socket":   {`{"cniVersion":"1.0.0","agentSocket":"run/a.sock"}`, types.ErrInvalidNetworkConfig},
-		"unclean socket":    {`{"cniVersion":"1.0.0","agentSocket":"/run/../a.sock"}`, types.ErrInvalidNetworkConfig},
-		"long socket":       {`{"cniVersion":"1.0.0","agentSocket":"/` + strings.Repeat("a", 120) + `"}`, types.ErrInvalidNetworkConfig},
-		"socket wrong type": {`{"cniVersion":"1.0.0","agentSocket":7}`, types.ErrDecodingFailure},
-		"bad timeout":       {`{"cniVersion":"1.0.0","timeout":"soon"}`, types.ErrInvalidNetworkConfig},
-		"zero timeout":      {`{"cniVersion":"1.0.0","timeout":"0s"}`, types.ErrInvalidNetworkConfig},
-		"negative timeout":  {`{"cniVersion":"1.0.0","timeout":"-1s"}`, types.ErrInvalidNetworkConfig},
-		"huge timeout":      {`{"cniVersion":"1.0.0","timeout":"1h"}`, types.ErrInvalidNetworkConfig},
-		"bad level":         {`{"cniVersion":"1.0.0","logLevel":"loud"}`, types.ErrInvalidNetworkConfig},
-		"bad namespace":     {`{"cniVersion":"1.0.0","excludedNamespaces":["Kube_System"]}`, types.ErrInvalidNetworkConfig},
-		"empty namespace":   {`{"cniVersion":"1.0.0","excludedNamespaces":[""]}`, types.ErrInvalidNetworkConfig},
-		"ns not a list":     {`{"cniVersion":"1.0.0","excludedNamespaces":"kube-system"}`, types.ErrDecodingFailure},
-		"bad prevResult":    {`{"cniVersion":"1.0.0","prevResult":{"ips":[{"address":"nope"}]}}`, types.ErrDecodingFailure},
-		"oversized":         {`{"cniVersion":"1.0.0","pad":"` + strings.Repeat("x", maxConfigBytes) + `"}`, types.ErrInvalidNetworkConfig},
+		"not json":                         {`{"cniVersion":`, types.ErrDecodingFailure},
+		"array":                            {`[]`, types.ErrDecodingFailure},
+		"unknown version":                  {`{"cniVersion":"9.9.9","name":"n"}`, types.ErrIncompatibleCNIVersion},
+		"old version":                      {`{"cniVersion":"0.2.0","name":"n"}`, types.ErrIncompatibleCNIVersion},
+		"no version":                       {`{"name":"n"}`, types.ErrIncompatibleCNIVersion},
+		"relative socket":                  {`{"cniVersion":"1.0.0","agentSocket":"run/a.sock"}`, types.ErrInvalidNetworkConfig},
+		"unclean socket":                   {`{"cniVersion":"1.0.0","agentSocket":"/run/../a.sock"}`, types.ErrInvalidNetworkConfig},
+		"long socket":                      {`{"cniVersion":"1.0.0","agentSocket":"/` + strings.Repeat("a", 120) + `"}`, types.ErrInvalidNetworkConfig},
+		"socket wrong type":                {`{"cniVersion":"1.0.0","agentSocket":7}`, types.ErrDecodingFailure},
+		"bad timeout":                      {`{"cniVersion":"1.0.0","timeout":"soon"}`, types.ErrInvalidNetworkConfig},
+		"zero timeout":                     {`{"cniVersion":"1.0.0","timeout":"0s"}`, types.ErrInvalidNetworkConfig},
+		"negative timeout":                 {`{"cniVersion":"1.0.0","timeout":"-1s"}`, types.ErrInvalidNetworkConfig},
+		"huge timeout":                     {`{"cniVersion":"1.0.0","timeout":"1h"}`, types.ErrInvalidNetworkConfig},
+		"bad level":                        {`{"cniVersion":"1.0.0","logLevel":"loud"}`, types.ErrInvalidNetworkConfig},
+		"bad namespace":                    {`{"cniVersion":"1.0.0","excludedNamespaces":["Kube_System"]}`, types.ErrInvalidNetworkConfig},
+		"empty namespace":                  {`{"cniVersion":"1.0.0","excludedNamespaces":[""]}`, types.ErrInvalidNetworkConfig},
+		"ns not a list":                    {`{"cniVersion":"1.0.0","excludedNamespaces":"kube-system"}`, types.ErrDecodingFailure},
+		"prevResult of an unknown version": {`{"cniVersion":"1.0.0","prevResult":{"cniVersion":"9.9.9","ips":[]}}`, types.ErrIncompatibleCNIVersion},
+		"prevResult version not a string":  {`{"cniVersion":"1.0.0","prevResult":{"cniVersion":1,"ips":[]}}`, types.ErrDecodingFailure},
+		"bad prevResult":                   {`{"cniVersion":"1.0.0","prevResult":{"ips":[{"address":"nope"}]}}`, types.ErrDecodingFailure},
+		"bad agentUnreachable":             {`{"cniVersion":"1.0.0","agentUnreachable":"pass"}`, types.ErrInvalidNetworkConfig},
+		"agentUnreachable not a string":    {`{"cniVersion":"1.0.0","agentUnreachable":true}`, types.ErrDecodingFailure},
+		"oversized":                        {`{"cniVersion":"1.0.0","pad":"` + strings.Repeat("x", maxConfigBytes) + `"}`, types.ErrInvalidNetworkConfig},
 	} {
 		_, err := ParseConfig([]byte(tc.in))
 		var te *types.Error
@@ -144,9 +150,11 @@ func FuzzParseConfig(f *testing.F) {
 			t.Fatalf("accepted invalid config: %+v", c)
 		}
 		if c.PrevResult != nil {
-			if _, err := c.PrevResult.GetAsVersion(c.CNIVersion); err == nil {
-				_, _ = podIPs(c.PrevResult)
+			// ParseConfig promised the pass-through conversion works.
+			if _, err := c.PrevResult.GetAsVersion(c.CNIVersion); err != nil {
+				t.Fatalf("accepted a prevResult that does not convert to %s: %v", c.CNIVersion, err)
 			}
+			_, _ = podIPs(c.PrevResult)
 		}
 	})
 }

@@ -101,9 +101,18 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	}
 }
 
-// fallback decides from the enablement snapshot while the agent is away:
-// fail closed with code 11 when the pod may need capture, else pass through.
+// fallback decides while the agent is unreachable, for a pod outside the
+// excluded namespaces. By default it fails closed with code 11 (the
+// runtime retries until the agent is back): no file the plugin can read
+// proves the pod needs no capture, since its namespace may have been
+// labelled while the agent was away. With agentUnreachable "snapshot" it
+// passes through pods whose namespace the agent's last snapshot did not
+// see enabled.
 func (p *Plugin) fallback(c *call, log *slog.Logger, ns string, cause error) error {
+	if c.cfg.AgentUnreachable != ambient.AgentUnreachableSnapshot {
+		log.Warn("node agent unreachable; failing closed", "err", cause, "agentUnreachable", c.cfg.AgentUnreachable)
+		return tryAgain("ambient-cni: %v; namespace %q is not excluded, so the pod may need ambient capture and is not started until the node agent answers (agentUnreachable %q). The runtime will retry: check that the ambient-cni node agent is running on this node", cause, ns, c.cfg.AgentUnreachable)
+	}
 	snap, serr := readSnapshot(c.cfg.SnapshotFile)
 	if !snap.MayNeedCapture(ns) {
 		log.Warn("node agent unreachable; namespace not enabled per snapshot, passing through",
@@ -185,9 +194,10 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 	var unreachable *ambient.UnreachableError
 	switch {
 	case errors.As(err, &unreachable):
-		snap, _ := readSnapshot(c.cfg.SnapshotFile)
-		if !snap.MayNeedCapture(ns) {
-			return nil
+		if c.cfg.AgentUnreachable == ambient.AgentUnreachableSnapshot {
+			if snap, _ := readSnapshot(c.cfg.SnapshotFile); !snap.MayNeedCapture(ns) {
+				return nil
+			}
 		}
 		return tryAgain("ambient-cni: %v; cannot verify pod %s/%s, whose namespace may need capture", err, ns, name)
 	case err != nil:
@@ -323,11 +333,26 @@ func tryAgain(format string, a ...any) error {
 	return types.NewError(types.ErrTryAgainLater, fmt.Sprintf(format, a...), "")
 }
 
-// agentError turns an agent-side failure into a CNI error: code 11 when the
-// agent says retrying will help, else an internal error.
+// agentError turns the agent's failure answer into a CNI error that names
+// the side at fault: code 11 when the agent says retrying will help, 4 when
+// it rejected the request as invalid (built from the runtime's CNI_NETNS,
+// CNI_CONTAINERID and CNI_ARGS), else 999, saying whether a CHECK found a
+// mismatch, the agent does not know the request (plugin and agent of
+// different versions) or refused it, or failed.
 func agentError(verb string, resp *ambient.PodEventResponse) error {
-	if resp.Retryable {
+	switch {
+	case resp.Retryable:
 		return tryAgain("ambient-cni: node agent could not complete %s yet: %s; the runtime will retry", verb, resp.Error)
+	case resp.Status == 400 || resp.Status == 413:
+		return types.NewError(types.ErrInvalidEnvironmentVariables,
+			fmt.Sprintf("ambient-cni: node agent rejected %s as invalid: %s", verb, resp.Error), "the request carries the runtime's CNI_NETNS, CNI_CONTAINERID and CNI_ARGS")
+	case resp.Status == 409:
+		return types.NewError(types.ErrInternal, fmt.Sprintf("ambient-cni: %s failed: %s", verb, resp.Error), "")
+	case resp.Status == 404 || resp.Status == 405:
+		return types.NewError(types.ErrInternal,
+			fmt.Sprintf("ambient-cni: node agent does not support %s (%s); are the plugin binary and the agent of the same version?", verb, resp.Error), "")
+	case resp.Status == 403:
+		return types.NewError(types.ErrInternal, fmt.Sprintf("ambient-cni: node agent refused %s: %s", verb, resp.Error), "")
 	}
-	return types.NewError(types.ErrInternal, fmt.Sprintf("ambient-cni: node agent refused %s: %s", verb, resp.Error), "")
+	return types.NewError(types.ErrInternal, fmt.Sprintf("ambient-cni: node agent failed %s: %s", verb, resp.Error), "")
 }

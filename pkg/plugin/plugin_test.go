@@ -169,17 +169,42 @@ func TestAddAgentErrors(t *testing.T) {
 	if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "no ztunnel connected") {
 		t.Errorf("retryable agent error gave %v", err)
 	}
-	b := newFakeAgent(t, func(ambient.PodEvent) (int, ambient.PodEventResponse) {
-		return 400, ambient.PodEventResponse{Error: "netns /tmp/x is not under an allowed root"}
-	})
-	_, err = run(t, add, conf(b.sock, "1.0.0", ""), k8sArgs)
-	if cniCode(t, err) != types.ErrInternal || !strings.Contains(err.Error(), "allowed root") {
-		t.Errorf("permanent agent error gave %v", err)
-	}
 	c := newFakeAgent(t, func(ambient.PodEvent) (int, ambient.PodEventResponse) { return 500, ambient.PodEventResponse{} })
 	_, err = run(t, add, conf(c.sock, "1.0.0", ""), k8sArgs)
 	if cniCode(t, err) != types.ErrInternal || !strings.Contains(err.Error(), "HTTP 500") {
 		t.Errorf("bare 500 gave %v", err)
+	}
+}
+
+// TestAgentErrorsNameTheSide: each kind of agent answer maps to the CNI
+// error code that names who must act: the runtime's request (4), a retry
+// (11), or the agent (999, saying which case).
+func TestAgentErrorsNameTheSide(t *testing.T) {
+	for _, tc := range []struct {
+		status    int
+		retryable bool
+		verb      func(*Plugin) func(*skel.CmdArgs) error
+		code      uint
+		msg       string
+	}{
+		{400, false, add, types.ErrInvalidEnvironmentVariables, "rejected ADD as invalid"},
+		{413, false, add, types.ErrInvalidEnvironmentVariables, "rejected ADD as invalid"},
+		{400, false, del, types.ErrInvalidEnvironmentVariables, "rejected DEL as invalid"},
+		{409, false, check, types.ErrInternal, "CHECK failed"},
+		{404, false, add, types.ErrInternal, "same version"},
+		{405, false, add, types.ErrInternal, "same version"},
+		{403, false, add, types.ErrInternal, "refused ADD"},
+		{500, false, add, types.ErrInternal, "node agent failed ADD"},
+		{503, true, add, types.ErrTryAgainLater, "could not complete ADD yet"},
+		{500, true, add, types.ErrTryAgainLater, "could not complete ADD yet"},
+	} {
+		a := newFakeAgent(t, func(ambient.PodEvent) (int, ambient.PodEventResponse) {
+			return tc.status, ambient.PodEventResponse{Error: "the agent's words", Retryable: tc.retryable}
+		})
+		_, err := run(t, tc.verb, conf(a.sock, "1.0.0", ""), k8sArgs)
+		if cniCode(t, err) != tc.code || !strings.Contains(err.Error(), tc.msg) || !strings.Contains(err.Error(), "the agent's words") {
+			t.Errorf("HTTP %d (retryable %v): %v; want code %d saying %q", tc.status, tc.retryable, err, tc.code, tc.msg)
+		}
 	}
 }
 
@@ -223,9 +248,42 @@ func writeSnapshot(t *testing.T, dir string, s nodefiles.EnablementSnapshot) {
 	}
 }
 
+// TestAddAgentDownFailsClosed: by default, with the agent unreachable,
+// every pod outside the excluded namespaces fails with code 11, whatever
+// the snapshot says: a namespace labelled while the agent was away is not
+// in it. Excluded namespaces (the plugin's own, static config) pass.
+func TestAddAgentDownFailsClosed(t *testing.T) {
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "agent.sock")
+	writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 5, EnabledNamespaces: []string{"other"}, ExcludedNamespaces: []string{"kube-system"}})
+	for _, extra := range []string{"", `,"agentUnreachable":"fail-closed"`} {
+		_, err := run(t, add, conf(sock, "1.0.0", extra), k8sArgs)
+		if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "unreachable") ||
+			!strings.Contains(err.Error(), `namespace "shop" is not excluded`) {
+			t.Errorf("conf%s, namespace not enabled per snapshot: %v; want code 11", extra, err)
+		}
+		if _, err := run(t, check, conf(sock, "1.0.0", extra), k8sArgs); cniCode(t, err) != types.ErrTryAgainLater {
+			t.Errorf("conf%s: CHECK with agent down: %v; want code 11", extra, err)
+		}
+	}
+	out, err := run(t, add, conf(sock, "1.0.0", `,"excludedNamespaces":["shop"]`), k8sArgs)
+	if err != nil || !jsonEqual(t, out, prevV1) {
+		t.Errorf("excluded namespace with agent down: %q, %v", out, err)
+	}
+	if _, err := run(t, add, conf(sock, "1.0.0", `,"agentUnreachable":"open"`), k8sArgs); cniCode(t, err) != types.ErrInvalidNetworkConfig ||
+		!strings.Contains(err.Error(), "agentUnreachable") {
+		t.Errorf("unknown agentUnreachable value: %v", err)
+	}
+}
+
+// TestAddAgentDownUsesSnapshot: with agentUnreachable "snapshot" the
+// plugin decides from the agent's last enablement snapshot.
 func TestAddAgentDownUsesSnapshot(t *testing.T) {
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "agent.sock")
+	conf := func(sock, version, extra string) []byte {
+		return conf(sock, version, `,"agentUnreachable":"snapshot"`+extra)
+	}
 	// No snapshot: fail closed.
 	_, err := run(t, add, conf(sock, "1.0.0", ""), k8sArgs)
 	if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "unreachable") || !strings.Contains(err.Error(), "no usable enablement snapshot") {
@@ -369,6 +427,35 @@ func TestGCForwardsValidAttachments(t *testing.T) {
 	down := []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q,"cni.dev/valid-attachments":[]}`, filepath.Join(t.TempDir(), "agent.sock")))
 	if _, err := run(t, func(p *Plugin) func(*skel.CmdArgs) error { return p.GC }, down, ""); err != nil {
 		t.Errorf("GC with agent down: %v", err)
+	}
+}
+
+// TestPrevResultOfAnotherVersion: a prevResult in any supported version
+// under a config of any other is read by its own version and printed
+// converted to the config's (test/cni does it through libcni).
+func TestPrevResultOfAnotherVersion(t *testing.T) {
+	a := newFakeAgent(t, verdict(ambient.VerdictEnrolled))
+	for _, cv := range SupportedVersions {
+		for _, pv := range SupportedVersions {
+			stdin := []byte(fmt.Sprintf(`{"cniVersion":%q,"name":"k8s","type":"ambient-cni","agentSocket":%q,"prevResult":%s}`, cv, a.sock, prevFor(pv)))
+			out, err := run(t, add, stdin, k8sArgs)
+			if err != nil {
+				t.Errorf("%s prevResult under a %s config: %v", pv, cv, err)
+				continue
+			}
+			var got struct {
+				CNIVersion string `json:"cniVersion"`
+				IPs        []struct {
+					Address string `json:"address"`
+				} `json:"ips"`
+			}
+			if err := json.Unmarshal([]byte(out), &got); err != nil || got.CNIVersion != cv || len(got.IPs) != 3 || got.IPs[0].Address != "10.1.0.5/24" {
+				t.Errorf("%s prevResult under a %s config printed %s (%v)", pv, cv, out, err)
+			}
+		}
+	}
+	if ev := a.got(); len(ev) == 0 || strings.Join(ev[len(ev)-1].IPs, ",") != "10.1.0.5,fd00::5" {
+		t.Errorf("the agent was not told the pod's addresses: %+v", ev)
 	}
 }
 

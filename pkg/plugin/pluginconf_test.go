@@ -15,7 +15,8 @@ import (
 // ambient.PluginConf is read back by the plugin with every value intact.
 func TestEntryRoundTrip(t *testing.T) {
 	e := ambient.PluginConf{AgentSocket: "/run/x/agent.sock", Timeout: "12s", LogLevel: "debug",
-		ExcludedNamespaces: []string{"infra", "kube-system"}, StatusRequiresAgent: true}
+		ExcludedNamespaces: []string{"infra", "kube-system"}, StatusRequiresAgent: true,
+		AgentUnreachable: ambient.AgentUnreachableSnapshot}
 	b, err := json.Marshal(e)
 	if err != nil {
 		t.Fatal(err)
@@ -32,6 +33,7 @@ func TestEntryRoundTrip(t *testing.T) {
 		CNIVersion: "1.0.0", Name: "k8s-pod-network", AgentSocket: e.AgentSocket,
 		SnapshotFile: "/run/x/enablement.json", SpoolDir: "/run/x/pending-del",
 		Timeout: 12 * time.Second, LogLevel: slog.LevelDebug, ExcludedNamespaces: e.ExcludedNamespaces, StatusRequiresAgent: true,
+		AgentUnreachable: ambient.AgentUnreachableSnapshot,
 	}
 	if diff := cmp.Diff(want, c); diff != "" {
 		t.Fatalf("entry %s parsed wrong (-want +got):\n%s", b, diff)

@@ -219,46 +219,40 @@ func legacyTablesLoaded() bool {
 
 // ProbeNFTables checks, in a throwaway network namespace, that the kernel
 // accepts what the nftables backend installs (inet tables with nat, route
-// and filter base chains, sets). It leaves nothing behind: the thread it
-// ran on goes back to its own namespace, and the throwaway one dies with
-// its last reference.
-//
-// The thread must go back rather than be left to the runtime to discard:
-// the runtime never discards the main thread (it wedges it), and the
-// probe's goroutine runs on the main thread when the main goroutine calls
-// this and waits, as install-cni does. The main thread would then stay in
-// the throwaway namespace, and /proc/self/ns/net, which names the main
-// thread's, with it: the host probe SNAT went there instead of into the
-// node's namespace.
+// and filter base chains, sets). It leaves nothing behind.
 func ProbeNFTables() error {
 	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			runtime.UnlockOSThread()
-			errc <- fmt.Errorf("open this thread's network namespace: %w", err)
-			return
-		}
-		defer unix.Close(orig)
-		if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
-			// Unchanged: the thread is still in its own namespace.
-			runtime.UnlockOSThread()
-			errc <- fmt.Errorf("unshare network namespace: %w", err)
-			return
-		}
-		perr := nftables.Probe()
-		if err := unix.Setns(orig, unix.CLONE_NEWNET); err != nil {
-			// Left locked: the runtime discards this thread (or, on the
-			// main thread, parks it for good) rather than run other
-			// goroutines in the throwaway namespace.
-			errc <- fmt.Errorf("return from the probe's network namespace: %w", err)
-			return
-		}
-		runtime.UnlockOSThread()
-		errc <- perr
-	}()
+	go func() { errc <- probeInThreadNetns() }() // owner: ProbeNFTables, which waits for it
 	return <-errc
+}
+
+// probeInThreadNetns runs the probe in a network namespace of the calling
+// goroutine's own thread and puts the thread back where it was. Relying on
+// the thread to die with the goroutine is not enough: when the goroutine
+// ran on the process's main thread, the runtime keeps that thread (it
+// cannot end the thread group leader), and /proc/self/ns/net, which names
+// the leader's namespace and which the agent takes for the host's, would
+// name the throwaway namespace from then on.
+func probeInThreadNetns() error {
+	runtime.LockOSThread()
+	orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("open this thread's network namespace: %w", err)
+	}
+	defer unix.Close(orig)
+	if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
+		runtime.UnlockOSThread()
+		return fmt.Errorf("unshare network namespace: %w", err)
+	}
+	probeErr := nftables.Probe()
+	if err := unix.Setns(orig, unix.CLONE_NEWNET); err != nil {
+		// Stay locked: the thread is discarded (or, the main thread,
+		// parked) instead of running other goroutines in the wrong place.
+		return errors.Join(probeErr, fmt.Errorf("return to the original network namespace: %w", err))
+	}
+	runtime.UnlockOSThread()
+	return probeErr
 }
 
 // remnants is the other backend as the active one sees it.

@@ -206,8 +206,10 @@ type backendRun struct {
 	agentEnv map[string]string
 	agent    *Process
 	health   string
-	log      string
-	auditLog *auditLog
+	// metricsURL is where the agent serves /metrics (its own address).
+	metricsURL string
+	log        string
+	auditLog   *auditLog
 }
 
 func (r *backendRun) run(ctx context.Context) (err error) {
@@ -260,6 +262,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 	}
 	r.res.KubeClientQPS, r.res.KubeClientBurst = float64(cfg.KubeClientQPS), cfg.KubeClientBurst
 	r.health = HealthURL(cfg.HealthAddr)
+	r.metricsURL = HealthURL(cfg.MetricsAddr)
 	r.auditLog = newAuditLog(r.audit, node)
 
 	r.log = filepath.Join(r.dir, "install-cni.log")
@@ -498,7 +501,7 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 			if w.mark, err = r.auditLog.mark(); err != nil {
 				return func() error { return err }
 			}
-			w.add0, _ = scrapeAddHistogram(r.health)
+			w.add0, _ = scrapeAddHistogram(r.metricsURL)
 			return func() error {
 				var err error
 				if w.cpu1, err = ReadCPU(r.agent.Pid()); err != nil {
@@ -506,7 +509,7 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 				}
 				w.reqs = r.auditLog.since(w.mark)
 				w.took = time.Since(w.start)
-				w.add1, _ = scrapeAddHistogram(r.health)
+				w.add1, _ = scrapeAddHistogram(r.metricsURL)
 				if stopProfile != nil {
 					files, err := stopProfile()
 					if err != nil {
@@ -754,7 +757,7 @@ func (r *backendRun) memory() (Memory, error) {
 	m := Memory{
 		RSSMiB: float64(st["VmRSS"]) / (1 << 20), AnonMiB: float64(st["RssAnon"]) / (1 << 20), FileMiB: float64(st["RssFile"]) / (1 << 20),
 	}
-	vals, err := Scrape(r.health, "go_memstats_heap_inuse_bytes", "go_memstats_stack_inuse_bytes", "go_memstats_sys_bytes", "go_goroutines")
+	vals, err := Scrape(r.metricsURL, "go_memstats_heap_inuse_bytes", "go_memstats_stack_inuse_bytes", "go_memstats_sys_bytes", "go_goroutines")
 	if err != nil {
 		return m, nil // RSS is the figure; the breakdown is a bonus
 	}
@@ -850,8 +853,8 @@ func detectedBackend(logPath string) string {
 	return ""
 }
 
-// HealthURL turns the agent's listen address (":15021") into a URL on
-// loopback.
+// HealthURL turns one of the agent's listen addresses (":15021",
+// ":15014") into a URL on loopback.
 func HealthURL(addr string) string {
 	host, port, ok := strings.Cut(addr, ":")
 	if !ok {

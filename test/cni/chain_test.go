@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"golang.org/x/sys/unix"
 
 	"github.com/containernetworking/cni/libcni"
 	"github.com/containernetworking/cni/pkg/types"
@@ -194,6 +195,11 @@ func cniCode(err error) uint {
 	return 0
 }
 
+// TestChainAgentDown: with the agent down, through the real chain, the
+// shipped default fails every pod outside the excluded namespaces with code
+// 11, also in a namespace the agent's last snapshot did not see enabled
+// (it may have been labelled since); excluded namespaces start, DEL is
+// spooled, and pods start again once the agent is back.
 func TestChainAgentDown(t *testing.T) {
 	n := newNode(t, "1.0.0", nil)
 	// Enroll a pod while the agent is up; the snapshot now names "shop".
@@ -205,7 +211,7 @@ func TestChainAgentDown(t *testing.T) {
 		t.Fatal("no rules after ADD")
 	}
 	snap, err := os.ReadFile(nodefiles.SnapshotPath(n.sock))
-	if err != nil || !strings.Contains(string(snap), `"shop"`) {
+	if err != nil || !strings.Contains(string(snap), `"shop"`) || strings.Contains(string(snap), `"plain"`) {
 		t.Fatalf("snapshot %s, %v", snap, err)
 	}
 	n.stopAgent()
@@ -213,21 +219,24 @@ func TestChainAgentDown(t *testing.T) {
 		t.Fatalf("socket still present after stop: %v", err)
 	}
 
-	// Enabled namespace: fail closed with code 11 and a clear message.
-	shop2 := n.newPod("shop", "api", nil)
-	_, err = n.add(shop2)
-	if cniCode(err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "unreachable") ||
-		!strings.Contains(err.Error(), `namespace "shop" may need ambient capture`) {
-		t.Errorf("ADD in enabled namespace with agent down: %v", err)
+	// Enabled namespace, and one the snapshot saw as not enabled (it may
+	// have been labelled since): both fail closed, retryable, saying why.
+	for _, ns := range []string{"shop", "plain"} {
+		p := n.newPod(ns, "api", nil)
+		_, err = n.add(p)
+		if cniCode(err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "unreachable") ||
+			!strings.Contains(err.Error(), `namespace "`+ns+`" is not excluded`) {
+			t.Errorf("ADD in namespace %s with agent down: %v; want code 11", ns, err)
+		}
+		if n.ourChains(t, p) {
+			t.Errorf("failed ADD in %s left rules", ns)
+		}
+		_ = n.del(p)
 	}
-	_ = n.del(shop2)
-	// Not enabled: pass through.
-	plain := n.newPod("plain", "db", nil)
-	if _, err := n.add(plain); err != nil {
-		t.Errorf("ADD in plain namespace with agent down: %v", err)
-	}
-	if n.ourChains(t, plain) {
-		t.Errorf("pass-through pod got rules")
+	// Excluded namespace (the plugin's own config): starts at once.
+	sys := n.newPod("kube-system", "dns", nil)
+	if _, err := n.add(sys); err != nil {
+		t.Errorf("ADD in an excluded namespace with agent down: %v", err)
 	}
 	// DEL succeeds and is spooled.
 	if err := n.del(web); err != nil {
@@ -248,10 +257,33 @@ func TestChainAgentDown(t *testing.T) {
 	if entries, _ := nodefiles.List(nodefiles.SpoolDir(n.sock)); len(entries) != 0 {
 		t.Errorf("spool not drained: %+v", entries)
 	}
-	// And pods in enabled namespaces start again.
-	again := n.newPod("shop", "api2", nil)
-	if _, err := n.add(again); err != nil {
-		t.Errorf("ADD after the agent returned: %v", err)
+	// And the runtime's retries succeed.
+	for _, ns := range []string{"shop", "plain"} {
+		if _, err := n.add(n.newPod(ns, "api2", nil)); err != nil {
+			t.Errorf("ADD in %s after the agent returned: %v", ns, err)
+		}
+	}
+}
+
+// TestChainAgentDownSnapshot: with agentUnreachable "snapshot" (the
+// operator's opt-in) the plugin decides from the agent's last snapshot:
+// a namespace it saw enabled fails closed, one it did not passes through.
+func TestChainAgentDownSnapshot(t *testing.T) {
+	n := newNode(t, "1.0.0", map[string]any{"agentUnreachable": ambient.AgentUnreachableSnapshot})
+	if _, err := n.add(n.newPod("shop", "web", nil)); err != nil {
+		t.Fatal(err)
+	}
+	n.stopAgent()
+	_, err := n.add(n.newPod("shop", "api", nil))
+	if cniCode(err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), `namespace "shop" may need ambient capture`) {
+		t.Errorf("ADD in enabled namespace with agent down: %v", err)
+	}
+	plain := n.newPod("plain", "db", nil)
+	if _, err := n.add(plain); err != nil {
+		t.Errorf("ADD in plain namespace with agent down: %v", err)
+	}
+	if n.ourChains(t, plain) {
+		t.Errorf("pass-through pod got rules")
 	}
 }
 
@@ -409,5 +441,76 @@ func TestChainDelWithoutNetns(t *testing.T) {
 	}
 	if p := n.agent.Pods(); len(p) != 0 {
 		t.Errorf("state after DEL without netns: %+v", p)
+	}
+}
+
+// TestChainPrevResultOfAnotherVersion: a primary plugin that answers in
+// another CNI version than the conflist's (an older plugin answering
+// 0.4.0 under a 1.1.0 list, or the reverse) is no reason to keep the pod
+// from starting: through libcni, our plugin reads that prevResult by its
+// own version, enrolls the pod with its addresses, and prints it converted
+// to the list's version, as docs/cni-plugin.md says.
+func TestChainPrevResultOfAnotherVersion(t *testing.T) {
+	for _, c := range []struct{ list, primary string }{
+		{"1.1.0", "0.4.0"}, {"1.0.0", "0.3.1"}, {"0.4.0", "1.1.0"}, {"0.3.1", "1.0.0"},
+	} {
+		t.Run(c.primary+"-under-"+c.list, func(t *testing.T) {
+			n := newNode(t, c.list, nil)
+			n.rec.answerIn("bridge", c.primary)
+			web := n.newPod("shop", "web", nil)
+			res, err := n.add(web)
+			if err != nil {
+				t.Fatalf("ADD with a %s prevResult under a %s list: %v", c.primary, c.list, err)
+			}
+			var shape struct {
+				CNIVersion string `json:"cniVersion"`
+			}
+			if err := json.Unmarshal(n.rec.last("bridge"), &shape); err != nil || shape.CNIVersion != c.primary {
+				t.Fatalf("the primary answered %s (%v), want %s", n.rec.last("bridge"), err, c.primary)
+			}
+			if err := json.Unmarshal(n.rec.last("ambient-cni"), &shape); err != nil || shape.CNIVersion != c.list || res.Version() != c.list {
+				t.Fatalf("our result %s (%v), want it in the list's version %s", n.rec.last("ambient-cni"), err, c.list)
+			}
+			want, err := resultAs(n.rec.last("bridge"), c.list)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !sameJSON(t, n.rec.last("ambient-cni"), want) {
+				t.Errorf("our result is not the prevResult converted:\nours: %s\nwant: %s", n.rec.last("ambient-cni"), want)
+			}
+			if p := n.agent.Pods(); len(p) != 1 || len(p[0].IPs) != 2 || !n.ourChains(t, web) {
+				t.Errorf("pod not enrolled with its two addresses: %+v", p)
+			}
+		})
+	}
+}
+
+// TestChainBadNetnsIsTheCallers: a runtime that hands the chain a netns
+// path the agent may not use (here a real namespace the bridge set up,
+// but bind-mounted outside the runtime's netns directories) gets CNI error
+// 4, naming its CNI_NETNS, not an internal error of ours; nothing is
+// installed.
+func TestChainBadNetnsIsTheCallers(t *testing.T) {
+	n := newNode(t, "1.0.0", nil)
+	s := n.newPod("shop", "web", nil)
+	elsewhere := filepath.Join(t.TempDir(), "pod-ns")
+	if err := os.WriteFile(elsewhere, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount(s.ns.Path(), elsewhere, "", unix.MS_BIND, ""); err != nil {
+		t.Fatalf("bind-mount the pod netns: %v", err)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(elsewhere, unix.MNT_DETACH) })
+	rt := s.rt()
+	rt.NetNS = elsewhere
+	ctx := context.Background()
+	_, err := n.cni.AddNetworkList(ctx, n.list, rt)
+	t.Cleanup(func() { _ = n.cni.DelNetworkList(context.Background(), n.list, rt) })
+	if cniCode(err) != types.ErrInvalidEnvironmentVariables || !strings.Contains(err.Error(), "rejected ADD as invalid") ||
+		!strings.Contains(err.Error(), "not under an allowed root") {
+		t.Errorf("ADD with a netns outside the runtime's directories: %v; want CNI error 4 naming the path", err)
+	}
+	if len(n.agent.Pods()) != 0 || n.ourChains(t, s) {
+		t.Errorf("rejected ADD installed something")
 	}
 }

@@ -23,6 +23,7 @@ import (
 	"github.com/containernetworking/cni/libcni"
 	"github.com/containernetworking/cni/pkg/invoke"
 	"github.com/containernetworking/cni/pkg/types"
+	"github.com/containernetworking/cni/pkg/types/create"
 	"github.com/containernetworking/cni/pkg/version"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
@@ -47,14 +48,46 @@ type recordingExec struct {
 	*invoke.DefaultExec
 	mu  sync.Mutex
 	out map[string][]byte // plugin type → last stdout
+	// versions: plugin type → CNI version its results are converted to.
+	versions map[string]string
 }
 
 func (r *recordingExec) ExecPlugin(ctx context.Context, path string, stdin []byte, env []string) ([]byte, error) {
 	out, err := r.DefaultExec.ExecPlugin(ctx, path, stdin, env)
 	r.mu.Lock()
+	defer r.mu.Unlock()
+	if v := r.versions[filepath.Base(path)]; v != "" && err == nil && len(out) > 0 {
+		if out, err = resultAs(out, v); err != nil {
+			return nil, err
+		}
+	}
 	r.out[filepath.Base(path)] = out
-	r.mu.Unlock()
 	return out, err
+}
+
+// resultAs converts a plugin's result to CNI version v, as a plugin that
+// answers in v whatever the config says would print it.
+func resultAs(out []byte, v string) ([]byte, error) {
+	res, err := create.CreateFromBytes(out)
+	if err != nil {
+		return nil, fmt.Errorf("parse result to convert: %w", err)
+	}
+	conv, err := res.GetAsVersion(v)
+	if err != nil {
+		return nil, fmt.Errorf("convert result to %s: %w", v, err)
+	}
+	var b bytes.Buffer
+	if err := conv.PrintTo(&b); err != nil {
+		return nil, err
+	}
+	return b.Bytes(), nil
+}
+
+// answerIn makes plugin print its results in CNI version v from now on.
+func (r *recordingExec) answerIn(plugin, v string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.versions[plugin] = v
 }
 
 func (r *recordingExec) last(plugin string) []byte {
@@ -125,7 +158,7 @@ func newNode(t testing.TB, cniVersion string, extra map[string]any) *node {
 		t.Fatalf("conflist: %v\n%s", err, conf)
 	}
 	n.rec = &recordingExec{DefaultExec: &invoke.DefaultExec{RawExec: &invoke.RawExec{Stderr: &testWriter{t: t}}, PluginDecoder: version.PluginDecoder{}},
-		out: map[string][]byte{}}
+		out: map[string][]byte{}, versions: map[string]string{}}
 	n.cni = libcni.NewCNIConfigWithCacheDir(cnibin.Paths(t), filepath.Join(dir, "cache"), n.rec)
 	t.Cleanup(func() {
 		if l, err := netlink.LinkByName(n.bridge); err == nil {

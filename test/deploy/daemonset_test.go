@@ -17,6 +17,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
 
 	"github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
@@ -33,6 +34,9 @@ type objects struct {
 	rb       *rbacv1.RoleBinding
 	kinds    []string
 	manifest []byte
+	// hooks are the helm hook objects (helm.sh/hook annotation), kept
+	// apart: helm runs them around the release, they are not part of it.
+	hooks []*unstructured.Unstructured
 }
 
 func decode(t testing.TB, manifest []byte) *objects {
@@ -43,6 +47,10 @@ func decode(t testing.TB, manifest []byte) *objects {
 	}
 	out := &objects{manifest: manifest}
 	for _, o := range objs {
+		if _, hook := o.GetAnnotations()["helm.sh/hook"]; hook {
+			out.hooks = append(out.hooks, o)
+			continue
+		}
 		out.kinds = append(out.kinds, o.GetKind())
 		var dst any
 		switch o.GetKind() {
@@ -220,13 +228,13 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 		DaemonSet: "mesh-node", Kubeconfig: "/etc/mesh/kubeconfig",
 		CNIBinDir: "/host/opt/cni/bin", CNIConfDir: "/host/etc/cni/net.d", CNIConfName: "10-primary.conflist",
 		PluginType: "mesh-cni", PluginBinary: "/custom/plugins/ambient-cni",
-		PluginTimeout: 45 * time.Second, PluginLogLevel: "debug", StatusChecksAgent: true,
+		PluginTimeout: 45 * time.Second, PluginLogLevel: "debug", StatusChecksAgent: true, AgentUnreachable: "snapshot",
 		AgentSocket: "/var/run/mesh-agent/agent.sock", ZDSSocket: "/var/run/ztunnel-custom/zds.sock",
 		ProcRoot: "/host/proc", NetnsDirs: []string{"/var/run/custom-netns", "/run/custom/netns"},
 		ExcludedNamespaces:       []string{"kube-system", "istio-system", "monitoring"},
 		AssumePodLevelEnablement: true, ZtunnelWait: 7 * time.Second, DNSCapture: false, IPTablesBackend: "nft",
 		ProbeSNATv4: netip.MustParseAddr("169.254.7.42"), ProbeSNATv6: netip.MustParseAddr("fd16::42"),
-		HealthAddr: ":15999", LogLevel: "debug", KubeClientQPS: 12.5, KubeClientBurst: 25,
+		HealthAddr: ":15999", MetricsAddr: ":15998", LogLevel: "debug", KubeClientQPS: 12.5, KubeClientBurst: 25,
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("all-values configuration\n got %+v\nwant %+v", got, want)
@@ -388,5 +396,38 @@ func TestDaemonSetShape(t *testing.T) {
 	}
 	if lp := ctr.LivenessProbe; lp == nil || lp.HTTPGet == nil || lp.HTTPGet.Path != "/healthz" {
 		t.Errorf("liveness probe %+v: want GET /healthz", lp)
+	}
+}
+
+// /metrics has its own named container port, the one the agent listens
+// on, and the scrape annotations point at it (off in all-values); the
+// debug endpoints have no port at all (a root-only socket).
+func TestMetricsPort(t *testing.T) {
+	for name, c := range map[string]struct {
+		manifest    []byte
+		annotations bool
+	}{
+		"defaults":   {render(t, releaseName, namespace), true},
+		"all values": {render(t, "all", "all-values-ns", "-f", allValues), false},
+	} {
+		o := decode(t, c.manifest)
+		cfg := o.config(t)
+		var metrics int32
+		for _, p := range o.container(t).Ports {
+			if p.Name == "metrics" {
+				metrics = p.ContainerPort
+			}
+			if strings.Contains(p.Name, "debug") {
+				t.Errorf("%s: a %s port: the debug endpoints must not be reachable over the network", name, p.Name)
+			}
+		}
+		if want := ":" + strconv.Itoa(int(metrics)); metrics == 0 || cfg.MetricsAddr != want || cfg.MetricsAddr == cfg.HealthAddr {
+			t.Errorf("%s: metrics container port %d, agent serves /metrics on %q (health on %q)", name, metrics, cfg.MetricsAddr, cfg.HealthAddr)
+		}
+		ann := o.ds.Spec.Template.Annotations
+		scrape := ann["prometheus.io/scrape"] == "true" && ann["prometheus.io/port"] == strconv.Itoa(int(metrics)) && ann["prometheus.io/path"] == "/metrics"
+		if scrape != c.annotations {
+			t.Errorf("%s: scrape annotations %v, want them %v", name, ann, c.annotations)
+		}
 	}
 }

@@ -88,7 +88,8 @@ func TestDockerfileMatchesChart(t *testing.T) {
 	if got := o.container(t).Command; !slices.Equal(got, []string{cmd.(string)}) {
 		t.Errorf("manifest command %v, values image.command %v", got, cmd)
 	}
-	for path, pkg := range map[string]string{plugin.(string): "./cmd/cni-plugin", cmd.(string): "./cmd/install-cni"} {
+	uninstall, _ := lookup(defaults, "image.uninstallCommand")
+	for path, pkg := range map[string]string{plugin.(string): "./cmd/cni-plugin", cmd.(string): "./cmd/install-cni", uninstall.(string): "./cmd/ambient-cni-uninstall"} {
 		out, ok := d.copies[path]
 		if !ok {
 			t.Errorf("the image has nothing at %s (COPY targets %v)", path, d.copies)

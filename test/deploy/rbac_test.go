@@ -68,7 +68,7 @@ func TestManifestRBACIsShippedRBAC(t *testing.T) {
 	if !reflect.DeepEqual(all.cr.Rules, o.cr.Rules) {
 		t.Errorf("all-values ClusterRole rules %+v differ from the manifest's %+v", all.cr.Rules, o.cr.Rules)
 	}
-	want := []rbacv1.PolicyRule{{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{"mesh-node"}, Verbs: []string{"get"}}}
+	want := []rbacv1.PolicyRule{{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{"mesh-node"}, Verbs: []string{"get", "list", "watch"}}}
 	if !reflect.DeepEqual(all.role.Rules, want) {
 		t.Errorf("all-values Role rules %+v, want %+v", all.role.Rules, want)
 	}

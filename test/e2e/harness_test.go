@@ -95,10 +95,11 @@ type node struct {
 	logs              *logSink
 	log               *slog.Logger
 
-	d       *installcni.App
-	metrics *metrics.Metrics
-	health  string // the daemon's health/metrics address
-	stopD   func()
+	d           *installcni.App
+	metrics     *metrics.Metrics
+	health      string // the daemon's health address (/healthz, /readyz)
+	metricsAddr string // the daemon's /metrics address
+	stopD       func()
 
 	zt     *ztunnel.StandIn
 	stopZT func()
@@ -222,6 +223,7 @@ func agentArgs(s agentSetup, opts nodeOptions) []string {
 		"--agent-socket=" + filepath.Join(s.dir, "agent", "agent.sock"),
 		"--zds-socket=" + filepath.Join(s.dir, "zt", "ztunnel.sock"),
 		"--health-addr=127.0.0.1:0",
+		"--metrics-addr=127.0.0.1:0",
 	}
 	if opts.ZtunnelWait > 0 {
 		args = append(args, "--ztunnel-wait="+opts.ZtunnelWait.String())
@@ -273,11 +275,12 @@ func (n *node) startDaemon() {
 	t := n.t
 	t.Helper()
 	n.metrics = metrics.New()
-	addr := make(chan string, 1)
+	addr, maddr := make(chan string, 1), make(chan string, 1)
 	d, err := installcni.New(installcni.Options{
 		Config: n.cfg, Client: n.client, Logger: n.log, Metrics: n.metrics,
-		HostNetns:   n.hostNS.Path(),
-		HealthReady: func(a net.Addr) { addr <- a.String() },
+		HostNetns:    n.hostNS.Path(),
+		HealthReady:  func(a net.Addr) { addr <- a.String() },
+		MetricsReady: func(a net.Addr) { maddr <- a.String() },
 	})
 	if err != nil {
 		t.Fatalf("daemon: %v", err)
@@ -302,6 +305,11 @@ func (n *node) startDaemon() {
 	deadline := time.After(waitLong)
 	select {
 	case n.health = <-addr:
+		select { // bound right after the health address
+		case n.metricsAddr = <-maddr:
+		case <-done:
+			t.Fatalf("daemon exited during start: %v", runErr)
+		}
 	case <-done:
 		t.Fatalf("daemon exited during start: %v", runErr)
 	case <-deadline:

@@ -101,7 +101,7 @@ func TestReadyzAndMetrics(t *testing.T) {
 	if got := n.metric(`ambient_cni_cni_add_duration_seconds_count`); got < 1 {
 		t.Errorf("ADD latency histogram count %v", got)
 	}
-	_, text := n.get("/metrics")
+	_, text := n.getFrom(n.metricsAddr, "/metrics")
 	for _, name := range []string{
 		"ambient_cni_cni_requests_total", "ambient_cni_cni_add_duration_seconds", "ambient_cni_enrolled_pods",
 		"ambient_cni_ztunnel_connections", "ambient_cni_rule_errors_total", "ambient_cni_installer_reinstalls_total",
@@ -214,8 +214,14 @@ func TestShippedRBACSuffices(t *testing.T) {
 // get fetches a path from the daemon's health server.
 func (n *node) get(path string) (int, string) {
 	n.t.Helper()
+	return n.getFrom(n.health, path)
+}
+
+// getFrom fetches a path from one of the daemon's TCP listeners.
+func (n *node) getFrom(addr, path string) (int, string) {
+	n.t.Helper()
 	c := &http.Client{Timeout: 10 * time.Second}
-	resp, err := c.Get("http://" + n.health + path)
+	resp, err := c.Get("http://" + addr + path)
 	if err != nil {
 		n.t.Fatalf("GET %s: %v", path, err)
 	}
@@ -231,7 +237,7 @@ func (n *node) get(path string) (int, string) {
 // and labels as the exposition format prints them); absent is 0.
 func (n *node) metric(series string) float64 {
 	n.t.Helper()
-	_, text := n.get("/metrics")
+	_, text := n.getFrom(n.metricsAddr, "/metrics")
 	re := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(series) + ` (\S+)$`)
 	m := re.FindStringSubmatch(text)
 	if m == nil {

@@ -44,6 +44,10 @@ type Options struct {
 	ReadyTimeout time.Duration
 	// Logf, when set, receives progress lines (tests pass t.Logf).
 	Logf func(format string, args ...any)
+	// KubeletClient gives the apiserver a client certificate of the CA for
+	// kubelets (logs, exec) that authenticate clients against it, and has
+	// it reach them by their InternalIP (a node name may not resolve).
+	KubeletClient bool
 }
 
 // ServiceCIDR is the service cluster IP range the apiserver is given.
@@ -62,6 +66,10 @@ type Env struct {
 	Dir string
 	// StartTime is how long the Env took from start until /readyz was ok.
 	StartTime time.Duration
+	// CAFile is the cluster CA certificate (PEM) and ServiceAccountKeyFile
+	// the key that signs ServiceAccount tokens, for control-plane
+	// components started beside the apiserver (kube-controller-manager).
+	CAFile, ServiceAccountKeyFile string
 
 	ca        *authority
 	etcd      *process
@@ -219,6 +227,21 @@ func (e *Env) start(ctx context.Context, etcdBin, apiBin string, opts Options) e
 		"--profiling=false",
 		"--v=1",
 	}
+	if opts.KubeletClient {
+		crt, key, err := ca.client("kube-apiserver-kubelet-client", "system:masters")
+		if err != nil {
+			return err
+		}
+		for name, data := range map[string][]byte{"kubelet-client.crt": crt, "kubelet-client.key": key} {
+			if err := os.WriteFile(filepath.Join(run, name), data, 0o600); err != nil {
+				return fmt.Errorf("write %s: %w", name, err)
+			}
+		}
+		args = append(args,
+			"--kubelet-client-certificate="+filepath.Join(run, "kubelet-client.crt"),
+			"--kubelet-client-key="+filepath.Join(run, "kubelet-client.key"),
+			"--kubelet-preferred-address-types=InternalIP")
+	}
 	args = append(args, opts.APIServerArgs...)
 	e.apiBin, e.apiArgs = apiBin, args
 	e.apiserver, err = startProcess(KubeAPIServer, apiBin, args, filepath.Join(e.Dir, "kube-apiserver.log"))
@@ -228,6 +251,7 @@ func (e *Env) start(ctx context.Context, etcdBin, apiBin string, opts Options) e
 	opts.Logf("kubeenv: kube-apiserver pid %d on https://127.0.0.1:%d", e.apiserver.cmd.Process.Pid, securePort)
 
 	e.ca = ca
+	e.CAFile, e.ServiceAccountKeyFile = filepath.Join(run, "ca.crt"), saKey
 	e.Config = &rest.Config{
 		Host: "https://127.0.0.1:" + strconv.Itoa(securePort),
 		TLSClientConfig: rest.TLSClientConfig{

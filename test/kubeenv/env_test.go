@@ -169,6 +169,17 @@ func TestServiceAccountClientHasExactlyShippedRBAC(t *testing.T) {
 			}, metav1.CreateOptions{})
 			return err
 		},
+		"list and watch own daemonset by name": func() error {
+			byName := metav1.ListOptions{FieldSelector: "metadata.name=ambient-cni"}
+			if _, err := sa.AppsV1().DaemonSets(agentNS).List(ctx, byName); err != nil {
+				return err
+			}
+			w, err := sa.AppsV1().DaemonSets(agentNS).Watch(ctx, byName)
+			if err == nil {
+				w.Stop()
+			}
+			return err
+		},
 		"get own daemonset (NotFound, not Forbidden)": func() error {
 			_, err := sa.AppsV1().DaemonSets(agentNS).Get(ctx, "ambient-cni", metav1.GetOptions{})
 			if apierrors.IsNotFound(err) {
@@ -205,6 +216,10 @@ func TestServiceAccountClientHasExactlyShippedRBAC(t *testing.T) {
 		},
 		"list daemonsets in its namespace": func() error {
 			_, err := sa.AppsV1().DaemonSets(agentNS).List(ctx, metav1.ListOptions{})
+			return err
+		},
+		"watch another daemonset by name": func() error {
+			_, err := sa.AppsV1().DaemonSets(agentNS).Watch(ctx, metav1.ListOptions{FieldSelector: "metadata.name=ztunnel"})
 			return err
 		},
 		"create events.k8s.io events": func() error {
@@ -272,7 +287,7 @@ func TestShippedRBACRules(t *testing.T) {
 		{"cluster", "", "namespaces", "", "get,list,watch"},
 		{"cluster", "", "events", "", "create,patch"},
 		// Only its own DaemonSet (the default release's name).
-		{"namespace", "apps", "daemonsets", "ambient-cni", "get"},
+		{"namespace", "apps", "daemonsets", "ambient-cni", "get,list,watch"},
 	}
 	sortRules := func(a, b rule) int { return strings.Compare(fmt.Sprint(a), fmt.Sprint(b)) }
 	slices.SortFunc(got, sortRules)

@@ -149,6 +149,10 @@ func Run(ctx context.Context, opts Options) (err error) {
 	if err != nil {
 		return err
 	}
+	metricsAddr, err := freeAddr()
+	if err != nil {
+		return err
+	}
 	run := filepath.Join(opts.Dir, "run")
 	agentLog, err := os.Create(filepath.Join(opts.Dir, "install-cni.log"))
 	if err != nil {
@@ -160,7 +164,7 @@ func Run(ctx context.Context, opts Options) (err error) {
 		"--cni-bin-dir="+binDir, "--cni-conf-dir="+confDir, "--plugin-binary="+pluginBin,
 		"--agent-socket="+filepath.Join(run, "ambient-cni", "agent.sock"),
 		"--zds-socket="+filepath.Join(run, "ztunnel", "ztunnel.sock"),
-		"--health-addr="+healthAddr, "--log-level=debug")
+		"--health-addr="+healthAddr, "--metrics-addr="+metricsAddr, "--log-level=debug")
 	agent.Stdout, agent.Stderr = agentLog, agentLog
 	if err := agent.Start(); err != nil {
 		return fmt.Errorf("start install-cni: %w", err)
@@ -287,7 +291,7 @@ func Run(ctx context.Context, opts Options) (err error) {
 		return err
 	}
 	say("== agent metrics (excerpt)")
-	for _, l := range strings.Split(body("http://"+healthAddr+"/metrics"), "\n") {
+	for _, l := range strings.Split(body("http://"+metricsAddr+"/metrics"), "\n") {
 		if strings.HasPrefix(l, "ambient_cni_cni_requests_total") || strings.HasPrefix(l, "ambient_cni_enrolled_pods") {
 			say("   %s", l)
 		}

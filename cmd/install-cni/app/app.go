@@ -16,6 +16,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"net/http"
 	"os/signal"
 	"path/filepath"
 	"sync"
@@ -32,6 +33,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/controller"
+	"github.com/ambient-cni/ambient-cni/pkg/explain"
 	"github.com/ambient-cni/ambient-cni/pkg/health"
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
 	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
@@ -93,8 +95,9 @@ type Options struct {
 	// HostNetns is where the host probe set lives: "" is this process's
 	// own (host) network namespace; tests point it at a stand-in.
 	HostNetns string
-	// HealthReady, when set, receives the health server's bound address.
-	HealthReady func(net.Addr)
+	// HealthReady and MetricsReady, when set, receive the health and
+	// metrics servers' bound addresses.
+	HealthReady, MetricsReady func(net.Addr)
 }
 
 // installerStateName is the installer's state file, kept beside the agent
@@ -103,6 +106,9 @@ const installerStateName = "installer-state.json"
 
 // shutdownTimeout bounds the upgrade check and the uninstall at shutdown.
 const shutdownTimeout = 10 * time.Second
+
+// releaseTimeout bounds releasing the captured pods on an uninstall.
+const releaseTimeout = 12 * time.Second
 
 // hostProbeResync is how often the host probe SNAT is put back (another
 // tool removed it, or got a rule above it in POSTROUTING).
@@ -116,7 +122,7 @@ type App struct {
 	metrics *metrics.Metrics
 
 	installer *installer.Installer
-	upgrade   installer.UpgradeChecker
+	upgrade   *kubeadapter.DaemonSetUpgradeChecker
 	rules     *rulesbackend.Backend
 	events    *kubeadapter.Events
 	pods      *podcache.Cache
@@ -125,6 +131,7 @@ type App struct {
 	zds       *zds.Server
 	ctrl      *controller.Controller
 	health    *health.Server
+	explain   *explain.Explainer
 }
 
 // New builds every part; nothing runs or touches the node until Run.
@@ -156,7 +163,7 @@ func New(o Options) (*App, error) {
 	entry, err := json.Marshal(ambient.PluginConf{
 		AgentSocket: c.AgentSocket, Timeout: c.PluginTimeout.String(),
 		LogLevel: c.PluginLogLevel, ExcludedNamespaces: nonNil(c.ExcludedNamespaces),
-		StatusRequiresAgent: c.StatusChecksAgent,
+		StatusRequiresAgent: c.StatusChecksAgent, AgentUnreachable: c.AgentUnreachable,
 	})
 	if err != nil {
 		return nil, err
@@ -171,7 +178,7 @@ func New(o Options) (*App, error) {
 	if err != nil {
 		return nil, fmt.Errorf("installer: %w", err)
 	}
-	a.upgrade = kubeadapter.DaemonSetUpgradeChecker{Client: o.Client, Namespace: c.PodNamespace, Name: c.DaemonSet}
+	a.upgrade = kubeadapter.NewDaemonSetUpgradeChecker(o.Client, c.PodNamespace, c.DaemonSet, a.log)
 
 	// What the agent decides with: the pod cache.
 	a.pods = podcache.New(podcache.Config{
@@ -245,7 +252,14 @@ func New(o Options) (*App, error) {
 		}
 	})
 
-	a.health = health.New(a.log, m.Registry, func() any { return a.agent.Pods() })
+	a.health = health.New()
+	a.explain = &explain.Explainer{
+		Pods: a.pods, Agent: a.agent,
+		Finder:    nodeagent.ProcFinder{Scanner: podnetns.Scanner{ProcRoot: c.ProcRoot, Logger: a.log}, Logger: a.log},
+		Backend:   rules.Name,
+		Ztunnels:  a.zds.Connections,
+		DaemonSet: a.upgrade.Seen,
+	}
 	a.health.AddCheck("installer", a.installer.Check)
 	a.health.AddCheck("restore", func() error {
 		if !closed(a.ctrl.Restored()) {
@@ -280,6 +294,16 @@ func closed(ch <-chan struct{}) bool {
 
 // Agent is the node agent core (for tests and debugging).
 func (a *App) Agent() *nodeagent.Agent { return a.agent }
+
+// DaemonSetSeen is what the watch on the agent's DaemonSet last saw: ""
+// (nothing yet), "present", "being deleted" or "deleted".
+func (a *App) DaemonSetSeen() string { return a.upgrade.Seen() }
+
+// DebugSocket is where the debug endpoints are served: debug.sock in the
+// agent socket's (root-only) directory.
+func (a *App) DebugSocket() string {
+	return filepath.Join(filepath.Dir(a.cfg.AgentSocket), health.DebugSocketName)
+}
 
 // RulesBackend names the rules backend in use ("nftables", "iptables-nft"
 // or "iptables-legacy").
@@ -318,12 +342,56 @@ func (a *App) Run(ctx context.Context) (err error) {
 	run := func(name string, f func(context.Context) error) {
 		wg.Go(func() {
 			if err := f(runCtx); err != nil && runCtx.Err() == nil {
-				errs <- fmt.Errorf("%s: %w", name, err)
+				select {
+				case errs <- fmt.Errorf("%s: %w", name, err):
+				default: // one failure already stops everything
+					a.log.Error("component failed", "component", name, "err", err)
+				}
 			}
 		})
 	}
-	run("health", func(ctx context.Context) error { return a.health.Serve(ctx, c.HealthAddr, a.opts.HealthReady) })
+	// Health for kubelet, metrics for Prometheus, each on its own TCP
+	// address; the debug endpoints (pod names, IPs, netns paths) only on a
+	// root-only socket in the agent's private directory.
+	serveTCP := func(name, addr string, h http.Handler, ready func(net.Addr)) error {
+		ln, err := health.ListenTCP(addr)
+		if err != nil {
+			return fmt.Errorf("%s: %w", name, err)
+		}
+		if ready != nil {
+			ready(ln.Addr())
+		}
+		run(name, func(ctx context.Context) error { return health.ServeListener(ctx, ln, h) })
+		return nil
+	}
+	if err := serveTCP("health", c.HealthAddr, a.health.Handler(), a.opts.HealthReady); err != nil {
+		cancel()
+		wg.Wait()
+		return err
+	}
+	if c.MetricsAddr != "" {
+		if err := serveTCP("metrics", c.MetricsAddr, health.MetricsHandler(a.metrics.Registry), a.opts.MetricsReady); err != nil {
+			cancel()
+			wg.Wait()
+			return err
+		}
+	}
+	debugLn, err := health.ListenUnix(a.DebugSocket())
+	if err != nil {
+		cancel()
+		wg.Wait()
+		return fmt.Errorf("debug socket: %w", err)
+	}
+	run("debug", func(ctx context.Context) error {
+		return health.ServeListener(ctx, debugLn, health.Debug{
+			Pods:       func() any { return a.agent.Pods() },
+			Explain:    func(ctx context.Context, ns, name string) (any, error) { return a.explain.Explain(ctx, ns, name) },
+			ExplainAll: func(ctx context.Context) any { return a.explain.ExplainAll(ctx) },
+			Logger:     a.log.With("component", "debug"),
+		}.Handler())
+	})
 	run("installer", a.installer.Run)
+	run("daemonset-watch", a.upgrade.Run)
 	run("pod-cache", a.pods.Run)
 	run("controller", a.ctrl.Run)
 	run("metrics", func(ctx context.Context) error {
@@ -385,15 +453,29 @@ func (a *App) Run(ctx context.Context) (err error) {
 }
 
 // shutdown releases the agent's state and, unless the DaemonSet lives on
-// (an upgrade: the next agent takes over and new pods wait for it), takes
-// the plugin, its config entry and the host probe set off the node.
+// (an upgrade: the next agent takes over, pods keep their rules and new
+// pods wait for it), puts the node back to plain networking: every
+// captured pod is released (annotation, rules), then the plugin, its
+// config entry and the host probe set go. Nothing stays redirected to a
+// ztunnel that may be going too.
 func (a *App) shutdown() error {
 	ctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
 	defer cancel()
-	_ = a.agent.Close()
 	upgrade := installer.IsUpgrade(ctx, a.upgrade, a.log)
 	var errs []error
-	if err := a.installer.Shutdown(ctx, upgrade); err != nil {
+	if !upgrade {
+		// Its own budget (within the chart's 30 s grace period): one API
+		// call and one rule removal per pod.
+		rctx, rcancel := context.WithTimeout(context.Background(), releaseTimeout)
+		if err := a.agent.ReleaseAll(rctx); err != nil {
+			errs = append(errs, fmt.Errorf("release pods: %w", err))
+		}
+		rcancel()
+	}
+	_ = a.agent.Close()
+	ictx, icancel := context.WithTimeout(context.Background(), shutdownTimeout)
+	defer icancel()
+	if err := a.installer.Shutdown(ictx, upgrade); err != nil {
 		errs = append(errs, fmt.Errorf("installer shutdown: %w", err))
 	}
 	if !upgrade {

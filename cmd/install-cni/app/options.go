@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"net"
 	"net/netip"
 	"strconv"
 	"strings"
@@ -62,6 +63,7 @@ type Config struct {
 	PluginTimeout     time.Duration
 	PluginLogLevel    string
 	StatusChecksAgent bool
+	AgentUnreachable  string
 
 	AgentSocket string
 	ZDSSocket   string
@@ -76,8 +78,9 @@ type Config struct {
 	ProbeSNATv4              netip.Addr
 	ProbeSNATv6              netip.Addr
 
-	HealthAddr string
-	LogLevel   string
+	HealthAddr  string
+	MetricsAddr string
+	LogLevel    string
 }
 
 // option is one row of the settings table.
@@ -172,7 +175,7 @@ func options() []option {
 		{"node-name", "Name of this node (from the downward API); required.", "", str(func(c *Config) *string { return &c.NodeName })},
 		{"pod-name", "Name of the agent's own pod, never enrolled.", "", str(func(c *Config) *string { return &c.PodName })},
 		{"pod-namespace", "Namespace of the agent's own pod and DaemonSet.", "", str(func(c *Config) *string { return &c.PodNamespace })},
-		{"daemonset-name", "The agent's DaemonSet; while it exists and is not being deleted, shutdown is an upgrade and the plugin stays installed.", defaultDaemonSet, str(func(c *Config) *string { return &c.DaemonSet })},
+		{"daemonset-name", "The agent's DaemonSet, watched by name. Shutdown uninstalls the plugin only on proof: the DaemonSet is gone or being deleted (read at shutdown, or seen by the watch before the agent lost its RBAC); otherwise, including 401/403, the plugin stays installed.", defaultDaemonSet, str(func(c *Config) *string { return &c.DaemonSet })},
 		{"kubeconfig", "Kubeconfig file; empty means in-cluster configuration.", "", str(func(c *Config) *string { return &c.Kubeconfig })},
 		{"kube-client-qps", "Requests per second the agent's Kubernetes client may send on average (client-side limit; ambient ADDs, DELs and enrollments each cost requests). Istio's CNI agent uses 80.", strconv.Itoa(defaultKubeClientQPS), positiveFloat(func(c *Config) *float32 { return &c.KubeClientQPS })},
 		{"kube-client-burst", "Requests the agent's Kubernetes client may send at once above kube-client-qps, e.g. when a namespace label enrolls many running pods. Istio's CNI agent uses 160.", strconv.Itoa(defaultKubeClientBurst), positiveInt(func(c *Config) *int { return &c.KubeClientBurst })},
@@ -184,12 +187,20 @@ func options() []option {
 		{"plugin-timeout", "How long the plugin waits for the agent's answer; must exceed ztunnel-wait.", ambient.DefaultPluginTimeout.String(), duration(func(c *Config) *time.Duration { return &c.PluginTimeout })},
 		{"plugin-log-level", "Log level of the plugin on the runtime's log (debug, info, warn, error).", ambient.DefaultPluginLogLevel, str(func(c *Config) *string { return &c.PluginLogLevel })},
 		{"plugin-status-checks-agent", "Make CNI STATUS fail (error 50) while the agent is unreachable; off by default because a failing STATUS marks the node NotReady.", "false", boolean(func(c *Config) *bool { return &c.StatusChecksAgent })},
+		{"plugin-agent-unreachable", "What the plugin does for a pod outside excluded-namespaces while the agent is unreachable: fail-closed (CNI error 11, the runtime retries until the agent answers; nothing on the node proves such a pod needs no capture) or snapshot (pass through pods whose namespace the agent's last enablement snapshot did not see enabled, which lets a pod of a namespace labelled while the agent was down start uncaptured).", ambient.AgentUnreachableFailClosed, func(c *Config, v string) error {
+			switch v {
+			case ambient.AgentUnreachableFailClosed, ambient.AgentUnreachableSnapshot:
+				c.AgentUnreachable = v
+				return nil
+			}
+			return fmt.Errorf("want %s or %s", ambient.AgentUnreachableFailClosed, ambient.AgentUnreachableSnapshot)
+		}},
 		{"agent-socket", "Unix socket the plugin reaches the agent on (directory 0700, socket 0600).", ambient.DefaultAgentSocket, str(func(c *Config) *string { return &c.AgentSocket })},
 		{"zds-socket", "ZDS socket ztunnel connects to.", ambient.DefaultZDSSocket, str(func(c *Config) *string { return &c.ZDSSocket })},
 		{"proc-root", "The host's /proc as mounted in the container, scanned to find running pods' network namespaces.", defaultProcRoot, str(func(c *Config) *string { return &c.ProcRoot })},
 		{"netns-dirs", "Comma-separated directories where the runtime mounts pod network namespaces; the only netns paths accepted from the plugin besides /proc/<pid>/ns/net.", strings.Join(nodeagent.DefaultNetnsRoots, ","), list(func(c *Config) *[]string { return &c.NetnsDirs })},
 		{"excluded-namespaces", "Comma-separated namespaces never captured.", ambient.DefaultExcludedNamespace, list(func(c *Config) *[]string { return &c.ExcludedNamespaces })},
-		{"assume-pod-level-enablement", "Tell the plugin's fallback (agent unreachable) that any namespace may hold a pod enabled by its own label, so it fails closed everywhere but excluded namespaces.", "false", boolean(func(c *Config) *bool { return &c.AssumePodLevelEnablement })},
+		{"assume-pod-level-enablement", "With plugin-agent-unreachable=snapshot: tell the plugin's fallback that any namespace may hold a pod enabled by its own label, so it fails closed everywhere but excluded namespaces. No effect with fail-closed.", "false", boolean(func(c *Config) *bool { return &c.AssumePodLevelEnablement })},
 		{"ztunnel-wait", "How long CNI ADD waits for a connected ztunnel to acknowledge a pod before failing with a retryable error.", nodeagent.DefaultZtunnelTimeout.String(), duration(func(c *Config) *time.Duration { return &c.ZtunnelWait })},
 		{"dns-capture", "Capture DNS (port 53) to ztunnel by default, as Istio's chart does (ambient.dnsCapture); per pod: annotation ambient.istio.io/dns-capture.", "true", boolean(func(c *Config) *bool { return &c.DNSCapture })},
 		{"iptables-backend", "Rules backend in pods and for the host probe SNAT: auto (native nftables when the kernel supports it, else iptables), nftables, iptables (flavour detected from the node), or iptables in one flavour: nft or legacy. Each backend also removes what the other left.", string(rulesbackend.Auto), func(c *Config, v string) error {
@@ -202,7 +213,14 @@ func options() []option {
 		}},
 		{"probe-snat-ipv4", "Source address kubelet probes are SNATed to (IPv4).", ambient.DefaultProbeSNATv4.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv4 }, false)},
 		{"probe-snat-ipv6", "Source address kubelet probes are SNATed to (IPv6).", ambient.DefaultProbeSNATv6.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv6 }, true)},
-		{"health-addr", "Address of /healthz, /readyz, /metrics and /debug/pods.", health.DefaultAddr, str(func(c *Config) *string { return &c.HealthAddr })},
+		{"health-addr", "Address of /healthz and /readyz, for kubelet's probes (the chart's pod is in the host network, so this is a host port). Nothing else is served there.", health.DefaultAddr, str(func(c *Config) *string { return &c.HealthAddr })},
+		{"metrics-addr", "Address of /metrics (Prometheus; counts and gauges, no pod names); off turns it off. The debug endpoints, which name pods, are served only on the root-only Unix socket debug.sock next to agent-socket.", health.DefaultMetricsAddr, func(c *Config, v string) error {
+			if v == "off" {
+				v = ""
+			}
+			c.MetricsAddr = v
+			return nil
+		}},
 		{"log-level", "Log level (debug, info, warn, error).", defaultLogLevel, func(c *Config, v string) error {
 			switch v {
 			case "debug", "info", "warn", "error":
@@ -257,6 +275,9 @@ func (c *Config) validate() error {
 	var errs []error
 	if c.NodeName == "" {
 		errs = append(errs, fmt.Errorf("node name is required (--node-name or %s)", EnvName("node-name")))
+	}
+	if _, port, _ := net.SplitHostPort(c.HealthAddr); c.MetricsAddr != "" && c.MetricsAddr == c.HealthAddr && port != "0" {
+		errs = append(errs, fmt.Errorf("metrics-addr and health-addr are both %s: /metrics has its own address", c.HealthAddr))
 	}
 	if c.PluginTimeout <= c.ZtunnelWait {
 		errs = append(errs, fmt.Errorf("plugin-timeout (%s) must exceed ztunnel-wait (%s)", c.PluginTimeout, c.ZtunnelWait))

@@ -53,7 +53,6 @@ const (
 	ReasonExcludedNamespace Reason = "namespace excluded"
 	ReasonDataPlanePod      Reason = "ztunnel or node-agent pod"
 	ReasonTerminal          Reason = "pod phase is terminal"
-	ReasonDeleting          Reason = "pod is being deleted"
 	ReasonNoPod             Reason = "no pod"
 )
 
@@ -69,7 +68,11 @@ func (p Policy) IsExcludedNamespace(ns string) bool {
 }
 
 // Decide applies the enablement rule to a pod and its namespace (ns may be
-// nil when the namespace is unknown, which counts as not labelled).
+// nil when the namespace is unknown, which counts as not labelled). A pod
+// being deleted (deletionTimestamp set) is decided like any other: it stays
+// in the mesh through its grace period, so its preStop hooks and draining
+// connections keep going through ztunnel, until its object is gone or its
+// phase is terminal, as in Istio.
 func (p Policy) Decide(pod *corev1.Pod, ns *corev1.Namespace) Decision {
 	switch {
 	case pod == nil:
@@ -78,8 +81,6 @@ func (p Policy) Decide(pod *corev1.Pod, ns *corev1.Namespace) Decision {
 		return Decision{false, ReasonHostNetwork}
 	case IsTerminal(pod):
 		return Decision{false, ReasonTerminal}
-	case pod.DeletionTimestamp != nil:
-		return Decision{false, ReasonDeleting}
 	case hasKey(pod.Annotations, ambient.SidecarStatusAnnotation):
 		return Decision{false, ReasonSidecar}
 	case p.IsExcludedNamespace(pod.Namespace):

@@ -71,7 +71,9 @@ func TestDecide(t *testing.T) {
 		{"succeeded pod", pod("shop", amb, withPhase(corev1.PodSucceeded)), on, false, ReasonTerminal},
 		{"failed pod", pod("shop", withPhase(corev1.PodFailed)), on, false, ReasonTerminal},
 		{"pending pod is enrolled", pod("shop", withPhase(corev1.PodPending)), on, true, ReasonNamespaceLabel},
-		{"deleting pod", pod("shop", deleting), on, false, ReasonDeleting},
+		{"terminating pod stays enrolled", pod("shop", deleting), on, true, ReasonNamespaceLabel},
+		{"terminating pod that finished", pod("shop", deleting, withPhase(corev1.PodSucceeded)), on, false, ReasonTerminal},
+		{"terminating pod labelled none", pod("shop", deleting, none), on, false, ReasonPodOptOut},
 		{"nil pod", nil, on, false, ReasonNoPod},
 	}
 	p := DefaultPolicy()

@@ -34,7 +34,7 @@ comes from values; these stay fixed so the image and the env agree.
 {{/*
 The environment of install-cni: one AMBIENT_* variable per setting of
 docs/install-cni.md (all but AMBIENT_KUBECONFIG: in-cluster configuration is
-used). Paths the plugin also uses on the host (agent socket, netns dirs) are
+used), plus the API server override of apiServer.host. Paths the plugin also uses on the host (agent socket, netns dirs) are
 mounted at the same path in the container, so one value serves both sides.
 */}}
 {{- define "ambient-cni.env" -}}
@@ -62,6 +62,8 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ .Values.cni.pluginLogLevel | quote }}
 - name: AMBIENT_PLUGIN_STATUS_CHECKS_AGENT
   value: {{ .Values.cni.statusChecksAgent | toString | quote }}
+- name: AMBIENT_PLUGIN_AGENT_UNREACHABLE
+  value: {{ .Values.cni.agentUnreachable | quote }}
 - name: AMBIENT_AGENT_SOCKET
   value: {{ printf "%s/agent.sock" (.Values.agent.socketDir | trimSuffix "/") | quote }}
 - name: AMBIENT_ZDS_SOCKET
@@ -86,10 +88,27 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ .Values.agent.probeSNATIPv6 | quote }}
 - name: AMBIENT_HEALTH_ADDR
   value: {{ printf ":%v" .Values.agent.healthPort | quote }}
+- name: AMBIENT_METRICS_ADDR
+  value: {{ printf ":%v" .Values.agent.metricsPort | quote }}
 - name: AMBIENT_LOG_LEVEL
   value: {{ .Values.agent.logLevel | quote }}
 - name: AMBIENT_KUBE_CLIENT_QPS
   value: {{ .Values.agent.kubeClientQPS | toString | quote }}
 - name: AMBIENT_KUBE_CLIENT_BURST
   value: {{ .Values.agent.kubeClientBurst | int64 | toString | quote }}
+{{- include "ambient-cni.apiServerEnv" . }}
+{{- end -}}
+
+{{/*
+The API server override of apiServer.host: in-cluster client configuration
+reads these two, and they win over the values kubelet derives from the
+kubernetes Service. Empty when apiServer.host is.
+*/}}
+{{- define "ambient-cni.apiServerEnv" -}}
+{{- with .Values.apiServer.host }}
+- name: KUBERNETES_SERVICE_HOST
+  value: {{ . | quote }}
+- name: KUBERNETES_SERVICE_PORT
+  value: {{ $.Values.apiServer.port | toString | quote }}
+{{- end }}
 {{- end -}}

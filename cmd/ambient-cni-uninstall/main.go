@@ -1,0 +1,62 @@
+// Command ambient-cni-uninstall is the chart's pre-delete hook (package
+// uninstall): it deletes the agent's DaemonSet in the foreground and waits
+// until its pods are gone, so that each agent releases the pods it
+// captured while it still has its RBAC.
+//
+// Settings come from the environment: AMBIENT_POD_NAMESPACE (the
+// release namespace), AMBIENT_DAEMONSET_NAME, AMBIENT_UNINSTALL_TIMEOUT
+// (a Go duration, default 5m). It uses the in-cluster configuration.
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+
+	"github.com/ambient-cni/ambient-cni/pkg/uninstall"
+)
+
+func main() {
+	log := slog.New(slog.NewJSONHandler(os.Stderr, nil))
+	if err := run(log); err != nil {
+		log.Error("uninstall hook failed", "err", err)
+		os.Exit(1)
+	}
+}
+
+func run(log *slog.Logger) error {
+	ns, name := os.Getenv("AMBIENT_POD_NAMESPACE"), os.Getenv("AMBIENT_DAEMONSET_NAME")
+	if ns == "" || name == "" {
+		return errors.New("AMBIENT_POD_NAMESPACE and AMBIENT_DAEMONSET_NAME must be set")
+	}
+	timeout := 5 * time.Minute
+	if v := os.Getenv("AMBIENT_UNINSTALL_TIMEOUT"); v != "" {
+		d, err := time.ParseDuration(v)
+		if err != nil || d <= 0 {
+			return fmt.Errorf("AMBIENT_UNINSTALL_TIMEOUT=%q: want a positive duration", v)
+		}
+		timeout = d
+	}
+	cfg, err := rest.InClusterConfig()
+	if err != nil {
+		return fmt.Errorf("kubernetes client config: %w", err)
+	}
+	cfg.UserAgent = "ambient-cni-uninstall"
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return err
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	return uninstall.DeleteDaemonSet(ctx, uninstall.Options{Client: client, Namespace: ns, Name: name, Logger: log})
+}

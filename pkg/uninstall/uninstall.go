@@ -1,0 +1,74 @@
+// Package uninstall is what the chart's pre-delete hook runs before helm
+// removes a release. helm deletes the DaemonSet and, a moment later, the
+// agent's ServiceAccount and RBAC, while the agent pods are still
+// stopping: an agent that releases the pods it captured at shutdown would
+// find itself without the rights to clear their annotations. So the hook
+// deletes the DaemonSet first, in the foreground, and waits until it and
+// its pods are gone: every agent shuts down seeing its DaemonSet being
+// deleted (an uninstall, not an upgrade) with its RBAC intact, and only
+// then does helm delete the rest.
+package uninstall
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+)
+
+// Options say which DaemonSet to remove.
+type Options struct {
+	Client          kubernetes.Interface
+	Namespace, Name string
+	// Poll is how often the DaemonSet is checked (default 1s).
+	Poll   time.Duration
+	Logger *slog.Logger
+}
+
+// DeleteDaemonSet deletes the DaemonSet with foreground propagation (the
+// garbage collector removes its pods first and the DaemonSet last) and
+// waits until it is gone or ctx ends. A DaemonSet that does not exist is
+// done already.
+func DeleteDaemonSet(ctx context.Context, o Options) error {
+	if o.Poll <= 0 {
+		o.Poll = time.Second
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	dss := o.Client.AppsV1().DaemonSets(o.Namespace)
+	fg := metav1.DeletePropagationForeground
+	err := dss.Delete(ctx, o.Name, metav1.DeleteOptions{PropagationPolicy: &fg})
+	if apierrors.IsNotFound(err) {
+		o.Logger.Info("daemonset already gone", "namespace", o.Namespace, "name", o.Name)
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("delete daemonset %s/%s: %w", o.Namespace, o.Name, err)
+	}
+	o.Logger.Info("deleting daemonset in the foreground; waiting for its pods to release theirs", "namespace", o.Namespace, "name", o.Name)
+	start := time.Now()
+	for {
+		ds, err := dss.Get(ctx, o.Name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			o.Logger.Info("daemonset and its pods gone", "took", time.Since(start).Round(time.Millisecond))
+			return nil
+		}
+		if err != nil && ctx.Err() == nil {
+			o.Logger.Warn("get daemonset", "err", err)
+		}
+		select {
+		case <-ctx.Done():
+			pods := int32(-1)
+			if ds != nil {
+				pods = ds.Status.CurrentNumberScheduled
+			}
+			return fmt.Errorf("daemonset %s/%s still there after %v (%d pods): %w", o.Namespace, o.Name, time.Since(start).Round(time.Second), pods, ctx.Err())
+		case <-time.After(o.Poll):
+		}
+	}
+}

@@ -1,0 +1,489 @@
+package realnode
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/intstr"
+	"sigs.k8s.io/yaml"
+
+	"github.com/ambient-cni/ambient-cni/test/ztunnel"
+)
+
+// Release is the helm release name of the agent.
+const Release = "ambient-cni"
+
+// ChartDir is the chart, relative to the repository root.
+const ChartDir = "deploy/charts/ambient-cni"
+
+// AgentSocketDir and ZtunnelSocketDir are the node's host directories of
+// the agent's and ztunnel's sockets.
+func (n *Node) AgentSocketDir() string   { return filepath.Join(n.Dir, "run", "ambient-cni") }
+func (n *Node) ZtunnelSocketDir() string { return filepath.Join(n.Dir, "run", "ztunnel") }
+
+// ChartValues are the values this node installs the chart with: only what
+// a user of such a node sets, each for the reason given. Everything else
+// is the chart's default (test/deploy pins those).
+func (n *Node) ChartValues(tag string) map[string]any {
+	return map[string]any{
+		"image": map[string]any{
+			// The locally built image, which no registry holds.
+			"repository": AgentRepository,
+			"tag":        tag,
+			"pullPolicy": "Never",
+		},
+		"cni": map[string]any{
+			// The node's runtime reads its CNI config and plugins here.
+			"binDir":  n.CNIBinDir,
+			"confDir": n.CNIConfDir,
+			// containerd mounts pod netns under its state dir
+			// (netns_mounts_under_state_dir).
+			"netnsDirs": []string{n.NetnsDir},
+		},
+		// Host directories of the node, not the machine's (which other
+		// programs on a shared machine may use).
+		"agent":   map[string]any{"socketDir": n.AgentSocketDir()},
+		"ztunnel": map[string]any{"socketDir": n.ZtunnelSocketDir()},
+		// No kube-proxy: the kubernetes Service IP would leave the
+		// machine. The agent uses the API server on loopback instead.
+		"apiServer": map[string]any{"host": "127.0.0.1", "port": n.APIPort},
+	}
+}
+
+// Helm runs the helm binary against the node, with its caches in the node
+// directory.
+func (n *Node) Helm(ctx context.Context, args ...string) (string, error) {
+	h := filepath.Join(n.Dir, "helm")
+	cmd := exec.CommandContext(ctx, n.Tools.Helm, args...)
+	cmd.Dir = n.Tools.Repo
+	cmd.Env = append(os.Environ(),
+		"KUBECONFIG="+n.Kubeconfig,
+		"HELM_CACHE_HOME="+filepath.Join(h, "cache"),
+		"HELM_CONFIG_HOME="+filepath.Join(h, "config"),
+		"HELM_DATA_HOME="+filepath.Join(h, "data"),
+	)
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		return stdout.String(), fmt.Errorf("helm %s: %w: %s", strings.Join(args, " "), err, strings.TrimSpace(stderr.String()))
+	}
+	return stdout.String(), nil
+}
+
+// writeValues writes values as a YAML file in the node directory.
+func (n *Node) writeValues(name string, values map[string]any) (string, error) {
+	b, err := yaml.Marshal(values)
+	if err != nil {
+		return "", err
+	}
+	p := filepath.Join(n.Dir, name)
+	return p, os.WriteFile(p, b, 0o644)
+}
+
+// InstallAgent installs the chart as a user does (helm install, waiting
+// for the DaemonSet to be ready) with ChartValues(tag) and extra values.
+func (n *Node) InstallAgent(ctx context.Context, verb, tag string, extra ...string) error {
+	vf, err := n.writeValues("values-"+tag+".yaml", n.ChartValues(tag))
+	if err != nil {
+		return err
+	}
+	args := append([]string{verb, Release, ChartDir, "--namespace", ReleaseNamespace, "-f", vf, "--wait", "--timeout", "5m"}, extra...)
+	_, err = n.Helm(ctx, args...)
+	return err
+}
+
+// UninstallAgent runs helm uninstall and waits until the agent pods are
+// gone.
+func (n *Node) UninstallAgent(ctx context.Context) error {
+	if _, err := n.Helm(ctx, "uninstall", Release, "--namespace", ReleaseNamespace, "--wait", "--timeout", "5m"); err != nil {
+		return err
+	}
+	return n.poll(ctx, "agent pods gone", n.opts.Wait, func(ctx context.Context) (bool, error) {
+		pods, err := n.AgentPods(ctx)
+		return err == nil && len(pods) == 0, err
+	})
+}
+
+// AgentPods lists the agent's DaemonSet pods.
+func (n *Node) AgentPods(ctx context.Context) ([]corev1.Pod, error) {
+	l, err := n.Client.CoreV1().Pods(ReleaseNamespace).List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=ambient-cni"})
+	if err != nil {
+		return nil, err
+	}
+	return l.Items, nil
+}
+
+// AgentHealthPort is the chart's default health port (host network).
+const AgentHealthPort = 15021
+
+// AgentGet GETs a path of the agent's health server (/debug/pods, /metrics).
+func (n *Node) AgentGet(ctx context.Context, path string) ([]byte, error) {
+	return httpGet(ctx, fmt.Sprintf("http://127.0.0.1:%d%s", AgentHealthPort, path))
+}
+
+// AgentPod is one entry of the agent's /debug/pods.
+type AgentPod struct {
+	UID, Namespace, Name, State string
+	IPs                         []string
+}
+
+// AgentState returns the pods the agent has enrolled.
+func (n *Node) AgentState(ctx context.Context) ([]AgentPod, error) {
+	b, err := n.AgentGet(ctx, "/debug/pods")
+	if err != nil {
+		return nil, err
+	}
+	var pods []AgentPod
+	if err := json.Unmarshal(b, &pods); err != nil {
+		return nil, fmt.Errorf("decode /debug/pods: %w: %s", err, b)
+	}
+	return pods, nil
+}
+
+func httpGet(ctx context.Context, url string) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := noKeepAlive.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return b, fmt.Errorf("GET %s: %s: %s", url, resp.Status, bytes.TrimSpace(b))
+	}
+	return b, nil
+}
+
+// noKeepAlive makes one connection per request, so each request the tests
+// make is one connection the stand-in can account for.
+var noKeepAlive = &http.Client{Transport: &http.Transport{DisableKeepAlives: true, Proxy: nil}}
+
+// StandInName is the ztunnel stand-in pod's name.
+const StandInName = "ztunnel"
+
+// StartStandIn runs the ztunnel stand-in as a pod with the host paths
+// ztunnel uses (/var/run/ztunnel, from the chart's ztunnel.socketDir) in
+// the host network, and waits until it is ready.
+func (n *Node) StartStandIn(ctx context.Context) error {
+	ports, err := freePorts(1)
+	if err != nil {
+		return err
+	}
+	n.standInPort = ports[0]
+	hostPathType := corev1.HostPathDirectoryOrCreate
+	f := false
+	root := int64(0)
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: StandInName, Namespace: ReleaseNamespace, Labels: map[string]string{"app": "ztunnel"}},
+		Spec: corev1.PodSpec{
+			NodeName:                     n.Name,
+			HostNetwork:                  true,
+			AutomountServiceAccountToken: &f,
+			EnableServiceLinks:           &f,
+			Containers: []corev1.Container{{
+				Name:            "istio-proxy",
+				Image:           n.Images.StandIn,
+				ImagePullPolicy: corev1.PullNever,
+				Args:            []string{"-socket", "/var/run/ztunnel/ztunnel.sock", "-debug-addr", "127.0.0.1:" + strconv.Itoa(n.standInPort)},
+				SecurityContext: &corev1.SecurityContext{
+					RunAsUser: &root,
+					// Like ztunnel: enter pod netns (SYS_ADMIN), mark its
+					// sockets and bind there (NET_ADMIN, NET_RAW).
+					Capabilities: &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}, Add: []corev1.Capability{"NET_ADMIN", "SYS_ADMIN", "NET_RAW"}},
+				},
+				VolumeMounts: []corev1.VolumeMount{{Name: "cni-ztunnel-sock-dir", MountPath: "/var/run/ztunnel"}},
+				ReadinessProbe: &corev1.Probe{
+					ProbeHandler:  corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Host: "127.0.0.1", Path: "/workloads", Port: intstr.FromInt(n.standInPort)}},
+					PeriodSeconds: 1,
+				},
+			}},
+			Volumes: []corev1.Volume{{Name: "cni-ztunnel-sock-dir", VolumeSource: corev1.VolumeSource{HostPath: &corev1.HostPathVolumeSource{Path: n.ZtunnelSocketDir(), Type: &hostPathType}}}},
+		},
+	}
+	if _, err := n.Client.CoreV1().Pods(ReleaseNamespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("create ztunnel stand-in pod: %w", err)
+	}
+	_, err = n.WaitPodReady(ctx, ReleaseNamespace, StandInName)
+	return err
+}
+
+// StandInPort is the stand-in's debug port on 127.0.0.1.
+func (n *Node) StandInPort() int { return n.standInPort }
+
+func standInGet[T any](ctx context.Context, n *Node, path string) (T, error) {
+	var v T
+	b, err := httpGet(ctx, fmt.Sprintf("http://127.0.0.1:%d%s", n.standInPort, path))
+	if err != nil {
+		return v, err
+	}
+	err = json.Unmarshal(b, &v)
+	return v, err
+}
+
+// StandInRecords returns every connection the stand-in proxied.
+func (n *Node) StandInRecords(ctx context.Context) ([]ztunnel.Record, error) {
+	return standInGet[[]ztunnel.Record](ctx, n, "/records")
+}
+
+// StandInWorkloads returns the pods the stand-in serves.
+func (n *Node) StandInWorkloads(ctx context.Context) ([]ztunnel.Workload, error) {
+	return standInGet[[]ztunnel.Workload](ctx, n, "/workloads")
+}
+
+// StandInMessages returns the ZDS requests the stand-in received.
+func (n *Node) StandInMessages(ctx context.Context) ([]ztunnel.Message, error) {
+	return standInGet[[]ztunnel.Message](ctx, n, "/messages")
+}
+
+// AppPort is the test app's port.
+const AppPort = 8080
+
+// AppOptions shape an app pod.
+type AppOptions struct {
+	Labels map[string]string
+	// Hello is a URL the app GETs once at start.
+	Hello string
+	// TermGet is a URL the app GETs after SIGTERM (after TermDelay).
+	TermGet   string
+	TermDelay time.Duration
+	// PreStopGet is a URL a preStop exec hook GETs (after PreStopWait).
+	PreStopGet  string
+	PreStopWait time.Duration
+	// Grace is terminationGracePeriodSeconds (nil: Kubernetes' 30).
+	Grace *int64
+	// Args replace the app's arguments; with RestartNever the pod runs
+	// once (phase Succeeded when the app exits 0).
+	Args         []string
+	RestartNever bool
+}
+
+// AppPod returns an app pod bound to the node: no API access, no Service
+// links, readiness and liveness probes on the app.
+func (n *Node) AppPod(namespace, name string, o AppOptions) *corev1.Pod {
+	f := false
+	args := o.Args
+	if args == nil {
+		args = []string{"serve"}
+		if o.Hello != "" {
+			args = append(args, "-hello", o.Hello)
+		}
+		if o.TermGet != "" {
+			args = append(args, "-term-get", o.TermGet, "-term-delay", o.TermDelay.String())
+		}
+	}
+	c := corev1.Container{
+		Name:            "app",
+		Image:           n.Images.App,
+		ImagePullPolicy: corev1.PullNever,
+		Args:            args,
+		Env:             []corev1.EnvVar{{Name: "POD_NAME", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{FieldPath: "metadata.name"}}}},
+		Ports:           []corev1.ContainerPort{{Name: "http", ContainerPort: AppPort}},
+	}
+	if !o.RestartNever {
+		c.ReadinessProbe = &corev1.Probe{ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/ready", Port: intstr.FromInt(AppPort)}}, PeriodSeconds: 2}
+		c.LivenessProbe = &corev1.Probe{ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/live", Port: intstr.FromInt(AppPort)}}, PeriodSeconds: 2, FailureThreshold: 3}
+	}
+	if o.PreStopGet != "" {
+		c.Lifecycle = &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{Exec: &corev1.ExecAction{
+			Command: []string{"/app", "get", "-wait", o.PreStopWait.String(), o.PreStopGet},
+		}}}
+	}
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: namespace, Labels: o.Labels},
+		Spec: corev1.PodSpec{
+			NodeName:                      n.Name,
+			AutomountServiceAccountToken:  &f,
+			EnableServiceLinks:            &f,
+			TerminationGracePeriodSeconds: o.Grace,
+			Containers:                    []corev1.Container{c},
+		},
+	}
+	if o.RestartNever {
+		pod.Spec.RestartPolicy = corev1.RestartPolicyNever
+	}
+	return pod
+}
+
+// CreateNamespace creates a namespace with labels and waits for its
+// default ServiceAccount (the controller manager makes it).
+func (n *Node) CreateNamespace(ctx context.Context, name string, labels map[string]string) error {
+	if _, err := n.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: labels}}, metav1.CreateOptions{}); err != nil {
+		return err
+	}
+	return n.poll(ctx, "default ServiceAccount of "+name, n.opts.Wait, func(ctx context.Context) (bool, error) {
+		_, err := n.Client.CoreV1().ServiceAccounts(name).Get(ctx, "default", metav1.GetOptions{})
+		return err == nil, nil
+	})
+}
+
+// WaitPodReady waits until a pod is Running and Ready.
+func (n *Node) WaitPodReady(ctx context.Context, namespace, name string) (*corev1.Pod, error) {
+	var pod *corev1.Pod
+	err := n.poll(ctx, "pod "+namespace+"/"+name+" ready", n.opts.Wait, func(ctx context.Context) (bool, error) {
+		p, err := n.Client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		pod = p
+		if p.Status.Phase == corev1.PodFailed || p.Status.Phase == corev1.PodSucceeded {
+			return false, fmt.Errorf("pod %s/%s is %s", namespace, name, p.Status.Phase)
+		}
+		for _, c := range p.Status.Conditions {
+			if c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue {
+				return true, nil
+			}
+		}
+		return false, fmt.Errorf("pod %s/%s not ready: %s", namespace, name, podSummary(p))
+	})
+	return pod, err
+}
+
+// WaitPodPhase waits until a pod reaches phase.
+func (n *Node) WaitPodPhase(ctx context.Context, namespace, name string, phase corev1.PodPhase) (*corev1.Pod, error) {
+	var pod *corev1.Pod
+	err := n.poll(ctx, "pod "+namespace+"/"+name+" "+string(phase), n.opts.Wait, func(ctx context.Context) (bool, error) {
+		p, err := n.Client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		pod = p
+		if p.Status.Phase != phase {
+			return false, fmt.Errorf("pod %s/%s: %s", namespace, name, podSummary(p))
+		}
+		return true, nil
+	})
+	return pod, err
+}
+
+// WaitPodGone waits until a pod no longer exists in the API.
+func (n *Node) WaitPodGone(ctx context.Context, namespace, name string) error {
+	return n.poll(ctx, "pod "+namespace+"/"+name+" gone", n.opts.Wait, func(ctx context.Context) (bool, error) {
+		_, err := n.Client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			return true, nil
+		}
+		return false, err
+	})
+}
+
+// Poll waits for cond with the node's generous deadline.
+func (n *Node) Poll(ctx context.Context, what string, cond func(context.Context) (bool, error)) error {
+	return n.poll(ctx, what, n.opts.Wait, cond)
+}
+
+// podSummary says why a pod is not there yet (waiting reasons, events are
+// in kubelet's log).
+func podSummary(p *corev1.Pod) string {
+	parts := []string{string(p.Status.Phase)}
+	for _, cs := range p.Status.ContainerStatuses {
+		if w := cs.State.Waiting; w != nil {
+			parts = append(parts, cs.Name+": "+w.Reason+" "+w.Message)
+		}
+		if t := cs.State.Terminated; t != nil {
+			parts = append(parts, fmt.Sprintf("%s: terminated %s (%d)", cs.Name, t.Reason, t.ExitCode))
+		}
+	}
+	for _, c := range p.Status.Conditions {
+		if c.Status != corev1.ConditionTrue && c.Message != "" {
+			parts = append(parts, string(c.Type)+": "+c.Message)
+		}
+	}
+	return strings.Join(parts, "; ")
+}
+
+// SandboxID returns the id of a pod's ready sandbox in containerd.
+func (n *Node) SandboxID(ctx context.Context, namespace, name string) (string, error) {
+	out, err := n.crictl(ctx, "pods", "--namespace", namespace, "--name", "^"+name+"$", "--state", "ready", "-q")
+	if err != nil {
+		return "", err
+	}
+	ids := strings.Fields(out)
+	if len(ids) != 1 {
+		return "", fmt.Errorf("pod %s/%s: %d ready sandboxes (%v)", namespace, name, len(ids), ids)
+	}
+	return ids[0], nil
+}
+
+// PodNetns returns the netns file of a pod's ready sandbox.
+func (n *Node) PodNetns(ctx context.Context, namespace, name string) (string, error) {
+	id, err := n.SandboxID(ctx, namespace, name)
+	if err != nil {
+		return "", err
+	}
+	out, err := n.crictl(ctx, "inspectp", "-o", "json", id)
+	if err != nil {
+		return "", err
+	}
+	var info struct {
+		Info struct {
+			RuntimeSpec struct {
+				Linux struct {
+					Namespaces []struct{ Type, Path string }
+				}
+			}
+		}
+	}
+	if err := json.Unmarshal([]byte(out), &info); err != nil {
+		return "", fmt.Errorf("inspectp %s: %w", id, err)
+	}
+	for _, ns := range info.Info.RuntimeSpec.Linux.Namespaces {
+		if ns.Type == "network" && ns.Path != "" {
+			return ns.Path, nil
+		}
+	}
+	return "", fmt.Errorf("sandbox %s has no network namespace path", id)
+}
+
+// NetnsRules returns every netfilter rule inside a network namespace:
+// iptables-save of both flavours and the nftables ruleset.
+func NetnsRules(ctx context.Context, netnsPath string) (string, error) {
+	var b strings.Builder
+	for _, c := range [][]string{{"iptables-nft-save"}, {"iptables-legacy-save"}, {"ip6tables-nft-save"}, {"ip6tables-legacy-save"}, {"nft", "list", "ruleset"}} {
+		if _, err := exec.LookPath(c[0]); err != nil {
+			continue
+		}
+		out, err := exec.CommandContext(ctx, "nsenter", append([]string{"--net=" + netnsPath}, c...)...).CombinedOutput()
+		if err != nil {
+			return "", fmt.Errorf("%s in %s: %w: %s", strings.Join(c, " "), netnsPath, err, out)
+		}
+		b.Write(out)
+	}
+	return b.String(), nil
+}
+
+// HasCaptureRules reports whether a rule dump holds ambient capture rules
+// (the chains are named like Istio's; an nftables backend names its table
+// after Istio too).
+func HasCaptureRules(rules string) bool {
+	return strings.Contains(strings.ToLower(rules), "istio")
+}
+
+// PodRules returns the netfilter rules inside a running pod.
+func (n *Node) PodRules(ctx context.Context, namespace, name string) (string, error) {
+	p, err := n.PodNetns(ctx, namespace, name)
+	if err != nil {
+		return "", err
+	}
+	return NetnsRules(ctx, p)
+}

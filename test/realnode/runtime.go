@@ -1,0 +1,250 @@
+package realnode
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/ambient-cni/ambient-cni/test/kubeenv"
+)
+
+// containerdConfig is containerd 1.6's config for the node. Everything it
+// keeps lives under the node directory; the settings that matter on this
+// kind of host are explained where they are set.
+func (n *Node) containerdConfig() string {
+	c := filepath.Join(n.Dir, "containerd")
+	q := strconv.Quote
+	return fmt.Sprintf(`version = 2
+root = %s
+state = %s
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs", "io.containerd.internal.v1.tracing", "io.containerd.tracing.processor.v1.otlp"]
+
+[grpc]
+  address = %s
+
+[ttrpc]
+  address = %s
+
+[metrics]
+  address = ""
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = %s
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = %s
+  # Without CAP_SYS_RESOURCE every sandbox would fail to start.
+  restrict_oom_score_adj = true
+  # Pod netns files under the state dir (made a shared mount before
+  # containerd starts), so the agent's HostToContainer mount sees them.
+  netns_mounts_under_state_dir = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  enable_selinux = false
+
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        # kubelet uses the cgroupfs driver (containerd 1.6 cannot tell it).
+        SystemdCgroup = false
+        Root = %s
+
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = %s
+    conf_dir = %s
+    max_conf_num = 1
+`, q(filepath.Join(c, "root")), q(filepath.Join(c, "state")), q(n.ContainerdSocket), q(n.ContainerdSocket+".ttrpc"),
+		q(filepath.Join(c, "opt")), q(n.Images.Pause), q(filepath.Join(c, "runc")), q(n.CNIBinDir), q(n.CNIConfDir))
+}
+
+// startContainerd makes the netns dir a shared mount, writes the config,
+// starts containerd and waits for its socket to answer.
+func (n *Node) startContainerd(ctx context.Context) error {
+	c := filepath.Join(n.Dir, "containerd")
+	n.ContainerdSocket = filepath.Join(c, "containerd.sock")
+	n.NetnsDir = filepath.Join(c, "state", "io.containerd.grpc.v1.cri", "netns")
+	n.st.Socket, n.st.NetnsDir, n.st.Crictl = n.ContainerdSocket, n.NetnsDir, n.Tools.Crictl
+	if err := n.saveState(); err != nil {
+		return err
+	}
+	if err := makeSharedBind(n.NetnsDir); err != nil {
+		return err
+	}
+	// The pause image name is needed in the config before images exist.
+	n.Images.Pause = imageName("pause")
+	cfg := filepath.Join(c, "config.toml")
+	if err := os.WriteFile(cfg, []byte(n.containerdConfig()), 0o600); err != nil {
+		return err
+	}
+	p, err := startProc("containerd", n.Tools.Containerd, []string{"--config", cfg, "--log-level", "info"}, nil, filepath.Join(n.Dir, "containerd.log"))
+	if err != nil {
+		return err
+	}
+	n.procs = append(n.procs, p)
+	return n.poll(ctx, "containerd", n.opts.Wait, func(ctx context.Context) (bool, error) {
+		_, err := n.ctr(ctx, "version")
+		return err == nil, err
+	})
+}
+
+// ctr runs containerd's ctr in the CRI namespace.
+func (n *Node) ctr(ctx context.Context, args ...string) (string, error) {
+	cmd := exec.CommandContext(ctx, n.Tools.Ctr, append([]string{"--address", n.ContainerdSocket, "--namespace", "k8s.io"}, args...)...)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return string(out), fmt.Errorf("ctr %s: %w: %s", strings.Join(args, " "), err, strings.TrimSpace(string(out)))
+	}
+	return string(out), nil
+}
+
+// importImages loads the image archives into containerd.
+func (n *Node) importImages(ctx context.Context) error {
+	for _, a := range n.Images.archives {
+		start := time.Now()
+		if _, err := n.ctr(ctx, "images", "import", a); err != nil {
+			return err
+		}
+		n.logf("   imported %s in %v", filepath.Base(a), time.Since(start).Round(10*time.Millisecond))
+		_ = os.Remove(a)
+	}
+	return nil
+}
+
+// TagImage gives an imported image a second name (a new tag for the same
+// content, e.g. to roll the DaemonSet in an upgrade).
+func (n *Node) TagImage(ctx context.Context, src, dst string) error {
+	_, err := n.ctr(ctx, "images", "tag", "--force", src, dst)
+	return err
+}
+
+// kubeletConfig is the KubeletConfiguration of the node; why each setting
+// is needed on this kind of host is said next to it.
+func (n *Node) kubeletConfig(port, healthzPort int) string {
+	k := filepath.Join(n.Dir, "kubelet")
+	return fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+# This host has a cgroup v1 hybrid layout, which kubelet 1.37 refuses by default.
+failCgroupV1: false
+# containerd 1.6 lacks the RuntimeConfig CRI call: must match SystemdCgroup = false.
+cgroupDriver: cgroupfs
+failSwapOn: false
+address: 127.0.0.1
+port: %d
+healthzBindAddress: 127.0.0.1
+healthzPort: %d
+readOnlyPort: 0
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: false}
+  x509: {clientCAFile: %q}
+authorization: {mode: AlwaysAllow}
+rotateCertificates: false
+serverTLSBootstrap: false
+containerRuntimeEndpoint: %q
+podLogsDir: %q
+volumePluginDir: %q
+# Pods get no resolver: nothing on this node may look names up off the machine.
+resolvConf: ""
+# Images exist only locally (imagePullPolicy: Never): never collect them.
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+evictionHard: {memory.available: "50Mi", nodefs.available: "1%%", nodefs.inodesFree: "1%%", imagefs.available: "1%%"}
+serializeImagePulls: false
+shutdownGracePeriod: 0s
+`, port, healthzPort, n.Kube.CAFile, "unix://"+n.ContainerdSocket, filepath.Join(n.Dir, "pod-logs"), filepath.Join(k, "volume-plugins"))
+}
+
+// startKubelet starts kubelet with a node identity and waits until the
+// Node is Ready.
+func (n *Node) startKubelet(ctx context.Context) error {
+	k := filepath.Join(n.Dir, "kubelet")
+	root := filepath.Join(k, "root")
+	n.st.KubeletRoot = root
+	if err := n.saveState(); err != nil {
+		return err
+	}
+	for _, d := range []string{root, filepath.Join(k, "pki"), filepath.Join(n.Dir, "pod-logs")} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return err
+		}
+	}
+	cfg, err := n.Kube.UserConfig("system:node:"+n.Name, "system:nodes")
+	if err != nil {
+		return err
+	}
+	kc := filepath.Join(k, "kubeconfig")
+	if err := kubeenv.WriteKubeconfig(cfg, kc); err != nil {
+		return err
+	}
+	ports, err := freePorts(2)
+	if err != nil {
+		return err
+	}
+	conf := filepath.Join(k, "config.yaml")
+	if err := os.WriteFile(conf, []byte(n.kubeletConfig(ports[0], ports[1])), 0o600); err != nil {
+		return err
+	}
+	args := []string{
+		"--config=" + conf,
+		"--kubeconfig=" + kc,
+		"--root-dir=" + root,
+		"--cert-dir=" + filepath.Join(k, "pki"),
+		"--hostname-override=" + n.Name,
+		// kubectl logs/exec reach the node by its InternalIP.
+		"--node-ip=127.0.0.1",
+		"--v=1",
+	}
+	p, err := startProc("kubelet", n.Tools.Kubelet, args, nil, filepath.Join(n.Dir, "kubelet.log"))
+	if err != nil {
+		return err
+	}
+	n.procs = append(n.procs, p)
+	return n.poll(ctx, "node Ready", n.opts.Wait, func(ctx context.Context) (bool, error) {
+		node, err := n.Client.CoreV1().Nodes().Get(ctx, n.Name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		for _, c := range node.Status.Conditions {
+			if c.Type == corev1.NodeReady {
+				if c.Status == corev1.ConditionTrue {
+					return true, nil
+				}
+				return false, fmt.Errorf("node not ready: %s", c.Message)
+			}
+		}
+		return false, nil
+	})
+}
+
+// freePorts returns n loopback TCP ports that were free a moment ago.
+func freePorts(n int) ([]int, error) {
+	var ports []int
+	for range n {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		defer l.Close()
+		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+	}
+	return ports, nil
+}
+
+func exists(p string) bool {
+	_, err := os.Stat(p)
+	return err == nil
+}

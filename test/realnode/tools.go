@@ -1,0 +1,146 @@
+package realnode
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/ambient-cni/ambient-cni/test/kubeenv"
+)
+
+// BuildCommand builds everything a real node needs.
+const BuildCommand = "hack/kube-tools.sh node"
+
+// Tools are the programs a node runs.
+type Tools struct {
+	Kubelet, ControllerManager, Scheduler, Helm, Crictl string
+	// CNIPlugins is a directory with bridge, host-local and loopback.
+	CNIPlugins string
+	// Rootfs is the Debian base image tarball.
+	Rootfs string
+	// From the Debian packages containerd and runc.
+	Containerd, Ctr, Runc string
+	// Repo is the repository root (images are built from it).
+	Repo string
+}
+
+// FindTools locates every program, naming the command that builds or
+// installs whatever is missing.
+func FindTools() (Tools, error) {
+	var t Tools
+	var err error
+	if t.Repo, err = kubeenv.RepoRoot(); err != nil {
+		return t, err
+	}
+	var missing []string
+	for _, n := range []string{kubeenv.Etcd, kubeenv.KubeAPIServer} {
+		if _, err := kubeenv.ToolPath(n); err != nil {
+			missing = append(missing, n)
+		}
+	}
+	for name, dst := range map[string]*string{
+		"kubelet": &t.Kubelet, "kube-controller-manager": &t.ControllerManager, "kube-scheduler": &t.Scheduler,
+		"helm": &t.Helm, "crictl": &t.Crictl, "cni-plugins": &t.CNIPlugins, "debian-rootfs": &t.Rootfs,
+	} {
+		p, err := toolPath(t.Repo, name)
+		if err != nil {
+			missing = append(missing, name)
+			continue
+		}
+		*dst = p
+	}
+	var pkgs []string
+	for name, dst := range map[string]*string{"containerd": &t.Containerd, "ctr": &t.Ctr, "runc": &t.Runc, "mmdebstrap": new(string), "nft": new(string), "ipset": new(string), "iptables": new(string)} {
+		p, err := exec.LookPath(name)
+		if err != nil {
+			pkgs = append(pkgs, name)
+			continue
+		}
+		*dst = p
+	}
+	var errs []error
+	if len(missing) > 0 {
+		errs = append(errs, fmt.Errorf("not built: %s; build them with %s (minutes the first time, then cached)", strings.Join(missing, ", "), BuildCommand))
+	}
+	if len(pkgs) > 0 {
+		errs = append(errs, fmt.Errorf("not installed: %s (Debian packages containerd, runc, mmdebstrap, nftables, ipset, iptables; .ci/run installs them)", strings.Join(pkgs, ", ")))
+	}
+	return t, errors.Join(errs...)
+}
+
+// toolPath asks hack/kube-tools.sh where it caches a tool (the one place
+// that knows versions and cache keys); AMBIENT_TOOL_<NAME> overrides it.
+func toolPath(repo, name string) (string, error) {
+	if p := os.Getenv("AMBIENT_TOOL_" + strings.ToUpper(strings.ReplaceAll(name, "-", "_"))); p != "" {
+		return p, statTool(p)
+	}
+	out, err := exec.Command("bash", filepath.Join(repo, "hack", "kube-tools.sh"), "--path", name).Output()
+	if err != nil {
+		return "", fmt.Errorf("kube-tools.sh --path %s: %w", name, err)
+	}
+	p := strings.TrimSpace(string(out))
+	return p, statTool(p)
+}
+
+func statTool(p string) error {
+	if _, err := os.Stat(p); err != nil {
+		return fmt.Errorf("%s: %w", p, err)
+	}
+	return nil
+}
+
+// lockPath is the machine-wide lock of real nodes: kubelet's cgroups and
+// iptables chains are the host's, so two nodes would fight over them.
+func lockPath() (string, error) {
+	c, err := kubeenv.CacheDir()
+	if err != nil {
+		return "", err
+	}
+	if err := os.MkdirAll(c, 0o755); err != nil {
+		return "", err
+	}
+	return filepath.Join(c, "realnode.lock"), nil
+}
+
+func acquireLock(ctx context.Context, logf func(string, ...any)) (*os.File, error) {
+	p, err := lockPath()
+	if err != nil {
+		return nil, err
+	}
+	f, err := os.OpenFile(p, os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	told := false
+	for {
+		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+		if err == nil {
+			return f, nil
+		}
+		if !errors.Is(err, syscall.EWOULDBLOCK) {
+			_ = f.Close()
+			return nil, fmt.Errorf("lock %s: %w", p, err)
+		}
+		if !told {
+			logf("   another real node runs on this machine; waiting for it to finish")
+			told = true
+		}
+		select {
+		case <-ctx.Done():
+			_ = f.Close()
+			return nil, ctx.Err()
+		case <-time.After(time.Second):
+		}
+	}
+}
+
+func releaseLock(f *os.File) {
+	_ = syscall.Flock(int(f.Fd()), syscall.LOCK_UN)
+	_ = f.Close()
+}
