@@ -45,8 +45,9 @@ bench: build tools ## as root: measure the shipped binaries with the chart's def
 test: tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures)
 	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...
 
-# The fault-injection suite (test/chaos, docs/reliability.md) takes about
-# a quarter of an hour, so make test skips it; CI runs both.
+# The fault-injection suite (test/chaos, docs/reliability.md) takes
+# minutes (its scenarios run side by side, each in a network namespace of
+# its own), so make test skips it; CI runs both.
 LONG_TIMEOUT  ?= 30m
 
 test-long: tools ## as root: the fault-injection suite (agent SIGKILLs, ztunnel and API server outages, a 5,000-cycle soak; AMBIENT_CHAOS_SEEDS=1,2 replays kill schedules)

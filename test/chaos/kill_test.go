@@ -22,18 +22,19 @@ const seedsEnv = "AMBIENT_CHAOS_SEEDS"
 // ones (printed, so any failure can be replayed).
 func chaosSeeds(t *testing.T) []uint64 {
 	t.Helper()
-	if s := os.Getenv(seedsEnv); s != "" {
-		var out []uint64
-		for f := range strings.SplitSeq(s, ",") {
-			v, err := strconv.ParseUint(strings.TrimSpace(f), 10, 64)
-			if err != nil {
-				t.Fatalf("%s=%q: %v", seedsEnv, s, err)
-			}
-			out = append(out, v)
-		}
-		return out
+	seeds, err := parseSeeds(os.Getenv(seedsEnv))
+	if err != nil {
+		t.Fatal(err)
 	}
-	out := make([]uint64, 5)
+	if len(seeds) == 0 {
+		seeds = newSeeds(5)
+	}
+	return seeds
+}
+
+// newSeeds draws n seeds.
+func newSeeds(n int) []uint64 {
+	out := make([]uint64, n)
 	for i := range out {
 		out[i] = rand.Uint64N(1_000_000)
 	}

@@ -75,6 +75,7 @@ type node struct {
 	environ []string
 	logPath string
 	health  string
+	metrics string
 	// rules reads pods' rules and the host probe set with the backend the
 	// agent chose (the chart's auto), in this process's (private) host
 	// netns, which is the agent's too.
@@ -173,6 +174,7 @@ func newNode(t *testing.T, o nodeOptions) *node {
 	}
 	n.environ = bench.Environ(envMap)
 	n.health = bench.HealthURL(n.cfg.HealthAddr)
+	n.metrics = bench.HealthURL(n.cfg.MetricsAddr)
 	n.logPath = filepath.Join(n.dir, "install-cni.log")
 	n.rules, err = rulesbackend.New(rulesbackend.Config{
 		Backend: n.cfg.IPTablesBackend,
@@ -450,8 +452,9 @@ func (n *node) usage() (usage, error) {
 	return u, nil
 }
 
-// metricsURL is where the agent serves /metrics (the health address).
-func (n *node) metricsURL() string { return n.health }
+// metricsURL is where the agent serves /metrics (its own address, not
+// the health one).
+func (n *node) metricsURL() string { return n.metrics }
 
 // heldNetns counts the network namespaces the agent holds open.
 func (n *node) heldNetns() (int, error) {

@@ -75,9 +75,9 @@ type Env struct {
 	etcd      *process
 	apiserver *process
 	// apiBin and apiArgs restart kube-apiserver after StopAPIServer.
-	apiBin  string
-	apiArgs []string
-	apiMu   sync.Mutex
+	apiBin    string
+	apiArgs   []string
+	apiMu     sync.Mutex
 	removeDir bool
 	stopOnce  sync.Once
 	mapper    *restmapper.DeferredDiscoveryRESTMapper
