@@ -48,7 +48,12 @@ func (a *Agent) release(ctx context.Context, uid types.UID) error {
 	if err := a.annotate(ctx, log, e, ""); err != nil && !apierrors.IsNotFound(err) {
 		errs = append(errs, err)
 	}
-	if err := a.cfg.Rules.Remove(e.ns.Path()); err != nil {
+	if e.ns == nil {
+		// Restored without its netns (Unresolved): its rules cannot be
+		// reached. Said, not hidden: the pod needs a restart to leave the
+		// mesh.
+		errs = append(errs, fmt.Errorf("remove rules of %s/%s: its network namespace was never found since the agent restarted; restart the pod", e.Namespace, e.Name))
+	} else if err := a.cfg.Rules.Remove(e.ns.Path()); err != nil {
 		a.ruleError("remove")
 		errs = append(errs, fmt.Errorf("remove rules of %s/%s: %w", e.Namespace, e.Name, err))
 	}

@@ -161,3 +161,34 @@ func TestRestoreUnresolvedKeepsPod(t *testing.T) {
 		t.Error(err)
 	}
 }
+
+// TestUnresolvedPodInspectAndReleaseAll: the debug view and the uninstall
+// release of a pod restored without its netns neither panic nor claim its
+// rules were checked or removed.
+func TestUnresolvedPodInspectAndReleaseAll(t *testing.T) {
+	testnet.RequireRoot(t)
+	probe := &fakeProbe{ips: map[netip.Addr]bool{}}
+	rules, zt, ann := newRecordedRules(), &fakeZtunnel{}, &fakeAnnotator{}
+	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, SnapshotFile: t.TempDir() + "/snap"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = a.Close() })
+	a.RestoreUnresolved(markedPod("lost", "u-lost", "10.9.0.5"))
+
+	in, ok := a.Inspect("u-lost")
+	if !ok || in.VerifyError == "" || len(in.Drift) > 0 {
+		t.Errorf("Inspect of an unresolved pod: ok %v, %+v; want its rules reported unverifiable", ok, in)
+	}
+	ops := rules.ops()
+	err = a.ReleaseAll(context.Background())
+	if err == nil || !strings.Contains(err.Error(), "shop/lost") {
+		t.Errorf("ReleaseAll: %v; want an error naming the pod whose rules it could not reach", err)
+	}
+	if rules.ops() != ops {
+		t.Errorf("rule ops for an unresolved pod: %q -> %q", ops, rules.ops())
+	}
+	if a.get("u-lost") != nil || !slices.Contains(zt.dels, "u-lost") {
+		t.Errorf("after ReleaseAll: still enrolled %v, ztunnel dels %v", a.get("u-lost") != nil, zt.dels)
+	}
+}

@@ -26,8 +26,9 @@ const ztunnelChurn = 20 * time.Second
 // TestZtunnelRestarts is issue 12's second fault: ztunnel is killed and
 // restarted (a fresh stand-in: no workloads, as a restarted ztunnel) at
 // random points, some just after a namespace label flip, staying away up
-// to 3 s (ADDs wait ztunnel-wait for it, 5 s in the chart, then fail as
-// retryable and are retried), while 30 pod slots churn. Then the node must
+// to 3 s, and once longer than ztunnel-wait (5 s in the chart: ADDs wait
+// that long for it, then fail as retryable, leave the pod pending and are
+// retried), while 30 pod slots churn. Then the node must
 // settle to exactly the right state with no pod stuck pending; and a last
 // restart with nothing churning must get a snapshot that names exactly the
 // captured pods, each with its own netns.
@@ -79,6 +80,7 @@ func TestZtunnelRestarts(t *testing.T) {
 	}
 	sort.Slice(events, func(i, j int) bool { return events[i].at < events[j].at })
 	var log []string
+	longOutage := false
 	for _, ev := range events {
 		time.Sleep(time.Until(start.Add(ev.at)))
 		if !ev.kill {
@@ -94,6 +96,12 @@ func TestZtunnelRestarts(t *testing.T) {
 		}
 		n.stopStandIn()
 		down := time.Duration(rng.Int64N(int64(3 * time.Second)))
+		if !longOutage {
+			// Once, longer than an ADD waits for ztunnel: ADDs and the
+			// controller's captures fail and leave pods pending, which
+			// must converge once ztunnel is back.
+			down, longOutage = n.cfg.ZtunnelWait+time.Second+time.Duration(rng.Int64N(int64(2*time.Second))), true
+		}
 		log = append(log, fmt.Sprintf("%5.1fs ztunnel killed, down %v", time.Since(start).Seconds(), down.Round(time.Millisecond)))
 		time.Sleep(down)
 		n.startStandIn()
