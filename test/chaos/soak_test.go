@@ -30,7 +30,7 @@ const (
 	// chain, after soakWarmup cycles that bring the agent to its working
 	// size.
 	soakCycles = 5000
-	soakWarmup = 200
+	soakWarmup = 100
 	// soakWorkers run cycles side by side, each on its own pods.
 	soakWorkers = 4
 )
@@ -236,10 +236,18 @@ func (s *soaker) requireNothingLeft(ctx context.Context, t *testing.T, namespace
 	if ws := n.standIn().Workloads(); len(ws) > 0 {
 		t.Errorf("the stand-in still serves %d workloads", len(ws))
 	}
-	if out, err := scrapeSum(n.metricsURL(), "ambient_cni_enrolled_pods"); err != nil {
-		t.Errorf("read the enrolled-pods metric: %v", err)
-	} else if out != 0 {
-		t.Errorf("the agent's state holds %v pods", out)
+	// The gauge is sampled every few seconds: poll it.
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		out, err := scrapeSum(n.metricsURL(), "ambient_cni_enrolled_pods")
+		if err == nil && out == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("the agent's state holds %v pods (enrolled-pods metric; %v)", out, err)
+			break
+		}
+		time.Sleep(200 * time.Millisecond)
 	}
 	if sp := n.spooled(); sp > 0 {
 		t.Errorf("%d spooled DELs", sp)
