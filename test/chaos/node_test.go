@@ -403,7 +403,9 @@ func (n *node) logTail(lines int, problems bool) string {
 	}
 	var keep []string
 	for l := range strings.SplitSeq(strings.TrimRight(string(b), "\n"), "\n") {
-		if problems && !strings.Contains(l, `"level":"WARN"`) && !strings.Contains(l, `"level":"ERROR"`) && !strings.Contains(l, "chaos:") {
+		// Lines that are not JSON log records (the process's last words
+		// on stderr, a panic) are always problems.
+		if problems && strings.HasPrefix(l, "{") && !strings.Contains(l, `"level":"WARN"`) && !strings.Contains(l, `"level":"ERROR"`) && !strings.Contains(l, "chaos:") {
 			continue
 		}
 		keep = append(keep, l)
