@@ -46,18 +46,17 @@ func newSeeds(n int) []uint64 {
 var killPending = pending{}
 
 // TestAgentKilled is issue 12's first fault: the shipped agent is
-// SIGKILLed at random points (seeded: the seed fixes when it is killed
-// (at random, and at random moments just after a label flip, while the
-// flip's captures or releases run),
-// how long it stays down, whether it is killed again while it restores,
-// when a namespace label flips, and how long each pod lives) while 50 pod
-// slots start and stop pods concurrently through the CNI chain in an
-// ambient namespace (some pods opted out), a plain one (some pods
-// enabled by their own label) and one whose label flips. Pods whose ADD
-// fails are retried as kubelet does. After the last restart the node must
-// settle to exactly the right state (world.verify), and every ADD that
-// succeeded in the ambient namespace must have had the pod captured when
-// it returned.
+// SIGKILLed at random points while 50 pod slots start and stop pods
+// concurrently through the CNI chain in an ambient namespace (some pods
+// opted out), a plain one (some pods enabled by their own label) and one
+// whose label flips. The seed fixes the whole schedule: when the agent is
+// killed (at random, and at random moments just after a label flip, while
+// the flip's captures or releases run), how long it stays down, whether it
+// is killed again while it restores, when the label flips, and how long
+// each pod lives. Pods whose ADD fails are retried as kubelet does. After
+// the last restart the node must settle to exactly the right state
+// (world.verify), and every ADD that succeeded in the ambient namespace
+// must have had the pod captured when it returned.
 func TestAgentKilled(t *testing.T) {
 	requireLong(t)
 	seeds := chaosSeeds(t)
