@@ -17,9 +17,12 @@ TEST_TIMEOUT  ?= 20m
 E2E_TIMEOUT   ?= 30m
 # make demo KEEP=1 leaves the node up until Ctrl-C.
 KEEP          ?=
+# Both binaries ship stripped (as deploy/Dockerfile builds them): no symbol
+# table or DWARF; panics still print file:line from the pclntab.
 PLUGIN_LDFLAGS := -s -w
+AGENT_LDFLAGS  := -s -w
 
-.PHONY: all build tools node-tools bench test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: check all build tools node-tools bench test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -28,7 +31,7 @@ help: ## list targets
 
 build: ## build the plugin and the agent into ./bin
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(PLUGIN_LDFLAGS)' -o $(BIN)/ambient-cni ./cmd/cni-plugin
-	$(GO) build -trimpath -o $(BIN)/install-cni ./cmd/install-cni
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(AGENT_LDFLAGS)' -o $(BIN)/install-cni ./cmd/install-cni
 
 tools: ## build etcd, kube-apiserver and helm from the Go module proxy into the tools cache (minutes the first time, then cached)
 	GO='$(GO)' hack/kube-tools.sh
@@ -39,8 +42,12 @@ node-tools: ## build everything a real node needs: kubelet, kube-controller-mana
 # Where make bench writes its JSON (gitignored).
 BENCH_OUT     ?= .bench
 
+# A profiled run keeps the agent's symbol table: perf symbolizes from it.
+bench: AGENT_LDFLAGS := $(if $(filter 1 true,$(BENCH_PROFILE)),,-s -w)
 bench: build tools ## as root: measure the shipped binaries with the chart's defaults, print one table (docs/performance.md); JSON in .bench/; BENCH_QUICK=1 for a smoke run, BENCH_PROFILE=1 to attach perf
 	$(GO) run ./test/bench/cmd/bench -install-cni $(BIN)/install-cni -plugin $(BIN)/ambient-cni -out $(BENCH_OUT)
+
+check: lint test test-long e2e ## as root: everything CI runs (.ci/run runs exactly this)
 
 test: tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures)
 	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...

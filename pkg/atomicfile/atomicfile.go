@@ -55,6 +55,12 @@ type Options struct {
 	Owner *Owner
 	// Guard, when set, runs just before the rename and can veto it.
 	Guard func() error
+	// SkipSync leaves out both fsyncs, for state that only has to outlive
+	// the process, not the machine (the agent's runtime records: a crash of
+	// the process never loses a renamed file, and after a reboot the pod
+	// network namespaces they describe are gone anyway). The rename stays
+	// atomic for readers.
+	SkipSync bool
 }
 
 // WriteFile replaces path with data.
@@ -109,8 +115,10 @@ func replace(path string, o Options, fill func(io.Writer) error) (err error) {
 			return fmt.Errorf("chown %s: %w", tmp, cerr)
 		}
 	}
-	if err = f.Sync(); err != nil {
-		return fmt.Errorf("sync %s: %w", tmp, err)
+	if !o.SkipSync {
+		if err = f.Sync(); err != nil {
+			return fmt.Errorf("sync %s: %w", tmp, err)
+		}
 	}
 	if err = f.Close(); err != nil {
 		return fmt.Errorf("close %s: %w", tmp, err)
@@ -123,7 +131,9 @@ func replace(path string, o Options, fill func(io.Writer) error) (err error) {
 	if err = os.Rename(tmp, path); err != nil {
 		return fmt.Errorf("rename %s to %s: %w", tmp, path, err)
 	}
-	syncDir(dir)
+	if !o.SkipSync {
+		syncDir(dir)
+	}
 	return nil
 }
 

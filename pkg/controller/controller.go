@@ -17,7 +17,6 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/record"
 	"k8s.io/client-go/util/workqueue"
@@ -40,7 +39,7 @@ type Pods interface {
 }
 
 // Agent is the node agent as the controller uses it (*nodeagent.Agent).
-// Capture and Restore take ownership of the netns handle.
+// Capture, Restore and Release take ownership of the netns handle.
 type Agent interface {
 	Capture(ctx context.Context, pod *corev1.Pod, ns *nodeagent.Netns, sb *nodeagent.Sandbox) error
 	Restore(ctx context.Context, pod *corev1.Pod, ns *nodeagent.Netns) error
@@ -48,11 +47,22 @@ type Agent interface {
 	// Unresolved reports such a pod until it is captured or restored.
 	RestoreUnresolved(pod *corev1.Pod)
 	Unresolved(uid types.UID) bool
+	// Release takes capture off a pod found captured at startup that
+	// should not be.
+	Release(ctx context.Context, pod *corev1.Pod, ns *nodeagent.Netns) error
+	// Unenroll removes capture from an enrolled (or only recorded) pod.
 	Unenroll(ctx context.Context, uid types.UID) error
-	// EnrolledUID reports the UID enrolled under namespace/name, if any.
+	// ClearStale removes the annotation of a pod the agent has nothing of.
+	ClearStale(pod *corev1.Pod)
+	// Records lists the pods the agent (or a previous one) recorded as
+	// possibly captured.
+	Records() []nodeagent.Record
+	// EnrolledUID reports the UID enrolled (or recorded) under
+	// namespace/name, if any.
 	EnrolledUID(namespace, name string) (types.UID, bool)
 	// Pending reports whether uid is captured but ztunnel has not
-	// acknowledged it yet (a failed handoff): the controller retries.
+	// acknowledged it yet (a failed handoff), or only recorded: the
+	// controller retries.
 	Pending(uid types.UID) bool
 	// SandboxReleased reports whether the runtime tore down uid's captured
 	// sandbox (CNI DEL) and nothing captured it since.
@@ -72,10 +82,6 @@ type Config struct {
 	Pods   Pods
 	Agent  Agent
 	Finder Finder
-	// Annotator clears a stale redirection annotation from a pod that is
-	// not enrolled and should not be (e.g. its namespace was unlabelled
-	// while the agent was down); nil leaves such annotations alone.
-	Annotator nodeagent.Annotator
 	// Events, when set, gets a Warning on the pod whenever capturing it
 	// fails, so operators see why a pod is not captured.
 	Events record.EventRecorder
@@ -149,23 +155,46 @@ func (c *Controller) Run(ctx context.Context) error {
 // the agent's state; the ZDS snapshot and readiness wait for it.
 func (c *Controller) Restored() <-chan struct{} { return c.restored }
 
-// restore adopts pods this node's agent had enrolled (annotated pending or
-// enabled), before any ztunnel gets a snapshot. A pod whose netns is not
-// found (or whose rules cannot be verified) is adopted unresolved, so
-// ztunnel keeps it and its probe-set entry stays, and is requeued.
+// restore adopts the pods a previous agent captured, before any ztunnel
+// gets a snapshot: those in the agent's capture records and those
+// annotated pending or enabled (an older agent kept no records). A
+// recorded pod whose object is gone (deleted while no agent ran) is
+// cleaned through its record. A found pod that should still be captured
+// is restored; one that should not any more is released. A pod whose netns
+// is not found (or whose rules cannot be verified or released) is adopted
+// unresolved, so ztunnel keeps it and its probe-set entry stays, and is
+// requeued.
 func (c *Controller) restore(ctx context.Context) {
 	all, err := c.cfg.Pods.Pods()
 	if err != nil {
 		c.log.Error("list pods for restore", "err", err)
 		return
 	}
+	cached := make(map[types.UID]*corev1.Pod, len(all))
+	for _, p := range all {
+		cached[p.UID] = p
+	}
 	want := map[types.UID][]netip.Addr{}
 	byUID := map[types.UID]*corev1.Pod{}
+	for _, r := range c.cfg.Agent.Records() {
+		p := cached[r.UID]
+		if p == nil {
+			if err := c.cfg.Agent.Unenroll(ctx, r.UID); err != nil {
+				c.log.Warn("clean recorded pod that is gone", "pod", r.Namespace+"/"+r.Name, "uid", r.UID, "err", err)
+			}
+			continue
+		}
+		if enablement.IsTerminal(p) {
+			continue // the queue's reconcile unenrolls it
+		}
+		want[p.UID] = enablement.PodIPs(p)
+		if len(want[p.UID]) == 0 {
+			want[p.UID] = r.IPs
+		}
+		byUID[p.UID] = p
+	}
 	for _, p := range all {
-		// Adopt every pod a previous agent marked, even one that should no
-		// longer be captured (unlabelled while the agent was down): once in
-		// the state, the normal reconcile unenrolls it properly.
-		if redirectionState(p) == "" || enablement.IsTerminal(p) {
+		if redirectionState(p) == "" || enablement.IsTerminal(p) || byUID[p.UID] != nil {
 			continue
 		}
 		want[p.UID] = enablement.PodIPs(p)
@@ -185,6 +214,16 @@ func (c *Controller) restore(ctx context.Context) {
 			// normal path captures it again (or releases it).
 			c.cfg.Agent.RestoreUnresolved(p)
 			c.queue.Add(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
+			return
+		}
+		if d := c.cfg.Pods.DecideCached(p); !d.Enroll {
+			if err := c.cfg.Agent.Release(ctx, p, ns); err != nil {
+				c.log.Error("release pod captured before the restart", "pod", p.Namespace+"/"+p.Name, "reason", d.Reason, "err", err)
+				// Its rules may still redirect it: ztunnel keeps it until
+				// the reconcile finds it again and releases it in order.
+				c.cfg.Agent.RestoreUnresolved(p)
+				c.queue.Add(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
+			}
 			return
 		}
 		if err := c.cfg.Agent.Restore(ctx, p, ns); err != nil {
@@ -366,7 +405,8 @@ func (c *Controller) plan(k types.NamespacedName) work {
 		w.need, w.release = findable, findable
 	case !d.Enroll && isEnrolled && enrolled == p.UID:
 		w.uid = enrolled
-	case !d.Enroll && redirectionState(p) != "":
+	case !d.Enroll && redirectionState(p) != "" && p.DeletionTimestamp == nil:
+		// A pod being deleted keeps it: not worth an API request.
 		w.clear = true
 	}
 	return w
@@ -392,11 +432,9 @@ func (c *Controller) apply(ctx context.Context, w work, found *handles) error {
 		}
 		c.log.Info("unenrolled pod", "pod", w.key.String(), "uid", w.uid)
 	}
-	if w.clear && c.cfg.Annotator != nil {
-		if err := c.cfg.Annotator.SetRedirection(ctx, w.pod.Namespace, w.pod.Name, w.pod.UID, ""); err != nil && !apierrors.IsNotFound(err) {
-			return fmt.Errorf("clear stale annotation: %w", err)
-		}
-		c.log.Info("cleared stale redirection annotation", "pod", w.key.String())
+	if w.clear {
+		c.cfg.Agent.ClearStale(w.pod)
+		c.log.Info("clearing stale redirection annotation", "pod", w.key.String())
 	}
 	if !w.need {
 		return nil

@@ -33,9 +33,15 @@ type fakeAgent struct {
 	enrolled   map[types.NamespacedName]types.UID
 	pending    map[types.UID]bool
 	unresolved map[types.UID]bool
+	records    []nodeagent.Record
+	releaseErr error
 	released   map[types.UID]bool
 	calls      []string
 	captureErr error
+	// gate, when set, holds every Capture until it is closed; inFlight
+	// and maxInFlight count the captures held at once.
+	gate                  chan struct{}
+	inFlight, maxInFlight int
 }
 
 func newFakeAgent() *fakeAgent {
@@ -47,6 +53,14 @@ func newFakeAgent() *fakeAgent {
 
 func (a *fakeAgent) Capture(_ context.Context, pod *corev1.Pod, _ *nodeagent.Netns, sb *nodeagent.Sandbox) error {
 	a.mu.Lock()
+	if gate := a.gate; gate != nil {
+		a.inFlight++
+		a.maxInFlight = max(a.maxInFlight, a.inFlight)
+		a.mu.Unlock()
+		<-gate
+		a.mu.Lock()
+		a.inFlight--
+	}
 	defer a.mu.Unlock()
 	a.calls = append(a.calls, "capture "+pod.Namespace+"/"+pod.Name)
 	if sb != nil {
@@ -82,6 +96,25 @@ func (a *fakeAgent) Unresolved(uid types.UID) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return a.unresolved[uid]
+}
+
+func (a *fakeAgent) Release(_ context.Context, pod *corev1.Pod, _ *nodeagent.Netns) error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.calls = append(a.calls, "release "+pod.Namespace+"/"+pod.Name)
+	return a.releaseErr
+}
+
+func (a *fakeAgent) ClearStale(pod *corev1.Pod) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.calls = append(a.calls, "clear "+pod.Namespace+"/"+pod.Name)
+}
+
+func (a *fakeAgent) Records() []nodeagent.Record {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return slices.Clone(a.records)
 }
 
 func (a *fakeAgent) Unenroll(_ context.Context, uid types.UID) error {
@@ -190,30 +223,10 @@ func (f *fakeFinder) scanLog() [][]types.UID {
 	return slices.Clone(f.scans)
 }
 
-// fakeAnnotator records annotation writes.
-type fakeAnnotator struct {
-	mu     sync.Mutex
-	writes []string
-}
-
-func (a *fakeAnnotator) SetRedirection(_ context.Context, namespace, name string, _ types.UID, value string) error {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	a.writes = append(a.writes, fmt.Sprintf("%s/%s=%q", namespace, name, value))
-	return nil
-}
-
-func (a *fakeAnnotator) log() []string {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return slices.Clone(a.writes)
-}
-
 type env struct {
 	kube   *fakecluster.Cluster
 	agent  *fakeAgent
 	finder *fakeFinder
-	ann    *fakeAnnotator
 	events *record.FakeRecorder
 	ctrl   *controller.Controller
 }
@@ -224,20 +237,36 @@ var self = types.NamespacedName{Namespace: "istio-system", Name: "ambient-cni-x1
 // the agent) and the controller, and waits for its startup restore.
 func newEnv(t *testing.T, running []types.UID, objs ...*corev1.Pod) *env {
 	t.Helper()
+	return newEnvWithRecords(t, running, nil, objs...)
+}
+
+// newEnvWithRecords is newEnv with capture records a previous agent left.
+func newEnvWithRecords(t *testing.T, running []types.UID, records []nodeagent.Record, objs ...*corev1.Pod) *env {
+	t.Helper()
+	return newEnvWithAgent(t, running, records, nil, objs...)
+}
+
+// newEnvWithAgent is newEnvWithRecords with setup run on the fake agent
+// before the controller starts.
+func newEnvWithAgent(t *testing.T, running []types.UID, records []nodeagent.Record, setup func(*fakeAgent), objs ...*corev1.Pod) *env {
+	t.Helper()
 	e := &env{
 		kube:   fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy(), Self: self}),
 		agent:  newFakeAgent(),
 		finder: &fakeFinder{running: map[types.UID]bool{}},
-		ann:    &fakeAnnotator{},
 		events: record.NewFakeRecorder(100),
 	}
 	e.finder.setRunning(running...)
+	e.agent.records = records
+	if setup != nil {
+		setup(e.agent)
+	}
 	e.kube.Seed(namespace("shop", false), namespace("blog", true), namespace(self.Namespace, true))
 	for _, p := range objs {
 		e.kube.Seed(p)
 	}
 	e.ctrl = controller.New(controller.Config{
-		Pods: e.kube.Cache, Agent: e.agent, Finder: e.finder, Annotator: e.ann, Events: e.events,
+		Pods: e.kube.Cache, Agent: e.agent, Finder: e.finder, Events: e.events,
 	})
 	e.kube.Start()
 	ctx, cancel := context.WithCancel(context.Background())
@@ -294,6 +323,47 @@ func TestNamespaceFlipCapturesRunningPods(t *testing.T) {
 	}
 }
 
+// TestEnrollmentParallelAndBounded (issue 10.3): the running pods of a
+// namespace that gets labelled are captured in parallel, at most Parallel
+// (default 8) at a time, after one /proc scan for the whole burst.
+func TestEnrollmentParallelAndBounded(t *testing.T) {
+	var pods []*corev1.Pod
+	var uids []types.UID
+	for i := range 30 {
+		uid := types.UID(fmt.Sprintf("u-%02d", i))
+		pods = append(pods, running("shop", fmt.Sprintf("p%02d", i), string(uid), fmt.Sprintf("10.1.0.%d", i+1)))
+		uids = append(uids, uid)
+	}
+	e := newEnv(t, uids, pods...)
+	gate := make(chan struct{})
+	e.agent.mu.Lock()
+	e.agent.gate = gate
+	e.agent.mu.Unlock()
+	inFlight := func() (now, most int) {
+		e.agent.mu.Lock()
+		defer e.agent.mu.Unlock()
+		return e.agent.inFlight, e.agent.maxInFlight
+	}
+	scans := len(e.finder.scanLog())
+	e.kube.SetNamespace(namespace("shop", true))
+	poll.Until(t, "8 captures in flight", func() bool { now, _ := inFlight(); return now == 8 })
+	close(gate)
+	poll.Until(t, "every pod captured", func() bool {
+		for i := range 30 {
+			if e.agent.count(fmt.Sprintf("capture shop/p%02d", i)) != 1 {
+				return false
+			}
+		}
+		return true
+	})
+	if _, most := inFlight(); most != 8 {
+		t.Errorf("at most %d captures at once, want 8 (the default bound)", most)
+	}
+	if got := len(e.finder.scanLog()) - scans; got < 1 || got > 3 {
+		t.Errorf("%d scans for one namespace flip of 30 pods, want them batched: %v", got, e.finder.scanLog())
+	}
+}
+
 func TestUnenrollsPodsNoLongerWanted(t *testing.T) {
 	e := newEnv(t, []types.UID{"u-a", "u-b"}, running("blog", "a", "u-a", "10.1.0.1"), running("blog", "b", "u-b", "10.1.0.2"))
 	poll.Until(t, "captures", func() bool { return e.agent.count("capture blog/a") == 1 && e.agent.count("capture blog/b") == 1 })
@@ -313,9 +383,11 @@ func TestUnenrollsPodsNoLongerWanted(t *testing.T) {
 
 // TestRestoreAdoptsMarkedPods: at startup the pods a previous agent marked
 // are restored before Restored is closed; one that should no longer be
-// captured is then unenrolled, a marked pod whose netns is not found is
-// adopted unresolved (ztunnel keeps it) rather than dropped, and finished
-// pods are left alone.
+// captured is released instead, a marked pod whose netns is not found is
+// adopted unresolved (ztunnel keeps it) rather than dropped or cleared,
+// whether it should still be captured (captured once found) or not (see
+// TestUnresolvedPodReleasedOnlyWithItsNetns), and a finished pod gets its
+// annotation cleared (through the agent's writer).
 func TestRestoreAdoptsMarkedPods(t *testing.T) {
 	mark := func(p *corev1.Pod) *corev1.Pod {
 		p.Annotations = map[string]string{ambient.RedirectionAnnotation: ambient.RedirectionEnabled}
@@ -327,27 +399,27 @@ func TestRestoreAdoptsMarkedPods(t *testing.T) {
 		mark(running("blog", "keep", "u-keep", "10.1.0.1")),
 		mark(running("shop", "stale", "u-stale", "10.1.0.2")),
 		mark(running("blog", "lost", "u-lost", "10.1.0.3")),
+		mark(running("shop", "gone", "u-gone", "10.1.0.4")),
 		mark(done))
 	restored := e.agent.log()
 	slices.Sort(restored)
-	if want := []string{"keep blog/lost", "restore blog/keep", "restore shop/stale"}; !slices.Equal(restored, want) {
+	if want := []string{"keep blog/lost", "keep shop/gone", "release shop/stale", "restore blog/keep"}; !slices.Equal(restored, want) {
 		t.Errorf("restored before Restored(): %v, want %v", restored, want)
 	}
-	poll.Until(t, "unenroll of the pod no longer wanted", func() bool { return e.agent.count("unenroll u-stale") == 1 })
-	// The unresolved pod is looked for again, not dropped, and not
-	// released while it may still run with its rules.
-	poll.Until(t, "a scan for the unresolved pod", func() bool {
-		return slices.ContainsFunc(e.finder.scanLog()[1:], func(s []types.UID) bool { return slices.Contains(s, "u-lost") })
-	})
+	poll.Until(t, "finished pod's annotation cleared", func() bool { return e.agent.count("clear blog/done") == 1 })
+	// The unresolved pods are looked for again, not dropped, not cleared,
+	// and not released while they may still run with their rules.
+	for _, uid := range []types.UID{"u-lost", "u-gone"} {
+		poll.Until(t, "a scan for the unresolved pod "+string(uid), func() bool {
+			return slices.ContainsFunc(e.finder.scanLog()[1:], func(s []types.UID) bool { return slices.Contains(s, uid) })
+		})
+	}
 	time.Sleep(100 * time.Millisecond)
 	for _, c := range e.agent.log() {
-		if strings.Contains(c, "lost") && c != "keep blog/lost" || strings.Contains(c, "done") {
+		if strings.Contains(c, "keep") && c != "restore blog/keep" && c != "keep blog/lost" && c != "keep shop/gone" ||
+			strings.Contains(c, "lost") && c != "keep blog/lost" || strings.Contains(c, "gone") && c != "keep shop/gone" ||
+			strings.Contains(c, "done") && c != "clear blog/done" {
 			t.Errorf("unexpected %q", c)
-		}
-	}
-	for _, w := range e.ann.log() {
-		if strings.Contains(w, "lost") {
-			t.Errorf("annotation written: %v", w)
 		}
 	}
 	// Found again: captured.
@@ -386,6 +458,42 @@ func TestUnresolvedPodReleasedOnlyWithItsNetns(t *testing.T) {
 	})
 	e.kube.DeletePod("blog", "deleted")
 	poll.Until(t, "the deleted unresolved pod unenrolled", func() bool { return e.agent.count("unenroll u-del") == 1 })
+}
+
+// TestFailedReleaseAtRestoreKeepsPod: a pod found captured at startup that
+// should not be any more, whose release fails (its rules could not be
+// removed), is adopted unresolved so ztunnel keeps serving its redirected
+// traffic, and the reconcile releases it in order (restore, then unenroll)
+// once it can.
+func TestFailedReleaseAtRestoreKeepsPod(t *testing.T) {
+	p := running("shop", "stale", "u-stale", "10.1.0.2")
+	p.Annotations = map[string]string{ambient.RedirectionAnnotation: ambient.RedirectionEnabled}
+	e := newEnvWithAgent(t, []types.UID{"u-stale"}, nil, func(a *fakeAgent) { a.releaseErr = errors.New("xtables lock busy") }, p)
+	if got := e.agent.log(); !slices.Equal(got, []string{"release shop/stale", "keep shop/stale"}) {
+		t.Fatalf("before Restored(): %v", got)
+	}
+	poll.Until(t, "restored, then unenrolled", func() bool {
+		calls := e.agent.log()
+		i, j := slices.Index(calls, "restore shop/stale"), slices.Index(calls, "unenroll u-stale")
+		return i >= 0 && j > i
+	})
+}
+
+// TestRestoreAdoptsRecordedPods: the pods in the agent's capture records
+// are restored even without an annotation (the previous agent crashed
+// before writing it), and a recorded pod whose object is gone is cleaned
+// by its uid before Restored is closed.
+func TestRestoreAdoptsRecordedPods(t *testing.T) {
+	records := []nodeagent.Record{
+		{UID: "u-quiet", Namespace: "blog", Name: "quiet", IPs: []netip.Addr{netip.MustParseAddr("10.1.0.1")}},
+		{UID: "u-deleted", Namespace: "blog", Name: "deleted"},
+	}
+	e := newEnvWithRecords(t, []types.UID{"u-quiet"}, records, running("blog", "quiet", "u-quiet", "10.1.0.1"))
+	restored := e.agent.log()
+	slices.Sort(restored)
+	if want := []string{"restore blog/quiet", "unenroll u-deleted"}; !slices.Equal(restored, want) {
+		t.Errorf("before Restored(): %v, want %v", restored, want)
+	}
 }
 
 func TestCaptureFailureIsEventedAndRetried(t *testing.T) {

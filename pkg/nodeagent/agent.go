@@ -3,13 +3,12 @@ package nodeagent
 import (
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 	"net/netip"
 	"sync"
 	"time"
 
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
@@ -27,10 +26,21 @@ type RuleApplier interface {
 }
 
 // Ztunnel hands pods to ztunnel over ZDS (pkg/zds.Server). Add returns
-// once the newest ztunnel acknowledged the pod.
+// once the newest ztunnel acknowledged the pod; Del once every connected
+// ztunnel did. DelNoWait queues the Del on every connection, ordered
+// before any later Add of the pod, and returns without waiting for acks.
 type Ztunnel interface {
 	Add(ctx context.Context, w zds.Workload) error
 	Del(ctx context.Context, uid string) error
+	DelNoWait(uid string) error
+}
+
+// PodLister reads this node's pods from the pod cache (pkg/podcache.Cache):
+// the annotation writer skips writing a value the pod already carries, and
+// a CNI DEL that cannot tell which sandbox it names asks whether the pod
+// is going away.
+type PodLister interface {
+	Pod(namespace, name string) (*corev1.Pod, error)
 }
 
 // EnablementSource is the node-wide view the enablement snapshot is built
@@ -74,8 +84,17 @@ type Config struct {
 	ZtunnelTimeout time.Duration
 	// HostProbe, when set, gets each enrolled pod's IPs.
 	HostProbe HostProbe
-	// Annotator writes the redirection annotation; nil writes none.
+	// Annotator writes the redirection annotation (off the capture's
+	// critical path, see Run); nil writes none.
 	Annotator Annotator
+	// Pods, when set, is the pod cache (see PodLister).
+	Pods PodLister
+	// RecordDir holds the capture records (default next to the default
+	// agent socket, RecordDir).
+	RecordDir string
+	// Netns decides which netns paths of CNI DELs (and spooled DELs) the
+	// agent may open (default: DefaultNetnsRoots and /proc).
+	Netns NetnsPolicy
 	// Enablement feeds the snapshot file; nil writes no snapshot.
 	Enablement EnablementSource
 	// SnapshotFile is the enablement snapshot path (default next to the
@@ -159,9 +178,11 @@ type entry struct {
 // pod should be captured is its callers' job: the plugin event server and
 // the pod controller decide with the pod cache, then call Capture.
 type Agent struct {
-	cfg      Config
-	log      *slog.Logger
-	snapshot *snapshotWriter
+	cfg         Config
+	log         *slog.Logger
+	snapshot    *snapshotWriter
+	records     *recordStore
+	annotations *annotationWriter
 
 	mu   sync.Mutex
 	pods map[types.UID]*entry
@@ -170,10 +191,17 @@ type Agent struct {
 	// because an unresolved pod's IPs are unknown; the prune runs once
 	// the last such pod is resolved or gone.
 	probePruneDeferred bool
+	// torn are the namespaces whose sandbox a CNI DEL tore down: the
+	// controller must not capture them again while the runtime finishes
+	// (a process may linger in one for a moment).
+	torn map[nsID]time.Time
 	// released are the pods whose sandbox the runtime removed (CNI DEL)
 	// while they were captured, and when; see SandboxReleased.
 	released map[types.UID]time.Time
 }
+
+// nsID identifies a network namespace (nsfs device and inode).
+type nsID struct{ dev, ino uint64 }
 
 // podLock serializes work on one pod while letting different pods proceed
 // in parallel.
@@ -196,20 +224,55 @@ func NewAgent(cfg Config) (*Agent, error) {
 	if cfg.SpoolDir == "" {
 		cfg.SpoolDir = nodefiles.SpoolDir(ambient.DefaultAgentSocket)
 	}
+	if cfg.RecordDir == "" {
+		cfg.RecordDir = RecordDir(ambient.DefaultAgentSocket)
+	}
+	if cfg.Netns.Roots == nil {
+		cfg.Netns.Roots = DefaultNetnsRoots
+	}
 	if cfg.ExcludedNamespaces == nil {
 		cfg.ExcludedNamespaces = []string{ambient.DefaultExcludedNamespace}
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
+	log := cfg.Logger.With("component", "nodeagent")
 	return &Agent{
-		cfg:      cfg,
-		log:      cfg.Logger.With("component", "nodeagent"),
-		snapshot: newSnapshotWriter(cfg.SnapshotFile),
-		pods:     map[types.UID]*entry{},
-		busy:     map[types.UID]*podLock{},
-		released: map[types.UID]time.Time{},
+		cfg:         cfg,
+		log:         log,
+		snapshot:    newSnapshotWriter(cfg.SnapshotFile),
+		records:     newRecordStore(cfg.RecordDir),
+		annotations: newAnnotationWriter(cfg.Annotator, cfg.Pods, log.With("component", "annotations")),
+		pods:        map[types.UID]*entry{},
+		busy:        map[types.UID]*podLock{},
+		torn:        map[nsID]time.Time{},
+		released:    map[types.UID]time.Time{},
 	}, nil
+}
+
+// LoadRecords reads the capture records a previous agent left (call it
+// once at startup, before restoring). Unusable record files are removed
+// and reported; the usable ones are loaded regardless.
+func (a *Agent) LoadRecords() error {
+	return a.records.load()
+}
+
+// Run writes the redirection annotations the agent's captures and
+// removals want, until ctx ends.
+func (a *Agent) Run(ctx context.Context) error {
+	a.annotations.run(ctx)
+	return nil
+}
+
+// FlushAnnotations waits until every wanted annotation is written (or
+// dropped because its pod is gone), or ctx ends.
+func (a *Agent) FlushAnnotations(ctx context.Context) error {
+	return a.annotations.flush(ctx)
+}
+
+// PendingAnnotations is how many pods wait for an annotation write.
+func (a *Agent) PendingAnnotations() int {
+	return a.annotations.pending()
 }
 
 func (a *Agent) lock(uid types.UID) func() {
@@ -244,21 +307,9 @@ func (a *Agent) ruleError(op string) {
 	}
 }
 
-func (a *Agent) annotate(ctx context.Context, log *slog.Logger, e *entry, value string) error {
-	if a.cfg.Annotator == nil {
-		return nil
-	}
-	err := a.cfg.Annotator.SetRedirection(ctx, e.Namespace, e.Name, e.UID, value)
-	if err != nil {
-		if apierrors.IsNotFound(err) {
-			// A deleted pod has nothing left to annotate: not worth a warning.
-			log.Debug("pod gone; annotation not written", "value", value)
-		} else {
-			log.Warn("set redirection annotation", "value", value, "err", err)
-		}
-		return fmt.Errorf("annotate pod %s/%s %s=%q: %w", e.Namespace, e.Name, ambient.RedirectionAnnotation, value, err)
-	}
-	return nil
+// wantAnnotation hands the pod's wanted annotation value to the writer.
+func (a *Agent) wantAnnotation(e *EnrolledPod, value PodState, then func()) {
+	a.annotations.set(e.Namespace, e.Name, e.UID, string(value), then)
 }
 
 // workload is the pod as ZDS names it; an unresolved pod has no netns

@@ -7,8 +7,11 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/ambient-cni/ambient-cni/test/poll"
 
@@ -39,6 +42,7 @@ type harness struct {
 	ann   *fakeAnnotator
 	kube  *fakecluster.Cluster
 	dir   string
+	stop  func() // stops the agent's writer and releases its handles
 }
 
 func newHarness(t *testing.T) *harness {
@@ -46,20 +50,101 @@ func newHarness(t *testing.T) *harness {
 	testnet.RequireRoot(t)
 	h := &harness{rules: newRecordedRules(), zt: &fakeZtunnel{}, ann: &fakeAnnotator{}, dir: t.TempDir(),
 		kube: fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy()})}
-	a, err := NewAgent(Config{
-		Rules: h.rules, Ztunnel: h.zt, Annotator: h.ann, Enablement: h.kube.Cache,
-		SnapshotFile: filepath.Join(h.dir, nodefiles.SnapshotName), SpoolDir: filepath.Join(h.dir, nodefiles.SpoolName),
-	})
+	// Writes reach the pod objects, as through the API server.
+	h.ann.onWrite = func(namespace, name string, uid types.UID, value string) {
+		p, err := h.kube.Cache.Pod(namespace, name)
+		if err != nil || p.UID != uid {
+			return
+		}
+		p = p.DeepCopy()
+		if p.Annotations == nil {
+			p.Annotations = map[string]string{}
+		}
+		if value == "" {
+			delete(p.Annotations, ambient.RedirectionAnnotation)
+		} else {
+			p.Annotations[ambient.RedirectionAnnotation] = value
+		}
+		h.kube.SetPod(p)
+	}
+	a, err := NewAgent(h.config())
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = a.Close() })
 	h.agent = a
+	h.run(t)
 	h.srv = NewServer(ServerConfig{}, h.kube.Cache, a)
 	h.kube.Start()
 	h.kube.SetNamespace(namespace("shop", true))
 	h.kube.SetNamespace(namespace("plain", false))
 	return h
+}
+
+// config is the harness agent's configuration.
+func (h *harness) config() Config {
+	return Config{
+		Rules: h.rules, Ztunnel: h.zt, Annotator: h.ann, Enablement: h.kube.Cache, Pods: h.kube.Cache,
+		SnapshotFile: filepath.Join(h.dir, nodefiles.SnapshotName), SpoolDir: filepath.Join(h.dir, nodefiles.SpoolName),
+		RecordDir: filepath.Join(h.dir, RecordDirName),
+		Netns:     NetnsPolicy{Roots: []string{"/var/run/netns", "/run/netns"}},
+	}
+}
+
+// run runs the agent's annotation writer until the test ends, then
+// releases the agent's handles.
+func (h *harness) run(t *testing.T) {
+	t.Helper()
+	a := h.agent
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = a.Run(ctx); close(done) }()
+	var once sync.Once
+	h.stop = func() { once.Do(func() { cancel(); <-done; _ = a.Close() }) }
+	t.Cleanup(h.stop)
+}
+
+// restart "crashes" the agent (its handles released, nothing undone, its
+// queued annotation writes lost) and starts a new one on the same node
+// files, which loads the records.
+func (h *harness) restart(t *testing.T) {
+	t.Helper()
+	h.stop()
+	a, err := NewAgent(h.config())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.LoadRecords(); err != nil {
+		t.Fatal(err)
+	}
+	h.agent = a
+	h.srv = NewServer(ServerConfig{}, h.kube.Cache, a)
+	h.run(t)
+}
+
+// annotations waits until the agent has no annotation write pending and
+// returns the pod's write history.
+func (h *harness) annotations(t *testing.T, uid types.UID) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := h.agent.FlushAnnotations(ctx); err != nil {
+		t.Fatalf("annotation writes still pending: %v", err)
+	}
+	return h.ann.history(uid)
+}
+
+// recorded lists the uids with a capture record on disk.
+func (h *harness) recorded(t *testing.T) []string {
+	t.Helper()
+	des, err := os.ReadDir(filepath.Join(h.dir, RecordDirName))
+	if err != nil && !os.IsNotExist(err) {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, de := range des {
+		out = append(out, strings.TrimSuffix(de.Name(), ".json"))
+	}
+	return out
 }
 
 func openNS(t *testing.T, n ns.NetNS) *Netns {
@@ -94,8 +179,11 @@ func TestEnrollAndRemove(t *testing.T) {
 	if h.rules.count() != 1 || len(h.zt.adds) != 1 || h.zt.adds[0].UID != "u1" || h.zt.adds[0].Info.ServiceAccount != "sa-web" {
 		t.Fatalf("rules %d, ztunnel adds %+v", h.rules.count(), h.zt.adds)
 	}
-	if got := h.ann.history("u1"); got != "enabled" {
+	if got := h.annotations(t, "u1"); got != "enabled" {
 		t.Errorf("annotations %q, want one write of enabled", got)
+	}
+	if got := h.recorded(t); !slices.Equal(got, []string{"u1"}) {
+		t.Errorf("capture records %v, want u1's", got)
 	}
 	if uid, ok := h.agent.EnrolledUID("shop", "web"); !ok || uid != "u1" {
 		t.Errorf("EnrolledUID = %q, %v", uid, ok)
@@ -111,19 +199,30 @@ func TestEnrollAndRemove(t *testing.T) {
 		t.Fatalf("duplicate state after repeated ADD")
 	}
 	// DEL of an older sandbox of the same pod changes nothing.
-	if err := h.agent.RemoveSandbox(context.Background(), "old-sandbox", "u1"); err != nil || len(h.agent.Pods()) != 1 {
+	del := SandboxDel{SandboxID: "old-sandbox", UID: "u1", Namespace: "shop", Name: "web"}
+	if err := h.agent.RemoveSandbox(context.Background(), del); err != nil || len(h.agent.Pods()) != 1 {
 		t.Fatalf("DEL of another sandbox removed the pod (%v)", err)
 	}
+	// The DEL fast path: ztunnel told, state, probe set and record gone;
+	// the rules are left to the namespace's destruction and the
+	// annotation to the pod's; no API request.
+	del.SandboxID = "sb1"
 	for i := range 2 {
-		if err := h.agent.RemoveSandbox(context.Background(), "sb1", "u1"); err != nil {
+		if err := h.agent.RemoveSandbox(context.Background(), del); err != nil {
 			t.Fatalf("DEL #%d: %v", i+1, err)
 		}
 	}
-	if len(h.agent.Pods()) != 0 || h.rules.count() != 0 || strings.Join(h.zt.dels, ",") != "u1" {
-		t.Errorf("after DEL: pods %v, rules %d, dels %v", h.agent.Pods(), h.rules.count(), h.zt.dels)
+	if len(h.agent.Pods()) != 0 || h.zt.delLog() != "u1" {
+		t.Errorf("after DEL: pods %v, dels %v", h.agent.Pods(), h.zt.delLog())
 	}
-	if got := h.ann.history("u1"); got != "enabled,enabled," {
-		t.Errorf("annotations %q", got)
+	if ops := h.rules.ops(); strings.Contains(ops, "remove") {
+		t.Errorf("rule ops %q: DEL must not rewrite rules in a netns being torn down", ops)
+	}
+	if got := h.annotations(t, "u1"); got != "enabled" {
+		t.Errorf("annotations %q: DEL must not write the annotation", got)
+	}
+	if got := h.recorded(t); len(got) != 0 {
+		t.Errorf("capture records after DEL: %v", got)
 	}
 	if n := testnet.OpenFDs(t); n != fds+1 { // +1: pn's own handle
 		t.Errorf("open fds %d, want %d: netns handles leaked", n, fds+1)
@@ -167,8 +266,13 @@ func TestEnrollFailures(t *testing.T) {
 	if !IsRetryable(err) || !strings.Contains(err.Error(), "xtables lock busy") || len(h.agent.Pods()) != 0 {
 		t.Fatalf("apply failure: %v, state %v", err, h.agent.Pods())
 	}
+	// A failed apply leaves nothing behind: no record, no rules, no
+	// annotation.
+	if got := h.recorded(t); len(got) != 0 || h.rules.count() != 0 || h.annotations(t, "u1") != "" {
+		t.Fatalf("after a failed apply: records %v, rules in %d namespaces, annotations %q", got, h.rules.count(), h.ann.history("u1"))
+	}
 	h.rules.setApplyErr(nil)
-	h.zt.addErr = errors.New("no ztunnel connected")
+	h.zt.setAddErr(errors.New("no ztunnel connected"))
 	_, err = h.srv.Add(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn))
 	if !IsRetryable(err) || !strings.Contains(err.Error(), "no ztunnel") {
 		t.Fatalf("ztunnel failure: %v", err)
@@ -176,10 +280,10 @@ func TestEnrollFailures(t *testing.T) {
 	if p := h.agent.Pods(); len(p) != 1 || p[0].State != StatePending || !h.agent.Pending("u1") {
 		t.Fatalf("state after ztunnel failure = %+v, want pending", p)
 	}
-	if got := h.ann.history("u1"); got != "pending" {
+	if got := h.annotations(t, "u1"); got != "pending" {
 		t.Errorf("annotations %q", got)
 	}
-	h.zt.addErr = nil
+	h.zt.setAddErr(nil)
 	if _, err := h.srv.Add(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
 		t.Fatalf("retry: %v", err)
 	}
@@ -247,8 +351,11 @@ func TestGCAndUnenroll(t *testing.T) {
 	if err := h.agent.Unenroll(ctx, "u-unknown"); err != nil {
 		t.Errorf("unenroll of an unknown uid: %v", err)
 	}
-	if len(h.agent.Pods()) != 1 || h.ann.history("u-d") != "enabled," {
+	if len(h.agent.Pods()) != 1 || h.annotations(t, "u-d") != "enabled," {
 		t.Errorf("after unenroll: %v, annotations %q", h.agent.Pods(), h.ann.history("u-d"))
+	}
+	if got := h.recorded(t); !slices.Equal(got, []string{"u-b"}) {
+		t.Errorf("capture records %v, want only b's", got)
 	}
 }
 
@@ -256,6 +363,7 @@ func TestRestore(t *testing.T) {
 	h := newHarness(t)
 	pn := testnet.NewNS(t)
 	p := pod("shop", "web", "u1", nil)
+	p.Annotations = map[string]string{ambient.RedirectionAnnotation: ambient.RedirectionEnabled}
 	// A previous agent captured the pod.
 	if err := h.rules.real.Apply(pn.Path(), iptables.PodConfig{}); err != nil {
 		t.Fatal(err)
@@ -380,7 +488,7 @@ func TestEnrollCyclesLeakNothing(t *testing.T) {
 		if _, err := h.srv.Add(ctx, info("shop/web", "u1", sb), openNS(t, pn)); err != nil {
 			t.Fatal(err)
 		}
-		if err := h.agent.RemoveSandbox(ctx, sb, ""); err != nil {
+		if err := h.agent.RemoveSandbox(ctx, SandboxDel{SandboxID: sb}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -389,6 +497,9 @@ func TestEnrollCyclesLeakNothing(t *testing.T) {
 	}
 	if len(h.agent.busy) != 0 {
 		t.Errorf("per-pod locks left: %d", len(h.agent.busy))
+	}
+	if got := h.recorded(t); len(got) != 0 {
+		t.Errorf("capture records left: %v", got)
 	}
 }
 
@@ -409,8 +520,8 @@ func TestHeldNetnsDoesNotPinMount(t *testing.T) {
 	if err := os.Remove(pn.Path()); err != nil {
 		t.Fatal(err)
 	}
-	if err := h.agent.RemoveSandbox(context.Background(), "sb1", ""); err != nil || len(h.agent.Pods()) != 0 {
-		t.Fatalf("DEL after the netns path is gone: %v", err)
+	if err := h.agent.Unenroll(context.Background(), "u1"); err != nil || len(h.agent.Pods()) != 0 {
+		t.Fatalf("unenroll after the netns path is gone: %v", err)
 	}
 	if ops := h.rules.ops(); ops != "apply,remove" || h.rules.count() != 0 {
 		t.Errorf("rule ops %q, left %d: removal must work through the held handle", ops, h.rules.count())
@@ -432,10 +543,10 @@ func TestSandboxReleased(t *testing.T) {
 	if h.agent.SandboxReleased("u1") {
 		t.Fatal("released before any DEL")
 	}
-	if err := h.agent.RemoveSandbox(ctx, "other", "u2"); err != nil || h.agent.SandboxReleased("u2") {
+	if err := h.agent.RemoveSandbox(ctx, SandboxDel{SandboxID: "other", UID: "u2"}); err != nil || h.agent.SandboxReleased("u2") {
 		t.Fatalf("DEL of an unknown sandbox remembered (%v)", err)
 	}
-	if err := h.agent.RemoveSandbox(ctx, "sb1", "u1"); err != nil || !h.agent.SandboxReleased("u1") {
+	if err := h.agent.RemoveSandbox(ctx, SandboxDel{SandboxID: "sb1", UID: "u1"}); err != nil || !h.agent.SandboxReleased("u1") {
 		t.Fatalf("DEL of the captured sandbox not remembered (%v)", err)
 	}
 	if _, err := h.srv.Add(ctx, info("shop/web", "u1", "sb2"), openNS(t, pn)); err != nil {

@@ -4,23 +4,31 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
 // Capture is the one way a pod gets captured, for the CNI path and the pod
-// controller alike: in-pod rules, host probe set, ztunnel handoff (waits
-// for the ack), status annotation. ns is the pod's network namespace, held
-// open: Capture owns it, keeps it in the state on success and closes it
+// controller alike: capture record, in-pod rules, host probe set, ztunnel
+// handoff (waits for the ack); the status annotation is then written
+// asynchronously (see Run). ns is the pod's network namespace, held open:
+// Capture owns it, keeps it in the state on success and closes it
 // otherwise. sb is the sandbox at CNI ADD; nil (the controller) takes the
 // IPs from the pod's status. Idempotent; a failure that may pass is
-// Retryable, and a pod whose ztunnel handoff failed stays captured and
-// Pending.
+// Retryable.
+//
+// A failed apply leaves nothing behind (no rules of ours in a namespace
+// that had none, no record, no state). A failed ztunnel handoff leaves
+// the pod captured and Pending (annotated pending): the runtime retries
+// the ADD, and any ztunnel that connects meanwhile acks it in its
+// snapshot, which makes it Enabled (SnapshotAcked).
 func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *Sandbox) error {
 	if pod == nil || pod.UID == "" {
 		_ = ns.Close()
@@ -34,23 +42,40 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *San
 	defer unlock()
 	log := a.log.With("pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID)
 
-	cfg := a.ruleConfig(pod)
-	if err := a.cfg.Rules.Apply(ns.Path(), cfg); err != nil {
-		a.ruleError("apply")
+	if sb == nil && a.tornDown(ns) {
+		// The controller found a namespace whose sandbox a CNI DEL just
+		// tore down (a process lingers): the pod's next sandbox comes
+		// through its own ADD.
 		_ = ns.Close()
-		return Retryable(fmt.Errorf("apply in-pod rules in netns %s: %w", ns.Source(), err))
+		return Retryable(fmt.Errorf("netns %s of pod %s/%s belongs to a sandbox the runtime tore down", ns.Source(), pod.Namespace, pod.Name))
 	}
+	a.mu.Lock()
+	old := a.pods[pod.UID]
+	a.mu.Unlock()
+	prevRec, hadRec := a.records.get(pod.UID)
+	if old != nil && old.ns.SameAs(ns) && sandboxID == "" {
+		// The controller re-enrolling a pod the CNI path enrolled.
+		sandboxID = old.SandboxID
+	}
+	cfg := a.ruleConfig(pod)
 	e := &entry{ns: ns, EnrolledPod: EnrolledPod{
 		UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, ServiceAccount: pod.Spec.ServiceAccountName,
 		SandboxID: sandboxID, Netns: ns.Source(), NetnsID: ns.ID(), IPs: slices.Clone(ips),
 		State: StatePending, Rules: cfg, Since: time.Now(),
 	}}
-	a.mu.Lock()
-	old := a.pods[pod.UID]
-	if old != nil && old.ns.SameAs(ns) && sandboxID == "" {
-		// The controller re-enrolling a pod the CNI path enrolled.
-		e.SandboxID = old.SandboxID
+	// The record goes first: from the moment rules may exist in the
+	// namespace, a crashed agent's successor knows of the pod.
+	if err := a.records.write(e.record()); err != nil {
+		_ = ns.Close()
+		return Retryable(err)
 	}
+	if err := a.cfg.Rules.Apply(ns.Path(), cfg); err != nil {
+		a.ruleError("apply")
+		a.undoFailedApply(log, pod.UID, old, ns, prevRec, hadRec)
+		_ = ns.Close()
+		return Retryable(fmt.Errorf("apply in-pod rules in netns %s: %w", ns.Source(), err))
+	}
+	a.mu.Lock()
 	a.pods[pod.UID] = e
 	delete(a.released, pod.UID)
 	a.mu.Unlock()
@@ -70,17 +95,61 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *San
 		err := a.cfg.Ztunnel.Add(zctx, a.workload(e))
 		cancel()
 		if err != nil {
-			a.annotate(ctx, log, e, string(StatePending))
+			// A snapshot may have acked the pod meanwhile.
+			a.mu.Lock()
+			st := e.State
+			a.mu.Unlock()
+			a.wantAnnotation(&e.EnrolledPod, st, nil)
 			return Retryable(fmt.Errorf("hand pod %s/%s to ztunnel: %w", pod.Namespace, pod.Name, err))
 		}
 	}
 	a.mu.Lock()
 	e.State = StateEnabled
 	a.mu.Unlock()
-	if err := a.annotate(ctx, log, e, string(StateEnabled)); err != nil {
-		return Retryable(err)
-	}
+	a.wantAnnotation(&e.EnrolledPod, StateEnabled, nil)
 	return nil
+}
+
+// undoFailedApply leaves the pod as it was before a capture whose apply
+// failed: a namespace the agent did not hold the pod in loses whatever the
+// failed apply left, and the record is the previous capture's again (or
+// gone). A pod restored without its netns (Unresolved) may have a previous
+// agent's rules in ns, which is the namespace its record names or, with
+// no record naming one, may be: those rules stay (removing them would
+// release a pod ztunnel still serves), and so does a record naming ns.
+// Called with the pod's lock held.
+func (a *Agent) undoFailedApply(log *slog.Logger, uid types.UID, old *entry, ns *Netns, prevRec Record, hadRec bool) {
+	if old != nil && old.Unresolved {
+		prevID := nsID{prevRec.NetnsDev, prevRec.NetnsIno}
+		if !hadRec || prevID == (nsID{}) || prevID == ns.id() {
+			if hadRec {
+				_ = a.records.write(prevRec)
+			}
+			return
+		}
+		if err := a.cfg.Rules.Remove(ns.Path()); err != nil {
+			a.ruleError("remove")
+			log.Warn("remove what a failed apply left", "netns", ns.Source(), "err", err)
+		}
+		_ = a.records.write(prevRec)
+		return
+	}
+	if old != nil && old.ns.SameAs(ns) {
+		// A re-apply over the pod's own rules: the capture stands.
+		_ = a.records.write(old.record())
+		return
+	}
+	if err := a.cfg.Rules.Remove(ns.Path()); err != nil {
+		a.ruleError("remove")
+		log.Warn("remove what a failed apply left", "netns", ns.Source(), "err", err)
+	}
+	if old != nil {
+		_ = a.records.write(old.record())
+		return
+	}
+	if err := a.records.remove(uid); err != nil {
+		log.Warn("remove capture record", "err", err)
+	}
 }
 
 // ruleConfig is the rule set options for one pod.
@@ -112,6 +181,9 @@ func (a *Agent) Check(ctx context.Context, p PodInfo, d enablement.Decision, ns 
 			return mismatch(fmt.Errorf("pod %s/%s should be captured (%s) but is not enrolled", p.Namespace, p.Name, d.Reason))
 		}
 		return nil
+	}
+	if e.ns == nil {
+		return mismatch(fmt.Errorf("pod %s/%s was restored without its netns after the agent restarted; its rules cannot be checked until it is found", p.Namespace, p.Name))
 	}
 	if !e.ns.SameAs(ns) {
 		return mismatch(fmt.Errorf("pod %s/%s is enrolled in netns %s (inode %d), not %s", p.Namespace, p.Name, e.Netns, e.NetnsID, ns.Source()))

@@ -94,6 +94,11 @@ func (r *recordedRules) ops() string {
 // count is how many namespaces hold rules.
 func (r *recordedRules) count() int { return r.fake.Populated() }
 
+// populated reports whether the namespace at path holds rules.
+func (r *recordedRules) populated(path string) bool {
+	return len(r.fake.Rules(path, iptables.IPv4).Tables)+len(r.fake.Rules(path, iptables.IPv6).Tables) > 0
+}
+
 // dropRule deletes the rule at position (1-based) of a nat chain in the
 // namespace at path, as another program would: drift.
 func (r *recordedRules) dropRule(t *testing.T, path, chain string, position int) {
@@ -107,12 +112,14 @@ func (r *recordedRules) dropRule(t *testing.T, path, chain string, position int)
 	})
 }
 
-// fakeZtunnel records ZDS calls.
+// fakeZtunnel records ZDS calls; onDel, when set, runs at every Del
+// (before it is recorded).
 type fakeZtunnel struct {
 	mu     sync.Mutex
 	adds   []zds.Workload
 	dels   []string
 	addErr error
+	onDel  func(uid string)
 }
 
 func (z *fakeZtunnel) Add(_ context.Context, w zds.Workload) error {
@@ -132,29 +139,76 @@ func (z *fakeZtunnel) Add(_ context.Context, w zds.Workload) error {
 }
 
 func (z *fakeZtunnel) Del(_ context.Context, uid string) error {
+	return z.DelNoWait(uid)
+}
+
+func (z *fakeZtunnel) DelNoWait(uid string) error {
+	z.mu.Lock()
+	onDel := z.onDel
+	z.mu.Unlock()
+	if onDel != nil {
+		onDel(uid)
+	}
 	z.mu.Lock()
 	defer z.mu.Unlock()
 	z.dels = append(z.dels, uid)
 	return nil
 }
 
-// fakeAnnotator records annotation writes; with err set it fails them.
+func (z *fakeZtunnel) delLog() string {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	return strings.Join(z.dels, ",")
+}
+
+func (z *fakeZtunnel) setAddErr(err error) {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	z.addErr = err
+}
+
+// fakeAnnotator records annotation writes; with err set it fails them,
+// and hold makes every write wait until release.
 type fakeAnnotator struct {
 	mu     sync.Mutex
 	values map[types.UID][]string
+	tries  map[types.UID]int
 	err    error
+	gate   chan struct{}
+	// onWrite, when set, is told about every successful write.
+	onWrite func(namespace, name string, uid types.UID, value string)
 }
 
-func (a *fakeAnnotator) SetRedirection(_ context.Context, _, _ string, uid types.UID, value string) error {
+func (a *fakeAnnotator) SetRedirection(ctx context.Context, namespace, name string, uid types.UID, value string) error {
 	a.mu.Lock()
-	defer a.mu.Unlock()
+	if a.tries == nil {
+		a.tries = map[types.UID]int{}
+	}
+	a.tries[uid]++
+	gate := a.gate
+	a.mu.Unlock()
+	if gate != nil {
+		select {
+		case <-gate:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	a.mu.Lock()
 	if a.err != nil {
-		return a.err
+		err := a.err
+		a.mu.Unlock()
+		return err
 	}
 	if a.values == nil {
 		a.values = map[types.UID][]string{}
 	}
 	a.values[uid] = append(a.values[uid], value)
+	onWrite := a.onWrite
+	a.mu.Unlock()
+	if onWrite != nil {
+		onWrite(namespace, name, uid, value)
+	}
 	return nil
 }
 
@@ -162,6 +216,32 @@ func (a *fakeAnnotator) history(uid types.UID) string {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	return strings.Join(a.values[uid], ",")
+}
+
+// attempts counts the writes tried for uid, failed ones included.
+func (a *fakeAnnotator) attempts(uid types.UID) int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.tries[uid]
+}
+
+func (a *fakeAnnotator) setErr(err error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.err = err
+}
+
+func (a *fakeAnnotator) hold() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.gate = make(chan struct{})
+}
+
+func (a *fakeAnnotator) release() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	close(a.gate)
+	a.gate = nil
 }
 
 func pod(ns, name, uid string, labels map[string]string) *corev1.Pod {

@@ -10,8 +10,8 @@ import (
 )
 
 // GC forgets every CNI-enrolled pod whose sandbox is not in valid (pods the
-// controller enrolled carry no sandbox id and are left to it). It returns
-// how many it removed.
+// controller enrolled carry no sandbox id and are left to it), held or
+// known only by its capture record. It returns how many it removed.
 func (a *Agent) GC(ctx context.Context, valid []string) int {
 	keep := make(map[string]bool, len(valid))
 	for _, id := range valid {
@@ -22,15 +22,23 @@ func (a *Agent) GC(ctx context.Context, valid []string) int {
 		uid     types.UID
 	}
 	var drop []stale
+	seen := map[types.UID]bool{}
 	a.mu.Lock()
 	for uid, e := range a.pods {
+		seen[uid] = true
 		if e.SandboxID != "" && !keep[e.SandboxID] {
 			drop = append(drop, stale{e.SandboxID, uid})
 		}
 	}
 	a.mu.Unlock()
+	// Pods known only by their record (not restored) too.
+	for _, r := range a.records.all() {
+		if !seen[r.UID] && r.SandboxID != "" && !keep[r.SandboxID] {
+			drop = append(drop, stale{r.SandboxID, r.UID})
+		}
+	}
 	for _, s := range drop {
-		_ = a.RemoveSandbox(ctx, s.sandbox, s.uid)
+		_ = a.RemoveSandbox(ctx, SandboxDel{SandboxID: s.sandbox, UID: s.uid})
 	}
 	if len(drop) > 0 {
 		a.log.Info("gc removed stale sandboxes", "count", len(drop))
@@ -40,8 +48,10 @@ func (a *Agent) GC(ctx context.Context, valid []string) int {
 
 // DrainSpool replays the DELs the plugin spooled while the agent was
 // unreachable, removing each entry once handled (unusable entries are
-// logged and removed). Call it at startup after restoring state, then
-// leave it to RunSpoolDrain.
+// logged and removed). A replayed DEL also cleans a pod the agent did not
+// restore: its record, and our rules in its namespace if that still
+// exists (see RemoveSandbox). Call it at startup after restoring state,
+// then leave it to RunSpoolDrain.
 func (a *Agent) DrainSpool(ctx context.Context) (int, error) {
 	entries, err := nodefiles.List(a.cfg.SpoolDir)
 	if err != nil {
@@ -54,7 +64,9 @@ func (a *Agent) DrainSpool(ctx context.Context) (int, error) {
 			_ = nodefiles.Remove(en.Path)
 			continue
 		}
-		if err := a.RemoveSandbox(ctx, en.Event.SandboxID, types.UID(en.Event.PodUID)); err != nil {
+		ev := en.Event
+		del := SandboxDel{SandboxID: ev.SandboxID, UID: types.UID(ev.PodUID), Namespace: ev.PodNamespace, Name: ev.PodName, Netns: ev.Netns, Replayed: true}
+		if err := a.RemoveSandbox(ctx, del); err != nil {
 			a.log.Warn("replay spooled DEL", "sandbox", en.Event.SandboxID, "err", err)
 			continue
 		}

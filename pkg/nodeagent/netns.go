@@ -177,6 +177,9 @@ func (n *Netns) SameAs(o *Netns) bool {
 // ID is the namespace's inode number, as ip netns and /proc show it.
 func (n *Netns) ID() uint64 { return n.ino }
 
+// id is the namespace's full identity (device and inode).
+func (n *Netns) id() nsID { return nsID{n.dev, n.ino} }
+
 // Close releases the handle.
 func (n *Netns) Close() error {
 	if n == nil {
@@ -249,6 +252,40 @@ func (p NetnsPolicy) Open(path string) (*Netns, error) {
 		return nil, err
 	}
 	return n, nil
+}
+
+// Identify returns the identity (nsfs device and inode) of the network
+// namespace at path, checked against the policy like Open, without
+// holding it: enough to tell which namespace a CNI DEL names.
+func (p NetnsPolicy) Identify(path string) (dev, ino uint64, err error) {
+	if !filepath.IsAbs(path) || strings.ContainsRune(path, 0) {
+		return 0, 0, invalid(fmt.Errorf("netns path %q is not absolute", path))
+	}
+	real := path
+	if procNetns.MatchString(path) {
+		if p.ProcRoot != "" && p.ProcRoot != "/proc" {
+			real = filepath.Join(p.ProcRoot, strings.TrimPrefix(path, "/proc/"))
+		}
+	} else {
+		if real, err = filepath.EvalSymlinks(path); err != nil {
+			return 0, 0, fmt.Errorf("resolve netns path %s: %w", path, err)
+		}
+		if !p.allowed(real) {
+			return 0, 0, invalid(fmt.Errorf("netns %s (resolved %s) is not under an allowed root %v nor /proc/<pid>/ns/net", path, real, p.Roots))
+		}
+	}
+	var sfs unix.Statfs_t
+	if err := unix.Statfs(real, &sfs); err != nil {
+		return 0, 0, fmt.Errorf("statfs netns %s: %w", path, err)
+	}
+	if sfs.Type != unix.NSFS_MAGIC {
+		return 0, 0, invalid(fmt.Errorf("netns %s is not an nsfs mount", path))
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(real, &st); err != nil {
+		return 0, 0, fmt.Errorf("stat netns %s: %w", path, err)
+	}
+	return st.Dev, st.Ino, nil
 }
 
 // allowed reports whether real lies strictly below a root. Roots are

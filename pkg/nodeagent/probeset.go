@@ -83,6 +83,8 @@ func (a *Agent) RemoveHostProbe() error {
 // never pruned while it may belong to a pod whose state is unknown: while
 // an unresolved pod's IPs are unknown (its status lost them), nothing is
 // removed, and the prune runs once the last such pod is resolved or gone.
+// The IPs of pods known only by their capture record are kept too (not
+// added): the agent may have left capture on them, until released.
 func (a *Agent) SyncHostProbe() error {
 	if a.cfg.HostProbe == nil {
 		return nil
@@ -99,11 +101,17 @@ func (a *Agent) SyncHostProbe() error {
 	if unknown > 0 {
 		a.log.Info("host probe set not pruned: pods restored without their netns have unknown IPs", "pods", unknown)
 	}
+	recorded := map[netip.Addr]bool{}
+	for _, r := range a.records.all() {
+		for _, ip := range r.IPs {
+			recorded[ip] = true
+		}
+	}
 	var errs []error
 	inSet := make(map[netip.Addr]bool, len(have))
 	for _, ip := range have {
 		inSet[ip] = true
-		if !want[ip] && unknown == 0 {
+		if !want[ip] && !recorded[ip] && unknown == 0 {
 			errs = append(errs, a.cfg.HostProbe.DelIP(ip))
 		}
 	}

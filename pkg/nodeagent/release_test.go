@@ -32,6 +32,13 @@ func enrollThree(t *testing.T, h *harness) {
 	if h.rules.count() != 3 {
 		t.Fatalf("%d pods with rules, want 3", h.rules.count())
 	}
+	// The annotations are written off the capture path; an uninstall
+	// releases pods once the writer has stopped, so let it finish first.
+	for _, uid := range []types.UID{"u-a", "u-b", "u-c"} {
+		if got := h.annotations(t, uid); got != "enabled" {
+			t.Fatalf("%s annotations %q", uid, got)
+		}
+	}
 }
 
 // An uninstall releases every pod: annotation cleared, rules removed,
@@ -66,7 +73,7 @@ func TestReleaseAll(t *testing.T) {
 func TestReleaseAllWithoutRBACStillRemovesRules(t *testing.T) {
 	h := newHarness(t)
 	enrollThree(t, h)
-	h.ann.err = apierrors.NewForbidden(schema.GroupResource{Resource: "pods"}, "x", errors.New("no RBAC"))
+	h.ann.setErr(apierrors.NewForbidden(schema.GroupResource{Resource: "pods"}, "x", errors.New("no RBAC")))
 	err := h.agent.ReleaseAll(context.Background())
 	if err == nil || strings.Count(err.Error(), "no RBAC") != 3 {
 		t.Errorf("want the three annotation errors reported, got %v", err)
@@ -90,5 +97,37 @@ func TestReleaseAllReportsRuleErrors(t *testing.T) {
 	}
 	if n := len(h.agent.Pods()); n != 0 {
 		t.Errorf("the agent still holds %d pods", n)
+	}
+}
+
+// A pod known only by its capture record (a restart did not restore it)
+// is released too: our rules go from its recorded namespace, its
+// annotation is cleared and its record removed.
+func TestReleaseAllReleasesRecordOnlyPods(t *testing.T) {
+	h := newHarness(t)
+	ctx := context.Background()
+	pn := testnet.NewNS(t)
+	h.kube.SetPod(pod("shop", "web", "u1", nil))
+	if _, err := h.srv.Add(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.agent.FlushAnnotations(ctx); err != nil {
+		t.Fatal(err)
+	}
+	h.restart(t) // nothing restored: known only by its record
+	if !h.rules.populated(pn.Path()) || len(h.agent.Pods()) != 0 {
+		t.Fatal("want the pod's rules in place and the pod not held")
+	}
+	if err := h.agent.ReleaseAll(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if h.rules.populated(pn.Path()) {
+		t.Error("the record-only pod keeps its rules after the release")
+	}
+	if got := h.ann.history("u1"); got != "enabled," {
+		t.Errorf("annotations %q: want it set, then cleared", got)
+	}
+	if got := h.recorded(t); len(got) != 0 {
+		t.Errorf("records left: %v", got)
 	}
 }

@@ -3,6 +3,8 @@ package nodeagent
 import (
 	"context"
 	"fmt"
+	"os"
+	"slices"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -12,10 +14,21 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 )
 
-// Restore adopts a pod enrolled before the agent restarted: it verifies the
+// Records lists the capture records a previous agent left, as loaded by
+// LoadRecords, and those written since: the pods the agent may have left
+// capture on. At startup they are restored together with the pods an
+// older agent (one without records) annotated.
+func (a *Agent) Records() []Record {
+	return a.records.all()
+}
+
+// Restore adopts a pod captured before the agent restarted: it verifies the
 // rules (re-applying only on drift) and puts the pod in the state the ZDS
 // snapshot is built from, without a ztunnel Add of its own. It owns ns
-// like Capture.
+// like Capture. The pod comes back Enabled if it is annotated so, else
+// Pending (a previous agent crashed before ztunnel acked it or before the
+// annotation was written); a Pending pod becomes Enabled, and is annotated
+// so, as soon as a ztunnel acks it in its snapshot (SnapshotAcked).
 func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, ns *Netns) error {
 	unlock := a.lock(pod.UID)
 	defer unlock()
@@ -37,10 +50,23 @@ func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, ns *Netns) error {
 			a.cfg.OnDriftRepaired()
 		}
 	}
+	state := StatePending
+	if pod.Annotations[ambient.RedirectionAnnotation] == ambient.RedirectionEnabled {
+		state = StateEnabled
+	}
 	e := &entry{ns: ns, EnrolledPod: EnrolledPod{
 		UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, ServiceAccount: pod.Spec.ServiceAccountName,
-		Netns: ns.Source(), NetnsID: ns.ID(), IPs: enablement.PodIPs(pod), State: StateEnabled, Rules: cfg, Since: time.Now(),
+		Netns: ns.Source(), NetnsID: ns.ID(), IPs: enablement.PodIPs(pod), State: state, Rules: cfg, Since: time.Now(),
 	}}
+	rec, recorded := a.records.get(pod.UID)
+	if recorded && rec.NetnsDev == ns.dev && rec.NetnsIno == ns.ino {
+		// The same sandbox the record names: keep its id (a later DEL
+		// names it) and the runtime's path.
+		e.SandboxID, e.Netns = rec.SandboxID, rec.Netns
+		if len(e.IPs) == 0 {
+			e.IPs = rec.IPs
+		}
+	}
 	a.mu.Lock()
 	old := a.pods[pod.UID]
 	if old != nil {
@@ -51,6 +77,13 @@ func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, ns *Netns) error {
 	if old != nil {
 		_ = old.ns.Close()
 	}
+	if want := e.record(); !recorded || !sameRecord(rec, want) {
+		// An older agent's pod (annotated, no record), or a sandbox the
+		// record does not name: from now on the record knows it.
+		if err := a.records.write(want); err != nil {
+			a.log.Error("write capture record of a restored pod", "pod", pod.Namespace+"/"+pod.Name, "err", err)
+		}
+	}
 	a.addProbeIPs(a.log, e.IPs)
 	if old != nil && old.Unresolved {
 		a.unresolvedGone()
@@ -58,28 +91,37 @@ func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, ns *Netns) error {
 	return nil
 }
 
-// RestoreUnresolved adopts a pod a previous agent captured (it carries the
-// redirection annotation) whose netns cannot be found yet: its cgroup path
-// did not match, or its status lost its IPs in a kubelet restart. The pod
+// RestoreUnresolved adopts a pod a previous agent captured (it has a
+// capture record, or carries the redirection annotation) whose netns
+// cannot be found yet: its cgroup path did not match, its status lost its
+// IPs in a kubelet restart, or its rules could not be verified. The pod
 // enters the state without a netns, so every ZDS snapshot sends Keep for
 // it and ztunnel goes on serving the netns it already has instead of
 // dropping the pod (whose rules still redirect its traffic to ztunnel),
 // and SyncHostProbe keeps whatever probe-set entries it has (none are
-// added: its sandbox may be gone). Its rules are left untouched. The
-// pod stays unresolved until Capture or Restore hands over its netns, or
-// Unenroll removes it once it is gone. A pod already in the state is left
-// as it is.
+// added: its sandbox may be gone). Its rules are left untouched, and so is
+// its capture record, which stays the source of truth across restarts:
+// the sandbox id, netns path and IPs it names are taken from it (IPs only
+// when the status has none). The pod stays unresolved until Capture or
+// Restore hands over its netns, or Unenroll or a DEL removes it. A pod
+// already in the state is left as it is.
 func (a *Agent) RestoreUnresolved(pod *corev1.Pod) {
 	unlock := a.lock(pod.UID)
 	defer unlock()
-	state := StateEnabled
-	if pod.Annotations[ambient.RedirectionAnnotation] == ambient.RedirectionPending {
-		state = StatePending
+	state := StatePending
+	if pod.Annotations[ambient.RedirectionAnnotation] == ambient.RedirectionEnabled {
+		state = StateEnabled
 	}
 	e := &entry{EnrolledPod: EnrolledPod{
 		UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, ServiceAccount: pod.Spec.ServiceAccountName,
 		IPs: enablement.PodIPs(pod), State: state, Rules: a.ruleConfig(pod), Since: time.Now(), Unresolved: true,
 	}}
+	if rec, ok := a.records.get(pod.UID); ok {
+		e.SandboxID, e.Netns = rec.SandboxID, rec.Netns
+		if len(e.IPs) == 0 {
+			e.IPs = slices.Clone(rec.IPs)
+		}
+	}
 	a.mu.Lock()
 	if a.pods[pod.UID] != nil {
 		a.mu.Unlock()
@@ -88,7 +130,7 @@ func (a *Agent) RestoreUnresolved(pod *corev1.Pod) {
 	a.pods[pod.UID] = e
 	a.mu.Unlock()
 	a.log.Warn("restored a captured pod without its netns; ztunnel keeps it until the netns is found",
-		"pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID, "ips", e.IPs)
+		"pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID, "ips", e.IPs, "recorded_netns", e.Netns)
 }
 
 // Unresolved reports whether uid was restored without its netns and has
@@ -98,4 +140,97 @@ func (a *Agent) Unresolved(uid types.UID) bool {
 	defer a.mu.Unlock()
 	e := a.pods[uid]
 	return e != nil && e.Unresolved
+}
+
+// recordedNetns is the identity of the namespace uid's capture record
+// names, if it names one.
+func (a *Agent) recordedNetns(uid types.UID) (nsID, bool) {
+	rec, ok := a.records.get(uid)
+	if !ok || (rec.NetnsDev == 0 && rec.NetnsIno == 0) {
+		return nsID{}, false
+	}
+	return nsID{rec.NetnsDev, rec.NetnsIno}, true
+}
+
+// Release takes capture off a pod the agent finds captured at startup but
+// does not want captured any more (unlabelled while no agent ran, or an
+// unenroll a crash interrupted): rules, probe set, then annotation, then
+// record, as Unenroll does. The pod is not in the state, so no ztunnel
+// snapshot names it. It owns ns.
+func (a *Agent) Release(ctx context.Context, pod *corev1.Pod, ns *Netns) error {
+	defer ns.Close()
+	unlock := a.lock(pod.UID)
+	defer unlock()
+	if a.get(pod.UID) != nil {
+		return fmt.Errorf("release %s/%s: the pod is enrolled; unenroll it", pod.Namespace, pod.Name)
+	}
+	log := a.log.With("pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID)
+	if err := a.cfg.Rules.Remove(ns.Path()); err != nil {
+		a.ruleError("remove")
+		return Retryable(fmt.Errorf("remove rules of %s/%s: %w", pod.Namespace, pod.Name, err))
+	}
+	ips := enablement.PodIPs(pod)
+	if rec, ok := a.records.get(pod.UID); ok {
+		ips = append(ips, rec.IPs...)
+	}
+	a.dropProbeIPs(log, ips, nil)
+	a.clearThenForget(pod.Namespace, pod.Name, pod.UID)
+	log.Info("released a pod captured before the restart")
+	return nil
+}
+
+// clearThenForget removes the pod's annotation and, once that is done (or
+// the pod is gone), its record: the last two steps of every removal.
+// Called with the pod's lock held.
+func (a *Agent) clearThenForget(namespace, name string, uid types.UID) {
+	gen := a.records.generation(uid)
+	a.annotations.set(namespace, name, uid, "", func() {
+		if err := a.records.removeIf(uid, gen); err != nil {
+			a.log.Warn("remove capture record", "uid", uid, "err", err)
+		}
+	})
+}
+
+// SnapshotAcked is told (zds.Config.SnapshotAcked) that a ztunnel acked
+// the Add of uid with netns in its snapshot: a Pending pod held in that
+// very namespace becomes Enabled and is annotated so. This is what makes a
+// pod whose ADD timed out waiting for ztunnel, or that a previous agent
+// left pending, converge once a ztunnel is back.
+func (a *Agent) SnapshotAcked(uid string, netns *os.File) {
+	a.mu.Lock()
+	e := a.pods[types.UID(uid)]
+	if e == nil || e.State != StatePending || e.ns == nil || e.ns.File() != netns {
+		a.mu.Unlock()
+		return
+	}
+	e.State = StateEnabled
+	p := e.EnrolledPod
+	a.mu.Unlock()
+	a.log.Info("ztunnel acked a pending pod in its snapshot", "pod", p.Namespace+"/"+p.Name, "uid", uid)
+	a.wantAnnotation(&p, StateEnabled, nil)
+}
+
+// record is the capture record of the entry.
+func (e *entry) record() Record {
+	r := Record{
+		UID: e.UID, Namespace: e.Namespace, Name: e.Name, SandboxID: e.SandboxID,
+		Netns: e.Netns, IPs: e.IPs,
+	}
+	if e.ns != nil {
+		r.NetnsDev, r.NetnsIno = e.ns.dev, e.ns.ino
+	}
+	return r
+}
+
+func sameRecord(a, b Record) bool {
+	if a.UID != b.UID || a.Namespace != b.Namespace || a.Name != b.Name || a.SandboxID != b.SandboxID ||
+		a.Netns != b.Netns || a.NetnsDev != b.NetnsDev || a.NetnsIno != b.NetnsIno || len(a.IPs) != len(b.IPs) {
+		return false
+	}
+	for i := range a.IPs {
+		if a.IPs[i] != b.IPs[i] {
+			return false
+		}
+	}
+	return true
 }

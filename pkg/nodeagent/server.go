@@ -304,9 +304,12 @@ func statusOf(err error) (int, string) {
 
 func (s *Server) dispatch(ctx context.Context, ev *ambient.PodEvent) (ambient.Verdict, error) {
 	if ev.Command == ambient.CommandDel {
-		// DEL never needs the netns: the agent holds its own handle, and
-		// the runtime may already have removed the mount.
-		return ambient.VerdictRemoved, s.agent.RemoveSandbox(ctx, ev.SandboxID, types.UID(ev.PodUID))
+		// DEL never opens the netns: the agent holds its own handle, and
+		// the runtime may already have removed the mount. The path only
+		// tells which sandbox a controller-captured pod's DEL names.
+		return ambient.VerdictRemoved, s.agent.RemoveSandbox(ctx, SandboxDel{
+			SandboxID: ev.SandboxID, UID: types.UID(ev.PodUID), Namespace: ev.PodNamespace, Name: ev.PodName, Netns: ev.Netns,
+		})
 	}
 	ns, err := s.netns.Open(ev.Netns)
 	if err != nil {

@@ -11,12 +11,17 @@ import (
 )
 
 // Pending reports whether uid is enrolled with its rules in place but not
-// yet acknowledged by ztunnel.
+// yet acknowledged by ztunnel, or known only by its capture record (a
+// restart did not restore it): either way not fully captured.
 func (a *Agent) Pending(uid types.UID) bool {
 	a.mu.Lock()
-	defer a.mu.Unlock()
 	e := a.pods[uid]
-	return e != nil && e.State == StatePending
+	a.mu.Unlock()
+	if e != nil {
+		return e.State == StatePending
+	}
+	_, recorded := a.records.get(uid)
+	return recorded
 }
 
 // releasedTTL is how long SandboxReleased remembers a pod: far longer than
@@ -47,14 +52,20 @@ func (a *Agent) SandboxReleased(uid types.UID) bool {
 	return ok
 }
 
-// EnrolledUID reports the uid enrolled under namespace/name, if any.
+// EnrolledUID reports the uid enrolled under namespace/name, if any: in
+// the state, or known by a capture record only (the agent may have left
+// capture on it, so it is not free of us yet).
 func (a *Agent) EnrolledUID(namespace, name string) (types.UID, bool) {
 	a.mu.Lock()
-	defer a.mu.Unlock()
 	for uid, e := range a.pods {
 		if e.Namespace == namespace && e.Name == name {
+			a.mu.Unlock()
 			return uid, true
 		}
+	}
+	a.mu.Unlock()
+	if r, ok := a.records.byName(namespace, name); ok {
+		return r.UID, true
 	}
 	return "", false
 }
@@ -103,8 +114,16 @@ func (a *Agent) Workloads() []zds.Workload {
 	return out
 }
 
-// Close releases every held netns handle; the rules stay, so a restarted
-// agent can restore the pods without touching their traffic.
+// RemoveRecords deletes every capture record and their directory, for an
+// uninstall (after the pods were released; a pod whose release failed
+// keeps its annotation, which a later agent adopts).
+func (a *Agent) RemoveRecords() error {
+	return a.records.removeAll()
+}
+
+// Close releases every held netns handle; the rules and the capture
+// records stay, so a restarted agent can restore the pods without
+// touching their traffic.
 func (a *Agent) Close() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()

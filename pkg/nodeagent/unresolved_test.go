@@ -2,6 +2,7 @@ package nodeagent
 
 import (
 	"context"
+	"errors"
 	"net/netip"
 	"slices"
 	"strings"
@@ -157,7 +158,7 @@ func TestRestoreUnresolvedKeepsPod(t *testing.T) {
 	if err == nil {
 		t.Error("CHECK of an unresolved pod passed")
 	}
-	if err := a.RemoveSandbox(ctx, "sb-x", "u-again"); err != nil {
+	if err := a.RemoveSandbox(ctx, SandboxDel{SandboxID: "sb-x", UID: "u-again"}); err != nil {
 		t.Error(err)
 	}
 }
@@ -190,5 +191,111 @@ func TestUnresolvedPodInspectAndReleaseAll(t *testing.T) {
 	}
 	if a.get("u-lost") != nil || !slices.Contains(zt.dels, "u-lost") {
 		t.Errorf("after ReleaseAll: still enrolled %v, ztunnel dels %v", a.get("u-lost") != nil, zt.dels)
+	}
+}
+
+// TestRecordedPodRestoredWithoutNetns: a pod a previous agent captured and
+// recorded, restored without its netns (the controller could not find
+// it), takes its sandbox id and IPs from its capture record, which stays
+// on disk; every way out handles the missing handle through the record:
+// the DEL fast path (rules left to the namespace's destruction), a
+// replayed DEL and an unenroll (our rules go from the recorded namespace),
+// the uninstall release, GC; a capture whose apply fails leaves the
+// previous agent's rules and the record in place; a snapshot ack or a
+// debug view of it neither panics nor claims anything.
+func TestRecordedPodRestoredWithoutNetns(t *testing.T) {
+	h := newHarness(t)
+	ctx := context.Background()
+	names := []string{"del", "replayed", "unenroll", "release", "gc", "capture"}
+	nss := map[string]string{}
+	for _, n := range names {
+		pn := testnet.NewNS(t)
+		nss[n] = pn.Path()
+		h.kube.SetPod(pod("shop", n, "u-"+n, nil))
+		if _, err := h.srv.Add(ctx, info("shop/"+n, "u-"+n, "sb-"+n), openNS(t, pn)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	h.annotations(t, "u-del")
+	h.restart(t)
+	for _, n := range names {
+		p := pod("shop", n, "u-"+n, nil) // its status lost its IPs
+		p.Annotations = map[string]string{ambient.RedirectionAnnotation: ambient.RedirectionEnabled}
+		h.agent.RestoreUnresolved(p)
+	}
+	for _, p := range h.agent.Pods() {
+		if !p.Unresolved || p.SandboxID != "sb-"+p.Name || p.Netns != nss[p.Name] ||
+			!slices.Equal(p.IPs, []netip.Addr{netip.MustParseAddr("10.9.0.5")}) || p.State != StateEnabled {
+			t.Errorf("restored without its netns: %+v; want the record's sandbox, netns path and IPs", p)
+		}
+	}
+	if got := h.recorded(t); len(got) != len(names) {
+		t.Fatalf("records %v: restoring without a netns must keep them", got)
+	}
+	for _, w := range h.agent.Workloads() {
+		if w.Netns != nil {
+			t.Errorf("workload %s has a netns", w.UID)
+		}
+		h.agent.SnapshotAcked(w.UID, nil)
+	}
+	if in, ok := h.agent.Inspect("u-del"); !ok || in.VerifyError == "" {
+		t.Errorf("Inspect: %v %+v", ok, in)
+	}
+	rulesIn := func(n string) bool { return h.rules.populated(nss[n]) }
+
+	// The DEL fast path: found by its recorded sandbox id, forgotten,
+	// rules left to the namespace's destruction.
+	if err := h.agent.RemoveSandbox(ctx, SandboxDel{SandboxID: "sb-del", Netns: nss["del"]}); err != nil {
+		t.Fatal(err)
+	}
+	if h.agent.get("u-del") != nil || !rulesIn("del") || slices.Contains(h.recorded(t), "u-del") || !slices.Contains(h.zt.dels, "u-del") {
+		t.Errorf("DEL: held %v, rules %v, records %v, ztunnel dels %v", h.agent.get("u-del") != nil, rulesIn("del"), h.recorded(t), h.zt.dels)
+	}
+	// A replayed DEL: the runtime left the namespace; our rules go.
+	if err := h.agent.RemoveSandbox(ctx, SandboxDel{SandboxID: "sb-replayed", Netns: nss["replayed"], Replayed: true}); err != nil {
+		t.Fatal(err)
+	}
+	if h.agent.get("u-replayed") != nil || rulesIn("replayed") {
+		t.Errorf("replayed DEL: held %v, rules %v", h.agent.get("u-replayed") != nil, rulesIn("replayed"))
+	}
+	// Unenroll: rules from the recorded namespace, then annotation, then
+	// record.
+	if err := h.agent.Unenroll(ctx, "u-unenroll"); err != nil {
+		t.Fatal(err)
+	}
+	if got := h.annotations(t, "u-unenroll"); got != "enabled," {
+		t.Errorf("unenroll: annotation writes %q, want it cleared", got)
+	}
+	if h.agent.get("u-unenroll") != nil || rulesIn("unenroll") || slices.Contains(h.recorded(t), "u-unenroll") {
+		t.Errorf("unenroll: held %v, rules %v, records %v", h.agent.get("u-unenroll") != nil, rulesIn("unenroll"), h.recorded(t))
+	}
+	// GC: its recorded sandbox is no longer the runtime's.
+	if n := h.agent.GC(ctx, []string{"sb-release", "sb-capture"}); n != 1 || h.agent.get("u-gc") != nil {
+		t.Errorf("GC removed %d, still held %v", n, h.agent.get("u-gc") != nil)
+	}
+
+	// A capture found its namespace but the apply failed: the previous
+	// agent's rules and the record stay (ztunnel still serves the pod).
+	capturePod := pod("shop", "capture", "u-capture", nil)
+	h.rules.setApplyErr(errors.New("injected"))
+	pn, err := OpenNetns(nss["capture"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.agent.Capture(ctx, capturePod, pn, nil); err == nil {
+		t.Fatal("capture with a failing apply succeeded")
+	}
+	h.rules.setApplyErr(nil)
+	if !rulesIn("capture") || !slices.Contains(h.recorded(t), "u-capture") || !h.agent.Unresolved("u-capture") {
+		t.Errorf("failed capture: rules %v, records %v, unresolved %v", rulesIn("capture"), h.recorded(t), h.agent.Unresolved("u-capture"))
+	}
+
+	// The uninstall release reaches the recorded namespace; nothing is
+	// left and nothing fails.
+	if err := h.agent.ReleaseAll(ctx); err != nil {
+		t.Errorf("ReleaseAll: %v", err)
+	}
+	if rulesIn("release") || rulesIn("capture") || len(h.agent.Pods()) != 0 {
+		t.Errorf("after ReleaseAll: rules %v %v, held %v", rulesIn("release"), rulesIn("capture"), h.agent.Pods())
 	}
 }

@@ -70,6 +70,11 @@ func New(cfg Config) *Cache {
 	nsFactory := informers.NewSharedInformerFactory(cfg.Client, 0)
 	podInf := podFactory.Core().V1().Pods()
 	nsInf := nsFactory.Core().V1().Namespaces()
+	// The cache keeps what the agent reads of each object, not the
+	// server-side apply bookkeeping: managedFields are often the larger
+	// part of a Pod.
+	_ = podInf.Informer().SetTransform(dropManagedFields)
+	_ = nsInf.Informer().SetTransform(dropManagedFields)
 	c.pods, c.nss = podInf.Lister(), nsInf.Lister()
 	c.synced = []cache.InformerSynced{podInf.Informer().HasSynced, nsInf.Informer().HasSynced}
 
@@ -274,4 +279,13 @@ func (c *Cache) EnablementState() (enabled []string, podLevel bool) {
 		}
 	}
 	return enabled, podLevel
+}
+
+// dropManagedFields is the informers' transform: objects enter the cache
+// without their managedFields.
+func dropManagedFields(o any) (any, error) {
+	if m, ok := o.(metav1.Object); ok {
+		m.SetManagedFields(nil)
+	}
+	return o, nil
 }

@@ -188,3 +188,27 @@ func TestAssumePodLevelEnablement(t *testing.T) {
 		t.Error("a pod labelled outside an enabled namespace is pod-level enablement")
 	}
 }
+
+// TestCacheDropsManagedFields: the cache keeps pods and namespaces without
+// their managedFields (memory: often the larger part of an object).
+func TestCacheDropsManagedFields(t *testing.T) {
+	kube := fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy()})
+	mf := []metav1.ManagedFieldsEntry{{Manager: "kubelet", Operation: metav1.ManagedFieldsOperationUpdate}}
+	p := pod("shop", "web", "u1", nil)
+	p.ManagedFields = mf
+	ns := namespace("shop", true)
+	ns.ManagedFields = mf
+	kube.Seed(p, ns)
+	kube.Start()
+	got, err := kube.Cache.Pod("shop", "web")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gotNS, err := kube.Cache.Namespace("shop")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.ManagedFields != nil || gotNS.ManagedFields != nil {
+		t.Errorf("managedFields kept: pod %v, namespace %v", got.ManagedFields, gotNS.ManagedFields)
+	}
+}

@@ -6,6 +6,7 @@
 package policyroute
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"net"
@@ -15,6 +16,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
 )
 
@@ -124,7 +126,12 @@ func (c *Conn) Close() {
 }
 
 // readSysctls reads the IPv6 and x_tables state of the calling thread's
-// namespace (net sysctls and /proc/thread-self/net resolve against it).
+// namespace: x_tables from /proc/thread-self/net (which resolves against
+// it), IPv6 per interface over netlink. Not from /proc/sys when it can be
+// helped: every namespace has the same net/ipv6/conf/<name> entries, so
+// each lookup there walks a dentry chain as long as the node has
+// namespaces, and the cost of a capture would grow with the pods on the
+// node.
 func readSysctls() (NetnsState, error) {
 	var st NetnsState
 	for _, p := range []string{"/proc/thread-self/net/ip_tables_names", "/proc/thread-self/net/ip6_tables_names"} {
@@ -134,34 +141,82 @@ func readSysctls() (NetnsState, error) {
 		}
 		st.XTables = append(st.XTables, strings.Fields(string(b))...)
 	}
-	const dir = "/proc/sys/net/ipv6/conf"
-	entries, err := os.ReadDir(dir)
-	if errors.Is(err, os.ErrNotExist) {
-		return st, nil // kernel without IPv6
-	}
+	on, err := ipv6Links()
 	if err != nil {
 		return st, err
 	}
-	for _, e := range entries {
-		name := e.Name()
-		if name == "default" {
-			continue // the template for interfaces yet to come
-		}
-		b, err := os.ReadFile(dir + "/" + name + "/disable_ipv6")
-		if errors.Is(err, os.ErrNotExist) {
-			continue // interface gone meanwhile
-		}
-		if err != nil {
-			return st, err
-		}
-		on := strings.TrimSpace(string(b)) == "0"
+	for name, enabled := range on {
 		if name == "lo" {
-			st.IPv6Loopback = on
-		} else if on {
+			st.IPv6Loopback = enabled
+		} else if enabled {
 			st.IPv6 = true
 		}
 	}
+	if !st.IPv6 && on != nil {
+		// No interface besides lo has it (rare in a pod: a namespace with
+		// only lo, or one that turned IPv6 off per interface): what counts
+		// then is net.ipv6.conf.all, one sysctl lookup.
+		b, err := os.ReadFile("/proc/sys/net/ipv6/conf/all/disable_ipv6")
+		if err != nil && !errors.Is(err, os.ErrNotExist) {
+			return st, err
+		}
+		st.IPv6 = err == nil && strings.TrimSpace(string(b)) == "0"
+	}
 	return st, nil
+}
+
+// native is the host's byte order, that of netlink attribute values.
+var native = binary.NativeEndian
+
+// devconfDisableIPv6 is DEVCONF_DISABLE_IPV6 (linux/ipv6.h): the index of
+// disable_ipv6 in the s32 values of IFLA_INET6_CONF.
+const devconfDisableIPv6 = 26
+
+// ipv6Links reports, per interface of the calling thread's namespace,
+// whether IPv6 is on (disable_ipv6 = 0), from one RTM_GETLINK dump of the
+// AF_INET6 family. A kernel without IPv6 has no interface in it.
+func ipv6Links() (map[string]bool, error) {
+	req := nl.NewNetlinkRequest(unix.RTM_GETLINK, unix.NLM_F_DUMP)
+	req.AddData(nl.NewIfInfomsg(unix.AF_INET6))
+	msgs, err := req.Execute(unix.NETLINK_ROUTE, unix.RTM_NEWLINK)
+	if errors.Is(err, unix.EAFNOSUPPORT) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("dump IPv6 links: %w", err)
+	}
+	out := map[string]bool{}
+	for _, m := range msgs {
+		if len(m) < unix.SizeofIfInfomsg {
+			continue
+		}
+		attrs, err := nl.ParseRouteAttr(m[unix.SizeofIfInfomsg:])
+		if err != nil {
+			return nil, fmt.Errorf("parse IPv6 link: %w", err)
+		}
+		name, on := "", false
+		for _, a := range attrs {
+			switch a.Attr.Type {
+			case unix.IFLA_IFNAME:
+				name = strings.TrimRight(string(a.Value), "\x00")
+			case unix.IFLA_PROTINFO:
+				nested, err := nl.ParseRouteAttr(a.Value)
+				if err != nil {
+					return nil, fmt.Errorf("parse IPv6 link info: %w", err)
+				}
+				for _, n := range nested {
+					if n.Attr.Type == unix.IFLA_INET6_CONF && len(n.Value) >= 4*(devconfDisableIPv6+1) {
+						v := int32(native.Uint32(n.Value[4*devconfDisableIPv6:]))
+						on = v == 0
+					}
+				}
+			}
+		}
+		if name != "" {
+			out[name] = on
+		}
+	}
+	return out, nil
 }
 
 func nlFamily(f ruleset.Family) int {

@@ -96,3 +96,54 @@ func TestEnsureRemove(t *testing.T) {
 func runCmd(name string, args ...string) error {
 	return exec.Command(name, args...).Run()
 }
+
+// TestStateIPv6: IPv6 is read per interface over netlink and agrees with
+// the sysctls: off once every interface and "all" turn it off, on again
+// when one interface turns it back on.
+func TestStateIPv6(t *testing.T) {
+	testnet.RequireRoot(t)
+	pair := testnet.NewPair(t)
+	p := pair.A.NS.Path()
+	var links []string
+	pair.A.Do(t, func() error {
+		ls, err := netlink.LinkList()
+		if err != nil {
+			return err
+		}
+		for _, l := range ls {
+			if name := l.Attrs().Name; name != "lo" {
+				links = append(links, name)
+			}
+		}
+		on, err := ipv6Links()
+		if err != nil {
+			return err
+		}
+		for _, name := range append(links, "lo") {
+			b, err := os.ReadFile("/proc/sys/net/ipv6/conf/" + name + "/disable_ipv6")
+			if err != nil {
+				return err
+			}
+			if want := string(b) == "0\n"; on[name] != want {
+				t.Errorf("%s: netlink says IPv6 on = %v, the sysctl says %q", name, on[name], b)
+			}
+		}
+		return nil
+	})
+	set := func(name, v string) {
+		pair.A.Do(t, func() error {
+			return os.WriteFile("/proc/sys/net/ipv6/conf/"+name+"/disable_ipv6", []byte(v), 0o644)
+		})
+	}
+	set("all", "1")
+	for _, l := range links {
+		set(l, "1")
+	}
+	if st, err := (Netlink{}).State(p); err != nil || st.IPv6 {
+		t.Fatalf("IPv6 off everywhere: %+v %v", st, err)
+	}
+	set(links[0], "0")
+	if st, err := (Netlink{}).State(p); err != nil || !st.IPv6 {
+		t.Fatalf("IPv6 back on %s: %+v %v", links[0], st, err)
+	}
+}

@@ -308,6 +308,9 @@ func (c *conn) snapshot() error {
 			return err
 		case op == "add":
 			adds++
+			if c.s.cfg.SnapshotAcked != nil {
+				c.s.cfg.SnapshotAcked(w.UID, w.Netns)
+			}
 		default:
 			keeps++
 		}

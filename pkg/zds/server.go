@@ -91,6 +91,10 @@ type Config struct {
 	// Add is still in flight. It runs on a connection's own goroutine right
 	// after the hello, so it must be cheap and never wait on enroll work.
 	Snapshot func() []Workload
+	// SnapshotAcked, when set, is told about every Add of a snapshot that
+	// ztunnel acked, with the workload's uid and the netns file it was
+	// sent with. It runs on the connection's goroutine: keep it quick.
+	SnapshotAcked func(uid string, netns *os.File)
 	// AckTimeout bounds the wait for each Ack; a missed ack tears the
 	// connection down so no late ack is ever matched to the next request.
 	AckTimeout time.Duration
@@ -441,6 +445,34 @@ func (s *Server) Del(ctx context.Context, uid string) error {
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("zds del %s: %w", uid, err)
+	}
+	return nil
+}
+
+// DelNoWait queues a Del on every connected ztunnel (past its hello),
+// behind whatever each connection already has queued and ahead of any
+// later Add, and returns without waiting for the acks; a refusal is only
+// logged. The caller must have removed the pod from the state Snapshot
+// reads, as for Del. With no connection it does nothing.
+func (s *Server) DelNoWait(uid string) error {
+	if uid == "" {
+		return errors.New("zds del: empty uid")
+	}
+	msg, err := encodeRequest(delRequest(uid))
+	if err != nil {
+		return fmt.Errorf("zds del %s: %w", uid, err)
+	}
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return fmt.Errorf("zds del %s: %w", uid, ErrClosed)
+	}
+	conns := s.liveConns()
+	s.mu.Unlock()
+	for _, c := range conns {
+		// Nobody awaits it: the request's done channel has room for its
+		// one result, and the connection logs a failure.
+		c.submit(newRequest(context.Background(), "del", uid, msg, -1))
 	}
 	return nil
 }

@@ -18,6 +18,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/test/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/ztunnel"
 )
 
 // owner gives kubesim what a test would: temp dirs and cleanups (run by
@@ -116,46 +117,92 @@ func teardown(node *kubesim.Node, pods []*kubesim.Pod) error {
 	return errors.Join(all...)
 }
 
+// flipTimes are the two ends of an enrollment: every pod served by
+// ztunnel (its rules in place and the stand-in's ack: the dataplane), and
+// every pod annotated enabled (what istiod sees; the API writes).
+type flipTimes struct {
+	captured, enabled time.Duration
+}
+
 // enrollFlip labels the namespace ambient and returns how long it took
 // until every one of its n pods was annotated enabled, watching the pods
-// (a watch, not polling, so the benchmark adds no list load).
-func enrollFlip(ctx context.Context, client kubernetes.Interface, namespace string, n int, limit time.Duration) (time.Duration, error) {
+// (a watch, not polling, so the benchmark adds no list load), and until
+// served reported them all served by the ztunnel stand-in.
+func enrollFlip(ctx context.Context, client kubernetes.Interface, namespace string, n int, limit time.Duration, zt *ztunnel.StandIn, uids []types.UID) (flipTimes, error) {
+	var times flipTimes
+	var capturedAt time.Time
+	servedAll := func() bool {
+		for _, u := range uids {
+			if _, ok := zt.Workload(string(u)); !ok {
+				return false
+			}
+		}
+		return true
+	}
+	zctx, zcancel := context.WithCancel(ctx)
+	defer zcancel()
+	zdone := make(chan error, 1)
+	took, err := enrollWatch(ctx, client, namespace, n, limit, func() {
+		go func() {
+			err := zt.Wait(zctx, servedAll)
+			capturedAt = time.Now()
+			zdone <- err
+		}()
+	})
+	if err != nil {
+		return times, err
+	}
+	times.enabled = took.d
+	if err := <-zdone; err != nil {
+		return times, fmt.Errorf("pods not all served by the stand-in: %w", err)
+	}
+	times.captured = capturedAt.Sub(took.start)
+	return times, nil
+}
+
+type started struct {
+	start time.Time
+	d     time.Duration
+}
+
+func enrollWatch(ctx context.Context, client kubernetes.Interface, namespace string, n int, limit time.Duration, onStart func()) (started, error) {
 	ctx, cancel := context.WithTimeout(ctx, limit)
 	defer cancel()
 	pods := client.CoreV1().Pods(namespace)
 	list, err := pods.List(ctx, metav1.ListOptions{})
 	if err != nil {
-		return 0, err
+		return started{}, err
 	}
 	if len(list.Items) != n {
-		return 0, fmt.Errorf("namespace %s holds %d pods, want %d", namespace, len(list.Items), n)
+		return started{}, fmt.Errorf("namespace %s holds %d pods, want %d", namespace, len(list.Items), n)
 	}
 	enabled := map[types.UID]bool{}
 	for _, p := range list.Items {
 		if p.Annotations[ambient.RedirectionAnnotation] != "" {
-			return 0, fmt.Errorf("pod %s is annotated before the label", p.Name)
+			return started{}, fmt.Errorf("pod %s is annotated before the label", p.Name)
 		}
 	}
 	w, err := pods.Watch(ctx, metav1.ListOptions{ResourceVersion: list.ResourceVersion})
 	if err != nil {
-		return 0, err
+		return started{}, err
 	}
 	defer w.Stop()
 	patch, _ := json.Marshal(map[string]any{"metadata": map[string]any{"labels": map[string]any{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}}})
 	start := time.Now()
+	onStart()
 	if _, err := client.CoreV1().Namespaces().Patch(ctx, namespace, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
-		return 0, fmt.Errorf("label namespace %s: %w", namespace, err)
+		return started{}, fmt.Errorf("label namespace %s: %w", namespace, err)
 	}
 	for len(enabled) < n {
 		select {
 		case <-ctx.Done():
-			return 0, fmt.Errorf("%d of %d pods enabled after %v", len(enabled), n, time.Since(start).Round(time.Millisecond))
+			return started{}, fmt.Errorf("%d of %d pods enabled after %v", len(enabled), n, time.Since(start).Round(time.Millisecond))
 		case ev, ok := <-w.ResultChan():
 			if !ok {
-				return 0, fmt.Errorf("pod watch closed with %d of %d pods enabled", len(enabled), n)
+				return started{}, fmt.Errorf("pod watch closed with %d of %d pods enabled", len(enabled), n)
 			}
 			if ev.Type == watch.Error {
-				return 0, fmt.Errorf("pod watch: %v", ev.Object)
+				return started{}, fmt.Errorf("pod watch: %v", ev.Object)
 			}
 			p, ok := ev.Object.(*corev1.Pod)
 			if !ok {
@@ -168,5 +215,5 @@ func enrollFlip(ctx context.Context, client kubernetes.Interface, namespace stri
 			}
 		}
 	}
-	return time.Since(start), nil
+	return started{start, time.Since(start)}, nil
 }

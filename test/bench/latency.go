@@ -19,6 +19,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
@@ -105,6 +106,11 @@ type latencyRun struct {
 	namespace   string
 	pods        int
 	concurrency int
+	// annotated: the agent captures these pods, so the ADD window stays
+	// open until each carries the redirection annotation `enabled`: the
+	// agent writes it off the ADD's critical path, and its PATCH counts
+	// for the ADD however late it lands.
+	annotated bool
 	// between runs while the agent may still react (an annotation written
 	// after the ADD returned; the pod deletions before DEL).
 	settle func(context.Context) error
@@ -167,6 +173,11 @@ func (l *latencyRun) run(ctx context.Context) (add, del samples, err error) {
 			add.errors += errs
 		}
 	}
+	if l.annotated {
+		if err := l.waitAnnotated(ctx, chained); err != nil {
+			return add, del, err
+		}
+	}
 	if err := l.settle(ctx); err != nil {
 		return add, del, err
 	}
@@ -215,6 +226,33 @@ func (l *latencyRun) run(ctx context.Context) (add, del samples, err error) {
 		return add, del, err
 	}
 	return add, del, end()
+}
+
+// waitAnnotated waits until every pod of boxes carries the redirection
+// annotation `enabled` (the bench's own reads are not the agent's: the
+// audit log counts only the agent's requests).
+func (l *latencyRun) waitAnnotated(ctx context.Context, boxes []*sandbox) error {
+	deadline := time.Now().Add(2 * time.Minute)
+	pods := l.client.CoreV1().Pods(l.namespace)
+	for _, s := range boxes {
+		for {
+			p, err := pods.Get(ctx, s.name, metav1.GetOptions{})
+			if err != nil {
+				return fmt.Errorf("read pod %s: %w", s.name, err)
+			}
+			if p.Annotations[ambient.RedirectionAnnotation] == ambient.RedirectionEnabled {
+				break
+			}
+			if time.Now().After(deadline) {
+				return fmt.Errorf("pod %s not annotated %s=%s 2 minutes after its ADD (has %q)",
+					s.name, ambient.RedirectionAnnotation, ambient.RedirectionEnabled, p.Annotations[ambient.RedirectionAnnotation])
+			}
+			if err := sleep(ctx, 20*time.Millisecond); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 // wave runs f on every sandbox at once and returns each call's duration;

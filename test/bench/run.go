@@ -26,6 +26,7 @@ import (
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
 	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
@@ -205,6 +206,7 @@ type backendRun struct {
 
 	agentEnv map[string]string
 	agent    *Process
+	zt       *ztunnel.StandIn
 	health   string
 	// metricsURL is where the agent serves /metrics (its own address).
 	metricsURL string
@@ -225,6 +227,14 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 			return err
 		}
 	}
+	// The agent's host directories (the chart's /var/run/ambient-cni and
+	// /var/run/ztunnel) are on a tmpfs, as /var/run is on a node: its
+	// capture records are files there.
+	runDir := filepath.Join(r.dir, "run")
+	if err := mountTmpfs(runDir); err != nil {
+		return err
+	}
+	cleanups = append(cleanups, func() error { return unix.Unmount(runDir, unix.MNT_DETACH) })
 	// The node's CNI bin dir holds the reference plugins, as on a node;
 	// the installer adds ours.
 	for _, p := range cnibin.ReferencePlugins {
@@ -249,8 +259,8 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 	r.agentEnv, err = AgentEnv(r.shipped, Node{
 		Name: node, PodName: "ambient-cni-" + r.backend.Name,
 		CNIBinDir: binDir, CNIConfDir: confDir, PluginBinary: r.o.Plugin,
-		AgentSocket: filepath.Join(r.dir, "run", "ambient-cni", "agent.sock"),
-		ZDSSocket:   filepath.Join(r.dir, "run", "ztunnel", "ztunnel.sock"),
+		AgentSocket: filepath.Join(runDir, "ambient-cni", "agent.sock"),
+		ZDSSocket:   filepath.Join(runDir, "ztunnel", "ztunnel.sock"),
 		Kubeconfig:  r.kubeconfig,
 	}, r.backend)
 	if err != nil {
@@ -276,6 +286,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 
 	zctx, zcancel := context.WithCancel(ctx)
 	zt := ztunnel.New(ztunnel.Config{SocketPath: cfg.ZDSSocket, Logger: slog.New(slog.DiscardHandler)})
+	r.zt = zt
 	zdone := make(chan error, 1)
 	go func() { zdone <- zt.Run(zctx) }()
 	stopZT := func() error { zcancel(); return <-zdone }
@@ -383,6 +394,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 	type flip struct {
 		ns   string
 		pods int
+		uids []types.UID
 	}
 	var flips []flip
 	for _, i := range order {
@@ -401,7 +413,11 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 		if err != nil {
 			return fmt.Errorf("start running pods: %w", err)
 		}
-		flips = append(flips, flip{ns, n})
+		var uids []types.UID
+		for _, p := range pods {
+			uids = append(uids, p.Obj.UID)
+		}
+		flips = append(flips, flip{ns, n, uids})
 	}
 	enrolls := make([]Enroll, len(r.sz.enroll))
 	// Between flips the client's token bucket refills (burst/QPS): a
@@ -429,7 +445,8 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 		if err != nil {
 			return err
 		}
-		took, err := enrollFlip(ctx, r.client, f.ns, f.pods, 10*time.Minute)
+		times, err := enrollFlip(ctx, r.client, f.ns, f.pods, 10*time.Minute, r.zt, f.uids)
+		took := times.enabled
 		if err != nil {
 			return fmt.Errorf("enroll %d running pods: %w", f.pods, err)
 		}
@@ -453,8 +470,9 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 			CPUMsPerPod: ms(cpu1.Sub(cpu0).Total()) / float64(f.pods),
 			APIPerPod:   float64(len(reqs)) / float64(f.pods), APIRequests: summarize(reqs), APIServerMs: meanServerMs(reqs),
 			APIPerSecond: float64(len(reqs)) / took.Seconds(), Running: len(running),
+			CapturedSeconds: times.captured.Seconds(),
 		}
-		r.logf("enrolled %d running pods in %.2f s (%.1f ms per pod, %.2f API requests per pod)", f.pods, e.Seconds, e.MsPerPod, e.APIPerPod)
+		r.logf("enrolled %d running pods in %.2f s (%.1f ms per pod, %.2f API requests per pod; all served by ztunnel after %.2f s)", f.pods, e.Seconds, e.MsPerPod, e.APIPerPod, e.CapturedSeconds)
 		if k == 0 {
 			if r.res.MemoryPods, err = r.memory(); err != nil {
 				return err
@@ -484,7 +502,8 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 	profiling := r.o.Profile && kind == "ambient" && c == 1
 	lr := &latencyRun{
 		client: r.client, cni: cni, chained: chained, primary: primary, node: node, namespace: ns, pods: n, concurrency: c,
-		settle: func(ctx context.Context) error { return r.settle(ctx) },
+		annotated: kind == "ambient",
+		settle:    func(ctx context.Context) error { return r.settle(ctx) },
 		window: func(op string) func() error {
 			w := &window{start: time.Now()}
 			windows[op] = w
@@ -924,4 +943,15 @@ func kernel() string {
 		return ""
 	}
 	return unix.ByteSliceToString(u.Release[:])
+}
+
+// mountTmpfs mounts a small private tmpfs at dir (created if needed).
+func mountTmpfs(dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	if err := unix.Mount("tmpfs", dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "size=64m,mode=0755"); err != nil {
+		return fmt.Errorf("mount a tmpfs at %s: %w", dir, err)
+	}
+	return nil
 }

@@ -30,6 +30,7 @@ import (
 	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/metrics"
+	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/test/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/kubeenv"
@@ -69,6 +70,10 @@ type nodeOptions struct {
 	Faults ztunnel.Faults
 	// LogLevel of the agent's and stand-in's logs (default info).
 	LogLevel slog.Level
+	// AgentHook changes each daemon's agent configuration (fault
+	// injection; see crash_test.go). Not a setting: the agent's flags stay
+	// the shipped ones.
+	AgentHook func(*nodeagent.Config)
 }
 
 // node is one simulated Kubernetes node: a bridge pod network whose
@@ -96,6 +101,7 @@ type node struct {
 	log               *slog.Logger
 
 	d           *installcni.App
+	hook        func(*nodeagent.Config)
 	metrics     *metrics.Metrics
 	health      string // the daemon's health address (/healthz, /readyz)
 	metricsAddr string // the daemon's /metrics address
@@ -121,7 +127,7 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 	testnet.RequireCommands(t, "ip", "nsenter", "sleep")
 	cnibin.Paths(t) // skips under AMBIENT_UNIT_ONLY before an apiserver starts; builds the plugins once
 	env := kube.Env(t)
-	n := &node{t: t, env: env, Name: testnet.RandName("node-", 8)}
+	n := &node{t: t, env: env, Name: testnet.RandName("node-", 8), hook: opts.AgentHook}
 	var err error
 	n.logs = &logSink{t: t}
 	t.Cleanup(n.logs.stop) // registered first: runs after every other cleanup
@@ -281,6 +287,7 @@ func (n *node) startDaemon() {
 		HostNetns:    n.hostNS.Path(),
 		HealthReady:  func(a net.Addr) { addr <- a.String() },
 		MetricsReady: func(a net.Addr) { maddr <- a.String() },
+		AgentHook:    n.hook,
 	})
 	if err != nil {
 		t.Fatalf("daemon: %v", err)

@@ -56,7 +56,10 @@ func TestZtunnelHandoff(t *testing.T) {
 	if len(n.d.Agent().Pods()) != 0 {
 		t.Fatalf("the failed sandbox is still in the agent state: %+v", n.d.Agent().Pods())
 	}
-	if got := obj.Annotations[ambient.RedirectionAnnotation]; got != "" {
+	// The failed ADD wanted the pod marked pending (never enabled); the
+	// runtime's DEL of the failed sandbox writes nothing, the retry's ADD
+	// marks it enabled.
+	if got := obj.Annotations[ambient.RedirectionAnnotation]; got == ambient.RedirectionEnabled {
 		t.Fatalf("the failed sandbox left annotation %q", got)
 	}
 

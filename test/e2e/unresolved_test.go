@@ -2,6 +2,8 @@ package e2e
 
 import (
 	"context"
+	"os"
+	"path/filepath"
 	"slices"
 	"testing"
 
@@ -26,6 +28,15 @@ func (n *node) clearPodIPs(p *kubesim.Pod) {
 	}
 }
 
+// dropRecord removes the pod's capture record, as if an older agent
+// (one that kept none) had captured it: only its annotation says so.
+func (n *node) dropRecord(p *kubesim.Pod) {
+	n.t.Helper()
+	if err := os.Remove(filepath.Join(n.recordDir(), string(p.Obj.UID)+".json")); err != nil {
+		n.t.Fatalf("remove the capture record of %s: %v", p.Obj.Name, err)
+	}
+}
+
 // snapshotOf returns the messages of the stand-in's connection conn.
 func (n *node) snapshotOf(conn int) []ztunnel.Message {
 	var out []ztunnel.Message
@@ -39,21 +50,28 @@ func (n *node) snapshotOf(conn int) []ztunnel.Message {
 
 // TestRestartKeepsPodWhoseNetnsIsNotFound is issue 12 item 1: a captured
 // pod whose netns the restarted agent cannot find (its status lost its IPs
-// in a kubelet restart) is in the new ZDS snapshot as Keep, so ztunnel
-// goes on serving it and traffic to it keeps flowing; its IP stays in the
-// host probe set; once its status shows its IP again it is captured with
-// its netns (Add) and stays enabled.
+// in a kubelet restart, and no capture record names them: an older agent
+// captured it) is in the new ZDS snapshot as Keep, so ztunnel goes on
+// serving it and traffic to it keeps flowing; its IP stays in the host
+// probe set; once its status shows its IP again it is captured with its
+// netns (Add) and stays enabled. A pod whose status lost its IPs but whose
+// capture record has them is found through the record and restored at
+// once (Add).
 func TestRestartKeepsPodWhoseNetnsIsNotFound(t *testing.T) {
 	n := newNode(t, nodeOptions{Upgrade: true})
 	shop := n.namespace("shop", ambientLabel)
 	a := n.runPod(podSpec(shop, "a", nil, nil))
 	b := n.runPod(podSpec(shop, "b", nil, nil))
-	n.waitEnrolled(waitLong, a, b)
+	c := n.runPod(podSpec(shop, "c", nil, nil))
+	n.waitEnrolled(waitLong, a, b, c)
 	mustGet(t, b, a)
 	served, _ := n.zt.Workload(string(a.Obj.UID))
+	servedC, _ := n.zt.Workload(string(c.Obj.UID))
 
 	n.stopDaemon()
 	n.clearPodIPs(a)
+	n.dropRecord(a)
+	n.clearPodIPs(c)
 	conns := n.zt.Connections()
 	n.startDaemon()
 	n.waitStandIn(func() bool { return n.zt.Connections() > conns && n.zt.Ready() }, "the stand-in's snapshot from the new agent")
@@ -68,6 +86,11 @@ func TestRestartKeepsPodWhoseNetnsIsNotFound(t *testing.T) {
 		return m.Kind == ztunnel.KindAdd && m.UID == string(b.Obj.UID) && m.FDs == 1
 	}) {
 		t.Errorf("the snapshot has no Add for the pod found: %+v", snap)
+	}
+	if !slices.ContainsFunc(snap, func(m ztunnel.Message) bool {
+		return m.Kind == ztunnel.KindAdd && m.UID == string(c.Obj.UID) && m.FDs == 1 && m.Netns == servedC.Netns
+	}) {
+		t.Errorf("the snapshot has no Add for the pod found through its capture record's IPs: %+v", snap)
 	}
 	if w, ok := n.zt.Workload(string(a.Obj.UID)); !ok || w.Netns != served.Netns {
 		t.Fatalf("the stand-in dropped the pod whose netns was not found (served %v %+v); its redirected traffic is blackholed", ok, w)
@@ -105,7 +128,8 @@ func TestRestartKeepsPodWhoseNetnsIsNotFound(t *testing.T) {
 }
 
 // TestRestartReleasesUnresolvedPodsSafely: a pod whose netns is not found
-// at restart and whose namespace was unlabelled while the agent was down
+// at restart (no IPs in its status, no capture record: an older agent
+// captured it) and whose namespace was unlabelled while the agent was down
 // stays captured (Keep) until its netns is found; then its rules go
 // before ztunnel drops it. A pod deleted while unresolved is dropped by
 // ztunnel and leaves the probe set.
@@ -120,6 +144,8 @@ func TestRestartReleasesUnresolvedPodsSafely(t *testing.T) {
 	n.stopDaemon()
 	n.clearPodIPs(a)
 	n.clearPodIPs(gone)
+	n.dropRecord(a)
+	n.dropRecord(gone)
 	n.setNamespaceMode(shop, "")
 	conns := n.zt.Connections()
 	n.startDaemon()

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -20,6 +21,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"sigs.k8s.io/yaml"
 
+	"github.com/ambient-cni/ambient-cni/pkg/health"
 	"github.com/ambient-cni/ambient-cni/test/ztunnel"
 )
 
@@ -126,11 +128,36 @@ func (n *Node) AgentPods(ctx context.Context) ([]corev1.Pod, error) {
 	return l.Items, nil
 }
 
-// AgentHealthPort is the chart's default health port (host network).
-const AgentHealthPort = 15021
+// AgentHealthPort and AgentMetricsPort are the chart's default health and
+// metrics ports (host network).
+const (
+	AgentHealthPort  = 15021
+	AgentMetricsPort = 15014
+)
 
-// AgentGet GETs a path of the agent's health server (/debug/pods, /metrics).
+// AgentDebugSocket is the agent's root-only debug socket on the host (the
+// chart's agent.socketDir is a hostPath).
+func (n *Node) AgentDebugSocket() string {
+	return filepath.Join(n.AgentSocketDir(), health.DebugSocketName)
+}
+
+// AgentGet GETs a path of the agent where the chart serves it: /debug/*
+// on the debug socket, /metrics on the metrics port, the rest (/readyz,
+// /healthz) on the health port.
 func (n *Node) AgentGet(ctx context.Context, path string) ([]byte, error) {
+	switch {
+	case strings.HasPrefix(path, "/debug/"):
+		c := &http.Client{Transport: &http.Transport{
+			DisableKeepAlives: true,
+			DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+				var d net.Dialer
+				return d.DialContext(ctx, "unix", n.AgentDebugSocket())
+			},
+		}}
+		return httpGetWith(ctx, c, "http://agent"+path)
+	case path == "/metrics":
+		return httpGet(ctx, fmt.Sprintf("http://127.0.0.1:%d%s", AgentMetricsPort, path))
+	}
 	return httpGet(ctx, fmt.Sprintf("http://127.0.0.1:%d%s", AgentHealthPort, path))
 }
 
@@ -154,13 +181,17 @@ func (n *Node) AgentState(ctx context.Context) ([]AgentPod, error) {
 }
 
 func httpGet(ctx context.Context, url string) ([]byte, error) {
+	return httpGetWith(ctx, noKeepAlive, url)
+}
+
+func httpGetWith(ctx context.Context, c *http.Client, url string) ([]byte, error) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
 		return nil, err
 	}
-	resp, err := noKeepAlive.Do(req)
+	resp, err := c.Do(req)
 	if err != nil {
 		return nil, err
 	}

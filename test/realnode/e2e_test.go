@@ -71,16 +71,6 @@ func (w *lineWriter) Write(p []byte) (int, error) {
 	}
 }
 
-// skipPending skips a case that fails today because of a bug another issue
-// owns; the lead removes the skip when the fix lands.
-func skipPending(t *testing.T, issue, why string) {
-	t.Helper()
-	if os.Getenv("AMBIENT_E2E_NO_PENDING_SKIPS") == "1" {
-		return
-	}
-	t.Skipf("PENDING %s: %s (set AMBIENT_E2E_NO_PENDING_SKIPS=1 to run it)", issue, why)
-}
-
 func TestRealNode(t *testing.T) {
 	testnet.RequireRoot(t)
 	if _, err := FindTools(); err != nil {
@@ -482,7 +472,6 @@ func (e *e2e) testStory(t *testing.T) {
 // while its container still runs: the hook's request and the one the app
 // makes after SIGTERM both go through ztunnel.
 func (e *e2e) testGracefulDeletion(t *testing.T) {
-	skipPending(t, "issue 11 item 1", "the agent unenrolls a terminating pod at the start of its grace period")
 	ctx := context.Background()
 	e.namespace(t, "grace", true)
 	sink := e.start(t, "grace", "sink", AppOptions{})

@@ -414,7 +414,9 @@ func (s *Story) checkProbes(ctx context.Context, name string) {
 	err := s.N.Poll(ctx, "probes of "+name, func(ctx context.Context) (bool, error) {
 		entries, err := appLog(ctx, p)
 		if err != nil {
-			return false, err
+			// The host reaches a captured pod through the probe SNAT too:
+			// say what became of it.
+			return false, fmt.Errorf("%w; %s", err, s.N.probeSetReport(p.Status.PodIP))
 		}
 		ready, live := false, false
 		seen = seen[:0]
@@ -721,12 +723,13 @@ func (n *Node) explain(out io.Writer) {
    kubectl get pods -A -o wide; kubectl -n %s logs %s
    %s --runtime-endpoint %s pods            # containerd's view
    nsenter --net=%s nft list ruleset         # a pod's capture rules (like ip netns exec; iptables-save with an iptables backend)
-   curl -s 127.0.0.1:%d/debug/pods            # the agent's enrolled pods
+   curl -s --unix-socket %s http://agent/debug/pods   # the agent's enrolled pods
+   curl -s --unix-socket %s 'http://agent/debug/explain?pod=demo/app-1'   # why a pod is (not) captured
    curl -s 127.0.0.1:%d/metrics
    curl -s 127.0.0.1:%d/records                # the ztunnel stand-in's connection log
    cat %s                                     # the chained CNI config
    ls %s                                      # logs of every component
 == Ctrl-C here tears the node down and leaves the host as it was
    (if this process is killed instead: make demo-down)
-`, n.Kubeconfig, ReleaseNamespace, agent, n.Tools.Crictl, ep, netns, AgentHealthPort, AgentHealthPort, n.standInPort, n.CNIConfFile, n.Dir)
+`, n.Kubeconfig, ReleaseNamespace, agent, n.Tools.Crictl, ep, netns, n.AgentDebugSocket(), n.AgentDebugSocket(), AgentMetricsPort, n.standInPort, n.CNIConfFile, n.Dir)
 }

@@ -17,6 +17,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"os/signal"
 	"path/filepath"
 	"sync"
@@ -98,6 +99,10 @@ type Options struct {
 	// HealthReady and MetricsReady, when set, receive the health and
 	// metrics servers' bound addresses.
 	HealthReady, MetricsReady func(net.Addr)
+	// AgentHook, when set, may change the node agent's configuration
+	// before the agent is built: tests wrap its side effects (rules,
+	// ztunnel, annotations) to stop it at a chosen step.
+	AgentHook func(*nodeagent.Config)
 }
 
 // installerStateName is the installer's state file, kept beside the agent
@@ -106,6 +111,10 @@ const installerStateName = "installer-state.json"
 
 // shutdownTimeout bounds the upgrade check and the uninstall at shutdown.
 const shutdownTimeout = 10 * time.Second
+
+// annotationFlushTimeout bounds the wait for queued annotation writes at
+// shutdown.
+const annotationFlushTimeout = 2 * time.Second
 
 // releaseTimeout bounds releasing the captured pods on an uninstall.
 const releaseTimeout = 12 * time.Second
@@ -197,14 +206,19 @@ func New(o Options) (*App, error) {
 		// agent restart) must get the enrolled pods, or it drops them all.
 		// The agent exists before Run lets the server listen.
 		Snapshot: func() []zds.Workload { return a.agent.Workloads() },
+		// A pod left pending (its ADD timed out waiting for ztunnel, or a
+		// previous agent crashed first) is enabled once a snapshot acks it.
+		SnapshotAcked: func(uid string, netns *os.File) { a.agent.SnapshotAcked(uid, netns) },
 	})
-	annotator := kubeadapter.Annotator{Client: o.Client}
-	a.agent, err = nodeagent.NewAgent(nodeagent.Config{
+	agentCfg := nodeagent.Config{
 		Rules:              rules.Rules,
 		HostProbe:          rules.Probe,
 		Ztunnel:            a.zds,
 		ZtunnelTimeout:     c.ZtunnelWait,
-		Annotator:          annotator,
+		Annotator:          kubeadapter.Annotator{Client: o.Client},
+		Pods:               a.pods,
+		RecordDir:          nodeagent.RecordDir(c.AgentSocket),
+		Netns:              nodeagent.NetnsPolicy{Roots: c.NetnsDirs, ProcRoot: c.ProcRoot},
 		Enablement:         a.pods,
 		SnapshotFile:       nodefiles.SnapshotPath(c.AgentSocket),
 		SpoolDir:           nodefiles.SpoolDir(c.AgentSocket),
@@ -215,7 +229,11 @@ func New(o Options) (*App, error) {
 		OnRuleError:        func(op string) { m.RuleErrors.WithLabelValues(op).Inc() },
 		OnDriftRepaired:    m.RuleDrift.Inc,
 		Logger:             a.log,
-	})
+	}
+	if o.AgentHook != nil {
+		o.AgentHook(&agentCfg)
+	}
+	a.agent, err = nodeagent.NewAgent(agentCfg)
 	if err != nil {
 		return nil, err
 	}
@@ -236,13 +254,12 @@ func New(o Options) (*App, error) {
 	}, a.pods, a.agent)
 	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
 	a.ctrl = controller.New(controller.Config{
-		Pods:      a.pods,
-		Agent:     a.agent,
-		Finder:    nodeagent.ProcFinder{Scanner: podnetns.Scanner{ProcRoot: c.ProcRoot, Logger: a.log}, Logger: a.log},
-		Annotator: annotator,
-		Events:    a.events,
-		Logger:    a.log,
-		OnScan:    func(int, int, time.Duration) { m.NetnsScans.Inc() },
+		Pods:   a.pods,
+		Agent:  a.agent,
+		Finder: nodeagent.ProcFinder{Scanner: podnetns.Scanner{ProcRoot: c.ProcRoot, Logger: a.log}, Logger: a.log},
+		Events: a.events,
+		Logger: a.log,
+		OnScan: func(int, int, time.Duration) { m.NetnsScans.Inc() },
 	})
 	// The plugin's fallback snapshot follows the cluster once the pods of a
 	// previous agent are restored (an early one would be empty).
@@ -332,6 +349,11 @@ func (a *App) Run(ctx context.Context) (err error) {
 	if err := a.agent.EnsureHostProbe(); err != nil {
 		return err
 	}
+	// What a previous agent recorded it captured; restored with the
+	// annotated pods once the pod cache is synced.
+	if err := a.agent.LoadRecords(); err != nil {
+		a.log.Warn("capture records", "err", err)
+	}
 	a.events.Start()
 	defer a.events.Shutdown()
 
@@ -393,6 +415,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 	run("installer", a.installer.Run)
 	run("daemonset-watch", a.upgrade.Run)
 	run("pod-cache", a.pods.Run)
+	run("annotations", a.agent.Run)
 	run("controller", a.ctrl.Run)
 	run("metrics", func(ctx context.Context) error {
 		return a.metrics.RunGauges(ctx, a.agent.StateCounts, a.zds.Connections)
@@ -444,6 +467,13 @@ func (a *App) Run(ctx context.Context) (err error) {
 	var runErr error
 	select {
 	case <-ctx.Done():
+		// Give the annotation writes queued by the last captures a
+		// moment; whatever is left the next agent repairs.
+		fctx, fcancel := context.WithTimeout(context.Background(), annotationFlushTimeout)
+		if err := a.agent.FlushAnnotations(fctx); err != nil {
+			a.log.Info("annotation writes left to the next agent", "pending", a.agent.PendingAnnotations())
+		}
+		fcancel()
 	case runErr = <-errs:
 		a.log.Error("component failed; shutting down", "err", runErr)
 	}
@@ -480,6 +510,9 @@ func (a *App) shutdown() error {
 	}
 	if !upgrade {
 		if err := a.agent.RemoveHostProbe(); err != nil {
+			errs = append(errs, err)
+		}
+		if err := a.agent.RemoveRecords(); err != nil {
 			errs = append(errs, err)
 		}
 	}

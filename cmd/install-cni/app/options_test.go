@@ -136,7 +136,8 @@ func TestKubeClientLimits(t *testing.T) {
 	}
 	base := &rest.Config{Host: "https://127.0.0.1:6443", QPS: 500, Burst: 1000, RateLimiter: flowcontrol.NewFakeAlwaysRateLimiter()}
 	rc := c.KubeClientConfig(base)
-	if rc.QPS != 2.5 || rc.Burst != 7 || rc.RateLimiter != nil || rc.UserAgent != "ambient-cni/n1" || rc.Host != base.Host {
+	if rc.QPS != 2.5 || rc.Burst != 7 || rc.RateLimiter != nil || rc.UserAgent != "ambient-cni/n1" || rc.Host != base.Host ||
+		rc.ContentType != "application/vnd.kubernetes.protobuf" {
 		t.Errorf("client config %+v", rc)
 	}
 	if base.QPS != 500 || base.UserAgent != "" {

@@ -1,0 +1,226 @@
+package nodeagent
+
+import (
+	"context"
+	"log/slog"
+	"sync"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/util/workqueue"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+)
+
+// annotationWorkers is how many annotation writes run at once. The
+// client's own rate limit paces them; a few in flight keep its burst
+// busy when many pods are enrolled at once (a namespace label).
+const annotationWorkers = 8
+
+// Backoff of a failed annotation write, per pod.
+const (
+	annotationRetryMin = 100 * time.Millisecond
+	annotationRetryMax = 30 * time.Second
+)
+
+// annotationWriter writes the redirection annotation off the capture's
+// critical path. It keeps, per pod, only the latest value the agent wants
+// (coalescing), writes it with retries and per-pod backoff, and skips a
+// write when the pod already carries the value. A pod that is gone
+// (NotFound, or replaced under its name: the patch's UID precondition
+// fails) drops its write. Nothing is lost while the agent runs; a crash
+// loses the queue, and the next agent rewrites what its restored pods need
+// (see Agent.Restore and Agent.SnapshotAcked).
+type annotationWriter struct {
+	ann  Annotator
+	pods PodLister // may be nil
+	log  *slog.Logger
+
+	queue workqueue.TypedRateLimitingInterface[types.UID]
+
+	mu sync.Mutex
+	// want is the value each pod should get; written what this agent last
+	// wrote (or found) on the object.
+	want    map[types.UID]*wantedAnnotation
+	written map[types.UID]string
+	// idle is closed and replaced whenever want becomes empty (for Flush).
+	idle chan struct{}
+}
+
+type wantedAnnotation struct {
+	namespace, name, value string
+	// then runs once value is on the object (or the pod is gone), unless
+	// a newer value replaced it first.
+	then func()
+}
+
+func newAnnotationWriter(ann Annotator, pods PodLister, log *slog.Logger) *annotationWriter {
+	return &annotationWriter{
+		ann: ann, pods: pods, log: log,
+		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
+			workqueue.NewTypedItemExponentialFailureRateLimiter[types.UID](annotationRetryMin, annotationRetryMax),
+			workqueue.TypedRateLimitingQueueConfig[types.UID]{Name: "annotations"}),
+		want:    map[types.UID]*wantedAnnotation{},
+		written: map[types.UID]string{},
+		idle:    make(chan struct{}),
+	}
+}
+
+// set makes value the pod's wanted annotation ("" removes it); then, if
+// not nil, runs once it is written. It never blocks on the API.
+func (w *annotationWriter) set(namespace, name string, uid types.UID, value string, then func()) {
+	if w.ann == nil {
+		if then != nil {
+			then()
+		}
+		return
+	}
+	w.mu.Lock()
+	w.want[uid] = &wantedAnnotation{namespace: namespace, name: name, value: value, then: then}
+	w.mu.Unlock()
+	w.queue.Add(uid)
+}
+
+// forget drops whatever the pod still wanted written: its sandbox is gone.
+func (w *annotationWriter) forget(uid types.UID) {
+	w.mu.Lock()
+	delete(w.want, uid)
+	delete(w.written, uid)
+	w.notifyIdleLocked()
+	w.mu.Unlock()
+	w.queue.Forget(uid)
+}
+
+// pending is how many pods still wait for a write.
+func (w *annotationWriter) pending() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.want)
+}
+
+// flush waits until nothing is left to write, or ctx ends.
+func (w *annotationWriter) flush(ctx context.Context) error {
+	for {
+		w.mu.Lock()
+		n, ch := len(w.want), w.idle
+		w.mu.Unlock()
+		if n == 0 {
+			return nil
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+func (w *annotationWriter) notifyIdleLocked() {
+	if len(w.want) == 0 {
+		close(w.idle)
+		w.idle = make(chan struct{})
+	}
+}
+
+// run writes until ctx ends; what is still queued then is left to the
+// next agent.
+func (w *annotationWriter) run(ctx context.Context) {
+	var wg sync.WaitGroup
+	for range annotationWorkers {
+		wg.Go(func() {
+			for w.next(ctx) {
+			}
+		})
+	}
+	<-ctx.Done()
+	w.queue.ShutDown()
+	wg.Wait()
+}
+
+func (w *annotationWriter) next(ctx context.Context) bool {
+	uid, quit := w.queue.Get()
+	if quit {
+		return false
+	}
+	defer w.queue.Done(uid)
+	w.write(ctx, uid)
+	return true
+}
+
+// write makes one attempt at the pod's wanted value.
+func (w *annotationWriter) write(ctx context.Context, uid types.UID) {
+	w.mu.Lock()
+	want := w.want[uid]
+	if want == nil {
+		w.mu.Unlock()
+		w.queue.Forget(uid)
+		return
+	}
+	have, known := w.written[uid]
+	if !known {
+		have, known = w.onObject(want.namespace, want.name, uid)
+	}
+	if known && have == want.value {
+		w.written[uid] = have
+		w.doneLocked(uid, want)
+		return
+	}
+	w.mu.Unlock()
+
+	err := w.ann.SetRedirection(ctx, want.namespace, want.name, uid, want.value)
+	gone := apierrors.IsNotFound(err) || apierrors.IsConflict(err)
+	w.mu.Lock()
+	switch {
+	case err == nil:
+		w.written[uid] = want.value
+	case gone:
+		// Deleted, or replaced by a pod of another UID under the name:
+		// there is nothing of ours left to mark.
+		delete(w.written, uid)
+		w.log.Debug("pod gone; annotation not written", "pod", want.namespace+"/"+want.name, "uid", uid, "value", want.value)
+	default:
+		w.mu.Unlock()
+		if ctx.Err() != nil {
+			return
+		}
+		w.log.Warn("write redirection annotation; retrying", "pod", want.namespace+"/"+want.name, "uid", uid,
+			"value", want.value, "retries", w.queue.NumRequeues(uid), "err", err)
+		w.queue.AddRateLimited(uid)
+		return
+	}
+	if w.want[uid] != want {
+		// A newer value came meanwhile; the queue holds the pod again.
+		w.mu.Unlock()
+		return
+	}
+	w.doneLocked(uid, want)
+}
+
+// doneLocked retires want (the value on the object) and runs its then,
+// after unlocking.
+func (w *annotationWriter) doneLocked(uid types.UID, want *wantedAnnotation) {
+	// written keeps even a removal: the pod cache may still show the old
+	// value for a while, and must not be trusted for this pod again.
+	delete(w.want, uid)
+	w.notifyIdleLocked()
+	w.mu.Unlock()
+	w.queue.Forget(uid)
+	if want.then != nil {
+		want.then()
+	}
+}
+
+// onObject reads the value the pod carries from the pod cache, if the
+// cache has this very pod. Only a pod this agent has not written yet is
+// looked up: for those, the cache is as new as anything the agent knows.
+func (w *annotationWriter) onObject(namespace, name string, uid types.UID) (string, bool) {
+	if w.pods == nil {
+		return "", false
+	}
+	p, err := w.pods.Pod(namespace, name)
+	if err != nil || p == nil || p.UID != uid {
+		return "", false
+	}
+	return p.Annotations[ambient.RedirectionAnnotation], true
+}
