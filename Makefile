@@ -22,7 +22,7 @@ KEEP          ?=
 PLUGIN_LDFLAGS := -s -w
 AGENT_LDFLAGS  := -s -w
 
-.PHONY: check all build tools node-tools bench test test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: check all build tools node-tools bench test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -47,10 +47,18 @@ bench: AGENT_LDFLAGS := $(if $(filter 1 true,$(BENCH_PROFILE)),,-s -w)
 bench: build tools ## as root: measure the shipped binaries with the chart's defaults, print one table (docs/performance.md); JSON in .bench/; BENCH_QUICK=1 for a smoke run, BENCH_PROFILE=1 to attach perf
 	$(GO) run ./test/bench/cmd/bench -install-cni $(BIN)/install-cni -plugin $(BIN)/ambient-cni -out $(BENCH_OUT)
 
-check: lint test e2e ## as root: everything CI runs (.ci/run runs exactly this)
+check: lint test test-long e2e ## as root: everything CI runs (.ci/run runs exactly this)
 
 test: tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures)
 	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...
+
+# The fault-injection suite (test/chaos, docs/reliability.md) takes
+# minutes (its scenarios run side by side, each in a network namespace of
+# its own), so make test skips it; CI runs both.
+LONG_TIMEOUT  ?= 30m
+
+test-long: tools ## as root: the fault-injection suite (agent SIGKILLs, ztunnel and API server outages, a 5,000-cycle soak; AMBIENT_CHAOS_SEEDS=1,2 replays kill schedules)
+	AMBIENT_TEST_LONG=1 $(GO) test -count=1 -v -timeout $(LONG_TIMEOUT) ./test/chaos/
 
 # A static binary, so Ctrl-C reaches it directly (not through go run) and
 # it tears the node down before make returns.

@@ -43,6 +43,10 @@ type Pods interface {
 type Agent interface {
 	Capture(ctx context.Context, pod *corev1.Pod, ns *nodeagent.Netns, sb *nodeagent.Sandbox) error
 	Restore(ctx context.Context, pod *corev1.Pod, ns *nodeagent.Netns) error
+	// RestoreUnresolved adopts a captured pod whose netns was not found;
+	// Unresolved reports such a pod until it is captured or restored.
+	RestoreUnresolved(pod *corev1.Pod)
+	Unresolved(uid types.UID) bool
 	// Release takes capture off a pod found captured at startup that
 	// should not be.
 	Release(ctx context.Context, pod *corev1.Pod, ns *nodeagent.Netns) error
@@ -156,7 +160,10 @@ func (c *Controller) Restored() <-chan struct{} { return c.restored }
 // annotated pending or enabled (an older agent kept no records). A
 // recorded pod whose object is gone (deleted while no agent ran) is
 // cleaned through its record. A found pod that should still be captured
-// is restored; one that should not any more is released.
+// is restored; one that should not any more is released. A pod whose netns
+// is not found (or whose rules cannot be verified or released) is adopted
+// unresolved, so ztunnel keeps it and its probe-set entry stays, and is
+// requeued.
 func (c *Controller) restore(ctx context.Context) {
 	all, err := c.cfg.Pods.Pods()
 	if err != nil {
@@ -203,19 +210,25 @@ func (c *Controller) restore(ctx context.Context) {
 		p := byUID[uid]
 		ns, ok := found.take(uid)
 		if !ok {
-			// Requeue: the normal path enrolls it (or clears its annotation).
+			// Its traffic still goes to ztunnel: keep the pod there until the
+			// normal path captures it again (or releases it).
+			c.cfg.Agent.RestoreUnresolved(p)
 			c.queue.Add(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
 			return
 		}
 		if d := c.cfg.Pods.DecideCached(p); !d.Enroll {
 			if err := c.cfg.Agent.Release(ctx, p, ns); err != nil {
 				c.log.Error("release pod captured before the restart", "pod", p.Namespace+"/"+p.Name, "reason", d.Reason, "err", err)
+				// Its rules may still redirect it: ztunnel keeps it until
+				// the reconcile finds it again and releases it in order.
+				c.cfg.Agent.RestoreUnresolved(p)
 				c.queue.Add(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
 			}
 			return
 		}
 		if err := c.cfg.Agent.Restore(ctx, p, ns); err != nil {
 			c.log.Error("restore enrolled pod", "pod", p.Namespace+"/"+p.Name, "err", err)
+			c.cfg.Agent.RestoreUnresolved(p)
 			c.queue.Add(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
 		}
 	})
@@ -253,6 +266,10 @@ type work struct {
 	uid   types.UID   // enrolled UID to remove, if any
 	need  bool        // needs capturing (netns lookup)
 	clear bool        // not enrolled, not wanted, but still annotated
+	// release: an unresolved pod that should no longer be captured but
+	// still runs: find its netns, restore it, then unenroll it (uid), so
+	// its rules go before ztunnel lets go of it.
+	release bool
 }
 
 // processBatch takes one queued key, lets a burst gather for BatchWindow,
@@ -367,18 +384,25 @@ func (c *Controller) plan(k types.NamespacedName) work {
 		w.uid = enrolled // recreated under the same name: drop the old one
 	}
 	d := c.cfg.Pods.DecideCached(p)
+	unresolved := isEnrolled && enrolled == p.UID && c.cfg.Agent.Unresolved(p.UID)
+	findable := len(enablement.PodIPs(p)) > 0
 	switch {
 	case d.Enroll && !isEnrolled && p.DeletionTimestamp != nil && c.cfg.Agent.SandboxReleased(p.UID):
 		// A terminating pod stays captured until its object goes, but
 		// once kubelet has torn its sandbox down (CNI DEL, which released
 		// it) there is no network left to capture: its remaining status
 		// updates must not send the controller looking for it.
-	case d.Enroll && (!isEnrolled || enrolled != p.UID || c.cfg.Agent.Pending(p.UID)):
+	case d.Enroll && (!isEnrolled || enrolled != p.UID || c.cfg.Agent.Pending(p.UID) || unresolved):
 		// A pod the CNI path is still setting up has no IP yet; its ADD
 		// enrolls it, and its status update brings it back here. With IPs
 		// its sandbox is up whatever the phase (init containers running,
 		// containers starting): capture it now, as Istio does.
-		w.need = len(enablement.PodIPs(p)) > 0
+		w.need = findable
+	case !d.Enroll && unresolved && !enablement.IsTerminal(p):
+		// Its rules may still redirect its traffic: they must go before
+		// ztunnel lets go of it, and that needs its netns. Without IPs it
+		// waits for its status update.
+		w.need, w.release = findable, findable
 	case !d.Enroll && isEnrolled && enrolled == p.UID:
 		w.uid = enrolled
 	case !d.Enroll && redirectionState(p) != "" && p.DeletionTimestamp == nil:
@@ -392,6 +416,16 @@ func (c *Controller) plan(k types.NamespacedName) work {
 var errNotFound = errors.New("netns not found")
 
 func (c *Controller) apply(ctx context.Context, w work, found *handles) error {
+	if w.release {
+		ns, ok := found.take(w.pod.UID)
+		if !ok {
+			return fmt.Errorf("pod %s (uid %s) to release: %w", w.key, w.pod.UID, errNotFound)
+		}
+		if err := c.cfg.Agent.Restore(ctx, w.pod, ns); err != nil {
+			return fmt.Errorf("restore before release: %w", err)
+		}
+		w.uid, w.need = w.pod.UID, false
+	}
 	if w.uid != "" {
 		if err := c.cfg.Agent.Unenroll(ctx, w.uid); err != nil {
 			return fmt.Errorf("unenroll %s: %w", w.uid, err)

@@ -32,7 +32,9 @@ type fakeAgent struct {
 	mu         sync.Mutex
 	enrolled   map[types.NamespacedName]types.UID
 	pending    map[types.UID]bool
+	unresolved map[types.UID]bool
 	records    []nodeagent.Record
+	releaseErr error
 	released   map[types.UID]bool
 	calls      []string
 	captureErr error
@@ -43,7 +45,10 @@ type fakeAgent struct {
 }
 
 func newFakeAgent() *fakeAgent {
-	return &fakeAgent{enrolled: map[types.NamespacedName]types.UID{}, pending: map[types.UID]bool{}, released: map[types.UID]bool{}}
+	return &fakeAgent{
+		enrolled: map[types.NamespacedName]types.UID{}, pending: map[types.UID]bool{},
+		unresolved: map[types.UID]bool{}, released: map[types.UID]bool{},
+	}
 }
 
 func (a *fakeAgent) Capture(_ context.Context, pod *corev1.Pod, _ *nodeagent.Netns, sb *nodeagent.Sandbox) error {
@@ -66,6 +71,7 @@ func (a *fakeAgent) Capture(_ context.Context, pod *corev1.Pod, _ *nodeagent.Net
 	}
 	a.enrolled[types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}] = pod.UID
 	delete(a.pending, pod.UID)
+	delete(a.unresolved, pod.UID)
 	return nil
 }
 
@@ -74,14 +80,29 @@ func (a *fakeAgent) Restore(_ context.Context, pod *corev1.Pod, _ *nodeagent.Net
 	defer a.mu.Unlock()
 	a.calls = append(a.calls, "restore "+pod.Namespace+"/"+pod.Name)
 	a.enrolled[types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}] = pod.UID
+	delete(a.unresolved, pod.UID)
 	return nil
+}
+
+func (a *fakeAgent) RestoreUnresolved(pod *corev1.Pod) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.calls = append(a.calls, "keep "+pod.Namespace+"/"+pod.Name)
+	a.enrolled[types.NamespacedName{Namespace: pod.Namespace, Name: pod.Name}] = pod.UID
+	a.unresolved[pod.UID] = true
+}
+
+func (a *fakeAgent) Unresolved(uid types.UID) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.unresolved[uid]
 }
 
 func (a *fakeAgent) Release(_ context.Context, pod *corev1.Pod, _ *nodeagent.Netns) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.calls = append(a.calls, "release "+pod.Namespace+"/"+pod.Name)
-	return nil
+	return a.releaseErr
 }
 
 func (a *fakeAgent) ClearStale(pod *corev1.Pod) {
@@ -105,6 +126,7 @@ func (a *fakeAgent) Unenroll(_ context.Context, uid types.UID) error {
 			delete(a.enrolled, k)
 		}
 	}
+	delete(a.unresolved, uid)
 	return nil
 }
 
@@ -221,6 +243,13 @@ func newEnv(t *testing.T, running []types.UID, objs ...*corev1.Pod) *env {
 // newEnvWithRecords is newEnv with capture records a previous agent left.
 func newEnvWithRecords(t *testing.T, running []types.UID, records []nodeagent.Record, objs ...*corev1.Pod) *env {
 	t.Helper()
+	return newEnvWithAgent(t, running, records, nil, objs...)
+}
+
+// newEnvWithAgent is newEnvWithRecords with setup run on the fake agent
+// before the controller starts.
+func newEnvWithAgent(t *testing.T, running []types.UID, records []nodeagent.Record, setup func(*fakeAgent), objs ...*corev1.Pod) *env {
+	t.Helper()
 	e := &env{
 		kube:   fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy(), Self: self}),
 		agent:  newFakeAgent(),
@@ -229,6 +258,9 @@ func newEnvWithRecords(t *testing.T, running []types.UID, records []nodeagent.Re
 	}
 	e.finder.setRunning(running...)
 	e.agent.records = records
+	if setup != nil {
+		setup(e.agent)
+	}
 	e.kube.Seed(namespace("shop", false), namespace("blog", true), namespace(self.Namespace, true))
 	for _, p := range objs {
 		e.kube.Seed(p)
@@ -351,8 +383,11 @@ func TestUnenrollsPodsNoLongerWanted(t *testing.T) {
 
 // TestRestoreAdoptsMarkedPods: at startup the pods a previous agent marked
 // are restored before Restored is closed; one that should no longer be
-// captured is released instead, and a marked pod whose netns is gone or
-// that finished gets its annotation cleared (through the agent's writer).
+// captured is released instead, a marked pod whose netns is not found is
+// adopted unresolved (ztunnel keeps it) rather than dropped or cleared,
+// whether it should still be captured (captured once found) or not (see
+// TestUnresolvedPodReleasedOnlyWithItsNetns), and a finished pod gets its
+// annotation cleared (through the agent's writer).
 func TestRestoreAdoptsMarkedPods(t *testing.T) {
 	mark := func(p *corev1.Pod) *corev1.Pod {
 		p.Annotations = map[string]string{ambient.RedirectionAnnotation: ambient.RedirectionEnabled}
@@ -363,21 +398,85 @@ func TestRestoreAdoptsMarkedPods(t *testing.T) {
 	e := newEnv(t, []types.UID{"u-keep", "u-stale"},
 		mark(running("blog", "keep", "u-keep", "10.1.0.1")),
 		mark(running("shop", "stale", "u-stale", "10.1.0.2")),
-		mark(running("shop", "gone", "u-gone", "10.1.0.3")),
+		mark(running("blog", "lost", "u-lost", "10.1.0.3")),
+		mark(running("shop", "gone", "u-gone", "10.1.0.4")),
 		mark(done))
 	restored := e.agent.log()
 	slices.Sort(restored)
-	if want := []string{"release shop/stale", "restore blog/keep"}; !slices.Equal(restored, want) {
+	if want := []string{"keep blog/lost", "keep shop/gone", "release shop/stale", "restore blog/keep"}; !slices.Equal(restored, want) {
 		t.Errorf("restored before Restored(): %v, want %v", restored, want)
 	}
-	poll.Until(t, "stale annotation cleared", func() bool { return e.agent.count("clear shop/gone") == 1 })
 	poll.Until(t, "finished pod's annotation cleared", func() bool { return e.agent.count("clear blog/done") == 1 })
+	// The unresolved pods are looked for again, not dropped, not cleared,
+	// and not released while they may still run with their rules.
+	for _, uid := range []types.UID{"u-lost", "u-gone"} {
+		poll.Until(t, "a scan for the unresolved pod "+string(uid), func() bool {
+			return slices.ContainsFunc(e.finder.scanLog()[1:], func(s []types.UID) bool { return slices.Contains(s, uid) })
+		})
+	}
 	time.Sleep(100 * time.Millisecond)
 	for _, c := range e.agent.log() {
-		if strings.Contains(c, "keep") && c != "restore blog/keep" || strings.Contains(c, "done") && c != "clear blog/done" {
+		if strings.Contains(c, "keep") && c != "restore blog/keep" && c != "keep blog/lost" && c != "keep shop/gone" ||
+			strings.Contains(c, "lost") && c != "keep blog/lost" || strings.Contains(c, "gone") && c != "keep shop/gone" ||
+			strings.Contains(c, "done") && c != "clear blog/done" {
 			t.Errorf("unexpected %q", c)
 		}
 	}
+	// Found again: captured.
+	e.finder.setRunning("u-lost")
+	poll.Until(t, "the unresolved pod captured once found", func() bool { return e.agent.count("capture blog/lost") == 1 })
+}
+
+// TestUnresolvedPodReleasedOnlyWithItsNetns: a pod restored without its
+// netns that should no longer be captured (its namespace was unlabelled
+// while the agent was down) is unenrolled only after its netns is found
+// and restored, so its rules go before ztunnel lets go of it; one deleted
+// while unresolved is unenrolled at once (its sandbox is gone).
+func TestUnresolvedPodReleasedOnlyWithItsNetns(t *testing.T) {
+	mark := func(p *corev1.Pod) *corev1.Pod {
+		p.Annotations = map[string]string{ambient.RedirectionAnnotation: ambient.RedirectionEnabled}
+		return p
+	}
+	e := newEnv(t, nil,
+		mark(running("shop", "unlabelled", "u-unl", "10.1.0.1")),
+		mark(running("blog", "deleted", "u-del", "10.1.0.2")))
+	if !e.agent.Unresolved("u-unl") || !e.agent.Unresolved("u-del") {
+		t.Fatalf("not adopted unresolved: %v", e.agent.log())
+	}
+	poll.Until(t, "a scan for the unlabelled pod", func() bool {
+		return slices.ContainsFunc(e.finder.scanLog()[1:], func(s []types.UID) bool { return slices.Contains(s, "u-unl") })
+	})
+	time.Sleep(100 * time.Millisecond)
+	if n := e.agent.count("unenroll u-unl"); n != 0 {
+		t.Fatalf("unenrolled %d times without its netns", n)
+	}
+	e.finder.setRunning("u-unl")
+	poll.Until(t, "restored, then unenrolled", func() bool {
+		calls := e.agent.log()
+		i, j := slices.Index(calls, "restore shop/unlabelled"), slices.Index(calls, "unenroll u-unl")
+		return i >= 0 && j > i
+	})
+	e.kube.DeletePod("blog", "deleted")
+	poll.Until(t, "the deleted unresolved pod unenrolled", func() bool { return e.agent.count("unenroll u-del") == 1 })
+}
+
+// TestFailedReleaseAtRestoreKeepsPod: a pod found captured at startup that
+// should not be any more, whose release fails (its rules could not be
+// removed), is adopted unresolved so ztunnel keeps serving its redirected
+// traffic, and the reconcile releases it in order (restore, then unenroll)
+// once it can.
+func TestFailedReleaseAtRestoreKeepsPod(t *testing.T) {
+	p := running("shop", "stale", "u-stale", "10.1.0.2")
+	p.Annotations = map[string]string{ambient.RedirectionAnnotation: ambient.RedirectionEnabled}
+	e := newEnvWithAgent(t, []types.UID{"u-stale"}, nil, func(a *fakeAgent) { a.releaseErr = errors.New("xtables lock busy") }, p)
+	if got := e.agent.log(); !slices.Equal(got, []string{"release shop/stale", "keep shop/stale"}) {
+		t.Fatalf("before Restored(): %v", got)
+	}
+	poll.Until(t, "restored, then unenrolled", func() bool {
+		calls := e.agent.log()
+		i, j := slices.Index(calls, "restore shop/stale"), slices.Index(calls, "unenroll u-stale")
+		return i >= 0 && j > i
+	})
 }
 
 // TestRestoreAdoptsRecordedPods: the pods in the agent's capture records

@@ -265,12 +265,21 @@ func (e *Explainer) report(p *corev1.Pod, found *scan) *Report {
 	}
 	if held {
 		r.Captured = e.capture(in)
-		r.Netns = Netns{Found: true, How: "held by the agent since it captured the pod", Path: in.Netns, Inode: in.NetnsID}
+		r.Netns = heldNetns(in.EnrolledPod)
 	} else {
 		r.Netns = e.netnsOf(p, d, ips, found)
 	}
 	e.judge(r, p, d, ips)
 	return r
+}
+
+// heldNetns is the netns of a pod the agent holds: its handle, or none for
+// a pod restored without it after a restart.
+func heldNetns(ep nodeagent.EnrolledPod) Netns {
+	if ep.Unresolved {
+		return Netns{How: "not found since the agent restarted: the agent keeps the pod in ztunnel (ZDS Keep) and its rules in place until it finds it (its capture record names the path shown)", Path: ep.Netns}
+	}
+	return Netns{Found: true, How: "held by the agent since it captured the pod", Path: ep.Netns, Inode: ep.NetnsID}
 }
 
 func (e *Explainer) capture(in nodeagent.Inspection) *Capture {
@@ -362,7 +371,7 @@ func (e *Explainer) orphan(ep nodeagent.EnrolledPod) *Report {
 	r := &Report{
 		Pod: ep.Namespace + "/" + ep.Name, UID: ep.UID,
 		Policy: Policy{Reason: string(enablement.ReasonNoPod)},
-		Netns:  Netns{Found: true, How: "held by the agent since it captured the pod", Path: ep.Netns, Inode: ep.NetnsID},
+		Netns:  heldNetns(ep),
 	}
 	for _, a := range ep.IPs {
 		r.IPs = append(r.IPs, a.String())

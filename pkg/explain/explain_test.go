@@ -126,15 +126,21 @@ func TestVerdicts(t *testing.T) {
 	unwanted := mkPod("plain", "unwanted", "u-unwanted", "10.0.0.3", annotated)
 	stale := mkPod("plain", "stale", "u-stale", "10.0.0.4", annotated)
 	draining := mkPod("shop", "draining", "u-draining", "10.0.0.5", terminating, annotated)
+	lost := mkPod("shop", "lost", "u-lost", "10.0.0.6", annotated)
 	pods := &fakePods{pods: map[string]*corev1.Pod{}, nss: map[string]*corev1.Namespace{"shop": on, "plain": off}}
-	for _, p := range []*corev1.Pod{leaving, starting, unwanted, stale, draining} {
+	for _, p := range []*corev1.Pod{leaving, starting, unwanted, stale, draining, lost} {
 		pods.pods[p.Namespace+"/"+p.Name] = p
 	}
+	// Restored without its netns after a restart (issue 12 item 1).
+	unresolved := held(lost, nodeagent.StateEnabled)
+	unresolved.Unresolved, unresolved.Netns = true, "/var/run/netns/cni-lost"
+	unresolved.VerifyError = "the pod's network namespace has not been found since the agent restarted (ztunnel keeps serving it)"
 	gone := nodeagent.Inspection{EnrolledPod: nodeagent.EnrolledPod{UID: "u-gone", Namespace: "shop", Name: "gone", State: nodeagent.StateEnabled}}
 	agent := &fakeAgent{
 		held: map[types.UID]nodeagent.Inspection{
 			unwanted.UID: held(unwanted, nodeagent.StateEnabled),
 			draining.UID: held(draining, nodeagent.StateEnabled),
+			lost.UID:     unresolved,
 			gone.UID:     gone,
 		},
 		released: map[types.UID]bool{leaving.UID: true},
@@ -154,6 +160,7 @@ func TestVerdicts(t *testing.T) {
 		{"plain", "stale", false, "not captured: neither pod nor namespace labelled ambient", "stale annotation"},
 		{"shop", "draining", true, "captured (namespace labelled ambient); terminating: stays captured", ""},
 		{"shop", "gone", false, "captured, but its pod object is gone", "object is gone"},
+		{"shop", "lost", false, "captured (namespace labelled ambient)", "has not been found since the agent restarted"},
 	} {
 		r, err := e.Explain(context.Background(), c.ns, c.name)
 		if err != nil {
@@ -163,6 +170,9 @@ func TestVerdicts(t *testing.T) {
 			t.Errorf("%s/%s: ok %v, verdict %q, problems %q; want ok %v, verdict %q..., a problem with %q", c.ns, c.name, r.OK, r.Verdict, r.Problems, c.ok, c.verdict, c.problem)
 		}
 	}
+	if r, err := e.Explain(context.Background(), "shop", "lost"); err != nil || r.Netns.Found || !strings.Contains(r.Netns.How, "not found since the agent restarted") || r.Netns.Path != "/var/run/netns/cni-lost" {
+		t.Errorf("netns of a pod restored without it: %+v, %v", r.Netns, err)
+	}
 	if _, err := e.Explain(context.Background(), "shop", "nobody"); !errors.Is(err, health.ErrNoSuchPod) {
 		t.Errorf("unknown pod: %v", err)
 	}
@@ -170,7 +180,7 @@ func TestVerdicts(t *testing.T) {
 		t.Errorf("scanned /proc for %v: none of these pods needs a scan", finder.asked)
 	}
 	all := e.ExplainAll(context.Background())
-	if all.Pods != 6 || all.Captured != 3 || all.WithProblems != 3 || all.RulesBackend != "nftables" {
+	if all.Pods != 7 || all.Captured != 4 || all.WithProblems != 4 || all.RulesBackend != "nftables" {
 		t.Errorf("node report: %d pods, %d captured, %d with problems, backend %q", all.Pods, all.Captured, all.WithProblems, all.RulesBackend)
 	}
 }

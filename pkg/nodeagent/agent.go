@@ -152,6 +152,11 @@ type EnrolledPod struct {
 	State   PodState
 	Rules   ruleset.PodConfig
 	Since   time.Time
+	// Unresolved marks a pod restored from its annotation whose netns was
+	// not found (RestoreUnresolved): Netns is empty, its rules were not
+	// verified, and ztunnel is told to keep what it has (ZDS Keep) until
+	// the pod is captured again or released.
+	Unresolved bool
 }
 
 // Sandbox is what the runtime says about a pod's sandbox at CNI ADD: its
@@ -182,6 +187,10 @@ type Agent struct {
 	mu   sync.Mutex
 	pods map[types.UID]*entry
 	busy map[types.UID]*podLock
+	// probePruneDeferred: SyncHostProbe left the probe set unpruned
+	// because an unresolved pod's IPs are unknown; the prune runs once
+	// the last such pod is resolved or gone.
+	probePruneDeferred bool
 	// torn are the namespaces whose sandbox a CNI DEL tore down: the
 	// controller must not capture them again while the runtime finishes
 	// (a process may linger in one for a moment).
@@ -303,10 +312,15 @@ func (a *Agent) wantAnnotation(e *EnrolledPod, value PodState, then func()) {
 	a.annotations.set(e.Namespace, e.Name, e.UID, string(value), then)
 }
 
+// workload is the pod as ZDS names it; an unresolved pod has no netns
+// file, which makes a snapshot send Keep for it.
 func (a *Agent) workload(e *entry) zds.Workload {
-	return zds.Workload{
-		UID:   string(e.UID),
-		Info:  zds.WorkloadInfo{Name: e.Name, Namespace: e.Namespace, ServiceAccount: e.ServiceAccount},
-		Netns: e.ns.File(),
+	w := zds.Workload{
+		UID:  string(e.UID),
+		Info: zds.WorkloadInfo{Name: e.Name, Namespace: e.Namespace, ServiceAccount: e.ServiceAccount},
 	}
+	if e.ns != nil {
+		w.Netns = e.ns.File()
+	}
+	return w
 }

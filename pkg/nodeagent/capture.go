@@ -52,6 +52,7 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *San
 	a.mu.Lock()
 	old := a.pods[pod.UID]
 	a.mu.Unlock()
+	prevRec, hadRec := a.records.get(pod.UID)
 	if old != nil && old.ns.SameAs(ns) && sandboxID == "" {
 		// The controller re-enrolling a pod the CNI path enrolled.
 		sandboxID = old.SandboxID
@@ -70,7 +71,7 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *San
 	}
 	if err := a.cfg.Rules.Apply(ns.Path(), cfg); err != nil {
 		a.ruleError("apply")
-		a.undoFailedApply(log, pod.UID, old, ns)
+		a.undoFailedApply(log, pod.UID, old, ns, prevRec, hadRec)
 		_ = ns.Close()
 		return Retryable(fmt.Errorf("apply in-pod rules in netns %s: %w", ns.Source(), err))
 	}
@@ -85,6 +86,9 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *San
 		a.dropProbeIPs(log, old.IPs, ips)
 	}
 	a.addProbeIPs(log, ips)
+	if old != nil && old.Unresolved {
+		a.unresolvedGone()
+	}
 
 	if a.cfg.Ztunnel != nil {
 		zctx, cancel := context.WithTimeout(ctx, a.cfg.ZtunnelTimeout)
@@ -109,8 +113,27 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *San
 // undoFailedApply leaves the pod as it was before a capture whose apply
 // failed: a namespace the agent did not hold the pod in loses whatever the
 // failed apply left, and the record is the previous capture's again (or
-// gone). Called with the pod's lock held.
-func (a *Agent) undoFailedApply(log *slog.Logger, uid types.UID, old *entry, ns *Netns) {
+// gone). A pod restored without its netns (Unresolved) may have a previous
+// agent's rules in ns, which is the namespace its record names or, with
+// no record naming one, may be: those rules stay (removing them would
+// release a pod ztunnel still serves), and so does a record naming ns.
+// Called with the pod's lock held.
+func (a *Agent) undoFailedApply(log *slog.Logger, uid types.UID, old *entry, ns *Netns, prevRec Record, hadRec bool) {
+	if old != nil && old.Unresolved {
+		prevID := nsID{prevRec.NetnsDev, prevRec.NetnsIno}
+		if !hadRec || prevID == (nsID{}) || prevID == ns.id() {
+			if hadRec {
+				_ = a.records.write(prevRec)
+			}
+			return
+		}
+		if err := a.cfg.Rules.Remove(ns.Path()); err != nil {
+			a.ruleError("remove")
+			log.Warn("remove what a failed apply left", "netns", ns.Source(), "err", err)
+		}
+		_ = a.records.write(prevRec)
+		return
+	}
 	if old != nil && old.ns.SameAs(ns) {
 		// A re-apply over the pod's own rules: the capture stands.
 		_ = a.records.write(old.record())
@@ -158,6 +181,9 @@ func (a *Agent) Check(ctx context.Context, p PodInfo, d enablement.Decision, ns 
 			return mismatch(fmt.Errorf("pod %s/%s should be captured (%s) but is not enrolled", p.Namespace, p.Name, d.Reason))
 		}
 		return nil
+	}
+	if e.ns == nil {
+		return mismatch(fmt.Errorf("pod %s/%s was restored without its netns after the agent restarted; its rules cannot be checked until it is found", p.Namespace, p.Name))
 	}
 	if !e.ns.SameAs(ns) {
 		return mismatch(fmt.Errorf("pod %s/%s is enrolled in netns %s (inode %d), not %s", p.Namespace, p.Name, e.Netns, e.NetnsID, ns.Source()))

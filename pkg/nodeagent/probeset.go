@@ -79,7 +79,12 @@ func (a *Agent) RemoveHostProbe() error {
 
 // SyncHostProbe makes the host probe set hold exactly the enrolled pods'
 // IPs. Call it once the state is restored after a restart: pods deleted
-// while the agent was down leave their IPs behind otherwise.
+// while the agent was down leave their IPs behind otherwise. An entry is
+// never pruned while it may belong to a pod whose state is unknown: while
+// an unresolved pod's IPs are unknown (its status lost them), nothing is
+// removed, and the prune runs once the last such pod is resolved or gone.
+// The IPs of pods known only by their capture record are kept too (not
+// added): the agent may have left capture on them, until released.
 func (a *Agent) SyncHostProbe() error {
 	if a.cfg.HostProbe == nil {
 		return nil
@@ -89,11 +94,24 @@ func (a *Agent) SyncHostProbe() error {
 		return fmt.Errorf("list host probe set: %w", err)
 	}
 	want := a.enrolledIPs()
+	unknown := a.unresolvedWithoutIPs()
+	a.mu.Lock()
+	a.probePruneDeferred = unknown > 0
+	a.mu.Unlock()
+	if unknown > 0 {
+		a.log.Info("host probe set not pruned: pods restored without their netns have unknown IPs", "pods", unknown)
+	}
+	recorded := map[netip.Addr]bool{}
+	for _, r := range a.records.all() {
+		for _, ip := range r.IPs {
+			recorded[ip] = true
+		}
+	}
 	var errs []error
 	inSet := make(map[netip.Addr]bool, len(have))
 	for _, ip := range have {
 		inSet[ip] = true
-		if !want[ip] {
+		if !want[ip] && !recorded[ip] && unknown == 0 {
 			errs = append(errs, a.cfg.HostProbe.DelIP(ip))
 		}
 	}
@@ -103,4 +121,32 @@ func (a *Agent) SyncHostProbe() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// unresolvedWithoutIPs counts the unresolved pods whose IPs are unknown.
+func (a *Agent) unresolvedWithoutIPs() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	n := 0
+	for _, e := range a.pods {
+		if e.Unresolved && len(e.IPs) == 0 {
+			n++
+		}
+	}
+	return n
+}
+
+// unresolvedGone runs the probe-set prune SyncHostProbe deferred, once no
+// unresolved pod with unknown IPs is left. Call it after an unresolved
+// entry was replaced or removed.
+func (a *Agent) unresolvedGone() {
+	a.mu.Lock()
+	deferred := a.probePruneDeferred
+	a.mu.Unlock()
+	if !deferred || a.unresolvedWithoutIPs() > 0 {
+		return
+	}
+	if err := a.SyncHostProbe(); err != nil {
+		a.log.Warn("sync host probe set", "err", err)
+	}
 }

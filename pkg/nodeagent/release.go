@@ -26,7 +26,11 @@ import (
 // the annotation) make the next agent adopt the pod and finish the job.
 // The held netns handle keeps the namespace enterable even if the pod is
 // gone. A pod the agent holds only a record of (not restored after a
-// restart) is cleaned through the record. An unknown uid is fine.
+// restart) is cleaned through the record. A pod restored without its
+// netns (Unresolved) has no handle: our rules go from the namespace its
+// record names if that still exists (the controller unenrolls such a pod
+// only once its sandbox is gone, and otherwise finds its netns and
+// restores it first). An unknown uid is fine.
 func (a *Agent) Unenroll(ctx context.Context, uid types.UID) error {
 	unlock := a.lock(uid)
 	defer unlock()
@@ -38,7 +42,11 @@ func (a *Agent) Unenroll(ctx context.Context, uid types.UID) error {
 		return nil
 	}
 	log := a.log.With("pod", e.Namespace+"/"+e.Name, "uid", uid)
-	if err := a.cfg.Rules.Remove(e.ns.Path()); err != nil {
+	if e.ns == nil {
+		if err := a.removeRecordedRules(log, uid); err != nil {
+			return Retryable(fmt.Errorf("remove rules of %s/%s: %w", e.Namespace, e.Name, err))
+		}
+	} else if err := a.cfg.Rules.Remove(e.ns.Path()); err != nil {
 		a.ruleError("remove")
 		return Retryable(fmt.Errorf("remove rules of %s/%s: %w", e.Namespace, e.Name, err))
 	}
@@ -107,7 +115,7 @@ func (a *Agent) RemoveSandbox(ctx context.Context, d SandboxDel) error {
 	log := a.log.With("pod", d.Namespace+"/"+d.Name, "uid", uid, "sandbox", d.SandboxID)
 	if uid == "" {
 		if d.Replayed {
-			a.removeRulesByPath(log, d.Netns, nil, "")
+			_ = a.removeRulesByPath(log, d.Netns, nil, "")
 		}
 		return nil
 	}
@@ -121,7 +129,24 @@ func (a *Agent) RemoveSandbox(ctx context.Context, d SandboxDel) error {
 		log.Debug("DEL of another sandbox of an enrolled pod; enrollment kept", "enrolled_sandbox", e.SandboxID, "enrolled_netns", e.Netns)
 		return nil
 	}
-	if d.Replayed {
+	switch {
+	case e.ns == nil:
+		// Restored without its netns: a replayed DEL's namespace that
+		// still exists loses our rules (checked against the record's
+		// identity when there is one); the namespace is torn down either
+		// way.
+		want, known := a.recordedNetns(uid)
+		if d.Replayed {
+			if known {
+				_ = a.removeRulesByPath(log, d.Netns, &want, uid)
+			} else {
+				_ = a.removeRulesByPath(log, d.Netns, nil, uid)
+			}
+		}
+		if id, ok := a.netnsIdentity(d.Netns); ok {
+			a.markTorn(id)
+		}
+	case d.Replayed:
 		if id, ok := a.netnsIdentity(d.Netns); ok && id == e.ns.id() {
 			// The runtime left the namespace in place: do not leave our
 			// rules in it.
@@ -130,8 +155,10 @@ func (a *Agent) RemoveSandbox(ctx context.Context, d SandboxDel) error {
 				log.Warn("remove rules of a replayed DEL's sandbox", "err", err)
 			}
 		}
+		a.markTorn(e.ns.id())
+	default:
+		a.markTorn(e.ns.id())
 	}
-	a.markTorn(e.ns)
 	a.forget(ctx, log, e)
 	a.noteReleased(uid)
 	return nil
@@ -145,7 +172,7 @@ func (a *Agent) removeUnheldSandbox(ctx context.Context, log *slog.Logger, uid t
 	rec, ok := a.records.get(uid)
 	if !ok {
 		if d.Replayed {
-			a.removeRulesByPath(log, d.Netns, nil, uid)
+			_ = a.removeRulesByPath(log, d.Netns, nil, uid)
 		}
 		return nil
 	}
@@ -187,7 +214,7 @@ const (
 func (a *Agent) releaseRecord(rec Record, mode releaseMode) {
 	log := a.log.With("pod", rec.Namespace+"/"+rec.Name, "uid", rec.UID)
 	if mode != releaseDel {
-		a.removeRulesByPath(log, rec.Netns, &nsID{rec.NetnsDev, rec.NetnsIno}, rec.UID)
+		_ = a.removeRulesByPath(log, rec.Netns, &nsID{rec.NetnsDev, rec.NetnsIno}, rec.UID)
 	}
 	a.dropProbeIPs(log, rec.IPs, nil)
 	switch {
@@ -226,6 +253,9 @@ func (a *Agent) forget(ctx context.Context, log *slog.Logger, e *entry) {
 	if err := a.records.remove(e.UID); err != nil {
 		log.Warn("remove capture record", "err", err)
 	}
+	if e.Unresolved {
+		a.unresolvedGone()
+	}
 	log.Info("pod removed")
 }
 
@@ -243,8 +273,15 @@ func (a *Agent) delNames(e *entry, d SandboxDel) bool {
 	if e.SandboxID != "" {
 		return e.SandboxID == d.SandboxID
 	}
-	if id, ok := a.netnsIdentity(d.Netns); ok {
-		return id == e.ns.id()
+	held, known := nsID{}, e.ns != nil
+	if known {
+		held = e.ns.id()
+	} else {
+		// Restored without its netns: the record names the namespace.
+		held, known = a.recordedNetns(e.UID)
+	}
+	if id, ok := a.netnsIdentity(d.Netns); ok && known {
+		return id == held
 	}
 	return a.podGoing(e.Namespace, e.Name, e.UID)
 }
@@ -293,35 +330,51 @@ func (a *Agent) netnsIdentity(path string) (nsID, bool) {
 }
 
 // removeRulesByPath removes our rules from the namespace at path, for a
-// pod the agent does not hold: only a namespace that still exists, is the
-// one expected (want, when known), and that no enrolled pod holds and no
-// other pod's record names. A /proc/<pid>/ns/net path (the pid may have
-// been reused) is only trusted with a known identity.
-func (a *Agent) removeRulesByPath(log *slog.Logger, path string, want *nsID, uid types.UID) {
+// pod the agent does not hold a handle of: only a namespace that still
+// exists, is the one expected (want, when known), and that no enrolled pod
+// holds and no other pod's record names. A /proc/<pid>/ns/net path (the
+// pid may have been reused) is only trusted with a known identity. It
+// returns only the removal's own failure: a namespace that is gone or
+// another one now has none of the pod's rules left to remove.
+func (a *Agent) removeRulesByPath(log *slog.Logger, path string, want *nsID, uid types.UID) error {
 	if path == "" || (want == nil && strings.HasPrefix(path, "/proc/")) {
-		return
+		return nil
 	}
 	ns, err := a.cfg.Netns.Open(path)
 	if err != nil {
 		log.Debug("namespace gone; no rules to remove", "netns", path, "err", err)
-		return
+		return nil
 	}
 	defer ns.Close()
 	id := ns.id()
 	if want != nil && id != *want {
 		log.Debug("path names another namespace now; left alone", "netns", path)
-		return
+		return nil
 	}
 	if a.heldElsewhere(id, uid) {
 		log.Info("namespace belongs to another captured pod; left alone", "netns", path)
-		return
+		return nil
 	}
 	if err := a.cfg.Rules.Remove(ns.Path()); err != nil {
 		a.ruleError("remove")
 		log.Warn("remove rules by path", "netns", path, "err", err)
-		return
+		return err
 	}
 	log.Info("removed rules from the namespace of a pod the agent did not hold", "netns", path)
+	return nil
+}
+
+// removeRecordedRules removes our rules from the namespace uid's capture
+// record names, for a pod restored without its netns (see
+// removeRulesByPath). Without a record naming one there is nothing it can
+// reach.
+func (a *Agent) removeRecordedRules(log *slog.Logger, uid types.UID) error {
+	rec, ok := a.records.get(uid)
+	want, known := a.recordedNetns(uid)
+	if !ok || !known {
+		return nil
+	}
+	return a.removeRulesByPath(log, rec.Netns, &want, uid)
 }
 
 // heldElsewhere reports whether an enrolled pod holds namespace id, or a
@@ -329,7 +382,7 @@ func (a *Agent) removeRulesByPath(log *slog.Logger, path string, want *nsID, uid
 func (a *Agent) heldElsewhere(id nsID, uid types.UID) bool {
 	a.mu.Lock()
 	for _, e := range a.pods {
-		if e.ns.id() == id {
+		if e.ns != nil && e.ns.id() == id {
 			a.mu.Unlock()
 			return true
 		}
@@ -364,8 +417,9 @@ func (a *Agent) uidOfSandbox(sandboxID string) types.UID {
 // refused to the controller.
 const tornTTL = time.Minute
 
-// markTorn notes that the runtime is tearing down ns's sandbox.
-func (a *Agent) markTorn(ns *Netns) {
+// markTorn notes that the runtime is tearing down the sandbox of
+// namespace id.
+func (a *Agent) markTorn(id nsID) {
 	now := time.Now()
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -374,7 +428,7 @@ func (a *Agent) markTorn(ns *Netns) {
 			delete(a.torn, id)
 		}
 	}
-	a.torn[ns.id()] = now
+	a.torn[id] = now
 }
 
 // tornDown reports whether a CNI DEL tore down ns's sandbox lately.

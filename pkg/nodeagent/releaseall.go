@@ -100,9 +100,25 @@ func (a *Agent) releaseRules(ctx context.Context, uid types.UID) error {
 	}
 	log := a.log.With("pod", e.Namespace+"/"+e.Name, "uid", uid)
 	var err error
-	if rerr := a.cfg.Rules.Remove(e.ns.Path()); rerr != nil {
-		a.ruleError("remove")
-		err = fmt.Errorf("remove rules of %s/%s: %w", e.Namespace, e.Name, rerr)
+	_, recorded := a.recordedNetns(uid)
+	switch {
+	case e.ns != nil:
+		if rerr := a.cfg.Rules.Remove(e.ns.Path()); rerr != nil {
+			a.ruleError("remove")
+			err = fmt.Errorf("remove rules of %s/%s: %w", e.Namespace, e.Name, rerr)
+		}
+	case recorded:
+		// Restored without its netns: its record names the namespace,
+		// whose rules go if it still exists (if it does not, neither do
+		// they).
+		if rerr := a.removeRecordedRules(log, uid); rerr != nil {
+			err = fmt.Errorf("remove rules of %s/%s: %w", e.Namespace, e.Name, rerr)
+		}
+	default:
+		// Restored without its netns and without a record naming one (an
+		// older agent's pod): its rules cannot be reached. Said, not
+		// hidden: the pod needs a restart to leave the mesh.
+		err = fmt.Errorf("remove rules of %s/%s: its network namespace was never found since the agent restarted; restart the pod", e.Namespace, e.Name)
 	}
 	a.forget(ctx, log, e)
 	return err
@@ -118,7 +134,7 @@ func (a *Agent) releaseRecordRules(rec Record) {
 		return // restored meanwhile; not expected once the agent stopped
 	}
 	log := a.log.With("pod", rec.Namespace+"/"+rec.Name, "uid", rec.UID)
-	a.removeRulesByPath(log, rec.Netns, &nsID{rec.NetnsDev, rec.NetnsIno}, rec.UID)
+	_ = a.removeRulesByPath(log, rec.Netns, &nsID{rec.NetnsDev, rec.NetnsIno}, rec.UID)
 	a.dropProbeIPs(log, rec.IPs, nil)
 	a.annotations.forget(rec.UID)
 	if err := a.records.remove(rec.UID); err != nil {

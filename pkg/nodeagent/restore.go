@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"slices"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -84,7 +85,71 @@ func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, ns *Netns) error {
 		}
 	}
 	a.addProbeIPs(a.log, e.IPs)
+	if old != nil && old.Unresolved {
+		a.unresolvedGone()
+	}
 	return nil
+}
+
+// RestoreUnresolved adopts a pod a previous agent captured (it has a
+// capture record, or carries the redirection annotation) whose netns
+// cannot be found yet: its cgroup path did not match, its status lost its
+// IPs in a kubelet restart, or its rules could not be verified. The pod
+// enters the state without a netns, so every ZDS snapshot sends Keep for
+// it and ztunnel goes on serving the netns it already has instead of
+// dropping the pod (whose rules still redirect its traffic to ztunnel),
+// and SyncHostProbe keeps whatever probe-set entries it has (none are
+// added: its sandbox may be gone). Its rules are left untouched, and so is
+// its capture record, which stays the source of truth across restarts:
+// the sandbox id, netns path and IPs it names are taken from it (IPs only
+// when the status has none). The pod stays unresolved until Capture or
+// Restore hands over its netns, or Unenroll or a DEL removes it. A pod
+// already in the state is left as it is.
+func (a *Agent) RestoreUnresolved(pod *corev1.Pod) {
+	unlock := a.lock(pod.UID)
+	defer unlock()
+	state := StatePending
+	if pod.Annotations[ambient.RedirectionAnnotation] == ambient.RedirectionEnabled {
+		state = StateEnabled
+	}
+	e := &entry{EnrolledPod: EnrolledPod{
+		UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, ServiceAccount: pod.Spec.ServiceAccountName,
+		IPs: enablement.PodIPs(pod), State: state, Rules: a.ruleConfig(pod), Since: time.Now(), Unresolved: true,
+	}}
+	if rec, ok := a.records.get(pod.UID); ok {
+		e.SandboxID, e.Netns = rec.SandboxID, rec.Netns
+		if len(e.IPs) == 0 {
+			e.IPs = slices.Clone(rec.IPs)
+		}
+	}
+	a.mu.Lock()
+	if a.pods[pod.UID] != nil {
+		a.mu.Unlock()
+		return
+	}
+	a.pods[pod.UID] = e
+	a.mu.Unlock()
+	a.log.Warn("restored a captured pod without its netns; ztunnel keeps it until the netns is found",
+		"pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID, "ips", e.IPs, "recorded_netns", e.Netns)
+}
+
+// Unresolved reports whether uid was restored without its netns and has
+// not been captured again since (see RestoreUnresolved).
+func (a *Agent) Unresolved(uid types.UID) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	e := a.pods[uid]
+	return e != nil && e.Unresolved
+}
+
+// recordedNetns is the identity of the namespace uid's capture record
+// names, if it names one.
+func (a *Agent) recordedNetns(uid types.UID) (nsID, bool) {
+	rec, ok := a.records.get(uid)
+	if !ok || (rec.NetnsDev == 0 && rec.NetnsIno == 0) {
+		return nsID{}, false
+	}
+	return nsID{rec.NetnsDev, rec.NetnsIno}, true
 }
 
 // Release takes capture off a pod the agent finds captured at startup but
@@ -134,7 +199,7 @@ func (a *Agent) clearThenForget(namespace, name string, uid types.UID) {
 func (a *Agent) SnapshotAcked(uid string, netns *os.File) {
 	a.mu.Lock()
 	e := a.pods[types.UID(uid)]
-	if e == nil || e.State != StatePending || e.ns.File() != netns {
+	if e == nil || e.State != StatePending || e.ns == nil || e.ns.File() != netns {
 		a.mu.Unlock()
 		return
 	}

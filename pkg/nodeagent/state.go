@@ -159,6 +159,10 @@ func (a *Agent) Inspect(uid types.UID) (in Inspection, ok bool) {
 	in.EnrolledPod = e.EnrolledPod
 	in.IPs = slices.Clone(e.IPs)
 	a.mu.Unlock()
+	if e.ns == nil {
+		in.VerifyError = "the pod's network namespace has not been found since the agent restarted (ztunnel keeps serving it)"
+		return in, true
+	}
 	drift, err := a.cfg.Rules.Verify(e.ns.Path(), e.Rules)
 	switch {
 	case err != nil:

@@ -3,6 +3,7 @@ package bench
 import (
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -33,20 +34,13 @@ func PrivateNetns() (code int, reexec bool, err error) {
 	if os.Geteuid() != 0 {
 		return 0, false, errors.New("run the benchmark as root (it creates network namespaces and netfilter rules)")
 	}
-	self, err := os.Executable()
+	cmd, err := StartInPrivateNetns(os.Args[1:], nil, os.Stdout, os.Stderr)
 	if err != nil {
-		return 0, false, err
+		return 0, true, err
 	}
-	cmd := exec.Command(self, os.Args[1:]...)
-	cmd.Env = append(os.Environ(), privateNetnsEnv+"=1")
-	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
-	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNET, Pdeathsig: syscall.SIGKILL}
 	sigs := make(chan os.Signal, 2)
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
 	defer signal.Stop(sigs)
-	if err := cmd.Start(); err != nil {
-		return 0, true, fmt.Errorf("start the benchmark in a new network namespace: %w", err)
-	}
 	done := make(chan error, 1)
 	go func() { done <- cmd.Wait() }()
 	for {
@@ -62,4 +56,27 @@ func PrivateNetns() (code int, reexec bool, err error) {
 			return 0, true, err
 		}
 	}
+}
+
+// StartInPrivateNetns starts this program again with args, in a new
+// network namespace, as PrivateNetns does (inside, PrivateNetns brings
+// loopback up and returns reexec false), with env added to this process's
+// environment and its output to stdout and stderr. It gets SIGKILL if this
+// process dies; the caller waits for it.
+func StartInPrivateNetns(args, env []string, stdout, stderr io.Writer) (*exec.Cmd, error) {
+	if os.Geteuid() != 0 {
+		return nil, errors.New("run as root (it creates network namespaces and netfilter rules)")
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(self, args...)
+	cmd.Env = append(append(os.Environ(), env...), privateNetnsEnv+"=1")
+	cmd.Stdout, cmd.Stderr = stdout, stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNET, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start in a new network namespace: %w", err)
+	}
+	return cmd, nil
 }

@@ -13,17 +13,20 @@ import (
 	"time"
 )
 
-// process is a child (the agent) whose output goes to a log file. It gets
-// SIGKILL if the benchmark dies. Pdeathsig fires when the thread that
-// forked the child exits, so the fork happens on a goroutine locked to a
-// thread that lives as long as the child.
-type process struct {
+// Process is a child (the agent) whose output goes to a log file. It gets
+// SIGKILL if the benchmark (or test) dies. Pdeathsig fires when the
+// thread that forked the child exits, so the fork happens on a goroutine
+// locked to a thread that lives as long as the child. test/chaos runs the
+// shipped agent with it too.
+type Process struct {
 	cmd  *exec.Cmd
 	done chan struct{}
 	err  error
 }
 
-func startProcess(path string, args, env []string, logPath string) (*process, error) {
+// StartProcess starts path with args and exactly env, appending its output
+// to logPath.
+func StartProcess(path string, args, env []string, logPath string) (*Process, error) {
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		return nil, err
@@ -32,7 +35,7 @@ func startProcess(path string, args, env []string, logPath string) (*process, er
 	cmd.Env = env
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	p := &process{cmd: cmd, done: make(chan struct{})}
+	p := &Process{cmd: cmd, done: make(chan struct{})}
 	started := make(chan error, 1)
 	go func() {
 		runtime.LockOSThread()
@@ -53,9 +56,11 @@ func startProcess(path string, args, env []string, logPath string) (*process, er
 	return p, nil
 }
 
-func (p *process) pid() int { return p.cmd.Process.Pid }
+// Pid is the child's process id.
+func (p *Process) Pid() int { return p.cmd.Process.Pid }
 
-func (p *process) exited() bool {
+// Exited reports whether the child has exited (and was reaped).
+func (p *Process) Exited() bool {
 	select {
 	case <-p.done:
 		return true
@@ -64,10 +69,22 @@ func (p *process) exited() bool {
 	}
 }
 
-// stop sends SIGTERM, waits up to grace, then kills. It returns the exit
+// Err is how the child exited; valid once Exited.
+func (p *Process) Err() error {
+	<-p.done
+	return p.err
+}
+
+// Kill sends SIGKILL and waits until the child is reaped.
+func (p *Process) Kill() {
+	_ = p.cmd.Process.Kill()
+	<-p.done
+}
+
+// Stop sends SIGTERM, waits up to grace, then kills. It returns the exit
 // error of a process that did not stop cleanly.
-func (p *process) stop(grace time.Duration) error {
-	if !p.exited() {
+func (p *Process) Stop(grace time.Duration) error {
+	if !p.Exited() {
 		_ = p.cmd.Process.Signal(syscall.SIGTERM)
 		select {
 		case <-p.done:

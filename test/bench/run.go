@@ -205,7 +205,7 @@ type backendRun struct {
 	res        *BackendResult
 
 	agentEnv map[string]string
-	agent    *process
+	agent    *Process
 	zt       *ztunnel.StandIn
 	health   string
 	// metricsURL is where the agent serves /metrics (its own address).
@@ -271,17 +271,17 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 		return fmt.Errorf("install-cni refuses the benchmark's environment: %w", err)
 	}
 	r.res.KubeClientQPS, r.res.KubeClientBurst = float64(cfg.KubeClientQPS), cfg.KubeClientBurst
-	r.health = healthURL(cfg.HealthAddr)
-	r.metricsURL = healthURL(cfg.MetricsAddr)
+	r.health = HealthURL(cfg.HealthAddr)
+	r.metricsURL = HealthURL(cfg.MetricsAddr)
 	r.auditLog = newAuditLog(r.audit, node)
 
 	r.log = filepath.Join(r.dir, "install-cni.log")
 	r.logf("starting %s with the chart's environment (log %s)", r.o.InstallCNI, r.log)
-	r.agent, err = startProcess(r.o.InstallCNI, r.shipped.Args, Environ(r.agentEnv), r.log)
+	r.agent, err = StartProcess(r.o.InstallCNI, r.shipped.Args, Environ(r.agentEnv), r.log)
 	if err != nil {
 		return err
 	}
-	r.res.AgentPID = r.agent.pid()
+	r.res.AgentPID = r.agent.Pid()
 	cleanups = append(cleanups, func() error { return r.stopAgent() })
 
 	zctx, zcancel := context.WithCancel(ctx)
@@ -437,7 +437,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 				return err
 			}
 		}
-		cpu0, err := ReadCPU(r.agent.pid())
+		cpu0, err := ReadCPU(r.agent.Pid())
 		if err != nil {
 			return err
 		}
@@ -453,7 +453,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 		if err := r.settle(ctx); err != nil {
 			return err
 		}
-		cpu1, err := ReadCPU(r.agent.pid())
+		cpu1, err := ReadCPU(r.agent.Pid())
 		if err != nil {
 			return err
 		}
@@ -482,7 +482,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 		enrolls[order[k]] = e
 	}
 	r.res.Enroll = enrolls
-	if r.agent.exited() {
+	if r.agent.Exited() {
 		return fmt.Errorf("install-cni exited during the run: %v; log %s", r.agent.err, r.log)
 	}
 	return nil
@@ -514,7 +514,7 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 					return func() error { return err }
 				}
 			}
-			if w.cpu0, err = ReadCPU(r.agent.pid()); err != nil {
+			if w.cpu0, err = ReadCPU(r.agent.Pid()); err != nil {
 				return func() error { return err }
 			}
 			if w.mark, err = r.auditLog.mark(); err != nil {
@@ -523,7 +523,7 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 			w.add0, _ = scrapeAddHistogram(r.metricsURL)
 			return func() error {
 				var err error
-				if w.cpu1, err = ReadCPU(r.agent.pid()); err != nil {
+				if w.cpu1, err = ReadCPU(r.agent.Pid()); err != nil {
 					return err
 				}
 				w.reqs = r.auditLog.since(w.mark)
@@ -585,7 +585,7 @@ func (r *backendRun) settle(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		c0, err := ReadCPU(r.agent.pid())
+		c0, err := ReadCPU(r.agent.Pid())
 		if err != nil {
 			return err
 		}
@@ -596,7 +596,7 @@ func (r *backendRun) settle(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		c1, err := ReadCPU(r.agent.pid())
+		c1, err := ReadCPU(r.agent.Pid())
 		if err != nil {
 			return err
 		}
@@ -621,7 +621,7 @@ func (r *backendRun) waitReady(ctx context.Context) error {
 				return nil
 			}
 		}
-		if r.agent.exited() {
+		if r.agent.Exited() {
 			return fmt.Errorf("install-cni exited during start (%v); log tail:\n%s", r.agent.err, tail(r.log, 20))
 		}
 		if time.Now().After(deadline) {
@@ -641,7 +641,7 @@ func (r *backendRun) stopAgent() error {
 	}
 	p := r.agent
 	r.agent = nil
-	if err := p.stop(30 * time.Second); err != nil {
+	if err := p.Stop(30 * time.Second); err != nil {
 		return fmt.Errorf("install-cni shutdown: %w; log tail:\n%s", err, tail(r.log, 20))
 	}
 	return nil
@@ -658,7 +658,7 @@ func (r *backendRun) profile(phase string) (func() ([]string, error), error) {
 	data := base + ".perf.data"
 	cmd := exec.Command("perf", "record", "-q", "-g", "-F", "499", "-e", "cpu-clock",
 		"-e", "sched:sched_process_fork", "-e", "sched:sched_process_exec", "-e", "sched:sched_process_exit",
-		"-p", strconv.Itoa(r.agent.pid()), "-o", data)
+		"-p", strconv.Itoa(r.agent.Pid()), "-o", data)
 	cmd.Stdout, cmd.Stderr = io.Discard, io.Discard
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("perf record: %w", err)
@@ -769,14 +769,14 @@ type Memory struct {
 
 // memory reads VmRSS and the Go runtime's view from /metrics.
 func (r *backendRun) memory() (Memory, error) {
-	st, err := ReadStatus(r.agent.pid(), "VmRSS", "RssAnon", "RssFile")
+	st, err := ReadStatus(r.agent.Pid(), "VmRSS", "RssAnon", "RssFile")
 	if err != nil {
 		return Memory{}, err
 	}
 	m := Memory{
 		RSSMiB: float64(st["VmRSS"]) / (1 << 20), AnonMiB: float64(st["RssAnon"]) / (1 << 20), FileMiB: float64(st["RssFile"]) / (1 << 20),
 	}
-	vals, err := scrape(r.metricsURL, "go_memstats_heap_inuse_bytes", "go_memstats_stack_inuse_bytes", "go_memstats_sys_bytes", "go_goroutines")
+	vals, err := Scrape(r.metricsURL, "go_memstats_heap_inuse_bytes", "go_memstats_stack_inuse_bytes", "go_memstats_sys_bytes", "go_goroutines")
 	if err != nil {
 		return m, nil // RSS is the figure; the breakdown is a bonus
 	}
@@ -787,8 +787,9 @@ func (r *backendRun) memory() (Memory, error) {
 	return m, nil
 }
 
-// scrape reads unlabelled samples of the agent's /metrics.
-func scrape(base string, names ...string) (map[string]float64, error) {
+// Scrape reads unlabelled samples of the agent's /metrics at base (a URL
+// as HealthURL returns).
+func Scrape(base string, names ...string) (map[string]float64, error) {
 	resp, err := (&http.Client{Timeout: 5 * time.Second}).Get(base + "/metrics")
 	if err != nil {
 		return nil, err
@@ -814,7 +815,7 @@ type histogram struct{ sum, count float64 }
 // scrapeAddHistogram reads ambient_cni_cni_add_duration_seconds from the
 // agent's /metrics.
 func scrapeAddHistogram(base string) (histogram, error) {
-	v, err := scrape(base, "ambient_cni_cni_add_duration_seconds_sum", "ambient_cni_cni_add_duration_seconds_count")
+	v, err := Scrape(base, "ambient_cni_cni_add_duration_seconds_sum", "ambient_cni_cni_add_duration_seconds_count")
 	return histogram{sum: v["ambient_cni_cni_add_duration_seconds_sum"], count: v["ambient_cni_cni_add_duration_seconds_count"]}, err
 }
 
@@ -871,9 +872,9 @@ func detectedBackend(logPath string) string {
 	return ""
 }
 
-// healthURL turns one of the agent's listen addresses (":15021",
+// HealthURL turns one of the agent's listen addresses (":15021",
 // ":15014") into a URL on loopback.
-func healthURL(addr string) string {
+func HealthURL(addr string) string {
 	host, port, ok := strings.Cut(addr, ":")
 	if !ok {
 		return "http://" + addr

@@ -74,6 +74,10 @@ type Env struct {
 	ca        *authority
 	etcd      *process
 	apiserver *process
+	// apiBin and apiArgs restart kube-apiserver after StopAPIServer.
+	apiBin    string
+	apiArgs   []string
+	apiMu     sync.Mutex
 	removeDir bool
 	stopOnce  sync.Once
 	mapper    *restmapper.DeferredDiscoveryRESTMapper
@@ -239,6 +243,7 @@ func (e *Env) start(ctx context.Context, etcdBin, apiBin string, opts Options) e
 			"--kubelet-preferred-address-types=InternalIP")
 	}
 	args = append(args, opts.APIServerArgs...)
+	e.apiBin, e.apiArgs = apiBin, args
 	e.apiserver, err = startProcess(KubeAPIServer, apiBin, args, filepath.Join(e.Dir, "kube-apiserver.log"))
 	if err != nil {
 		return err
@@ -353,6 +358,32 @@ func freePorts(n int) ([]int, error) {
 	return ports, nil
 }
 
+// StopAPIServer stops kube-apiserver (SIGTERM, then SIGKILL after a few
+// seconds) and leaves etcd running: a control-plane outage. Every client
+// sees connections refused until StartAPIServer.
+func (e *Env) StopAPIServer() {
+	e.apiMu.Lock()
+	defer e.apiMu.Unlock()
+	e.apiserver.stop(5 * time.Second)
+}
+
+// StartAPIServer starts a stopped kube-apiserver again, on the same
+// address with the same certificates and data, and waits until it is
+// ready. It is a no-op while it runs.
+func (e *Env) StartAPIServer(ctx context.Context, timeout time.Duration) error {
+	e.apiMu.Lock()
+	defer e.apiMu.Unlock()
+	if !e.apiserver.exited() {
+		return nil
+	}
+	p, err := startProcess(KubeAPIServer, e.apiBin, e.apiArgs, e.apiserver.logPath)
+	if err != nil {
+		return err
+	}
+	e.apiserver = p
+	return e.waitReady(ctx, timeout)
+}
+
 // Stop kills kube-apiserver and etcd and removes the data directory if
 // Launch created it. It is safe to call more than once.
 func (e *Env) Stop() {
@@ -363,6 +394,8 @@ func (e *Env) Stop() {
 }
 
 func (e *Env) stopProcesses() {
+	e.apiMu.Lock()
+	defer e.apiMu.Unlock()
 	if e.apiserver != nil {
 		e.apiserver.stop(10 * time.Second)
 	}

@@ -27,6 +27,7 @@ import (
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 )
 
@@ -140,6 +141,22 @@ func (n *Node) Run(ctx context.Context, pod *corev1.Pod) (*Pod, error) {
 // Start runs the sandbox for an existing pod object: netns, CNI ADD,
 // process in the pod cgroup, status Running with the pod IPs.
 func (n *Node) Start(ctx context.Context, obj *corev1.Pod) (*Pod, error) {
+	p, err := n.StartSandbox(ctx, obj)
+	if err != nil {
+		return nil, err
+	}
+	if err := n.SetStatus(ctx, p, corev1.PodRunning); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// StartSandbox is Start without the status write, as a kubelet that
+// cannot reach the API server runs a pod it already knows: the caller
+// writes the status (SetStatus) once it can. A failed CNI ADD is cleaned
+// up (DEL, netns removed) and returned; the error wraps the plugin's
+// *types.Error.
+func (n *Node) StartSandbox(ctx context.Context, obj *corev1.Pod) (*Pod, error) {
 	netns, err := testutils.NewNS()
 	if err != nil {
 		return nil, fmt.Errorf("create netns: %w", err)
@@ -177,9 +194,6 @@ func (n *Node) Start(ctx context.Context, obj *corev1.Pod) (*Pod, error) {
 	n.mu.Lock()
 	n.pods[string(obj.UID)] = p
 	n.mu.Unlock()
-	if err := n.SetStatus(ctx, p, corev1.PodRunning); err != nil {
-		return nil, err
-	}
 	return p, nil
 }
 
@@ -224,7 +238,9 @@ func (n *Node) closeNS(p *Pod) error {
 }
 
 // SetStatus writes the pod's phase, IPs and Ready condition to the API,
-// as kubelet's status manager does.
+// as kubelet's status manager does. The IPs replace what the status held
+// (a merge patch replaces lists): a recreated sandbox's new IP is the
+// pod's only one.
 func (n *Node) SetStatus(ctx context.Context, p *Pod, phase corev1.PodPhase) error {
 	st := corev1.PodStatus{Phase: phase, HostIP: "127.0.0.1", StartTime: &metav1.Time{Time: time.Now()}}
 	for _, a := range p.IPs {
@@ -242,7 +258,7 @@ func (n *Node) SetStatus(ctx context.Context, p *Pod, phase corev1.PodPhase) err
 	if err != nil {
 		return err
 	}
-	obj, err := n.Client.CoreV1().Pods(p.Obj.Namespace).Patch(ctx, p.Obj.Name, "application/strategic-merge-patch+json", patch, metav1.PatchOptions{}, "status")
+	obj, err := n.Client.CoreV1().Pods(p.Obj.Namespace).Patch(ctx, p.Obj.Name, types.MergePatchType, patch, metav1.PatchOptions{}, "status")
 	if err != nil {
 		return fmt.Errorf("update status of %s/%s: %w", p.Obj.Namespace, p.Obj.Name, err)
 	}
