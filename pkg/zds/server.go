@@ -410,21 +410,10 @@ func (s *Server) submitAdd(ctx context.Context, c *conn, w Workload, msg []byte)
 // it from the state Snapshot reads before calling Del. With no connection
 // it returns nil. A refusal by ztunnel is an *AckError.
 func (s *Server) Del(ctx context.Context, uid string) error {
-	if uid == "" {
-		return errors.New("zds del: empty uid")
-	}
-	msg, err := encodeRequest(delRequest(uid))
+	msg, conns, err := s.prepareDel(uid)
 	if err != nil {
-		return fmt.Errorf("zds del %s: %w", uid, err)
+		return err
 	}
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
-		return fmt.Errorf("zds del %s: %w", uid, ErrClosed)
-	}
-	conns := s.liveConns()
-	s.mu.Unlock()
-
 	var reqs []*request
 	for _, c := range conns {
 		r := newRequest(ctx, "del", uid, msg, -1)
@@ -455,26 +444,34 @@ func (s *Server) Del(ctx context.Context, uid string) error {
 // logged. The caller must have removed the pod from the state Snapshot
 // reads, as for Del. With no connection it does nothing.
 func (s *Server) DelNoWait(uid string) error {
-	if uid == "" {
-		return errors.New("zds del: empty uid")
-	}
-	msg, err := encodeRequest(delRequest(uid))
+	msg, conns, err := s.prepareDel(uid)
 	if err != nil {
-		return fmt.Errorf("zds del %s: %w", uid, err)
+		return err
 	}
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
-		return fmt.Errorf("zds del %s: %w", uid, ErrClosed)
-	}
-	conns := s.liveConns()
-	s.mu.Unlock()
 	for _, c := range conns {
 		// Nobody awaits it: the request's done channel has room for its
 		// one result, and the connection logs a failure.
 		c.submit(newRequest(context.Background(), "del", uid, msg, -1))
 	}
 	return nil
+}
+
+// prepareDel encodes a Del for uid and returns the connections (past their
+// hello) it goes to.
+func (s *Server) prepareDel(uid string) ([]byte, []*conn, error) {
+	if uid == "" {
+		return nil, nil, errors.New("zds del: empty uid")
+	}
+	msg, err := encodeRequest(delRequest(uid))
+	if err != nil {
+		return nil, nil, fmt.Errorf("zds del %s: %w", uid, err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, nil, fmt.Errorf("zds del %s: %w", uid, ErrClosed)
+	}
+	return msg, s.liveConns(), nil
 }
 
 // addTargets picks the connection whose ack an Add awaits (the newest
