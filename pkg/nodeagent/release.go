@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"strings"
 	"time"
@@ -342,7 +343,13 @@ func (a *Agent) removeRulesByPath(log *slog.Logger, path string, want *nsID, uid
 	}
 	ns, err := a.cfg.Netns.Open(path)
 	if err != nil {
-		log.Debug("namespace gone; no rules to remove", "netns", path, "err", err)
+		if errors.Is(err, fs.ErrPermission) {
+			// The agent's own rights, not a namespace torn down: rules
+			// may be left behind, so say so where an operator looks.
+			log.Warn("cannot open the namespace to remove rules", "netns", path, "err", err)
+		} else {
+			log.Debug("namespace gone; no rules to remove", "netns", path, "err", err)
+		}
 		return nil
 	}
 	defer ns.Close()
