@@ -179,14 +179,17 @@ func (s *soaker) run(ctx context.Context, t *testing.T, pods [soakWorkers][]*cor
 }
 
 // cycle is one sandbox: netns, ADD through the chain, DEL, netns gone.
-func (s *soaker) cycle(ctx context.Context, obj *corev1.Pod, check bool) error {
+func (s *soaker) cycle(ctx context.Context, obj *corev1.Pod, check bool) (rerr error) {
 	netns, err := testutils.NewNS()
 	if err != nil {
 		return err
 	}
 	defer func() {
-		_ = netns.Close()
-		_ = testutils.UnmountNS(netns)
+		// Not testutils.UnmountNS: it gives up on EBUSY (a plugin being
+		// forked holds a copy of the descriptor) and leaks the mount.
+		if err := testnet.RemoveNS(netns); err != nil && rerr == nil {
+			rerr = err
+		}
 	}()
 	if err := netns.Do(func(ns.NetNS) error {
 		lo, err := netlink.LinkByName("lo")

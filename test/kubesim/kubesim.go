@@ -13,7 +13,6 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
-	"os"
 	"sync"
 	"time"
 
@@ -24,7 +23,6 @@ import (
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/containernetworking/plugins/pkg/testutils"
 	"github.com/vishvananda/netlink"
-	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -206,36 +204,8 @@ func (n *Node) fail(ctx context.Context, p *Pod, err error) error {
 	return err
 }
 
-// closeNS releases the pod's netns and removes its mount. umount without
-// MNT_DETACH fails with EBUSY while any descriptor opened through the
-// mount exists, which is how an agent pinning the namespace would show.
-// But a child process being forked anywhere in this test process holds a
-// copy of every descriptor until its exec, so EBUSY is retried for a
-// moment before it counts; a mount still busy then is detached (nothing
-// leaks) and reported.
-func (n *Node) closeNS(p *Pod) error {
-	path := p.NS.Path()
-	_ = p.NS.Close()
-	var err error
-	for range 50 {
-		if err = unix.Unmount(path, 0); !errors.Is(err, unix.EBUSY) {
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	if errors.Is(err, unix.EBUSY) {
-		_ = unix.Unmount(path, unix.MNT_DETACH)
-		_ = os.Remove(path)
-		return fmt.Errorf("netns %s stayed busy for a second (a descriptor opened through its mount is held): %w", path, err)
-	}
-	if rerr := os.Remove(path); rerr != nil && !os.IsNotExist(rerr) {
-		return errors.Join(err, rerr)
-	}
-	if err != nil && !errors.Is(err, unix.EINVAL) {
-		return fmt.Errorf("unmount netns %s: %w", path, err)
-	}
-	return nil
-}
+// closeNS releases the pod's netns and removes its mount.
+func (n *Node) closeNS(p *Pod) error { return testnet.RemoveNS(p.NS) }
 
 // SetStatus writes the pod's phase, IPs and Ready condition to the API,
 // as kubelet's status manager does. The IPs replace what the status held

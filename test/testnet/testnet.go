@@ -7,16 +7,19 @@ package testnet
 import (
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"net"
 	"net/netip"
 	"os"
 	"os/exec"
 	"testing"
+	"time"
 
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/containernetworking/plugins/pkg/testutils"
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 )
 
 // InCI reports whether the tests run under CI, where a missing
@@ -72,6 +75,38 @@ func RandName(prefix string, n int) string {
 	return prefix + hex.EncodeToString(b)[:n]
 }
 
+// RemoveNS closes a namespace made by testutils.NewNS and removes its
+// mount. umount without MNT_DETACH fails with EBUSY while any descriptor
+// opened through the mount exists, which is how an agent pinning the
+// namespace would show. But a child process being forked anywhere in the
+// test process holds a copy of every descriptor until its exec (libcni
+// runs plugins all the time), so EBUSY is retried for a moment before it
+// counts; a mount still busy then is detached (nothing leaks: testutils'
+// UnmountNS gives up there and leaves the mount behind) and reported.
+func RemoveNS(n ns.NetNS) error {
+	path := n.Path()
+	_ = n.Close()
+	var err error
+	for range 50 {
+		if err = unix.Unmount(path, 0); !errors.Is(err, unix.EBUSY) {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if errors.Is(err, unix.EBUSY) {
+		_ = unix.Unmount(path, unix.MNT_DETACH)
+		_ = os.Remove(path)
+		return fmt.Errorf("netns %s stayed busy for a second (a descriptor opened through its mount is held): %w", path, err)
+	}
+	if rerr := os.Remove(path); rerr != nil && !os.IsNotExist(rerr) {
+		return errors.Join(err, rerr)
+	}
+	if err != nil && !errors.Is(err, unix.EINVAL) {
+		return fmt.Errorf("unmount netns %s: %w", path, err)
+	}
+	return nil
+}
+
 // NewNS creates a named network namespace with loopback up and removes it
 // when the test ends.
 func NewNS(t testing.TB) ns.NetNS {
@@ -80,10 +115,7 @@ func NewNS(t testing.TB) ns.NetNS {
 	if err != nil {
 		t.Fatalf("create netns: %v", err)
 	}
-	t.Cleanup(func() {
-		_ = n.Close()
-		_ = testutils.UnmountNS(n)
-	})
+	t.Cleanup(func() { _ = RemoveNS(n) })
 	if err := n.Do(func(ns.NetNS) error {
 		lo, err := netlink.LinkByName("lo")
 		if err != nil {
