@@ -194,7 +194,7 @@ type Agent struct {
 	// torn are the namespaces whose sandbox a CNI DEL tore down: the
 	// controller must not capture them again while the runtime finishes
 	// (a process may linger in one for a moment).
-	torn map[nsID]time.Time
+	torn map[nsID]tornMark
 	// released are the pods whose sandbox the runtime removed (CNI DEL)
 	// while they were captured, and when; see SandboxReleased.
 	released map[types.UID]time.Time
@@ -245,7 +245,7 @@ func NewAgent(cfg Config) (*Agent, error) {
 		annotations: newAnnotationWriter(cfg.Annotator, cfg.Pods, log.With("component", "annotations")),
 		pods:        map[types.UID]*entry{},
 		busy:        map[types.UID]*podLock{},
-		torn:        map[nsID]time.Time{},
+		torn:        map[nsID]tornMark{},
 		released:    map[types.UID]time.Time{},
 	}, nil
 }

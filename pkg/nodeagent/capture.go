@@ -42,7 +42,7 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *San
 	defer unlock()
 	log := a.log.With("pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID)
 
-	if sb == nil && a.tornDown(ns) {
+	if sb == nil && a.tornDown(ns, pod.UID) {
 		// The controller found a namespace whose sandbox a CNI DEL just
 		// tore down (a process lingers): the pod's next sandbox comes
 		// through its own ADD.

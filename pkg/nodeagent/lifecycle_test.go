@@ -210,6 +210,16 @@ func TestDelOfControllerCapturedPod(t *testing.T) {
 	if err := h.agent.Capture(ctx, p, openNS(t, pn), nil); !IsRetryable(err) || len(h.agent.Pods()) != 0 {
 		t.Fatalf("capture of a torn-down sandbox's netns: %v", err)
 	}
+	// Another pod whose namespace carries the torn one's identity (the
+	// kernel reuses a freed namespace's inode number) is not refused.
+	other := pod("shop", "api", "u2", nil)
+	h.kube.SetPod(other)
+	if err := h.agent.Capture(ctx, other, openNS(t, pn), nil); err != nil {
+		t.Fatalf("capture of another pod in a namespace with a torn identity: %v", err)
+	}
+	if err := h.agent.Unenroll(ctx, "u2"); err != nil {
+		t.Fatal(err)
+	}
 	if err := h.agent.Capture(ctx, p, openNS(t, older), nil); err != nil {
 		t.Fatal(err)
 	}

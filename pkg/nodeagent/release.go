@@ -145,7 +145,7 @@ func (a *Agent) RemoveSandbox(ctx context.Context, d SandboxDel) error {
 			}
 		}
 		if id, ok := a.netnsIdentity(d.Netns); ok {
-			a.markTorn(id)
+			a.markTorn(id, uid)
 		}
 	case d.Replayed:
 		if id, ok := a.netnsIdentity(d.Netns); ok && id == e.ns.id() {
@@ -156,9 +156,9 @@ func (a *Agent) RemoveSandbox(ctx context.Context, d SandboxDel) error {
 				log.Warn("remove rules of a replayed DEL's sandbox", "err", err)
 			}
 		}
-		a.markTorn(e.ns.id())
+		a.markTorn(e.ns.id(), uid)
 	default:
-		a.markTorn(e.ns.id())
+		a.markTorn(e.ns.id(), uid)
 	}
 	a.forget(ctx, log, e)
 	a.noteReleased(uid)
@@ -424,26 +424,38 @@ func (a *Agent) uidOfSandbox(sandboxID string) types.UID {
 // refused to the controller.
 const tornTTL = time.Minute
 
-// markTorn notes that the runtime is tearing down the sandbox of
-// namespace id.
-func (a *Agent) markTorn(id nsID) {
+// tornMark is a namespace whose sandbox a CNI DEL tore down: which pod's,
+// and when.
+type tornMark struct {
+	uid types.UID
+	at  time.Time
+}
+
+// markTorn notes that the runtime is tearing down pod uid's sandbox, whose
+// namespace is id.
+func (a *Agent) markTorn(id nsID, uid types.UID) {
 	now := time.Now()
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	for id, at := range a.torn {
-		if now.Sub(at) > tornTTL {
+	for id, m := range a.torn {
+		if now.Sub(m.at) > tornTTL {
 			delete(a.torn, id)
 		}
 	}
-	a.torn[id] = now
+	a.torn[id] = tornMark{uid: uid, at: now}
 }
 
-// tornDown reports whether a CNI DEL tore down ns's sandbox lately.
-func (a *Agent) tornDown(ns *Netns) bool {
+// tornDown reports whether a CNI DEL lately tore down pod uid's sandbox
+// whose namespace is ns. The pod counts, not only the identity: once a
+// namespace is freed the kernel reuses its inode number, so another pod's
+// new namespace can carry a torn one's identity within the minute (seen
+// in make bench: 500 new pods after hundreds of DELs, some refused for a
+// minute).
+func (a *Agent) tornDown(ns *Netns, uid types.UID) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	at, ok := a.torn[ns.id()]
-	return ok && time.Since(at) <= tornTTL
+	m, ok := a.torn[ns.id()]
+	return ok && m.uid == uid && time.Since(m.at) <= tornTTL
 }
 
 // ClearStale removes the redirection annotation of a pod the agent neither
