@@ -29,6 +29,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/restmapper"
+
+	"github.com/ambient-cni/ambient-cni/test/childproc"
 )
 
 // Options tune an Env. The zero value is what tests normally want.
@@ -72,8 +74,8 @@ type Env struct {
 	CAFile, ServiceAccountKeyFile string
 
 	ca        *authority
-	etcd      *process
-	apiserver *process
+	etcd      *childproc.Proc
+	apiserver *childproc.Proc
 	// apiBin and apiArgs restart kube-apiserver after StopAPIServer.
 	apiBin    string
 	apiArgs   []string
@@ -184,7 +186,7 @@ func (e *Env) start(ctx context.Context, etcdBin, apiBin string, opts Options) e
 
 	etcdURL := "http://127.0.0.1:" + strconv.Itoa(etcdClient)
 	peerURL := "http://127.0.0.1:" + strconv.Itoa(etcdPeer)
-	e.etcd, err = startProcess(Etcd, etcdBin, []string{
+	e.etcd, err = childproc.Start(Etcd, etcdBin, []string{
 		"--name=kubeenv",
 		"--data-dir=" + filepath.Join(run, "etcd"),
 		"--listen-client-urls=" + etcdURL,
@@ -196,11 +198,11 @@ func (e *Env) start(ctx context.Context, etcdBin, apiBin string, opts Options) e
 		// shared disk.
 		"--unsafe-no-fsync",
 		"--log-level=warn",
-	}, filepath.Join(e.Dir, "etcd.log"))
+	}, nil, filepath.Join(e.Dir, "etcd.log"))
 	if err != nil {
 		return err
 	}
-	opts.Logf("kubeenv: etcd pid %d on %s", e.etcd.cmd.Process.Pid, etcdURL)
+	opts.Logf("kubeenv: etcd pid %d on %s", e.etcd.Pid(), etcdURL)
 	if err := waitHTTP(ctx, e.etcd, etcdURL+"/health", 30*time.Second); err != nil {
 		return err
 	}
@@ -244,11 +246,11 @@ func (e *Env) start(ctx context.Context, etcdBin, apiBin string, opts Options) e
 	}
 	args = append(args, opts.APIServerArgs...)
 	e.apiBin, e.apiArgs = apiBin, args
-	e.apiserver, err = startProcess(KubeAPIServer, apiBin, args, filepath.Join(e.Dir, "kube-apiserver.log"))
+	e.apiserver, err = childproc.Start(KubeAPIServer, apiBin, args, nil, filepath.Join(e.Dir, "kube-apiserver.log"))
 	if err != nil {
 		return err
 	}
-	opts.Logf("kubeenv: kube-apiserver pid %d on https://127.0.0.1:%d", e.apiserver.cmd.Process.Pid, securePort)
+	opts.Logf("kubeenv: kube-apiserver pid %d on https://127.0.0.1:%d", e.apiserver.Pid(), securePort)
 
 	e.ca = ca
 	e.CAFile, e.ServiceAccountKeyFile = filepath.Join(run, "ca.crt"), saKey
@@ -291,15 +293,15 @@ func (e *Env) waitReady(ctx context.Context, timeout time.Duration) error {
 			return nil
 		}
 		last = err
-		if e.apiserver.exited() {
+		if e.apiserver.Exited() {
 			return exitError(e.apiserver)
 		}
-		if e.etcd.exited() {
+		if e.etcd.Exited() {
 			return exitError(e.etcd)
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("kube-apiserver not ready after %v (last error: %v); log tail:\n%s", timeout, last, e.apiserver.logTail(30))
+			return fmt.Errorf("kube-apiserver not ready after %v (last error: %v); log tail:\n%s", timeout, last, e.apiserver.LogTail(30))
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
@@ -307,9 +309,9 @@ func (e *Env) waitReady(ctx context.Context, timeout time.Duration) error {
 
 // exitError describes a child that exited during start, flagging a lost
 // port race so Launch retries.
-func exitError(p *process) error {
-	tail := p.logTail(30)
-	err := fmt.Errorf("%s exited during start (%v); log tail:\n%s", p.name, p.err, tail)
+func exitError(p *childproc.Proc) error {
+	tail := p.LogTail(30)
+	err := fmt.Errorf("%s exited during start (%v); log tail:\n%s", p.Name, p.Err(), tail)
 	if strings.Contains(tail, "address already in use") {
 		return fmt.Errorf("%w: %w", errPortRace, err)
 	}
@@ -317,7 +319,7 @@ func exitError(p *process) error {
 }
 
 // waitHTTP polls url until it answers 200, the process exits, or timeout.
-func waitHTTP(ctx context.Context, p *process, url string, timeout time.Duration) error {
+func waitHTTP(ctx context.Context, p *childproc.Proc, url string, timeout time.Duration) error {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	client := &http.Client{Timeout: 2 * time.Second}
@@ -333,12 +335,12 @@ func waitHTTP(ctx context.Context, p *process, url string, timeout time.Duration
 				return nil
 			}
 		}
-		if p.exited() {
+		if p.Exited() {
 			return exitError(p)
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("%s not healthy at %s after %v; log tail:\n%s", p.name, url, timeout, p.logTail(30))
+			return fmt.Errorf("%s not healthy at %s after %v; log tail:\n%s", p.Name, url, timeout, p.LogTail(30))
 		case <-time.After(50 * time.Millisecond):
 		}
 	}
@@ -364,7 +366,7 @@ func freePorts(n int) ([]int, error) {
 func (e *Env) StopAPIServer() {
 	e.apiMu.Lock()
 	defer e.apiMu.Unlock()
-	e.apiserver.stop(5 * time.Second)
+	e.apiserver.Stop(5 * time.Second)
 }
 
 // StartAPIServer starts a stopped kube-apiserver again, on the same
@@ -373,10 +375,10 @@ func (e *Env) StopAPIServer() {
 func (e *Env) StartAPIServer(ctx context.Context, timeout time.Duration) error {
 	e.apiMu.Lock()
 	defer e.apiMu.Unlock()
-	if !e.apiserver.exited() {
+	if !e.apiserver.Exited() {
 		return nil
 	}
-	p, err := startProcess(KubeAPIServer, e.apiBin, e.apiArgs, e.apiserver.logPath)
+	p, err := childproc.Start(KubeAPIServer, e.apiBin, e.apiArgs, nil, e.apiserver.LogPath)
 	if err != nil {
 		return err
 	}
@@ -397,10 +399,10 @@ func (e *Env) stopProcesses() {
 	e.apiMu.Lock()
 	defer e.apiMu.Unlock()
 	if e.apiserver != nil {
-		e.apiserver.stop(10 * time.Second)
+		e.apiserver.Stop(10 * time.Second)
 	}
 	if e.etcd != nil {
-		e.etcd.stop(10 * time.Second)
+		e.etcd.Stop(10 * time.Second)
 	}
 }
 

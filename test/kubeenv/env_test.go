@@ -487,7 +487,7 @@ func TestStartStopsWithTest(t *testing.T) {
 		if _, err := env.Client.CoreV1().Namespaces().List(context.Background(), metav1.ListOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		pids = []int{env.etcd.cmd.Process.Pid, env.apiserver.cmd.Process.Pid}
+		pids = []int{env.etcd.Pid(), env.apiserver.Pid()}
 	})
 	if len(pids) == 0 {
 		t.Skip("env did not start")

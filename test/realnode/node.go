@@ -37,6 +37,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
+	"github.com/ambient-cni/ambient-cni/test/childproc"
 	"github.com/ambient-cni/ambient-cni/test/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
@@ -91,7 +92,7 @@ type Node struct {
 	guardBase   map[string]int
 	st          *state
 	lock        *os.File
-	procs       []*proc
+	procs       []*childproc.Proc
 	out         io.Writer
 }
 
@@ -327,12 +328,12 @@ func (n *Node) startControllers() error {
 		"--root-ca-file=" + n.Kube.CAFile,
 		"--use-service-account-credentials=false",
 	}, common...)
-	p, err := startProc("kube-controller-manager", n.Tools.ControllerManager, kcm, nil, filepath.Join(n.Dir, "kube-controller-manager.log"))
+	p, err := childproc.Start("kube-controller-manager", n.Tools.ControllerManager, kcm, nil, filepath.Join(n.Dir, "kube-controller-manager.log"))
 	if err != nil {
 		return err
 	}
 	n.procs = append(n.procs, p)
-	p, err = startProc("kube-scheduler", n.Tools.Scheduler, common, nil, filepath.Join(n.Dir, "kube-scheduler.log"))
+	p, err = childproc.Start("kube-scheduler", n.Tools.Scheduler, common, nil, filepath.Join(n.Dir, "kube-scheduler.log"))
 	if err != nil {
 		return err
 	}
@@ -341,9 +342,9 @@ func (n *Node) startControllers() error {
 }
 
 // proc returns the daemon named name, nil if not started.
-func (n *Node) proc(name string) *proc {
+func (n *Node) proc(name string) *childproc.Proc {
 	for _, p := range n.procs {
-		if p.name == name {
+		if p.Name == name {
 			return p
 		}
 	}
@@ -353,8 +354,8 @@ func (n *Node) proc(name string) *proc {
 // checkProcs fails when a daemon exited.
 func (n *Node) checkProcs() error {
 	for _, p := range n.procs {
-		if p.exited() {
-			return p.exitErr()
+		if p.Exited() {
+			return fmt.Errorf("%s exited (%v); log tail:\n%s", p.Name, p.Err(), p.LogTail(25))
 		}
 	}
 	return nil
@@ -406,9 +407,9 @@ func (n *Node) Down() error {
 	var errs []error
 	// Pods first, through the API, while kubelet and the agent still run:
 	// kubelet stops them and containerd runs CNI DEL for each.
-	if n.Client != nil && n.proc("kubelet") != nil && !n.proc("kubelet").exited() {
+	if n.Client != nil && n.proc("kubelet") != nil && !n.proc("kubelet").Exited() {
 		if p := n.proc("kube-controller-manager"); p != nil {
-			p.stop(10 * time.Second) // no DaemonSet pod comes back
+			p.Stop(10 * time.Second) // no DaemonSet pod comes back
 		}
 		if err := n.deleteAllPods(); err != nil {
 			n.logf("   %v (cleaning up below the API)", err)
@@ -416,11 +417,11 @@ func (n *Node) Down() error {
 		phase("pods deleted")
 	}
 	for _, name := range []string{"kubelet", "kube-controller-manager", "kube-scheduler"} {
-		n.proc(name).stop(15 * time.Second)
+		n.proc(name).Stop(15 * time.Second)
 	}
 	guardErr := n.checkGuard()
 	errs = append(errs, teardown(n.st, n.logf)...)
-	n.proc("containerd").stop(15 * time.Second)
+	n.proc("containerd").Stop(15 * time.Second)
 	if n.Kube != nil {
 		n.Kube.Stop()
 	}

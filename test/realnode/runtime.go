@@ -14,6 +14,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/ambient-cni/ambient-cni/test/childproc"
 	"github.com/ambient-cni/ambient-cni/test/kubeenv"
 )
 
@@ -90,7 +91,7 @@ func (n *Node) startContainerd(ctx context.Context) error {
 	if err := os.WriteFile(cfg, []byte(n.containerdConfig()), 0o600); err != nil {
 		return err
 	}
-	p, err := startProc("containerd", n.Tools.Containerd, []string{"--config", cfg, "--log-level", "info"}, nil, filepath.Join(n.Dir, "containerd.log"))
+	p, err := childproc.Start("containerd", n.Tools.Containerd, []string{"--config", cfg, "--log-level", "info"}, nil, filepath.Join(n.Dir, "containerd.log"))
 	if err != nil {
 		return err
 	}
@@ -208,7 +209,7 @@ func (n *Node) startKubelet(ctx context.Context) error {
 		"--node-ip=127.0.0.1",
 		"--v=1",
 	}
-	p, err := startProc("kubelet", n.Tools.Kubelet, args, nil, filepath.Join(n.Dir, "kubelet.log"))
+	p, err := childproc.Start("kubelet", n.Tools.Kubelet, args, nil, filepath.Join(n.Dir, "kubelet.log"))
 	if err != nil {
 		return err
 	}
