@@ -31,6 +31,7 @@ import (
 
 	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/test/childproc"
 	"github.com/ambient-cni/ambient-cni/test/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/kubesim"
@@ -77,7 +78,7 @@ const (
 )
 
 // Run runs the benchmark. It must run as root, in a network namespace of
-// its own (see PrivateNetns): it creates a bridge, network namespaces and
+// its own (see testnet.ProgramInOwnNetns): it creates a bridge, network namespaces and
 // netfilter rules there, and the API server listens on its loopback.
 func Run(ctx context.Context, o Options) (res *Result, err error) {
 	if os.Geteuid() != 0 {
@@ -205,7 +206,7 @@ type backendRun struct {
 	res        *BackendResult
 
 	agentEnv map[string]string
-	agent    *Process
+	agent    *childproc.Proc
 	zt       *ztunnel.StandIn
 	health   string
 	// metricsURL is where the agent serves /metrics (its own address).
@@ -277,7 +278,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 
 	r.log = filepath.Join(r.dir, "install-cni.log")
 	r.logf("starting %s with the chart's environment (log %s)", r.o.InstallCNI, r.log)
-	r.agent, err = StartProcess(r.o.InstallCNI, r.shipped.Args, Environ(r.agentEnv), r.log)
+	r.agent, err = childproc.StartEnviron("install-cni", r.o.InstallCNI, r.shipped.Args, Environ(r.agentEnv), r.log)
 	if err != nil {
 		return err
 	}
@@ -483,7 +484,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 	}
 	r.res.Enroll = enrolls
 	if r.agent.Exited() {
-		return fmt.Errorf("install-cni exited during the run: %v; log %s", r.agent.err, r.log)
+		return fmt.Errorf("install-cni exited during the run: %v; log %s", r.agent.Err(), r.log)
 	}
 	return nil
 }
@@ -622,7 +623,7 @@ func (r *backendRun) waitReady(ctx context.Context) error {
 			}
 		}
 		if r.agent.Exited() {
-			return fmt.Errorf("install-cni exited during start (%v); log tail:\n%s", r.agent.err, tail(r.log, 20))
+			return fmt.Errorf("install-cni exited during start (%v); log tail:\n%s", r.agent.Err(), tail(r.log, 20))
 		}
 		if time.Now().After(deadline) {
 			return fmt.Errorf("install-cni not ready after 2 minutes; log tail:\n%s", tail(r.log, 20))

@@ -12,7 +12,7 @@
 //
 // The suite takes minutes: `make test-long` runs it (AMBIENT_TEST_LONG=1),
 // and `make test` skips it. It re-executes itself in a network namespace
-// of its own (test/bench's PrivateNetns), so its bridges, host probe set and
+// of its own (testnet's ProgramInOwnNetns), so its bridges, host probe set and
 // API server ports collide with nothing on the machine and no traffic can
 // leave it. AMBIENT_CHAOS_SEEDS=1,2,3 replays the agent-kill schedules of
 // those seeds.

@@ -36,7 +36,7 @@ func TestMain(m *testing.M) {
 			// network namespace of its own.
 			os.Exit(runGroups())
 		}
-		code, reexec, err := bench.PrivateNetns()
+		code, reexec, err := testnet.ProgramInOwnNetns()
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "chaos: run in a network namespace of its own:", err)
 			os.Exit(1)
@@ -203,7 +203,7 @@ func runGroups() int {
 		if len(g.seeds) > 0 {
 			env = append(env, seedsEnv+"="+joinSeeds(g.seeds))
 		}
-		cmd, err := bench.StartInPrivateNetns(args, env, out, out)
+		cmd, err := testnet.StartInOwnNetns(args, env, out, out)
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "chaos:", err)
 			return 2

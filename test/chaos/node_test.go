@@ -27,6 +27,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/test/bench"
+	"github.com/ambient-cni/ambient-cni/test/childproc"
 	"github.com/ambient-cni/ambient-cni/test/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/kubesim"
@@ -82,7 +83,7 @@ type node struct {
 	rules *rulesbackend.Backend
 
 	mu      sync.Mutex
-	agent   *bench.Process
+	agent   *childproc.Proc
 	starts  int      // agent processes started
 	crashed []string // agents found exited without being killed
 
@@ -235,7 +236,7 @@ func (n *node) startAgent() {
 		fmt.Fprintf(f, "{\"msg\":\"chaos: starting install-cni #%d\"}\n", n.starts)
 		_ = f.Close()
 	}
-	p, err := bench.StartProcess(n.sh.installCNI, n.sh.chart.Args, n.environ, n.logPath)
+	p, err := childproc.StartEnviron("install-cni", n.sh.installCNI, n.sh.chart.Args, n.environ, n.logPath)
 	if err != nil {
 		n.t.Fatal(err)
 	}
@@ -259,7 +260,7 @@ func (n *node) killAgent() {
 }
 
 // noteCrash records an agent that exited without being killed.
-func (n *node) noteCrash(p *bench.Process) {
+func (n *node) noteCrash(p *childproc.Proc) {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	n.crashed = append(n.crashed, fmt.Sprintf("pid %d: %v; log tail:\n%s", p.Pid(), p.Err(), n.logTail(20, false)))
@@ -300,7 +301,7 @@ func (n *node) stopAgent() error {
 }
 
 // agentProc is the current agent process.
-func (n *node) agentProc() *bench.Process {
+func (n *node) agentProc() *childproc.Proc {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	return n.agent

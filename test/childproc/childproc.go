@@ -1,6 +1,7 @@
 // Package childproc runs the long-lived child processes of tests and demos
-// (etcd and kube-apiserver for kubeenv, a real node's daemons for realnode)
-// with their output in a log file, and stops them.
+// (etcd and kube-apiserver for kubeenv, a real node's daemons for realnode,
+// the shipped install-cni for the simulated node) with their output in a
+// log file, and stops them.
 package childproc
 
 import (
@@ -33,15 +34,31 @@ type Proc struct {
 // enters a netns and exits with its thread locked) can take that thread
 // down early.
 func Start(name, path string, args, env []string, logPath string) (*Proc, error) {
+	var environ []string
+	if env != nil {
+		environ = append(os.Environ(), env...)
+	}
+	return start(name, path, args, environ, logPath)
+}
+
+// StartEnviron is Start with environ as the child's whole environment,
+// nothing of this process's: for a child whose behaviour is measured or
+// pinned (a GOGC or GODEBUG of the caller's shell would change it).
+func StartEnviron(name, path string, args, environ []string, logPath string) (*Proc, error) {
+	if environ == nil {
+		environ = []string{} // exec reads a nil Env as "inherit"
+	}
+	return start(name, path, args, environ, logPath)
+}
+
+func start(name, path string, args, environ []string, logPath string) (*Proc, error) {
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		return nil, fmt.Errorf("open %s log: %w", name, err)
 	}
 	cmd := exec.Command(path, args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
-	if env != nil {
-		cmd.Env = append(os.Environ(), env...)
-	}
+	cmd.Env = environ
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
 	p := &Proc{Name: name, LogPath: logPath, cmd: cmd, done: make(chan struct{})}
 	started := make(chan error, 1)
@@ -85,19 +102,36 @@ func (p *Proc) Err() error {
 	return p.err
 }
 
-// Stop asks the child to exit with SIGTERM, then kills it after grace. A
-// nil or exited Proc is left alone.
-func (p *Proc) Stop(grace time.Duration) {
-	if p == nil || p.Exited() {
-		return
+// Stop asks the child to exit with SIGTERM, then kills it after grace. It
+// returns how a child it stopped ended (nil for a clean exit), or that it
+// had to be killed; for one that had exited already, how it ended. A nil
+// Proc is left alone.
+func (p *Proc) Stop(grace time.Duration) error {
+	if p == nil {
+		return nil
+	}
+	if p.Exited() {
+		return p.err
 	}
 	_ = p.cmd.Process.Signal(syscall.SIGTERM)
 	select {
 	case <-p.done:
+		return p.err
 	case <-time.After(grace):
 		_ = p.cmd.Process.Kill()
 		<-p.done
+		return fmt.Errorf("%s did not stop within %v of SIGTERM; killed", p.Name, grace)
 	}
+}
+
+// Kill sends SIGKILL, as an OOM kill would (nothing of the child's
+// shutdown runs), and waits until the child is reaped.
+func (p *Proc) Kill() {
+	if p == nil || p.Exited() {
+		return
+	}
+	_ = p.cmd.Process.Kill()
+	<-p.done
 }
 
 // LogTail returns the last lines of the child's log, for error messages.

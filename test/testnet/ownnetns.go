@@ -141,14 +141,11 @@ func runPattern(name string) string {
 // termination and quit signals this process gets (quit makes a Go test
 // binary print its goroutines: go test sends it when a run hangs).
 func runChild(exe string, args, env []string, stdout, stderr io.Writer) (int, error) {
-	cmd := exec.Command(exe, args...)
-	cmd.Env = append(append(os.Environ(), env...), ownNetnsEnv+"=1")
-	cmd.Stdin, cmd.Stdout, cmd.Stderr = nil, stdout, stderr
+	cmd := ownNetnsCmd(exe, args, env, stdout, stderr)
 	// Pdeathsig follows the thread that started the child: keep this
 	// goroutine on it until the child is gone.
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNET, Pdeathsig: syscall.SIGKILL}
 	sigs := make(chan os.Signal, 4)
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGQUIT)
 	defer signal.Stop(sigs)
@@ -172,6 +169,58 @@ func runChild(exe string, args, env []string, stdout, stderr io.Writer) (int, er
 			return 0, err
 		}
 	}
+}
+
+// ownNetnsCmd is exe with args in a new network namespace, marked as
+// such, dying with this process.
+func ownNetnsCmd(exe string, args, env []string, stdout, stderr io.Writer) *exec.Cmd {
+	cmd := exec.Command(exe, args...)
+	cmd.Env = append(append(os.Environ(), env...), ownNetnsEnv+"=1")
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = nil, stdout, stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNET, Pdeathsig: syscall.SIGKILL}
+	return cmd
+}
+
+// ProgramInOwnNetns is MainInOwnNetns for a program (a benchmark, a suite
+// that runs its parts side by side): called outside, it runs this program
+// again with the same arguments in a network namespace of its own, passing
+// on the signals it gets, and returns that run's exit code with reexec
+// true (the caller exits with it); inside, it brings loopback up and
+// returns reexec false (the caller goes on). It needs root.
+func ProgramInOwnNetns() (code int, reexec bool, err error) {
+	if InOwnNetns() {
+		return 0, false, loopbackUp()
+	}
+	if os.Geteuid() != 0 {
+		return 0, false, errors.New("run as root: it creates network namespaces and netfilter rules")
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return 0, true, err
+	}
+	code, err = runChild(exe, os.Args[1:], nil, os.Stdout, os.Stderr)
+	return code, true, err
+}
+
+// StartInOwnNetns starts this program again with args in a new network
+// namespace, with env added to this process's environment and its output
+// to stdout and stderr; inside, ProgramInOwnNetns (or MainInOwnNetns)
+// brings loopback up and goes on. The child gets SIGKILL when the thread
+// that started it exits (Pdeathsig); the caller waits for it and passes
+// signals on.
+func StartInOwnNetns(args, env []string, stdout, stderr io.Writer) (*exec.Cmd, error) {
+	if os.Geteuid() != 0 {
+		return nil, errors.New("run as root: it creates network namespaces and netfilter rules")
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cmd := ownNetnsCmd(exe, args, env, stdout, stderr)
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start %s in a new network namespace: %w", exe, err)
+	}
+	return cmd, nil
 }
 
 func loopbackUp() error {
