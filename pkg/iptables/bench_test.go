@@ -3,7 +3,7 @@ package iptables
 import (
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 	"github.com/containernetworking/plugins/pkg/ns"
 )
 

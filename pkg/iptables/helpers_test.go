@@ -5,8 +5,8 @@ import (
 	"strings"
 	"testing"
 
-	dt "github.com/ambient-cni/ambient-cni/test/dataplanetest"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	dt "github.com/ambient-cni/ambient-cni/test/lib/dataplanetest"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // The traffic scenarios of both backends live in pkg/rulesbackend (one

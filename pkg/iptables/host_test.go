@@ -9,7 +9,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 func TestHostProbeGolden(t *testing.T) {

@@ -15,8 +15,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
-	"github.com/ambient-cni/ambient-cni/test/poll"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 )
 
 // dsName is the DaemonSet the shipped Role names.

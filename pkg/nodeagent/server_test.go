@@ -18,7 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // peerHelperEnv makes the test binary act as a plugin-side client instead

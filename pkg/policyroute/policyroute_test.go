@@ -7,7 +7,7 @@ import (
 	"testing"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
 )

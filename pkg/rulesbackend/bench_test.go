@@ -6,7 +6,7 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 	"github.com/containernetworking/plugins/pkg/ns"
 )
 

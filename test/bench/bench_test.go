@@ -15,8 +15,8 @@ import (
 	"testing"
 
 	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 func repoRoot(t testing.TB) string {
@@ -39,7 +39,7 @@ func parse(t testing.TB, env map[string]string) *installcni.Config {
 
 // TestBenchRunsShipped is issue 10's pin: the chart's default values,
 // install-cni's own defaults and what `make bench` runs agree, so a tuned
-// benchmark cannot hide a production bottleneck (test/e2e pins the e2e
+// benchmark cannot hide a production bottleneck (test/integration pins the e2e
 // harness the same way, TestHarnessRunsShippedDefaults).
 func TestBenchRunsShipped(t *testing.T) {
 	kubeenv.RequireTool(t, kubeenv.Helm)

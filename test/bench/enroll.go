@@ -17,8 +17,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/test/kubesim"
-	"github.com/ambient-cni/ambient-cni/test/ztunnel"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
 // owner gives kubesim what a test would: temp dirs and cleanups (run by

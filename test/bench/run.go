@@ -31,12 +31,12 @@ import (
 
 	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/test/childproc"
-	"github.com/ambient-cni/ambient-cni/test/cnibin"
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
-	"github.com/ambient-cni/ambient-cni/test/kubesim"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
-	"github.com/ambient-cni/ambient-cni/test/ztunnel"
+	"github.com/ambient-cni/ambient-cni/test/lib/childproc"
+	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
 // Options configure Run.

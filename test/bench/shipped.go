@@ -16,7 +16,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 
 	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 )
 
 // The chart is rendered as `make manifests` renders it.

@@ -16,8 +16,8 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
-	"github.com/ambient-cni/ambient-cni/test/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
 )
 
 // apiPending are the API-outage checks waiting for fixes being made on

@@ -16,10 +16,10 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/test/bench"
-	"github.com/ambient-cni/ambient-cni/test/cnibin"
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
-	"github.com/ambient-cni/ambient-cni/test/podproc"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/podproc"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // longEnv turns the suite on; make test-long sets it.

@@ -27,12 +27,12 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/test/bench"
-	"github.com/ambient-cni/ambient-cni/test/childproc"
-	"github.com/ambient-cni/ambient-cni/test/cnibin"
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
-	"github.com/ambient-cni/ambient-cni/test/kubesim"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
-	"github.com/ambient-cni/ambient-cni/test/ztunnel"
+	"github.com/ambient-cni/ambient-cni/test/lib/childproc"
+	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
 // keepEnv keeps a failed test's node directory (the agent's and the

@@ -25,8 +25,8 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
-	"github.com/ambient-cni/ambient-cni/test/captureproxy"
-	"github.com/ambient-cni/ambient-cni/test/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/lib/captureproxy"
+	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 )
 
 // Versions is the CNI spec version matrix the plugin supports.

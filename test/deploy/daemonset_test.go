@@ -21,7 +21,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 
 	"github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 )
 
 // objects decodes a rendered manifest into typed objects.

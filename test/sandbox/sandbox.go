@@ -30,12 +30,12 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/test/captureproxy"
-	"github.com/ambient-cni/ambient-cni/test/cnibin"
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
-	"github.com/ambient-cni/ambient-cni/test/kubesim"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
-	"github.com/ambient-cni/ambient-cni/test/ztunnel"
+	"github.com/ambient-cni/ambient-cni/test/lib/captureproxy"
+	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 	"github.com/vishvananda/netlink"
 )
 

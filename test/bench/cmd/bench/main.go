@@ -17,8 +17,8 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/test/bench"
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 func main() {
