@@ -1,6 +1,6 @@
 // Package chaos is the fault-injection suite of issue 12: it runs what
 // ships (bin/install-cni and bin/ambient-cni from make build, with the Helm
-// chart's default values, as test/bench does) against a real kube-apiserver,
+// chart's default values, on test/lib/simnode's node, as test/bench does) against a real kube-apiserver,
 // the ztunnel stand-in and pods that start and stop through the real CNI
 // chain, and breaks things while they churn: the agent SIGKILLed at random
 // points (seeded), ztunnel killed and restarted, the API server stopped

@@ -15,10 +15,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/test/bench"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/podproc"
+	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
@@ -75,8 +75,7 @@ func requireLong(t *testing.T) {
 // chart's rendered defaults.
 type shipped struct {
 	installCNI, plugin string
-	chart              *bench.Shipped
-	roles              []byte
+	chart              *simnode.Shipped
 }
 
 var (
@@ -106,19 +105,14 @@ func shippedBuild(t *testing.T) *shipped {
 			shippedErr = fmt.Errorf("make build: %v\n%s", err, out)
 			return
 		}
-		chart, err := bench.RenderChart(context.Background(), root)
-		if err != nil {
-			shippedErr = err
-			return
-		}
-		roles, err := kubeenv.ExtractRoles(chart.Manifest)
+		chart, err := simnode.RenderChart(context.Background(), root)
 		if err != nil {
 			shippedErr = err
 			return
 		}
 		shippedVal = &shipped{
 			installCNI: filepath.Join(bin, "install-cni"), plugin: filepath.Join(bin, "ambient-cni"),
-			chart: chart, roles: roles,
+			chart: chart,
 		}
 	})
 	if shippedErr != nil {

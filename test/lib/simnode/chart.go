@@ -1,4 +1,11 @@
-package bench
+// Package simnode is the one simulated Kubernetes node of the suites that
+// run the shipped binaries (chaos, the benchmark, the sandbox): a real API server
+// env (test/lib/kubeenv), a bridge pod network whose primary conflist the
+// shipped install-cni's installer chains the plugin into, install-cni itself
+// as its own process with the chart's environment (only node-local settings
+// pointed at this node: NodeLocal), a ztunnel stand-in on its ZDS socket,
+// and a kubelet simulator (test/lib/kubesim) over the chained conflist.
+package simnode
 
 import (
 	"bytes"
@@ -25,6 +32,10 @@ const (
 	ReleaseName      = "ambient-cni"
 	ReleaseNamespace = "istio-system"
 )
+
+// ManifestPath is the chart's rendered output, kept equal to it by
+// `make check-manifests` (test/deploy).
+const ManifestPath = "deploy/manifests/ambient-cni.yaml"
 
 // Shipped is what the chart's default values make the DaemonSet run.
 type Shipped struct {
@@ -67,6 +78,16 @@ func RenderChart(ctx context.Context, repoRoot string) (*Shipped, error) {
 		return nil, fmt.Errorf("helm template %s: %w: %s", ChartDir, err, strings.TrimSpace(stderr.String()))
 	}
 	return ParseShipped(stdout.Bytes())
+}
+
+// CommittedChart reads the chart's rendered manifest committed in repoRoot
+// (ManifestPath): the chart's defaults without needing helm.
+func CommittedChart(repoRoot string) (*Shipped, error) {
+	b, err := os.ReadFile(filepath.Join(repoRoot, ManifestPath))
+	if err != nil {
+		return nil, fmt.Errorf("read the shipped manifest: %w", err)
+	}
+	return ParseShipped(b)
 }
 
 // ParseShipped extracts the install-cni container's command, args and
@@ -122,25 +143,27 @@ func ParseShipped(manifest []byte) (*Shipped, error) {
 	return s, nil
 }
 
-// NodeLocal lists every setting the benchmark gives a value other than
+// NodeLocal lists every setting a simulated node gives a value other than
 // the chart's, with the reason. They say where things are on this node
-// and who the agent is; none tunes behaviour or speed. TestBenchRunsShipped
-// pins the list, so a tuned benchmark cannot hide a production bottleneck.
+// and who the agent is; none tunes behaviour or speed. test/bench's
+// TestBenchRunsShipped pins the list, so a tuned node cannot hide a
+// production bottleneck. A suite that must differ beyond it says so in
+// Options.Settings, with its reason.
 var NodeLocal = map[string]string{
-	"AMBIENT_NODE_NAME":     "the benchmark node's name (downward API in the chart)",
+	"AMBIENT_NODE_NAME":     "the simulated node's name (downward API in the chart)",
 	"AMBIENT_POD_NAME":      "the agent pod's name (downward API in the chart)",
 	"AMBIENT_CNI_BIN_DIR":   "the node's CNI directories (host mounts at /host/... in the chart)",
 	"AMBIENT_CNI_CONF_DIR":  "the node's CNI directories (host mounts at /host/... in the chart)",
 	"AMBIENT_PLUGIN_BINARY": "bin/ambient-cni from make build (the image's copy in the chart)",
-	"AMBIENT_AGENT_SOCKET":  "sockets in the benchmark's directory, not the machine's /var/run",
-	"AMBIENT_ZDS_SOCKET":    "sockets in the benchmark's directory, not the machine's /var/run",
+	"AMBIENT_AGENT_SOCKET":  "sockets in the node's directory, not the machine's /var/run",
+	"AMBIENT_ZDS_SOCKET":    "sockets in the node's directory, not the machine's /var/run",
 	"AMBIENT_PROC_ROOT":     "the host's /proc is /proc here (mounted at /host/proc in the chart)",
 	"AMBIENT_KUBECONFIG": "the ServiceAccount's token and the loopback API server in a kubeconfig " +
 		"(the chart uses in-cluster configuration; neither carries a rate limit)",
 }
 
-// Node says where the benchmark node keeps things.
-type Node struct {
+// Paths says where a simulated node keeps things and who its agent is.
+type Paths struct {
 	Name, PodName          string
 	CNIBinDir, CNIConfDir  string
 	PluginBinary           string
@@ -149,22 +172,22 @@ type Node struct {
 }
 
 // AgentEnv is the environment install-cni runs with: the chart's, with the
-// NodeLocal settings pointed at node and, when backend names one, the
-// rules-backend selector set (the benchmark's one parameter). Nothing of
-// the caller's environment but PATH is passed on: a GOGC or GODEBUG of the
-// shell would change the figures.
-func AgentEnv(s *Shipped, node Node, backend Backend) (map[string]string, error) {
+// NodeLocal settings pointed at p, then settings (install-cni flag names,
+// e.g. a rules-backend selector) on top. Nothing of the caller's
+// environment but PATH is passed on (see Environ): a GOGC or GODEBUG of
+// the shell would change what is measured.
+func AgentEnv(s *Shipped, p Paths, settings map[string]string) (map[string]string, error) {
 	env := maps.Clone(s.Env)
 	set := map[string]string{
-		"AMBIENT_NODE_NAME":     node.Name,
-		"AMBIENT_POD_NAME":      node.PodName,
-		"AMBIENT_CNI_BIN_DIR":   node.CNIBinDir,
-		"AMBIENT_CNI_CONF_DIR":  node.CNIConfDir,
-		"AMBIENT_PLUGIN_BINARY": node.PluginBinary,
-		"AMBIENT_AGENT_SOCKET":  node.AgentSocket,
-		"AMBIENT_ZDS_SOCKET":    node.ZDSSocket,
+		"AMBIENT_NODE_NAME":     p.Name,
+		"AMBIENT_POD_NAME":      p.PodName,
+		"AMBIENT_CNI_BIN_DIR":   p.CNIBinDir,
+		"AMBIENT_CNI_CONF_DIR":  p.CNIConfDir,
+		"AMBIENT_PLUGIN_BINARY": p.PluginBinary,
+		"AMBIENT_AGENT_SOCKET":  p.AgentSocket,
+		"AMBIENT_ZDS_SOCKET":    p.ZDSSocket,
 		"AMBIENT_PROC_ROOT":     "/proc",
-		"AMBIENT_KUBECONFIG":    node.Kubeconfig,
+		"AMBIENT_KUBECONFIG":    p.Kubeconfig,
 	}
 	for k, v := range set {
 		if _, ok := NodeLocal[k]; !ok {
@@ -172,8 +195,8 @@ func AgentEnv(s *Shipped, node Node, backend Backend) (map[string]string, error)
 		}
 		env[k] = v
 	}
-	if backend.Selector != "" {
-		env[installcni.EnvName(backend.Selector)] = backend.Value
+	for flag, v := range settings {
+		env[installcni.EnvName(flag)] = v
 	}
 	return env, nil
 }
