@@ -237,7 +237,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 	if err := sim.WaitReady(ctx, 2*time.Minute); err != nil {
 		return err
 	}
-	zt := sim.StartStandIn()
+	zt := sim.StartStandIn(ztunnel.Faults{})
 	r.zt = zt
 	wctx, cancel := context.WithTimeout(ctx, time.Minute)
 	err = zt.Wait(wctx, zt.Ready)

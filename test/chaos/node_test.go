@@ -217,7 +217,7 @@ func (n *node) startStandIn() {
 	n.ztMu.Lock()
 	n.ztRuns++
 	n.ztMu.Unlock()
-	n.sim.StartStandIn()
+	n.sim.StartStandIn(ztunnel.Faults{})
 }
 
 // stopStandIn stops the stand-in as a killed ztunnel goes: its connection

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net/http"
 	"net/netip"
 	"os"
@@ -33,8 +34,9 @@ import (
 // PrimaryConf is the node's primary CNI config the installer chains into.
 const PrimaryConf = "10-bridge.conflist"
 
-// Options shape one node. Env, Chart, InstallCNI, Plugin, ReferencePlugins
-// and Dir are required.
+// Options shape one node. Env, Chart, Plugin, ReferencePlugins and Dir are
+// required; InstallCNI too for StartAgent (a suite that runs the agent
+// in-process, from Config and AgentConfig, has none).
 type Options struct {
 	// Env is the API server.
 	Env *kubeenv.Env
@@ -64,8 +66,15 @@ type Options struct {
 	// /var/run/ambient-cni and /var/run/ztunnel) on a tmpfs, as /var/run
 	// is on a node: its capture records are files there.
 	RunOnTmpfs bool
-	// StandInLogger receives the ztunnel stand-in's log (default: none).
-	StandInLogger *slog.Logger
+	// Namespace is the agent's namespace, where its ServiceAccount is
+	// bound to the shipped RBAC (default ReleaseNamespace, the chart's).
+	// Another one also sets install-cni's pod-namespace, so that nodes
+	// sharing an API server do not share a DaemonSet (whose presence
+	// makes the agent's shutdown an upgrade).
+	Namespace string
+	// StandIn configures the ztunnel stand-ins (SocketPath is the node's;
+	// a nil Logger discards).
+	StandIn ztunnel.Config
 }
 
 // Node is one running simulated node. Its methods are safe for concurrent
@@ -84,6 +93,9 @@ type Node struct {
 	// Primary is the primary conflist as written; Chained is the conflist
 	// after the installer chained the plugin into it.
 	Primary, Chained []byte
+	// AgentConfig is the agent's API client config: its ServiceAccount,
+	// bound to the shipped RBAC.
+	AgentConfig *rest.Config
 
 	opts   Options
 	runDir string
@@ -117,7 +129,7 @@ func Start(ctx context.Context, o Options) (n *Node, err error) {
 	if err := n.WaitReady(ctx, 2*time.Minute); err != nil {
 		return nil, err
 	}
-	z := n.StartStandIn()
+	z := n.StartStandIn(ztunnel.Faults{})
 	wctx, cancel := context.WithTimeout(ctx, time.Minute)
 	err = z.Wait(wctx, z.Ready)
 	cancel()
@@ -141,8 +153,18 @@ func Start(ctx context.Context, o Options) (n *Node, err error) {
 // agent's kubeconfig under the shipped RBAC, its environment) without
 // starting anything.
 func Prepare(ctx context.Context, o Options) (n *Node, err error) {
-	if o.Env == nil || o.Chart == nil || o.InstallCNI == "" || o.Plugin == "" || o.ReferencePlugins == "" || o.Dir == "" {
-		return nil, errors.New("simnode: Env, Chart, InstallCNI, Plugin, ReferencePlugins and Dir are required")
+	if o.Env == nil || o.Chart == nil || o.Plugin == "" || o.ReferencePlugins == "" || o.Dir == "" {
+		return nil, errors.New("simnode: Env, Chart, Plugin, ReferencePlugins and Dir are required")
+	}
+	if o.Namespace == "" {
+		o.Namespace = ReleaseNamespace
+	}
+	settings := maps.Clone(o.Settings)
+	if o.Namespace != ReleaseNamespace {
+		if settings == nil {
+			settings = map[string]string{}
+		}
+		settings["pod-namespace"] = o.Namespace
 	}
 	if o.Name == "" {
 		o.Name = testnet.RandName("node-", 6)
@@ -188,7 +210,7 @@ func Prepare(ctx context.Context, o Options) (n *Node, err error) {
 	if err != nil {
 		return n, err
 	}
-	saCfg, err := o.Env.ServiceAccountConfig(ctx, ReleaseNamespace, o.Chart.ServiceAccount, roles)
+	saCfg, err := o.Env.ServiceAccountConfig(ctx, o.Namespace, o.Chart.ServiceAccount, roles)
 	if err != nil {
 		return n, err
 	}
@@ -196,6 +218,7 @@ func Prepare(ctx context.Context, o Options) (n *Node, err error) {
 		saCfg = rest.CopyConfig(saCfg)
 		saCfg.Host = o.APIHost
 	}
+	n.AgentConfig = saCfg
 	kubeconfig := filepath.Join(o.Dir, "agent.kubeconfig")
 	if err := kubeenv.WriteKubeconfig(saCfg, kubeconfig); err != nil {
 		return n, err
@@ -206,7 +229,7 @@ func Prepare(ctx context.Context, o Options) (n *Node, err error) {
 		AgentSocket: filepath.Join(n.runDir, "ambient-cni", "agent.sock"),
 		ZDSSocket:   filepath.Join(n.runDir, "ztunnel", "ztunnel.sock"),
 		Kubeconfig:  kubeconfig,
-	}, o.Settings); err != nil {
+	}, settings); err != nil {
 		return n, err
 	}
 	if n.Config, err = installcni.Parse(nil, func(k string) string { return n.AgentEnv[k] }, io.Discard); err != nil {
@@ -224,6 +247,9 @@ func (n *Node) StartAgent() (*childproc.Proc, error) {
 	defer n.mu.Unlock()
 	if n.agent != nil && !n.agent.Exited() {
 		return nil, errors.New("an agent is already running")
+	}
+	if n.opts.InstallCNI == "" {
+		return nil, errors.New("simnode: no InstallCNI binary to start")
 	}
 	n.starts++
 	if f, err := os.OpenFile(n.LogPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600); err == nil {
@@ -313,15 +339,18 @@ func (n *Node) WaitReady(ctx context.Context, within time.Duration) error {
 }
 
 // StartStandIn starts a fresh ztunnel stand-in (no workloads, as a
-// restarted ztunnel) on the node's ZDS socket, replacing a stopped one.
-func (n *Node) StartStandIn() *ztunnel.StandIn {
+// restarted ztunnel) on the node's ZDS socket, replacing a stopped one,
+// misbehaving with faults from the start.
+func (n *Node) StartStandIn(faults ztunnel.Faults) *ztunnel.StandIn {
 	n.ztMu.Lock()
 	defer n.ztMu.Unlock()
-	log := n.opts.StandInLogger
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
+	cfg := n.opts.StandIn
+	cfg.SocketPath = n.Config.ZDSSocket
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	z := ztunnel.New(ztunnel.Config{SocketPath: n.Config.ZDSSocket, Logger: log})
+	z := ztunnel.New(cfg)
+	z.SetFaults(faults)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- z.Run(ctx) }() // owner: the Node; StopStandIn waits
