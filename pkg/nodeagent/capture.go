@@ -51,7 +51,15 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *San
 	}
 	a.mu.Lock()
 	old := a.pods[pod.UID]
+	holder := a.holderOf(ns, pod.UID)
 	a.mu.Unlock()
+	if holder != nil {
+		// Handing it to ztunnel under this pod's uid would give this pod
+		// the other pod's traffic and identity.
+		_ = ns.Close()
+		return invalid(fmt.Errorf("netns %s of pod %s/%s is the network namespace of live pod %s/%s (uid %s)",
+			ns.Source(), pod.Namespace, pod.Name, holder.Namespace, holder.Name, holder.UID))
+	}
 	prevRec, hadRec := a.records.get(pod.UID)
 	if old != nil && old.ns.SameAs(ns) && sandboxID == "" {
 		// The controller re-enrolling a pod the CNI path enrolled.
@@ -107,6 +115,20 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *San
 	e.State = StateEnabled
 	a.mu.Unlock()
 	a.wantAnnotation(&e.EnrolledPod, StateEnabled, nil)
+	return nil
+}
+
+// holderOf returns the enrolled pod other than uid that holds namespace
+// ns, or nil. Only a pod holding a handle counts: a held namespace is
+// alive, so its identity (nsfs device and inode) cannot have been reused,
+// unlike a torn-down one's. Called with a.mu held.
+func (a *Agent) holderOf(ns *Netns, uid types.UID) *entry {
+	id := ns.id()
+	for u, e := range a.pods {
+		if u != uid && e.ns != nil && e.ns.id() == id {
+			return e
+		}
+	}
 	return nil
 }
 

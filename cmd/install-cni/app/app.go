@@ -173,6 +173,7 @@ func New(o Options) (*App, error) {
 		AgentSocket: c.AgentSocket, Timeout: c.PluginTimeout.String(),
 		LogLevel: c.PluginLogLevel, ExcludedNamespaces: nonNil(c.ExcludedNamespaces),
 		StatusRequiresAgent: c.StatusChecksAgent, AgentUnreachable: c.AgentUnreachable,
+		AgentDownAfter: c.AgentDownAfter.String(),
 	})
 	if err != nil {
 		return nil, err
