@@ -335,7 +335,7 @@ func TestGCAndUnenroll(t *testing.T) {
 	if err := h.agent.Capture(ctx, d, openNS(t, testnet.NewNS(t)), nil); err != nil {
 		t.Fatal(err)
 	}
-	if n := h.agent.GC(ctx, []string{"sb-b"}); n != 2 {
+	if n := h.agent.GC(ctx, "", []string{"sb-b"}); n != 2 {
 		t.Errorf("GC removed %d, want 2", n)
 	}
 	var left []string

@@ -1,10 +1,15 @@
 package nodeagent
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
+
+	"k8s.io/apimachinery/pkg/runtime"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
@@ -99,5 +104,89 @@ func TestRecheckPassedThrough(t *testing.T) {
 	pods := s.agent.Pods()
 	if len(pods) != 1 || pods[0].UID != "u1" || pods[0].SandboxID != "sb1" {
 		t.Errorf("enrolled after re-check: %+v; want only shop/late", pods)
+	}
+}
+
+// TestGCOnlyItsNetwork: a GC for one CNI network forgets only the stale
+// sandboxes attached through it: a pod attached through another conflist
+// (as with Multus), or of no known network, stays; a GC naming no network
+// (an older plugin) considers all.
+func TestGCOnlyItsNetwork(t *testing.T) {
+	s := newServer(t, nil, nil)
+	for _, p := range []struct{ name, uid, network string }{{"a", "ua", "net-a"}, {"b", "ub", "net-b"}, {"c", "uc", ""}} {
+		s.kube.SetPod(pod("shop", p.name, p.uid, nil))
+		ev := &ambient.PodEvent{Command: ambient.CommandAdd, PodName: p.name, PodNamespace: "shop", PodUID: p.uid, SandboxID: "sb-" + p.name,
+			Netns: testnet.NewNS(t).Path(), IPs: []string{"10.9.0.5"}, Network: p.network}
+		if resp, err := s.send(t, ev); err != nil || resp.Verdict != ambient.VerdictEnrolled {
+			t.Fatalf("ADD %s = %+v, %v", p.name, resp, err)
+		}
+	}
+	gc := func(network string) {
+		t.Helper()
+		resp, err := (&ambient.Client{Socket: s.sock}).GC(t.Context(), &ambient.GCRequest{ValidSandboxIDs: []string{}, Network: network})
+		if err != nil || resp.Verdict != ambient.VerdictOK {
+			t.Fatalf("GC %q = %+v, %v", network, resp, err)
+		}
+	}
+	names := func() string {
+		var out []string
+		for _, p := range s.agent.Pods() {
+			out = append(out, p.Name+"@"+p.Network)
+		}
+		slices.Sort(out)
+		return strings.Join(out, ",")
+	}
+	gc("net-b")
+	if got := names(); got != "a@net-a,c@" {
+		t.Errorf("after GC of net-b: %s; want a and c kept", got)
+	}
+	s.restart(t) // the network survives in the capture record
+	if err := s.agent.LoadRecords(); err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range s.agent.records.all() {
+		if r.Name == "a" && r.Network != "net-a" {
+			t.Errorf("record of a names network %q", r.Network)
+		}
+	}
+}
+
+// eventLog records events (the agent's EventRecorder).
+type eventLog struct {
+	mu  sync.Mutex
+	got []string
+}
+
+func (l *eventLog) Eventf(_ runtime.Object, eventtype, reason, format string, args ...any) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.got = append(l.got, eventtype+" "+reason+": "+fmt.Sprintf(format, args...))
+}
+
+// TestCaptureReportsInvalidAnnotation: a boolean annotation that does not
+// parse is ignored (the default applies) and said so in a Warning event.
+func TestCaptureReportsInvalidAnnotation(t *testing.T) {
+	h := newHarness(t)
+	events := &eventLog{}
+	cfg := h.config()
+	cfg.Events, cfg.DNSCapture = events, true
+	cfg.RecordDir = t.TempDir()
+	a, err := NewAgent(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = a.Close() })
+	p := pod("shop", "typo", "u-typo", nil)
+	p.Annotations = map[string]string{ambient.DNSCaptureAnnotation: "maybe"}
+	if err := a.Capture(t.Context(), p, openNS(t, testnet.NewNS(t)), &Sandbox{ID: "sb-typo"}); err != nil {
+		t.Fatal(err)
+	}
+	if pods := a.Pods(); len(pods) != 1 || !pods[0].Rules.DNSCapture {
+		t.Errorf("captured %+v; want DNS capture by default", pods)
+	}
+	events.mu.Lock()
+	defer events.mu.Unlock()
+	if len(events.got) != 1 || !strings.Contains(events.got[0], `Warning AmbientInvalidAnnotation: annotation ambient.istio.io/dns-capture="maybe" is not a boolean`) {
+		t.Errorf("events %q", events.got)
 	}
 }

@@ -318,7 +318,7 @@ func (s *Server) dispatch(ctx context.Context, ev *ambient.PodEvent) (ambient.Ve
 			SandboxID: ev.SandboxID, UID: types.UID(ev.PodUID), Namespace: ev.PodNamespace, Name: ev.PodName, Netns: ev.Netns,
 		})
 	}
-	p := PodInfo{Namespace: ev.PodNamespace, Name: ev.PodName, UID: types.UID(ev.PodUID), SandboxID: ev.SandboxID, IPs: ev.Addrs()}
+	p := PodInfo{Namespace: ev.PodNamespace, Name: ev.PodName, UID: types.UID(ev.PodUID), SandboxID: ev.SandboxID, IPs: ev.Addrs(), Network: ev.Network}
 	if ev.Command == ambient.CommandCheck {
 		return ambient.VerdictOK, s.checkPath(ctx, p, ev.Netns)
 	}
@@ -378,7 +378,7 @@ func (s *Server) decide(ctx context.Context, p PodInfo) (enablement.Decision, *c
 
 // capture enrolls a pod decided in; it takes ownership of ns.
 func (s *Server) capture(ctx context.Context, p PodInfo, d enablement.Decision, pod *corev1.Pod, ns *Netns) (ambient.Verdict, error) {
-	if err := s.agent.Capture(ctx, pod, ns, &Sandbox{ID: p.SandboxID, IPs: p.IPs}); err != nil {
+	if err := s.agent.Capture(ctx, pod, ns, &Sandbox{ID: p.SandboxID, IPs: p.IPs, Network: p.Network}); err != nil {
 		return "", err
 	}
 	s.log.Info("pod enrolled", "pod", p.Namespace+"/"+p.Name, "sandbox", p.SandboxID, "reason", d.Reason, "uid", pod.UID)
@@ -464,7 +464,7 @@ func (s *Server) RecheckPassedThrough(ctx context.Context) (int, error) {
 			continue
 		}
 		ev := en.Event
-		p := PodInfo{Namespace: ev.PodNamespace, Name: ev.PodName, UID: types.UID(ev.PodUID), SandboxID: ev.SandboxID, IPs: ev.Addrs()}
+		p := PodInfo{Namespace: ev.PodNamespace, Name: ev.PodName, UID: types.UID(ev.PodUID), SandboxID: ev.SandboxID, IPs: ev.Addrs(), Network: ev.Network}
 		log := s.log.With("pod", p.Namespace+"/"+p.Name, "sandbox", p.SandboxID)
 		v, err := s.addPath(ctx, p, ev.Netns)
 		switch {
@@ -519,7 +519,7 @@ func (s *Server) handleGC(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.HandlerTimeout)
 	defer cancel()
 	start := time.Now()
-	n := s.agent.GC(ctx, req.ValidSandboxIDs)
+	n := s.agent.GC(ctx, req.Network, req.ValidSandboxIDs)
 	s.observe("GC", string(ambient.VerdictOK), time.Since(start))
 	s.log.Info("gc", "valid", len(req.ValidSandboxIDs), "removed", n)
 	reply(w, http.StatusOK, ambient.PodEventResponse{Verdict: ambient.VerdictOK})

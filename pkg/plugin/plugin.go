@@ -279,7 +279,8 @@ func (p *Plugin) GC(args *skel.CmdArgs) error {
 		c.log.Warn("GC without cni.dev/valid-attachments; nothing to forward")
 		return nil
 	}
-	req := &ambient.GCRequest{ValidSandboxIDs: []string{}}
+	// The runtime lists the valid attachments of this network only.
+	req := &ambient.GCRequest{ValidSandboxIDs: []string{}, Network: c.cfg.Name}
 	for _, a := range c.cfg.ValidAttachments {
 		if !slices.Contains(req.ValidSandboxIDs, a.ContainerID) {
 			req.ValidSandboxIDs = append(req.ValidSandboxIDs, a.ContainerID)
@@ -319,7 +320,7 @@ func (c *call) podEvent(cmd ambient.Command, args *skel.CmdArgs) (ev *ambient.Po
 		return nil, false, err
 	}
 	ev.Command, ev.PodUID, ev.IPs = cmd, string(k8s.K8S_POD_UID), ips
-	ev.SandboxID, ev.Netns, ev.IfName = args.ContainerID, args.Netns, args.IfName
+	ev.SandboxID, ev.Netns, ev.IfName, ev.Network = args.ContainerID, args.Netns, args.IfName, c.cfg.Name
 	if err := ev.Validate(); err != nil {
 		return nil, false, types.NewError(types.ErrInvalidEnvironmentVariables, "ambient-cni: invalid pod data from the runtime: "+err.Error(), "")
 	}

@@ -156,7 +156,7 @@ func TestAddPassesPrevResultThrough(t *testing.T) {
 			t.Fatalf("agent got %d events", len(evs))
 		}
 		want := ambient.PodEvent{Command: ambient.CommandAdd, PodName: "web-1", PodNamespace: "shop", PodUID: "0b7c6f0e-1111",
-			SandboxID: "sb1", Netns: "/var/run/netns/cni-1", IfName: "eth0", IPs: []string{"10.1.0.5", "fd00::5"}}
+			SandboxID: "sb1", Netns: "/var/run/netns/cni-1", IfName: "eth0", IPs: []string{"10.1.0.5", "fd00::5"}, Network: "k8s"}
 		if diff := cmp.Diff(want, evs[0]); diff != "" {
 			t.Errorf("event (-want +got):\n%s", diff)
 		}
@@ -493,7 +493,7 @@ func TestGCForwardsValidAttachments(t *testing.T) {
 	if _, err := run(t, func(p *Plugin) func(*skel.CmdArgs) error { return p.GC }, stdin, ""); err != nil {
 		t.Fatal(err)
 	}
-	if len(a.gcs) != 1 || strings.Join(a.gcs[0].ValidSandboxIDs, ",") != "a,b" {
+	if len(a.gcs) != 1 || strings.Join(a.gcs[0].ValidSandboxIDs, ",") != "a,b" || a.gcs[0].Network != "k8s" {
 		t.Errorf("agent got GC %+v", a.gcs)
 	}
 	// Without the key (not an empty list) nothing is forwarded.

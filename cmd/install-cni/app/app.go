@@ -211,7 +211,9 @@ func New(o Options) (*App, error) {
 		// previous agent crashed first) is enabled once a snapshot acks it.
 		SnapshotAcked: func(uid string, netns *os.File) { a.agent.SnapshotAcked(uid, netns) },
 	})
+	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
 	agentCfg := nodeagent.Config{
+		Events:             a.events,
 		Rules:              rules.Rules,
 		HostProbe:          rules.Probe,
 		Ztunnel:            a.zds,
@@ -253,7 +255,6 @@ func New(o Options) (*App, error) {
 		},
 		Logger: a.log,
 	}, a.pods, a.agent)
-	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
 	a.ctrl = controller.New(controller.Config{
 		Pods:   a.pods,
 		Agent:  a.agent,
