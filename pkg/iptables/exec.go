@@ -107,7 +107,10 @@ func dialRoute(netnsPath string) (*policyroute.Conn, error) {
 		c, err = policyroute.Dial(st.LoopbackIndex)
 		return err
 	})
-	return c, err
+	if err != nil {
+		return nil, fmt.Errorf("netns %s: %w", netnsPath, err)
+	}
+	return c, nil
 }
 
 // allRoute names both parts of a policy route.
@@ -175,7 +178,7 @@ func handle(netnsPath string) (*netlink.Handle, error) {
 	err := netns.Do(netnsPath, func() error {
 		var err error
 		if h, err = netlink.NewHandle(); err != nil {
-			return fmt.Errorf("netlink: %w", err)
+			return fmt.Errorf("netlink in netns %s: %w", netnsPath, err)
 		}
 		return nil
 	})

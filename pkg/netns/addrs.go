@@ -12,7 +12,7 @@ import (
 // open network namespace ns, without moving the calling thread into it.
 func Addrs(ns *os.File) ([]netip.Addr, error) {
 	var list []netlink.Addr
-	err := doFD(int(ns.Fd()), func() error {
+	err := doFD(int(ns.Fd()), ns.Name(), func() error {
 		var err error
 		list, err = netlink.AddrList(nil, netlink.FAMILY_ALL)
 		return err

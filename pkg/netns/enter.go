@@ -20,7 +20,8 @@ import (
 // to a goroutine of its own that Do waits for; sockets fn opens stay in
 // that namespace and processes it starts inherit it. An empty path runs fn
 // directly, in the caller's namespace. fn must not start goroutines that
-// expect to run in the namespace: only its own thread is there.
+// expect to run in the namespace: only its own thread is there. fn's error
+// is returned as it is; failing to enter or to return names the path.
 func Do(path string, fn func() error) error {
 	if path == "" {
 		return fn()
@@ -31,10 +32,7 @@ func Do(path string, fn func() error) error {
 		return fmt.Errorf("open netns %s: %w", path, err)
 	}
 	defer unix.Close(fd)
-	if err := doFD(fd, fn); err != nil {
-		return fmt.Errorf("netns %s: %w", path, err)
-	}
-	return nil
+	return doFD(fd, path, fn)
 }
 
 // DoInNew runs fn inside a new network namespace of its own, which is gone
@@ -52,11 +50,12 @@ func unshareNet() error {
 	return nil
 }
 
-// doFD is Do for an open namespace descriptor, which it does not close.
-func doFD(fd int, fn func() error) error {
+// doFD is Do for an open namespace descriptor, which it does not close;
+// name names it in errors.
+func doFD(fd int, name string, fn func() error) error {
 	return onOwnThread(func() error {
 		if err := unix.Setns(fd, unix.CLONE_NEWNET); err != nil {
-			return fmt.Errorf("setns: %w", err)
+			return fmt.Errorf("enter netns %s: setns: %w", name, err)
 		}
 		return nil
 	}, fn)

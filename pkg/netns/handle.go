@@ -117,9 +117,9 @@ func fromFD(fd int, path string) (*Handle, error) {
 	if st.Dev == host.Dev && st.Ino == host.Ino {
 		return nil, invalid(fmt.Errorf("netns %s is the host network namespace", path))
 	}
-	held, err := reopenUnpinned(fd)
+	held, err := reopenUnpinned(fd, path)
 	if err != nil {
-		return nil, fmt.Errorf("reopen netns %s: %w", path, err)
+		return nil, fmt.Errorf("reopen netns: %w", err)
 	}
 	return &Handle{f: os.NewFile(uintptr(held), path), source: path, id: Identity{Dev: st.Dev, Ino: st.Ino}}, nil
 }
@@ -130,9 +130,9 @@ func fromFD(fd int, path string) (*Handle, error) {
 // fails with EBUSY while a file opened through the mount is open). It
 // enters the namespace and opens /proc/thread-self/ns/net there; fd itself
 // is closed on success.
-func reopenUnpinned(fd int) (int, error) {
+func reopenUnpinned(fd int, path string) (int, error) {
 	nfd := -1
-	err := doFD(fd, func() error {
+	err := doFD(fd, path, func() error {
 		var err error
 		nfd, err = unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
 		return err

@@ -47,7 +47,10 @@ func StateOf(path string) (State, error) {
 		st, err = ReadState()
 		return err
 	})
-	return st, err
+	if err != nil {
+		return State{}, fmt.Errorf("netns %s: %w", path, err)
+	}
+	return st, nil
 }
 
 // ReadState reads the state of the network namespace the calling thread is

@@ -133,7 +133,7 @@ func open(netnsPath string) (*policyroute.Conn, netns.State, conn, error) {
 		if rt != nil {
 			rt.Close()
 		}
-		return nil, netns.State{}, conn{}, err
+		return nil, netns.State{}, conn{}, fmt.Errorf("netns %s: %w", netnsPath, err)
 	}
 	return rt, st, c, nil
 }
