@@ -13,6 +13,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
@@ -270,7 +271,7 @@ func TestRecordedPodRestoredWithoutNetns(t *testing.T) {
 		t.Errorf("unenroll: held %v, rules %v, records %v", h.agent.get("u-unenroll") != nil, rulesIn("unenroll"), h.recorded(t))
 	}
 	// GC: its recorded sandbox is no longer the runtime's.
-	if n := h.agent.GC(ctx, []string{"sb-release", "sb-capture"}); n != 1 || h.agent.get("u-gc") != nil {
+	if n := h.agent.GC(ctx, "", []string{"sb-release", "sb-capture"}); n != 1 || h.agent.get("u-gc") != nil {
 		t.Errorf("GC removed %d, still held %v", n, h.agent.get("u-gc") != nil)
 	}
 
@@ -278,7 +279,7 @@ func TestRecordedPodRestoredWithoutNetns(t *testing.T) {
 	// agent's rules and the record stay (ztunnel still serves the pod).
 	capturePod := pod("shop", "capture", "u-capture", nil)
 	h.rules.setApplyErr(errors.New("injected"))
-	pn, err := OpenNetns(nss["capture"])
+	pn, err := netns.Open(nss["capture"])
 	if err != nil {
 		t.Fatal(err)
 	}
