@@ -31,7 +31,6 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/controller"
 	"github.com/ambient-cni/ambient-cni/pkg/explain"
@@ -194,9 +193,10 @@ func New(o Options) (*App, error) {
 	a.upgrade = kubeadapter.NewDaemonSetUpgradeChecker(o.Client, c.PodNamespace, c.DaemonSet, c.NodeName, a.log)
 
 	// What the agent decides with: the pod cache.
+	policy := c.EnablementPolicy()
 	a.pods = podcache.New(podcache.Config{
 		Client: o.Client, NodeName: c.NodeName,
-		Policy:                   enablement.Policy{ExcludedNamespaces: c.ExcludedNamespaces},
+		Policy:                   policy,
 		Self:                     types.NamespacedName{Namespace: c.PodNamespace, Name: c.PodName},
 		AssumePodLevelEnablement: c.AssumePodLevelEnablement,
 		Logger:                   a.log,
@@ -280,6 +280,7 @@ func New(o Options) (*App, error) {
 		Backend:   rules.Name,
 		Ztunnels:  a.zds.Connections,
 		DaemonSet: a.upgrade.Seen,
+		Policy:    policy,
 	}
 	a.health.AddCheck("installer", a.installer.Check)
 	a.health.AddCheck("restore", func() error {

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/health"
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
@@ -71,6 +72,7 @@ type Config struct {
 	NetnsDirs   []string
 
 	ExcludedNamespaces       []string
+	DataPlaneNamespaces      []string
 	AssumePodLevelEnablement bool
 	ZtunnelWait              time.Duration
 	DNSCapture               bool
@@ -200,6 +202,7 @@ func options() []option {
 		{"proc-root", "The host's /proc as mounted in the container, scanned to find running pods' network namespaces.", defaultProcRoot, str(func(c *Config) *string { return &c.ProcRoot })},
 		{"netns-dirs", "Comma-separated directories where the runtime mounts pod network namespaces; the only netns paths accepted from the plugin besides /proc/<pid>/ns/net.", strings.Join(nodeagent.DefaultNetnsRoots, ","), list(func(c *Config) *[]string { return &c.NetnsDirs })},
 		{"excluded-namespaces", "Comma-separated namespaces never captured.", ambient.DefaultExcludedNamespace, list(func(c *Config) *[]string { return &c.ExcludedNamespaces })},
+		{"data-plane-namespaces", "Comma-separated namespaces where the data-plane labels (app=ztunnel, app.kubernetes.io/name=ztunnel or ambient-cni) keep a pod out of the mesh: the agent's and ztunnel's own. Elsewhere the labels exempt nothing. Empty: the agent's own namespace (pod-namespace).", "", list(func(c *Config) *[]string { return &c.DataPlaneNamespaces })},
 		{"assume-pod-level-enablement", "With plugin-agent-unreachable=snapshot: tell the plugin's fallback that any namespace may hold a pod enabled by its own label, so it fails closed everywhere but excluded namespaces. No effect with fail-closed.", "false", boolean(func(c *Config) *bool { return &c.AssumePodLevelEnablement })},
 		{"ztunnel-wait", "How long CNI ADD waits for a connected ztunnel to acknowledge a pod before failing with a retryable error.", nodeagent.DefaultZtunnelTimeout.String(), duration(func(c *Config) *time.Duration { return &c.ZtunnelWait })},
 		{"dns-capture", "Capture DNS (port 53) to ztunnel by default, as Istio's chart does (ambient.dnsCapture); per pod: annotation ambient.istio.io/dns-capture.", "true", boolean(func(c *Config) *bool { return &c.DNSCapture })},
@@ -269,6 +272,16 @@ func Parse(args []string, getenv func(string) string, stderr io.Writer) (*Config
 		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
 	}
 	return c, c.validate()
+}
+
+// EnablementPolicy is the policy the agent decides with: the excluded
+// namespaces, and the data-plane namespaces (by default the agent's own).
+func (c *Config) EnablementPolicy() enablement.Policy {
+	p := enablement.Policy{ExcludedNamespaces: c.ExcludedNamespaces, DataPlaneNamespaces: c.DataPlaneNamespaces}
+	if len(p.DataPlaneNamespaces) == 0 && c.PodNamespace != "" {
+		p.DataPlaneNamespaces = []string{c.PodNamespace}
+	}
+	return p
 }
 
 func (c *Config) validate() error {
