@@ -2,6 +2,8 @@ package kubeadapter
 
 import (
 	"fmt"
+	"slices"
+	"strings"
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
@@ -10,33 +12,27 @@ import (
 	"k8s.io/klog/v2"
 )
 
-// daemonPodTolerations are the tolerations the DaemonSet controller adds
-// to every pod it creates, whatever the template says: a node that is not
-// ready, unreachable, under pressure or cordoned still runs its daemons.
-// Without them a cordoned or NotReady node would look like one the
-// DaemonSet left.
-var daemonPodTolerations = []corev1.Toleration{
-	{Key: corev1.TaintNodeNotReady, Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoExecute},
-	{Key: corev1.TaintNodeUnreachable, Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoExecute},
-	{Key: corev1.TaintNodeDiskPressure, Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule},
-	{Key: corev1.TaintNodeMemoryPressure, Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule},
-	{Key: corev1.TaintNodePIDPressure, Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule},
-	{Key: corev1.TaintNodeUnschedulable, Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule},
-}
+// systemTaintPrefixes name the taints Kubernetes itself puts on a node
+// for its conditions (not ready, unreachable, under pressure, cordoned,
+// network unavailable, not yet initialised by its cloud provider). They
+// come and go with the node's state, and the DaemonSet controller
+// tolerates most of them for every daemon anyway; a node in such a state
+// gets its agent back once it recovers, so none of them is proof that
+// the DaemonSet left the node. Only the operator's own taints count.
+var systemTaintPrefixes = []string{"node.kubernetes.io/", "node.cloudprovider.kubernetes.io/"}
 
-// hostNetworkDaemonToleration is added too for hostNetwork daemons, which
-// do not need the node's pod network.
-var hostNetworkDaemonToleration = corev1.Toleration{
-	Key: corev1.TaintNodeNetworkUnavailable, Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule,
+func systemTaint(t *corev1.Taint) bool {
+	return slices.ContainsFunc(systemTaintPrefixes, func(p string) bool { return strings.HasPrefix(t.Key, p) })
 }
 
 // DaemonSetTargetsNode reports whether the DaemonSet controller would
 // start ds's pod on node, as its own predicate decides: the template's
 // nodeName, nodeSelector and required node affinity (matchExpressions and
 // matchFields) must match the node, and every NoSchedule or NoExecute
-// taint on it must be tolerated (by the template or by the tolerations the
-// controller adds). When it does not, why names the first reason. An
-// error (a selector that does not parse) decides nothing.
+// taint on it must be tolerated by the template, Kubernetes' own
+// condition taints aside (systemTaintPrefixes). When it does not, why
+// names the first reason. An error (a selector that does not parse)
+// decides nothing.
 func DaemonSetTargetsNode(ds *appsv1.DaemonSet, node *corev1.Node) (targets bool, why string, err error) {
 	spec := &ds.Spec.Template.Spec
 	if spec.NodeName != "" && spec.NodeName != node.Name {
@@ -54,15 +50,11 @@ func DaemonSetTargetsNode(ds *appsv1.DaemonSet, node *corev1.Node) (targets bool
 			return false, "its required node affinity does not match the node", nil
 		}
 	}
-	tolerations := append(append([]corev1.Toleration(nil), spec.Tolerations...), daemonPodTolerations...)
-	if spec.HostNetwork {
-		tolerations = append(tolerations, hostNetworkDaemonToleration)
-	}
 	// Comparison operators on: a toleration using them was accepted by the
 	// API server, so it means what it says; evaluating it off would read
 	// it as not tolerating, which would uninstall by mistake.
-	taint, untolerated := schedcorev1.FindMatchingUntoleratedTaint(klog.Background(), node.Spec.Taints, tolerations, func(t *corev1.Taint) bool {
-		return t.Effect == corev1.TaintEffectNoSchedule || t.Effect == corev1.TaintEffectNoExecute
+	taint, untolerated := schedcorev1.FindMatchingUntoleratedTaint(klog.Background(), node.Spec.Taints, spec.Tolerations, func(t *corev1.Taint) bool {
+		return (t.Effect == corev1.TaintEffectNoSchedule || t.Effect == corev1.TaintEffectNoExecute) && !systemTaint(t)
 	}, true)
 	if untolerated {
 		return false, fmt.Sprintf("the node's taint %s is not tolerated", taint.ToString()), nil

@@ -86,8 +86,8 @@ func TestDaemonSetTargetsNode(t *testing.T) {
 		{"toleration for the other effect", dsWith(func(s *corev1.PodSpec) {
 			s.Tolerations = []corev1.Toleration{{Key: "dedicated", Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule}}
 		}), nodeWith(nil, taint("dedicated", corev1.TaintEffectNoExecute)), false, "dedicated"},
-		// The tolerations the DaemonSet controller adds: a cordoned, NotReady
-		// or pressured node keeps its daemons, so it is no uninstall.
+		// Kubernetes' own condition taints come and go: a cordoned, NotReady
+		// or pressured node gets its agent back, so it is no uninstall.
 		{"cordoned", dsWith(func(*corev1.PodSpec) {}), nodeWith(nil, corev1.Taint{Key: corev1.TaintNodeUnschedulable, Effect: corev1.TaintEffectNoSchedule}), true, ""},
 		{"not ready", dsWith(func(*corev1.PodSpec) {}), nodeWith(nil, corev1.Taint{Key: corev1.TaintNodeNotReady, Effect: corev1.TaintEffectNoExecute}), true, ""},
 		{"unreachable", dsWith(func(*corev1.PodSpec) {}), nodeWith(nil, corev1.Taint{Key: corev1.TaintNodeUnreachable, Effect: corev1.TaintEffectNoExecute}), true, ""},
@@ -95,7 +95,12 @@ func TestDaemonSetTargetsNode(t *testing.T) {
 		{"network unavailable, host network", dsWith(func(s *corev1.PodSpec) { s.HostNetwork = true }),
 			nodeWith(nil, corev1.Taint{Key: corev1.TaintNodeNetworkUnavailable, Effect: corev1.TaintEffectNoSchedule}), true, ""},
 		{"network unavailable, pod network", dsWith(func(*corev1.PodSpec) {}),
-			nodeWith(nil, corev1.Taint{Key: corev1.TaintNodeNetworkUnavailable, Effect: corev1.TaintEffectNoSchedule}), false, "network-unavailable"},
+			nodeWith(nil, corev1.Taint{Key: corev1.TaintNodeNetworkUnavailable, Effect: corev1.TaintEffectNoSchedule}), true, ""},
+		{"not ready, NoSchedule", dsWith(func(*corev1.PodSpec) {}), nodeWith(nil, corev1.Taint{Key: corev1.TaintNodeNotReady, Effect: corev1.TaintEffectNoSchedule}), true, ""},
+		{"cloud provider not initialised", dsWith(func(*corev1.PodSpec) {}),
+			nodeWith(nil, corev1.Taint{Key: "node.cloudprovider.kubernetes.io/uninitialized", Value: "true", Effect: corev1.TaintEffectNoSchedule}), true, ""},
+		{"an operator taint beside a condition taint", dsWith(func(*corev1.PodSpec) {}),
+			nodeWith(nil, corev1.Taint{Key: corev1.TaintNodeNotReady, Effect: corev1.TaintEffectNoSchedule}, taint("dedicated", corev1.TaintEffectNoSchedule)), false, "dedicated"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			got, why, err := DaemonSetTargetsNode(tc.ds, tc.node)

@@ -159,8 +159,8 @@ func TestUpgradeChecker(t *testing.T) {
 	t.Run("rolling upgrade", func(t *testing.T) {
 		a := newAgentNode(t, env, true)
 		a.waitSeen("present")
-		if !a.isUpgrade() {
-			t.Error("DaemonSet present: not an upgrade")
+		if up, err := a.checker.IsUpgrade(ctx); !up || err != nil {
+			t.Errorf("DaemonSet present: IsUpgrade = %v, %v; want an upgrade", up, err)
 		}
 	})
 
