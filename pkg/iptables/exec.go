@@ -8,11 +8,12 @@ import (
 	"os/exec"
 	"strings"
 
-	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
 // Cmd is one command to run inside a network namespace.
@@ -33,22 +34,6 @@ type Executor interface {
 	// namespace) and returns its standard output.
 	Run(ctx context.Context, netnsPath string, cmd Cmd) ([]byte, error)
 }
-
-// The policy-route side, under the names this package has always used.
-type (
-	// Router reads and changes the policy route and the namespace state
-	// it depends on (pkg/policyroute).
-	Router = policyroute.Router
-	// NetlinkRouter is the real Router.
-	NetlinkRouter = policyroute.Netlink
-	// NetnsState is what a namespace offers the capture rules.
-	NetnsState = policyroute.NetnsState
-	// RouteParts names parts of a policy route.
-	RouteParts = policyroute.Parts
-)
-
-// allRoute names both parts of a policy route.
-var allRoute = policyroute.All
 
 // maxOutput bounds what a command may print; iptables-save of a pod
 // namespace is tiny, so more than this is an error, not a memory hazard.
@@ -126,8 +111,8 @@ func handle(netnsPath string) (*netlink.Handle, error) {
 	return h, nil
 }
 
-func nlFamily(f Family) int {
-	if f == IPv6 {
+func nlFamily(f ruleset.Family) int {
+	if f == ruleset.IPv6 {
 		return unix.AF_INET6
 	}
 	return unix.AF_INET

@@ -27,6 +27,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/test/fakecluster"
 	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
@@ -365,7 +366,7 @@ func TestRestore(t *testing.T) {
 	p := pod("shop", "web", "u1", nil)
 	p.Annotations = map[string]string{ambient.RedirectionAnnotation: ambient.RedirectionEnabled}
 	// A previous agent captured the pod.
-	if err := h.rules.real.Apply(pn.Path(), iptables.PodConfig{}); err != nil {
+	if err := h.rules.real.Apply(pn.Path(), ruleset.PodConfig{}); err != nil {
 		t.Fatal(err)
 	}
 	if err := h.agent.Restore(context.Background(), p, openNS(t, pn)); err != nil {

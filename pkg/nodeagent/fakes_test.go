@@ -13,6 +13,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
 
@@ -52,16 +53,16 @@ func (r *recordedRules) record(op, path string, injected error) error {
 	return n.Close()
 }
 
-func (r *recordedRules) Apply(path string, cfg iptables.PodConfig) error {
+func (r *recordedRules) Apply(path string, cfg ruleset.PodConfig) error {
 	if err := r.record("apply", path, r.injected(&r.applyErr)); err != nil {
 		return err
 	}
 	return r.real.Apply(path, cfg)
 }
 
-func (r *recordedRules) Verify(path string, cfg iptables.PodConfig) (iptables.Drift, error) {
+func (r *recordedRules) Verify(path string, cfg ruleset.PodConfig) (ruleset.Drift, error) {
 	if err := r.record("verify", path, nil); err != nil {
-		return iptables.Drift{}, err
+		return ruleset.Drift{}, err
 	}
 	return r.real.Verify(path, cfg)
 }
@@ -96,14 +97,14 @@ func (r *recordedRules) count() int { return r.fake.Populated() }
 
 // populated reports whether the namespace at path holds rules.
 func (r *recordedRules) populated(path string) bool {
-	return len(r.fake.Rules(path, iptables.IPv4).Tables)+len(r.fake.Rules(path, iptables.IPv6).Tables) > 0
+	return len(r.fake.Rules(path, ruleset.IPv4).Tables)+len(r.fake.Rules(path, ruleset.IPv6).Tables) > 0
 }
 
 // dropRule deletes the rule at position (1-based) of a nat chain in the
 // namespace at path, as another program would: drift.
 func (r *recordedRules) dropRule(t *testing.T, path, chain string, position int) {
 	t.Helper()
-	r.fake.EditRules(path, iptables.IPv4, func(s *iptables.Save) {
+	r.fake.EditRules(path, ruleset.IPv4, func(s *iptables.Save) {
 		c := s.Table(iptables.TableNAT).Chain(chain)
 		if c == nil || len(c.Rules) < position {
 			t.Fatalf("no rule #%d in nat %s:\n%s", position, chain, s)
