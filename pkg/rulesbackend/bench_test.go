@@ -25,7 +25,7 @@ func BenchmarkBackends(b *testing.B) {
 		b.Run(bc.name, func(b *testing.B) {
 			testnet.RequireRoot(b)
 			testnet.RequireCommands(b, bc.tools...)
-			be, err := New(Config{Backend: bc.value})
+			be, err := New(Config{Backend: mustParse(b, bc.value)})
 			if err != nil {
 				b.Fatal(err)
 			}

@@ -35,32 +35,43 @@ const (
 	IPTables Choice = "iptables"
 )
 
+// Selection is a configured rules backend, parsed once (Parse): the
+// choice and, for iptables, the flavour asked for ("" = the node's). The
+// zero value is Auto.
+type Selection struct {
+	Choice  Choice
+	Flavour iptables.Backend
+}
+
+// String renders the selection as Parse reads it.
+func (s Selection) String() string {
+	switch {
+	case s.Flavour != "":
+		return string(s.Flavour)
+	case s.Choice == "":
+		return string(Auto)
+	}
+	return string(s.Choice)
+}
+
 // Parse reads a configured value: "" or "auto", "nftables", "iptables",
 // or an iptables flavour ("nft", "legacy"), which means iptables with that
-// flavour.
-func Parse(s string) (Choice, string, error) {
+// flavour. It is the one place the value is validated.
+func Parse(s string) (Selection, error) {
 	switch v := strings.ToLower(strings.TrimSpace(s)); v {
 	case "", "auto":
-		return Auto, "", nil
+		return Selection{Choice: Auto}, nil
 	case "nftables":
-		return NFTables, "", nil
+		return Selection{Choice: NFTables}, nil
 	case "iptables":
-		return IPTables, "", nil
+		return Selection{Choice: IPTables}, nil
 	default:
 		b, err := iptables.ParseBackend(v)
 		if err != nil {
-			return "", "", fmt.Errorf("unknown rules backend %q (want auto, nftables, iptables, nft or legacy)", s)
+			return Selection{}, fmt.Errorf("unknown rules backend %q (want auto, nftables, iptables, nft or legacy)", s)
 		}
-		return IPTables, string(b), nil
+		return Selection{Choice: IPTables, Flavour: b}, nil
 	}
-}
-
-// Rules installs, verifies and removes one pod's rules (what the node
-// agent's RuleApplier needs).
-type Rules interface {
-	Apply(netnsPath string, cfg ruleset.PodConfig) error
-	Verify(netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift, error)
-	Remove(netnsPath string) error
 }
 
 // HostProbe keeps the host's kubelet probe SNAT.
@@ -75,8 +86,8 @@ type HostProbe interface {
 
 // Config selects and configures a backend.
 type Config struct {
-	// Backend is the configured value (see Parse).
-	Backend string
+	// Backend is the configured backend (see Parse).
+	Backend Selection
 	// HostNetns is the namespace of the host probe ("" = the caller's).
 	HostNetns string
 	// Probe holds the probe SNAT addresses.
@@ -90,7 +101,7 @@ type Backend struct {
 	// Name says what was chosen: "nftables", "iptables-nft" or
 	// "iptables-legacy".
 	Name  string
-	Rules Rules
+	Rules ruleset.Applier
 	Probe HostProbe
 
 	// closers are every applier and host probe New built, the active
@@ -118,9 +129,12 @@ func New(cfg Config) (*Backend, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	choice, flavour, err := Parse(cfg.Backend)
-	if err != nil {
-		return nil, err
+	choice, flavour := cfg.Backend.Choice, cfg.Backend.Flavour
+	if choice == "" {
+		choice = Auto
+	}
+	if flavour != "" && choice != IPTables {
+		return nil, fmt.Errorf("rules backend %s takes no iptables flavour (%s)", choice, flavour)
 	}
 	if choice == Auto {
 		if err := ProbeNFTables(); err != nil {
@@ -136,7 +150,7 @@ func New(cfg Config) (*Backend, error) {
 	var iptHosts []*iptables.HostProbe
 	var primaryIPT iptables.Backend
 	if choice == IPTables {
-		b, err := iptables.DetectBackend(flavour)
+		b, err := iptables.DetectBackend(string(flavour))
 		if err != nil {
 			return nil, fmt.Errorf("detect iptables backend: %w", err)
 		}

@@ -169,7 +169,7 @@ func (bc backendCase) require(t *testing.T) {
 // build makes the backend as New does for the configured value.
 func (bc backendCase) build(t *testing.T, hostNetns string) *Backend {
 	t.Helper()
-	b, err := New(Config{Backend: bc.value, HostNetns: hostNetns, Logger: dt.Logger(t)})
+	b, err := New(Config{Backend: mustParse(t, bc.value), HostNetns: hostNetns, Logger: dt.Logger(t)})
 	if err != nil {
 		t.Fatalf("backend %s: %v", bc.value, err)
 	}

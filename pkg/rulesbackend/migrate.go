@@ -33,7 +33,7 @@ type remnants interface {
 type migrating struct {
 	log     *slog.Logger
 	primary interface {
-		Rules
+		ruleset.Applier
 		RemoveRules(netnsPath string) error
 	}
 	others []remnants

@@ -21,6 +21,8 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 
 	"github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
+	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/test/kubeenv"
 )
 
@@ -232,8 +234,9 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 		AgentSocket: "/var/run/mesh-agent/agent.sock", ZDSSocket: "/var/run/ztunnel-custom/zds.sock",
 		ProcRoot: "/host/proc", NetnsDirs: []string{"/var/run/custom-netns", "/run/custom/netns"},
 		ExcludedNamespaces:       []string{"kube-system", "istio-system", "monitoring"},
-		AssumePodLevelEnablement: true, ZtunnelWait: 7 * time.Second, DNSCapture: false, IPTablesBackend: "nft",
-		ProbeSNATv4: netip.MustParseAddr("169.254.7.42"), ProbeSNATv6: netip.MustParseAddr("fd16::42"),
+		AssumePodLevelEnablement: true, ZtunnelWait: 7 * time.Second, DNSCapture: false,
+		RulesBackend: rulesbackend.Selection{Choice: rulesbackend.IPTables, Flavour: iptables.BackendNFT},
+		ProbeSNATv4:  netip.MustParseAddr("169.254.7.42"), ProbeSNATv6: netip.MustParseAddr("fd16::42"),
 		HealthAddr: ":15999", MetricsAddr: ":15998", LogLevel: "debug", KubeClientQPS: 12.5, KubeClientBurst: 25,
 	}
 	if !reflect.DeepEqual(got, want) {

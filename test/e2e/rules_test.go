@@ -18,7 +18,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
-// The suite runs the agent with the shipped --iptables-backend (auto: the
+// The suite runs the agent with the shipped --rules-backend (auto: the
 // native nftables backend where the kernel has it, as here). These helpers
 // read a pod's rules in whichever backend the agent chose; the traffic
 // matrix over every backend lives in pkg/rulesbackend.
@@ -32,7 +32,7 @@ const nftablesBackend = "nftables"
 func (n *node) openRules() {
 	n.t.Helper()
 	b, err := rulesbackend.New(rulesbackend.Config{
-		Backend: n.cfg.IPTablesBackend, HostNetns: n.hostNS.Path(),
+		Backend: n.cfg.RulesBackend, HostNetns: n.hostNS.Path(),
 		Probe: ruleset.HostProbeConfig{ProbeSNATv4: n.cfg.ProbeSNATv4, ProbeSNATv6: n.cfg.ProbeSNATv6},
 	})
 	if err != nil {
