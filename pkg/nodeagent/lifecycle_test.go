@@ -257,7 +257,7 @@ func TestReplayedDelCleansUnrestoredPod(t *testing.T) {
 	spool := filepath.Join(h.dir, nodefiles.SpoolName)
 	gone, held := testnet.NewNS(t), testnet.NewNS(t)
 	// A previous agent captured "gone"; no record (an older agent).
-	if err := h.rules.real.Apply(gone.Path(), ruleset.PodConfig{}); err != nil {
+	if err := h.rules.seed(gone.Path(), ruleset.PodConfig{}); err != nil {
 		t.Fatal(err)
 	}
 	// "held" is captured by this agent; a stale spool entry names it.
