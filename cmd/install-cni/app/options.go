@@ -329,12 +329,11 @@ func WriteMarkdown(w io.Writer) error {
 		if o.def == "" {
 			def = "(empty)"
 		}
-		flagName, env := "`--"+o.name+"`", "`"+EnvName(o.name)+"`"
+		help := o.help
 		if o.alias() != "" {
-			flagName += " (also `--" + o.alias() + "`)"
-			env += " (also `" + EnvName(o.alias()) + "`)"
+			help += fmt.Sprintf(" Also read under its old name, `--%s` (`%s`).", o.alias(), EnvName(o.alias()))
 		}
-		fmt.Fprintf(&b, "| %s | %s | %s | %s |\n", flagName, env, def, o.help)
+		fmt.Fprintf(&b, "| `--%s` | `%s` | %s | %s |\n", o.name, EnvName(o.name), def, help)
 	}
 	_, err := io.WriteString(w, b.String())
 	return err
