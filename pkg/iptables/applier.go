@@ -26,7 +26,7 @@ type Applier struct {
 	log      *slog.Logger
 	backend  Backend
 	exec     Executor
-	router   policyroute.Router
+	router   Router
 	tables   TableOwner
 	sets     IPSets
 	lockWait time.Duration
@@ -52,7 +52,7 @@ type Option func(*Applier)
 func WithExecutor(e Executor) Option { return func(a *Applier) { a.exec = e } }
 
 // WithRouter replaces the netlink side (tests use a fake).
-func WithRouter(r policyroute.Router) Option { return func(a *Applier) { a.router = r } }
+func WithRouter(r Router) Option { return func(a *Applier) { a.router = r } }
 
 // TableOwner creates the nf_tables tables and base chains iptables-nft
 // would create, marked as ours, and deletes them once empty
@@ -82,7 +82,7 @@ func NewApplier(log *slog.Logger, b Backend, opts ...Option) *Applier {
 		log:      log.With("component", "iptables", "backend", string(b)),
 		backend:  b,
 		exec:     NetnsExecutor{},
-		router:   policyroute.Netlink{},
+		router:   NetlinkRouter{},
 		tables:   &netfilter.Owner{},
 		sets:     NetlinkIPSets{},
 		lockWait: 10 * time.Second,

@@ -115,7 +115,7 @@ func (e failingExec) Run(ctx context.Context, netnsPath string, cmd Cmd) ([]byte
 // failingRouter refuses one family's policy route and routes the rest for
 // real.
 type failingRouter struct {
-	policyroute.Router
+	Router
 	fail ruleset.Family
 }
 
@@ -147,7 +147,7 @@ func injectedFailures(t *testing.T, b Backend) {
 		}{
 			{"ipv6 restore", []Option{WithExecutor(failingExec{NetnsExecutor{}, b.RestoreCmd(ruleset.IPv6)})}},
 			{"ipv4 restore", []Option{WithExecutor(failingExec{NetnsExecutor{}, b.RestoreCmd(ruleset.IPv4)})}},
-			{"ipv6 route", []Option{WithRouter(failingRouter{policyroute.Netlink{}, ruleset.IPv6})}},
+			{"ipv6 route", []Option{WithRouter(failingRouter{NetlinkRouter{}, ruleset.IPv6})}},
 		} {
 			t.Run(fmt.Sprintf("%s/after %v", tc.name, before != nil), func(t *testing.T) {
 				pair := testnet.NewPair(t)

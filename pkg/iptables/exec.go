@@ -8,11 +8,11 @@ import (
 	"os/exec"
 	"strings"
 
-	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
+	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
@@ -33,6 +33,77 @@ type Executor interface {
 	// Run runs cmd inside the namespace at netnsPath ("" = the caller's
 	// namespace) and returns its standard output.
 	Run(ctx context.Context, netnsPath string, cmd Cmd) ([]byte, error)
+}
+
+// Router reads and changes a namespace's policy route and the state it
+// depends on; NetlinkRouter is the real one, tests of control flow use
+// fakes.
+type Router interface {
+	// State reports the namespace's loopback and IPv6 state.
+	State(netnsPath string) (netns.State, error)
+	// PolicyRouteState reports whether the fwmark rule and the local route
+	// of want exist.
+	PolicyRouteState(netnsPath string, f ruleset.Family, want ruleset.PolicyRoute) (rule, route bool, err error)
+	// EnsurePolicyRoute installs the rule and route if missing and reports
+	// what it added. On error it has added nothing.
+	EnsurePolicyRoute(netnsPath string, f ruleset.Family, want ruleset.PolicyRoute) (policyroute.Parts, error)
+	// RemovePolicyRoute deletes the named parts if present.
+	RemovePolicyRoute(netnsPath string, f ruleset.Family, want ruleset.PolicyRoute, parts policyroute.Parts) error
+}
+
+// NetlinkRouter implements Router over pkg/netns and pkg/policyroute: each
+// call enters the namespace once.
+type NetlinkRouter struct{}
+
+// State implements Router.
+func (NetlinkRouter) State(netnsPath string) (netns.State, error) { return netns.StateOf(netnsPath) }
+
+// PolicyRouteState implements Router.
+func (NetlinkRouter) PolicyRouteState(netnsPath string, f ruleset.Family, want ruleset.PolicyRoute) (bool, bool, error) {
+	c, err := dialRoute(netnsPath)
+	if err != nil {
+		return false, false, err
+	}
+	defer c.Close()
+	return c.PolicyRouteState(f, want)
+}
+
+// EnsurePolicyRoute implements Router.
+func (NetlinkRouter) EnsurePolicyRoute(netnsPath string, f ruleset.Family, want ruleset.PolicyRoute) (policyroute.Parts, error) {
+	c, err := dialRoute(netnsPath)
+	if err != nil {
+		return policyroute.Parts{}, err
+	}
+	defer c.Close()
+	return c.EnsurePolicyRoute(f, want)
+}
+
+// RemovePolicyRoute implements Router.
+func (NetlinkRouter) RemovePolicyRoute(netnsPath string, f ruleset.Family, want ruleset.PolicyRoute, parts policyroute.Parts) error {
+	c, err := dialRoute(netnsPath)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	return c.RemovePolicyRoute(f, want, parts)
+}
+
+// dialRoute opens a policy-route connection in the namespace at netnsPath
+// ("" = the caller's).
+func dialRoute(netnsPath string) (*policyroute.Conn, error) {
+	var c *policyroute.Conn
+	err := netns.Do(netnsPath, func() error {
+		st, err := netns.ReadState()
+		if err != nil {
+			return err
+		}
+		c, err = policyroute.Dial(st.LoopbackIndex)
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("netns %s: %w", netnsPath, err)
+	}
+	return c, nil
 }
 
 // maxOutput bounds what a command may print; iptables-save of a pod
@@ -69,10 +140,7 @@ func (NetnsExecutor) Run(ctx context.Context, netnsPath string, cmd Cmd) ([]byte
 		out = stdout.Bytes()
 		return nil
 	}
-	if netnsPath == "" {
-		return out, run()
-	}
-	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error { return run() })
+	err := netns.Do(netnsPath, run)
 	return out, err
 }
 
@@ -96,19 +164,15 @@ func (c *capped) Write(p []byte) (int, error) {
 
 // handle opens a netlink handle in the namespace ("" = current).
 func handle(netnsPath string) (*netlink.Handle, error) {
-	if netnsPath == "" {
-		return netlink.NewHandle()
-	}
-	nsh, err := netns.GetFromPath(netnsPath)
-	if err != nil {
-		return nil, fmt.Errorf("open netns %s: %w", netnsPath, err)
-	}
-	defer nsh.Close()
-	h, err := netlink.NewHandleAt(nsh)
-	if err != nil {
-		return nil, fmt.Errorf("netlink in netns %s: %w", netnsPath, err)
-	}
-	return h, nil
+	var h *netlink.Handle
+	err := netns.Do(netnsPath, func() error {
+		var err error
+		if h, err = netlink.NewHandle(); err != nil {
+			return fmt.Errorf("netlink in netns %s: %w", netnsPath, err)
+		}
+		return nil
+	})
+	return h, err
 }
 
 func nlFamily(f ruleset.Family) int {

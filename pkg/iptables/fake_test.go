@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-cni/ambient-cni/pkg/netfilter"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
@@ -264,11 +265,11 @@ func (h *fakeHost) Run(_ context.Context, path string, cmd Cmd) ([]byte, error) 
 }
 
 // State implements Router.
-func (h *fakeHost) State(path string) (policyroute.NetnsState, error) {
+func (h *fakeHost) State(path string) (netns.State, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	n := h.get(path)
-	return policyroute.NetnsState{LoopbackUp: !n.loDown, IPv6: !n.noIPv6, IPv6Loopback: !n.noIPv6 && !n.noLoV6}, nil
+	return netns.State{LoopbackUp: !n.loDown, IPv6: !n.noIPv6, IPv6Loopback: !n.noIPv6 && !n.noLoV6}, nil
 }
 
 // PolicyRouteState implements Router.

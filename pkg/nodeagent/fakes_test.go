@@ -16,6 +16,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
@@ -63,7 +64,7 @@ func (r *recordedRules) record(op, path string, injected error) (string, error) 
 	if injected != nil {
 		return "", injected
 	}
-	n, err := OpenNetns(path)
+	n, err := netns.Open(path)
 	if err != nil {
 		return "", err
 	}

@@ -5,9 +5,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containernetworking/plugins/pkg/ns"
+
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/test/testnet"
-	"github.com/containernetworking/plugins/pkg/ns"
 )
 
 // BenchmarkBackends measures, for every backend as New builds it, one

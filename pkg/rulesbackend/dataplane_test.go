@@ -12,14 +12,15 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/vishvananda/netlink"
+
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/test/captureproxy"
 	dt "github.com/ambient-cni/ambient-cni/test/dataplanetest"
 	"github.com/ambient-cni/ambient-cni/test/testnet"
-	"github.com/containernetworking/plugins/pkg/ns"
-	"github.com/vishvananda/netlink"
 )
 
 // Every dataplane scenario runs against every backend as shipped (built by

@@ -9,8 +9,8 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/netfilter"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
-	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
@@ -173,7 +173,7 @@ func (r iptRemnants) present(netnsPath string) (bool, error) {
 	if !r.legacyLoaded {
 		return false, nil
 	}
-	st, err := policyroute.Netlink{}.State(netnsPath)
+	st, err := netns.StateOf(netnsPath)
 	if err != nil || len(st.XTables) == 0 {
 		return false, err
 	}
