@@ -434,3 +434,18 @@ func TestMetricsPort(t *testing.T) {
 		}
 	}
 }
+
+// TestOldBackendValue: the chart's old value name for the rules backend
+// still reaches install-cni, and wins over the new one when set.
+func TestOldBackendValue(t *testing.T) {
+	for args, want := range map[[4]string]string{
+		{"--set", "agent.rulesBackend=nftables", "--set", "agent.logLevel=info"}:       "nftables",
+		{"--set", "agent.iptablesBackend=legacy", "--set", "agent.logLevel=info"}:      "legacy",
+		{"--set", "agent.iptablesBackend=nft", "--set", "agent.rulesBackend=iptables"}: "nft",
+	} {
+		env := decode(t, render(t, releaseName, namespace, args[:]...)).env(t)
+		if got := env[app.EnvName("rules-backend")]; got != want {
+			t.Errorf("%v: %s=%q, want %q", args, app.EnvName("rules-backend"), got, want)
+		}
+	}
+}

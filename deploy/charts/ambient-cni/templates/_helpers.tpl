@@ -81,7 +81,7 @@ mounted at the same path in the container, so one value serves both sides.
 - name: AMBIENT_DNS_CAPTURE
   value: {{ .Values.agent.dnsCapture | toString | quote }}
 - name: AMBIENT_RULES_BACKEND
-  value: {{ .Values.agent.iptablesBackend | quote }}
+  value: {{ .Values.agent.iptablesBackend | default .Values.agent.rulesBackend | quote }}
 - name: AMBIENT_PROBE_SNAT_IPV4
   value: {{ .Values.agent.probeSNATIPv4 | quote }}
 - name: AMBIENT_PROBE_SNAT_IPV6
