@@ -319,7 +319,7 @@ func (e *Explainer) netnsOf(p *corev1.Pod, d enablement.Decision, ips []netip.Ad
 
 // judge sets the verdict, OK and the problems.
 func (e *Explainer) judge(r *Report, p *corev1.Pod, d enablement.Decision, ips []netip.Addr) {
-	var problems []string
+	problems := enablement.InvalidAnnotations(p)
 	c := r.Captured
 	switch {
 	case d.Enroll && c != nil:

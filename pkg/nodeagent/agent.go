@@ -9,6 +9,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
@@ -62,6 +63,12 @@ type HostProbe interface {
 	IPs() ([]netip.Addr, error)
 }
 
+// EventRecorder records Kubernetes events on pods (client-go's
+// record.EventRecorder satisfies it).
+type EventRecorder interface {
+	Eventf(object runtime.Object, eventtype, reason, messageFmt string, args ...any)
+}
+
 // DefaultZtunnelTimeout is how long a capture waits for ztunnel's ack of
 // the pod by default.
 const DefaultZtunnelTimeout = 5 * time.Second
@@ -82,6 +89,9 @@ type Config struct {
 	Annotator Annotator
 	// Pods, when set, is the pod cache (see PodLister).
 	Pods PodLister
+	// Events, when set, gets a Warning on a captured pod whose annotations
+	// the agent ignores because they do not parse.
+	Events EventRecorder
 	// RecordDir holds the capture records (default next to the default
 	// agent socket, RecordDir).
 	RecordDir string
@@ -130,6 +140,8 @@ type PodInfo struct {
 	UID       types.UID
 	SandboxID string
 	IPs       []netip.Addr
+	// Network is the CNI network of the request.
+	Network string
 }
 
 // EnrolledPod is a copy of one entry of the agent's state.
@@ -138,6 +150,9 @@ type EnrolledPod struct {
 	Namespace, Name, ServiceAccount string
 	// SandboxID is empty for pods enrolled by the controller.
 	SandboxID string
+	// Network is the CNI network the sandbox was attached through (empty
+	// for the controller's pods).
+	Network string
 	// Netns is where the namespace was found; NetnsID its inode.
 	Netns   string
 	NetnsID uint64
@@ -158,6 +173,8 @@ type EnrolledPod struct {
 type Sandbox struct {
 	ID  string
 	IPs []netip.Addr
+	// Network is the CNI network (conflist name) of the ADD.
+	Network string
 }
 
 type entry struct {

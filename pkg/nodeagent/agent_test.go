@@ -341,7 +341,7 @@ func TestGCAndUnenroll(t *testing.T) {
 	if got := h.annotations(t, "u-d"); got != "enabled" {
 		t.Fatalf("annotations after capture: %q", got)
 	}
-	if n := h.agent.GC(ctx, []string{"sb-b"}); n != 2 {
+	if n := h.agent.GC(ctx, "", []string{"sb-b"}); n != 2 {
 		t.Errorf("GC removed %d, want 2", n)
 	}
 	var left []string

@@ -330,3 +330,16 @@ func namespace(name string, ambientOn bool) *corev1.Namespace {
 	}
 	return ns
 }
+
+// addCount is how many Adds ztunnel got for uid.
+func (z *fakeZtunnel) addCount(uid string) int {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	n := 0
+	for _, w := range z.adds {
+		if w.UID == uid {
+			n++
+		}
+	}
+	return n
+}

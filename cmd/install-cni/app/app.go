@@ -173,6 +173,7 @@ func New(o Options) (*App, error) {
 		AgentSocket: c.AgentSocket, Timeout: c.PluginTimeout.String(),
 		LogLevel: c.PluginLogLevel, ExcludedNamespaces: nonNil(c.ExcludedNamespaces),
 		StatusRequiresAgent: c.StatusChecksAgent, AgentUnreachable: c.AgentUnreachable,
+		AgentDownAfter: c.AgentDownAfter.String(),
 	})
 	if err != nil {
 		return nil, err
@@ -210,12 +211,14 @@ func New(o Options) (*App, error) {
 		// previous agent crashed first) is enabled once a snapshot acks it.
 		SnapshotAcked: func(uid string, netns *os.File) { a.agent.SnapshotAcked(uid, netns) },
 	})
+	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
 	// Which netns paths the runtime may name (the agent's DELs and the
 	// plugin's events alike), and how running pods' namespaces are found
 	// (the controller's enrollment and the explainer alike).
 	netnsPolicy := netns.Policy{Roots: c.NetnsDirs, ProcRoot: c.ProcRoot}
 	finder := netns.Scanner{ProcRoot: c.ProcRoot, Logger: a.log}
 	agentCfg := nodeagent.Config{
+		Events:             a.events,
 		Rules:              rules.Rules,
 		HostProbe:          rules.Probe,
 		Ztunnel:            a.zds,
@@ -257,7 +260,6 @@ func New(o Options) (*App, error) {
 		},
 		Logger: a.log,
 	}, a.pods, a.agent)
-	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
 	a.ctrl = controller.New(controller.Config{
 		Pods:   a.pods,
 		Agent:  a.agent,
