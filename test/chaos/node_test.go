@@ -104,7 +104,7 @@ func newNode(t *testing.T, o nodeOptions) *node {
 	}
 	n.bridge, n.cfg = n.sim.Bridge, n.sim.Config
 	n.rules, err = rulesbackend.New(rulesbackend.Config{
-		Backend: n.cfg.IPTablesBackend,
+		Backend: n.cfg.RulesBackend,
 		Probe:   ruleset.HostProbeConfig{ProbeSNATv4: n.cfg.ProbeSNATv4, ProbeSNATv6: n.cfg.ProbeSNATv6},
 	})
 	if err != nil {
