@@ -22,7 +22,6 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
-	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
@@ -123,7 +122,7 @@ func TestReadyzAndMetrics(t *testing.T) {
 	// temp file and rename, while an in-place rewrite still works, as a
 	// primary CNI's would.
 	reinstalls := n.metric("ambient_cni_installer_reinstalls_total")
-	path := filepath.Join(n.confDir, simnode.PrimaryConf)
+	path := filepath.Join(n.confDir, primaryConf)
 	chained, err := os.ReadFile(path)
 	if err != nil {
 		t.Fatal(err)
