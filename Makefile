@@ -22,7 +22,7 @@ KEEP          ?=
 PLUGIN_LDFLAGS := -s -w
 AGENT_LDFLAGS  := -s -w
 
-.PHONY: check all build tools node-tools bench test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: archcheck check all build tools node-tools bench test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -77,13 +77,18 @@ e2e: node-tools ## as root: the end-to-end tests on a real node (kubelet, contai
 test-unit: ## run the tests that need neither root nor built tools
 	AMBIENT_UNIT_ONLY=1 $(GO) test -count=1 ./...
 
-lint: fmt vet staticcheck ## gofmt, go vet and staticcheck
+lint: fmt vet staticcheck archcheck ## gofmt, go vet, staticcheck and the import rules of docs/architecture.md
 
 fmt:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
 vet:
 	$(GO) vet -tags realnode ./...
+
+# The package table of docs/architecture.md is the one source of the import
+# rules; archcheck fails on an import it does not allow.
+archcheck:
+	GO='$(GO)' $(GO) run ./hack/archcheck
 
 staticcheck: $(STATICCHECK)
 	$(STATICCHECK) -tags realnode ./...
