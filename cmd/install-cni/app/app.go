@@ -24,6 +24,7 @@ import (
 	"syscall"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -177,12 +178,19 @@ func New(o Options) (*App, error) {
 	if err != nil {
 		return nil, err
 	}
+	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
 	a.installer, err = installer.New(installer.Config{
 		BinDir: c.CNIBinDir, ConfDir: c.CNIConfDir, PluginBinary: c.PluginBinary, PluginName: c.PluginType,
 		PrimaryConfName: c.CNIConfName, PluginConfig: entry,
 		StateFile:   filepath.Join(filepath.Dir(c.AgentSocket), installerStateName),
 		OnReinstall: m.InstallerReinstalls.Inc,
-		Logger:      a.log,
+		// Said on the agent's own pod, where kubectl describe shows why
+		// it is not ready.
+		OnRefused: func(err error) {
+			a.events.Eventf(&corev1.ObjectReference{APIVersion: "v1", Kind: "Pod", Namespace: c.PodNamespace, Name: c.PodName},
+				corev1.EventTypeWarning, "IstioCNIChained", "%v", err)
+		},
+		Logger: a.log,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("installer: %w", err)
@@ -252,7 +260,6 @@ func New(o Options) (*App, error) {
 		},
 		Logger: a.log,
 	}, a.pods, a.agent)
-	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
 	a.ctrl = controller.New(controller.Config{
 		Pods:   a.pods,
 		Agent:  a.agent,
