@@ -253,10 +253,7 @@ func New(o Options) (*App, error) {
 		// Answer the plugin before its own timeout fires.
 		HandlerTimeout: c.PluginTimeout - time.Second,
 		Observe: func(verb, result string, took time.Duration) {
-			m.CNIRequests.WithLabelValues(verb, result).Inc()
-			if verb == "ADD" {
-				m.AddLatency.Observe(took.Seconds())
-			}
+			m.ObserveRequest(verb, result, nodeagent.ResultStatus(result), took)
 		},
 		Logger: a.log,
 	}, a.pods, a.agent)
@@ -425,7 +422,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 	run("annotations", a.agent.Run)
 	run("controller", a.ctrl.Run)
 	run("metrics", func(ctx context.Context) error {
-		return a.metrics.RunGauges(ctx, a.agent.StateCounts, a.zds.Connections)
+		return a.metrics.RunGauges(ctx, a.agent.StateCounts, a.zds.Connections, a.installer.Ready)
 	})
 	run("host-probe", func(ctx context.Context) error {
 		rulesbackend.KeepHostProbe(ctx, a.rules.Probe, hostProbeResync, a.log)
