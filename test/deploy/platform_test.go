@@ -75,19 +75,19 @@ func TestPlatformLayouts(t *testing.T) {
 		args []string
 		want platformWant
 	}{
-		"generic":   {nil, generic},
-		"gke":       {[]string{"--set", "platform=gke"}, platformWant{binDir: "/home/kubernetes/bin", confDir: "/etc/cni/net.d", netnsDirs: genericNetns, quota: true}},
+		"generic": {nil, generic},
+		"gke":     {[]string{"--set", "platform=gke"}, platformWant{binDir: "/home/kubernetes/bin", confDir: "/etc/cni/net.d", netnsDirs: genericNetns, quota: true}},
 		// A -gke cluster version selecting gke is not among these: helm
 		// template drops the version's pre-release part (-gke.N), which
 		// only helm install and upgrade see, from the cluster.
 		"gke, version without -gke": {[]string{"--kube-version", "v1.33.5"}, generic},
-		"eks":       {[]string{"--set", "platform=eks"}, generic},
-		"kind":      {[]string{"--set", "platform=kind"}, generic},
-		"k3s":       {[]string{"--set", "platform=k3s"}, platformWant{binDir: "/var/lib/rancher/k3s/data/cni", confDir: k3sConf, netnsDirs: genericNetns}},
-		"k3d":       {[]string{"--set", "platform=k3d"}, platformWant{binDir: "/bin", confDir: k3sConf, netnsDirs: genericNetns}},
-		"microk8s":  {[]string{"--set", "platform=microk8s"}, platformWant{binDir: "/var/snap/microk8s/current/opt/cni/bin", confDir: "/var/snap/microk8s/current/args/cni-network", netnsDirs: genericNetns}},
-		"minikube":  {[]string{"--set", "platform=minikube"}, platformWant{binDir: "/opt/cni/bin", confDir: "/etc/cni/net.d", netnsDirs: append(slices.Clone(genericNetns), "/var/run/docker/netns")}},
-		"openshift": {[]string{"--set", "platform=openshift"}, platformWant{binDir: "/var/lib/cni/bin", confDir: "/etc/kubernetes/cni/net.d", netnsDirs: genericNetns, seLinuxType: "spc_t", scc: true}},
+		"eks":                       {[]string{"--set", "platform=eks"}, generic},
+		"kind":                      {[]string{"--set", "platform=kind"}, generic},
+		"k3s":                       {[]string{"--set", "platform=k3s"}, platformWant{binDir: "/var/lib/rancher/k3s/data/cni", confDir: k3sConf, netnsDirs: genericNetns}},
+		"k3d":                       {[]string{"--set", "platform=k3d"}, platformWant{binDir: "/bin", confDir: k3sConf, netnsDirs: genericNetns}},
+		"microk8s":                  {[]string{"--set", "platform=microk8s"}, platformWant{binDir: "/var/snap/microk8s/current/opt/cni/bin", confDir: "/var/snap/microk8s/current/args/cni-network", netnsDirs: genericNetns}},
+		"minikube":                  {[]string{"--set", "platform=minikube"}, platformWant{binDir: "/opt/cni/bin", confDir: "/etc/cni/net.d", netnsDirs: append(slices.Clone(genericNetns), "/var/run/docker/netns")}},
+		"openshift":                 {[]string{"--set", "platform=openshift"}, platformWant{binDir: "/var/lib/cni/bin", confDir: "/etc/kubernetes/cni/net.d", netnsDirs: genericNetns, seLinuxType: "spc_t", scc: true}},
 		// Explicit values win over the platform's.
 		"k3s, own bin dir": {[]string{"--set", "platform=k3s", "--set", "cni.binDir=/opt/k3s-cni"}, platformWant{binDir: "/opt/k3s-cni", confDir: k3sConf, netnsDirs: genericNetns}},
 		"gke, no quota":    {[]string{"--set", "platform=gke", "--set", "resourceQuotas.enabled=false"}, platformWant{binDir: "/home/kubernetes/bin", confDir: "/etc/cni/net.d", netnsDirs: genericNetns}},
