@@ -17,6 +17,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/health"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 )
 
@@ -90,7 +91,7 @@ func (a *fakeAgent) Pods() []nodeagent.EnrolledPod {
 
 type fakeFinder struct{ asked []types.UID }
 
-func (f *fakeFinder) Find(pods map[types.UID][]netip.Addr) (map[types.UID]*nodeagent.Netns, error) {
+func (f *fakeFinder) Find(pods map[types.UID][]netip.Addr) (map[types.UID]*netns.Handle, error) {
 	for uid := range pods {
 		f.asked = append(f.asked, uid)
 	}

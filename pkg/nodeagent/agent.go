@@ -13,6 +13,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
@@ -93,8 +94,8 @@ type Config struct {
 	// agent socket, RecordDir).
 	RecordDir string
 	// Netns decides which netns paths of CNI DELs (and spooled DELs) the
-	// agent may open (default: DefaultNetnsRoots and /proc).
-	Netns NetnsPolicy
+	// agent may open (nil roots: netns.DefaultRoots; and /proc).
+	Netns netns.Policy
 	// Enablement feeds the snapshot file; nil writes no snapshot.
 	Enablement EnablementSource
 	// SnapshotFile is the enablement snapshot path (default next to the
@@ -169,7 +170,7 @@ type Sandbox struct {
 
 type entry struct {
 	EnrolledPod
-	ns *Netns
+	ns *netns.Handle
 }
 
 // Agent is the node agent's core: the one way pods get in (Capture, and
@@ -194,14 +195,11 @@ type Agent struct {
 	// torn are the namespaces whose sandbox a CNI DEL tore down: the
 	// controller must not capture them again while the runtime finishes
 	// (a process may linger in one for a moment).
-	torn map[nsID]tornMark
+	torn map[netns.Identity]tornMark
 	// released are the pods whose sandbox the runtime removed (CNI DEL)
 	// while they were captured, and when; see SandboxReleased.
 	released map[types.UID]time.Time
 }
-
-// nsID identifies a network namespace (nsfs device and inode).
-type nsID struct{ dev, ino uint64 }
 
 // podLock serializes work on one pod while letting different pods proceed
 // in parallel.
@@ -227,9 +225,6 @@ func NewAgent(cfg Config) (*Agent, error) {
 	if cfg.RecordDir == "" {
 		cfg.RecordDir = RecordDir(ambient.DefaultAgentSocket)
 	}
-	if cfg.Netns.Roots == nil {
-		cfg.Netns.Roots = DefaultNetnsRoots
-	}
 	if cfg.ExcludedNamespaces == nil {
 		cfg.ExcludedNamespaces = []string{ambient.DefaultExcludedNamespace}
 	}
@@ -245,7 +240,7 @@ func NewAgent(cfg Config) (*Agent, error) {
 		annotations: newAnnotationWriter(cfg.Annotator, cfg.Pods, log.With("component", "annotations")),
 		pods:        map[types.UID]*entry{},
 		busy:        map[types.UID]*podLock{},
-		torn:        map[nsID]tornMark{},
+		torn:        map[netns.Identity]tornMark{},
 		released:    map[types.UID]time.Time{},
 	}, nil
 }

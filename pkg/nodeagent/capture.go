@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
@@ -29,7 +30,7 @@ import (
 // the pod captured and Pending (annotated pending): the runtime retries
 // the ADD, and any ztunnel that connects meanwhile acks it in its
 // snapshot, which makes it Enabled (SnapshotAcked).
-func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *Sandbox) error {
+func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, sb *Sandbox) error {
 	if pod == nil || pod.UID == "" {
 		_ = ns.Close()
 		return errors.New("capture: pod without uid")
@@ -118,10 +119,10 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *San
 // no record naming one, may be: those rules stay (removing them would
 // release a pod ztunnel still serves), and so does a record naming ns.
 // Called with the pod's lock held.
-func (a *Agent) undoFailedApply(log *slog.Logger, uid types.UID, old *entry, ns *Netns, prevRec Record, hadRec bool) {
+func (a *Agent) undoFailedApply(log *slog.Logger, uid types.UID, old *entry, ns *netns.Handle, prevRec Record, hadRec bool) {
 	if old != nil && old.Unresolved {
-		prevID := nsID{prevRec.NetnsDev, prevRec.NetnsIno}
-		if !hadRec || prevID == (nsID{}) || prevID == ns.id() {
+		prevID := netns.Identity{Dev: prevRec.NetnsDev, Ino: prevRec.NetnsIno}
+		if !hadRec || prevID == (netns.Identity{}) || prevID == ns.Identity() {
 			if hadRec {
 				_ = a.records.write(prevRec)
 			}
@@ -170,7 +171,7 @@ var ErrDrift = errors.New("in-pod rules drifted")
 // Check is the CNI CHECK once decided (d): a pod that should be captured
 // must be enrolled in this very namespace with its rules intact. p.UID
 // names the pod. It takes ownership of ns.
-func (a *Agent) Check(ctx context.Context, p PodInfo, d enablement.Decision, ns *Netns) error {
+func (a *Agent) Check(ctx context.Context, p PodInfo, d enablement.Decision, ns *netns.Handle) error {
 	defer ns.Close()
 	uid := p.UID
 	unlock := a.lock(uid)

@@ -13,6 +13,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
 
@@ -45,7 +46,7 @@ func (r *recordedRules) record(op, path string, injected error) error {
 	if injected != nil {
 		return injected
 	}
-	n, err := OpenNetns(path)
+	n, err := netns.Open(path)
 	if err != nil {
 		return err
 	}

@@ -12,6 +12,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 )
 
 // Records lists the capture records a previous agent left, as loaded by
@@ -29,7 +30,7 @@ func (a *Agent) Records() []Record {
 // Pending (a previous agent crashed before ztunnel acked it or before the
 // annotation was written); a Pending pod becomes Enabled, and is annotated
 // so, as soon as a ztunnel acks it in its snapshot (SnapshotAcked).
-func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, ns *Netns) error {
+func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, ns *netns.Handle) error {
 	unlock := a.lock(pod.UID)
 	defer unlock()
 	cfg := a.ruleConfig(pod)
@@ -59,7 +60,7 @@ func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, ns *Netns) error {
 		Netns: ns.Source(), NetnsID: ns.ID(), IPs: enablement.PodIPs(pod), State: state, Rules: cfg, Since: time.Now(),
 	}}
 	rec, recorded := a.records.get(pod.UID)
-	if recorded && rec.NetnsDev == ns.dev && rec.NetnsIno == ns.ino {
+	if recorded && (netns.Identity{Dev: rec.NetnsDev, Ino: rec.NetnsIno}) == ns.Identity() {
 		// The same sandbox the record names: keep its id (a later DEL
 		// names it) and the runtime's path.
 		e.SandboxID, e.Netns = rec.SandboxID, rec.Netns
@@ -144,12 +145,12 @@ func (a *Agent) Unresolved(uid types.UID) bool {
 
 // recordedNetns is the identity of the namespace uid's capture record
 // names, if it names one.
-func (a *Agent) recordedNetns(uid types.UID) (nsID, bool) {
+func (a *Agent) recordedNetns(uid types.UID) (netns.Identity, bool) {
 	rec, ok := a.records.get(uid)
 	if !ok || (rec.NetnsDev == 0 && rec.NetnsIno == 0) {
-		return nsID{}, false
+		return netns.Identity{}, false
 	}
-	return nsID{rec.NetnsDev, rec.NetnsIno}, true
+	return netns.Identity{Dev: rec.NetnsDev, Ino: rec.NetnsIno}, true
 }
 
 // Release takes capture off a pod the agent finds captured at startup but
@@ -157,7 +158,7 @@ func (a *Agent) recordedNetns(uid types.UID) (nsID, bool) {
 // unenroll a crash interrupted): rules, probe set, then annotation, then
 // record, as Unenroll does. The pod is not in the state, so no ztunnel
 // snapshot names it. It owns ns.
-func (a *Agent) Release(ctx context.Context, pod *corev1.Pod, ns *Netns) error {
+func (a *Agent) Release(ctx context.Context, pod *corev1.Pod, ns *netns.Handle) error {
 	defer ns.Close()
 	unlock := a.lock(pod.UID)
 	defer unlock()
@@ -217,7 +218,7 @@ func (e *entry) record() Record {
 		Netns: e.Netns, IPs: e.IPs,
 	}
 	if e.ns != nil {
-		r.NetnsDev, r.NetnsIno = e.ns.dev, e.ns.ino
+		r.NetnsDev, r.NetnsIno = e.ns.Identity().Dev, e.ns.Identity().Ino
 	}
 	return r
 }

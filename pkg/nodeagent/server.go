@@ -18,6 +18,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/unixsock"
 )
 
@@ -27,12 +28,11 @@ type ServerConfig struct {
 	// Socket is the Unix socket path (default ambient.DefaultAgentSocket).
 	// Its directory is created (or tightened) to 0700, the socket is 0600.
 	Socket string
-	// NetnsRoots are where pod netns mounts may live (default
-	// DefaultNetnsRoots); /proc/<pid>/ns/net is always accepted.
-	NetnsRoots []string
-	// ProcRoot is the host's /proc as mounted in the agent's container;
-	// /proc/<pid>/ns/net paths from the plugin are opened below it.
-	ProcRoot string
+	// Netns decides which netns paths from the plugin are accepted: nsfs
+	// mounts below its roots (nil: netns.DefaultRoots) and
+	// /proc/<pid>/ns/net, opened below its ProcRoot. Give it the agent's
+	// policy (Config.Netns): both judge the runtime's paths alike.
+	Netns netns.Policy
 	// HandlerTimeout bounds the work for one request (default 25s, below
 	// the plugin's default 30s so the plugin gets an answer, not a timeout).
 	HandlerTimeout time.Duration
@@ -51,9 +51,6 @@ type ServerConfig struct {
 func (c ServerConfig) withDefaults() ServerConfig {
 	if c.Socket == "" {
 		c.Socket = ambient.DefaultAgentSocket
-	}
-	if c.NetnsRoots == nil {
-		c.NetnsRoots = DefaultNetnsRoots
 	}
 	if c.HandlerTimeout <= 0 {
 		c.HandlerTimeout = 25 * time.Second
@@ -86,7 +83,7 @@ type Server struct {
 	cfg     ServerConfig
 	decider Decider
 	agent   *Agent
-	netns   NetnsPolicy
+	netns   netns.Policy
 	log     *slog.Logger
 	http    *http.Server
 	mu      sync.Mutex
@@ -101,7 +98,7 @@ type Server struct {
 // agent.
 func NewServer(cfg ServerConfig, decider Decider, agent *Agent) *Server {
 	cfg = cfg.withDefaults()
-	s := &Server{cfg: cfg, decider: decider, agent: agent, netns: NetnsPolicy{Roots: cfg.NetnsRoots, ProcRoot: cfg.ProcRoot}, log: cfg.Logger.With("component", "event-server")}
+	s := &Server{cfg: cfg, decider: decider, agent: agent, netns: cfg.Netns, log: cfg.Logger.With("component", "event-server")}
 	mux := http.NewServeMux()
 	mux.HandleFunc(ambient.PathPodEvent, s.handlePodEvent)
 	mux.HandleFunc(ambient.PathStatus, s.handleStatus)
@@ -344,7 +341,7 @@ func (s *Server) dispatch(ctx context.Context, ev *ambient.PodEvent) (ambient.Ve
 // Add is the CNI ADD: decide, then capture. It takes ownership of ns and
 // answers only once the pod's rules are in place (and ztunnel acked), or
 // the pod is out of scope.
-func (s *Server) Add(ctx context.Context, p PodInfo, ns *Netns) (ambient.Verdict, error) {
+func (s *Server) Add(ctx context.Context, p PodInfo, ns *netns.Handle) (ambient.Verdict, error) {
 	d, pod, err := s.decider.Decide(ctx, p.Namespace, p.Name, string(p.UID))
 	if err != nil {
 		_ = ns.Close()
@@ -370,7 +367,7 @@ func (s *Server) Add(ctx context.Context, p PodInfo, ns *Netns) (ambient.Verdict
 // Check is the CNI CHECK: decide, then verify that a pod that should be
 // captured is enrolled in this very namespace with its rules intact. It
 // takes ownership of ns.
-func (s *Server) Check(ctx context.Context, p PodInfo, ns *Netns) error {
+func (s *Server) Check(ctx context.Context, p PodInfo, ns *netns.Handle) error {
 	d, pod, err := s.decider.Decide(ctx, p.Namespace, p.Name, string(p.UID))
 	if err != nil {
 		_ = ns.Close()

@@ -13,6 +13,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
@@ -278,7 +279,7 @@ func TestRecordedPodRestoredWithoutNetns(t *testing.T) {
 	// agent's rules and the record stay (ztunnel still serves the pod).
 	capturePod := pod("shop", "capture", "u-capture", nil)
 	h.rules.setApplyErr(errors.New("injected"))
-	pn, err := OpenNetns(nss["capture"])
+	pn, err := netns.Open(nss["capture"])
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -40,9 +40,9 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
 	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
 	"github.com/ambient-cni/ambient-cni/pkg/metrics"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
-	"github.com/ambient-cni/ambient-cni/pkg/podnetns"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/pkg/unixsock"
@@ -218,6 +218,11 @@ func New(o Options) (*App, error) {
 		// previous agent crashed first) is enabled once a snapshot acks it.
 		SnapshotAcked: func(uid string, netns *os.File) { a.agent.SnapshotAcked(uid, netns) },
 	})
+	// Which netns paths the runtime may name (the agent's DELs and the
+	// plugin's events alike), and how running pods' namespaces are found
+	// (the controller's enrollment and the explainer alike).
+	netnsPolicy := netns.Policy{Roots: c.NetnsDirs, ProcRoot: c.ProcRoot}
+	finder := netns.Scanner{ProcRoot: c.ProcRoot, Logger: a.log}
 	agentCfg := nodeagent.Config{
 		Rules:              rules.Rules,
 		HostProbe:          rules.Probe,
@@ -226,7 +231,7 @@ func New(o Options) (*App, error) {
 		Annotator:          kubeadapter.Annotator{Client: o.Client},
 		Pods:               a.pods,
 		RecordDir:          nodeagent.RecordDir(c.AgentSocket),
-		Netns:              nodeagent.NetnsPolicy{Roots: c.NetnsDirs, ProcRoot: c.ProcRoot},
+		Netns:              netnsPolicy,
 		Enablement:         a.pods,
 		SnapshotFile:       nodefiles.SnapshotPath(c.AgentSocket),
 		SpoolDir:           nodefiles.SpoolDir(c.AgentSocket),
@@ -249,7 +254,7 @@ func New(o Options) (*App, error) {
 	// The two ways in: the plugin's events (decide, capture) and the pod
 	// controller (decide, find, capture).
 	a.server = nodeagent.NewServer(nodeagent.ServerConfig{
-		Socket: c.AgentSocket, NetnsRoots: c.NetnsDirs, ProcRoot: c.ProcRoot,
+		Socket: c.AgentSocket, Netns: netnsPolicy,
 		// Answer the plugin before its own timeout fires.
 		HandlerTimeout: c.PluginTimeout - time.Second,
 		Observe: func(verb, result string, took time.Duration) {
@@ -260,7 +265,7 @@ func New(o Options) (*App, error) {
 	a.ctrl = controller.New(controller.Config{
 		Pods:   a.pods,
 		Agent:  a.agent,
-		Finder: nodeagent.ProcFinder{Scanner: podnetns.Scanner{ProcRoot: c.ProcRoot, Logger: a.log}, Logger: a.log},
+		Finder: finder,
 		Events: a.events,
 		Logger: a.log,
 		OnScan: func(int, int, time.Duration) { m.NetnsScans.Inc() },
@@ -276,7 +281,7 @@ func New(o Options) (*App, error) {
 	a.health = health.New()
 	a.explain = &explain.Explainer{
 		Pods: a.pods, Agent: a.agent,
-		Finder:    nodeagent.ProcFinder{Scanner: podnetns.Scanner{ProcRoot: c.ProcRoot, Logger: a.log}, Logger: a.log},
+		Finder:    finder,
 		Backend:   rules.Name,
 		Ztunnels:  a.zds.Connections,
 		DaemonSet: a.upgrade.Seen,

@@ -15,6 +15,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/health"
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 )
@@ -198,7 +199,7 @@ func options() []option {
 		{"agent-socket", "Unix socket the plugin reaches the agent on (directory 0700, socket 0600).", ambient.DefaultAgentSocket, str(func(c *Config) *string { return &c.AgentSocket })},
 		{"zds-socket", "ZDS socket ztunnel connects to.", ambient.DefaultZDSSocket, str(func(c *Config) *string { return &c.ZDSSocket })},
 		{"proc-root", "The host's /proc as mounted in the container, scanned to find running pods' network namespaces.", defaultProcRoot, str(func(c *Config) *string { return &c.ProcRoot })},
-		{"netns-dirs", "Comma-separated directories where the runtime mounts pod network namespaces; the only netns paths accepted from the plugin besides /proc/<pid>/ns/net.", strings.Join(nodeagent.DefaultNetnsRoots, ","), list(func(c *Config) *[]string { return &c.NetnsDirs })},
+		{"netns-dirs", "Comma-separated directories where the runtime mounts pod network namespaces; the only netns paths accepted from the plugin besides /proc/<pid>/ns/net.", strings.Join(netns.DefaultRoots, ","), list(func(c *Config) *[]string { return &c.NetnsDirs })},
 		{"excluded-namespaces", "Comma-separated namespaces never captured.", ambient.DefaultExcludedNamespace, list(func(c *Config) *[]string { return &c.ExcludedNamespaces })},
 		{"assume-pod-level-enablement", "With plugin-agent-unreachable=snapshot: tell the plugin's fallback that any namespace may hold a pod enabled by its own label, so it fails closed everywhere but excluded namespaces. No effect with fail-closed.", "false", boolean(func(c *Config) *bool { return &c.AssumePodLevelEnablement })},
 		{"ztunnel-wait", "How long CNI ADD waits for a connected ztunnel to acknowledge a pod before failing with a retryable error.", nodeagent.DefaultZtunnelTimeout.String(), duration(func(c *Config) *time.Duration { return &c.ZtunnelWait })},
