@@ -100,12 +100,14 @@ generate: $(PROTOC_GEN_GO) ## regenerate committed protobuf Go code (needs proto
 	$(PROTOC) --plugin=protoc-gen-go=$(PROTOC_GEN_GO) -I pkg/ambient/zdspb \
 		--go_out=pkg/ambient/zdspb --go_opt=paths=source_relative pkg/ambient/zdspb/zds.proto
 
-# The chart is the source; the manifest is its helm template output. The
-# release name, namespace and header live in one place: test/deploy, whose
-# TestManifestUpToDate rewrites the file when UPDATE_MANIFESTS=1.
-MANIFEST_TEST := -count=1 -run '^TestManifestUpToDate$$' ./test/deploy
+# The chart is the source; the manifest is its helm template output, and
+# test/deploy/testdata/platform-*.yaml its output per platform. The release
+# name, namespace and header live in one place: test/deploy, whose
+# TestManifestUpToDate and TestPlatformGoldens rewrite the files when
+# UPDATE_MANIFESTS=1.
+MANIFEST_TEST := -count=1 -run '^(TestManifestUpToDate|TestPlatformGoldens)$$' ./test/deploy
 
-manifests: ## render deploy/manifests/ambient-cni.yaml from deploy/charts/ambient-cni (helm template; builds helm if needed)
+manifests: ## render deploy/manifests/ambient-cni.yaml and the per-platform goldens from deploy/charts/ambient-cni (helm template; builds helm if needed)
 	GO='$(GO)' hack/kube-tools.sh helm
 	UPDATE_MANIFESTS=1 $(GO) test $(MANIFEST_TEST)
 

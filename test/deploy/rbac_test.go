@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"testing"
 	"time"
 
@@ -64,9 +65,15 @@ func TestManifestRBACIsShippedRBAC(t *testing.T) {
 	}
 
 	// A renamed release grants the same, on its own DaemonSet's name.
+	// The all-values file names platform openshift, which may also use
+	// the privileged SCC.
 	all := decode(t, render(t, "all", "all-values-ns", "-f", allValues))
-	if !reflect.DeepEqual(all.cr.Rules, o.cr.Rules) {
-		t.Errorf("all-values ClusterRole rules %+v differ from the manifest's %+v", all.cr.Rules, o.cr.Rules)
+	wantCluster := append(slices.Clone(o.cr.Rules), rbacv1.PolicyRule{
+		APIGroups: []string{"security.openshift.io"}, Resources: []string{"securitycontextconstraints"},
+		ResourceNames: []string{"privileged"}, Verbs: []string{"use"},
+	})
+	if !reflect.DeepEqual(all.cr.Rules, wantCluster) {
+		t.Errorf("all-values ClusterRole rules %+v differ from the manifest's plus the SCC's %+v", all.cr.Rules, wantCluster)
 	}
 	want := []rbacv1.PolicyRule{{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{"mesh-node"}, Verbs: []string{"get", "list", "watch"}}}
 	if !reflect.DeepEqual(all.role.Rules, want) {
@@ -127,6 +134,7 @@ func TestChartBindingsGrantTheAgent(t *testing.T) {
 		{Verb: "create", Resource: "events", Namespace: "default"},
 		{Verb: "patch", Resource: "events", Namespace: "default"},
 		{Verb: "get", Group: "apps", Resource: "daemonsets", Namespace: ns, Name: name},
+		{Verb: "get", Resource: "nodes", Name: "some-node"},
 	}
 	// The RBAC authorizer sees new bindings through a watch: wait for them.
 	deadline := time.Now().Add(30 * time.Second)
@@ -149,6 +157,8 @@ func TestChartBindingsGrantTheAgent(t *testing.T) {
 		{Verb: "update", Resource: "pods", Namespace: "default", Name: "p"},
 		{Verb: "delete", Resource: "pods", Namespace: "default", Name: "p"},
 		{Verb: "list", Resource: "secrets"},
+		{Verb: "list", Resource: "nodes"},
+		{Verb: "patch", Resource: "nodes", Name: "some-node"},
 		{Verb: "patch", Resource: "namespaces", Name: "default"},
 		{Verb: "create", Group: "events.k8s.io", Resource: "events", Namespace: "default"},
 	}
