@@ -20,7 +20,6 @@ import (
 	"time"
 
 	"github.com/containernetworking/plugins/pkg/ns"
-	"github.com/vishvananda/netlink"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -35,6 +34,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
@@ -54,10 +54,9 @@ func TestMain(m *testing.M) {
 }
 
 const (
-	// agentSA is the agent's ServiceAccount, bound to the shipped RBAC.
+	// agentSA is the chart's ServiceAccount for the agent, bound (by
+	// simnode) to the shipped RBAC.
 	agentSA = "ambient-cni"
-	// primaryConf is the primary CNI's config the installer chains into.
-	primaryConf = "10-bridge.conflist"
 	// appPort is where each pod's HTTP app listens.
 	appPort = 8080
 	// waitLong bounds every "eventually" that is not itself an acceptance
@@ -93,6 +92,7 @@ type node struct {
 	t       testing.TB
 	env     *kubeenv.Env
 	Name    string
+	sim     *simnode.Node
 	dir     string
 	confDir string
 	binDir  string
@@ -147,36 +147,35 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = os.RemoveAll(n.dir) })
-	n.confDir, n.binDir = filepath.Join(n.dir, "net.d"), filepath.Join(n.dir, "bin")
-	for _, d := range []string{n.confDir, n.binDir} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			t.Fatal(err)
-		}
-	}
-	n.bridge = testnet.RandName("ae", 8)
-	n.subnet = netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 200 + randByte()%50, randByte(), 0}), 24)
-	t.Cleanup(func() {
-		if l, err := netlink.LinkByName(n.bridge); err == nil {
-			_ = netlink.LinkDel(l)
-		}
-	})
-	primary := cnibin.Conflist(cnibin.Network{Bridge: n.bridge, Subnet: n.subnet, DataDir: filepath.Join(n.dir, "ipam")})
-	if err := os.WriteFile(filepath.Join(n.confDir, primaryConf), primary, 0o644); err != nil {
+	root, err := kubeenv.RepoRoot()
+	if err != nil {
 		t.Fatal(err)
 	}
-	n.hostNS = testnet.NewNS(t)
-
-	n.agentNS = testnet.RandName("agent-", 8)
-	n.agentPod = "ambient-cni-" + testnet.RandName("", 5)
-	saConfig, _ := env.ServiceAccountClient(t, n.agentNS, agentSA, kubeenv.ShippedRBAC(t))
-
-	args := agentArgs(agentSetup{
-		node: n.Name, pod: n.agentPod, namespace: n.agentNS, dir: n.dir,
-		binDir: n.binDir, confDir: n.confDir, plugin: cnibin.Plugin(t),
-	}, opts)
-	if n.cfg, err = installcni.Parse(args, func(string) string { return "" }, io.Discard); err != nil {
-		t.Fatalf("agent config: %v", err)
+	chart, err := simnode.CommittedChart(root)
+	if err != nil {
+		t.Fatal(err)
 	}
+	n.agentNS = testnet.RandName("agent-", 8)
+	n.subnet = netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 200 + randByte()%50, randByte(), 0}), 24)
+	n.sim, err = simnode.Prepare(context.Background(), simnode.Options{
+		Env: env, Chart: chart, Plugin: cnibin.Plugin(t), ReferencePlugins: cnibin.Paths(t)[0],
+		Dir: n.dir, Name: n.Name, Namespace: n.agentNS, Settings: nodeSettings(opts),
+		Subnet:  n.subnet,
+		StandIn: ztunnel.Config{MinBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond, Logger: n.log.With("component", "ztunnel-stand-in")},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := n.sim.Close(); err != nil {
+			t.Errorf("simulated node: %v", err)
+		}
+	})
+	n.confDir, n.binDir, n.bridge, n.cfg = n.sim.ConfDir, n.sim.BinDir, n.sim.Bridge, n.sim.Config
+	n.hostNS = testnet.NewNS(t)
+	n.agentPod = n.cfg.PodName
+	saConfig := n.sim.AgentConfig
+
 	n.openRules()
 	// The agent's client is built as install-cni builds it, with the
 	// shipped rate limit; kubeenv's raised QPS is for the test's own
@@ -204,46 +203,32 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 	if !opts.NoStandIn {
 		n.startStandIn(opts.Faults)
 	}
-	conf, err := os.ReadFile(filepath.Join(n.confDir, primaryConf))
+	conf, err := os.ReadFile(filepath.Join(n.confDir, simnode.PrimaryConf))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if !bytes.Contains(conf, []byte(`"`+cnibin.PluginName+`"`)) {
 		t.Fatalf("daemon is ready but the primary conflist does not name our plugin:\n%s", conf)
 	}
-	// The runtime finds our plugin where the installer put it, the
-	// reference plugins where cnibin built them.
-	n.kube = kubesim.NewNode(t, env.Client, n.Name, []string{n.binDir, cnibin.Paths(t)[0]}, conf)
+	// The runtime finds our plugin where the installer put it, beside the
+	// reference plugins.
+	n.kube = kubesim.NewNode(t, env.Client, n.Name, []string{n.binDir}, conf)
 	return n
 }
 
-// agentSetup is what differs per test node: identity and node-local paths.
-type agentSetup struct {
-	node, pod, namespace, dir string
-	binDir, confDir, plugin   string
-}
-
-// agentArgs are the agent's flags on a test node. Everything not named
-// here runs at install-cni's default, which test/deploy keeps equal to the
-// chart's default values; TestHarnessRunsShippedDefaults fails if a flag
-// beyond harnessSettings creeps in.
-func agentArgs(s agentSetup, opts nodeOptions) []string {
-	args := []string{
-		"--node-name=" + s.node,
-		"--pod-name=" + s.pod,
-		"--pod-namespace=" + s.namespace,
-		"--cni-bin-dir=" + s.binDir,
-		"--cni-conf-dir=" + s.confDir,
-		"--plugin-binary=" + s.plugin,
-		"--agent-socket=" + filepath.Join(s.dir, "agent", "agent.sock"),
-		"--zds-socket=" + filepath.Join(s.dir, "zt", "ztunnel.sock"),
-		"--health-addr=127.0.0.1:0",
-		"--metrics-addr=127.0.0.1:0",
+// nodeSettings are the agent's settings on a test node beyond the chart's
+// environment and simnode's NodeLocal ones (and the pod-namespace simnode
+// sets for a node's own namespace); TestHarnessRunsShippedDefaults fails
+// if one beyond harnessSettings creeps in.
+func nodeSettings(opts nodeOptions) map[string]string {
+	s := map[string]string{
+		"health-addr":  "127.0.0.1:0",
+		"metrics-addr": "127.0.0.1:0",
 	}
 	if opts.ZtunnelWait > 0 {
-		args = append(args, "--ztunnel-wait="+opts.ZtunnelWait.String())
+		s["ztunnel-wait"] = opts.ZtunnelWait.String()
 	}
-	return args
+	return s
 }
 
 // requireShippedClient fails the test unless the agent's client is rate
@@ -357,22 +342,11 @@ func (n *node) stopDaemon() {
 func (n *node) startStandIn(f ztunnel.Faults) {
 	t := n.t
 	t.Helper()
-	z := ztunnel.New(ztunnel.Config{
-		SocketPath: n.cfg.ZDSSocket, MinBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond,
-		Logger: n.log.With("component", "ztunnel-stand-in"),
-	})
-	z.SetFaults(f)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- z.Run(ctx) }()
-	var once sync.Once
+	z := n.sim.StartStandIn(f)
 	stop := func() {
-		once.Do(func() {
-			cancel()
-			if err := <-done; err != nil {
-				t.Errorf("stand-in: %v", err)
-			}
-		})
+		if err := n.sim.StopStandIn(); err != nil {
+			t.Errorf("stand-in: %v", err)
+		}
 	}
 	n.zt, n.stopZT = z, stop
 	n.waitStandIn(func() bool { return z.Ready() }, "stand-in snapshot")

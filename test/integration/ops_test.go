@@ -22,6 +22,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
@@ -129,7 +130,7 @@ func TestReadyzAndMetrics(t *testing.T) {
 	// temp file and rename, while an in-place rewrite still works, as a
 	// primary CNI's would.
 	reinstalls := n.metric("ambient_cni_installer_reinstalls_total")
-	path := filepath.Join(n.confDir, primaryConf)
+	path := filepath.Join(n.confDir, simnode.PrimaryConf)
 	chained, err := os.ReadFile(path)
 	if err != nil {
 		t.Fatal(err)

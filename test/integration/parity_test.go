@@ -29,6 +29,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/explain"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
@@ -199,7 +200,7 @@ func (n *node) revokeAgentRBAC() {
 func (n *node) pluginInstalled() (binary, chained bool) {
 	n.t.Helper()
 	_, err := os.Stat(filepath.Join(n.binDir, cnibin.PluginName))
-	conf, cerr := os.ReadFile(filepath.Join(n.confDir, primaryConf))
+	conf, cerr := os.ReadFile(filepath.Join(n.confDir, simnode.PrimaryConf))
 	if cerr != nil {
 		n.t.Fatal(cerr)
 	}

@@ -19,6 +19,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
@@ -57,7 +58,7 @@ func TestAgentRestartKeepsTraffic(t *testing.T) {
 	conns, msgs := n.zt.Connections(), len(n.zt.Messages())
 
 	n.stopDaemon()
-	conf, err := os.ReadFile(filepath.Join(n.confDir, primaryConf))
+	conf, err := os.ReadFile(filepath.Join(n.confDir, simnode.PrimaryConf))
 	if err != nil || !strings.Contains(string(conf), `"`+cnibin.PluginName+`"`) {
 		t.Fatalf("an upgrade must leave the plugin chained (err %v):\n%s", err, conf)
 	}

@@ -1,10 +1,14 @@
-// Package simnode is the one simulated Kubernetes node of the suites that
-// run the shipped binaries (chaos, the benchmark, the sandbox): a real API server
+// Package simnode is the one simulated Kubernetes node of the suites (the
+// integration suite, chaos, the benchmark, the sandbox): a real API server
 // env (test/lib/kubeenv), a bridge pod network whose primary conflist the
-// shipped install-cni's installer chains the plugin into, install-cni itself
-// as its own process with the chart's environment (only node-local settings
-// pointed at this node: NodeLocal), a ztunnel stand-in on its ZDS socket,
-// and a kubelet simulator (test/lib/kubesim) over the chained conflist.
+// installer chains the plugin into, the agent's ServiceAccount bound to the
+// shipped RBAC, install-cni's settings from the chart's environment (only
+// node-local settings pointed at this node: NodeLocal; anything else a
+// suite changes it names in Options.Settings), a ztunnel stand-in on its
+// ZDS socket, and a kubelet simulator (test/lib/kubesim) over the chained
+// conflist. install-cni runs as its own process (StartAgent), the shipped
+// binary; the integration suite instead runs it in-process from Config and
+// AgentConfig, to inject faults and read its state.
 package simnode
 
 import (
