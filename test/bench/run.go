@@ -207,7 +207,6 @@ type backendRun struct {
 	agentEnv map[string]string
 	agent    *Process
 	zt       *ztunnel.StandIn
-	health   string
 	// metricsURL is where the agent serves /metrics (its own address).
 	metricsURL string
 	log        string
@@ -271,7 +270,6 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 		return fmt.Errorf("install-cni refuses the benchmark's environment: %w", err)
 	}
 	r.res.KubeClientQPS, r.res.KubeClientBurst = float64(cfg.KubeClientQPS), cfg.KubeClientBurst
-	r.health = HealthURL(cfg.HealthAddr)
 	r.metricsURL = HealthURL(cfg.MetricsAddr)
 	r.auditLog = newAuditLog(r.audit, node)
 
@@ -609,17 +607,14 @@ func (r *backendRun) settle(ctx context.Context) error {
 	}
 }
 
-// waitReady waits for the agent's /readyz.
+// waitReady waits for the agent's /readyz, asked as the chart's exec
+// probe asks it: over the debug socket.
 func (r *backendRun) waitReady(ctx context.Context) error {
 	deadline := time.Now().Add(2 * time.Minute)
-	client := &http.Client{Timeout: 2 * time.Second}
 	for {
-		resp, err := client.Get(r.health + "/readyz")
-		if err == nil {
-			_ = resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return nil
-			}
+		code, err := installcni.AskAgent(ctx, r.agentEnv[installcni.EnvName("agent-socket")], "/readyz", 2*time.Second, io.Discard)
+		if err == nil && code == http.StatusOK {
+			return nil
 		}
 		if r.agent.Exited() {
 			return fmt.Errorf("install-cni exited during start (%v); log tail:\n%s", r.agent.err, tail(r.log, 20))
@@ -872,8 +867,8 @@ func detectedBackend(logPath string) string {
 	return ""
 }
 
-// HealthURL turns one of the agent's listen addresses (":15021",
-// ":15014") into a URL on loopback.
+// HealthURL turns one of the agent's listen addresses (e.g. the metrics
+// address ":9974") into a URL on loopback.
 func HealthURL(addr string) string {
 	host, port, ok := strings.Cut(addr, ":")
 	if !ok {

@@ -6,9 +6,9 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net/http"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -74,7 +74,6 @@ type node struct {
 	cfg     *installcni.Config
 	environ []string
 	logPath string
-	health  string
 	metrics string
 	// rules reads pods' rules and the host probe set with the backend the
 	// agent chose (the chart's auto), in this process's (private) host
@@ -173,7 +172,6 @@ func newNode(t *testing.T, o nodeOptions) *node {
 		t.Fatalf("install-cni refuses the chart's environment: %v", err)
 	}
 	n.environ = bench.Environ(envMap)
-	n.health = bench.HealthURL(n.cfg.HealthAddr)
 	n.metrics = bench.HealthURL(n.cfg.MetricsAddr)
 	n.logPath = filepath.Join(n.dir, "install-cni.log")
 	n.rules, err = rulesbackend.New(rulesbackend.Config{
@@ -317,15 +315,14 @@ func (n *node) agentPID() int {
 	return p.Pid()
 }
 
-// ready reports whether the agent answers /readyz with 200.
+// ready reports whether the agent is ready as kubelet sees it: the
+// chart's exec probe, install-cni probe ready, succeeds.
 func (n *node) ready() bool {
-	c := &http.Client{Timeout: 2 * time.Second}
-	resp, err := c.Get(n.health + "/readyz")
-	if err != nil {
-		return false
-	}
-	_ = resp.Body.Close()
-	return resp.StatusCode == http.StatusOK
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, n.sh.installCNI, "probe", "ready")
+	cmd.Env = n.environ
+	return cmd.Run() == nil
 }
 
 // waitReady waits for /readyz; the agent exiting meanwhile fails the test.

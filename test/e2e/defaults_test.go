@@ -24,7 +24,6 @@ var harnessSettings = map[string]string{
 	"plugin-binary": "the plugin built as make build builds it (the image's copy in the chart)",
 	"agent-socket":  "a private directory per node, so parallel nodes never share a socket",
 	"zds-socket":    "a private directory per node, so parallel nodes never share a socket",
-	"health-addr":   "a free loopback port: several agents run in one test process",
 	"metrics-addr":  "a free loopback port: several agents run in one test process",
 	"ztunnel-wait":  "only TestZtunnelHandoff shortens it, to time the wait without a stand-in",
 }
