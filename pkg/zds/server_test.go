@@ -644,3 +644,11 @@ func BenchmarkAddDel(b *testing.B) {
 	_ = p.uc.Close()
 	wait()
 }
+
+// TestSocketPathRequired: no default socket, which would be the real
+// node's ztunnel socket.
+func TestSocketPathRequired(t *testing.T) {
+	if err := NewServer(Config{}).Listen(); err == nil {
+		t.Error("a ZDS server with no socket path listened")
+	}
+}
