@@ -70,11 +70,11 @@ func New(cfg Config) *Cache {
 	nsFactory := informers.NewSharedInformerFactory(cfg.Client, 0)
 	podInf := podFactory.Core().V1().Pods()
 	nsInf := nsFactory.Core().V1().Namespaces()
-	// The cache keeps what the agent reads of each object, not the
-	// server-side apply bookkeeping: managedFields are often the larger
-	// part of a Pod.
-	_ = podInf.Informer().SetTransform(dropManagedFields)
-	_ = nsInf.Informer().SetTransform(dropManagedFields)
+	// The cache keeps what the agent reads of each object and nothing
+	// else (trim.go): its memory is bounded by the number of pods and
+	// namespaces, not by what users write into them.
+	_ = podInf.Informer().SetTransform(TrimPod)
+	_ = nsInf.Informer().SetTransform(TrimNamespace)
 	c.pods, c.nss = podInf.Lister(), nsInf.Lister()
 	c.synced = []cache.InformerSynced{podInf.Informer().HasSynced, nsInf.Informer().HasSynced}
 
@@ -279,13 +279,4 @@ func (c *Cache) EnablementState() (enabled []string, podLevel bool) {
 		}
 	}
 	return enabled, podLevel
-}
-
-// dropManagedFields is the informers' transform: objects enter the cache
-// without their managedFields.
-func dropManagedFields(o any) (any, error) {
-	if m, ok := o.(metav1.Object); ok {
-		m.SetManagedFields(nil)
-	}
-	return o, nil
 }

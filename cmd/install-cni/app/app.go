@@ -61,6 +61,7 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) error {
 	}
 	log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level}))
 	klog.SetSlogLogger(log.With("component", "client-go"))
+	setMemoryLimit(getenv, log)
 
 	var rc *rest.Config
 	if cfg.Kubeconfig != "" {
