@@ -30,6 +30,10 @@ type Metrics struct {
 	EnrolledPods *prometheus.GaugeVec
 	// ZtunnelConnections is the number of connected ztunnels.
 	ZtunnelConnections prometheus.Gauge
+	// TrackedPods is how many pods each of the agent's per-pod tables
+	// holds, by table: each returns to its size once those pods are gone
+	// (memory bounded by the pods that exist).
+	TrackedPods *prometheus.GaugeVec
 	// RuleErrors counts failed in-pod rule operations by op (apply, verify, remove).
 	RuleErrors *prometheus.CounterVec
 	// RuleDrift counts verifications that found drift and repaired it.
@@ -65,6 +69,10 @@ func New() *Metrics {
 			Namespace: namespace, Name: "ztunnel_connections",
 			Help: "ztunnel instances connected over ZDS.",
 		}),
+		TrackedPods: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: namespace, Name: "agent_tracked_pods",
+			Help: "Pods held in each of the agent's per-pod tables, by table.",
+		}, []string{"table"}),
 		RuleErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "rule_errors_total",
 			Help: "Failed in-pod rule operations, by operation.",
@@ -82,7 +90,7 @@ func New() *Metrics {
 			Help: "Times the installer restored the plugin binary or its config entry.",
 		}),
 	}
-	r.MustRegister(m.CNIRequests, m.AddLatency, m.EnrolledPods, m.ZtunnelConnections,
+	r.MustRegister(m.CNIRequests, m.AddLatency, m.EnrolledPods, m.ZtunnelConnections, m.TrackedPods,
 		m.RuleErrors, m.RuleDrift, m.NetnsScans, m.InstallerReinstalls,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	// Label values known up front appear at zero, so dashboards and alerts
@@ -102,10 +110,11 @@ var podStates = []string{ambient.RedirectionPending, ambient.RedirectionEnabled}
 // gaugeInterval is how often RunGauges samples.
 const gaugeInterval = 2 * time.Second
 
-// RunGauges keeps EnrolledPods (from pods: count per state) and
-// ZtunnelConnections (from ztunnels) current, sampling every
-// gaugeInterval until ctx ends.
-func (m *Metrics) RunGauges(ctx context.Context, pods func() map[string]int, ztunnels func() int) error {
+// RunGauges keeps EnrolledPods (from pods: count per state),
+// ZtunnelConnections (from ztunnels) and TrackedPods (from tables, when
+// not nil: count per table) current, sampling every gaugeInterval until
+// ctx ends.
+func (m *Metrics) RunGauges(ctx context.Context, pods func() map[string]int, ztunnels func() int, tables func() map[string]int) error {
 	t := time.NewTicker(gaugeInterval)
 	defer t.Stop()
 	for {
@@ -114,6 +123,11 @@ func (m *Metrics) RunGauges(ctx context.Context, pods func() map[string]int, ztu
 			m.EnrolledPods.WithLabelValues(st).Set(float64(counts[st]))
 		}
 		m.ZtunnelConnections.Set(float64(ztunnels()))
+		if tables != nil {
+			for table, n := range tables() {
+				m.TrackedPods.WithLabelValues(table).Set(float64(n))
+			}
+		}
 		select {
 		case <-ctx.Done():
 			return nil

@@ -92,6 +92,24 @@ func (w *annotationWriter) forget(uid types.UID) {
 	w.queue.Forget(uid)
 }
 
+// podGone drops what the writer remembers of a pod whose object is gone:
+// the value it last wrote (kept otherwise, see doneLocked). A write still
+// wanted stays: it finds the pod gone and retires itself, running its
+// then.
+func (w *annotationWriter) podGone(uid types.UID) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	delete(w.written, uid)
+}
+
+// sizes is how many pods the writer holds a wanted and a written value
+// for.
+func (w *annotationWriter) sizes() (want, written int) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.want), len(w.written)
+}
+
 // pending is how many pods still wait for a write.
 func (w *annotationWriter) pending() int {
 	w.mu.Lock()

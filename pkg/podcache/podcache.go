@@ -55,6 +55,7 @@ type Cache struct {
 	mu           sync.Mutex
 	onChange     []func(types.NamespacedName)
 	onEnablement []func()
+	onDeleted    []func(types.UID)
 }
 
 // New builds the informers; nothing runs until Run.
@@ -81,7 +82,10 @@ func New(cfg Config) *Cache {
 	_, _ = podInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(o any) { c.podChanged(o) },
 		UpdateFunc: func(_, o any) { c.podChanged(o) },
-		DeleteFunc: func(o any) { c.podChanged(o) },
+		DeleteFunc: func(o any) {
+			c.podChanged(o)
+			c.podDeleted(o)
+		},
 	})
 	_, _ = nsInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc: func(o any) { c.namespaceChanged(o) },
@@ -119,6 +123,31 @@ func (c *Cache) OnEnablementChange(f func()) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.onEnablement = append(c.onEnablement, f)
+}
+
+// OnPodDeleted registers f to be told the UID of every pod whose object
+// is gone from the API server: what the agent remembers per pod can go
+// then. It runs on an informer goroutine. Register before Run.
+func (c *Cache) OnPodDeleted(f func(uid types.UID)) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.onDeleted = append(c.onDeleted, f)
+}
+
+func (c *Cache) podDeleted(o any) {
+	if t, ok := o.(cache.DeletedFinalStateUnknown); ok {
+		o = t.Obj
+	}
+	p, ok := o.(*corev1.Pod)
+	if !ok {
+		return
+	}
+	c.mu.Lock()
+	fs := c.onDeleted
+	c.mu.Unlock()
+	for _, f := range fs {
+		f(p.UID)
+	}
 }
 
 func (c *Cache) handlers() ([]func(types.NamespacedName), []func()) {

@@ -274,6 +274,9 @@ func New(o Options) (*App, error) {
 		}
 	})
 
+	// What the agent remembers per pod goes with the pod's object.
+	a.pods.OnPodDeleted(a.agent.PodGone)
+
 	a.health = health.New()
 	a.explain = &explain.Explainer{
 		Pods: a.pods, Agent: a.agent,
@@ -421,7 +424,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 	run("annotations", a.agent.Run)
 	run("controller", a.ctrl.Run)
 	run("metrics", func(ctx context.Context) error {
-		return a.metrics.RunGauges(ctx, a.agent.StateCounts, a.zds.Connections)
+		return a.metrics.RunGauges(ctx, a.agent.StateCounts, a.zds.Connections, a.agent.TableSizes)
 	})
 	run("host-probe", func(ctx context.Context) error {
 		rulesbackend.KeepHostProbe(ctx, a.rules.Probe, hostProbeResync, a.log)
