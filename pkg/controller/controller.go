@@ -23,6 +23,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 )
 
@@ -41,15 +42,15 @@ type Pods interface {
 // Agent is the node agent as the controller uses it (*nodeagent.Agent).
 // Capture, Restore and Release take ownership of the netns handle.
 type Agent interface {
-	Capture(ctx context.Context, pod *corev1.Pod, ns *nodeagent.Netns, sb *nodeagent.Sandbox) error
-	Restore(ctx context.Context, pod *corev1.Pod, ns *nodeagent.Netns) error
+	Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, sb *nodeagent.Sandbox) error
+	Restore(ctx context.Context, pod *corev1.Pod, ns *netns.Handle) error
 	// RestoreUnresolved adopts a captured pod whose netns was not found;
 	// Unresolved reports such a pod until it is captured or restored.
 	RestoreUnresolved(pod *corev1.Pod)
 	Unresolved(uid types.UID) bool
 	// Release takes capture off a pod found captured at startup that
 	// should not be.
-	Release(ctx context.Context, pod *corev1.Pod, ns *nodeagent.Netns) error
+	Release(ctx context.Context, pod *corev1.Pod, ns *netns.Handle) error
 	// Unenroll removes capture from an enrolled (or only recorded) pod.
 	Unenroll(ctx context.Context, uid types.UID) error
 	// ClearStale removes the annotation of a pod the agent has nothing of.
@@ -69,12 +70,12 @@ type Agent interface {
 	SandboxReleased(uid types.UID) bool
 }
 
-// Finder locates running pods' network namespaces (nodeagent.ProcFinder).
+// Finder locates running pods' network namespaces (netns.Scanner).
 type Finder interface {
 	// Find returns an open netns handle per pod UID it could locate and
 	// confirm (one of the pod's IPs is on an interface there); the caller
 	// owns the handles. One call is one scan.
-	Find(pods map[types.UID][]netip.Addr) (map[types.UID]*nodeagent.Netns, error)
+	Find(pods map[types.UID][]netip.Addr) (map[types.UID]*netns.Handle, error)
 }
 
 // Config configures a Controller. Pods, Agent and Finder are required.
@@ -343,12 +344,12 @@ func (c *Controller) find(want map[types.UID][]netip.Addr) *handles {
 // most once; the batch closes whatever nobody took.
 type handles struct {
 	mu sync.Mutex
-	m  map[types.UID]*nodeagent.Netns
+	m  map[types.UID]*netns.Handle
 	n  int
 }
 
 // take hands out uid's handle, if the scan found one; the caller owns it.
-func (h *handles) take(uid types.UID) (*nodeagent.Netns, bool) {
+func (h *handles) take(uid types.UID) (*netns.Handle, bool) {
 	if h == nil {
 		return nil, false
 	}

@@ -21,6 +21,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/controller"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
 	"github.com/ambient-cni/ambient-cni/test/fakecluster"
@@ -51,7 +52,7 @@ func newFakeAgent() *fakeAgent {
 	}
 }
 
-func (a *fakeAgent) Capture(_ context.Context, pod *corev1.Pod, _ *nodeagent.Netns, sb *nodeagent.Sandbox) error {
+func (a *fakeAgent) Capture(_ context.Context, pod *corev1.Pod, _ *netns.Handle, sb *nodeagent.Sandbox) error {
 	a.mu.Lock()
 	if gate := a.gate; gate != nil {
 		a.inFlight++
@@ -75,7 +76,7 @@ func (a *fakeAgent) Capture(_ context.Context, pod *corev1.Pod, _ *nodeagent.Net
 	return nil
 }
 
-func (a *fakeAgent) Restore(_ context.Context, pod *corev1.Pod, _ *nodeagent.Netns) error {
+func (a *fakeAgent) Restore(_ context.Context, pod *corev1.Pod, _ *netns.Handle) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.calls = append(a.calls, "restore "+pod.Namespace+"/"+pod.Name)
@@ -98,7 +99,7 @@ func (a *fakeAgent) Unresolved(uid types.UID) bool {
 	return a.unresolved[uid]
 }
 
-func (a *fakeAgent) Release(_ context.Context, pod *corev1.Pod, _ *nodeagent.Netns) error {
+func (a *fakeAgent) Release(_ context.Context, pod *corev1.Pod, _ *netns.Handle) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.calls = append(a.calls, "release "+pod.Namespace+"/"+pod.Name)
@@ -193,10 +194,10 @@ type fakeFinder struct {
 	scans   [][]types.UID
 }
 
-func (f *fakeFinder) Find(pods map[types.UID][]netip.Addr) (map[types.UID]*nodeagent.Netns, error) {
+func (f *fakeFinder) Find(pods map[types.UID][]netip.Addr) (map[types.UID]*netns.Handle, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	out := map[types.UID]*nodeagent.Netns{}
+	out := map[types.UID]*netns.Handle{}
 	var asked []types.UID
 	for uid := range pods {
 		asked = append(asked, uid)

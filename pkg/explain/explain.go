@@ -22,6 +22,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/health"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 )
 
@@ -42,9 +43,9 @@ type Agent interface {
 }
 
 // Finder locates running pods' network namespaces
-// (nodeagent.ProcFinder); the explainer closes what it returns.
+// (netns.Scanner); the explainer closes what it returns.
 type Finder interface {
-	Find(pods map[types.UID][]netip.Addr) (map[types.UID]*nodeagent.Netns, error)
+	Find(pods map[types.UID][]netip.Addr) (map[types.UID]*netns.Handle, error)
 }
 
 // Explainer builds reports. Pods, Agent and Finder are required.
@@ -211,7 +212,7 @@ func (e *Explainer) ExplainAll(_ context.Context) *NodeReport {
 
 // scan is the netns handles one /proc scan found, and its error.
 type scan struct {
-	m   map[types.UID]*nodeagent.Netns
+	m   map[types.UID]*netns.Handle
 	err error
 }
 
@@ -318,7 +319,7 @@ func (e *Explainer) netnsOf(p *corev1.Pod, d enablement.Decision, ips []netip.Ad
 
 // judge sets the verdict, OK and the problems.
 func (e *Explainer) judge(r *Report, p *corev1.Pod, d enablement.Decision, ips []netip.Addr) {
-	var problems []string
+	problems := enablement.InvalidAnnotations(p)
 	c := r.Captured
 	switch {
 	case d.Enroll && c != nil:

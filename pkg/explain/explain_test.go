@@ -17,6 +17,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/health"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 )
 
@@ -90,7 +91,7 @@ func (a *fakeAgent) Pods() []nodeagent.EnrolledPod {
 
 type fakeFinder struct{ asked []types.UID }
 
-func (f *fakeFinder) Find(pods map[types.UID][]netip.Addr) (map[types.UID]*nodeagent.Netns, error) {
+func (f *fakeFinder) Find(pods map[types.UID][]netip.Addr) (map[types.UID]*netns.Handle, error) {
 	for uid := range pods {
 		f.asked = append(f.asked, uid)
 	}
@@ -127,8 +128,9 @@ func TestVerdicts(t *testing.T) {
 	stale := mkPod("plain", "stale", "u-stale", "10.0.0.4", annotated)
 	draining := mkPod("shop", "draining", "u-draining", "10.0.0.5", terminating, annotated)
 	lost := mkPod("shop", "lost", "u-lost", "10.0.0.6", annotated)
+	typo := mkPod("plain", "typo", "u-typo", "10.0.0.7", func(p *corev1.Pod) { p.Annotations[ambient.DNSCaptureAnnotation] = "maybe" })
 	pods := &fakePods{pods: map[string]*corev1.Pod{}, nss: map[string]*corev1.Namespace{"shop": on, "plain": off}}
-	for _, p := range []*corev1.Pod{leaving, starting, unwanted, stale, draining, lost} {
+	for _, p := range []*corev1.Pod{leaving, starting, unwanted, stale, draining, lost, typo} {
 		pods.pods[p.Namespace+"/"+p.Name] = p
 	}
 	// Restored without its netns after a restart (issue 12 item 1).
@@ -161,6 +163,7 @@ func TestVerdicts(t *testing.T) {
 		{"shop", "draining", true, "captured (namespace labelled ambient); terminating: stays captured", ""},
 		{"shop", "gone", false, "captured, but its pod object is gone", "object is gone"},
 		{"shop", "lost", false, "captured (namespace labelled ambient)", "has not been found since the agent restarted"},
+		{"plain", "typo", false, "not captured", `ambient.istio.io/dns-capture="maybe" is not a boolean`},
 	} {
 		r, err := e.Explain(context.Background(), c.ns, c.name)
 		if err != nil {
@@ -180,7 +183,7 @@ func TestVerdicts(t *testing.T) {
 		t.Errorf("scanned /proc for %v: none of these pods needs a scan", finder.asked)
 	}
 	all := e.ExplainAll(context.Background())
-	if all.Pods != 7 || all.Captured != 4 || all.WithProblems != 4 || all.RulesBackend != "nftables" {
+	if all.Pods != 8 || all.Captured != 4 || all.WithProblems != 5 || all.RulesBackend != "nftables" {
 		t.Errorf("node report: %d pods, %d captured, %d with problems, backend %q", all.Pods, all.Captured, all.WithProblems, all.RulesBackend)
 	}
 }

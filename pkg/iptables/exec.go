@@ -8,10 +8,9 @@ import (
 	"os/exec"
 	"strings"
 
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
-	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 )
 
@@ -34,18 +33,85 @@ type Executor interface {
 	Run(ctx context.Context, netnsPath string, cmd Cmd) ([]byte, error)
 }
 
-// The policy-route side, under the names this package has always used.
+// The namespace state and policy-route parts, under the names this package
+// has always used.
 type (
-	// Router reads and changes the policy route and the namespace state
-	// it depends on (pkg/policyroute).
-	Router = policyroute.Router
-	// NetlinkRouter is the real Router.
-	NetlinkRouter = policyroute.Netlink
 	// NetnsState is what a namespace offers the capture rules.
-	NetnsState = policyroute.NetnsState
+	NetnsState = netns.State
 	// RouteParts names parts of a policy route.
 	RouteParts = policyroute.Parts
 )
+
+// Router reads and changes a namespace's policy route and the state it
+// depends on; NetlinkRouter is the real one, tests of control flow use
+// fakes.
+type Router interface {
+	// State reports the namespace's loopback and IPv6 state.
+	State(netnsPath string) (NetnsState, error)
+	// PolicyRouteState reports whether the fwmark rule and the local route
+	// of want exist.
+	PolicyRouteState(netnsPath string, f Family, want PolicyRoute) (rule, route bool, err error)
+	// EnsurePolicyRoute installs the rule and route if missing and reports
+	// what it added. On error it has added nothing.
+	EnsurePolicyRoute(netnsPath string, f Family, want PolicyRoute) (RouteParts, error)
+	// RemovePolicyRoute deletes the named parts if present.
+	RemovePolicyRoute(netnsPath string, f Family, want PolicyRoute, parts RouteParts) error
+}
+
+// NetlinkRouter implements Router over pkg/netns and pkg/policyroute: each
+// call enters the namespace once.
+type NetlinkRouter struct{}
+
+// State implements Router.
+func (NetlinkRouter) State(netnsPath string) (NetnsState, error) { return netns.StateOf(netnsPath) }
+
+// PolicyRouteState implements Router.
+func (NetlinkRouter) PolicyRouteState(netnsPath string, f Family, want PolicyRoute) (bool, bool, error) {
+	c, err := dialRoute(netnsPath)
+	if err != nil {
+		return false, false, err
+	}
+	defer c.Close()
+	return c.PolicyRouteState(f, want)
+}
+
+// EnsurePolicyRoute implements Router.
+func (NetlinkRouter) EnsurePolicyRoute(netnsPath string, f Family, want PolicyRoute) (RouteParts, error) {
+	c, err := dialRoute(netnsPath)
+	if err != nil {
+		return RouteParts{}, err
+	}
+	defer c.Close()
+	return c.EnsurePolicyRoute(f, want)
+}
+
+// RemovePolicyRoute implements Router.
+func (NetlinkRouter) RemovePolicyRoute(netnsPath string, f Family, want PolicyRoute, parts RouteParts) error {
+	c, err := dialRoute(netnsPath)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	return c.RemovePolicyRoute(f, want, parts)
+}
+
+// dialRoute opens a policy-route connection in the namespace at netnsPath
+// ("" = the caller's).
+func dialRoute(netnsPath string) (*policyroute.Conn, error) {
+	var c *policyroute.Conn
+	err := netns.Do(netnsPath, func() error {
+		st, err := netns.ReadState()
+		if err != nil {
+			return err
+		}
+		c, err = policyroute.Dial(st.LoopbackIndex)
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("netns %s: %w", netnsPath, err)
+	}
+	return c, nil
+}
 
 // allRoute names both parts of a policy route.
 var allRoute = policyroute.All
@@ -84,10 +150,7 @@ func (NetnsExecutor) Run(ctx context.Context, netnsPath string, cmd Cmd) ([]byte
 		out = stdout.Bytes()
 		return nil
 	}
-	if netnsPath == "" {
-		return out, run()
-	}
-	err := ns.WithNetNSPath(netnsPath, func(ns.NetNS) error { return run() })
+	err := netns.Do(netnsPath, run)
 	return out, err
 }
 
@@ -111,19 +174,15 @@ func (c *capped) Write(p []byte) (int, error) {
 
 // handle opens a netlink handle in the namespace ("" = current).
 func handle(netnsPath string) (*netlink.Handle, error) {
-	if netnsPath == "" {
-		return netlink.NewHandle()
-	}
-	nsh, err := netns.GetFromPath(netnsPath)
-	if err != nil {
-		return nil, fmt.Errorf("open netns %s: %w", netnsPath, err)
-	}
-	defer nsh.Close()
-	h, err := netlink.NewHandleAt(nsh)
-	if err != nil {
-		return nil, fmt.Errorf("netlink in netns %s: %w", netnsPath, err)
-	}
-	return h, nil
+	var h *netlink.Handle
+	err := netns.Do(netnsPath, func() error {
+		var err error
+		if h, err = netlink.NewHandle(); err != nil {
+			return fmt.Errorf("netlink in netns %s: %w", netnsPath, err)
+		}
+		return nil
+	})
+	return h, err
 }
 
 func nlFamily(f Family) int {

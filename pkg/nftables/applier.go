@@ -10,6 +10,7 @@ import (
 
 	gnft "github.com/google/nftables"
 
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
@@ -107,9 +108,20 @@ func podNetns(path string) error {
 
 // open enters the namespace once: its state, a route socket and an
 // nf_tables socket, both usable from any thread afterwards.
-func open(netnsPath string) (*policyroute.Conn, conn, error) {
-	var c conn
-	rt, err := policyroute.Open(netnsPath, func() error {
+func open(netnsPath string) (*policyroute.Conn, netns.State, conn, error) {
+	var (
+		st netns.State
+		rt *policyroute.Conn
+		c  conn
+	)
+	err := netns.Do(netnsPath, func() error {
+		var err error
+		if st, err = netns.ReadState(); err != nil {
+			return err
+		}
+		if rt, err = policyroute.Dial(st.LoopbackIndex); err != nil {
+			return err
+		}
 		gc, err := gnft.New(gnft.AsLasting())
 		if err != nil {
 			return fmt.Errorf("nf_tables netlink: %w", err)
@@ -118,17 +130,17 @@ func open(netnsPath string) (*policyroute.Conn, conn, error) {
 		return nil
 	})
 	if err != nil {
-		if c.Conn != nil {
-			_ = c.CloseLasting()
+		if rt != nil {
+			rt.Close()
 		}
-		return nil, conn{}, err
+		return nil, netns.State{}, conn{}, fmt.Errorf("netns %s: %w", netnsPath, err)
 	}
-	return rt, c, nil
+	return rt, st, c, nil
 }
 
 // routes lists the families whose policy route belongs to the desired
 // state: IPv4 always, IPv6 when the namespace and its lo have it.
-func routes(st policyroute.NetnsState) []ruleset.Family {
+func routes(st netns.State) []ruleset.Family {
 	if st.IPv6 && st.IPv6Loopback {
 		return ruleset.Families
 	}
@@ -145,7 +157,7 @@ type Others struct {
 	XTables bool
 }
 
-func others(st policyroute.NetnsState, foreign bool) Others {
+func others(st netns.State, foreign bool) Others {
 	return Others{IPTablesNFT: foreign, XTables: len(st.XTables) > 0}
 }
 
@@ -173,12 +185,11 @@ func (a *Applier) ApplySeeing(netnsPath string, cfg ruleset.PodConfig) (Others, 
 		return Others{}, err
 	}
 	defer a.lock(netnsPath)()
-	rt, c, err := open(netnsPath)
+	rt, st, c, err := open(netnsPath)
 	if err != nil {
 		return Others{}, err
 	}
 	defer rt.Close()
-	st := rt.State
 	if !st.LoopbackUp {
 		_ = c.CloseLasting()
 		return Others{}, fmt.Errorf("lo is down in netns %s: redirected traffic could not reach ztunnel", netnsPath)
@@ -256,7 +267,7 @@ func (a *Applier) VerifySeeing(netnsPath string, cfg ruleset.PodConfig) (ruleset
 	if err != nil {
 		return ruleset.Drift{}, Others{}, err
 	}
-	rt, c, err := open(netnsPath)
+	rt, st, c, err := open(netnsPath)
 	if err != nil {
 		return ruleset.Drift{}, Others{}, err
 	}
@@ -267,7 +278,7 @@ func (a *Applier) VerifySeeing(netnsPath string, cfg ruleset.PodConfig) (ruleset
 		return ruleset.Drift{}, Others{}, fmt.Errorf("read nf_tables state of netns %s: %w", netnsPath, err)
 	}
 	d := ruleset.Drift{Items: diff(p, live, PodTables)}
-	for _, f := range routes(rt.State) {
+	for _, f := range routes(st) {
 		want := ruleset.PodRules(cfg, f).Routing
 		rule, route, err := rt.PolicyRouteState(f, want)
 		if err != nil {
@@ -275,7 +286,7 @@ func (a *Applier) VerifySeeing(netnsPath string, cfg ruleset.PodConfig) (ruleset
 		}
 		d.Items = append(d.Items, policyroute.Drift(f, want, rule, route)...)
 	}
-	return d, others(rt.State, foreign), nil
+	return d, others(st, foreign), nil
 }
 
 // Remove deletes our tables (whatever options they were applied with) in
@@ -303,7 +314,7 @@ func (a *Applier) remove(netnsPath string, routing bool) (Others, error) {
 		return Others{}, err
 	}
 	defer a.lock(netnsPath)()
-	rt, c, err := open(netnsPath)
+	rt, st, c, err := open(netnsPath)
 	if err != nil {
 		return Others{}, err
 	}
@@ -325,7 +336,7 @@ func (a *Applier) remove(netnsPath string, routing bool) (Others, error) {
 		err = c.Flush()
 	}
 	a.release(c, n > 0)
-	seen := others(rt.State, foreign)
+	seen := others(st, foreign)
 	if err != nil {
 		return seen, fmt.Errorf("remove nf_tables rules in netns %s: %w", netnsPath, err)
 	}
@@ -333,7 +344,7 @@ func (a *Applier) remove(netnsPath string, routing bool) (Others, error) {
 		return seen, nil
 	}
 	fams := []ruleset.Family{ruleset.IPv4}
-	if rt.State.IPv6 || rt.State.IPv6Loopback {
+	if st.IPv6 || st.IPv6Loopback {
 		fams = ruleset.Families
 	}
 	for _, f := range fams {

@@ -11,7 +11,7 @@ import (
 	gnft "github.com/google/nftables"
 	"golang.org/x/sys/unix"
 
-	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
@@ -71,7 +71,7 @@ func (h *HostProbe) Close() error {
 }
 
 func (h *HostProbe) families() ([]ruleset.Family, error) {
-	st, err := policyroute.Netlink{}.State(h.netns)
+	st, err := netns.StateOf(h.netns)
 	if err != nil {
 		return nil, err
 	}

@@ -10,9 +10,11 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
@@ -69,6 +71,12 @@ type HostProbe interface {
 	IPs() ([]netip.Addr, error)
 }
 
+// EventRecorder records Kubernetes events on pods (client-go's
+// record.EventRecorder satisfies it).
+type EventRecorder interface {
+	Eventf(object runtime.Object, eventtype, reason, messageFmt string, args ...any)
+}
+
 // DefaultZtunnelTimeout is how long a capture waits for ztunnel's ack of
 // the pod by default.
 const DefaultZtunnelTimeout = 5 * time.Second
@@ -89,12 +97,15 @@ type Config struct {
 	Annotator Annotator
 	// Pods, when set, is the pod cache (see PodLister).
 	Pods PodLister
+	// Events, when set, gets a Warning on a captured pod whose annotations
+	// the agent ignores because they do not parse.
+	Events EventRecorder
 	// RecordDir holds the capture records (required: RecordDir of the
 	// agent socket).
 	RecordDir string
 	// Netns decides which netns paths of CNI DELs (and spooled DELs) the
-	// agent may open (default: DefaultNetnsRoots and /proc).
-	Netns NetnsPolicy
+	// agent may open (nil roots: netns.DefaultRoots; and /proc).
+	Netns netns.Policy
 	// Enablement feeds the snapshot file; nil writes no snapshot.
 	Enablement EnablementSource
 	// SnapshotFile is the enablement snapshot path (required:
@@ -137,6 +148,8 @@ type PodInfo struct {
 	UID       types.UID
 	SandboxID string
 	IPs       []netip.Addr
+	// Network is the CNI network of the request.
+	Network string
 }
 
 // EnrolledPod is a copy of one entry of the agent's state.
@@ -145,6 +158,9 @@ type EnrolledPod struct {
 	Namespace, Name, ServiceAccount string
 	// SandboxID is empty for pods enrolled by the controller.
 	SandboxID string
+	// Network is the CNI network the sandbox was attached through (empty
+	// for the controller's pods).
+	Network string
 	// Netns is where the namespace was found; NetnsID its inode.
 	Netns   string
 	NetnsID uint64
@@ -165,11 +181,13 @@ type EnrolledPod struct {
 type Sandbox struct {
 	ID  string
 	IPs []netip.Addr
+	// Network is the CNI network (conflist name) of the ADD.
+	Network string
 }
 
 type entry struct {
 	EnrolledPod
-	ns *Netns
+	ns *netns.Handle
 }
 
 // Agent is the node agent's core: the one way pods get in (Capture, and
@@ -194,14 +212,11 @@ type Agent struct {
 	// torn are the namespaces whose sandbox a CNI DEL tore down: the
 	// controller must not capture them again while the runtime finishes
 	// (a process may linger in one for a moment).
-	torn map[nsID]tornMark
+	torn map[netns.Identity]tornMark
 	// released are the pods whose sandbox the runtime removed (CNI DEL)
 	// while they were captured, and when; see SandboxReleased.
 	released map[types.UID]time.Time
 }
-
-// nsID identifies a network namespace (nsfs device and inode).
-type nsID struct{ dev, ino uint64 }
 
 // podLock serializes work on one pod while letting different pods proceed
 // in parallel.
@@ -226,9 +241,6 @@ func NewAgent(cfg Config) (*Agent, error) {
 			return nil, fmt.Errorf("nodeagent: %s is required (install-cni derives it from the agent socket)", p.name)
 		}
 	}
-	if cfg.Netns.Roots == nil {
-		cfg.Netns.Roots = DefaultNetnsRoots
-	}
 	if cfg.ExcludedNamespaces == nil {
 		cfg.ExcludedNamespaces = []string{ambient.DefaultExcludedNamespace}
 	}
@@ -244,7 +256,7 @@ func NewAgent(cfg Config) (*Agent, error) {
 		annotations: newAnnotationWriter(cfg.Annotator, cfg.Pods, log.With("component", "annotations")),
 		pods:        map[types.UID]*entry{},
 		busy:        map[types.UID]*podLock{},
-		torn:        map[nsID]tornMark{},
+		torn:        map[netns.Identity]tornMark{},
 		released:    map[types.UID]time.Time{},
 	}, nil
 }

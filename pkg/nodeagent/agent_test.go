@@ -26,6 +26,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
 	"github.com/ambient-cni/ambient-cni/test/fakecluster"
 	"github.com/ambient-cni/ambient-cni/test/testnet"
@@ -86,7 +87,7 @@ func (h *harness) config() Config {
 		Rules: h.rules, Ztunnel: h.zt, Annotator: h.ann, Enablement: h.kube.Cache, Pods: h.kube.Cache,
 		SnapshotFile: filepath.Join(h.dir, nodefiles.SnapshotName), SpoolDir: filepath.Join(h.dir, nodefiles.SpoolName),
 		RecordDir: filepath.Join(h.dir, RecordDirName),
-		Netns:     NetnsPolicy{Roots: []string{"/var/run/netns", "/run/netns"}},
+		Netns:     netns.Policy{Roots: []string{"/var/run/netns", "/run/netns"}},
 	}
 }
 
@@ -147,9 +148,9 @@ func (h *harness) recorded(t *testing.T) []string {
 	return out
 }
 
-func openNS(t *testing.T, n ns.NetNS) *Netns {
+func openNS(t *testing.T, n ns.NetNS) *netns.Handle {
 	t.Helper()
-	h, err := OpenNetns(n.Path())
+	h, err := netns.Open(n.Path())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -335,7 +336,7 @@ func TestGCAndUnenroll(t *testing.T) {
 	if err := h.agent.Capture(ctx, d, openNS(t, testnet.NewNS(t)), nil); err != nil {
 		t.Fatal(err)
 	}
-	if n := h.agent.GC(ctx, []string{"sb-b"}); n != 2 {
+	if n := h.agent.GC(ctx, "", []string{"sb-b"}); n != 2 {
 		t.Errorf("GC removed %d, want 2", n)
 	}
 	var left []string
@@ -385,7 +386,7 @@ func TestRestore(t *testing.T) {
 		t.Errorf("state %+v", ps)
 	}
 	// Never the host's own namespace: no handle can be had for it.
-	if ns, err := OpenNetns("/proc/self/ns/net"); err == nil || !strings.Contains(err.Error(), "host network namespace") {
+	if ns, err := netns.Open("/proc/self/ns/net"); err == nil || !strings.Contains(err.Error(), "host network namespace") {
 		_ = ns.Close()
 		t.Errorf("a handle on the host netns: %v", err)
 	}

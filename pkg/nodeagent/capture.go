@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
@@ -29,14 +30,14 @@ import (
 // the pod captured and Pending (annotated pending): the runtime retries
 // the ADD, and any ztunnel that connects meanwhile acks it in its
 // snapshot, which makes it Enabled (SnapshotAcked).
-func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *Sandbox) error {
+func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, sb *Sandbox) error {
 	if pod == nil || pod.UID == "" {
 		_ = ns.Close()
 		return errors.New("capture: pod without uid")
 	}
-	sandboxID, ips := "", enablement.PodIPs(pod)
+	sandboxID, network, ips := "", "", enablement.PodIPs(pod)
 	if sb != nil {
-		sandboxID, ips = sb.ID, sb.IPs
+		sandboxID, network, ips = sb.ID, sb.Network, sb.IPs
 	}
 	unlock := a.lock(pod.UID)
 	defer unlock()
@@ -51,16 +52,25 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *San
 	}
 	a.mu.Lock()
 	old := a.pods[pod.UID]
+	holder := a.holderOf(ns, pod.UID)
 	a.mu.Unlock()
+	if holder != nil {
+		// Handing it to ztunnel under this pod's uid would give this pod
+		// the other pod's traffic and identity.
+		_ = ns.Close()
+		return invalid(fmt.Errorf("netns %s of pod %s/%s is the network namespace of live pod %s/%s (uid %s)",
+			ns.Source(), pod.Namespace, pod.Name, holder.Namespace, holder.Name, holder.UID))
+	}
 	prevRec, hadRec := a.records.get(pod.UID)
 	if old != nil && old.ns.SameAs(ns) && sandboxID == "" {
 		// The controller re-enrolling a pod the CNI path enrolled.
-		sandboxID = old.SandboxID
+		sandboxID, network = old.SandboxID, old.Network
 	}
 	cfg := a.ruleConfig(pod)
+	a.reportInvalidAnnotations(log, pod)
 	e := &entry{ns: ns, EnrolledPod: EnrolledPod{
 		UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, ServiceAccount: pod.Spec.ServiceAccountName,
-		SandboxID: sandboxID, Netns: ns.Source(), NetnsID: ns.ID(), IPs: slices.Clone(ips),
+		SandboxID: sandboxID, Network: network, Netns: ns.Source(), NetnsID: ns.ID(), IPs: slices.Clone(ips),
 		State: StatePending, Rules: cfg, Since: time.Now(),
 	}}
 	// The record goes first: from the moment rules may exist in the
@@ -110,6 +120,32 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *San
 	return nil
 }
 
+// reportInvalidAnnotations says, in the log and as a Warning event on the
+// pod, which of its annotations the capture ignores because they do not
+// parse: silently applying the default would hide the typo.
+func (a *Agent) reportInvalidAnnotations(log *slog.Logger, pod *corev1.Pod) {
+	for _, msg := range enablement.InvalidAnnotations(pod) {
+		log.Warn("ignoring invalid pod annotation", "problem", msg)
+		if a.cfg.Events != nil {
+			a.cfg.Events.Eventf(pod, corev1.EventTypeWarning, "AmbientInvalidAnnotation", "%s", msg)
+		}
+	}
+}
+
+// holderOf returns the enrolled pod other than uid that holds namespace
+// ns, or nil. Only a pod holding a handle counts: a held namespace is
+// alive, so its identity (nsfs device and inode) cannot have been reused,
+// unlike a torn-down one's. Called with a.mu held.
+func (a *Agent) holderOf(ns *netns.Handle, uid types.UID) *entry {
+	id := ns.Identity()
+	for u, e := range a.pods {
+		if u != uid && e.ns != nil && e.ns.Identity() == id {
+			return e
+		}
+	}
+	return nil
+}
+
 // undoFailedApply leaves the pod as it was before a capture whose apply
 // failed: a namespace the agent did not hold the pod in loses whatever the
 // failed apply left, and the record is the previous capture's again (or
@@ -118,10 +154,10 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *Netns, sb *San
 // no record naming one, may be: those rules stay (removing them would
 // release a pod ztunnel still serves), and so does a record naming ns.
 // Called with the pod's lock held.
-func (a *Agent) undoFailedApply(log *slog.Logger, uid types.UID, old *entry, ns *Netns, prevRec Record, hadRec bool) {
+func (a *Agent) undoFailedApply(log *slog.Logger, uid types.UID, old *entry, ns *netns.Handle, prevRec Record, hadRec bool) {
 	if old != nil && old.Unresolved {
-		prevID := nsID{prevRec.NetnsDev, prevRec.NetnsIno}
-		if !hadRec || prevID == (nsID{}) || prevID == ns.id() {
+		prevID := netns.Identity{Dev: prevRec.NetnsDev, Ino: prevRec.NetnsIno}
+		if !hadRec || prevID == (netns.Identity{}) || prevID == ns.Identity() {
 			if hadRec {
 				_ = a.records.write(prevRec)
 			}
@@ -170,7 +206,7 @@ var ErrDrift = errors.New("in-pod rules drifted")
 // Check is the CNI CHECK once decided (d): a pod that should be captured
 // must be enrolled in this very namespace with its rules intact. p.UID
 // names the pod. It takes ownership of ns.
-func (a *Agent) Check(ctx context.Context, p PodInfo, d enablement.Decision, ns *Netns) error {
+func (a *Agent) Check(ctx context.Context, p PodInfo, d enablement.Decision, ns *netns.Handle) error {
 	defer ns.Close()
 	uid := p.UID
 	unlock := a.lock(uid)

@@ -13,6 +13,7 @@
 //   - probeset.go: the host's kubelet-probe SNAT set.
 //   - snapshot.go: the enablement snapshot the plugin falls back to.
 //   - state.go: reading the enrolled-pod state.
-//   - netns.go, find.go: held netns handles, which paths the plugin may
-//     name, and finding running pods' namespaces in /proc.
+//
+// Namespaces themselves (the held handles, which paths the plugin may name,
+// finding running pods' namespaces in /proc) are pkg/netns's.
 package nodeagent

@@ -1,6 +1,10 @@
 package nodeagent
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
+)
 
 // RetryableError marks a failure that may go away on its own (no ztunnel
 // yet, an API hiccup, a busy xtables lock): the plugin maps it to CNI
@@ -43,10 +47,12 @@ func (e *InvalidError) Unwrap() error { return e.Err }
 
 func invalid(err error) error { return &InvalidError{Err: err} }
 
-// IsInvalid reports whether err (or anything it wraps) is an InvalidError.
+// IsInvalid reports whether err (or anything it wraps) is an InvalidError
+// or a path or namespace pkg/netns refused as never usable
+// (netns.ErrInvalid).
 func IsInvalid(err error) bool {
 	var i *InvalidError
-	return errors.As(err, &i)
+	return errors.As(err, &i) || errors.Is(err, netns.ErrInvalid)
 }
 
 // MismatchError marks a CNI CHECK that found the pod's capture not as it

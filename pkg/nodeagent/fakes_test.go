@@ -13,6 +13,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
 
@@ -45,7 +46,7 @@ func (r *recordedRules) record(op, path string, injected error) error {
 	if injected != nil {
 		return injected
 	}
-	n, err := OpenNetns(path)
+	n, err := netns.Open(path)
 	if err != nil {
 		return err
 	}
@@ -257,4 +258,17 @@ func namespace(name string, ambientOn bool) *corev1.Namespace {
 		ns.Labels = map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}
 	}
 	return ns
+}
+
+// addCount is how many Adds ztunnel got for uid.
+func (z *fakeZtunnel) addCount(uid string) int {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	n := 0
+	for _, w := range z.adds {
+		if w.UID == uid {
+			n++
+		}
+	}
+	return n
 }

@@ -487,7 +487,7 @@ func TestGCDropsRecordOnlyPods(t *testing.T) {
 	if got := h.recorded(t); len(got) != 2 {
 		t.Fatalf("records after restart: %v", got)
 	}
-	if n := h.agent.GC(ctx, []string{"sb-b"}); n != 1 {
+	if n := h.agent.GC(ctx, "", []string{"sb-b"}); n != 1 {
 		t.Errorf("GC removed %d, want 1", n)
 	}
 	if got := h.recorded(t); len(got) != 1 || !strings.Contains(got[0], "u-b") {

@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 )
 
 // Unenroll removes capture from a pod the controller no longer wants
@@ -148,7 +149,7 @@ func (a *Agent) RemoveSandbox(ctx context.Context, d SandboxDel) error {
 			a.markTorn(id, uid)
 		}
 	case d.Replayed:
-		if id, ok := a.netnsIdentity(d.Netns); ok && id == e.ns.id() {
+		if id, ok := a.netnsIdentity(d.Netns); ok && id == e.ns.Identity() {
 			// The runtime left the namespace in place: do not leave our
 			// rules in it.
 			if err := a.cfg.Rules.Remove(e.ns.Path()); err != nil {
@@ -156,9 +157,9 @@ func (a *Agent) RemoveSandbox(ctx context.Context, d SandboxDel) error {
 				log.Warn("remove rules of a replayed DEL's sandbox", "err", err)
 			}
 		}
-		a.markTorn(e.ns.id(), uid)
+		a.markTorn(e.ns.Identity(), uid)
 	default:
-		a.markTorn(e.ns.id(), uid)
+		a.markTorn(e.ns.Identity(), uid)
 	}
 	a.forget(ctx, log, e)
 	a.noteReleased(uid)
@@ -180,7 +181,7 @@ func (a *Agent) removeUnheldSandbox(ctx context.Context, log *slog.Logger, uid t
 	if rec.SandboxID != "" && rec.SandboxID != d.SandboxID {
 		return nil // another sandbox than the recorded one
 	}
-	recID := nsID{rec.NetnsDev, rec.NetnsIno}
+	recID := netns.Identity{Dev: rec.NetnsDev, Ino: rec.NetnsIno}
 	if id, ok := a.netnsIdentity(d.Netns); ok && rec.SandboxID == "" && id != recID {
 		return nil // the DEL's namespace is not the recorded one
 	}
@@ -215,7 +216,7 @@ const (
 func (a *Agent) releaseRecord(rec Record, mode releaseMode) {
 	log := a.log.With("pod", rec.Namespace+"/"+rec.Name, "uid", rec.UID)
 	if mode != releaseDel {
-		_ = a.removeRulesByPath(log, rec.Netns, &nsID{rec.NetnsDev, rec.NetnsIno}, rec.UID)
+		_ = a.removeRulesByPath(log, rec.Netns, &netns.Identity{Dev: rec.NetnsDev, Ino: rec.NetnsIno}, rec.UID)
 	}
 	a.dropProbeIPs(log, rec.IPs, nil)
 	switch {
@@ -274,9 +275,9 @@ func (a *Agent) delNames(e *entry, d SandboxDel) bool {
 	if e.SandboxID != "" {
 		return e.SandboxID == d.SandboxID
 	}
-	held, known := nsID{}, e.ns != nil
+	held, known := netns.Identity{}, e.ns != nil
 	if known {
-		held = e.ns.id()
+		held = e.ns.Identity()
 	} else {
 		// Restored without its netns: the record names the namespace.
 		held, known = a.recordedNetns(e.UID)
@@ -319,15 +320,15 @@ func (a *Agent) podGoing(namespace, name string, uid types.UID) bool {
 
 // netnsIdentity identifies the namespace at a DEL's netns path, when the
 // path is one the agent accepts and still a network namespace.
-func (a *Agent) netnsIdentity(path string) (nsID, bool) {
+func (a *Agent) netnsIdentity(path string) (netns.Identity, bool) {
 	if path == "" {
-		return nsID{}, false
+		return netns.Identity{}, false
 	}
-	dev, ino, err := a.cfg.Netns.Identify(path)
+	id, err := a.cfg.Netns.Identify(path)
 	if err != nil {
-		return nsID{}, false
+		return netns.Identity{}, false
 	}
-	return nsID{dev, ino}, true
+	return id, true
 }
 
 // removeRulesByPath removes our rules from the namespace at path, for a
@@ -337,7 +338,7 @@ func (a *Agent) netnsIdentity(path string) (nsID, bool) {
 // pid may have been reused) is only trusted with a known identity. It
 // returns only the removal's own failure: a namespace that is gone or
 // another one now has none of the pod's rules left to remove.
-func (a *Agent) removeRulesByPath(log *slog.Logger, path string, want *nsID, uid types.UID) error {
+func (a *Agent) removeRulesByPath(log *slog.Logger, path string, want *netns.Identity, uid types.UID) error {
 	if path == "" || (want == nil && strings.HasPrefix(path, "/proc/")) {
 		return nil
 	}
@@ -353,7 +354,7 @@ func (a *Agent) removeRulesByPath(log *slog.Logger, path string, want *nsID, uid
 		return nil
 	}
 	defer ns.Close()
-	id := ns.id()
+	id := ns.Identity()
 	if want != nil && id != *want {
 		log.Debug("path names another namespace now; left alone", "netns", path)
 		return nil
@@ -386,17 +387,17 @@ func (a *Agent) removeRecordedRules(log *slog.Logger, uid types.UID) error {
 
 // heldElsewhere reports whether an enrolled pod holds namespace id, or a
 // record of a pod other than uid names it.
-func (a *Agent) heldElsewhere(id nsID, uid types.UID) bool {
+func (a *Agent) heldElsewhere(id netns.Identity, uid types.UID) bool {
 	a.mu.Lock()
 	for _, e := range a.pods {
-		if e.ns != nil && e.ns.id() == id {
+		if e.ns != nil && e.ns.Identity() == id {
 			a.mu.Unlock()
 			return true
 		}
 	}
 	a.mu.Unlock()
 	for _, r := range a.records.all() {
-		if r.UID != uid && (nsID{r.NetnsDev, r.NetnsIno}) == id {
+		if r.UID != uid && (netns.Identity{Dev: r.NetnsDev, Ino: r.NetnsIno}) == id {
 			return true
 		}
 	}
@@ -433,7 +434,7 @@ type tornMark struct {
 
 // markTorn notes that the runtime is tearing down pod uid's sandbox, whose
 // namespace is id.
-func (a *Agent) markTorn(id nsID, uid types.UID) {
+func (a *Agent) markTorn(id netns.Identity, uid types.UID) {
 	now := time.Now()
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -451,10 +452,10 @@ func (a *Agent) markTorn(id nsID, uid types.UID) {
 // new namespace can carry a torn one's identity within the minute (seen
 // in make bench: 500 new pods after hundreds of DELs, some refused for a
 // minute).
-func (a *Agent) tornDown(ns *Netns, uid types.UID) bool {
+func (a *Agent) tornDown(ns *netns.Handle, uid types.UID) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	m, ok := a.torn[ns.id()]
+	m, ok := a.torn[ns.Identity()]
 	return ok && m.uid == uid && time.Since(m.at) <= tornTTL
 }
 

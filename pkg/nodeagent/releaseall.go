@@ -8,6 +8,8 @@ import (
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 )
 
 // releaseWorkers is how many pods ReleaseAll works on at once: an
@@ -134,7 +136,7 @@ func (a *Agent) releaseRecordRules(rec Record) {
 		return // restored meanwhile; not expected once the agent stopped
 	}
 	log := a.log.With("pod", rec.Namespace+"/"+rec.Name, "uid", rec.UID)
-	_ = a.removeRulesByPath(log, rec.Netns, &nsID{rec.NetnsDev, rec.NetnsIno}, rec.UID)
+	_ = a.removeRulesByPath(log, rec.Netns, &netns.Identity{Dev: rec.NetnsDev, Ino: rec.NetnsIno}, rec.UID)
 	a.dropProbeIPs(log, rec.IPs, nil)
 	a.annotations.forget(rec.UID)
 	if err := a.records.remove(rec.UID); err != nil {

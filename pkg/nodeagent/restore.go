@@ -12,6 +12,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 )
 
 // Records lists the capture records a previous agent left, as loaded by
@@ -29,7 +30,7 @@ func (a *Agent) Records() []Record {
 // Pending (a previous agent crashed before ztunnel acked it or before the
 // annotation was written); a Pending pod becomes Enabled, and is annotated
 // so, as soon as a ztunnel acks it in its snapshot (SnapshotAcked).
-func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, ns *Netns) error {
+func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, ns *netns.Handle) error {
 	unlock := a.lock(pod.UID)
 	defer unlock()
 	cfg := a.ruleConfig(pod)
@@ -59,10 +60,10 @@ func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, ns *Netns) error {
 		Netns: ns.Source(), NetnsID: ns.ID(), IPs: enablement.PodIPs(pod), State: state, Rules: cfg, Since: time.Now(),
 	}}
 	rec, recorded := a.records.get(pod.UID)
-	if recorded && rec.NetnsDev == ns.dev && rec.NetnsIno == ns.ino {
+	if recorded && (netns.Identity{Dev: rec.NetnsDev, Ino: rec.NetnsIno}) == ns.Identity() {
 		// The same sandbox the record names: keep its id (a later DEL
 		// names it) and the runtime's path.
-		e.SandboxID, e.Netns = rec.SandboxID, rec.Netns
+		e.SandboxID, e.Network, e.Netns = rec.SandboxID, rec.Network, rec.Netns
 		if len(e.IPs) == 0 {
 			e.IPs = rec.IPs
 		}
@@ -117,7 +118,7 @@ func (a *Agent) RestoreUnresolved(pod *corev1.Pod) {
 		IPs: enablement.PodIPs(pod), State: state, Rules: a.ruleConfig(pod), Since: time.Now(), Unresolved: true,
 	}}
 	if rec, ok := a.records.get(pod.UID); ok {
-		e.SandboxID, e.Netns = rec.SandboxID, rec.Netns
+		e.SandboxID, e.Network, e.Netns = rec.SandboxID, rec.Network, rec.Netns
 		if len(e.IPs) == 0 {
 			e.IPs = slices.Clone(rec.IPs)
 		}
@@ -144,12 +145,12 @@ func (a *Agent) Unresolved(uid types.UID) bool {
 
 // recordedNetns is the identity of the namespace uid's capture record
 // names, if it names one.
-func (a *Agent) recordedNetns(uid types.UID) (nsID, bool) {
+func (a *Agent) recordedNetns(uid types.UID) (netns.Identity, bool) {
 	rec, ok := a.records.get(uid)
 	if !ok || (rec.NetnsDev == 0 && rec.NetnsIno == 0) {
-		return nsID{}, false
+		return netns.Identity{}, false
 	}
-	return nsID{rec.NetnsDev, rec.NetnsIno}, true
+	return netns.Identity{Dev: rec.NetnsDev, Ino: rec.NetnsIno}, true
 }
 
 // Release takes capture off a pod the agent finds captured at startup but
@@ -157,7 +158,7 @@ func (a *Agent) recordedNetns(uid types.UID) (nsID, bool) {
 // unenroll a crash interrupted): rules, probe set, then annotation, then
 // record, as Unenroll does. The pod is not in the state, so no ztunnel
 // snapshot names it. It owns ns.
-func (a *Agent) Release(ctx context.Context, pod *corev1.Pod, ns *Netns) error {
+func (a *Agent) Release(ctx context.Context, pod *corev1.Pod, ns *netns.Handle) error {
 	defer ns.Close()
 	unlock := a.lock(pod.UID)
 	defer unlock()
@@ -213,11 +214,11 @@ func (a *Agent) SnapshotAcked(uid string, netns *os.File) {
 // record is the capture record of the entry.
 func (e *entry) record() Record {
 	r := Record{
-		UID: e.UID, Namespace: e.Namespace, Name: e.Name, SandboxID: e.SandboxID,
+		UID: e.UID, Namespace: e.Namespace, Name: e.Name, SandboxID: e.SandboxID, Network: e.Network,
 		Netns: e.Netns, IPs: e.IPs,
 	}
 	if e.ns != nil {
-		r.NetnsDev, r.NetnsIno = e.ns.dev, e.ns.ino
+		r.NetnsDev, r.NetnsIno = e.ns.Identity().Dev, e.ns.Identity().Ino
 	}
 	return r
 }

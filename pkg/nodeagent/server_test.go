@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
@@ -54,7 +55,7 @@ func newServer(t *testing.T, roots []string, tweak func(*ServerConfig)) *serverH
 	t.Helper()
 	h := newHarness(t)
 	sock := filepath.Join(h.dir, "run", "agent.sock")
-	cfg := ServerConfig{Socket: sock, NetnsRoots: roots, ReadHeaderTimeout: 300 * time.Millisecond, ReadTimeout: 500 * time.Millisecond,
+	cfg := ServerConfig{Socket: sock, Netns: netns.Policy{Roots: roots}, ReadHeaderTimeout: 300 * time.Millisecond, ReadTimeout: 500 * time.Millisecond,
 		HandlerTimeout: 5 * time.Second}
 	if tweak != nil {
 		tweak(&cfg)
@@ -391,7 +392,7 @@ func TestServerNetnsPolicy(t *testing.T) {
 	ok := false
 	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
 		// ip netns exec switches namespaces before exec'ing sleep.
-		if n, err := OpenNetns(procPath); err == nil {
+		if n, err := netns.Open(procPath); err == nil {
 			ok = n.SameAs(openNS(t, outside))
 			_ = n.Close()
 			if ok {

@@ -14,6 +14,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
@@ -273,7 +274,7 @@ func TestRecordedPodRestoredWithoutNetns(t *testing.T) {
 		t.Errorf("unenroll: held %v, rules %v, records %v", h.agent.get("u-unenroll") != nil, rulesIn("unenroll"), h.recorded(t))
 	}
 	// GC: its recorded sandbox is no longer the runtime's.
-	if n := h.agent.GC(ctx, []string{"sb-release", "sb-capture"}); n != 1 || h.agent.get("u-gc") != nil {
+	if n := h.agent.GC(ctx, "", []string{"sb-release", "sb-capture"}); n != 1 || h.agent.get("u-gc") != nil {
 		t.Errorf("GC removed %d, still held %v", n, h.agent.get("u-gc") != nil)
 	}
 
@@ -281,7 +282,7 @@ func TestRecordedPodRestoredWithoutNetns(t *testing.T) {
 	// agent's rules and the record stay (ztunnel still serves the pod).
 	capturePod := pod("shop", "capture", "u-capture", nil)
 	h.rules.setApplyErr(errors.New("injected"))
-	pn, err := OpenNetns(nss["capture"])
+	pn, err := netns.Open(nss["capture"])
 	if err != nil {
 		t.Fatal(err)
 	}

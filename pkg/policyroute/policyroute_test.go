@@ -1,63 +1,12 @@
 package policyroute
 
 import (
-	"os"
-	"os/exec"
-	"slices"
 	"testing"
 
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/test/testnet"
-	"github.com/containernetworking/plugins/pkg/ns"
-	"github.com/vishvananda/netlink"
 )
-
-// TestState reads what the backends decide on: lo up, IPv6 on the
-// interfaces and on lo, x_tables registered.
-func TestState(t *testing.T) {
-	testnet.RequireRoot(t)
-	pair := testnet.NewPair(t)
-	p := pair.A.NS.Path()
-	st, err := Netlink{}.State(p)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !st.LoopbackUp || !st.IPv6 || !st.IPv6Loopback || len(st.XTables) != 0 {
-		t.Fatalf("fresh pod: %+v", st)
-	}
-	pair.A.Do(t, func() error {
-		if err := os.WriteFile("/proc/sys/net/ipv6/conf/lo/disable_ipv6", []byte("1"), 0o644); err != nil {
-			return err
-		}
-		lo, err := netlink.LinkByName("lo")
-		if err != nil {
-			return err
-		}
-		return netlink.LinkSetDown(lo)
-	})
-	if st, err = (Netlink{}).State(p); err != nil || st.LoopbackUp || !st.IPv6 || st.IPv6Loopback {
-		t.Fatalf("lo down without IPv6: %+v %v", st, err)
-	}
-	if _, err := (Netlink{}).State("/nonexistent/netns"); err == nil {
-		t.Fatal("bad path accepted")
-	}
-}
-
-// TestXTables: a namespace legacy iptables touched shows its tables.
-func TestXTables(t *testing.T) {
-	testnet.RequireRoot(t)
-	testnet.RequireCommands(t, "iptables-legacy")
-	n := testnet.NewNS(t)
-	if err := n.Do(func(ns.NetNS) error {
-		return runCmd("iptables-legacy", "-t", "nat", "-S")
-	}); err != nil {
-		t.Fatal(err)
-	}
-	st, err := Netlink{}.State(n.Path())
-	if err != nil || !slices.Contains(st.XTables, "nat") {
-		t.Fatalf("after iptables-legacy -t nat: %+v %v", st, err)
-	}
-}
 
 // TestEnsureRemove: adding reports what it added, a second add adds
 // nothing, removal of the named parts leaves the other.
@@ -65,8 +14,15 @@ func TestEnsureRemove(t *testing.T) {
 	testnet.RequireRoot(t)
 	n := testnet.NewNS(t)
 	want := ruleset.PodRules(ruleset.PodConfig{}, ruleset.IPv4).Routing
-	c, err := Open(n.Path(), nil)
-	if err != nil {
+	var c *Conn
+	if err := netns.Do(n.Path(), func() error {
+		st, err := netns.ReadState()
+		if err != nil {
+			return err
+		}
+		c, err = Dial(st.LoopbackIndex)
+		return err
+	}); err != nil {
 		t.Fatal(err)
 	}
 	defer c.Close()
@@ -90,60 +46,5 @@ func TestEnsureRemove(t *testing.T) {
 	}
 	if err := c.RemovePolicyRoute(ruleset.IPv4, want, All); err != nil {
 		t.Fatalf("second remove: %v", err)
-	}
-}
-
-func runCmd(name string, args ...string) error {
-	return exec.Command(name, args...).Run()
-}
-
-// TestStateIPv6: IPv6 is read per interface over netlink and agrees with
-// the sysctls: off once every interface and "all" turn it off, on again
-// when one interface turns it back on.
-func TestStateIPv6(t *testing.T) {
-	testnet.RequireRoot(t)
-	pair := testnet.NewPair(t)
-	p := pair.A.NS.Path()
-	var links []string
-	pair.A.Do(t, func() error {
-		ls, err := netlink.LinkList()
-		if err != nil {
-			return err
-		}
-		for _, l := range ls {
-			if name := l.Attrs().Name; name != "lo" {
-				links = append(links, name)
-			}
-		}
-		on, err := ipv6Links()
-		if err != nil {
-			return err
-		}
-		for _, name := range append(links, "lo") {
-			b, err := os.ReadFile("/proc/sys/net/ipv6/conf/" + name + "/disable_ipv6")
-			if err != nil {
-				return err
-			}
-			if want := string(b) == "0\n"; on[name] != want {
-				t.Errorf("%s: netlink says IPv6 on = %v, the sysctl says %q", name, on[name], b)
-			}
-		}
-		return nil
-	})
-	set := func(name, v string) {
-		pair.A.Do(t, func() error {
-			return os.WriteFile("/proc/sys/net/ipv6/conf/"+name+"/disable_ipv6", []byte(v), 0o644)
-		})
-	}
-	set("all", "1")
-	for _, l := range links {
-		set(l, "1")
-	}
-	if st, err := (Netlink{}).State(p); err != nil || st.IPv6 {
-		t.Fatalf("IPv6 off everywhere: %+v %v", st, err)
-	}
-	set(links[0], "0")
-	if st, err := (Netlink{}).State(p); err != nil || !st.IPv6 {
-		t.Fatalf("IPv6 back on %s: %+v %v", links[0], st, err)
 	}
 }

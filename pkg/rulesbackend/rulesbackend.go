@@ -15,16 +15,14 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
-	"runtime"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
-	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
-	"golang.org/x/sys/unix"
 )
 
 // Choice is the configured backend.
@@ -221,38 +219,7 @@ func legacyTablesLoaded() bool {
 // accepts what the nftables backend installs (inet tables with nat, route
 // and filter base chains, sets). It leaves nothing behind.
 func ProbeNFTables() error {
-	errc := make(chan error, 1)
-	go func() { errc <- probeInThreadNetns() }() // owner: ProbeNFTables, which waits for it
-	return <-errc
-}
-
-// probeInThreadNetns runs the probe in a network namespace of the calling
-// goroutine's own thread and puts the thread back where it was. Relying on
-// the thread to die with the goroutine is not enough: when the goroutine
-// ran on the process's main thread, the runtime keeps that thread (it
-// cannot end the thread group leader), and /proc/self/ns/net, which names
-// the leader's namespace and which the agent takes for the host's, would
-// name the throwaway namespace from then on.
-func probeInThreadNetns() error {
-	runtime.LockOSThread()
-	orig, err := unix.Open("/proc/thread-self/ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		runtime.UnlockOSThread()
-		return fmt.Errorf("open this thread's network namespace: %w", err)
-	}
-	defer unix.Close(orig)
-	if err := unix.Unshare(unix.CLONE_NEWNET); err != nil {
-		runtime.UnlockOSThread()
-		return fmt.Errorf("unshare network namespace: %w", err)
-	}
-	probeErr := nftables.Probe()
-	if err := unix.Setns(orig, unix.CLONE_NEWNET); err != nil {
-		// Stay locked: the thread is discarded (or, the main thread,
-		// parked) instead of running other goroutines in the wrong place.
-		return errors.Join(probeErr, fmt.Errorf("return to the original network namespace: %w", err))
-	}
-	runtime.UnlockOSThread()
-	return probeErr
+	return netns.DoInNew(nftables.Probe)
 }
 
 // remnants is the other backend as the active one sees it.
@@ -414,7 +381,7 @@ func (r iptRemnants) present(netnsPath string) (bool, error) {
 	if !r.legacyLoaded {
 		return false, nil
 	}
-	st, err := policyroute.Netlink{}.State(netnsPath)
+	st, err := netns.StateOf(netnsPath)
 	if err != nil || len(st.XTables) == 0 {
 		return false, err
 	}

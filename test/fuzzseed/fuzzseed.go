@@ -1,5 +1,5 @@
 // Package fuzzseed feeds committed seed inputs to the fuzz tests of the
-// parsers (pkg/ambient, its nodefiles, pkg/plugin, pkg/zds, pkg/podnetns).
+// parsers (pkg/ambient, its nodefiles, pkg/plugin, pkg/zds, pkg/netns).
 package fuzzseed
 
 import (
@@ -16,7 +16,7 @@ func Add(f *testing.F, name string) {
 }
 
 // AddDir adds every file in dir as a seed, and fails when there is none:
-// for seeds that are also the inputs of table tests (pkg/podnetns's
+// for seeds that are also the inputs of table tests (pkg/netns's
 // testdata/cgroups).
 func AddDir(f *testing.F, dir string) {
 	f.Helper()

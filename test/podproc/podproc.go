@@ -1,7 +1,7 @@
 // Package podproc starts what kubelet leaves on a node for a running pod:
 // a long-lived process inside the pod's network namespace, placed in a
 // cgroup whose path carries the pod UID (cgroupfs or systemd layout, in
-// every mounted hierarchy it is asked for). pkg/podnetns's tests and the
+// every mounted hierarchy it is asked for). pkg/netns's tests and the
 // kubelet simulator use it to exercise /proc-based netns discovery against
 // real kernel state.
 package podproc

@@ -29,8 +29,8 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
-	"github.com/ambient-cni/ambient-cni/pkg/podnetns"
 	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"github.com/ambient-cni/ambient-cni/test/ztunnel"
 )
@@ -741,7 +741,7 @@ func (e *e2e) testPrivateCgroupNamespace(t *testing.T) {
 	}
 }
 
-// scanHelper runs the agent's netns discovery (podnetns.Scanner) for
+// scanHelper runs the agent's netns discovery (netns.Scanner) for
 // uid=ip pairs and prints what it found, with its own cgroup view, as JSON.
 func scanHelper(pairs string) int {
 	want := map[types.UID][]netip.Addr{}
@@ -755,7 +755,7 @@ func scanHelper(pairs string) int {
 		want[types.UID(uid)] = []netip.Addr{a}
 	}
 	cg, _ := os.ReadFile("/proc/self/cgroup")
-	found, err := podnetns.Scanner{}.Find(want)
+	found, err := netns.Scanner{}.Find(want)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
@@ -765,7 +765,7 @@ func scanHelper(pairs string) int {
 		Found  map[string]string
 	}{Cgroup: string(cg), Found: map[string]string{}}
 	for uid, f := range found {
-		res.Found[string(uid)] = strconv.FormatUint(f.Netns.Ino, 10)
+		res.Found[string(uid)] = strconv.FormatUint(f.ID(), 10)
 		_ = f.Close()
 	}
 	_ = json.NewEncoder(os.Stdout).Encode(res)

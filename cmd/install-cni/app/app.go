@@ -39,9 +39,9 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
 	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
 	"github.com/ambient-cni/ambient-cni/pkg/metrics"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
-	"github.com/ambient-cni/ambient-cni/pkg/podnetns"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/pkg/unixsock"
@@ -178,6 +178,7 @@ func New(o Options) (*App, error) {
 		AgentSocket: c.AgentSocket, Timeout: c.PluginTimeout.String(),
 		LogLevel: c.PluginLogLevel, ExcludedNamespaces: nonNil(c.ExcludedNamespaces),
 		StatusRequiresAgent: c.StatusChecksAgent, AgentUnreachable: c.AgentUnreachable,
+		AgentDownAfter: c.AgentDownAfter.String(),
 	})
 	if err != nil {
 		return nil, err
@@ -215,7 +216,14 @@ func New(o Options) (*App, error) {
 		// previous agent crashed first) is enabled once a snapshot acks it.
 		SnapshotAcked: func(uid string, netns *os.File) { a.agent.SnapshotAcked(uid, netns) },
 	})
+	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
+	// Which netns paths the runtime may name (the agent's DELs and the
+	// plugin's events alike), and how running pods' namespaces are found
+	// (the controller's enrollment and the explainer alike).
+	netnsPolicy := netns.Policy{Roots: c.NetnsDirs, ProcRoot: c.ProcRoot}
+	finder := netns.Scanner{ProcRoot: c.ProcRoot, Logger: a.log}
 	agentCfg := nodeagent.Config{
+		Events:             a.events,
 		Rules:              rules.Rules,
 		HostProbe:          rules.Probe,
 		Ztunnel:            a.zds,
@@ -223,7 +231,7 @@ func New(o Options) (*App, error) {
 		Annotator:          kubeadapter.Annotator{Client: o.Client},
 		Pods:               a.pods,
 		RecordDir:          nodeagent.RecordDir(c.AgentSocket),
-		Netns:              nodeagent.NetnsPolicy{Roots: c.NetnsDirs, ProcRoot: c.ProcRoot},
+		Netns:              netnsPolicy,
 		Enablement:         a.pods,
 		SnapshotFile:       nodefiles.SnapshotPath(c.AgentSocket),
 		SpoolDir:           nodefiles.SpoolDir(c.AgentSocket),
@@ -246,7 +254,7 @@ func New(o Options) (*App, error) {
 	// The two ways in: the plugin's events (decide, capture) and the pod
 	// controller (decide, find, capture).
 	a.server = nodeagent.NewServer(nodeagent.ServerConfig{
-		Socket: c.AgentSocket, NetnsRoots: c.NetnsDirs, ProcRoot: c.ProcRoot,
+		Socket: c.AgentSocket, Netns: netnsPolicy,
 		// Answer the plugin before its own timeout fires.
 		HandlerTimeout: c.PluginTimeout - time.Second,
 		Observe: func(verb, result string, took time.Duration) {
@@ -257,11 +265,10 @@ func New(o Options) (*App, error) {
 		},
 		Logger: a.log,
 	}, a.pods, a.agent)
-	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
 	a.ctrl = controller.New(controller.Config{
 		Pods:   a.pods,
 		Agent:  a.agent,
-		Finder: nodeagent.ProcFinder{Scanner: podnetns.Scanner{ProcRoot: c.ProcRoot, Logger: a.log}, Logger: a.log},
+		Finder: finder,
 		Events: a.events,
 		Logger: a.log,
 		OnScan: func(int, int, time.Duration) { m.NetnsScans.Inc() },
@@ -280,7 +287,7 @@ func New(o Options) (*App, error) {
 	a.health = health.New()
 	a.explain = &explain.Explainer{
 		Pods: a.pods, Agent: a.agent,
-		Finder:    nodeagent.ProcFinder{Scanner: podnetns.Scanner{ProcRoot: c.ProcRoot, Logger: a.log}, Logger: a.log},
+		Finder:    finder,
 		Backend:   rules.Name,
 		Ztunnels:  a.zds.Connections,
 		DaemonSet: a.upgrade.Seen,

@@ -15,6 +15,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/health"
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 )
@@ -64,6 +65,7 @@ type Config struct {
 	PluginLogLevel    string
 	StatusChecksAgent bool
 	AgentUnreachable  string
+	AgentDownAfter    time.Duration
 
 	AgentSocket string
 	ZDSSocket   string
@@ -187,7 +189,7 @@ func options() []option {
 		{"plugin-timeout", "How long the plugin waits for the agent's answer; must exceed ztunnel-wait.", ambient.DefaultPluginTimeout.String(), duration(func(c *Config) *time.Duration { return &c.PluginTimeout })},
 		{"plugin-log-level", "Log level of the plugin on the runtime's log (debug, info, warn, error).", ambient.DefaultPluginLogLevel, str(func(c *Config) *string { return &c.PluginLogLevel })},
 		{"plugin-status-checks-agent", "Make CNI STATUS fail (error 50) while the agent is unreachable; off by default because a failing STATUS marks the node NotReady.", "false", boolean(func(c *Config) *bool { return &c.StatusChecksAgent })},
-		{"plugin-agent-unreachable", "What the plugin does for a pod outside excluded-namespaces while the agent is unreachable: fail-closed (CNI error 11, the runtime retries until the agent answers; nothing on the node proves such a pod needs no capture) or snapshot (pass through pods whose namespace the agent's last enablement snapshot did not see enabled, which lets a pod of a namespace labelled while the agent was down start uncaptured).", ambient.AgentUnreachableFailClosed, func(c *Config, v string) error {
+		{"plugin-agent-unreachable", "What the plugin does for a pod outside excluded-namespaces while the agent is unreachable: snapshot (fail closed, CNI error 11, while the agent was alive within plugin-agent-down-after; past that, start pods whose namespace the agent's last enablement snapshot did not see enabled and have the agent re-check them when it returns) or fail-closed (fail closed however long the agent is gone).", ambient.AgentUnreachableSnapshot, func(c *Config, v string) error {
 			switch v {
 			case ambient.AgentUnreachableFailClosed, ambient.AgentUnreachableSnapshot:
 				c.AgentUnreachable = v
@@ -195,12 +197,20 @@ func options() []option {
 			}
 			return fmt.Errorf("want %s or %s", ambient.AgentUnreachableFailClosed, ambient.AgentUnreachableSnapshot)
 		}},
+		{"plugin-agent-down-after", "How long after the agent's last heartbeat the plugin stops expecting it back (a restart or an upgrade takes less) and, with plugin-agent-unreachable=snapshot, lets pods the snapshot shows outside the mesh start.", ambient.DefaultAgentDownAfter.String(), func(c *Config, v string) error {
+			d, err := time.ParseDuration(v)
+			if err != nil || d <= 0 || d > ambient.MaxAgentDownAfter {
+				return fmt.Errorf("want a duration in (0, %s]", ambient.MaxAgentDownAfter)
+			}
+			c.AgentDownAfter = d
+			return nil
+		}},
 		{"agent-socket", "Unix socket the plugin reaches the agent on (directory 0700, socket 0600).", ambient.DefaultAgentSocket, str(func(c *Config) *string { return &c.AgentSocket })},
 		{"zds-socket", "ZDS socket ztunnel connects to.", ambient.DefaultZDSSocket, str(func(c *Config) *string { return &c.ZDSSocket })},
 		{"proc-root", "The host's /proc as mounted in the container, scanned to find running pods' network namespaces.", defaultProcRoot, str(func(c *Config) *string { return &c.ProcRoot })},
-		{"netns-dirs", "Comma-separated directories where the runtime mounts pod network namespaces; the only netns paths accepted from the plugin besides /proc/<pid>/ns/net.", strings.Join(nodeagent.DefaultNetnsRoots, ","), list(func(c *Config) *[]string { return &c.NetnsDirs })},
+		{"netns-dirs", "Comma-separated directories where the runtime mounts pod network namespaces; the only netns paths accepted from the plugin besides /proc/<pid>/ns/net.", strings.Join(netns.DefaultRoots, ","), list(func(c *Config) *[]string { return &c.NetnsDirs })},
 		{"excluded-namespaces", "Comma-separated namespaces never captured.", ambient.DefaultExcludedNamespace, list(func(c *Config) *[]string { return &c.ExcludedNamespaces })},
-		{"assume-pod-level-enablement", "With plugin-agent-unreachable=snapshot: tell the plugin's fallback that any namespace may hold a pod enabled by its own label, so it fails closed everywhere but excluded namespaces. No effect with fail-closed.", "false", boolean(func(c *Config) *bool { return &c.AssumePodLevelEnablement })},
+		{"assume-pod-level-enablement", "With plugin-agent-unreachable=snapshot: tell the plugin's fallback that any namespace may hold a pod enabled by its own label, so it fails closed everywhere but excluded namespaces however long the agent is gone. No effect with fail-closed.", "false", boolean(func(c *Config) *bool { return &c.AssumePodLevelEnablement })},
 		{"ztunnel-wait", "How long CNI ADD waits for a connected ztunnel to acknowledge a pod before failing with a retryable error.", nodeagent.DefaultZtunnelTimeout.String(), duration(func(c *Config) *time.Duration { return &c.ZtunnelWait })},
 		{"dns-capture", "Capture DNS (port 53) to ztunnel by default, as Istio's chart does (ambient.dnsCapture); per pod: annotation ambient.istio.io/dns-capture.", "true", boolean(func(c *Config) *bool { return &c.DNSCapture })},
 		{"iptables-backend", "Rules backend in pods and for the host probe SNAT: auto (native nftables when the kernel supports it, else iptables), nftables, iptables (flavour detected from the node), or iptables in one flavour: nft or legacy. Each backend also removes what the other left.", string(rulesbackend.Auto), func(c *Config, v string) error {

@@ -4,6 +4,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/controller"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
@@ -14,7 +15,7 @@ import (
 // The agent plugs into the real collaborators without adapters.
 var (
 	_ controller.Agent           = (*nodeagent.Agent)(nil)
-	_ controller.Finder          = nodeagent.ProcFinder{}
+	_ controller.Finder          = netns.Scanner{}
 	_ controller.Pods            = (*podcache.Cache)(nil)
 	_ nodeagent.Decider          = (*podcache.Cache)(nil)
 	_ nodeagent.EnablementSource = (*podcache.Cache)(nil)

@@ -5,6 +5,7 @@
 package enablement
 
 import (
+	"fmt"
 	"net/netip"
 	"slices"
 	"strconv"
@@ -141,6 +142,29 @@ func DNSCapture(pod *corev1.Pod, def bool) bool {
 		return v
 	}
 	return def
+}
+
+// boolAnnotations are the boolean pod annotations the agent reads.
+var boolAnnotations = []string{ambient.DNSCaptureAnnotation, ambient.BypassInboundCaptureAnnotation}
+
+// InvalidAnnotations describes each boolean annotation of the pod whose
+// value does not parse, and so is treated as absent, for the pod's events,
+// the agent's log and the explain view.
+func InvalidAnnotations(pod *corev1.Pod) []string {
+	if pod == nil {
+		return nil
+	}
+	var out []string
+	for _, k := range boolAnnotations {
+		v, present := pod.Annotations[k]
+		if !present {
+			continue
+		}
+		if _, err := strconv.ParseBool(v); err != nil {
+			out = append(out, fmt.Sprintf("annotation %s=%q is not a boolean (true or false); it is ignored as if absent", k, v))
+		}
+	}
+	return out
 }
 
 // BypassInbound reports whether the pod asked for no inbound redirection.

@@ -64,6 +64,8 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ .Values.cni.statusChecksAgent | toString | quote }}
 - name: AMBIENT_PLUGIN_AGENT_UNREACHABLE
   value: {{ .Values.cni.agentUnreachable | quote }}
+- name: AMBIENT_PLUGIN_AGENT_DOWN_AFTER
+  value: {{ .Values.cni.agentDownAfter | quote }}
 - name: AMBIENT_AGENT_SOCKET
   value: {{ printf "%s/agent.sock" (.Values.agent.socketDir | trimSuffix "/") | quote }}
 - name: AMBIENT_ZDS_SOCKET

@@ -1,4 +1,4 @@
-package podnetns
+package netns
 
 import (
 	"crypto/rand"
@@ -22,6 +22,7 @@ func TestMain(m *testing.M) {
 	if req := os.Getenv(cgnsHelperEnv); req != "" {
 		os.Exit(cgnsHelper(req))
 	}
+	enterOnMainThread()
 	os.Exit(m.Run())
 }
 
@@ -67,13 +68,13 @@ func startPod(t *testing.T, uid types.UID, path string, o podproc.Options) *podp
 	return sb
 }
 
-func netnsOf(t *testing.T, path string) Netns {
+func netnsOf(t *testing.T, path string) Identity {
 	t.Helper()
 	var st syscall.Stat_t
 	if err := syscall.Stat(path, &st); err != nil {
 		t.Fatal(err)
 	}
-	return Netns{Dev: st.Dev, Ino: st.Ino}
+	return Identity{Dev: st.Dev, Ino: st.Ino}
 }
 
 func TestFindHoldsCheckedNamespaces(t *testing.T) {
@@ -103,7 +104,7 @@ func TestFindHoldsCheckedNamespaces(t *testing.T) {
 	findAndClose(t, s, want)
 	before := testnet.OpenFDs(t)
 
-	got, err := s.Find(want)
+	got, err := s.Scan(want)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -189,7 +190,7 @@ func TestFindLeaksNothing(t *testing.T) {
 		findAndClose(t, s, c.pods)
 		before := testnet.OpenFDs(t)
 		for range 20 {
-			got, err := s.Find(c.pods)
+			got, err := s.Scan(c.pods)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -206,12 +207,12 @@ func TestFindLeaksNothing(t *testing.T) {
 }
 
 func TestFindErrors(t *testing.T) {
-	_, err := Scanner{ProcRoot: t.TempDir() + "/missing"}.Find(map[types.UID][]netip.Addr{randUID(): {randIP()}})
+	_, err := Scanner{ProcRoot: t.TempDir() + "/missing"}.Scan(map[types.UID][]netip.Addr{randUID(): {randIP()}})
 	if err == nil {
 		t.Fatal("missing proc root accepted")
 	}
 	// A proc root without processes finds nothing, without error.
-	got, err := Scanner{ProcRoot: t.TempDir()}.Find(map[types.UID][]netip.Addr{randUID(): {randIP()}})
+	got, err := Scanner{ProcRoot: t.TempDir()}.Scan(map[types.UID][]netip.Addr{randUID(): {randIP()}})
 	if err != nil || len(got) != 0 {
 		t.Fatalf("empty proc root: %v, %v", got, err)
 	}
@@ -246,7 +247,7 @@ func TestHoldsAnyOf(t *testing.T) {
 // findAndClose runs Find and closes what it returns.
 func findAndClose(t *testing.T, s Scanner, pods map[types.UID][]netip.Addr) {
 	t.Helper()
-	got, err := s.Find(pods)
+	got, err := s.Scan(pods)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -261,7 +262,7 @@ func BenchmarkFind(b *testing.B) {
 		want[randUID()] = []netip.Addr{randIP()}
 	}
 	for b.Loop() {
-		got, err := (Scanner{}).Find(want)
+		got, err := (Scanner{}).Scan(want)
 		if err != nil {
 			b.Fatal(err)
 		}

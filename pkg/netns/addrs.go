@@ -1,4 +1,4 @@
-package podnetns
+package netns
 
 import (
 	"fmt"
@@ -6,18 +6,17 @@ import (
 	"os"
 
 	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 )
 
 // Addrs lists the unicast addresses configured on any interface of the
 // open network namespace ns, without moving the calling thread into it.
 func Addrs(ns *os.File) ([]netip.Addr, error) {
-	h, err := netlink.NewHandleAt(netns.NsHandle(int(ns.Fd())))
-	if err != nil {
-		return nil, fmt.Errorf("netlink in netns %s: %w", ns.Name(), err)
-	}
-	defer h.Close()
-	list, err := h.AddrList(nil, netlink.FAMILY_ALL)
+	var list []netlink.Addr
+	err := doFD(int(ns.Fd()), ns.Name(), func() error {
+		var err error
+		list, err = netlink.AddrList(nil, netlink.FAMILY_ALL)
+		return err
+	})
 	if err != nil {
 		return nil, fmt.Errorf("list addresses in netns %s: %w", ns.Name(), err)
 	}
@@ -31,7 +30,7 @@ func Addrs(ns *os.File) ([]netip.Addr, error) {
 }
 
 // HoldsAnyOf reports whether the open network namespace ns has one of ips
-// on an interface. Find checks this on the very descriptor it returns, so
+// on an interface. Scan checks this on the very descriptor it returns, so
 // a reused PID or a stale cgroup can never point the agent at the wrong
 // namespace.
 func HoldsAnyOf(ns *os.File, ips []netip.Addr) (bool, error) {

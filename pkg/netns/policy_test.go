@@ -1,4 +1,4 @@
-package nodeagent
+package netns
 
 import (
 	"fmt"
@@ -27,12 +27,12 @@ func TestProcPathsUseHostProcRoot(t *testing.T) {
 	if err := os.Symlink(fmt.Sprintf("/proc/%d", cmd.Process.Pid), filepath.Join(hostProc, "4242")); err != nil {
 		t.Fatal(err)
 	}
-	want, err := OpenNetns(pod.Path())
+	want, err := Open(pod.Path())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer want.Close()
-	pol := NetnsPolicy{Roots: DefaultNetnsRoots, ProcRoot: hostProc}
+	pol := Policy{Roots: DefaultRoots, ProcRoot: hostProc}
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		n, err := pol.Open("/proc/4242/ns/net")

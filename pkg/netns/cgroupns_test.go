@@ -1,4 +1,4 @@
-package podnetns
+package netns
 
 import (
 	"bytes"
@@ -38,7 +38,7 @@ type cgnsReply struct {
 type cgnsFound struct {
 	PID         int
 	ContainerID string
-	Netns       Netns
+	Netns       Identity
 }
 
 // cgnsHelper runs Find as the agent would and prints a cgnsReply. It
@@ -56,7 +56,7 @@ func cgnsHelper(reqJSON string) int {
 		reply.Cgroups[pid] = string(b)
 	}
 	if reply.Err == "" {
-		found, err := Scanner{}.Find(req.Pods)
+		found, err := Scanner{}.Scan(req.Pods)
 		if err != nil {
 			reply.Err = err.Error()
 		}

@@ -1,4 +1,4 @@
-package podnetns
+package netns
 
 import (
 	"errors"

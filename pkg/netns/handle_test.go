@@ -1,7 +1,8 @@
-package nodeagent
+package netns
 
 import (
 	"crypto/rand"
+	"errors"
 	"net"
 	"net/netip"
 	"os"
@@ -14,7 +15,6 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/ambient-cni/ambient-cni/pkg/podnetns"
 	"github.com/ambient-cni/ambient-cni/test/podproc"
 	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
@@ -28,14 +28,14 @@ func inode(t *testing.T, f *os.File) uint64 {
 	return st.Ino
 }
 
-// The handle the finder builds is the namespace the scanner checked, taken
+// The handle Find builds is the namespace Scan checked, taken
 // from its descriptor: adopting still yields that namespace when the path it
 // was opened by is gone, the checked file is closed (the handle owns its own
-// descriptor), and, like OpenNetns, the handle does not pin the runtime's
+// descriptor), and, like Open, the handle does not pin the runtime's
 // bind mount.
-func TestAdoptNetnsHoldsTheCheckedFile(t *testing.T) {
+func TestAdoptHoldsTheCheckedFile(t *testing.T) {
 	testnet.RequireRoot(t)
-	adopt := func(t *testing.T, n ns.NetNS, before func()) *Netns {
+	adopt := func(t *testing.T, n ns.NetNS, before func()) *Handle {
 		t.Helper()
 		checked, err := os.Open(n.Path())
 		if err != nil {
@@ -45,7 +45,7 @@ func TestAdoptNetnsHoldsTheCheckedFile(t *testing.T) {
 		if before != nil {
 			before()
 		}
-		h, err := adoptNetns(checked)
+		h, err := Adopt(checked)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -95,14 +95,14 @@ func TestAdoptNetnsHoldsTheCheckedFile(t *testing.T) {
 	})
 }
 
-// Adoption runs the same checks as OpenNetns and closes the file it was
+// Adoption runs the same checks as Open and closes the file it was
 // given when they fail.
-func TestAdoptNetnsRejects(t *testing.T) {
+func TestAdoptRejects(t *testing.T) {
 	plain, err := os.Create(filepath.Join(t.TempDir(), "ns"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := adoptNetns(plain); err == nil || !IsInvalid(err) {
+	if _, err := Adopt(plain); err == nil || !errors.Is(err, ErrInvalid) {
 		t.Errorf("adopting a regular file: err %v, want an invalid-input error", err)
 	}
 	if plain.Fd() != ^uintptr(0) {
@@ -112,7 +112,7 @@ func TestAdoptNetnsRejects(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := adoptNetns(host); err == nil || !IsInvalid(err) {
+	if _, err := Adopt(host); err == nil || !errors.Is(err, ErrInvalid) {
 		t.Errorf("adopting the host netns: err %v, want an invalid-input error", err)
 	}
 	if host.Fd() != ^uintptr(0) {
@@ -120,9 +120,9 @@ func TestAdoptNetnsRejects(t *testing.T) {
 	}
 }
 
-// ProcFinder hands the controller a handle on the namespace the scanner
-// found and checked for a pod, and keeps no descriptor of its own.
-func TestProcFinderHandsOverCheckedNamespace(t *testing.T) {
+// Find hands the controller a handle on the namespace the scan found and
+// checked for a pod, and keeps no descriptor of its own.
+func TestFindHandsOverCheckedNamespace(t *testing.T) {
 	testnet.RequireRoot(t)
 	testnet.RequireCommands(t, "nsenter", "sleep")
 	hier := podproc.RequireHierarchies(t)
@@ -145,13 +145,13 @@ func TestProcFinderHandsOverCheckedNamespace(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(sb.Stop)
-	want, err := OpenNetns(pod.Path())
+	want, err := Open(pod.Path())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer want.Close()
 
-	f := ProcFinder{Scanner: podnetns.Scanner{}}
+	f := Scanner{}
 	pods := map[types.UID][]netip.Addr{uid: {ip}}
 	// Warm up what the runtime opens once (netlink, epoll) before counting.
 	warm, err := f.Find(pods)

@@ -1,8 +1,4 @@
-// Package podnetns finds the network namespaces of running pods by scanning
-// /proc for processes whose cgroup path names the pod UID, the way kubelet
-// lays cgroups out, and holds each namespace open from the moment it is
-// checked. One scan serves a whole batch of pods.
-package podnetns
+package netns
 
 import (
 	"bytes"

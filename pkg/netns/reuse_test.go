@@ -1,4 +1,4 @@
-package podnetns
+package netns
 
 import (
 	"bufio"
@@ -109,7 +109,7 @@ func (p *pidns) waitNetns(t *testing.T, pid int, netnsPath string) {
 	for {
 		var st syscall.Stat_t
 		err := syscall.Stat(filepath.Join(p.Proc, strconv.Itoa(pid), "ns", "net"), &st)
-		if err == nil && (Netns{Dev: st.Dev, Ino: st.Ino}) == want {
+		if err == nil && (Identity{Dev: st.Dev, Ino: st.Ino}) == want {
 			return
 		}
 		if time.Now().After(deadline) {
@@ -150,7 +150,7 @@ func TestFindIgnoresReusedPID(t *testing.T) {
 		}
 	}}
 	before := testnet.OpenFDs(t)
-	got, err := s.Find(map[types.UID][]netip.Addr{u: {ip}})
+	got, err := s.Scan(map[types.UID][]netip.Addr{u: {ip}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,4 +1,4 @@
-package podnetns
+package netns
 
 import (
 	"errors"
@@ -18,12 +18,6 @@ import (
 // are a few hundred bytes.
 const maxCgroupFile = 64 << 10
 
-// Netns identifies one network namespace by the device and inode of its
-// nsfs file, which is what makes two /proc/<pid>/ns/net paths equal.
-type Netns struct {
-	Dev, Ino uint64
-}
-
 // Found is a pod's network namespace, held open. The namespace is the one
 // that was checked: it was opened once, and the checks ran on that
 // descriptor, so a process that exits afterwards, or a PID that is reused,
@@ -34,7 +28,7 @@ type Found struct {
 	// ContainerID is that process's container, from its cgroup.
 	ContainerID string
 	// Netns identifies the namespace.
-	Netns Netns
+	Netns Identity
 	// File is the open namespace (an nsfs file, named /proc/<pid>/ns/net
 	// for logs). The caller owns it and must close it.
 	File *os.File
@@ -61,7 +55,8 @@ type Scanner struct {
 	// another PID namespace (the host's, mounted in the agent's container).
 	ProcRoot string
 	// Logger receives a warning for each namespace that a pod's cgroup led
-	// to but that failed the checks; nil discards them.
+	// to but that failed the checks or could not become a handle; nil
+	// discards them.
 	Logger *slog.Logger
 
 	// beforeOpen, in tests, runs between reading a process's cgroup and
@@ -87,15 +82,41 @@ func (s Scanner) log() *slog.Logger {
 // from /proc/self/ns/net: the agent runs in the host netns, PID 1's may be
 // unreadable, and "self" under a host proc mounted from another PID
 // namespace would not resolve to us.
-func (s Scanner) HostNetns() (Netns, error) {
+func (s Scanner) HostNetns() (Identity, error) {
 	var st unix.Stat_t
 	if err := unix.Stat("/proc/self/ns/net", &st); err != nil {
-		return Netns{}, fmt.Errorf("stat /proc/self/ns/net: %w", err)
+		return Identity{}, fmt.Errorf("stat /proc/self/ns/net: %w", err)
 	}
-	return Netns{Dev: st.Dev, Ino: st.Ino}, nil
+	return Identity{Dev: st.Dev, Ino: st.Ino}, nil
 }
 
-// Find makes one pass over the proc filesystem and returns, for each pod in
+// Find locates running pods' network namespaces with one Scan and turns
+// each into a Handle: the pod controller's find step, between deciding and
+// capturing. Scan confirms a namespace (not the host's, holds one of the
+// pod's IPs) on the descriptor it opened, and the handle is adopted from
+// that very descriptor, never by opening a /proc/<pid> path again, so a PID
+// that exits or is reused after the check cannot swap the namespace. It
+// returns an open handle per pod UID it could locate and confirm; the
+// caller owns the handles. A pod without IPs cannot be confirmed and is
+// left out, as is one whose namespace holds none of its IPs.
+func (s Scanner) Find(pods map[types.UID][]netip.Addr) (map[types.UID]*Handle, error) {
+	found, err := s.Scan(pods)
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[types.UID]*Handle, len(found))
+	for uid, f := range found {
+		h, err := Adopt(f.File)
+		if err != nil {
+			s.log().Warn("cannot hold the netns found for a pod", "uid", uid, "pid", f.PID, "err", err)
+			continue
+		}
+		out[uid] = h
+	}
+	return out, nil
+}
+
+// Scan makes one pass over the proc filesystem and returns, for each pod in
 // pods (UID to its IPs), a held network namespace that a process of the pod
 // is in, that is not the host's, and that has one of the pod's IPs on an
 // interface. A pod without IPs cannot be confirmed and is never returned.
@@ -104,9 +125,9 @@ func (s Scanner) HostNetns() (Netns, error) {
 // file and ns/net are opened through that descriptor, so both come from the
 // same process even if the PID is reused meanwhile; the checks run on the
 // opened namespace, which is then returned as it is. The caller owns every
-// returned File; everything else Find opened is closed before it returns.
+// returned File; everything else Scan opened is closed before it returns.
 // Processes that vanish mid-scan are skipped.
-func (s Scanner) Find(pods map[types.UID][]netip.Addr) (map[types.UID]Found, error) {
+func (s Scanner) Scan(pods map[types.UID][]netip.Addr) (map[types.UID]Found, error) {
 	host, err := s.HostNetns()
 	if err != nil {
 		return nil, fmt.Errorf("identify host netns: %w", err)
@@ -129,7 +150,7 @@ func (s Scanner) Find(pods map[types.UID][]netip.Addr) (map[types.UID]Found, err
 	out := make(map[types.UID]Found, wanted)
 	// Namespaces already found wanting for a pod: its other processes
 	// there need no second look.
-	rejected := map[types.UID]map[Netns]bool{}
+	rejected := map[types.UID]map[Identity]bool{}
 	for _, name := range names {
 		if len(out) == wanted {
 			break
@@ -152,9 +173,9 @@ type candidate struct {
 }
 
 // candidate looks at one process and returns its pod's held namespace if
-// it is one Find should return.
+// it is one Scan should return.
 func (s Scanner) candidate(pid int, pods map[types.UID][]netip.Addr, out map[types.UID]Found,
-	rejected map[types.UID]map[Netns]bool, host Netns) (candidate, bool) {
+	rejected map[types.UID]map[Identity]bool, host Identity) (candidate, bool) {
 	dir := filepath.Join(s.root(), strconv.Itoa(pid))
 	dfd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
@@ -201,7 +222,7 @@ func (s Scanner) candidate(pid int, pods map[types.UID][]netip.Addr, out map[typ
 	if err := unix.Fstat(nfd, &st); err != nil {
 		return candidate{}, false
 	}
-	n := Netns{Dev: st.Dev, Ino: st.Ino}
+	n := Identity{Dev: st.Dev, Ino: st.Ino}
 	if n == host {
 		// hostNetwork, or a process of the pod that left its sandbox:
 		// never the pod's namespace.
@@ -215,7 +236,7 @@ func (s Scanner) candidate(pid int, pods map[types.UID][]netip.Addr, out map[typ
 		s.log().Warn("netns found by cgroup does not hold the pod's IPs; not touching it",
 			"uid", pc.UID, "pid", pid, "netns", n.Ino, "err", err)
 		if rejected[pc.UID] == nil {
-			rejected[pc.UID] = map[Netns]bool{}
+			rejected[pc.UID] = map[Identity]bool{}
 		}
 		rejected[pc.UID][n] = true
 		return candidate{}, false
