@@ -44,7 +44,11 @@ type annotationWriter struct {
 	// wrote (or found) on the object.
 	want    map[types.UID]*wantedAnnotation
 	written map[types.UID]string
-	// idle is closed and replaced whenever want becomes empty (for Flush).
+	// thens counts the then callbacks running: a retired write is done
+	// only once its then ran (a capture record removed, say).
+	thens int
+	// idle is closed and replaced whenever want becomes empty and no then
+	// runs (for Flush).
 	idle chan struct{}
 }
 
@@ -121,7 +125,7 @@ func (w *annotationWriter) pending() int {
 func (w *annotationWriter) flush(ctx context.Context) error {
 	for {
 		w.mu.Lock()
-		n, ch := len(w.want), w.idle
+		n, ch := len(w.want)+w.thens, w.idle
 		w.mu.Unlock()
 		if n == 0 {
 			return nil
@@ -135,7 +139,7 @@ func (w *annotationWriter) flush(ctx context.Context) error {
 }
 
 func (w *annotationWriter) notifyIdleLocked() {
-	if len(w.want) == 0 {
+	if len(w.want) == 0 && w.thens == 0 {
 		close(w.idle)
 		w.idle = make(chan struct{})
 	}
@@ -221,11 +225,18 @@ func (w *annotationWriter) doneLocked(uid types.UID, want *wantedAnnotation) {
 	// written keeps even a removal: the pod cache may still show the old
 	// value for a while, and must not be trusted for this pod again.
 	delete(w.want, uid)
+	if want.then != nil {
+		w.thens++
+	}
 	w.notifyIdleLocked()
 	w.mu.Unlock()
 	w.queue.Forget(uid)
 	if want.then != nil {
 		want.then()
+		w.mu.Lock()
+		w.thens--
+		w.notifyIdleLocked()
+		w.mu.Unlock()
 	}
 }
 
