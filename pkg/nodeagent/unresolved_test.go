@@ -94,7 +94,7 @@ func TestRestoreUnresolvedKeepsPod(t *testing.T) {
 	// while the agent was down.
 	found := markedPod("found", "u-found", "10.9.0.1")
 	pn := testnet.NewNS(t)
-	if err := rules.real.Apply(pn.Path(), a.ruleConfig(found)); err != nil {
+	if err := rules.seed(pn.Path(), a.ruleConfig(found)); err != nil {
 		t.Fatal(err)
 	}
 	if err := a.Restore(ctx, found, openNS(t, pn)); err != nil {
