@@ -28,12 +28,15 @@ import (
 
 // objects decodes a rendered manifest into typed objects.
 type objects struct {
-	ds       *appsv1.DaemonSet
-	sa       *corev1.ServiceAccount
-	cr       *rbacv1.ClusterRole
-	crb      *rbacv1.ClusterRoleBinding
-	role     *rbacv1.Role
-	rb       *rbacv1.RoleBinding
+	ds   *appsv1.DaemonSet
+	sa   *corev1.ServiceAccount
+	cr   *rbacv1.ClusterRole
+	crb  *rbacv1.ClusterRoleBinding
+	role *rbacv1.Role
+	rb   *rbacv1.RoleBinding
+	// rq is the ResourceQuota for the priority class, on the platforms
+	// that need one (nil elsewhere).
+	rq       *corev1.ResourceQuota
 	kinds    []string
 	manifest []byte
 	// hooks are the helm hook objects (helm.sh/hook annotation), kept
@@ -53,7 +56,9 @@ func decode(t testing.TB, manifest []byte) *objects {
 			out.hooks = append(out.hooks, o)
 			continue
 		}
-		out.kinds = append(out.kinds, o.GetKind())
+		if o.GetKind() != "ResourceQuota" {
+			out.kinds = append(out.kinds, o.GetKind())
+		}
 		var dst any
 		switch o.GetKind() {
 		case "DaemonSet":
@@ -74,6 +79,9 @@ func decode(t testing.TB, manifest []byte) *objects {
 		case "RoleBinding":
 			out.rb = &rbacv1.RoleBinding{}
 			dst = out.rb
+		case "ResourceQuota":
+			out.rq = &corev1.ResourceQuota{}
+			dst = out.rq
 		default:
 			t.Fatalf("unexpected %s %s in the manifest", o.GetKind(), o.GetName())
 		}

@@ -94,12 +94,16 @@ func TestReadyzAndMetrics(t *testing.T) {
 		t.Fatalf("/readyz = %d %s", code, body)
 	}
 	addsBefore := n.metric(`ambient_cni_cni_requests_total{result="enrolled",verb="ADD"}`)
+	istioAddsBefore := n.metric(`istio_cni_plugin_requests_total{response_code="200"}`)
 
 	shop := n.namespace("shop", ambientLabel)
 	p := n.runPod(podSpec(shop, "a", nil, nil))
 	n.waitEnrolled(waitLong, p)
 	if got := n.metric(`ambient_cni_cni_requests_total{result="enrolled",verb="ADD"}`); got != addsBefore+1 {
 		t.Errorf("enrolled ADDs counted %v -> %v, want one more", addsBefore, got)
+	}
+	if got := n.metric(`istio_cni_plugin_requests_total{response_code="200"}`); got != istioAddsBefore+1 {
+		t.Errorf("istio-cni's count of answered ADDs %v -> %v, want one more", istioAddsBefore, got)
 	}
 	if got := n.metric(`ambient_cni_cni_add_duration_seconds_count`); got < 1 {
 		t.Errorf("ADD latency histogram count %v", got)
@@ -108,13 +112,16 @@ func TestReadyzAndMetrics(t *testing.T) {
 	for _, name := range []string{
 		"ambient_cni_cni_requests_total", "ambient_cni_cni_add_duration_seconds", "ambient_cni_enrolled_pods",
 		"ambient_cni_ztunnel_connections", "ambient_cni_rule_errors_total", "ambient_cni_installer_reinstalls_total",
+		// istio-cni's names, for its dashboards and alerts.
+		"istio_cni_install_ready", "ztunnel_connected", "istio_cni_plugin_requests_total",
 	} {
 		if !strings.Contains(text, "# TYPE "+name+" ") {
 			t.Errorf("/metrics lacks %s", name)
 		}
 	}
 	eventually(t, "gauges: one enabled pod, one ztunnel", func() bool {
-		return n.metric(`ambient_cni_enrolled_pods{state="enabled"}`) == 1 && n.metric(`ambient_cni_ztunnel_connections`) == 1
+		return n.metric(`ambient_cni_enrolled_pods{state="enabled"}`) == 1 && n.metric(`ambient_cni_ztunnel_connections`) == 1 &&
+			n.metric(`ztunnel_connected`) == 1 && n.metric(`istio_cni_install_ready`) == 1
 	})
 
 	// Take our entry out of the primary config and keep the installer from
