@@ -49,8 +49,13 @@ bench: build tools ## as root: measure the shipped binaries with the chart's def
 
 check: lint test test-long e2e ## as root: everything CI runs (.ci/run runs exactly this)
 
-test: tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures)
-	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...
+# The suite must leave a real node's paths (/var/run/ambient-cni,
+# /etc/cni/net.d, /opt/cni/bin, /var/run/ztunnel) as it found them:
+# hack/node-paths.sh lists them before and compares after.
+test: tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures); fails if a test touched a real node's paths
+	@snap=$$(mktemp); hack/node-paths.sh snapshot $$snap; \
+	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...; rc=$$?; \
+	hack/node-paths.sh check $$snap || rc=1; rm -f $$snap; exit $$rc
 
 # The fault-injection suite (test/chaos, docs/reliability.md) takes
 # minutes (its scenarios run side by side, each in a network namespace of
