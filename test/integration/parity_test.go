@@ -321,13 +321,6 @@ func TestDebugOnlyOnTheRootSocket(t *testing.T) {
 	}
 }
 
-func truncate(s string) string {
-	if len(s) > 200 {
-		return s[:200] + "..."
-	}
-	return s
-}
-
 // TestExplain: for any pod of the node the debug endpoint says why it is
 // or is not captured: the policy's reason, whether its netns was found,
 // whether its rules verify clean now (drift named), whether ztunnel acked
