@@ -154,22 +154,23 @@ func (h *HostProbe) Close() error { return h.a.Close() }
 
 // desired returns the host probe rule sets of the families the namespace
 // has enabled, and, when the options leave IPv6 alone on a host that has
-// it, an empty IPv6 one: the desired state there is none of ours, so
+// it, an empty IPv6 one, last: the desired state there is none of ours, so
 // applying it removes what a previous configuration left. sets says which
 // families get a probe set.
-func (h *HostProbe) desired() (plans []*familyPlan, sets []ruleset.Family, err error) {
+func (h *HostProbe) desired() (plans []*familyPlan, sets []ruleset.Family, stale bool, err error) {
 	v6, err := h.a.router.State(h.netns)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, false, err
 	}
 	sets = h.cfg.Families(v6.IPv6)
 	for _, f := range sets {
 		plans = append(plans, &familyPlan{f: f, rs: HostProbeRules(h.cfg, f)})
 	}
-	if h.cfg.IPv4Only && v6.IPv6 {
+	stale = h.cfg.IPv4Only && v6.IPv6
+	if stale {
 		plans = append(plans, &familyPlan{f: ruleset.IPv6, rs: Render(ruleset.RuleSet{Kind: ruleset.Host, Family: ruleset.IPv6})})
 	}
-	return plans, sets, nil
+	return plans, sets, stale, nil
 }
 
 // Ensure creates the ipsets and installs the SNAT rule (one
@@ -183,7 +184,7 @@ func (h *HostProbe) Ensure() error {
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	plans, sets, err := h.desired()
+	plans, sets, stale, err := h.desired()
 	if err != nil {
 		return err
 	}
@@ -206,7 +207,20 @@ func (h *HostProbe) Ensure() error {
 	if err != nil {
 		return err
 	}
-	return h.a.applyPlans(ctx, h.netns, plans, hostScope)
+	if err := h.a.applyPlans(ctx, h.netns, plans, hostScope); err != nil {
+		return err
+	}
+	if stale {
+		p := plans[len(plans)-1]
+		h.a.dropOwnedTables(h.netns, p.f, touchedTables(p.plan))
+		// The IPv6 rule is gone, so the set can go; iptables of the other
+		// flavour may still refer to it until its own removal, which
+		// costs only an inert set.
+		if err := h.a.sets.DestroySet(h.netns, ruleset.ProbeSetV6); err != nil {
+			h.a.log.Debug("IPv6 probe set left in place", "err", err)
+		}
+	}
+	return nil
 }
 
 // AddIP adds an enrolled pod IP to its family's set (idempotent). Call
@@ -259,7 +273,7 @@ func probeIP(ip netip.Addr) (netip.Addr, ruleset.Family, error) {
 
 // Verify reports drift of the SNAT rule and missing sets.
 func (h *HostProbe) Verify() (ruleset.Drift, error) {
-	plans, sets, err := h.desired()
+	plans, sets, stale, err := h.desired()
 	if err != nil {
 		return ruleset.Drift{}, err
 	}
@@ -272,6 +286,13 @@ func (h *HostProbe) Verify() (ruleset.Drift, error) {
 			return ruleset.Drift{}, err
 		}
 		d.Items = append(d.Items, p.rs.Diff(cur).Items...)
+	}
+	if stale {
+		if _, ok, err := h.a.sets.ListSet(h.netns, ruleset.ProbeSetV6); err != nil {
+			return ruleset.Drift{}, err
+		} else if ok {
+			d.Items = append(d.Items, ruleset.DriftItem{Family: ruleset.IPv6, Kind: ruleset.DriftExtra, Object: "ipset", Have: ruleset.ProbeSetV6})
+		}
 	}
 	for _, f := range sets {
 		if _, ok, err := h.a.sets.ListSet(h.netns, ruleset.ProbeSet(f)); err != nil {
