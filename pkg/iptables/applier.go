@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-cni/ambient-cni/pkg/netfilter"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
@@ -188,8 +189,9 @@ func (a *Applier) ApplyContext(ctx context.Context, netnsPath string, cfg rulese
 	if !v6.LoopbackUp {
 		return fmt.Errorf("lo is down in netns %s: redirected traffic could not reach ztunnel", netnsPath)
 	}
+	wantV6 := slices.Contains(cfg.Families(v6.IPv6), ruleset.IPv6)
 	plans := []*familyPlan{{f: ruleset.IPv4, rs: PodRules(cfg, ruleset.IPv4), routes: true}}
-	if v6.IPv6 {
+	if wantV6 {
 		plans = append(plans, &familyPlan{f: ruleset.IPv6, rs: PodRules(cfg, ruleset.IPv6), routes: v6.IPv6Loopback})
 	}
 	// Read everything first: a failure here has changed nothing.
@@ -207,7 +209,14 @@ func (a *Applier) ApplyContext(ctx context.Context, netnsPath string, cfg rulese
 	if err := a.applyPlans(ctx, netnsPath, plans, podScope); err != nil {
 		return err
 	}
-	if !v6.IPv6 {
+	switch {
+	case staleIPv6(v6, cfg):
+		// IPv6 is left alone in a namespace that has it: what a previous
+		// configuration installed for it goes, policy route included.
+		if err := a.removeFamily(ctx, netnsPath, ruleset.IPv6, true); err != nil {
+			return fmt.Errorf("remove IPv6 rules left by a previous configuration: %w", err)
+		}
+	case !v6.IPv6:
 		if err := a.removeFamily(ctx, netnsPath, ruleset.IPv6, false); err != nil {
 			a.log.Debug("no IPv6 leftovers removed", "netns", netnsPath, "err", err)
 		}
@@ -216,6 +225,12 @@ func (a *Applier) ApplyContext(ctx context.Context, netnsPath string, cfg rulese
 		a.log.Debug("IPv6 disabled on lo: no IPv6 policy route", "netns", netnsPath)
 	}
 	return nil
+}
+
+// staleIPv6 reports whether cfg leaves IPv6 alone in a namespace that has
+// it, where a previous configuration may have left IPv6 rules and routes.
+func staleIPv6(st netns.State, cfg ruleset.PodConfig) bool {
+	return cfg.IPv4Only && (st.IPv6 || st.IPv6Loopback)
 }
 
 // applyPlans runs the changing part of an apply: policy routes first (a
@@ -421,6 +436,20 @@ func (a *Applier) VerifyContext(ctx context.Context, netnsPath string, cfg rules
 	err = perFamily(func(f ruleset.Family) error {
 		i := slices.Index(ruleset.Families, f)
 		rs := PodRules(cfg, f)
+		if f == ruleset.IPv6 && staleIPv6(v6, cfg) {
+			// IPv6 left alone: anything of ours there is a leftover.
+			cur, err := a.save(ctx, netnsPath, f)
+			if err != nil {
+				return err
+			}
+			drifts[i] = RuleSet{Family: f}.Diff(cur).Items
+			rule, route, err := a.router.PolicyRouteState(netnsPath, f, rs.Routing)
+			if err != nil {
+				return fmt.Errorf("%s policy routing in netns %s: %w", f, netnsPath, err)
+			}
+			drifts[i] = append(drifts[i], policyroute.Leftover(f, rs.Routing, rule, route)...)
+			return nil
+		}
 		if f == ruleset.IPv6 && !v6.IPv6 {
 			// Only leftovers can drift in a disabled family.
 			if cur, err := a.save(ctx, netnsPath, f); err == nil {

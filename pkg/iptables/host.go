@@ -152,16 +152,25 @@ func NewHostProbe(log *slog.Logger, b Backend, netnsPath string, cfg ruleset.Hos
 // background (see Applier.Close); the rules stay.
 func (h *HostProbe) Close() error { return h.a.Close() }
 
-// families returns the families the namespace has enabled.
-func (h *HostProbe) families() ([]ruleset.Family, error) {
+// desired returns the host probe rule sets of the families the namespace
+// has enabled, and, when the options leave IPv6 alone on a host that has
+// it, an empty IPv6 one, last: the desired state there is none of ours, so
+// applying it removes what a previous configuration left. sets says which
+// families get a probe set.
+func (h *HostProbe) desired() (plans []*familyPlan, sets []ruleset.Family, stale bool, err error) {
 	v6, err := h.a.router.State(h.netns)
 	if err != nil {
-		return nil, err
+		return nil, nil, false, err
 	}
-	if v6.IPv6 {
-		return ruleset.Families, nil
+	sets = h.cfg.Families(v6.IPv6)
+	for _, f := range sets {
+		plans = append(plans, &familyPlan{f: f, rs: HostProbeRules(h.cfg, f)})
 	}
-	return []ruleset.Family{ruleset.IPv4}, nil
+	stale = h.cfg.IPv4Only && v6.IPv6
+	if stale {
+		plans = append(plans, &familyPlan{f: ruleset.IPv6, rs: Render(ruleset.RuleSet{Kind: ruleset.Host, Family: ruleset.IPv6})})
+	}
+	return plans, sets, stale, nil
 }
 
 // Ensure creates the ipsets and installs the SNAT rule (one
@@ -175,19 +184,17 @@ func (h *HostProbe) Ensure() error {
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	fams, err := h.families()
+	plans, sets, stale, err := h.desired()
 	if err != nil {
 		return err
 	}
 	ctx, cancel := h.a.bound(context.Background())
 	defer cancel()
-	var plans []*familyPlan
-	for _, f := range fams {
+	for _, f := range sets {
 		// The rule refers to the set, so the set comes first.
 		if err := h.a.sets.EnsureSet(h.netns, ruleset.ProbeSet(f), f); err != nil {
 			return fmt.Errorf("host probe %s: %w", f, err)
 		}
-		plans = append(plans, &familyPlan{f: f, rs: HostProbeRules(h.cfg, f)})
 	}
 	err = each(plans, func(p *familyPlan) error {
 		cur, err := h.a.save(ctx, h.netns, p.f)
@@ -200,7 +207,20 @@ func (h *HostProbe) Ensure() error {
 	if err != nil {
 		return err
 	}
-	return h.a.applyPlans(ctx, h.netns, plans, hostScope)
+	if err := h.a.applyPlans(ctx, h.netns, plans, hostScope); err != nil {
+		return err
+	}
+	if stale {
+		p := plans[len(plans)-1]
+		h.a.dropOwnedTables(h.netns, p.f, touchedTables(p.plan))
+		// The IPv6 rule is gone, so the set can go; iptables of the other
+		// flavour may still refer to it until its own removal, which
+		// costs only an inert set.
+		if err := h.a.sets.DestroySet(h.netns, ruleset.ProbeSetV6); err != nil {
+			h.a.log.Debug("IPv6 probe set left in place", "err", err)
+		}
+	}
+	return nil
 }
 
 // AddIP adds an enrolled pod IP to its family's set (idempotent). Call
@@ -209,6 +229,11 @@ func (h *HostProbe) AddIP(ip netip.Addr) error {
 	ip, f, err := probeIP(ip)
 	if err != nil {
 		return err
+	}
+	if f == ruleset.IPv6 && h.cfg.IPv4Only {
+		// No IPv6 probe SNAT: the pod's IPv6 is not captured, so kubelet's
+		// IPv6 probes reach the app as they are.
+		return nil
 	}
 	return h.a.sets.AddIP(h.netns, ruleset.ProbeSet(f), ip)
 }
@@ -248,19 +273,28 @@ func probeIP(ip netip.Addr) (netip.Addr, ruleset.Family, error) {
 
 // Verify reports drift of the SNAT rule and missing sets.
 func (h *HostProbe) Verify() (ruleset.Drift, error) {
-	fams, err := h.families()
+	plans, sets, stale, err := h.desired()
 	if err != nil {
 		return ruleset.Drift{}, err
 	}
 	ctx, cancel := h.a.bound(context.Background())
 	defer cancel()
 	var d ruleset.Drift
-	for _, f := range fams {
-		cur, err := h.a.save(ctx, h.netns, f)
+	for _, p := range plans {
+		cur, err := h.a.save(ctx, h.netns, p.f)
 		if err != nil {
 			return ruleset.Drift{}, err
 		}
-		d.Items = append(d.Items, HostProbeRules(h.cfg, f).Diff(cur).Items...)
+		d.Items = append(d.Items, p.rs.Diff(cur).Items...)
+	}
+	if stale {
+		if _, ok, err := h.a.sets.ListSet(h.netns, ruleset.ProbeSetV6); err != nil {
+			return ruleset.Drift{}, err
+		} else if ok {
+			d.Items = append(d.Items, ruleset.DriftItem{Family: ruleset.IPv6, Kind: ruleset.DriftExtra, Object: "ipset", Have: ruleset.ProbeSetV6})
+		}
+	}
+	for _, f := range sets {
 		if _, ok, err := h.a.sets.ListSet(h.netns, ruleset.ProbeSet(f)); err != nil {
 			return ruleset.Drift{}, err
 		} else if !ok {

@@ -22,11 +22,13 @@ var goldenConfigs = map[string]ruleset.PodConfig{
 	"custom-probe":   {ProbeSNATv4: netip.MustParseAddr("169.254.9.9"), ProbeSNATv6: netip.MustParseAddr("fd00:9999::9")},
 	"virtual":        {VirtualInterfaces: []string{"k6t-eth0", "tap+"}},
 	"virtual-bypass": {VirtualInterfaces: []string{"k6t-eth0"}, BypassInbound: true},
+	"ipv4-only":      {IPv4Only: true, DNSCapture: true, VirtualInterfaces: []string{"k6t-eth0"}},
 }
 
 func TestRenderGolden(t *testing.T) {
 	for name, cfg := range goldenConfigs {
-		for _, f := range ruleset.Families {
+		// A family the options leave alone has no rules to render.
+		for _, f := range cfg.Families(true) {
 			t.Run(name+"/"+f.String(), func(t *testing.T) {
 				got := PodRules(cfg, f).Render()
 				path := filepath.Join("testdata", "golden", name+"."+f.String()+".rules")

@@ -140,12 +140,17 @@ func open(netnsPath string) (*policyroute.Conn, netns.State, conn, error) {
 }
 
 // routes lists the families whose policy route belongs to the desired
-// state: IPv4 always, IPv6 when the namespace and its lo have it.
-func routes(st netns.State) []ruleset.Family {
-	if st.IPv6 && st.IPv6Loopback {
-		return ruleset.Families
-	}
-	return []ruleset.Family{ruleset.IPv4}
+// state: IPv4 always, IPv6 when the namespace and its lo have it and cfg
+// does not leave IPv6 alone.
+func routes(st netns.State, cfg ruleset.PodConfig) []ruleset.Family {
+	return cfg.Families(st.IPv6 && st.IPv6Loopback)
+}
+
+// staleIPv6Route reports whether an IPv6 policy route may be left over
+// that the desired state no longer has: cfg leaves IPv6 alone in a
+// namespace that has it (a previous configuration captured it).
+func staleIPv6Route(st netns.State, cfg ruleset.PodConfig) bool {
+	return cfg.IPv4Only && (st.IPv6 || st.IPv6Loopback)
 }
 
 // others is what a call saw of the namespace's other netfilter tables:
@@ -198,7 +203,7 @@ func (a *Applier) ApplySeeing(netnsPath string, cfg ruleset.PodConfig) (netfilte
 
 	var added []routeAdded
 	var errs []error
-	for _, f := range routes(st) {
+	for _, f := range routes(st, cfg) {
 		parts, err := rt.EnsurePolicyRoute(f, ruleset.PodRules(cfg, f).Routing)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("%s policy routing in netns %s: %w", f, netnsPath, err))
@@ -230,6 +235,12 @@ func (a *Applier) ApplySeeing(netnsPath string, cfg ruleset.PodConfig) (netfilte
 			}
 		}
 		return seen, errors.Join(errs...)
+	}
+	if staleIPv6Route(st, cfg) {
+		// The rules no longer send IPv6 to ztunnel; its route goes too.
+		if err := rt.RemovePolicyRoute(ruleset.IPv6, ruleset.PodRules(cfg, ruleset.IPv6).Routing, policyroute.All); err != nil {
+			return seen, fmt.Errorf("remove IPv6 policy routing in netns %s: %w", netnsPath, err)
+		}
 	}
 	a.log.Debug("rules applied", "netns", netnsPath, "changed", !rulesOK)
 	return seen, nil
@@ -273,13 +284,21 @@ func (a *Applier) VerifySeeing(netnsPath string, cfg ruleset.PodConfig) (ruleset
 		return ruleset.Drift{}, netfilter.Seen{}, fmt.Errorf("read nf_tables state of netns %s: %w", netnsPath, err)
 	}
 	d := ruleset.Drift{Items: diff(p, live, PodTables)}
-	for _, f := range routes(st) {
+	for _, f := range routes(st, cfg) {
 		want := ruleset.PodRules(cfg, f).Routing
 		rule, route, err := rt.PolicyRouteState(f, want)
 		if err != nil {
 			return ruleset.Drift{}, netfilter.Seen{}, fmt.Errorf("%s policy routing in netns %s: %w", f, netnsPath, err)
 		}
 		d.Items = append(d.Items, policyroute.Drift(f, want, rule, route)...)
+	}
+	if staleIPv6Route(st, cfg) {
+		want := ruleset.PodRules(cfg, ruleset.IPv6).Routing
+		rule, route, err := rt.PolicyRouteState(ruleset.IPv6, want)
+		if err != nil {
+			return ruleset.Drift{}, netfilter.Seen{}, fmt.Errorf("ipv6 policy routing in netns %s: %w", netnsPath, err)
+		}
+		d.Items = append(d.Items, policyroute.Leftover(ruleset.IPv6, want, rule, route)...)
 	}
 	return d, others(st, foreign), nil
 }

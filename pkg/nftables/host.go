@@ -75,10 +75,7 @@ func (h *HostProbe) families() ([]ruleset.Family, error) {
 	if err != nil {
 		return nil, err
 	}
-	if st.IPv6 {
-		return ruleset.Families, nil
-	}
-	return []ruleset.Family{ruleset.IPv4}, nil
+	return h.cfg.Families(st.IPv6), nil
 }
 
 func (h *HostProbe) program() (program, error) {
@@ -122,11 +119,12 @@ func (h *HostProbe) Ensure() error {
 		for _, lc := range lt.chains {
 			c.DelChain(lc.c)
 		}
-		// A set of the wrong type cannot be added over; its rules went
-		// with the chain above, so it can go.
+		// A set of the wrong type cannot be added over, and one the
+		// program no longer has (IPv6's, with IPv6 now left alone) serves
+		// nothing; their rules went with the chain above, so they can go.
 		for _, ls := range lt.sets {
 			i := slices.IndexFunc(t.sets, func(s *set) bool { return s.name == ls.Name })
-			if i >= 0 && ls.KeyType.GetNFTMagic() != t.sets[i].keyType.GetNFTMagic() {
+			if i < 0 || ls.KeyType.GetNFTMagic() != t.sets[i].keyType.GetNFTMagic() {
 				c.DelSet(ls)
 			}
 		}
@@ -163,6 +161,11 @@ func (h *HostProbe) setOp(ip netip.Addr, del bool) error {
 	ip, f, err := probeIP(ip)
 	if err != nil {
 		return err
+	}
+	if f == ruleset.IPv6 && h.cfg.IPv4Only {
+		// No IPv6 probe SNAT: the pod's IPv6 is not captured, so kubelet's
+		// IPv6 probes reach the app as they are.
+		return nil
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()

@@ -161,6 +161,13 @@ func diff(p program, live map[string]*liveTable, owned []string) []ruleset.Drift
 			}
 			items = append(items, ruleset.DiffRules(item(ruleset.DriftMissing, "nft rule", t.name, c.name), want, have)...)
 		}
+		for _, ls := range lt.sets {
+			if !slices.ContainsFunc(t.sets, func(s *set) bool { return s.name == ls.Name }) {
+				it := item(ruleset.DriftExtra, "set", t.name, "")
+				it.Have = ls.Name
+				items = append(items, it)
+			}
+		}
 		for _, lc := range lt.chains {
 			if t.chain(lc.c.Name) == nil {
 				items = append(items, item(ruleset.DriftExtra, "chain", t.name, lc.c.Name))

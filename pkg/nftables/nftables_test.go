@@ -32,6 +32,7 @@ var goldenConfigs = map[string]ruleset.PodConfig{
 	"custom-probe":   {ProbeSNATv4: netip.MustParseAddr("169.254.9.9"), ProbeSNATv6: netip.MustParseAddr("fd00:9999::9")},
 	"virtual":        {VirtualInterfaces: []string{"k6t-eth0", "tap+"}},
 	"virtual-bypass": {VirtualInterfaces: []string{"k6t-eth0"}, BypassInbound: true},
+	"ipv4-only":      {IPv4Only: true, DNSCapture: true, VirtualInterfaces: []string{"k6t-eth0"}},
 }
 
 func golden(t *testing.T, name, got string) {
@@ -68,6 +69,11 @@ func TestGolden(t *testing.T) {
 		t.Fatal(err)
 	}
 	golden(t, "host-probe", got)
+	got, err = HostText(ruleset.HostProbeConfig{IPv4Only: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	golden(t, "host-probe-ipv4-only", got)
 }
 
 // walk calls fn for every rule of the program with its table and chain.

@@ -135,6 +135,8 @@ func baseChain(t ruleset.Table, h ruleset.Hook) *chain {
 // from the same list); a rule without anything family-specific is the
 // same for both and appears once, the others appear per family, IPv4
 // first, each guarded by its family. Each family sees its rules in order.
+// With cfg.IPv4Only there are IPv4 rules only, every one guarded by its
+// family, so no IPv6 packet is touched.
 func renderPod(cfg ruleset.PodConfig) (program, error) {
 	v4, v6 := ruleset.PodRules(cfg, ruleset.IPv4), ruleset.PodRules(cfg, ruleset.IPv6)
 	var p program
@@ -151,6 +153,10 @@ func renderPod(cfg ruleset.PodConfig) (program, error) {
 			if err != nil {
 				return program{}, err
 			}
+			if cfg.IPv4Only {
+				ch.rules = append(ch.rules, guarded(r4, c4.Rules[j], ruleset.IPv4))
+				continue
+			}
 			r6, err := renderRule(c6.Rules[j], ruleset.IPv6)
 			if err != nil {
 				return program{}, err
@@ -163,6 +169,21 @@ func renderPod(cfg ruleset.PodConfig) (program, error) {
 	}
 	p.finish()
 	return p, nil
+}
+
+// guarded returns r, rendered from m for family f, with a family check
+// first unless a match of r already implies one.
+func guarded(r *rule, m ruleset.Rule, f ruleset.Family) *rule {
+	if m.Src.IsSet() || m.Dst.IsSet() || m.DstSet != "" {
+		return r
+	}
+	b := &builder{}
+	b.family(f)
+	name := "ipv4"
+	if f == ruleset.IPv6 {
+		name = "ipv6"
+	}
+	return &rule{exprs: append(b.exprs, r.exprs...), text: "meta nfproto " + name + " " + r.text}
 }
 
 // renderHost renders the host's probe SNAT for the given families into one
@@ -505,9 +526,9 @@ func PodText(cfg ruleset.PodConfig) (string, error) {
 }
 
 // HostText renders the host's probe SNAT as an nft script, for both
-// families.
+// families (IPv4 alone with cfg.IPv4Only).
 func HostText(cfg ruleset.HostProbeConfig) (string, error) {
-	p, err := renderHost(cfg, ruleset.Families)
+	p, err := renderHost(cfg, cfg.Families(true))
 	if err != nil {
 		return "", err
 	}

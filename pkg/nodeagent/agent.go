@@ -112,6 +112,9 @@ type Config struct {
 	DNSCapture bool
 	// ProbeSNATv4 and ProbeSNATv6 override the kubelet probe sources.
 	ProbeSNATv4, ProbeSNATv6 netip.Addr
+	// IPv4Only leaves pods' IPv6 alone (Istio's ambient.ipv6: false); see
+	// ruleset.PodConfig.IPv4Only.
+	IPv4Only bool
 	// OnRuleError, when set, is told about every failed rule operation
 	// ("apply", "verify", "remove"); OnDriftRepaired about every drifted
 	// rule set re-applied at restore. Wire metrics here.

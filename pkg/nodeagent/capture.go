@@ -193,6 +193,7 @@ func (a *Agent) ruleConfig(pod *corev1.Pod) ruleset.PodConfig {
 	return ruleset.PodConfig{
 		ProbeSNATv4:       a.cfg.ProbeSNATv4,
 		ProbeSNATv6:       a.cfg.ProbeSNATv6,
+		IPv4Only:          a.cfg.IPv4Only,
 		DNSCapture:        enablement.DNSCapture(pod, a.cfg.DNSCapture),
 		BypassInbound:     enablement.BypassInbound(pod),
 		VirtualInterfaces: enablement.VirtualInterfaces(pod),

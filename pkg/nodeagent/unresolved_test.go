@@ -303,3 +303,13 @@ func TestRecordedPodRestoredWithoutNetns(t *testing.T) {
 		t.Errorf("after ReleaseAll: rules %v %v, held %v", rulesIn("release"), rulesIn("capture"), h.agent.Pods())
 	}
 }
+
+// The ipv6 setting reaches every pod's rule options.
+func TestRuleConfigIPv4Only(t *testing.T) {
+	for _, v4only := range []bool{false, true} {
+		a := &Agent{cfg: Config{IPv4Only: v4only}}
+		if got := a.ruleConfig(&corev1.Pod{}).IPv4Only; got != v4only {
+			t.Errorf("IPv4Only %v: pod options say %v", v4only, got)
+		}
+	}
+}

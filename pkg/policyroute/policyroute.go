@@ -199,3 +199,18 @@ func Drift(f ruleset.Family, p ruleset.PolicyRoute, rule, route bool) []ruleset.
 	}
 	return items
 }
+
+// Leftover reports an ip rule or route of p in family f that exists while
+// the desired state has none (IPv6's, with IPv6 left alone).
+func Leftover(f ruleset.Family, p ruleset.PolicyRoute, rule, route bool) []ruleset.DriftItem {
+	var items []ruleset.DriftItem
+	if rule {
+		items = append(items, ruleset.DriftItem{Family: f, Kind: ruleset.DriftExtra, Object: "ip rule",
+			Have: fmt.Sprintf("pref %d fwmark %#x/%#x lookup %d", p.Priority, p.Mark, p.Mask, p.Table)})
+	}
+	if route {
+		items = append(items, ruleset.DriftItem{Family: f, Kind: ruleset.DriftExtra, Object: "route",
+			Have: fmt.Sprintf("local %s dev lo table %d", p.Local, p.Table)})
+	}
+	return items
+}

@@ -23,6 +23,20 @@ type PodConfig struct {
 	// as if the pod had sent it, whatever BypassInbound says. A trailing
 	// "+" matches every name with that prefix, as with iptables -i.
 	VirtualInterfaces []string
+	// IPv4Only leaves IPv6 alone (Istio's ambient.ipv6: false): no IPv6
+	// capture rules and no IPv6 policy route in the pod, so a dual-stack
+	// pod's IPv6 traffic goes direct. The zero value captures both.
+	IPv4Only bool
+}
+
+// Families lists the families whose rules belong to the desired state of a
+// namespace: IPv4, and IPv6 when nsIPv6 (the namespace has IPv6) and the
+// options do not leave it alone.
+func (c PodConfig) Families(nsIPv6 bool) []Family {
+	if nsIPv6 && !c.IPv4Only {
+		return []Family{IPv4, IPv6}
+	}
+	return []Family{IPv4}
 }
 
 // MaxVirtualInterfaces bounds PodConfig.VirtualInterfaces: each name costs
@@ -92,12 +106,19 @@ type HostProbeConfig struct {
 	// ProbeSNATv4 and ProbeSNATv6 are the SNAT sources; zero means the
 	// ambient defaults. They must match the pods' PodConfig.
 	ProbeSNATv4, ProbeSNATv6 netip.Addr
+	// IPv4Only leaves IPv6 alone, as PodConfig.IPv4Only does in pods: no
+	// IPv6 probe SNAT and no IPv6 probe set on the host.
+	IPv4Only bool
 }
 
-// Pod returns the pod options with the same probe addresses.
+// Pod returns the pod options with the same probe addresses and families.
 func (c HostProbeConfig) Pod() PodConfig {
-	return PodConfig{ProbeSNATv4: c.ProbeSNATv4, ProbeSNATv6: c.ProbeSNATv6}
+	return PodConfig{ProbeSNATv4: c.ProbeSNATv4, ProbeSNATv6: c.ProbeSNATv6, IPv4Only: c.IPv4Only}
 }
+
+// Families lists the families the host probe SNAT covers on a host with
+// IPv6 (hostIPv6) or without.
+func (c HostProbeConfig) Families(hostIPv6 bool) []Family { return c.Pod().Families(hostIPv6) }
 
 // Validate rejects probe addresses of the wrong family.
 func (c HostProbeConfig) Validate() error { return c.Pod().Validate() }

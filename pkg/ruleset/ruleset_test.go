@@ -71,3 +71,29 @@ func TestRuleSetShape(t *testing.T) {
 		t.Error("family helpers")
 	}
 }
+
+func TestFamilies(t *testing.T) {
+	for _, tc := range []struct {
+		cfg    PodConfig
+		nsIPv6 bool
+		want   int
+	}{
+		{PodConfig{}, true, 2},
+		{PodConfig{}, false, 1},
+		{PodConfig{IPv4Only: true}, true, 1},
+		{PodConfig{IPv4Only: true}, false, 1},
+	} {
+		got := tc.cfg.Families(tc.nsIPv6)
+		if len(got) != tc.want || got[0] != IPv4 {
+			t.Errorf("%+v, namespace IPv6 %v: %v", tc.cfg, tc.nsIPv6, got)
+		}
+		// The result is the caller's to change.
+		got[0] = IPv6
+		if Families[0] != IPv4 {
+			t.Fatal("Families changed through a result")
+		}
+	}
+	if h := (HostProbeConfig{IPv4Only: true}); len(h.Families(true)) != 1 || !h.Pod().IPv4Only {
+		t.Error("host probe options lose IPv4Only")
+	}
+}

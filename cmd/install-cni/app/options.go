@@ -81,6 +81,7 @@ type Config struct {
 	RulesBackend             rulesbackend.Selection
 	ProbeSNATv4              netip.Addr
 	ProbeSNATv6              netip.Addr
+	IPv6                     bool
 
 	HealthAddr  string
 	MetricsAddr string
@@ -233,6 +234,7 @@ func options() []option {
 			c.RulesBackend = sel
 			return nil
 		}},
+		{"ipv6", "Capture IPv6 too where a pod has it, as Istio's chart does by default (ambient.ipv6); false installs IPv4 redirection only (in pods and for the host probe SNAT), so dual-stack pods' IPv6 goes direct, and removes IPv6 rules an earlier setting left.", "true", boolean(func(c *Config) *bool { return &c.IPv6 })},
 		{"probe-snat-ipv4", "Source address kubelet probes are SNATed to (IPv4).", ambient.DefaultProbeSNATv4.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv4 }, false)},
 		{"probe-snat-ipv6", "Source address kubelet probes are SNATed to (IPv6).", ambient.DefaultProbeSNATv6.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv6 }, true)},
 		{"health-addr", "Optional TCP address of /healthz, /livez and /readyz; empty or off serves none. Kubelet needs none: the chart's exec probes (install-cni probe live, install-cni probe ready) ask the same endpoints on the root-only debug socket, because in the host network any port may be taken by another pod (Istio gateways hold 15021). Nothing else is served there.", health.DefaultAddr, func(c *Config, v string) error {

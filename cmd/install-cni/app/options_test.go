@@ -64,6 +64,29 @@ func TestEnvThenFlags(t *testing.T) {
 	}
 }
 
+// TestIPv6Setting: IPv6 is captured by default, as with Istio's
+// ambient.ipv6; Istio's variable AMBIENT_IPV6 and --ipv6 turn it off.
+func TestIPv6Setting(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		env  map[string]string
+		want bool
+	}{
+		{nil, nil, true},
+		{nil, map[string]string{"AMBIENT_IPV6": "false"}, false},
+		{[]string{"--ipv6=false"}, nil, false},
+		{[]string{"--ipv6=true"}, map[string]string{"AMBIENT_IPV6": "false"}, true},
+	} {
+		c, err := Parse(append([]string{"--node-name=n"}, tc.args...), env(tc.env), io.Discard)
+		if err != nil {
+			t.Fatalf("%v %v: %v", tc.args, tc.env, err)
+		}
+		if c.IPv6 != tc.want {
+			t.Errorf("%v %v: IPv6 = %v, want %v", tc.args, tc.env, c.IPv6, tc.want)
+		}
+	}
+}
+
 // TestRulesBackendAlias: the backend is set by --rules-backend or its old
 // name --iptables-backend, and by their environment variables; the new
 // names win.

@@ -86,6 +86,8 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ .Values.agent.dnsCapture | toString | quote }}
 - name: AMBIENT_RULES_BACKEND
   value: {{ .Values.agent.iptablesBackend | default .Values.agent.rulesBackend | quote }}
+- name: AMBIENT_IPV6
+  value: {{ .Values.ambient.ipv6 | toString | quote }}
 - name: AMBIENT_PROBE_SNAT_IPV4
   value: {{ .Values.agent.probeSNATIPv4 | quote }}
 - name: AMBIENT_PROBE_SNAT_IPV6
