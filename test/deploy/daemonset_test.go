@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -26,12 +27,16 @@ import (
 
 // objects decodes a rendered manifest into typed objects.
 type objects struct {
-	ds       *appsv1.DaemonSet
-	sa       *corev1.ServiceAccount
-	cr       *rbacv1.ClusterRole
-	crb      *rbacv1.ClusterRoleBinding
-	role     *rbacv1.Role
-	rb       *rbacv1.RoleBinding
+	ds   *appsv1.DaemonSet
+	sa   *corev1.ServiceAccount
+	cr   *rbacv1.ClusterRole
+	crb  *rbacv1.ClusterRoleBinding
+	role *rbacv1.Role
+	rb   *rbacv1.RoleBinding
+	// policy and binding limit the agent's Node writes to the startup
+	// taint (startupTaint.enabled only).
+	policy   *admissionregistrationv1.ValidatingAdmissionPolicy
+	binding  *admissionregistrationv1.ValidatingAdmissionPolicyBinding
 	kinds    []string
 	manifest []byte
 	// hooks are the helm hook objects (helm.sh/hook annotation), kept
@@ -72,6 +77,12 @@ func decode(t testing.TB, manifest []byte) *objects {
 		case "RoleBinding":
 			out.rb = &rbacv1.RoleBinding{}
 			dst = out.rb
+		case "ValidatingAdmissionPolicy":
+			out.policy = &admissionregistrationv1.ValidatingAdmissionPolicy{}
+			dst = out.policy
+		case "ValidatingAdmissionPolicyBinding":
+			out.binding = &admissionregistrationv1.ValidatingAdmissionPolicyBinding{}
+			dst = out.binding
 		default:
 			t.Fatalf("unexpected %s %s in the manifest", o.GetKind(), o.GetName())
 		}
@@ -81,6 +92,9 @@ func decode(t testing.TB, manifest []byte) *objects {
 	}
 	slices.Sort(out.kinds)
 	want := []string{"ClusterRole", "ClusterRoleBinding", "DaemonSet", "Role", "RoleBinding", "ServiceAccount"}
+	if out.policy != nil || out.binding != nil {
+		want = []string{"ClusterRole", "ClusterRoleBinding", "DaemonSet", "Role", "RoleBinding", "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+	}
 	if !slices.Equal(out.kinds, want) {
 		t.Fatalf("manifest holds %v, want one each of %v", out.kinds, want)
 	}
@@ -235,6 +249,7 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 		AssumePodLevelEnablement: true, ZtunnelWait: 7 * time.Second, DNSCapture: false, IPTablesBackend: "nft",
 		ProbeSNATv4: netip.MustParseAddr("169.254.7.42"), ProbeSNATv6: netip.MustParseAddr("fd16::42"),
 		HealthAddr: ":15999", MetricsAddr: ":15998", LogLevel: "debug", KubeClientQPS: 12.5, KubeClientBurst: 25,
+		StartupTaint: true, StartupTaintOnShutdown: true,
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("all-values configuration\n got %+v\nwant %+v", got, want)

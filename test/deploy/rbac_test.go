@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"testing"
 	"time"
 
@@ -64,9 +65,11 @@ func TestManifestRBACIsShippedRBAC(t *testing.T) {
 	}
 
 	// A renamed release grants the same, on its own DaemonSet's name.
+	// With the startup taint on (all values), get and patch on nodes too.
 	all := decode(t, render(t, "all", "all-values-ns", "-f", allValues))
-	if !reflect.DeepEqual(all.cr.Rules, o.cr.Rules) {
-		t.Errorf("all-values ClusterRole rules %+v differ from the manifest's %+v", all.cr.Rules, o.cr.Rules)
+	nodes := rbacv1.PolicyRule{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get", "patch"}}
+	if want := append(slices.Clone(o.cr.Rules), nodes); !reflect.DeepEqual(all.cr.Rules, want) {
+		t.Errorf("all-values ClusterRole rules %+v, want the manifest's and %+v", all.cr.Rules, nodes)
 	}
 	want := []rbacv1.PolicyRule{{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{"mesh-node"}, Verbs: []string{"get", "list", "watch"}}}
 	if !reflect.DeepEqual(all.role.Rules, want) {

@@ -17,6 +17,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
+	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 )
 
@@ -78,6 +79,12 @@ type Config struct {
 	IPTablesBackend          string
 	ProbeSNATv4              netip.Addr
 	ProbeSNATv6              netip.Addr
+
+	// StartupTaint removes the node's startup taint once the agent is
+	// ready to capture; StartupTaintOnShutdown puts it back when the agent
+	// stops and its DaemonSet lives on.
+	StartupTaint           bool
+	StartupTaintOnShutdown bool
 
 	HealthAddr  string
 	MetricsAddr string
@@ -214,6 +221,8 @@ func options() []option {
 		}},
 		{"probe-snat-ipv4", "Source address kubelet probes are SNATed to (IPv4).", ambient.DefaultProbeSNATv4.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv4 }, false)},
 		{"probe-snat-ipv6", "Source address kubelet probes are SNATed to (IPv6).", ambient.DefaultProbeSNATv6.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv6 }, true)},
+		{"startup-taint", "Remove the startup taint " + nodetaint.Key + ":" + string(nodetaint.Effect) + " (kubelet --register-with-taints) from this node once the agent is ready to capture: the plugin is chained, startup reconcile is done, both sockets listen and a ztunnel acked its snapshot. Needs the chart's nodes patch permission (startupTaint.enabled).", "false", boolean(func(c *Config) *bool { return &c.StartupTaint })},
+		{"startup-taint-on-shutdown", "With startup-taint: put the startup taint back when the agent stops and its DaemonSet lives on (an upgrade, a restart, a node drain; never an uninstall), so no pod is scheduled onto the node until the next agent is ready.", "false", boolean(func(c *Config) *bool { return &c.StartupTaintOnShutdown })},
 		{"health-addr", "Address of /healthz and /readyz, for kubelet's probes (the chart's pod is in the host network, so this is a host port). Nothing else is served there.", health.DefaultAddr, str(func(c *Config) *string { return &c.HealthAddr })},
 		{"metrics-addr", "Address of /metrics (Prometheus; counts and gauges, no pod names); off turns it off. The debug endpoints, which name pods, are served only on the root-only Unix socket debug.sock next to agent-socket.", health.DefaultMetricsAddr, func(c *Config, v string) error {
 			if v == "off" {
@@ -279,6 +288,9 @@ func (c *Config) validate() error {
 	}
 	if _, port, _ := net.SplitHostPort(c.HealthAddr); c.MetricsAddr != "" && c.MetricsAddr == c.HealthAddr && port != "0" {
 		errs = append(errs, fmt.Errorf("metrics-addr and health-addr are both %s: /metrics has its own address", c.HealthAddr))
+	}
+	if c.StartupTaintOnShutdown && !c.StartupTaint {
+		errs = append(errs, errors.New("startup-taint-on-shutdown needs startup-taint (the agent would taint its node and never remove the taint)"))
 	}
 	if c.PluginTimeout <= c.ZtunnelWait {
 		errs = append(errs, fmt.Errorf("plugin-timeout (%s) must exceed ztunnel-wait (%s)", c.PluginTimeout, c.ZtunnelWait))
