@@ -27,6 +27,10 @@ var harnessSettings = map[string]string{
 	"health-addr":   "a free loopback port: several agents run in one test process",
 	"metrics-addr":  "a free loopback port: several agents run in one test process",
 	"ztunnel-wait":  "only TestZtunnelHandoff shortens it, to time the wait without a stand-in",
+	// Off as shipped; only TestStartupTaint turns them on, as the chart's
+	// startupTaint values do.
+	"startup-taint":             "only TestStartupTaint, as startupTaint.enabled",
+	"startup-taint-on-shutdown": "only TestStartupTaint, as startupTaint.restoreOnShutdown",
 }
 
 // TestHarnessRunsShippedDefaults pins what the suite runs the agent with

@@ -31,6 +31,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/metrics"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
+	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/test/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/kubeenv"
@@ -83,7 +84,25 @@ type nodeOptions struct {
 	// injection; see crash_test.go). Not a setting: the agent's flags stay
 	// the shipped ones.
 	AgentHook func(*nodeagent.Config)
+	// StartupTaint registers the node with the startup taint (and another)
+	// and runs the agent with the chart's startupTaint.enabled: its flag
+	// and the nodes rule it adds to the RBAC; StartupTaintOnShutdown adds
+	// startupTaint.restoreOnShutdown.
+	StartupTaint, StartupTaintOnShutdown bool
 }
+
+// startupTaintRBAC is the rule startupTaint.enabled adds to the chart's
+// ClusterRole (test/deploy checks the chart and its admission policy).
+const startupTaintRBAC = `---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata:
+  name: %s
+rules:
+  - apiGroups: [""]
+    resources: ["nodes"]
+    verbs: ["get", "patch"]
+`
 
 // node is one simulated Kubernetes node: a bridge pod network whose
 // primary conflist the daemon's installer chains our plugin into, the
@@ -168,7 +187,12 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 
 	n.agentNS = testnet.RandName("agent-", 8)
 	n.agentPod = "ambient-cni-" + testnet.RandName("", 5)
-	saConfig, _ := env.ServiceAccountClient(t, n.agentNS, agentSA, kubeenv.ShippedRBAC(t))
+	rbac := kubeenv.ShippedRBAC(t)
+	if opts.StartupTaint {
+		rbac = append(rbac, fmt.Sprintf(startupTaintRBAC, "startup-taint-"+n.agentNS)...)
+		n.registerTainted()
+	}
+	saConfig, _ := env.ServiceAccountClient(t, n.agentNS, agentSA, rbac)
 
 	args := agentArgs(agentSetup{
 		node: n.Name, pod: n.agentPod, namespace: n.agentNS, dir: n.dir,
@@ -243,7 +267,45 @@ func agentArgs(s agentSetup, opts nodeOptions) []string {
 	if opts.ZtunnelWait > 0 {
 		args = append(args, "--ztunnel-wait="+opts.ZtunnelWait.String())
 	}
+	if opts.StartupTaint {
+		args = append(args, "--startup-taint=true")
+	}
+	if opts.StartupTaintOnShutdown {
+		args = append(args, "--startup-taint-on-shutdown=true")
+	}
 	return args
+}
+
+// registerTainted creates the node's Node object as kubelet would with
+// --register-with-taints: the startup taint, and another that is not ours.
+func (n *node) registerTainted() {
+	n.t.Helper()
+	_, err := n.env.Client.CoreV1().Nodes().Create(context.Background(), &corev1.Node{
+		ObjectMeta: metav1.ObjectMeta{Name: n.Name},
+		Spec:       corev1.NodeSpec{Taints: []corev1.Taint{nodetaint.Taint, otherTaint}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		n.t.Fatalf("register node: %v", err)
+	}
+	n.t.Cleanup(func() { _ = n.env.Client.CoreV1().Nodes().Delete(context.Background(), n.Name, metav1.DeleteOptions{}) })
+}
+
+// otherTaint is someone else's taint on a node registered tainted.
+var otherTaint = corev1.Taint{Key: "example.com/dedicated", Value: "mesh", Effect: corev1.TaintEffectNoSchedule}
+
+// taints are the node's taints: whether the startup taint and otherTaint
+// are there.
+func (n *node) taints() (startup, other bool) {
+	n.t.Helper()
+	node, err := n.env.Client.CoreV1().Nodes().Get(context.Background(), n.Name, metav1.GetOptions{})
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	for _, t := range node.Spec.Taints {
+		startup = startup || t.MatchTaint(&nodetaint.Taint)
+		other = other || (t.MatchTaint(&otherTaint) && t.Value == otherTaint.Value)
+	}
+	return startup, other
 }
 
 // requireShippedClient fails the test unless the agent's client is rate
