@@ -12,5 +12,8 @@ import (
 )
 
 func main() {
+	if err := plugin.GuardNetnsEnv(os.Getenv, os.Setenv); err != nil {
+		os.Exit(1)
+	}
 	skel.PluginMainFuncs(plugin.New(os.Stdout, os.Stderr).Funcs(), plugin.VersionInfo, plugin.About)
 }

@@ -24,22 +24,30 @@ type PluginConf struct {
 	StatusRequiresAgent bool `json:"statusRequiresAgent,omitempty"`
 	// AgentUnreachable is what ADD and CHECK do for a pod outside the
 	// excluded namespaces while the agent cannot be reached:
-	// AgentUnreachableFailClosed (default) or AgentUnreachableSnapshot.
+	// AgentUnreachableSnapshot (default) or AgentUnreachableFailClosed.
 	AgentUnreachable string `json:"agentUnreachable,omitempty"`
+	// AgentDownAfter is how long after the agent's last heartbeat the
+	// plugin stops expecting it back and, with AgentUnreachableSnapshot,
+	// decides from the snapshot, as a Go duration (default
+	// DefaultAgentDownAfter).
+	AgentDownAfter string `json:"agentDownAfter,omitempty"`
 }
 
 // Values of PluginConf.AgentUnreachable.
 const (
 	// AgentUnreachableFailClosed fails ADD with CNI error 11 (try again
 	// later) for every pod outside the excluded namespaces while the agent
-	// is unreachable: nothing the plugin can read proves that such a pod
-	// needs no capture, since a namespace or pod label may have changed
-	// while the agent was away.
+	// is unreachable, however long it has been gone: for operators who
+	// want every pod the plugin cannot decide on blocked.
 	AgentUnreachableFailClosed = "fail-closed"
-	// AgentUnreachableSnapshot decides from the agent's last enablement
-	// snapshot instead: pods in namespaces it did not see enabled start
-	// uncaptured (unless pod-level enablement was in use), even if the
-	// namespace was labelled after the snapshot was written.
+	// AgentUnreachableSnapshot (the default) fails closed too while the
+	// agent is probably coming back (its heartbeat is younger than
+	// AgentDownAfter: a restart, an upgrade). Once it has been gone longer,
+	// pods the agent's last enablement snapshot shows outside the mesh
+	// (namespace not enabled, no pod-level enablement in use) start
+	// uncaptured and are recorded for the agent to re-check when it
+	// returns; pods of enabled namespaces keep failing closed, and so does
+	// every pod when there is no snapshot.
 	AgentUnreachableSnapshot = "snapshot"
 )
 
@@ -50,6 +58,12 @@ const (
 	// MaxPluginTimeout bounds Timeout: kubelet's own runtime request
 	// timeout is two minutes, waiting longer only hides a stuck agent.
 	MaxPluginTimeout = 2 * time.Minute
+	// DefaultAgentDownAfter is how long the plugin expects an agent that
+	// stopped answering to come back (AgentDownAfter's default): longer
+	// than a restart or an upgrade of the DaemonSet takes.
+	DefaultAgentDownAfter = 2 * time.Minute
+	// MaxAgentDownAfter bounds AgentDownAfter.
+	MaxAgentDownAfter = 24 * time.Hour
 	// DefaultPluginLogLevel is the plugin's default log level.
 	DefaultPluginLogLevel = "warn"
 )

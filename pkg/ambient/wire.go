@@ -43,6 +43,9 @@ type PodEvent struct {
 	Netns        string   `json:"netns"`
 	IfName       string   `json:"ifName,omitempty"`
 	IPs          []string `json:"ips,omitempty"`
+	// Network is the CNI network (the conflist's name) the sandbox is
+	// attached through, so a GC of one network leaves the others' alone.
+	Network string `json:"network,omitempty"`
 }
 
 // Verdict is the agent's answer to a successful PodEvent.
@@ -75,6 +78,9 @@ type PodEventResponse struct {
 // GCRequest lists the attachments the runtime still considers valid.
 type GCRequest struct {
 	ValidSandboxIDs []string `json:"validSandboxIDs"`
+	// Network is the CNI network the GC is for: only sandboxes attached
+	// through it are considered. Empty (an older plugin) considers all.
+	Network string `json:"network,omitempty"`
 }
 
 // Field limits enforced by Validate; Kubernetes' own limits, rounded up.
@@ -113,6 +119,9 @@ func (e *PodEvent) Validate() error {
 	}
 	if len(e.IfName) > maxIfaceLen || !printable(e.IfName) {
 		return fmt.Errorf("ifName: invalid")
+	}
+	if len(e.Network) > maxNameLen || !printable(e.Network) {
+		return fmt.Errorf("network: at most %d printable characters", maxNameLen)
 	}
 	if len(e.IPs) > maxIPs {
 		return fmt.Errorf("ips: at most %d", maxIPs)
@@ -214,6 +223,9 @@ func DecodeGCRequest(b []byte) (*GCRequest, error) {
 func validateGC(req *GCRequest) error {
 	if req.ValidSandboxIDs == nil {
 		return errors.New("validSandboxIDs: required (an empty list means none is valid)")
+	}
+	if len(req.Network) > maxNameLen || !printable(req.Network) {
+		return fmt.Errorf("network: at most %d printable characters", maxNameLen)
 	}
 	if len(req.ValidSandboxIDs) > maxGCIDs {
 		return fmt.Errorf("validSandboxIDs: at most %d", maxGCIDs)

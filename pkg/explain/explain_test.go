@@ -128,8 +128,9 @@ func TestVerdicts(t *testing.T) {
 	stale := mkPod("plain", "stale", "u-stale", "10.0.0.4", annotated)
 	draining := mkPod("shop", "draining", "u-draining", "10.0.0.5", terminating, annotated)
 	lost := mkPod("shop", "lost", "u-lost", "10.0.0.6", annotated)
+	typo := mkPod("plain", "typo", "u-typo", "10.0.0.7", func(p *corev1.Pod) { p.Annotations[ambient.DNSCaptureAnnotation] = "maybe" })
 	pods := &fakePods{pods: map[string]*corev1.Pod{}, nss: map[string]*corev1.Namespace{"shop": on, "plain": off}}
-	for _, p := range []*corev1.Pod{leaving, starting, unwanted, stale, draining, lost} {
+	for _, p := range []*corev1.Pod{leaving, starting, unwanted, stale, draining, lost, typo} {
 		pods.pods[p.Namespace+"/"+p.Name] = p
 	}
 	// Restored without its netns after a restart (issue 12 item 1).
@@ -162,6 +163,7 @@ func TestVerdicts(t *testing.T) {
 		{"shop", "draining", true, "captured (namespace labelled ambient); terminating: stays captured", ""},
 		{"shop", "gone", false, "captured, but its pod object is gone", "object is gone"},
 		{"shop", "lost", false, "captured (namespace labelled ambient)", "has not been found since the agent restarted"},
+		{"plain", "typo", false, "not captured", `ambient.istio.io/dns-capture="maybe" is not a boolean`},
 	} {
 		r, err := e.Explain(context.Background(), c.ns, c.name)
 		if err != nil {
@@ -181,7 +183,31 @@ func TestVerdicts(t *testing.T) {
 		t.Errorf("scanned /proc for %v: none of these pods needs a scan", finder.asked)
 	}
 	all := e.ExplainAll(context.Background())
-	if all.Pods != 7 || all.Captured != 4 || all.WithProblems != 4 || all.RulesBackend != "nftables" {
+	if all.Pods != 8 || all.Captured != 4 || all.WithProblems != 5 || all.RulesBackend != "nftables" {
 		t.Errorf("node report: %d pods, %d captured, %d with problems, backend %q", all.Pods, all.Captured, all.WithProblems, all.RulesBackend)
+	}
+}
+
+// A tenant's pod labelled as ztunnel is decided like any other, and the
+// explain view says why the label did not exempt it.
+func TestExplainDataPlaneLabelOutsideItsNamespaces(t *testing.T) {
+	on := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}}}
+	fake := mkPod("shop", "fake-zt", "u-fake", "", func(p *corev1.Pod) { p.Labels = map[string]string{"app": enablement.ZtunnelAppLabelValue} })
+	real := mkPod(enablement.DefaultDataPlaneNamespace, "ztunnel-x", "u-zt", "", func(p *corev1.Pod) { p.Labels = map[string]string{"app": enablement.ZtunnelAppLabelValue} })
+	pods := &fakePods{pods: map[string]*corev1.Pod{"shop/fake-zt": fake, real.Namespace + "/ztunnel-x": real}, nss: map[string]*corev1.Namespace{"shop": on}}
+	e := &Explainer{Pods: pods, Agent: &fakeAgent{}, Finder: &fakeFinder{}, Policy: enablement.DefaultPolicy()}
+	r, err := e.Explain(context.Background(), "shop", "fake-zt")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !r.Policy.Capture || !strings.Contains(r.Policy.Note, "data-plane namespaces [istio-system]") {
+		t.Errorf("tenant pod labelled ztunnel: capture %v, note %q; want captured, with a note naming the data-plane namespaces", r.Policy.Capture, r.Policy.Note)
+	}
+	r, err = e.Explain(context.Background(), real.Namespace, "ztunnel-x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Policy.Capture || r.Policy.Reason != string(enablement.ReasonDataPlanePod) || r.Policy.Note != "" {
+		t.Errorf("ztunnel in its namespace: %+v; want exempt, no note", r.Policy)
 	}
 }

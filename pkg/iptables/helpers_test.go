@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	dt "github.com/ambient-cni/ambient-cni/test/dataplanetest"
 	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
@@ -17,7 +18,7 @@ func requireBackend(t *testing.T, b Backend) {
 	t.Helper()
 	testnet.RequireRoot(t)
 	cmds := []string{"ip"}
-	for _, f := range Families {
+	for _, f := range ruleset.Families {
 		cmds = append(cmds, b.Cmd(f), b.SaveCmd(f), b.RestoreCmd(f))
 	}
 	if b == BackendNFT {

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
@@ -17,14 +18,6 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
-
-// RuleApplier installs, verifies and removes the in-pod rules inside the
-// namespace at a path (pkg/rulesbackend: the iptables or nftables backend).
-type RuleApplier interface {
-	Apply(netns string, cfg ruleset.PodConfig) error
-	Verify(netns string, cfg ruleset.PodConfig) (ruleset.Drift, error)
-	Remove(netns string) error
-}
 
 // Ztunnel hands pods to ztunnel over ZDS (pkg/zds.Server). Add returns
 // once the newest ztunnel acknowledged the pod; Del once every connected
@@ -70,13 +63,19 @@ type HostProbe interface {
 	IPs() ([]netip.Addr, error)
 }
 
+// EventRecorder records Kubernetes events on pods (client-go's
+// record.EventRecorder satisfies it).
+type EventRecorder interface {
+	Eventf(object runtime.Object, eventtype, reason, messageFmt string, args ...any)
+}
+
 // DefaultZtunnelTimeout is how long a capture waits for ztunnel's ack of
 // the pod by default.
 const DefaultZtunnelTimeout = 5 * time.Second
 
 // Config configures an Agent. Rules is required.
 type Config struct {
-	Rules RuleApplier
+	Rules ruleset.Applier
 	// Ztunnel receives enrolled pods; nil means no ztunnel handoff (pods
 	// count as enabled once their rules are in place).
 	Ztunnel Ztunnel
@@ -90,6 +89,9 @@ type Config struct {
 	Annotator Annotator
 	// Pods, when set, is the pod cache (see PodLister).
 	Pods PodLister
+	// Events, when set, gets a Warning on a captured pod whose annotations
+	// the agent ignores because they do not parse.
+	Events EventRecorder
 	// RecordDir holds the capture records (default next to the default
 	// agent socket, RecordDir).
 	RecordDir string
@@ -138,6 +140,8 @@ type PodInfo struct {
 	UID       types.UID
 	SandboxID string
 	IPs       []netip.Addr
+	// Network is the CNI network of the request.
+	Network string
 }
 
 // EnrolledPod is a copy of one entry of the agent's state.
@@ -146,6 +150,9 @@ type EnrolledPod struct {
 	Namespace, Name, ServiceAccount string
 	// SandboxID is empty for pods enrolled by the controller.
 	SandboxID string
+	// Network is the CNI network the sandbox was attached through (empty
+	// for the controller's pods).
+	Network string
 	// Netns is where the namespace was found; NetnsID its inode.
 	Netns   string
 	NetnsID uint64
@@ -166,6 +173,8 @@ type EnrolledPod struct {
 type Sandbox struct {
 	ID  string
 	IPs []netip.Addr
+	// Network is the CNI network (conflist name) of the ADD.
+	Network string
 }
 
 type entry struct {

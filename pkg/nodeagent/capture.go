@@ -35,9 +35,9 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, 
 		_ = ns.Close()
 		return errors.New("capture: pod without uid")
 	}
-	sandboxID, ips := "", enablement.PodIPs(pod)
+	sandboxID, network, ips := "", "", enablement.PodIPs(pod)
 	if sb != nil {
-		sandboxID, ips = sb.ID, sb.IPs
+		sandboxID, network, ips = sb.ID, sb.Network, sb.IPs
 	}
 	unlock := a.lock(pod.UID)
 	defer unlock()
@@ -52,16 +52,25 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, 
 	}
 	a.mu.Lock()
 	old := a.pods[pod.UID]
+	holder := a.holderOf(ns, pod.UID)
 	a.mu.Unlock()
+	if holder != nil {
+		// Handing it to ztunnel under this pod's uid would give this pod
+		// the other pod's traffic and identity.
+		_ = ns.Close()
+		return invalid(fmt.Errorf("netns %s of pod %s/%s is the network namespace of live pod %s/%s (uid %s)",
+			ns.Source(), pod.Namespace, pod.Name, holder.Namespace, holder.Name, holder.UID))
+	}
 	prevRec, hadRec := a.records.get(pod.UID)
 	if old != nil && old.ns.SameAs(ns) && sandboxID == "" {
 		// The controller re-enrolling a pod the CNI path enrolled.
-		sandboxID = old.SandboxID
+		sandboxID, network = old.SandboxID, old.Network
 	}
 	cfg := a.ruleConfig(pod)
+	a.reportInvalidAnnotations(log, pod)
 	e := &entry{ns: ns, EnrolledPod: EnrolledPod{
 		UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, ServiceAccount: pod.Spec.ServiceAccountName,
-		SandboxID: sandboxID, Netns: ns.Source(), NetnsID: ns.ID(), IPs: slices.Clone(ips),
+		SandboxID: sandboxID, Network: network, Netns: ns.Source(), NetnsID: ns.ID(), IPs: slices.Clone(ips),
 		State: StatePending, Rules: cfg, Since: time.Now(),
 	}}
 	// The record goes first: from the moment rules may exist in the
@@ -108,6 +117,32 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, 
 	e.State = StateEnabled
 	a.mu.Unlock()
 	a.wantAnnotation(&e.EnrolledPod, StateEnabled, nil)
+	return nil
+}
+
+// reportInvalidAnnotations says, in the log and as a Warning event on the
+// pod, which of its annotations the capture ignores because they do not
+// parse: silently applying the default would hide the typo.
+func (a *Agent) reportInvalidAnnotations(log *slog.Logger, pod *corev1.Pod) {
+	for _, msg := range enablement.InvalidAnnotations(pod) {
+		log.Warn("ignoring invalid pod annotation", "problem", msg)
+		if a.cfg.Events != nil {
+			a.cfg.Events.Eventf(pod, corev1.EventTypeWarning, "AmbientInvalidAnnotation", "%s", msg)
+		}
+	}
+}
+
+// holderOf returns the enrolled pod other than uid that holds namespace
+// ns, or nil. Only a pod holding a handle counts: a held namespace is
+// alive, so its identity (nsfs device and inode) cannot have been reused,
+// unlike a torn-down one's. Called with a.mu held.
+func (a *Agent) holderOf(ns *netns.Handle, uid types.UID) *entry {
+	id := ns.Identity()
+	for u, e := range a.pods {
+		if u != uid && e.ns != nil && e.ns.Identity() == id {
+			return e
+		}
+	}
 	return nil
 }
 

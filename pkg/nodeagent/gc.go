@@ -9,10 +9,14 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 )
 
-// GC forgets every CNI-enrolled pod whose sandbox is not in valid (pods the
-// controller enrolled carry no sandbox id and are left to it), held or
-// known only by its capture record. It returns how many it removed.
-func (a *Agent) GC(ctx context.Context, valid []string) int {
+// GC forgets every CNI-enrolled pod attached through network whose sandbox
+// is not in valid (pods the controller enrolled carry no sandbox id and are
+// left to it), held or known only by its capture record. The runtime lists
+// one network's attachments, so pods of other networks (several conflists,
+// as with Multus) and of no known network are left alone; network ""
+// (an older plugin) considers every pod. It returns how many it removed.
+func (a *Agent) GC(ctx context.Context, network string, valid []string) int {
+	mine := func(n string) bool { return network == "" || n == network }
 	keep := make(map[string]bool, len(valid))
 	for _, id := range valid {
 		keep[id] = true
@@ -26,14 +30,14 @@ func (a *Agent) GC(ctx context.Context, valid []string) int {
 	a.mu.Lock()
 	for uid, e := range a.pods {
 		seen[uid] = true
-		if e.SandboxID != "" && !keep[e.SandboxID] {
+		if e.SandboxID != "" && mine(e.Network) && !keep[e.SandboxID] {
 			drop = append(drop, stale{e.SandboxID, uid})
 		}
 	}
 	a.mu.Unlock()
 	// Pods known only by their record (not restored) too.
 	for _, r := range a.records.all() {
-		if !seen[r.UID] && r.SandboxID != "" && !keep[r.SandboxID] {
+		if !seen[r.UID] && r.SandboxID != "" && mine(r.Network) && !keep[r.SandboxID] {
 			drop = append(drop, stale{r.SandboxID, r.UID})
 		}
 	}

@@ -20,7 +20,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
-	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/test/fuzzseed"
 	"github.com/ambient-cni/ambient-cni/test/poll"
 	"github.com/ambient-cni/ambient-cni/test/testnet"
@@ -257,7 +257,7 @@ func TestReplayedDelCleansUnrestoredPod(t *testing.T) {
 	spool := filepath.Join(h.dir, nodefiles.SpoolName)
 	gone, held := testnet.NewNS(t), testnet.NewNS(t)
 	// A previous agent captured "gone"; no record (an older agent).
-	if err := h.rules.real.Apply(gone.Path(), iptables.PodConfig{}); err != nil {
+	if err := h.rules.seed(gone.Path(), ruleset.PodConfig{}); err != nil {
 		t.Fatal(err)
 	}
 	// "held" is captured by this agent; a stale spool entry names it.
@@ -487,7 +487,7 @@ func TestGCDropsRecordOnlyPods(t *testing.T) {
 	if got := h.recorded(t); len(got) != 2 {
 		t.Fatalf("records after restart: %v", got)
 	}
-	if n := h.agent.GC(ctx, []string{"sb-b"}); n != 1 {
+	if n := h.agent.GC(ctx, "", []string{"sb-b"}); n != 1 {
 		t.Errorf("GC removed %d, want 1", n)
 	}
 	if got := h.recorded(t); len(got) != 1 || !strings.Contains(got[0], "u-b") {

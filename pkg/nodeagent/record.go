@@ -39,6 +39,9 @@ type Record struct {
 	Name      string    `json:"name"`
 	// SandboxID is empty for pods the controller captured.
 	SandboxID string `json:"sandboxID,omitempty"`
+	// Network is the CNI network of the sandbox's ADD (empty for the
+	// controller's pods and records of older agents).
+	Network string `json:"network,omitempty"`
 	// Netns is the path the namespace was opened from; NetnsDev and
 	// NetnsIno identify it (a path can be reused, an identity cannot
 	// while the namespace lives).
@@ -281,7 +284,7 @@ func parseRecord(b []byte) (Record, error) {
 	if r.Namespace == "" || r.Name == "" || len(r.Namespace) > 253 || len(r.Name) > 253 {
 		return Record{}, errors.New("namespace and name required, at most 253 bytes each")
 	}
-	if len(r.SandboxID) > 253 || len(r.Netns) > 4096 || strings.ContainsRune(r.Netns, 0) {
+	if len(r.SandboxID) > 253 || len(r.Network) > 253 || len(r.Netns) > 4096 || strings.ContainsRune(r.Netns, 0) {
 		return Record{}, errors.New("sandbox id or netns path too long or invalid")
 	}
 	if len(r.IPs) > 16 {

@@ -63,7 +63,7 @@ func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, ns *netns.Handle) 
 	if recorded && (netns.Identity{Dev: rec.NetnsDev, Ino: rec.NetnsIno}) == ns.Identity() {
 		// The same sandbox the record names: keep its id (a later DEL
 		// names it) and the runtime's path.
-		e.SandboxID, e.Netns = rec.SandboxID, rec.Netns
+		e.SandboxID, e.Network, e.Netns = rec.SandboxID, rec.Network, rec.Netns
 		if len(e.IPs) == 0 {
 			e.IPs = rec.IPs
 		}
@@ -118,7 +118,7 @@ func (a *Agent) RestoreUnresolved(pod *corev1.Pod) {
 		IPs: enablement.PodIPs(pod), State: state, Rules: a.ruleConfig(pod), Since: time.Now(), Unresolved: true,
 	}}
 	if rec, ok := a.records.get(pod.UID); ok {
-		e.SandboxID, e.Netns = rec.SandboxID, rec.Netns
+		e.SandboxID, e.Network, e.Netns = rec.SandboxID, rec.Network, rec.Netns
 		if len(e.IPs) == 0 {
 			e.IPs = slices.Clone(rec.IPs)
 		}
@@ -214,7 +214,7 @@ func (a *Agent) SnapshotAcked(uid string, netns *os.File) {
 // record is the capture record of the entry.
 func (e *entry) record() Record {
 	r := Record{
-		UID: e.UID, Namespace: e.Namespace, Name: e.Name, SandboxID: e.SandboxID,
+		UID: e.UID, Namespace: e.Namespace, Name: e.Name, SandboxID: e.SandboxID, Network: e.Network,
 		Netns: e.Netns, IPs: e.IPs,
 	}
 	if e.ns != nil {

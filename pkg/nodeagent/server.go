@@ -9,15 +9,18 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
 	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/unixsock"
 )
@@ -160,6 +163,10 @@ func (s *Server) Serve(ctx context.Context) error {
 	}
 	stop := context.AfterFunc(ctx, func() { _ = s.Close() })
 	defer stop()
+	kctx, kcancel := context.WithCancel(ctx)
+	kdone := make(chan struct{})
+	go func() { defer close(kdone); s.keepAlive(kctx) }()
+	defer func() { kcancel(); <-kdone }()
 	err := s.http.Serve(ln)
 	// Whatever ended serving, finish the shutdown (or wait for the one in
 	// progress) so the socket is gone when Serve returns.
@@ -308,41 +315,92 @@ func (s *Server) dispatch(ctx context.Context, ev *ambient.PodEvent) (ambient.Ve
 			SandboxID: ev.SandboxID, UID: types.UID(ev.PodUID), Namespace: ev.PodNamespace, Name: ev.PodName, Netns: ev.Netns,
 		})
 	}
-	ns, err := s.netns.Open(ev.Netns)
+	p := PodInfo{Namespace: ev.PodNamespace, Name: ev.PodName, UID: types.UID(ev.PodUID), SandboxID: ev.SandboxID, IPs: ev.Addrs(), Network: ev.Network}
+	if ev.Command == ambient.CommandCheck {
+		return ambient.VerdictOK, s.checkPath(ctx, p, ev.Netns)
+	}
+	return s.addPath(ctx, p, ev.Netns)
+}
+
+// addPath is the CNI ADD with the runtime's netns path: the path is opened
+// (and so validated against the allowed roots) only for a pod that will be
+// captured, so a wrong netns root setting never stops the pods that stay
+// outside the mesh.
+func (s *Server) addPath(ctx context.Context, p PodInfo, path string) (ambient.Verdict, error) {
+	d, pod, err := s.decide(ctx, p)
 	if err != nil {
 		return "", err
 	}
-	p := PodInfo{Namespace: ev.PodNamespace, Name: ev.PodName, UID: types.UID(ev.PodUID), SandboxID: ev.SandboxID, IPs: ev.Addrs()}
-	if ev.Command == ambient.CommandCheck {
-		return ambient.VerdictOK, s.Check(ctx, p, ns)
+	if !d.Enroll {
+		s.log.Info("pod not enrolled", "pod", p.Namespace+"/"+p.Name, "sandbox", p.SandboxID, "reason", d.Reason)
+		return ambient.VerdictNotEnrolled, nil
 	}
-	return s.Add(ctx, p, ns)
+	ns, err := s.netns.Open(path)
+	if err != nil {
+		return "", err
+	}
+	return s.capture(ctx, p, d, pod, ns)
 }
 
 // Add is the CNI ADD: decide, then capture. It takes ownership of ns and
 // answers only once the pod's rules are in place (and ztunnel acked), or
 // the pod is out of scope.
 func (s *Server) Add(ctx context.Context, p PodInfo, ns *netns.Handle) (ambient.Verdict, error) {
-	d, pod, err := s.decider.Decide(ctx, p.Namespace, p.Name, string(p.UID))
+	d, pod, err := s.decide(ctx, p)
 	if err != nil {
 		_ = ns.Close()
-		return "", Retryable(fmt.Errorf("decide on pod %s/%s: %w", p.Namespace, p.Name, err))
-	}
-	log := s.log.With("pod", p.Namespace+"/"+p.Name, "sandbox", p.SandboxID)
-	if pod != nil && p.UID != "" && pod.UID != p.UID {
-		_ = ns.Close()
-		return "", Retryable(fmt.Errorf("pod %s/%s is uid %s, the runtime asked for %s", p.Namespace, p.Name, pod.UID, p.UID))
+		return "", err
 	}
 	if !d.Enroll {
 		_ = ns.Close()
-		log.Info("pod not enrolled", "reason", d.Reason)
+		s.log.Info("pod not enrolled", "pod", p.Namespace+"/"+p.Name, "sandbox", p.SandboxID, "reason", d.Reason)
 		return ambient.VerdictNotEnrolled, nil
 	}
-	if err := s.agent.Capture(ctx, pod, ns, &Sandbox{ID: p.SandboxID, IPs: p.IPs}); err != nil {
+	return s.capture(ctx, p, d, pod, ns)
+}
+
+// decide is the enablement decision for the pod of a CNI request, with
+// the pod; a pod of another uid than the runtime's is retryable (the cache
+// lags).
+func (s *Server) decide(ctx context.Context, p PodInfo) (enablement.Decision, *corev1.Pod, error) {
+	d, pod, err := s.decider.Decide(ctx, p.Namespace, p.Name, string(p.UID))
+	if err != nil {
+		return d, nil, Retryable(fmt.Errorf("decide on pod %s/%s: %w", p.Namespace, p.Name, err))
+	}
+	if pod != nil && p.UID != "" && pod.UID != p.UID {
+		return d, nil, Retryable(fmt.Errorf("pod %s/%s is uid %s, the runtime asked for %s", p.Namespace, p.Name, pod.UID, p.UID))
+	}
+	return d, pod, nil
+}
+
+// capture enrolls a pod decided in; it takes ownership of ns.
+func (s *Server) capture(ctx context.Context, p PodInfo, d enablement.Decision, pod *corev1.Pod, ns *netns.Handle) (ambient.Verdict, error) {
+	if err := s.agent.Capture(ctx, pod, ns, &Sandbox{ID: p.SandboxID, IPs: p.IPs, Network: p.Network}); err != nil {
 		return "", err
 	}
-	log.Info("pod enrolled", "reason", d.Reason, "uid", pod.UID)
+	s.log.Info("pod enrolled", "pod", p.Namespace+"/"+p.Name, "sandbox", p.SandboxID, "reason", d.Reason, "uid", pod.UID)
 	return ambient.VerdictEnrolled, nil
+}
+
+// checkPath is the CNI CHECK with the runtime's netns path, opened only
+// when there is something to compare it with: a pod decided out and not
+// enrolled passes without it.
+func (s *Server) checkPath(ctx context.Context, p PodInfo, path string) error {
+	d, pod, err := s.decider.Decide(ctx, p.Namespace, p.Name, string(p.UID))
+	if err != nil {
+		return Retryable(fmt.Errorf("decide on pod %s/%s: %w", p.Namespace, p.Name, err))
+	}
+	if p.UID == "" && pod != nil {
+		p.UID = pod.UID
+	}
+	if !d.Enroll && s.agent.get(p.UID) == nil {
+		return nil
+	}
+	ns, err := s.netns.Open(path)
+	if err != nil {
+		return err
+	}
+	return s.agent.Check(ctx, p, d, ns)
 }
 
 // Check is the CNI CHECK: decide, then verify that a pod that should be
@@ -358,6 +416,75 @@ func (s *Server) Check(ctx context.Context, p PodInfo, ns *netns.Handle) error {
 		p.UID = pod.UID
 	}
 	return s.agent.Check(ctx, p, d, ns)
+}
+
+// keepAlive refreshes the heartbeat next to the socket while the server
+// serves, so the plugin knows for how long the agent has been gone, and
+// re-checks the pods the plugin let through while it was: first thing,
+// then at every beat (a plugin that timed out on a live agent spools too).
+func (s *Server) keepAlive(ctx context.Context) {
+	hb := nodefiles.HeartbeatPath(s.cfg.Socket)
+	t := time.NewTicker(nodefiles.HeartbeatInterval)
+	defer t.Stop()
+	for {
+		if err := nodefiles.TouchHeartbeat(hb, time.Now()); err != nil {
+			s.log.Warn("refresh heartbeat", "err", err)
+		}
+		if _, err := s.RecheckPassedThrough(ctx); err != nil {
+			s.log.Warn("re-check pods started without the agent", "err", err)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// RecheckPassedThrough decides again on each pod the plugin let start
+// uncaptured while the agent was gone (the ADD spool next to the socket)
+// and captures those that should be. An entry is removed once handled:
+// captured, decided out, or its pod or namespace gone; one whose capture
+// may succeed later is kept for the next round. It returns how many pods
+// it captured.
+func (s *Server) RecheckPassedThrough(ctx context.Context) (int, error) {
+	dir := nodefiles.AddSpoolDir(s.cfg.Socket)
+	entries, err := nodefiles.ListAdds(dir)
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, en := range entries {
+		if en.Err != nil {
+			s.log.Warn("dropping unusable ADD spool entry", "path", en.Path, "err", en.Err)
+			_ = nodefiles.Remove(en.Path)
+			continue
+		}
+		ev := en.Event
+		p := PodInfo{Namespace: ev.PodNamespace, Name: ev.PodName, UID: types.UID(ev.PodUID), SandboxID: ev.SandboxID, IPs: ev.Addrs(), Network: ev.Network}
+		log := s.log.With("pod", p.Namespace+"/"+p.Name, "sandbox", p.SandboxID)
+		v, err := s.addPath(ctx, p, ev.Netns)
+		switch {
+		case err == nil && v == ambient.VerdictEnrolled:
+			log.Warn("pod started while the agent was gone is now captured")
+			n++
+		case err == nil:
+		case IsInvalid(err) || apierrors.IsNotFound(err):
+			// Its sandbox or the pod itself is gone.
+			log.Info("pod started while the agent was gone needs no re-check", "err", err)
+		default:
+			if _, serr := os.Stat(ev.Netns); serr != nil {
+				log.Info("pod started while the agent was gone has no netns any more; re-check dropped", "err", err)
+				break
+			}
+			log.Warn("re-check of a pod started while the agent was gone failed; will retry", "err", err)
+			continue
+		}
+		if err := nodefiles.Remove(en.Path); err != nil {
+			log.Warn("remove ADD spool entry", "err", err)
+		}
+	}
+	return n, nil
 }
 
 func (s *Server) handleStatus(w http.ResponseWriter, r *http.Request) {
@@ -389,7 +516,7 @@ func (s *Server) handleGC(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.HandlerTimeout)
 	defer cancel()
 	start := time.Now()
-	n := s.agent.GC(ctx, req.ValidSandboxIDs)
+	n := s.agent.GC(ctx, req.Network, req.ValidSandboxIDs)
 	s.observe("GC", string(ambient.VerdictOK), time.Since(start))
 	s.log.Info("gc", "valid", len(req.ValidSandboxIDs), "removed", n)
 	reply(w, http.StatusOK, ambient.PodEventResponse{Verdict: ambient.VerdictOK})

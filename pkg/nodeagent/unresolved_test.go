@@ -92,7 +92,7 @@ func TestRestoreUnresolvedKeepsPod(t *testing.T) {
 	// while the agent was down.
 	found := markedPod("found", "u-found", "10.9.0.1")
 	pn := testnet.NewNS(t)
-	if err := rules.real.Apply(pn.Path(), a.ruleConfig(found)); err != nil {
+	if err := rules.seed(pn.Path(), a.ruleConfig(found)); err != nil {
 		t.Fatal(err)
 	}
 	if err := a.Restore(ctx, found, openNS(t, pn)); err != nil {
@@ -271,7 +271,7 @@ func TestRecordedPodRestoredWithoutNetns(t *testing.T) {
 		t.Errorf("unenroll: held %v, rules %v, records %v", h.agent.get("u-unenroll") != nil, rulesIn("unenroll"), h.recorded(t))
 	}
 	// GC: its recorded sandbox is no longer the runtime's.
-	if n := h.agent.GC(ctx, []string{"sb-release", "sb-capture"}); n != 1 || h.agent.get("u-gc") != nil {
+	if n := h.agent.GC(ctx, "", []string{"sb-release", "sb-capture"}); n != 1 || h.agent.get("u-gc") != nil {
 		t.Errorf("GC removed %d, still held %v", n, h.agent.get("u-gc") != nil)
 	}
 

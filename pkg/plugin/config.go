@@ -1,7 +1,8 @@
 // Package plugin is the logic of the thin CNI plugin: it parses the plugin
 // configuration and the runtime's CNI_ARGS, forwards each pod to the node
-// agent over its Unix socket, fails closed when the agent is unreachable
-// (or, if configured, falls back to the agent's enablement snapshot), and
+// agent over its Unix socket, decides on its own when the agent is
+// unreachable (fail closed while it is probably coming back; past that,
+// the agent's enablement snapshot lets pods outside the mesh start), and
 // passes prevResult through unchanged.
 //
 // It must stay small: the runtime execs the plugin for every pod, so it
@@ -54,6 +55,14 @@ type Config struct {
 	SnapshotFile string
 	// SpoolDir holds DELs recorded while the agent was unreachable.
 	SpoolDir string
+	// AddSpoolDir holds the ADDs let through while the agent was gone, for
+	// it to re-check.
+	AddSpoolDir string
+	// HeartbeatFile is the agent's heartbeat, next to the socket.
+	HeartbeatFile string
+	// AgentDownAfter is how long after the agent's last sign of life the
+	// snapshot fallback applies (key "agentDownAfter").
+	AgentDownAfter time.Duration
 	// Timeout bounds one exchange with the agent (key "timeout").
 	Timeout time.Duration
 	// LogLevel filters the plugin's stderr log (key "logLevel").
@@ -67,8 +76,8 @@ type Config struct {
 	StatusRequiresAgent bool
 	// AgentUnreachable is what ADD and CHECK do for a pod outside the
 	// excluded namespaces while the agent is unreachable (key
-	// "agentUnreachable"): ambient.AgentUnreachableFailClosed (default) or
-	// ambient.AgentUnreachableSnapshot.
+	// "agentUnreachable"): ambient.AgentUnreachableSnapshot (default) or
+	// ambient.AgentUnreachableFailClosed.
 	AgentUnreachable string
 	// PrevResult is the previous plugin's result, nil when absent.
 	PrevResult types.Result
@@ -99,6 +108,7 @@ func ParseConfig(stdin []byte) (*Config, error) {
 		Name:                raw.Name,
 		AgentSocket:         raw.AgentSocket,
 		Timeout:             ambient.DefaultPluginTimeout,
+		AgentDownAfter:      ambient.DefaultAgentDownAfter,
 		ExcludedNamespaces:  []string{ambient.DefaultExcludedNamespace},
 		StatusRequiresAgent: raw.StatusRequiresAgent,
 		AgentUnreachable:    raw.AgentUnreachable,
@@ -106,7 +116,7 @@ func ParseConfig(stdin []byte) (*Config, error) {
 	}
 	switch c.AgentUnreachable {
 	case "":
-		c.AgentUnreachable = ambient.AgentUnreachableFailClosed
+		c.AgentUnreachable = ambient.AgentUnreachableSnapshot
 	case ambient.AgentUnreachableFailClosed, ambient.AgentUnreachableSnapshot:
 	default:
 		return nil, invalidConfig("agentUnreachable %q must be %q or %q", raw.AgentUnreachable, ambient.AgentUnreachableFailClosed, ambient.AgentUnreachableSnapshot)
@@ -120,6 +130,15 @@ func ParseConfig(stdin []byte) (*Config, error) {
 	}
 	c.SnapshotFile = nodefiles.SnapshotPath(c.AgentSocket)
 	c.SpoolDir = nodefiles.SpoolDir(c.AgentSocket)
+	c.AddSpoolDir = nodefiles.AddSpoolDir(c.AgentSocket)
+	c.HeartbeatFile = nodefiles.HeartbeatPath(c.AgentSocket)
+	if raw.AgentDownAfter != "" {
+		d, err := time.ParseDuration(raw.AgentDownAfter)
+		if err != nil || d <= 0 || d > ambient.MaxAgentDownAfter {
+			return nil, invalidConfig("agentDownAfter %q must be a Go duration in (0, %s]", raw.AgentDownAfter, ambient.MaxAgentDownAfter)
+		}
+		c.AgentDownAfter = d
+	}
 	if raw.Timeout != "" {
 		d, err := time.ParseDuration(raw.Timeout)
 		if err != nil || d <= 0 || d > ambient.MaxPluginTimeout {

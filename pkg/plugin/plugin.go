@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"slices"
+	"time"
 
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
@@ -24,6 +25,9 @@ const About = "ambient-cni: chained CNI plugin that hands Kubernetes pods to the
 type Plugin struct {
 	Stdout io.Writer
 	Stderr io.Writer
+	// Now is the clock the agent's heartbeat is judged by (default
+	// time.Now); tests set it.
+	Now func() time.Time
 }
 
 // New returns a plugin writing results to stdout and logs to stderr.
@@ -86,7 +90,7 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 	var unreachable *ambient.UnreachableError
 	switch {
 	case errors.As(err, &unreachable):
-		return p.fallback(c, log, ns, err)
+		return p.fallback(c, log, ev, err)
 	case err != nil:
 		return tryAgain("ambient-cni: %v; the pod was not started, the runtime will retry", err)
 	case resp.Error != "":
@@ -102,29 +106,64 @@ func (p *Plugin) Add(args *skel.CmdArgs) error {
 }
 
 // fallback decides while the agent is unreachable, for a pod outside the
-// excluded namespaces. By default it fails closed with code 11 (the
-// runtime retries until the agent is back): no file the plugin can read
-// proves the pod needs no capture, since its namespace may have been
-// labelled while the agent was away. With agentUnreachable "snapshot" it
-// passes through pods whose namespace the agent's last snapshot did not
-// see enabled.
-func (p *Plugin) fallback(c *call, log *slog.Logger, ns string, cause error) error {
+// excluded namespaces. It fails closed (code 11: the runtime retries) with
+// agentUnreachable "fail-closed"; while the agent is probably coming back
+// (its last sign of life, the heartbeat or the snapshot's write time, is
+// younger than agentDownAfter); when there is no usable snapshot; and for a
+// pod the snapshot shows may need capture. Only a pod the agent's last
+// snapshot shows outside the mesh, with the agent gone longer than
+// agentDownAfter, starts uncaptured: it is recorded in the ADD spool so the
+// agent re-checks it first thing when it returns.
+func (p *Plugin) fallback(c *call, log *slog.Logger, ev *ambient.PodEvent, cause error) error {
+	ns := ev.PodNamespace
 	if c.cfg.AgentUnreachable != ambient.AgentUnreachableSnapshot {
 		log.Warn("node agent unreachable; failing closed", "err", cause, "agentUnreachable", c.cfg.AgentUnreachable)
 		return tryAgain("ambient-cni: %v; namespace %q is not excluded, so the pod may need ambient capture and is not started until the node agent answers (agentUnreachable %q). The runtime will retry: check that the ambient-cni node agent is running on this node", cause, ns, c.cfg.AgentUnreachable)
 	}
+	snap, why := p.agentGone(c, ns)
+	if why != "" {
+		log.Warn("node agent unreachable; failing closed", "err", cause, "reason", why)
+		return tryAgain("ambient-cni: %v, and %s; refusing to start the pod uncaptured. The runtime will retry: check that the ambient-cni node agent is running on this node", cause, why)
+	}
+	rec := *ev
+	rec.Command = ambient.CommandAdd
+	if err := nodefiles.Spool(c.cfg.AddSpoolDir, rec); err != nil {
+		// The agent's pod controller still looks at every pod of the node
+		// when it returns; the spool only puts these first.
+		log.Error("could not record the pod for the agent to re-check", "err", err, "dir", c.cfg.AddSpoolDir)
+	}
+	log.Warn("node agent gone; namespace not enabled per snapshot, passing through (recorded for the agent to re-check)",
+		"err", cause, "generation", snap.generation(), "downAfter", c.cfg.AgentDownAfter)
+	return p.passThrough(c.cfg)
+}
+
+// agentGone reads the node files the fallback decides by: it returns the
+// snapshot and "" when namespace ns is outside the mesh per the snapshot
+// and the agent has been gone longer than agentDownAfter, else why not.
+func (p *Plugin) agentGone(c *call, ns string) (snapshotView, string) {
 	snap, serr := readSnapshot(c.cfg.SnapshotFile)
-	if !snap.MayNeedCapture(ns) {
-		log.Warn("node agent unreachable; namespace not enabled per snapshot, passing through",
-			"err", cause, "generation", snap.generation())
-		return p.passThrough(c.cfg)
-	}
-	why := fmt.Sprintf("namespace %q may need ambient capture per the enablement snapshot (generation %d)", ns, snap.generation())
 	if serr != nil {
-		why = fmt.Sprintf("no usable enablement snapshot (%v), so namespace %q may need ambient capture", serr, ns)
+		return snap, fmt.Sprintf("no usable enablement snapshot (%v), so namespace %q may need ambient capture", serr, ns)
 	}
-	log.Warn("node agent unreachable; failing closed", "err", cause, "reason", why)
-	return tryAgain("ambient-cni: %v, and %s; refusing to start the pod uncaptured. The runtime will retry: check that the ambient-cni node agent is running on this node", cause, why)
+	last := snap.Written
+	if hb, err := nodefiles.LastAlive(c.cfg.HeartbeatFile); err == nil && hb.After(last) {
+		last = hb
+	}
+	// A sign of life in the future (a clock set back) counts as recent.
+	if age := p.now().Sub(last); age < c.cfg.AgentDownAfter {
+		return snap, fmt.Sprintf("the node agent was alive %s ago, within agentDownAfter %s, so it is probably restarting", age.Round(time.Second), c.cfg.AgentDownAfter)
+	}
+	if snap.MayNeedCapture(ns) {
+		return snap, fmt.Sprintf("namespace %q may need ambient capture per the enablement snapshot (generation %d)", ns, snap.generation())
+	}
+	return snap, ""
+}
+
+func (p *Plugin) now() time.Time {
+	if p.Now != nil {
+		return p.Now()
+	}
+	return time.Now()
 }
 
 func (p *Plugin) passThrough(cfg *Config) error {
@@ -195,7 +234,7 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 	switch {
 	case errors.As(err, &unreachable):
 		if c.cfg.AgentUnreachable == ambient.AgentUnreachableSnapshot {
-			if snap, _ := readSnapshot(c.cfg.SnapshotFile); !snap.MayNeedCapture(ns) {
+			if _, why := p.agentGone(c, ns); why == "" {
 				return nil
 			}
 		}
@@ -240,7 +279,8 @@ func (p *Plugin) GC(args *skel.CmdArgs) error {
 		c.log.Warn("GC without cni.dev/valid-attachments; nothing to forward")
 		return nil
 	}
-	req := &ambient.GCRequest{ValidSandboxIDs: []string{}}
+	// The runtime lists the valid attachments of this network only.
+	req := &ambient.GCRequest{ValidSandboxIDs: []string{}, Network: c.cfg.Name}
 	for _, a := range c.cfg.ValidAttachments {
 		if !slices.Contains(req.ValidSandboxIDs, a.ContainerID) {
 			req.ValidSandboxIDs = append(req.ValidSandboxIDs, a.ContainerID)
@@ -280,7 +320,7 @@ func (c *call) podEvent(cmd ambient.Command, args *skel.CmdArgs) (ev *ambient.Po
 		return nil, false, err
 	}
 	ev.Command, ev.PodUID, ev.IPs = cmd, string(k8s.K8S_POD_UID), ips
-	ev.SandboxID, ev.Netns, ev.IfName = args.ContainerID, args.Netns, args.IfName
+	ev.SandboxID, ev.Netns, ev.IfName, ev.Network = args.ContainerID, args.Netns, args.IfName, c.cfg.Name
 	if err := ev.Validate(); err != nil {
 		return nil, false, types.NewError(types.ErrInvalidEnvironmentVariables, "ambient-cni: invalid pod data from the runtime: "+err.Error(), "")
 	}

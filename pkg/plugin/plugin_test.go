@@ -12,7 +12,9 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 
@@ -154,7 +156,7 @@ func TestAddPassesPrevResultThrough(t *testing.T) {
 			t.Fatalf("agent got %d events", len(evs))
 		}
 		want := ambient.PodEvent{Command: ambient.CommandAdd, PodName: "web-1", PodNamespace: "shop", PodUID: "0b7c6f0e-1111",
-			SandboxID: "sb1", Netns: "/var/run/netns/cni-1", IfName: "eth0", IPs: []string{"10.1.0.5", "fd00::5"}}
+			SandboxID: "sb1", Netns: "/var/run/netns/cni-1", IfName: "eth0", IPs: []string{"10.1.0.5", "fd00::5"}, Network: "k8s"}
 		if diff := cmp.Diff(want, evs[0]); diff != "" {
 			t.Errorf("event (-want +got):\n%s", diff)
 		}
@@ -248,23 +250,25 @@ func writeSnapshot(t *testing.T, dir string, s nodefiles.EnablementSnapshot) {
 	}
 }
 
-// TestAddAgentDownFailsClosed: by default, with the agent unreachable,
-// every pod outside the excluded namespaces fails with code 11, whatever
-// the snapshot says: a namespace labelled while the agent was away is not
-// in it. Excluded namespaces (the plugin's own, static config) pass.
+// TestAddAgentDownFailsClosed: with agentUnreachable "fail-closed", with
+// the agent unreachable, every pod outside the excluded namespaces fails
+// with code 11, whatever the snapshot says and however long the agent has
+// been gone. Excluded namespaces (the plugin's own, static config) pass.
 func TestAddAgentDownFailsClosed(t *testing.T) {
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "agent.sock")
 	writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 5, EnabledNamespaces: []string{"other"}, ExcludedNamespaces: []string{"kube-system"}})
-	for _, extra := range []string{"", `,"agentUnreachable":"fail-closed"`} {
-		_, err := run(t, add, conf(sock, "1.0.0", extra), k8sArgs)
-		if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "unreachable") ||
-			!strings.Contains(err.Error(), `namespace "shop" is not excluded`) {
-			t.Errorf("conf%s, namespace not enabled per snapshot: %v; want code 11", extra, err)
-		}
-		if _, err := run(t, check, conf(sock, "1.0.0", extra), k8sArgs); cniCode(t, err) != types.ErrTryAgainLater {
-			t.Errorf("conf%s: CHECK with agent down: %v; want code 11", extra, err)
-		}
+	extra := `,"agentUnreachable":"fail-closed"`
+	_, err := run(t, add, conf(sock, "1.0.0", extra), k8sArgs)
+	if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "unreachable") ||
+		!strings.Contains(err.Error(), `namespace "shop" is not excluded`) {
+		t.Errorf("namespace not enabled per snapshot: %v; want code 11", err)
+	}
+	if _, err := run(t, check, conf(sock, "1.0.0", extra), k8sArgs); cniCode(t, err) != types.ErrTryAgainLater {
+		t.Errorf("CHECK with agent down: %v; want code 11", err)
+	}
+	if entries, _ := nodefiles.ListAdds(nodefiles.AddSpoolDir(sock)); len(entries) != 0 {
+		t.Errorf("fail-closed recorded a passed-through ADD: %+v", entries)
 	}
 	out, err := run(t, add, conf(sock, "1.0.0", `,"excludedNamespaces":["shop"]`), k8sArgs)
 	if err != nil || !jsonEqual(t, out, prevV1) {
@@ -276,40 +280,118 @@ func TestAddAgentDownFailsClosed(t *testing.T) {
 	}
 }
 
-// TestAddAgentDownUsesSnapshot: with agentUnreachable "snapshot" the
-// plugin decides from the agent's last enablement snapshot.
+// runAt runs a verb with the plugin's clock set to now.
+func runAt(t *testing.T, now time.Time, verb func(*Plugin) func(*skel.CmdArgs) error, stdin []byte, args string) (string, error) {
+	t.Helper()
+	var out, logs bytes.Buffer
+	p := New(&out, &logs)
+	p.Now = func() time.Time { return now }
+	err := verb(p)(&skel.CmdArgs{ContainerID: "sb1", Netns: "/var/run/netns/cni-1", IfName: "eth0", Args: args, StdinData: stdin})
+	if logs.Len() > 0 {
+		t.Logf("plugin log:\n%s", logs.String())
+	}
+	return out.String(), err
+}
+
+// TestAddAgentDownUsesSnapshot: by default (agentUnreachable "snapshot")
+// the plugin fails closed while the agent was alive within agentDownAfter
+// (by its heartbeat, or the snapshot's write time), and past that decides
+// from the agent's last enablement snapshot, recording each pod it lets
+// through for the agent to re-check.
 func TestAddAgentDownUsesSnapshot(t *testing.T) {
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "agent.sock")
-	conf := func(sock, version, extra string) []byte {
-		return conf(sock, version, `,"agentUnreachable":"snapshot"`+extra)
-	}
-	// No snapshot: fail closed.
-	_, err := run(t, add, conf(sock, "1.0.0", ""), k8sArgs)
-	if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "unreachable") || !strings.Contains(err.Error(), "no usable enablement snapshot") {
-		t.Errorf("no snapshot gave %v", err)
-	}
-	writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 4, EnabledNamespaces: []string{"shop"}})
-	_, err = run(t, add, conf(sock, "1.0.0", ""), k8sArgs)
-	if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), `namespace "shop" may need ambient capture`) {
-		t.Errorf("enabled namespace gave %v", err)
-	}
-	writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 5, EnabledNamespaces: []string{"other"}})
-	out, err := run(t, add, conf(sock, "1.0.0", ""), k8sArgs)
-	if err != nil || !jsonEqual(t, out, prevV1) {
-		t.Errorf("non-enabled namespace: %q, %v", out, err)
-	}
-	writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 6, PodLevelEnablement: true})
-	if _, err = run(t, add, conf(sock, "1.0.0", ""), k8sArgs); cniCode(t, err) != types.ErrTryAgainLater {
-		t.Errorf("pod-level enablement gave %v", err)
+	hb := nodefiles.HeartbeatPath(sock)
+	t0 := time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC)
+	within, past := t0.Add(ambient.DefaultAgentDownAfter-time.Second), t0.Add(ambient.DefaultAgentDownAfter+time.Second)
+	for _, c := range []struct{ name, extra string }{{"default", ""}, {"snapshot", `,"agentUnreachable":"snapshot"`}} {
+		t.Run(c.name, func(t *testing.T) {
+			conf := func(extra string) []byte { return conf(sock, "1.0.0", c.extra+extra) }
+			_ = os.Remove(filepath.Join(dir, nodefiles.SnapshotName))
+			_ = os.RemoveAll(nodefiles.AddSpoolDir(sock))
+			if err := nodefiles.TouchHeartbeat(hb, t0); err != nil {
+				t.Fatal(err)
+			}
+			// No snapshot: fail closed, however old the heartbeat.
+			_, err := runAt(t, past, add, conf(""), k8sArgs)
+			if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "unreachable") || !strings.Contains(err.Error(), "no usable enablement snapshot") {
+				t.Errorf("no snapshot gave %v", err)
+			}
+			writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 4, EnabledNamespaces: []string{"shop"}})
+			_, err = runAt(t, past, add, conf(""), k8sArgs)
+			if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), `namespace "shop" may need ambient capture`) {
+				t.Errorf("enabled namespace gave %v", err)
+			}
+			writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 5, EnabledNamespaces: []string{"other"}})
+			// The agent was alive recently: probably restarting.
+			_, err = runAt(t, within, add, conf(""), k8sArgs)
+			if cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "probably restarting") {
+				t.Errorf("heartbeat within the window gave %v", err)
+			}
+			if _, err := runAt(t, within, check, conf(""), k8sArgs); cniCode(t, err) != types.ErrTryAgainLater {
+				t.Errorf("CHECK, heartbeat within the window: %v", err)
+			}
+			// A shorter window set by the operator.
+			if out, err := runAt(t, within, add, conf(`,"agentDownAfter":"30s"`), k8sArgs); err != nil || !jsonEqual(t, out, prevV1) {
+				t.Errorf("agentDownAfter 30s, heartbeat older: %q, %v", out, err)
+			}
+			_ = os.RemoveAll(nodefiles.AddSpoolDir(sock))
+			// The snapshot's write time counts as a sign of life too.
+			writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 5, EnabledNamespaces: []string{"other"}, Written: past.Add(-time.Minute)})
+			if _, err = runAt(t, past, add, conf(""), k8sArgs); cniCode(t, err) != types.ErrTryAgainLater {
+				t.Errorf("snapshot written within the window gave %v", err)
+			}
+			if entries, _ := nodefiles.ListAdds(nodefiles.AddSpoolDir(sock)); len(entries) != 0 {
+				t.Errorf("a failed-closed ADD was recorded: %+v", entries)
+			}
+			writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 5, EnabledNamespaces: []string{"other"}})
+			out, err := runAt(t, past, add, conf(""), k8sArgs)
+			if err != nil || !jsonEqual(t, out, prevV1) {
+				t.Errorf("non-enabled namespace, agent gone: %q, %v", out, err)
+			}
+			if _, err := runAt(t, past, check, conf(""), k8sArgs); err != nil {
+				t.Errorf("CHECK, non-enabled namespace, agent gone: %v", err)
+			}
+			entries, err := nodefiles.ListAdds(nodefiles.AddSpoolDir(sock))
+			if err != nil || len(entries) != 1 || entries[0].Event == nil {
+				t.Fatalf("ADD spool = %+v, %v", entries, err)
+			}
+			if ev := entries[0].Event; ev.Command != ambient.CommandAdd || ev.SandboxID != "sb1" || ev.PodUID != "0b7c6f0e-1111" ||
+				ev.Netns != "/var/run/netns/cni-1" || ev.PodNamespace != "shop" || len(ev.IPs) == 0 {
+				t.Errorf("recorded %+v", ev)
+			}
+			writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 6, PodLevelEnablement: true})
+			if _, err = runAt(t, past, add, conf(""), k8sArgs); cniCode(t, err) != types.ErrTryAgainLater {
+				t.Errorf("pod-level enablement gave %v", err)
+			}
+			if _, err := runAt(t, past, add, conf(`,"agentDownAfter":"soon"`), k8sArgs); cniCode(t, err) != types.ErrInvalidNetworkConfig {
+				t.Errorf("bad agentDownAfter: %v", err)
+			}
+		})
 	}
 	// A socket file with nobody listening is unreachable too.
+	writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 6, PodLevelEnablement: true})
 	ln, _ := net.Listen("unix", sock)
-	_ = ln.(*net.UnixListener)
 	ln.(*net.UnixListener).SetUnlinkOnClose(false)
 	_ = ln.Close()
-	if _, err = run(t, add, conf(sock, "1.0.0", ""), k8sArgs); cniCode(t, err) != types.ErrTryAgainLater {
+	if _, err := runAt(t, past, add, conf(sock, "1.0.0", ""), k8sArgs); cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "unreachable") {
 		t.Errorf("stale socket gave %v", err)
+	}
+}
+
+// TestAddAgentDownSpecialFiles: no kind of file in place of the snapshot
+// or the heartbeat blocks the plugin or lets a pod through.
+func TestAddAgentDownSpecialFiles(t *testing.T) {
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "agent.sock")
+	if err := syscall.Mkfifo(filepath.Join(dir, nodefiles.SnapshotName), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Mkfifo(nodefiles.HeartbeatPath(sock), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := run(t, add, conf(sock, "1.0.0", ""), k8sArgs); cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "not a regular file") {
+		t.Errorf("FIFO snapshot gave %v", err)
 	}
 }
 
@@ -411,7 +493,7 @@ func TestGCForwardsValidAttachments(t *testing.T) {
 	if _, err := run(t, func(p *Plugin) func(*skel.CmdArgs) error { return p.GC }, stdin, ""); err != nil {
 		t.Fatal(err)
 	}
-	if len(a.gcs) != 1 || strings.Join(a.gcs[0].ValidSandboxIDs, ",") != "a,b" {
+	if len(a.gcs) != 1 || strings.Join(a.gcs[0].ValidSandboxIDs, ",") != "a,b" || a.gcs[0].Network != "k8s" {
 		t.Errorf("agent got GC %+v", a.gcs)
 	}
 	// Without the key (not an empty list) nothing is forwarded.

@@ -16,7 +16,7 @@ import (
 func TestEntryRoundTrip(t *testing.T) {
 	e := ambient.PluginConf{AgentSocket: "/run/x/agent.sock", Timeout: "12s", LogLevel: "debug",
 		ExcludedNamespaces: []string{"infra", "kube-system"}, StatusRequiresAgent: true,
-		AgentUnreachable: ambient.AgentUnreachableSnapshot}
+		AgentUnreachable: ambient.AgentUnreachableFailClosed, AgentDownAfter: "90s"}
 	b, err := json.Marshal(e)
 	if err != nil {
 		t.Fatal(err)
@@ -32,8 +32,9 @@ func TestEntryRoundTrip(t *testing.T) {
 	want := &Config{
 		CNIVersion: "1.0.0", Name: "k8s-pod-network", AgentSocket: e.AgentSocket,
 		SnapshotFile: "/run/x/enablement.json", SpoolDir: "/run/x/pending-del",
+		AddSpoolDir: "/run/x/pending-add", HeartbeatFile: "/run/x/agent-alive", AgentDownAfter: 90 * time.Second,
 		Timeout: 12 * time.Second, LogLevel: slog.LevelDebug, ExcludedNamespaces: e.ExcludedNamespaces, StatusRequiresAgent: true,
-		AgentUnreachable: ambient.AgentUnreachableSnapshot,
+		AgentUnreachable: ambient.AgentUnreachableFailClosed,
 	}
 	if diff := cmp.Diff(want, c); diff != "" {
 		t.Fatalf("entry %s parsed wrong (-want +got):\n%s", b, diff)

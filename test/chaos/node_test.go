@@ -177,7 +177,7 @@ func newNode(t *testing.T, o nodeOptions) *node {
 	n.metrics = bench.HealthURL(n.cfg.MetricsAddr)
 	n.logPath = filepath.Join(n.dir, "install-cni.log")
 	n.rules, err = rulesbackend.New(rulesbackend.Config{
-		Backend: n.cfg.IPTablesBackend,
+		Backend: n.cfg.RulesBackend,
 		Probe:   ruleset.HostProbeConfig{ProbeSNATv4: n.cfg.ProbeSNATv4, ProbeSNATv6: n.cfg.ProbeSNATv6},
 	})
 	if err != nil {

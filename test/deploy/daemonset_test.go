@@ -22,6 +22,8 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 
 	"github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
+	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/test/kubeenv"
 )
 
@@ -242,12 +244,14 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 		DaemonSet: "mesh-node", Kubeconfig: "/etc/mesh/kubeconfig",
 		CNIBinDir: "/host/opt/cni/bin", CNIConfDir: "/host/etc/cni/net.d", CNIConfName: "10-primary.conflist",
 		PluginType: "mesh-cni", PluginBinary: "/custom/plugins/ambient-cni",
-		PluginTimeout: 45 * time.Second, PluginLogLevel: "debug", StatusChecksAgent: true, AgentUnreachable: "snapshot",
+		PluginTimeout: 45 * time.Second, PluginLogLevel: "debug", StatusChecksAgent: true, AgentUnreachable: "fail-closed", AgentDownAfter: 5 * time.Minute,
 		AgentSocket: "/var/run/mesh-agent/agent.sock", ZDSSocket: "/var/run/ztunnel-custom/zds.sock",
 		ProcRoot: "/host/proc", NetnsDirs: []string{"/var/run/custom-netns", "/run/custom/netns"},
 		ExcludedNamespaces:       []string{"kube-system", "istio-system", "monitoring"},
-		AssumePodLevelEnablement: true, ZtunnelWait: 7 * time.Second, DNSCapture: false, IPTablesBackend: "nft",
-		ProbeSNATv4: netip.MustParseAddr("169.254.7.42"), ProbeSNATv6: netip.MustParseAddr("fd16::42"),
+		DataPlaneNamespaces:      []string{"all-values-ns", "ztunnel-system"},
+		AssumePodLevelEnablement: true, ZtunnelWait: 7 * time.Second, DNSCapture: false,
+		RulesBackend: rulesbackend.Selection{Choice: rulesbackend.IPTables, Flavour: iptables.BackendNFT},
+		ProbeSNATv4:  netip.MustParseAddr("169.254.7.42"), ProbeSNATv6: netip.MustParseAddr("fd16::42"),
 		HealthAddr: ":15999", MetricsAddr: ":15998", LogLevel: "debug", KubeClientQPS: 12.5, KubeClientBurst: 25,
 		StartupTaint: true, StartupTaintOnShutdown: true,
 	}
@@ -443,6 +447,21 @@ func TestMetricsPort(t *testing.T) {
 		scrape := ann["prometheus.io/scrape"] == "true" && ann["prometheus.io/port"] == strconv.Itoa(int(metrics)) && ann["prometheus.io/path"] == "/metrics"
 		if scrape != c.annotations {
 			t.Errorf("%s: scrape annotations %v, want them %v", name, ann, c.annotations)
+		}
+	}
+}
+
+// TestOldBackendValue: the chart's old value name for the rules backend
+// still reaches install-cni, and wins over the new one when set.
+func TestOldBackendValue(t *testing.T) {
+	for args, want := range map[[4]string]string{
+		{"--set", "agent.rulesBackend=nftables", "--set", "agent.logLevel=info"}:       "nftables",
+		{"--set", "agent.iptablesBackend=legacy", "--set", "agent.logLevel=info"}:      "legacy",
+		{"--set", "agent.iptablesBackend=nft", "--set", "agent.rulesBackend=iptables"}: "nft",
+	} {
+		env := decode(t, render(t, releaseName, namespace, args[:]...)).env(t)
+		if got := env[app.EnvName("rules-backend")]; got != want {
+			t.Errorf("%v: %s=%q, want %q", args, app.EnvName("rules-backend"), got, want)
 		}
 	}
 }

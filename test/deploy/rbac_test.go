@@ -65,9 +65,9 @@ func TestManifestRBACIsShippedRBAC(t *testing.T) {
 	}
 
 	// A renamed release grants the same, on its own DaemonSet's name.
-	// With the startup taint on (all values), get and patch on nodes too.
+	// With the startup taint on (all values), patch on nodes too.
 	all := decode(t, render(t, "all", "all-values-ns", "-f", allValues))
-	nodes := rbacv1.PolicyRule{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get", "patch"}}
+	nodes := rbacv1.PolicyRule{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"patch"}}
 	if want := append(slices.Clone(o.cr.Rules), nodes); !reflect.DeepEqual(all.cr.Rules, want) {
 		t.Errorf("all-values ClusterRole rules %+v, want the manifest's and %+v", all.cr.Rules, nodes)
 	}
@@ -130,6 +130,7 @@ func TestChartBindingsGrantTheAgent(t *testing.T) {
 		{Verb: "create", Resource: "events", Namespace: "default"},
 		{Verb: "patch", Resource: "events", Namespace: "default"},
 		{Verb: "get", Group: "apps", Resource: "daemonsets", Namespace: ns, Name: name},
+		{Verb: "get", Resource: "nodes", Name: "some-node"},
 	}
 	// The RBAC authorizer sees new bindings through a watch: wait for them.
 	deadline := time.Now().Add(30 * time.Second)
@@ -152,6 +153,8 @@ func TestChartBindingsGrantTheAgent(t *testing.T) {
 		{Verb: "update", Resource: "pods", Namespace: "default", Name: "p"},
 		{Verb: "delete", Resource: "pods", Namespace: "default", Name: "p"},
 		{Verb: "list", Resource: "secrets"},
+		{Verb: "list", Resource: "nodes"},
+		{Verb: "patch", Resource: "nodes", Name: "some-node"},
 		{Verb: "patch", Resource: "namespaces", Name: "default"},
 		{Verb: "create", Group: "events.k8s.io", Resource: "events", Namespace: "default"},
 	}

@@ -17,6 +17,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/test/kubesim"
 	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"github.com/ambient-cni/ambient-cni/test/ztunnel"
@@ -66,12 +67,12 @@ func (f *faults) hit(kind string) int {
 }
 
 func (f *faults) hook(c *nodeagent.Config) {
-	c.Rules = faultyRules{RuleApplier: c.Rules, f: f}
+	c.Rules = faultyRules{Applier: c.Rules, f: f}
 	c.Annotator = faultyAnnotator{Annotator: c.Annotator, f: f}
 }
 
 type faultyRules struct {
-	nodeagent.RuleApplier
+	ruleset.Applier
 	f *faults
 }
 
@@ -79,7 +80,7 @@ func (r faultyRules) Remove(netns string) error {
 	if r.f.trip(faultRemove) {
 		return errCrashed
 	}
-	return r.RuleApplier.Remove(netns)
+	return r.Applier.Remove(netns)
 }
 
 type faultyAnnotator struct {

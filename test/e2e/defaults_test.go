@@ -40,7 +40,7 @@ var harnessSettings = map[string]string{
 // that on every node the suite starts). test/deploy keeps install-cni's
 // defaults equal to the chart's default values.
 func TestHarnessRunsShippedDefaults(t *testing.T) {
-	for _, tuning := range []string{"kube-client-qps", "kube-client-burst", "plugin-timeout", "log-level", "dns-capture", "iptables-backend"} {
+	for _, tuning := range []string{"kube-client-qps", "kube-client-burst", "plugin-timeout", "log-level", "dns-capture", "rules-backend", "iptables-backend"} {
 		if _, ok := harnessSettings[tuning]; ok {
 			t.Errorf("the harness may not set %s: it is a tuning setting, run it as shipped", tuning)
 		}
@@ -65,7 +65,7 @@ func TestHarnessRunsShippedDefaults(t *testing.T) {
 	}
 	if cfg.KubeClientQPS != shipped.KubeClientQPS || cfg.KubeClientBurst != shipped.KubeClientBurst ||
 		cfg.PluginTimeout != shipped.PluginTimeout || cfg.DNSCapture != shipped.DNSCapture ||
-		cfg.IPTablesBackend != shipped.IPTablesBackend || cfg.LogLevel != shipped.LogLevel {
+		cfg.RulesBackend != shipped.RulesBackend || cfg.LogLevel != shipped.LogLevel {
 		t.Errorf("harness config %+v differs from the shipped %+v in a tuning setting", cfg, shipped)
 	}
 }

@@ -290,8 +290,10 @@ func (n *node) registerTainted() {
 	n.t.Cleanup(func() { _ = n.env.Client.CoreV1().Nodes().Delete(context.Background(), n.Name, metav1.DeleteOptions{}) })
 }
 
-// otherTaint is someone else's taint on a node registered tainted.
-var otherTaint = corev1.Taint{Key: "example.com/dedicated", Value: "mesh", Effect: corev1.TaintEffectNoSchedule}
+// otherTaint is someone else's taint on a node registered tainted
+// (PreferNoSchedule: the test DaemonSet, which tolerates nothing, still
+// targets the node, so a stop with it is an upgrade).
+var otherTaint = corev1.Taint{Key: "example.com/dedicated", Value: "mesh", Effect: corev1.TaintEffectPreferNoSchedule}
 
 // taints are the node's taints: whether the startup taint and otherTaint
 // are there.

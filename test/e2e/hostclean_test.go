@@ -11,6 +11,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/test/kubesim"
 	"github.com/ambient-cni/ambient-cni/test/podproc"
 )
@@ -104,7 +105,7 @@ func requireHostClean(t *testing.T, n **node, pods *[]*kubesim.Pod) {
 		subnet := strings.TrimSuffix(nd.subnet.Addr().String(), ".0") + "."
 		ours := func(l string) bool {
 			for _, m := range []string{iptables.ChainOutput, iptables.ChainPrerouting, iptables.ChainProbeSNAT,
-				"ISTIO_", "AMBIENT_", iptables.ProbeSetV4, iptables.ProbeSetV6, nd.bridge, subnet,
+				"ISTIO_", "AMBIENT_", ruleset.ProbeSetV4, ruleset.ProbeSetV6, nd.bridge, subnet,
 				"istio-ambient-", nftables.TableHost} {
 				if strings.Contains(l, m) {
 					return true

@@ -195,3 +195,48 @@ func roundTrip(t *testing.T, c net.Conn, msg string) {
 		t.Fatalf("echo of %q: %q, %v", msg, buf, err)
 	}
 }
+
+// TestPodStartedWhileAgentGoneRecheckedOnReturn: once the agent has been
+// gone longer than agentDownAfter (its heartbeat and snapshot aged by
+// hand, an hour old), a pod in a namespace its last snapshot saw not
+// enabled starts uncaptured through the real plugin, even one opted in by
+// its own label (the documented residual risk), and is recorded; the
+// returning agent re-checks the record and captures the pod.
+func TestPodStartedWhileAgentGoneRecheckedOnReturn(t *testing.T) {
+	n := newNode(t, nodeOptions{Upgrade: true})
+	shop := n.namespace("shop", ambientLabel)
+	plain := n.namespace("plain", nil)
+	a := n.runPod(podSpec(shop, "a", nil, nil))
+	n.waitEnrolled(waitLong, a)
+
+	n.stopDaemon()
+	snapPath := nodefiles.SnapshotPath(n.cfg.AgentSocket)
+	snap, err := nodefiles.ReadSnapshot(snapPath)
+	if err != nil || snap.PodLevelEnablement {
+		t.Fatalf("the agent's snapshot: %+v, %v", snap, err)
+	}
+	old := time.Now().Add(-time.Hour)
+	snap.Written = old
+	if err := nodefiles.WriteSnapshot(snapPath, snap); err != nil {
+		t.Fatal(err)
+	}
+	if err := nodefiles.TouchHeartbeat(nodefiles.HeartbeatPath(n.cfg.AgentSocket), old); err != nil {
+		t.Fatal(err)
+	}
+
+	late := n.runPod(podSpec(plain, "late", ambientLabel, nil))
+	if n.hasRules(late) {
+		t.Fatal("a pod started while the agent was gone has rules")
+	}
+	if e, err := nodefiles.ListAdds(nodefiles.AddSpoolDir(n.cfg.AgentSocket)); err != nil || len(e) != 1 {
+		t.Fatalf("recorded ADDs while the agent is gone: %+v, %v; want the new pod's", e, err)
+	}
+
+	n.startDaemon()
+	n.waitEnrolled(waitLong, late)
+	eventually(t, "the record of the pod re-checked", func() bool {
+		e, _ := nodefiles.ListAdds(nodefiles.AddSpoolDir(n.cfg.AgentSocket))
+		return len(e) == 0
+	})
+	mustGet(t, late, a)
+}

@@ -10,6 +10,7 @@ import (
 	"strings"
 
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/netfilter"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
@@ -17,7 +18,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
-// The suite runs the agent with the shipped --iptables-backend (auto: the
+// The suite runs the agent with the shipped --rules-backend (auto: the
 // native nftables backend where the kernel has it, as here). These helpers
 // read a pod's rules in whichever backend the agent chose; the traffic
 // matrix over every backend lives in pkg/rulesbackend.
@@ -31,7 +32,7 @@ const nftablesBackend = "nftables"
 func (n *node) openRules() {
 	n.t.Helper()
 	b, err := rulesbackend.New(rulesbackend.Config{
-		Backend: n.cfg.IPTablesBackend, HostNetns: n.hostNS.Path(),
+		Backend: n.cfg.RulesBackend, HostNetns: n.hostNS.Path(),
 		Probe: ruleset.HostProbeConfig{ProbeSNATv4: n.cfg.ProbeSNATv4, ProbeSNATv6: n.cfg.ProbeSNATv6},
 	})
 	if err != nil {
@@ -42,7 +43,7 @@ func (n *node) openRules() {
 		testnet.RequireCommands(n.t, "nft")
 	} else {
 		f := n.iptablesFlavour(b.Name)
-		testnet.RequireCommands(n.t, f.SaveCmd(iptables.IPv4), f.SaveCmd(iptables.IPv6), f.Cmd(iptables.IPv4))
+		testnet.RequireCommands(n.t, f.SaveCmd(ruleset.IPv4), f.SaveCmd(ruleset.IPv6), f.Cmd(ruleset.IPv4))
 	}
 	n.rules = b
 }
@@ -75,7 +76,7 @@ func (n *node) dump(netnsPath string) string {
 		return n.inNetns(netnsPath, "nft", "-a", "list", "ruleset")
 	}
 	f := n.iptablesFlavour(n.rules.Name)
-	return n.inNetns(netnsPath, f.SaveCmd(iptables.IPv4), "-c") + n.inNetns(netnsPath, f.SaveCmd(iptables.IPv6), "-c")
+	return n.inNetns(netnsPath, f.SaveCmd(ruleset.IPv4), "-c") + n.inNetns(netnsPath, f.SaveCmd(ruleset.IPv6), "-c")
 }
 
 func (n *node) inNetns(netnsPath, name string, args ...string) string {
@@ -107,13 +108,13 @@ func (n *node) ourRules(netnsPath string) (ipt, nft bool) {
 		n.t.Fatalf("look for nftables tables: %v", err)
 	}
 	ours := []string{iptables.ChainPrerouting, iptables.ChainOutput}
-	if ipt, err = nftables.HasChains(netnsPath, ours); err != nil {
+	if ipt, err = netfilter.HasChains(netnsPath, ours); err != nil {
 		n.t.Fatalf("look for iptables-nft chains: %v", err)
 	}
 	if !ipt {
-		if _, err := exec.LookPath(iptables.BackendLegacy.SaveCmd(iptables.IPv4)); err == nil {
-			legacy := n.inNetns(netnsPath, iptables.BackendLegacy.SaveCmd(iptables.IPv4)) +
-				n.inNetns(netnsPath, iptables.BackendLegacy.SaveCmd(iptables.IPv6))
+		if _, err := exec.LookPath(iptables.BackendLegacy.SaveCmd(ruleset.IPv4)); err == nil {
+			legacy := n.inNetns(netnsPath, iptables.BackendLegacy.SaveCmd(ruleset.IPv4)) +
+				n.inNetns(netnsPath, iptables.BackendLegacy.SaveCmd(ruleset.IPv6))
 			ipt = strings.Contains(legacy, ":"+iptables.ChainOutput+" ") || strings.Contains(legacy, ":"+iptables.ChainPrerouting+" ")
 		}
 	}
@@ -142,7 +143,7 @@ func (n *node) inProbeSet(p *kubesim.Pod) bool {
 func (n *node) deleteFirstOutputRule(netnsPath string) {
 	n.t.Helper()
 	if n.rules.Name != nftablesBackend {
-		cmd := n.iptablesFlavour(n.rules.Name).Cmd(iptables.IPv4)
+		cmd := n.iptablesFlavour(n.rules.Name).Cmd(ruleset.IPv4)
 		n.inNetns(netnsPath, cmd, "-t", "nat", "-D", iptables.ChainOutput, "1")
 		return
 	}

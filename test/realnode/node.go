@@ -37,6 +37,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/test/childproc"
 	"github.com/ambient-cni/ambient-cni/test/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/testnet"
@@ -598,7 +599,7 @@ func finish(st *state, logf func(string, ...any)) []error {
 	}
 	if sets, err := ipsetNames(); err == nil {
 		for _, s := range sets {
-			if (s == iptables.ProbeSetV4 || s == iptables.ProbeSetV6) && !slices.Contains(st.Before.IPSets, s) {
+			if (s == ruleset.ProbeSetV4 || s == ruleset.ProbeSetV6) && !slices.Contains(st.Before.IPSets, s) {
 				if out, err := exec.Command("ipset", "destroy", s).CombinedOutput(); err != nil {
 					errs = append(errs, fmt.Errorf("ipset destroy %s: %v: %s", s, err, out))
 				}

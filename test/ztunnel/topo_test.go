@@ -13,12 +13,14 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/pkg/iptables"
-	"github.com/ambient-cni/ambient-cni/pkg/zds"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	"github.com/ambient-cni/ambient-cni/pkg/zds"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
 // tpod is a network namespace on the test bridge, running an HTTP app on
@@ -191,7 +193,7 @@ func (p *tpod) capture(t *testing.T) {
 		testnet.Missing(t, fmt.Sprintf("no usable iptables backend: %v", err))
 	}
 	a := iptables.NewApplier(nil, b)
-	if err := a.Apply(p.ns.Path(), iptables.PodConfig{}); err != nil {
+	if err := a.Apply(p.ns.Path(), ruleset.PodConfig{}); err != nil {
 		t.Fatalf("apply rules in %s: %v", p.name, err)
 	}
 	t.Cleanup(func() { _ = a.Remove(p.ns.Path()) })

@@ -31,7 +31,6 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/controller"
 	"github.com/ambient-cni/ambient-cni/pkg/explain"
@@ -41,11 +40,11 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/metrics"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
+	"github.com/ambient-cni/ambient-cni/pkg/nodedirs"
 	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
-	"github.com/ambient-cni/ambient-cni/pkg/unixsock"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
 
@@ -120,6 +119,10 @@ const annotationFlushTimeout = 2 * time.Second
 // releaseTimeout bounds releasing the captured pods on an uninstall.
 const releaseTimeout = 12 * time.Second
 
+// ztunnelDelTimeout bounds the wait for ztunnel's acks of the released
+// pods' Dels on an uninstall.
+const ztunnelDelTimeout = 3 * time.Second
+
 // hostProbeResync is how often the host probe SNAT is put back (another
 // tool removed it, or got a rule above it in POSTROUTING).
 const hostProbeResync = 30 * time.Second
@@ -161,7 +164,7 @@ func New(o Options) (*App, error) {
 
 	// Rules in pods and the host probe SNAT: nothing is dialled or
 	// installed until used; Run closes what the backend holds.
-	rules, err := rulesbackend.New(rulesbackend.Config{Backend: c.IPTablesBackend, HostNetns: o.HostNetns, Logger: a.log,
+	rules, err := rulesbackend.New(rulesbackend.Config{Backend: c.RulesBackend, HostNetns: o.HostNetns, Logger: a.log,
 		Probe: ruleset.HostProbeConfig{ProbeSNATv4: c.ProbeSNATv4, ProbeSNATv6: c.ProbeSNATv6}})
 	if err != nil {
 		return nil, fmt.Errorf("rules backend: %w", err)
@@ -174,6 +177,7 @@ func New(o Options) (*App, error) {
 		AgentSocket: c.AgentSocket, Timeout: c.PluginTimeout.String(),
 		LogLevel: c.PluginLogLevel, ExcludedNamespaces: nonNil(c.ExcludedNamespaces),
 		StatusRequiresAgent: c.StatusChecksAgent, AgentUnreachable: c.AgentUnreachable,
+		AgentDownAfter: c.AgentDownAfter.String(),
 	})
 	if err != nil {
 		return nil, err
@@ -188,12 +192,13 @@ func New(o Options) (*App, error) {
 	if err != nil {
 		return nil, fmt.Errorf("installer: %w", err)
 	}
-	a.upgrade = kubeadapter.NewDaemonSetUpgradeChecker(o.Client, c.PodNamespace, c.DaemonSet, a.log)
+	a.upgrade = kubeadapter.NewDaemonSetUpgradeChecker(o.Client, c.PodNamespace, c.DaemonSet, c.NodeName, a.log)
 
 	// What the agent decides with: the pod cache.
+	policy := c.EnablementPolicy()
 	a.pods = podcache.New(podcache.Config{
 		Client: o.Client, NodeName: c.NodeName,
-		Policy:                   enablement.Policy{ExcludedNamespaces: c.ExcludedNamespaces},
+		Policy:                   policy,
 		Self:                     types.NamespacedName{Namespace: c.PodNamespace, Name: c.PodName},
 		AssumePodLevelEnablement: c.AssumePodLevelEnablement,
 		Logger:                   a.log,
@@ -211,12 +216,14 @@ func New(o Options) (*App, error) {
 		// previous agent crashed first) is enabled once a snapshot acks it.
 		SnapshotAcked: func(uid string, netns *os.File) { a.agent.SnapshotAcked(uid, netns) },
 	})
+	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
 	// Which netns paths the runtime may name (the agent's DELs and the
 	// plugin's events alike), and how running pods' namespaces are found
 	// (the controller's enrollment and the explainer alike).
 	netnsPolicy := netns.Policy{Roots: c.NetnsDirs, ProcRoot: c.ProcRoot}
 	finder := netns.Scanner{ProcRoot: c.ProcRoot, Logger: a.log}
 	agentCfg := nodeagent.Config{
+		Events:             a.events,
 		Rules:              rules.Rules,
 		HostProbe:          rules.Probe,
 		Ztunnel:            a.zds,
@@ -258,7 +265,6 @@ func New(o Options) (*App, error) {
 		},
 		Logger: a.log,
 	}, a.pods, a.agent)
-	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
 	a.ctrl = controller.New(controller.Config{
 		Pods:   a.pods,
 		Agent:  a.agent,
@@ -282,6 +288,7 @@ func New(o Options) (*App, error) {
 		Backend:   rules.Name,
 		Ztunnels:  a.zds.Connections,
 		DaemonSet: a.upgrade.Seen,
+		Policy:    policy,
 	}
 	a.health.AddCheck("installer", a.installer.Check)
 	a.health.AddCheck("restore", func() error {
@@ -360,10 +367,10 @@ func (a *App) Run(ctx context.Context) (err error) {
 			err = errors.Join(err, fmt.Errorf("close rules backend: %w", cerr))
 		}
 	}()
-	for _, dir := range []string{filepath.Dir(c.AgentSocket), filepath.Dir(c.ZDSSocket)} {
-		if err := unixsock.EnsurePrivateDir(dir); err != nil {
-			return err
-		}
+	// Private directories for the sockets and the node files, noted as
+	// found so an uninstall leaves them as they were.
+	if err := nodedirs.Ensure(filepath.Dir(c.AgentSocket), filepath.Dir(c.ZDSSocket)); err != nil {
+		return err
 	}
 	if err := a.agent.EnsureHostProbe(); err != nil {
 		return err
@@ -378,11 +385,21 @@ func (a *App) Run(ctx context.Context) (err error) {
 
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	var wg sync.WaitGroup
+	// The ZDS server outlives the other components: an uninstall releases
+	// the pods after everything else stopped, and ztunnel must get their
+	// Dels before the server closes. shutdown stops it.
+	zdsCtx, stopZDS := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopZDS()
+	var wg, zdsWG sync.WaitGroup
+	stopZtunnel := func() {
+		stopZDS()
+		_ = a.zds.Close() // one that never served releases its listener
+		zdsWG.Wait()
+	}
 	errs := make(chan error, 10)
-	run := func(name string, f func(context.Context) error) {
+	start := func(wg *sync.WaitGroup, ctx context.Context, name string, f func(context.Context) error) {
 		wg.Go(func() {
-			if err := f(runCtx); err != nil && runCtx.Err() == nil {
+			if err := f(ctx); err != nil && ctx.Err() == nil {
 				select {
 				case errs <- fmt.Errorf("%s: %w", name, err):
 				default: // one failure already stops everything
@@ -391,6 +408,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 			}
 		})
 	}
+	run := func(name string, f func(context.Context) error) { start(&wg, runCtx, name, f) }
 	// Health for kubelet, metrics for Prometheus, each on its own TCP
 	// address; the debug endpoints (pod names, IPs, netns paths) only on a
 	// root-only socket in the agent's private directory.
@@ -456,7 +474,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 	case <-ctx.Done():
 		cancel()
 		wg.Wait()
-		return a.shutdown()
+		return a.shutdown(stopZtunnel)
 	}
 	if err := a.agent.RefreshSnapshot(); err != nil {
 		a.log.Error("enablement snapshot", "err", err)
@@ -478,7 +496,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 		_ = a.zds.Close()
 		return fmt.Errorf("event server: %w", err)
 	}
-	run("zds", a.zds.Serve)
+	start(&zdsWG, zdsCtx, "zds", a.zds.Serve)
 	run("event-server", a.server.Serve)
 	run("spool", a.agent.RunSpoolDrain)
 	if c.StartupTaint {
@@ -504,16 +522,19 @@ func (a *App) Run(ctx context.Context) (err error) {
 	}
 	cancel()
 	wg.Wait()
-	return errors.Join(runErr, a.shutdown())
+	return errors.Join(runErr, a.shutdown(stopZtunnel))
 }
 
 // shutdown releases the agent's state and, unless the DaemonSet lives on
 // (an upgrade: the next agent takes over, pods keep their rules and new
 // pods wait for it), puts the node back to plain networking: every
-// captured pod is released (annotation, rules), then the plugin, its
-// config entry and the host probe set go. Nothing stays redirected to a
-// ztunnel that may be going too.
-func (a *App) shutdown() error {
+// captured pod is released (annotation, rules, and a Del to ztunnel, whose
+// acks are awaited, bounded, before stopZtunnel closes the ZDS server),
+// then the plugin, its config entry, the host probe set and the agent's
+// node files go, and the node directories are put back as they were.
+// Nothing stays redirected to a ztunnel that may be going too. It runs
+// once every other component stopped; stopZtunnel stops the ZDS server.
+func (a *App) shutdown(stopZtunnel func()) error {
 	ctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
 	defer cancel()
 	upgrade := installer.IsUpgrade(ctx, a.upgrade, a.log)
@@ -535,7 +556,13 @@ func (a *App) shutdown() error {
 			errs = append(errs, fmt.Errorf("release pods: %w", err))
 		}
 		rcancel()
+		dctx, dcancel := context.WithTimeout(context.Background(), ztunnelDelTimeout)
+		if err := a.zds.Drain(dctx); err != nil {
+			a.log.Warn("ztunnel did not ack every Del of the released pods; it drops them when it reconnects or stops", "err", err)
+		}
+		dcancel()
 	}
+	stopZtunnel()
 	_ = a.agent.Close()
 	ictx, icancel := context.WithTimeout(context.Background(), shutdownTimeout)
 	defer icancel()
@@ -546,7 +573,10 @@ func (a *App) shutdown() error {
 		if err := a.agent.RemoveHostProbe(); err != nil {
 			errs = append(errs, err)
 		}
-		if err := a.agent.RemoveRecords(); err != nil {
+		if err := a.agent.RemoveNodeFiles(); err != nil {
+			errs = append(errs, err)
+		}
+		if err := nodedirs.Restore(filepath.Dir(a.cfg.AgentSocket)); err != nil {
 			errs = append(errs, err)
 		}
 	}

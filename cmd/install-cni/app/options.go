@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/health"
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
@@ -66,6 +67,7 @@ type Config struct {
 	PluginLogLevel    string
 	StatusChecksAgent bool
 	AgentUnreachable  string
+	AgentDownAfter    time.Duration
 
 	AgentSocket string
 	ZDSSocket   string
@@ -73,10 +75,11 @@ type Config struct {
 	NetnsDirs   []string
 
 	ExcludedNamespaces       []string
+	DataPlaneNamespaces      []string
 	AssumePodLevelEnablement bool
 	ZtunnelWait              time.Duration
 	DNSCapture               bool
-	IPTablesBackend          string
+	RulesBackend             rulesbackend.Selection
 	ProbeSNATv4              netip.Addr
 	ProbeSNATv6              netip.Addr
 
@@ -96,6 +99,15 @@ type option struct {
 	name, help string
 	def        string
 	set        func(c *Config, v string) error
+}
+
+// alias is the older name of a setting ("" for none), still read as flag
+// and environment variable so that existing deployments keep working.
+func (o option) alias() string {
+	if o.name == "rules-backend" {
+		return "iptables-backend"
+	}
+	return ""
 }
 
 func str(dst func(*Config) *string) func(*Config, string) error {
@@ -183,7 +195,7 @@ func options() []option {
 		{"node-name", "Name of this node (from the downward API); required.", "", str(func(c *Config) *string { return &c.NodeName })},
 		{"pod-name", "Name of the agent's own pod, never enrolled.", "", str(func(c *Config) *string { return &c.PodName })},
 		{"pod-namespace", "Namespace of the agent's own pod and DaemonSet.", "", str(func(c *Config) *string { return &c.PodNamespace })},
-		{"daemonset-name", "The agent's DaemonSet, watched by name. Shutdown uninstalls the plugin only on proof: the DaemonSet is gone or being deleted (read at shutdown, or seen by the watch before the agent lost its RBAC); otherwise, including 401/403, the plugin stays installed.", defaultDaemonSet, str(func(c *Config) *string { return &c.DaemonSet })},
+		{"daemonset-name", "The agent's DaemonSet, watched by name. Shutdown uninstalls the plugin only on proof: the DaemonSet is gone or being deleted (read at shutdown, or seen by the watch before the agent lost its RBAC), or no longer schedules onto this node (nodeSelector, required node affinity, an untolerated taint); otherwise, including 401/403, the plugin stays installed.", defaultDaemonSet, str(func(c *Config) *string { return &c.DaemonSet })},
 		{"kubeconfig", "Kubeconfig file; empty means in-cluster configuration.", "", str(func(c *Config) *string { return &c.Kubeconfig })},
 		{"kube-client-qps", "Requests per second the agent's Kubernetes client may send on average (client-side limit; ambient ADDs, DELs and enrollments each cost requests). Istio's CNI agent uses 80.", strconv.Itoa(defaultKubeClientQPS), positiveFloat(func(c *Config) *float32 { return &c.KubeClientQPS })},
 		{"kube-client-burst", "Requests the agent's Kubernetes client may send at once above kube-client-qps, e.g. when a namespace label enrolls many running pods. Istio's CNI agent uses 160.", strconv.Itoa(defaultKubeClientBurst), positiveInt(func(c *Config) *int { return &c.KubeClientBurst })},
@@ -195,7 +207,7 @@ func options() []option {
 		{"plugin-timeout", "How long the plugin waits for the agent's answer; must exceed ztunnel-wait.", ambient.DefaultPluginTimeout.String(), duration(func(c *Config) *time.Duration { return &c.PluginTimeout })},
 		{"plugin-log-level", "Log level of the plugin on the runtime's log (debug, info, warn, error).", ambient.DefaultPluginLogLevel, str(func(c *Config) *string { return &c.PluginLogLevel })},
 		{"plugin-status-checks-agent", "Make CNI STATUS fail (error 50) while the agent is unreachable; off by default because a failing STATUS marks the node NotReady.", "false", boolean(func(c *Config) *bool { return &c.StatusChecksAgent })},
-		{"plugin-agent-unreachable", "What the plugin does for a pod outside excluded-namespaces while the agent is unreachable: fail-closed (CNI error 11, the runtime retries until the agent answers; nothing on the node proves such a pod needs no capture) or snapshot (pass through pods whose namespace the agent's last enablement snapshot did not see enabled, which lets a pod of a namespace labelled while the agent was down start uncaptured).", ambient.AgentUnreachableFailClosed, func(c *Config, v string) error {
+		{"plugin-agent-unreachable", "What the plugin does for a pod outside excluded-namespaces while the agent is unreachable: snapshot (fail closed, CNI error 11, while the agent was alive within plugin-agent-down-after; past that, start pods whose namespace the agent's last enablement snapshot did not see enabled and have the agent re-check them when it returns) or fail-closed (fail closed however long the agent is gone).", ambient.AgentUnreachableSnapshot, func(c *Config, v string) error {
 			switch v {
 			case ambient.AgentUnreachableFailClosed, ambient.AgentUnreachableSnapshot:
 				c.AgentUnreachable = v
@@ -203,21 +215,30 @@ func options() []option {
 			}
 			return fmt.Errorf("want %s or %s", ambient.AgentUnreachableFailClosed, ambient.AgentUnreachableSnapshot)
 		}},
+		{"plugin-agent-down-after", "How long after the agent's last heartbeat the plugin stops expecting it back (a restart or an upgrade takes less) and, with plugin-agent-unreachable=snapshot, lets pods the snapshot shows outside the mesh start.", ambient.DefaultAgentDownAfter.String(), func(c *Config, v string) error {
+			d, err := time.ParseDuration(v)
+			if err != nil || d <= 0 || d > ambient.MaxAgentDownAfter {
+				return fmt.Errorf("want a duration in (0, %s]", ambient.MaxAgentDownAfter)
+			}
+			c.AgentDownAfter = d
+			return nil
+		}},
 		{"agent-socket", "Unix socket the plugin reaches the agent on (directory 0700, socket 0600).", ambient.DefaultAgentSocket, str(func(c *Config) *string { return &c.AgentSocket })},
 		{"zds-socket", "ZDS socket ztunnel connects to.", ambient.DefaultZDSSocket, str(func(c *Config) *string { return &c.ZDSSocket })},
 		{"proc-root", "The host's /proc as mounted in the container, scanned to find running pods' network namespaces.", defaultProcRoot, str(func(c *Config) *string { return &c.ProcRoot })},
 		{"netns-dirs", "Comma-separated directories where the runtime mounts pod network namespaces; the only netns paths accepted from the plugin besides /proc/<pid>/ns/net.", strings.Join(netns.DefaultRoots, ","), list(func(c *Config) *[]string { return &c.NetnsDirs })},
 		{"excluded-namespaces", "Comma-separated namespaces never captured.", ambient.DefaultExcludedNamespace, list(func(c *Config) *[]string { return &c.ExcludedNamespaces })},
-		{"assume-pod-level-enablement", "With plugin-agent-unreachable=snapshot: tell the plugin's fallback that any namespace may hold a pod enabled by its own label, so it fails closed everywhere but excluded namespaces. No effect with fail-closed.", "false", boolean(func(c *Config) *bool { return &c.AssumePodLevelEnablement })},
+		{"data-plane-namespaces", "Comma-separated namespaces where the data-plane labels (app=ztunnel, app.kubernetes.io/name=ztunnel or ambient-cni) keep a pod out of the mesh: the agent's and ztunnel's own. Elsewhere the labels exempt nothing. Empty: the agent's own namespace (pod-namespace).", "", list(func(c *Config) *[]string { return &c.DataPlaneNamespaces })},
+		{"assume-pod-level-enablement", "With plugin-agent-unreachable=snapshot: tell the plugin's fallback that any namespace may hold a pod enabled by its own label, so it fails closed everywhere but excluded namespaces however long the agent is gone. No effect with fail-closed.", "false", boolean(func(c *Config) *bool { return &c.AssumePodLevelEnablement })},
 		{"ztunnel-wait", "How long CNI ADD waits for a connected ztunnel to acknowledge a pod before failing with a retryable error.", nodeagent.DefaultZtunnelTimeout.String(), duration(func(c *Config) *time.Duration { return &c.ZtunnelWait })},
 		{"dns-capture", "Capture DNS (port 53) to ztunnel by default, as Istio's chart does (ambient.dnsCapture); per pod: annotation ambient.istio.io/dns-capture.", "true", boolean(func(c *Config) *bool { return &c.DNSCapture })},
-		{"iptables-backend", "Rules backend in pods and for the host probe SNAT: auto (native nftables when the kernel supports it, else iptables), nftables, iptables (flavour detected from the node), or iptables in one flavour: nft or legacy. Each backend also removes what the other left.", string(rulesbackend.Auto), func(c *Config, v string) error {
-			switch v {
-			case "", "auto", "nftables", "iptables", "nft", "legacy":
-				c.IPTablesBackend = v
-				return nil
+		{"rules-backend", "Rules backend in pods and for the host probe SNAT: auto (native nftables when the kernel supports it, else iptables), nftables, iptables (flavour detected from the node), or iptables in one flavour: nft or legacy. Each backend also removes what the other left.", string(rulesbackend.Auto), func(c *Config, v string) error {
+			sel, err := rulesbackend.Parse(v)
+			if err != nil {
+				return err
 			}
-			return fmt.Errorf("want auto, nftables, iptables, nft or legacy")
+			c.RulesBackend = sel
+			return nil
 		}},
 		{"probe-snat-ipv4", "Source address kubelet probes are SNATed to (IPv4).", ambient.DefaultProbeSNATv4.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv4 }, false)},
 		{"probe-snat-ipv6", "Source address kubelet probes are SNATed to (IPv6).", ambient.DefaultProbeSNATv6.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv6 }, true)},
@@ -242,6 +263,15 @@ func options() []option {
 	}
 }
 
+// envNames names the environment variables that set o, for errors: the
+// alias's too when only it is set.
+func (o option) envNames(getenv func(string) string) string {
+	if o.alias() != "" && getenv(EnvName(o.name)) == "" && getenv(EnvName(o.alias())) != "" {
+		return EnvName(o.alias())
+	}
+	return EnvName(o.name)
+}
+
 // EnvName returns the environment variable that sets flag name.
 func EnvName(name string) string {
 	return EnvPrefix + strings.ToUpper(strings.ReplaceAll(name, "-", "_"))
@@ -255,6 +285,11 @@ func Parse(args []string, getenv func(string) string, stderr io.Writer) (*Config
 	opts := options()
 	for _, o := range opts {
 		v := o.def
+		if o.alias() != "" {
+			if e := getenv(EnvName(o.alias())); e != "" {
+				v = e
+			}
+		}
 		if e := getenv(EnvName(o.name)); e != "" {
 			v = e
 		}
@@ -262,15 +297,17 @@ func Parse(args []string, getenv func(string) string, stderr io.Writer) (*Config
 			continue
 		}
 		if err := o.set(c, v); err != nil {
-			return nil, fmt.Errorf("%s=%q: %w", EnvName(o.name), v, err)
+			return nil, fmt.Errorf("%s=%q: %w", o.envNames(getenv), v, err)
 		}
 	}
 	fs := flag.NewFlagSet("install-cni", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	for _, o := range opts {
-		fs.Func(o.name, fmt.Sprintf("%s (env %s, default %q)", o.help, EnvName(o.name), o.def), func(v string) error {
-			return o.set(c, v)
-		})
+		set := func(v string) error { return o.set(c, v) }
+		fs.Func(o.name, fmt.Sprintf("%s (env %s, default %q)", o.help, EnvName(o.name), o.def), set)
+		if o.alias() != "" {
+			fs.Func(o.alias(), fmt.Sprintf("Old name of --%s.", o.name), set)
+		}
 	}
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -279,6 +316,16 @@ func Parse(args []string, getenv func(string) string, stderr io.Writer) (*Config
 		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
 	}
 	return c, c.validate()
+}
+
+// EnablementPolicy is the policy the agent decides with: the excluded
+// namespaces, and the data-plane namespaces (by default the agent's own).
+func (c *Config) EnablementPolicy() enablement.Policy {
+	p := enablement.Policy{ExcludedNamespaces: c.ExcludedNamespaces, DataPlaneNamespaces: c.DataPlaneNamespaces}
+	if len(p.DataPlaneNamespaces) == 0 && c.PodNamespace != "" {
+		p.DataPlaneNamespaces = []string{c.PodNamespace}
+	}
+	return p
 }
 
 func (c *Config) validate() error {
@@ -317,7 +364,11 @@ func WriteMarkdown(w io.Writer) error {
 		if o.def == "" {
 			def = "(empty)"
 		}
-		fmt.Fprintf(&b, "| `--%s` | `%s` | %s | %s |\n", o.name, EnvName(o.name), def, o.help)
+		help := o.help
+		if o.alias() != "" {
+			help += fmt.Sprintf(" Also read under its old name, `--%s` (`%s`).", o.alias(), EnvName(o.alias()))
+		}
+		fmt.Fprintf(&b, "| `--%s` | `%s` | %s | %s |\n", o.name, EnvName(o.name), def, help)
 	}
 	_, err := io.WriteString(w, b.String())
 	return err

@@ -1,9 +1,11 @@
 // Package nodefiles is the part of the plugin↔agent contract that lives on
 // the node's disk next to the agent socket: the enablement snapshot the
 // agent writes and the plugin falls back to while the agent is unreachable,
-// and the spool of DEL requests the plugin records meanwhile and the agent
-// replays: their paths, formats, readers and writers. The plugin binary
-// imports it, so it stays small.
+// the heartbeat that tells the plugin how long ago the agent was alive, and
+// the spools of requests the plugin records meanwhile for the agent: DELs
+// it replays, and ADDs of pods let through uncaptured, which it re-checks.
+// Their paths, formats, readers and writers. The plugin binary imports it,
+// so it stays small.
 package nodefiles
 
 import (
@@ -25,6 +27,11 @@ const (
 	SnapshotName = "enablement.json"
 	// SpoolName is the DEL spool's directory name in the socket dir.
 	SpoolName = "pending-del"
+	// AddSpoolName is the directory, in the socket dir, of the ADDs the
+	// plugin let through while the agent was gone.
+	AddSpoolName = "pending-add"
+	// HeartbeatName is the heartbeat file's name in the socket dir.
+	HeartbeatName = "agent-alive"
 	// spoolSuffix marks complete spool entries; temp files lack it.
 	spoolSuffix = ".json"
 	// maxEntryBytes bounds one spool entry; a PodEvent is far smaller.
@@ -44,6 +51,12 @@ func SpoolDir(socket string) string {
 	return filepath.Join(filepath.Dir(socket), SpoolName)
 }
 
+// AddSpoolDir is where the plugin records the ADDs it let through without
+// the agent, for an agent socket path.
+func AddSpoolDir(socket string) string {
+	return filepath.Join(filepath.Dir(socket), AddSpoolName)
+}
+
 // validEntryName reports whether id can name a spool file: the CNI spec
 // restricts container ids to this alphabet, and it keeps a hostile id from
 // escaping the directory.
@@ -59,12 +72,13 @@ func validEntryName(id string) bool {
 	return true
 }
 
-// Spool records a DEL the agent could not take, atomically (temp file and
-// rename, mode 0600) so the agent never reads half an entry. A second DEL
-// for the same sandbox overwrites the first.
+// Spool records a DEL the agent could not take, or an ADD the plugin let
+// through without it, atomically (temp file and rename, mode 0600) so the
+// agent never reads half an entry. A second request of the same command for
+// the same sandbox overwrites the first.
 func Spool(dir string, ev ambient.PodEvent) error {
-	if ev.Command != ambient.CommandDel {
-		return fmt.Errorf("spool: only DEL is spooled, not %q", ev.Command)
+	if ev.Command != ambient.CommandDel && ev.Command != ambient.CommandAdd {
+		return fmt.Errorf("spool: only DEL and ADD are spooled, not %q", ev.Command)
 	}
 	if err := ev.Validate(); err != nil {
 		return fmt.Errorf("spool: %w", err)
@@ -92,10 +106,20 @@ type Entry struct {
 	Err error
 }
 
-// List reads the spool. Unusable entries (not regular files, oversized,
-// undecodable, invalid) are returned with Err set so the caller can log
-// and remove them. A missing directory is an empty spool.
+// List reads the DEL spool. Unusable entries (not regular files,
+// oversized, undecodable, invalid, not a DEL) are returned with Err set so
+// the caller can log and remove them. A missing directory is an empty
+// spool.
 func List(dir string) ([]Entry, error) {
+	return list(dir, ambient.CommandDel)
+}
+
+// ListAdds reads the ADD spool as List reads the DEL spool.
+func ListAdds(dir string) ([]Entry, error) {
+	return list(dir, ambient.CommandAdd)
+}
+
+func list(dir string, cmd ambient.Command) ([]Entry, error) {
 	des, err := os.ReadDir(dir)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil
@@ -113,16 +137,16 @@ func List(dir string) ([]Entry, error) {
 			break
 		}
 		p := filepath.Join(dir, name)
-		ev, err := readEntry(p)
+		ev, err := readEntry(p, cmd)
 		out = append(out, Entry{Path: p, Event: ev, Err: err})
 	}
 	return out, nil
 }
 
-func readEntry(p string) (*ambient.PodEvent, error) {
+func readEntry(p string, cmd ambient.Command) (*ambient.PodEvent, error) {
 	// O_NOFOLLOW: a symlink planted in the spool must not make the agent
-	// read some other file.
-	f, err := os.OpenFile(p, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	// read some other file; O_NONBLOCK: nor a FIFO block it.
+	f, err := os.OpenFile(p, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, fmt.Errorf("open: %w", err)
 	}
@@ -145,8 +169,8 @@ func readEntry(p string) (*ambient.PodEvent, error) {
 	if err := json.Unmarshal(b, &ev); err != nil {
 		return nil, fmt.Errorf("decode: %w", err)
 	}
-	if ev.Command != ambient.CommandDel {
-		return nil, fmt.Errorf("command %q is not DEL", ev.Command)
+	if ev.Command != cmd {
+		return nil, fmt.Errorf("command %q is not %s", ev.Command, cmd)
 	}
 	if err := ev.Validate(); err != nil {
 		return nil, err

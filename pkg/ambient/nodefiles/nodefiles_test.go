@@ -4,7 +4,9 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 
@@ -55,7 +57,7 @@ func TestSpoolRoundTrip(t *testing.T) {
 func TestSpoolRejects(t *testing.T) {
 	dir := t.TempDir()
 	for name, ev := range map[string]ambient.PodEvent{
-		"not DEL":        {Command: ambient.CommandAdd, SandboxID: "a", PodName: "a", PodNamespace: "b", Netns: "/x"},
+		"CHECK":          {Command: ambient.CommandCheck, SandboxID: "a", PodName: "a", PodNamespace: "b", Netns: "/x"},
 		"no sandbox":     {Command: ambient.CommandDel},
 		"dot sandbox":    {Command: ambient.CommandDel, SandboxID: ".."},
 		"slash sandbox":  {Command: ambient.CommandDel, SandboxID: "a/b"},
@@ -67,6 +69,57 @@ func TestSpoolRejects(t *testing.T) {
 	}
 	if des, _ := os.ReadDir(dir); len(des) != 0 {
 		t.Errorf("rejected entries left files: %v", des)
+	}
+}
+
+// TestAddSpool: the ADD spool holds ADDs only; a DEL is not read from it
+// nor an ADD from the DEL spool.
+func TestAddSpool(t *testing.T) {
+	dir := t.TempDir()
+	ev := ambient.PodEvent{Command: ambient.CommandAdd, SandboxID: "sb-2", PodUID: "u2", PodName: "web", PodNamespace: "shop", Netns: "/var/run/netns/x", IPs: []string{"10.0.0.2"}}
+	if err := Spool(dir, ev); err != nil {
+		t.Fatal(err)
+	}
+	entries, err := ListAdds(dir)
+	if err != nil || len(entries) != 1 || entries[0].Err != nil {
+		t.Fatalf("ListAdds = %+v, %v", entries, err)
+	}
+	if diff := cmp.Diff(&ev, entries[0].Event); diff != "" {
+		t.Errorf("ListAdds (-want +got):\n%s", diff)
+	}
+	if entries, _ := List(dir); len(entries) != 1 || entries[0].Err == nil {
+		t.Errorf("List read an ADD as a DEL: %+v", entries)
+	}
+}
+
+// TestHeartbeat: touched at a time, read back as that time; missing and
+// special files are errors, never a block.
+func TestHeartbeat(t *testing.T) {
+	dir := t.TempDir()
+	p := HeartbeatPath(filepath.Join(dir, "sub", "agent.sock"))
+	if _, err := LastAlive(p); err == nil {
+		t.Error("missing heartbeat read")
+	}
+	t0 := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	for _, at := range []time.Time{t0, t0.Add(time.Minute)} {
+		if err := TouchHeartbeat(p, at); err != nil {
+			t.Fatal(err)
+		}
+		if got, err := LastAlive(p); err != nil || !got.Equal(at) {
+			t.Errorf("LastAlive = %v, %v; want %v", got, err, at)
+		}
+	}
+	if err := RemoveHeartbeat(p); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Mkfifo(p, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := LastAlive(p); err == nil {
+		t.Error("FIFO heartbeat read")
+	}
+	if err := RemoveHeartbeat(p); err != nil {
+		t.Fatal(err)
 	}
 }
 
@@ -85,6 +138,9 @@ func TestListHostileEntries(t *testing.T) {
 	write("add.json", `{"command":"ADD","sandboxID":"a","podName":"a","podNamespace":"b","netns":"/x"}`)
 	write("big.json", `{"command":"DEL","sandboxID":"a","podName":"`+strings.Repeat("a", maxEntryBytes)+`"}`)
 	write("invalid.json", `{"command":"DEL","sandboxID":""}`)
+	if err := syscall.Mkfifo(filepath.Join(dir, "fifo.json"), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	write(".x.json.1234.tmp", `{"command":"DEL","sandboxID":"half"}`)
 	if err := os.Symlink(secret, filepath.Join(dir, "link.json")); err != nil {
 		t.Fatal(err)
@@ -96,8 +152,8 @@ func TestListHostileEntries(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(entries) != 6 {
-		t.Fatalf("got %d entries, want 6 (temp file skipped): %+v", len(entries), entries)
+	if len(entries) != 7 {
+		t.Fatalf("got %d entries, want 7 (temp file skipped): %+v", len(entries), entries)
 	}
 	for _, e := range entries {
 		if e.Err == nil {

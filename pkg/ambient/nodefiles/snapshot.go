@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"syscall"
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
@@ -69,11 +70,16 @@ func (s *EnablementSnapshot) MayNeedCapture(ns string) bool {
 
 // ReadSnapshot reads and parses the snapshot file at path.
 func ReadSnapshot(path string) (*EnablementSnapshot, error) {
-	f, err := os.Open(path)
+	// O_NONBLOCK: the plugin reads this while pods wait; a FIFO in its
+	// place must fail the regular-file check, not block the open.
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
+	if st, err := f.Stat(); err != nil || !st.Mode().IsRegular() {
+		return nil, fmt.Errorf("%s: not a regular file", path)
+	}
 	b, err := io.ReadAll(io.LimitReader(f, maxSnapshotBytes+1))
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", path, err)

@@ -64,6 +64,8 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ .Values.cni.statusChecksAgent | toString | quote }}
 - name: AMBIENT_PLUGIN_AGENT_UNREACHABLE
   value: {{ .Values.cni.agentUnreachable | quote }}
+- name: AMBIENT_PLUGIN_AGENT_DOWN_AFTER
+  value: {{ .Values.cni.agentDownAfter | quote }}
 - name: AMBIENT_AGENT_SOCKET
   value: {{ printf "%s/agent.sock" (.Values.agent.socketDir | trimSuffix "/") | quote }}
 - name: AMBIENT_ZDS_SOCKET
@@ -74,14 +76,16 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ join "," .Values.cni.netnsDirs | quote }}
 - name: AMBIENT_EXCLUDED_NAMESPACES
   value: {{ join "," .Values.agent.excludedNamespaces | quote }}
+- name: AMBIENT_DATA_PLANE_NAMESPACES
+  value: {{ join "," .Values.agent.dataPlaneNamespaces | quote }}
 - name: AMBIENT_ASSUME_POD_LEVEL_ENABLEMENT
   value: {{ .Values.agent.assumePodLevelEnablement | toString | quote }}
 - name: AMBIENT_ZTUNNEL_WAIT
   value: {{ .Values.agent.ztunnelWait | quote }}
 - name: AMBIENT_DNS_CAPTURE
   value: {{ .Values.agent.dnsCapture | toString | quote }}
-- name: AMBIENT_IPTABLES_BACKEND
-  value: {{ .Values.agent.iptablesBackend | quote }}
+- name: AMBIENT_RULES_BACKEND
+  value: {{ .Values.agent.iptablesBackend | default .Values.agent.rulesBackend | quote }}
 - name: AMBIENT_PROBE_SNAT_IPV4
   value: {{ .Values.agent.probeSNATIPv4 | quote }}
 - name: AMBIENT_PROBE_SNAT_IPV6

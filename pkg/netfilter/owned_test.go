@@ -1,4 +1,4 @@
-package nftables
+package netfilter
 
 import (
 	"context"
@@ -87,5 +87,19 @@ func TestOwnedTables(t *testing.T) {
 	}
 	if _, err := CreateOwned("/nonexistent/netns", []TableRef{nat}, nil); err == nil {
 		t.Fatal("bad netns accepted")
+	}
+}
+
+func TestUdataComment(t *testing.T) {
+	for _, s := range []string{"", "x", OwnerComment} {
+		if got := udataComment(udataWithComment(s)); got != s {
+			t.Errorf("%q round trip: %q", s, got)
+		}
+	}
+	for _, b := range [][]byte{nil, {0}, {0, 5, 'a'}, {1, 1, 'x'}, {0xa1, 2, 1, 2, 0, 2, 'y', 0}} {
+		_ = udataComment(b) // must not panic on truncated or foreign data
+	}
+	if got := udataComment([]byte{0xa1, 2, 1, 2, 0, 2, 'y', 0}); got != "y" {
+		t.Errorf("comment after another TLV: %q", got)
 	}
 }

@@ -1,4 +1,4 @@
-package nftables
+package netfilter
 
 import (
 	"encoding/binary"
@@ -7,11 +7,8 @@ import (
 	"slices"
 	"sync"
 
-	gnft "github.com/google/nftables"
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
-
-	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
 // OwnerComment is the comment on every nf_tables table this project
@@ -86,7 +83,7 @@ func CreateOwned(netnsPath string, tables []TableRef, chains []BaseChain) (Creat
 	if len(tables) == 0 && len(chains) == 0 {
 		return Created{}, nil
 	}
-	ns, err := openNetns(netnsPath)
+	ns, err := OpenNetns(netnsPath)
 	if err != nil {
 		return Created{}, err
 	}
@@ -247,7 +244,7 @@ func deleteOwned(netnsPath string, tables []TableRef, closeConn func(*netlink.Co
 	if len(tables) == 0 {
 		return deleted, nil
 	}
-	ns, err := openNetns(netnsPath)
+	ns, err := OpenNetns(netnsPath)
 	if err != nil {
 		return deleted, err
 	}
@@ -318,93 +315,4 @@ func delChain(t TableRef, name string) netlink.Message {
 		{Type: unix.NFTA_CHAIN_NAME, Data: cstr(name)},
 	})
 	return m
-}
-
-// HasChains reports whether the namespace at netnsPath holds, in an ip or
-// ip6 table (where iptables-nft keeps its rules), a chain named in names:
-// a cheap netlink check for rules another backend left.
-func HasChains(netnsPath string, names []string) (bool, error) {
-	ns, err := openNetns(netnsPath)
-	if err != nil {
-		return false, err
-	}
-	defer ns.Close()
-	c, err := dialNetfilter(int(ns.Fd()))
-	if err != nil {
-		return false, err
-	}
-	defer c.Close()
-	req := netlink.Message{
-		Header: netlink.Header{Type: nftType(unix.NFT_MSG_GETCHAIN), Flags: netlink.Request | netlink.Dump},
-		Data:   genmsg(unix.AF_UNSPEC, 0),
-	}
-	msgs, err := c.Execute(req)
-	if err != nil {
-		return false, fmt.Errorf("list nf_tables chains in netns %s: %w", netnsPath, err)
-	}
-	for _, m := range msgs {
-		if len(m.Data) < 4 || (m.Data[0] != unix.NFPROTO_IPV4 && m.Data[0] != unix.NFPROTO_IPV6) {
-			continue
-		}
-		ad, err := netlink.NewAttributeDecoder(m.Data[4:])
-		if err != nil {
-			return false, err
-		}
-		for ad.Next() {
-			if ad.Type() == unix.NFTA_CHAIN_NAME && slices.Contains(names, ad.String()) {
-				return true, nil
-			}
-		}
-	}
-	return false, nil
-}
-
-// HasTables reports whether the namespace at netnsPath holds an inet table
-// named in names.
-func HasTables(netnsPath string, names []string) (bool, error) {
-	c, err := dial(netnsPath)
-	if err != nil {
-		return false, err
-	}
-	defer func() { _ = c.CloseLasting() }()
-	tables, err := c.ListTablesOfFamily(gnft.TableFamilyINet)
-	if err != nil {
-		return false, fmt.Errorf("list nf_tables tables in netns %s: %w", netnsPath, err)
-	}
-	for _, t := range tables {
-		if slices.Contains(names, t.Name) {
-			return true, nil
-		}
-	}
-	return false, nil
-}
-
-// Probe checks, in the caller's network namespace, that the kernel takes
-// what this package installs: an inet table with nat, route and filter
-// base chains, sets, and every expression the rules use. It adds the
-// tables and deletes them again in the same transaction, so nothing stays;
-// callers run it in a throwaway namespace anyway.
-func Probe() error {
-	p, err := renderPod(ruleset.PodConfig{DNSCapture: true, VirtualInterfaces: []string{"probe+"}})
-	if err != nil {
-		return err
-	}
-	h, err := renderHost(ruleset.HostProbeConfig{}, ruleset.Families)
-	if err != nil {
-		return err
-	}
-	p.tables = append(p.tables, h.tables...)
-	c, err := dial("")
-	if err != nil {
-		return err
-	}
-	defer func() { _ = c.CloseLasting() }()
-	add(c, p)
-	for _, t := range p.tables {
-		c.DelTable(&gnft.Table{Name: t.name, Family: gnft.TableFamilyINet})
-	}
-	if err := c.Flush(); err != nil {
-		return fmt.Errorf("nf_tables probe: %w", err)
-	}
-	return nil
 }

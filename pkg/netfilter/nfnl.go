@@ -1,4 +1,4 @@
-package nftables
+package netfilter
 
 import (
 	"encoding/binary"
@@ -23,8 +23,9 @@ const nftaTableUserdata = 6
 // as the table's comment.
 const udataTableComment = 0
 
-// openNetns opens a network namespace by path ("" = the caller's).
-func openNetns(path string) (*os.File, error) {
+// OpenNetns opens a network namespace by path ("" = the caller's), for
+// sockets created inside it without the calling thread entering it.
+func OpenNetns(path string) (*os.File, error) {
 	if path == "" {
 		path = "/proc/self/ns/net"
 	}
