@@ -62,11 +62,13 @@ type Check func() error
 type Server struct {
 	mu     sync.Mutex
 	checks map[string]Check
+	// capture are the checks only readiness to capture adds (CaptureReady).
+	capture map[string]Check
 }
 
 // New returns a server with no checks.
 func New() *Server {
-	return &Server{checks: map[string]Check{}}
+	return &Server{checks: map[string]Check{}, capture: map[string]Check{}}
 }
 
 // AddCheck registers a named readiness check.
@@ -76,14 +78,40 @@ func (s *Server) AddCheck(name string, c Check) {
 	s.checks[name] = c
 }
 
-// Ready runs every check and returns the failures, sorted by name.
-func (s *Server) Ready() []string {
+// AddCaptureCheck registers a named check that readiness to capture
+// (CaptureReady) needs on top of the readiness checks, but /readyz does
+// not: the agent's pod is ready without it (ztunnel may be installed after
+// the agent, e.g. by a helm install that waits for the agent's pods).
+func (s *Server) AddCaptureCheck(name string, c Check) {
 	s.mu.Lock()
-	names := make([]string, 0, len(s.checks))
-	checks := make(map[string]Check, len(s.checks))
+	defer s.mu.Unlock()
+	s.capture[name] = c
+}
+
+// Ready runs every readiness check (what /readyz reports) and returns the
+// failures, sorted by name.
+func (s *Server) Ready() []string { return s.run(false) }
+
+// CaptureReady runs every readiness check and every capture check and
+// returns the failures, sorted by name: empty means the node's pods can be
+// captured now (what the node's startup taint waits for).
+func (s *Server) CaptureReady() []string { return s.run(true) }
+
+func (s *Server) run(capture bool) []string {
+	s.mu.Lock()
+	names := make([]string, 0, len(s.checks)+len(s.capture))
+	checks := make(map[string]Check, len(s.checks)+len(s.capture))
 	for n, c := range s.checks {
 		names = append(names, n)
 		checks[n] = c
+	}
+	if capture {
+		for n, c := range s.capture {
+			if _, dup := checks[n]; !dup {
+				names = append(names, n)
+			}
+			checks[n] = c
+		}
 	}
 	s.mu.Unlock()
 	sort.Strings(names)

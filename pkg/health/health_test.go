@@ -301,3 +301,43 @@ func TestServeRetrying(t *testing.T) {
 		t.Fatal("ServeRetrying did not return after ctx ended")
 	}
 }
+
+// A capture check holds back CaptureReady (what the startup taint waits
+// for) but not /readyz; the readiness checks hold back both.
+func TestCaptureReadyAddsCaptureChecks(t *testing.T) {
+	s := New()
+	var installed, ztunnel atomic.Bool
+	s.AddCheck("installer", func() error {
+		if !installed.Load() {
+			return errors.New("not chained")
+		}
+		return nil
+	})
+	s.AddCaptureCheck("ztunnel", func() error {
+		if !ztunnel.Load() {
+			return errors.New("no snapshot acked")
+		}
+		return nil
+	})
+	url := serveTCP(t, s.Handler())
+	want := func(ready, capture []string) {
+		t.Helper()
+		if got := s.Ready(); strings.Join(got, "|") != strings.Join(ready, "|") {
+			t.Errorf("Ready() = %q, want %q", got, ready)
+		}
+		if got := s.CaptureReady(); strings.Join(got, "|") != strings.Join(capture, "|") {
+			t.Errorf("CaptureReady() = %q, want %q", got, capture)
+		}
+		code, _ := get(t, url+"/readyz")
+		if wantCode := map[bool]int{true: http.StatusOK, false: http.StatusServiceUnavailable}[len(ready) == 0]; code != wantCode {
+			t.Errorf("/readyz answered %d, want %d", code, wantCode)
+		}
+	}
+	want([]string{"installer: not chained"}, []string{"installer: not chained", "ztunnel: no snapshot acked"})
+	installed.Store(true)
+	want(nil, []string{"ztunnel: no snapshot acked"})
+	ztunnel.Store(true)
+	want(nil, nil)
+	installed.Store(false)
+	want([]string{"installer: not chained"}, []string{"installer: not chained"})
+}

@@ -10,6 +10,8 @@ import (
 	schedcorev1 "k8s.io/component-helpers/scheduling/corev1"
 	"k8s.io/component-helpers/scheduling/corev1/nodeaffinity"
 	"k8s.io/klog/v2"
+
+	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
 )
 
 // systemTaintPrefixes name the taints Kubernetes itself puts on a node
@@ -21,8 +23,11 @@ import (
 // the DaemonSet left the node. Only the operator's own taints count.
 var systemTaintPrefixes = []string{"node.kubernetes.io/", "node.cloudprovider.kubernetes.io/"}
 
+// systemTaint also holds for the CNI startup taint: it is on the node to
+// wait for the agent (registered with it, or put back by the last agent's
+// shutdown), never a sign that the DaemonSet left.
 func systemTaint(t *corev1.Taint) bool {
-	return slices.ContainsFunc(systemTaintPrefixes, func(p string) bool { return strings.HasPrefix(t.Key, p) })
+	return t.Key == nodetaint.Key || slices.ContainsFunc(systemTaintPrefixes, func(p string) bool { return strings.HasPrefix(t.Key, p) })
 }
 
 // DaemonSetTargetsNode reports whether the DaemonSet controller would

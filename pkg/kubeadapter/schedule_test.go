@@ -7,6 +7,8 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
 )
 
 func nodeWith(labels map[string]string, taints ...corev1.Taint) *corev1.Node {
@@ -99,6 +101,9 @@ func TestDaemonSetTargetsNode(t *testing.T) {
 		{"not ready, NoSchedule", dsWith(func(*corev1.PodSpec) {}), nodeWith(nil, corev1.Taint{Key: corev1.TaintNodeNotReady, Effect: corev1.TaintEffectNoSchedule}), true, ""},
 		{"cloud provider not initialised", dsWith(func(*corev1.PodSpec) {}),
 			nodeWith(nil, corev1.Taint{Key: "node.cloudprovider.kubernetes.io/uninitialized", Value: "true", Effect: corev1.TaintEffectNoSchedule}), true, ""},
+		// The CNI startup taint waits for the agent: the DaemonSet has not
+		// left a node that carries it.
+		{"CNI startup taint", dsWith(func(*corev1.PodSpec) {}), nodeWith(nil, nodetaint.Taint), true, ""},
 		{"an operator taint beside a condition taint", dsWith(func(*corev1.PodSpec) {}),
 			nodeWith(nil, corev1.Taint{Key: corev1.TaintNodeNotReady, Effect: corev1.TaintEffectNoSchedule}, taint("dedicated", corev1.TaintEffectNoSchedule)), false, "dedicated"},
 	} {

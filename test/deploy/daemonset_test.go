@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	admissionregistrationv1 "k8s.io/api/admissionregistration/v1"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -36,7 +37,11 @@ type objects struct {
 	rb   *rbacv1.RoleBinding
 	// rq is the ResourceQuota for the priority class, on the platforms
 	// that need one (nil elsewhere).
-	rq       *corev1.ResourceQuota
+	rq *corev1.ResourceQuota
+	// policy and binding limit the agent's Node writes to the startup
+	// taint (startupTaint.enabled only).
+	policy   *admissionregistrationv1.ValidatingAdmissionPolicy
+	binding  *admissionregistrationv1.ValidatingAdmissionPolicyBinding
 	kinds    []string
 	manifest []byte
 	// hooks are the helm hook objects (helm.sh/hook annotation), kept
@@ -82,6 +87,12 @@ func decode(t testing.TB, manifest []byte) *objects {
 		case "ResourceQuota":
 			out.rq = &corev1.ResourceQuota{}
 			dst = out.rq
+		case "ValidatingAdmissionPolicy":
+			out.policy = &admissionregistrationv1.ValidatingAdmissionPolicy{}
+			dst = out.policy
+		case "ValidatingAdmissionPolicyBinding":
+			out.binding = &admissionregistrationv1.ValidatingAdmissionPolicyBinding{}
+			dst = out.binding
 		default:
 			t.Fatalf("unexpected %s %s in the manifest", o.GetKind(), o.GetName())
 		}
@@ -91,6 +102,9 @@ func decode(t testing.TB, manifest []byte) *objects {
 	}
 	slices.Sort(out.kinds)
 	want := []string{"ClusterRole", "ClusterRoleBinding", "DaemonSet", "Role", "RoleBinding", "ServiceAccount"}
+	if out.policy != nil || out.binding != nil {
+		want = []string{"ClusterRole", "ClusterRoleBinding", "DaemonSet", "Role", "RoleBinding", "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+	}
 	if !slices.Equal(out.kinds, want) {
 		t.Fatalf("manifest holds %v, want one each of %v", out.kinds, want)
 	}
@@ -247,6 +261,7 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 		RulesBackend: rulesbackend.Selection{Choice: rulesbackend.IPTables, Flavour: iptables.BackendNFT},
 		ProbeSNATv4:  netip.MustParseAddr("169.254.7.42"), ProbeSNATv6: netip.MustParseAddr("fd16::42"),
 		HealthAddr: ":15999", MetricsAddr: ":15998", LogLevel: "debug", KubeClientQPS: 12.5, KubeClientBurst: 25,
+		StartupTaint: true, StartupTaintOnShutdown: true,
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("all-values configuration\n got %+v\nwant %+v", got, want)

@@ -66,14 +66,14 @@ func TestManifestRBACIsShippedRBAC(t *testing.T) {
 
 	// A renamed release grants the same, on its own DaemonSet's name.
 	// The all-values file names platform openshift, which may also use
-	// the privileged SCC.
+	// the privileged SCC, and turns the startup taint on: patch on nodes.
 	all := decode(t, render(t, "all", "all-values-ns", "-f", allValues))
 	wantCluster := append(slices.Clone(o.cr.Rules), rbacv1.PolicyRule{
 		APIGroups: []string{"security.openshift.io"}, Resources: []string{"securitycontextconstraints"},
 		ResourceNames: []string{"privileged"}, Verbs: []string{"use"},
-	})
+	}, rbacv1.PolicyRule{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"patch"}})
 	if !reflect.DeepEqual(all.cr.Rules, wantCluster) {
-		t.Errorf("all-values ClusterRole rules %+v differ from the manifest's plus the SCC's %+v", all.cr.Rules, wantCluster)
+		t.Errorf("all-values ClusterRole rules %+v differ from the manifest's plus the SCC's and the startup taint's %+v", all.cr.Rules, wantCluster)
 	}
 	want := []rbacv1.PolicyRule{{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{"mesh-node"}, Verbs: []string{"get", "list", "watch"}}}
 	if !reflect.DeepEqual(all.role.Rules, want) {

@@ -22,6 +22,10 @@ var harnessSettings = map[string]string{
 	"pod-namespace": "a namespace per node (simnode sets it), so one node's DaemonSet never makes another's shutdown an upgrade",
 	"metrics-addr":  "a free loopback port: several agents run in one test process",
 	"ztunnel-wait":  "only TestZtunnelHandoff shortens it, to time the wait without a stand-in",
+	// Off as shipped; only TestStartupTaint turns them on, as the chart's
+	// startupTaint values do.
+	"startup-taint":             "only TestStartupTaint, as startupTaint.enabled",
+	"startup-taint-on-shutdown": "only TestStartupTaint, as startupTaint.restoreOnShutdown",
 }
 
 // TestHarnessRunsShippedDefaults pins what the suite runs the agent with

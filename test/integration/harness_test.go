@@ -30,6 +30,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/metrics"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
+	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
@@ -85,7 +86,25 @@ type nodeOptions struct {
 	// MetricsAddr is the agent's --metrics-addr (default: a free loopback
 	// port); TestMetricsPortTaken points it at a port already held.
 	MetricsAddr string
+	// StartupTaint registers the node with the startup taint (and another)
+	// and runs the agent with the chart's startupTaint.enabled: its flag
+	// and the nodes rule it adds to the RBAC; StartupTaintOnShutdown adds
+	// startupTaint.restoreOnShutdown.
+	StartupTaint, StartupTaintOnShutdown bool
 }
+
+// startupTaintRBAC is the rule startupTaint.enabled adds to the chart's
+// ClusterRole (test/deploy checks the chart and its admission policy).
+const startupTaintRBAC = `---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata:
+  name: %s
+rules:
+  - apiGroups: [""]
+    resources: ["nodes"]
+    verbs: ["get", "patch"]
+`
 
 // node is one simulated Kubernetes node: a bridge pod network whose
 // primary conflist the daemon's installer chains our plugin into, the
@@ -160,9 +179,14 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 	}
 	n.agentNS = testnet.RandName("agent-", 8)
 	n.subnet = netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 200 + randByte()%50, randByte(), 0}), 24)
+	var extraRBAC []byte
+	if opts.StartupTaint {
+		extraRBAC = []byte(fmt.Sprintf(startupTaintRBAC, "startup-taint-"+n.agentNS))
+		n.registerTainted()
+	}
 	n.sim, err = simnode.Prepare(context.Background(), simnode.Options{
 		Env: env, Chart: chart, Plugin: cnibin.Plugin(t), ReferencePlugins: cnibin.Paths(t)[0],
-		Dir: n.dir, Name: n.Name, Namespace: n.agentNS, Settings: nodeSettings(opts),
+		Dir: n.dir, Name: n.Name, Namespace: n.agentNS, Settings: nodeSettings(opts), ExtraRBAC: extraRBAC,
 		Subnet:  n.subnet,
 		StandIn: ztunnel.Config{MinBackoff: 20 * time.Millisecond, MaxBackoff: 200 * time.Millisecond, Logger: n.log.With("component", "ztunnel-stand-in")},
 	})
@@ -233,7 +257,47 @@ func nodeSettings(opts nodeOptions) map[string]string {
 	if opts.ZtunnelWait > 0 {
 		s["ztunnel-wait"] = opts.ZtunnelWait.String()
 	}
+	if opts.StartupTaint {
+		s["startup-taint"] = "true"
+	}
+	if opts.StartupTaintOnShutdown {
+		s["startup-taint-on-shutdown"] = "true"
+	}
 	return s
+}
+
+// registerTainted creates the node's Node object as kubelet would with
+// --register-with-taints: the startup taint, and another that is not ours.
+func (n *node) registerTainted() {
+	n.t.Helper()
+	_, err := n.env.Client.CoreV1().Nodes().Create(context.Background(), &corev1.Node{
+		ObjectMeta: metav1.ObjectMeta{Name: n.Name},
+		Spec:       corev1.NodeSpec{Taints: []corev1.Taint{nodetaint.Taint, otherTaint}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		n.t.Fatalf("register node: %v", err)
+	}
+	n.t.Cleanup(func() { _ = n.env.Client.CoreV1().Nodes().Delete(context.Background(), n.Name, metav1.DeleteOptions{}) })
+}
+
+// otherTaint is someone else's taint on a node registered tainted
+// (PreferNoSchedule: the test DaemonSet, which tolerates nothing, still
+// targets the node, so a stop with it is an upgrade).
+var otherTaint = corev1.Taint{Key: "example.com/dedicated", Value: "mesh", Effect: corev1.TaintEffectPreferNoSchedule}
+
+// taints are the node's taints: whether the startup taint and otherTaint
+// are there.
+func (n *node) taints() (startup, other bool) {
+	n.t.Helper()
+	node, err := n.env.Client.CoreV1().Nodes().Get(context.Background(), n.Name, metav1.GetOptions{})
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	for _, t := range node.Spec.Taints {
+		startup = startup || t.MatchTaint(&nodetaint.Taint)
+		other = other || (t.MatchTaint(&otherTaint) && t.Value == otherTaint.Value)
+	}
+	return startup, other
 }
 
 // requireShippedClient fails the test unless the agent's client is rate

@@ -40,7 +40,7 @@ func (n *Node) ZtunnelSocketDir() string { return filepath.Join(n.Dir, "run", "z
 // a user of such a node sets, each for the reason given. Everything else
 // is the chart's default (test/deploy pins those).
 func (n *Node) ChartValues(tag string) map[string]any {
-	return map[string]any{
+	v := map[string]any{
 		"image": map[string]any{
 			// The locally built image, which no registry holds.
 			"repository": AgentRepository,
@@ -63,6 +63,12 @@ func (n *Node) ChartValues(tag string) map[string]any {
 		// machine. The agent uses the API server on loopback instead.
 		"apiServer": map[string]any{"host": "127.0.0.1", "port": n.APIPort},
 	}
+	if n.opts.StartupTaint {
+		// A node registered with the startup taint needs an agent that
+		// removes it.
+		v["startupTaint"] = map[string]any{"enabled": true}
+	}
+	return v
 }
 
 // Helm runs the helm binary against the node, with its caches in the node

@@ -31,6 +31,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
+	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
@@ -91,7 +92,9 @@ func TestRealNode(t *testing.T) {
 	// by the next Up: the host snapshot at the end covers it too.
 	killedDir := startAndKillNode(t)
 
-	n, err := Up(ctx, Options{Out: out})
+	// Registered with the startup taint, and the agent installed to
+	// remove it, as a node pool set up against the scheduling race.
+	n, err := Up(ctx, Options{Out: out, StartupTaint: true})
 	if err != nil {
 		t.Fatalf("node up: %v", err)
 	}
@@ -111,10 +114,15 @@ func TestRealNode(t *testing.T) {
 	if err := n.InstallAgent(ctx, "install", ImageTag); err != nil {
 		t.Fatalf("helm install: %v", err)
 	}
-	if err := n.StartStandIn(ctx); err != nil {
-		t.Fatalf("ztunnel stand-in: %v", err)
-	}
 	e := &e2e{n: n, out: out}
+	// Before the ztunnel stand-in runs: the taint waits for it.
+	t.Run("the startup taint goes only once the agent can capture", e.testStartupTaint)
+	if !e.standIn {
+		if err := n.StartStandIn(ctx); err != nil {
+			t.Fatalf("ztunnel stand-in: %v", err)
+		}
+		e.standIn = true
+	}
 
 	t.Run("the egress guard catches traffic off the machine", e.testGuardCatches)
 	t.Run("agent runs as the chart's DaemonSet pod", e.testAgentPod)
@@ -222,6 +230,8 @@ func repoRoot() (string, error) {
 type e2e struct {
 	n   *Node
 	out io.Writer
+	// standIn is set once the ztunnel stand-in runs.
+	standIn bool
 }
 
 // ambientNamespace creates a namespace labelled ambient.
@@ -429,6 +439,83 @@ func (e *e2e) testAgentPod(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(e.n.CNIBinDir, "ambient-cni")); err != nil {
 		t.Errorf("plugin binary not installed: %v", err)
+	}
+}
+
+// testStartupTaint: the node registered with the startup taint keeps it
+// while the agent's pod is ready (helm --wait returned) but no ztunnel has
+// its snapshot, so a pod the scheduler places is refused the node; once
+// the stand-in acked its snapshot the agent removes the taint (and only
+// it) and the pod is scheduled and runs. It starts the stand-in.
+func (e *e2e) testStartupTaint(t *testing.T) {
+	ctx := context.Background()
+	n := e.n
+	taints := func() (startup bool, all []corev1.Taint) {
+		node, err := n.Client.CoreV1().Nodes().Get(ctx, n.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return nodetaint.Has(node.Spec.Taints), node.Spec.Taints
+	}
+	if startup, all := taints(); !startup {
+		t.Fatalf("agent ready without a ztunnel, but the node's taints %+v lack %s", all, nodetaint.Key)
+	}
+	ns := "startup-taint"
+	e.namespace(t, ns, false)
+	pod := n.AppPod(ns, "scheduled", AppOptions{})
+	// Placed by the scheduler, not bound to the node; the node lifecycle
+	// controller does not run here, so the node keeps the not-ready taint
+	// the API server puts on a new node: tolerate that one only.
+	pod.Spec.NodeName = ""
+	pod.Spec.Tolerations = []corev1.Toleration{{Key: "node.kubernetes.io/not-ready", Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule}}
+	if _, err := n.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	err := n.Poll(ctx, "the scheduler to refuse the tainted node", func(ctx context.Context) (bool, error) {
+		p, err := n.Client.CoreV1().Pods(ns).Get(ctx, pod.Name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		for _, c := range p.Status.Conditions {
+			// The pod tolerates every other taint of the node: the startup
+			// taint is why (the pod is scheduled once it goes, below).
+			if c.Type == corev1.PodScheduled && c.Status == corev1.ConditionFalse && c.Reason == corev1.PodReasonUnschedulable {
+				t.Logf("scheduler: %s", c.Message)
+				return true, nil
+			}
+		}
+		if p.Spec.NodeName != "" {
+			return false, fmt.Errorf("scheduled onto %s before the agent could capture", p.Spec.NodeName)
+		}
+		return false, nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if startup, all := taints(); !startup {
+		t.Fatalf("taint gone before a ztunnel connected: %+v", all)
+	}
+	before := len(func() []corev1.Taint { _, all := taints(); return all }())
+
+	if err := n.StartStandIn(ctx); err != nil {
+		t.Fatalf("ztunnel stand-in: %v", err)
+	}
+	e.standIn = true
+	if err := n.Poll(ctx, "the startup taint to go", func(context.Context) (bool, error) { startup, _ := taints(); return !startup, nil }); err != nil {
+		t.Fatal(err)
+	}
+	if _, all := taints(); len(all) != before-1 {
+		t.Errorf("taints %+v: want the %d others kept", all, before-1)
+	}
+	p, err := n.WaitPodReady(ctx, ns, pod.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.Spec.NodeName != n.Name {
+		t.Errorf("pod scheduled onto %q, want %s", p.Spec.NodeName, n.Name)
+	}
+	if err := n.Client.CoreV1().Pods(ns).Delete(ctx, pod.Name, metav1.DeleteOptions{GracePeriodSeconds: new(int64(0))}); err != nil {
+		t.Error(err)
 	}
 }
 

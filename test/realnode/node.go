@@ -60,6 +60,10 @@ type Options struct {
 	// Wait bounds each wait for a component (zero: 3 minutes, generous
 	// for a busy 2-core machine).
 	Wait time.Duration
+	// StartupTaint registers the node with the CNI startup taint
+	// (kubelet --register-with-taints), as a node pool set up for the
+	// chart's startupTaint.enabled is.
+	StartupTaint bool
 }
 
 // Node is a running node.

@@ -14,6 +14,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
 	"github.com/ambient-cni/ambient-cni/test/lib/childproc"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 )
@@ -208,6 +209,9 @@ func (n *Node) startKubelet(ctx context.Context) error {
 		// kubectl logs/exec reach the node by its InternalIP.
 		"--node-ip=127.0.0.1",
 		"--v=1",
+	}
+	if n.opts.StartupTaint {
+		args = append(args, "--register-with-taints="+nodetaint.Key+"=:"+string(nodetaint.Effect))
 	}
 	p, err := childproc.Start("kubelet", n.Tools.Kubelet, args, nil, filepath.Join(n.Dir, "kubelet.log"))
 	if err != nil {

@@ -41,6 +41,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/nodedirs"
+	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
@@ -315,6 +316,14 @@ func New(o Options) (*App, error) {
 		}
 		return nil
 	})
+	// Pods can be captured only once a ztunnel has the node's pods; the
+	// agent's own pod is ready before (ztunnel may come later).
+	a.health.AddCaptureCheck("ztunnel", func() error {
+		if a.zds.ReadyConnections() == 0 {
+			return errors.New("no ztunnel has acknowledged its snapshot yet")
+		}
+		return nil
+	})
 	return a, nil
 }
 
@@ -353,6 +362,11 @@ func (a *App) RulesBackend() string { return a.rules.Name }
 
 // Ready lists what is not ready yet; empty means ready.
 func (a *App) Ready() []string { return a.health.Ready() }
+
+// CaptureReady lists what keeps the agent from capturing the node's pods
+// yet (Ready's checks and a ztunnel that acked its snapshot); empty means
+// the startup taint may go.
+func (a *App) CaptureReady() []string { return a.health.CaptureReady() }
 
 // Run runs everything until ctx ends, then shuts down: servers stop, the
 // held netns handles are released (rules stay in the pods), and unless
@@ -496,6 +510,12 @@ func (a *App) Run(ctx context.Context) (err error) {
 	start(&zdsWG, zdsCtx, "zds", a.zds.Serve)
 	run("event-server", a.server.Serve)
 	run("spool", a.agent.RunSpoolDrain)
+	if c.StartupTaint {
+		run("startup-taint", nodetaint.Untainter{
+			Client: a.opts.Client, Node: c.NodeName, Ready: a.health.CaptureReady,
+			Logger: a.log.With("component", "startup-taint"),
+		}.Run)
+	}
 	a.log.Info("node agent ready", "node", c.NodeName, "pods", len(a.agent.Pods()))
 
 	var runErr error
@@ -582,6 +602,15 @@ func (a *App) shutdown(stopZtunnel func()) error {
 	defer cancel()
 	upgrade := installer.IsUpgrade(ctx, a.upgrade, a.log)
 	var errs []error
+	if upgrade && a.cfg.StartupTaintOnShutdown {
+		// First, so that nothing is scheduled onto the node while it has no
+		// agent; on an uninstall the taint would never go again.
+		if added, err := nodetaint.Add(ctx, a.opts.Client, a.cfg.NodeName); err != nil {
+			errs = append(errs, fmt.Errorf("startup taint: %w", err))
+		} else if added {
+			a.log.Info("startup taint put back until the next agent is ready", "node", a.cfg.NodeName)
+		}
+	}
 	if !upgrade {
 		// Its own budget (within the chart's 30 s grace period): one API
 		// call and one rule removal per pod.

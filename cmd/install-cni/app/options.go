@@ -18,6 +18,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
+	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 )
 
@@ -82,6 +83,12 @@ type Config struct {
 	ProbeSNATv4              netip.Addr
 	ProbeSNATv6              netip.Addr
 	IPv6                     bool
+
+	// StartupTaint removes the node's startup taint once the agent is
+	// ready to capture; StartupTaintOnShutdown puts it back when the agent
+	// stops and its DaemonSet lives on.
+	StartupTaint           bool
+	StartupTaintOnShutdown bool
 
 	HealthAddr  string
 	MetricsAddr string
@@ -237,6 +244,8 @@ func options() []option {
 		{"ipv6", "Capture IPv6 too where a pod has it, as Istio's chart does by default (ambient.ipv6); false installs IPv4 redirection only (in pods and for the host probe SNAT), so dual-stack pods' IPv6 goes direct, and removes IPv6 rules an earlier setting left.", "true", boolean(func(c *Config) *bool { return &c.IPv6 })},
 		{"probe-snat-ipv4", "Source address kubelet probes are SNATed to (IPv4).", ambient.DefaultProbeSNATv4.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv4 }, false)},
 		{"probe-snat-ipv6", "Source address kubelet probes are SNATed to (IPv6).", ambient.DefaultProbeSNATv6.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv6 }, true)},
+		{"startup-taint", "Remove the startup taint " + nodetaint.Key + ":" + string(nodetaint.Effect) + " (kubelet --register-with-taints) from this node once the agent is ready to capture: the plugin is chained, startup reconcile is done, both sockets listen and a ztunnel acked its snapshot. Needs the chart's nodes patch permission (startupTaint.enabled).", "false", boolean(func(c *Config) *bool { return &c.StartupTaint })},
+		{"startup-taint-on-shutdown", "With startup-taint: put the startup taint back when the agent stops and its DaemonSet lives on (an upgrade, a restart, a node drain; never an uninstall), so no pod is scheduled onto the node until the next agent is ready.", "false", boolean(func(c *Config) *bool { return &c.StartupTaintOnShutdown })},
 		{"health-addr", "Optional TCP address of /healthz, /livez and /readyz; empty or off serves none. Kubelet needs none: the chart's exec probes (install-cni probe live, install-cni probe ready) ask the same endpoints on the root-only debug socket, because in the host network any port may be taken by another pod (Istio gateways hold 15021). Nothing else is served there.", health.DefaultAddr, func(c *Config, v string) error {
 			if v == "off" {
 				v = ""
@@ -334,6 +343,9 @@ func (c *Config) validate() error {
 	}
 	if _, port, _ := net.SplitHostPort(c.HealthAddr); c.MetricsAddr != "" && c.MetricsAddr == c.HealthAddr && port != "0" {
 		errs = append(errs, fmt.Errorf("metrics-addr and health-addr are both %s: /metrics has its own address", c.HealthAddr))
+	}
+	if c.StartupTaintOnShutdown && !c.StartupTaint {
+		errs = append(errs, errors.New("startup-taint-on-shutdown needs startup-taint (the agent would taint its node and never remove the taint)"))
 	}
 	if c.PluginTimeout <= c.ZtunnelWait {
 		errs = append(errs, fmt.Errorf("plugin-timeout (%s) must exceed ztunnel-wait (%s)", c.PluginTimeout, c.ZtunnelWait))

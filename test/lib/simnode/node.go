@@ -72,6 +72,9 @@ type Options struct {
 	// sharing an API server do not share a DaemonSet (whose presence
 	// makes the agent's shutdown an upgrade).
 	Namespace string
+	// ExtraRBAC is RBAC YAML bound beside the shipped roles, for a chart
+	// setting that adds rules (startupTaint.enabled adds nodes patch).
+	ExtraRBAC []byte
 	// StandIn configures the ztunnel stand-ins (SocketPath is the node's;
 	// a nil Logger discards).
 	StandIn ztunnel.Config
@@ -211,6 +214,7 @@ func Prepare(ctx context.Context, o Options) (n *Node, err error) {
 	if err != nil {
 		return n, err
 	}
+	roles = append(roles, o.ExtraRBAC...)
 	saCfg, err := o.Env.ServiceAccountConfig(ctx, o.Namespace, o.Chart.ServiceAccount, roles)
 	if err != nil {
 		return n, err
