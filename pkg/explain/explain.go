@@ -59,6 +59,9 @@ type Explainer struct {
 	// last saw of its DaemonSet. Either may be nil.
 	Ztunnels  func() int
 	DaemonSet func() string
+	// Policy is the enablement policy the agent decides with, for the
+	// notes on a decision (why a data-plane label did not exempt a pod).
+	Policy enablement.Policy
 }
 
 // Report explains one pod.
@@ -93,6 +96,9 @@ type Policy struct {
 	// PodLabel and NamespaceLabel are the istio.io/dataplane-mode labels.
 	PodLabel       string `json:"podLabel,omitempty"`
 	NamespaceLabel string `json:"namespaceLabel,omitempty"`
+	// Note says what the decision did not follow, when that matters: a
+	// data-plane label outside the data-plane namespaces.
+	Note string `json:"note,omitempty"`
 }
 
 // Capture is the agent's state for a captured pod.
@@ -254,6 +260,9 @@ func (e *Explainer) report(p *corev1.Pod, found *scan) *Report {
 	}
 	if ns, err := e.Pods.Namespace(p.Namespace); err == nil {
 		r.Policy.NamespaceLabel = ns.Labels[ambient.DataplaneModeLabel]
+	}
+	if e.Policy.IgnoresDataPlaneLabel(p) {
+		r.Policy.Note = fmt.Sprintf("labelled as a data-plane pod (ztunnel or node agent), which exempts pods only in the data-plane namespaces %v: decided like any other pod", e.Policy.DataPlaneNamespaces)
 	}
 	ips := enablement.PodIPs(p)
 	for _, a := range ips {

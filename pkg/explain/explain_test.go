@@ -187,3 +187,27 @@ func TestVerdicts(t *testing.T) {
 		t.Errorf("node report: %d pods, %d captured, %d with problems, backend %q", all.Pods, all.Captured, all.WithProblems, all.RulesBackend)
 	}
 }
+
+// A tenant's pod labelled as ztunnel is decided like any other, and the
+// explain view says why the label did not exempt it.
+func TestExplainDataPlaneLabelOutsideItsNamespaces(t *testing.T) {
+	on := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}}}
+	fake := mkPod("shop", "fake-zt", "u-fake", "", func(p *corev1.Pod) { p.Labels = map[string]string{"app": enablement.ZtunnelAppLabelValue} })
+	real := mkPod(enablement.DefaultDataPlaneNamespace, "ztunnel-x", "u-zt", "", func(p *corev1.Pod) { p.Labels = map[string]string{"app": enablement.ZtunnelAppLabelValue} })
+	pods := &fakePods{pods: map[string]*corev1.Pod{"shop/fake-zt": fake, real.Namespace + "/ztunnel-x": real}, nss: map[string]*corev1.Namespace{"shop": on}}
+	e := &Explainer{Pods: pods, Agent: &fakeAgent{}, Finder: &fakeFinder{}, Policy: enablement.DefaultPolicy()}
+	r, err := e.Explain(context.Background(), "shop", "fake-zt")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !r.Policy.Capture || !strings.Contains(r.Policy.Note, "data-plane namespaces [istio-system]") {
+		t.Errorf("tenant pod labelled ztunnel: capture %v, note %q; want captured, with a note naming the data-plane namespaces", r.Policy.Capture, r.Policy.Note)
+	}
+	r, err = e.Explain(context.Background(), real.Namespace, "ztunnel-x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Policy.Capture || r.Policy.Reason != string(enablement.ReasonDataPlanePod) || r.Policy.Note != "" {
+		t.Errorf("ztunnel in its namespace: %+v; want exempt, no note", r.Policy)
+	}
+}

@@ -94,7 +94,11 @@ func (e *Events) Shutdown() { e.broadcaster.Shutdown() }
 // DaemonSetUpgradeChecker tells an upgrade from an uninstall when the
 // agent shuts down. Only proof counts as an uninstall: the agent's
 // DaemonSet is gone (NotFound) or being deleted (deletionTimestamp), read
-// at shutdown or seen earlier by the watch Run keeps on it. Anything else,
+// at shutdown or seen earlier by the watch Run keeps on it, or it lives
+// but no longer schedules onto this node (its nodeSelector, required node
+// affinity or an untolerated taint on the node, read at shutdown): no
+// next agent comes to this node, and a plugin left chained would keep
+// every new pod from starting. Anything else,
 // including 401/403 (RBAC can be briefly wrong, or removed before the pods
 // stop), leaves the plugin installed: pods then wait for the next agent
 // rather than start uncaptured. helm uninstall deletes the DaemonSet before
@@ -103,6 +107,7 @@ func (e *Events) Shutdown() { e.broadcaster.Shutdown() }
 type DaemonSetUpgradeChecker struct {
 	client          kubernetes.Interface
 	namespace, name string
+	nodeName        string
 	log             *slog.Logger
 
 	mu   sync.Mutex
@@ -120,12 +125,13 @@ const (
 )
 
 // NewDaemonSetUpgradeChecker returns a checker for the DaemonSet
-// namespace/name; Run its watch for the agent's lifetime.
-func NewDaemonSetUpgradeChecker(client kubernetes.Interface, namespace, name string, log *slog.Logger) *DaemonSetUpgradeChecker {
+// namespace/name of the agent on node nodeName; Run its watch for the
+// agent's lifetime.
+func NewDaemonSetUpgradeChecker(client kubernetes.Interface, namespace, name, nodeName string, log *slog.Logger) *DaemonSetUpgradeChecker {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &DaemonSetUpgradeChecker{client: client, namespace: namespace, name: name,
+	return &DaemonSetUpgradeChecker{client: client, namespace: namespace, name: name, nodeName: nodeName,
 		log: log.With("component", "daemonset-watch", "daemonset", namespace+"/"+name)}
 }
 
@@ -192,7 +198,7 @@ func (d *DaemonSetUpgradeChecker) IsUpgrade(ctx context.Context) (bool, error) {
 	case err == nil && ds.DeletionTimestamp != nil:
 		return false, nil
 	case err == nil:
-		return true, nil
+		return d.targetsThisNode(ctx, ds)
 	case apierrors.IsNotFound(err):
 		return false, nil
 	}
@@ -210,4 +216,26 @@ func (d *DaemonSetUpgradeChecker) IsUpgrade(ctx context.Context) (bool, error) {
 		last = "it was last seen " + string(seen)
 	}
 	return false, fmt.Errorf("get daemonset %s/%s: %w; %s, and %s", d.namespace, d.name, err, why, last)
+}
+
+// targetsThisNode is the decision for a live DaemonSet: an upgrade when it
+// still schedules onto this node. The Node read failing (no rights yet, a
+// node object being re-registered) is not proof that it does not.
+func (d *DaemonSetUpgradeChecker) targetsThisNode(ctx context.Context, ds *appsv1.DaemonSet) (bool, error) {
+	if d.nodeName == "" {
+		return true, nil
+	}
+	node, err := d.client.CoreV1().Nodes().Get(ctx, d.nodeName, metav1.GetOptions{})
+	if err != nil {
+		return false, fmt.Errorf("daemonset %s/%s lives; get node %s to tell whether it still schedules here: %w; not proof of an uninstall", d.namespace, d.name, d.nodeName, err)
+	}
+	targets, why, err := DaemonSetTargetsNode(ds, node)
+	if err != nil {
+		return false, fmt.Errorf("%w; not proof of an uninstall", err)
+	}
+	if !targets {
+		d.log.Info("agent DaemonSet no longer schedules onto this node ("+why+"): no agent follows, this agent uninstalls the plugin", "node", d.nodeName)
+		return false, nil
+	}
+	return true, nil
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
 	"github.com/ambient-cni/ambient-cni/test/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/poll"
+	"github.com/ambient-cni/ambient-cni/test/testnet"
 )
 
 // dsName is the DaemonSet the shipped Role names.
@@ -28,18 +29,35 @@ type agentNode struct {
 	t       *testing.T
 	env     *kubeenv.Env
 	ns      string
+	node    string
 	client  kubernetes.Interface
 	checker *DaemonSetUpgradeChecker
 }
 
 func newAgentNode(t *testing.T, env *kubeenv.Env, withDaemonSet bool) *agentNode {
+	return newAgentOn(t, env, withDaemonSet, nil, nil)
+}
+
+// newAgentOn is newAgentNode on a Node (created with labels and taints)
+// whose DaemonSet's pod template is changed by tmpl.
+func newAgentOn(t *testing.T, env *kubeenv.Env, withDaemonSet bool, node *corev1.Node, tmpl func(*corev1.PodSpec)) *agentNode {
 	t.Helper()
-	a := &agentNode{t: t, env: env, ns: env.CreateNamespace(t, "", nil).Name}
+	a := &agentNode{t: t, env: env, ns: env.CreateNamespace(t, "", nil).Name, node: testnet.RandName("node-", 8)}
+	if node == nil {
+		node = &corev1.Node{}
+	}
+	node = node.DeepCopy()
+	node.Name = a.node
+	ctx := context.Background()
+	if _, err := env.Client.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = env.Client.CoreV1().Nodes().Delete(ctx, a.node, metav1.DeleteOptions{}) })
 	_, a.client = env.ServiceAccountClient(t, a.ns, "ambient-cni", kubeenv.ShippedRBAC(t))
 	if withDaemonSet {
-		a.createDaemonSet()
+		a.createDaemonSet(tmpl)
 	}
-	a.checker = NewDaemonSetUpgradeChecker(a.client, a.ns, dsName, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	a.checker = NewDaemonSetUpgradeChecker(a.client, a.ns, dsName, a.node, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- a.checker.Run(ctx) }()
@@ -52,7 +70,7 @@ func newAgentNode(t *testing.T, env *kubeenv.Env, withDaemonSet bool) *agentNode
 	return a
 }
 
-func (a *agentNode) createDaemonSet() {
+func (a *agentNode) createDaemonSet(tmpl func(*corev1.PodSpec)) {
 	a.t.Helper()
 	labels := map[string]string{"app": "x"}
 	ds := &appsv1.DaemonSet{
@@ -66,6 +84,9 @@ func (a *agentNode) createDaemonSet() {
 				Spec:       corev1.PodSpec{Containers: []corev1.Container{{Name: "c", Image: "x"}}},
 			},
 		},
+	}
+	if tmpl != nil {
+		tmpl(&ds.Spec.Template.Spec)
 	}
 	if _, err := a.env.Client.AppsV1().DaemonSets(a.ns).Create(context.Background(), ds, metav1.CreateOptions{}); err != nil {
 		a.t.Fatal(err)
@@ -138,8 +159,8 @@ func TestUpgradeChecker(t *testing.T) {
 	t.Run("rolling upgrade", func(t *testing.T) {
 		a := newAgentNode(t, env, true)
 		a.waitSeen("present")
-		if !a.isUpgrade() {
-			t.Error("DaemonSet present: not an upgrade")
+		if up, err := a.checker.IsUpgrade(ctx); !up || err != nil {
+			t.Errorf("DaemonSet present: IsUpgrade = %v, %v; want an upgrade", up, err)
 		}
 	})
 
@@ -179,6 +200,63 @@ func TestUpgradeChecker(t *testing.T) {
 		}
 	})
 
+	// A DaemonSet that lives but no longer schedules onto this node sends
+	// no agent after this one: an uninstall for this node, for each of the
+	// three reasons the DaemonSet controller has.
+	meshNode := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"mesh": "on", "zone": "a"}}}
+	for _, tc := range []struct {
+		name    string
+		node    *corev1.Node
+		tmpl    func(*corev1.PodSpec)
+		upgrade bool
+	}{
+		{"matching daemonset", meshNode, func(s *corev1.PodSpec) {
+			s.NodeSelector = map[string]string{"mesh": "on"}
+			s.Affinity = nodeAffinity(corev1.NodeSelectorTerm{MatchExpressions: []corev1.NodeSelectorRequirement{
+				{Key: "zone", Operator: corev1.NodeSelectorOpIn, Values: []string{"a", "b"}}}})
+		}, true},
+		{"nodeSelector no longer matches", meshNode, func(s *corev1.PodSpec) {
+			s.NodeSelector = map[string]string{"mesh": "off"}
+		}, false},
+		{"required affinity no longer matches", meshNode, func(s *corev1.PodSpec) {
+			s.Affinity = nodeAffinity(corev1.NodeSelectorTerm{MatchExpressions: []corev1.NodeSelectorRequirement{
+				{Key: "zone", Operator: corev1.NodeSelectorOpNotIn, Values: []string{"a"}}}})
+		}, false},
+		{"taint not tolerated", &corev1.Node{Spec: corev1.NodeSpec{Taints: []corev1.Taint{
+			{Key: "dedicated", Value: "db", Effect: corev1.TaintEffectNoSchedule}}}}, nil, false},
+		{"taint tolerated", &corev1.Node{Spec: corev1.NodeSpec{Taints: []corev1.Taint{
+			{Key: "dedicated", Value: "db", Effect: corev1.TaintEffectNoSchedule}}}}, func(s *corev1.PodSpec) {
+			s.Tolerations = []corev1.Toleration{{Key: "dedicated", Operator: corev1.TolerationOpExists}}
+		}, true},
+		{"cordoned node", &corev1.Node{Spec: corev1.NodeSpec{Unschedulable: true, Taints: []corev1.Taint{
+			{Key: corev1.TaintNodeUnschedulable, Effect: corev1.TaintEffectNoSchedule}}}}, nil, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := newAgentOn(t, env, true, tc.node, tc.tmpl)
+			a.waitSeen("present")
+			if got := a.isUpgrade(); got != tc.upgrade {
+				t.Errorf("IsUpgrade = %v, want %v", got, tc.upgrade)
+			}
+		})
+	}
+
+	t.Run("node unreadable", func(t *testing.T) {
+		// A live DaemonSet and a Node the agent cannot read (here: gone):
+		// not proof that the DaemonSet left it.
+		a := newAgentOn(t, env, true, nil, func(s *corev1.PodSpec) { s.NodeSelector = map[string]string{"mesh": "off"} })
+		a.waitSeen("present")
+		if err := env.Client.CoreV1().Nodes().Delete(ctx, a.node, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		up, err := a.checker.IsUpgrade(ctx)
+		if err == nil || !strings.Contains(err.Error(), "not proof of an uninstall") {
+			t.Errorf("node unreadable: IsUpgrade = %v, %v; want an error saying why the plugin stays", up, err)
+		}
+		if !a.isUpgrade() {
+			t.Error("node unreadable: the plugin would be uninstalled")
+		}
+	})
+
 	t.Run("helm uninstall order", func(t *testing.T) {
 		// helm deletes the DaemonSet (background: it goes at once), then
 		// the RBAC and ServiceAccount; the pods get SIGTERM after that.
@@ -192,4 +270,10 @@ func TestUpgradeChecker(t *testing.T) {
 			t.Error("DaemonSet deleted, then RBAC gone: reported an upgrade, the plugin would stay")
 		}
 	})
+}
+
+func nodeAffinity(terms ...corev1.NodeSelectorTerm) *corev1.Affinity {
+	return &corev1.Affinity{NodeAffinity: &corev1.NodeAffinity{
+		RequiredDuringSchedulingIgnoredDuringExecution: &corev1.NodeSelector{NodeSelectorTerms: terms},
+	}}
 }

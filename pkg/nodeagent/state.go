@@ -1,6 +1,9 @@
 package nodeagent
 
 import (
+	"errors"
+	"fmt"
+	"os"
 	"slices"
 	"sort"
 	"time"
@@ -119,6 +122,19 @@ func (a *Agent) Workloads() []zds.Workload {
 // keeps its annotation, which a later agent adopts).
 func (a *Agent) RemoveRecords() error {
 	return a.records.removeAll()
+}
+
+// RemoveNodeFiles deletes what the agent and the plugin keep on the node
+// for an uninstall, once the plugin is no longer chained: the capture
+// records, the enablement snapshot and the DEL spool (the plugin's
+// fallbacks while the agent is away). Nothing else in their directory is
+// touched.
+func (a *Agent) RemoveNodeFiles() error {
+	errs := []error{a.records.removeAll(), a.snapshot.Remove()}
+	if err := os.RemoveAll(a.cfg.SpoolDir); err != nil {
+		errs = append(errs, fmt.Errorf("remove DEL spool: %w", err))
+	}
+	return errors.Join(errs...)
 }
 
 // Close releases every held netns handle; the rules and the capture

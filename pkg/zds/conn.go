@@ -224,6 +224,10 @@ func (c *conn) run() {
 		if r == nil {
 			return
 		}
+		if r.op == opBarrier {
+			r.finish(nil) // everything queued before it is done
+			continue
+		}
 		if err := r.ctx.Err(); err != nil {
 			r.finish(fmt.Errorf("caller gave up before send: %w", err))
 			continue

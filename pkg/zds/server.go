@@ -456,6 +456,36 @@ func (s *Server) DelNoWait(uid string) error {
 	return nil
 }
 
+// opBarrier is a request that sends nothing: the connection's worker
+// finishes it when it reaches it, so every request queued before it has
+// been answered (or failed).
+const opBarrier = "barrier"
+
+// Drain waits until every request already queued on every connection
+// (such as the Dels DelNoWait queued) is acked or failed, or ctx ends: an
+// uninstall tells ztunnel about every released pod before the server
+// closes, without hanging on a ztunnel that stopped answering.
+func (s *Server) Drain(ctx context.Context) error {
+	s.mu.Lock()
+	conns := s.liveConns()
+	s.mu.Unlock()
+	var reqs []*request
+	for _, c := range conns {
+		r := newRequest(ctx, opBarrier, "", nil, -1)
+		if c.submit(r) {
+			reqs = append(reqs, r)
+		}
+	}
+	for _, r := range reqs {
+		select {
+		case <-r.done:
+		case <-ctx.Done():
+			return fmt.Errorf("zds drain: waiting for ztunnel acks: %w", ctx.Err())
+		}
+	}
+	return nil
+}
+
 // prepareDel encodes a Del for uid and returns the connections (past their
 // hello) it goes to.
 func (s *Server) prepareDel(uid string) ([]byte, []*conn, error) {

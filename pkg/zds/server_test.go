@@ -644,3 +644,34 @@ func BenchmarkAddDel(b *testing.B) {
 	_ = p.uc.Close()
 	wait()
 }
+
+// Drain returns once every Del queued without waiting was acked, and is
+// bounded by its context when ztunnel does not answer.
+func TestDrain(t *testing.T) {
+	s := startServer(t, Config{AckTimeout: 5 * time.Second})
+	p := dialPeer(t, s)
+	p.handshake()
+	poll.Until(t, "ready", func() bool { return s.ReadyConnections() == 1 })
+	for _, uid := range []string{"one", "two"} {
+		if err := s.DelNoWait(uid); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Not answered yet: Drain waits, and gives up with its context.
+	first := p.mustRecv()
+	if err := s.Drain(ctxTimeout(t, 100*time.Millisecond)); err == nil {
+		t.Fatal("Drain returned with a Del still unacked")
+	}
+	first.close()
+	p.ack("")
+	second := p.mustRecv()
+	second.close()
+	if got := second.req.GetDel().GetUid(); got != "two" {
+		t.Fatalf("second request %v, want the Del of two", second.req)
+	}
+	p.ack("")
+	if err := s.Drain(ctxTimeout(t, 5*time.Second)); err != nil {
+		t.Fatalf("Drain after both acks: %v", err)
+	}
+	p.expectSilence(100 * time.Millisecond) // the barrier sends nothing
+}

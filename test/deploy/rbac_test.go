@@ -127,6 +127,7 @@ func TestChartBindingsGrantTheAgent(t *testing.T) {
 		{Verb: "create", Resource: "events", Namespace: "default"},
 		{Verb: "patch", Resource: "events", Namespace: "default"},
 		{Verb: "get", Group: "apps", Resource: "daemonsets", Namespace: ns, Name: name},
+		{Verb: "get", Resource: "nodes", Name: "some-node"},
 	}
 	// The RBAC authorizer sees new bindings through a watch: wait for them.
 	deadline := time.Now().Add(30 * time.Second)
@@ -149,6 +150,8 @@ func TestChartBindingsGrantTheAgent(t *testing.T) {
 		{Verb: "update", Resource: "pods", Namespace: "default", Name: "p"},
 		{Verb: "delete", Resource: "pods", Namespace: "default", Name: "p"},
 		{Verb: "list", Resource: "secrets"},
+		{Verb: "list", Resource: "nodes"},
+		{Verb: "patch", Resource: "nodes", Name: "some-node"},
 		{Verb: "patch", Resource: "namespaces", Name: "default"},
 		{Verb: "create", Group: "events.k8s.io", Resource: "events", Namespace: "default"},
 	}

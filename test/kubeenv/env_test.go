@@ -180,6 +180,13 @@ func TestServiceAccountClientHasExactlyShippedRBAC(t *testing.T) {
 			}
 			return err
 		},
+		"get its node (NotFound, not Forbidden)": func() error {
+			_, err := sa.CoreV1().Nodes().Get(ctx, "node-a", metav1.GetOptions{})
+			if apierrors.IsNotFound(err) {
+				return nil
+			}
+			return err
+		},
 		"get own daemonset (NotFound, not Forbidden)": func() error {
 			_, err := sa.AppsV1().DaemonSets(agentNS).Get(ctx, "ambient-cni", metav1.GetOptions{})
 			if apierrors.IsNotFound(err) {
@@ -204,6 +211,14 @@ func TestServiceAccountClientHasExactlyShippedRBAC(t *testing.T) {
 		},
 		"list secrets": func() error {
 			_, err := sa.CoreV1().Secrets("").List(ctx, metav1.ListOptions{})
+			return err
+		},
+		"list nodes": func() error {
+			_, err := sa.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+			return err
+		},
+		"patch nodes": func() error {
+			_, err := sa.CoreV1().Nodes().Patch(ctx, "node-a", types.MergePatchType, []byte(`{"metadata":{"labels":{"x":"y"}}}`), metav1.PatchOptions{})
 			return err
 		},
 		"patch namespaces": func() error {
@@ -286,6 +301,8 @@ func TestShippedRBACRules(t *testing.T) {
 		{"cluster", "", "pods/status", "", "patch"},
 		{"cluster", "", "namespaces", "", "get,list,watch"},
 		{"cluster", "", "events", "", "create,patch"},
+		// Its own Node, read at shutdown (no per-node name in RBAC).
+		{"cluster", "", "nodes", "", "get"},
 		// Only its own DaemonSet (the default release's name).
 		{"namespace", "apps", "daemonsets", "ambient-cni", "get,list,watch"},
 	}

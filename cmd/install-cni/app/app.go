@@ -31,7 +31,6 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/controller"
 	"github.com/ambient-cni/ambient-cni/pkg/explain"
@@ -41,10 +40,10 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/metrics"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
+	"github.com/ambient-cni/ambient-cni/pkg/nodedirs"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
-	"github.com/ambient-cni/ambient-cni/pkg/unixsock"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
 
@@ -119,6 +118,10 @@ const annotationFlushTimeout = 2 * time.Second
 // releaseTimeout bounds releasing the captured pods on an uninstall.
 const releaseTimeout = 12 * time.Second
 
+// ztunnelDelTimeout bounds the wait for ztunnel's acks of the released
+// pods' Dels on an uninstall.
+const ztunnelDelTimeout = 3 * time.Second
+
 // hostProbeResync is how often the host probe SNAT is put back (another
 // tool removed it, or got a rule above it in POSTROUTING).
 const hostProbeResync = 30 * time.Second
@@ -188,12 +191,13 @@ func New(o Options) (*App, error) {
 	if err != nil {
 		return nil, fmt.Errorf("installer: %w", err)
 	}
-	a.upgrade = kubeadapter.NewDaemonSetUpgradeChecker(o.Client, c.PodNamespace, c.DaemonSet, a.log)
+	a.upgrade = kubeadapter.NewDaemonSetUpgradeChecker(o.Client, c.PodNamespace, c.DaemonSet, c.NodeName, a.log)
 
 	// What the agent decides with: the pod cache.
+	policy := c.EnablementPolicy()
 	a.pods = podcache.New(podcache.Config{
 		Client: o.Client, NodeName: c.NodeName,
-		Policy:                   enablement.Policy{ExcludedNamespaces: c.ExcludedNamespaces},
+		Policy:                   policy,
 		Self:                     types.NamespacedName{Namespace: c.PodNamespace, Name: c.PodName},
 		AssumePodLevelEnablement: c.AssumePodLevelEnablement,
 		Logger:                   a.log,
@@ -283,6 +287,7 @@ func New(o Options) (*App, error) {
 		Backend:   rules.Name,
 		Ztunnels:  a.zds.Connections,
 		DaemonSet: a.upgrade.Seen,
+		Policy:    policy,
 	}
 	a.health.AddCheck("installer", a.installer.Check)
 	a.health.AddCheck("restore", func() error {
@@ -348,10 +353,10 @@ func (a *App) Run(ctx context.Context) (err error) {
 			err = errors.Join(err, fmt.Errorf("close rules backend: %w", cerr))
 		}
 	}()
-	for _, dir := range []string{filepath.Dir(c.AgentSocket), filepath.Dir(c.ZDSSocket)} {
-		if err := unixsock.EnsurePrivateDir(dir); err != nil {
-			return err
-		}
+	// Private directories for the sockets and the node files, noted as
+	// found so an uninstall leaves them as they were.
+	if err := nodedirs.Ensure(filepath.Dir(c.AgentSocket), filepath.Dir(c.ZDSSocket)); err != nil {
+		return err
 	}
 	if err := a.agent.EnsureHostProbe(); err != nil {
 		return err
@@ -366,11 +371,21 @@ func (a *App) Run(ctx context.Context) (err error) {
 
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	var wg sync.WaitGroup
+	// The ZDS server outlives the other components: an uninstall releases
+	// the pods after everything else stopped, and ztunnel must get their
+	// Dels before the server closes. shutdown stops it.
+	zdsCtx, stopZDS := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopZDS()
+	var wg, zdsWG sync.WaitGroup
+	stopZtunnel := func() {
+		stopZDS()
+		_ = a.zds.Close() // one that never served releases its listener
+		zdsWG.Wait()
+	}
 	errs := make(chan error, 10)
-	run := func(name string, f func(context.Context) error) {
+	start := func(wg *sync.WaitGroup, ctx context.Context, name string, f func(context.Context) error) {
 		wg.Go(func() {
-			if err := f(runCtx); err != nil && runCtx.Err() == nil {
+			if err := f(ctx); err != nil && ctx.Err() == nil {
 				select {
 				case errs <- fmt.Errorf("%s: %w", name, err):
 				default: // one failure already stops everything
@@ -379,6 +394,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 			}
 		})
 	}
+	run := func(name string, f func(context.Context) error) { start(&wg, runCtx, name, f) }
 	// Health for kubelet, metrics for Prometheus, each on its own TCP
 	// address; the debug endpoints (pod names, IPs, netns paths) only on a
 	// root-only socket in the agent's private directory.
@@ -444,7 +460,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 	case <-ctx.Done():
 		cancel()
 		wg.Wait()
-		return a.shutdown()
+		return a.shutdown(stopZtunnel)
 	}
 	if err := a.agent.RefreshSnapshot(); err != nil {
 		a.log.Error("enablement snapshot", "err", err)
@@ -466,7 +482,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 		_ = a.zds.Close()
 		return fmt.Errorf("event server: %w", err)
 	}
-	run("zds", a.zds.Serve)
+	start(&zdsWG, zdsCtx, "zds", a.zds.Serve)
 	run("event-server", a.server.Serve)
 	run("spool", a.agent.RunSpoolDrain)
 	a.log.Info("node agent ready", "node", c.NodeName, "pods", len(a.agent.Pods()))
@@ -486,16 +502,19 @@ func (a *App) Run(ctx context.Context) (err error) {
 	}
 	cancel()
 	wg.Wait()
-	return errors.Join(runErr, a.shutdown())
+	return errors.Join(runErr, a.shutdown(stopZtunnel))
 }
 
 // shutdown releases the agent's state and, unless the DaemonSet lives on
 // (an upgrade: the next agent takes over, pods keep their rules and new
 // pods wait for it), puts the node back to plain networking: every
-// captured pod is released (annotation, rules), then the plugin, its
-// config entry and the host probe set go. Nothing stays redirected to a
-// ztunnel that may be going too.
-func (a *App) shutdown() error {
+// captured pod is released (annotation, rules, and a Del to ztunnel, whose
+// acks are awaited, bounded, before stopZtunnel closes the ZDS server),
+// then the plugin, its config entry, the host probe set and the agent's
+// node files go, and the node directories are put back as they were.
+// Nothing stays redirected to a ztunnel that may be going too. It runs
+// once every other component stopped; stopZtunnel stops the ZDS server.
+func (a *App) shutdown(stopZtunnel func()) error {
 	ctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
 	defer cancel()
 	upgrade := installer.IsUpgrade(ctx, a.upgrade, a.log)
@@ -508,7 +527,13 @@ func (a *App) shutdown() error {
 			errs = append(errs, fmt.Errorf("release pods: %w", err))
 		}
 		rcancel()
+		dctx, dcancel := context.WithTimeout(context.Background(), ztunnelDelTimeout)
+		if err := a.zds.Drain(dctx); err != nil {
+			a.log.Warn("ztunnel did not ack every Del of the released pods; it drops them when it reconnects or stops", "err", err)
+		}
+		dcancel()
 	}
+	stopZtunnel()
 	_ = a.agent.Close()
 	ictx, icancel := context.WithTimeout(context.Background(), shutdownTimeout)
 	defer icancel()
@@ -519,7 +544,10 @@ func (a *App) shutdown() error {
 		if err := a.agent.RemoveHostProbe(); err != nil {
 			errs = append(errs, err)
 		}
-		if err := a.agent.RemoveRecords(); err != nil {
+		if err := a.agent.RemoveNodeFiles(); err != nil {
+			errs = append(errs, err)
+		}
+		if err := nodedirs.Restore(filepath.Dir(a.cfg.AgentSocket)); err != nil {
 			errs = append(errs, err)
 		}
 	}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/health"
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
@@ -73,6 +74,7 @@ type Config struct {
 	NetnsDirs   []string
 
 	ExcludedNamespaces       []string
+	DataPlaneNamespaces      []string
 	AssumePodLevelEnablement bool
 	ZtunnelWait              time.Duration
 	DNSCapture               bool
@@ -177,7 +179,7 @@ func options() []option {
 		{"node-name", "Name of this node (from the downward API); required.", "", str(func(c *Config) *string { return &c.NodeName })},
 		{"pod-name", "Name of the agent's own pod, never enrolled.", "", str(func(c *Config) *string { return &c.PodName })},
 		{"pod-namespace", "Namespace of the agent's own pod and DaemonSet.", "", str(func(c *Config) *string { return &c.PodNamespace })},
-		{"daemonset-name", "The agent's DaemonSet, watched by name. Shutdown uninstalls the plugin only on proof: the DaemonSet is gone or being deleted (read at shutdown, or seen by the watch before the agent lost its RBAC); otherwise, including 401/403, the plugin stays installed.", defaultDaemonSet, str(func(c *Config) *string { return &c.DaemonSet })},
+		{"daemonset-name", "The agent's DaemonSet, watched by name. Shutdown uninstalls the plugin only on proof: the DaemonSet is gone or being deleted (read at shutdown, or seen by the watch before the agent lost its RBAC), or no longer schedules onto this node (nodeSelector, required node affinity, an untolerated taint); otherwise, including 401/403, the plugin stays installed.", defaultDaemonSet, str(func(c *Config) *string { return &c.DaemonSet })},
 		{"kubeconfig", "Kubeconfig file; empty means in-cluster configuration.", "", str(func(c *Config) *string { return &c.Kubeconfig })},
 		{"kube-client-qps", "Requests per second the agent's Kubernetes client may send on average (client-side limit; ambient ADDs, DELs and enrollments each cost requests). Istio's CNI agent uses 80.", strconv.Itoa(defaultKubeClientQPS), positiveFloat(func(c *Config) *float32 { return &c.KubeClientQPS })},
 		{"kube-client-burst", "Requests the agent's Kubernetes client may send at once above kube-client-qps, e.g. when a namespace label enrolls many running pods. Istio's CNI agent uses 160.", strconv.Itoa(defaultKubeClientBurst), positiveInt(func(c *Config) *int { return &c.KubeClientBurst })},
@@ -210,6 +212,7 @@ func options() []option {
 		{"proc-root", "The host's /proc as mounted in the container, scanned to find running pods' network namespaces.", defaultProcRoot, str(func(c *Config) *string { return &c.ProcRoot })},
 		{"netns-dirs", "Comma-separated directories where the runtime mounts pod network namespaces; the only netns paths accepted from the plugin besides /proc/<pid>/ns/net.", strings.Join(netns.DefaultRoots, ","), list(func(c *Config) *[]string { return &c.NetnsDirs })},
 		{"excluded-namespaces", "Comma-separated namespaces never captured.", ambient.DefaultExcludedNamespace, list(func(c *Config) *[]string { return &c.ExcludedNamespaces })},
+		{"data-plane-namespaces", "Comma-separated namespaces where the data-plane labels (app=ztunnel, app.kubernetes.io/name=ztunnel or ambient-cni) keep a pod out of the mesh: the agent's and ztunnel's own. Elsewhere the labels exempt nothing. Empty: the agent's own namespace (pod-namespace).", "", list(func(c *Config) *[]string { return &c.DataPlaneNamespaces })},
 		{"assume-pod-level-enablement", "With plugin-agent-unreachable=snapshot: tell the plugin's fallback that any namespace may hold a pod enabled by its own label, so it fails closed everywhere but excluded namespaces however long the agent is gone. No effect with fail-closed.", "false", boolean(func(c *Config) *bool { return &c.AssumePodLevelEnablement })},
 		{"ztunnel-wait", "How long CNI ADD waits for a connected ztunnel to acknowledge a pod before failing with a retryable error.", nodeagent.DefaultZtunnelTimeout.String(), duration(func(c *Config) *time.Duration { return &c.ZtunnelWait })},
 		{"dns-capture", "Capture DNS (port 53) to ztunnel by default, as Istio's chart does (ambient.dnsCapture); per pod: annotation ambient.istio.io/dns-capture.", "true", boolean(func(c *Config) *bool { return &c.DNSCapture })},
@@ -279,6 +282,16 @@ func Parse(args []string, getenv func(string) string, stderr io.Writer) (*Config
 		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
 	}
 	return c, c.validate()
+}
+
+// EnablementPolicy is the policy the agent decides with: the excluded
+// namespaces, and the data-plane namespaces (by default the agent's own).
+func (c *Config) EnablementPolicy() enablement.Policy {
+	p := enablement.Policy{ExcludedNamespaces: c.ExcludedNamespaces, DataPlaneNamespaces: c.DataPlaneNamespaces}
+	if len(p.DataPlaneNamespaces) == 0 && c.PodNamespace != "" {
+		p.DataPlaneNamespaces = []string{c.PodNamespace}
+	}
+	return p
 }
 
 func (c *Config) validate() error {

@@ -5,6 +5,7 @@ import (
 	"io"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -151,5 +152,24 @@ func TestKubeClientLimits(t *testing.T) {
 		if _, err := Parse([]string{"--node-name=n1"}, env(bad), io.Discard); err == nil || !strings.Contains(err.Error(), "positive") {
 			t.Errorf("%v: err = %v, want a refusal", bad, err)
 		}
+	}
+}
+
+// The data-plane labels exempt pods only in the agent's own namespace
+// unless the setting names others.
+func TestDataPlaneNamespaces(t *testing.T) {
+	c, err := Parse([]string{"--node-name=n1", "--pod-namespace=istio-system"}, env(nil), io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := c.EnablementPolicy().DataPlaneNamespaces; !slices.Equal(got, []string{"istio-system"}) {
+		t.Errorf("default data-plane namespaces %v, want the agent's own", got)
+	}
+	c, err = Parse([]string{"--node-name=n1", "--pod-namespace=istio-system"}, env(map[string]string{"AMBIENT_DATA_PLANE_NAMESPACES": "istio-system,ztunnel"}), io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := c.EnablementPolicy().DataPlaneNamespaces; !slices.Equal(got, []string{"istio-system", "ztunnel"}) {
+		t.Errorf("data-plane namespaces %v, want the configured ones", got)
 	}
 }

@@ -32,11 +32,21 @@ const (
 type Policy struct {
 	// ExcludedNamespaces are never enrolled.
 	ExcludedNamespaces []string
+	// DataPlaneNamespaces are where the data-plane labels (IsDataPlanePod)
+	// exempt a pod: the agent's and ztunnel's own namespaces. Elsewhere
+	// the labels mean nothing, or any tenant could take a pod out of the
+	// mesh by labelling it app=ztunnel (Istio exempts app=ztunnel only in
+	// its system namespace). Empty: the labels exempt no pod.
+	DataPlaneNamespaces []string
 }
+
+// DefaultDataPlaneNamespace is Istio's system namespace, where its chart
+// runs ztunnel and istio-cni.
+const DefaultDataPlaneNamespace = "istio-system"
 
 // DefaultPolicy returns the policy with the compatibility defaults.
 func DefaultPolicy() Policy {
-	return Policy{ExcludedNamespaces: []string{ambient.DefaultExcludedNamespace}}
+	return Policy{ExcludedNamespaces: []string{ambient.DefaultExcludedNamespace}, DataPlaneNamespaces: []string{DefaultDataPlaneNamespace}}
 }
 
 // Reason explains an enablement decision; it is stable text for logs,
@@ -86,7 +96,7 @@ func (p Policy) Decide(pod *corev1.Pod, ns *corev1.Namespace) Decision {
 		return Decision{false, ReasonSidecar}
 	case p.IsExcludedNamespace(pod.Namespace):
 		return Decision{false, ReasonExcludedNamespace}
-	case IsDataPlanePod(pod):
+	case IsDataPlanePod(pod) && slices.Contains(p.DataPlaneNamespaces, pod.Namespace):
 		return Decision{false, ReasonDataPlanePod}
 	}
 	switch pod.Labels[ambient.DataplaneModeLabel] {
@@ -111,6 +121,12 @@ func IsDataPlanePod(pod *corev1.Pod) bool {
 	return pod.Labels["app"] == ZtunnelAppLabelValue ||
 		pod.Labels[AgentNameLabel] == ZtunnelAppLabelValue ||
 		pod.Labels[AgentNameLabel] == AgentNameLabelValue
+}
+
+// IgnoresDataPlaneLabel reports whether pod carries a data-plane label
+// that does not exempt it, being outside DataPlaneNamespaces.
+func (p Policy) IgnoresDataPlaneLabel(pod *corev1.Pod) bool {
+	return pod != nil && IsDataPlanePod(pod) && !slices.Contains(p.DataPlaneNamespaces, pod.Namespace)
 }
 
 // NamespaceEnabled reports whether a namespace carries the ambient label.

@@ -45,6 +45,7 @@ func namespace(name string, enabled bool) *corev1.Namespace {
 func TestDecide(t *testing.T) {
 	on, off := namespace("shop", true), namespace("shop", false)
 	sys := namespace("kube-system", true)
+	dp := namespace("istio-system", true)
 	amb := withLabel(ambient.DataplaneModeLabel, ambient.DataplaneModeAmbient)
 	none := withLabel(ambient.DataplaneModeLabel, ambient.DataplaneModeNone)
 	cases := []struct {
@@ -66,8 +67,13 @@ func TestDecide(t *testing.T) {
 		{"sidecar beats namespace", pod("shop", withAnn(ambient.SidecarStatusAnnotation, "{}")), on, false, ReasonSidecar},
 		{"sidecar beats pod label", pod("shop", amb, withAnn(ambient.SidecarStatusAnnotation, "")), on, false, ReasonSidecar},
 		{"excluded namespace beats labels", pod("kube-system", amb), sys, false, ReasonExcludedNamespace},
-		{"ztunnel pod", pod("shop", withLabel("app", "ztunnel")), on, false, ReasonDataPlanePod},
-		{"agent pod", pod("shop", withLabel(AgentNameLabel, AgentNameLabelValue), amb), on, false, ReasonDataPlanePod},
+		{"ztunnel pod", pod("istio-system", withLabel("app", "ztunnel")), dp, false, ReasonDataPlanePod},
+		{"ztunnel by name label", pod("istio-system", withLabel(AgentNameLabel, ZtunnelAppLabelValue)), dp, false, ReasonDataPlanePod},
+		{"agent pod", pod("istio-system", withLabel(AgentNameLabel, AgentNameLabelValue), amb), dp, false, ReasonDataPlanePod},
+		// Elsewhere the data-plane labels exempt nothing: a tenant cannot
+		// take a pod out of the mesh by calling it ztunnel.
+		{"ztunnel label in a tenant namespace", pod("shop", withLabel("app", "ztunnel")), on, true, ReasonNamespaceLabel},
+		{"agent label in a tenant namespace", pod("shop", withLabel(AgentNameLabel, AgentNameLabelValue), amb), off, true, ReasonPodLabel},
 		{"succeeded pod", pod("shop", amb, withPhase(corev1.PodSucceeded)), on, false, ReasonTerminal},
 		{"failed pod", pod("shop", withPhase(corev1.PodFailed)), on, false, ReasonTerminal},
 		{"pending pod is enrolled", pod("shop", withPhase(corev1.PodPending)), on, true, ReasonNamespaceLabel},
@@ -84,6 +90,23 @@ func TestDecide(t *testing.T) {
 				t.Fatalf("Decide = %+v, want enroll=%v reason=%q", got, c.enroll, c.reason)
 			}
 		})
+	}
+}
+
+func TestDataPlaneNamespacesConfigurable(t *testing.T) {
+	zt := withLabel("app", ZtunnelAppLabelValue)
+	p := Policy{DataPlaneNamespaces: []string{"mesh-infra"}}
+	if d := p.Decide(pod("mesh-infra", zt), namespace("mesh-infra", true)); d.Enroll || d.Reason != ReasonDataPlanePod {
+		t.Errorf("ztunnel in a data-plane namespace: %+v", d)
+	}
+	if d := p.Decide(pod("istio-system", zt), namespace("istio-system", true)); !d.Enroll {
+		t.Errorf("ztunnel label outside the configured namespaces exempted: %+v", d)
+	}
+	if !p.IgnoresDataPlaneLabel(pod("istio-system", zt)) || p.IgnoresDataPlaneLabel(pod("mesh-infra", zt)) || p.IgnoresDataPlaneLabel(pod("shop")) {
+		t.Error("IgnoresDataPlaneLabel disagrees with Decide")
+	}
+	if d := (Policy{}).Decide(pod("istio-system", zt), namespace("istio-system", true)); !d.Enroll {
+		t.Errorf("no data-plane namespaces: the label exempted a pod: %+v", d)
 	}
 }
 

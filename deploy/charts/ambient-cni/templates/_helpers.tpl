@@ -76,6 +76,8 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ join "," .Values.cni.netnsDirs | quote }}
 - name: AMBIENT_EXCLUDED_NAMESPACES
   value: {{ join "," .Values.agent.excludedNamespaces | quote }}
+- name: AMBIENT_DATA_PLANE_NAMESPACES
+  value: {{ join "," .Values.agent.dataPlaneNamespaces | quote }}
 - name: AMBIENT_ASSUME_POD_LEVEL_ENABLEMENT
   value: {{ .Values.agent.assumePodLevelEnablement | toString | quote }}
 - name: AMBIENT_ZTUNNEL_WAIT
