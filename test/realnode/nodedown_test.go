@@ -131,6 +131,7 @@ func (e *e2e) testAgentCrashloop(t *testing.T) {
 			t.Fatal(err)
 		}
 		*p = *ready
+		t.Logf("%s/%s started at %s", p.Namespace, p.Name, containerStarted(p).Format(time.RFC3339))
 		if started := containerStarted(p); started.Before(lastAlive.Add(outageWindow - time.Second)) {
 			t.Errorf("%s/%s started at %s, within agentDownAfter of the agent's last sign of life (%s)", p.Namespace, p.Name, started.Format(time.RFC3339), lastAlive.Format(time.RFC3339))
 		}
@@ -373,6 +374,7 @@ func (e *e2e) waitSandboxError(t *testing.T, p *corev1.Pod, want string) {
 				continue
 			}
 			if strings.Contains(ev.Message, "ambient-cni:") && strings.Contains(ev.Message, want) {
+				t.Logf("%s/%s: %s", p.Namespace, p.Name, ev.Message)
 				return true, nil
 			}
 			seen = append(seen, ev.Message)
