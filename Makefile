@@ -5,7 +5,7 @@ BIN           ?= bin
 TOOLS_CACHE   ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ambient-cni/tools
 STATICCHECK_VERSION ?= v0.8.2
 STATICCHECK   := $(TOOLS_CACHE)/staticcheck-$(STATICCHECK_VERSION)/staticcheck
-# hack/kube-tools.sh and test/kubeenv find etcd, kube-apiserver and helm here.
+# hack/kube-tools.sh and test/lib/kubeenv find etcd, kube-apiserver and helm here.
 export AMBIENT_TOOLS_CACHE ?= $(TOOLS_CACHE)
 # protoc-gen-go tracks the google.golang.org/protobuf version in go.mod.
 PROTOC_GEN_GO_VERSION ?= v1.36.12
@@ -22,7 +22,7 @@ KEEP          ?=
 PLUGIN_LDFLAGS := -s -w
 AGENT_LDFLAGS  := -s -w
 
-.PHONY: check all build tools node-tools bench test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: archcheck check all build tools node-tools bench test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -77,13 +77,18 @@ e2e: node-tools ## as root: the end-to-end tests on a real node (kubelet, contai
 test-unit: ## run the tests that need neither root nor built tools
 	AMBIENT_UNIT_ONLY=1 $(GO) test -count=1 ./...
 
-lint: fmt vet staticcheck ## gofmt, go vet and staticcheck
+lint: fmt vet staticcheck archcheck ## gofmt, go vet, staticcheck and the import rules of docs/architecture.md
 
 fmt:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
 vet:
 	$(GO) vet -tags realnode ./...
+
+# The package table of docs/architecture.md is the one source of the import
+# rules; archcheck fails on an import it does not allow.
+archcheck:
+	GO='$(GO)' $(GO) run ./hack/archcheck
 
 staticcheck: $(STATICCHECK)
 	$(STATICCHECK) -tags realnode ./...
@@ -95,12 +100,14 @@ generate: $(PROTOC_GEN_GO) ## regenerate committed protobuf Go code (needs proto
 	$(PROTOC) --plugin=protoc-gen-go=$(PROTOC_GEN_GO) -I pkg/ambient/zdspb \
 		--go_out=pkg/ambient/zdspb --go_opt=paths=source_relative pkg/ambient/zdspb/zds.proto
 
-# The chart is the source; the manifest is its helm template output. The
-# release name, namespace and header live in one place: test/deploy, whose
-# TestManifestUpToDate rewrites the file when UPDATE_MANIFESTS=1.
-MANIFEST_TEST := -count=1 -run '^TestManifestUpToDate$$' ./test/deploy
+# The chart is the source; the manifest is its helm template output, and
+# test/deploy/testdata/platform-*.yaml its output per platform. The release
+# name, namespace and header live in one place: test/deploy, whose
+# TestManifestUpToDate and TestPlatformGoldens rewrite the files when
+# UPDATE_MANIFESTS=1.
+MANIFEST_TEST := -count=1 -run '^(TestManifestUpToDate|TestPlatformGoldens)$$' ./test/deploy
 
-manifests: ## render deploy/manifests/ambient-cni.yaml from deploy/charts/ambient-cni (helm template; builds helm if needed)
+manifests: ## render deploy/manifests/ambient-cni.yaml and the per-platform goldens from deploy/charts/ambient-cni (helm template; builds helm if needed)
 	GO='$(GO)' hack/kube-tools.sh helm
 	UPDATE_MANIFESTS=1 $(GO) test $(MANIFEST_TEST)
 

@@ -34,7 +34,13 @@ var (
 	ErrUnsupportedVersion = errors.New("CNI config version does not support chaining")
 	// ErrInvalidEntry means the caller-supplied plugin entry is unusable.
 	ErrInvalidEntry = errors.New("invalid plugin entry")
+	// ErrIstioCNIChained means Istio's own CNI plugin is already in the
+	// chain: two agents would both redirect the pod's traffic.
+	ErrIstioCNIChained = errors.New("istio-cni is already chained in the primary CNI config")
 )
+
+// IstioCNIType is the plugin type istio-cni chains into the primary config.
+const IstioCNIType = "istio-cni"
 
 // ConflistExt is the extension of a chained configuration list.
 const ConflistExt = ".conflist"
@@ -44,6 +50,8 @@ type listInfo struct {
 	plugins arrayLayout
 	ours    []bool // ours[i]: plugins.elems[i] has our type
 	nOurs   int
+	// nIstio counts istio-cni entries (when that is not our own type).
+	nIstio int
 }
 
 // ChainInto returns conf with entry as the last plugin of its chain.
@@ -117,6 +125,9 @@ func chainList(conf, ent []byte, pluginType string) ([]byte, error) {
 	if info.nOurs == len(info.ours) {
 		return nil, ErrNoPrimaryPlugin
 	}
+	if info.nIstio > 0 {
+		return nil, istioCNIError()
+	}
 	if info.nOurs > 0 {
 		conf = removeElems(conf, info.plugins, info.ours)
 		if info, err = inspectList(conf, pluginType); err != nil {
@@ -185,6 +196,8 @@ func inspectList(conf []byte, pluginType string) (listInfo, error) {
 		if t == pluginType {
 			info.ours[i] = true
 			info.nOurs++
+		} else if t == IstioCNIType {
+			info.nIstio++
 		}
 	}
 	return info, nil
@@ -372,4 +385,10 @@ func syntaxError(b []byte) error {
 		return errors.New("not valid JSON")
 	}
 	return err
+}
+
+// istioCNIError says what to do about a chained istio-cni: it and
+// ambient-cni each redirect a pod's traffic, so only one may run on a node.
+func istioCNIError() error {
+	return fmt.Errorf("%w: not chaining next to it; uninstall istio-cni (helm uninstall its release, or remove its DaemonSet and its %q entry from the config) or remove ambient-cni", ErrIstioCNIChained, IstioCNIType)
 }

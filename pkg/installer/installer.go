@@ -116,6 +116,11 @@ type Config struct {
 	// (an upgrade) still restores them exactly. Put it in a root-only
 	// directory that survives container restarts (a host path).
 	StateFile string
+	// OnRefused, when set, is called when a pass refuses to chain because
+	// istio-cni is already chained (ErrIstioCNIChained), once per file and
+	// cause until the refusal ends: e.g. to record an Event. It runs with
+	// the Installer's lock held: it must be quick and must not call back.
+	OnRefused func(err error)
 	// OnReinstall, when set, is called once per reinstall (see
 	// Stats.Reinstalls), e.g. a prometheus Counter's Inc. It runs with the
 	// Installer's lock held: it must be quick and must not call back.
@@ -445,6 +450,9 @@ func (i *Installer) pass(force bool) (retry time.Duration, err error) {
 		if msg := err.Error(); msg != i.lastErr {
 			i.log.Warn("install pass failed", "err", err)
 			i.lastErr = msg
+			if errors.Is(err, ErrIstioCNIChained) && i.cfg.OnRefused != nil {
+				i.cfg.OnRefused(err)
+			}
 		} else {
 			i.log.Debug("install pass failed again", "err", err)
 		}
@@ -740,6 +748,9 @@ func (i *Installer) Check() error {
 	info, err := inspectList(b, i.cfg.PluginName)
 	if err != nil {
 		return fmt.Errorf("primary config %s: %w", path, err)
+	}
+	if info.nIstio > 0 {
+		return fmt.Errorf("primary config %s: %w", path, istioCNIError())
 	}
 	if info.nOurs != 1 || !info.ours[len(info.ours)-1] {
 		return fmt.Errorf("primary config %s does not end with exactly one %q entry", path, i.cfg.PluginName)

@@ -12,9 +12,11 @@ import (
 	"sync"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/pkg/nftables"
-	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"golang.org/x/sys/unix"
+
+	"github.com/ambient-cni/ambient-cni/pkg/netfilter"
+	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
 // Applier installs, verifies and removes the in-pod rule set. It holds no
@@ -54,10 +56,10 @@ func WithRouter(r Router) Option { return func(a *Applier) { a.router = r } }
 
 // TableOwner creates the nf_tables tables and base chains iptables-nft
 // would create, marked as ours, and deletes them once empty
-// (pkg/nftables.CreateOwned and DeleteOwned); only the nft backend uses it.
+// (pkg/netfilter's CreateOwned and DeleteOwned); only the nft backend uses it.
 type TableOwner interface {
-	CreateOwned(netnsPath string, tables []nftables.TableRef, chains []nftables.BaseChain) (nftables.Created, error)
-	DeleteOwned(netnsPath string, tables []nftables.TableRef) (nftables.Created, error)
+	CreateOwned(netnsPath string, tables []netfilter.TableRef, chains []netfilter.BaseChain) (netfilter.Created, error)
+	DeleteOwned(netnsPath string, tables []netfilter.TableRef) (netfilter.Created, error)
 }
 
 // WithTableOwner replaces the nf_tables table side (tests use a fake).
@@ -81,7 +83,7 @@ func NewApplier(log *slog.Logger, b Backend, opts ...Option) *Applier {
 		backend:  b,
 		exec:     NetnsExecutor{},
 		router:   NetlinkRouter{},
-		tables:   &nftables.Owner{},
+		tables:   &netfilter.Owner{},
 		sets:     NetlinkIPSets{},
 		lockWait: 10 * time.Second,
 		timeout:  60 * time.Second,
@@ -93,7 +95,7 @@ func NewApplier(log *slog.Logger, b Backend, opts ...Option) *Applier {
 }
 
 // Close waits for netlink connections the Applier closes in the
-// background (see nftables.Owner).
+// background (see netfilter.Owner).
 func (a *Applier) Close() error {
 	if c, ok := a.tables.(interface{ Close() error }); ok {
 		return c.Close()
@@ -121,7 +123,7 @@ func podNetns(path string) error {
 }
 
 // save reads and parses the family's current state in the namespace.
-func (a *Applier) save(ctx context.Context, netnsPath string, f Family) (*Save, error) {
+func (a *Applier) save(ctx context.Context, netnsPath string, f ruleset.Family) (*Save, error) {
 	out, err := a.exec.Run(ctx, netnsPath, Cmd{Name: a.backend.SaveCmd(f)})
 	if err != nil {
 		return nil, fmt.Errorf("read %s rules in netns %s: %w", f, netnsPath, err)
@@ -134,7 +136,7 @@ func (a *Applier) save(ctx context.Context, netnsPath string, f Family) (*Save, 
 }
 
 // restore feeds plan to iptables-restore --noflush: one transaction.
-func (a *Applier) restore(ctx context.Context, netnsPath string, f Family, plan string) error {
+func (a *Applier) restore(ctx context.Context, netnsPath string, f ruleset.Family, plan string) error {
 	args := []string{"--noflush"}
 	if a.lockWait > 0 {
 		args = append(args, "-w", strconv.Itoa(max(1, int(a.lockWait/time.Second))))
@@ -153,23 +155,23 @@ func (a *Applier) restore(ctx context.Context, netnsPath string, f Family, plan 
 // earlier steps changed is undone and the namespace is as it was. IPv6 is
 // programmed only when the namespace has IPv6, its policy route only when
 // lo has IPv6 too; leftovers of ours in a family without IPv6 are removed.
-func (a *Applier) Apply(netnsPath string, cfg PodConfig) error {
+func (a *Applier) Apply(netnsPath string, cfg ruleset.PodConfig) error {
 	return a.ApplyContext(context.Background(), netnsPath, cfg)
 }
 
 // familyPlan is one family's part of an apply.
 type familyPlan struct {
-	f      Family
+	f      ruleset.Family
 	rs     RuleSet
 	routes bool // the policy route belongs to the desired state
 	cur    *Save
 	plan   string
-	added  RouteParts // routing this apply added, undone on failure
-	done   bool       // the restore succeeded, reverted on failure
+	added  policyroute.Parts // routing this apply added, undone on failure
+	done   bool              // the restore succeeded, reverted on failure
 }
 
 // ApplyContext is Apply with a context.
-func (a *Applier) ApplyContext(ctx context.Context, netnsPath string, cfg PodConfig) error {
+func (a *Applier) ApplyContext(ctx context.Context, netnsPath string, cfg ruleset.PodConfig) error {
 	if err := podNetns(netnsPath); err != nil {
 		return err
 	}
@@ -186,9 +188,9 @@ func (a *Applier) ApplyContext(ctx context.Context, netnsPath string, cfg PodCon
 	if !v6.LoopbackUp {
 		return fmt.Errorf("lo is down in netns %s: redirected traffic could not reach ztunnel", netnsPath)
 	}
-	plans := []*familyPlan{{f: IPv4, rs: PodRules(cfg, IPv4), routes: true}}
+	plans := []*familyPlan{{f: ruleset.IPv4, rs: PodRules(cfg, ruleset.IPv4), routes: true}}
 	if v6.IPv6 {
-		plans = append(plans, &familyPlan{f: IPv6, rs: PodRules(cfg, IPv6), routes: v6.IPv6Loopback})
+		plans = append(plans, &familyPlan{f: ruleset.IPv6, rs: PodRules(cfg, ruleset.IPv6), routes: v6.IPv6Loopback})
 	}
 	// Read everything first: a failure here has changed nothing.
 	err = each(plans, func(p *familyPlan) error {
@@ -206,7 +208,7 @@ func (a *Applier) ApplyContext(ctx context.Context, netnsPath string, cfg PodCon
 		return err
 	}
 	if !v6.IPv6 {
-		if err := a.removeFamily(ctx, netnsPath, IPv6, false); err != nil {
+		if err := a.removeFamily(ctx, netnsPath, ruleset.IPv6, false); err != nil {
 			a.log.Debug("no IPv6 leftovers removed", "netns", netnsPath, "err", err)
 		}
 	}
@@ -233,7 +235,7 @@ func (a *Applier) applyPlans(ctx context.Context, netnsPath string, plans []*fam
 		}
 		p.added = added
 	}
-	var created nftables.Created
+	var created netfilter.Created
 	if tables, chains := ownedToBe(plans); len(errs) == 0 && a.backend == BackendNFT && len(tables)+len(chains) > 0 {
 		// What iptables-nft would create is created first, marked as
 		// ours, so that removal knows it may delete it.
@@ -270,7 +272,7 @@ func (a *Applier) applyPlans(ctx context.Context, netnsPath string, plans []*fam
 }
 
 // undo reverts what applyPlans changed, from the states read before it.
-func (a *Applier) undo(ctx context.Context, netnsPath string, plans []*familyPlan, sc *scope, created nftables.Created) error {
+func (a *Applier) undo(ctx context.Context, netnsPath string, plans []*familyPlan, sc *scope, created netfilter.Created) error {
 	var errs []error
 	for _, p := range plans {
 		if !p.done {
@@ -309,9 +311,9 @@ func (a *Applier) undo(ctx context.Context, netnsPath string, plans []*familyPla
 // tables the saves do not show, and the built-in chains the plans write to
 // in tables they do show (iptables-nft-save prints built-in chains whether
 // or not they exist, so CreateOwned looks for itself).
-func ownedToBe(plans []*familyPlan) ([]nftables.TableRef, []nftables.BaseChain) {
-	var tables []nftables.TableRef
-	var chains []nftables.BaseChain
+func ownedToBe(plans []*familyPlan) ([]netfilter.TableRef, []netfilter.BaseChain) {
+	var tables []netfilter.TableRef
+	var chains []netfilter.BaseChain
 	for _, p := range plans {
 		table := ""
 		for _, l := range strings.Split(p.plan, "\n") {
@@ -327,7 +329,7 @@ func ownedToBe(plans []*familyPlan) ([]nftables.TableRef, []nftables.BaseChain) 
 				continue
 			}
 			if spec, ok := baseChainSpecs[table][f[1]]; ok {
-				ch := nftables.BaseChain{Table: nftTable(p.f, table), Name: f[1], Type: spec.typ, Hook: spec.hook, Priority: spec.prio}
+				ch := netfilter.BaseChain{Table: nftTable(p.f, table), Name: f[1], Type: spec.typ, Hook: spec.hook, Priority: spec.prio}
 				if !slices.Contains(chains, ch) {
 					chains = append(chains, ch)
 				}
@@ -367,11 +369,11 @@ var baseChainSpecs = map[string]map[string]baseChainSpec{
 }
 
 // nftTable names the nf_tables table iptables-nft uses for table t.
-func nftTable(f Family, t string) nftables.TableRef {
-	if f == IPv6 {
-		return nftables.TableRef{Family: nftables.FamilyIPv6, Name: t}
+func nftTable(f ruleset.Family, t string) netfilter.TableRef {
+	if f == ruleset.IPv6 {
+		return netfilter.TableRef{Family: netfilter.FamilyIPv6, Name: t}
 	}
-	return nftables.TableRef{Family: nftables.FamilyIPv4, Name: t}
+	return netfilter.TableRef{Family: netfilter.FamilyIPv4, Name: t}
 }
 
 // each runs fn for every plan at once (the families share nothing, and each
@@ -387,9 +389,9 @@ func each(plans []*familyPlan, fn func(*familyPlan) error) error {
 }
 
 // perFamily runs fn for both families at once and joins their errors.
-func perFamily(fn func(Family) error) error {
-	plans := make([]*familyPlan, len(Families))
-	for i, f := range Families {
+func perFamily(fn func(ruleset.Family) error) error {
+	plans := make([]*familyPlan, len(ruleset.Families))
+	for i, f := range ruleset.Families {
 		plans[i] = &familyPlan{f: f}
 	}
 	return each(plans, func(p *familyPlan) error { return fn(p.f) })
@@ -397,29 +399,29 @@ func perFamily(fn func(Family) error) error {
 
 // Verify compares the namespace with cfg's desired state and returns the
 // drift; an empty Drift means the rules are exactly in place.
-func (a *Applier) Verify(netnsPath string, cfg PodConfig) (Drift, error) {
+func (a *Applier) Verify(netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift, error) {
 	return a.VerifyContext(context.Background(), netnsPath, cfg)
 }
 
 // VerifyContext is Verify with a context.
-func (a *Applier) VerifyContext(ctx context.Context, netnsPath string, cfg PodConfig) (Drift, error) {
+func (a *Applier) VerifyContext(ctx context.Context, netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift, error) {
 	if err := podNetns(netnsPath); err != nil {
-		return Drift{}, err
+		return ruleset.Drift{}, err
 	}
 	if err := cfg.Validate(); err != nil {
-		return Drift{}, err
+		return ruleset.Drift{}, err
 	}
 	ctx, cancel := a.bound(ctx)
 	defer cancel()
 	v6, err := a.router.State(netnsPath)
 	if err != nil {
-		return Drift{}, err
+		return ruleset.Drift{}, err
 	}
-	drifts := make([][]DriftItem, len(Families))
-	err = perFamily(func(f Family) error {
-		i := slices.Index(Families, f)
+	drifts := make([][]ruleset.DriftItem, len(ruleset.Families))
+	err = perFamily(func(f ruleset.Family) error {
+		i := slices.Index(ruleset.Families, f)
 		rs := PodRules(cfg, f)
-		if f == IPv6 && !v6.IPv6 {
+		if f == ruleset.IPv6 && !v6.IPv6 {
 			// Only leftovers can drift in a disabled family.
 			if cur, err := a.save(ctx, netnsPath, f); err == nil {
 				drifts[i] = RuleSet{Family: f}.Diff(cur).Items
@@ -431,7 +433,7 @@ func (a *Applier) VerifyContext(ctx context.Context, netnsPath string, cfg PodCo
 			return err
 		}
 		drifts[i] = rs.Diff(cur).Items
-		if f == IPv6 && !v6.IPv6Loopback {
+		if f == ruleset.IPv6 && !v6.IPv6Loopback {
 			return nil // no IPv6 policy route without IPv6 on lo
 		}
 		rule, route, err := a.router.PolicyRouteState(netnsPath, f, rs.Routing)
@@ -442,9 +444,9 @@ func (a *Applier) VerifyContext(ctx context.Context, netnsPath string, cfg PodCo
 		return nil
 	})
 	if err != nil {
-		return Drift{}, err
+		return ruleset.Drift{}, err
 	}
-	var d Drift
+	var d ruleset.Drift
 	for _, items := range drifts {
 		d.Items = append(d.Items, items...)
 	}
@@ -473,9 +475,9 @@ func (a *Applier) RemoveContext(ctx context.Context, netnsPath string) error {
 	if err != nil {
 		return err
 	}
-	return perFamily(func(f Family) error {
-		err := a.removeFamily(ctx, netnsPath, f, f == IPv4 || v6.IPv6)
-		if err != nil && f == IPv6 && !v6.IPv6 {
+	return perFamily(func(f ruleset.Family) error {
+		err := a.removeFamily(ctx, netnsPath, f, f == ruleset.IPv4 || v6.IPv6)
+		if err != nil && f == ruleset.IPv6 && !v6.IPv6 {
 			// ip6tables may be unusable without IPv6; nothing of ours can be there.
 			a.log.Debug("skipping IPv6 removal", "netns", netnsPath, "err", err)
 			return nil
@@ -498,9 +500,9 @@ func (a *Applier) RemoveRules(netnsPath string) error {
 	if err != nil {
 		return err
 	}
-	return perFamily(func(f Family) error {
+	return perFamily(func(f ruleset.Family) error {
 		err := a.removeFamily(ctx, netnsPath, f, false)
-		if err != nil && f == IPv6 && !st.IPv6 {
+		if err != nil && f == ruleset.IPv6 && !st.IPv6 {
 			return nil // ip6tables may be unusable without IPv6; nothing of ours can be there
 		}
 		return err
@@ -519,23 +521,23 @@ func (a *Applier) HasRules(netnsPath string) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	found := make([]bool, len(Families))
-	err = perFamily(func(f Family) error {
+	found := make([]bool, len(ruleset.Families))
+	err = perFamily(func(f ruleset.Family) error {
 		cur, err := a.save(ctx, netnsPath, f)
 		if err != nil {
-			if f == IPv6 && !st.IPv6 {
+			if f == ruleset.IPv6 && !st.IPv6 {
 				return nil
 			}
 			return err
 		}
-		found[slices.Index(Families, f)] = PlanRemove(cur) != ""
+		found[slices.Index(ruleset.Families, f)] = PlanRemove(cur) != ""
 		return nil
 	})
 	return slices.Contains(found, true), err
 }
 
 // removeFamily removes our rules of family f; routing too when routes is set.
-func (a *Applier) removeFamily(ctx context.Context, netnsPath string, f Family, routes bool) error {
+func (a *Applier) removeFamily(ctx context.Context, netnsPath string, f ruleset.Family, routes bool) error {
 	cur, err := a.save(ctx, netnsPath, f)
 	if err != nil {
 		return err
@@ -550,7 +552,7 @@ func (a *Applier) removeFamily(ctx context.Context, netnsPath string, f Family, 
 	if !routes {
 		return nil
 	}
-	if err := a.router.RemovePolicyRoute(netnsPath, f, PodRules(PodConfig{}, f).Routing, allRoute); err != nil {
+	if err := a.router.RemovePolicyRoute(netnsPath, f, PodRules(ruleset.PodConfig{}, f).Routing, policyroute.All); err != nil {
 		return fmt.Errorf("%s policy routing in netns %s: %w", f, netnsPath, err)
 	}
 	return nil
@@ -558,17 +560,17 @@ func (a *Applier) removeFamily(ctx context.Context, netnsPath string, f Family, 
 
 // dropOwnedTables deletes the nf_tables tables of family f among tables,
 // and the built-in chains in them, that this project created (they carry
-// nftables.OwnerComment) and that the removal left empty, so the
+// netfilter.OwnerComment) and that the removal left empty, so the
 // namespace's ruleset is what it was before us.
 // The kernel checks emptiness in the same transaction as the deletion, so
 // a rule another tool added meanwhile keeps its table; a table that was
 // there before us is never deleted. Failure costs only an empty, inert
 // table, so it is logged, not returned. Legacy tables cannot be deleted.
-func (a *Applier) dropOwnedTables(netnsPath string, f Family, tables []string) {
+func (a *Applier) dropOwnedTables(netnsPath string, f ruleset.Family, tables []string) {
 	if a.backend != BackendNFT || len(tables) == 0 {
 		return
 	}
-	refs := make([]nftables.TableRef, len(tables))
+	refs := make([]netfilter.TableRef, len(tables))
 	for i, t := range tables {
 		refs[i] = nftTable(f, t)
 	}

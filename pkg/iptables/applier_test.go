@@ -5,6 +5,8 @@ import (
 	"strings"
 	"sync"
 	"testing"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
 // byFamily splits a command log into the IPv4 and IPv6 sequences (the
@@ -45,28 +47,28 @@ func fakeApplier(b Backend) (*Applier, *fakeHost) {
 func TestApplierFlowWithFake(t *testing.T) {
 	a, h := fakeApplier(BackendNFT)
 	const pod = "/run/netns/pod"
-	if err := a.Apply(pod, PodConfig{}); err != nil {
+	if err := a.Apply(pod, ruleset.PodConfig{}); err != nil {
 		t.Fatal(err)
 	}
 	// One call creates the missing tables of both families, marked ours.
 	wantLog(t, h.takeLog(), BackendNFT, []string{"save", "restore"}, 1)
-	if d, err := a.Verify(pod, PodConfig{}); err != nil || !d.Empty() {
+	if d, err := a.Verify(pod, ruleset.PodConfig{}); err != nil || !d.Empty() {
 		t.Fatalf("verify after apply: %v\n%s", err, d)
 	}
 	h.takeLog()
 	// Converged: a second apply only reads.
-	if err := a.Apply(pod, PodConfig{}); err != nil {
+	if err := a.Apply(pod, ruleset.PodConfig{}); err != nil {
 		t.Fatal(err)
 	}
 	wantLog(t, h.takeLog(), BackendNFT, []string{"save"}, 0)
 	// Verify against other options names the difference.
-	d, err := a.Verify(pod, PodConfig{DNSCapture: true})
+	d, err := a.Verify(pod, ruleset.PodConfig{DNSCapture: true})
 	if err != nil || d.Empty() || !strings.Contains(d.String(), "ipv4 raw: missing chain ISTIO_PRERT") {
 		t.Fatalf("verify with DNS: %v\n%s", err, d)
 	}
 	// Lost routing is drift too.
-	h.ns[pod].rule[IPv6] = false
-	d, _ = a.Verify(pod, PodConfig{})
+	h.ns[pod].rule[ruleset.IPv6] = false
+	d, _ = a.Verify(pod, ruleset.PodConfig{})
 	if !strings.Contains(d.String(), "ipv6: missing ip rule") {
 		t.Fatalf("routing drift not reported:\n%s", d)
 	}
@@ -79,7 +81,7 @@ func TestApplierFlowWithFake(t *testing.T) {
 	// and are deleted once empty.
 	wantLog(t, h.takeLog(), BackendNFT, []string{"save", "restore"}, 2)
 	n := h.ns[pod]
-	for _, f := range Families {
+	for _, f := range ruleset.Families {
 		if len(n.saves[f].Tables) != 0 || n.rule[f] || n.route[f] {
 			t.Fatalf("%s not restored: rule=%v route=%v\n%s", f, n.rule[f], n.route[f], n.saves[f])
 		}
@@ -93,7 +95,7 @@ func TestApplierFlowWithFake(t *testing.T) {
 
 func TestApplierLegacyKeepsTables(t *testing.T) {
 	a, h := fakeApplier(BackendLegacy)
-	if err := a.Apply("p", PodConfig{DNSCapture: true}); err != nil {
+	if err := a.Apply("p", ruleset.PodConfig{DNSCapture: true}); err != nil {
 		t.Fatal(err)
 	}
 	h.takeLog()
@@ -110,29 +112,29 @@ func TestApplierLegacyKeepsTables(t *testing.T) {
 func TestApplierIPv6Disabled(t *testing.T) {
 	a, h := fakeApplier(BackendNFT)
 	h.get("p").noIPv6 = true
-	if err := a.Apply("p", PodConfig{}); err != nil {
+	if err := a.Apply("p", ruleset.PodConfig{}); err != nil {
 		t.Fatal(err)
 	}
 	n := h.ns["p"]
-	if len(n.saves[IPv6].Tables) != 0 || n.rule[IPv6] {
+	if len(n.saves[ruleset.IPv6].Tables) != 0 || n.rule[ruleset.IPv6] {
 		t.Fatal("IPv6 programmed in a namespace without IPv6")
 	}
-	if d, err := a.Verify("p", PodConfig{}); err != nil || !d.Empty() {
+	if d, err := a.Verify("p", ruleset.PodConfig{}); err != nil || !d.Empty() {
 		t.Fatalf("verify: %v %s", err, d)
 	}
 	// Leftovers from when IPv6 was on are removed by the next apply.
 	n.noIPv6 = false
-	if err := a.Apply("p", PodConfig{}); err != nil {
+	if err := a.Apply("p", ruleset.PodConfig{}); err != nil {
 		t.Fatal(err)
 	}
 	n.noIPv6 = true
-	if d, _ := a.Verify("p", PodConfig{}); !strings.Contains(d.String(), "ipv6 nat: extra chain ISTIO_OUTPUT") {
+	if d, _ := a.Verify("p", ruleset.PodConfig{}); !strings.Contains(d.String(), "ipv6 nat: extra chain ISTIO_OUTPUT") {
 		t.Fatalf("leftovers not reported:\n%s", d)
 	}
-	if err := a.Apply("p", PodConfig{}); err != nil {
+	if err := a.Apply("p", ruleset.PodConfig{}); err != nil {
 		t.Fatal(err)
 	}
-	if d, _ := a.Verify("p", PodConfig{}); !d.Empty() {
+	if d, _ := a.Verify("p", ruleset.PodConfig{}); !d.Empty() {
 		t.Fatalf("leftovers not removed:\n%s", d)
 	}
 }
@@ -140,18 +142,18 @@ func TestApplierIPv6Disabled(t *testing.T) {
 func TestApplierErrors(t *testing.T) {
 	a, h := fakeApplier(BackendNFT)
 	h.failOn = "iptables-nft-restore"
-	err := a.Apply("/run/netns/x", PodConfig{})
+	err := a.Apply("/run/netns/x", ruleset.PodConfig{})
 	if err == nil || !strings.Contains(err.Error(), "apply ipv4 rules in netns /run/netns/x") || !strings.Contains(err.Error(), "injected") {
 		t.Fatalf("restore failure: %v", err)
 	}
 	h.failOn = "iptables-nft-save"
-	if _, err := a.Verify("/run/netns/x", PodConfig{}); err == nil {
+	if _, err := a.Verify("/run/netns/x", ruleset.PodConfig{}); err == nil {
 		t.Fatal("save failure not reported by Verify")
 	}
 	if err := a.Remove("/run/netns/x"); err == nil {
 		t.Fatal("save failure not reported by Remove")
 	}
-	if err := a.Apply("p", PodConfig{ProbeSNATv4: PodRules(PodConfig{}, IPv6).Routing.Local.Addr()}); err == nil {
+	if err := a.Apply("p", ruleset.PodConfig{ProbeSNATv4: PodRules(ruleset.PodConfig{}, ruleset.IPv6).Routing.Local.Addr()}); err == nil {
 		t.Fatal("invalid config accepted")
 	}
 }
@@ -166,9 +168,9 @@ func TestApplierConcurrentSamePod(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			cfg := PodConfig{DNSCapture: i%2 == 0}
+			cfg := ruleset.PodConfig{DNSCapture: i%2 == 0}
 			if i == 39 {
-				cfg = PodConfig{}
+				cfg = ruleset.PodConfig{}
 			}
 			errs <- a.Apply("p", cfg)
 		}()
@@ -180,7 +182,7 @@ func TestApplierConcurrentSamePod(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	for _, f := range Families {
+	for _, f := range ruleset.Families {
 		s := h.ns["p"].saves[f]
 		for _, tbl := range s.Tables {
 			for _, c := range tbl.Chains {

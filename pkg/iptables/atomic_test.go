@@ -9,7 +9,9 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // Apply is all or nothing across both families and policy routing: these
@@ -17,7 +19,7 @@ import (
 
 // state renders everything an apply may change in a fake namespace.
 func (n *fakeNS) state() string {
-	on := func(m map[Family]bool) string { return fmt.Sprint(m[IPv4], m[IPv6]) }
+	on := func(m map[ruleset.Family]bool) string { return fmt.Sprint(m[ruleset.IPv4], m[ruleset.IPv6]) }
 	owned := slices.Sorted(maps.Keys(maps.Collect(func(yield func(string, bool) bool) {
 		for k, v := range n.owned {
 			if v && !yield(k, v) {
@@ -25,7 +27,7 @@ func (n *fakeNS) state() string {
 			}
 		}
 	})))
-	return fmt.Sprintf("%s\n%s\nrule %s route %s owned %v", sortedChains(n.saves[IPv4]), sortedChains(n.saves[IPv6]), on(n.rule), on(n.route), owned)
+	return fmt.Sprintf("%s\n%s\nrule %s route %s owned %v", sortedChains(n.saves[ruleset.IPv4]), sortedChains(n.saves[ruleset.IPv6]), on(n.rule), on(n.route), owned)
 }
 
 // sortedChains renders s with each table's chains in name order: the order
@@ -39,14 +41,14 @@ func sortedChains(s *Save) string {
 }
 
 func TestApplierAllOrNothingWithFake(t *testing.T) {
-	dns, bypass := PodConfig{DNSCapture: true}, PodConfig{BypassInbound: true}
+	dns, bypass := ruleset.PodConfig{DNSCapture: true}, ruleset.PodConfig{BypassInbound: true}
 	for _, tc := range []struct {
 		name   string
-		before *PodConfig // applied first, nil for a fresh namespace
+		before *ruleset.PodConfig // applied first, nil for a fresh namespace
 		breakf func(h *fakeHost, n *fakeNS)
 	}{
 		{"ipv6 route refused", nil, func(_ *fakeHost, n *fakeNS) {
-			n.routeErr[IPv6] = errors.New("IPv6 is disabled on nexthop device")
+			n.routeErr[ruleset.IPv6] = errors.New("IPv6 is disabled on nexthop device")
 		}},
 		{"ipv6 restore fails", nil, func(h *fakeHost, _ *fakeNS) { h.failOn = "ip6tables-nft-restore" }},
 		{"ipv4 restore fails", nil, func(h *fakeHost, _ *fakeNS) { h.failOn = "iptables-nft-restore" }},
@@ -74,7 +76,7 @@ func TestApplierAllOrNothingWithFake(t *testing.T) {
 	t.Run("lo down", func(t *testing.T) {
 		a, h := fakeApplier(BackendNFT)
 		h.get("p").loDown = true
-		if err := a.Apply("p", PodConfig{}); err == nil || !strings.Contains(err.Error(), "lo is down") {
+		if err := a.Apply("p", ruleset.PodConfig{}); err == nil || !strings.Contains(err.Error(), "lo is down") {
 			t.Fatalf("apply with lo down: %v", err)
 		}
 		if log := h.takeLog(); len(log) != 0 {
@@ -85,13 +87,13 @@ func TestApplierAllOrNothingWithFake(t *testing.T) {
 		a, h := fakeApplier(BackendNFT)
 		n := h.get("p")
 		n.noLoV6 = true
-		if err := a.Apply("p", PodConfig{}); err != nil {
+		if err := a.Apply("p", ruleset.PodConfig{}); err != nil {
 			t.Fatal(err)
 		}
-		if n.saves[IPv6].Table("nat") == nil || n.rule[IPv6] || n.route[IPv6] || !n.rule[IPv4] {
-			t.Fatalf("want IPv6 rules without IPv6 routing: rule %v route %v\n%s", n.rule, n.route, n.saves[IPv6])
+		if n.saves[ruleset.IPv6].Table("nat") == nil || n.rule[ruleset.IPv6] || n.route[ruleset.IPv6] || !n.rule[ruleset.IPv4] {
+			t.Fatalf("want IPv6 rules without IPv6 routing: rule %v route %v\n%s", n.rule, n.route, n.saves[ruleset.IPv6])
 		}
-		if d, err := a.Verify("p", PodConfig{}); err != nil || !d.Empty() {
+		if d, err := a.Verify("p", ruleset.PodConfig{}); err != nil || !d.Empty() {
 			t.Fatalf("verify: %v\n%s", err, d)
 		}
 	})
@@ -114,12 +116,12 @@ func (e failingExec) Run(ctx context.Context, netnsPath string, cmd Cmd) ([]byte
 // real.
 type failingRouter struct {
 	Router
-	fail Family
+	fail ruleset.Family
 }
 
-func (r failingRouter) EnsurePolicyRoute(netnsPath string, f Family, want PolicyRoute) (RouteParts, error) {
+func (r failingRouter) EnsurePolicyRoute(netnsPath string, f ruleset.Family, want ruleset.PolicyRoute) (policyroute.Parts, error) {
 	if f == r.fail {
-		return RouteParts{}, fmt.Errorf("%s route: injected failure", f)
+		return policyroute.Parts{}, fmt.Errorf("%s route: injected failure", f)
 	}
 	return r.Router.EnsurePolicyRoute(netnsPath, f, want)
 }
@@ -138,14 +140,14 @@ func TestApplyAtomicDataplane(t *testing.T) {
 // injectedFailures: real iptables and netlink, one step made to fail;
 // the namespace must be exactly as before, fresh or with earlier rules.
 func injectedFailures(t *testing.T, b Backend) {
-	for _, before := range []*PodConfig{nil, {DNSCapture: true}} {
+	for _, before := range []*ruleset.PodConfig{nil, {DNSCapture: true}} {
 		for _, tc := range []struct {
 			name string
 			opts []Option
 		}{
-			{"ipv6 restore", []Option{WithExecutor(failingExec{NetnsExecutor{}, b.RestoreCmd(IPv6)})}},
-			{"ipv4 restore", []Option{WithExecutor(failingExec{NetnsExecutor{}, b.RestoreCmd(IPv4)})}},
-			{"ipv6 route", []Option{WithRouter(failingRouter{NetlinkRouter{}, IPv6})}},
+			{"ipv6 restore", []Option{WithExecutor(failingExec{NetnsExecutor{}, b.RestoreCmd(ruleset.IPv6)})}},
+			{"ipv4 restore", []Option{WithExecutor(failingExec{NetnsExecutor{}, b.RestoreCmd(ruleset.IPv4)})}},
+			{"ipv6 route", []Option{WithRouter(failingRouter{NetlinkRouter{}, ruleset.IPv6})}},
 		} {
 			t.Run(fmt.Sprintf("%s/after %v", tc.name, before != nil), func(t *testing.T) {
 				pair := testnet.NewPair(t)
@@ -157,7 +159,7 @@ func injectedFailures(t *testing.T, b Backend) {
 				}
 				was := snapshot(t, A)
 				broken := NewApplier(testLogger(t), b, tc.opts...)
-				if err := broken.Apply(A, PodConfig{BypassInbound: true}); err == nil || !strings.Contains(err.Error(), "injected") {
+				if err := broken.Apply(A, ruleset.PodConfig{BypassInbound: true}); err == nil || !strings.Contains(err.Error(), "injected") {
 					t.Fatalf("apply: %v", err)
 				}
 				if now := snapshot(t, A); now != was {

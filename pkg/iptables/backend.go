@@ -8,6 +8,8 @@ import (
 	"time"
 
 	goipt "github.com/coreos/go-iptables/iptables"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
 // Backend is the iptables flavour used in every namespace: the kernel's
@@ -33,22 +35,22 @@ func ParseBackend(s string) (Backend, error) {
 	return "", fmt.Errorf("unknown iptables backend %q (want nft or legacy)", s)
 }
 
-func (b Backend) bin(f Family, suffix string) string {
+func (b Backend) bin(f ruleset.Family, suffix string) string {
 	prefix := "iptables"
-	if f == IPv6 {
+	if f == ruleset.IPv6 {
 		prefix = "ip6tables"
 	}
 	return prefix + "-" + string(b) + suffix
 }
 
 // SaveCmd names the save binary for family f, e.g. "ip6tables-nft-save".
-func (b Backend) SaveCmd(f Family) string { return b.bin(f, "-save") }
+func (b Backend) SaveCmd(f ruleset.Family) string { return b.bin(f, "-save") }
 
 // RestoreCmd names the restore binary for family f.
-func (b Backend) RestoreCmd(f Family) string { return b.bin(f, "-restore") }
+func (b Backend) RestoreCmd(f ruleset.Family) string { return b.bin(f, "-restore") }
 
 // Cmd names the plain iptables binary for family f, e.g. "iptables-legacy".
-func (b Backend) Cmd(f Family) string { return b.bin(f, "") }
+func (b Backend) Cmd(f ruleset.Family) string { return b.bin(f, "") }
 
 // DetectBackend picks the backend once, in the caller's network namespace
 // (the node agent runs in the host's). A non-empty override ("nft" or
@@ -97,14 +99,14 @@ func DetectBackend(override string) (Backend, error) {
 // probeBackend checks that the iptables binary and both restore/save
 // binaries of b exist and run.
 func probeBackend(b Backend) error {
-	ipt, err := goipt.New(goipt.Path(b.Cmd(IPv4)))
+	ipt, err := goipt.New(goipt.Path(b.Cmd(ruleset.IPv4)))
 	if err != nil {
-		return fmt.Errorf("%s: %w", b.Cmd(IPv4), err)
+		return fmt.Errorf("%s: %w", b.Cmd(ruleset.IPv4), err)
 	}
 	if v1, _, _ := ipt.GetIptablesVersion(); v1 < 1 {
-		return fmt.Errorf("%s: unexpected version", b.Cmd(IPv4))
+		return fmt.Errorf("%s: unexpected version", b.Cmd(ruleset.IPv4))
 	}
-	for _, f := range Families {
+	for _, f := range ruleset.Families {
 		for _, bin := range []string{b.SaveCmd(f), b.RestoreCmd(f)} {
 			if _, err := exec.LookPath(bin); err != nil {
 				return fmt.Errorf("%s: %w", bin, err)
@@ -124,7 +126,7 @@ type nodeState struct {
 // instantiates tables, so looking changes nothing.
 func inspectNode(ctx context.Context, b Backend) nodeState {
 	var st nodeState
-	for _, f := range Families {
+	for _, f := range ruleset.Families {
 		out, err := exec.CommandContext(ctx, b.SaveCmd(f)).Output()
 		if err != nil {
 			continue

@@ -3,8 +3,10 @@ package iptables
 import (
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"github.com/containernetworking/plugins/pkg/ns"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // TestDetectBackend runs detection inside throwaway namespaces, so the
@@ -22,7 +24,7 @@ func TestDetectBackend(t *testing.T) {
 	}
 	for _, b := range []Backend{BackendNFT, BackendLegacy} {
 		n := testnet.NewNS(t)
-		run(t, n.Path(), b.Cmd(IPv4), "-t", "nat", "-A", "POSTROUTING", "-j", "RETURN")
+		run(t, n.Path(), b.Cmd(ruleset.IPv4), "-t", "nat", "-A", "POSTROUTING", "-j", "RETURN")
 		var got Backend
 		err := n.Do(func(ns.NetNS) error {
 			var err error

@@ -2,8 +2,9 @@ package iptables
 
 import (
 	"fmt"
-	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"strings"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
 // tableState is what one table holds of ours, computed from a save.
@@ -108,33 +109,33 @@ func equalRules(a, b []string) bool {
 
 // Diff compares the iptables part of the desired rule set with a parsed
 // save of the same family. Rules that do not involve our chains are ignored.
-func (rs RuleSet) Diff(cur *Save) Drift {
-	var d Drift
+func (rs RuleSet) Diff(cur *Save) ruleset.Drift {
+	var d ruleset.Drift
 	sc := rs.sc()
 	for _, table := range sc.tables {
 		want := rs.wanted(table)
 		st := scanTable(sc, cur.Table(table), keys(want))
-		item := func(kind DriftKind, obj, chain string) DriftItem {
-			return DriftItem{Family: rs.Family, Kind: kind, Object: obj, Table: table, Chain: chain}
+		item := func(kind ruleset.DriftKind, obj, chain string) ruleset.DriftItem {
+			return ruleset.DriftItem{Family: rs.Family, Kind: kind, Object: obj, Table: table, Chain: chain}
 		}
 		for _, name := range sc.chains {
 			rules, wanted := want[name]
 			have, present := st.chains[name]
 			switch {
 			case wanted && !present:
-				d.Items = append(d.Items, item(DriftMissing, "chain", name))
+				d.Items = append(d.Items, item(ruleset.DriftMissing, "chain", name))
 				for i, r := range rules {
-					it := item(DriftMissing, "rule", name)
+					it := item(ruleset.DriftMissing, "rule", name)
 					it.Position, it.Want = i+1, "-A "+name+" "+r
 					d.Items = append(d.Items, it)
 				}
 			case wanted:
-				d.Items = append(d.Items, ruleset.DiffRules(item(DriftMissing, "rule", name), rules, have)...)
+				d.Items = append(d.Items, ruleset.DiffRules(item(ruleset.DriftMissing, "rule", name), rules, have)...)
 			case present:
-				d.Items = append(d.Items, item(DriftExtra, "chain", name))
+				d.Items = append(d.Items, item(ruleset.DriftExtra, "chain", name))
 			}
 			if wanted && st.jumps[name] == 0 {
-				it := item(DriftMissing, "rule", sc.hook[name])
+				it := item(ruleset.DriftMissing, "rule", sc.hook[name])
 				it.Want = "-A " + sc.hook[name] + " " + jumpSpec(name)
 				if sc.first[name] {
 					it.Position = 1
@@ -142,18 +143,18 @@ func (rs RuleSet) Diff(cur *Save) Drift {
 				d.Items = append(d.Items, it)
 			}
 			if wanted && sc.first[name] && st.jumps[name] > 0 && !st.atTop[name] {
-				it := item(DriftMoved, "rule", sc.hook[name])
+				it := item(ruleset.DriftMoved, "rule", sc.hook[name])
 				it.Position, it.Want = 1, "-A "+sc.hook[name]+" "+jumpSpec(name)
 				d.Items = append(d.Items, it)
 			}
 		}
 		for _, r := range st.dupJumps {
-			it := item(DriftExtra, "rule", r[0])
+			it := item(ruleset.DriftExtra, "rule", r[0])
 			it.Have = "-A " + r[0] + " " + r[1]
 			d.Items = append(d.Items, it)
 		}
 		for _, r := range st.refs {
-			it := item(DriftExtra, "rule", r[0])
+			it := item(ruleset.DriftExtra, "rule", r[0])
 			it.Have = "-A " + r[0] + " " + r[1]
 			d.Items = append(d.Items, it)
 		}

@@ -1,21 +1,23 @@
 package iptables
 
 import (
-	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
 // appliedState returns the save a namespace holds after a clean apply of
 // cfg on top of base.
-func appliedState(t *testing.T, base string, cfg PodConfig) *Save {
+func appliedState(t *testing.T, base string, cfg ruleset.PodConfig) *Save {
 	t.Helper()
 	s, err := ParseSave(base)
 	if err != nil {
 		t.Fatal(err)
 	}
-	out, err := simulateRestore(s, PlanApply(PodRules(cfg, IPv4), s))
+	out, err := simulateRestore(s, PlanApply(PodRules(cfg, ruleset.IPv4), s))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -33,8 +35,8 @@ func edit(t *testing.T, s *Save, snippet string) *Save {
 }
 
 func TestDiffNamesEachKindOfDrift(t *testing.T) {
-	rs := PodRules(PodConfig{}, IPv4)
-	clean := appliedState(t, "", PodConfig{})
+	rs := PodRules(ruleset.PodConfig{}, ruleset.IPv4)
+	clean := appliedState(t, "", ruleset.PodConfig{})
 	if d := rs.Diff(clean); !d.Empty() || d.String() != "no drift" {
 		t.Fatalf("clean state drifts:\n%s", d)
 	}
@@ -92,7 +94,7 @@ func TestPlanLeavesOthersAlone(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if p := PlanApply(PodRules(PodConfig{}, IPv4), s); p != "" {
+	if p := PlanApply(PodRules(ruleset.PodConfig{}, ruleset.IPv4), s); p != "" {
 		t.Fatalf("converged fixture planned changes:\n%s", p)
 	}
 	removed := edit(t, s, PlanRemove(s))
@@ -132,9 +134,9 @@ COMMIT
 }
 
 func TestPlanSwitchesOptions(t *testing.T) {
-	s := appliedState(t, "", PodConfig{})
-	for _, cfg := range []PodConfig{{DNSCapture: true}, {BypassInbound: true}, {DNSCapture: true, BypassInbound: true}, {}} {
-		rs := PodRules(cfg, IPv4)
+	s := appliedState(t, "", ruleset.PodConfig{})
+	for _, cfg := range []ruleset.PodConfig{{DNSCapture: true}, {BypassInbound: true}, {DNSCapture: true, BypassInbound: true}, {}} {
+		rs := PodRules(cfg, ruleset.IPv4)
 		s = edit(t, s, PlanApply(rs, s))
 		if d := rs.Diff(s); !d.Empty() {
 			t.Fatalf("%+v: drift after switch:\n%s", cfg, d)
@@ -146,13 +148,13 @@ func TestPlanSwitchesOptions(t *testing.T) {
 }
 
 func TestDriftItemStrings(t *testing.T) {
-	items := policyroute.Drift(IPv6, PodRules(PodConfig{}, IPv6).Routing, false, false)
-	got := Drift{Items: items}.String()
+	items := policyroute.Drift(ruleset.IPv6, PodRules(ruleset.PodConfig{}, ruleset.IPv6).Routing, false, false)
+	got := ruleset.Drift{Items: items}.String()
 	want := "ipv6: missing ip rule \"pref 32764 fwmark 0x111/0xfff lookup 100\"\nipv6: missing route \"local ::/0 dev lo table 100\""
 	if got != want {
 		t.Errorf("got\n%s\nwant\n%s", got, want)
 	}
-	if len(policyroute.Drift(IPv4, PolicyRoute{}, true, true)) != 0 {
+	if len(policyroute.Drift(ruleset.IPv4, ruleset.PolicyRoute{}, true, true)) != 0 {
 		t.Error("present rule and route reported")
 	}
 }

@@ -8,10 +8,12 @@ import (
 	"os/exec"
 	"strings"
 
-	"github.com/ambient-cni/ambient-cni/pkg/netns"
-	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
+	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
 // Cmd is one command to run inside a network namespace.
@@ -33,29 +35,20 @@ type Executor interface {
 	Run(ctx context.Context, netnsPath string, cmd Cmd) ([]byte, error)
 }
 
-// The namespace state and policy-route parts, under the names this package
-// has always used.
-type (
-	// NetnsState is what a namespace offers the capture rules.
-	NetnsState = netns.State
-	// RouteParts names parts of a policy route.
-	RouteParts = policyroute.Parts
-)
-
 // Router reads and changes a namespace's policy route and the state it
 // depends on; NetlinkRouter is the real one, tests of control flow use
 // fakes.
 type Router interface {
 	// State reports the namespace's loopback and IPv6 state.
-	State(netnsPath string) (NetnsState, error)
+	State(netnsPath string) (netns.State, error)
 	// PolicyRouteState reports whether the fwmark rule and the local route
 	// of want exist.
-	PolicyRouteState(netnsPath string, f Family, want PolicyRoute) (rule, route bool, err error)
+	PolicyRouteState(netnsPath string, f ruleset.Family, want ruleset.PolicyRoute) (rule, route bool, err error)
 	// EnsurePolicyRoute installs the rule and route if missing and reports
 	// what it added. On error it has added nothing.
-	EnsurePolicyRoute(netnsPath string, f Family, want PolicyRoute) (RouteParts, error)
+	EnsurePolicyRoute(netnsPath string, f ruleset.Family, want ruleset.PolicyRoute) (policyroute.Parts, error)
 	// RemovePolicyRoute deletes the named parts if present.
-	RemovePolicyRoute(netnsPath string, f Family, want PolicyRoute, parts RouteParts) error
+	RemovePolicyRoute(netnsPath string, f ruleset.Family, want ruleset.PolicyRoute, parts policyroute.Parts) error
 }
 
 // NetlinkRouter implements Router over pkg/netns and pkg/policyroute: each
@@ -63,10 +56,10 @@ type Router interface {
 type NetlinkRouter struct{}
 
 // State implements Router.
-func (NetlinkRouter) State(netnsPath string) (NetnsState, error) { return netns.StateOf(netnsPath) }
+func (NetlinkRouter) State(netnsPath string) (netns.State, error) { return netns.StateOf(netnsPath) }
 
 // PolicyRouteState implements Router.
-func (NetlinkRouter) PolicyRouteState(netnsPath string, f Family, want PolicyRoute) (bool, bool, error) {
+func (NetlinkRouter) PolicyRouteState(netnsPath string, f ruleset.Family, want ruleset.PolicyRoute) (bool, bool, error) {
 	c, err := dialRoute(netnsPath)
 	if err != nil {
 		return false, false, err
@@ -76,17 +69,17 @@ func (NetlinkRouter) PolicyRouteState(netnsPath string, f Family, want PolicyRou
 }
 
 // EnsurePolicyRoute implements Router.
-func (NetlinkRouter) EnsurePolicyRoute(netnsPath string, f Family, want PolicyRoute) (RouteParts, error) {
+func (NetlinkRouter) EnsurePolicyRoute(netnsPath string, f ruleset.Family, want ruleset.PolicyRoute) (policyroute.Parts, error) {
 	c, err := dialRoute(netnsPath)
 	if err != nil {
-		return RouteParts{}, err
+		return policyroute.Parts{}, err
 	}
 	defer c.Close()
 	return c.EnsurePolicyRoute(f, want)
 }
 
 // RemovePolicyRoute implements Router.
-func (NetlinkRouter) RemovePolicyRoute(netnsPath string, f Family, want PolicyRoute, parts RouteParts) error {
+func (NetlinkRouter) RemovePolicyRoute(netnsPath string, f ruleset.Family, want ruleset.PolicyRoute, parts policyroute.Parts) error {
 	c, err := dialRoute(netnsPath)
 	if err != nil {
 		return err
@@ -112,9 +105,6 @@ func dialRoute(netnsPath string) (*policyroute.Conn, error) {
 	}
 	return c, nil
 }
-
-// allRoute names both parts of a policy route.
-var allRoute = policyroute.All
 
 // maxOutput bounds what a command may print; iptables-save of a pod
 // namespace is tiny, so more than this is an error, not a memory hazard.
@@ -185,8 +175,8 @@ func handle(netnsPath string) (*netlink.Handle, error) {
 	return h, err
 }
 
-func nlFamily(f Family) int {
-	if f == IPv6 {
+func nlFamily(f ruleset.Family) int {
+	if f == ruleset.IPv6 {
 		return unix.AF_INET6
 	}
 	return unix.AF_INET

@@ -5,8 +5,9 @@ import (
 	"strings"
 	"testing"
 
-	dt "github.com/ambient-cni/ambient-cni/test/dataplanetest"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	dt "github.com/ambient-cni/ambient-cni/test/lib/dataplanetest"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // The traffic scenarios of both backends live in pkg/rulesbackend (one
@@ -17,7 +18,7 @@ func requireBackend(t *testing.T, b Backend) {
 	t.Helper()
 	testnet.RequireRoot(t)
 	cmds := []string{"ip"}
-	for _, f := range Families {
+	for _, f := range ruleset.Families {
 		cmds = append(cmds, b.Cmd(f), b.SaveCmd(f), b.RestoreCmd(f))
 	}
 	if b == BackendNFT {

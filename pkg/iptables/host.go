@@ -10,10 +10,11 @@ import (
 	"slices"
 	"sync"
 
-	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
 // Host probe SNAT: kubelet's health probes come from sockets in the host
@@ -22,20 +23,11 @@ import (
 // reach the application directly. Only locally generated TCP to an
 // enrolled pod IP is rewritten: forwarded traffic has no local socket.
 
-// Default ipset names holding the enrolled pod IPs, one per family.
-const (
-	ProbeSetV4 = ruleset.ProbeSetV4
-	ProbeSetV6 = ruleset.ProbeSetV6
-)
-
-// ProbeSet names the ipset of family f.
-func ProbeSet(f Family) string { return ruleset.ProbeSet(f) }
-
 // IPSets manages ipsets in a network namespace; NetlinkIPSets is the real
 // one, tests of the control flow substitute a fake.
 type IPSets interface {
 	// EnsureSet creates a hash:ip set of family f unless it exists.
-	EnsureSet(netnsPath, name string, f Family) error
+	EnsureSet(netnsPath, name string, f ruleset.Family) error
 	// DestroySet deletes the set; a missing set is not an error.
 	DestroySet(netnsPath, name string) error
 	// AddIP adds ip; already present is not an error.
@@ -57,7 +49,7 @@ func isNoSet(err error) bool {
 }
 
 // EnsureSet implements IPSets.
-func (NetlinkIPSets) EnsureSet(netnsPath, name string, f Family) error {
+func (NetlinkIPSets) EnsureSet(netnsPath, name string, f ruleset.Family) error {
 	h, err := handle(netnsPath)
 	if err != nil {
 		return err
@@ -141,14 +133,14 @@ func (NetlinkIPSets) ListSet(netnsPath, name string) ([]netip.Addr, bool, error)
 type HostProbe struct {
 	a     *Applier
 	netns string
-	cfg   HostProbeConfig
+	cfg   ruleset.HostProbeConfig
 	mu    sync.Mutex // serialises Ensure/Remove against each other
 }
 
 // NewHostProbe returns a HostProbe for the namespace at netnsPath ("" =
 // the caller's) using backend b. Options are the Applier's, plus
 // WithIPSets.
-func NewHostProbe(log *slog.Logger, b Backend, netnsPath string, cfg HostProbeConfig, opts ...Option) *HostProbe {
+func NewHostProbe(log *slog.Logger, b Backend, netnsPath string, cfg ruleset.HostProbeConfig, opts ...Option) *HostProbe {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
@@ -161,15 +153,15 @@ func NewHostProbe(log *slog.Logger, b Backend, netnsPath string, cfg HostProbeCo
 func (h *HostProbe) Close() error { return h.a.Close() }
 
 // families returns the families the namespace has enabled.
-func (h *HostProbe) families() ([]Family, error) {
+func (h *HostProbe) families() ([]ruleset.Family, error) {
 	v6, err := h.a.router.State(h.netns)
 	if err != nil {
 		return nil, err
 	}
 	if v6.IPv6 {
-		return Families, nil
+		return ruleset.Families, nil
 	}
-	return []Family{IPv4}, nil
+	return []ruleset.Family{ruleset.IPv4}, nil
 }
 
 // Ensure creates the ipsets and installs the SNAT rule (one
@@ -192,7 +184,7 @@ func (h *HostProbe) Ensure() error {
 	var plans []*familyPlan
 	for _, f := range fams {
 		// The rule refers to the set, so the set comes first.
-		if err := h.a.sets.EnsureSet(h.netns, ProbeSet(f), f); err != nil {
+		if err := h.a.sets.EnsureSet(h.netns, ruleset.ProbeSet(f), f); err != nil {
 			return fmt.Errorf("host probe %s: %w", f, err)
 		}
 		plans = append(plans, &familyPlan{f: f, rs: HostProbeRules(h.cfg, f)})
@@ -218,7 +210,7 @@ func (h *HostProbe) AddIP(ip netip.Addr) error {
 	if err != nil {
 		return err
 	}
-	return h.a.sets.AddIP(h.netns, ProbeSet(f), ip)
+	return h.a.sets.AddIP(h.netns, ruleset.ProbeSet(f), ip)
 }
 
 // DelIP removes a pod IP from its family's set (idempotent).
@@ -227,14 +219,14 @@ func (h *HostProbe) DelIP(ip netip.Addr) error {
 	if err != nil {
 		return err
 	}
-	return h.a.sets.DelIP(h.netns, ProbeSet(f), ip)
+	return h.a.sets.DelIP(h.netns, ruleset.ProbeSet(f), ip)
 }
 
 // IPs lists the IPs in both sets, for reconciliation after a restart.
 func (h *HostProbe) IPs() ([]netip.Addr, error) {
 	var out []netip.Addr
-	for _, f := range Families {
-		ips, _, err := h.a.sets.ListSet(h.netns, ProbeSet(f))
+	for _, f := range ruleset.Families {
+		ips, _, err := h.a.sets.ListSet(h.netns, ruleset.ProbeSet(f))
 		if err != nil {
 			return nil, err
 		}
@@ -243,36 +235,36 @@ func (h *HostProbe) IPs() ([]netip.Addr, error) {
 	return out, nil
 }
 
-func probeIP(ip netip.Addr) (netip.Addr, Family, error) {
+func probeIP(ip netip.Addr) (netip.Addr, ruleset.Family, error) {
 	if !ip.IsValid() || ip.Zone() != "" || ip.IsUnspecified() || ip.IsLoopback() || ip.IsMulticast() {
 		return netip.Addr{}, 0, fmt.Errorf("not a pod IP: %s", ip)
 	}
 	ip = ip.Unmap()
 	if ip.Is4() {
-		return ip, IPv4, nil
+		return ip, ruleset.IPv4, nil
 	}
-	return ip, IPv6, nil
+	return ip, ruleset.IPv6, nil
 }
 
 // Verify reports drift of the SNAT rule and missing sets.
-func (h *HostProbe) Verify() (Drift, error) {
+func (h *HostProbe) Verify() (ruleset.Drift, error) {
 	fams, err := h.families()
 	if err != nil {
-		return Drift{}, err
+		return ruleset.Drift{}, err
 	}
 	ctx, cancel := h.a.bound(context.Background())
 	defer cancel()
-	var d Drift
+	var d ruleset.Drift
 	for _, f := range fams {
 		cur, err := h.a.save(ctx, h.netns, f)
 		if err != nil {
-			return Drift{}, err
+			return ruleset.Drift{}, err
 		}
 		d.Items = append(d.Items, HostProbeRules(h.cfg, f).Diff(cur).Items...)
-		if _, ok, err := h.a.sets.ListSet(h.netns, ProbeSet(f)); err != nil {
-			return Drift{}, err
+		if _, ok, err := h.a.sets.ListSet(h.netns, ruleset.ProbeSet(f)); err != nil {
+			return ruleset.Drift{}, err
 		} else if !ok {
-			d.Items = append(d.Items, DriftItem{Family: f, Kind: DriftMissing, Object: "ipset", Want: ProbeSet(f) + " hash:ip"})
+			d.Items = append(d.Items, ruleset.DriftItem{Family: f, Kind: ruleset.DriftMissing, Object: "ipset", Want: ruleset.ProbeSet(f) + " hash:ip"})
 		}
 	}
 	return d, nil
@@ -297,10 +289,10 @@ func (h *HostProbe) remove(sets bool) error {
 	}
 	ctx, cancel := h.a.bound(context.Background())
 	defer cancel()
-	for _, f := range Families {
+	for _, f := range ruleset.Families {
 		cur, err := h.a.save(ctx, h.netns, f)
 		if err != nil {
-			if f == IPv6 && !v6.IPv6 {
+			if f == ruleset.IPv6 && !v6.IPv6 {
 				continue
 			}
 			return err
@@ -315,7 +307,7 @@ func (h *HostProbe) remove(sets bool) error {
 			continue
 		}
 		// The rule is gone, so the kernel lets the set go.
-		if err := h.a.sets.DestroySet(h.netns, ProbeSet(f)); err != nil {
+		if err := h.a.sets.DestroySet(h.netns, ruleset.ProbeSet(f)); err != nil {
 			return fmt.Errorf("host probe %s: %w", f, err)
 		}
 	}

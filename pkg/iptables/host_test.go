@@ -9,12 +9,13 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 func TestHostProbeGolden(t *testing.T) {
-	for _, f := range Families {
-		got := HostProbeRules(HostProbeConfig{}, f).Render()
+	for _, f := range ruleset.Families {
+		got := HostProbeRules(ruleset.HostProbeConfig{}, f).Render()
 		path := filepath.Join("testdata", "golden", "host-probe."+f.String()+".rules")
 		if *update {
 			if err := os.WriteFile(path, []byte(got), 0o644); err != nil {
@@ -29,7 +30,7 @@ func TestHostProbeGolden(t *testing.T) {
 			t.Errorf("%s: render differs from %s:\n%s", f, path, got)
 		}
 	}
-	custom := HostProbeRules(HostProbeConfig{ProbeSNATv4: netip.MustParseAddr("169.254.9.9")}, IPv4).Render()
+	custom := HostProbeRules(ruleset.HostProbeConfig{ProbeSNATv4: netip.MustParseAddr("169.254.9.9")}, ruleset.IPv4).Render()
 	if !strings.Contains(custom, "--to-source 169.254.9.9") {
 		t.Errorf("custom probe address ignored:\n%s", custom)
 	}
@@ -45,7 +46,7 @@ func TestHostProbeScopeIsolation(t *testing.T) {
 	if p := PlanRemove(s); p != "" {
 		t.Errorf("pod removal touches the host chain:\n%s", p)
 	}
-	applied := edit(t, s, PlanApply(PodRules(PodConfig{}, IPv4), s))
+	applied := edit(t, s, PlanApply(PodRules(ruleset.PodConfig{}, ruleset.IPv4), s))
 	if p := planRemoveScope(hostScope, applied); strings.Contains(p, "ISTIO") {
 		t.Errorf("host removal touches pod chains:\n%s", p)
 	}
@@ -54,7 +55,7 @@ func TestHostProbeScopeIsolation(t *testing.T) {
 // TestHostProbeJumpFirst: the jump is inserted at the top of POSTROUTING,
 // above rules already there, and every plan puts it back there.
 func TestHostProbeJumpFirst(t *testing.T) {
-	rs := HostProbeRules(HostProbeConfig{}, IPv4)
+	rs := HostProbeRules(ruleset.HostProbeConfig{}, ruleset.IPv4)
 	base, err := ParseSave("*nat\n:POSTROUTING ACCEPT [0:0]\n-A POSTROUTING -s 10.0.0.0/8 -j MASQUERADE\nCOMMIT\n")
 	if err != nil {
 		t.Fatal(err)
@@ -115,7 +116,7 @@ func TestHostProbeJumpFirst(t *testing.T) {
 
 func fakeHostProbe() (*HostProbe, *fakeHost, *fakeSets) {
 	h, sets := newFakeHost(BackendNFT), newFakeSets()
-	return NewHostProbe(nil, BackendNFT, "", HostProbeConfig{}, WithExecutor(h), WithRouter(h), WithTableOwner(h), WithIPSets(sets)), h, sets
+	return NewHostProbe(nil, BackendNFT, "", ruleset.HostProbeConfig{}, WithExecutor(h), WithRouter(h), WithTableOwner(h), WithIPSets(sets)), h, sets
 }
 
 func TestHostProbeFlowWithFake(t *testing.T) {
@@ -158,7 +159,7 @@ func TestHostProbeFlowWithFake(t *testing.T) {
 	if len(sets.sets[""]) != 0 {
 		t.Fatalf("sets left: %v", sets.sets[""])
 	}
-	for _, f := range Families {
+	for _, f := range ruleset.Families {
 		if n := len(h.ns[""].saves[f].Tables); n != 0 {
 			t.Fatalf("%s tables left: %s", f, h.ns[""].saves[f])
 		}
@@ -173,10 +174,10 @@ func TestHostProbeFlowWithFake(t *testing.T) {
 
 func TestApplierRefusesEmptyPath(t *testing.T) {
 	a, h := fakeApplier(BackendNFT)
-	if err := a.Apply("", PodConfig{}); err == nil {
+	if err := a.Apply("", ruleset.PodConfig{}); err == nil {
 		t.Error("Apply into the caller's own namespace accepted")
 	}
-	if _, err := a.Verify("", PodConfig{}); err == nil {
+	if _, err := a.Verify("", ruleset.PodConfig{}); err == nil {
 		t.Error("Verify with empty path accepted")
 	}
 	if err := a.Remove(""); err == nil {
@@ -197,8 +198,8 @@ type addForeignRule struct {
 
 func (e addForeignRule) Run(ctx context.Context, netnsPath string, cmd Cmd) ([]byte, error) {
 	out, err := e.Executor.Run(ctx, netnsPath, cmd)
-	if err == nil && cmd.Name == e.b.RestoreCmd(IPv4) && strings.Contains(string(cmd.Stdin), "-X "+ChainProbeSNAT) {
-		_, err = e.Executor.Run(ctx, netnsPath, Cmd{Name: e.b.Cmd(IPv4), Args: []string{"-t", "nat", "-A", "POSTROUTING", "-d", "10.99.99.99/32", "-j", "ACCEPT"}})
+	if err == nil && cmd.Name == e.b.RestoreCmd(ruleset.IPv4) && strings.Contains(string(cmd.Stdin), "-X "+ChainProbeSNAT) {
+		_, err = e.Executor.Run(ctx, netnsPath, Cmd{Name: e.b.Cmd(ruleset.IPv4), Args: []string{"-t", "nat", "-A", "POSTROUTING", "-d", "10.99.99.99/32", "-j", "ACCEPT"}})
 	}
 	return out, err
 }
@@ -230,7 +231,7 @@ func TestHostProbeRemovesOnlyItsOwn(t *testing.T) {
 				run(t, H, "nft", strings.Fields(c)...)
 			}
 			before := snap(t, H)
-			hp := NewHostProbe(testLogger(t), b, H, HostProbeConfig{})
+			hp := NewHostProbe(testLogger(t), b, H, ruleset.HostProbeConfig{})
 			if err := hp.Ensure(); err != nil {
 				t.Fatal(err)
 			}
@@ -248,14 +249,14 @@ func TestHostProbeRemovesOnlyItsOwn(t *testing.T) {
 	t.Run("rule added during removal", func(t *testing.T) {
 		n := testnet.NewNS(t)
 		H := n.Path()
-		hp := NewHostProbe(testLogger(t), b, H, HostProbeConfig{}, WithExecutor(addForeignRule{NetnsExecutor{}, b}))
+		hp := NewHostProbe(testLogger(t), b, H, ruleset.HostProbeConfig{}, WithExecutor(addForeignRule{NetnsExecutor{}, b}))
 		if err := hp.Ensure(); err != nil {
 			t.Fatal(err)
 		}
 		if err := hp.Remove(); err != nil {
 			t.Fatal(err)
 		}
-		if out := run(t, H, b.SaveCmd(IPv4)); !strings.Contains(out, "-A POSTROUTING -d 10.99.99.99/32 -j ACCEPT") {
+		if out := run(t, H, b.SaveCmd(ruleset.IPv4)); !strings.Contains(out, "-A POSTROUTING -d 10.99.99.99/32 -j ACCEPT") {
 			t.Fatalf("another tool's rule went with our table:\n%s", out)
 		}
 	})

@@ -17,42 +17,6 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
-// The model's types, under the names this package has always used.
-type (
-	// Family is an IP address family: it selects iptables or ip6tables.
-	Family = ruleset.Family
-	// PodConfig holds the options for one pod's rule set.
-	PodConfig = ruleset.PodConfig
-	// HostProbeConfig holds the host-side options.
-	HostProbeConfig = ruleset.HostProbeConfig
-	// PolicyRoute is the fwmark rule and local route of a pod.
-	PolicyRoute = ruleset.PolicyRoute
-	// Drift is the difference between a namespace and its desired rules.
-	Drift = ruleset.Drift
-	// DriftItem is one difference.
-	DriftItem = ruleset.DriftItem
-	// DriftKind says how the namespace differs from the desired state.
-	DriftKind = ruleset.DriftKind
-)
-
-// Families, kinds of drift and limits of the model.
-const (
-	IPv4 = ruleset.IPv4
-	IPv6 = ruleset.IPv6
-
-	DriftMissing = ruleset.DriftMissing
-	DriftExtra   = ruleset.DriftExtra
-	DriftChanged = ruleset.DriftChanged
-	DriftMoved   = ruleset.DriftMoved
-
-	MaxVirtualInterfaces = ruleset.MaxVirtualInterfaces
-	RestoreMask          = ruleset.RestoreMask
-	DNSConntrackZone     = ruleset.DNSConntrackZone
-)
-
-// Families lists both families in the order they are applied.
-var Families = ruleset.Families
-
 // Our chain names, the same in every table that uses them. They match the
 // names Istio's CNI agent uses, so a node moving between implementations
 // never ends up with two competing sets of capture rules in one pod.
@@ -133,9 +97,9 @@ type TableRules struct {
 // RuleSet is a ruleset.RuleSet rendered for iptables: our chains with
 // their rules as iptables-save text, and, for pods, the policy route.
 type RuleSet struct {
-	Family  Family
+	Family  ruleset.Family
 	Tables  []TableRules
-	Routing PolicyRoute
+	Routing ruleset.PolicyRoute
 	// scope is what the set owns; nil means the in-pod scope.
 	scope *scope
 }
@@ -149,12 +113,14 @@ func (rs RuleSet) sc() *scope {
 
 // PodRules builds the desired iptables rules of family f for a pod from
 // ruleset.PodRules. Pure. cfg should pass Validate.
-func PodRules(cfg PodConfig, f Family) RuleSet { return Render(ruleset.PodRules(cfg, f)) }
+func PodRules(cfg ruleset.PodConfig, f ruleset.Family) RuleSet {
+	return Render(ruleset.PodRules(cfg, f))
+}
 
 // HostProbeRules builds the host's probe SNAT rules for family f (one chain
 // in nat, jumped to from the top of POSTROUTING, with one rule) from
 // ruleset.HostProbeRules. Pure.
-func HostProbeRules(cfg HostProbeConfig, f Family) RuleSet {
+func HostProbeRules(cfg ruleset.HostProbeConfig, f ruleset.Family) RuleSet {
 	return Render(ruleset.HostProbeRules(cfg, f))
 }
 

@@ -7,12 +7,14 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
 var update = flag.Bool("update", false, "rewrite golden files")
 
 // goldenConfigs are the option combinations with golden renderings.
-var goldenConfigs = map[string]PodConfig{
+var goldenConfigs = map[string]ruleset.PodConfig{
 	"default":        {},
 	"dns":            {DNSCapture: true},
 	"bypass":         {BypassInbound: true},
@@ -24,7 +26,7 @@ var goldenConfigs = map[string]PodConfig{
 
 func TestRenderGolden(t *testing.T) {
 	for name, cfg := range goldenConfigs {
-		for _, f := range Families {
+		for _, f := range ruleset.Families {
 			t.Run(name+"/"+f.String(), func(t *testing.T) {
 				got := PodRules(cfg, f).Render()
 				path := filepath.Join("testdata", "golden", name+"."+f.String()+".rules")
@@ -53,11 +55,11 @@ func TestRenderGolden(t *testing.T) {
 // TestRulesBehaviour checks the properties the compatibility spec demands
 // of the rule text, independently of the golden files.
 func TestRulesBehaviour(t *testing.T) {
-	for _, f := range Families {
-		def := PodRules(PodConfig{}, f).Render()
+	for _, f := range ruleset.Families {
+		def := PodRules(ruleset.PodConfig{}, f).Render()
 		probe := "169.254.7.127/32"
 		lo := "127.0.0.1/32"
-		if f == IPv6 {
+		if f == ruleset.IPv6 {
 			probe, lo = "fd16:9254:7127:1337:ffff:ffff:ffff:ffff/128", "::1/128"
 		}
 		for _, want := range []string{
@@ -79,7 +81,7 @@ func TestRulesBehaviour(t *testing.T) {
 				t.Errorf("%s default rules contain %q", f, absent)
 			}
 		}
-		dns := PodRules(PodConfig{DNSCapture: true}, f).Render()
+		dns := PodRules(ruleset.PodConfig{DNSCapture: true}, f).Render()
 		for _, want := range []string{"-p udp -m udp --dport 53 -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15053",
 			"-p tcp -m tcp --dport 53 -m mark ! --mark 0x539/0xfff -j REDIRECT --to-ports 15053", "-j CT --zone 1"} {
 			if !strings.Contains(dns, want) {
@@ -94,18 +96,18 @@ func TestRulesBehaviour(t *testing.T) {
 		if strings.Index(dns, "--dport 53") > strings.Index(dns, "--to-ports 15001") {
 			t.Errorf("%s: DNS redirect after the outbound catch-all", f)
 		}
-		byp := PodRules(PodConfig{BypassInbound: true}, f).Render()
+		byp := PodRules(ruleset.PodConfig{BypassInbound: true}, f).Render()
 		if strings.Contains(byp, "15006") || strings.Contains(byp, "-A PREROUTING -j ISTIO_PRERT\n-A OUTPUT -j ISTIO_OUTPUT\n-A ISTIO_OUTPUT -d") {
 			t.Errorf("%s bypass still redirects inbound:\n%s", f, byp)
 		}
 		if !strings.Contains(byp, "--to-ports 15001") {
 			t.Errorf("%s bypass lost outbound capture", f)
 		}
-		rs := PodRules(PodConfig{}, f)
+		rs := PodRules(ruleset.PodConfig{}, f)
 		if rs.Routing.Mark != 0x111 || rs.Routing.Mask != 0xfff || rs.Routing.Table != 100 || rs.Routing.Local.Bits() != 0 {
 			t.Errorf("%s routing %v", f, rs.Routing)
 		}
-		if rs.Routing.Local.Addr().Is6() != (f == IPv6) {
+		if rs.Routing.Local.Addr().Is6() != (f == ruleset.IPv6) {
 			t.Errorf("%s local route %s of wrong family", f, rs.Routing.Local)
 		}
 	}
@@ -123,7 +125,7 @@ func TestParseBackend(t *testing.T) {
 			t.Errorf("ParseBackend(%q) accepted", in)
 		}
 	}
-	if BackendNFT.SaveCmd(IPv6) != "ip6tables-nft-save" || BackendLegacy.RestoreCmd(IPv4) != "iptables-legacy-restore" {
+	if BackendNFT.SaveCmd(ruleset.IPv6) != "ip6tables-nft-save" || BackendLegacy.RestoreCmd(ruleset.IPv4) != "iptables-legacy-restore" {
 		t.Error("binary names wrong")
 	}
 	if modeFromVersion("iptables v1.8.9 (nf_tables)\n") != BackendNFT || modeFromVersion("iptables v1.8.9 (legacy)") != BackendLegacy ||

@@ -6,6 +6,8 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
 func readFixture(t testing.TB, name string) string {
@@ -46,7 +48,7 @@ func TestParseSaveFixture(t *testing.T) {
 		t.Errorf("comment confused the target: %q", tg)
 	}
 	// The fixture holds exactly the default rule set next to others' rules.
-	if d := PodRules(PodConfig{}, IPv4).Diff(s); !d.Empty() {
+	if d := PodRules(ruleset.PodConfig{}, ruleset.IPv4).Diff(s); !d.Empty() {
 		t.Errorf("drift on fixture:\n%s", d)
 	}
 	// Round trip through String.
@@ -146,7 +148,7 @@ func FuzzParseSave(f *testing.F) {
 		}
 		f.Add(string(b))
 	}
-	cfgs := []PodConfig{{}, {DNSCapture: true}, {BypassInbound: true}}
+	cfgs := []ruleset.PodConfig{{}, {DNSCapture: true}, {BypassInbound: true}}
 	f.Fuzz(func(t *testing.T, in string) {
 		s, err := ParseSave(in)
 		if err != nil {
@@ -158,7 +160,7 @@ func FuzzParseSave(f *testing.F) {
 			t.Fatalf("round trip failed: %v\n%s\n---\n%s", err, text, again)
 		}
 		for _, cfg := range cfgs {
-			rs := PodRules(cfg, IPv4)
+			rs := PodRules(cfg, ruleset.IPv4)
 			plan := PlanApply(rs, s)
 			applied, err := simulateRestore(s, plan)
 			if err != nil {
@@ -175,7 +177,7 @@ func FuzzParseSave(f *testing.F) {
 			if err != nil {
 				t.Fatalf("removal rejected: %v\nplan:\n%s", err, rm)
 			}
-			if d := (RuleSet{Family: IPv4}).Diff(removed); !d.Empty() {
+			if d := (RuleSet{Family: ruleset.IPv4}).Diff(removed); !d.Empty() {
 				t.Fatalf("left behind after removal:\n%s", d)
 			}
 		}

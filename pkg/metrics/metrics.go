@@ -1,12 +1,15 @@
 // Package metrics defines install-cni's Prometheus metrics, which it wires
 // to the agent, the servers, the controller and the installer, and keeps
-// the gauges current (RunGauges). They live on a registry the caller owns
+// the gauges current (RunGauges). Beside ours (ambient_cni_*) it serves the
+// istio-cni node agent's metrics that have a meaning here, under Istio's
+// names and labels, so existing dashboards and alerts keep working. They live on a registry the caller owns
 // (no global registration), so tests and several agents in one process
 // never collide.
 package metrics
 
 import (
 	"context"
+	"strconv"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -40,6 +43,17 @@ type Metrics struct {
 	// InstallerReinstalls counts how often the installer restored the
 	// plugin binary or its conflist entry.
 	InstallerReinstalls prometheus.Counter
+
+	// IstioInstallReady is istio-cni's istio_cni_install_ready: 1 while
+	// the plugin is installed and chained, else 0.
+	IstioInstallReady prometheus.Gauge
+	// IstioZtunnelConnected is istio-cni's ztunnel_connected: the number of
+	// ztunnels connected over ZDS.
+	IstioZtunnelConnected prometheus.Gauge
+	// IstioPluginRequests is istio-cni's istio_cni_plugin_requests_total:
+	// CNI ADD requests handled, by response_code (the HTTP status the
+	// agent answered the plugin with). Count through ObserveRequest.
+	IstioPluginRequests *prometheus.CounterVec
 }
 
 // New creates the metrics on a fresh registry that also carries the Go
@@ -81,9 +95,22 @@ func New() *Metrics {
 			Namespace: namespace, Name: "installer_reinstalls_total",
 			Help: "Times the installer restored the plugin binary or its config entry.",
 		}),
+		IstioInstallReady: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "istio_cni_install_ready",
+			Help: "Whether the CNI plugin installation is ready (1) or not (0); istio-cni's name.",
+		}),
+		IstioZtunnelConnected: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "ztunnel_connected",
+			Help: "Number of connections to ztunnel; istio-cni's name.",
+		}),
+		IstioPluginRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "istio_cni_plugin_requests_total",
+			Help: "CNI plugin ADD requests handled by the node agent, by response code; istio-cni's name.",
+		}, []string{"response_code"}),
 	}
 	r.MustRegister(m.CNIRequests, m.AddLatency, m.EnrolledPods, m.ZtunnelConnections,
 		m.RuleErrors, m.RuleDrift, m.NetnsScans, m.InstallerReinstalls,
+		m.IstioInstallReady, m.IstioZtunnelConnected, m.IstioPluginRequests,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	// Label values known up front appear at zero, so dashboards and alerts
 	// see the series before the first event.
@@ -99,13 +126,25 @@ func New() *Metrics {
 // podStates are the EnrolledPods label values: the redirection states.
 var podStates = []string{ambient.RedirectionPending, ambient.RedirectionEnabled}
 
+// ObserveRequest counts one plugin request the agent answered: verb and
+// result in CNIRequests, the handling time of an ADD in AddLatency, and an
+// ADD's HTTP status (code) in IstioPluginRequests.
+func (m *Metrics) ObserveRequest(verb, result string, code int, took time.Duration) {
+	m.CNIRequests.WithLabelValues(verb, result).Inc()
+	if verb == "ADD" {
+		m.AddLatency.Observe(took.Seconds())
+		m.IstioPluginRequests.WithLabelValues(strconv.Itoa(code)).Inc()
+	}
+}
+
 // gaugeInterval is how often RunGauges samples.
 const gaugeInterval = 2 * time.Second
 
-// RunGauges keeps EnrolledPods (from pods: count per state) and
-// ZtunnelConnections (from ztunnels) current, sampling every
-// gaugeInterval until ctx ends.
-func (m *Metrics) RunGauges(ctx context.Context, pods func() map[string]int, ztunnels func() int) error {
+// RunGauges keeps EnrolledPods (from pods: count per state),
+// ZtunnelConnections and IstioZtunnelConnected (from ztunnels) and
+// IstioInstallReady (from installed) current, sampling every gaugeInterval
+// until ctx ends.
+func (m *Metrics) RunGauges(ctx context.Context, pods func() map[string]int, ztunnels func() int, installed func() bool) error {
 	t := time.NewTicker(gaugeInterval)
 	defer t.Stop()
 	for {
@@ -113,7 +152,14 @@ func (m *Metrics) RunGauges(ctx context.Context, pods func() map[string]int, ztu
 		for _, st := range podStates {
 			m.EnrolledPods.WithLabelValues(st).Set(float64(counts[st]))
 		}
-		m.ZtunnelConnections.Set(float64(ztunnels()))
+		n := float64(ztunnels())
+		m.ZtunnelConnections.Set(n)
+		m.IstioZtunnelConnected.Set(n)
+		ready := 0.0
+		if installed() {
+			ready = 1
+		}
+		m.IstioInstallReady.Set(ready)
 		select {
 		case <-ctx.Done():
 			return nil

@@ -10,6 +10,7 @@ import (
 
 	gnft "github.com/google/nftables"
 
+	"github.com/ambient-cni/ambient-cni/pkg/netfilter"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
@@ -147,18 +148,10 @@ func routes(st netns.State) []ruleset.Family {
 	return []ruleset.Family{ruleset.IPv4}
 }
 
-// Others is what a call saw, at no extra cost, of another backend in the
-// namespace, for the caller that moves pods between backends.
-type Others struct {
-	// IPTablesNFT: the namespace has ip or ip6 nf_tables tables, where
-	// iptables-nft would keep rules.
-	IPTablesNFT bool
-	// XTables: the namespace has x_tables (iptables-legacy) tables.
-	XTables bool
-}
-
-func others(st netns.State, foreign bool) Others {
-	return Others{IPTablesNFT: foreign, XTables: len(st.XTables) > 0}
+// others is what a call saw of the namespace's other netfilter tables:
+// foreign says whether it holds ip or ip6 nf_tables tables.
+func others(st netns.State, foreign bool) netfilter.Seen {
+	return netfilter.Seen{IPTables: foreign, XTables: len(st.XTables) > 0}
 }
 
 // Apply installs cfg's rules in the namespace: the policy routes, then one
@@ -172,32 +165,33 @@ func (a *Applier) Apply(netnsPath string, cfg ruleset.PodConfig) error {
 	return err
 }
 
-// ApplySeeing is Apply, also reporting what it saw of other backends.
-func (a *Applier) ApplySeeing(netnsPath string, cfg ruleset.PodConfig) (Others, error) {
+// ApplySeeing is Apply, also reporting what it saw of the namespace's other
+// netfilter tables.
+func (a *Applier) ApplySeeing(netnsPath string, cfg ruleset.PodConfig) (netfilter.Seen, error) {
 	if err := podNetns(netnsPath); err != nil {
-		return Others{}, err
+		return netfilter.Seen{}, err
 	}
 	if err := cfg.Validate(); err != nil {
-		return Others{}, err
+		return netfilter.Seen{}, err
 	}
 	p, err := a.program(cfg)
 	if err != nil {
-		return Others{}, err
+		return netfilter.Seen{}, err
 	}
 	defer a.lock(netnsPath)()
 	rt, st, c, err := open(netnsPath)
 	if err != nil {
-		return Others{}, err
+		return netfilter.Seen{}, err
 	}
 	defer rt.Close()
 	if !st.LoopbackUp {
 		_ = c.CloseLasting()
-		return Others{}, fmt.Errorf("lo is down in netns %s: redirected traffic could not reach ztunnel", netnsPath)
+		return netfilter.Seen{}, fmt.Errorf("lo is down in netns %s: redirected traffic could not reach ztunnel", netnsPath)
 	}
 	live, foreign, err := readLive(c, PodTables, false)
 	if err != nil {
 		_ = c.CloseLasting()
-		return Others{}, fmt.Errorf("read nf_tables state of netns %s: %w", netnsPath, err)
+		return netfilter.Seen{}, fmt.Errorf("read nf_tables state of netns %s: %w", netnsPath, err)
 	}
 	seen := others(st, foreign)
 	rulesOK := len(live) > 0 && len(diff(p, live, PodTables)) == 0
@@ -255,34 +249,35 @@ func (a *Applier) Verify(netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift
 	return d, err
 }
 
-// VerifySeeing is Verify, also reporting what it saw of other backends.
-func (a *Applier) VerifySeeing(netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift, Others, error) {
+// VerifySeeing is Verify, also reporting what it saw of the namespace's other
+// netfilter tables.
+func (a *Applier) VerifySeeing(netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift, netfilter.Seen, error) {
 	if err := podNetns(netnsPath); err != nil {
-		return ruleset.Drift{}, Others{}, err
+		return ruleset.Drift{}, netfilter.Seen{}, err
 	}
 	if err := cfg.Validate(); err != nil {
-		return ruleset.Drift{}, Others{}, err
+		return ruleset.Drift{}, netfilter.Seen{}, err
 	}
 	p, err := a.program(cfg)
 	if err != nil {
-		return ruleset.Drift{}, Others{}, err
+		return ruleset.Drift{}, netfilter.Seen{}, err
 	}
 	rt, st, c, err := open(netnsPath)
 	if err != nil {
-		return ruleset.Drift{}, Others{}, err
+		return ruleset.Drift{}, netfilter.Seen{}, err
 	}
 	defer rt.Close()
 	defer func() { _ = c.CloseLasting() }()
 	live, foreign, err := readLive(c, PodTables, false)
 	if err != nil {
-		return ruleset.Drift{}, Others{}, fmt.Errorf("read nf_tables state of netns %s: %w", netnsPath, err)
+		return ruleset.Drift{}, netfilter.Seen{}, fmt.Errorf("read nf_tables state of netns %s: %w", netnsPath, err)
 	}
 	d := ruleset.Drift{Items: diff(p, live, PodTables)}
 	for _, f := range routes(st) {
 		want := ruleset.PodRules(cfg, f).Routing
 		rule, route, err := rt.PolicyRouteState(f, want)
 		if err != nil {
-			return ruleset.Drift{}, Others{}, fmt.Errorf("%s policy routing in netns %s: %w", f, netnsPath, err)
+			return ruleset.Drift{}, netfilter.Seen{}, fmt.Errorf("%s policy routing in netns %s: %w", f, netnsPath, err)
 		}
 		d.Items = append(d.Items, policyroute.Drift(f, want, rule, route)...)
 	}
@@ -297,8 +292,9 @@ func (a *Applier) Remove(netnsPath string) error {
 	return err
 }
 
-// RemoveSeeing is Remove, also reporting what it saw of other backends.
-func (a *Applier) RemoveSeeing(netnsPath string) (Others, error) {
+// RemoveSeeing is Remove, also reporting what it saw of the namespace's other
+// netfilter tables.
+func (a *Applier) RemoveSeeing(netnsPath string) (netfilter.Seen, error) {
 	return a.remove(netnsPath, true)
 }
 
@@ -309,20 +305,20 @@ func (a *Applier) RemoveRules(netnsPath string) error {
 	return err
 }
 
-func (a *Applier) remove(netnsPath string, routing bool) (Others, error) {
+func (a *Applier) remove(netnsPath string, routing bool) (netfilter.Seen, error) {
 	if err := podNetns(netnsPath); err != nil {
-		return Others{}, err
+		return netfilter.Seen{}, err
 	}
 	defer a.lock(netnsPath)()
 	rt, st, c, err := open(netnsPath)
 	if err != nil {
-		return Others{}, err
+		return netfilter.Seen{}, err
 	}
 	defer rt.Close()
 	tables, err := c.ListTablesOfFamily(gnft.TableFamilyUnspecified)
 	if err != nil {
 		_ = c.CloseLasting()
-		return Others{}, fmt.Errorf("list nf_tables tables in netns %s: %w", netnsPath, err)
+		return netfilter.Seen{}, fmt.Errorf("list nf_tables tables in netns %s: %w", netnsPath, err)
 	}
 	n, foreign := 0, false
 	for _, t := range tables {

@@ -8,6 +8,7 @@ import (
 	gnft "github.com/google/nftables"
 	"github.com/google/nftables/expr"
 
+	"github.com/ambient-cni/ambient-cni/pkg/netfilter"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
@@ -21,7 +22,7 @@ type conn struct {
 // dial opens a lasting connection in the namespace at netnsPath ("" = the
 // caller's).
 func dial(netnsPath string) (conn, error) {
-	f, err := openNetns(netnsPath)
+	f, err := netfilter.OpenNetns(netnsPath)
 	if err != nil {
 		return conn{}, err
 	}

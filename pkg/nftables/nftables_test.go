@@ -16,8 +16,8 @@ import (
 	"github.com/google/nftables/expr"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
-	dt "github.com/ambient-cni/ambient-cni/test/dataplanetest"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	dt "github.com/ambient-cni/ambient-cni/test/lib/dataplanetest"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 var update = flag.Bool("update", false, "rewrite golden files")
@@ -401,18 +401,8 @@ func TestProbe(t *testing.T) {
 	}
 }
 
-func TestUdataComment(t *testing.T) {
-	for _, s := range []string{"", "x", OwnerComment} {
-		if got := udataComment(udataWithComment(s)); got != s {
-			t.Errorf("%q round trip: %q", s, got)
-		}
-	}
-	for _, b := range [][]byte{nil, {0}, {0, 5, 'a'}, {1, 1, 'x'}, {0xa1, 2, 1, 2, 0, 2, 'y', 0}} {
-		_ = udataComment(b) // must not panic on truncated or foreign data
-	}
-	if got := udataComment([]byte{0xa1, 2, 1, 2, 0, 2, 'y', 0}); got != "y" {
-		t.Errorf("comment after another TLV: %q", got)
-	}
+// TestRuleID: every rule carries its id as a userdata TLV.
+func TestRuleID(t *testing.T) {
 	if !bytes.HasPrefix(ruleID("t", "c", "r"), []byte{udataRuleID, 8}) {
 		t.Error("rule id TLV")
 	}

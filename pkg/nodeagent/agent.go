@@ -19,14 +19,6 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
 
-// RuleApplier installs, verifies and removes the in-pod rules inside the
-// namespace at a path (pkg/rulesbackend: the iptables or nftables backend).
-type RuleApplier interface {
-	Apply(netns string, cfg ruleset.PodConfig) error
-	Verify(netns string, cfg ruleset.PodConfig) (ruleset.Drift, error)
-	Remove(netns string) error
-}
-
 // Ztunnel hands pods to ztunnel over ZDS (pkg/zds.Server). Add returns
 // once the newest ztunnel acknowledged the pod; Del once every connected
 // ztunnel did. DelNoWait queues the Del on every connection, ordered
@@ -83,7 +75,7 @@ const DefaultZtunnelTimeout = 5 * time.Second
 
 // Config configures an Agent. Rules is required.
 type Config struct {
-	Rules RuleApplier
+	Rules ruleset.Applier
 	// Ztunnel receives enrolled pods; nil means no ztunnel handoff (pods
 	// count as enabled once their rules are in place).
 	Ztunnel Ztunnel

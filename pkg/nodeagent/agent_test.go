@@ -13,7 +13,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/test/poll"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/google/go-cmp/cmp/cmpopts"
@@ -25,11 +25,11 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
-	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
-	"github.com/ambient-cni/ambient-cni/test/fakecluster"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	"github.com/ambient-cni/ambient-cni/test/lib/fakecluster"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // harness is an agent with fake rules, ztunnel and annotator, the real
@@ -314,7 +314,7 @@ func TestCheck(t *testing.T) {
 	if err := h.srv.Check(ctx, info("shop/web", "u1", "sb1"), openNS(t, other)); err == nil || !strings.Contains(err.Error(), "enrolled in netns") {
 		t.Errorf("CHECK with another netns: %v", err)
 	}
-	h.rules.dropRule(t, pn.Path(), iptables.ChainOutput, 3)
+	h.rules.dropRule(t, pn.Path(), "ISTIO_OUTPUT")
 	err := h.srv.Check(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn))
 	if !errors.Is(err, ErrDrift) || !strings.Contains(err.Error(), "ISTIO_OUTPUT") || IsRetryable(err) {
 		t.Errorf("CHECK with drift: %v", err)
@@ -335,6 +335,11 @@ func TestGCAndUnenroll(t *testing.T) {
 	h.kube.SetPod(d)
 	if err := h.agent.Capture(ctx, d, openNS(t, testnet.NewNS(t)), nil); err != nil {
 		t.Fatal(err)
+	}
+	// Wait for the annotation: written off the capture path, it would
+	// otherwise coalesce with the unenroll's below.
+	if got := h.annotations(t, "u-d"); got != "enabled" {
+		t.Fatalf("annotations after capture: %q", got)
 	}
 	if n := h.agent.GC(ctx, "", []string{"sb-b"}); n != 2 {
 		t.Errorf("GC removed %d, want 2", n)
@@ -366,7 +371,7 @@ func TestRestore(t *testing.T) {
 	p := pod("shop", "web", "u1", nil)
 	p.Annotations = map[string]string{ambient.RedirectionAnnotation: ambient.RedirectionEnabled}
 	// A previous agent captured the pod.
-	if err := h.rules.real.Apply(pn.Path(), iptables.PodConfig{}); err != nil {
+	if err := h.rules.seed(pn.Path(), ruleset.PodConfig{}); err != nil {
 		t.Fatal(err)
 	}
 	if err := h.agent.Restore(context.Background(), p, openNS(t, pn)); err != nil {
@@ -375,7 +380,7 @@ func TestRestore(t *testing.T) {
 	if ops := h.rules.ops(); ops != "verify" || len(h.zt.adds) != 0 {
 		t.Errorf("restore without drift: rule ops %q, ztunnel adds %d", ops, len(h.zt.adds))
 	}
-	h.rules.dropRule(t, pn.Path(), iptables.ChainOutput, 1)
+	h.rules.dropRule(t, pn.Path(), "ISTIO_OUTPUT")
 	if err := h.agent.Restore(context.Background(), p, openNS(t, pn)); err != nil {
 		t.Fatal(err)
 	}

@@ -3,75 +3,130 @@ package nodeagent
 import (
 	"context"
 	"errors"
+	"fmt"
+	"reflect"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
 
-// recordedRules is the real rule applier over iptables.Fake, the package's
-// in-memory stand-in for a namespace's iptables and routing (the applier
-// against real iptables is exercised in the root tests of test/cni and
-// pkg/iptables). It records which operations the agent asked for, can
-// inject a failure, and checks every path it gets is an open network
-// namespace, as the real executor would need.
+// recordedRules is a map-backed rule applier: per network namespace, the
+// configuration last applied and the drift injected since (the backends
+// against real netfilter are exercised in the root tests of pkg/iptables,
+// pkg/nftables, pkg/rulesbackend and test/cni). It records which
+// operations the agent asked for, can inject a failure, and checks every
+// path it gets is an open network namespace, as a real backend would need.
 type recordedRules struct {
-	real *iptables.Applier
-	fake *iptables.Fake
-
 	mu        sync.Mutex
 	calls     []string
 	applyErr  error
 	removeErr error
+	// installed holds each namespace's rules, by namespace identity.
+	installed map[string]*fakeRules
+}
+
+// fakeRules is one namespace's rules.
+type fakeRules struct {
+	cfg   ruleset.PodConfig
+	drift []ruleset.DriftItem // injected by dropRule
 }
 
 func newRecordedRules() *recordedRules {
-	fake := iptables.NewFake(iptables.BackendNFT)
-	return &recordedRules{fake: fake, real: iptables.NewApplier(nil, iptables.BackendNFT, iptables.WithExecutor(fake), iptables.WithRouter(fake), iptables.WithTableOwner(fake))}
+	return &recordedRules{installed: map[string]*fakeRules{}}
+}
+
+// nsKey names the namespace path opens, whatever path reaches it (a held
+// handle's /proc/<pid>/fd/<n>, say).
+func nsKey(path string) (string, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		return "", fmt.Errorf("netns %s: %w", path, err)
+	}
+	return fmt.Sprintf("netns:%d:%d", st.Dev, st.Ino), nil
 }
 
 // record notes op and checks path; a non-nil error ends the operation.
-func (r *recordedRules) record(op, path string, injected error) error {
+func (r *recordedRules) record(op, path string, injected error) (string, error) {
 	r.mu.Lock()
 	r.calls = append(r.calls, op)
 	r.mu.Unlock()
 	if injected != nil {
-		return injected
+		return "", injected
 	}
 	n, err := netns.Open(path)
 	if err != nil {
-		return err
+		return "", err
 	}
-	return n.Close()
+	if err := n.Close(); err != nil {
+		return "", err
+	}
+	return nsKey(path)
 }
 
-func (r *recordedRules) Apply(path string, cfg iptables.PodConfig) error {
-	if err := r.record("apply", path, r.injected(&r.applyErr)); err != nil {
+func (r *recordedRules) Apply(path string, cfg ruleset.PodConfig) error {
+	k, err := r.record("apply", path, r.injected(&r.applyErr))
+	if err != nil {
 		return err
 	}
-	return r.real.Apply(path, cfg)
+	return r.put(k, cfg)
 }
 
-func (r *recordedRules) Verify(path string, cfg iptables.PodConfig) (iptables.Drift, error) {
-	if err := r.record("verify", path, nil); err != nil {
-		return iptables.Drift{}, err
+// seed installs rules as a previous agent left them, unrecorded.
+func (r *recordedRules) seed(path string, cfg ruleset.PodConfig) error {
+	k, err := nsKey(path)
+	if err != nil {
+		return err
 	}
-	return r.real.Verify(path, cfg)
+	return r.put(k, cfg)
+}
+
+func (r *recordedRules) put(k string, cfg ruleset.PodConfig) error {
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.installed[k] = &fakeRules{cfg: cfg.WithDefaults()}
+	return nil
+}
+
+func (r *recordedRules) Verify(path string, cfg ruleset.PodConfig) (ruleset.Drift, error) {
+	k, err := r.record("verify", path, nil)
+	if err != nil {
+		return ruleset.Drift{}, err
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	in, ok := r.installed[k]
+	switch {
+	case !ok:
+		return ruleset.Drift{Items: []ruleset.DriftItem{{Kind: ruleset.DriftMissing, Object: "chain", Table: "nat", Chain: "ISTIO_OUTPUT"}}}, nil
+	case !reflect.DeepEqual(in.cfg, cfg.WithDefaults()):
+		return ruleset.Drift{Items: []ruleset.DriftItem{{Kind: ruleset.DriftChanged, Object: "rule", Table: "nat", Chain: "ISTIO_OUTPUT"}}}, nil
+	}
+	return ruleset.Drift{Items: slices.Clone(in.drift)}, nil
 }
 
 func (r *recordedRules) Remove(path string) error {
-	if err := r.record("remove", path, r.injected(&r.removeErr)); err != nil {
+	k, err := r.record("remove", path, r.injected(&r.removeErr))
+	if err != nil {
 		return err
 	}
-	return r.real.Remove(path)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	delete(r.installed, k)
+	return nil
 }
 
 func (r *recordedRules) injected(e *error) error {
@@ -93,24 +148,40 @@ func (r *recordedRules) ops() string {
 }
 
 // count is how many namespaces hold rules.
-func (r *recordedRules) count() int { return r.fake.Populated() }
+func (r *recordedRules) count() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.installed)
+}
 
 // populated reports whether the namespace at path holds rules.
 func (r *recordedRules) populated(path string) bool {
-	return len(r.fake.Rules(path, iptables.IPv4).Tables)+len(r.fake.Rules(path, iptables.IPv6).Tables) > 0
+	k, err := nsKey(path)
+	if err != nil {
+		return false
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	_, ok := r.installed[k]
+	return ok
 }
 
-// dropRule deletes the rule at position (1-based) of a nat chain in the
-// namespace at path, as another program would: drift.
-func (r *recordedRules) dropRule(t *testing.T, path, chain string, position int) {
+// dropRule makes the rules of the namespace at path lack a rule of a nat
+// chain, as another program deleting it would: drift, until the next
+// Apply.
+func (r *recordedRules) dropRule(t *testing.T, path, chain string) {
 	t.Helper()
-	r.fake.EditRules(path, iptables.IPv4, func(s *iptables.Save) {
-		c := s.Table(iptables.TableNAT).Chain(chain)
-		if c == nil || len(c.Rules) < position {
-			t.Fatalf("no rule #%d in nat %s:\n%s", position, chain, s)
-		}
-		c.Rules = append(c.Rules[:position-1], c.Rules[position:]...)
-	})
+	k, err := nsKey(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	in, ok := r.installed[k]
+	if !ok {
+		t.Fatalf("no rules in %s", path)
+	}
+	in.drift = append(in.drift, ruleset.DriftItem{Kind: ruleset.DriftMissing, Object: "rule", Table: "nat", Chain: chain})
 }
 
 // fakeZtunnel records ZDS calls; onDel, when set, runs at every Del

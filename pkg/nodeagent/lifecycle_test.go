@@ -20,10 +20,10 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
-	"github.com/ambient-cni/ambient-cni/pkg/iptables"
-	"github.com/ambient-cni/ambient-cni/test/fuzzseed"
-	"github.com/ambient-cni/ambient-cni/test/poll"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	"github.com/ambient-cni/ambient-cni/test/lib/fuzzseed"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // TestForgetLeavesStateBeforeZtunnelDel (issue 12.6): when ztunnel is told
@@ -257,7 +257,7 @@ func TestReplayedDelCleansUnrestoredPod(t *testing.T) {
 	spool := filepath.Join(h.dir, nodefiles.SpoolName)
 	gone, held := testnet.NewNS(t), testnet.NewNS(t)
 	// A previous agent captured "gone"; no record (an older agent).
-	if err := h.rules.real.Apply(gone.Path(), iptables.PodConfig{}); err != nil {
+	if err := h.rules.seed(gone.Path(), ruleset.PodConfig{}); err != nil {
 		t.Fatal(err)
 	}
 	// "held" is captured by this agent; a stale spool entry names it.

@@ -295,15 +295,34 @@ func (s *Server) handlePodEvent(w http.ResponseWriter, r *http.Request) {
 // (the plugin answers CNI error 4), 409 a CHECK found the pod's capture
 // wrong, 503 retrying may help (CNI error 11), 500 the agent failed.
 func statusOf(err error) (int, string) {
+	var result string
 	switch {
 	case IsInvalid(err):
-		return http.StatusBadRequest, "rejected"
+		result = "rejected"
 	case IsRetryable(err):
-		return http.StatusServiceUnavailable, "retry"
+		result = "retry"
 	case IsMismatch(err):
-		return http.StatusConflict, "mismatch"
+		result = "mismatch"
+	default:
+		result = "error"
 	}
-	return http.StatusInternalServerError, "error"
+	return ResultStatus(result), result
+}
+
+// ResultStatus is the HTTP status the server answers a request with, by
+// the result Observe is told: see statusOf; every other result is 200.
+func ResultStatus(result string) int {
+	switch result {
+	case "rejected":
+		return http.StatusBadRequest
+	case "retry":
+		return http.StatusServiceUnavailable
+	case "mismatch":
+		return http.StatusConflict
+	case "error":
+		return http.StatusInternalServerError
+	}
+	return http.StatusOK
 }
 
 func (s *Server) dispatch(ctx context.Context, ev *ambient.PodEvent) (ambient.Verdict, error) {

@@ -15,7 +15,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // fakeProbe is the host probe set in memory.
@@ -92,7 +92,7 @@ func TestRestoreUnresolvedKeepsPod(t *testing.T) {
 	// while the agent was down.
 	found := markedPod("found", "u-found", "10.9.0.1")
 	pn := testnet.NewNS(t)
-	if err := rules.real.Apply(pn.Path(), a.ruleConfig(found)); err != nil {
+	if err := rules.seed(pn.Path(), a.ruleConfig(found)); err != nil {
 		t.Fatal(err)
 	}
 	if err := a.Restore(ctx, found, openNS(t, pn)); err != nil {

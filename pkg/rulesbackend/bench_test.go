@@ -5,9 +5,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
 	"github.com/containernetworking/plugins/pkg/ns"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // BenchmarkBackends measures, for every backend as New builds it, one
@@ -25,7 +26,7 @@ func BenchmarkBackends(b *testing.B) {
 		b.Run(bc.name, func(b *testing.B) {
 			testnet.RequireRoot(b)
 			testnet.RequireCommands(b, bc.tools...)
-			be, err := New(Config{Backend: bc.value})
+			be, err := New(Config{Backend: mustParse(b, bc.value)})
 			if err != nil {
 				b.Fatal(err)
 			}

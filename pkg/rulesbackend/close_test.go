@@ -5,7 +5,7 @@ import (
 	"testing"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // TestCloseReleasesConnections: the nftables host probe keeps a netlink
@@ -16,7 +16,7 @@ func TestCloseReleasesConnections(t *testing.T) {
 	testnet.RequireRoot(t)
 	testnet.RequireCommands(t, "ip")
 	host, pod := testnet.NewNS(t), testnet.NewNS(t)
-	b, err := New(Config{Backend: string(NFTables), HostNetns: host.Path()})
+	b, err := New(Config{Backend: mustParse(t, string(NFTables)), HostNetns: host.Path()})
 	if err != nil {
 		t.Fatal(err)
 	}

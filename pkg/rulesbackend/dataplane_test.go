@@ -12,14 +12,15 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containernetworking/plugins/pkg/ns"
+	"github.com/vishvananda/netlink"
+
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
-	"github.com/ambient-cni/ambient-cni/test/captureproxy"
-	dt "github.com/ambient-cni/ambient-cni/test/dataplanetest"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
-	"github.com/containernetworking/plugins/pkg/ns"
-	"github.com/vishvananda/netlink"
+	"github.com/ambient-cni/ambient-cni/test/lib/captureproxy"
+	dt "github.com/ambient-cni/ambient-cni/test/lib/dataplanetest"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // Every dataplane scenario runs against every backend as shipped (built by
@@ -169,7 +170,7 @@ func (bc backendCase) require(t *testing.T) {
 // build makes the backend as New does for the configured value.
 func (bc backendCase) build(t *testing.T, hostNetns string) *Backend {
 	t.Helper()
-	b, err := New(Config{Backend: bc.value, HostNetns: hostNetns, Logger: dt.Logger(t)})
+	b, err := New(Config{Backend: mustParse(t, bc.value), HostNetns: hostNetns, Logger: dt.Logger(t)})
 	if err != nil {
 		t.Fatalf("backend %s: %v", bc.value, err)
 	}

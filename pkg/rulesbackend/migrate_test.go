@@ -6,9 +6,9 @@ import (
 	"testing"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
-	"github.com/ambient-cni/ambient-cni/test/captureproxy"
-	dt "github.com/ambient-cni/ambient-cni/test/dataplanetest"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/captureproxy"
+	dt "github.com/ambient-cni/ambient-cni/test/lib/dataplanetest"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 func TestParse(t *testing.T) {
@@ -16,16 +16,29 @@ func TestParse(t *testing.T) {
 		"": {"auto", ""}, "auto": {"auto", ""}, " AUTO ": {"auto", ""}, "nftables": {"nftables", ""},
 		"iptables": {"iptables", ""}, "nft": {"iptables", "nft"}, "iptables-legacy": {"iptables", "legacy"},
 	} {
-		c, flavour, err := Parse(in)
-		if err != nil || string(c) != want[0] || flavour != want[1] {
-			t.Errorf("Parse(%q) = %q %q %v, want %q", in, c, flavour, err, want)
+		sel, err := Parse(in)
+		if err != nil || string(sel.Choice) != want[0] || string(sel.Flavour) != want[1] {
+			t.Errorf("Parse(%q) = %+v %v, want %q", in, sel, err, want)
+		}
+		if again, err := Parse(sel.String()); err != nil || again != sel {
+			t.Errorf("Parse(%q.String()) = %+v %v, want %+v", in, again, err, sel)
 		}
 	}
 	for _, in := range []string{"ebpf", "nf_tables2", "ipvs"} {
-		if _, _, err := Parse(in); err == nil {
+		if _, err := Parse(in); err == nil {
 			t.Errorf("Parse(%q) accepted", in)
 		}
 	}
+}
+
+// mustParse is Parse for values a test knows to be valid.
+func mustParse(tb testing.TB, s string) Selection {
+	tb.Helper()
+	sel, err := Parse(s)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return sel
 }
 
 // TestAuto: on a kernel with nf_tables (this one), auto picks nftables,
@@ -35,7 +48,7 @@ func TestAuto(t *testing.T) {
 	testnet.RequireCommands(t, "nft")
 	n := testnet.NewNS(t)
 	before := dt.Snapshot(t, n.Path())
-	b, err := New(Config{Backend: "auto", HostNetns: n.Path()})
+	b, err := New(Config{Backend: mustParse(t, "auto"), HostNetns: n.Path()})
 	if err != nil {
 		t.Fatal(err)
 	}

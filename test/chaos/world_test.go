@@ -24,8 +24,10 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/netfilter"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
-	"github.com/ambient-cni/ambient-cni/test/kubesim"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
 )
 
 // The checks every scenario ends with. Each is a sub-test of its own, so a
@@ -322,11 +324,11 @@ func (n *node) hasRules(netnsPath string) (bool, error) {
 		return nft, err
 	}
 	ours := []string{iptables.ChainPrerouting, iptables.ChainOutput}
-	ipt, err := nftables.HasChains(netnsPath, ours)
+	ipt, err := netfilter.HasChains(netnsPath, ours)
 	if err != nil || ipt {
 		return ipt, err
 	}
-	for _, fam := range []iptables.Family{iptables.IPv4, iptables.IPv6} {
+	for _, fam := range []ruleset.Family{ruleset.IPv4, ruleset.IPv6} {
 		save := iptables.BackendLegacy.SaveCmd(fam)
 		if _, err := exec.LookPath(save); err != nil {
 			continue

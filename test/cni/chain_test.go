@@ -24,10 +24,11 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
-	"github.com/ambient-cni/ambient-cni/test/captureproxy"
-	"github.com/ambient-cni/ambient-cni/test/cnibin"
-	"github.com/ambient-cni/ambient-cni/test/poll"
+	"github.com/ambient-cni/ambient-cni/test/lib/captureproxy"
+	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 )
 
 // Versions is the CNI spec version matrix the plugin supports.
@@ -164,7 +165,7 @@ func chainScenario(t *testing.T, v string) {
 		if err := n.check(plain); err != nil {
 			t.Errorf("CHECK of disabled pod: %v", err)
 		}
-		web.inNS(t, n.rules.Backend().Cmd(iptables.IPv4), "-t", "nat", "-D", iptables.ChainOutput, "1")
+		web.inNS(t, n.rules.Backend().Cmd(ruleset.IPv4), "-t", "nat", "-D", iptables.ChainOutput, "1")
 		err := n.check(web)
 		if err == nil || !strings.Contains(err.Error(), "drifted") || !strings.Contains(err.Error(), iptables.ChainOutput) {
 			t.Errorf("CHECK after deleting a rule by hand: %v", err)

@@ -37,9 +37,10 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
-	"github.com/ambient-cni/ambient-cni/test/cnibin"
-	"github.com/ambient-cni/ambient-cni/test/fakecluster"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/lib/fakecluster"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // recordingExec is libcni's own executor, remembering what each plugin
@@ -304,7 +305,7 @@ func (s *sandbox) inNS(t testing.TB, name string, args ...string) string {
 // ourChains reports whether the sandbox's netns holds any of our chains.
 func (n *node) ourChains(t testing.TB, s *sandbox) bool {
 	t.Helper()
-	out := s.inNS(t, n.rules.Backend().SaveCmd(iptables.IPv4))
+	out := s.inNS(t, n.rules.Backend().SaveCmd(ruleset.IPv4))
 	return strings.Contains(out, iptables.ChainOutput) || strings.Contains(out, iptables.ChainPrerouting)
 }
 

@@ -22,17 +22,22 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
+	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 )
 
 // objects decodes a rendered manifest into typed objects.
 type objects struct {
-	ds       *appsv1.DaemonSet
-	sa       *corev1.ServiceAccount
-	cr       *rbacv1.ClusterRole
-	crb      *rbacv1.ClusterRoleBinding
-	role     *rbacv1.Role
-	rb       *rbacv1.RoleBinding
+	ds   *appsv1.DaemonSet
+	sa   *corev1.ServiceAccount
+	cr   *rbacv1.ClusterRole
+	crb  *rbacv1.ClusterRoleBinding
+	role *rbacv1.Role
+	rb   *rbacv1.RoleBinding
+	// rq is the ResourceQuota for the priority class, on the platforms
+	// that need one (nil elsewhere).
+	rq       *corev1.ResourceQuota
 	kinds    []string
 	manifest []byte
 	// hooks are the helm hook objects (helm.sh/hook annotation), kept
@@ -52,7 +57,9 @@ func decode(t testing.TB, manifest []byte) *objects {
 			out.hooks = append(out.hooks, o)
 			continue
 		}
-		out.kinds = append(out.kinds, o.GetKind())
+		if o.GetKind() != "ResourceQuota" {
+			out.kinds = append(out.kinds, o.GetKind())
+		}
 		var dst any
 		switch o.GetKind() {
 		case "DaemonSet":
@@ -73,6 +80,9 @@ func decode(t testing.TB, manifest []byte) *objects {
 		case "RoleBinding":
 			out.rb = &rbacv1.RoleBinding{}
 			dst = out.rb
+		case "ResourceQuota":
+			out.rq = &corev1.ResourceQuota{}
+			dst = out.rq
 		default:
 			t.Fatalf("unexpected %s %s in the manifest", o.GetKind(), o.GetName())
 		}
@@ -248,8 +258,9 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 		ProcRoot: "/host/proc", NetnsDirs: []string{"/var/run/custom-netns", "/run/custom/netns"},
 		ExcludedNamespaces:       []string{"kube-system", "istio-system", "monitoring"},
 		DataPlaneNamespaces:      []string{"all-values-ns", "ztunnel-system"},
-		AssumePodLevelEnablement: true, ZtunnelWait: 7 * time.Second, DNSCapture: false, IPTablesBackend: "nft",
-		ProbeSNATv4: netip.MustParseAddr("169.254.7.42"), ProbeSNATv6: netip.MustParseAddr("fd16::42"),
+		AssumePodLevelEnablement: true, ZtunnelWait: 7 * time.Second, DNSCapture: false,
+		RulesBackend: rulesbackend.Selection{Choice: rulesbackend.IPTables, Flavour: iptables.BackendNFT},
+		ProbeSNATv4:  netip.MustParseAddr("169.254.7.42"), ProbeSNATv6: netip.MustParseAddr("fd16::42"),
 		HealthAddr: ":15999", MetricsAddr: ":15998", LogLevel: "debug", KubeClientQPS: 12.5, KubeClientBurst: 25,
 	}
 	if !reflect.DeepEqual(got, want) {
@@ -444,6 +455,21 @@ func TestMetricsPort(t *testing.T) {
 		scrape := ann["prometheus.io/scrape"] == "true" && ann["prometheus.io/port"] == strconv.Itoa(int(metrics)) && ann["prometheus.io/path"] == "/metrics"
 		if scrape != c.annotations {
 			t.Errorf("%s: scrape annotations %v, want them %v", name, ann, c.annotations)
+		}
+	}
+}
+
+// TestOldBackendValue: the chart's old value name for the rules backend
+// still reaches install-cni, and wins over the new one when set.
+func TestOldBackendValue(t *testing.T) {
+	for args, want := range map[[4]string]string{
+		{"--set", "agent.rulesBackend=nftables", "--set", "agent.logLevel=info"}:       "nftables",
+		{"--set", "agent.iptablesBackend=legacy", "--set", "agent.logLevel=info"}:      "legacy",
+		{"--set", "agent.iptablesBackend=nft", "--set", "agent.rulesBackend=iptables"}: "nft",
+	} {
+		env := decode(t, render(t, releaseName, namespace, args[:]...)).env(t)
+		if got := env[app.EnvName("rules-backend")]; got != want {
+			t.Errorf("%v: %s=%q, want %q", args, app.EnvName("rules-backend"), got, want)
 		}
 	}
 }

@@ -8,7 +8,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 )
 
 // What `make manifests` renders: the chart with default values as release
@@ -155,7 +155,8 @@ func TestTemplateRejectsBadValues(t *testing.T) {
 	}{
 		"unknown key (typo)":         {[]string{"--set", "agent.dnscapture=true"}, "dnscapture"},
 		"relative host path":         {[]string{"--set", "cni.binDir=opt/cni/bin"}, "binDir"},
-		"bad backend":                {[]string{"--set", "agent.iptablesBackend=ebtables"}, "iptablesBackend"},
+		"bad backend":                {[]string{"--set", "agent.rulesBackend=ebtables"}, "rulesBackend"},
+		"bad backend (old name)":     {[]string{"--set", "agent.iptablesBackend=ebtables"}, "iptablesBackend"},
 		"bad log level":              {[]string{"--set", "agent.logLevel=loud"}, "logLevel"},
 		"bad duration":               {[]string{"--set", "agent.ztunnelWait=soon"}, "ztunnelWait"},
 		"v6 probe address as v4":     {[]string{"--set", "agent.probeSNATIPv4=fd00::1"}, "probeSNATIPv4"},

@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"testing"
 	"time"
 
@@ -15,8 +16,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 func readManifest(t testing.TB) []byte {
@@ -64,9 +65,15 @@ func TestManifestRBACIsShippedRBAC(t *testing.T) {
 	}
 
 	// A renamed release grants the same, on its own DaemonSet's name.
+	// The all-values file names platform openshift, which may also use
+	// the privileged SCC.
 	all := decode(t, render(t, "all", "all-values-ns", "-f", allValues))
-	if !reflect.DeepEqual(all.cr.Rules, o.cr.Rules) {
-		t.Errorf("all-values ClusterRole rules %+v differ from the manifest's %+v", all.cr.Rules, o.cr.Rules)
+	wantCluster := append(slices.Clone(o.cr.Rules), rbacv1.PolicyRule{
+		APIGroups: []string{"security.openshift.io"}, Resources: []string{"securitycontextconstraints"},
+		ResourceNames: []string{"privileged"}, Verbs: []string{"use"},
+	})
+	if !reflect.DeepEqual(all.cr.Rules, wantCluster) {
+		t.Errorf("all-values ClusterRole rules %+v differ from the manifest's plus the SCC's %+v", all.cr.Rules, wantCluster)
 	}
 	want := []rbacv1.PolicyRule{{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{"mesh-node"}, Verbs: []string{"get", "list", "watch"}}}
 	if !reflect.DeepEqual(all.role.Rules, want) {

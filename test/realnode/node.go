@@ -37,9 +37,10 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
-	"github.com/ambient-cni/ambient-cni/test/childproc"
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	"github.com/ambient-cni/ambient-cni/test/lib/childproc"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 const (
@@ -594,7 +595,7 @@ func finish(st *state, logf func(string, ...any)) []error {
 	}
 	if sets, err := ipsetNames(); err == nil {
 		for _, s := range sets {
-			if (s == iptables.ProbeSetV4 || s == iptables.ProbeSetV6) && !slices.Contains(st.Before.IPSets, s) {
+			if (s == ruleset.ProbeSetV4 || s == ruleset.ProbeSetV6) && !slices.Contains(st.Before.IPSets, s) {
 				if out, err := exec.Command("ipset", "destroy", s).CombinedOutput(); err != nil {
 					errs = append(errs, fmt.Errorf("ipset destroy %s: %v: %s", s, err, out))
 				}

@@ -21,10 +21,10 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 	"github.com/ambient-cni/ambient-cni/test/realnode/podapp"
-	"github.com/ambient-cni/ambient-cni/test/ztunnel"
 )
 
 // DemoNamespace is where the story's app pods run.
@@ -545,9 +545,9 @@ func (n *Node) probeSetReport(ip string) string {
 	case err != nil:
 		fmt.Fprintf(&b, "host probe set: %v", err)
 	case !exists:
-		fmt.Fprintf(&b, "the host probe set %s is gone", iptables.ProbeSetV4)
+		fmt.Fprintf(&b, "the host probe set %s is gone", ruleset.ProbeSetV4)
 	default:
-		fmt.Fprintf(&b, "host probe set %s holds %s: %v", iptables.ProbeSetV4, ip, slices.Contains(members, ip))
+		fmt.Fprintf(&b, "host probe set %s holds %s: %v", ruleset.ProbeSetV4, ip, slices.Contains(members, ip))
 	}
 	if others := n.foreignAgents(); len(others) > 0 {
 		fmt.Fprintf(&b, "; other agents on this machine: %s", strings.Join(others, "; "))
@@ -587,13 +587,13 @@ func (n *Node) foreignAgents() []string {
 // an nftables set in the agent's host table (nftables backend) or an
 // ipset (iptables backends).
 func hostProbeSet() (members []string, exists bool, err error) {
-	out, err := runOut("nft", "list", "set", "inet", nftables.TableHost, iptables.ProbeSetV4)
+	out, err := runOut("nft", "list", "set", "inet", nftables.TableHost, ruleset.ProbeSetV4)
 	if err == nil {
 		_, m, _ := strings.Cut(out, "elements = {")
 		m, _, _ = strings.Cut(m, "}")
 		return strings.Fields(strings.ReplaceAll(m, ",", " ")), true, nil
 	}
-	out, err = runOut("ipset", "list", iptables.ProbeSetV4)
+	out, err = runOut("ipset", "list", ruleset.ProbeSetV4)
 	if err != nil {
 		if strings.Contains(out, "does not exist") {
 			return nil, false, nil

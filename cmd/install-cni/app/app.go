@@ -24,6 +24,7 @@ import (
 	"syscall"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -163,7 +164,7 @@ func New(o Options) (*App, error) {
 
 	// Rules in pods and the host probe SNAT: nothing is dialled or
 	// installed until used; Run closes what the backend holds.
-	rules, err := rulesbackend.New(rulesbackend.Config{Backend: c.IPTablesBackend, HostNetns: o.HostNetns, Logger: a.log,
+	rules, err := rulesbackend.New(rulesbackend.Config{Backend: c.RulesBackend, HostNetns: o.HostNetns, Logger: a.log,
 		Probe: ruleset.HostProbeConfig{ProbeSNATv4: c.ProbeSNATv4, ProbeSNATv6: c.ProbeSNATv6}})
 	if err != nil {
 		return nil, fmt.Errorf("rules backend: %w", err)
@@ -181,12 +182,19 @@ func New(o Options) (*App, error) {
 	if err != nil {
 		return nil, err
 	}
+	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
 	a.installer, err = installer.New(installer.Config{
 		BinDir: c.CNIBinDir, ConfDir: c.CNIConfDir, PluginBinary: c.PluginBinary, PluginName: c.PluginType,
 		PrimaryConfName: c.CNIConfName, PluginConfig: entry,
 		StateFile:   filepath.Join(filepath.Dir(c.AgentSocket), installerStateName),
 		OnReinstall: m.InstallerReinstalls.Inc,
-		Logger:      a.log,
+		// Said on the agent's own pod, where kubectl describe shows why
+		// it is not ready.
+		OnRefused: func(err error) {
+			a.events.Eventf(&corev1.ObjectReference{APIVersion: "v1", Kind: "Pod", Namespace: c.PodNamespace, Name: c.PodName},
+				corev1.EventTypeWarning, "IstioCNIChained", "%v", err)
+		},
+		Logger: a.log,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("installer: %w", err)
@@ -257,10 +265,7 @@ func New(o Options) (*App, error) {
 		// Answer the plugin before its own timeout fires.
 		HandlerTimeout: c.PluginTimeout - time.Second,
 		Observe: func(verb, result string, took time.Duration) {
-			m.CNIRequests.WithLabelValues(verb, result).Inc()
-			if verb == "ADD" {
-				m.AddLatency.Observe(took.Seconds())
-			}
+			m.ObserveRequest(verb, result, nodeagent.ResultStatus(result), took)
 		},
 		Logger: a.log,
 	}, a.pods, a.agent)
@@ -441,7 +446,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 	run("annotations", a.agent.Run)
 	run("controller", a.ctrl.Run)
 	run("metrics", func(ctx context.Context) error {
-		return a.metrics.RunGauges(ctx, a.agent.StateCounts, a.zds.Connections)
+		return a.metrics.RunGauges(ctx, a.agent.StateCounts, a.zds.Connections, a.installer.Ready)
 	})
 	run("host-probe", func(ctx context.Context) error {
 		rulesbackend.KeepHostProbe(ctx, a.rules.Probe, hostProbeResync, a.log)

@@ -78,7 +78,7 @@ type Config struct {
 	AssumePodLevelEnablement bool
 	ZtunnelWait              time.Duration
 	DNSCapture               bool
-	IPTablesBackend          string
+	RulesBackend             rulesbackend.Selection
 	ProbeSNATv4              netip.Addr
 	ProbeSNATv6              netip.Addr
 
@@ -92,6 +92,15 @@ type option struct {
 	name, help string
 	def        string
 	set        func(c *Config, v string) error
+}
+
+// alias is the older name of a setting ("" for none), still read as flag
+// and environment variable so that existing deployments keep working.
+func (o option) alias() string {
+	if o.name == "rules-backend" {
+		return "iptables-backend"
+	}
+	return ""
 }
 
 func str(dst func(*Config) *string) func(*Config, string) error {
@@ -216,13 +225,13 @@ func options() []option {
 		{"assume-pod-level-enablement", "With plugin-agent-unreachable=snapshot: tell the plugin's fallback that any namespace may hold a pod enabled by its own label, so it fails closed everywhere but excluded namespaces however long the agent is gone. No effect with fail-closed.", "false", boolean(func(c *Config) *bool { return &c.AssumePodLevelEnablement })},
 		{"ztunnel-wait", "How long CNI ADD waits for a connected ztunnel to acknowledge a pod before failing with a retryable error.", nodeagent.DefaultZtunnelTimeout.String(), duration(func(c *Config) *time.Duration { return &c.ZtunnelWait })},
 		{"dns-capture", "Capture DNS (port 53) to ztunnel by default, as Istio's chart does (ambient.dnsCapture); per pod: annotation ambient.istio.io/dns-capture.", "true", boolean(func(c *Config) *bool { return &c.DNSCapture })},
-		{"iptables-backend", "Rules backend in pods and for the host probe SNAT: auto (native nftables when the kernel supports it, else iptables), nftables, iptables (flavour detected from the node), or iptables in one flavour: nft or legacy. Each backend also removes what the other left.", string(rulesbackend.Auto), func(c *Config, v string) error {
-			switch v {
-			case "", "auto", "nftables", "iptables", "nft", "legacy":
-				c.IPTablesBackend = v
-				return nil
+		{"rules-backend", "Rules backend in pods and for the host probe SNAT: auto (native nftables when the kernel supports it, else iptables), nftables, iptables (flavour detected from the node), or iptables in one flavour: nft or legacy. Each backend also removes what the other left.", string(rulesbackend.Auto), func(c *Config, v string) error {
+			sel, err := rulesbackend.Parse(v)
+			if err != nil {
+				return err
 			}
-			return fmt.Errorf("want auto, nftables, iptables, nft or legacy")
+			c.RulesBackend = sel
+			return nil
 		}},
 		{"probe-snat-ipv4", "Source address kubelet probes are SNATed to (IPv4).", ambient.DefaultProbeSNATv4.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv4 }, false)},
 		{"probe-snat-ipv6", "Source address kubelet probes are SNATed to (IPv6).", ambient.DefaultProbeSNATv6.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv6 }, true)},
@@ -245,6 +254,15 @@ func options() []option {
 	}
 }
 
+// envNames names the environment variables that set o, for errors: the
+// alias's too when only it is set.
+func (o option) envNames(getenv func(string) string) string {
+	if o.alias() != "" && getenv(EnvName(o.name)) == "" && getenv(EnvName(o.alias())) != "" {
+		return EnvName(o.alias())
+	}
+	return EnvName(o.name)
+}
+
 // EnvName returns the environment variable that sets flag name.
 func EnvName(name string) string {
 	return EnvPrefix + strings.ToUpper(strings.ReplaceAll(name, "-", "_"))
@@ -258,6 +276,11 @@ func Parse(args []string, getenv func(string) string, stderr io.Writer) (*Config
 	opts := options()
 	for _, o := range opts {
 		v := o.def
+		if o.alias() != "" {
+			if e := getenv(EnvName(o.alias())); e != "" {
+				v = e
+			}
+		}
 		if e := getenv(EnvName(o.name)); e != "" {
 			v = e
 		}
@@ -265,15 +288,17 @@ func Parse(args []string, getenv func(string) string, stderr io.Writer) (*Config
 			continue
 		}
 		if err := o.set(c, v); err != nil {
-			return nil, fmt.Errorf("%s=%q: %w", EnvName(o.name), v, err)
+			return nil, fmt.Errorf("%s=%q: %w", o.envNames(getenv), v, err)
 		}
 	}
 	fs := flag.NewFlagSet("install-cni", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	for _, o := range opts {
-		fs.Func(o.name, fmt.Sprintf("%s (env %s, default %q)", o.help, EnvName(o.name), o.def), func(v string) error {
-			return o.set(c, v)
-		})
+		set := func(v string) error { return o.set(c, v) }
+		fs.Func(o.name, fmt.Sprintf("%s (env %s, default %q)", o.help, EnvName(o.name), o.def), set)
+		if o.alias() != "" {
+			fs.Func(o.alias(), fmt.Sprintf("Old name of --%s.", o.name), set)
+		}
 	}
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -327,7 +352,11 @@ func WriteMarkdown(w io.Writer) error {
 		if o.def == "" {
 			def = "(empty)"
 		}
-		fmt.Fprintf(&b, "| `--%s` | `%s` | %s | %s |\n", o.name, EnvName(o.name), def, o.help)
+		help := o.help
+		if o.alias() != "" {
+			help += fmt.Sprintf(" Also read under its old name, `--%s` (`%s`).", o.alias(), EnvName(o.alias()))
+		}
+		fmt.Fprintf(&b, "| `--%s` | `%s` | %s | %s |\n", o.name, EnvName(o.name), def, help)
 	}
 	_, err := io.WriteString(w, b.String())
 	return err

@@ -32,9 +32,9 @@ func TestDefaults(t *testing.T) {
 		ExcludedNamespaces []string
 		PluginType         string
 		DNSCapture         bool
-		IPTablesBackend    string
+		RulesBackend       string
 	}
-	got := defaults{c.ZDSSocket, c.ZtunnelWait, c.ProbeSNATv4, c.ExcludedNamespaces, c.PluginType, c.DNSCapture, c.IPTablesBackend}
+	got := defaults{c.ZDSSocket, c.ZtunnelWait, c.ProbeSNATv4, c.ExcludedNamespaces, c.PluginType, c.DNSCapture, c.RulesBackend.String()}
 	want := defaults{"/var/run/ztunnel/ztunnel.sock", 5 * time.Second, netip.MustParseAddr("169.254.7.127"), []string{"kube-system"}, "ambient-cni", true, "auto"}
 	if diff := cmp.Diff(want, got, cmpopts.EquateComparable(netip.Addr{})); diff != "" {
 		t.Fatalf("defaults wrong (-want +got):\n%s", diff)
@@ -64,6 +64,33 @@ func TestEnvThenFlags(t *testing.T) {
 	}
 }
 
+// TestRulesBackendAlias: the backend is set by --rules-backend or its old
+// name --iptables-backend, and by their environment variables; the new
+// names win.
+func TestRulesBackendAlias(t *testing.T) {
+	cases := []struct {
+		args []string
+		env  map[string]string
+		want string
+	}{
+		{[]string{"--rules-backend=nftables"}, nil, "nftables"},
+		{[]string{"--iptables-backend=legacy"}, nil, "legacy"},
+		{nil, map[string]string{"AMBIENT_IPTABLES_BACKEND": "nft"}, "nft"},
+		{nil, map[string]string{"AMBIENT_RULES_BACKEND": "iptables", "AMBIENT_IPTABLES_BACKEND": "nft"}, "iptables"},
+		{[]string{"--iptables-backend=nft"}, map[string]string{"AMBIENT_RULES_BACKEND": "nftables"}, "nft"},
+	}
+	for _, tc := range cases {
+		c, err := Parse(append([]string{"--node-name=n"}, tc.args...), env(tc.env), io.Discard)
+		if err != nil {
+			t.Errorf("%v %v: %v", tc.args, tc.env, err)
+			continue
+		}
+		if got := c.RulesBackend.String(); got != tc.want {
+			t.Errorf("%v %v: backend %s, want %s", tc.args, tc.env, got, tc.want)
+		}
+	}
+}
+
 func TestRejectsBadInput(t *testing.T) {
 	cases := map[string]struct {
 		args []string
@@ -76,7 +103,9 @@ func TestRejectsBadInput(t *testing.T) {
 		"timeout below wait": {[]string{"--node-name=n", "--plugin-timeout=2s", "--ztunnel-wait=3s"}, nil, "must exceed"},
 		"v6 as v4":           {[]string{"--node-name=n", "--probe-snat-ipv4=fd00::1"}, nil, "IPv4"},
 		"bad bool":           {[]string{"--node-name=n", "--dns-capture=yes please"}, nil, "true or false"},
-		"bad backend":        {[]string{"--node-name=n", "--iptables-backend=ebtables"}, nil, "nftables, iptables, nft or legacy"},
+		"bad backend":        {[]string{"--node-name=n", "--rules-backend=ebtables"}, nil, "nftables, iptables, nft or legacy"},
+		"bad backend (old)":  {[]string{"--node-name=n", "--iptables-backend=ebtables"}, nil, "nftables, iptables, nft or legacy"},
+		"bad backend env":    {nil, map[string]string{"AMBIENT_NODE_NAME": "n", "AMBIENT_IPTABLES_BACKEND": "ebtables"}, "AMBIENT_IPTABLES_BACKEND"},
 		"relative socket":    {[]string{"--node-name=n", "--agent-socket=agent.sock"}, nil, "absolute"},
 		"relative netns dir": {[]string{"--node-name=n", "--netns-dirs=/run/netns,netns"}, nil, "not absolute"},
 		"unknown flag":       {[]string{"--node-name=n", "--frobnicate"}, nil, "frobnicate"},

@@ -9,6 +9,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
 
@@ -21,10 +22,9 @@ var (
 	_ nodeagent.EnablementSource = (*podcache.Cache)(nil)
 	_ nodeagent.Annotator        = kubeadapter.Annotator{}
 	_ nodeagent.Ztunnel          = (*zds.Server)(nil)
-	_ nodeagent.RuleApplier      = (rulesbackend.Rules)(nil)
 	_ nodeagent.HostProbe        = (rulesbackend.HostProbe)(nil)
-	_ rulesbackend.Rules         = (*iptables.Applier)(nil)
-	_ rulesbackend.Rules         = (*nftables.Applier)(nil)
+	_ ruleset.Applier            = (*iptables.Applier)(nil)
+	_ ruleset.Applier            = (*nftables.Applier)(nil)
 	_ rulesbackend.HostProbe     = (*iptables.HostProbe)(nil)
 	_ rulesbackend.HostProbe     = (*nftables.HostProbe)(nil)
 )

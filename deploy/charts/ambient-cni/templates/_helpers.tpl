@@ -73,7 +73,7 @@ mounted at the same path in the container, so one value serves both sides.
 - name: AMBIENT_PROC_ROOT
   value: {{ include "ambient-cni.containerProc" . | quote }}
 - name: AMBIENT_NETNS_DIRS
-  value: {{ join "," .Values.cni.netnsDirs | quote }}
+  value: {{ join "," (include "ambient-cni.layout" . | fromYaml).netnsDirs | quote }}
 - name: AMBIENT_EXCLUDED_NAMESPACES
   value: {{ join "," .Values.agent.excludedNamespaces | quote }}
 - name: AMBIENT_DATA_PLANE_NAMESPACES
@@ -84,8 +84,8 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ .Values.agent.ztunnelWait | quote }}
 - name: AMBIENT_DNS_CAPTURE
   value: {{ .Values.agent.dnsCapture | toString | quote }}
-- name: AMBIENT_IPTABLES_BACKEND
-  value: {{ .Values.agent.iptablesBackend | quote }}
+- name: AMBIENT_RULES_BACKEND
+  value: {{ .Values.agent.iptablesBackend | default .Values.agent.rulesBackend | quote }}
 - name: AMBIENT_PROBE_SNAT_IPV4
   value: {{ .Values.agent.probeSNATIPv4 | quote }}
 - name: AMBIENT_PROBE_SNAT_IPV6
@@ -115,4 +115,51 @@ kubernetes Service. Empty when apiServer.host is.
 - name: KUBERNETES_SERVICE_PORT
   value: {{ $.Values.apiServer.port | toString | quote }}
 {{- end }}
+{{- end -}}
+
+{{/*
+The platform's name: the platform value, or gke when it is empty and the
+cluster's version says GKE (as istio-cni detects GKE's bin dir). Empty on
+any other cluster, and under helm template without --kube-version.
+*/}}
+{{- define "ambient-cni.platformName" -}}
+{{- $name := .Values.platform -}}
+{{- if and (not $name) (contains "-gke" .Capabilities.KubeVersion.Version) -}}
+{{- $name = "gke" -}}
+{{- end -}}
+{{- $name -}}
+{{- end -}}
+
+{{/*
+The node layout of files/platforms.yaml for the platform, as YAML: generic
+with the platform's entries over it. Values the user sets win over it (see
+ambient-cni.layout).
+*/}}
+{{- define "ambient-cni.platform" -}}
+{{- $all := .Files.Get "files/platforms.yaml" | fromYaml -}}
+{{- $p := deepCopy $all.generic -}}
+{{- with include "ambient-cni.platformName" . -}}
+{{- if not (hasKey $all .) -}}
+{{- fail (printf "platform %q is not one of the chart's platforms" .) -}}
+{{- end -}}
+{{- $p = mustMergeOverwrite $p (deepCopy (get $all .)) -}}
+{{- end -}}
+{{- toYaml $p -}}
+{{- end -}}
+
+{{/*
+What the templates use: the platform's layout with every value the user set
+over it (an empty value is unset).
+*/}}
+{{- define "ambient-cni.layout" -}}
+{{- $p := include "ambient-cni.platform" . | fromYaml -}}
+{{- $rq := .Values.resourceQuotas.enabled -}}
+{{- if kindIs "bool" $rq -}}
+{{- $_ := set $p "resourceQuota" $rq -}}
+{{- end -}}
+{{- $_ := set $p "binDir" (.Values.cni.binDir | default $p.binDir) -}}
+{{- $_ := set $p "confDir" (.Values.cni.confDir | default $p.confDir) -}}
+{{- $_ := set $p "netnsDirs" (.Values.cni.netnsDirs | default $p.netnsDirs) -}}
+{{- $_ := set $p "seLinuxOptions" (.Values.securityContext.seLinuxOptions | default $p.seLinuxOptions) -}}
+{{- toYaml $p -}}
 {{- end -}}

@@ -1,0 +1,87 @@
+package metrics
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	dto "github.com/prometheus/client_model/go"
+)
+
+// value gathers the registry and returns the value of the series name with
+// the given label pairs (name, value, ...), and whether it exists.
+func value(t *testing.T, m *Metrics, name string, labels ...string) (float64, bool) {
+	t.Helper()
+	fams, err := m.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range fams {
+		if f.GetName() != name {
+			continue
+		}
+	series:
+		for _, s := range f.GetMetric() {
+			got := map[string]string{}
+			for _, l := range s.GetLabel() {
+				got[l.GetName()] = l.GetValue()
+			}
+			for i := 0; i+1 < len(labels); i += 2 {
+				if got[labels[i]] != labels[i+1] {
+					continue series
+				}
+			}
+			return number(s), true
+		}
+	}
+	return 0, false
+}
+
+func number(s *dto.Metric) float64 {
+	switch {
+	case s.Counter != nil:
+		return s.Counter.GetValue()
+	case s.Gauge != nil:
+		return s.Gauge.GetValue()
+	}
+	return 0
+}
+
+// istio-cni's names are served beside ours, with istio-cni's labels, and
+// follow the same events.
+func TestIstioNamesBesideOurs(t *testing.T) {
+	m := New()
+	m.ObserveRequest("ADD", "enrolled", 200, time.Millisecond)
+	m.ObserveRequest("ADD", "retry", 503, time.Millisecond)
+	m.ObserveRequest("DEL", "removed", 200, time.Millisecond)
+	for code, want := range map[string]float64{"200": 1, "503": 1} {
+		if got, _ := value(t, m, "istio_cni_plugin_requests_total", "response_code", code); got != want {
+			t.Errorf(`istio_cni_plugin_requests_total{response_code=%q} = %v, want %v (ADDs only)`, code, got, want)
+		}
+	}
+	if got, _ := value(t, m, "ambient_cni_cni_requests_total", "verb", "DEL", "result", "removed"); got != 1 {
+		t.Errorf("ambient_cni_cni_requests_total DEL removed = %v, want 1", got)
+	}
+
+	ctx, cancel := context.WithCancel(t.Context())
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		_ = m.RunGauges(ctx, func() map[string]int { return nil }, func() int { return 2 }, func() bool { return true })
+	})
+	defer wg.Wait()
+	defer cancel()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		ready, _ := value(t, m, "istio_cni_install_ready")
+		zt, _ := value(t, m, "ztunnel_connected")
+		ours, _ := value(t, m, "ambient_cni_ztunnel_connections")
+		if ready == 1 && zt == 2 && ours == 2 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("gauges never followed the installer and ZDS: install_ready=%v ztunnel_connected=%v ours=%v", ready, zt, ours)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
