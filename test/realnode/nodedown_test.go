@@ -95,6 +95,7 @@ func (e *e2e) testAgentCrashloop(t *testing.T) {
 	// The bad upgrade: the DaemonSet replaces the agent with one that
 	// exits at start.
 	old := e.oneAgent(t)
+	fixed := e.restoreChartOnFailure(t, nil)
 	if err := e.n.UpgradeAgentNoWait(ctx, ImageTag, append(window, "--set-json", brokenKubeconfig)...); err != nil {
 		t.Fatal(err)
 	}
@@ -172,7 +173,7 @@ func (e *e2e) testAgentCrashloop(t *testing.T) {
 	}
 
 	// The fix.
-	if err := e.n.InstallAgent(ctx, "upgrade", ImageTag); err != nil {
+	if err := fixed(); err != nil {
 		t.Fatal(err)
 	}
 	ready, err := e.n.WaitPodReady(ctx, meshNS, mesh.Name)
@@ -209,6 +210,7 @@ func (e *e2e) testNodeSelectorExcludes(t *testing.T) {
 	meshNS, plainNS := "excl-mesh-"+suffix, "excl-plain-"+suffix
 	e.namespace(t, meshNS, true)
 	e.namespace(t, plainNS, false)
+	restore := e.restoreChartOnFailure(t, nil)
 	if err := e.n.InstallAgent(ctx, "upgrade", ImageTag, "--set-json", `nodeSelector={"ambient-cni.test/agent":"elsewhere"}`); err != nil {
 		t.Fatal(err)
 	}
@@ -237,7 +239,7 @@ func (e *e2e) testNodeSelectorExcludes(t *testing.T) {
 		t.Errorf("a pod started with the agent off the node: %v", err)
 	}
 
-	if err := e.n.InstallAgent(ctx, "upgrade", ImageTag); err != nil {
+	if err := restore(); err != nil {
 		t.Fatal(err)
 	}
 	if err := e.n.Poll(ctx, "plugin chained again", func(context.Context) (bool, error) { return pluginInstalled(e.n) == nil, pluginInstalled(e.n) }); err != nil {
@@ -259,6 +261,8 @@ func (e *e2e) testMetricsPortTaken(t *testing.T) {
 	defer ln.Close()
 	port := ln.Addr().(*net.TCPAddr).Port
 	old := e.oneAgent(t)
+	// Back to the chart's port, free again.
+	restore := e.restoreChartOnFailure(t, func() { _ = ln.Close() })
 	if err := e.n.UpgradeAgentNoWait(ctx, ImageTag, "--set", "agent.metricsPort="+strconv.Itoa(port)); err != nil {
 		t.Fatal(err)
 	}
@@ -310,9 +314,7 @@ func (e *e2e) testMetricsPortTaken(t *testing.T) {
 		t.Error(err)
 	}
 
-	// Back to the chart's port, free again.
-	_ = ln.Close()
-	if err := e.n.InstallAgent(ctx, "upgrade", ImageTag); err != nil {
+	if err := restore(); err != nil {
 		t.Fatal(err)
 	}
 	err = e.n.Poll(ctx, "metrics served again", func(ctx context.Context) (bool, error) {
@@ -322,6 +324,30 @@ func (e *e2e) testMetricsPortTaken(t *testing.T) {
 	if err != nil {
 		t.Error(err)
 	}
+}
+
+// restoreChartOnFailure returns the step that puts the chart back to the
+// node's values (after first, when set) and waits for the agent. A case
+// that stops before calling it has it run at cleanup, so the cases after
+// it find a working agent.
+func (e *e2e) restoreChartOnFailure(t *testing.T, first func()) func() error {
+	t.Helper()
+	done := false
+	restore := func() error {
+		done = true
+		if first != nil {
+			first()
+		}
+		return e.n.InstallAgent(context.Background(), "upgrade", ImageTag)
+	}
+	t.Cleanup(func() {
+		if !done {
+			if err := restore(); err != nil {
+				t.Errorf("restore the chart: %v", err)
+			}
+		}
+	})
+	return restore
 }
 
 // oneAgent returns the node's agent pod, which must be the only one.
