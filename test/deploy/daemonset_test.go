@@ -22,6 +22,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 
 	"github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
@@ -239,6 +240,20 @@ func TestChartDefaultsMatchProcessDefaults(t *testing.T) {
 	want.ProcRoot = "/host/proc" // the host's /proc, mounted read-only
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("chart defaults differ from install-cni's:\n got %+v\nwant %+v", got, want)
+	}
+}
+
+// The shipped agentDownAfter is 2m, in the chart and in the plugin alike:
+// longer than an agent restart or upgrade takes (pods to capture are never
+// let through during one), short enough that pods outside the mesh start
+// soon when the agent is really gone. Tests that shorten it (the real
+// node's outage case) rely on this one to keep the default honest.
+func TestShippedAgentDownAfter(t *testing.T) {
+	if got := decode(t, render(t, releaseName, namespace)).config(t).AgentDownAfter; got != 2*time.Minute {
+		t.Errorf("the chart's default agentDownAfter reaches install-cni as %s, want 2m", got)
+	}
+	if ambient.DefaultAgentDownAfter != 2*time.Minute {
+		t.Errorf("the plugin's default agentDownAfter is %s, want 2m", ambient.DefaultAgentDownAfter)
 	}
 }
 

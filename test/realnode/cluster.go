@@ -36,6 +36,10 @@ const ChartDir = "deploy/charts/ambient-cni"
 func (n *Node) AgentSocketDir() string   { return filepath.Join(n.Dir, "run", "ambient-cni") }
 func (n *Node) ZtunnelSocketDir() string { return filepath.Join(n.Dir, "run", "ztunnel") }
 
+// AgentSocket is the agent's plugin socket on the host; the plugin's node
+// files (snapshot, heartbeat, spools) are named after it.
+func (n *Node) AgentSocket() string { return filepath.Join(n.AgentSocketDir(), "agent.sock") }
+
 // ChartValues are the values this node installs the chart with: only what
 // a user of such a node sets, each for the reason given. Everything else
 // is the chart's default (test/deploy pins those).
@@ -104,12 +108,23 @@ func (n *Node) writeValues(name string, values map[string]any) (string, error) {
 // InstallAgent installs the chart as a user does (helm install, waiting
 // for the DaemonSet to be ready) with ChartValues(tag) and extra values.
 func (n *Node) InstallAgent(ctx context.Context, verb, tag string, extra ...string) error {
+	return n.applyChart(ctx, verb, tag, []string{"--wait", "--timeout", "5m"}, extra)
+}
+
+// UpgradeAgentNoWait runs helm upgrade with ChartValues(tag) and extra
+// values without waiting for the DaemonSet: for settings under which the
+// agent never becomes ready (the caller waits for what it expects).
+func (n *Node) UpgradeAgentNoWait(ctx context.Context, tag string, extra ...string) error {
+	return n.applyChart(ctx, "upgrade", tag, nil, extra)
+}
+
+func (n *Node) applyChart(ctx context.Context, verb, tag string, wait, extra []string) error {
 	vf, err := n.writeValues("values-"+tag+".yaml", n.ChartValues(tag))
 	if err != nil {
 		return err
 	}
-	args := append([]string{verb, Release, ChartDir, "--namespace", ReleaseNamespace, "-f", vf, "--wait", "--timeout", "5m"}, extra...)
-	_, err = n.Helm(ctx, args...)
+	args := append([]string{verb, Release, ChartDir, "--namespace", ReleaseNamespace, "-f", vf}, wait...)
+	_, err = n.Helm(ctx, append(args, extra...)...)
 	return err
 }
 
@@ -406,6 +421,17 @@ func (n *Node) WaitPodPhase(ctx context.Context, namespace, name string, phase c
 		return true, nil
 	})
 	return pod, err
+}
+
+// PodEvents returns the Events about a pod (kubelet's, the agent's).
+func (n *Node) PodEvents(ctx context.Context, namespace, name string) ([]corev1.Event, error) {
+	l, err := n.Client.CoreV1().Events(namespace).List(ctx, metav1.ListOptions{
+		FieldSelector: "involvedObject.kind=Pod,involvedObject.name=" + name,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("events of pod %s/%s: %w", namespace, name, err)
+	}
+	return l.Items, nil
 }
 
 // WaitPodGone waits until a pod no longer exists in the API.

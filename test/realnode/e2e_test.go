@@ -132,6 +132,9 @@ func TestRealNode(t *testing.T) {
 	t.Run("pod deletion runs CNI DEL through containerd and leaves no state", e.testDeleteRunsDEL)
 	t.Run("netns discovery from a private cgroup namespace", e.testPrivateCgroupNamespace)
 	t.Run("agent pod restart under pod churn", e.testAgentRestartUnderChurn)
+	t.Run("a crashlooping agent past agentDownAfter blocks only the pods it must capture", e.testAgentCrashloop)
+	t.Run("a DaemonSet that leaves the node unchains the plugin", e.testNodeSelectorExcludes)
+	t.Run("a taken metrics port stops neither pods nor the agent", e.testMetricsPortTaken)
 	t.Run("helm upgrade keeps the plugin installed throughout", e.testHelmUpgrade)
 	t.Run("helm uninstall restores the config and releases captured pods", e.testHelmUninstall)
 	t.Run("nothing was sent off the machine", func(t *testing.T) {
@@ -716,7 +719,7 @@ func (e *e2e) testDeleteRunsDEL(t *testing.T) {
 		t.Error("ztunnel got no Del for the pod")
 	}
 	e.agentForgot(t, p.UID, p.Status.PodIP)
-	spool, _ := os.ReadDir(nodefiles.SpoolDir(filepath.Join(e.n.AgentSocketDir(), "agent.sock")))
+	spool, _ := os.ReadDir(nodefiles.SpoolDir(e.n.AgentSocket()))
 	if len(spool) > 0 {
 		t.Errorf("DELs spooled (the plugin could not reach the agent): %v", spool)
 	}
