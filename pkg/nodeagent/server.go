@@ -7,13 +7,11 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"os"
 	"sync"
 	"time"
 
-	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
@@ -112,13 +110,15 @@ func NewServer(cfg ServerConfig, decider Decider, agent *Agent) *Server {
 		reply(w, http.StatusNotFound, ambient.PodEventResponse{Error: fmt.Sprintf("no such endpoint %s %s", r.Method, r.URL.Path)})
 	})
 	s.http = &http.Server{
-		Handler:           s.rootOnly(mux),
+		Handler: unixsock.RootOnly(mux, s.log, func(w http.ResponseWriter, _ *http.Request, why error) {
+			reply(w, http.StatusForbidden, ambient.PodEventResponse{Error: why.Error() + "; only root may use this socket"})
+		}),
 		ReadHeaderTimeout: cfg.ReadHeaderTimeout,
 		ReadTimeout:       cfg.ReadTimeout,
 		WriteTimeout:      cfg.HandlerTimeout + 5*time.Second,
 		IdleTimeout:       cfg.IdleTimeout,
 		MaxHeaderBytes:    8 << 10,
-		ConnContext:       peerCredContext,
+		ConnContext:       unixsock.ConnContext,
 		ErrorLog:          slog.NewLogLogger(cfg.Logger.Handler(), slog.LevelDebug),
 	}
 	return s
@@ -199,40 +199,6 @@ func (s *Server) Close() error {
 		s.closeErr = err
 	})
 	return s.closeErr
-}
-
-type credKey struct{}
-
-type peerCred struct {
-	ucred *unix.Ucred
-	err   error
-}
-
-// peerCredContext records the connecting process's credentials
-// (SO_PEERCRED, fixed at connect time) for rootOnly.
-func peerCredContext(ctx context.Context, c net.Conn) context.Context {
-	pc := peerCred{err: errors.New("not a unix socket")}
-	if uc, ok := c.(*net.UnixConn); ok {
-		pc.ucred, pc.err = unixsock.PeerCred(uc)
-	}
-	return context.WithValue(ctx, credKey{}, pc)
-}
-
-// rootOnly refuses every request whose peer is not uid 0.
-func (s *Server) rootOnly(next http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		pc, _ := r.Context().Value(credKey{}).(peerCred)
-		switch {
-		case pc.err != nil || pc.ucred == nil:
-			s.log.Warn("refusing request: peer credentials unknown", "err", pc.err)
-			reply(w, http.StatusForbidden, ambient.PodEventResponse{Error: "peer credentials unavailable; only root may use this socket"})
-		case pc.ucred.Uid != 0:
-			s.log.Warn("refusing request from non-root peer", "uid", pc.ucred.Uid, "pid", pc.ucred.Pid)
-			reply(w, http.StatusForbidden, ambient.PodEventResponse{Error: fmt.Sprintf("peer uid %d is not root; only root may use this socket", pc.ucred.Uid)})
-		default:
-			next.ServeHTTP(w, r)
-		}
-	})
 }
 
 func reply(w http.ResponseWriter, code int, resp ambient.PodEventResponse) {
