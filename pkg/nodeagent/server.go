@@ -34,8 +34,9 @@ type ServerConfig struct {
 	// /proc/<pid>/ns/net, opened below its ProcRoot. Give it the agent's
 	// policy (Config.Netns): both judge the runtime's paths alike.
 	Netns netns.Policy
-	// HandlerTimeout bounds the work for one request (default 25s, below
-	// the plugin's default 30s so the plugin gets an answer, not a timeout).
+	// HandlerTimeout bounds the work for one request: give it
+	// ambient.HandlerTimeout of the plugin's timeout, so the plugin gets an
+	// answer, not a timeout (default: that of ambient.DefaultPluginTimeout).
 	HandlerTimeout time.Duration
 	// ReadHeaderTimeout, ReadTimeout and IdleTimeout bound slow clients
 	// (defaults 2s, 5s, 10s).
@@ -54,7 +55,7 @@ func (c ServerConfig) withDefaults() ServerConfig {
 		c.Socket = ambient.DefaultAgentSocket
 	}
 	if c.HandlerTimeout <= 0 {
-		c.HandlerTimeout = 25 * time.Second
+		c.HandlerTimeout = ambient.HandlerTimeout(ambient.DefaultPluginTimeout)
 	}
 	if c.ReadHeaderTimeout <= 0 {
 		c.ReadHeaderTimeout = 2 * time.Second

@@ -262,8 +262,7 @@ func New(o Options) (*App, error) {
 	// controller (decide, find, capture).
 	a.server = nodeagent.NewServer(nodeagent.ServerConfig{
 		Socket: c.AgentSocket, Netns: netnsPolicy,
-		// Answer the plugin before its own timeout fires.
-		HandlerTimeout: c.PluginTimeout - time.Second,
+		HandlerTimeout: ambient.HandlerTimeout(c.PluginTimeout),
 		Observe: func(verb, result string, took time.Duration) {
 			m.ObserveRequest(verb, result, nodeagent.ResultStatus(result), took)
 		},
