@@ -39,10 +39,6 @@ const DefaultAddr = ":15021"
 // otherwise (the port Istio's CNI node agent exports its metrics on).
 const DefaultMetricsAddr = ":15014"
 
-// DebugSocketName is the debug socket's file name in the agent socket's
-// directory.
-const DebugSocketName = "debug.sock"
-
 // Check reports nil when its part of the agent is ready.
 type Check func() error
 

@@ -226,13 +226,13 @@ func NewAgent(cfg Config) (*Agent, error) {
 		cfg.ZtunnelTimeout = DefaultZtunnelTimeout
 	}
 	if cfg.SnapshotFile == "" {
-		cfg.SnapshotFile = nodefiles.SnapshotPath(ambient.DefaultAgentSocket)
+		cfg.SnapshotFile = nodefiles.Default().Snapshot()
 	}
 	if cfg.SpoolDir == "" {
-		cfg.SpoolDir = nodefiles.SpoolDir(ambient.DefaultAgentSocket)
+		cfg.SpoolDir = nodefiles.Default().DelSpool()
 	}
 	if cfg.RecordDir == "" {
-		cfg.RecordDir = RecordDir(ambient.DefaultAgentSocket)
+		cfg.RecordDir = nodefiles.Default().Records()
 	}
 	if cfg.ExcludedNamespaces == nil {
 		cfg.ExcludedNamespaces = []string{ambient.DefaultExcludedNamespace}

@@ -254,7 +254,7 @@ func withNetns(d SandboxDel, path string) SandboxDel {
 func TestReplayedDelCleansUnrestoredPod(t *testing.T) {
 	h := newHarness(t)
 	ctx := context.Background()
-	spool := filepath.Join(h.dir, nodefiles.SpoolName)
+	spool := nodefiles.InDir(h.dir).DelSpool()
 	gone, held := testnet.NewNS(t), testnet.NewNS(t)
 	// A previous agent captured "gone"; no record (an older agent).
 	if err := h.rules.seed(gone.Path(), ruleset.PodConfig{}); err != nil {
@@ -386,7 +386,7 @@ func TestAnnotationWriter(t *testing.T) {
 // directory are removed and reported, never followed or trusted.
 func TestRecordFiles(t *testing.T) {
 	dir := t.TempDir()
-	s := newRecordStore(filepath.Join(dir, RecordDirName))
+	s := newRecordStore(nodefiles.InDir(dir).Records())
 	good := Record{UID: "0b2e6c1e-1d6b-4c1e-9a52-4b8a0c4b0f11", Namespace: "shop", Name: "web", SandboxID: "sb",
 		Netns: "/var/run/netns/cni-1", NetnsDev: 4, NetnsIno: 4026532000, IPs: []netip.Addr{netip.MustParseAddr("10.0.0.1")}}
 	if err := s.write(good); err != nil {

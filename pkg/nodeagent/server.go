@@ -409,7 +409,7 @@ func (s *Server) Check(ctx context.Context, p PodInfo, ns *netns.Handle) error {
 // re-checks the pods the plugin let through while it was: first thing,
 // then at every beat (a plugin that timed out on a live agent spools too).
 func (s *Server) keepAlive(ctx context.Context) {
-	hb := nodefiles.HeartbeatPath(s.cfg.Socket)
+	hb := nodefiles.ForSocket(s.cfg.Socket).Heartbeat()
 	t := time.NewTicker(nodefiles.HeartbeatInterval)
 	defer t.Stop()
 	for {
@@ -434,7 +434,7 @@ func (s *Server) keepAlive(ctx context.Context) {
 // may succeed later is kept for the next round. It returns how many pods
 // it captured.
 func (s *Server) RecheckPassedThrough(ctx context.Context) (int, error) {
-	dir := nodefiles.AddSpoolDir(s.cfg.Socket)
+	dir := nodefiles.ForSocket(s.cfg.Socket).AddSpool()
 	entries, err := nodefiles.ListAdds(dir)
 	if err != nil {
 		return 0, err

@@ -229,6 +229,7 @@ func New(o Options) (*App, error) {
 	// (the controller's enrollment and the explainer alike).
 	netnsPolicy := netns.Policy{Roots: c.NetnsDirs, ProcRoot: c.ProcRoot}
 	finder := netns.Scanner{ProcRoot: c.ProcRoot, Logger: a.log}
+	layout := nodefiles.ForSocket(c.AgentSocket)
 	agentCfg := nodeagent.Config{
 		Events:             a.events,
 		Rules:              rules.Rules,
@@ -237,11 +238,11 @@ func New(o Options) (*App, error) {
 		ZtunnelTimeout:     c.ZtunnelWait,
 		Annotator:          kubeadapter.Annotator{Client: o.Client},
 		Pods:               a.pods,
-		RecordDir:          nodeagent.RecordDir(c.AgentSocket),
+		RecordDir:          layout.Records(),
 		Netns:              netnsPolicy,
 		Enablement:         a.pods,
-		SnapshotFile:       nodefiles.SnapshotPath(c.AgentSocket),
-		SpoolDir:           nodefiles.SpoolDir(c.AgentSocket),
+		SnapshotFile:       layout.Snapshot(),
+		SpoolDir:           layout.DelSpool(),
 		ExcludedNamespaces: nonNil(c.ExcludedNamespaces),
 		DNSCapture:         c.DNSCapture,
 		ProbeSNATv4:        c.ProbeSNATv4,
@@ -332,10 +333,10 @@ func (a *App) Agent() *nodeagent.Agent { return a.agent }
 // (nothing yet), "present", "being deleted" or "deleted".
 func (a *App) DaemonSetSeen() string { return a.upgrade.Seen() }
 
-// DebugSocket is where the debug endpoints are served: debug.sock in the
-// agent socket's (root-only) directory.
+// DebugSocket is where the debug endpoints are served: in the agent
+// socket's (root-only) directory.
 func (a *App) DebugSocket() string {
-	return filepath.Join(filepath.Dir(a.cfg.AgentSocket), health.DebugSocketName)
+	return nodefiles.ForSocket(a.cfg.AgentSocket).DebugSocket()
 }
 
 // RulesBackend names the rules backend in use ("nftables", "iptables-nft"
@@ -359,7 +360,8 @@ func (a *App) Run(ctx context.Context) (err error) {
 	}()
 	// Private directories for the sockets and the node files, noted as
 	// found so an uninstall leaves them as they were.
-	if err := nodedirs.Ensure(filepath.Dir(c.AgentSocket), filepath.Dir(c.ZDSSocket)); err != nil {
+	layout := nodefiles.ForSocket(c.AgentSocket)
+	if err := nodedirs.Ensure(layout.NodeDirsLedger(), layout.Dir(), filepath.Dir(c.ZDSSocket)); err != nil {
 		return err
 	}
 	if err := a.agent.EnsureHostProbe(); err != nil {
@@ -551,7 +553,7 @@ func (a *App) shutdown(stopZtunnel func()) error {
 		if err := a.agent.RemoveNodeFiles(); err != nil {
 			errs = append(errs, err)
 		}
-		if err := nodedirs.Restore(filepath.Dir(a.cfg.AgentSocket)); err != nil {
+		if err := nodedirs.Restore(nodefiles.ForSocket(a.cfg.AgentSocket).NodeDirsLedger()); err != nil {
 			errs = append(errs, err)
 		}
 	}

@@ -9,11 +9,10 @@ import (
 	"net"
 	"net/http"
 	"net/url"
-	"path/filepath"
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/health"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 )
 
 // DebugUsage is the help of `install-cni debug`.
@@ -59,7 +58,7 @@ func DebugMain(args []string, getenv func(string) string, stdout, stderr io.Writ
 		fs.Usage()
 		return errors.New("install-cni debug: want pods, explain or explain NAMESPACE/NAME")
 	}
-	debugSock := filepath.Join(filepath.Dir(sock), health.DebugSocketName)
+	debugSock := nodefiles.ForSocket(sock).DebugSocket()
 	client := &http.Client{
 		Timeout: time.Minute,
 		Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
