@@ -67,7 +67,7 @@ func markedPod(name, uid string, ips ...string) *corev1.Pod {
 	return p
 }
 
-// TestRestoreUnresolvedKeepsPod is issue 12 item 1 at the agent: a
+// TestRestoreUnresolvedKeepsPod: at the agent, a
 // captured pod whose netns is not found at restart is in the ZDS snapshot
 // as Keep (no netns), its probe-set entry survives the startup sync, and
 // while any such pod's IPs are unknown nothing is pruned; once the pods are
