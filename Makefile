@@ -5,7 +5,7 @@ BIN           ?= bin
 TOOLS_CACHE   ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ambient-cni/tools
 STATICCHECK_VERSION ?= v0.8.2
 STATICCHECK   := $(TOOLS_CACHE)/staticcheck-$(STATICCHECK_VERSION)/staticcheck
-# hack/kube-tools.sh and test/kubeenv find etcd, kube-apiserver and helm here.
+# hack/kube-tools.sh and test/lib/kubeenv find etcd, kube-apiserver and helm here.
 export AMBIENT_TOOLS_CACHE ?= $(TOOLS_CACHE)
 # protoc-gen-go tracks the google.golang.org/protobuf version in go.mod.
 PROTOC_GEN_GO_VERSION ?= v1.36.12

@@ -5,7 +5,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/test/fuzzseed"
+	"github.com/ambient-cni/ambient-cni/test/lib/fuzzseed"
 )
 
 func TestReadResponse(t *testing.T) {

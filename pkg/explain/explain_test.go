@@ -21,7 +21,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 )
 
-// The end-to-end suite (test/e2e TestExplain) explains real pods; these
+// The end-to-end suite (test/integration TestExplain) explains real pods; these
 // cover the verdicts that are hard to stage there.
 
 type fakePods struct {

@@ -18,7 +18,7 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/metrics"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // peerHelperEnv makes the test binary a client of the debug socket named

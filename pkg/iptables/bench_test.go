@@ -6,7 +6,7 @@ import (
 	"github.com/containernetworking/plugins/pkg/ns"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // TestDetectBackend runs detection inside throwaway namespaces, so the

@@ -10,7 +10,7 @@ import (
 	"testing"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 func TestHostProbeGolden(t *testing.T) {

@@ -7,7 +7,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/test/fuzzseed"
+	"github.com/ambient-cni/ambient-cni/test/lib/fuzzseed"
 	"k8s.io/apimachinery/pkg/types"
 )
 

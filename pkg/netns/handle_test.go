@@ -15,8 +15,8 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/ambient-cni/ambient-cni/test/podproc"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/podproc"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 func inode(t *testing.T, f *os.File) uint64 {

@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // TestProcPathsUseHostProcRoot: the plugin runs in the host PID namespace,

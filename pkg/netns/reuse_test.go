@@ -14,8 +14,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/test/podproc"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/podproc"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 	"k8s.io/apimachinery/pkg/types"
 )
 

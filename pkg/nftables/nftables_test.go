@@ -16,8 +16,8 @@ import (
 	"github.com/google/nftables/expr"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
-	dt "github.com/ambient-cni/ambient-cni/test/dataplanetest"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	dt "github.com/ambient-cni/ambient-cni/test/lib/dataplanetest"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 var update = flag.Bool("update", false, "rewrite golden files")

@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/test/fuzzseed"
+	"github.com/ambient-cni/ambient-cni/test/lib/fuzzseed"
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/google/go-cmp/cmp/cmpopts"

@@ -7,7 +7,7 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/test/poll"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 
 	"github.com/google/go-cmp/cmp"
 
@@ -18,7 +18,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
-	"github.com/ambient-cni/ambient-cni/test/fakecluster"
+	"github.com/ambient-cni/ambient-cni/test/lib/fakecluster"
 )
 
 func pod(ns, name, uid string, labels map[string]string) *corev1.Pod {

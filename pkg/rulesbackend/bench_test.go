@@ -8,7 +8,7 @@ import (
 	"github.com/containernetworking/plugins/pkg/ns"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // BenchmarkBackends measures, for every backend as New builds it, one

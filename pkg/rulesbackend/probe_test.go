@@ -4,7 +4,7 @@ import (
 	"os"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // ProbeNFTables from any goroutine leaves every thread of the process in

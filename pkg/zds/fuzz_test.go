@@ -6,9 +6,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/test/poll"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 
-	"github.com/ambient-cni/ambient-cni/test/fuzzseed"
+	"github.com/ambient-cni/ambient-cni/test/lib/fuzzseed"
 
 	"google.golang.org/protobuf/proto"
 

@@ -41,6 +41,15 @@ func Backends() []Backend {
 	}
 }
 
+// settings are the install-cni settings that select b (none for the
+// chart's default): the benchmark's one parameter.
+func (b Backend) settings() map[string]string {
+	if b.Selector == "" {
+		return nil
+	}
+	return map[string]string{b.Selector: b.Value}
+}
+
 // ShippedBackend names the run with the chart's default rules backend.
 const ShippedBackend = "shipped"
 

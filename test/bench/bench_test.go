@@ -15,8 +15,9 @@ import (
 	"testing"
 
 	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 func repoRoot(t testing.TB) string {
@@ -39,11 +40,11 @@ func parse(t testing.TB, env map[string]string) *installcni.Config {
 
 // TestBenchRunsShipped is issue 10's pin: the chart's default values,
 // install-cni's own defaults and what `make bench` runs agree, so a tuned
-// benchmark cannot hide a production bottleneck (test/e2e pins the e2e
+// benchmark cannot hide a production bottleneck (test/integration pins the e2e
 // harness the same way, TestHarnessRunsShippedDefaults).
 func TestBenchRunsShipped(t *testing.T) {
 	kubeenv.RequireTool(t, kubeenv.Helm)
-	shipped, err := RenderChart(context.Background(), repoRoot(t))
+	shipped, err := simnode.RenderChart(context.Background(), repoRoot(t))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -55,7 +56,7 @@ func TestBenchRunsShipped(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defaults.PodName, defaults.PodNamespace = "pod", ReleaseNamespace
+	defaults.PodName, defaults.PodNamespace = "pod", simnode.ReleaseNamespace
 	defaults.ProcRoot = chart.ProcRoot // the host's /proc, mounted at /host/proc
 	if !reflect.DeepEqual(chart, defaults) {
 		t.Errorf("the chart's defaults differ from install-cni's:\n chart %+v\n  flag %+v", chart, defaults)
@@ -71,7 +72,7 @@ func TestBenchRunsShipped(t *testing.T) {
 	wantLocal := []string{"AMBIENT_AGENT_SOCKET", "AMBIENT_CNI_BIN_DIR", "AMBIENT_CNI_CONF_DIR", "AMBIENT_KUBECONFIG",
 		"AMBIENT_NODE_NAME", "AMBIENT_PLUGIN_BINARY", "AMBIENT_POD_NAME", "AMBIENT_PROC_ROOT", "AMBIENT_ZDS_SOCKET"}
 	var local []string
-	for k := range NodeLocal {
+	for k := range simnode.NodeLocal {
 		local = append(local, k)
 	}
 	slices.Sort(local)
@@ -79,10 +80,10 @@ func TestBenchRunsShipped(t *testing.T) {
 		t.Errorf("NodeLocal is %v, want %v: a setting the benchmark changes must say where things are, never tune", local, wantLocal)
 	}
 	for _, b := range Backends() {
-		env, err := AgentEnv(shipped, Node{
+		env, err := simnode.AgentEnv(shipped, simnode.Paths{
 			Name: "bench-node", PodName: "bench-pod", CNIBinDir: "/b/bin", CNIConfDir: "/b/net.d", PluginBinary: "/b/ambient-cni",
 			AgentSocket: "/b/run/agent.sock", ZDSSocket: "/b/run/zt.sock", Kubeconfig: "/b/kubeconfig",
-		}, b)
+		}, b.settings())
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -90,7 +91,7 @@ func TestBenchRunsShipped(t *testing.T) {
 			if shipped.Env[k] == v {
 				continue
 			}
-			if _, ok := NodeLocal[k]; ok || (b.Selector != "" && k == installcni.EnvName(b.Selector)) {
+			if _, ok := simnode.NodeLocal[k]; ok || (b.Selector != "" && k == installcni.EnvName(b.Selector)) {
 				continue
 			}
 			t.Errorf("%s: the benchmark sets %s=%q, the chart %q", b.Name, k, v, shipped.Env[k])
@@ -113,7 +114,7 @@ func TestBenchRunsShipped(t *testing.T) {
 			t.Errorf("%s: the benchmark's agent runs at %v/%d requests/s, shipped %v/%d", b.Name, got.KubeClientQPS, got.KubeClientBurst, defaults.KubeClientQPS, defaults.KubeClientBurst)
 		}
 		// Nothing of the caller's environment reaches the agent but PATH.
-		for _, kv := range Environ(env) {
+		for _, kv := range simnode.Environ(env) {
 			k, _, _ := strings.Cut(kv, "=")
 			if _, ok := env[k]; !ok && k != "PATH" {
 				t.Errorf("%s: the agent's environment carries %s", b.Name, kv)

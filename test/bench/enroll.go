@@ -5,8 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 	"sync"
 	"time"
 
@@ -17,50 +15,9 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/test/kubesim"
-	"github.com/ambient-cni/ambient-cni/test/ztunnel"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
-
-// owner gives kubesim what a test would: temp dirs and cleanups (run by
-// close, in reverse), and turns its Fatalf into an error.
-type owner struct {
-	dir      string
-	n        int
-	cleanups []func()
-}
-
-type fatal struct{ msg string }
-
-func (o *owner) Helper()          {}
-func (o *owner) Cleanup(f func()) { o.cleanups = append(o.cleanups, f) }
-func (o *owner) TempDir() string {
-	o.n++
-	d := filepath.Join(o.dir, fmt.Sprintf("tmp-%d", o.n))
-	_ = os.MkdirAll(d, 0o700)
-	return d
-}
-func (o *owner) Fatalf(format string, args ...any) { panic(fatal{fmt.Sprintf(format, args...)}) }
-
-func (o *owner) close() {
-	for i := len(o.cleanups) - 1; i >= 0; i-- {
-		o.cleanups[i]()
-	}
-	o.cleanups = nil
-}
-
-// catch turns an owner.Fatalf panic inside f into an error.
-func catch(f func() error) (err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			ft, ok := r.(fatal)
-			if !ok {
-				panic(r)
-			}
-			err = errors.New(ft.msg)
-		}
-	}()
-	return f()
-}
 
 // startPods runs n pods in namespace on the simulated kubelet: netns, CNI
 // ADD through the node's conflist, a process in a kubelet-shaped cgroup,
@@ -74,7 +31,7 @@ func startPods(ctx context.Context, node *kubesim.Node, namespace string, n int)
 		wg.Go(func() {
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			err := catch(func() error {
+			err := kubesim.Catch(func() error {
 				p, err := node.Run(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: namespace, Name: fmt.Sprintf("run-%03d", i)}})
 				pods[i] = p
 				return err

@@ -4,98 +4,11 @@ import (
 	"bytes"
 	"fmt"
 	"os"
-	"os/exec"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 )
-
-// Process is a child (the agent) whose output goes to a log file. It gets
-// SIGKILL if the benchmark (or test) dies. Pdeathsig fires when the
-// thread that forked the child exits, so the fork happens on a goroutine
-// locked to a thread that lives as long as the child. test/chaos runs the
-// shipped agent with it too.
-type Process struct {
-	cmd  *exec.Cmd
-	done chan struct{}
-	err  error
-}
-
-// StartProcess starts path with args and exactly env, appending its output
-// to logPath.
-func StartProcess(path string, args, env []string, logPath string) (*Process, error) {
-	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
-	if err != nil {
-		return nil, err
-	}
-	cmd := exec.Command(path, args...)
-	cmd.Env = env
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	p := &Process{cmd: cmd, done: make(chan struct{})}
-	started := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
-		defer close(p.done)
-		defer logf.Close()
-		if err := cmd.Start(); err != nil {
-			p.err = err
-			started <- err
-			return
-		}
-		started <- nil
-		p.err = cmd.Wait()
-	}()
-	if err := <-started; err != nil {
-		return nil, fmt.Errorf("start %s: %w", path, err)
-	}
-	return p, nil
-}
-
-// Pid is the child's process id.
-func (p *Process) Pid() int { return p.cmd.Process.Pid }
-
-// Exited reports whether the child has exited (and was reaped).
-func (p *Process) Exited() bool {
-	select {
-	case <-p.done:
-		return true
-	default:
-		return false
-	}
-}
-
-// Err is how the child exited; valid once Exited.
-func (p *Process) Err() error {
-	<-p.done
-	return p.err
-}
-
-// Kill sends SIGKILL and waits until the child is reaped.
-func (p *Process) Kill() {
-	_ = p.cmd.Process.Kill()
-	<-p.done
-}
-
-// Stop sends SIGTERM, waits up to grace, then kills. It returns the exit
-// error of a process that did not stop cleanly.
-func (p *Process) Stop(grace time.Duration) error {
-	if !p.Exited() {
-		_ = p.cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-p.done:
-		case <-time.After(grace):
-			_ = p.cmd.Process.Kill()
-			<-p.done
-			return fmt.Errorf("did not stop within %v of SIGTERM; killed", grace)
-		}
-	}
-	return p.err
-}
 
 // clockTicks is USER_HZ, the unit of /proc/<pid>/stat times: 100 on every
 // Linux architecture Go supports (the kernel exports it as AT_CLKTCK).

@@ -8,9 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"net/http"
-	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -21,21 +19,20 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
-	"github.com/containernetworking/cni/pkg/invoke"
-	"github.com/containernetworking/cni/pkg/version"
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
-	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/test/cnibin"
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
-	"github.com/ambient-cni/ambient-cni/test/kubesim"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
-	"github.com/ambient-cni/ambient-cni/test/ztunnel"
+	"github.com/ambient-cni/ambient-cni/test/lib/childproc"
+	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
 // Options configure Run.
@@ -70,14 +67,12 @@ func (o Options) sizes() sizes {
 }
 
 const (
-	// agentServiceAccount is where the shipped RBAC is bound, as the chart does.
-	agentNamespace = ReleaseNamespace
-	// primaryConf is the node's primary CNI config the installer chains into.
-	primaryConf = "10-bridge.conflist"
+	// agentNamespace is where the shipped RBAC is bound, as the chart does.
+	agentNamespace = simnode.ReleaseNamespace
 )
 
 // Run runs the benchmark. It must run as root, in a network namespace of
-// its own (see PrivateNetns): it creates a bridge, network namespaces and
+// its own (see testnet.ProgramInOwnNetns): it creates a bridge, network namespaces and
 // netfilter rules there, and the API server listens on its loopback.
 func Run(ctx context.Context, o Options) (res *Result, err error) {
 	if os.Geteuid() != 0 {
@@ -106,14 +101,14 @@ func Run(ctx context.Context, o Options) (res *Result, err error) {
 	res = &Result{
 		Started: time.Now(), Quick: o.Quick, Profiled: o.Profile, Commit: commit(o.RepoRoot),
 		Machine:   Machine{CPUs: runtime.NumCPU(), Kernel: kernel(), Go: runtime.Version(), LoadStart: LoadAvg()},
-		NodeLocal: NodeLocal,
+		NodeLocal: simnode.NodeLocal,
 	}
 	defer func() {
 		res.Machine.LoadEnd = LoadAvg()
 		res.Seconds = time.Since(res.Started).Seconds()
 	}()
 
-	shipped, err := RenderChart(ctx, o.RepoRoot)
+	shipped, err := simnode.RenderChart(ctx, o.RepoRoot)
 	if err != nil {
 		return nil, err
 	}
@@ -147,18 +142,6 @@ func Run(ctx context.Context, o Options) (res *Result, err error) {
 		return nil, fmt.Errorf("start API server (build it with %s): %w", kubeenv.BuildCommand, err)
 	}
 	defer env.Stop()
-	roles, err := kubeenv.ExtractRoles(shipped.Manifest)
-	if err != nil {
-		return nil, err
-	}
-	saConfig, err := env.ServiceAccountConfig(ctx, agentNamespace, shipped.ServiceAccount, roles)
-	if err != nil {
-		return nil, err
-	}
-	kubeconfig := filepath.Join(work, "agent.kubeconfig")
-	if err := kubeenv.WriteKubeconfig(saConfig, kubeconfig); err != nil {
-		return nil, err
-	}
 
 	for _, b := range Backends() {
 		br := BackendResult{Name: b.Name, Selector: b.Selector, Unavailable: b.Unavailable}
@@ -166,7 +149,7 @@ func Run(ctx context.Context, o Options) (res *Result, err error) {
 			logf("== backend %s", b.Name)
 			bw := &backendRun{
 				o: o, sz: sz, logf: logf, shipped: shipped, backend: b, env: env, client: env.Client,
-				dir: filepath.Join(work, b.Name), refPlugins: cniPaths[0], kubeconfig: kubeconfig,
+				dir: filepath.Join(work, b.Name), refPlugins: cniPaths[0],
 				audit: auditPath, res: &br,
 			}
 			if err := bw.run(ctx); err != nil {
@@ -194,20 +177,19 @@ type backendRun struct {
 	o          Options
 	sz         sizes
 	logf       func(string, ...any)
-	shipped    *Shipped
+	shipped    *simnode.Shipped
 	backend    Backend
 	env        *kubeenv.Env
 	client     kubernetes.Interface
 	dir        string
 	refPlugins string
-	kubeconfig string
 	audit      string
 	res        *BackendResult
 
 	agentEnv map[string]string
-	agent    *Process
+	node     *simnode.Node
+	agent    *childproc.Proc
 	zt       *ztunnel.StandIn
-	health   string
 	// metricsURL is where the agent serves /metrics (its own address).
 	metricsURL string
 	log        string
@@ -221,85 +203,42 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 			err = errors.Join(err, cleanups[i]())
 		}
 	}()
-	binDir, confDir := filepath.Join(r.dir, "bin"), filepath.Join(r.dir, "net.d")
-	for _, d := range []string{binDir, confDir} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			return err
-		}
-	}
-	// The agent's host directories (the chart's /var/run/ambient-cni and
-	// /var/run/ztunnel) are on a tmpfs, as /var/run is on a node: its
-	// capture records are files there.
-	runDir := filepath.Join(r.dir, "run")
-	if err := mountTmpfs(runDir); err != nil {
-		return err
-	}
-	cleanups = append(cleanups, func() error { return unix.Unmount(runDir, unix.MNT_DETACH) })
-	// The node's CNI bin dir holds the reference plugins, as on a node;
-	// the installer adds ours.
-	for _, p := range cnibin.ReferencePlugins {
-		if err := copyExec(filepath.Join(r.refPlugins, p), filepath.Join(binDir, p)); err != nil {
-			return err
-		}
-	}
 	node := "bench-" + r.backend.Name
 	r.res.Node = node
-	bridge := testnet.RandName("abr", 8)
-	primary := cnibin.Conflist(cnibin.Network{
-		Bridge: bridge, Subnet: mustPrefix("10.64.0.0/16"), DataDir: filepath.Join(r.dir, "ipam"),
+	if err := os.MkdirAll(r.dir, 0o755); err != nil {
+		return err
+	}
+	r.logf("starting %s with the chart's environment (log %s)", r.o.InstallCNI, filepath.Join(r.dir, "install-cni.log"))
+	sim, err := simnode.Prepare(ctx, simnode.Options{
+		Env: r.env, Chart: r.shipped, InstallCNI: r.o.InstallCNI, Plugin: r.o.Plugin,
+		ReferencePlugins: r.refPlugins, Dir: r.dir, Name: node, Settings: r.backend.settings(),
+		RunOnTmpfs: true,
 	})
-	if err := os.WriteFile(filepath.Join(confDir, primaryConf), primary, 0o644); err != nil {
-		return err
-	}
-	primaryList, err := libcni.ConfListFromBytes(primary)
 	if err != nil {
 		return err
 	}
-
-	r.agentEnv, err = AgentEnv(r.shipped, Node{
-		Name: node, PodName: "ambient-cni-" + r.backend.Name,
-		CNIBinDir: binDir, CNIConfDir: confDir, PluginBinary: r.o.Plugin,
-		AgentSocket: filepath.Join(runDir, "ambient-cni", "agent.sock"),
-		ZDSSocket:   filepath.Join(runDir, "ztunnel", "ztunnel.sock"),
-		Kubeconfig:  r.kubeconfig,
-	}, r.backend)
+	r.node = sim
+	cleanups = append(cleanups, sim.Close)
+	binDir := sim.BinDir
+	r.agentEnv, r.log = sim.AgentEnv, sim.LogPath
+	cfg := sim.Config
+	primaryList, err := libcni.ConfListFromBytes(sim.Primary)
 	if err != nil {
 		return err
-	}
-	cfg, err := installcni.Parse(nil, func(k string) string { return r.agentEnv[k] }, io.Discard)
-	if err != nil {
-		return fmt.Errorf("install-cni refuses the benchmark's environment: %w", err)
 	}
 	r.res.KubeClientQPS, r.res.KubeClientBurst = float64(cfg.KubeClientQPS), cfg.KubeClientBurst
-	r.health = HealthURL(cfg.HealthAddr)
-	r.metricsURL = HealthURL(cfg.MetricsAddr)
+	r.metricsURL = sim.MetricsURL
 	r.auditLog = newAuditLog(r.audit, node)
 
-	r.log = filepath.Join(r.dir, "install-cni.log")
-	r.logf("starting %s with the chart's environment (log %s)", r.o.InstallCNI, r.log)
-	r.agent, err = StartProcess(r.o.InstallCNI, r.shipped.Args, Environ(r.agentEnv), r.log)
-	if err != nil {
+	if r.agent, err = sim.StartAgent(); err != nil {
 		return err
 	}
 	r.res.AgentPID = r.agent.Pid()
-	cleanups = append(cleanups, func() error { return r.stopAgent() })
-
-	zctx, zcancel := context.WithCancel(ctx)
-	zt := ztunnel.New(ztunnel.Config{SocketPath: cfg.ZDSSocket, Logger: slog.New(slog.DiscardHandler)})
-	r.zt = zt
-	zdone := make(chan error, 1)
-	go func() { zdone <- zt.Run(zctx) }()
-	stopZT := func() error { zcancel(); return <-zdone }
-	cleanups = append(cleanups, func() error {
-		if zcancel != nil {
-			return stopZT()
-		}
-		return nil
-	})
-
-	if err := r.waitReady(ctx); err != nil {
+	if err := sim.WaitReady(ctx, 2*time.Minute); err != nil {
 		return err
 	}
+	zt := sim.StartStandIn(ztunnel.Faults{})
+	r.zt = zt
 	wctx, cancel := context.WithTimeout(ctx, time.Minute)
 	err = zt.Wait(wctx, zt.Ready)
 	cancel()
@@ -307,7 +246,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 		return fmt.Errorf("the ztunnel stand-in got no snapshot: %w", err)
 	}
 	r.res.Detected = detectedBackend(r.log)
-	chainedBytes, err := os.ReadFile(filepath.Join(confDir, primaryConf))
+	chainedBytes, err := os.ReadFile(filepath.Join(sim.ConfDir, simnode.PrimaryConf))
 	if err != nil {
 		return err
 	}
@@ -316,8 +255,9 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 		return err
 	}
 	if len(chained.Plugins) != 2 || chained.Plugins[1].Network.Type != cfg.PluginType {
-		return fmt.Errorf("the installer did not chain %s last into %s:\n%s", cfg.PluginType, primaryConf, chainedBytes)
+		return fmt.Errorf("the installer did not chain %s last into %s:\n%s", cfg.PluginType, simnode.PrimaryConf, chainedBytes)
 	}
+	sim.Chained = chainedBytes
 
 	// Idle: ready, ztunnel connected, nothing enrolled; give the start-up
 	// garbage a moment to be collected.
@@ -335,8 +275,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 		return err
 	}
 	defer pluginLog.Close()
-	cni := libcni.NewCNIConfigWithCacheDir([]string{binDir}, filepath.Join(r.dir, "cni-cache"),
-		&invoke.DefaultExec{RawExec: &invoke.RawExec{Stderr: pluginLog}, PluginDecoder: version.PluginDecoder{}})
+	cni := sim.CNI(pluginLog)
 
 	namespaces := map[string]string{}
 	for _, kind := range []string{"ambient", "non-ambient"} {
@@ -363,15 +302,15 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 	// Enrollment: running pods on the simulated kubelet, through the
 	// chained conflist (not enrolled at ADD: their namespace is not
 	// labelled yet), then the label.
-	own := &owner{dir: filepath.Join(r.dir, "kubesim")}
+	own := &kubesim.Owner{Dir: filepath.Join(r.dir, "kubesim")}
 	cleanups = append(cleanups, func() error {
 		// The agent and stand-in stop first (cleanups run in reverse),
 		// so the pods are torn down by the primary chain alone, as after
 		// an uninstall: no agent work for thousands of DELs.
-		return catch(func() error { own.close(); return nil })
+		return kubesim.Catch(func() error { own.Close(); return nil })
 	})
 	var kube *kubesim.Node
-	if err := catch(func() error {
+	if err := kubesim.Catch(func() error {
 		kube = kubesim.NewNode(own, r.client, node, []string{binDir}, chainedBytes)
 		return nil
 	}); err != nil {
@@ -380,9 +319,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 	var running []*kubesim.Pod
 	cleanups = append(cleanups, func() error {
 		kube.Conf = primaryList
-		zerr := stopZT()
-		zcancel = nil
-		err := errors.Join(zerr, r.stopAgent())
+		err := errors.Join(sim.StopStandIn(), r.stopAgent())
 		return errors.Join(err, teardown(kube, running))
 	})
 	order := []int{len(r.sz.enroll) - 1}
@@ -483,7 +420,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 	}
 	r.res.Enroll = enrolls
 	if r.agent.Exited() {
-		return fmt.Errorf("install-cni exited during the run: %v; log %s", r.agent.err, r.log)
+		return fmt.Errorf("install-cni exited during the run: %v; log %s", r.agent.Err(), r.log)
 	}
 	return nil
 }
@@ -609,42 +546,10 @@ func (r *backendRun) settle(ctx context.Context) error {
 	}
 }
 
-// waitReady waits for the agent's /readyz.
-func (r *backendRun) waitReady(ctx context.Context) error {
-	deadline := time.Now().Add(2 * time.Minute)
-	client := &http.Client{Timeout: 2 * time.Second}
-	for {
-		resp, err := client.Get(r.health + "/readyz")
-		if err == nil {
-			_ = resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return nil
-			}
-		}
-		if r.agent.Exited() {
-			return fmt.Errorf("install-cni exited during start (%v); log tail:\n%s", r.agent.err, tail(r.log, 20))
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("install-cni not ready after 2 minutes; log tail:\n%s", tail(r.log, 20))
-		}
-		if err := sleep(ctx, 100*time.Millisecond); err != nil {
-			return err
-		}
-	}
-}
-
 // stopAgent stops install-cni as the kubelet would (SIGTERM) and checks
 // that it uninstalled itself; it is a no-op once stopped.
 func (r *backendRun) stopAgent() error {
-	if r.agent == nil {
-		return nil
-	}
-	p := r.agent
-	r.agent = nil
-	if err := p.Stop(30 * time.Second); err != nil {
-		return fmt.Errorf("install-cni shutdown: %w; log tail:\n%s", err, tail(r.log, 20))
-	}
-	return nil
+	return r.node.StopAgent()
 }
 
 // profile attaches perf to the agent (its children inherit it: iptables
@@ -788,7 +693,7 @@ func (r *backendRun) memory() (Memory, error) {
 }
 
 // Scrape reads unlabelled samples of the agent's /metrics at base (a URL
-// as HealthURL returns).
+// as simnode.HealthURL returns).
 func Scrape(base string, names ...string) (map[string]float64, error) {
 	resp, err := (&http.Client{Timeout: 5 * time.Second}).Get(base + "/metrics")
 	if err != nil {
@@ -872,31 +777,6 @@ func detectedBackend(logPath string) string {
 	return ""
 }
 
-// HealthURL turns one of the agent's listen addresses (":15021",
-// ":15014") into a URL on loopback.
-func HealthURL(addr string) string {
-	host, port, ok := strings.Cut(addr, ":")
-	if !ok {
-		return "http://" + addr
-	}
-	if host == "" || host == "0.0.0.0" || host == "[::]" {
-		host = "127.0.0.1"
-	}
-	return "http://" + host + ":" + port
-}
-
-func tail(path string, n int) string {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return err.Error()
-	}
-	lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
-}
-
 func sleep(ctx context.Context, d time.Duration) error {
 	select {
 	case <-ctx.Done():
@@ -912,16 +792,6 @@ func msList(ds []time.Duration) []float64 {
 		out[i] = ms(d)
 	}
 	return out
-}
-
-func mustPrefix(s string) netip.Prefix { return netip.MustParsePrefix(s) }
-
-func copyExec(src, dst string) error {
-	b, err := os.ReadFile(src)
-	if err != nil {
-		return err
-	}
-	return os.WriteFile(dst, b, 0o755)
 }
 
 // commit names the checked-out commit, "+dirty" with local changes.
@@ -943,15 +813,4 @@ func kernel() string {
 		return ""
 	}
 	return unix.ByteSliceToString(u.Release[:])
-}
-
-// mountTmpfs mounts a small private tmpfs at dir (created if needed).
-func mountTmpfs(dir string) error {
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	if err := unix.Mount("tmpfs", dir, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "size=64m,mode=0755"); err != nil {
-		return fmt.Errorf("mount a tmpfs at %s: %w", dir, err)
-	}
-	return nil
 }

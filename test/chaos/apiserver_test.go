@@ -16,8 +16,8 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
-	"github.com/ambient-cni/ambient-cni/test/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
 )
 
 // apiPending are the API-outage checks waiting for fixes being made on
@@ -92,7 +92,7 @@ func TestAPIServerOutage(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	agent := n.agentProc()
+	agent := n.sim.Agent()
 
 	// The agent loses the API server; pods created now are unknown to it.
 	proxy.Cut()
@@ -145,7 +145,7 @@ func TestAPIServerOutage(t *testing.T) {
 		})
 	}
 	time.Sleep(time.Until(began.Add(outage))) // the outage lasts what it lasts
-	if agent.Exited() || n.agentProc() != agent {
+	if agent.Exited() || n.sim.Agent() != agent {
 		t.Fatalf("the agent exited during the outage: %v; log tail:\n%s", agent.Err(), n.logTail(30, false))
 	}
 	if err := env.StartAPIServer(ctx, 2*time.Minute); err != nil {
@@ -223,7 +223,7 @@ func TestAPIServerOutage(t *testing.T) {
 	}
 	t.Logf("agent before the outage: %s; after: %s", base, after)
 	switch {
-	case n.agentProc() != agent || agent.Exited():
+	case n.sim.Agent() != agent || agent.Exited():
 		r.add(checkOutageLeak, "the agent was replaced or exited: %v", n.crashes())
 	case after.fds-after.netns > base.fds-base.netns+outageFDSlack:
 		r.add(checkOutageLeak, "descriptors other than pods' netns: %d before, %d after", base.fds-base.netns, after.fds-after.netns)
@@ -248,7 +248,7 @@ func TestAPIServerOutage(t *testing.T) {
 		began := time.Now()
 		n.killAgent()
 		n.startAgent()
-		restarted := n.agentProc()
+		restarted := n.sim.Agent()
 		var lateOut outcome
 		var lwg sync.WaitGroup
 		lwg.Go(func() {
@@ -290,7 +290,7 @@ func TestAPIServerOutage(t *testing.T) {
 		for c, v := range r {
 			settled[c] = append(settled[c], v...)
 		}
-		if c := n.crashes(); len(c) > 0 || n.agentProc() != restarted {
+		if c := n.crashes(); len(c) > 0 || n.sim.Agent() != restarted {
 			settled.add(checkOutageLeak, "the restarted agent exited: %s", strings.Join(c, "\n"))
 		}
 		judge(t, settled, apiPending)

@@ -15,11 +15,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/test/bench"
-	"github.com/ambient-cni/ambient-cni/test/cnibin"
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
-	"github.com/ambient-cni/ambient-cni/test/podproc"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/podproc"
+	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // longEnv turns the suite on; make test-long sets it.
@@ -36,7 +36,7 @@ func TestMain(m *testing.M) {
 			// network namespace of its own.
 			os.Exit(runGroups())
 		}
-		code, reexec, err := bench.PrivateNetns()
+		code, reexec, err := testnet.ProgramInOwnNetns()
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "chaos: run in a network namespace of its own:", err)
 			os.Exit(1)
@@ -75,8 +75,7 @@ func requireLong(t *testing.T) {
 // chart's rendered defaults.
 type shipped struct {
 	installCNI, plugin string
-	chart              *bench.Shipped
-	roles              []byte
+	chart              *simnode.Shipped
 }
 
 var (
@@ -106,19 +105,14 @@ func shippedBuild(t *testing.T) *shipped {
 			shippedErr = fmt.Errorf("make build: %v\n%s", err, out)
 			return
 		}
-		chart, err := bench.RenderChart(context.Background(), root)
-		if err != nil {
-			shippedErr = err
-			return
-		}
-		roles, err := kubeenv.ExtractRoles(chart.Manifest)
+		chart, err := simnode.RenderChart(context.Background(), root)
 		if err != nil {
 			shippedErr = err
 			return
 		}
 		shippedVal = &shipped{
 			installCNI: filepath.Join(bin, "install-cni"), plugin: filepath.Join(bin, "ambient-cni"),
-			chart: chart, roles: roles,
+			chart: chart,
 		}
 	})
 	if shippedErr != nil {
@@ -203,7 +197,7 @@ func runGroups() int {
 		if len(g.seeds) > 0 {
 			env = append(env, seedsEnv+"="+joinSeeds(g.seeds))
 		}
-		cmd, err := bench.StartInPrivateNetns(args, env, out, out)
+		cmd, err := testnet.StartInOwnNetns(args, env, out, out)
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "chaos:", err)
 			return 2

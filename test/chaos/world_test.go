@@ -27,7 +27,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/netfilter"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
-	"github.com/ambient-cni/ambient-cni/test/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
 )
 
 // The checks every scenario ends with. Each is a sub-test of its own, so a

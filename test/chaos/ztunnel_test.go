@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/test/ztunnel"
+	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
 // ztunnelPending are the ztunnel-restart checks waiting for fixes being

@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/test/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 )
 
 // BenchmarkPluginAddPassThrough measures the wall time of one exec of the

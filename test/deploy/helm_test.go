@@ -8,7 +8,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 )
 
 // What `make manifests` renders: the chart with default values as release

@@ -14,8 +14,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/ambient-cni/ambient-cni/test/childproc"
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/childproc"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 )
 
 // containerdConfig is containerd 1.6's config for the node. Everything it

@@ -23,8 +23,8 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 	"github.com/ambient-cni/ambient-cni/test/realnode/podapp"
-	"github.com/ambient-cni/ambient-cni/test/ztunnel"
 )
 
 // DemoNamespace is where the story's app pods run.

@@ -11,7 +11,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 )
 
 // BuildCommand builds everything a real node needs.

@@ -12,16 +12,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"net"
 	"net/http"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
-	"syscall"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -30,13 +27,12 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/test/captureproxy"
-	"github.com/ambient-cni/ambient-cni/test/cnibin"
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
-	"github.com/ambient-cni/ambient-cni/test/kubesim"
-	"github.com/ambient-cni/ambient-cni/test/testnet"
-	"github.com/ambient-cni/ambient-cni/test/ztunnel"
-	"github.com/vishvananda/netlink"
+	"github.com/ambient-cni/ambient-cni/test/lib/captureproxy"
+	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
+	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
 // Options configure Run.
@@ -52,34 +48,6 @@ type Options struct {
 	Out io.Writer
 }
 
-// owner runs cleanups in reverse order and gives kubesim temp dirs.
-type owner struct {
-	dir      string
-	n        int
-	cleanups []func()
-}
-
-func (o *owner) Helper()          {}
-func (o *owner) Cleanup(f func()) { o.cleanups = append(o.cleanups, f) }
-func (o *owner) TempDir() string {
-	o.n++
-	d := filepath.Join(o.dir, fmt.Sprintf("tmp-%d", o.n))
-	_ = os.MkdirAll(d, 0o700)
-	return d
-}
-
-// fatal carries a kubesim failure out of the call that raised it.
-type fatal struct{ msg string }
-
-func (o *owner) Fatalf(format string, args ...any) { panic(fatal{fmt.Sprintf(format, args...)}) }
-
-func (o *owner) close() {
-	for i := len(o.cleanups) - 1; i >= 0; i-- {
-		o.cleanups[i]()
-	}
-	o.cleanups = nil
-}
-
 // Run runs the sandbox demo. It needs root.
 func Run(ctx context.Context, opts Options) (err error) {
 	if os.Geteuid() != 0 {
@@ -87,19 +55,16 @@ func Run(ctx context.Context, opts Options) (err error) {
 	}
 	out := opts.Out
 	say := func(format string, args ...any) { fmt.Fprintf(out, format+"\n", args...) }
-	o := &owner{dir: opts.Dir}
+	o := &kubesim.Owner{Dir: opts.Dir}
 	defer func() {
-		if r := recover(); r != nil {
-			f, ok := r.(fatal)
-			if !ok {
-				panic(r)
-			}
-			err = errors.New(f.msg)
-		}
 		say("cleaning up")
-		o.close()
+		o.Close()
 	}()
+	return kubesim.Catch(func() error { return run(ctx, opts, o, say) })
+}
 
+// run is the demo; o owns what it starts.
+func run(ctx context.Context, opts Options, o *kubesim.Owner, say func(string, ...any)) error {
 	say("== starting etcd and kube-apiserver")
 	env, err := kubeenv.Launch(ctx, kubeenv.Options{Dir: filepath.Join(opts.Dir, "kube")})
 	if err != nil {
@@ -117,34 +82,16 @@ func Run(ctx context.Context, opts Options) (err error) {
 	if err != nil {
 		return err
 	}
-	binDir, confDir := filepath.Join(opts.Dir, "cni", "bin"), filepath.Join(opts.Dir, "cni", "net.d")
-	for _, d := range []string{binDir, confDir} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			return err
-		}
+	root, err := kubeenv.RepoRoot()
+	if err != nil {
+		return err
 	}
-	for _, p := range cnibin.ReferencePlugins {
-		if err := copyFile(filepath.Join(cniPaths[0], p), filepath.Join(binDir, p)); err != nil {
-			return err
-		}
+	chart, err := simnode.CommittedChart(root)
+	if err != nil {
+		return err
 	}
 	var r [2]byte
 	_, _ = rand.Read(r[:])
-	bridge := testnet.RandName("sbx", 8)
-	subnet := netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 100 + r[0]%100, r[1], 0}), 24)
-	primary := cnibin.Conflist(cnibin.Network{Bridge: bridge, Subnet: subnet, DataDir: filepath.Join(opts.Dir, "cni", "ipam")})
-	confPath := filepath.Join(confDir, "10-bridge.conflist")
-	if err := os.WriteFile(confPath, primary, 0o644); err != nil {
-		return err
-	}
-	o.Cleanup(func() {
-		if l, err := netlink.LinkByName(bridge); err == nil {
-			_ = netlink.LinkDel(l)
-		}
-	})
-	say("   primary CNI config %s: bridge %s, pods in %s", confPath, bridge, subnet)
-
-	say("== starting install-cni (installer + node agent)")
 	healthAddr, err := freeAddr()
 	if err != nil {
 		return err
@@ -153,53 +100,33 @@ func Run(ctx context.Context, opts Options) (err error) {
 	if err != nil {
 		return err
 	}
-	run := filepath.Join(opts.Dir, "run")
-	agentLog, err := os.Create(filepath.Join(opts.Dir, "install-cni.log"))
+	say("== starting install-cni (installer + node agent) with the chart's environment, and the ztunnel stand-in")
+	node, err := simnode.Start(ctx, simnode.Options{
+		Env: env, Chart: chart, InstallCNI: opts.InstallCNI, Plugin: pluginBin,
+		ReferencePlugins: cniPaths[0], Dir: filepath.Join(opts.Dir, "node"), Name: "sandbox-node",
+		Subnet: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 100 + r[0]%100, r[1], 0}), 24),
+		// make sandbox runs in the machine's own network namespace, where
+		// the chart's fixed ports may be taken (by a real node's agent):
+		// free loopback ports instead.
+		Settings: map[string]string{"health-addr": healthAddr, "metrics-addr": metricsAddr},
+	})
 	if err != nil {
-		return err
-	}
-	defer agentLog.Close()
-	agent := exec.Command(opts.InstallCNI,
-		"--node-name=sandbox-node", "--kubeconfig="+kubeconfig,
-		"--cni-bin-dir="+binDir, "--cni-conf-dir="+confDir, "--plugin-binary="+pluginBin,
-		"--agent-socket="+filepath.Join(run, "ambient-cni", "agent.sock"),
-		"--zds-socket="+filepath.Join(run, "ztunnel", "ztunnel.sock"),
-		"--health-addr="+healthAddr, "--metrics-addr="+metricsAddr, "--log-level=debug")
-	agent.Stdout, agent.Stderr = agentLog, agentLog
-	if err := agent.Start(); err != nil {
-		return fmt.Errorf("start install-cni: %w", err)
+		return fmt.Errorf("simulated node: %w", err)
 	}
 	o.Cleanup(func() {
-		_ = agent.Process.Signal(syscall.SIGTERM)
-		done := make(chan struct{})
-		go func() { _ = agent.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(15 * time.Second):
-			_ = agent.Process.Kill()
-			<-done
+		if err := node.Close(); err != nil {
+			say("   stopping the node: %v", err)
 		}
 	})
-	say("   logs: %s; health: http://%s/readyz", agentLog.Name(), healthAddr)
+	zt := node.StandIn()
+	say("   primary CNI config %s: bridge %s; logs: %s; health: %s/readyz", filepath.Join(node.ConfDir, simnode.PrimaryConf), node.Bridge, node.LogPath, node.HealthURL)
+	say("   ready: the installer chained %q into %s", cnibin.PluginName, simnode.PrimaryConf)
 
-	say("== starting the ztunnel stand-in (speaks ZDS, proxies real TCP inside pods)")
-	zctx, zcancel := context.WithCancel(ctx)
-	zt := ztunnel.New(ztunnel.Config{SocketPath: filepath.Join(run, "ztunnel", "ztunnel.sock"), Logger: slog.New(slog.DiscardHandler)})
-	zdone := make(chan struct{})
-	go func() { _ = zt.Run(zctx); close(zdone) }()
-	o.Cleanup(func() { zcancel(); <-zdone })
-
-	if err := waitFor(ctx, 60*time.Second, func() bool { return get("http://"+healthAddr+"/readyz") == 200 }); err != nil {
-		return fmt.Errorf("install-cni never became ready (see %s): %w", agentLog.Name(), err)
-	}
-	chained, err := os.ReadFile(confPath)
+	client := env.Client
+	kube, err := node.Kubelet(o)
 	if err != nil {
 		return err
 	}
-	say("   ready: the installer chained %q into %s", cnibin.PluginName, confPath)
-
-	client := env.Client
-	node := kubesim.NewNode(o, client, "sandbox-node", []string{binDir}, chained)
 	for _, ns := range []string{"demo", "plain"} {
 		if err := createNamespace(ctx, client, ns); err != nil {
 			return err
@@ -208,7 +135,7 @@ func Run(ctx context.Context, opts Options) (err error) {
 	say("== starting pods: demo/client, demo/server (app on :8080), plain/outsider")
 	pods := map[string]*kubesim.Pod{}
 	for _, p := range [][2]string{{"demo", "client"}, {"demo", "server"}, {"plain", "outsider"}} {
-		pod, err := node.Run(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: p[0], Name: p[1]}})
+		pod, err := kube.Run(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: p[0], Name: p[1]}})
 		if err != nil {
 			return err
 		}
@@ -264,7 +191,7 @@ func Run(ctx context.Context, opts Options) (err error) {
 	}
 
 	say("== starting demo/late: enrolled by its own CNI ADD before it runs")
-	late, err := node.Run(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "demo", Name: "late"}})
+	late, err := kube.Run(ctx, &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "demo", Name: "late"}})
 	if err != nil {
 		return err
 	}
@@ -291,7 +218,7 @@ func Run(ctx context.Context, opts Options) (err error) {
 		return err
 	}
 	say("== agent metrics (excerpt)")
-	for _, l := range strings.Split(body("http://"+metricsAddr+"/metrics"), "\n") {
+	for _, l := range strings.Split(body(node.MetricsURL+"/metrics"), "\n") {
 		if strings.HasPrefix(l, "ambient_cni_cni_requests_total") || strings.HasPrefix(l, "ambient_cni_enrolled_pods") {
 			say("   %s", l)
 		}
@@ -359,15 +286,6 @@ func waitFor(ctx context.Context, limit time.Duration, cond func() bool) error {
 	return nil
 }
 
-func get(url string) int {
-	resp, err := http.Get(url)
-	if err != nil {
-		return 0
-	}
-	resp.Body.Close()
-	return resp.StatusCode
-}
-
 func body(url string) string {
 	resp, err := http.Get(url)
 	if err != nil {
@@ -385,12 +303,4 @@ func freeAddr() (string, error) {
 	}
 	defer l.Close()
 	return l.Addr().String(), nil
-}
-
-func copyFile(src, dst string) error {
-	b, err := os.ReadFile(src)
-	if err != nil {
-		return err
-	}
-	return os.WriteFile(dst, b, 0o755)
 }

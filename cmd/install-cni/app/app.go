@@ -547,13 +547,22 @@ func (a *App) shutdown(stopZtunnel func()) error {
 		errs = append(errs, fmt.Errorf("installer shutdown: %w", err))
 	}
 	if !upgrade {
+		layout := nodefiles.ForSocket(a.cfg.AgentSocket)
 		if err := a.agent.RemoveHostProbe(); err != nil {
 			errs = append(errs, err)
 		}
 		if err := a.agent.RemoveNodeFiles(); err != nil {
 			errs = append(errs, err)
 		}
-		if err := nodedirs.Restore(nodefiles.ForSocket(a.cfg.AgentSocket).NodeDirsLedger()); err != nil {
+		// The plugin's side of the agent-down fallback: unchained now, so
+		// neither the heartbeat nor the ADD spool has a reader left.
+		if err := nodefiles.RemoveHeartbeat(layout.Heartbeat()); err != nil {
+			errs = append(errs, err)
+		}
+		if err := os.RemoveAll(layout.AddSpool()); err != nil {
+			errs = append(errs, fmt.Errorf("remove ADD spool: %w", err))
+		}
+		if err := nodedirs.Restore(layout.NodeDirsLedger()); err != nil {
 			errs = append(errs, err)
 		}
 	}

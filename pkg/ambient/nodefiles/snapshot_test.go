@@ -4,7 +4,7 @@ import (
 	"encoding/json"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/test/fuzzseed"
+	"github.com/ambient-cni/ambient-cni/test/lib/fuzzseed"
 )
 
 func TestSnapshotRule(t *testing.T) {

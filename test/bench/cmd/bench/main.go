@@ -17,7 +17,8 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/test/bench"
-	"github.com/ambient-cni/ambient-cni/test/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 func main() {
@@ -48,7 +49,7 @@ func run() int {
 		}
 		*p = abs
 	}
-	code, reexec, err := bench.PrivateNetns()
+	code, reexec, err := testnet.ProgramInOwnNetns()
 	if err != nil {
 		return fail(err)
 	}

@@ -1,0 +1,134 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+)
+
+// benchPods is how many running pods the namespace label enrolls at once.
+const benchPods = 100
+
+// BenchmarkEnrollRunningNamespace: a namespace with 100 running pods is
+// labelled ambient; each iteration measures the time until all 100 are
+// annotated enabled (rules, ztunnel ack and annotation done), reported as
+// s-to-enabled. The agent runs in the test process, so its RSS is reported
+// as the whole test process's (VmRSS, and the peak VmHWM): an upper bound
+// that also holds the test's own clients, the stand-in and the kubelet
+// simulator. Run with:
+//
+//	go test ./test/integration -run '^$' -bench EnrollRunningNamespace -benchtime 1x
+func BenchmarkEnrollRunningNamespace(b *testing.B) {
+	n := newNode(b, nodeOptions{LogLevel: slog.LevelWarn})
+	ctx := context.Background()
+	var total time.Duration
+	iters := 0
+	for b.Loop() {
+		b.StopTimer()
+		ns := n.namespace("bench", nil)
+		pods := make([]*kubesim.Pod, benchPods)
+		var wg sync.WaitGroup
+		errs := make(chan error, benchPods)
+		sem := make(chan struct{}, 4)
+		for i := range pods {
+			wg.Go(func() {
+				sem <- struct{}{}
+				defer func() { <-sem }()
+				p, err := n.kube.Run(ctx, podSpec(ns, fmt.Sprintf("p%03d", i), nil, nil))
+				if err != nil {
+					errs <- err
+					return
+				}
+				pods[i] = p
+			})
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			b.Fatalf("start pods: %v", err)
+		}
+
+		scans := counter(b, n.metrics.NetnsScans)
+		b.StartTimer()
+		start := time.Now()
+		n.setNamespaceMode(ns, ambient.DataplaneModeAmbient)
+		deadline := start.Add(3 * time.Minute)
+		for {
+			list, err := n.env.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+			if err != nil {
+				b.Fatal(err)
+			}
+			enabled := 0
+			for _, p := range list.Items {
+				if p.Annotations[ambient.RedirectionAnnotation] == ambient.RedirectionEnabled {
+					enabled++
+				}
+			}
+			if enabled == benchPods {
+				break
+			}
+			if time.Now().After(deadline) {
+				b.Fatalf("only %d of %d pods enabled after %v", enabled, benchPods, time.Since(start))
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		took := time.Since(start)
+		b.StopTimer()
+		total += took
+		iters++
+		rss, hwm := procStatusKB(b, "VmRSS"), procStatusKB(b, "VmHWM")
+		b.Logf("%d running pods enabled %v after the namespace label; test process RSS %d MiB (peak %d MiB)",
+			benchPods, took.Round(time.Millisecond), rss/1024, hwm/1024)
+		b.ReportMetric(float64(rss)/1024, "MiB-rss")
+		b.ReportMetric(float64(hwm)/1024, "MiB-rss-peak")
+		b.ReportMetric(counter(b, n.metrics.NetnsScans)-scans, "proc-scans")
+		if len(n.zt.Workloads()) < benchPods {
+			b.Fatalf("stand-in serves %d workloads, want at least %d", len(n.zt.Workloads()), benchPods)
+		}
+
+		for _, p := range pods {
+			wg.Go(func() {
+				sem <- struct{}{}
+				defer func() { <-sem }()
+				if err := n.kube.Delete(ctx, p); err != nil {
+					b.Errorf("delete %s: %v", p.Obj.Name, err)
+				}
+			})
+		}
+		wg.Wait()
+		eventually(b, "the agent to forget the deleted pods", func() bool { return len(n.d.Agent().Pods()) == 0 })
+		b.StartTimer()
+	}
+	b.ReportMetric(total.Seconds()/float64(iters), "s-to-enabled")
+}
+
+// procStatusKB reads a kB field of /proc/self/status.
+func procStatusKB(tb testing.TB, field string) int {
+	tb.Helper()
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	for l := range strings.SplitSeq(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, field+":"); ok {
+			kb, err := strconv.Atoi(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")))
+			if err != nil {
+				tb.Fatalf("%s: %v", field, err)
+			}
+			return kb
+		}
+	}
+	tb.Fatalf("no %s in /proc/self/status", field)
+	return 0
+}

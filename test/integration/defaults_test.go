@@ -1,0 +1,75 @@
+package integration
+
+import (
+	"io"
+	"testing"
+	"time"
+
+	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
+)
+
+// harnessSettings are the only install-cni settings a test node sets
+// beyond the chart's environment with simnode's NodeLocal settings (where
+// things are on the node, who the agent is), each with the reason it
+// differs. Tuning settings (client rate limit, timeouts, log level, DNS
+// capture, rules backend, ...) are not here: the suite runs them as
+// shipped, so a tuned test setup cannot hide a production bottleneck. The
+// rules backend runs as shipped too (auto); pkg/rulesbackend's matrix
+// covers every backend.
+var harnessSettings = map[string]string{
+	"pod-namespace": "a namespace per node (simnode sets it), so one node's DaemonSet never makes another's shutdown an upgrade",
+	"health-addr":   "a free loopback port: several agents run in one test process",
+	"metrics-addr":  "a free loopback port: several agents run in one test process",
+	"ztunnel-wait":  "only TestZtunnelHandoff shortens it, to time the wait without a stand-in",
+}
+
+// TestHarnessRunsShippedDefaults pins what the suite runs the agent with
+// to the shipped defaults: every setting the harness adds to the chart's
+// environment is listed above, and the agent's client is rate limited as
+// shipped (requireShippedClient checks that on every node the suite
+// starts). test/deploy keeps install-cni's defaults equal to the chart's
+// default values.
+func TestHarnessRunsShippedDefaults(t *testing.T) {
+	for _, tuning := range []string{"kube-client-qps", "kube-client-burst", "plugin-timeout", "log-level", "dns-capture", "rules-backend", "iptables-backend"} {
+		if _, ok := harnessSettings[tuning]; ok {
+			t.Errorf("the harness may not set %s: it is a tuning setting, run it as shipped", tuning)
+		}
+	}
+	settings := nodeSettings(nodeOptions{ZtunnelWait: time.Second})
+	settings["pod-namespace"] = "ns"
+	for name := range settings {
+		if _, ok := harnessSettings[name]; !ok {
+			t.Errorf("the harness sets %s, which is not listed in harnessSettings", name)
+		}
+	}
+	root, err := kubeenv.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	chart, err := simnode.CommittedChart(root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	env, err := simnode.AgentEnv(chart, simnode.Paths{
+		Name: "n", PodName: "p", CNIBinDir: "/tmp/x/bin", CNIConfDir: "/tmp/x/net.d", PluginBinary: "/tmp/x/ambient-cni",
+		AgentSocket: "/tmp/x/agent.sock", ZDSSocket: "/tmp/x/zt.sock", Kubeconfig: "/tmp/x/kubeconfig",
+	}, settings)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := installcni.Parse(nil, func(k string) string { return env[k] }, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	shipped, err := installcni.Parse([]string{"--node-name=n"}, func(string) string { return "" }, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.KubeClientQPS != shipped.KubeClientQPS || cfg.KubeClientBurst != shipped.KubeClientBurst ||
+		cfg.PluginTimeout != shipped.PluginTimeout || cfg.DNSCapture != shipped.DNSCapture ||
+		cfg.RulesBackend != shipped.RulesBackend || cfg.LogLevel != shipped.LogLevel {
+		t.Errorf("harness config %+v differs from the shipped %+v in a tuning setting", cfg, shipped)
+	}
+}

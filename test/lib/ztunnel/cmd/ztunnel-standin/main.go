@@ -1,0 +1,75 @@
+// Command ztunnel-standin runs the test ztunnel stand-in against a node
+// agent's ZDS socket until SIGTERM or SIGINT. With -debug-addr it serves its
+// state as JSON: /workloads, /records and /messages.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
+)
+
+func main() {
+	socket := flag.String("socket", ambient.DefaultZDSSocket, "node agent ZDS socket")
+	debugAddr := flag.String("debug-addr", "", "serve state as JSON on this address (empty: off)")
+	verbose := flag.Bool("v", false, "debug logging")
+	flag.Parse()
+
+	level := slog.LevelInfo
+	if *verbose {
+		level = slog.LevelDebug
+	}
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level}))
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+
+	z := ztunnel.New(ztunnel.Config{SocketPath: *socket, Logger: log})
+	if *debugAddr != "" {
+		ln, err := net.Listen("tcp", *debugAddr)
+		if err != nil {
+			log.Error("debug listener", "err", err)
+			os.Exit(1)
+		}
+		srv := &http.Server{Handler: debugMux(z), ReadHeaderTimeout: 5 * time.Second}
+		go func() { // owner: main; shut down below
+			if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				log.Error("debug server", "err", err)
+			}
+		}()
+		defer func() {
+			sctx, cancel := context.WithTimeout(context.Background(), time.Second)
+			defer cancel()
+			_ = srv.Shutdown(sctx)
+		}()
+		log.Info("debug endpoint", "addr", ln.Addr().String())
+	}
+	if err := z.Run(ctx); err != nil {
+		log.Error("stand-in", "err", err)
+		os.Exit(1)
+	}
+}
+
+func debugMux(z *ztunnel.StandIn) *http.ServeMux {
+	mux := http.NewServeMux()
+	serve := func(path string, get func() any) {
+		mux.HandleFunc("GET "+path, func(w http.ResponseWriter, _ *http.Request) {
+			w.Header().Set("Content-Type", "application/json")
+			_ = json.NewEncoder(w).Encode(get())
+		})
+	}
+	serve("/workloads", func() any { return z.Workloads() })
+	serve("/records", func() any { return z.Records() })
+	serve("/messages", func() any { return z.Messages() })
+	return mux
+}
