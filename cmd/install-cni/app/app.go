@@ -105,10 +105,6 @@ type Options struct {
 	AgentHook func(*nodeagent.Config)
 }
 
-// installerStateName is the installer's state file, kept beside the agent
-// socket (a root-only host directory that outlives the container).
-const installerStateName = "installer-state.json"
-
 // shutdownTimeout bounds the upgrade check and the uninstall at shutdown.
 const shutdownTimeout = 10 * time.Second
 
@@ -183,10 +179,11 @@ func New(o Options) (*App, error) {
 		return nil, err
 	}
 	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
+	layout := nodefiles.ForSocket(c.AgentSocket)
 	a.installer, err = installer.New(installer.Config{
 		BinDir: c.CNIBinDir, ConfDir: c.CNIConfDir, PluginBinary: c.PluginBinary, PluginName: c.PluginType,
 		PrimaryConfName: c.CNIConfName, PluginConfig: entry,
-		StateFile:   filepath.Join(filepath.Dir(c.AgentSocket), installerStateName),
+		StateFile:   layout.InstallerState(),
 		OnReinstall: m.InstallerReinstalls.Inc,
 		// Said on the agent's own pod, where kubectl describe shows why
 		// it is not ready.
@@ -229,7 +226,6 @@ func New(o Options) (*App, error) {
 	// (the controller's enrollment and the explainer alike).
 	netnsPolicy := netns.Policy{Roots: c.NetnsDirs, ProcRoot: c.ProcRoot}
 	finder := netns.Scanner{ProcRoot: c.ProcRoot, Logger: a.log}
-	layout := nodefiles.ForSocket(c.AgentSocket)
 	agentCfg := nodeagent.Config{
 		Events:             a.events,
 		Rules:              rules.Rules,

@@ -59,4 +59,8 @@ func (l Layout) Records() string { return l.join("captured") }
 // made private, for an uninstall to put back.
 func (l Layout) NodeDirsLedger() string { return l.join("node-dirs.json") }
 
+// InstallerState is the installer's copy of the conflists it edited, so
+// an uninstall after an agent restart still restores them exactly.
+func (l Layout) InstallerState() string { return l.join("installer-state.json") }
+
 func (l Layout) join(name string) string { return filepath.Join(l.Dir(), name) }

@@ -27,6 +27,7 @@ func TestPaths(t *testing.T) {
 		d.AddSpool():       "/var/run/ambient-cni/pending-add",
 		d.Records():        "/var/run/ambient-cni/captured",
 		d.NodeDirsLedger(): "/var/run/ambient-cni/node-dirs.json",
+		d.InstallerState(): "/var/run/ambient-cni/installer-state.json",
 	} {
 		if got != want {
 			t.Errorf("got %s, want %s", got, want)
