@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/netip"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
@@ -79,7 +81,8 @@ func TestRestoreUnresolvedKeepsPod(t *testing.T) {
 		_ = probe.AddIP(netip.MustParseAddr(ip))
 	}
 	rules, zt, ann := newRecordedRules(), &fakeZtunnel{}, &fakeAnnotator{}
-	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, SnapshotFile: t.TempDir() + "/snap"})
+	dir := t.TempDir() // the node files: never the real node's
+	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, SnapshotFile: filepath.Join(dir, "snap"), SpoolDir: filepath.Join(dir, "spool"), RecordDir: nodefiles.InDir(dir).Records()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -171,7 +174,8 @@ func TestUnresolvedPodInspectAndReleaseAll(t *testing.T) {
 	testnet.RequireRoot(t)
 	probe := &fakeProbe{ips: map[netip.Addr]bool{}}
 	rules, zt, ann := newRecordedRules(), &fakeZtunnel{}, &fakeAnnotator{}
-	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, SnapshotFile: t.TempDir() + "/snap"})
+	dir := t.TempDir() // the node files: never the real node's
+	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, SnapshotFile: filepath.Join(dir, "snap"), SpoolDir: filepath.Join(dir, "spool"), RecordDir: nodefiles.InDir(dir).Records()})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -481,7 +481,7 @@ func TestChainNoZtunnelIsRetryable(t *testing.T) {
 	t.Cleanup(func() { cancel(); <-done })
 	agent, err := nodeagent.NewAgent(nodeagent.Config{
 		Rules: n.rules, Ztunnel: zs, ZtunnelTimeout: 300 * time.Millisecond,
-		SnapshotFile: nodefiles.ForSocket(n.sock).Snapshot(), SpoolDir: nodefiles.ForSocket(n.sock).DelSpool(),
+		SnapshotFile: nodefiles.ForSocket(n.sock).Snapshot(), SpoolDir: nodefiles.ForSocket(n.sock).DelSpool(), RecordDir: nodefiles.ForSocket(n.sock).Records(),
 	})
 	if err != nil {
 		t.Fatal(err)
