@@ -66,4 +66,15 @@ const (
 	MaxAgentDownAfter = 24 * time.Hour
 	// DefaultPluginLogLevel is the plugin's default log level.
 	DefaultPluginLogLevel = "warn"
+	// handlerMargin is how much sooner than the plugin's timeout the agent
+	// gives up on a request: long enough for its answer to travel back.
+	handlerMargin = time.Second
 )
+
+// HandlerTimeout is the agent's deadline for one plugin request when the
+// plugin waits pluginTimeout: a margin short of it, so the plugin reads
+// the agent's answer (a retryable error, say) instead of timing out
+// itself. Very short timeouts keep at least half.
+func HandlerTimeout(pluginTimeout time.Duration) time.Duration {
+	return max(pluginTimeout-handlerMargin, pluginTimeout/2)
+}

@@ -324,7 +324,7 @@ func TestNamespaceFlipCapturesRunningPods(t *testing.T) {
 	}
 }
 
-// TestEnrollmentParallelAndBounded (issue 10.3): the running pods of a
+// TestEnrollmentParallelAndBounded: the running pods of a
 // namespace that gets labelled are captured in parallel, at most Parallel
 // (default 8) at a time, after one /proc scan for the whole burst.
 func TestEnrollmentParallelAndBounded(t *testing.T) {

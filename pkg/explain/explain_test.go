@@ -133,7 +133,7 @@ func TestVerdicts(t *testing.T) {
 	for _, p := range []*corev1.Pod{leaving, starting, unwanted, stale, draining, lost, typo} {
 		pods.pods[p.Namespace+"/"+p.Name] = p
 	}
-	// Restored without its netns after a restart (issue 12 item 1).
+	// Restored without its netns after a restart (unresolved: its netns not found).
 	unresolved := held(lost, nodeagent.StateEnabled)
 	unresolved.Unresolved, unresolved.Netns = true, "/var/run/netns/cni-lost"
 	unresolved.VerifyError = "the pod's network namespace has not been found since the agent restarted (ztunnel keeps serving it)"

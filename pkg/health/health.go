@@ -51,10 +51,6 @@ const DefaultMetricsPort = 9974
 // otherwise.
 var DefaultMetricsAddr = ":" + strconv.Itoa(DefaultMetricsPort)
 
-// DebugSocketName is the debug socket's file name in the agent socket's
-// directory.
-const DebugSocketName = "debug.sock"
-
 // Check reports nil when its part of the agent is ready.
 type Check func() error
 
@@ -232,23 +228,8 @@ func (d Debug) Handler() http.Handler {
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		fail(w, http.StatusNotFound, fmt.Sprintf("no such endpoint %s %s; try GET /debug/pods, /debug/explain or /debug/explain?pod=<namespace>/<name>", r.Method, r.URL.Path))
 	})
-	return rootOnly(mux, fail, log)
-}
-
-type credKey struct{}
-
-// rootOnly refuses every request whose peer (SO_PEERCRED, recorded by
-// ServeUnix) is not uid 0: the socket's mode says so already, this holds
-// even if the mode is loosened by hand.
-func rootOnly(next http.Handler, fail func(http.ResponseWriter, int, string), log *slog.Logger) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		uid, ok := r.Context().Value(credKey{}).(uint32)
-		if !ok || uid != 0 {
-			log.Warn("refusing debug request from a non-root or unknown peer", "uid", uid, "known", ok)
-			fail(w, http.StatusForbidden, "only root may use the debug socket")
-			return
-		}
-		next.ServeHTTP(w, r)
+	return unixsock.RootOnly(mux, log, func(w http.ResponseWriter, _ *http.Request, _ error) {
+		fail(w, http.StatusForbidden, "only root may use the debug socket")
 	})
 }
 
@@ -269,7 +250,7 @@ func ListenUnix(path string) (net.Listener, error) {
 
 // ServeListener serves h on ln until ctx ends, then shuts down and closes
 // ln (a Unix socket's file goes with it). On a Unix socket each request
-// carries its peer's uid for Debug's root check.
+// carries its peer's credentials for Debug's root check (unixsock.RootOnly).
 func ServeListener(ctx context.Context, ln net.Listener, h http.Handler) error {
 	srv := &http.Server{
 		Handler:           h,
@@ -278,14 +259,7 @@ func ServeListener(ctx context.Context, ln net.Listener, h http.Handler) error {
 		WriteTimeout:      30 * time.Second,
 		IdleTimeout:       60 * time.Second,
 		MaxHeaderBytes:    8 << 10,
-		ConnContext: func(ctx context.Context, c net.Conn) context.Context {
-			if uc, ok := c.(*net.UnixConn); ok {
-				if cred, err := unixsock.PeerCred(uc); err == nil {
-					return context.WithValue(ctx, credKey{}, cred.Uid)
-				}
-			}
-			return ctx
-		},
+		ConnContext:       unixsock.ConnContext,
 	}
 	done := make(chan struct{})
 	defer close(done)

@@ -159,7 +159,7 @@ func TestHealthAndMetricsServeNothingElse(t *testing.T) {
 // (directory 0700, socket 0600) and go with it when serving stops.
 func TestDebugOnUnixSocket(t *testing.T) {
 	testnet.RequireRoot(t)
-	sock := filepath.Join(t.TempDir(), "run", DebugSocketName)
+	sock := filepath.Join(t.TempDir(), "run", "debug.sock")
 	ln, err := ListenUnix(sock)
 	if err != nil {
 		t.Fatal(err)
@@ -209,7 +209,7 @@ func TestDebugRefusesNonRootPeer(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = os.RemoveAll(shared) })
-	sock := filepath.Join(shared, "run", DebugSocketName)
+	sock := filepath.Join(shared, "run", "debug.sock")
 	ln, err := ListenUnix(sock)
 	if err != nil {
 		t.Fatal(err)

@@ -92,19 +92,19 @@ type Config struct {
 	// Events, when set, gets a Warning on a captured pod whose annotations
 	// the agent ignores because they do not parse.
 	Events EventRecorder
-	// RecordDir holds the capture records (required: RecordDir of the
-	// agent socket).
+	// RecordDir holds the capture records (required: the Records of the
+	// agent socket's nodefiles.Layout).
 	RecordDir string
 	// Netns decides which netns paths of CNI DELs (and spooled DELs) the
 	// agent may open (nil roots: netns.DefaultRoots; and /proc).
 	Netns netns.Policy
 	// Enablement feeds the snapshot file; nil writes no snapshot.
 	Enablement EnablementSource
-	// SnapshotFile is the enablement snapshot path (required:
-	// nodefiles.SnapshotPath of the agent socket).
+	// SnapshotFile is the enablement snapshot path (required: the
+	// Snapshot of the agent socket's nodefiles.Layout).
 	SnapshotFile string
-	// SpoolDir is where the plugin spools DELs (required:
-	// nodefiles.SpoolDir of the agent socket).
+	// SpoolDir is where the plugin spools DELs (required: the DelSpool of
+	// the agent socket's nodefiles.Layout).
 	SpoolDir string
 	// ExcludedNamespaces are recorded in the snapshot (default kube-system).
 	ExcludedNamespaces []string

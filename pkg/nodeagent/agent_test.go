@@ -85,8 +85,8 @@ func newHarness(t *testing.T) *harness {
 func (h *harness) config() Config {
 	return Config{
 		Rules: h.rules, Ztunnel: h.zt, Annotator: h.ann, Enablement: h.kube.Cache, Pods: h.kube.Cache,
-		SnapshotFile: filepath.Join(h.dir, nodefiles.SnapshotName), SpoolDir: filepath.Join(h.dir, nodefiles.SpoolName),
-		RecordDir: filepath.Join(h.dir, RecordDirName),
+		SnapshotFile: nodefiles.InDir(h.dir).Snapshot(), SpoolDir: nodefiles.InDir(h.dir).DelSpool(),
+		RecordDir: nodefiles.InDir(h.dir).Records(),
 		Netns:     netns.Policy{Roots: []string{"/var/run/netns", "/run/netns"}},
 	}
 }
@@ -137,7 +137,7 @@ func (h *harness) annotations(t *testing.T, uid types.UID) string {
 // recorded lists the uids with a capture record on disk.
 func (h *harness) recorded(t *testing.T) []string {
 	t.Helper()
-	des, err := os.ReadDir(filepath.Join(h.dir, RecordDirName))
+	des, err := os.ReadDir(nodefiles.InDir(h.dir).Records())
 	if err != nil && !os.IsNotExist(err) {
 		t.Fatal(err)
 	}
@@ -404,7 +404,7 @@ func TestDrainSpool(t *testing.T) {
 	if _, err := h.srv.Add(ctx, info("shop/web", "u1", "sb1"), openNS(t, testnet.NewNS(t))); err != nil {
 		t.Fatal(err)
 	}
-	spool := filepath.Join(h.dir, nodefiles.SpoolName)
+	spool := nodefiles.InDir(h.dir).DelSpool()
 	if err := nodefiles.Spool(spool, ambient.PodEvent{Command: ambient.CommandDel, SandboxID: "sb1"}); err != nil {
 		t.Fatal(err)
 	}
@@ -429,7 +429,7 @@ func TestDrainSpool(t *testing.T) {
 func TestSnapshotFollowsEnablement(t *testing.T) {
 	h := newHarness(t)
 	h.kube.Cache.OnEnablementChange(func() { _ = h.agent.RefreshSnapshot() })
-	path := filepath.Join(h.dir, nodefiles.SnapshotName)
+	path := nodefiles.InDir(h.dir).Snapshot()
 	read := func() *nodefiles.EnablementSnapshot {
 		t.Helper()
 		b, err := os.ReadFile(path)

@@ -26,7 +26,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
-// TestForgetLeavesStateBeforeZtunnelDel (issue 12.6): when ztunnel is told
+// TestForgetLeavesStateBeforeZtunnelDel: when ztunnel is told
 // to drop a pod, the pod is already out of the state the ZDS snapshot is
 // built from, on every way out (CNI DEL, unenroll), so a ztunnel that
 // connects in between never gets an Add for a removed pod.
@@ -68,7 +68,7 @@ func TestForgetLeavesStateBeforeZtunnelDel(t *testing.T) {
 	}
 }
 
-// TestUnenrollOrder (issue 12.5): rules first (a failure keeps the pod
+// TestUnenrollOrder: rules first (a failure keeps the pod
 // fully captured and retried), then ztunnel, then the annotation, and the
 // capture record only once the annotation is written. An annotation that
 // cannot be written keeps the record, so a crash then leaves the pod to
@@ -132,7 +132,7 @@ func TestUnenrollOrder(t *testing.T) {
 	}
 }
 
-// TestPendingConvergesOnSnapshotAck (issue 12.3/12.4): a pod whose ztunnel
+// TestPendingConvergesOnSnapshotAck: a pod whose ztunnel
 // handoff failed stays captured and pending; once a ztunnel acks it in a
 // snapshot it is enabled and annotated so, with no ADD retry. An ack for
 // another namespace than the one held does not count.
@@ -169,7 +169,7 @@ func TestPendingConvergesOnSnapshotAck(t *testing.T) {
 	}
 }
 
-// TestDelOfControllerCapturedPod (issue 10.2): a pod the controller
+// TestDelOfControllerCapturedPod: a pod the controller
 // captured has no sandbox id; a DEL names it by its netns identity. A DEL
 // naming another namespace, or one that cannot tell while the pod lives
 // on, leaves the enrollment; once the pod is going, an unclear DEL
@@ -247,14 +247,14 @@ func withNetns(d SandboxDel, path string) SandboxDel {
 	return d
 }
 
-// TestReplayedDelCleansUnrestoredPod (issue 12.7): a DEL replayed from the
+// TestReplayedDelCleansUnrestoredPod: a DEL replayed from the
 // spool for a pod the agent does not hold (it was not restored) removes
 // our rules from its namespace when that still exists, and its record;
 // it never touches the namespace of a pod the agent holds.
 func TestReplayedDelCleansUnrestoredPod(t *testing.T) {
 	h := newHarness(t)
 	ctx := context.Background()
-	spool := filepath.Join(h.dir, nodefiles.SpoolName)
+	spool := nodefiles.InDir(h.dir).DelSpool()
 	gone, held := testnet.NewNS(t), testnet.NewNS(t)
 	// A previous agent captured "gone"; no record (an older agent).
 	if err := h.rules.seed(gone.Path(), ruleset.PodConfig{}); err != nil {
@@ -284,7 +284,7 @@ func TestReplayedDelCleansUnrestoredPod(t *testing.T) {
 	}
 }
 
-// TestRecordsAcrossRestart (issue 10.1): the record is written before the
+// TestRecordsAcrossRestart: the record is written before the
 // rules and outlives a crash that lost the annotation write; the next
 // agent restores the pod from the record (pending, no annotation yet),
 // and a snapshot ack gets it annotated enabled.
@@ -386,7 +386,7 @@ func TestAnnotationWriter(t *testing.T) {
 // directory are removed and reported, never followed or trusted.
 func TestRecordFiles(t *testing.T) {
 	dir := t.TempDir()
-	s := newRecordStore(filepath.Join(dir, RecordDirName))
+	s := newRecordStore(nodefiles.InDir(dir).Records())
 	good := Record{UID: "0b2e6c1e-1d6b-4c1e-9a52-4b8a0c4b0f11", Namespace: "shop", Name: "web", SandboxID: "sb",
 		Netns: "/var/run/netns/cni-1", NetnsDev: 4, NetnsIno: 4026532000, IPs: []netip.Addr{netip.MustParseAddr("10.0.0.1")}}
 	if err := s.write(good); err != nil {
@@ -495,7 +495,7 @@ func TestGCDropsRecordOnlyPods(t *testing.T) {
 	}
 }
 
-// TestUnenrollOfDeletedPodWritesNothing (issue 10.1): unenrolling a pod
+// TestUnenrollOfDeletedPodWritesNothing: unenrolling a pod
 // that is being deleted, or already gone, removes its rules, its ztunnel
 // workload and its record, but makes no API request: its annotation goes
 // with the object.

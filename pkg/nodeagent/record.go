@@ -18,15 +18,6 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
 )
 
-// RecordDirName is the directory of capture records next to the agent
-// socket (a root-only host directory that outlives the agent's container).
-const RecordDirName = "captured"
-
-// RecordDir is where the capture records live for an agent socket path.
-func RecordDir(socket string) string {
-	return filepath.Join(filepath.Dir(socket), RecordDirName)
-}
-
 // Record is the agent's node-local note that it may have left capture on a
 // pod: written before the pod's rules are applied, removed only once
 // everything the agent did to the pod is undone (or the pod's sandbox is

@@ -7,13 +7,11 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"os"
 	"sync"
 	"time"
 
-	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
@@ -37,8 +35,9 @@ type ServerConfig struct {
 	// /proc/<pid>/ns/net, opened below its ProcRoot. Give it the agent's
 	// policy (Config.Netns): both judge the runtime's paths alike.
 	Netns netns.Policy
-	// HandlerTimeout bounds the work for one request (default 25s, below
-	// the plugin's default 30s so the plugin gets an answer, not a timeout).
+	// HandlerTimeout bounds the work for one request: give it
+	// ambient.HandlerTimeout of the plugin's timeout, so the plugin gets an
+	// answer, not a timeout (default: that of ambient.DefaultPluginTimeout).
 	HandlerTimeout time.Duration
 	// ReadHeaderTimeout, ReadTimeout and IdleTimeout bound slow clients
 	// (defaults 2s, 5s, 10s).
@@ -54,7 +53,7 @@ type ServerConfig struct {
 
 func (c ServerConfig) withDefaults() ServerConfig {
 	if c.HandlerTimeout <= 0 {
-		c.HandlerTimeout = 25 * time.Second
+		c.HandlerTimeout = ambient.HandlerTimeout(ambient.DefaultPluginTimeout)
 	}
 	if c.ReadHeaderTimeout <= 0 {
 		c.ReadHeaderTimeout = 2 * time.Second
@@ -110,13 +109,15 @@ func NewServer(cfg ServerConfig, decider Decider, agent *Agent) *Server {
 		reply(w, http.StatusNotFound, ambient.PodEventResponse{Error: fmt.Sprintf("no such endpoint %s %s", r.Method, r.URL.Path)})
 	})
 	s.http = &http.Server{
-		Handler:           s.rootOnly(mux),
+		Handler: unixsock.RootOnly(mux, s.log, func(w http.ResponseWriter, _ *http.Request, why error) {
+			reply(w, http.StatusForbidden, ambient.PodEventResponse{Error: why.Error() + "; only root may use this socket"})
+		}),
 		ReadHeaderTimeout: cfg.ReadHeaderTimeout,
 		ReadTimeout:       cfg.ReadTimeout,
 		WriteTimeout:      cfg.HandlerTimeout + 5*time.Second,
 		IdleTimeout:       cfg.IdleTimeout,
 		MaxHeaderBytes:    8 << 10,
-		ConnContext:       peerCredContext,
+		ConnContext:       unixsock.ConnContext,
 		ErrorLog:          slog.NewLogLogger(cfg.Logger.Handler(), slog.LevelDebug),
 	}
 	return s
@@ -201,40 +202,6 @@ func (s *Server) Close() error {
 		s.closeErr = err
 	})
 	return s.closeErr
-}
-
-type credKey struct{}
-
-type peerCred struct {
-	ucred *unix.Ucred
-	err   error
-}
-
-// peerCredContext records the connecting process's credentials
-// (SO_PEERCRED, fixed at connect time) for rootOnly.
-func peerCredContext(ctx context.Context, c net.Conn) context.Context {
-	pc := peerCred{err: errors.New("not a unix socket")}
-	if uc, ok := c.(*net.UnixConn); ok {
-		pc.ucred, pc.err = unixsock.PeerCred(uc)
-	}
-	return context.WithValue(ctx, credKey{}, pc)
-}
-
-// rootOnly refuses every request whose peer is not uid 0.
-func (s *Server) rootOnly(next http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		pc, _ := r.Context().Value(credKey{}).(peerCred)
-		switch {
-		case pc.err != nil || pc.ucred == nil:
-			s.log.Warn("refusing request: peer credentials unknown", "err", pc.err)
-			reply(w, http.StatusForbidden, ambient.PodEventResponse{Error: "peer credentials unavailable; only root may use this socket"})
-		case pc.ucred.Uid != 0:
-			s.log.Warn("refusing request from non-root peer", "uid", pc.ucred.Uid, "pid", pc.ucred.Pid)
-			reply(w, http.StatusForbidden, ambient.PodEventResponse{Error: fmt.Sprintf("peer uid %d is not root; only root may use this socket", pc.ucred.Uid)})
-		default:
-			next.ServeHTTP(w, r)
-		}
-	})
 }
 
 func reply(w http.ResponseWriter, code int, resp ambient.PodEventResponse) {
@@ -444,7 +411,7 @@ func (s *Server) Check(ctx context.Context, p PodInfo, ns *netns.Handle) error {
 // re-checks the pods the plugin let through while it was: first thing,
 // then at every beat (a plugin that timed out on a live agent spools too).
 func (s *Server) keepAlive(ctx context.Context) {
-	hb := nodefiles.HeartbeatPath(s.cfg.Socket)
+	hb := nodefiles.ForSocket(s.cfg.Socket).Heartbeat()
 	t := time.NewTicker(nodefiles.HeartbeatInterval)
 	defer t.Stop()
 	for {
@@ -469,7 +436,7 @@ func (s *Server) keepAlive(ctx context.Context) {
 // may succeed later is kept for the next round. It returns how many pods
 // it captured.
 func (s *Server) RecheckPassedThrough(ctx context.Context) (int, error) {
-	dir := nodefiles.AddSpoolDir(s.cfg.Socket)
+	dir := nodefiles.ForSocket(s.cfg.Socket).AddSpool()
 	entries, err := nodefiles.ListAdds(dir)
 	if err != nil {
 		return 0, err

@@ -14,6 +14,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
@@ -68,7 +69,7 @@ func markedPod(name, uid string, ips ...string) *corev1.Pod {
 	return p
 }
 
-// TestRestoreUnresolvedKeepsPod is issue 12 item 1 at the agent: a
+// TestRestoreUnresolvedKeepsPod: at the agent, a
 // captured pod whose netns is not found at restart is in the ZDS snapshot
 // as Keep (no netns), its probe-set entry survives the startup sync, and
 // while any such pod's IPs are unknown nothing is pruned; once the pods are
@@ -81,7 +82,7 @@ func TestRestoreUnresolvedKeepsPod(t *testing.T) {
 	}
 	rules, zt, ann := newRecordedRules(), &fakeZtunnel{}, &fakeAnnotator{}
 	dir := t.TempDir() // the node files: never the real node's
-	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, SnapshotFile: filepath.Join(dir, "snap"), SpoolDir: filepath.Join(dir, "spool"), RecordDir: filepath.Join(dir, RecordDirName)})
+	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, SnapshotFile: filepath.Join(dir, "snap"), SpoolDir: filepath.Join(dir, "spool"), RecordDir: nodefiles.InDir(dir).Records()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -174,7 +175,7 @@ func TestUnresolvedPodInspectAndReleaseAll(t *testing.T) {
 	probe := &fakeProbe{ips: map[netip.Addr]bool{}}
 	rules, zt, ann := newRecordedRules(), &fakeZtunnel{}, &fakeAnnotator{}
 	dir := t.TempDir() // the node files: never the real node's
-	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, SnapshotFile: filepath.Join(dir, "snap"), SpoolDir: filepath.Join(dir, "spool"), RecordDir: filepath.Join(dir, RecordDirName)})
+	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, SnapshotFile: filepath.Join(dir, "snap"), SpoolDir: filepath.Join(dir, "spool"), RecordDir: nodefiles.InDir(dir).Records()})
 	if err != nil {
 		t.Fatal(err)
 	}

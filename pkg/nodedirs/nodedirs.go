@@ -2,8 +2,8 @@
 // (its socket's, the ZDS socket's) and a ledger of what it found there
 // first, so that an uninstall leaves them as they were: the directories
 // it created go (when nothing else is in them), and the ones that existed
-// get back the mode and owner it changed. The ledger lives in the first
-// directory and outlives agent restarts and upgrades, which keep the first
+// get back the mode and owner it changed. The ledger lives in the agent's
+// run directory (nodefiles.Layout names it) and outlives agent restarts and upgrades, which keep the first
 // agent's notes: a directory found already there without a note (a crash
 // before the note, an older agent) counts as not ours and stays.
 package nodedirs
@@ -23,9 +23,6 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
 	"github.com/ambient-cni/ambient-cni/pkg/unixsock"
 )
-
-// LedgerName is the ledger's file name in the first directory.
-const LedgerName = "node-dirs.json"
 
 // maxLedgerBytes bounds what is read back; the ledger names a few paths.
 const maxLedgerBytes = 64 << 10
@@ -52,13 +49,12 @@ const note = "ambient-cni: host directories the agent created or made private, p
 // 0700, or tightened to 0700 and root's), first noting in the ledger what
 // was there: each missing directory (parents included) as created, an
 // existing one with its mode and owner. A dir the ledger already names
-// keeps its first note; an unusable ledger is started over. The ledger
-// goes in the first dir.
-func Ensure(dirs ...string) error {
+// keeps its first note; an unusable ledger is started over. The ledger is
+// the file at path, in one of dirs (the agent's run directory).
+func Ensure(path string, dirs ...string) error {
 	if len(dirs) == 0 {
 		return nil
 	}
-	path := filepath.Join(dirs[0], LedgerName)
 	l, err := load(path)
 	if err != nil {
 		// Start over: what exists now is noted as existing, so nothing is
@@ -127,12 +123,11 @@ func survey(dir string) ([]Dir, error) {
 	}
 }
 
-// Restore puts back every directory the ledger in dir notes, then removes
+// Restore puts back every directory the ledger at path notes, then removes
 // the ledger: created ones are removed deepest first when empty (one
 // still holding something, ours or not, stays), existing ones get their
 // mode and owner back. Without a ledger there is nothing to put back.
-func Restore(dir string) error {
-	path := filepath.Join(dir, LedgerName)
+func Restore(path string) error {
 	l, err := load(path)
 	if err != nil {
 		return err
@@ -143,7 +138,7 @@ func Restore(dir string) error {
 	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("remove node directory ledger: %w", err)
 	}
-	_, _ = atomicfile.RemoveStaleTemps(dir)
+	_, _ = atomicfile.RemoveStaleTemps(filepath.Dir(path))
 	// Deepest first: a child goes before its parent.
 	slices.SortFunc(l.Dirs, func(a, b Dir) int { return cmp.Compare(len(b.Path), len(a.Path)) })
 	var errs []error

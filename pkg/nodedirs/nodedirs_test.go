@@ -20,6 +20,9 @@ func exists(p string) bool {
 	return err == nil
 }
 
+// ledgerIn is where the agent keeps the ledger: in its run directory.
+func ledgerIn(dir string) string { return filepath.Join(dir, "node-dirs.json") }
+
 // Created directories (parents too) go; an existing one gets its mode
 // back; a restart in between keeps the first agent's notes.
 func TestEnsureRestore(t *testing.T) {
@@ -32,7 +35,7 @@ func TestEnsureRestore(t *testing.T) {
 	if err := os.Chmod(zt, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if err := Ensure(agent, zt); err != nil {
+	if err := Ensure(ledgerIn(agent), agent, zt); err != nil {
 		t.Fatal(err)
 	}
 	if mode(t, agent) != 0o700 || mode(t, zt) != 0o700 {
@@ -40,7 +43,7 @@ func TestEnsureRestore(t *testing.T) {
 	}
 	// A restarted agent finds both existing and private: the ledger keeps
 	// what the first one found.
-	if err := Ensure(agent, zt); err != nil {
+	if err := Ensure(ledgerIn(agent), agent, zt); err != nil {
 		t.Fatal(err)
 	}
 	// The agent's files are its own business; a file somebody else put in
@@ -48,7 +51,7 @@ func TestEnsureRestore(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(zt, "theirs"), nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if err := Restore(agent); err != nil {
+	if err := Restore(ledgerIn(agent)); err != nil {
 		t.Fatal(err)
 	}
 	if exists(agent) || exists(filepath.Dir(agent)) {
@@ -67,24 +70,24 @@ func TestEnsureRestore(t *testing.T) {
 func TestRestoreKeepsWhatIsNotEmptyOrNotNoted(t *testing.T) {
 	root := t.TempDir()
 	agent := filepath.Join(root, "agent")
-	if err := Ensure(agent); err != nil {
+	if err := Ensure(ledgerIn(agent), agent); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.WriteFile(filepath.Join(agent, "foreign"), nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if err := Restore(agent); err != nil {
+	if err := Restore(ledgerIn(agent)); err != nil {
 		t.Fatal(err)
 	}
-	if !exists(filepath.Join(agent, "foreign")) || exists(filepath.Join(agent, LedgerName)) {
-		t.Errorf("foreign file kept %v, ledger left %v", exists(filepath.Join(agent, "foreign")), exists(filepath.Join(agent, LedgerName)))
+	if !exists(filepath.Join(agent, "foreign")) || exists(ledgerIn(agent)) {
+		t.Errorf("foreign file kept %v, ledger left %v", exists(filepath.Join(agent, "foreign")), exists(ledgerIn(agent)))
 	}
 
 	other := filepath.Join(root, "other")
 	if err := os.Mkdir(other, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	if err := Restore(other); err != nil || !exists(other) {
+	if err := Restore(ledgerIn(other)); err != nil || !exists(other) {
 		t.Errorf("no ledger: Restore = %v, dir kept %v", err, exists(other))
 	}
 }
@@ -96,13 +99,13 @@ func TestCorruptLedger(t *testing.T) {
 	if err := os.Mkdir(agent, 0o700); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(filepath.Join(agent, LedgerName), []byte("{not json"), 0o600); err != nil {
+	if err := os.WriteFile(ledgerIn(agent), []byte("{not json"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if err := Ensure(agent); err != nil {
+	if err := Ensure(ledgerIn(agent), agent); err != nil {
 		t.Fatal(err)
 	}
-	if err := Restore(agent); err != nil {
+	if err := Restore(ledgerIn(agent)); err != nil {
 		t.Fatal(err)
 	}
 	if !exists(agent) {

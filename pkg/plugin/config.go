@@ -128,10 +128,11 @@ func ParseConfig(stdin []byte) (*Config, error) {
 		// 107: sun_path holds 108 bytes including the terminating NUL.
 		return nil, invalidConfig("agentSocket %q must be a clean absolute path of at most 107 bytes", c.AgentSocket)
 	}
-	c.SnapshotFile = nodefiles.SnapshotPath(c.AgentSocket)
-	c.SpoolDir = nodefiles.SpoolDir(c.AgentSocket)
-	c.AddSpoolDir = nodefiles.AddSpoolDir(c.AgentSocket)
-	c.HeartbeatFile = nodefiles.HeartbeatPath(c.AgentSocket)
+	files := nodefiles.ForSocket(c.AgentSocket)
+	c.SnapshotFile = files.Snapshot()
+	c.SpoolDir = files.DelSpool()
+	c.AddSpoolDir = files.AddSpool()
+	c.HeartbeatFile = files.Heartbeat()
 	if raw.AgentDownAfter != "" {
 		d, err := time.ParseDuration(raw.AgentDownAfter)
 		if err != nil || d <= 0 || d > ambient.MaxAgentDownAfter {

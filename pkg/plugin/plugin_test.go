@@ -245,7 +245,7 @@ func TestAddExcludedNamespaceSkipsAgent(t *testing.T) {
 func writeSnapshot(t *testing.T, dir string, s nodefiles.EnablementSnapshot) {
 	t.Helper()
 	b, _ := json.Marshal(s)
-	if err := os.WriteFile(filepath.Join(dir, nodefiles.SnapshotName), b, 0o600); err != nil {
+	if err := os.WriteFile(nodefiles.InDir(dir).Snapshot(), b, 0o600); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -267,7 +267,7 @@ func TestAddAgentDownFailsClosed(t *testing.T) {
 	if _, err := run(t, check, conf(sock, "1.0.0", extra), k8sArgs); cniCode(t, err) != types.ErrTryAgainLater {
 		t.Errorf("CHECK with agent down: %v; want code 11", err)
 	}
-	if entries, _ := nodefiles.ListAdds(nodefiles.AddSpoolDir(sock)); len(entries) != 0 {
+	if entries, _ := nodefiles.ListAdds(nodefiles.ForSocket(sock).AddSpool()); len(entries) != 0 {
 		t.Errorf("fail-closed recorded a passed-through ADD: %+v", entries)
 	}
 	out, err := run(t, add, conf(sock, "1.0.0", `,"excludedNamespaces":["shop"]`), k8sArgs)
@@ -301,14 +301,14 @@ func runAt(t *testing.T, now time.Time, verb func(*Plugin) func(*skel.CmdArgs) e
 func TestAddAgentDownUsesSnapshot(t *testing.T) {
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "agent.sock")
-	hb := nodefiles.HeartbeatPath(sock)
+	hb := nodefiles.ForSocket(sock).Heartbeat()
 	t0 := time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC)
 	within, past := t0.Add(ambient.DefaultAgentDownAfter-time.Second), t0.Add(ambient.DefaultAgentDownAfter+time.Second)
 	for _, c := range []struct{ name, extra string }{{"default", ""}, {"snapshot", `,"agentUnreachable":"snapshot"`}} {
 		t.Run(c.name, func(t *testing.T) {
 			conf := func(extra string) []byte { return conf(sock, "1.0.0", c.extra+extra) }
-			_ = os.Remove(filepath.Join(dir, nodefiles.SnapshotName))
-			_ = os.RemoveAll(nodefiles.AddSpoolDir(sock))
+			_ = os.Remove(nodefiles.InDir(dir).Snapshot())
+			_ = os.RemoveAll(nodefiles.ForSocket(sock).AddSpool())
 			if err := nodefiles.TouchHeartbeat(hb, t0); err != nil {
 				t.Fatal(err)
 			}
@@ -335,13 +335,13 @@ func TestAddAgentDownUsesSnapshot(t *testing.T) {
 			if out, err := runAt(t, within, add, conf(`,"agentDownAfter":"30s"`), k8sArgs); err != nil || !jsonEqual(t, out, prevV1) {
 				t.Errorf("agentDownAfter 30s, heartbeat older: %q, %v", out, err)
 			}
-			_ = os.RemoveAll(nodefiles.AddSpoolDir(sock))
+			_ = os.RemoveAll(nodefiles.ForSocket(sock).AddSpool())
 			// The snapshot's write time counts as a sign of life too.
 			writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 5, EnabledNamespaces: []string{"other"}, Written: past.Add(-time.Minute)})
 			if _, err = runAt(t, past, add, conf(""), k8sArgs); cniCode(t, err) != types.ErrTryAgainLater {
 				t.Errorf("snapshot written within the window gave %v", err)
 			}
-			if entries, _ := nodefiles.ListAdds(nodefiles.AddSpoolDir(sock)); len(entries) != 0 {
+			if entries, _ := nodefiles.ListAdds(nodefiles.ForSocket(sock).AddSpool()); len(entries) != 0 {
 				t.Errorf("a failed-closed ADD was recorded: %+v", entries)
 			}
 			writeSnapshot(t, dir, nodefiles.EnablementSnapshot{Generation: 5, EnabledNamespaces: []string{"other"}})
@@ -352,7 +352,7 @@ func TestAddAgentDownUsesSnapshot(t *testing.T) {
 			if _, err := runAt(t, past, check, conf(""), k8sArgs); err != nil {
 				t.Errorf("CHECK, non-enabled namespace, agent gone: %v", err)
 			}
-			entries, err := nodefiles.ListAdds(nodefiles.AddSpoolDir(sock))
+			entries, err := nodefiles.ListAdds(nodefiles.ForSocket(sock).AddSpool())
 			if err != nil || len(entries) != 1 || entries[0].Event == nil {
 				t.Fatalf("ADD spool = %+v, %v", entries, err)
 			}
@@ -384,10 +384,10 @@ func TestAddAgentDownUsesSnapshot(t *testing.T) {
 func TestAddAgentDownSpecialFiles(t *testing.T) {
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "agent.sock")
-	if err := syscall.Mkfifo(filepath.Join(dir, nodefiles.SnapshotName), 0o600); err != nil {
+	if err := syscall.Mkfifo(nodefiles.InDir(dir).Snapshot(), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if err := syscall.Mkfifo(nodefiles.HeartbeatPath(sock), 0o600); err != nil {
+	if err := syscall.Mkfifo(nodefiles.ForSocket(sock).Heartbeat(), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := run(t, add, conf(sock, "1.0.0", ""), k8sArgs); cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "not a regular file") {
@@ -424,7 +424,7 @@ func TestDelSpoolsWhenAgentDown(t *testing.T) {
 			t.Fatalf("DEL with agent down: %v", err)
 		}
 	}
-	entries, err := nodefiles.List(nodefiles.SpoolDir(sock))
+	entries, err := nodefiles.List(nodefiles.ForSocket(sock).DelSpool())
 	if err != nil || len(entries) != 1 || entries[0].Event == nil {
 		t.Fatalf("spool = %+v, %v", entries, err)
 	}
@@ -450,7 +450,7 @@ func TestDelForwarded(t *testing.T) {
 	if evs := a.got(); len(evs) != 1 || evs[0].Command != ambient.CommandDel || evs[0].SandboxID != "sb1" {
 		t.Errorf("agent got %+v", evs)
 	}
-	if entries, _ := nodefiles.List(nodefiles.SpoolDir(a.sock)); len(entries) != 0 {
+	if entries, _ := nodefiles.List(nodefiles.ForSocket(a.sock).DelSpool()); len(entries) != 0 {
 		t.Errorf("DEL spooled although the agent answered")
 	}
 }

@@ -3,7 +3,8 @@
 // renames the socket into place with its final mode, so peers never see the
 // path missing or too open, a stale socket is replaced and any other kind
 // of file is refused; it remembers the file it bound so closing removes the
-// socket only while it is still ours; and it reads peers' credentials.
+// socket only while it is still ours; it reads peers' credentials, and
+// serves HTTP on such a socket to root peers only (RootOnly).
 package unixsock
 
 import (

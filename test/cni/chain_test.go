@@ -215,7 +215,7 @@ func TestChainAgentDown(t *testing.T) {
 	if !n.ourChains(t, web) {
 		t.Fatal("no rules after ADD")
 	}
-	snap, err := os.ReadFile(nodefiles.SnapshotPath(n.sock))
+	snap, err := os.ReadFile(nodefiles.ForSocket(n.sock).Snapshot())
 	if err != nil || !strings.Contains(string(snap), `"shop"`) || strings.Contains(string(snap), `"plain"`) {
 		t.Fatalf("snapshot %s, %v", snap, err)
 	}
@@ -247,7 +247,7 @@ func TestChainAgentDown(t *testing.T) {
 	if err := n.del(web); err != nil {
 		t.Fatalf("DEL with agent down: %v", err)
 	}
-	entries, err := nodefiles.List(nodefiles.SpoolDir(n.sock))
+	entries, err := nodefiles.List(nodefiles.ForSocket(n.sock).DelSpool())
 	if err != nil || len(entries) == 0 {
 		t.Fatalf("spool %+v, %v", entries, err)
 	}
@@ -259,7 +259,7 @@ func TestChainAgentDown(t *testing.T) {
 	if len(n.agent.Pods()) != 0 {
 		t.Errorf("pod not cleaned up after the agent returned: %+v", n.agent.Pods())
 	}
-	if entries, _ := nodefiles.List(nodefiles.SpoolDir(n.sock)); len(entries) != 0 {
+	if entries, _ := nodefiles.List(nodefiles.ForSocket(n.sock).DelSpool()); len(entries) != 0 {
 		t.Errorf("spool not drained: %+v", entries)
 	}
 	// And the runtime's retries succeed.
@@ -277,10 +277,10 @@ func ageNodeFiles(t *testing.T, sock string, snap nodefiles.EnablementSnapshot) 
 	t.Helper()
 	old := time.Now().Add(-time.Hour)
 	snap.Generation, snap.Written = 1000, old
-	if err := nodefiles.WriteSnapshot(nodefiles.SnapshotPath(sock), &snap); err != nil {
+	if err := nodefiles.WriteSnapshot(nodefiles.ForSocket(sock).Snapshot(), &snap); err != nil {
 		t.Fatal(err)
 	}
-	if err := nodefiles.TouchHeartbeat(nodefiles.HeartbeatPath(sock), old); err != nil {
+	if err := nodefiles.TouchHeartbeat(nodefiles.ForSocket(sock).Heartbeat(), old); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -301,7 +301,7 @@ func TestChainAgentDownSnapshot(t *testing.T) {
 	// The test's agent object still follows the cluster; a gone agent
 	// would not have seen this pod: its snapshot says no pod-level use.
 	poll.Until(t, "snapshot refreshed for the labelled pod", func() bool {
-		s, err := nodefiles.ReadSnapshot(nodefiles.SnapshotPath(n.sock))
+		s, err := nodefiles.ReadSnapshot(nodefiles.ForSocket(n.sock).Snapshot())
 		return err == nil && s.PodLevelEnablement
 	})
 	ageNodeFiles(t, n.sock, nodefiles.EnablementSnapshot{EnabledNamespaces: []string{"shop"}, ExcludedNamespaces: []string{"kube-system"}})
@@ -320,7 +320,7 @@ func TestChainAgentDownSnapshot(t *testing.T) {
 	if n.ourChains(t, plain) || n.ourChains(t, late) {
 		t.Errorf("pass-through pod got rules")
 	}
-	if e, err := nodefiles.ListAdds(nodefiles.AddSpoolDir(n.sock)); err != nil || len(e) != 2 {
+	if e, err := nodefiles.ListAdds(nodefiles.ForSocket(n.sock).AddSpool()); err != nil || len(e) != 2 {
 		t.Errorf("ADD spool %+v, %v; want the two passed-through pods", e, err)
 	}
 
@@ -333,7 +333,7 @@ func TestChainAgentDownSnapshot(t *testing.T) {
 
 	// The agent returns: the labelled pod is captured, the other forgotten.
 	n.startAgent()
-	poll.Until(t, "ADD spool re-checked", func() bool { e, _ := nodefiles.ListAdds(nodefiles.AddSpoolDir(n.sock)); return len(e) == 0 })
+	poll.Until(t, "ADD spool re-checked", func() bool { e, _ := nodefiles.ListAdds(nodefiles.ForSocket(n.sock).AddSpool()); return len(e) == 0 })
 	if !n.ourChains(t, late) {
 		t.Errorf("pod opted in while the agent was gone not captured on its return")
 	}
@@ -481,7 +481,7 @@ func TestChainNoZtunnelIsRetryable(t *testing.T) {
 	t.Cleanup(func() { cancel(); <-done })
 	agent, err := nodeagent.NewAgent(nodeagent.Config{
 		Rules: n.rules, Ztunnel: zs, ZtunnelTimeout: 300 * time.Millisecond,
-		SnapshotFile: nodefiles.SnapshotPath(n.sock), SpoolDir: nodefiles.SpoolDir(n.sock), RecordDir: nodeagent.RecordDir(n.sock),
+		SnapshotFile: nodefiles.ForSocket(n.sock).Snapshot(), SpoolDir: nodefiles.ForSocket(n.sock).DelSpool(), RecordDir: nodefiles.ForSocket(n.sock).Records(),
 	})
 	if err != nil {
 		t.Fatal(err)

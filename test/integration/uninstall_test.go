@@ -6,7 +6,7 @@ import (
 	"slices"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/pkg/nodedirs"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
@@ -85,7 +85,7 @@ func TestUninstallTellsZtunnelAndLeavesNothing(t *testing.T) {
 	if got := names(des); !slices.Equal(got, []string{"theirs"}) {
 		t.Errorf("a directory that existed holds %v after the uninstall, want only what was there (theirs)", got)
 	}
-	if _, err := os.Stat(filepath.Join(agentDir, nodedirs.LedgerName)); !os.IsNotExist(err) {
+	if _, err := os.Stat(nodefiles.InDir(agentDir).NodeDirsLedger()); !os.IsNotExist(err) {
 		t.Errorf("ledger left: %v", err)
 	}
 }

@@ -21,6 +21,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"sigs.k8s.io/yaml"
 
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/health"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
@@ -157,7 +158,7 @@ const AgentMetricsPort = health.DefaultMetricsPort
 // AgentDebugSocket is the agent's root-only debug socket on the host (the
 // chart's agent.socketDir is a hostPath).
 func (n *Node) AgentDebugSocket() string {
-	return filepath.Join(n.AgentSocketDir(), health.DebugSocketName)
+	return nodefiles.InDir(n.AgentSocketDir()).DebugSocket()
 }
 
 // AgentGet GETs a path of the agent where the chart serves it: /metrics

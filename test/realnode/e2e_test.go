@@ -719,7 +719,7 @@ func (e *e2e) testDeleteRunsDEL(t *testing.T) {
 		t.Error("ztunnel got no Del for the pod")
 	}
 	e.agentForgot(t, p.UID, p.Status.PodIP)
-	spool, _ := os.ReadDir(nodefiles.SpoolDir(e.n.AgentSocket()))
+	spool, _ := os.ReadDir(nodefiles.ForSocket(e.n.AgentSocket()).DelSpool())
 	if len(spool) > 0 {
 		t.Errorf("DELs spooled (the plugin could not reach the agent): %v", spool)
 	}

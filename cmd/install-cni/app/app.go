@@ -110,10 +110,6 @@ type Options struct {
 	AgentHook func(*nodeagent.Config)
 }
 
-// installerStateName is the installer's state file, kept beside the agent
-// socket (a root-only host directory that outlives the container).
-const installerStateName = "installer-state.json"
-
 // shutdownTimeout bounds the upgrade check and the uninstall at shutdown.
 const shutdownTimeout = 10 * time.Second
 
@@ -188,10 +184,11 @@ func New(o Options) (*App, error) {
 		return nil, err
 	}
 	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
+	layout := nodefiles.ForSocket(c.AgentSocket)
 	a.installer, err = installer.New(installer.Config{
 		BinDir: c.CNIBinDir, ConfDir: c.CNIConfDir, PluginBinary: c.PluginBinary, PluginName: c.PluginType,
 		PrimaryConfName: c.CNIConfName, PluginConfig: entry,
-		StateFile:   filepath.Join(filepath.Dir(c.AgentSocket), installerStateName),
+		StateFile:   layout.InstallerState(),
 		OnReinstall: m.InstallerReinstalls.Inc,
 		// Said on the agent's own pod, where kubectl describe shows why
 		// it is not ready.
@@ -242,11 +239,11 @@ func New(o Options) (*App, error) {
 		ZtunnelTimeout:     c.ZtunnelWait,
 		Annotator:          kubeadapter.Annotator{Client: o.Client},
 		Pods:               a.pods,
-		RecordDir:          nodeagent.RecordDir(c.AgentSocket),
+		RecordDir:          layout.Records(),
 		Netns:              netnsPolicy,
 		Enablement:         a.pods,
-		SnapshotFile:       nodefiles.SnapshotPath(c.AgentSocket),
-		SpoolDir:           nodefiles.SpoolDir(c.AgentSocket),
+		SnapshotFile:       layout.Snapshot(),
+		SpoolDir:           layout.DelSpool(),
 		ExcludedNamespaces: nonNil(c.ExcludedNamespaces),
 		DNSCapture:         c.DNSCapture,
 		ProbeSNATv4:        c.ProbeSNATv4,
@@ -268,8 +265,7 @@ func New(o Options) (*App, error) {
 	// controller (decide, find, capture).
 	a.server = nodeagent.NewServer(nodeagent.ServerConfig{
 		Socket: c.AgentSocket, Netns: netnsPolicy,
-		// Answer the plugin before its own timeout fires.
-		HandlerTimeout: c.PluginTimeout - time.Second,
+		HandlerTimeout: ambient.HandlerTimeout(c.PluginTimeout),
 		Observe: func(verb, result string, took time.Duration) {
 			m.ObserveRequest(verb, result, nodeagent.ResultStatus(result), took)
 		},
@@ -350,10 +346,10 @@ func (a *App) Agent() *nodeagent.Agent { return a.agent }
 // (nothing yet), "present", "being deleted" or "deleted".
 func (a *App) DaemonSetSeen() string { return a.upgrade.Seen() }
 
-// DebugSocket is where the debug endpoints are served: debug.sock in the
-// agent socket's (root-only) directory.
+// DebugSocket is where the debug endpoints are served: in the agent
+// socket's (root-only) directory.
 func (a *App) DebugSocket() string {
-	return filepath.Join(filepath.Dir(a.cfg.AgentSocket), health.DebugSocketName)
+	return nodefiles.ForSocket(a.cfg.AgentSocket).DebugSocket()
 }
 
 // RulesBackend names the rules backend in use ("nftables", "iptables-nft"
@@ -382,7 +378,8 @@ func (a *App) Run(ctx context.Context) (err error) {
 	}()
 	// Private directories for the sockets and the node files, noted as
 	// found so an uninstall leaves them as they were.
-	if err := nodedirs.Ensure(filepath.Dir(c.AgentSocket), filepath.Dir(c.ZDSSocket)); err != nil {
+	layout := nodefiles.ForSocket(c.AgentSocket)
+	if err := nodedirs.Ensure(layout.NodeDirsLedger(), layout.Dir(), filepath.Dir(c.ZDSSocket)); err != nil {
 		return err
 	}
 	if err := a.agent.EnsureHostProbe(); err != nil {
@@ -633,6 +630,7 @@ func (a *App) shutdown(stopZtunnel func()) error {
 		errs = append(errs, fmt.Errorf("installer shutdown: %w", err))
 	}
 	if !upgrade {
+		layout := nodefiles.ForSocket(a.cfg.AgentSocket)
 		if err := a.agent.RemoveHostProbe(); err != nil {
 			errs = append(errs, err)
 		}
@@ -641,13 +639,13 @@ func (a *App) shutdown(stopZtunnel func()) error {
 		}
 		// The plugin's side of the agent-down fallback: unchained now, so
 		// neither the heartbeat nor the ADD spool has a reader left.
-		if err := nodefiles.RemoveHeartbeat(nodefiles.HeartbeatPath(a.cfg.AgentSocket)); err != nil {
+		if err := nodefiles.RemoveHeartbeat(layout.Heartbeat()); err != nil {
 			errs = append(errs, err)
 		}
-		if err := os.RemoveAll(nodefiles.AddSpoolDir(a.cfg.AgentSocket)); err != nil {
+		if err := os.RemoveAll(layout.AddSpool()); err != nil {
 			errs = append(errs, fmt.Errorf("remove ADD spool: %w", err))
 		}
-		if err := nodedirs.Restore(filepath.Dir(a.cfg.AgentSocket)); err != nil {
+		if err := nodedirs.Restore(layout.NodeDirsLedger()); err != nil {
 			errs = append(errs, err)
 		}
 	}

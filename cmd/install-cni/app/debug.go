@@ -9,11 +9,10 @@ import (
 	"net"
 	"net/http"
 	"net/url"
-	"path/filepath"
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/health"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 )
 
 // DebugUsage is the help of `install-cni debug`.
@@ -127,7 +126,7 @@ func ProbeMain(args []string, getenv func(string) string, stdout, stderr io.Writ
 // the answer's body to out and returns its status code. Tests use it to
 // read the agent's health as kubelet's exec probes do.
 func AskAgent(ctx context.Context, agentSocket, path string, timeout time.Duration, out io.Writer) (int, error) {
-	debugSock := filepath.Join(filepath.Dir(agentSocket), health.DebugSocketName)
+	debugSock := nodefiles.ForSocket(agentSocket).DebugSocket()
 	client := &http.Client{
 		Timeout: timeout,
 		Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {

@@ -8,12 +8,6 @@ import (
 	"time"
 )
 
-// HeartbeatPath is where the agent's heartbeat lives for an agent socket
-// path.
-func HeartbeatPath(socket string) string {
-	return filepath.Join(filepath.Dir(socket), HeartbeatName)
-}
-
 // HeartbeatInterval is how often a serving agent refreshes its heartbeat;
 // well below DefaultAgentDownAfter so one late refresh is not an outage.
 const HeartbeatInterval = 15 * time.Second

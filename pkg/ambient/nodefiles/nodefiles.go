@@ -4,7 +4,7 @@
 // the heartbeat that tells the plugin how long ago the agent was alive, and
 // the spools of requests the plugin records meanwhile for the agent: DELs
 // it replays, and ADDs of pods let through uncaptured, which it re-checks.
-// Their paths, formats, readers and writers. The plugin binary imports it,
+// Their paths (Layout), formats, readers and writers. The plugin binary imports it,
 // so it stays small.
 package nodefiles
 
@@ -23,15 +23,6 @@ import (
 )
 
 const (
-	// SnapshotName is the enablement snapshot's file name in the socket dir.
-	SnapshotName = "enablement.json"
-	// SpoolName is the DEL spool's directory name in the socket dir.
-	SpoolName = "pending-del"
-	// AddSpoolName is the directory, in the socket dir, of the ADDs the
-	// plugin let through while the agent was gone.
-	AddSpoolName = "pending-add"
-	// HeartbeatName is the heartbeat file's name in the socket dir.
-	HeartbeatName = "agent-alive"
 	// spoolSuffix marks complete spool entries; temp files lack it.
 	spoolSuffix = ".json"
 	// maxEntryBytes bounds one spool entry; a PodEvent is far smaller.
@@ -40,22 +31,6 @@ const (
 	// flooded spool cannot exhaust the agent's memory at startup.
 	maxEntries = 10000
 )
-
-// SnapshotPath is where the snapshot lives for an agent socket path.
-func SnapshotPath(socket string) string {
-	return filepath.Join(filepath.Dir(socket), SnapshotName)
-}
-
-// SpoolDir is where DEL requests are spooled for an agent socket path.
-func SpoolDir(socket string) string {
-	return filepath.Join(filepath.Dir(socket), SpoolName)
-}
-
-// AddSpoolDir is where the plugin records the ADDs it let through without
-// the agent, for an agent socket path.
-func AddSpoolDir(socket string) string {
-	return filepath.Join(filepath.Dir(socket), AddSpoolName)
-}
 
 // validEntryName reports whether id can name a spool file: the CNI spec
 // restricts container ids to this alphabet, and it keeps a hostile id from

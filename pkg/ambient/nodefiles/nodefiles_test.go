@@ -13,12 +13,34 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 )
 
+// TestPaths: the run directory's files are where the plugin, the agent,
+// the chart and the docs expect them; changing one is an upgrade hazard.
 func TestPaths(t *testing.T) {
-	if SnapshotPath(ambient.DefaultAgentSocket) != "/var/run/ambient-cni/enablement.json" {
-		t.Errorf("default snapshot path %s", SnapshotPath(ambient.DefaultAgentSocket))
+	d := Default()
+	for got, want := range map[string]string{
+		d.Dir():            "/var/run/ambient-cni",
+		d.AgentSocket():    "/var/run/ambient-cni/agent.sock",
+		d.DebugSocket():    "/var/run/ambient-cni/debug.sock",
+		d.Snapshot():       "/var/run/ambient-cni/enablement.json",
+		d.Heartbeat():      "/var/run/ambient-cni/agent-alive",
+		d.DelSpool():       "/var/run/ambient-cni/pending-del",
+		d.AddSpool():       "/var/run/ambient-cni/pending-add",
+		d.Records():        "/var/run/ambient-cni/captured",
+		d.NodeDirsLedger(): "/var/run/ambient-cni/node-dirs.json",
+		d.InstallerState(): "/var/run/ambient-cni/installer-state.json",
+	} {
+		if got != want {
+			t.Errorf("got %s, want %s", got, want)
+		}
 	}
-	if SpoolDir("/run/a/agent.sock") != "/run/a/pending-del" {
-		t.Errorf("spool dir %s", SpoolDir("/run/a/agent.sock"))
+	if got := ForSocket("/run/a/x.sock").DelSpool(); got != "/run/a/pending-del" {
+		t.Errorf("spool dir %s", got)
+	}
+	if got := InDir("/run/a").AgentSocket(); got != "/run/a/agent.sock" {
+		t.Errorf("socket in dir %s", got)
+	}
+	if Default() != ForSocket(ambient.DefaultAgentSocket) {
+		t.Error("Default is not the layout of the default socket")
 	}
 }
 
@@ -96,7 +118,7 @@ func TestAddSpool(t *testing.T) {
 // special files are errors, never a block.
 func TestHeartbeat(t *testing.T) {
 	dir := t.TempDir()
-	p := HeartbeatPath(filepath.Join(dir, "sub", "agent.sock"))
+	p := InDir(filepath.Join(dir, "sub")).Heartbeat()
 	if _, err := LastAlive(p); err == nil {
 		t.Error("missing heartbeat read")
 	}

@@ -1,4 +1,4 @@
-// Command cni-plugin is the thin chained CNI plugin the container runtime
+// Command ambient-cni is the thin chained CNI plugin the container runtime
 // execs for every pod; it hands each pod to the ambient node agent. All its
 // logic lives in pkg/plugin.
 package main
