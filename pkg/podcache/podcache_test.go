@@ -75,7 +75,7 @@ func TestDecide(t *testing.T) {
 		podUID        types.UID
 		want          enablement.Decision
 	}{
-		{"shop", "a", "u-a", "u-a", enablement.Decision{Enroll: true, Reason: enablement.ReasonNamespaceLabel}},
+		{"shop", "a", "u-a", "u-a", enablement.Decision{Enroll: true, Reason: enablement.ReasonNamespaceLabel, Selector: 2}},
 		{"kube-system", "dns", "", "u-dns", enablement.Decision{Enroll: false, Reason: enablement.ReasonExcludedNamespace}},
 		{self.Namespace, self.Name, "", "u-self", enablement.Decision{Enroll: false, Reason: enablement.ReasonDataPlanePod}},
 	} {
