@@ -19,10 +19,11 @@ import (
 // rules backend runs as shipped too (auto); pkg/rulesbackend's matrix
 // covers every backend.
 var harnessSettings = map[string]string{
-	"pod-namespace": "a namespace per node (simnode sets it), so one node's DaemonSet never makes another's shutdown an upgrade",
-	"health-addr":   "a free loopback port: several agents run in one test process",
-	"metrics-addr":  "a free loopback port: several agents run in one test process",
-	"ztunnel-wait":  "only TestZtunnelHandoff shortens it, to time the wait without a stand-in",
+	"pod-namespace":       "a namespace per node (simnode sets it), so one node's DaemonSet never makes another's shutdown an upgrade",
+	"health-addr":         "a free loopback port: several agents run in one test process",
+	"metrics-addr":        "a free loopback port: several agents run in one test process",
+	"ztunnel-wait":        "only TestZtunnelHandoff shortens it, to time the wait without a stand-in",
+	"enablement-selector": "only TestEnablementSelectors sets a list of its own, to prove the setting is followed",
 }
 
 // TestHarnessRunsShippedDefaults pins what the suite runs the agent with
@@ -37,7 +38,7 @@ func TestHarnessRunsShippedDefaults(t *testing.T) {
 			t.Errorf("the harness may not set %s: it is a tuning setting, run it as shipped", tuning)
 		}
 	}
-	settings := nodeSettings(nodeOptions{ZtunnelWait: time.Second})
+	settings := nodeSettings(nodeOptions{ZtunnelWait: time.Second, EnablementSelector: "[]"})
 	settings["pod-namespace"] = "ns"
 	for name := range settings {
 		if _, ok := harnessSettings[name]; !ok {

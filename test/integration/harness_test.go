@@ -82,6 +82,9 @@ type nodeOptions struct {
 	// injection; see crash_test.go). Not a setting: the agent's flags stay
 	// the shipped ones.
 	AgentHook func(*nodeagent.Config)
+	// EnablementSelector is the agent's --enablement-selector (default:
+	// the chart's, Istio's list).
+	EnablementSelector string
 }
 
 // node is one simulated Kubernetes node: a bridge pod network whose
@@ -227,6 +230,9 @@ func nodeSettings(opts nodeOptions) map[string]string {
 	}
 	if opts.ZtunnelWait > 0 {
 		s["ztunnel-wait"] = opts.ZtunnelWait.String()
+	}
+	if opts.EnablementSelector != "" {
+		s["enablement-selector"] = opts.EnablementSelector
 	}
 	return s
 }

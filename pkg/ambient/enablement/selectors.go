@@ -3,7 +3,9 @@ package enablement
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"reflect"
+	"slices"
 	"strings"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -94,9 +96,7 @@ func CompileSelectors(entries []SelectorEntry) (*Selectors, error) {
 			pod: pod, ns: ns, anyNamespace: ns.Empty(), needsPodLabels: !pod.Matches(labels.Set{}),
 		})
 	}
-	for k := range keys {
-		s.nsKeys = append(s.nsKeys, k)
-	}
+	s.nsKeys = slices.Sorted(maps.Keys(keys))
 	return s, nil
 }
 
