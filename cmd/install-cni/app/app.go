@@ -552,6 +552,14 @@ func (a *App) shutdown(stopZtunnel func()) error {
 		if err := a.agent.RemoveNodeFiles(); err != nil {
 			errs = append(errs, err)
 		}
+		// The plugin's side of the agent-down fallback: unchained now, so
+		// neither the heartbeat nor the ADD spool has a reader left.
+		if err := nodefiles.RemoveHeartbeat(nodefiles.HeartbeatPath(a.cfg.AgentSocket)); err != nil {
+			errs = append(errs, err)
+		}
+		if err := os.RemoveAll(nodefiles.AddSpoolDir(a.cfg.AgentSocket)); err != nil {
+			errs = append(errs, fmt.Errorf("remove ADD spool: %w", err))
+		}
 		if err := nodedirs.Restore(filepath.Dir(a.cfg.AgentSocket)); err != nil {
 			errs = append(errs, err)
 		}
