@@ -22,7 +22,7 @@ KEEP          ?=
 PLUGIN_LDFLAGS := -s -w
 AGENT_LDFLAGS  := -s -w
 
-.PHONY: archcheck check all build tools node-tools bench test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: archcheck check all build tools node-tools bench bench-scale test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -47,10 +47,18 @@ bench: AGENT_LDFLAGS := $(if $(filter 1 true,$(BENCH_PROFILE)),,-s -w)
 bench: build tools ## as root: measure the shipped binaries with the chart's defaults, print one table (docs/performance.md); JSON in .bench/; BENCH_QUICK=1 for a smoke run, BENCH_PROFILE=1 to attach perf
 	$(GO) run ./test/bench/cmd/bench -install-cni $(BIN)/install-cni -plugin $(BIN)/ambient-cni -out $(BENCH_OUT)
 
+bench-scale: build tools ## as root: the agent's RSS idle and with 10,000 namespaces (10 KiB of annotations each) and 20,000 pods of other nodes in the API server, against its targets (docs/performance.md); BENCH_QUICK=1 for a smoke run
+	$(GO) run ./test/bench/cmd/bench -scale -install-cni $(BIN)/install-cni -plugin $(BIN)/ambient-cni -out $(BENCH_OUT)
+
 check: lint test test-long e2e ## as root: everything CI runs (.ci/run runs exactly this)
 
-test: tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures)
-	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...
+# The suite must leave a real node's paths (/var/run/ambient-cni,
+# /etc/cni/net.d, /opt/cni/bin, /var/run/ztunnel) as it found them:
+# hack/node-paths.sh lists them before and compares after.
+test: tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures); fails if a test touched a real node's paths
+	@snap=$$(mktemp); hack/node-paths.sh snapshot $$snap; \
+	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...; rc=$$?; \
+	hack/node-paths.sh check $$snap || rc=1; rm -f $$snap; exit $$rc
 
 # The fault-injection suite (test/chaos, docs/reliability.md) takes
 # minutes (its scenarios run side by side, each in a network namespace of

@@ -6,18 +6,25 @@ package main
 
 import (
 	"fmt"
+	"io"
 	"os"
 
 	"github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
 )
 
 func main() {
-	if len(os.Args) > 1 && os.Args[1] == "debug" {
-		if err := app.DebugMain(os.Args[2:], os.Getenv, os.Stdout, os.Stderr); err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			os.Exit(1)
+	if len(os.Args) > 1 {
+		sub := map[string]func([]string, func(string) string, io.Writer, io.Writer) error{
+			"debug": app.DebugMain,
+			"probe": app.ProbeMain,
+		}[os.Args[1]]
+		if sub != nil {
+			if err := sub(os.Args[2:], os.Getenv, os.Stdout, os.Stderr); err != nil {
+				fmt.Fprintln(os.Stderr, err)
+				os.Exit(1)
+			}
+			return
 		}
-		return
 	}
 	if err := app.Main(os.Args[1:], os.Getenv, os.Stderr); err != nil {
 		fmt.Fprintln(os.Stderr, "install-cni:", err)

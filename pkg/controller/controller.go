@@ -315,7 +315,10 @@ func (c *Controller) processBatch(ctx context.Context) bool {
 		defer found.closeRest()
 	}
 	parallel(ctx, c.cfg.Parallel, works, func(w work) {
-		if err := c.apply(ctx, w, found); err != nil {
+		if err := c.apply(ctx, w, found); errors.Is(err, nodeagent.ErrSandboxTornDown) {
+			// The informer has not seen the pod go yet; retried as usual.
+			c.log.Info("reconcile pod: its sandbox is being torn down", "pod", w.key.String(), "err", err)
+		} else if err != nil {
 			c.log.Warn("reconcile pod", "pod", w.key.String(), "err", err)
 			c.queue.AddRateLimited(w.key)
 			return

@@ -1,11 +1,15 @@
 // Package health serves install-cni's operational endpoints, each only
 // where its audience can reach it:
 //
-//   - /healthz and /readyz (Handler) on the health address, which kubelet
-//     probes: they say ok, or which readiness check fails, and nothing
-//     about any pod;
+//   - /healthz (alias /livez) and /readyz (Handler), which kubelet probes:
+//     they say ok, or which readiness check fails, and nothing about any
+//     pod. They are always served on the root-only debug socket, which the
+//     chart's exec probes ask (install-cni probe), so the agent needs no
+//     host port to be probed; a TCP health address is optional and off by
+//     default;
 //   - /metrics (MetricsHandler) on its own address, for Prometheus: counts
-//     and gauges, no pod names;
+//     and gauges, no pod names. ServeRetrying serves it: a taken port is
+//     reported and retried, never fatal;
 //   - /debug/pods and /debug/explain (Debug) only on a root-only Unix socket
 //     in the agent's private directory (ServeUnix): they name pods, UIDs,
 //     IPs and netns paths, so no pod and nothing on the network may read
@@ -21,6 +25,7 @@ import (
 	"net"
 	"net/http"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -31,13 +36,20 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/unixsock"
 )
 
-// DefaultAddr is where install-cni serves /healthz and /readyz unless told
-// otherwise (the port Istio's node components use for health).
-const DefaultAddr = ":15021"
+// DefaultAddr is the TCP address of /healthz and /readyz unless told
+// otherwise: none. The agent runs in the host network, so any TCP port is a
+// host port another hostNetwork pod (an Istio gateway holds 15021) may
+// take first; kubelet probes the debug socket instead.
+const DefaultAddr = ""
+
+// DefaultMetricsPort is the port of /metrics unless told otherwise: one of
+// our own, clear of every port Istio's components use (15000-15090), so
+// ambient-cni and an Istio install never compete for it on a node.
+const DefaultMetricsPort = 9974
 
 // DefaultMetricsAddr is where install-cni serves /metrics unless told
-// otherwise (the port Istio's CNI node agent exports its metrics on).
-const DefaultMetricsAddr = ":15014"
+// otherwise.
+var DefaultMetricsAddr = ":" + strconv.Itoa(DefaultMetricsPort)
 
 // DebugSocketName is the debug socket's file name in the agent socket's
 // directory.
@@ -84,12 +96,23 @@ func (s *Server) Ready() []string {
 	return failed
 }
 
-// Handler serves /healthz and /readyz, and nothing else.
+// Handler serves /healthz (and /livez, the same), /readyz, and nothing
+// else.
 func (s *Server) Handler() http.Handler {
 	mux := http.NewServeMux()
-	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+	s.register(mux)
+	return mux
+}
+
+// Paths are the endpoints Handler serves.
+var Paths = []string{"/healthz", "/livez", "/readyz"}
+
+func (s *Server) register(mux *http.ServeMux) {
+	live := func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = w.Write([]byte("ok\n"))
-	})
+	}
+	mux.HandleFunc("GET /healthz", live)
+	mux.HandleFunc("GET /livez", live)
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
 		if failed := s.Ready(); len(failed) > 0 {
 			w.WriteHeader(http.StatusServiceUnavailable)
@@ -98,7 +121,6 @@ func (s *Server) Handler() http.Handler {
 		}
 		_, _ = w.Write([]byte("ok\n"))
 	})
-	return mux
 }
 
 // MetricsHandler serves registry on /metrics, and nothing else.
@@ -122,7 +144,10 @@ type Debug struct {
 	Explain func(ctx context.Context, namespace, name string) (any, error)
 	// ExplainAll explains every pod of the node (/debug/explain).
 	ExplainAll func(ctx context.Context) any
-	Logger     *slog.Logger
+	// Health, when set, is also served here (/healthz, /livez, /readyz):
+	// what install-cni probe asks for kubelet's exec probes.
+	Health *Server
+	Logger *slog.Logger
 }
 
 // Handler serves /debug/pods and /debug/explain to root peers only (serve
@@ -146,6 +171,9 @@ func (d Debug) Handler() http.Handler {
 		send(w, code, map[string]string{"error": msg})
 	}
 	mux := http.NewServeMux()
+	if d.Health != nil {
+		d.Health.register(mux)
+	}
 	mux.HandleFunc("GET /debug/pods", func(w http.ResponseWriter, _ *http.Request) {
 		send(w, http.StatusOK, d.Pods())
 	})
@@ -248,4 +276,53 @@ func ServeListener(ctx context.Context, ln net.Listener, h http.Handler) error {
 		return fmt.Errorf("serve on %s: %w", ln.Addr(), err)
 	}
 	return nil
+}
+
+// Retry says how ServeRetrying reports and retries.
+type Retry struct {
+	// Every is the wait between attempts to listen; zero is 30 seconds.
+	Every time.Duration
+	// Bound, when set, is told each bound address.
+	Bound func(net.Addr)
+	// Failed, when set, is told each failure to listen or serve; attempt
+	// counts the failures so far, from 1.
+	Failed func(err error, attempt int)
+}
+
+// ServeRetrying serves h on the TCP address addr until ctx ends, and
+// never fails: when addr cannot be bound (another process holds the port)
+// or serving stops with an error, r.Failed is told and the address is tried
+// again after r.Every. For what is optional to the agent, like /metrics: a
+// taken port must not stop the node agent that pods need.
+func ServeRetrying(ctx context.Context, addr string, h http.Handler, r Retry) {
+	every := r.Every
+	if every <= 0 {
+		every = 30 * time.Second
+	}
+	for attempt := 1; ctx.Err() == nil; {
+		err := func() error {
+			ln, err := ListenTCP(addr)
+			if err != nil {
+				return err
+			}
+			if r.Bound != nil {
+				r.Bound(ln.Addr())
+			}
+			return ServeListener(ctx, ln, h)
+		}()
+		if err == nil || ctx.Err() != nil {
+			return
+		}
+		if r.Failed != nil {
+			r.Failed(err, attempt)
+		}
+		attempt++
+		t := time.NewTimer(every)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+	}
 }

@@ -246,3 +246,58 @@ func TestDebugRefusesNonRootPeer(t *testing.T) {
 		t.Errorf("root peer: %d %q %v", code, body, err)
 	}
 }
+
+// TestServeRetrying: a taken address is reported (not fatal) and retried;
+// once free it is served; ctx ends it.
+func TestServeRetrying(t *testing.T) {
+	holder, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := holder.Addr().String()
+	failed := make(chan error, 100)
+	bound := make(chan string, 1)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		ServeRetrying(ctx, addr, New().Handler(), Retry{
+			Every:  10 * time.Millisecond,
+			Bound:  func(a net.Addr) { bound <- a.String() },
+			Failed: func(err error, _ int) { failed <- err },
+		})
+	}()
+	select {
+	case err := <-failed:
+		if !strings.Contains(err.Error(), addr) {
+			t.Errorf("failure %q does not name %s", err, addr)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("a taken address was not reported")
+	}
+	_ = holder.Close()
+	select {
+	case got := <-bound:
+		if got != addr {
+			t.Errorf("bound %s, want %s", got, addr)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("the address was not bound once free")
+	}
+	var code int
+	deadline := time.Now().Add(time.Minute)
+	for code != 200 && time.Now().Before(deadline) {
+		if code, _ = get(t, "http://"+addr+"/healthz"); code != 200 {
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	if code != 200 {
+		t.Errorf("/healthz on the retried address = %d", code)
+	}
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(time.Minute):
+		t.Fatal("ServeRetrying did not return after ctx ended")
+	}
+}

@@ -33,6 +33,10 @@ type Metrics struct {
 	EnrolledPods *prometheus.GaugeVec
 	// ZtunnelConnections is the number of connected ztunnels.
 	ZtunnelConnections prometheus.Gauge
+	// TrackedPods is how many pods each of the agent's per-pod tables
+	// holds, by table: each returns to its size once those pods are gone
+	// (memory bounded by the pods that exist).
+	TrackedPods *prometheus.GaugeVec
 	// RuleErrors counts failed in-pod rule operations by op (apply, verify, remove).
 	RuleErrors *prometheus.CounterVec
 	// RuleDrift counts verifications that found drift and repaired it.
@@ -79,6 +83,10 @@ func New() *Metrics {
 			Namespace: namespace, Name: "ztunnel_connections",
 			Help: "ztunnel instances connected over ZDS.",
 		}),
+		TrackedPods: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: namespace, Name: "agent_tracked_pods",
+			Help: "Pods held in each of the agent's per-pod tables, by table.",
+		}, []string{"table"}),
 		RuleErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "rule_errors_total",
 			Help: "Failed in-pod rule operations, by operation.",
@@ -108,7 +116,7 @@ func New() *Metrics {
 			Help: "CNI plugin ADD requests handled by the node agent, by response code; istio-cni's name.",
 		}, []string{"response_code"}),
 	}
-	r.MustRegister(m.CNIRequests, m.AddLatency, m.EnrolledPods, m.ZtunnelConnections,
+	r.MustRegister(m.CNIRequests, m.AddLatency, m.EnrolledPods, m.ZtunnelConnections, m.TrackedPods,
 		m.RuleErrors, m.RuleDrift, m.NetnsScans, m.InstallerReinstalls,
 		m.IstioInstallReady, m.IstioZtunnelConnected, m.IstioPluginRequests,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -141,10 +149,11 @@ func (m *Metrics) ObserveRequest(verb, result string, code int, took time.Durati
 const gaugeInterval = 2 * time.Second
 
 // RunGauges keeps EnrolledPods (from pods: count per state),
-// ZtunnelConnections and IstioZtunnelConnected (from ztunnels) and
-// IstioInstallReady (from installed) current, sampling every gaugeInterval
-// until ctx ends.
-func (m *Metrics) RunGauges(ctx context.Context, pods func() map[string]int, ztunnels func() int, installed func() bool) error {
+// ZtunnelConnections and IstioZtunnelConnected (from ztunnels),
+// IstioInstallReady (from installed) and TrackedPods (from tables, when not
+// nil: count per table) current, sampling every gaugeInterval until ctx
+// ends.
+func (m *Metrics) RunGauges(ctx context.Context, pods func() map[string]int, ztunnels func() int, installed func() bool, tables func() map[string]int) error {
 	t := time.NewTicker(gaugeInterval)
 	defer t.Stop()
 	for {
@@ -160,6 +169,11 @@ func (m *Metrics) RunGauges(ctx context.Context, pods func() map[string]int, ztu
 			ready = 1
 		}
 		m.IstioInstallReady.Set(ready)
+		if tables != nil {
+			for table, n := range tables() {
+				m.TrackedPods.WithLabelValues(table).Set(float64(n))
+			}
+		}
 		select {
 		case <-ctx.Done():
 			return nil

@@ -67,7 +67,7 @@ func TestIstioNamesBesideOurs(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	var wg sync.WaitGroup
 	wg.Go(func() {
-		_ = m.RunGauges(ctx, func() map[string]int { return nil }, func() int { return 2 }, func() bool { return true })
+		_ = m.RunGauges(ctx, func() map[string]int { return nil }, func() int { return 2 }, func() bool { return true }, nil)
 	})
 	defer wg.Wait()
 	defer cancel()

@@ -3,6 +3,7 @@ package nodeagent
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net/netip"
 	"sync"
@@ -13,7 +14,6 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
@@ -92,19 +92,19 @@ type Config struct {
 	// Events, when set, gets a Warning on a captured pod whose annotations
 	// the agent ignores because they do not parse.
 	Events EventRecorder
-	// RecordDir holds the capture records (default next to the default
-	// agent socket, RecordDir).
+	// RecordDir holds the capture records (required: RecordDir of the
+	// agent socket).
 	RecordDir string
 	// Netns decides which netns paths of CNI DELs (and spooled DELs) the
 	// agent may open (nil roots: netns.DefaultRoots; and /proc).
 	Netns netns.Policy
 	// Enablement feeds the snapshot file; nil writes no snapshot.
 	Enablement EnablementSource
-	// SnapshotFile is the enablement snapshot path (default next to the
-	// default agent socket).
+	// SnapshotFile is the enablement snapshot path (required:
+	// nodefiles.SnapshotPath of the agent socket).
 	SnapshotFile string
-	// SpoolDir is where the plugin spools DELs (default next to the default
-	// agent socket).
+	// SpoolDir is where the plugin spools DELs (required:
+	// nodefiles.SpoolDir of the agent socket).
 	SpoolDir string
 	// ExcludedNamespaces are recorded in the snapshot (default kube-system).
 	ExcludedNamespaces []string
@@ -225,14 +225,13 @@ func NewAgent(cfg Config) (*Agent, error) {
 	if cfg.ZtunnelTimeout <= 0 {
 		cfg.ZtunnelTimeout = DefaultZtunnelTimeout
 	}
-	if cfg.SnapshotFile == "" {
-		cfg.SnapshotFile = nodefiles.SnapshotPath(ambient.DefaultAgentSocket)
-	}
-	if cfg.SpoolDir == "" {
-		cfg.SpoolDir = nodefiles.SpoolDir(ambient.DefaultAgentSocket)
-	}
-	if cfg.RecordDir == "" {
-		cfg.RecordDir = RecordDir(ambient.DefaultAgentSocket)
+	// The node files have no defaults: a default would be the real node's
+	// directory, which a caller that forgot one (a test) would then write
+	// into, over the running agent's records.
+	for _, p := range []struct{ name, v string }{{"SnapshotFile", cfg.SnapshotFile}, {"SpoolDir", cfg.SpoolDir}, {"RecordDir", cfg.RecordDir}} {
+		if p.v == "" {
+			return nil, fmt.Errorf("nodeagent: %s is required (install-cni derives it from the agent socket)", p.name)
+		}
 	}
 	if cfg.ExcludedNamespaces == nil {
 		cfg.ExcludedNamespaces = []string{ambient.DefaultExcludedNamespace}

@@ -74,7 +74,7 @@ func newHarness(t *testing.T) *harness {
 	}
 	h.agent = a
 	h.run(t)
-	h.srv = NewServer(ServerConfig{}, h.kube.Cache, a)
+	h.srv = NewServer(ServerConfig{Socket: filepath.Join(h.dir, "agent.sock")}, h.kube.Cache, a)
 	h.kube.Start()
 	h.kube.SetNamespace(namespace("shop", true))
 	h.kube.SetNamespace(namespace("plain", false))
@@ -118,7 +118,7 @@ func (h *harness) restart(t *testing.T) {
 		t.Fatal(err)
 	}
 	h.agent = a
-	h.srv = NewServer(ServerConfig{}, h.kube.Cache, a)
+	h.srv = NewServer(ServerConfig{Socket: filepath.Join(h.dir, "agent.sock")}, h.kube.Cache, a)
 	h.run(t)
 }
 
@@ -560,5 +560,32 @@ func TestSandboxReleased(t *testing.T) {
 	}
 	if h.agent.SandboxReleased("u1") {
 		t.Fatal("still released after a new sandbox was captured")
+	}
+}
+
+// TestNodeFilesHaveNoDefaults: an agent configured without its node files
+// is refused, rather than given the real node's directory (where a test
+// that forgot one would write over the running agent's records).
+func TestNodeFilesHaveNoDefaults(t *testing.T) {
+	dir := t.TempDir()
+	full := Config{Rules: &recordedRules{}, SnapshotFile: filepath.Join(dir, "snap"), SpoolDir: filepath.Join(dir, "spool"), RecordDir: filepath.Join(dir, "rec")}
+	if a, err := NewAgent(full); err != nil {
+		t.Fatalf("complete config refused: %v", err)
+	} else {
+		_ = a.Close()
+	}
+	for name, drop := range map[string]func(*Config){
+		"SnapshotFile": func(c *Config) { c.SnapshotFile = "" },
+		"SpoolDir":     func(c *Config) { c.SpoolDir = "" },
+		"RecordDir":    func(c *Config) { c.RecordDir = "" },
+	} {
+		c := full
+		drop(&c)
+		if _, err := NewAgent(c); err == nil || !strings.Contains(err.Error(), name) {
+			t.Errorf("no %s: %v; want an error naming it", name, err)
+		}
+	}
+	if err := NewServer(ServerConfig{}, nil, nil).Listen(); err == nil {
+		t.Error("an event server with no socket listened (on the real node's path?)")
 	}
 }

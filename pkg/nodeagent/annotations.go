@@ -44,7 +44,11 @@ type annotationWriter struct {
 	// wrote (or found) on the object.
 	want    map[types.UID]*wantedAnnotation
 	written map[types.UID]string
-	// idle is closed and replaced whenever want becomes empty (for Flush).
+	// thens counts the then callbacks running: a retired write is done
+	// only once its then ran (a capture record removed, say).
+	thens int
+	// idle is closed and replaced whenever want becomes empty and no then
+	// runs (for Flush).
 	idle chan struct{}
 }
 
@@ -92,6 +96,24 @@ func (w *annotationWriter) forget(uid types.UID) {
 	w.queue.Forget(uid)
 }
 
+// podGone drops what the writer remembers of a pod whose object is gone:
+// the value it last wrote (kept otherwise, see doneLocked). A write still
+// wanted stays: it finds the pod gone and retires itself, running its
+// then.
+func (w *annotationWriter) podGone(uid types.UID) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	delete(w.written, uid)
+}
+
+// sizes is how many pods the writer holds a wanted and a written value
+// for.
+func (w *annotationWriter) sizes() (want, written int) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.want), len(w.written)
+}
+
 // pending is how many pods still wait for a write.
 func (w *annotationWriter) pending() int {
 	w.mu.Lock()
@@ -103,7 +125,7 @@ func (w *annotationWriter) pending() int {
 func (w *annotationWriter) flush(ctx context.Context) error {
 	for {
 		w.mu.Lock()
-		n, ch := len(w.want), w.idle
+		n, ch := len(w.want)+w.thens, w.idle
 		w.mu.Unlock()
 		if n == 0 {
 			return nil
@@ -117,7 +139,7 @@ func (w *annotationWriter) flush(ctx context.Context) error {
 }
 
 func (w *annotationWriter) notifyIdleLocked() {
-	if len(w.want) == 0 {
+	if len(w.want) == 0 && w.thens == 0 {
 		close(w.idle)
 		w.idle = make(chan struct{})
 	}
@@ -203,11 +225,18 @@ func (w *annotationWriter) doneLocked(uid types.UID, want *wantedAnnotation) {
 	// written keeps even a removal: the pod cache may still show the old
 	// value for a while, and must not be trusted for this pod again.
 	delete(w.want, uid)
+	if want.then != nil {
+		w.thens++
+	}
 	w.notifyIdleLocked()
 	w.mu.Unlock()
 	w.queue.Forget(uid)
 	if want.then != nil {
 		want.then()
+		w.mu.Lock()
+		w.thens--
+		w.notifyIdleLocked()
+		w.mu.Unlock()
 	}
 }
 

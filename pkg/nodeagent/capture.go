@@ -48,7 +48,7 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, 
 		// tore down (a process lingers): the pod's next sandbox comes
 		// through its own ADD.
 		_ = ns.Close()
-		return Retryable(fmt.Errorf("netns %s of pod %s/%s belongs to a sandbox the runtime tore down", ns.Source(), pod.Namespace, pod.Name))
+		return Retryable(fmt.Errorf("netns %s of pod %s/%s %w", ns.Source(), pod.Namespace, pod.Name, ErrSandboxTornDown))
 	}
 	a.mu.Lock()
 	old := a.pods[pod.UID]

@@ -6,6 +6,11 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 )
 
+// ErrSandboxTornDown is the controller finding a pod's namespace whose
+// sandbox a CNI DEL just tore down: the pod is going, or its next sandbox
+// comes through its own ADD, so the controller need not warn about it.
+var ErrSandboxTornDown = errors.New("belongs to a sandbox the runtime tore down")
+
 // RetryableError marks a failure that may go away on its own (no ztunnel
 // yet, an API hiccup, a busy xtables lock): the plugin maps it to CNI
 // error 11 so the runtime simply retries.

@@ -123,6 +123,13 @@ func (s *recordStore) write(r Record) error {
 	return nil
 }
 
+// size is how many pods the store knows a record of.
+func (s *recordStore) size() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return max(len(s.known), len(s.gen))
+}
+
 // generation is the pod's current record generation (0: none written by
 // this agent).
 func (s *recordStore) generation(uid types.UID) uint64 {

@@ -28,7 +28,8 @@ import (
 // ServerConfig configures the plugin event server. Zero values take the
 // defaults.
 type ServerConfig struct {
-	// Socket is the Unix socket path (default ambient.DefaultAgentSocket).
+	// Socket is the Unix socket path (required; install-cni passes
+	// ambient.DefaultAgentSocket unless told otherwise).
 	// Its directory is created (or tightened) to 0700, the socket is 0600.
 	Socket string
 	// Netns decides which netns paths from the plugin are accepted: nsfs
@@ -52,9 +53,6 @@ type ServerConfig struct {
 }
 
 func (c ServerConfig) withDefaults() ServerConfig {
-	if c.Socket == "" {
-		c.Socket = ambient.DefaultAgentSocket
-	}
 	if c.HandlerTimeout <= 0 {
 		c.HandlerTimeout = 25 * time.Second
 	}
@@ -130,6 +128,10 @@ func (s *Server) Socket() string { return s.cfg.Socket }
 // Listen makes the socket directory root-only (0700), replaces a stale
 // socket file (never any other kind of file) and listens (socket 0600).
 func (s *Server) Listen() error {
+	if s.cfg.Socket == "" {
+		// No default: it would be the real node's socket.
+		return errors.New("nodeagent: ServerConfig.Socket is required")
+	}
 	ln, err := unixsock.Listen(unixsock.Config{Path: s.cfg.Socket, Net: "unix", Mode: 0o600, PrivateDir: true})
 	if err != nil {
 		return err

@@ -44,6 +44,39 @@ func (a *Agent) noteReleased(uid types.UID) {
 	a.released[uid] = now
 }
 
+// PodGone is told (podcache OnPodDeleted) that uid's object is gone: what
+// the agent remembered of it outside its state (the annotation last
+// written, a released sandbox, torn namespaces) is dropped, so those
+// tables hold only pods that exist, however many come and go (finished
+// Job pods, pods unenrolled then deleted). A pod the agent still holds is
+// released by the controller as before.
+func (a *Agent) PodGone(uid types.UID) {
+	a.annotations.podGone(uid)
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	delete(a.released, uid)
+	for id, m := range a.torn {
+		if m.uid == uid {
+			delete(a.torn, id)
+		}
+	}
+}
+
+// TableSizes is how many pods each of the agent's per-pod tables holds,
+// by table: state (held pods), locks, released, torn, annotations_wanted,
+// annotations_written, records. Exported as a gauge: each must return to
+// its size once the pods it counted are gone.
+func (a *Agent) TableSizes() map[string]int {
+	want, written := a.annotations.sizes()
+	records := a.records.size()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return map[string]int{
+		"state": len(a.pods), "locks": len(a.busy), "released": len(a.released), "torn": len(a.torn),
+		"annotations_wanted": want, "annotations_written": written, "records": records,
+	}
+}
+
 // SandboxReleased reports whether the runtime removed uid's sandbox (CNI
 // DEL) while it was captured and no sandbox of it was captured since. A
 // terminating pod in that state has no network left to capture: the

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/netip"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -79,7 +80,8 @@ func TestRestoreUnresolvedKeepsPod(t *testing.T) {
 		_ = probe.AddIP(netip.MustParseAddr(ip))
 	}
 	rules, zt, ann := newRecordedRules(), &fakeZtunnel{}, &fakeAnnotator{}
-	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, SnapshotFile: t.TempDir() + "/snap"})
+	dir := t.TempDir() // the node files: never the real node's
+	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, SnapshotFile: filepath.Join(dir, "snap"), SpoolDir: filepath.Join(dir, "spool"), RecordDir: filepath.Join(dir, RecordDirName)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -171,7 +173,8 @@ func TestUnresolvedPodInspectAndReleaseAll(t *testing.T) {
 	testnet.RequireRoot(t)
 	probe := &fakeProbe{ips: map[netip.Addr]bool{}}
 	rules, zt, ann := newRecordedRules(), &fakeZtunnel{}, &fakeAnnotator{}
-	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, SnapshotFile: t.TempDir() + "/snap"})
+	dir := t.TempDir() // the node files: never the real node's
+	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, SnapshotFile: filepath.Join(dir, "snap"), SpoolDir: filepath.Join(dir, "spool"), RecordDir: filepath.Join(dir, RecordDirName)})
 	if err != nil {
 		t.Fatal(err)
 	}

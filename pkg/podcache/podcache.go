@@ -54,6 +54,7 @@ type Cache struct {
 	mu           sync.Mutex
 	onChange     []func(types.NamespacedName)
 	onEnablement []func()
+	onDeleted    []func(types.UID)
 }
 
 // New builds the informers; nothing runs until Run.
@@ -69,18 +70,21 @@ func New(cfg Config) *Cache {
 	nsFactory := informers.NewSharedInformerFactory(cfg.Client, 0)
 	podInf := podFactory.Core().V1().Pods()
 	nsInf := nsFactory.Core().V1().Namespaces()
-	// The cache keeps what the agent reads of each object, not the
-	// server-side apply bookkeeping: managedFields are often the larger
-	// part of a Pod.
-	_ = podInf.Informer().SetTransform(dropManagedFields)
-	_ = nsInf.Informer().SetTransform(dropManagedFields)
+	// The cache keeps what the agent reads of each object and nothing
+	// else (trim.go): its memory is bounded by the number of pods and
+	// namespaces, not by what users write into them.
+	_ = podInf.Informer().SetTransform(TrimPod)
+	_ = nsInf.Informer().SetTransform(TrimNamespace)
 	c.pods, c.nss = podInf.Lister(), nsInf.Lister()
 	c.synced = []cache.InformerSynced{podInf.Informer().HasSynced, nsInf.Informer().HasSynced}
 
 	_, _ = podInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(o any) { c.podChanged(o) },
 		UpdateFunc: func(_, o any) { c.podChanged(o) },
-		DeleteFunc: func(o any) { c.podChanged(o) },
+		DeleteFunc: func(o any) {
+			c.podChanged(o)
+			c.podDeleted(o)
+		},
 	})
 	_, _ = nsInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc: func(o any) { c.namespaceChanged(o) },
@@ -118,6 +122,31 @@ func (c *Cache) OnEnablementChange(f func()) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.onEnablement = append(c.onEnablement, f)
+}
+
+// OnPodDeleted registers f to be told the UID of every pod whose object
+// is gone from the API server: what the agent remembers per pod can go
+// then. It runs on an informer goroutine. Register before Run.
+func (c *Cache) OnPodDeleted(f func(uid types.UID)) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.onDeleted = append(c.onDeleted, f)
+}
+
+func (c *Cache) podDeleted(o any) {
+	if t, ok := o.(cache.DeletedFinalStateUnknown); ok {
+		o = t.Obj
+	}
+	p, ok := o.(*corev1.Pod)
+	if !ok {
+		return
+	}
+	c.mu.Lock()
+	fs := c.onDeleted
+	c.mu.Unlock()
+	for _, f := range fs {
+		f(p.UID)
+	}
 }
 
 func (c *Cache) handlers() ([]func(types.NamespacedName), []func()) {
@@ -280,13 +309,4 @@ func (c *Cache) EnablementState() (enabled []string, podLevel bool) {
 		}
 	}
 	return enabled, podLevel
-}
-
-// dropManagedFields is the informers' transform: objects enter the cache
-// without their managedFields.
-func dropManagedFields(o any) (any, error) {
-	if m, ok := o.(metav1.Object); ok {
-		m.SetManagedFields(nil)
-	}
-	return o, nil
 }

@@ -28,7 +28,6 @@ import (
 	"golang.org/x/sys/unix"
 	"golang.org/x/time/rate"
 
-	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/unixsock"
 )
 
@@ -85,7 +84,8 @@ type Workload struct {
 
 // Config configures a Server. Zero values take the defaults.
 type Config struct {
-	// SocketPath is where to listen (default ambient.DefaultZDSSocket).
+	// SocketPath is where to listen (required; install-cni passes
+	// ambient.DefaultZDSSocket unless told otherwise).
 	SocketPath string
 	// Snapshot returns the currently enrolled pods, including those whose
 	// Add is still in flight. It runs on a connection's own goroutine right
@@ -113,9 +113,6 @@ type Config struct {
 }
 
 func (c Config) withDefaults() Config {
-	if c.SocketPath == "" {
-		c.SocketPath = ambient.DefaultZDSSocket
-	}
 	if c.AckTimeout <= 0 {
 		c.AckTimeout = DefaultAckTimeout
 	}
@@ -177,6 +174,10 @@ func (s *Server) Listen() error {
 	}
 	if s.ln != nil {
 		return nil
+	}
+	if s.cfg.SocketPath == "" {
+		// No default: it would be the real node's socket.
+		return errors.New("zds: Config.SocketPath is required")
 	}
 	// Bound under a private name and renamed into place: ztunnel never
 	// sees the path missing, and shutdown never unlinks a newer agent's

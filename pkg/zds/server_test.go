@@ -675,3 +675,11 @@ func TestDrain(t *testing.T) {
 	}
 	p.expectSilence(100 * time.Millisecond) // the barrier sends nothing
 }
+
+// TestSocketPathRequired: no default socket, which would be the real
+// node's ztunnel socket.
+func TestSocketPathRequired(t *testing.T) {
+	if err := NewServer(Config{}).Listen(); err == nil {
+		t.Error("a ZDS server with no socket path listened")
+	}
+}

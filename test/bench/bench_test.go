@@ -191,31 +191,40 @@ func TestAuditLog(t *testing.T) {
 	}
 }
 
-// TestQuickBench runs the harness end to end (BENCH_QUICK: few samples)
-// on binaries built as make build builds them: every figure is produced
-// and nothing is left behind. Figures are not asserted: this machine is
-// shared and busy.
-func TestQuickBench(t *testing.T) {
+// buildBench skips (fails under CI=true) without what the benchmark needs,
+// builds the shipped binaries as make build does into bin and the
+// benchmark command into benchBin, both under the test's tmp.
+func buildBench(t *testing.T) (root, tmp, bin, benchBin string) {
+	t.Helper()
 	if os.Getenv("AMBIENT_UNIT_ONLY") != "" {
-		t.Skip("skipping: runs the whole benchmark, and AMBIENT_UNIT_ONLY is set")
+		t.Skip("skipping: runs the benchmark, and AMBIENT_UNIT_ONLY is set")
 	}
 	testnet.RequireRoot(t)
 	testnet.RequireCommands(t, "make", "go", "iptables-save", "iptables-restore", "ip6tables-restore", "nsenter")
 	for _, tool := range []string{kubeenv.Etcd, kubeenv.KubeAPIServer, kubeenv.Helm} {
 		kubeenv.RequireTool(t, tool)
 	}
-	root := repoRoot(t)
-	tmp := t.TempDir()
-	bin := filepath.Join(tmp, "bin")
+	root = repoRoot(t)
+	tmp = t.TempDir()
+	bin = filepath.Join(tmp, "bin")
 	if out, err := exec.Command("make", "-C", root, "--no-print-directory", "build", "BIN="+bin).CombinedOutput(); err != nil {
 		t.Fatalf("make build: %v\n%s", err, out)
 	}
-	benchBin := filepath.Join(tmp, "bench")
+	benchBin = filepath.Join(tmp, "bench")
 	build := exec.Command("go", "build", "-o", benchBin, "./test/bench/cmd/bench")
 	build.Dir = root
 	if out, err := build.CombinedOutput(); err != nil {
 		t.Fatalf("build the benchmark: %v\n%s", err, out)
 	}
+	return root, tmp, bin, benchBin
+}
+
+// TestQuickBench runs the harness end to end (BENCH_QUICK: few samples)
+// on binaries built as make build builds them: every figure is produced
+// and nothing is left behind. Figures are not asserted: this machine is
+// shared and busy.
+func TestQuickBench(t *testing.T) {
+	root, tmp, bin, benchBin := buildBench(t)
 	out := filepath.Join(tmp, "out")
 	cmd := exec.Command(benchBin, "-quick", "-out", out,
 		"-install-cni", filepath.Join(bin, "install-cni"), "-plugin", filepath.Join(bin, "ambient-cni"))

@@ -674,14 +674,21 @@ type Memory struct {
 
 // memory reads VmRSS and the Go runtime's view from /metrics.
 func (r *backendRun) memory() (Memory, error) {
-	st, err := ReadStatus(r.agent.Pid(), "VmRSS", "RssAnon", "RssFile")
+	return ReadMemory(r.agent.Pid(), r.metricsURL)
+}
+
+// ReadMemory reads pid's VmRSS, RssAnon and RssFile, and the Go runtime's
+// view from the agent's /metrics at metricsURL (a bonus: left zero when
+// the scrape fails).
+func ReadMemory(pid int, metricsURL string) (Memory, error) {
+	st, err := ReadStatus(pid, "VmRSS", "RssAnon", "RssFile")
 	if err != nil {
 		return Memory{}, err
 	}
 	m := Memory{
 		RSSMiB: float64(st["VmRSS"]) / (1 << 20), AnonMiB: float64(st["RssAnon"]) / (1 << 20), FileMiB: float64(st["RssFile"]) / (1 << 20),
 	}
-	vals, err := Scrape(r.metricsURL, "go_memstats_heap_inuse_bytes", "go_memstats_stack_inuse_bytes", "go_memstats_sys_bytes", "go_goroutines")
+	vals, err := Scrape(metricsURL, "go_memstats_heap_inuse_bytes", "go_memstats_stack_inuse_bytes", "go_memstats_sys_bytes", "go_goroutines")
 	if err != nil {
 		return m, nil // RSS is the figure; the breakdown is a bonus
 	}

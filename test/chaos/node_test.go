@@ -185,10 +185,6 @@ func (n *node) crashes() []string {
 // agentStarts is how many agent processes were started.
 func (n *node) agentStarts() int { return n.sim.AgentStarts() }
 
-// stopAgent stops the agent as the kubelet would (SIGTERM); with no
-// DaemonSet in the API this is an uninstall.
-func (n *node) stopAgent() error { return n.sim.StopAgent() }
-
 // agentPID is the current agent's pid; the test fails if it is not
 // running.
 func (n *node) agentPID() int {

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/netip"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -94,6 +95,10 @@ func TestSoak(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	baseTables, err := n.trackedPods()
+	if err != nil {
+		t.Fatal(err)
+	}
 	t.Logf("after %d warm-up cycles (%v): agent %s", soakWarmup, time.Since(start).Round(time.Second), base)
 
 	start = time.Now()
@@ -125,7 +130,61 @@ func TestSoak(t *testing.T) {
 	if after.heap > base.heap+soakHeapSlack {
 		t.Errorf("Go heap in use: %.1f MiB after the warm-up, %.1f MiB after %d cycles", base.heap/(1<<20), after.heap/(1<<20), soakCycles)
 	}
+	// Every per-pod table of the agent is back at its size after the
+	// warm-up: the same pods exist, so nothing may have piled up. The
+	// gauge is sampled every few seconds, hence the wait.
+	var tables map[string]float64
+	deadline := time.Now().Add(time.Minute)
+	for {
+		if tables, err = n.trackedPods(); err != nil {
+			t.Fatal(err)
+		}
+		grown := ""
+		for table, v := range tables {
+			if v > baseTables[table] {
+				grown += fmt.Sprintf(" %s %v -> %v", table, baseTables[table], v)
+			}
+		}
+		if grown == "" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("per-pod tables grew over %d cycles:%s", soakCycles, grown)
+			break
+		}
+		time.Sleep(time.Second)
+	}
+	t.Logf("per-pod tables after the warm-up %v, after the cycles %v", baseTables, tables)
 	s.requireNothingLeft(ctx, t, amb, plain)
+}
+
+// trackedPodsSeries is one table's size in the agent's /metrics.
+var trackedPodsSeries = regexp.MustCompile(`(?m)^ambient_cni_agent_tracked_pods\{table="([a-z_]+)"\} (\S+)$`)
+
+// trackedPods reads the agent's per-pod table sizes from its /metrics.
+func (n *node) trackedPods() (map[string]float64, error) {
+	c := &http.Client{Timeout: 10 * time.Second}
+	resp, err := c.Get(n.metricsURL() + "/metrics")
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]float64{}
+	for _, m := range trackedPodsSeries.FindAllStringSubmatch(string(b), -1) {
+		v, err := strconv.ParseFloat(m[2], 64)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", m[0], err)
+		}
+		out[m[1]] = v
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("no ambient_cni_agent_tracked_pods series in /metrics")
+	}
+	return out, nil
 }
 
 // soaker runs ADD/DEL cycles.

@@ -481,7 +481,7 @@ func TestChainNoZtunnelIsRetryable(t *testing.T) {
 	t.Cleanup(func() { cancel(); <-done })
 	agent, err := nodeagent.NewAgent(nodeagent.Config{
 		Rules: n.rules, Ztunnel: zs, ZtunnelTimeout: 300 * time.Millisecond,
-		SnapshotFile: nodefiles.SnapshotPath(n.sock), SpoolDir: nodefiles.SpoolDir(n.sock),
+		SnapshotFile: nodefiles.SnapshotPath(n.sock), SpoolDir: nodefiles.SpoolDir(n.sock), RecordDir: nodeagent.RecordDir(n.sock),
 	})
 	if err != nil {
 		t.Fatal(err)

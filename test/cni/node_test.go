@@ -181,7 +181,7 @@ func newNode(t testing.TB, cniVersion string, extra map[string]any) *node {
 	n.rules = iptables.NewApplier(log, backend)
 	n.agent, err = nodeagent.NewAgent(nodeagent.Config{
 		Rules: n.rules, Enablement: n.kube.Cache, Logger: log,
-		SnapshotFile: nodefiles.SnapshotPath(n.sock), SpoolDir: nodefiles.SpoolDir(n.sock),
+		SnapshotFile: nodefiles.SnapshotPath(n.sock), SpoolDir: nodefiles.SpoolDir(n.sock), RecordDir: nodeagent.RecordDir(n.sock),
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -399,23 +399,48 @@ func TestDaemonSetShape(t *testing.T) {
 		t.Errorf("privilege escalation allowed")
 	}
 
-	rp := ctr.ReadinessProbe
-	if rp == nil || rp.HTTPGet == nil || rp.HTTPGet.Path != "/readyz" {
-		t.Fatalf("readiness probe %+v: want GET /readyz", rp)
-	}
-	var port int32
-	for _, p := range ctr.Ports {
-		if p.Name == rp.HTTPGet.Port.String() || p.ContainerPort == rp.HTTPGet.Port.IntVal {
-			port = p.ContainerPort
+	// Both probes exec install-cni probe, which asks the debug socket:
+	// the agent holds no health port another hostNetwork pod could take.
+	for which, p := range map[string]*corev1.Probe{"ready": ctr.ReadinessProbe, "live": ctr.LivenessProbe} {
+		if p == nil || p.Exec == nil || p.HTTPGet != nil || p.TCPSocket != nil {
+			t.Errorf("%s probe %+v: want an exec probe", which, p)
+			continue
+		}
+		if want := []string{ctr.Command[0], "probe", which}; !slices.Equal(p.Exec.Command, want) {
+			t.Errorf("%s probe runs %q, want %q", which, p.Exec.Command, want)
+		}
+		// The subcommand takes the arguments (it fails only for the
+		// missing agent) and gives up inside kubelet's timeout.
+		var stderr strings.Builder
+		err := app.ProbeMain(p.Exec.Command[2:], func(k string) string {
+			if k == app.EnvName("agent-socket") {
+				return filepath.Join(t.TempDir(), "agent.sock")
+			}
+			return ""
+		}, io.Discard, &stderr)
+		if err == nil || strings.Contains(err.Error(), "want live or ready") {
+			t.Errorf("install-cni %q with no agent: %v %s; want it to try the socket and fail", p.Exec.Command[1:], err, stderr.String())
+		}
+		if p.TimeoutSeconds < 5 {
+			t.Errorf("%s probe timeoutSeconds %d: below the probe command's own 4 s", which, p.TimeoutSeconds)
 		}
 	}
-	if want := ":" + strconv.Itoa(int(port)); port == 0 || cfg.HealthAddr != want {
-		t.Errorf("readiness probe port %s (container port %d), agent listens on %s", rp.HTTPGet.Port.String(), port, cfg.HealthAddr)
+	if cfg.AgentSocket == "" {
+		t.Error("the container's environment does not name the agent socket the probes need")
 	}
-	if lp := ctr.LivenessProbe; lp == nil || lp.HTTPGet == nil || lp.HTTPGet.Path != "/healthz" {
-		t.Errorf("liveness probe %+v: want GET /healthz", lp)
+	if cfg.HealthAddr != "" {
+		t.Errorf("health served on %q by default; want no TCP port", cfg.HealthAddr)
+	}
+	for _, p := range ctr.Ports {
+		if p.Name == "health" {
+			t.Errorf("a health container port %d by default", p.ContainerPort)
+		}
 	}
 }
+
+// istioPorts are the well-known ports of Istio's components on a node
+// (istiod, proxies, ztunnel, gateways): none of our defaults may use one.
+var istioPorts = []int{15000, 15001, 15004, 15006, 15008, 15009, 15010, 15012, 15014, 15017, 15020, 15021, 15053, 15090}
 
 // /metrics has its own named container port, the one the agent listens
 // on, and the scrape annotations point at it (off in all-values); the
@@ -441,6 +466,9 @@ func TestMetricsPort(t *testing.T) {
 		}
 		if want := ":" + strconv.Itoa(int(metrics)); metrics == 0 || cfg.MetricsAddr != want || cfg.MetricsAddr == cfg.HealthAddr {
 			t.Errorf("%s: metrics container port %d, agent serves /metrics on %q (health on %q)", name, metrics, cfg.MetricsAddr, cfg.HealthAddr)
+		}
+		if name == "defaults" && slices.Contains(istioPorts, int(metrics)) {
+			t.Errorf("default metrics port %d is one of Istio's", metrics)
 		}
 		ann := o.ds.Spec.Template.Annotations
 		scrape := ann["prometheus.io/scrape"] == "true" && ann["prometheus.io/port"] == strconv.Itoa(int(metrics)) && ann["prometheus.io/path"] == "/metrics"

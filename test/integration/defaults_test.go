@@ -20,7 +20,6 @@ import (
 // covers every backend.
 var harnessSettings = map[string]string{
 	"pod-namespace":       "a namespace per node (simnode sets it), so one node's DaemonSet never makes another's shutdown an upgrade",
-	"health-addr":         "a free loopback port: several agents run in one test process",
 	"metrics-addr":        "a free loopback port: several agents run in one test process",
 	"ztunnel-wait":        "only TestZtunnelHandoff shortens it, to time the wait without a stand-in",
 	"enablement-selector": "only TestEnablementSelectors sets a list of its own, to prove the setting is followed",

@@ -82,6 +82,9 @@ type nodeOptions struct {
 	// injection; see crash_test.go). Not a setting: the agent's flags stay
 	// the shipped ones.
 	AgentHook func(*nodeagent.Config)
+	// MetricsAddr is the agent's --metrics-addr (default: a free loopback
+	// port); TestMetricsPortTaken points it at a port already held.
+	MetricsAddr string
 	// EnablementSelector is the agent's --enablement-selector (default:
 	// the chart's, Istio's list).
 	EnablementSelector string
@@ -115,8 +118,8 @@ type node struct {
 	d           *installcni.App
 	hook        func(*nodeagent.Config)
 	metrics     *metrics.Metrics
-	health      string // the daemon's health address (/healthz, /readyz)
-	metricsAddr string // the daemon's /metrics address
+	metricsAddr string // the daemon's /metrics address, once bound
+	maddr       chan string
 	stopD       func()
 
 	zt     *ztunnel.StandIn
@@ -225,8 +228,10 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 // if one beyond harnessSettings creeps in.
 func nodeSettings(opts nodeOptions) map[string]string {
 	s := map[string]string{
-		"health-addr":  "127.0.0.1:0",
 		"metrics-addr": "127.0.0.1:0",
+	}
+	if opts.MetricsAddr != "" {
+		s["metrics-addr"] = opts.MetricsAddr
 	}
 	if opts.ZtunnelWait > 0 {
 		s["ztunnel-wait"] = opts.ZtunnelWait.String()
@@ -281,12 +286,21 @@ func (n *node) startDaemon() {
 	t := n.t
 	t.Helper()
 	n.metrics = metrics.New()
-	addr, maddr := make(chan string, 1), make(chan string, 1)
+	// Health as kubelet reads it: over the debug socket (install-cni
+	// probe); /metrics once its address is bound, which a taken port
+	// delays without delaying readiness.
+	maddr := make(chan string, 1)
+	n.metricsAddr, n.maddr = "", maddr
 	d, err := installcni.New(installcni.Options{
 		Config: n.cfg, Client: n.client, Logger: n.log, Metrics: n.metrics,
-		HostNetns:    n.hostNS.Path(),
-		HealthReady:  func(a net.Addr) { addr <- a.String() },
-		MetricsReady: func(a net.Addr) { maddr <- a.String() },
+		HostNetns: n.hostNS.Path(),
+		MetricsReady: func(a net.Addr) {
+			select {
+			case maddr <- a.String():
+			default:
+			}
+		},
+		MetricsRetry: 200 * time.Millisecond,
 		AgentHook:    n.hook,
 	})
 	if err != nil {
@@ -310,18 +324,6 @@ func (n *node) startDaemon() {
 	n.requireAgentBackend()
 
 	deadline := time.After(waitLong)
-	select {
-	case n.health = <-addr:
-		select { // bound right after the health address
-		case n.metricsAddr = <-maddr:
-		case <-done:
-			t.Fatalf("daemon exited during start: %v", runErr)
-		}
-	case <-done:
-		t.Fatalf("daemon exited during start: %v", runErr)
-	case <-deadline:
-		t.Fatal("daemon health server did not start")
-	}
 	for {
 		failed := d.Ready()
 		if len(failed) == 0 {

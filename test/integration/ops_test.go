@@ -109,7 +109,7 @@ func TestReadyzAndMetrics(t *testing.T) {
 	if got := n.metric(`ambient_cni_cni_add_duration_seconds_count`); got < 1 {
 		t.Errorf("ADD latency histogram count %v", got)
 	}
-	_, text := n.getFrom(n.metricsAddr, "/metrics")
+	_, text := n.getFrom(n.metricsAddress(), "/metrics")
 	for _, name := range []string{
 		"ambient_cni_cni_requests_total", "ambient_cni_cni_add_duration_seconds", "ambient_cni_enrolled_pods",
 		"ambient_cni_ztunnel_connections", "ambient_cni_rule_errors_total", "ambient_cni_installer_reinstalls_total",
@@ -230,10 +230,26 @@ func TestShippedRBACSuffices(t *testing.T) {
 	eventually(t, "pod removed from the agent", func() bool { return len(n.d.Agent().Pods()) == 0 })
 }
 
-// get fetches a path from the daemon's health server.
+// get fetches one of the health endpoints as kubelet's exec probe does:
+// over the debug socket.
 func (n *node) get(path string) (int, string) {
 	n.t.Helper()
-	return n.getFrom(n.health, path)
+	code, body := n.debugGet(path)
+	return code, string(body)
+}
+
+// metricsAddress is the daemon's /metrics address, waiting for it to be
+// bound.
+func (n *node) metricsAddress() string {
+	n.t.Helper()
+	if n.metricsAddr == "" {
+		select {
+		case n.metricsAddr = <-n.maddr:
+		case <-time.After(waitLong):
+			n.t.Fatalf("/metrics not served after %v", waitLong)
+		}
+	}
+	return n.metricsAddr
 }
 
 // getFrom fetches a path from one of the daemon's TCP listeners.
@@ -256,7 +272,7 @@ func (n *node) getFrom(addr, path string) (int, string) {
 // and labels as the exposition format prints them); absent is 0.
 func (n *node) metric(series string) float64 {
 	n.t.Helper()
-	_, text := n.getFrom(n.metricsAddr, "/metrics")
+	_, text := n.getFrom(n.metricsAddress(), "/metrics")
 	re := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(series) + ` (\S+)$`)
 	m := re.FindStringSubmatch(text)
 	if m == nil {

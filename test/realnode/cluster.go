@@ -128,12 +128,10 @@ func (n *Node) AgentPods(ctx context.Context) ([]corev1.Pod, error) {
 	return l.Items, nil
 }
 
-// AgentHealthPort and AgentMetricsPort are the chart's default health and
-// metrics ports (host network).
-const (
-	AgentHealthPort  = 15021
-	AgentMetricsPort = 15014
-)
+// AgentMetricsPort is the chart's default metrics port (host network).
+// Health has no port: the chart's exec probes ask the debug socket, as
+// AgentGet does.
+const AgentMetricsPort = health.DefaultMetricsPort
 
 // AgentDebugSocket is the agent's root-only debug socket on the host (the
 // chart's agent.socketDir is a hostPath).
@@ -141,24 +139,21 @@ func (n *Node) AgentDebugSocket() string {
 	return filepath.Join(n.AgentSocketDir(), health.DebugSocketName)
 }
 
-// AgentGet GETs a path of the agent where the chart serves it: /debug/*
-// on the debug socket, /metrics on the metrics port, the rest (/readyz,
-// /healthz) on the health port.
+// AgentGet GETs a path of the agent where the chart serves it: /metrics
+// on the metrics port, the rest (/debug/*, /readyz, /livez, /healthz) on
+// the debug socket, where kubelet's exec probes ask.
 func (n *Node) AgentGet(ctx context.Context, path string) ([]byte, error) {
-	switch {
-	case strings.HasPrefix(path, "/debug/"):
-		c := &http.Client{Transport: &http.Transport{
-			DisableKeepAlives: true,
-			DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-				var d net.Dialer
-				return d.DialContext(ctx, "unix", n.AgentDebugSocket())
-			},
-		}}
-		return httpGetWith(ctx, c, "http://agent"+path)
-	case path == "/metrics":
+	if path == "/metrics" {
 		return httpGet(ctx, fmt.Sprintf("http://127.0.0.1:%d%s", AgentMetricsPort, path))
 	}
-	return httpGet(ctx, fmt.Sprintf("http://127.0.0.1:%d%s", AgentHealthPort, path))
+	c := &http.Client{Transport: &http.Transport{
+		DisableKeepAlives: true,
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", n.AgentDebugSocket())
+		},
+	}}
+	return httpGetWith(ctx, c, "http://agent"+path)
 }
 
 // AgentPod is one entry of the agent's /debug/pods.

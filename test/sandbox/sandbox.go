@@ -119,7 +119,7 @@ func run(ctx context.Context, opts Options, o *kubesim.Owner, say func(string, .
 		}
 	})
 	zt := node.StandIn()
-	say("   primary CNI config %s: bridge %s; logs: %s; health: %s/readyz", filepath.Join(node.ConfDir, simnode.PrimaryConf), node.Bridge, node.LogPath, node.HealthURL)
+	say("   primary CNI config %s: bridge %s; logs: %s; readiness: install-cni probe ready --agent-socket %s", filepath.Join(node.ConfDir, simnode.PrimaryConf), node.Bridge, node.LogPath, node.Config.AgentSocket)
 	say("   ready: the installer chained %q into %s", cnibin.PluginName, simnode.PrimaryConf)
 
 	client := env.Client

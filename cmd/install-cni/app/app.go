@@ -16,7 +16,6 @@ import (
 	"io"
 	"log/slog"
 	"net"
-	"net/http"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -61,6 +60,7 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) error {
 	}
 	log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level}))
 	klog.SetSlogLogger(log.With("component", "client-go"))
+	setMemoryLimit(getenv, log)
 
 	var rc *rest.Config
 	if cfg.Kubeconfig != "" {
@@ -97,8 +97,12 @@ type Options struct {
 	// own (host) network namespace; tests point it at a stand-in.
 	HostNetns string
 	// HealthReady and MetricsReady, when set, receive the health and
-	// metrics servers' bound addresses.
+	// metrics servers' bound addresses (health only when health-addr is
+	// set; metrics once bound, which may be after Run started).
 	HealthReady, MetricsReady func(net.Addr)
+	// MetricsRetry is the wait between attempts to bind a metrics address
+	// that is taken; zero is 30 seconds.
+	MetricsRetry time.Duration
 	// AgentHook, when set, may change the node agent's configuration
 	// before the agent is built: tests wrap its side effects (rules,
 	// ztunnel, annotations) to stop it at a chosen step.
@@ -285,6 +289,9 @@ func New(o Options) (*App, error) {
 		}
 	})
 
+	// What the agent remembers per pod goes with the pod's object.
+	a.pods.OnPodDeleted(a.agent.PodGone)
+
 	a.health = health.New()
 	a.explain = &explain.Explainer{
 		Pods: a.pods, Agent: a.agent,
@@ -400,31 +407,28 @@ func (a *App) Run(ctx context.Context) (err error) {
 		})
 	}
 	run := func(name string, f func(context.Context) error) { start(&wg, runCtx, name, f) }
-	// Health for kubelet, metrics for Prometheus, each on its own TCP
-	// address; the debug endpoints (pod names, IPs, netns paths) only on a
-	// root-only socket in the agent's private directory.
-	serveTCP := func(name, addr string, h http.Handler, ready func(net.Addr)) error {
-		ln, err := health.ListenTCP(addr)
+	// Health for kubelet on the root-only debug socket (exec probes), and
+	// on a TCP address only if one is set; metrics for Prometheus on their
+	// own TCP address; the debug endpoints (pod names, IPs, netns paths)
+	// only on the debug socket, in the agent's private directory.
+	if c.HealthAddr != "" {
+		ln, err := health.ListenTCP(c.HealthAddr)
 		if err != nil {
-			return fmt.Errorf("%s: %w", name, err)
-		}
-		if ready != nil {
-			ready(ln.Addr())
-		}
-		run(name, func(ctx context.Context) error { return health.ServeListener(ctx, ln, h) })
-		return nil
-	}
-	if err := serveTCP("health", c.HealthAddr, a.health.Handler(), a.opts.HealthReady); err != nil {
-		cancel()
-		wg.Wait()
-		return err
-	}
-	if c.MetricsAddr != "" {
-		if err := serveTCP("metrics", c.MetricsAddr, health.MetricsHandler(a.metrics.Registry), a.opts.MetricsReady); err != nil {
 			cancel()
 			wg.Wait()
-			return err
+			return fmt.Errorf("health: %w", err)
 		}
+		if a.opts.HealthReady != nil {
+			a.opts.HealthReady(ln.Addr())
+		}
+		run("health", func(ctx context.Context) error { return health.ServeListener(ctx, ln, a.health.Handler()) })
+	}
+	if c.MetricsAddr != "" {
+		// A taken port costs the metrics only, never the node's pods.
+		run("metrics-server", func(ctx context.Context) error {
+			a.serveMetrics(ctx)
+			return nil
+		})
 	}
 	debugLn, err := health.ListenUnix(a.DebugSocket())
 	if err != nil {
@@ -437,6 +441,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 			Pods:       func() any { return a.agent.Pods() },
 			Explain:    func(ctx context.Context, ns, name string) (any, error) { return a.explain.Explain(ctx, ns, name) },
 			ExplainAll: func(ctx context.Context) any { return a.explain.ExplainAll(ctx) },
+			Health:     a.health,
 			Logger:     a.log.With("component", "debug"),
 		}.Handler())
 	})
@@ -446,7 +451,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 	run("annotations", a.agent.Run)
 	run("controller", a.ctrl.Run)
 	run("metrics", func(ctx context.Context) error {
-		return a.metrics.RunGauges(ctx, a.agent.StateCounts, a.zds.Connections, a.installer.Ready)
+		return a.metrics.RunGauges(ctx, a.agent.StateCounts, a.zds.Connections, a.installer.Ready, a.agent.TableSizes)
 	})
 	run("host-probe", func(ctx context.Context) error {
 		rulesbackend.KeepHostProbe(ctx, a.rules.Probe, hostProbeResync, a.log)
@@ -508,6 +513,58 @@ func (a *App) Run(ctx context.Context) (err error) {
 	cancel()
 	wg.Wait()
 	return errors.Join(runErr, a.shutdown(stopZtunnel))
+}
+
+// metricsRetry is how often a metrics address that could not be bound is
+// tried again.
+// (Options.MetricsRetry overrides it).
+const metricsRetry = 30 * time.Second
+
+// serveMetrics serves /metrics until ctx ends. When the address is taken,
+// the agent says so where an operator looks (an error in the log, a
+// Warning Event on its own pod) and tries again every metricsRetry; CNI is
+// served meanwhile.
+func (a *App) serveMetrics(ctx context.Context) {
+	addr, every := a.cfg.MetricsAddr, a.opts.MetricsRetry
+	if every <= 0 {
+		every = metricsRetry
+	}
+	health.ServeRetrying(ctx, addr, health.MetricsHandler(a.metrics.Registry), health.Retry{
+		Every: every,
+		Bound: func(bound net.Addr) {
+			a.log.Info("serving metrics", "addr", bound.String())
+			if a.opts.MetricsReady != nil {
+				a.opts.MetricsReady(bound)
+			}
+		},
+		Failed: func(err error, attempt int) {
+			a.log.Error("metrics unavailable: cannot serve /metrics; CNI is served without it, retrying", "addr", addr,
+				"retry_in", every.String(), "attempt", attempt, "err", err)
+			if attempt == 1 {
+				a.warnOwnPod(ctx, "MetricsUnavailable",
+					fmt.Sprintf("cannot serve /metrics on %s (%v); the node agent serves CNI without metrics and retries every %s", addr, err, every))
+			}
+		},
+	})
+}
+
+// warnOwnPod records a Warning Event on the agent's own pod, found in the
+// pod cache so the Event carries its UID (kubectl describe matches on it);
+// with no pod name configured it only logs.
+func (a *App) warnOwnPod(ctx context.Context, reason, msg string) {
+	c := a.cfg
+	if c.PodName == "" || c.PodNamespace == "" {
+		return
+	}
+	ref := &corev1.ObjectReference{Kind: "Pod", APIVersion: "v1", Namespace: c.PodNamespace, Name: c.PodName}
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	if a.pods.WaitForSync(wctx) == nil {
+		if p, err := a.pods.Pod(c.PodNamespace, c.PodName); err == nil {
+			ref.UID = p.UID
+		}
+	}
+	a.events.Event(ref, corev1.EventTypeWarning, reason, msg)
 }
 
 // shutdown releases the agent's state and, unless the DaemonSet lives on

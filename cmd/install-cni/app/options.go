@@ -255,8 +255,14 @@ func options() []option {
 		}},
 		{"probe-snat-ipv4", "Source address kubelet probes are SNATed to (IPv4).", ambient.DefaultProbeSNATv4.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv4 }, false)},
 		{"probe-snat-ipv6", "Source address kubelet probes are SNATed to (IPv6).", ambient.DefaultProbeSNATv6.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv6 }, true)},
-		{"health-addr", "Address of /healthz and /readyz, for kubelet's probes (the chart's pod is in the host network, so this is a host port). Nothing else is served there.", health.DefaultAddr, str(func(c *Config) *string { return &c.HealthAddr })},
-		{"metrics-addr", "Address of /metrics (Prometheus; counts and gauges, no pod names); off turns it off. The debug endpoints, which name pods, are served only on the root-only Unix socket debug.sock next to agent-socket.", health.DefaultMetricsAddr, func(c *Config, v string) error {
+		{"health-addr", "Optional TCP address of /healthz, /livez and /readyz; empty or off serves none. Kubelet needs none: the chart's exec probes (install-cni probe live, install-cni probe ready) ask the same endpoints on the root-only debug socket, because in the host network any port may be taken by another pod (Istio gateways hold 15021). Nothing else is served there.", health.DefaultAddr, func(c *Config, v string) error {
+			if v == "off" {
+				v = ""
+			}
+			c.HealthAddr = v
+			return nil
+		}},
+		{"metrics-addr", "Address of /metrics (Prometheus; counts and gauges, no pod names); off turns it off. The default port is clear of Istio's ports. A taken port is an error in the log and a Warning Event on the agent's pod, and is retried every 30 s; the agent serves CNI meanwhile. The debug endpoints, which name pods, are served only on the root-only Unix socket debug.sock next to agent-socket.", health.DefaultMetricsAddr, func(c *Config, v string) error {
 			if v == "off" {
 				v = ""
 			}

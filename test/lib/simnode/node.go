@@ -88,8 +88,9 @@ type Node struct {
 	// environment but PATH.
 	Config   *installcni.Config
 	AgentEnv map[string]string
-	// HealthURL and MetricsURL are the agent's health and metrics servers.
-	HealthURL, MetricsURL string
+	// MetricsURL is the agent's metrics server. Health has no TCP port by
+	// default: Ready asks the root-only socket, as the chart's exec probe.
+	MetricsURL string
 	// Primary is the primary conflist as written; Chained is the conflist
 	// after the installer chained the plugin into it.
 	Primary, Chained []byte
@@ -235,7 +236,7 @@ func Prepare(ctx context.Context, o Options) (n *Node, err error) {
 	if n.Config, err = installcni.Parse(nil, func(k string) string { return n.AgentEnv[k] }, io.Discard); err != nil {
 		return n, fmt.Errorf("install-cni refuses the node's environment: %w", err)
 	}
-	n.HealthURL, n.MetricsURL = HealthURL(n.Config.HealthAddr), HealthURL(n.Config.MetricsAddr)
+	n.MetricsURL = HealthURL(n.Config.MetricsAddr)
 	return n, nil
 }
 
@@ -303,15 +304,11 @@ func (n *Node) StopAgent() error {
 	return nil
 }
 
-// Ready reports whether the agent answers /readyz with 200.
+// Ready reports whether the agent answers /readyz with 200, asked as the
+// chart's exec probe asks it: over the root-only debug socket.
 func (n *Node) Ready() bool {
-	c := &http.Client{Timeout: 2 * time.Second}
-	resp, err := c.Get(n.HealthURL + "/readyz")
-	if err != nil {
-		return false
-	}
-	_ = resp.Body.Close()
-	return resp.StatusCode == http.StatusOK
+	code, err := installcni.AskAgent(context.Background(), n.Config.AgentSocket, "/readyz", 2*time.Second, io.Discard)
+	return err == nil && code == http.StatusOK
 }
 
 // WaitReady waits for /readyz; the agent exiting meanwhile is an error.
@@ -423,8 +420,8 @@ func (n *Node) Close() error {
 	return err
 }
 
-// HealthURL turns one of the agent's listen addresses (":15021",
-// ":15014") into a URL on loopback.
+// HealthURL turns one of the agent's listen addresses (e.g. the metrics
+// address ":9974") into a URL on loopback.
 func HealthURL(addr string) string {
 	host, port, ok := strings.Cut(addr, ":")
 	if !ok {

@@ -93,7 +93,7 @@ mounted at the same path in the container, so one value serves both sides.
 - name: AMBIENT_PROBE_SNAT_IPV6
   value: {{ .Values.agent.probeSNATIPv6 | quote }}
 - name: AMBIENT_HEALTH_ADDR
-  value: {{ printf ":%v" .Values.agent.healthPort | quote }}
+  value: {{ if .Values.agent.healthPort }}{{ printf ":%v" .Values.agent.healthPort | quote }}{{ else }}"off"{{ end }}
 - name: AMBIENT_METRICS_ADDR
   value: {{ printf ":%v" .Values.agent.metricsPort | quote }}
 - name: AMBIENT_LOG_LEVEL

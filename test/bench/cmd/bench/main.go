@@ -1,12 +1,15 @@
 // Command bench measures the shipped install-cni and CNI plugin with the
 // chart's default values and prints one table (docs/performance.md).
 // `make bench` runs it as root; BENCH_QUICK=1 makes it a quick smoke run.
+// With -scale (`make bench-scale`) it measures the agent's memory with a
+// large cluster's namespaces and pods in the API server instead.
 package main
 
 import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"os"
@@ -36,10 +39,14 @@ func run() int {
 	out := flag.String("out", ".bench", "directory for the JSON results (and profiles)")
 	quick := flag.Bool("quick", envBool("BENCH_QUICK"), "few samples and small enrollments: a smoke run of the harness (env BENCH_QUICK)")
 	profile := flag.Bool("profile", envBool("BENCH_PROFILE"), "attach perf to the agent and write reports next to the JSON; inflates the figures (env BENCH_PROFILE)")
+	scale := flag.Bool("scale", false, "measure the agent's memory with 10,000 namespaces and 20,000 pods of other nodes in the API server (with -quick: 200 and 400)")
 	flag.Parse()
 	fail := func(err error) int {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		return 1
+	}
+	if *scale && *profile {
+		return fail(errors.New("-scale measures memory: -profile (perf) does not apply to it"))
 	}
 	// Resolve paths before anything else can change them.
 	for _, p := range []*string{installCNI, plugin, out} {
@@ -65,6 +72,9 @@ func run() int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
+	if *scale {
+		return runScale(ctx, bench.ScaleOptions{RepoRoot: root, InstallCNI: *installCNI, Plugin: *plugin, Quick: *quick, Log: os.Stderr}, *out)
+	}
 	res, runErr := bench.Run(ctx, bench.Options{
 		RepoRoot: root, InstallCNI: *installCNI, Plugin: *plugin, Quick: *quick,
 		Profile: *profile, ProfileDir: *out, Log: os.Stderr,
@@ -97,5 +107,48 @@ func run() int {
 	if runErr != nil {
 		return fail(runErr)
 	}
+	return 0
+}
+
+// runScale runs the scale benchmark, writes its JSON and report next to
+// the other results and prints the report.
+func runScale(ctx context.Context, o bench.ScaleOptions, out string) int {
+	fail := func(err error) int {
+		fmt.Fprintln(os.Stderr, "bench -scale:", err)
+		return 1
+	}
+	res, runErr := bench.RunScale(ctx, o)
+	if res == nil {
+		return fail(runErr)
+	}
+	if runErr != nil {
+		// No figures without a converged run: a partial one would read
+		// as a measurement.
+		b, _ := json.MarshalIndent(res, "", "  ")
+		fmt.Fprintf(os.Stderr, "partial result:\n%s\n", b)
+		return fail(runErr)
+	}
+	b, err := json.MarshalIndent(res, "", "  ")
+	if err != nil {
+		return fail(err)
+	}
+	name := "scale-" + res.Started.UTC().Format("20060102T150405Z")
+	if res.Quick {
+		name += "-quick"
+	}
+	var buf bytes.Buffer
+	_ = res.WriteReport(&buf)
+	report := buf.Bytes()
+	for path, data := range map[string][]byte{
+		filepath.Join(out, name+".json"):        b,
+		filepath.Join(out, "scale-latest.json"): b,
+		filepath.Join(out, "scale-latest.txt"):  report,
+	} {
+		if err := os.WriteFile(path, append(data, '\n'), 0o644); err != nil {
+			return fail(err)
+		}
+	}
+	fmt.Fprintf(os.Stderr, "results: %s (%s)\n", filepath.Join(out, name+".json"), time.Duration(res.Seconds*float64(time.Second)).Round(time.Second))
+	os.Stdout.Write(report)
 	return 0
 }

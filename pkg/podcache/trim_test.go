@@ -1,0 +1,136 @@
+package podcache
+
+import (
+	"reflect"
+	"strings"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+)
+
+// fullPod is a pod carrying everything a real one may: the fields the
+// agent reads and plenty it does not.
+func fullPod(mut func(*corev1.Pod)) *corev1.Pod {
+	now := metav1.Now()
+	grace := int64(30)
+	p := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{
+			Name: "web", Namespace: "shop", UID: "u-1", ResourceVersion: "42",
+			Labels: map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient, "app": "web"},
+			Annotations: map[string]string{
+				ambient.RedirectionAnnotation:                      ambient.RedirectionEnabled,
+				ambient.DNSCaptureAnnotation:                       "false",
+				ambient.BypassInboundCaptureAnnotation:             "true",
+				ambient.RerouteVirtualInterfacesAnnotation:         "k6t-eth0,tap0",
+				"kubectl.kubernetes.io/last-applied-configuration": strings.Repeat("x", 10<<10),
+			},
+			ManagedFields:     []metav1.ManagedFieldsEntry{{Manager: "kubectl"}},
+			OwnerReferences:   []metav1.OwnerReference{{Kind: "ReplicaSet", Name: "web-1"}},
+			Finalizers:        []string{"example.com/f"},
+			DeletionTimestamp: &now, DeletionGracePeriodSeconds: &grace,
+		},
+		Spec: corev1.PodSpec{
+			NodeName: "node-a", ServiceAccountName: "web-sa",
+			Containers: []corev1.Container{{Name: "app", Image: "web:1", Env: []corev1.EnvVar{{Name: "BIG", Value: strings.Repeat("y", 4096)}}}},
+		},
+		Status: corev1.PodStatus{
+			Phase: corev1.PodRunning, PodIP: "10.0.0.7",
+			PodIPs:            []corev1.PodIP{{IP: "10.0.0.7"}, {IP: "fd00::7"}},
+			ContainerStatuses: []corev1.ContainerStatus{{Name: "app", Ready: true}},
+		},
+	}
+	if mut != nil {
+		mut(p)
+	}
+	return p
+}
+
+// TestTrimPodKeepsWhatDecisionsRead: for pods that differ in each field
+// the agent reads, every decision and reading of the trimmed pod equals
+// the full pod's, and nothing else is kept.
+func TestTrimPodKeepsWhatDecisionsRead(t *testing.T) {
+	ns := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}}}
+	pol := enablement.DefaultPolicy()
+	cases := map[string]func(*corev1.Pod){
+		"as is":        nil,
+		"host network": func(p *corev1.Pod) { p.Spec.HostNetwork = true },
+		"terminal":     func(p *corev1.Pod) { p.Status.Phase = corev1.PodSucceeded },
+		"sidecar":      func(p *corev1.Pod) { p.Annotations[ambient.SidecarStatusAnnotation] = `{"containers":["istio-proxy"]}` },
+		"opt out":      func(p *corev1.Pod) { p.Labels[ambient.DataplaneModeLabel] = ambient.DataplaneModeNone },
+		"ztunnel":      func(p *corev1.Pod) { p.Labels["app"] = enablement.ZtunnelAppLabelValue },
+		"no label":     func(p *corev1.Pod) { delete(p.Labels, ambient.DataplaneModeLabel) },
+		"dns default":  func(p *corev1.Pod) { delete(p.Annotations, ambient.DNSCaptureAnnotation) },
+		"excluded":     func(p *corev1.Pod) { p.Namespace = ambient.DefaultExcludedNamespace },
+		"ipv4 only":    func(p *corev1.Pod) { p.Status.PodIPs = nil },
+	}
+	for name, mut := range cases {
+		full := fullPod(mut)
+		o, err := TrimPod(full.DeepCopy())
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := o.(*corev1.Pod)
+		if a, b := pol.Decide(got, ns), pol.Decide(full, ns); a != b {
+			t.Errorf("%s: trimmed pod decided %+v, full pod %+v", name, a, b)
+		}
+		for what, eq := range map[string]bool{
+			"DNSCapture":        enablement.DNSCapture(got, true) == enablement.DNSCapture(full, true),
+			"BypassInbound":     enablement.BypassInbound(got) == enablement.BypassInbound(full),
+			"VirtualInterfaces": reflect.DeepEqual(enablement.VirtualInterfaces(got), enablement.VirtualInterfaces(full)),
+			"PodIPs":            reflect.DeepEqual(enablement.PodIPs(got), enablement.PodIPs(full)),
+			"identity": got.Name == full.Name && got.Namespace == full.Namespace && got.UID == full.UID &&
+				got.ResourceVersion == full.ResourceVersion && got.Spec.NodeName == full.Spec.NodeName,
+			"service account": got.Spec.ServiceAccountName == full.Spec.ServiceAccountName,
+			"deletion":        got.DeletionTimestamp.Equal(full.DeletionTimestamp),
+			"redirection":     got.Annotations[ambient.RedirectionAnnotation] == full.Annotations[ambient.RedirectionAnnotation],
+			"labels":          reflect.DeepEqual(got.Labels, full.Labels),
+		} {
+			if !eq {
+				t.Errorf("%s: %s differs after trimming", name, what)
+			}
+		}
+		if len(got.ManagedFields)+len(got.OwnerReferences)+len(got.Finalizers)+len(got.Spec.Containers)+len(got.Status.ContainerStatuses) != 0 {
+			t.Errorf("%s: trimmed pod keeps what the agent never reads: %+v", name, got)
+		}
+		if _, ok := got.Annotations["kubectl.kubernetes.io/last-applied-configuration"]; ok {
+			t.Errorf("%s: an annotation the agent never reads was kept", name)
+		}
+	}
+	// Already trimmed objects (a relist) and other types pass unchanged.
+	once, _ := TrimPod(fullPod(nil))
+	twice, _ := TrimPod(once)
+	if !reflect.DeepEqual(once, twice) {
+		t.Error("trimming is not idempotent")
+	}
+	if o, _ := TrimPod("tombstone"); o != "tombstone" {
+		t.Error("a non-pod was changed")
+	}
+}
+
+// TestTrimNamespaceKeepsLabels: a namespace keeps its identity and labels
+// (all its decision reads), and sheds its annotations however large.
+func TestTrimNamespaceKeepsLabels(t *testing.T) {
+	full := &corev1.Namespace{
+		ObjectMeta: metav1.ObjectMeta{Name: "shop", UID: "n-1", ResourceVersion: "7",
+			Labels:      map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient},
+			Annotations: map[string]string{"big": strings.Repeat("z", 10<<10)}},
+		Spec:   corev1.NamespaceSpec{Finalizers: []corev1.FinalizerName{"kubernetes"}},
+		Status: corev1.NamespaceStatus{Phase: corev1.NamespaceActive},
+	}
+	o, err := TrimNamespace(full.DeepCopy())
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := o.(*corev1.Namespace)
+	want := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", UID: "n-1", ResourceVersion: "7", Labels: full.Labels}}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("trimmed namespace %+v, want %+v", got, want)
+	}
+	if p := enablement.DefaultPolicy(); p.MayEnableNamespace(got) != p.MayEnableNamespace(full) {
+		t.Error("trimming changed the namespace's enablement")
+	}
+}

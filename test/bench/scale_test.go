@@ -1,0 +1,78 @@
+package bench
+
+import (
+	"encoding/json"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestQuickScale runs the scale harness end to end with a small load
+// (bench -scale -quick: 200 namespaces, 400 pods) on binaries built as
+// make build builds them: the agent catches up, every figure is produced
+// and printed beside its target, and nothing is left behind. Figures are
+// not asserted: this machine is shared and busy, and a small load says
+// nothing about scale.
+func TestQuickScale(t *testing.T) {
+	root, tmp, bin, benchBin := buildBench(t)
+	out := filepath.Join(tmp, "out")
+	cmd := exec.Command(benchBin, "-scale", "-quick", "-out", out,
+		"-install-cni", filepath.Join(bin, "install-cni"), "-plugin", filepath.Join(bin, "ambient-cni"))
+	cmd.Dir = root
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	report, err := cmd.Output()
+	t.Logf("progress:\n%s", stderr.String())
+	t.Logf("report:\n%s", report)
+	if err != nil {
+		t.Fatalf("bench -scale: %v", err)
+	}
+	b, err := os.ReadFile(filepath.Join(out, "scale-latest.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var res ScaleResult
+	if err := json.Unmarshal(b, &res); err != nil {
+		t.Fatal(err)
+	}
+	if !res.Quick || res.Namespaces != 200 || res.Pods != 400 || res.AnnotationBytes != 10<<10 {
+		t.Errorf("not the quick load: %+v", res)
+	}
+	if res.Idle.RSSMiB <= 0 || res.After.RSSMiB <= 0 || res.PeakRSSMiB < res.After.RSSMiB || res.LoadSeconds <= 0 {
+		t.Errorf("incomplete figures %+v", res)
+	}
+	// Only the agent's own client limit is the chart's; the loader's is
+	// its own.
+	if res.KubeClientQPS <= 0 || res.KubeClientQPS >= 5000 {
+		t.Errorf("the agent ran at %v requests/s", res.KubeClientQPS)
+	}
+	for _, want := range []string{"agent RSS idle", "agent RSS after the load", "RSS growth per namespace", "≤ 40", "≤ 1"} {
+		if !strings.Contains(string(report), want) {
+			t.Errorf("the report lacks %q", want)
+		}
+	}
+	if n := strings.Count(string(report), "| met") + strings.Count(string(report), "| missed"); n != 2 {
+		t.Errorf("the report has %d met/missed words, want 2 (RSS after, growth per namespace)", n)
+	}
+	if _, err := os.Stat(res.WorkDir); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("work dir %s left behind (%v)", res.WorkDir, err)
+	}
+	// The agent was stopped with the node (a gone process, or a new one
+	// that reused its number).
+	deadline := time.Now().Add(time.Minute)
+	for {
+		exe, err := os.Readlink(filepath.Join("/proc", strconv.Itoa(res.AgentPID), "exe"))
+		if err != nil || !strings.Contains(exe, "install-cni") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("install-cni (pid %d) still runs", res.AgentPID)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
