@@ -96,6 +96,9 @@ type Policy struct {
 	// PodLabel and NamespaceLabel are the istio.io/dataplane-mode labels.
 	PodLabel       string `json:"podLabel,omitempty"`
 	NamespaceLabel string `json:"namespaceLabel,omitempty"`
+	// Selector is the 1-based index of the enablement selector entry that
+	// enabled the pod (0, omitted, when none did).
+	Selector int `json:"selector,omitempty"`
 	// Note says what the decision did not follow, when that matters: a
 	// data-plane label outside the data-plane namespaces.
 	Note string `json:"note,omitempty"`
@@ -255,7 +258,7 @@ func (e *Explainer) report(p *corev1.Pod, found *scan) *Report {
 	r := &Report{
 		Pod: p.Namespace + "/" + p.Name, UID: p.UID, Phase: string(p.Status.Phase),
 		Terminating: p.DeletionTimestamp != nil,
-		Policy:      Policy{Capture: d.Enroll, Reason: string(d.Reason), PodLabel: p.Labels[ambient.DataplaneModeLabel]},
+		Policy:      Policy{Capture: d.Enroll, Reason: string(d.Reason), PodLabel: p.Labels[ambient.DataplaneModeLabel], Selector: d.Selector},
 		Annotation:  p.Annotations[ambient.RedirectionAnnotation],
 	}
 	if ns, err := e.Pods.Namespace(p.Namespace); err == nil {

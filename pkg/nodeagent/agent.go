@@ -38,8 +38,8 @@ type PodLister interface {
 }
 
 // EnablementSource is the node-wide view the enablement snapshot is built
-// from: namespaces labelled ambient, and whether pod-level enablement is in
-// use (pkg/podcache.Cache).
+// from: the namespaces the enablement selectors enable, and whether
+// pod-level enablement is in use (pkg/podcache.Cache).
 type EnablementSource interface {
 	EnablementState() (enabled []string, podLevel bool)
 }

@@ -24,7 +24,6 @@ import (
 	listerscorev1 "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
 
-	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 )
 
@@ -90,7 +89,7 @@ func New(cfg Config) *Cache {
 	_, _ = nsInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc: func(o any) { c.namespaceChanged(o) },
 		UpdateFunc: func(old, o any) {
-			if nsLabel(old) != nsLabel(o) {
+			if cfg.Policy.Selectors.NamespaceChangeMatters(nsLabels(old), nsLabels(o)) {
 				c.namespaceChanged(o)
 			}
 		},
@@ -109,7 +108,7 @@ func New(cfg Config) *Cache {
 
 // OnChange registers f to be told about every pod whose enablement
 // decision may have changed: the pod was added, updated or deleted, or its
-// namespace's ambient label changed. It runs on an informer goroutine, so
+// namespace's labels changed in a key the enablement selectors read. It runs on an informer goroutine, so
 // it must be quick (e.g. a workqueue Add). Register before Run.
 func (c *Cache) OnChange(f func(pod types.NamespacedName)) {
 	c.mu.Lock()
@@ -156,11 +155,11 @@ func (c *Cache) handlers() ([]func(types.NamespacedName), []func()) {
 	return c.onChange, c.onEnablement
 }
 
-func nsLabel(o any) string {
+func nsLabels(o any) map[string]string {
 	if n, ok := o.(*corev1.Namespace); ok {
-		return n.Labels[ambient.DataplaneModeLabel]
+		return n.Labels
 	}
-	return ""
+	return nil
 }
 
 func (c *Cache) podChanged(o any) {
@@ -175,7 +174,7 @@ func (c *Cache) podChanged(o any) {
 	for _, f := range onChange {
 		f(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
 	}
-	if p.Labels[ambient.DataplaneModeLabel] == ambient.DataplaneModeAmbient {
+	if c.cfg.Policy.Selectors.PodLevel(p.Labels) {
 		for _, f := range onEnablement {
 			f()
 		}
@@ -286,13 +285,15 @@ func (c *Cache) decide(p *corev1.Pod, ns *corev1.Namespace) enablement.Decision 
 	return c.cfg.Policy.Decide(p, ns)
 }
 
-// EnablementState is what the plugin's fallback snapshot needs: enabled
-// namespaces, and whether any pod on this node is enabled by its own label
-// outside them (or the operator said to assume so).
+// EnablementState is what the plugin's fallback snapshot needs: the
+// namespaces where a pod may be enabled whatever its own labels (the
+// enablement selectors select the namespace), and whether any pod on this
+// node is enabled by its own labels alone outside them (or the operator
+// said to assume so).
 func (c *Cache) EnablementState() (enabled []string, podLevel bool) {
 	nss, _ := c.nss.List(labels.Everything())
 	for _, n := range nss {
-		if enablement.NamespaceEnabled(n) && !c.cfg.Policy.IsExcludedNamespace(n.Name) {
+		if c.cfg.Policy.MayEnableNamespace(n) {
 			enabled = append(enabled, n.Name)
 		}
 	}
@@ -301,7 +302,7 @@ func (c *Cache) EnablementState() (enabled []string, podLevel bool) {
 	if !podLevel {
 		pods, _ := c.pods.List(labels.Everything())
 		for _, p := range pods {
-			if p.Labels[ambient.DataplaneModeLabel] == ambient.DataplaneModeAmbient && !slices.Contains(enabled, p.Namespace) {
+			if c.cfg.Policy.Selectors.PodLevel(p.Labels) && !slices.Contains(enabled, p.Namespace) {
 				podLevel = true
 				break
 			}

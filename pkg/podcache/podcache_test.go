@@ -75,7 +75,7 @@ func TestDecide(t *testing.T) {
 		podUID        types.UID
 		want          enablement.Decision
 	}{
-		{"shop", "a", "u-a", "u-a", enablement.Decision{Enroll: true, Reason: enablement.ReasonNamespaceLabel}},
+		{"shop", "a", "u-a", "u-a", enablement.Decision{Enroll: true, Reason: enablement.ReasonNamespaceLabel, Selector: 2}},
 		{"kube-system", "dns", "", "u-dns", enablement.Decision{Enroll: false, Reason: enablement.ReasonExcludedNamespace}},
 		{self.Namespace, self.Name, "", "u-self", enablement.Decision{Enroll: false, Reason: enablement.ReasonDataPlanePod}},
 	} {
@@ -210,5 +210,39 @@ func TestCacheDropsManagedFields(t *testing.T) {
 	}
 	if got.ManagedFields != nil || gotNS.ManagedFields != nil {
 		t.Errorf("managedFields kept: pod %v, namespace %v", got.ManagedFields, gotNS.ManagedFields)
+	}
+}
+
+// TestSelectorsDriveTheSnapshotState: with a list of its own, the enabled
+// namespaces are those its namespace selectors match, pod-level enablement
+// is a pod matched by an entry for every namespace, and a namespace label
+// the list reads (not the dataplane-mode one) notifies.
+func TestSelectorsDriveTheSnapshotState(t *testing.T) {
+	sel, err := enablement.ParseSelectors([]byte(`[{namespaceSelector: {matchLabels: {mesh: "yes"}}}, {podSelector: {matchLabels: {team: pay}}}]`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	policy := enablement.DefaultPolicy()
+	policy.Selectors = sel
+	k := fakecluster.New(t, podcache.Config{Policy: policy})
+	var r recorder
+	k.Cache.OnEnablementChange(r.onEnablement)
+	k.Start()
+	mesh := namespace("shop", false)
+	k.SetNamespace(mesh)
+	k.SetNamespace(namespace("blog", true))
+	poll.Until(t, "namespace adds notified", func() bool { _, n := r.state(); return n == 2 })
+	mesh = mesh.DeepCopy()
+	mesh.Labels = map[string]string{"mesh": "yes"}
+	k.SetNamespace(mesh)
+	poll.Until(t, "the selected label notified", func() bool { _, n := r.state(); return n == 3 })
+	poll.Until(t, "shop enabled", func() bool {
+		en, pl := k.Cache.EnablementState()
+		return strings.Join(en, ",") == "shop" && !pl
+	})
+	k.SetPod(pod("blog", "p", "u-p", map[string]string{"team": "pay"}))
+	poll.Until(t, "pod-level enablement", func() bool { _, pl := k.Cache.EnablementState(); return pl })
+	if dec := k.Cache.DecideCached(pod("blog", "q", "u-q", nil)); dec.Enroll {
+		t.Errorf("a namespace labelled the default way is enabled under a list of its own: %+v", dec)
 	}
 }

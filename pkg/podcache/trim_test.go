@@ -130,7 +130,7 @@ func TestTrimNamespaceKeepsLabels(t *testing.T) {
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("trimmed namespace %+v, want %+v", got, want)
 	}
-	if enablement.NamespaceEnabled(got) != enablement.NamespaceEnabled(full) {
+	if p := enablement.DefaultPolicy(); p.MayEnableNamespace(got) != p.MayEnableNamespace(full) {
 		t.Error("trimming changed the namespace's enablement")
 	}
 }

@@ -23,6 +23,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
@@ -278,6 +279,11 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 		HealthAddr: ":15999", MetricsAddr: ":15998", LogLevel: "debug", KubeClientQPS: 12.5, KubeClientBurst: 25,
 		StartupTaint: true, StartupTaintOnShutdown: true,
 	}
+	sel, err := enablement.ParseSelectors([]byte(`[{namespaceSelector: {matchLabels: {mesh: "yes"}}}, {podSelector: {matchExpressions: [{key: team, operator: In, values: [payments]}]}}]`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want.EnablementSelectors = sel
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("all-values configuration\n got %+v\nwant %+v", got, want)
 	}

@@ -1,8 +1,12 @@
 package integration
 
 import (
+	"context"
 	"testing"
 	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
@@ -105,5 +109,41 @@ func TestPodEnablement(t *testing.T) {
 	mustGet(t, a, b)
 	if r := n.zt.Records(); len(r) != before {
 		t.Fatalf("traffic still goes through the stand-in after the label was removed: %+v", r[before:])
+	}
+}
+
+// TestEnablementSelectors: with a selector list of its own (namespaces
+// labelled mesh=yes), the agent enrolls a running pod when its namespace
+// gets that label, captures a new pod there at its CNI ADD, and leaves
+// alone a pod in a namespace labelled the default way, which this list
+// does not select.
+func TestEnablementSelectors(t *testing.T) {
+	n := newNode(t, nodeOptions{EnablementSelector: "- namespaceSelector:\n    matchLabels: {mesh: \"yes\"}\n"})
+	defaultWay := n.namespace("default-way", ambientLabel)
+	plain := n.runPod(podSpec(defaultWay, "plain", nil, nil))
+	labelled := n.runPod(podSpec(defaultWay, "labelled", ambientLabel, nil))
+	mesh := n.namespace("mesh", nil)
+	running := n.runPod(podSpec(mesh, "running", nil, nil))
+	n.requireNotEnrolled(running)
+
+	patch := []byte(`{"metadata":{"labels":{"mesh":"yes"}}}`)
+	if _, err := n.env.Client.CoreV1().Namespaces().Patch(context.Background(), mesh, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		t.Fatalf("label namespace %s: %v", mesh, err)
+	}
+	n.waitEnrolled(enrollWithin, running)
+	started := n.runPod(podSpec(mesh, "started", nil, nil))
+	n.waitEnrolled(enrollWithin, started)
+	mustGet(t, running, started)
+	n.requireTunneled(running, started)
+
+	// The agent has seen every pod by now (the later ones are enrolled):
+	// the default way's pods stay out.
+	n.requireNotEnrolled(plain)
+	n.requireNotEnrolled(labelled)
+	if r := n.explain(mesh, running.Obj.Name); !r.Policy.Capture || r.Policy.Selector != 1 {
+		t.Errorf("explain of a selected pod: %+v", r.Policy)
+	}
+	if r := n.explain(defaultWay, labelled.Obj.Name); r.Policy.Capture {
+		t.Errorf("explain of a pod the list does not select: %+v", r.Policy)
 	}
 }

@@ -91,6 +91,9 @@ type nodeOptions struct {
 	// and the nodes rule it adds to the RBAC; StartupTaintOnShutdown adds
 	// startupTaint.restoreOnShutdown.
 	StartupTaint, StartupTaintOnShutdown bool
+	// EnablementSelector is the agent's --enablement-selector (default:
+	// the chart's, Istio's list).
+	EnablementSelector string
 }
 
 // startupTaintRBAC is the rule startupTaint.enabled adds to the chart's
@@ -262,6 +265,9 @@ func nodeSettings(opts nodeOptions) map[string]string {
 	}
 	if opts.StartupTaintOnShutdown {
 		s["startup-taint-on-shutdown"] = "true"
+	}
+	if opts.EnablementSelector != "" {
+		s["enablement-selector"] = opts.EnablementSelector
 	}
 	return s
 }

@@ -1,6 +1,7 @@
 package app
 
 import (
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -76,6 +77,7 @@ type Config struct {
 
 	ExcludedNamespaces       []string
 	DataPlaneNamespaces      []string
+	EnablementSelectors      *enablement.Selectors
 	AssumePodLevelEnablement bool
 	ZtunnelWait              time.Duration
 	DNSCapture               bool
@@ -189,6 +191,16 @@ func addr(dst func(*Config) *netip.Addr, want6 bool) func(*Config, string) error
 	}
 }
 
+// defaultSelectorText is Istio's default enablement selector list as the
+// setting spells it.
+func defaultSelectorText() string {
+	b, err := json.Marshal(enablement.DefaultSelectorEntries())
+	if err != nil {
+		panic(err)
+	}
+	return string(b)
+}
+
 // options is the settings table; its order is the documentation's order.
 // Each default names the constant of the package that owns it.
 func options() []option {
@@ -230,6 +242,14 @@ func options() []option {
 		{"netns-dirs", "Comma-separated directories where the runtime mounts pod network namespaces; the only netns paths accepted from the plugin besides /proc/<pid>/ns/net.", strings.Join(netns.DefaultRoots, ","), list(func(c *Config) *[]string { return &c.NetnsDirs })},
 		{"excluded-namespaces", "Comma-separated namespaces never captured.", ambient.DefaultExcludedNamespace, list(func(c *Config) *[]string { return &c.ExcludedNamespaces })},
 		{"data-plane-namespaces", "Comma-separated namespaces where the data-plane labels (app=ztunnel, app.kubernetes.io/name=ztunnel or ambient-cni) keep a pod out of the mesh: the agent's and ztunnel's own. Elsewhere the labels exempt nothing. Empty: the agent's own namespace (pod-namespace).", "", list(func(c *Config) *[]string { return &c.DataPlaneNamespaces })},
+		{"enablement-selector", "Which pods are in the mesh, past the exclusions (hostNetwork, sidecar, excluded-namespaces, data-plane pods): Istio's enablement selectors (its chart's ambient.enablementSelectors), a YAML or JSON list of entries with podSelector and namespaceSelector, each a Kubernetes label selector (matchLabels, matchExpressions; empty matches everything). A pod matching any entry (its labels the podSelector, its namespace's the namespaceSelector) is enrolled. The default is Istio's: a pod labelled istio.io/dataplane-mode=ambient, or not labelled none in a namespace labelled ambient. Unknown fields are an error.", defaultSelectorText(), func(c *Config, v string) error {
+			s, err := enablement.ParseSelectors([]byte(v))
+			if err != nil {
+				return err
+			}
+			c.EnablementSelectors = s
+			return nil
+		}},
 		{"assume-pod-level-enablement", "With plugin-agent-unreachable=snapshot: tell the plugin's fallback that any namespace may hold a pod enabled by its own label, so it fails closed everywhere but excluded namespaces however long the agent is gone. No effect with fail-closed.", "false", boolean(func(c *Config) *bool { return &c.AssumePodLevelEnablement })},
 		{"ztunnel-wait", "How long CNI ADD waits for a connected ztunnel to acknowledge a pod before failing with a retryable error.", nodeagent.DefaultZtunnelTimeout.String(), duration(func(c *Config) *time.Duration { return &c.ZtunnelWait })},
 		{"dns-capture", "Capture DNS (port 53) to ztunnel by default, as Istio's chart does (ambient.dnsCapture); per pod: annotation ambient.istio.io/dns-capture.", "true", boolean(func(c *Config) *bool { return &c.DNSCapture })},
@@ -329,7 +349,7 @@ func Parse(args []string, getenv func(string) string, stderr io.Writer) (*Config
 // EnablementPolicy is the policy the agent decides with: the excluded
 // namespaces, and the data-plane namespaces (by default the agent's own).
 func (c *Config) EnablementPolicy() enablement.Policy {
-	p := enablement.Policy{ExcludedNamespaces: c.ExcludedNamespaces, DataPlaneNamespaces: c.DataPlaneNamespaces}
+	p := enablement.Policy{ExcludedNamespaces: c.ExcludedNamespaces, DataPlaneNamespaces: c.DataPlaneNamespaces, Selectors: c.EnablementSelectors}
 	if len(p.DataPlaneNamespaces) == 0 && c.PodNamespace != "" {
 		p.DataPlaneNamespaces = []string{c.PodNamespace}
 	}

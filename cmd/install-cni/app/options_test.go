@@ -12,8 +12,12 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/google/go-cmp/cmp/cmpopts"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/util/flowcontrol"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 )
 
 func env(m map[string]string) func(string) string {
@@ -134,6 +138,8 @@ func TestRejectsBadInput(t *testing.T) {
 		"unknown flag":       {[]string{"--node-name=n", "--frobnicate"}, nil, "frobnicate"},
 		"stray argument":     {[]string{"--node-name=n", "extra"}, nil, "unexpected"},
 		"bad log level":      {[]string{"--node-name=n", "--log-level=loud"}, nil, "debug, info"},
+		"bad selector env":   {nil, map[string]string{"AMBIENT_NODE_NAME": "n", "AMBIENT_ENABLEMENT_SELECTOR": "- podSelector: {matchExpression: []}"}, "AMBIENT_ENABLEMENT_SELECTOR"},
+		"empty selector":     {[]string{"--node-name=n", "--enablement-selector= "}, nil, "empty"},
 	}
 	for name, c := range cases {
 		_, err := Parse(c.args, env(c.env), io.Discard)
@@ -223,5 +229,27 @@ func TestDataPlaneNamespaces(t *testing.T) {
 	}
 	if got := c.EnablementPolicy().DataPlaneNamespaces; !slices.Equal(got, []string{"istio-system", "ztunnel"}) {
 		t.Errorf("data-plane namespaces %v, want the configured ones", got)
+	}
+}
+
+// The selector setting reaches the policy; without it the policy decides
+// as Istio's default list does.
+func TestEnablementSelector(t *testing.T) {
+	meshNS := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{"mesh": "yes"}}}
+	ambientNS := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}}}
+	p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "p", Namespace: "shop"}}
+	c, err := Parse([]string{"--node-name=n1"}, env(nil), io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !c.EnablementPolicy().Decide(p, ambientNS).Enroll || c.EnablementPolicy().Decide(p, meshNS).Enroll {
+		t.Error("the default selectors do not decide as Istio's default list")
+	}
+	c, err = Parse([]string{"--node-name=n1"}, env(map[string]string{"AMBIENT_ENABLEMENT_SELECTOR": "- namespaceSelector:\n    matchLabels: {mesh: \"yes\"}\n"}), io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.EnablementPolicy().Decide(p, ambientNS).Enroll || !c.EnablementPolicy().Decide(p, meshNS).Enroll {
+		t.Error("the configured selectors are not the policy's")
 	}
 }

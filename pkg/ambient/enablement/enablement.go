@@ -14,6 +14,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/labels"
 )
 
 // Labels that identify pods which must never be captured because they are
@@ -38,6 +39,9 @@ type Policy struct {
 	// mesh by labelling it app=ztunnel (Istio exempts app=ztunnel only in
 	// its system namespace). Empty: the labels exempt no pod.
 	DataPlaneNamespaces []string
+	// Selectors decide, past the exclusions, which pods are enabled
+	// (istio-cni's enablement selectors). Nil: Istio's default list.
+	Selectors *Selectors
 }
 
 // DefaultDataPlaneNamespace is Istio's system namespace, where its chart
@@ -55,10 +59,16 @@ type Reason string
 
 // Reasons a pod is or is not enrolled.
 const (
-	ReasonPodLabel          Reason = "pod labelled ambient"
-	ReasonNamespaceLabel    Reason = "namespace labelled ambient"
-	ReasonNotEnabled        Reason = "neither pod nor namespace labelled ambient"
-	ReasonPodOptOut         Reason = "pod labelled none"
+	ReasonPodLabel       Reason = "pod labelled ambient"
+	ReasonNamespaceLabel Reason = "namespace labelled ambient"
+	ReasonNotEnabled     Reason = "neither pod nor namespace labelled ambient"
+	ReasonPodOptOut      Reason = "pod labelled none"
+	// With a list other than Istio's default the reasons name selectors,
+	// not labels; Decision.Selector says which entry matched.
+	ReasonPodSelector       Reason = "pod labels match an enablement selector"
+	ReasonNamespaceSelector Reason = "namespace matches an enablement selector"
+	ReasonPodNotSelected    Reason = "namespace matches an enablement selector, the pod's labels do not"
+	ReasonNotSelected       Reason = "no enablement selector matches"
 	ReasonHostNetwork       Reason = "hostNetwork pod"
 	ReasonSidecar           Reason = "sidecar-injected pod"
 	ReasonExcludedNamespace Reason = "namespace excluded"
@@ -71,6 +81,9 @@ const (
 type Decision struct {
 	Enroll bool
 	Reason Reason
+	// Selector is the 1-based index of the enablement selector entry that
+	// enabled the pod; 0 when none did.
+	Selector int
 }
 
 // IsExcludedNamespace reports whether ns is in the excluded list.
@@ -87,28 +100,54 @@ func (p Policy) IsExcludedNamespace(ns string) bool {
 func (p Policy) Decide(pod *corev1.Pod, ns *corev1.Namespace) Decision {
 	switch {
 	case pod == nil:
-		return Decision{false, ReasonNoPod}
+		return Decision{Reason: ReasonNoPod}
 	case pod.Spec.HostNetwork:
-		return Decision{false, ReasonHostNetwork}
+		return Decision{Reason: ReasonHostNetwork}
 	case IsTerminal(pod):
-		return Decision{false, ReasonTerminal}
+		return Decision{Reason: ReasonTerminal}
 	case hasKey(pod.Annotations, ambient.SidecarStatusAnnotation):
-		return Decision{false, ReasonSidecar}
+		return Decision{Reason: ReasonSidecar}
 	case p.IsExcludedNamespace(pod.Namespace):
-		return Decision{false, ReasonExcludedNamespace}
+		return Decision{Reason: ReasonExcludedNamespace}
 	case IsDataPlanePod(pod) && slices.Contains(p.DataPlaneNamespaces, pod.Namespace):
-		return Decision{false, ReasonDataPlanePod}
+		return Decision{Reason: ReasonDataPlanePod}
 	}
-	switch pod.Labels[ambient.DataplaneModeLabel] {
-	case ambient.DataplaneModeAmbient:
-		return Decision{true, ReasonPodLabel}
-	case ambient.DataplaneModeNone:
-		return Decision{false, ReasonPodOptOut}
+	var nsLabels map[string]string
+	if ns != nil {
+		nsLabels = ns.Labels
 	}
-	if ns != nil && ns.Labels[ambient.DataplaneModeLabel] == ambient.DataplaneModeAmbient {
-		return Decision{true, ReasonNamespaceLabel}
+	return p.Selectors.decide(pod.Labels, nsLabels)
+}
+
+// decide applies the selector list past the exclusions. With Istio's
+// default list the reasons name its labels, as they always did.
+func (s *Selectors) decide(podLabels, nsLabels map[string]string) Decision {
+	s = s.orDefault()
+	if i := s.match(podLabels, nsLabels); i > 0 {
+		e := s.entries[i-1]
+		podLevel := e.anyNamespace && e.needsPodLabels
+		switch {
+		case podLevel && s.builtin:
+			return Decision{Enroll: true, Reason: ReasonPodLabel, Selector: i}
+		case s.builtin:
+			return Decision{Enroll: true, Reason: ReasonNamespaceLabel, Selector: i}
+		case podLevel:
+			return Decision{Enroll: true, Reason: ReasonPodSelector, Selector: i}
+		}
+		return Decision{Enroll: true, Reason: ReasonNamespaceSelector, Selector: i}
 	}
-	return Decision{false, ReasonNotEnabled}
+	if s.builtin {
+		if podLabels[ambient.DataplaneModeLabel] == ambient.DataplaneModeNone {
+			return Decision{Reason: ReasonPodOptOut}
+		}
+		return Decision{Reason: ReasonNotEnabled}
+	}
+	for _, e := range s.entries {
+		if !e.anyNamespace && e.ns.Matches(labels.Set(nsLabels)) {
+			return Decision{Reason: ReasonPodNotSelected}
+		}
+	}
+	return Decision{Reason: ReasonNotSelected}
 }
 
 // IsTerminal reports whether the pod has finished (Succeeded or Failed).
@@ -129,9 +168,11 @@ func (p Policy) IgnoresDataPlaneLabel(pod *corev1.Pod) bool {
 	return pod != nil && IsDataPlanePod(pod) && !slices.Contains(p.DataPlaneNamespaces, pod.Namespace)
 }
 
-// NamespaceEnabled reports whether a namespace carries the ambient label.
-func NamespaceEnabled(ns *corev1.Namespace) bool {
-	return ns != nil && ns.Labels[ambient.DataplaneModeLabel] == ambient.DataplaneModeAmbient
+// MayEnableNamespace reports whether a pod of ns, not excluded, may be
+// enabled whatever its own labels (see Selectors.MayEnableNamespace): what
+// the plugin's snapshot lists as an enabled namespace.
+func (p Policy) MayEnableNamespace(ns *corev1.Namespace) bool {
+	return ns != nil && !p.IsExcludedNamespace(ns.Name) && p.Selectors.MayEnableNamespace(ns.Labels)
 }
 
 // boolAnnotation reads a boolean annotation as Istio does

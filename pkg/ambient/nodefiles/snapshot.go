@@ -19,10 +19,13 @@ import (
 type EnablementSnapshot struct {
 	// Generation increases with every write.
 	Generation int64 `json:"generation"`
-	// EnabledNamespaces are namespaces labelled ambient.
+	// EnabledNamespaces are namespaces where a pod may be enabled whatever
+	// its own labels: the enablement selectors select the namespace
+	// (labelled ambient, by Istio's default list).
 	EnabledNamespaces []string `json:"enabledNamespaces"`
 	// PodLevelEnablement is true when some pod outside an enabled namespace
-	// carries the ambient label, so any namespace may hold a captured pod.
+	// is enabled by its own labels alone (by default, the ambient label), so
+	// any namespace may hold a captured pod.
 	PodLevelEnablement bool `json:"podLevelEnablement"`
 	// ExcludedNamespaces are never captured.
 	ExcludedNamespaces []string `json:"excludedNamespaces"`

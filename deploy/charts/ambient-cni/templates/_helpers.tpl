@@ -78,6 +78,8 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ join "," .Values.agent.excludedNamespaces | quote }}
 - name: AMBIENT_DATA_PLANE_NAMESPACES
   value: {{ join "," .Values.agent.dataPlaneNamespaces | quote }}
+- name: AMBIENT_ENABLEMENT_SELECTOR
+  value: {{ .Values.ambient.enablementSelectors | toJson | quote }}
 - name: AMBIENT_ASSUME_POD_LEVEL_ENABLEMENT
   value: {{ .Values.agent.assumePodLevelEnablement | toString | quote }}
 - name: AMBIENT_ZTUNNEL_WAIT
