@@ -316,7 +316,9 @@ func (c *Controller) processBatch(ctx context.Context) bool {
 	}
 	parallel(ctx, c.cfg.Parallel, works, func(w work) {
 		if err := c.apply(ctx, w, found); errors.Is(err, nodeagent.ErrSandboxTornDown) {
-			// The informer has not seen the pod go yet; retried as usual.
+			// The informer has not seen the pod go yet. Nothing to retry:
+			// the pod's next sandbox, if it gets one, comes through its own
+			// ADD.
 			c.log.Info("reconcile pod: its sandbox is being torn down", "pod", w.key.String(), "err", err)
 		} else if err != nil {
 			c.log.Warn("reconcile pod", "pod", w.key.String(), "err", err)

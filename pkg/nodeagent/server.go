@@ -8,7 +8,6 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
-	"os"
 	"sync"
 	"time"
 
@@ -409,7 +408,8 @@ func (s *Server) Check(ctx context.Context, p PodInfo, ns *netns.Handle) error {
 // keepAlive refreshes the heartbeat next to the socket while the server
 // serves, so the plugin knows for how long the agent has been gone, and
 // re-checks the pods the plugin let through while it was: first thing,
-// then at every beat (a plugin that timed out on a live agent spools too).
+// then at every beat. A round of re-checks gets one beat, so a slow one
+// (no ztunnel yet) never leaves the heartbeat stale for long.
 func (s *Server) keepAlive(ctx context.Context) {
 	hb := nodefiles.ForSocket(s.cfg.Socket).Heartbeat()
 	t := time.NewTicker(nodefiles.HeartbeatInterval)
@@ -418,9 +418,11 @@ func (s *Server) keepAlive(ctx context.Context) {
 		if err := nodefiles.TouchHeartbeat(hb, time.Now()); err != nil {
 			s.log.Warn("refresh heartbeat", "err", err)
 		}
-		if _, err := s.RecheckPassedThrough(ctx); err != nil {
+		rctx, cancel := context.WithTimeout(ctx, nodefiles.HeartbeatInterval)
+		if _, err := s.RecheckPassedThrough(rctx); err != nil {
 			s.log.Warn("re-check pods started without the agent", "err", err)
 		}
+		cancel()
 		select {
 		case <-ctx.Done():
 			return
@@ -461,10 +463,9 @@ func (s *Server) RecheckPassedThrough(ctx context.Context) (int, error) {
 			// Its sandbox or the pod itself is gone.
 			log.Info("pod started while the agent was gone needs no re-check", "err", err)
 		default:
-			if _, serr := os.Stat(ev.Netns); serr != nil {
-				log.Info("pod started while the agent was gone has no netns any more; re-check dropped", "err", err)
-				break
-			}
+			// A netns that is gone comes back invalid (above); the path is
+			// the plugin's, which the agent may only reach under its proc
+			// root, so it is not looked at here.
 			log.Warn("re-check of a pod started while the agent was gone failed; will retry", "err", err)
 			continue
 		}
