@@ -438,12 +438,19 @@ func (a *Agent) markTorn(id netns.Identity, uid types.UID) {
 	now := time.Now()
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	a.pruneTornLocked(now)
+	a.torn[id] = tornMark{uid: uid, at: now}
+}
+
+// pruneTornLocked drops the marks older than tornTTL: a DEL that came after
+// its pod's object was gone (PodGone ran first) leaves a mark only time
+// removes. a.mu is held.
+func (a *Agent) pruneTornLocked(now time.Time) {
 	for id, m := range a.torn {
 		if now.Sub(m.at) > tornTTL {
 			delete(a.torn, id)
 		}
 	}
-	a.torn[id] = tornMark{uid: uid, at: now}
 }
 
 // tornDown reports whether a CNI DEL lately tore down pod uid's sandbox

@@ -71,6 +71,7 @@ func (a *Agent) TableSizes() map[string]int {
 	records := a.records.size()
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	a.pruneTornLocked(time.Now())
 	return map[string]int{
 		"state": len(a.pods), "locks": len(a.busy), "released": len(a.released), "torn": len(a.torn),
 		"annotations_wanted": want, "annotations_written": written, "records": records,
