@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"math/rand/v2"
 	"net"
 	"net/netip"
@@ -13,6 +12,8 @@ import (
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
 )
 
 // ConflistName is the node's primary CNI config file.
@@ -38,7 +39,7 @@ func (n *Node) network() error {
 		}
 	}
 	for _, p := range []string{"bridge", "host-local", "loopback"} {
-		if err := copyFile(filepath.Join(n.Tools.CNIPlugins, p), filepath.Join(n.CNIBinDir, p), 0o755); err != nil {
+		if err := atomicfile.CopyFile(filepath.Join(n.Tools.CNIPlugins, p), filepath.Join(n.CNIBinDir, p), atomicfile.Options{Mode: 0o755}); err != nil {
 			return fmt.Errorf("install CNI plugin %s: %w", p, err)
 		}
 	}
@@ -145,25 +146,4 @@ func removeLinks(st *state) []error {
 		errs = append(errs, fmt.Errorf("delete bridge %s: %w", st.Bridge, err))
 	}
 	return errs
-}
-
-func copyFile(src, dst string, mode os.FileMode) error {
-	in, err := os.Open(src)
-	if err != nil {
-		return err
-	}
-	defer in.Close()
-	tmp := dst + ".tmp"
-	out, err := os.OpenFile(tmp, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, mode)
-	if err != nil {
-		return err
-	}
-	if _, err := io.Copy(out, in); err != nil {
-		_ = out.Close()
-		return err
-	}
-	if err := out.Close(); err != nil {
-		return err
-	}
-	return os.Rename(tmp, dst)
 }

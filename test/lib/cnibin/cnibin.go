@@ -22,6 +22,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
@@ -79,7 +80,7 @@ func InstallInto(t testing.TB, dir string) {
 			t.Fatal(err)
 		}
 		for _, de := range des {
-			if err := copyFile(filepath.Join(d, de.Name()), filepath.Join(dir, de.Name())); err != nil {
+			if err := atomicfile.CopyFile(filepath.Join(d, de.Name()), filepath.Join(dir, de.Name()), atomicfile.Options{Mode: 0o755, SkipSync: true}); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -252,27 +253,6 @@ func hashFile(p string) (string, error) {
 		return "", err
 	}
 	return hex.EncodeToString(h.Sum(nil)), nil
-}
-
-func copyFile(src, dst string) error {
-	in, err := os.Open(src)
-	if err != nil {
-		return err
-	}
-	defer in.Close()
-	tmp := dst + ".tmp"
-	out, err := os.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o755)
-	if err != nil {
-		return err
-	}
-	if _, err := io.Copy(out, in); err != nil {
-		_ = out.Close()
-		return err
-	}
-	if err := out.Close(); err != nil {
-		return err
-	}
-	return os.Rename(tmp, dst)
 }
 
 // Network describes a node's pod network for Conflist.
