@@ -35,6 +35,11 @@ const (
 
 	// SidecarStatusAnnotation marks a sidecar-injected pod; such pods are never enrolled.
 	SidecarStatusAnnotation = "sidecar.istio.io/status"
+	// IstioValidationInitContainer is the init container Istio's sidecar
+	// injector adds instead of istio-init when istio-cni sets up the
+	// sidecar's redirection (pilot.cni.enabled): it only checks that the
+	// redirection works, and keeps the pod from starting when it does not.
+	IstioValidationInitContainer = "istio-validation"
 	// DNSCaptureAnnotation overrides DNS capture per pod ("true"/"false").
 	DNSCaptureAnnotation = "ambient.istio.io/dns-capture"
 	// BypassInboundCaptureAnnotation disables inbound redirection when "true".

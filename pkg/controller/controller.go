@@ -84,7 +84,8 @@ type Config struct {
 	Agent  Agent
 	Finder Finder
 	// Events, when set, gets a Warning on the pod whenever capturing it
-	// fails, so operators see why a pod is not captured.
+	// fails, so operators see why a pod is not captured, and once on a
+	// sidecar pod that expects istio-cni (ReasonIstioCNIExpected).
 	Events record.EventRecorder
 	Logger *slog.Logger
 	// Parallel bounds concurrent captures and unenrolls within a batch
@@ -105,7 +106,16 @@ type Controller struct {
 	queue workqueue.TypedRateLimitingInterface[types.NamespacedName]
 
 	restored chan struct{} // closed once startup restore is done
+
+	// toldIstioCNI holds the pods already told that they expect istio-cni,
+	// by name, so each is told once (a new pod under the name is told
+	// again). Only the worker (processBatch) uses it.
+	toldIstioCNI map[types.NamespacedName]types.UID
 }
+
+// ReasonIstioCNIExpected is the reason of the Warning Event on a sidecar
+// pod injected for istio-cni's sidecar mode (enablement.ExpectsIstioCNI).
+const ReasonIstioCNIExpected = "IstioCNIExpected"
 
 // New builds the queue and subscribes it to the pod cache; nothing runs
 // until Run.
@@ -125,7 +135,8 @@ func New(cfg Config) *Controller {
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
 			workqueue.NewTypedItemExponentialFailureRateLimiter[types.NamespacedName](200*time.Millisecond, 30*time.Second),
 			workqueue.TypedRateLimitingQueueConfig[types.NamespacedName]{Name: "pods"}),
-		restored: make(chan struct{}),
+		restored:     make(chan struct{}),
+		toldIstioCNI: map[types.NamespacedName]types.UID{},
 	}
 	cfg.Pods.OnChange(c.queue.Add)
 	return c
@@ -304,6 +315,7 @@ func (c *Controller) processBatch(ctx context.Context) bool {
 	want := map[types.UID][]netip.Addr{}
 	for _, k := range batch {
 		w := c.plan(k)
+		c.tellIstioCNIExpected(k, w.pod)
 		if w.need {
 			want[w.pod.UID] = enablement.PodIPs(w.pod)
 		}
@@ -328,6 +340,26 @@ func (c *Controller) processBatch(ctx context.Context) bool {
 		c.queue.Forget(w.key)
 	})
 	return true
+}
+
+// tellIstioCNIExpected says, once per pod, in a Warning Event on it and in
+// the log, that the pod was injected for istio-cni's sidecar mode, which
+// this agent does not provide: otherwise its istio-validation init
+// container fails with nothing that points here. p is nil for a pod gone.
+func (c *Controller) tellIstioCNIExpected(k types.NamespacedName, p *corev1.Pod) {
+	msg := enablement.IstioCNIExpected(p)
+	if msg == "" {
+		delete(c.toldIstioCNI, k)
+		return
+	}
+	if c.toldIstioCNI[k] == p.UID {
+		return
+	}
+	c.toldIstioCNI[k] = p.UID
+	c.log.Warn("sidecar pod expects istio-cni", "pod", k.String(), "uid", p.UID, "problem", msg)
+	if c.cfg.Events != nil {
+		c.cfg.Events.Eventf(p, corev1.EventTypeWarning, ReasonIstioCNIExpected, "%s", msg)
+	}
 }
 
 // find runs one netns scan for every pod in want.

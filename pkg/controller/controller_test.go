@@ -609,3 +609,59 @@ func TestTerminatingAndStartingPods(t *testing.T) {
 	e.kube.DeletePod("blog", "t")
 	poll.Until(t, "the object is gone", func() bool { _, err := e.kube.Cache.Pod("blog", "t"); return err != nil })
 }
+
+// TestSidecarPodExpectingIstioCNIIsToldOnce: a sidecar pod injected for
+// istio-cni (its istio-validation init container) gets one Warning Event
+// however often it changes, is not captured, and a new pod under its name
+// is told again; sidecar pods injected with istio-init are not told.
+func TestSidecarPodExpectingIstioCNIIsToldOnce(t *testing.T) {
+	e := newEnv(t, []types.UID{"u-m"})
+	sidecar := func(uid, init string) *corev1.Pod {
+		p := running("blog", "sc", uid, "10.1.0.9")
+		p.Annotations = map[string]string{ambient.SidecarStatusAnnotation: `{"initContainers":["` + init + `"]}`}
+		p.Spec.InitContainers = []corev1.Container{{Name: init, Image: "proxyv2"}}
+		return p
+	}
+	p := sidecar("u-sc", ambient.IstioValidationInitContainer)
+	e.kube.SetPod(p)
+	var got string
+	select {
+	case got = <-e.events.Events:
+	case <-time.After(10 * time.Second):
+		t.Fatal("no event for a sidecar pod that expects istio-cni")
+	}
+	if !strings.HasPrefix(got, "Warning "+controller.ReasonIstioCNIExpected+" ") || !strings.Contains(got, ambient.IstioValidationInitContainer) {
+		t.Errorf("event %q", got)
+	}
+	// Status updates of the same pod: no second event.
+	for i := range 3 {
+		q := p.DeepCopy()
+		q.Labels = map[string]string{"rev": fmt.Sprint(i)}
+		e.kube.SetPod(q)
+	}
+	// A new pod under the name is told again; a pod injected with
+	// istio-init (it sets up its own redirection) never is.
+	e.kube.SetPod(sidecar("u-sc2", ambient.IstioValidationInitContainer))
+	other := sidecar("u-init", "istio-init")
+	other.Name = "with-init"
+	e.kube.SetPod(other)
+	select {
+	case got = <-e.events.Events:
+		if !strings.Contains(got, controller.ReasonIstioCNIExpected) {
+			t.Errorf("event %q", got)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no event for the new pod under the same name")
+	}
+	// The marker goes through the queue after everything above.
+	e.kube.SetPod(running("blog", "marker", "u-m", "10.1.0.10"))
+	poll.Until(t, "the marker pod reconciled", func() bool { return e.agent.count("capture blog/marker") == 1 })
+	select {
+	case ev := <-e.events.Events:
+		t.Errorf("unexpected event %q", ev)
+	default:
+	}
+	if n := e.agent.count("capture blog/sc") + e.agent.count("capture blog/with-init"); n != 0 {
+		t.Errorf("sidecar pods captured %d times", n)
+	}
+}

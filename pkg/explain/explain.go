@@ -332,6 +332,9 @@ func (e *Explainer) netnsOf(p *corev1.Pod, d enablement.Decision, ips []netip.Ad
 // judge sets the verdict, OK and the problems.
 func (e *Explainer) judge(r *Report, p *corev1.Pod, d enablement.Decision, ips []netip.Addr) {
 	problems := enablement.InvalidAnnotations(p)
+	if msg := enablement.IstioCNIExpected(p); msg != "" {
+		problems = append(problems, msg)
+	}
 	c := r.Captured
 	switch {
 	case d.Enroll && c != nil:

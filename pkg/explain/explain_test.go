@@ -129,8 +129,14 @@ func TestVerdicts(t *testing.T) {
 	draining := mkPod("shop", "draining", "u-draining", "10.0.0.5", terminating, annotated)
 	lost := mkPod("shop", "lost", "u-lost", "10.0.0.6", annotated)
 	typo := mkPod("plain", "typo", "u-typo", "10.0.0.7", func(p *corev1.Pod) { p.Annotations[ambient.DNSCaptureAnnotation] = "maybe" })
+	// Injected for istio-cni's sidecar mode: not captured, and told why it
+	// will not start.
+	validating := mkPod("shop", "validating", "u-validating", "10.0.0.8", func(p *corev1.Pod) {
+		p.Annotations[ambient.SidecarStatusAnnotation] = ""
+		p.Spec.InitContainers = []corev1.Container{{Name: ambient.IstioValidationInitContainer}}
+	})
 	pods := &fakePods{pods: map[string]*corev1.Pod{}, nss: map[string]*corev1.Namespace{"shop": on, "plain": off}}
-	for _, p := range []*corev1.Pod{leaving, starting, unwanted, stale, draining, lost, typo} {
+	for _, p := range []*corev1.Pod{leaving, starting, unwanted, stale, draining, lost, typo, validating} {
 		pods.pods[p.Namespace+"/"+p.Name] = p
 	}
 	// Restored without its netns after a restart (unresolved: its netns not found).
@@ -164,6 +170,7 @@ func TestVerdicts(t *testing.T) {
 		{"shop", "gone", false, "captured, but its pod object is gone", "object is gone"},
 		{"shop", "lost", false, "captured (namespace labelled ambient)", "has not been found since the agent restarted"},
 		{"plain", "typo", false, "not captured", `ambient.istio.io/dns-capture="maybe" is not a boolean`},
+		{"shop", "validating", false, "not captured: sidecar-injected pod", "injected for istio-cni's sidecar mode"},
 	} {
 		r, err := e.Explain(context.Background(), c.ns, c.name)
 		if err != nil {
@@ -183,7 +190,7 @@ func TestVerdicts(t *testing.T) {
 		t.Errorf("scanned /proc for %v: none of these pods needs a scan", finder.asked)
 	}
 	all := e.ExplainAll(context.Background())
-	if all.Pods != 8 || all.Captured != 4 || all.WithProblems != 5 || all.RulesBackend != "nftables" {
+	if all.Pods != 9 || all.Captured != 4 || all.WithProblems != 6 || all.RulesBackend != "nftables" {
 		t.Errorf("node report: %d pods, %d captured, %d with problems, backend %q", all.Pods, all.Captured, all.WithProblems, all.RulesBackend)
 	}
 }

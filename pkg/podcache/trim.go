@@ -24,7 +24,9 @@ var PodAnnotations = []string{
 // PodAnnotations, deletion, node, host network, service account, phase and
 // IPs), so the cache's size does not grow with what users put in their
 // pods. The sidecar status annotation is kept as a key only: its presence
-// is what counts, its value is a large JSON blob.
+// is what counts, its value is a large JSON blob. Of the init containers
+// only Istio's istio-validation is kept, by name alone: it tells a sidecar
+// pod that expects istio-cni (enablement.ExpectsIstioCNI).
 func TrimPod(o any) (any, error) {
 	p, ok := o.(*corev1.Pod)
 	if !ok {
@@ -38,6 +40,12 @@ func TrimPod(o any) (any, error) {
 			ServiceAccountName: p.Spec.ServiceAccountName,
 		},
 		Status: corev1.PodStatus{Phase: p.Status.Phase, PodIP: p.Status.PodIP, PodIPs: p.Status.PodIPs},
+	}
+	for _, c := range p.Spec.InitContainers {
+		if c.Name == ambient.IstioValidationInitContainer {
+			out.Spec.InitContainers = []corev1.Container{{Name: c.Name}}
+			break
+		}
 	}
 	for _, k := range PodAnnotations {
 		v, ok := p.Annotations[k]

@@ -66,6 +66,13 @@ func TestTrimPodKeepsWhatDecisionsRead(t *testing.T) {
 		"dns default":  func(p *corev1.Pod) { delete(p.Annotations, ambient.DNSCaptureAnnotation) },
 		"excluded":     func(p *corev1.Pod) { p.Namespace = ambient.DefaultExcludedNamespace },
 		"ipv4 only":    func(p *corev1.Pod) { p.Status.PodIPs = nil },
+		"expects istio-cni": func(p *corev1.Pod) {
+			p.Annotations[ambient.SidecarStatusAnnotation] = `{"initContainers":["istio-validation"]}`
+			p.Spec.InitContainers = []corev1.Container{{Name: "setup", Image: "x"}, {Name: ambient.IstioValidationInitContainer, Image: "proxyv2", Args: []string{"istio-iptables", "--run-validation"}}}
+		},
+		"other init containers": func(p *corev1.Pod) {
+			p.Spec.InitContainers = []corev1.Container{{Name: "istio-init", Image: "proxyv2"}}
+		},
 	}
 	for name, mut := range cases {
 		full := fullPod(mut)
@@ -88,6 +95,7 @@ func TestTrimPodKeepsWhatDecisionsRead(t *testing.T) {
 			"deletion":        got.DeletionTimestamp.Equal(full.DeletionTimestamp),
 			"redirection":     got.Annotations[ambient.RedirectionAnnotation] == full.Annotations[ambient.RedirectionAnnotation],
 			"labels":          reflect.DeepEqual(got.Labels, full.Labels),
+			"ExpectsIstioCNI": enablement.ExpectsIstioCNI(got) == enablement.ExpectsIstioCNI(full),
 		} {
 			if !eq {
 				t.Errorf("%s: %s differs after trimming", name, what)
@@ -95,6 +103,11 @@ func TestTrimPodKeepsWhatDecisionsRead(t *testing.T) {
 		}
 		if len(got.ManagedFields)+len(got.OwnerReferences)+len(got.Finalizers)+len(got.Spec.Containers)+len(got.Status.ContainerStatuses) != 0 {
 			t.Errorf("%s: trimmed pod keeps what the agent never reads: %+v", name, got)
+		}
+		for _, c := range got.Spec.InitContainers {
+			if c.Name != ambient.IstioValidationInitContainer || !reflect.DeepEqual(c, corev1.Container{Name: c.Name}) {
+				t.Errorf("%s: trimmed pod keeps an init container beyond istio-validation's name: %+v", name, c)
+			}
 		}
 		if _, ok := got.Annotations["kubectl.kubernetes.io/last-applied-configuration"]; ok {
 			t.Errorf("%s: an annotation the agent never reads was kept", name)

@@ -224,6 +224,33 @@ func InvalidAnnotations(pod *corev1.Pod) []string {
 	return out
 }
 
+// ExpectsIstioCNI reports whether the pod was injected to rely on istio-cni
+// for its sidecar's traffic redirection: it has Istio's istio-validation
+// init container, which sets up nothing and only checks the redirection
+// istio-cni's sidecar mode puts in place. ambient-cni has no sidecar mode,
+// so on a node it serves such a pod stays in that init container.
+func ExpectsIstioCNI(pod *corev1.Pod) bool {
+	if pod == nil {
+		return false
+	}
+	return slices.ContainsFunc(pod.Spec.InitContainers, func(c corev1.Container) bool {
+		return c.Name == ambient.IstioValidationInitContainer
+	})
+}
+
+// IstioCNIExpected is what the agent says about a pod ExpectsIstioCNI
+// reports (its Event, its log and the explain view); "" for any other pod.
+func IstioCNIExpected(pod *corev1.Pod) string {
+	if !ExpectsIstioCNI(pod) {
+		return ""
+	}
+	return fmt.Sprintf("the pod was injected for istio-cni's sidecar mode (init container %s, Istio's pilot.cni.enabled), "+
+		"which ambient-cni does not provide: it replaces istio-cni for ambient pods only, so nothing sets up this sidecar's "+
+		"traffic redirection and %s keeps the pod from starting; run sidecar pods that rely on istio-cni on nodes "+
+		"where istio-cni is installed, or inject them with istio-init instead (pilot.cni.enabled=false)",
+		ambient.IstioValidationInitContainer, ambient.IstioValidationInitContainer)
+}
+
 // BypassInbound reports whether the pod asked for no inbound redirection.
 func BypassInbound(pod *corev1.Pod) bool {
 	v, _ := boolAnnotation(pod, ambient.BypassInboundCaptureAnnotation)

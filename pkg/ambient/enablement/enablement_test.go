@@ -2,6 +2,7 @@ package enablement
 
 import (
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
@@ -185,5 +186,46 @@ func TestPodIPs(t *testing.T) {
 	p.Status.PodIPs = []corev1.PodIP{{IP: "::ffff:10.0.0.5"}, {IP: "fd00::5"}, {IP: "garbage"}}
 	if got := PodIPs(p); len(got) != 2 || got[0].String() != "10.0.0.5" || got[1].String() != "fd00::5" {
 		t.Fatalf("podIPs: got %v", got)
+	}
+}
+
+func withInit(names ...string) podOpt {
+	return func(p *corev1.Pod) {
+		for _, n := range names {
+			p.Spec.InitContainers = append(p.Spec.InitContainers, corev1.Container{Name: n})
+		}
+	}
+}
+
+// TestExpectsIstioCNI: a pod injected for istio-cni's sidecar mode is told
+// by its istio-validation init container (Istio's injection template adds
+// it instead of istio-init when pilot.cni.enabled is set), wherever it
+// sits among the init containers; istio-init, other init containers, a
+// bare sidecar status annotation or no pod at all are not.
+func TestExpectsIstioCNI(t *testing.T) {
+	status := withAnn(ambient.SidecarStatusAnnotation, `{"initContainers":["istio-validation"],"containers":["istio-proxy"]}`)
+	for name, c := range map[string]struct {
+		pod  *corev1.Pod
+		want bool
+	}{
+		"validation":              {pod("a", status, withInit(ambient.IstioValidationInitContainer)), true},
+		"validation among others": {pod("a", status, withInit("setup", ambient.IstioValidationInitContainer, "istio-proxy")), true},
+		"istio-init":              {pod("a", withAnn(ambient.SidecarStatusAnnotation, `{"initContainers":["istio-init"]}`), withInit("istio-init")), false},
+		"other init":              {pod("a", withInit("migrate")), false},
+		"annotation only":         {pod("a", status), false},
+		"plain":                   {pod("a"), false},
+		"nil":                     {nil, false},
+	} {
+		got := ExpectsIstioCNI(c.pod)
+		msg := IstioCNIExpected(c.pod)
+		if got != c.want || (msg != "") != c.want {
+			t.Errorf("%s: ExpectsIstioCNI %v, message %q; want %v", name, got, msg, c.want)
+		}
+	}
+	msg := IstioCNIExpected(pod("a", withInit(ambient.IstioValidationInitContainer)))
+	for _, want := range []string{"istio-validation", "pilot.cni.enabled", "ambient pods only", "istio-init"} {
+		if !strings.Contains(msg, want) {
+			t.Errorf("message %q does not say %q", msg, want)
+		}
 	}
 }
