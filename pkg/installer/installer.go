@@ -81,6 +81,20 @@ var ErrConfigInFlux = errors.New("CNI config is being written")
 // taken for broken rather than half-written.
 const settleTime = time.Second
 
+// ErrPrimaryContested means the primary CNI keeps taking our entry out of
+// its config (an exclusive primary, such as Cilium with cni.exclusive):
+// the installer puts it back each time, but every pod that starts in
+// between skips the plugin.
+var ErrPrimaryContested = errors.New("the primary CNI keeps removing the plugin's config entry")
+
+// A primary that takes our entry out contestedRemovals times within
+// contestedWindow is fighting us, not restarting: Check fails until a
+// whole window passes without a removal.
+const (
+	contestedRemovals = 3
+	contestedWindow   = time.Minute
+)
+
 // Config configures an Installer. BinDir, ConfDir and PluginBinary are
 // required; every other field has a default.
 type Config struct {
@@ -118,8 +132,10 @@ type Config struct {
 	StateFile string
 	// OnRefused, when set, is called when a pass refuses to chain because
 	// istio-cni is already chained (ErrIstioCNIChained), once per file and
-	// cause until the refusal ends: e.g. to record an Event. It runs with
-	// the Installer's lock held: it must be quick and must not call back.
+	// cause until the refusal ends, and when the primary CNI is found
+	// removing our entry again and again (ErrPrimaryContested), once per
+	// such episode: e.g. to record an Event. It runs with the Installer's
+	// lock held: it must be quick and must not call back.
 	OnRefused func(err error)
 	// OnReinstall, when set, is called once per reinstall (see
 	// Stats.Reinstalls), e.g. a prometheus Counter's Inc. It runs with the
@@ -163,6 +179,13 @@ type Installer struct {
 	tempsCleant bool
 	stateLoaded bool
 	lastErr     string // last pass error logged at Warn
+	// removals are when a pass found our entry gone from a config we had
+	// chained (the last contestedRemovals of them); contested is set
+	// while they say the primary is fighting us. contestMu guards both, so
+	// Check never waits for a pass.
+	contestMu sync.Mutex
+	removals  []time.Time
+	contested error
 
 	// testHookBinaryCopied, when set, runs right after a copy of the
 	// binary landed, to let a test play a writer racing the installer.
@@ -610,6 +633,30 @@ func loadable(path string) error {
 	return nil
 }
 
+// sortsBetween names a config the runtime would load whose name sorts
+// after from and before to: converting from into to would hand the node's
+// network to it, since the runtime uses the lexically first config. With
+// a configured primary name the order is not ours to keep ("" always).
+func (i *Installer) sortsBetween(from, to string) (string, error) {
+	if i.cfg.PrimaryConfName != "" {
+		return "", nil
+	}
+	ents, err := os.ReadDir(i.cfg.ConfDir)
+	if err != nil {
+		return "", fmt.Errorf("read CNI conf dir: %w", err)
+	}
+	for _, e := range ents {
+		n := e.Name()
+		if e.IsDir() || !isConfigName(n) || n <= from || n >= to {
+			continue
+		}
+		if loadable(filepath.Join(i.cfg.ConfDir, n)) == nil {
+			return n, nil
+		}
+	}
+	return "", nil
+}
+
 func (i *Installer) hasOurEntry(conflist []byte) bool {
 	info, err := inspectList(conflist, i.cfg.PluginName)
 	return err == nil && info.nOurs > 0
@@ -646,6 +693,12 @@ func (i *Installer) ensureChained(path string, force bool) (time.Duration, error
 		} else if err != nil && !errors.Is(err, fs.ErrNotExist) {
 			return 0, fmt.Errorf("check conversion target: %w", err)
 		}
+		if between, err := i.sortsBetween(name, newName); err != nil {
+			return 0, err
+		} else if between != "" {
+			return 0, fmt.Errorf("converting %s to %s would make %s, which sorts between the two, the config the runtime uses; refusing (rename one of them, or name the primary config)",
+				path, target, filepath.Join(filepath.Dir(path), between))
+		}
 	} else if lfi, err := os.Lstat(path); err == nil && lfi.Mode()&fs.ModeSymlink != 0 {
 		// Keep the primary's symlink; edit the file it points at.
 		if target, err = filepath.EvalSymlinks(path); err != nil {
@@ -675,6 +728,9 @@ func (i *Installer) ensureChained(path string, force bool) (time.Duration, error
 		}
 	}
 
+	if old := i.records[target]; old != nil && i.installed && !i.hasOurEntry(cur) {
+		i.noteRemoval(target, time.Now())
+	}
 	rec := &record{written: out, origPath: path, origMode: fi.Mode().Perm(), origOwner: own}
 	if converting || !i.hasOurEntry(cur) {
 		rec.orig = cur
@@ -692,6 +748,48 @@ func (i *Installer) ensureChained(path string, force bool) (time.Duration, error
 	i.log.Info("chained plugin into primary CNI config", "file", target, "from", path, "reinstall", i.installed)
 	i.markInstalled(target)
 	return 0, nil
+}
+
+// noteRemoval counts one more time our entry was found gone from a config
+// we had chained, and says so once when the removals come too often to be
+// restarts of the primary.
+func (i *Installer) noteRemoval(path string, now time.Time) {
+	i.contestMu.Lock()
+	defer i.contestMu.Unlock()
+	i.removals = append(i.removals, now)
+	if len(i.removals) > contestedRemovals {
+		i.removals = i.removals[len(i.removals)-contestedRemovals:]
+	}
+	if len(i.removals) < contestedRemovals || now.Sub(i.removals[0]) > contestedWindow {
+		return
+	}
+	err := fmt.Errorf("%w: %s lost the %q entry %d times within %v; pods that start before it is back skip ambient-cni "+
+		"and are captured only once they run. An exclusive primary does this (Cilium with cni.exclusive=true, its default): "+
+		"set it to leave other plugins' entries in its config (Cilium: cni.exclusive=false); ambient-cni keeps putting the entry back meanwhile",
+		ErrPrimaryContested, path, i.cfg.PluginName, contestedRemovals, now.Sub(i.removals[0]).Round(time.Millisecond))
+	if i.contested == nil {
+		i.log.Warn("primary CNI keeps removing our config entry", "file", path, "err", err)
+		if i.cfg.OnRefused != nil {
+			i.cfg.OnRefused(err)
+		}
+	}
+	i.contested = err
+}
+
+// contestedNow is the contest error while the last removal is less than a
+// window old, and ends the episode once it is not.
+func (i *Installer) contestedNow(now time.Time) error {
+	i.contestMu.Lock()
+	defer i.contestMu.Unlock()
+	if i.contested == nil {
+		return nil
+	}
+	if n := len(i.removals); n > 0 && now.Sub(i.removals[n-1]) < contestedWindow {
+		return i.contested
+	}
+	i.log.Info("primary CNI has left our config entry alone for a while", "window", contestedWindow)
+	i.contested = nil
+	return nil
 }
 
 func (i *Installer) countReinstall() {
@@ -721,7 +819,10 @@ func (i *Installer) Ready() bool { return i.Check() == nil }
 
 // Check looks at the disk now and says why the plugin is not installed:
 // the binary must be in BinDir, executable and the size of ours, and the
-// primary config must end with our entry. nil means ready.
+// primary config must end with our entry. A primary that keeps removing
+// the entry (ErrPrimaryContested) fails it too, until it has left the
+// entry alone for a minute: chained one moment, it is not the next. nil
+// means ready.
 func (i *Installer) Check() error {
 	src, err := os.Stat(i.cfg.PluginBinary)
 	if err != nil {
@@ -758,7 +859,7 @@ func (i *Installer) Check() error {
 	if len(info.ours) == 1 {
 		return fmt.Errorf("primary config %s: %w", path, ErrNoPrimaryPlugin)
 	}
-	return nil
+	return i.contestedNow(time.Now())
 }
 
 // UpgradeChecker tells whether a shutdown is part of an upgrade: the

@@ -193,8 +193,12 @@ func New(o Options) (*App, error) {
 		// Said on the agent's own pod, where kubectl describe shows why
 		// it is not ready.
 		OnRefused: func(err error) {
+			reason := "IstioCNIChained"
+			if errors.Is(err, installer.ErrPrimaryContested) {
+				reason = "PrimaryCNIRemovesEntry"
+			}
 			a.events.Eventf(&corev1.ObjectReference{APIVersion: "v1", Kind: "Pod", Namespace: c.PodNamespace, Name: c.PodName},
-				corev1.EventTypeWarning, "IstioCNIChained", "%v", err)
+				corev1.EventTypeWarning, reason, "%v", err)
 		},
 		Logger: a.log,
 	})
