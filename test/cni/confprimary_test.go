@@ -37,10 +37,12 @@ func runtimeNetwork(dir string) (*libcni.NetworkConfigList, string, error) {
 		l, err := libcni.ConfListFromFile(first)
 		return l, first, err
 	}
+	//lint:ignore SA1019 containerd's go-cni loads a .conf with exactly this
 	c, err := libcni.ConfFromFile(first)
 	if err != nil {
 		return nil, first, err
 	}
+	//lint:ignore SA1019 and wraps it into a list with exactly this
 	l, err := libcni.ConfListFromConf(c)
 	return l, first, err
 }
