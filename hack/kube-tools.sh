@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the external binaries the tests run (etcd, kube-apiserver, helm, and
 # on request the real node's kubelet, kube-controller-manager,
-# kube-scheduler, crictl and the reference CNI plugins) from the Go module
+# kube-scheduler, crictl, the reference CNI plugins and the Multus thin
+# plugin) from the Go module
 # proxy, and the real node's Debian base image rootfs from the Debian
 # packages, into a cache outside the repository keyed by version:
 #
@@ -26,8 +27,8 @@ tools="$repo/hack/tools"
 cache="${AMBIENT_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ambient-cni/tools}"
 GO="${GO:-go}"
 default_tools=(etcd kube-apiserver helm)
-node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler crictl cni-plugins debian-rootfs)
-all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler helm crictl cni-plugins debian-rootfs)
+node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler crictl cni-plugins multus debian-rootfs)
+all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler helm crictl cni-plugins multus debian-rootfs)
 
 # The DaemonSet image's base, as deploy/Dockerfile's: Debian bookworm with
 # the netfilter tools, without documentation. Changing this list changes
@@ -47,6 +48,9 @@ spec() {
 	kube-scheduler) echo "kubernetes k8s.io/kubernetes k8s.io/kubernetes/cmd/kube-scheduler" ;;
 	helm) echo "helm helm.sh/helm/v3 helm.sh/helm/v3/cmd/helm" ;;
 	crictl) echo "cri-tools sigs.k8s.io/cri-tools sigs.k8s.io/cri-tools/cmd/crictl" ;;
+	# The thin plugin: Multus as the node's primary meta-plugin, reading
+	# its delegates' configs itself (no multus daemon).
+	multus) echo "multus gopkg.in/k8snetworkplumbingwg/multus-cni.v4 gopkg.in/k8snetworkplumbingwg/multus-cni.v4/cmd/multus" ;;
 	# "@": built inside the plugins' own module (its go.sum pins their
 	# dependencies) at the version the project's go.mod requires.
 	cni-plugins) echo "@ github.com/containernetworking/plugins ./plugins/main/bridge ./plugins/ipam/host-local ./plugins/main/loopback" ;;
@@ -106,6 +110,9 @@ ldflags() {
 		;;
 	crictl)
 		echo "-X sigs.k8s.io/cri-tools/pkg/version.Version=$v"
+		;;
+	multus)
+		echo "-X gopkg.in/k8snetworkplumbingwg/multus-cni.v4/pkg/multus.version=$v -X gopkg.in/k8snetworkplumbingwg/multus-cni.v4/pkg/multus.gitTreeState=clean -X gopkg.in/k8snetworkplumbingwg/multus-cni.v4/pkg/multus.releaseStatus=,released"
 		;;
 	esac
 }
@@ -184,7 +191,7 @@ build() {
 		# go list fetches exactly the modules the build needs, so the silent
 		# compile that follows is split from the network part.
 		(cd "$src" && "$GO" list -mod=readonly -deps "${pkg[@]}" >/dev/null)
-		echo "kube-tools: building $name $v (a cold build takes minutes on 2 cores: etcd ~2, kube-apiserver ~5-10, then kubelet, kube-controller-manager, kube-scheduler ~1.5 each, helm ~1.5, crictl ~1) ..."
+		echo "kube-tools: building $name $v (a cold build takes minutes on 2 cores: etcd ~2, kube-apiserver ~5-10, then kubelet, kube-controller-manager, kube-scheduler ~1.5 each, helm ~1.5, crictl ~1, multus ~1) ..."
 	else
 		echo "kube-tools: building $name $v with mmdebstrap from the Debian packages (~1 min) ..."
 	fi

@@ -78,8 +78,9 @@ func TestPlatformLayouts(t *testing.T) {
 		"generic": {nil, generic},
 		"gke":     {[]string{"--set", "platform=gke"}, platformWant{binDir: "/home/kubernetes/bin", confDir: "/etc/cni/net.d", netnsDirs: genericNetns, quota: true}},
 		// A -gke cluster version selecting gke is not among these: helm
-		// template drops the version's pre-release part (-gke.N), which
-		// only helm install and upgrade see, from the cluster.
+		// template drops the version's pre-release part (-gke.N) of
+		// --kube-version; TestGKEDetectedFromClusterVersion renders
+		// against a cluster that reports it.
 		"gke, version without -gke": {[]string{"--kube-version", "v1.33.5"}, generic},
 		"eks":                       {[]string{"--set", "platform=eks"}, generic},
 		"kind":                      {[]string{"--set", "platform=kind"}, generic},

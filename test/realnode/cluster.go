@@ -68,6 +68,12 @@ func (n *Node) ChartValues(tag string) map[string]any {
 		// machine. The agent uses the API server on loopback instead.
 		"apiServer": map[string]any{"host": "127.0.0.1", "port": n.APIPort},
 	}
+	if p := n.opts.Layout.Platform(); p != "" {
+		// The platform's profile sets everything else it needs; the dirs
+		// above stay, each the profile's path under HostRoot, since the
+		// machine's real paths are not the node's to write.
+		v["platform"] = p
+	}
 	if n.opts.StartupTaint {
 		// A node registered with the startup taint needs an agent that
 		// removes it.

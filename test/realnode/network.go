@@ -21,7 +21,8 @@ const ConflistName = "10-ambient-node.conflist"
 
 // network picks the pod subnet and bridge name, installs the reference
 // plugins into the node's CNI bin dir and writes the primary conflist:
-// bridge + host-local, as a plain bridged node has.
+// bridge + host-local, as a plain bridged node has (under LayoutMultus,
+// Multus's delegate, with Multus's config as the runtime's primary).
 func (n *Node) network() error {
 	subnet, err := pickSubnet()
 	if err != nil {
@@ -31,8 +32,10 @@ func (n *Node) network() error {
 	n.Gateway = subnet.Addr().Next().String()
 	n.Bridge = "anode" + randHex(6)
 	n.st.Bridge, n.st.Subnet = n.Bridge, n.Subnet
-	n.CNIBinDir = filepath.Join(n.Dir, "cni", "bin")
-	n.CNIConfDir = filepath.Join(n.Dir, "cni", "net.d")
+	primaryDir, err := n.layoutDirs()
+	if err != nil {
+		return err
+	}
 	for _, d := range []string{n.CNIBinDir, n.CNIConfDir, filepath.Join(n.Dir, "cni", "ipam")} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return err
@@ -66,9 +69,16 @@ func (n *Node) network() error {
 	if err != nil {
 		return err
 	}
-	n.CNIConfFile = filepath.Join(n.CNIConfDir, ConflistName)
+	n.CNIConfFile = filepath.Join(primaryDir, ConflistName)
 	n.CNIConfOriginal = append(b, '\n')
-	return os.WriteFile(n.CNIConfFile, n.CNIConfOriginal, 0o644)
+	if err := os.WriteFile(n.CNIConfFile, n.CNIConfOriginal, 0o644); err != nil {
+		return err
+	}
+	if n.opts.Layout == LayoutMultus {
+		// The runtime's primary becomes Multus's config.
+		return n.writeMultus(n.CNIConfFile)
+	}
+	return nil
 }
 
 // pickSubnet picks a random /24 in 10.200.0.0/13 that no route of the host

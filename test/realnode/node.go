@@ -64,6 +64,9 @@ type Options struct {
 	// (kubelet --register-with-taints), as a node pool set up for the
 	// chart's startupTaint.enabled is.
 	StartupTaint bool
+	// Layout lays out the runtime's CNI dirs as a platform does, and
+	// ChartValues names the platform (zero: generic).
+	Layout Layout
 }
 
 // Node is a running node.
@@ -220,6 +223,9 @@ func Up(ctx context.Context, opts Options) (n *Node, err error) {
 		return n, err
 	}
 	n.st.Kubeconfig = n.Kubeconfig
+	if err := n.writeLayoutKubeconfig(); err != nil {
+		return n, err
+	}
 	n.logf("   kube-apiserver ready on %s in %v", n.Kube.Config.Host, n.Kube.StartTime.Round(time.Millisecond))
 	if err := n.startControllers(); err != nil {
 		return n, err
