@@ -74,8 +74,8 @@ func NamespaceLabelKeys(policy enablement.Policy) []string {
 // NamespaceTransform is the namespace informer's transform: every
 // namespace of the cluster is cached, and anyone allowed to create
 // namespaces decides how large they are, so what enters the cache is the
-// namespace's name, UID, resourceVersion (the informer tells a relist's
-// changed objects from unchanged ones by it), deletion state and its
+// namespace's name, resourceVersion (the informer tells a relist's
+// changed objects from unchanged ones by it), deletion time and its
 // labels of the given keys (NamespaceLabelKeys), never its annotations,
 // other labels, spec or status. It looks keys up rather than walking the
 // labels, so a namespace with thousands of labels costs no more time than
@@ -87,8 +87,9 @@ func NamespaceTransform(keys []string) func(any) (any, error) {
 		if !ok {
 			return o, nil
 		}
-		m := trimMeta(n.ObjectMeta)
-		m.Labels = nil
+		// Nothing reads a namespace's UID: a namespace deleted and made
+		// again under its name comes as a delete and an add.
+		m := metav1.ObjectMeta{Name: n.Name, ResourceVersion: n.ResourceVersion, DeletionTimestamp: n.DeletionTimestamp}
 		for _, k := range keys {
 			v, ok := n.Labels[k]
 			if !ok {
