@@ -20,6 +20,7 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
+	coreinformers "k8s.io/client-go/informers/core/v1"
 	"k8s.io/client-go/kubernetes"
 	listerscorev1 "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
@@ -67,16 +68,18 @@ func New(cfg Config) *Cache {
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
 			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", cfg.NodeName).String()
 		}))
-	nsFactory := informers.NewSharedInformerFactory(cfg.Client, 0)
 	podInf := podFactory.Core().V1().Pods()
-	nsInf := nsFactory.Core().V1().Namespaces()
+	// Namespaces are only ever looked up by name or listed whole, so
+	// their informer has no index: the factory's namespace index would
+	// hold every namespace of the cluster once more, under one key.
+	nsInf := coreinformers.NewNamespaceInformer(cfg.Client, 0, cache.Indexers{})
 	// The cache keeps what the agent reads of each object and nothing
 	// else (trim.go): its memory is bounded by the number of pods and
 	// namespaces, not by what users write into them.
 	_ = podInf.Informer().SetTransform(TrimPod)
-	_ = nsInf.Informer().SetTransform(TrimNamespace)
-	c.pods, c.nss = podInf.Lister(), nsInf.Lister()
-	c.synced = []cache.InformerSynced{podInf.Informer().HasSynced, nsInf.Informer().HasSynced}
+	_ = nsInf.SetTransform(NamespaceTransform(NamespaceLabelKeys(cfg.Policy)))
+	c.pods, c.nss = podInf.Lister(), listerscorev1.NewNamespaceLister(nsInf.GetIndexer())
+	c.synced = []cache.InformerSynced{podInf.Informer().HasSynced, nsInf.HasSynced}
 
 	_, _ = podInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(o any) { c.podChanged(o) },
@@ -86,7 +89,7 @@ func New(cfg Config) *Cache {
 			c.podDeleted(o)
 		},
 	})
-	_, _ = nsInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+	_, _ = nsInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc: func(o any) { c.namespaceChanged(o) },
 		UpdateFunc: func(old, o any) {
 			if cfg.Policy.Selectors.NamespaceChangeMatters(nsLabels(old), nsLabels(o)) {
@@ -95,13 +98,14 @@ func New(cfg Config) *Cache {
 		},
 		DeleteFunc: func(o any) { c.namespaceChanged(o) },
 	})
+	var nsRunning sync.WaitGroup
 	c.start = func(stop <-chan struct{}) {
 		podFactory.Start(stop)
-		nsFactory.Start(stop)
+		nsRunning.Go(func() { nsInf.Run(stop) })
 	}
 	c.stop = func() {
 		podFactory.Shutdown()
-		nsFactory.Shutdown()
+		nsRunning.Wait()
 	}
 	return c
 }

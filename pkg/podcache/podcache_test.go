@@ -2,6 +2,7 @@ package podcache_test
 
 import (
 	"context"
+	"maps"
 	"slices"
 	"strings"
 	"sync"
@@ -244,5 +245,36 @@ func TestSelectorsDriveTheSnapshotState(t *testing.T) {
 	poll.Until(t, "pod-level enablement", func() bool { _, pl := k.Cache.EnablementState(); return pl })
 	if dec := k.Cache.DecideCached(pod("blog", "q", "u-q", nil)); dec.Enroll {
 		t.Errorf("a namespace labelled the default way is enabled under a list of its own: %+v", dec)
+	}
+}
+
+// TestCacheKeepsTheNamespaceLabelsDecisionsRead: through the informer, a
+// namespace's cached copy holds the labels the configured selectors read
+// and the dataplane-mode label, not its other labels or annotations, and
+// it still decides its pods.
+func TestCacheKeepsTheNamespaceLabelsDecisionsRead(t *testing.T) {
+	sel, err := enablement.ParseSelectors([]byte(`[{namespaceSelector: {matchLabels: {mesh: "yes"}}}]`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	policy := enablement.DefaultPolicy()
+	policy.Selectors = sel
+	k := fakecluster.New(t, podcache.Config{Policy: policy})
+	ns := namespace("shop", true)
+	ns.Labels["mesh"] = "yes"
+	ns.Labels["team"] = "pay"
+	ns.Annotations = map[string]string{"big": strings.Repeat("z", 256<<10)}
+	k.Seed(ns)
+	k.Start()
+	got, err := k.Cache.Namespace("shop")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]string{"mesh": "yes", ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}
+	if !maps.Equal(got.Labels, want) || got.Annotations != nil {
+		t.Errorf("cached namespace labels %v annotations %d, want labels %v and no annotations", got.Labels, len(got.Annotations), want)
+	}
+	if d := k.Cache.DecideCached(pod("shop", "web", "u1", nil)); !d.Enroll {
+		t.Errorf("a pod of the selected namespace: %+v", d)
 	}
 }

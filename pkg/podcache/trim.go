@@ -1,10 +1,13 @@
 package podcache
 
 import (
+	"slices"
+
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 )
 
 // PodAnnotations are the only pod annotations the cache keeps: those the
@@ -63,16 +66,50 @@ func TrimPod(o any) (any, error) {
 	return out, nil
 }
 
-// TrimNamespace is the namespace informer's transform: a namespace is
-// decided by its labels alone, so its annotations, spec and status (every
-// namespace of the cluster is cached, and anyone allowed to create
-// namespaces could fill them) are dropped.
-func TrimNamespace(o any) (any, error) {
-	n, ok := o.(*corev1.Namespace)
-	if !ok {
-		return o, nil
+// NamespaceLabelKeys are the namespace label keys the cache keeps for
+// policy: those its enablement selectors read (the decisions, the plugin's
+// snapshot and the test of whether a namespace change matters read no
+// other) and the dataplane-mode label, which the explain view shows.
+func NamespaceLabelKeys(policy enablement.Policy) []string {
+	keys := policy.Selectors.NamespaceLabelKeys()
+	if !slices.Contains(keys, ambient.DataplaneModeLabel) {
+		keys = append(keys, ambient.DataplaneModeLabel)
+		slices.Sort(keys)
 	}
-	return &corev1.Namespace{ObjectMeta: trimMeta(n.ObjectMeta)}, nil
+	return keys
+}
+
+// NamespaceTransform is the namespace informer's transform: every
+// namespace of the cluster is cached, and anyone allowed to create
+// namespaces decides how large they are, so what enters the cache is the
+// namespace's name, resourceVersion (the informer tells a relist's
+// changed objects from unchanged ones by it), deletion time and its
+// labels of the given keys (NamespaceLabelKeys), never its annotations,
+// other labels, spec or status. It looks keys up rather than walking the
+// labels, so a namespace with thousands of labels costs no more time than
+// one with two.
+func NamespaceTransform(keys []string) func(any) (any, error) {
+	keys = slices.Clone(keys)
+	return func(o any) (any, error) {
+		n, ok := o.(*corev1.Namespace)
+		if !ok {
+			return o, nil
+		}
+		// Nothing reads a namespace's UID: a namespace deleted and made
+		// again under its name comes as a delete and an add.
+		m := metav1.ObjectMeta{Name: n.Name, ResourceVersion: n.ResourceVersion, DeletionTimestamp: n.DeletionTimestamp}
+		for _, k := range keys {
+			v, ok := n.Labels[k]
+			if !ok {
+				continue
+			}
+			if m.Labels == nil {
+				m.Labels = make(map[string]string, len(keys))
+			}
+			m.Labels[k] = v
+		}
+		return &corev1.Namespace{ObjectMeta: m}, nil
+	}
 }
 
 // trimMeta keeps identity, labels and deletion state; annotations are the

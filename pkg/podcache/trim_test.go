@@ -1,6 +1,8 @@
 package podcache
 
 import (
+	"fmt"
+	"maps"
 	"reflect"
 	"strings"
 	"testing"
@@ -124,26 +126,115 @@ func TestTrimPodKeepsWhatDecisionsRead(t *testing.T) {
 	}
 }
 
-// TestTrimNamespaceKeepsLabels: a namespace keeps its identity and labels
-// (all its decision reads), and sheds its annotations however large.
-func TestTrimNamespaceKeepsLabels(t *testing.T) {
-	full := &corev1.Namespace{
-		ObjectMeta: metav1.ObjectMeta{Name: "shop", UID: "n-1", ResourceVersion: "7",
-			Labels:      map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient},
-			Annotations: map[string]string{"big": strings.Repeat("z", 10<<10)}},
-		Spec:   corev1.NamespaceSpec{Finalizers: []corev1.FinalizerName{"kubernetes"}},
-		Status: corev1.NamespaceStatus{Phase: corev1.NamespaceActive},
-	}
-	o, err := TrimNamespace(full.DeepCopy())
+// TestNamespaceLabelKeysFromPolicy: the cache keeps the keys the
+// configured selectors read, and the dataplane-mode label for the explain
+// view even when no selector reads it.
+func TestNamespaceLabelKeysFromPolicy(t *testing.T) {
+	sel, err := enablement.ParseSelectors([]byte(`
+- podSelector: {}
+  namespaceSelector:
+    matchExpressions: [{key: team, operator: In, values: [pay]}, {key: kubernetes.io/metadata.name, operator: Exists}]
+- podSelector: {matchLabels: {only-pod: "x"}}
+  namespaceSelector: {}
+`))
 	if err != nil {
 		t.Fatal(err)
 	}
-	got := o.(*corev1.Namespace)
-	want := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", UID: "n-1", ResourceVersion: "7", Labels: full.Labels}}
-	if !reflect.DeepEqual(got, want) {
-		t.Errorf("trimmed namespace %+v, want %+v", got, want)
+	for _, tc := range []struct {
+		policy enablement.Policy
+		want   []string
+	}{
+		{enablement.DefaultPolicy(), []string{ambient.DataplaneModeLabel}},
+		{enablement.Policy{Selectors: sel}, []string{ambient.DataplaneModeLabel, "kubernetes.io/metadata.name", "team"}},
+	} {
+		if got := NamespaceLabelKeys(tc.policy); !reflect.DeepEqual(got, tc.want) {
+			t.Errorf("NamespaceLabelKeys = %q, want %q", got, tc.want)
+		}
 	}
-	if p := enablement.DefaultPolicy(); p.MayEnableNamespace(got) != p.MayEnableNamespace(full) {
-		t.Error("trimming changed the namespace's enablement")
+}
+
+// hostileNamespace carries what anyone allowed to create namespaces may
+// put in one: a megabyte of annotations, thousands of labels (among them
+// those the selectors read), a spec and a status.
+func hostileNamespace(labels map[string]string) *corev1.Namespace {
+	now := metav1.Now()
+	n := &corev1.Namespace{
+		ObjectMeta: metav1.ObjectMeta{Name: "shop", UID: "n-1", ResourceVersion: "7", DeletionTimestamp: &now,
+			Labels:        map[string]string{},
+			Annotations:   map[string]string{},
+			ManagedFields: []metav1.ManagedFieldsEntry{{Manager: "kubectl"}},
+			Finalizers:    []string{"example.com/f"},
+		},
+		Spec:   corev1.NamespaceSpec{Finalizers: []corev1.FinalizerName{"kubernetes"}},
+		Status: corev1.NamespaceStatus{Phase: corev1.NamespaceTerminating, Conditions: []corev1.NamespaceCondition{{Type: "x"}}},
+	}
+	for i := range 4000 {
+		n.Labels[fmt.Sprintf("noise.example.com/l%04d", i)] = strings.Repeat("v", 63)
+	}
+	for i := range 100 {
+		n.Annotations[fmt.Sprintf("noise.example.com/a%03d", i)] = strings.Repeat("z", 10<<10)
+	}
+	maps.Copy(n.Labels, labels)
+	return n
+}
+
+// TestNamespaceTransform: of a hostile namespace the cache keeps its
+// name, resourceVersion, deletion time and the labels of the kept keys,
+// nothing else (not even its UID, which nothing reads),
+// and every decision of the trimmed namespace equals the full one's.
+func TestNamespaceTransform(t *testing.T) {
+	sel, err := enablement.ParseSelectors([]byte(`
+- podSelector: {}
+  namespaceSelector:
+    matchExpressions: [{key: team, operator: In, values: [pay]}, {key: quarantine, operator: DoesNotExist}]
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "web", Namespace: "shop"}, Status: corev1.PodStatus{Phase: corev1.PodRunning}}
+	amb := map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}
+	for name, tc := range map[string]struct {
+		policy enablement.Policy
+		labels map[string]string
+		kept   map[string]string
+	}{
+		"default, labelled":     {enablement.DefaultPolicy(), amb, amb},
+		"default, opted out":    {enablement.DefaultPolicy(), map[string]string{ambient.DataplaneModeLabel: "none", "team": "pay"}, map[string]string{ambient.DataplaneModeLabel: "none"}},
+		"default, no kept keys": {enablement.DefaultPolicy(), nil, nil},
+		"custom, selected":      {enablement.Policy{Selectors: sel}, map[string]string{"team": "pay"}, map[string]string{"team": "pay"}},
+		"custom, quarantined":   {enablement.Policy{Selectors: sel}, map[string]string{"team": "pay", "quarantine": "", ambient.DataplaneModeLabel: "ambient"}, map[string]string{"team": "pay", "quarantine": "", ambient.DataplaneModeLabel: "ambient"}},
+		"custom, other team":    {enablement.Policy{Selectors: sel}, map[string]string{"team": "ops"}, map[string]string{"team": "ops"}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			full := hostileNamespace(tc.labels)
+			trim := NamespaceTransform(NamespaceLabelKeys(tc.policy))
+			o, err := trim(full.DeepCopy())
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := o.(*corev1.Namespace)
+			want := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", ResourceVersion: "7",
+				DeletionTimestamp: full.DeletionTimestamp, Labels: tc.kept}}
+			if !reflect.DeepEqual(got, want) {
+				t.Fatalf("trimmed namespace %+v, want %+v", got.ObjectMeta, want.ObjectMeta)
+			}
+			if a, b := tc.policy.MayEnableNamespace(got), tc.policy.MayEnableNamespace(full); a != b {
+				t.Errorf("MayEnableNamespace %v trimmed, %v full", a, b)
+			}
+			if a, b := tc.policy.Decide(pod, got), tc.policy.Decide(pod, full); a != b {
+				t.Errorf("Decide %+v trimmed, %+v full", a, b)
+			}
+			bare := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop"}}
+			if a, b := tc.policy.Selectors.NamespaceChangeMatters(nil, got.Labels), tc.policy.Selectors.NamespaceChangeMatters(bare.Labels, full.Labels); a != b {
+				t.Errorf("NamespaceChangeMatters %v trimmed, %v full", a, b)
+			}
+			again, _ := trim(got)
+			if !reflect.DeepEqual(again, got) {
+				t.Error("trimming is not idempotent")
+			}
+		})
+	}
+	if o, _ := NamespaceTransform(nil)("tombstone"); o != "tombstone" {
+		t.Error("a non-namespace was changed")
 	}
 }

@@ -88,7 +88,7 @@ type ScaleResult struct {
 	WorkDir string  `json:"workDir"`
 	Machine Machine `json:"machine"`
 	Node    string  `json:"node"`
-	// AgentPID was install-cni's process (gone after the run).
+	// AgentPID was the last install-cni process (gone after the run).
 	AgentPID int `json:"agentPid"`
 	// KubeClientQPS and KubeClientBurst are the agent's client limit (the
 	// chart's; the loader has a client of its own).
@@ -115,6 +115,12 @@ type ScaleResult struct {
 	PeakRSSMiB float64 `json:"peakRssMiB"`
 	// GrowthKiBPerNamespace is (After - Idle) RSS over Namespaces.
 	GrowthKiBPerNamespace float64 `json:"growthKiBPerNamespace"`
+	// Restarted is a new agent started (after a SIGKILL of the first, as
+	// a crash or an OOM kill ends it: no uninstall) with the whole load
+	// in the API server, settled once it caught up; RestartPeakRSSMiB is
+	// its VmHWM: what its initial list of the cluster cost at the peak.
+	Restarted         Memory  `json:"restarted"`
+	RestartPeakRSSMiB float64 `json:"restartPeakRssMiB"`
 }
 
 // RunScale runs the scale benchmark. Like Run it must run as root in a
@@ -221,6 +227,30 @@ func RunScale(ctx context.Context, o ScaleOptions) (res *ScaleResult, err error)
 	res.GrowthKiBPerNamespace = (res.After.RSSMiB - res.Idle.RSSMiB) * 1024 / float64(sz.namespaces)
 	if agent.Exited() {
 		return res, fmt.Errorf("install-cni exited during the run: %v; log %s", agent.Err(), node.LogPath)
+	}
+
+	// A restart lists the whole cluster at once, where the first agent
+	// saw it arrive one object at a time.
+	logf("killing the agent and starting a new one with the load in place")
+	node.KillAgent()
+	if agent, err = node.StartAgent(); err != nil {
+		return res, fmt.Errorf("restart the agent: %w", err)
+	}
+	res.AgentPID = agent.Pid()
+	if err := node.WaitReady(ctx, 5*time.Minute); err != nil {
+		return res, fmt.Errorf("the restarted agent: %w", err)
+	}
+	if err := waitCaughtUp(ctx, loader, node, agent, 10*time.Minute); err != nil {
+		return res, fmt.Errorf("the restarted agent: %w", err)
+	}
+	if res.Restarted, err = settledMemory(ctx, agent, node.MetricsURL, 5*time.Minute); err != nil {
+		return res, fmt.Errorf("after the restart: %w", err)
+	}
+	if st, err := ReadStatus(agent.Pid(), "VmHWM"); err == nil {
+		res.RestartPeakRSSMiB = float64(st["VmHWM"]) / (1 << 20)
+	}
+	if agent.Exited() {
+		return res, fmt.Errorf("the restarted install-cni exited: %v; log %s", agent.Err(), node.LogPath)
 	}
 	return res, nil
 }
@@ -469,6 +499,8 @@ func (r *ScaleResult) WriteReport(w io.Writer) error {
 		{"RSS anonymous / file-backed, after: MiB", fmt.Sprintf("%.1f / %.1f", r.After.AnonMiB, r.After.FileMiB), "", ""},
 		{"Go heap in use idle / after: MiB", fmt.Sprintf("%.1f / %.1f", r.Idle.HeapInuseMiB, r.After.HeapInuseMiB), "", ""},
 		{"Go runtime's memory from the OS idle / after: MiB", fmt.Sprintf("%.1f / %.1f", r.Idle.GoSysMiB, r.After.GoSysMiB), "", ""},
+		{"restarted with the load in place, RSS settled: MiB", fmt.Sprintf("%.1f", r.Restarted.RSSMiB), "", ""},
+		{"restarted, peak RSS (VmHWM) / Go heap in use: MiB", fmt.Sprintf("%.1f / %.1f", r.RestartPeakRSSMiB, r.Restarted.HeapInuseMiB), "", ""},
 	})
 	return nil
 }

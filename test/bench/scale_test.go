@@ -46,6 +46,9 @@ func TestQuickScale(t *testing.T) {
 	if res.Idle.RSSMiB <= 0 || res.After.RSSMiB <= 0 || res.PeakRSSMiB < res.After.RSSMiB || res.LoadSeconds <= 0 {
 		t.Errorf("incomplete figures %+v", res)
 	}
+	if res.Restarted.RSSMiB <= 0 || res.RestartPeakRSSMiB < res.Restarted.RSSMiB {
+		t.Errorf("no figures of the restarted agent: %+v", res)
+	}
 	// Only the agent's own client limit is the chart's; the loader's is
 	// its own.
 	if res.KubeClientQPS <= 0 || res.KubeClientQPS >= 5000 {

@@ -518,6 +518,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 		}.Run)
 	}
 	a.log.Info("node agent ready", "node", c.NodeName, "pods", len(a.agent.Pods()))
+	returnStartupGarbage()
 
 	var runErr error
 	select {

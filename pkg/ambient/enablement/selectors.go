@@ -164,6 +164,15 @@ func (s *Selectors) PodLevel(podLabels map[string]string) bool {
 	return false
 }
 
+// NamespaceLabelKeys lists, sorted, the namespace label keys the
+// selectors read. A requirement of a label selector reads its own key
+// only, so a namespace's labels cut down to these keys match every entry
+// exactly as the full set does: a cache of namespaces may keep these and
+// drop the rest.
+func (s *Selectors) NamespaceLabelKeys() []string {
+	return slices.Clone(s.orDefault().nsKeys)
+}
+
 // NamespaceChangeMatters reports whether a namespace's labels changed in a
 // key some namespace selector reads, so decisions of its pods may change.
 func (s *Selectors) NamespaceChangeMatters(old, new map[string]string) bool {

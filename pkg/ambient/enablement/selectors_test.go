@@ -1,8 +1,10 @@
 package enablement
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -168,4 +170,93 @@ func FuzzParseSelectors(f *testing.F) {
 		s.MayEnableNamespace(map[string]string{ambient.DataplaneModeLabel: "ambient"})
 		s.PodLevel(nil)
 	})
+}
+
+// TestNamespaceLabelKeys: the keys are those the namespace selectors
+// read, never a pod selector's, and a namespace's labels cut down to them
+// decide every pod, the namespace's enablement and whether a change
+// matters exactly as the full labels do, whatever else the namespace
+// carries.
+func TestNamespaceLabelKeys(t *testing.T) {
+	custom := mustParse(t, `
+- podSelector:
+    matchLabels: {app: web}
+  namespaceSelector:
+    matchExpressions:
+    - {key: kubernetes.io/metadata.name, operator: In, values: [shop, bank]}
+    - {key: tier, operator: NotIn, values: [legacy]}
+- podSelector: {}
+  namespaceSelector:
+    matchExpressions:
+    - {key: mesh, operator: Exists}
+    - {key: quarantine, operator: DoesNotExist}
+- podSelector:
+    matchLabels: {pod-only: "yes"}
+  namespaceSelector: {}
+`)
+	for _, tc := range []struct {
+		name string
+		sel  *Selectors
+		want []string
+	}{
+		{"default", nil, []string{ambient.DataplaneModeLabel}},
+		{"custom", custom, []string{"kubernetes.io/metadata.name", "mesh", "quarantine", "tier"}},
+		{"empty list", mustCompile(nil), nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			keys := tc.sel.NamespaceLabelKeys()
+			if !slices.Equal(keys, tc.want) {
+				t.Fatalf("keys %q, want %q", keys, tc.want)
+			}
+			keys = append(keys, "mutated")
+			if slices.Contains(tc.sel.NamespaceLabelKeys(), "mutated") {
+				t.Fatal("the caller's slice aliases the selectors' keys")
+			}
+			values := []string{"", "ambient", "none", "shop", "bank", "legacy", "x"}
+			project := func(m map[string]string) map[string]string {
+				out := map[string]string{}
+				for _, k := range tc.sel.NamespaceLabelKeys() {
+					if v, ok := m[k]; ok {
+						out[k] = v
+					}
+				}
+				return out
+			}
+			// Every namespace labelled with a subset of the interesting
+			// keys (each with each value), plus many labels no selector
+			// reads.
+			interesting := append(tc.sel.NamespaceLabelKeys(), ambient.DataplaneModeLabel, "other")
+			var nsSets []map[string]string
+			for mask := range 1 << len(interesting) {
+				for vi := range values {
+					m := map[string]string{}
+					for i, k := range interesting {
+						if mask&(1<<i) != 0 {
+							m[k] = values[(vi+i)%len(values)]
+						}
+					}
+					for i := range 300 {
+						m[fmt.Sprintf("noise.example.com/k%d", i)] = "v"
+					}
+					nsSets = append(nsSets, m)
+				}
+			}
+			pods := []map[string]string{nil, {"app": "web"}, {"pod-only": "yes"}, {ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}, {ambient.DataplaneModeLabel: ambient.DataplaneModeNone}}
+			for i, full := range nsSets {
+				cut := project(full)
+				if a, b := tc.sel.MayEnableNamespace(cut), tc.sel.MayEnableNamespace(full); a != b {
+					t.Fatalf("namespace %d: MayEnableNamespace %v cut, %v full", i, a, b)
+				}
+				for _, pl := range pods {
+					if a, b := tc.sel.decide(pl, cut), tc.sel.decide(pl, full); a != b {
+						t.Fatalf("namespace %d, pod %v: %+v cut, %+v full", i, pl, a, b)
+					}
+				}
+				prev := nsSets[(i+7)%len(nsSets)]
+				if a, b := tc.sel.NamespaceChangeMatters(project(prev), cut), tc.sel.NamespaceChangeMatters(prev, full); a != b {
+					t.Fatalf("namespace %d: change matters %v cut, %v full", i, a, b)
+				}
+			}
+		})
+	}
 }
