@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -42,7 +43,10 @@ const (
 
 type life struct {
 	e2e
-	sink *corev1.Pod
+	// sink is a host-network app at the pod network's gateway: an
+	// address that survives a reboot, so a pod's hello at start (in its
+	// spec) still reaches it after one.
+	sink netip.AddrPort
 	// traffic runs from the ambient pods through the stand-in.
 	traffic *Traffic
 	seq     int
@@ -78,7 +82,7 @@ func TestRealNodeLifecycle(t *testing.T) {
 	l := &life{e2e: e2e{n: n, out: out, standIn: true}}
 	l.namespace(t, sinkNS, false)
 	l.namespace(t, lifeNS, true)
-	l.sink = l.start(t, sinkNS, "sink", AppOptions{})
+	l.startSink(t)
 	for _, name := range []string{"srv", "a1", "a2"} {
 		l.mustCaptured(t, l.startAmbient(t, name))
 	}
@@ -96,11 +100,55 @@ func TestRealNodeLifecycle(t *testing.T) {
 	t.Run("reboot without drain", l.testReboot)
 }
 
+// startSink starts the host-network sink on a free port.
+func (l *life) startSink(t *testing.T) {
+	t.Helper()
+	ports, err := freePorts(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.sink = netip.AddrPortFrom(netip.MustParseAddr(l.n.Gateway), uint16(ports[0]))
+	pod := l.n.AppPod(sinkNS, "sink", AppOptions{Args: []string{"serve", "-listen", fmt.Sprintf(":%d", ports[0])}})
+	pod.Spec.HostNetwork = true
+	c := &pod.Spec.Containers[0]
+	c.Ports = nil
+	c.ReadinessProbe = nil
+	c.LivenessProbe = nil
+	if _, err := l.n.Client.CoreV1().Pods(sinkNS).Create(context.Background(), pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.n.WaitPodReady(context.Background(), sinkNS, "sink"); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// sinkURL is a URL of the sink.
+func (l *life) sinkURL(path string) string { return "http://" + l.sink.String() + path }
+
+// hellos returns how many requests for path reached the sink.
+func (l *life) hellos(ctx context.Context, path string) (int, error) {
+	b, err := httpGet(ctx, l.sinkURL("/log"))
+	if err != nil {
+		return 0, err
+	}
+	var entries []podapp.Entry
+	if err := json.Unmarshal(b, &entries); err != nil {
+		return 0, err
+	}
+	c := 0
+	for _, e := range entries {
+		if e.Path == path {
+			c++
+		}
+	}
+	return c, nil
+}
+
 // startAmbient creates an ambient pod that says hello to the sink at
 // start (through the stand-in when it started captured).
 func (l *life) startAmbient(t *testing.T, name string) *corev1.Pod {
 	t.Helper()
-	return l.start(t, lifeNS, name, AppOptions{Hello: appURL(l.sink, "/hello-"+name)})
+	return l.start(t, lifeNS, name, AppOptions{Hello: l.sinkURL("/hello-" + name)})
 }
 
 // flow is traffic from pod from to pod to's app port.
@@ -138,7 +186,11 @@ func (l *life) startTraffic(t *testing.T) {
 		}
 		held = append(held, l.flow(t, from, srv))
 	}
-	tr, err := StartTraffic(ctx, held, l.flow(t, a2, l.sink))
+	a2ns, err := l.n.PodNetns(ctx, a2.Namespace, a2.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr, err := StartTraffic(ctx, held, Flow{Name: "a2→sink", Netns: a2ns, Dst: l.sink})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -321,7 +373,7 @@ func (l *life) createDuring(t *testing.T, prefix string, roll func() error) ([]r
 		l.seq++
 		name := fmt.Sprintf("%s-%d", prefix, l.seq)
 		begin := time.Now()
-		_, err := l.n.Client.CoreV1().Pods(lifeNS).Create(ctx, l.n.AppPod(lifeNS, name, AppOptions{Hello: appURL(l.sink, "/hello-"+name)}), metav1.CreateOptions{})
+		_, err := l.n.Client.CoreV1().Pods(lifeNS).Create(ctx, l.n.AppPod(lifeNS, name, AppOptions{Hello: l.sinkURL("/hello-" + name)}), metav1.CreateOptions{})
 		wg.Add(1)
 		go func() { // owner: createDuring, which waits on wg
 			defer wg.Done()
@@ -378,10 +430,13 @@ func (l *life) checkRollPods(t *testing.T, what string, pods []rollPod) {
 // through the stand-in.
 func (l *life) startedCaptured(t *testing.T, p *corev1.Pod) bool {
 	t.Helper()
-	hellos := requests(t, l.sink, "/hello-"+p.Name)
-	recs := l.records(t, p.UID, ambient.ZtunnelOutboundPort, podAddr(l.sink))
-	if len(hellos) == 0 || len(recs) < len(hellos) {
-		t.Logf("%s: %d hellos reached the sink, the stand-in proxied %d", p.Name, len(hellos), len(recs))
+	hellos, err := l.hellos(context.Background(), "/hello-"+p.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	recs := l.records(t, p.UID, ambient.ZtunnelOutboundPort, l.sink)
+	if hellos == 0 || len(recs) < hellos {
+		t.Logf("%s: %d hellos reached the sink, the stand-in proxied %d", p.Name, hellos, len(recs))
 		return false
 	}
 	return true
@@ -616,7 +671,7 @@ func (l *life) testPrimaryRewritesConfig(t *testing.T) {
 	}
 	l.seq++
 	name := fmt.Sprintf("rewrite-%d", l.seq)
-	if _, err := l.n.Client.CoreV1().Pods(lifeNS).Create(ctx, l.n.AppPod(lifeNS, name, AppOptions{Hello: appURL(l.sink, "/hello-"+name)}), metav1.CreateOptions{}); err != nil {
+	if _, err := l.n.Client.CoreV1().Pods(lifeNS).Create(ctx, l.n.AppPod(lifeNS, name, AppOptions{Hello: l.sinkURL("/hello-" + name)}), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	var rechained time.Duration
@@ -637,6 +692,7 @@ func (l *life) testPrimaryRewritesConfig(t *testing.T) {
 	// Captured in the end either way: by the plugin, or by the agent's
 	// controller for a pod the plugin never saw.
 	l.mustCaptured(t, p)
+	figure(t, "primary-rewrite-window-pod-captured-ms", time.Since(begin).Milliseconds())
 }
 
 // readySandbox is a ready pod sandbox of the ambient namespace.
@@ -767,7 +823,11 @@ func (l *life) testReboot(t *testing.T) {
 		}
 		before[p.Name] = was{id, ns, p.Status.ContainerStatuses[0].ContainerID}
 	}
-	oldSink := l.sink.Status.ContainerStatuses[0].ContainerID
+	sink, err := l.n.Client.CoreV1().Pods(sinkNS).Get(ctx, "sink", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	oldSink := sink.Status.ContainerStatuses[0].ContainerID
 	standIn, err := l.n.Client.CoreV1().Pods(ReleaseNamespace).Get(ctx, StandInName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -800,11 +860,6 @@ func (l *life) testReboot(t *testing.T) {
 	if err := l.waitRestarted(ctx, sinkNS, "sink", oldSink); err != nil {
 		t.Fatal(err)
 	}
-	sink, err := l.n.Client.CoreV1().Pods(sinkNS).Get(ctx, "sink", metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	l.sink = sink
 	live := l.livePods(t)
 	for _, name := range ready {
 		p := l.pod(t, name)
@@ -828,8 +883,9 @@ func (l *life) testReboot(t *testing.T) {
 		}); err != nil {
 			t.Errorf("%s: %v", name, err)
 		}
-		if err := l.n.Poll(ctx, name+"'s hello", func(context.Context) (bool, error) {
-			return len(requests(t, l.sink, "/hello-"+name)) > 0, nil
+		if err := l.n.Poll(ctx, name+"'s hello", func(ctx context.Context) (bool, error) {
+			c, err := l.hellos(ctx, "/hello-"+name)
+			return c > 0, err
 		}); err != nil {
 			t.Error(err)
 		} else if !l.startedCaptured(t, p) {
