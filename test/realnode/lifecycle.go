@@ -107,6 +107,14 @@ func (n *Node) Reboot(ctx context.Context, whileDown func()) error {
 	if err := n.startContainerd(ctx); err != nil {
 		return fmt.Errorf("reboot: %w", err)
 	}
+	// Its CRI service recovers every sandbox it knew before it answers:
+	// kubelet exits on a runtime not initialized yet.
+	if err := n.poll(ctx, "containerd's CRI service", n.opts.Wait, func(ctx context.Context) (bool, error) {
+		_, err := n.crictl(ctx, "version")
+		return err == nil, err
+	}); err != nil {
+		return fmt.Errorf("reboot: %w", err)
+	}
 	if err := n.startKubelet(ctx); err != nil {
 		return fmt.Errorf("reboot: %w", err)
 	}
