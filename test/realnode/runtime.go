@@ -83,8 +83,12 @@ func (n *Node) startContainerd(ctx context.Context) error {
 	if err := n.saveState(); err != nil {
 		return err
 	}
-	if err := makeSharedBind(n.NetnsDir); err != nil {
-		return err
+	// A restarted containerd finds the bind still there: one more on top
+	// would hide the netns files of running pods.
+	if !isMountPoint(n.NetnsDir) {
+		if err := makeSharedBind(n.NetnsDir); err != nil {
+			return err
+		}
 	}
 	// The pause image name is needed in the config before images exist.
 	n.Images.Pause = imageName("pause")

@@ -412,37 +412,9 @@ func (s *Story) checkProbes(ctx context.Context, name string) {
 	snat := ambient.DefaultProbeSNATv4
 	var seen []string
 	err := s.N.Poll(ctx, "probes of "+name, func(ctx context.Context) (bool, error) {
-		entries, err := appLog(ctx, p)
-		if err != nil {
-			// The host reaches a captured pod through the probe SNAT too:
-			// say what became of it.
-			return false, fmt.Errorf("%w; %s", err, s.N.probeSetReport(p.Status.PodIP))
-		}
-		ready, live := false, false
-		seen = seen[:0]
-		for _, e := range entries {
-			if e.Path != "/ready" && e.Path != "/live" {
-				continue
-			}
-			ap, err := netip.ParseAddrPort(e.Remote)
-			if err != nil {
-				return false, err
-			}
-			if !slices.Contains(seen, ap.Addr().String()) {
-				seen = append(seen, ap.Addr().String())
-			}
-			if e.Time.Before(time.Now().Add(-time.Minute)) || ap.Addr() != snat {
-				continue
-			}
-			ready = ready || e.Path == "/ready"
-			live = live || e.Path == "/live"
-		}
-		if !ready || !live {
-			err := fmt.Errorf("readiness from %s: %v, liveness from %s: %v (probe sources seen %v)", snat, ready, snat, live, seen)
-			err = fmt.Errorf("%w; %s", err, s.N.probeSetReport(p.Status.PodIP))
-			return false, err
-		}
-		return true, nil
+		var err error
+		seen, err = s.N.probedFromSNAT(ctx, p)
+		return err == nil, err
 	})
 	s.check(fmt.Sprintf("%s's readiness and liveness probes reach it from %s (SNAT), sources seen %v", name, snat, seen), err)
 	cur, gerr := s.N.Client.CoreV1().Pods(p.Namespace).Get(ctx, p.Name, metav1.GetOptions{})
@@ -470,6 +442,42 @@ func (s *Story) checkProbes(ctx context.Context, name string) {
 		}
 	}
 	s.check(fmt.Sprintf("no probe of %s went through the stand-in", name), err)
+}
+
+// probedFromSNAT is nil when kubelet's readiness and liveness probes
+// reached a pod in the last minute directly, SNATed to the probe address;
+// seen are the probe sources in the pod's log.
+func (n *Node) probedFromSNAT(ctx context.Context, p *corev1.Pod) (seen []string, err error) {
+	snat := ambient.DefaultProbeSNATv4
+	entries, err := appLog(ctx, p)
+	if err != nil {
+		// The host reaches a captured pod through the probe SNAT too:
+		// say what became of it.
+		return nil, fmt.Errorf("%w; %s", err, n.probeSetReport(p.Status.PodIP))
+	}
+	ready, live := false, false
+	for _, e := range entries {
+		if e.Path != "/ready" && e.Path != "/live" {
+			continue
+		}
+		ap, err := netip.ParseAddrPort(e.Remote)
+		if err != nil {
+			return seen, err
+		}
+		if !slices.Contains(seen, ap.Addr().String()) {
+			seen = append(seen, ap.Addr().String())
+		}
+		if e.Time.Before(time.Now().Add(-time.Minute)) || ap.Addr() != snat {
+			continue
+		}
+		ready = ready || e.Path == "/ready"
+		live = live || e.Path == "/live"
+	}
+	if !ready || !live {
+		err := fmt.Errorf("readiness from %s: %v, liveness from %s: %v (probe sources seen %v)", snat, ready, snat, live, seen)
+		return seen, fmt.Errorf("%w; %s", err, n.probeSetReport(p.Status.PodIP))
+	}
+	return seen, nil
 }
 
 func (s *Story) isPodIP(a netip.Addr) bool {
