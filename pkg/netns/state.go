@@ -63,12 +63,23 @@ func StateOf(path string) (State, error) {
 // with the pods on the node.
 func ReadState() (State, error) {
 	var st State
-	lo, err := netlink.LinkByName("lo")
+	// One RTM_GETLINK dump gives every interface's IPv6 setting and lo's
+	// index and flags; a kernel without IPv6 answers it with nothing, and
+	// lo is then asked for by name.
+	links, err := ipv6Links()
 	if err != nil {
-		return st, fmt.Errorf("find lo: %w", err)
+		return st, err
 	}
-	st.LoopbackIndex = lo.Attrs().Index
-	st.LoopbackUp = lo.Attrs().Flags&net.FlagUp != 0
+	if lo, ok := links["lo"]; ok {
+		st.LoopbackIndex, st.LoopbackUp = lo.index, lo.up
+	} else {
+		l, err := netlink.LinkByName("lo")
+		if err != nil {
+			return st, fmt.Errorf("find lo: %w", err)
+		}
+		st.LoopbackIndex = l.Attrs().Index
+		st.LoopbackUp = l.Attrs().Flags&net.FlagUp != 0
+	}
 	for _, p := range []string{"/proc/thread-self/net/ip_tables_names", "/proc/thread-self/net/ip6_tables_names"} {
 		b, err := os.ReadFile(p)
 		if err != nil && !errors.Is(err, os.ErrNotExist) {
@@ -76,18 +87,14 @@ func ReadState() (State, error) {
 		}
 		st.XTables = append(st.XTables, strings.Fields(string(b))...)
 	}
-	on, err := ipv6Links()
-	if err != nil {
-		return st, err
-	}
-	for name, enabled := range on {
+	for name, l := range links {
 		if name == "lo" {
-			st.IPv6Loopback = enabled
-		} else if enabled {
+			st.IPv6Loopback = l.ipv6
+		} else if l.ipv6 {
 			st.IPv6 = true
 		}
 	}
-	if !st.IPv6 && on != nil {
+	if !st.IPv6 && links != nil {
 		// No interface besides lo has it (rare in a pod: a namespace with
 		// only lo, or one that turned IPv6 off per interface): what counts
 		// then is net.ipv6.conf.all, one sysctl lookup.
@@ -107,10 +114,18 @@ var native = binary.NativeEndian
 // disable_ipv6 in the s32 values of IFLA_INET6_CONF.
 const devconfDisableIPv6 = 26
 
-// ipv6Links reports, per interface of the calling thread's namespace,
-// whether IPv6 is on (disable_ipv6 = 0), from one RTM_GETLINK dump of the
-// AF_INET6 family. A kernel without IPv6 has no interface in it.
-func ipv6Links() (map[string]bool, error) {
+// link6 is what the AF_INET6 link dump tells of one interface.
+type link6 struct {
+	index int
+	up    bool // IFF_UP
+	ipv6  bool // disable_ipv6 = 0
+}
+
+// ipv6Links reports, per interface of the calling thread's namespace, its
+// index, whether it is up and whether IPv6 is on (disable_ipv6 = 0), from
+// one RTM_GETLINK dump of the AF_INET6 family. A kernel without IPv6 has
+// no interface in it (nil).
+func ipv6Links() (map[string]link6, error) {
 	req := nl.NewNetlinkRequest(unix.RTM_GETLINK, unix.NLM_F_DUMP)
 	req.AddData(nl.NewIfInfomsg(unix.AF_INET6))
 	msgs, err := req.Execute(unix.NETLINK_ROUTE, unix.RTM_NEWLINK)
@@ -120,11 +135,12 @@ func ipv6Links() (map[string]bool, error) {
 	if err != nil {
 		return nil, fmt.Errorf("dump IPv6 links: %w", err)
 	}
-	out := map[string]bool{}
+	out := map[string]link6{}
 	for _, m := range msgs {
 		if len(m) < unix.SizeofIfInfomsg {
 			continue
 		}
+		hdr := nl.DeserializeIfInfomsg(m)
 		attrs, err := nl.ParseRouteAttr(m[unix.SizeofIfInfomsg:])
 		if err != nil {
 			return nil, fmt.Errorf("parse IPv6 link: %w", err)
@@ -148,7 +164,7 @@ func ipv6Links() (map[string]bool, error) {
 			}
 		}
 		if name != "" {
-			out[name] = on
+			out[name] = link6{index: int(hdr.Index), up: hdr.Flags&unix.IFF_UP != 0, ipv6: on}
 		}
 	}
 	return out, nil

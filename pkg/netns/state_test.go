@@ -1,6 +1,7 @@
 package netns
 
 import (
+	"net"
 	"os"
 	"os/exec"
 	"slices"
@@ -89,8 +90,15 @@ func TestStateIPv6(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			if want := string(b) == "0\n"; on[name] != want {
-				t.Errorf("%s: netlink says IPv6 on = %v, the sysctl says %q", name, on[name], b)
+			if want := string(b) == "0\n"; on[name].ipv6 != want {
+				t.Errorf("%s: netlink says IPv6 on = %v, the sysctl says %q", name, on[name].ipv6, b)
+			}
+			l, err := netlink.LinkByName(name)
+			if err != nil {
+				return err
+			}
+			if on[name].index != l.Attrs().Index || on[name].up != (l.Attrs().Flags&net.FlagUp != 0) {
+				t.Errorf("%s: dump says index %d up %v, the link says %d %v", name, on[name].index, on[name].up, l.Attrs().Index, l.Attrs().Flags)
 			}
 		}
 		return nil

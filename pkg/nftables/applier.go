@@ -25,8 +25,10 @@ import (
 // connections it closes in the background.
 type Applier struct {
 	log *slog.Logger
-	// stripes serialise Apply and Remove per namespace path.
-	stripes [64]sync.Mutex
+	// stripes serialise Apply and Remove per namespace path. Two pods
+	// whose paths share a stripe wait for each other, so there are many:
+	// eight ADDs at once share one with a chance of about 3 %.
+	stripes [1024]sync.Mutex
 	// closing tracks connections closed in the background: closing a
 	// socket whose batch deleted rules waits for the kernel (10-25 ms), so
 	// the caller does not.

@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/time/rate"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
@@ -73,6 +74,17 @@ type EventRecorder interface {
 // the pod by default.
 const DefaultZtunnelTimeout = 5 * time.Second
 
+// DefaultAnnotationQPS and DefaultAnnotationBurst pace the redirection
+// annotation writes by default: the kubelet's own API client limit
+// (50/s, burst 100), below the agent client's 80/160, so the requests a
+// capture may need (a pod the cache has not seen yet) always find tokens
+// left. docs/install-cni.md gives the reasoning from the API server's
+// priority-and-fairness defaults.
+const (
+	DefaultAnnotationQPS   = 50
+	DefaultAnnotationBurst = 100
+)
+
 // Config configures an Agent. Rules is required.
 type Config struct {
 	Rules ruleset.Applier
@@ -87,6 +99,11 @@ type Config struct {
 	// Annotator writes the redirection annotation (off the capture's
 	// critical path, see Run); nil writes none.
 	Annotator Annotator
+	// AnnotationQPS and AnnotationBurst pace the annotation writes (a
+	// token bucket of their own, in front of the API client's); defaults
+	// DefaultAnnotationQPS and DefaultAnnotationBurst.
+	AnnotationQPS   float64
+	AnnotationBurst int
 	// Pods, when set, is the pod cache (see PodLister).
 	Pods PodLister
 	// Events, when set, gets a Warning on a captured pod whose annotations
@@ -239,6 +256,12 @@ func NewAgent(cfg Config) (*Agent, error) {
 	if cfg.ExcludedNamespaces == nil {
 		cfg.ExcludedNamespaces = []string{ambient.DefaultExcludedNamespace}
 	}
+	if cfg.AnnotationQPS <= 0 {
+		cfg.AnnotationQPS = DefaultAnnotationQPS
+	}
+	if cfg.AnnotationBurst <= 0 {
+		cfg.AnnotationBurst = DefaultAnnotationBurst
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -248,7 +271,7 @@ func NewAgent(cfg Config) (*Agent, error) {
 		log:         log,
 		snapshot:    newSnapshotWriter(cfg.SnapshotFile),
 		records:     newRecordStore(cfg.RecordDir),
-		annotations: newAnnotationWriter(cfg.Annotator, cfg.Pods, log.With("component", "annotations")),
+		annotations: newAnnotationWriter(cfg.Annotator, cfg.Pods, rate.NewLimiter(rate.Limit(cfg.AnnotationQPS), cfg.AnnotationBurst), log.With("component", "annotations")),
 		pods:        map[types.UID]*entry{},
 		busy:        map[types.UID]*podLock{},
 		torn:        map[netns.Identity]tornMark{},

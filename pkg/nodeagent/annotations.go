@@ -6,6 +6,7 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/time/rate"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/util/workqueue"
@@ -14,7 +15,7 @@ import (
 )
 
 // annotationWorkers is how many annotation writes run at once. The
-// client's own rate limit paces them; a few in flight keep its burst
+// writer's own rate limit paces them; a few in flight keep its burst
 // busy when many pods are enrolled at once (a namespace label).
 const annotationWorkers = 8
 
@@ -36,6 +37,9 @@ type annotationWriter struct {
 	ann  Annotator
 	pods PodLister // may be nil
 	log  *slog.Logger
+	// limit paces the writes below the API client's own limit, so that
+	// a burst of annotations never holds up a request a capture makes.
+	limit *rate.Limiter
 
 	queue workqueue.TypedRateLimitingInterface[types.UID]
 
@@ -59,9 +63,9 @@ type wantedAnnotation struct {
 	then func()
 }
 
-func newAnnotationWriter(ann Annotator, pods PodLister, log *slog.Logger) *annotationWriter {
+func newAnnotationWriter(ann Annotator, pods PodLister, limit *rate.Limiter, log *slog.Logger) *annotationWriter {
 	return &annotationWriter{
-		ann: ann, pods: pods, log: log,
+		ann: ann, pods: pods, log: log, limit: limit,
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
 			workqueue.NewTypedItemExponentialFailureRateLimiter[types.UID](annotationRetryMin, annotationRetryMax),
 			workqueue.TypedRateLimitingQueueConfig[types.UID]{Name: "annotations"}),
@@ -190,6 +194,10 @@ func (w *annotationWriter) write(ctx context.Context, uid types.UID) {
 	}
 	w.mu.Unlock()
 
+	if err := w.limit.Wait(ctx); err != nil {
+		// Shutting down: what is still wanted is left to the next agent.
+		return
+	}
 	err := w.ann.SetRedirection(ctx, want.namespace, want.name, uid, want.value)
 	gone := apierrors.IsNotFound(err) || apierrors.IsConflict(err)
 	w.mu.Lock()

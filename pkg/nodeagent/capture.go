@@ -39,9 +39,14 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, 
 	if sb != nil {
 		sandboxID, network, ips = sb.ID, sb.Network, sb.IPs
 	}
+	start := time.Now()
 	unlock := a.lock(pod.UID)
 	defer unlock()
 	log := a.log.With("pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID)
+	// The phases' durations, logged at debug level: the breakdown of the
+	// capture's critical path (docs/performance.md).
+	var t phaseTimer
+	t.start(start)
 
 	if sb == nil && a.tornDown(ns, pod.UID) {
 		// The controller found a namespace whose sandbox a CNI DEL just
@@ -75,16 +80,19 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, 
 	}}
 	// The record goes first: from the moment rules may exist in the
 	// namespace, a crashed agent's successor knows of the pod.
+	t.lap("prepare")
 	if err := a.records.write(e.record()); err != nil {
 		_ = ns.Close()
 		return Retryable(err)
 	}
+	t.lap("record")
 	if err := a.cfg.Rules.Apply(ns.Path(), cfg); err != nil {
 		a.ruleError("apply")
 		a.undoFailedApply(log, pod.UID, old, ns, prevRec, hadRec)
 		_ = ns.Close()
 		return Retryable(fmt.Errorf("apply in-pod rules in netns %s: %w", ns.Source(), err))
 	}
+	t.lap("rules")
 	a.mu.Lock()
 	a.pods[pod.UID] = e
 	delete(a.released, pod.UID)
@@ -99,6 +107,7 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, 
 	if old != nil && old.Unresolved {
 		a.unresolvedGone()
 	}
+	t.lap("probe")
 
 	if a.cfg.Ztunnel != nil {
 		zctx, cancel := context.WithTimeout(ctx, a.cfg.ZtunnelTimeout)
@@ -113,11 +122,36 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, 
 			return Retryable(fmt.Errorf("hand pod %s/%s to ztunnel: %w", pod.Namespace, pod.Name, err))
 		}
 	}
+	t.lap("ztunnel")
 	a.mu.Lock()
 	e.State = StateEnabled
 	a.mu.Unlock()
 	a.wantAnnotation(&e.EnrolledPod, StateEnabled, nil)
+	t.log(log, "capture timings")
 	return nil
+}
+
+// phaseTimer records how long each phase of a capture took.
+type phaseTimer struct {
+	t0, last time.Time
+	attrs    []any
+}
+
+func (t *phaseTimer) start(now time.Time) { t.t0, t.last = now, now }
+
+// lap ends phase name.
+func (t *phaseTimer) lap(name string) {
+	now := time.Now()
+	t.attrs = append(t.attrs, name, now.Sub(t.last))
+	t.last = now
+}
+
+// log writes the phases and their total at debug level.
+func (t *phaseTimer) log(log *slog.Logger, msg string) {
+	if !log.Enabled(context.Background(), slog.LevelDebug) {
+		return
+	}
+	log.Debug(msg, append(t.attrs, "total", t.last.Sub(t.t0))...)
 }
 
 // reportInvalidAnnotations says, in the log and as a Warning event on the

@@ -242,6 +242,8 @@ func New(o Options) (*App, error) {
 		Ztunnel:            a.zds,
 		ZtunnelTimeout:     c.ZtunnelWait,
 		Annotator:          kubeadapter.Annotator{Client: o.Client},
+		AnnotationQPS:      float64(c.AnnotationQPS),
+		AnnotationBurst:    c.AnnotationBurst,
 		Pods:               a.pods,
 		RecordDir:          layout.Records(),
 		Netns:              netnsPolicy,

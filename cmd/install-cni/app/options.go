@@ -58,6 +58,10 @@ type Config struct {
 	// rate limit (client-go's token bucket); KubeClientConfig applies them.
 	KubeClientQPS   float32
 	KubeClientBurst int
+	// AnnotationQPS and AnnotationBurst pace the redirection annotation
+	// writes, below the client's limit (nodeagent.Config).
+	AnnotationQPS   float32
+	AnnotationBurst int
 
 	CNIBinDir         string
 	CNIConfDir        string
@@ -212,6 +216,8 @@ func options() []option {
 		{"kubeconfig", "Kubeconfig file; empty means in-cluster configuration.", "", str(func(c *Config) *string { return &c.Kubeconfig })},
 		{"kube-client-qps", "Requests per second the agent's Kubernetes client may send on average (client-side limit; ambient ADDs, DELs and enrollments each cost requests). Istio's CNI agent uses 80.", strconv.Itoa(defaultKubeClientQPS), positiveFloat(func(c *Config) *float32 { return &c.KubeClientQPS })},
 		{"kube-client-burst", "Requests the agent's Kubernetes client may send at once above kube-client-qps, e.g. when a namespace label enrolls many running pods. Istio's CNI agent uses 160.", strconv.Itoa(defaultKubeClientBurst), positiveInt(func(c *Config) *int { return &c.KubeClientBurst })},
+		{"annotation-qps", "Redirection annotation writes per second the agent sends on average; must stay below kube-client-qps, so that a namespace label enrolling many pods never holds up the requests a capture makes. The kubelet's own client limit (docs/install-cni.md says why).", strconv.Itoa(nodeagent.DefaultAnnotationQPS), positiveFloat(func(c *Config) *float32 { return &c.AnnotationQPS })},
+		{"annotation-burst", "Redirection annotation writes the agent may send at once above annotation-qps; must stay below kube-client-burst.", strconv.Itoa(nodeagent.DefaultAnnotationBurst), positiveInt(func(c *Config) *int { return &c.AnnotationBurst })},
 		{"cni-bin-dir", "Host CNI binary directory, as mounted in the container.", hostRoot + installer.DefaultBinDir, str(func(c *Config) *string { return &c.CNIBinDir })},
 		{"cni-conf-dir", "Host CNI config directory, as mounted in the container.", hostRoot + installer.DefaultConfDir, str(func(c *Config) *string { return &c.CNIConfDir })},
 		{"cni-conf-name", "Primary CNI config file to chain into; empty picks the runtime's choice (lexically first valid file).", "", str(func(c *Config) *string { return &c.CNIConfName })},
@@ -366,6 +372,9 @@ func (c *Config) validate() error {
 	}
 	if c.StartupTaintOnShutdown && !c.StartupTaint {
 		errs = append(errs, errors.New("startup-taint-on-shutdown needs startup-taint (the agent would taint its node and never remove the taint)"))
+	}
+	if c.AnnotationQPS >= c.KubeClientQPS || c.AnnotationBurst >= c.KubeClientBurst {
+		errs = append(errs, fmt.Errorf("annotation-qps/-burst (%v/%d) must stay below kube-client-qps/-burst (%v/%d): annotation writes would take the whole client budget and hold up the requests captures make", c.AnnotationQPS, c.AnnotationBurst, c.KubeClientQPS, c.KubeClientBurst))
 	}
 	if c.PluginTimeout <= c.ZtunnelWait {
 		errs = append(errs, fmt.Errorf("plugin-timeout (%s) must exceed ztunnel-wait (%s)", c.PluginTimeout, c.ZtunnelWait))

@@ -149,6 +149,36 @@ func TestRejectsBadInput(t *testing.T) {
 	}
 }
 
+// The annotation writes have a budget of their own, below the client's
+// (the kubelet's 50/100 by default), and a budget that would take the
+// client's whole limit is refused.
+func TestAnnotationLimits(t *testing.T) {
+	c, err := Parse([]string{"--node-name=n1"}, env(nil), io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.AnnotationQPS != 50 || c.AnnotationBurst != 100 {
+		t.Errorf("default annotation limits %v/%d, want the kubelet's 50/100", c.AnnotationQPS, c.AnnotationBurst)
+	}
+	c, err = Parse([]string{"--node-name=n1", "--annotation-burst=20"}, env(map[string]string{"AMBIENT_ANNOTATION_QPS": "10"}), io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.AnnotationQPS != 10 || c.AnnotationBurst != 20 {
+		t.Errorf("annotation limits %v/%d, want 10/20", c.AnnotationQPS, c.AnnotationBurst)
+	}
+	for _, args := range [][]string{
+		{"--annotation-qps=80"},
+		{"--annotation-burst=160"},
+		{"--kube-client-qps=40"},
+		{"--annotation-qps=0"},
+	} {
+		if _, err := Parse(append([]string{"--node-name=n1"}, args...), env(nil), io.Discard); err == nil {
+			t.Errorf("%v accepted", args)
+		}
+	}
+}
+
 // TestDocsUpToDate keeps docs/install-cni.md in step with the settings
 // table; regenerate with UPDATE_DOCS=1 go test ./cmd/install-cni/app.
 func TestDocsUpToDate(t *testing.T) {
@@ -189,7 +219,7 @@ func TestKubeClientLimits(t *testing.T) {
 	if c.KubeClientQPS < 80 || c.KubeClientBurst < 160 {
 		t.Errorf("default client limits %v/%d, want at least Istio's 80/160", c.KubeClientQPS, c.KubeClientBurst)
 	}
-	c, err = Parse([]string{"--node-name=n1", "--kube-client-burst=7"}, env(map[string]string{"AMBIENT_KUBE_CLIENT_QPS": "2.5"}), io.Discard)
+	c, err = Parse([]string{"--node-name=n1", "--kube-client-burst=7", "--annotation-qps=1", "--annotation-burst=2"}, env(map[string]string{"AMBIENT_KUBE_CLIENT_QPS": "2.5"}), io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -104,6 +104,10 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ .Values.agent.kubeClientQPS | toString | quote }}
 - name: AMBIENT_KUBE_CLIENT_BURST
   value: {{ .Values.agent.kubeClientBurst | int64 | toString | quote }}
+- name: AMBIENT_ANNOTATION_QPS
+  value: {{ .Values.agent.annotationQPS | toString | quote }}
+- name: AMBIENT_ANNOTATION_BURST
+  value: {{ .Values.agent.annotationBurst | int64 | toString | quote }}
 - name: AMBIENT_STARTUP_TAINT
   value: {{ .Values.startupTaint.enabled | toString | quote }}
 - name: AMBIENT_STARTUP_TAINT_ON_SHUTDOWN
