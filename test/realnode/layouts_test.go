@@ -116,6 +116,16 @@ func testLayout(t *testing.T, l Layout) {
 	if err != nil {
 		t.Error(err)
 	}
+	if l == LayoutMultus {
+		// Multus ran for the pod: it records the networks it attached.
+		cur, err := n.Client.CoreV1().Pods("mesh").Get(ctx, meshed.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st := cur.Annotations[multusStatusAnnotation]; !strings.Contains(st, `"ambient-node"`) || !strings.Contains(st, cur.Status.PodIP) {
+			t.Errorf("the meshed pod's %s is %q: want Multus's record of the cluster network ambient-node with %s", multusStatusAnnotation, st, cur.Status.PodIP)
+		}
+	}
 	plain := e.start(t, "plain", "plain", AppOptions{Hello: appURL(sink, "/hello-plain")})
 	if ok, err := n.releasedNoStandIn(ctx, plain); !ok {
 		t.Errorf("a pod outside the mesh: %v", err)
@@ -151,6 +161,10 @@ func testLayout(t *testing.T, l Layout) {
 		t.Error("the plugin binary is still installed")
 	}
 }
+
+// multusStatusAnnotation is where Multus records the networks it attached
+// a pod to.
+const multusStatusAnnotation = "k8s.v1.cni.cncf.io/network-status"
 
 // checkLayoutChained checks where the installer chained: the runtime's
 // primary config, which under Multus is Multus's own (so the runtime runs
