@@ -756,6 +756,12 @@ func (i *Installer) ensureChained(path string, force bool) (time.Duration, error
 func (i *Installer) noteRemoval(path string, now time.Time) {
 	i.contestMu.Lock()
 	defer i.contestMu.Unlock()
+	// A removal a whole window after the last one starts afresh, whether
+	// or not a Check has ended the episode yet.
+	if n := len(i.removals); n > 0 && now.Sub(i.removals[n-1]) >= contestedWindow {
+		i.contested = nil
+	}
+	ongoing := i.contested != nil
 	i.removals = append(i.removals, now)
 	if len(i.removals) > contestedRemovals {
 		i.removals = i.removals[len(i.removals)-contestedRemovals:]
@@ -767,7 +773,7 @@ func (i *Installer) noteRemoval(path string, now time.Time) {
 		"and are captured only once they run. An exclusive primary does this (Cilium with cni.exclusive=true, its default): "+
 		"set it to leave other plugins' entries in its config (Cilium: cni.exclusive=false); ambient-cni keeps putting the entry back meanwhile",
 		ErrPrimaryContested, path, i.cfg.PluginName, contestedRemovals, now.Sub(i.removals[0]).Round(time.Millisecond))
-	if i.contested == nil {
+	if !ongoing {
 		i.log.Warn("primary CNI keeps removing our config entry", "file", path, "err", err)
 		if i.cfg.OnRefused != nil {
 			i.cfg.OnRefused(err)
