@@ -16,7 +16,9 @@
 // is harmless there. A file that does not load but was written within the
 // last second is taken for a primary mid-write, not skipped
 // (ErrConfigInFlux), so a non-atomic writer never sends us to the wrong
-// file.
+// file. A single-plugin .conf is converted into a .conflist only when the
+// list stays the runtime's first file; a primary that keeps removing our
+// entry (an exclusive one) fails Check with ErrPrimaryContested.
 //
 // Wiring: New, then Run in a goroutine owned by main; Ready/Check for
 // /readyz; Stats or Config.OnReinstall for metrics; on SIGTERM cancel Run's
