@@ -16,7 +16,9 @@
 // is harmless there. A file that does not load but was written within the
 // last second is taken for a primary mid-write, not skipped
 // (ErrConfigInFlux), so a non-atomic writer never sends us to the wrong
-// file.
+// file. A single-plugin .conf is converted into a .conflist only when the
+// list stays the runtime's first file; a primary that keeps removing our
+// entry (an exclusive one) fails Check with ErrPrimaryContested.
 //
 // Wiring: New, then Run in a goroutine owned by main; Ready/Check for
 // /readyz; Stats or Config.OnReinstall for metrics; on SIGTERM cancel Run's
@@ -756,6 +758,12 @@ func (i *Installer) ensureChained(path string, force bool) (time.Duration, error
 func (i *Installer) noteRemoval(path string, now time.Time) {
 	i.contestMu.Lock()
 	defer i.contestMu.Unlock()
+	// A removal a whole window after the last one starts afresh, whether
+	// or not a Check has ended the episode yet.
+	if n := len(i.removals); n > 0 && now.Sub(i.removals[n-1]) >= contestedWindow {
+		i.contested = nil
+	}
+	ongoing := i.contested != nil
 	i.removals = append(i.removals, now)
 	if len(i.removals) > contestedRemovals {
 		i.removals = i.removals[len(i.removals)-contestedRemovals:]
@@ -767,7 +775,7 @@ func (i *Installer) noteRemoval(path string, now time.Time) {
 		"and are captured only once they run. An exclusive primary does this (Cilium with cni.exclusive=true, its default): "+
 		"set it to leave other plugins' entries in its config (Cilium: cni.exclusive=false); ambient-cni keeps putting the entry back meanwhile",
 		ErrPrimaryContested, path, i.cfg.PluginName, contestedRemovals, now.Sub(i.removals[0]).Round(time.Millisecond))
-	if i.contested == nil {
+	if !ongoing {
 		i.log.Warn("primary CNI keeps removing our config entry", "file", path, "err", err)
 		if i.cfg.OnRefused != nil {
 			i.cfg.OnRefused(err)

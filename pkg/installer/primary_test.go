@@ -177,4 +177,16 @@ func TestPrimaryRestartsAreNotAContest(t *testing.T) {
 	if n := e.logs.count("primary CNI keeps removing"); n != 0 {
 		t.Errorf("warned %d times", n)
 	}
+	// Two bursts a while apart are two episodes, each told once, even
+	// when no Check ended the first.
+	burst := func(at time.Time) {
+		for n := range contestedRemovals + 1 {
+			i.noteRemoval(e.path("10-x.conflist"), at.Add(time.Duration(n)*time.Second))
+		}
+	}
+	burst(now.Add(10 * contestedWindow))
+	burst(now.Add(20 * contestedWindow))
+	if n := e.logs.count("primary CNI keeps removing"); n != 2 {
+		t.Errorf("two bursts warned %d times, want twice", n)
+	}
 }
