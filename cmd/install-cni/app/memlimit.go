@@ -61,7 +61,7 @@ func softMemoryLimit(s string) (int64, bool) {
 // (annotations and all) before the informer's transform cut it down, and
 // that garbage's pages would otherwise stay resident until the scavenger
 // returns them. It runs once, when the agent is ready: one forced
-// collection, off the CNI path.
+// collection, which blocks only the goroutine that asks for it.
 func returnStartupGarbage() {
 	debug.FreeOSMemory()
 }
