@@ -59,9 +59,9 @@ func softMemoryLimit(s string) (int64, bool) {
 // kernel at once, not when the runtime's background scavenger gets to it:
 // the initial list of a large cluster decoded every namespace whole
 // (annotations and all) before the informer's transform cut it down, and
-// that garbage's pages would otherwise stay resident for minutes. It runs
-// once, when the agent is ready; the collection it forces costs a few
-// milliseconds of one CPU.
+// that garbage's pages would otherwise stay resident until the scavenger
+// returns them. It runs once, when the agent is ready: one forced
+// collection, which blocks only the goroutine that asks for it.
 func returnStartupGarbage() {
 	debug.FreeOSMemory()
 }
