@@ -18,9 +18,9 @@ import (
 	"syscall"
 	"time"
 
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
+	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
 	"github.com/ambient-cni/ambient-cni/pkg/uninstall"
 )
 
@@ -50,7 +50,7 @@ func run(log *slog.Logger) error {
 		return fmt.Errorf("kubernetes client config: %w", err)
 	}
 	cfg.UserAgent = "ambient-cni-uninstall"
-	client, err := kubernetes.NewForConfig(cfg)
+	client, err := kubeclient.NewForConfig(cfg)
 	if err != nil {
 		return err
 	}

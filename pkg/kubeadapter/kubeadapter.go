@@ -20,21 +20,18 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/informers"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/kubernetes/scheme"
-	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/record"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
 )
 
 // Annotator writes the redirection status annotation that istiod reads,
 // with a merge patch on the pods/status subresource (the only write the
 // agent's RBAC grants on pods).
 type Annotator struct {
-	Client kubernetes.Interface
+	Client kubeclient.PodStatusPatcher
 }
 
 // SetRedirection sets the annotation to value, or removes it when value is
@@ -54,7 +51,7 @@ func (a Annotator) SetRedirection(ctx context.Context, namespace, name string, u
 	if err != nil {
 		return err
 	}
-	_, err = a.Client.CoreV1().Pods(namespace).Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{}, "status")
+	_, err = a.Client.PatchPodStatus(ctx, namespace, name, types.MergePatchType, patch)
 	if err != nil {
 		return fmt.Errorf("patch %s on pod %s/%s: %w", ambient.RedirectionAnnotation, namespace, name, err)
 	}
@@ -69,15 +66,15 @@ const eventComponent = "ambient-cni"
 // and Shutdown stops that.
 type Events struct {
 	record.EventRecorder
-	client      kubernetes.Interface
+	client      kubeclient.Events
 	broadcaster record.EventBroadcaster
 }
 
 // NewEvents returns a recorder for events from eventComponent on nodeName.
-func NewEvents(client kubernetes.Interface, nodeName string) *Events {
+func NewEvents(client kubeclient.Events, nodeName string) *Events {
 	b := record.NewBroadcaster()
 	return &Events{
-		EventRecorder: b.NewRecorder(scheme.Scheme, corev1.EventSource{Component: eventComponent, Host: nodeName}),
+		EventRecorder: b.NewRecorder(kubeclient.NewScheme(), corev1.EventSource{Component: eventComponent, Host: nodeName}),
 		client:        client,
 		broadcaster:   b,
 	}
@@ -85,7 +82,7 @@ func NewEvents(client kubernetes.Interface, nodeName string) *Events {
 
 // Start sends recorded events to the API server until Shutdown.
 func (e *Events) Start() {
-	e.broadcaster.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: e.client.CoreV1().Events("")})
+	e.broadcaster.StartRecordingToSink(kubeclient.EventSink{Client: e.client})
 }
 
 // Shutdown stops sending events.
@@ -105,7 +102,7 @@ func (e *Events) Shutdown() { e.broadcaster.Shutdown() }
 // its RBAC, so the watch has seen the deletion by the time the pods get
 // SIGTERM, even when the RBAC is already gone.
 type DaemonSetUpgradeChecker struct {
-	client          kubernetes.Interface
+	client          UpgradeClient
 	namespace, name string
 	nodeName        string
 	log             *slog.Logger
@@ -124,10 +121,17 @@ const (
 	seenGone     watchState = "deleted"
 )
 
+// UpgradeClient is what the upgrade check reads: the agent's DaemonSet
+// and its node.
+type UpgradeClient interface {
+	kubeclient.DaemonSetReader
+	GetNode(ctx context.Context, name string) (*corev1.Node, error)
+}
+
 // NewDaemonSetUpgradeChecker returns a checker for the DaemonSet
 // namespace/name of the agent on node nodeName; Run its watch for the
 // agent's lifetime.
-func NewDaemonSetUpgradeChecker(client kubernetes.Interface, namespace, name, nodeName string, log *slog.Logger) *DaemonSetUpgradeChecker {
+func NewDaemonSetUpgradeChecker(client UpgradeClient, namespace, name, nodeName string, log *slog.Logger) *DaemonSetUpgradeChecker {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
@@ -138,11 +142,11 @@ func NewDaemonSetUpgradeChecker(client kubernetes.Interface, namespace, name, no
 // Run watches the DaemonSet (list and watch by name, all the agent's RBAC
 // grants) until ctx ends.
 func (d *DaemonSetUpgradeChecker) Run(ctx context.Context) error {
-	f := informers.NewSharedInformerFactoryWithOptions(d.client, 0, informers.WithNamespace(d.namespace),
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+	inf := cache.NewSharedIndexInformerWithOptions(
+		kubeclient.DaemonSetListWatch(d.client, d.namespace, func(o *metav1.ListOptions) {
 			o.FieldSelector = fields.OneTermEqualSelector("metadata.name", d.name).String()
-		}))
-	inf := f.Apps().V1().DaemonSets().Informer()
+		}),
+		&appsv1.DaemonSet{}, cache.SharedIndexInformerOptions{})
 	_, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(o any) { d.observe(o, false) },
 		UpdateFunc: func(_, o any) { d.observe(o, false) },
@@ -151,9 +155,7 @@ func (d *DaemonSetUpgradeChecker) Run(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("watch daemonset: %w", err)
 	}
-	f.Start(ctx.Done())
-	<-ctx.Done()
-	f.Shutdown()
+	inf.RunWithContext(ctx)
 	return nil
 }
 
@@ -193,7 +195,7 @@ func (d *DaemonSetUpgradeChecker) Seen() string {
 // an uninstall; an error (the caller keeps the plugin) says why it cannot
 // tell.
 func (d *DaemonSetUpgradeChecker) IsUpgrade(ctx context.Context) (bool, error) {
-	ds, err := d.client.AppsV1().DaemonSets(d.namespace).Get(ctx, d.name, metav1.GetOptions{})
+	ds, err := d.client.GetDaemonSet(ctx, d.namespace, d.name)
 	switch {
 	case err == nil && ds.DeletionTimestamp != nil:
 		return false, nil
@@ -225,7 +227,7 @@ func (d *DaemonSetUpgradeChecker) targetsThisNode(ctx context.Context, ds *appsv
 	if d.nodeName == "" {
 		return true, nil
 	}
-	node, err := d.client.CoreV1().Nodes().Get(ctx, d.nodeName, metav1.GetOptions{})
+	node, err := d.client.GetNode(ctx, d.nodeName)
 	if err != nil {
 		return false, fmt.Errorf("daemonset %s/%s lives; get node %s to tell whether it still schedules here: %w; not proof of an uninstall", d.namespace, d.name, d.nodeName, err)
 	}

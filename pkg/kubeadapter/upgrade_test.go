@@ -15,6 +15,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
+	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
@@ -53,11 +54,17 @@ func newAgentOn(t *testing.T, env *kubeenv.Env, withDaemonSet bool, node *corev1
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = env.Client.CoreV1().Nodes().Delete(ctx, a.node, metav1.DeleteOptions{}) })
-	_, a.client = env.ServiceAccountClient(t, a.ns, "ambient-cni", kubeenv.ShippedRBAC(t))
+	saCfg, client := env.ServiceAccountClient(t, a.ns, "ambient-cni", kubeenv.ShippedRBAC(t))
+	a.client = client
+	// The checker reads through the agent's own client, with the shipped RBAC.
+	agentClient, err := kubeclient.NewForConfig(saCfg)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if withDaemonSet {
 		a.createDaemonSet(tmpl)
 	}
-	a.checker = NewDaemonSetUpgradeChecker(a.client, a.ns, dsName, a.node, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	a.checker = NewDaemonSetUpgradeChecker(agentClient, a.ns, dsName, a.node, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- a.checker.Run(ctx) }()

@@ -23,9 +23,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes"
 )
 
 // Key is the startup taint's key, Istio's: istiod's own untaint controller
@@ -110,25 +108,31 @@ func AddPatch(taints []corev1.Taint, resourceVersion string) ([]byte, error) {
 	})
 }
 
+// Client reads and patches the node (kubeclient.Nodes).
+type Client interface {
+	GetNode(ctx context.Context, name string) (*corev1.Node, error)
+	PatchNode(ctx context.Context, name string, pt types.PatchType, data []byte) (*corev1.Node, error)
+}
+
 // Remove removes the startup taint from node, leaving every other taint as
 // it is. It reports whether the node had it. A patch whose test fails
 // (another writer changed the taints) is retried on a fresh read.
-func Remove(ctx context.Context, client kubernetes.Interface, node string) (bool, error) {
+func Remove(ctx context.Context, client Client, node string) (bool, error) {
 	return change(ctx, client, node, "remove", func(n *corev1.Node) ([]byte, error) { return RemovePatch(n.Spec.Taints) })
 }
 
 // Add puts the startup taint on node, leaving every other taint as it is.
 // It reports whether it had to (false: the taint was there).
-func Add(ctx context.Context, client kubernetes.Interface, node string) (bool, error) {
+func Add(ctx context.Context, client Client, node string) (bool, error) {
 	return change(ctx, client, node, "add", func(n *corev1.Node) ([]byte, error) {
 		return AddPatch(n.Spec.Taints, n.ResourceVersion)
 	})
 }
 
-func change(ctx context.Context, client kubernetes.Interface, node, verb string, build func(*corev1.Node) ([]byte, error)) (bool, error) {
+func change(ctx context.Context, client Client, node, verb string, build func(*corev1.Node) ([]byte, error)) (bool, error) {
 	var last error
 	for range maxAttempts {
-		n, err := client.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+		n, err := client.GetNode(ctx, node)
 		if err != nil {
 			return false, fmt.Errorf("%s taint %s: read node %s: %w", verb, Key, node, err)
 		}
@@ -139,7 +143,7 @@ func change(ctx context.Context, client kubernetes.Interface, node, verb string,
 		if patch == nil {
 			return false, nil
 		}
-		_, err = client.CoreV1().Nodes().Patch(ctx, node, types.JSONPatchType, patch, metav1.PatchOptions{})
+		_, err = client.PatchNode(ctx, node, types.JSONPatchType, patch)
 		if err == nil {
 			return true, nil
 		}
@@ -160,7 +164,7 @@ func change(ctx context.Context, client kubernetes.Interface, node, verb string,
 // ready to capture.
 type Untainter struct {
 	// Client talks to the API server as the agent.
-	Client kubernetes.Interface
+	Client Client
 	// Node is the agent's own node.
 	Node string
 	// Ready lists what is not ready yet; empty means ready to capture.

@@ -11,7 +11,8 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
+
+	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
 
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/poll"
@@ -37,7 +38,7 @@ rules:
 
 // taintedNode creates a node with the startup taint and another, and a
 // client that may only read and patch nodes.
-func taintedNode(t *testing.T) (*kubeenv.Env, kubernetes.Interface, string) {
+func taintedNode(t *testing.T) (*kubeenv.Env, *kubeclient.Client, string) {
 	t.Helper()
 	env := kube.Env(t)
 	name := testnet.RandName("node-", 8)
@@ -50,7 +51,11 @@ func taintedNode(t *testing.T) (*kubeenv.Env, kubernetes.Interface, string) {
 	}
 	t.Cleanup(func() { _ = env.Client.CoreV1().Nodes().Delete(context.Background(), name, metav1.DeleteOptions{}) })
 	role := testnet.RandName("nodetaint-", 6)
-	_, client := env.ServiceAccountClient(t, testnet.RandName("agent-", 6), "agent", []byte(fmt.Sprintf(nodesRBAC, role)))
+	cfg, _ := env.ServiceAccountClient(t, testnet.RandName("agent-", 6), "agent", []byte(fmt.Sprintf(nodesRBAC, role)))
+	client, err := kubeclient.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
 	return env, client, name
 }
 

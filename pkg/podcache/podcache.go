@@ -19,18 +19,22 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/informers"
-	coreinformers "k8s.io/client-go/informers/core/v1"
-	"k8s.io/client-go/kubernetes"
 	listerscorev1 "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
 )
+
+// Client is what the cache reads from the API server.
+type Client interface {
+	kubeclient.PodReader
+	kubeclient.NamespaceReader
+}
 
 // Config configures a Cache.
 type Config struct {
-	Client   kubernetes.Interface
+	Client   Client
 	NodeName string
 	Policy   enablement.Policy
 	// Self is the agent's own pod, never enrolled.
@@ -64,24 +68,26 @@ func New(cfg Config) *Cache {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	c := &Cache{cfg: cfg, log: cfg.Logger.With("component", "pod-cache")}
-	podFactory := informers.NewSharedInformerFactoryWithOptions(cfg.Client, 0,
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+	podInf := cache.NewSharedIndexInformerWithOptions(
+		kubeclient.PodListWatch(cfg.Client, metav1.NamespaceAll, func(o *metav1.ListOptions) {
 			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", cfg.NodeName).String()
-		}))
-	podInf := podFactory.Core().V1().Pods()
+		}),
+		&corev1.Pod{},
+		cache.SharedIndexInformerOptions{Indexers: cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc}})
 	// Namespaces are only ever looked up by name or listed whole, so
-	// their informer has no index: the factory's namespace index would
-	// hold every namespace of the cluster once more, under one key.
-	nsInf := coreinformers.NewNamespaceInformer(cfg.Client, 0, cache.Indexers{})
+	// their informer has no index: a namespace index would hold every
+	// namespace of the cluster once more, under one key.
+	nsInf := cache.NewSharedIndexInformerWithOptions(kubeclient.NamespaceListWatch(cfg.Client, nil),
+		&corev1.Namespace{}, cache.SharedIndexInformerOptions{})
 	// The cache keeps what the agent reads of each object and nothing
 	// else (trim.go): its memory is bounded by the number of pods and
 	// namespaces, not by what users write into them.
-	_ = podInf.Informer().SetTransform(TrimPod)
+	_ = podInf.SetTransform(TrimPod)
 	_ = nsInf.SetTransform(NamespaceTransform(NamespaceLabelKeys(cfg.Policy)))
-	c.pods, c.nss = podInf.Lister(), listerscorev1.NewNamespaceLister(nsInf.GetIndexer())
-	c.synced = []cache.InformerSynced{podInf.Informer().HasSynced, nsInf.HasSynced}
+	c.pods, c.nss = listerscorev1.NewPodLister(podInf.GetIndexer()), listerscorev1.NewNamespaceLister(nsInf.GetIndexer())
+	c.synced = []cache.InformerSynced{podInf.HasSynced, nsInf.HasSynced}
 
-	_, _ = podInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+	_, _ = podInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(o any) { c.podChanged(o) },
 		UpdateFunc: func(_, o any) { c.podChanged(o) },
 		DeleteFunc: func(o any) {
@@ -98,15 +104,12 @@ func New(cfg Config) *Cache {
 		},
 		DeleteFunc: func(o any) { c.namespaceChanged(o) },
 	})
-	var nsRunning sync.WaitGroup
+	var running sync.WaitGroup
 	c.start = func(stop <-chan struct{}) {
-		podFactory.Start(stop)
-		nsRunning.Go(func() { nsInf.Run(stop) })
+		running.Go(func() { podInf.Run(stop) })
+		running.Go(func() { nsInf.Run(stop) })
 	}
-	c.stop = func() {
-		podFactory.Shutdown()
-		nsRunning.Wait()
-	}
+	c.stop = running.Wait
 	return c
 }
 
@@ -257,7 +260,7 @@ func (c *Cache) Pods() ([]*corev1.Pod, error) {
 func (c *Cache) Decide(ctx context.Context, namespace, name, uid string) (enablement.Decision, *corev1.Pod, error) {
 	p, err := c.pods.Pods(namespace).Get(name)
 	if err != nil || (uid != "" && string(p.UID) != uid) {
-		p, err = c.cfg.Client.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
+		p, err = c.cfg.Client.GetPod(ctx, namespace, name)
 		if err != nil {
 			return enablement.Decision{}, nil, fmt.Errorf("get pod %s/%s: %w", namespace, name, err)
 		}
@@ -267,7 +270,7 @@ func (c *Cache) Decide(ctx context.Context, namespace, name, uid string) (enable
 	}
 	ns, err := c.nss.Get(namespace)
 	if apierrors.IsNotFound(err) {
-		if ns, err = c.cfg.Client.CoreV1().Namespaces().Get(ctx, namespace, metav1.GetOptions{}); err != nil {
+		if ns, err = c.cfg.Client.GetNamespace(ctx, namespace); err != nil {
 			return enablement.Decision{}, nil, fmt.Errorf("get namespace %s: %w", namespace, err)
 		}
 	}

@@ -15,14 +15,20 @@ import (
 	"log/slog"
 	"time"
 
+	appsv1 "k8s.io/api/apps/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 )
+
+// Client deletes and reads the DaemonSet (kubeclient's DaemonSet verbs).
+type Client interface {
+	GetDaemonSet(ctx context.Context, namespace, name string) (*appsv1.DaemonSet, error)
+	DeleteDaemonSet(ctx context.Context, namespace, name string, opts metav1.DeleteOptions) error
+}
 
 // Options say which DaemonSet to remove.
 type Options struct {
-	Client          kubernetes.Interface
+	Client          Client
 	Namespace, Name string
 	// Poll is how often the DaemonSet is checked (default 1s).
 	Poll   time.Duration
@@ -40,9 +46,8 @@ func DeleteDaemonSet(ctx context.Context, o Options) error {
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
 	}
-	dss := o.Client.AppsV1().DaemonSets(o.Namespace)
 	fg := metav1.DeletePropagationForeground
-	err := dss.Delete(ctx, o.Name, metav1.DeleteOptions{PropagationPolicy: &fg})
+	err := o.Client.DeleteDaemonSet(ctx, o.Namespace, o.Name, metav1.DeleteOptions{PropagationPolicy: &fg})
 	if apierrors.IsNotFound(err) {
 		o.Logger.Info("daemonset already gone", "namespace", o.Namespace, "name", o.Name)
 		return nil
@@ -53,7 +58,7 @@ func DeleteDaemonSet(ctx context.Context, o Options) error {
 	o.Logger.Info("deleting daemonset in the foreground; waiting for its pods to release theirs", "namespace", o.Namespace, "name", o.Name)
 	start := time.Now()
 	for {
-		ds, err := dss.Get(ctx, o.Name, metav1.GetOptions{})
+		ds, err := o.Client.GetDaemonSet(ctx, o.Namespace, o.Name)
 		if apierrors.IsNotFound(err) {
 			o.Logger.Info("daemonset and its pods gone", "took", time.Since(start).Round(time.Millisecond))
 			return nil

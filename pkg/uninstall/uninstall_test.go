@@ -13,7 +13,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes"
+
+	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
 
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 )
@@ -49,7 +50,7 @@ func TestDeleteDaemonSetWaitsForForegroundDeletion(t *testing.T) {
 	}
 	done := make(chan error, 1)
 	go func() {
-		done <- DeleteDaemonSet(ctx, Options{Client: env.Client, Namespace: ns, Name: "ambient-cni", Poll: 20 * time.Millisecond})
+		done <- DeleteDaemonSet(ctx, Options{Client: adminClient(t, env), Namespace: ns, Name: "ambient-cni", Poll: 20 * time.Millisecond})
 	}()
 	deadline := time.Now().Add(time.Minute)
 	for {
@@ -91,7 +92,7 @@ func TestDeleteDaemonSetWaitsForForegroundDeletion(t *testing.T) {
 func TestDeleteDaemonSetAlreadyGone(t *testing.T) {
 	env := kube.Env(t)
 	ns := env.CreateNamespace(t, "", nil).Name
-	if err := DeleteDaemonSet(context.Background(), Options{Client: env.Client, Namespace: ns, Name: "ambient-cni"}); err != nil {
+	if err := DeleteDaemonSet(context.Background(), Options{Client: adminClient(t, env), Namespace: ns, Name: "ambient-cni"}); err != nil {
 		t.Fatalf("no DaemonSet: %v", err)
 	}
 }
@@ -110,7 +111,7 @@ func TestDeleteDaemonSetTimesOut(t *testing.T) {
 	})
 	tctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
 	defer cancel()
-	err := DeleteDaemonSet(tctx, Options{Client: env.Client, Namespace: ns, Name: "ambient-cni", Poll: 20 * time.Millisecond})
+	err := DeleteDaemonSet(tctx, Options{Client: adminClient(t, env), Namespace: ns, Name: "ambient-cni", Poll: 20 * time.Millisecond})
 	if !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("want a deadline error, got %v", err)
 	}
@@ -128,7 +129,7 @@ func TestDeleteDaemonSetForbidden(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	client, err := kubernetes.NewForConfig(cfg)
+	client, err := kubeclient.NewForConfig(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -136,4 +137,14 @@ func TestDeleteDaemonSetForbidden(t *testing.T) {
 	if !apierrors.IsForbidden(errors.Unwrap(err)) {
 		t.Fatalf("want forbidden, got %v", err)
 	}
+}
+
+// adminClient is the uninstall hook's client with env's admin identity.
+func adminClient(t *testing.T, env *kubeenv.Env) *kubeclient.Client {
+	t.Helper()
+	c, err := kubeclient.NewForConfig(env.Config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
 }

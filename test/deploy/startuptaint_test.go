@@ -16,6 +16,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
+	"github.com/ambient-cni/ambient-cni/pkg/kubeclient/kubeclienttest"
 	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
@@ -133,10 +134,10 @@ func TestStartupTaintPolicy(t *testing.T) {
 			t.Errorf("%s: refused for another reason than %q: %v", what, refusedFor[what], err)
 		}
 	}
-	if _, err := nodetaint.Remove(ctx, bound, nodeB); !refusedByPolicy(err) {
+	if _, err := nodetaint.Remove(ctx, kubeclienttest.FromClientset(bound), nodeB); !refusedByPolicy(err) {
 		t.Errorf("Remove on another node: want refused by the policy, got %v", err)
 	}
-	if _, err := nodetaint.Remove(ctx, unbound, nodeA); !refusedByPolicy(err) {
+	if _, err := nodetaint.Remove(ctx, kubeclienttest.FromClientset(unbound), nodeA); !refusedByPolicy(err) {
 		t.Errorf("Remove with a token bound to no node: want refused by the policy, got %v", err)
 	}
 	wantTaints(t, env, nodeA, nodetaint.Taint, otherTaint)
@@ -164,21 +165,21 @@ func TestStartupTaintPolicy(t *testing.T) {
 	wantTaints(t, env, nodeA, nodetaint.Taint, otherTaint, late)
 
 	// The agent's own changes: remove, add back, remove.
-	if removed, err := nodetaint.Remove(ctx, bound, nodeA); err != nil || !removed {
+	if removed, err := nodetaint.Remove(ctx, kubeclienttest.FromClientset(bound), nodeA); err != nil || !removed {
 		t.Fatalf("Remove on its own node = %v, %v; want true, nil", removed, err)
 	}
 	wantTaints(t, env, nodeA, otherTaint, late)
-	if removed, err := nodetaint.Remove(ctx, bound, nodeA); err != nil || removed {
+	if removed, err := nodetaint.Remove(ctx, kubeclienttest.FromClientset(bound), nodeA); err != nil || removed {
 		t.Errorf("second Remove = %v, %v; want false, nil", removed, err)
 	}
-	if added, err := nodetaint.Add(ctx, bound, nodeA); err != nil || !added {
+	if added, err := nodetaint.Add(ctx, kubeclienttest.FromClientset(bound), nodeA); err != nil || !added {
 		t.Fatalf("Add on its own node = %v, %v; want true, nil", added, err)
 	}
 	wantTaints(t, env, nodeA, otherTaint, late, nodetaint.Taint)
-	if added, err := nodetaint.Add(ctx, bound, nodeA); err != nil || added {
+	if added, err := nodetaint.Add(ctx, kubeclienttest.FromClientset(bound), nodeA); err != nil || added {
 		t.Errorf("second Add = %v, %v; want false, nil", added, err)
 	}
-	if _, err := nodetaint.Remove(ctx, bound, nodeA); err != nil {
+	if _, err := nodetaint.Remove(ctx, kubeclienttest.FromClientset(bound), nodeA); err != nil {
 		t.Fatal(err)
 	}
 	wantTaints(t, env, nodeA, otherTaint, late)

@@ -28,6 +28,7 @@ import (
 
 	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
 	"github.com/ambient-cni/ambient-cni/pkg/metrics"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
@@ -129,7 +130,8 @@ type node struct {
 	rules *rulesbackend.Backend
 
 	agentNS, agentPod string
-	client            kubernetes.Interface // the agent's ServiceAccount client
+	client            kubernetes.Interface // the agent's ServiceAccount, as a full clientset
+	agentClient       *kubeclient.Client   // the agent's own client
 	cfg               *installcni.Config
 	logs              *logSink
 	log               *slog.Logger
@@ -210,10 +212,15 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 	// The agent's client is built as install-cni builds it, with the
 	// shipped rate limit; kubeenv's raised QPS is for the test's own
 	// clients (kubesim, assertions) only. requireShippedClient pins it.
+	if n.agentClient, err = kubeclient.NewForConfig(n.cfg.KubeClientConfig(saConfig)); err != nil {
+		t.Fatal(err)
+	}
+	requireShippedClient(t, n.agentClient)
+	// The same identity and settings through the full clientset, for
+	// the tests' checks of what that identity may do.
 	if n.client, err = kubernetes.NewForConfig(n.cfg.KubeClientConfig(saConfig)); err != nil {
 		t.Fatal(err)
 	}
-	requireShippedClient(t, n.client)
 	if opts.Upgrade {
 		n.createDaemonSet()
 	}
@@ -309,13 +316,13 @@ func (n *node) taints() (startup, other bool) {
 // requireShippedClient fails the test unless the agent's client is rate
 // limited exactly as install-cni's defaults (= the chart's) say: a test
 // environment that raised it hid a 5 pods/s cap once.
-func requireShippedClient(t testing.TB, c kubernetes.Interface) {
+func requireShippedClient(t testing.TB, c *kubeclient.Client) {
 	t.Helper()
 	shipped, err := installcni.Parse([]string{"--node-name=x"}, func(string) string { return "" }, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
-	rl := c.CoreV1().RESTClient().GetRateLimiter()
+	rl := c.RateLimiter()
 	if rl == nil || rl.QPS() != shipped.KubeClientQPS {
 		t.Fatalf("the agent's client is not limited to the shipped %v requests/s (limiter %v)", shipped.KubeClientQPS, rl)
 	}
@@ -356,7 +363,7 @@ func (n *node) startDaemon() {
 	maddr := make(chan string, 1)
 	n.metricsAddr, n.maddr = "", maddr
 	d, err := installcni.New(installcni.Options{
-		Config: n.cfg, Client: n.client, Logger: n.log, Metrics: n.metrics,
+		Config: n.cfg, Client: n.agentClient, Logger: n.log, Metrics: n.metrics,
 		HostNetns: n.hostNS.Path(),
 		MetricsReady: func(a net.Addr) {
 			select {

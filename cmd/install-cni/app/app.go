@@ -25,7 +25,6 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/klog/v2"
@@ -37,6 +36,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/health"
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
 	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
+	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
 	"github.com/ambient-cni/ambient-cni/pkg/metrics"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
@@ -72,7 +72,7 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("kubernetes client config: %w", err)
 	}
-	client, err := kubernetes.NewForConfig(cfg.KubeClientConfig(rc))
+	client, err := kubeclient.NewForConfig(cfg.KubeClientConfig(rc))
 	if err != nil {
 		return fmt.Errorf("kubernetes client: %w", err)
 	}
@@ -90,7 +90,7 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) error {
 type Options struct {
 	Config *Config
 	// Client talks to the API server with the agent's own identity.
-	Client kubernetes.Interface
+	Client kubeclient.Interface
 	Logger *slog.Logger
 	// Metrics defaults to a fresh set.
 	Metrics *metrics.Metrics

@@ -16,6 +16,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes/fake"
 
+	"github.com/ambient-cni/ambient-cni/pkg/kubeclient/kubeclienttest"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
 )
 
@@ -42,7 +43,7 @@ func New(t testing.TB, cfg podcache.Config) *Cluster {
 		cfg.NodeName = NodeName
 	}
 	c := &Cluster{t: t, Client: fake.NewClientset(), node: cfg.NodeName}
-	cfg.Client = c.Client
+	cfg.Client = kubeclienttest.FromClientset(c.Client)
 	c.Cache = podcache.New(cfg)
 	return c
 }

@@ -1,0 +1,115 @@
+// Package kubeclienttest adapts client-go's full clientset (a fake, or a
+// test's own real one) to kubeclient.Interface, so tests that build
+// objects with the clientset hand the agent the same cluster. Test code
+// only: the agent's binary never links the clientset.
+package kubeclienttest
+
+import (
+	"context"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/util/watchlist"
+
+	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
+)
+
+// Clientset is kubeclient.Interface over a clientset.
+type Clientset struct {
+	kubernetes.Interface
+}
+
+var _ kubeclient.Interface = Clientset{}
+
+// FromClientset adapts cs.
+func FromClientset(cs kubernetes.Interface) Clientset { return Clientset{Interface: cs} }
+
+// IsWatchListSemanticsUnSupported passes on the clientset's answer (a
+// fake cannot stream the initial list), which the informers ask.
+func (c Clientset) IsWatchListSemanticsUnSupported() bool {
+	return watchlist.DoesClientNotSupportWatchListSemantics(c.Interface)
+}
+
+// GetPod implements kubeclient.PodReader.
+func (c Clientset) GetPod(ctx context.Context, namespace, name string) (*corev1.Pod, error) {
+	return c.CoreV1().Pods(namespace).Get(ctx, name, metav1.GetOptions{})
+}
+
+// ListPods implements kubeclient.PodReader.
+func (c Clientset) ListPods(ctx context.Context, namespace string, opts metav1.ListOptions) (*corev1.PodList, error) {
+	return c.CoreV1().Pods(namespace).List(ctx, opts)
+}
+
+// WatchPods implements kubeclient.PodReader.
+func (c Clientset) WatchPods(ctx context.Context, namespace string, opts metav1.ListOptions) (watch.Interface, error) {
+	return c.CoreV1().Pods(namespace).Watch(ctx, opts)
+}
+
+// PatchPodStatus implements kubeclient.PodStatusPatcher.
+func (c Clientset) PatchPodStatus(ctx context.Context, namespace, name string, pt types.PatchType, data []byte) (*corev1.Pod, error) {
+	return c.CoreV1().Pods(namespace).Patch(ctx, name, pt, data, metav1.PatchOptions{}, "status")
+}
+
+// GetNamespace implements kubeclient.NamespaceReader.
+func (c Clientset) GetNamespace(ctx context.Context, name string) (*corev1.Namespace, error) {
+	return c.CoreV1().Namespaces().Get(ctx, name, metav1.GetOptions{})
+}
+
+// ListNamespaces implements kubeclient.NamespaceReader.
+func (c Clientset) ListNamespaces(ctx context.Context, opts metav1.ListOptions) (*corev1.NamespaceList, error) {
+	return c.CoreV1().Namespaces().List(ctx, opts)
+}
+
+// WatchNamespaces implements kubeclient.NamespaceReader.
+func (c Clientset) WatchNamespaces(ctx context.Context, opts metav1.ListOptions) (watch.Interface, error) {
+	return c.CoreV1().Namespaces().Watch(ctx, opts)
+}
+
+// GetNode implements kubeclient.Nodes.
+func (c Clientset) GetNode(ctx context.Context, name string) (*corev1.Node, error) {
+	return c.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+}
+
+// PatchNode implements kubeclient.Nodes.
+func (c Clientset) PatchNode(ctx context.Context, name string, pt types.PatchType, data []byte) (*corev1.Node, error) {
+	return c.CoreV1().Nodes().Patch(ctx, name, pt, data, metav1.PatchOptions{})
+}
+
+// GetDaemonSet implements kubeclient.DaemonSetReader.
+func (c Clientset) GetDaemonSet(ctx context.Context, namespace, name string) (*appsv1.DaemonSet, error) {
+	return c.AppsV1().DaemonSets(namespace).Get(ctx, name, metav1.GetOptions{})
+}
+
+// ListDaemonSets implements kubeclient.DaemonSetReader.
+func (c Clientset) ListDaemonSets(ctx context.Context, namespace string, opts metav1.ListOptions) (*appsv1.DaemonSetList, error) {
+	return c.AppsV1().DaemonSets(namespace).List(ctx, opts)
+}
+
+// WatchDaemonSets implements kubeclient.DaemonSetReader.
+func (c Clientset) WatchDaemonSets(ctx context.Context, namespace string, opts metav1.ListOptions) (watch.Interface, error) {
+	return c.AppsV1().DaemonSets(namespace).Watch(ctx, opts)
+}
+
+// DeleteDaemonSet implements kubeclient.DaemonSetDeleter.
+func (c Clientset) DeleteDaemonSet(ctx context.Context, namespace, name string, opts metav1.DeleteOptions) error {
+	return c.AppsV1().DaemonSets(namespace).Delete(ctx, name, opts)
+}
+
+// CreateEvent implements kubeclient.Events.
+func (c Clientset) CreateEvent(ctx context.Context, e *corev1.Event) (*corev1.Event, error) {
+	return c.CoreV1().Events(e.Namespace).Create(ctx, e, metav1.CreateOptions{})
+}
+
+// UpdateEvent implements kubeclient.Events.
+func (c Clientset) UpdateEvent(ctx context.Context, e *corev1.Event) (*corev1.Event, error) {
+	return c.CoreV1().Events(e.Namespace).Update(ctx, e, metav1.UpdateOptions{})
+}
+
+// PatchEvent implements kubeclient.Events.
+func (c Clientset) PatchEvent(ctx context.Context, e *corev1.Event, data []byte) (*corev1.Event, error) {
+	return c.CoreV1().Events(e.Namespace).Patch(ctx, e.Name, types.StrategicMergePatchType, data, metav1.PatchOptions{})
+}
