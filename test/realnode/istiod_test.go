@@ -59,11 +59,16 @@ func TestRealNodeIstiod(t *testing.T) {
 		t.Fatalf("istiod: %v", err)
 	}
 	t.Cleanup(func() { _ = ist.Stop() }) // before Down (cleanups run last first)
-	defer func() {
+	logTail := func() {
 		if t.Failed() {
 			t.Logf("istiod log tail:\n%s", ist.LogTail(40))
 		}
-	}()
+	}
+	t.Cleanup(func() {
+		if !downDone {
+			logTail()
+		}
+	})
 	e := &e2e{n: n, out: out}
 
 	t.Run("istiod's untaint controller removes the startup taint once our agent's pod is ready", func(t *testing.T) {
@@ -142,6 +147,7 @@ func TestRealNodeIstiod(t *testing.T) {
 		}
 	})
 
+	logTail() // Down removes the node directory with the log
 	if err := ist.Stop(); err != nil {
 		t.Errorf("istiod did not stop cleanly: %v", err)
 	}
