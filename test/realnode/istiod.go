@@ -266,7 +266,7 @@ func parseIstiodRender(manifest []byte) (*istiodRender, error) {
 		}
 	}
 	if r.container.Name == "" {
-		return nil, fmt.Errorf("Deployment %s has no discovery container", dep.Name)
+		return nil, fmt.Errorf("the chart's Deployment %s has no discovery container", dep.Name)
 	}
 	if r.roles, err = boundRoles(objs, dep.Namespace, r.serviceAccount); err != nil {
 		return nil, err
