@@ -14,7 +14,7 @@ PROTOC        ?= protoc
 # Test timeout for the whole suite; CI allows far more, but keep it honest.
 TEST_TIMEOUT  ?= 20m
 # The real-node end-to-end tests (build tag realnode) and their timeout.
-E2E_TIMEOUT   ?= 30m
+E2E_TIMEOUT   ?= 45m
 # make demo KEEP=1 leaves the node up until Ctrl-C.
 KEEP          ?=
 # Both binaries ship stripped (as deploy/Dockerfile builds them): no symbol
