@@ -14,7 +14,7 @@ PROTOC        ?= protoc
 # Test timeout for the whole suite; CI allows far more, but keep it honest.
 TEST_TIMEOUT  ?= 20m
 # The real-node end-to-end tests (build tag realnode) and their timeout.
-E2E_TIMEOUT   ?= 30m
+E2E_TIMEOUT   ?= 45m
 # make demo KEEP=1 leaves the node up until Ctrl-C.
 KEEP          ?=
 # Both binaries ship stripped (as deploy/Dockerfile builds them): no symbol
@@ -36,7 +36,7 @@ build: ## build the plugin and the agent into ./bin
 tools: ## build etcd, kube-apiserver and helm from the Go module proxy into the tools cache (minutes the first time, then cached)
 	GO='$(GO)' hack/kube-tools.sh
 
-node-tools: ## build everything a real node needs: kubelet, kube-controller-manager, kube-scheduler, crictl, CNI plugins, the Multus thin plugin, the image's Debian rootfs (cached)
+node-tools: ## build everything a real node needs: kubelet, kube-controller-manager, kube-scheduler, crictl, CNI plugins, the Multus thin plugin, the image's Debian rootfs, istiod (cached)
 	GO='$(GO)' hack/kube-tools.sh node
 
 # Where make bench writes its JSON (gitignored).

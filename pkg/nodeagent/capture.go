@@ -46,7 +46,7 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, 
 	// The phases' durations, logged at debug level: the breakdown of the
 	// capture's critical path (docs/performance.md).
 	var t phaseTimer
-	t.start(start)
+	t.start(log, start)
 
 	if sb == nil && a.tornDown(ns, pod.UID) {
 		// The controller found a namespace whose sandbox a CNI DEL just
@@ -131,16 +131,24 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, 
 	return nil
 }
 
-// phaseTimer records how long each phase of a capture took.
+// phaseTimer records how long each phase of a capture took, only while
+// debug logging is on.
 type phaseTimer struct {
+	on       bool
 	t0, last time.Time
 	attrs    []any
 }
 
-func (t *phaseTimer) start(now time.Time) { t.t0, t.last = now, now }
+func (t *phaseTimer) start(log *slog.Logger, now time.Time) {
+	t.on = log.Enabled(context.Background(), slog.LevelDebug)
+	t.t0, t.last = now, now
+}
 
 // lap ends phase name.
 func (t *phaseTimer) lap(name string) {
+	if !t.on {
+		return
+	}
 	now := time.Now()
 	t.attrs = append(t.attrs, name, now.Sub(t.last))
 	t.last = now
@@ -148,7 +156,7 @@ func (t *phaseTimer) lap(name string) {
 
 // log writes the phases and their total at debug level.
 func (t *phaseTimer) log(log *slog.Logger, msg string) {
-	if !log.Enabled(context.Background(), slog.LevelDebug) {
+	if !t.on {
 		return
 	}
 	log.Debug(msg, append(t.attrs, "total", t.last.Sub(t.t0))...)

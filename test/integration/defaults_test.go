@@ -36,7 +36,7 @@ var harnessSettings = map[string]string{
 // starts). test/deploy keeps install-cni's defaults equal to the chart's
 // default values.
 func TestHarnessRunsShippedDefaults(t *testing.T) {
-	for _, tuning := range []string{"kube-client-qps", "kube-client-burst", "plugin-timeout", "log-level", "dns-capture", "rules-backend", "iptables-backend"} {
+	for _, tuning := range []string{"kube-client-qps", "kube-client-burst", "annotation-qps", "annotation-burst", "plugin-timeout", "log-level", "dns-capture", "rules-backend", "iptables-backend"} {
 		if _, ok := harnessSettings[tuning]; ok {
 			t.Errorf("the harness may not set %s: it is a tuning setting, run it as shipped", tuning)
 		}

@@ -748,12 +748,13 @@ func (l *life) sandboxRules(ctx context.Context, id string) (string, error) {
 }
 
 // sampleCapture checks, until stop, that every ready sandbox of an
-// ambient pod has capture rules; it returns the number of samples and
-// what it saw uncaptured.
-func (l *life) sampleCapture() (stop func() (samples int, uncaptured []string)) {
+// ambient pod has capture rules; it returns the number of checks, of
+// distinct sandboxes checked, and what it saw uncaptured.
+func (l *life) sampleCapture() (stop func() (samples, sandboxes int, uncaptured []string)) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	samples := 0
+	seen := map[string]bool{}
 	var bad []string
 	go func() { // owner: stop, which cancels and waits
 		defer close(done)
@@ -766,6 +767,7 @@ func (l *life) sampleCapture() (stop func() (samples int, uncaptured []string)) 
 						continue // gone between the listing and the look
 					}
 					samples++
+					seen[sb.id] = true
 					if !HasCaptureRules(rules) {
 						bad = append(bad, fmt.Sprintf("%s %s sandbox %s ready without capture rules", time.Now().Format("15:04:05.000"), sb.pod, sb.id))
 					}
@@ -777,10 +779,10 @@ func (l *life) sampleCapture() (stop func() (samples int, uncaptured []string)) 
 			}
 		}
 	}()
-	return func() (int, []string) {
+	return func() (int, int, []string) {
 		cancel()
 		<-done
-		return samples, bad
+		return samples, len(seen), bad
 	}
 }
 
@@ -833,10 +835,13 @@ func (l *life) testReboot(t *testing.T) {
 		t.Fatal(err)
 	}
 	oldStandIn := standIn.Status.ContainerStatuses[0].ContainerID
-	stopSampling := l.sampleCapture()
+	// Sampled from when the node is down: every sandbox seen is new.
+	var stopSampling func() (int, int, []string)
 	begin := time.Now()
-	if err := l.n.Reboot(ctx, nil); err != nil {
-		stopSampling()
+	if err := l.n.Reboot(ctx, func() { stopSampling = l.sampleCapture() }); err != nil {
+		if stopSampling != nil {
+			stopSampling()
+		}
 		t.Fatal(err)
 	}
 	var ready []string
@@ -851,8 +856,9 @@ func (l *life) testReboot(t *testing.T) {
 		t.Error(err)
 	}
 	figure(t, "reboot-all-pods-ready-seconds", time.Since(begin).Round(100*time.Millisecond).Seconds())
-	samples, uncaptured := stopSampling()
+	samples, sandboxes, uncaptured := stopSampling()
 	figure(t, "reboot-capture-samples", samples)
+	figure(t, "reboot-sandboxes-sampled", fmt.Sprintf("%d of %d pods", sandboxes, len(before)))
 	figure(t, "reboot-pods-seen-uncaptured", len(uncaptured))
 	if len(uncaptured) > 0 {
 		t.Errorf("ambient pods ran uncaptured while the node came back:\n%s", strings.Join(uncaptured, "\n"))

@@ -10,6 +10,7 @@ import (
 	"net/netip"
 	"net/url"
 	"os"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -43,6 +44,8 @@ type Story struct {
 	N      *Node
 	Out    io.Writer
 	Proofs []Proof
+	// Istiod, when set, adds istiod's view of each pod to the table.
+	Istiod *Istiod
 
 	step  string
 	seq   int
@@ -620,7 +623,11 @@ func (s *Story) Table(ctx context.Context, w io.Writer) error {
 		return err
 	}
 	tw := tabwriter.NewWriter(w, 0, 8, 2, ' ', 0)
-	fmt.Fprintln(tw, "POD\tIP\tSTATE\tCAPTURED CONNECTIONS")
+	header := "POD\tIP\tSTATE\tCAPTURED CONNECTIONS"
+	if s.Istiod != nil {
+		header += "\tISTIOD"
+	}
+	fmt.Fprintln(tw, header)
 	for _, name := range s.order {
 		p := s.pods[name]
 		cur, err := s.N.Client.CoreV1().Pods(p.Namespace).Get(ctx, p.Name, metav1.GetOptions{})
@@ -634,7 +641,11 @@ func (s *Story) Table(ctx context.Context, w io.Writer) error {
 				state += ", opted out"
 			}
 		}
-		fmt.Fprintf(tw, "%s/%s\t%s\t%s\t%d\n", p.Namespace, p.Name, p.Status.PodIP, state, len(recordsOf(recs, p.UID)))
+		row := fmt.Sprintf("%s/%s\t%s\t%s\t%d", p.Namespace, p.Name, p.Status.PodIP, state, len(recordsOf(recs, p.UID)))
+		if s.Istiod != nil {
+			row += "\t" + s.Istiod.ViewOf(ctx, p.Namespace, p.Name)
+		}
+		fmt.Fprintln(tw, row)
 	}
 	return tw.Flush()
 }
@@ -652,8 +663,9 @@ type demoConfig struct{ skipStory bool }
 // SkipStory only brings the node up with the agent and the stand-in.
 func SkipStory() DemoOption { return func(c *demoConfig) { c.skipStory = true } }
 
-// Demo brings a node up, installs ambient-cni with helm and the ztunnel
-// stand-in, plays the story, prints the table and tears the node down.
+// Demo brings a node up, installs ambient-cni with helm, the ztunnel
+// stand-in and istiod, plays the story, prints the table (with istiod's
+// view of each pod) and tears the node down.
 // With keep it stays up until ctx ends. It fails if any proof failed.
 func Demo(ctx context.Context, out io.Writer, keep bool, opts ...DemoOption) (err error) {
 	var cfg demoConfig
@@ -684,7 +696,13 @@ func Demo(ctx context.Context, out io.Writer, keep bool, opts ...DemoOption) (er
 	if err := n.StartStandIn(ctx); err != nil {
 		return err
 	}
-	s := &Story{N: n, Out: out}
+	fmt.Fprintln(out, "== istiod, as its chart runs it for ambient (host process, loopback only)")
+	ist, err := n.StartIstiod(ctx, IstiodOptions{})
+	if err != nil {
+		return err
+	}
+	defer func() { _ = ist.Stop() }() // before the node goes down
+	s := &Story{N: n, Out: out, Istiod: ist}
 	if !cfg.skipStory {
 		runErr := s.Run(ctx)
 		s.begin("nothing left the machine")
@@ -708,6 +726,7 @@ func Demo(ctx context.Context, out io.Writer, keep bool, opts ...DemoOption) (er
 	}
 	if keep && ctx.Err() == nil {
 		n.explain(out)
+		fmt.Fprintf(out, "   istiod's view: curl -s '127.0.0.1:%d/debug/ambientz?pretty'; its log: %s\n", ist.HTTPPort, filepath.Join(ist.Dir, "istiod.log"))
 		<-ctx.Done()
 		fmt.Fprintln(out)
 	}

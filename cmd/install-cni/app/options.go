@@ -373,6 +373,16 @@ func (c *Config) validate() error {
 	if c.StartupTaintOnShutdown && !c.StartupTaint {
 		errs = append(errs, errors.New("startup-taint-on-shutdown needs startup-taint (the agent would taint its node and never remove the taint)"))
 	}
+	// A client limit lowered below the annotation defaults (valid before
+	// the annotation budget existed) takes the default budget down with it,
+	// to 5/8 of the client's as the defaults are, instead of stopping the
+	// agent on upgrade; only a budget set explicitly too high is refused.
+	if c.AnnotationQPS == nodeagent.DefaultAnnotationQPS && c.AnnotationQPS >= c.KubeClientQPS {
+		c.AnnotationQPS = c.KubeClientQPS * 5 / 8
+	}
+	if c.AnnotationBurst == nodeagent.DefaultAnnotationBurst && c.AnnotationBurst >= c.KubeClientBurst {
+		c.AnnotationBurst = max(1, c.KubeClientBurst*5/8)
+	}
 	if c.AnnotationQPS >= c.KubeClientQPS || c.AnnotationBurst >= c.KubeClientBurst {
 		errs = append(errs, fmt.Errorf("annotation-qps/-burst (%v/%d) must stay below kube-client-qps/-burst (%v/%d): annotation writes would take the whole client budget and hold up the requests captures make", c.AnnotationQPS, c.AnnotationBurst, c.KubeClientQPS, c.KubeClientBurst))
 	}

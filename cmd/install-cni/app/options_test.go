@@ -170,12 +170,22 @@ func TestAnnotationLimits(t *testing.T) {
 	for _, args := range [][]string{
 		{"--annotation-qps=80"},
 		{"--annotation-burst=160"},
-		{"--kube-client-qps=40"},
+		{"--kube-client-qps=40", "--annotation-qps=45"},
 		{"--annotation-qps=0"},
 	} {
 		if _, err := Parse(append([]string{"--node-name=n1"}, args...), env(nil), io.Discard); err == nil {
 			t.Errorf("%v accepted", args)
 		}
+	}
+	// A client limit lowered below the defaults (a setting older releases
+	// accepted) takes the default annotation budget down with it: an
+	// upgrade must not stop the agent.
+	c, err = Parse([]string{"--node-name=n1", "--kube-client-qps=40", "--kube-client-burst=80"}, env(nil), io.Discard)
+	if err != nil {
+		t.Fatalf("a lowered client limit with the default annotation budget: %v", err)
+	}
+	if c.AnnotationQPS != 25 || c.AnnotationBurst != 50 {
+		t.Errorf("annotation limits %v/%d under a 40/80 client, want 25/50", c.AnnotationQPS, c.AnnotationBurst)
 	}
 }
 

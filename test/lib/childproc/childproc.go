@@ -38,7 +38,17 @@ func Start(name, path string, args, env []string, logPath string) (*Proc, error)
 	if env != nil {
 		environ = append(os.Environ(), env...)
 	}
-	return start(name, path, args, environ, logPath)
+	return start(name, path, "", args, environ, logPath)
+}
+
+// StartIn is Start with dir as the child's working directory: for a
+// program that keeps files at paths relative to it (istiod's ./etc/...).
+func StartIn(dir, name, path string, args, env []string, logPath string) (*Proc, error) {
+	var environ []string
+	if env != nil {
+		environ = append(os.Environ(), env...)
+	}
+	return start(name, path, dir, args, environ, logPath)
 }
 
 // StartEnviron is Start with environ as the child's whole environment,
@@ -48,10 +58,10 @@ func StartEnviron(name, path string, args, environ []string, logPath string) (*P
 	if environ == nil {
 		environ = []string{} // exec reads a nil Env as "inherit"
 	}
-	return start(name, path, args, environ, logPath)
+	return start(name, path, "", args, environ, logPath)
 }
 
-func start(name, path string, args, environ []string, logPath string) (*Proc, error) {
+func start(name, path, dir string, args, environ []string, logPath string) (*Proc, error) {
 	logf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600)
 	if err != nil {
 		return nil, fmt.Errorf("open %s log: %w", name, err)
@@ -59,6 +69,7 @@ func start(name, path string, args, environ []string, logPath string) (*Proc, er
 	cmd := exec.Command(path, args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.Env = environ
+	cmd.Dir = dir
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}
 	p := &Proc{Name: name, LogPath: logPath, cmd: cmd, done: make(chan struct{})}
 	started := make(chan error, 1)
