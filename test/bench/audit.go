@@ -66,6 +66,9 @@ type auditEvent struct {
 	Stage     string `json:"stage"`
 	Verb      string `json:"verb"`
 	UserAgent string `json:"userAgent"`
+	User      struct {
+		Username string `json:"username"`
+	} `json:"user"`
 	ObjectRef *struct {
 		Resource    string `json:"resource"`
 		Subresource string `json:"subresource"`
@@ -81,6 +84,9 @@ type auditEvent struct {
 type auditLog struct {
 	path      string
 	userAgent string
+	// user, when set, matches by the authenticated user instead (a peer
+	// whose User-Agent is not ours to know).
+	user string
 
 	mu      sync.Mutex
 	off     int64
@@ -92,6 +98,10 @@ type auditLog struct {
 
 func newAuditLog(path, node string) *auditLog {
 	return &auditLog{path: path, userAgent: installcni.UserAgentPrefix + node}
+}
+
+func newAuditLogUser(path, user string) *auditLog {
+	return &auditLog{path: path, user: user}
 }
 
 // poll reads what was appended since the last call.
@@ -137,7 +147,7 @@ func (a *auditLog) addLine(line []byte) {
 	}
 	// The client appends nothing to the configured User-Agent; a prefix
 	// match would also take another node's "ambient-cni/<node>-2".
-	if ev.Stage != "ResponseComplete" || ev.UserAgent != a.userAgent {
+	if ev.Stage != "ResponseComplete" || (a.user == "" && ev.UserAgent != a.userAgent) || (a.user != "" && ev.User.Username != a.user) {
 		return
 	}
 	if ev.Verb == "watch" {

@@ -48,22 +48,42 @@ type Options struct {
 	// and the large enrollment and writes its reports to ProfileDir.
 	Profile    bool
 	ProfileDir string
+	// IstioInstallCNI and IstioPlugin are Istio's binaries for the peer
+	// column (IstioBinaries); IstioMissing, when set, says why they are
+	// not there, and the peer is reported n/a.
+	IstioInstallCNI, IstioPlugin, IstioMissing string
 	// Log receives progress lines.
 	Log io.Writer
 }
 
 // sizes are how many pods each phase uses.
 type sizes struct {
-	seq, conc int   // latency pods per kind at 1 and 8 at a time
+	seq, conc int   // latency pods per kind and block at 1 and 8 at a time
+	reps      int   // blocks per arm (baseline, measured) of each latency figure
 	enroll    []int // running pods per namespace flip, small then large
 	execRuns  int
+	// quietWait bounds the wait for a quiet machine before each block.
+	quietWait time.Duration
 }
 
 func (o Options) sizes() sizes {
 	if o.Quick {
-		return sizes{seq: 3, conc: 8, enroll: []int{4, 12}, execRuns: 10}
+		return sizes{seq: 2, conc: 8, reps: 2, enroll: []int{4, 12}, execRuns: 10}
 	}
-	return sizes{seq: 100, conc: 96, enroll: []int{100, 500}, execRuns: 100}
+	return sizes{seq: 34, conc: 32, reps: 3, enroll: []int{100, 500}, execRuns: 100, quietWait: 30 * time.Second}
+}
+
+// quietBusyPct is the share of the machine's CPUs at or under which a
+// second counts as quiet.
+const quietBusyPct = 25
+
+// Method states how the latency figures are measured (printed with the
+// table and recorded in the JSON).
+func (s sizes) method() string {
+	return fmt.Sprintf("latency: the bridge + host-local chain alone (baseline) and the chain with the plugin (measured) run as separate blocks "+
+		"at the same concurrency, %d blocks each, alternating (the order flips every rep); %d / %d pods per block at 1 / 8 at a time; "+
+		"each block starts on a settled agent after waiting up to %s for a second with ≤ %d%% of the CPUs busy; Δ = measured quantile − baseline quantile over all blocks",
+		s.reps, s.seq, s.conc, s.quietWait, quietBusyPct)
 }
 
 const (
@@ -101,7 +121,7 @@ func Run(ctx context.Context, o Options) (res *Result, err error) {
 	res = &Result{
 		Started: time.Now(), Quick: o.Quick, Profiled: o.Profile, Commit: commit(o.RepoRoot),
 		Machine:   Machine{CPUs: runtime.NumCPU(), Kernel: kernel(), Go: runtime.Version(), LoadStart: LoadAvg()},
-		NodeLocal: simnode.NodeLocal,
+		NodeLocal: simnode.NodeLocal, Method: sz.method(),
 	}
 	defer func() {
 		res.Machine.LoadEnd = LoadAvg()
@@ -165,6 +185,35 @@ func Run(ctx context.Context, o Options) (res *Result, err error) {
 			return res, ctx.Err()
 		}
 	}
+	// Istio's istio-cni in the same run, after ours, each with its own
+	// interleaved baseline blocks; its failure is reported beside our
+	// figures, never in place of them.
+	for _, p := range Peers() {
+		pr := BackendResult{Name: p.Name, Unavailable: o.IstioMissing}
+		if pr.Unavailable == "" {
+			logf("== peer %s", p.Name)
+			bw := &backendRun{
+				o: o, sz: sz, logf: logf, env: env, client: env.Client,
+				dir: filepath.Join(work, p.Name), refPlugins: cniPaths[0], audit: auditPath, res: &pr,
+			}
+			if pf, err := pluginFigures(o.IstioPlugin, sz.execRuns); err != nil {
+				logf("peer %s: plugin exec: %v", p.Name, err)
+			} else {
+				pr.Plugin = &pf
+			}
+			if err := bw.runPeer(ctx, p, o.IstioInstallCNI, o.IstioPlugin); err != nil {
+				pr.Error = err.Error()
+				logf("peer %s failed: %v", p.Name, err)
+			}
+			pr.AgentEnv = bw.agentEnv
+		} else {
+			logf("== peer %s: n/a: %s", p.Name, pr.Unavailable)
+		}
+		res.Peers = append(res.Peers, pr)
+		if ctx.Err() != nil {
+			return res, ctx.Err()
+		}
+	}
 	if f := res.failed(); len(f) > 0 {
 		return res, fmt.Errorf("benchmark failed: %s", strings.Join(f, "; "))
 	}
@@ -194,6 +243,9 @@ type backendRun struct {
 	metricsURL string
 	log        string
 	auditLog   *auditLog
+	// procNetns: sandboxes are named by /proc/<pid>/fd/<fd> (see
+	// latencyRun.procNetns).
+	procNetns bool
 }
 
 func (r *backendRun) run(ctx context.Context) (err error) {
@@ -435,18 +487,19 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 		took       time.Duration
 		add0, add1 histogram
 	}
-	windows := map[string]*window{}
+	windows := map[string][]*window{}
 	profiling := r.o.Profile && kind == "ambient" && c == 1
+	q := quietCheck{maxWait: r.sz.quietWait, busyPct: quietBusyPct, logf: r.logf}
 	lr := &latencyRun{
 		client: r.client, cni: cni, chained: chained, primary: primary, node: node, namespace: ns, pods: n, concurrency: c,
-		annotated: kind == "ambient",
-		settle:    func(ctx context.Context) error { return r.settle(ctx) },
-		window: func(op string) func() error {
+		reps: r.sz.reps, annotated: kind == "ambient", quiet: q.wait, procNetns: r.procNetns,
+		settle: func(ctx context.Context) error { return r.settle(ctx) },
+		window: func(op string, rep int) func() error {
 			w := &window{start: time.Now()}
-			windows[op] = w
+			windows[op] = append(windows[op], w)
 			var stopProfile func() ([]string, error)
 			var err error
-			if profiling {
+			if profiling && rep == 0 {
 				if stopProfile, err = r.profile("ambient-" + strings.ToLower(op) + "-seq"); err != nil {
 					return func() error { return err }
 				}
@@ -477,34 +530,47 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 			}
 		},
 	}
-	r.logf("%s pods, %d at a time: %d ADDs and DELs with and without the plugin", kind, c, n)
-	add, del, err := lr.run(ctx)
+	r.logf("%s pods, %d at a time: %d blocks of %d ADDs and DELs with and without the plugin", kind, c, r.sz.reps, n)
+	add, del, blocks, err := lr.run(ctx)
 	if err != nil {
 		return err
 	}
 	for _, op := range []string{"ADD", "DEL"} {
-		s, w := add, windows[op]
+		s := add
 		if op == "DEL" {
 			s = del
 		}
+		var cpu CPUTimes
+		var reqs []APIRequest
+		var took time.Duration
+		var hist histogram
+		for _, w := range windows[op] {
+			cpu = CPUTimes{Own: cpu.Own + w.cpu1.Sub(w.cpu0).Own, Children: cpu.Children + w.cpu1.Sub(w.cpu0).Children}
+			reqs = append(reqs, w.reqs...)
+			took += w.took
+			hist.sum += w.add1.sum - w.add0.sum
+			hist.count += w.add1.count - w.add0.count
+		}
+		pods := float64(len(windows[op]) * n)
 		l := Latency{
 			Kind: kind, Op: op, Concurrency: c, Samples: len(s.chained), Errors: s.errors,
+			Reps: r.sz.reps, PodsPerBlock: n, Blocks: blocks,
 			ChainP50Ms: ms(quantile(s.primary, .5)), ChainP99Ms: ms(quantile(s.primary, .99)),
 			P50Ms: ms(quantile(s.chained, .5)), P99Ms: ms(quantile(s.chained, .99)),
-			CPUMsPerPod:    ms(w.cpu1.Sub(w.cpu0).Total()) / float64(n),
-			OwnCPUMsPerPod: ms(w.cpu1.Sub(w.cpu0).Own) / float64(n),
-			APIPerPod:      float64(len(w.reqs)) / float64(n), APIRequests: summarize(w.reqs), APIServerMs: meanServerMs(w.reqs),
-			WindowSeconds: w.took.Seconds(), ChainedMs: msList(s.chained), ChainMs: msList(s.primary),
+			CPUMsPerPod:    ms(cpu.Total()) / pods,
+			OwnCPUMsPerPod: ms(cpu.Own) / pods,
+			APIPerPod:      float64(len(reqs)) / pods, APIRequests: summarize(reqs), APIServerMs: meanServerMs(reqs),
+			WindowSeconds: took.Seconds(), ChainedMs: msList(s.chained), ChainMs: msList(s.primary),
 		}
 		l.DeltaP50Ms, l.DeltaP99Ms = l.P50Ms-l.ChainP50Ms, l.P99Ms-l.ChainP99Ms
 		r.res.Latency = append(r.res.Latency, l)
-		if kind == "ambient" && op == "ADD" && c == 1 && w.add1.count > w.add0.count {
-			r.res.AgentAddMeanMs = 1000 * (w.add1.sum - w.add0.sum) / (w.add1.count - w.add0.count)
+		if kind == "ambient" && op == "ADD" && c == 1 && hist.count > 0 {
+			r.res.AgentAddMeanMs = 1000 * hist.sum / hist.count
 		}
 		r.logf("  %s: Δp50 %+.1f ms, Δp99 %+.1f ms, %.1f ms agent CPU and %.2f API requests per pod, %d failed",
 			op, l.DeltaP50Ms, l.DeltaP99Ms, l.CPUMsPerPod, l.APIPerPod, l.Errors)
 		if s.errors > 0 {
-			return fmt.Errorf("%d of %d %s calls failed; see %s and %s", s.errors, n, op, r.log, filepath.Join(r.dir, "plugin-stderr.log"))
+			return fmt.Errorf("%d of %d %s calls failed; see %s and %s", s.errors, r.sz.reps*n, op, r.log, filepath.Join(r.dir, "plugin-stderr.log"))
 		}
 	}
 	return nil

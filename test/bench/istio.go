@@ -1,0 +1,406 @@
+package bench
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/netip"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+	"github.com/vishvananda/netlink"
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	"sigs.k8s.io/yaml"
+
+	"github.com/ambient-cni/ambient-cni/test/lib/childproc"
+	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
+)
+
+// The peer column is Istio's own istio-cni (install-cni and its CNI
+// plugin) from the istio.io/istio module at the version hack/tools/istio
+// pins; its chart comes from the same module.
+const (
+	istioModule  = "istio.io/istio"
+	istioVersion = "v0.0.0-20260827124520-eed52ebb66ad"
+	// istioNamespace and istioRelease are the chart's release, as
+	// istioctl and the docs install it.
+	istioNamespace = "istio-system"
+	istioRelease   = "istio-cni"
+	// istioReadyURL is the DaemonSet's readiness probe (port 8000 is fixed
+	// in install-cni).
+	istioReadyURL = "http://127.0.0.1:8000/readyz"
+	// istioMetricsURL is its monitoring port (the chart's 15014).
+	istioMetricsURL = "http://127.0.0.1:15014"
+)
+
+// Tool names of the two Istio binaries in the tools cache.
+const (
+	IstioInstallCNITool = "istio-install-cni"
+	IstioPluginTool     = "istio-cni"
+)
+
+// Peer is one way of running Istio's istio-cni beside ours.
+type Peer struct {
+	Name string
+	// NativeNftables is the chart's global.nativeNftables.
+	NativeNftables bool
+}
+
+// Peers are istio-cni's runs: its default iptables mode and its native
+// nftables mode.
+func Peers() []Peer {
+	return []Peer{{Name: "istio-cni"}, {Name: "istio-cni-nftables", NativeNftables: true}}
+}
+
+// IstioBinaries finds install-cni and the istio-cni plugin: the files named
+// by AMBIENT_TOOL_ISTIO_INSTALL_CNI and AMBIENT_TOOL_ISTIO_CNI, else the
+// tools cache.
+func IstioBinaries() (installCNI, plugin string, err error) {
+	find := func(tool, env string) (string, error) {
+		if p := os.Getenv(env); p != "" {
+			if st, err := os.Stat(p); err != nil || st.IsDir() {
+				return "", fmt.Errorf("%s=%s: not a file", env, p)
+			}
+			return p, nil
+		}
+		p, err := kubeenv.ToolPath(tool)
+		if err != nil {
+			return "", fmt.Errorf("Istio's %s is not built (the tools cache builds it from %s@%s; or set %s): %w", tool, istioModule, istioVersion, env, err)
+		}
+		return p, nil
+	}
+	if installCNI, err = find(IstioInstallCNITool, "AMBIENT_TOOL_ISTIO_INSTALL_CNI"); err != nil {
+		return "", "", err
+	}
+	if plugin, err = find(IstioPluginTool, "AMBIENT_TOOL_ISTIO_CNI"); err != nil {
+		return "", "", err
+	}
+	return installCNI, plugin, nil
+}
+
+// istioChart is what Istio's chart, rendered with its ambient profile,
+// runs on a node.
+type istioChart struct {
+	// Env is the install-cni container's environment (the ConfigMap's
+	// data, then the container's own entries), with the downward-API
+	// fields left for the node to fill.
+	Env      map[string]string
+	FieldEnv map[string]string // name → fieldPath or resource
+	Args     []string
+	// RBAC is its ClusterRoles, for its ServiceAccount.
+	RBAC           []byte
+	ServiceAccount string
+	Manifest       []byte
+}
+
+// renderIstioChart renders manifests/charts/istio-cni of the pinned module
+// with helm, as `helm install istio-cni ... --set profile=ambient` does.
+// The agents here run as host processes in the node's network namespace,
+// so ambient.shareHostNetworkNamespace is set: the chart's own setting for
+// a DaemonSet on the host network.
+func renderIstioChart(ctx context.Context, nativeNft bool) (*istioChart, error) {
+	helm, err := kubeenv.ToolPath(kubeenv.Helm)
+	if err != nil {
+		return nil, err
+	}
+	out, err := exec.CommandContext(ctx, "go", "mod", "download", "-json", istioModule+"@"+istioVersion).Output()
+	if err != nil {
+		return nil, fmt.Errorf("go mod download %s@%s: %w", istioModule, istioVersion, err)
+	}
+	var mod struct{ Dir string }
+	if err := json.Unmarshal(out, &mod); err != nil || mod.Dir == "" {
+		return nil, fmt.Errorf("go mod download %s: no module directory in %s", istioModule, out)
+	}
+	chart := filepath.Join(mod.Dir, "manifests", "charts", "istio-cni")
+	args := []string{"template", istioRelease, chart, "--namespace", istioNamespace, "--set", "profile=ambient",
+		"--set", "ambient.shareHostNetworkNamespace=true", "--set", "global.nativeNftables=" + strconv.FormatBool(nativeNft)}
+	manifest, err := exec.CommandContext(ctx, helm, args...).Output()
+	if err != nil {
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			return nil, fmt.Errorf("helm %s: %w: %s", strings.Join(args, " "), err, ee.Stderr)
+		}
+		return nil, fmt.Errorf("helm %s: %w", strings.Join(args, " "), err)
+	}
+	c := &istioChart{Env: map[string]string{}, FieldEnv: map[string]string{}, Manifest: manifest}
+	var ds *appsv1.DaemonSet
+	var cm *corev1.ConfigMap
+	for doc := range strings.SplitSeq(string(manifest), "\n---") {
+		var meta struct{ Kind string }
+		if yaml.Unmarshal([]byte(doc), &meta) != nil {
+			continue
+		}
+		switch meta.Kind {
+		case "DaemonSet":
+			ds = &appsv1.DaemonSet{}
+			if err := yaml.Unmarshal([]byte(doc), ds); err != nil {
+				return nil, fmt.Errorf("istio-cni DaemonSet: %w", err)
+			}
+		case "ConfigMap":
+			cm = &corev1.ConfigMap{}
+			if err := yaml.Unmarshal([]byte(doc), cm); err != nil {
+				return nil, fmt.Errorf("istio-cni ConfigMap: %w", err)
+			}
+		}
+	}
+	if ds == nil || cm == nil || len(ds.Spec.Template.Spec.Containers) != 1 {
+		return nil, errors.New("Istio's chart rendered no DaemonSet with one container and ConfigMap")
+	}
+	ctr := ds.Spec.Template.Spec.Containers[0]
+	for _, ef := range ctr.EnvFrom {
+		if ef.ConfigMapRef == nil || ef.ConfigMapRef.Name != cm.Name {
+			return nil, fmt.Errorf("the DaemonSet reads an environment source the harness does not know: %+v", ef)
+		}
+	}
+	for k, v := range cm.Data {
+		c.Env[k] = v
+	}
+	for _, e := range ctr.Env {
+		switch {
+		case e.ValueFrom == nil:
+			c.Env[e.Name] = e.Value
+		case e.ValueFrom.FieldRef != nil:
+			c.FieldEnv[e.Name] = e.ValueFrom.FieldRef.FieldPath
+		case e.ValueFrom.ResourceFieldRef != nil:
+			c.FieldEnv[e.Name] = e.ValueFrom.ResourceFieldRef.Resource
+		default:
+			return nil, fmt.Errorf("the DaemonSet's %s comes from a source the harness does not know", e.Name)
+		}
+	}
+	c.Args = append(slices.Clone(ctr.Command[1:]), ctr.Args...)
+	c.ServiceAccount = ds.Spec.Template.Spec.ServiceAccountName
+	if c.RBAC, err = kubeenv.ExtractRoles(manifest); err != nil {
+		return nil, fmt.Errorf("Istio's chart RBAC: %w", err)
+	}
+	return c, nil
+}
+
+// istioNode is Istio's install-cni on a simulated node of its own: its
+// container's view (the chart's hostPath mounts under /host, its
+// ServiceAccount files, /var/run/ztunnel) is a root on a tmpfs in a mount
+// namespace of its own, in the node's (the benchmark's) network namespace.
+type istioNode struct {
+	Name, Dir, BinDir, ConfDir, RunDir, ZDSSocket, LogPath, Bridge string
+	Env                                                            map[string]string
+	Primary                                                        []byte
+	proc                                                           *childproc.Proc
+}
+
+// startIstio prepares the node (CNI bin dir with the reference plugins,
+// the primary conflist, the ServiceAccount under the chart's RBAC) and
+// starts install-cni with the chart's environment. Close undoes it.
+func startIstio(ctx context.Context, r *backendRun, installCNI, plugin string, chart *istioChart) (n *istioNode, err error) {
+	n = &istioNode{
+		Name: r.res.Node, Dir: r.dir, BinDir: filepath.Join(r.dir, "bin"), ConfDir: filepath.Join(r.dir, "net.d"),
+		RunDir: filepath.Join(r.dir, "run"), LogPath: filepath.Join(r.dir, "install-cni.log"),
+	}
+	n.ZDSSocket = filepath.Join(r.dir, "ztunnel", "ztunnel.sock")
+	for _, d := range []string{n.BinDir, n.ConfDir, n.RunDir, filepath.Dir(n.ZDSSocket), filepath.Join(r.dir, "image"), filepath.Join(r.dir, "sa")} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return nil, err
+		}
+	}
+	for _, p := range cnibin.ReferencePlugins {
+		b, err := os.ReadFile(filepath.Join(r.refPlugins, p))
+		if err != nil {
+			return nil, err
+		}
+		if err := os.WriteFile(filepath.Join(n.BinDir, p), b, 0o755); err != nil {
+			return nil, err
+		}
+	}
+	// The image holds the plugin at /opt/cni/bin, where install-cni copies
+	// it from, and install-cni itself.
+	for src, dst := range map[string]string{plugin: "istio-cni", installCNI: "install-cni"} {
+		b, err := os.ReadFile(src)
+		if err != nil {
+			return nil, err
+		}
+		if err := os.WriteFile(filepath.Join(r.dir, "image", dst), b, 0o755); err != nil {
+			return nil, err
+		}
+	}
+	n.Bridge = testnet.RandName("ic", 8)
+	n.Primary = cnibin.Conflist(cnibin.Network{Bridge: n.Bridge, Subnet: istioSubnet, DataDir: filepath.Join(r.dir, "ipam")})
+	if err := os.WriteFile(filepath.Join(n.ConfDir, "10-bridge.conflist"), n.Primary, 0o644); err != nil {
+		return nil, err
+	}
+	cfg, err := r.env.ServiceAccountConfig(ctx, istioNamespace, chart.ServiceAccount, chart.RBAC)
+	if err != nil {
+		return nil, err
+	}
+	if err := os.WriteFile(filepath.Join(r.dir, "sa", "token"), []byte(cfg.BearerToken), 0o600); err != nil {
+		return nil, err
+	}
+	if err := os.WriteFile(filepath.Join(r.dir, "sa", "ca.crt"), cfg.CAData, 0o644); err != nil {
+		return nil, err
+	}
+	if err := os.WriteFile(filepath.Join(r.dir, "sa", "namespace"), []byte(istioNamespace), 0o644); err != nil {
+		return nil, err
+	}
+	u, err := url.Parse(cfg.Host)
+	if err != nil {
+		return nil, err
+	}
+	n.Env = map[string]string{}
+	for k, v := range chart.Env {
+		n.Env[k] = v
+	}
+	for k, f := range chart.FieldEnv {
+		switch f {
+		case "spec.nodeName":
+			n.Env[k] = n.Name
+		case "metadata.name":
+			n.Env[k] = "istio-cni-node-" + testnet.RandName("", 5)
+		case "metadata.namespace":
+			n.Env[k] = istioNamespace
+		case "limits.cpu":
+			// No limit in the chart: the kubelet gives the node's CPUs.
+			n.Env[k] = strconv.Itoa(runtime.NumCPU())
+		case "limits.memory":
+			mem, err := memTotal()
+			if err != nil {
+				return nil, err
+			}
+			n.Env[k] = strconv.FormatInt(mem, 10)
+		default:
+			return nil, fmt.Errorf("the DaemonSet's %s reads %s, which the harness does not fill", k, f)
+		}
+	}
+	// Where things are: the plugin on the host reads the agent's run
+	// directory (its socket, kubeconfig) at the path install-cni writes
+	// into the conflist, so it must be the same inside and out.
+	for k, v := range istioNodeLocal(n, u) {
+		n.Env[k] = v
+	}
+	script := filepath.Join(r.dir, "start.sh")
+	if err := os.WriteFile(script, []byte(istioStartScript), 0o755); err != nil {
+		return nil, err
+	}
+	args := append([]string{"--mount", "--propagation", "private", "sh", script, r.dir, filepath.Join(r.dir, "image", "install-cni")}, chart.Args...)
+	n.proc, err = childproc.StartEnviron("istio install-cni", "unshare", args, simnode.Environ(n.Env), n.LogPath)
+	if err != nil {
+		return nil, err
+	}
+	return n, nil
+}
+
+// istioSubnet is the istio-cni node's pod network, apart from ours.
+var istioSubnet = netip.MustParsePrefix("10.96.0.0/16")
+
+// istioNodeLocal are the settings the harness changes, all of them where
+// things are: the API server (the pod's in-cluster service variables), the
+// agent's run directory (shared with the plugin on the host) and PATH.
+func istioNodeLocal(n *istioNode, api *url.URL) map[string]string {
+	return map[string]string{
+		"KUBERNETES_SERVICE_HOST": api.Hostname(),
+		"KUBERNETES_SERVICE_PORT": api.Port(),
+		"CNI_AGENT_RUN_DIR":       n.RunDir,
+	}
+}
+
+// istioStartScript builds install-cni's container view and execs it: a
+// tmpfs root with the host's /usr, /etc, /dev and /sys, the chart's
+// hostPath mounts (/host/opt/cni/bin, /host/etc/cni/net.d, /host/proc
+// read-only, /var/run/ztunnel), the ServiceAccount files and the node's
+// directory at its own path. The mount namespace goes with the process.
+const istioStartScript = `set -eu
+D=$1; shift
+BIN=$1; shift
+R=$D/root
+mkdir -p "$R"
+mount -t tmpfs -o mode=0755 tmpfs "$R"
+for d in usr etc dev sys; do mkdir -p "$R/$d"; mount --rbind "/$d" "$R/$d"; done
+for l in bin lib lib32 lib64 libx32 sbin; do if [ -L "/$l" ]; then ln -s "$(readlink "/$l")" "$R/$l"; fi; done
+mkdir -p "$R/proc" "$R/tmp" "$R/var" "$R/run/ztunnel" "$R/run/secrets/kubernetes.io/serviceaccount" \
+  "$R/host/proc" "$R/host/opt/cni/bin" "$R/host/etc/cni/net.d" "$R/opt/cni/bin" "$R$D"
+ln -s /run "$R/var/run"
+mount --rbind /proc "$R/proc"
+mount --rbind /proc "$R/host/proc"
+mount -o remount,bind,ro "$R/host/proc"
+mount --rbind "$D" "$R$D"
+mount --bind "$D/bin" "$R/host/opt/cni/bin"
+mount --bind "$D/net.d" "$R/host/etc/cni/net.d"
+mount --bind "$D/ztunnel" "$R/run/ztunnel"
+mount --bind "$D/sa" "$R/run/secrets/kubernetes.io/serviceaccount"
+mount --bind "$D/image" "$R/opt/cni/bin"
+cd /
+exec chroot "$R" "$BIN" "$@"
+`
+
+// ready reports whether install-cni answers its readiness probe.
+func (n *istioNode) ready() bool {
+	resp, err := (&http.Client{Timeout: 2 * time.Second}).Get(istioReadyURL)
+	if err != nil {
+		return false
+	}
+	resp.Body.Close()
+	return resp.StatusCode == http.StatusOK
+}
+
+// waitChained waits until install-cni is ready and has chained istio-cni
+// last into the primary conflist, and returns that conflist.
+func (n *istioNode) waitChained(ctx context.Context, within time.Duration) ([]byte, *libcni.NetworkConfigList, error) {
+	deadline := time.Now().Add(within)
+	for {
+		if n.proc.Exited() {
+			return nil, nil, fmt.Errorf("Istio's install-cni exited during start (%v); log tail:\n%s", n.proc.Err(), n.proc.LogTail(30))
+		}
+		if n.ready() {
+			b, err := os.ReadFile(filepath.Join(n.ConfDir, "10-bridge.conflist"))
+			if err == nil {
+				if l, err := libcni.ConfListFromBytes(b); err == nil && len(l.Plugins) == 3 && l.Plugins[2].Network.Type == "istio-cni" {
+					return b, l, nil
+				}
+			}
+		}
+		if time.Now().After(deadline) {
+			return nil, nil, fmt.Errorf("Istio's install-cni not ready with istio-cni chained after %v; log tail:\n%s", within, n.proc.LogTail(30))
+		}
+		if err := sleep(ctx, 100*time.Millisecond); err != nil {
+			return nil, nil, err
+		}
+	}
+}
+
+// Close stops install-cni (SIGTERM, the chart's 5 s grace, as the kubelet
+// does) and removes its bridge; the mount namespace goes with it.
+func (n *istioNode) Close() error {
+	var err error
+	if n.proc != nil && !n.proc.Exited() {
+		if serr := n.proc.Stop(5 * time.Second); serr != nil {
+			err = fmt.Errorf("Istio's install-cni shutdown: %w", serr)
+		}
+	}
+	if l, lerr := netlink.LinkByName(n.Bridge); lerr == nil {
+		err = errors.Join(err, netlink.LinkDel(l))
+	}
+	return err
+}
+
+// memTotal is the machine's memory in bytes (/proc/meminfo).
+func memTotal() (int64, error) {
+	b, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		return 0, err
+	}
+	m, err := parseStatus(b, "MemTotal")
+	if err != nil {
+		return 0, err
+	}
+	return m["MemTotal"], nil
+}
