@@ -70,7 +70,7 @@ func (o Options) sizes() sizes {
 	if o.Quick {
 		return sizes{seq: 2, conc: 8, reps: 2, enroll: []int{4, 12}, execRuns: 10}
 	}
-	return sizes{seq: 34, conc: 32, reps: 3, enroll: []int{100, 500}, execRuns: 100, quietWait: 30 * time.Second}
+	return sizes{seq: 34, conc: 32, reps: 3, enroll: []int{100, 500}, execRuns: 100, quietWait: 10 * time.Second}
 }
 
 // quietBusyPct is the share of the machine's CPUs at or under which a
