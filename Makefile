@@ -36,7 +36,7 @@ build: ## build the plugin and the agent into ./bin
 tools: ## build etcd, kube-apiserver and helm from the Go module proxy into the tools cache (minutes the first time, then cached)
 	GO='$(GO)' hack/kube-tools.sh
 
-node-tools: ## build everything a real node needs: kubelet, kube-controller-manager, kube-scheduler, crictl, CNI plugins, the image's Debian rootfs (cached)
+node-tools: ## build everything a real node needs: kubelet, kube-controller-manager, kube-scheduler, crictl, CNI plugins, the image's Debian rootfs, istiod (cached)
 	GO='$(GO)' hack/kube-tools.sh node
 
 # Where make bench writes its JSON (gitignored).

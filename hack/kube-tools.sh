@@ -11,7 +11,11 @@
 # go.mod and go.sum, so builds are reproducible); versions are read from those
 # go.mod files, so bumping a version is a go.mod edit. cni-plugins is a
 # directory (bridge, host-local, loopback) built from the project's own
-# module at the version its go.mod requires. debian-rootfs is a tarball made
+# module at the version its go.mod requires. istiod (pilot-discovery, the
+# CRDs of Istio's base chart and istiod's chart) and istio-cni (install-cni
+# and the istio-cni plugin) are directories built from istio.io/istio at
+# the version hack/tools/istio requires (istio-cni is built only on
+# request: make bench runs it). debian-rootfs is a tarball made
 # by mmdebstrap (Debian package); its version is a hash of what it includes.
 # Nothing else is downloaded. What is already in the cache is not rebuilt.
 #
@@ -26,8 +30,8 @@ tools="$repo/hack/tools"
 cache="${AMBIENT_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ambient-cni/tools}"
 GO="${GO:-go}"
 default_tools=(etcd kube-apiserver helm)
-node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler crictl cni-plugins debian-rootfs)
-all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler helm crictl cni-plugins debian-rootfs)
+node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler crictl cni-plugins debian-rootfs istiod)
+all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler helm crictl cni-plugins debian-rootfs istiod istio-cni)
 
 # The DaemonSet image's base, as deploy/Dockerfile's: Debian bookworm with
 # the netfilter tools, without documentation. Changing this list changes
@@ -50,6 +54,12 @@ spec() {
 	# "@": built inside the plugins' own module (its go.sum pins their
 	# dependencies) at the version the project's go.mod requires.
 	cni-plugins) echo "@ github.com/containernetworking/plugins ./plugins/main/bridge ./plugins/ipam/host-local ./plugins/main/loopback" ;;
+	# Directories: istiod holds pilot-discovery, crd-all.gen.yaml (the
+	# CRDs of Istio's base chart) and istiod's chart istio-discovery, both
+	# copied from the same module source; istio-cni holds install-cni and
+	# the istio-cni plugin.
+	istiod) echo "istio istio.io/istio istio.io/istio/pilot/cmd/pilot-discovery" ;;
+	istio-cni) echo "istio istio.io/istio istio.io/istio/cni/cmd/install-cni istio.io/istio/cni/cmd/istio-cni" ;;
 	debian-rootfs) echo "- - -" ;;
 	*)
 		echo "unknown tool $1 (known: ${all_tools[*]})" >&2
@@ -107,6 +117,45 @@ ldflags() {
 	crictl)
 		echo "-X sigs.k8s.io/cri-tools/pkg/version.Version=$v"
 		;;
+	istiod | istio-cni)
+		# As Istio's Makefile stamps a build of its branch: VERSION file
+		# plus -dev, and the commit of the pseudo-version.
+		local src iv
+		src="$(istio_src "$v")" || return 1
+		iv="$(tr -d '[:space:]' <"$src/VERSION")-dev"
+		echo "-X istio.io/istio/pkg/version.buildVersion=$iv -X istio.io/istio/pkg/version.buildGitRevision=${v##*-} -X istio.io/istio/pkg/version.buildStatus=Clean -X istio.io/istio/pkg/version.buildTag=$v"
+		;;
+	esac
+}
+
+# buildtags NAME are the tags Istio's Makefile builds a binary with
+# (STANDARD_TAGS for istiod, AGENT_TAGS for the node agents).
+buildtags() {
+	case "$1" in
+	istiod) echo "vtprotobuf,disable_pgv" ;;
+	istio-cni) echo "agent,disable_pgv,grpcnotrace,retrynotrace" ;;
+	esac
+}
+
+# istio_src VERSION is the downloaded source of istio.io/istio (for its
+# VERSION file and its base chart's CRDs), from the module cache.
+istio_src() {
+	(cd "$tools/istio" && "$GO" mod download -json "istio.io/istio@$1" | awk -F'"' '$2 == "Dir" { print $4 }')
+}
+
+# finish NAME VERSION TMP adds what a tool directory holds beside its
+# binaries.
+finish() {
+	case "$1" in
+	istiod)
+		# The CRDs of Istio's base chart, and istiod's own chart, whose
+		# rendering says how istiod runs (environment, RBAC, mesh config).
+		local src
+		src="$(istio_src "$2")" || return 1
+		install -m 0644 "$src/manifests/charts/base/files/crd-all.gen.yaml" "$3/crd-all.gen.yaml" &&
+			cp -R "$src/manifests/charts/istio-control/istio-discovery" "$3/istio-discovery" &&
+			chmod -R u+w "$3/istio-discovery"
+		;;
 	esac
 }
 
@@ -128,12 +177,14 @@ heartbeat() {
 compile() {
 	local name="$1" v="$2" src="$3" tmp="$4"
 	shift 4
-	local out="$tmp"
-	if [[ $# -gt 1 ]]; then
+	local out="$tmp" flags
+	if [[ $# -gt 1 || "$name" == istiod ]]; then
 		mkdir -p "$tmp"
 		out="$tmp/"
 	fi
-	(cd "$src" && CGO_ENABLED=0 "$GO" build -mod=readonly -trimpath -ldflags "-s -w $(ldflags "$name" "$v")" -o "$out" "$@")
+	flags="$(ldflags "$name" "$v")" || return 1
+	(cd "$src" && CGO_ENABLED=0 "$GO" build -mod=readonly -trimpath -tags "$(buildtags "$name")" -ldflags "-s -w $flags" -o "$out" "$@") &&
+		finish "$name" "$v" "$tmp"
 }
 
 # rootfs TMP builds the image base with mmdebstrap (Debian package
@@ -183,8 +234,8 @@ build() {
 		fi
 		# go list fetches exactly the modules the build needs, so the silent
 		# compile that follows is split from the network part.
-		(cd "$src" && "$GO" list -mod=readonly -deps "${pkg[@]}" >/dev/null)
-		echo "kube-tools: building $name $v (a cold build takes minutes on 2 cores: etcd ~2, kube-apiserver ~5-10, then kubelet, kube-controller-manager, kube-scheduler ~1.5 each, helm ~1.5, crictl ~1) ..."
+		(cd "$src" && "$GO" list -mod=readonly -tags "$(buildtags "$name")" -deps "${pkg[@]}" >/dev/null)
+		echo "kube-tools: building $name $v (a cold build takes minutes on 2 cores: etcd ~2, kube-apiserver ~5-10, then kubelet, kube-controller-manager, kube-scheduler ~1.5 each, helm ~1.5, crictl ~1, istiod ~TODO, istio-cni ~TODO) ..."
 	else
 		echo "kube-tools: building $name $v with mmdebstrap from the Debian packages (~1 min) ..."
 	fi
