@@ -34,7 +34,9 @@ import (
 // plugin) from the istio.io/istio module at the version hack/tools/istio
 // pins; its chart comes from the same module.
 const (
-	istioModule  = "istio.io/istio"
+	istioModule = "istio.io/istio"
+	// istioVersion is hack/tools/istio's, for a directory named by
+	// AMBIENT_TOOL_ISTIO_CNI (the cache's name carries its own).
 	istioVersion = "v0.0.0-20260827124520-eed52ebb66ad"
 	// istioNamespace and istioRelease are the chart's release, as
 	// istioctl and the docs install it.
@@ -47,11 +49,9 @@ const (
 	istioMetricsURL = "http://127.0.0.1:15014"
 )
 
-// Tool names of the two Istio binaries in the tools cache.
-const (
-	IstioInstallCNITool = "istio-install-cni"
-	IstioPluginTool     = "istio-cni"
-)
+// IstioTool is the tools cache's directory of Istio's install-cni and
+// istio-cni plugin (hack/kube-tools.sh istio-cni).
+const IstioTool = "istio-cni"
 
 // Peer is one way of running Istio's istio-cni beside ours.
 type Peer struct {
@@ -66,30 +66,28 @@ func Peers() []Peer {
 	return []Peer{{Name: "istio-cni"}, {Name: "istio-cni-nftables", NativeNftables: true}}
 }
 
-// IstioBinaries finds install-cni and the istio-cni plugin: the files named
-// by AMBIENT_TOOL_ISTIO_INSTALL_CNI and AMBIENT_TOOL_ISTIO_CNI, else the
-// tools cache.
-func IstioBinaries() (installCNI, plugin string, err error) {
-	find := func(tool, env string) (string, error) {
-		if p := os.Getenv(env); p != "" {
-			if st, err := os.Stat(p); err != nil || st.IsDir() {
-				return "", fmt.Errorf("%s=%s: not a file", env, p)
-			}
-			return p, nil
-		}
-		p, err := kubeenv.ToolPath(tool)
+// IstioBinaries finds install-cni and the istio-cni plugin in the
+// directory named by AMBIENT_TOOL_ISTIO_CNI, else in the tools cache where
+// hack/kube-tools.sh builds them, and the istio.io/istio version they are
+// built from.
+func IstioBinaries(root string) (installCNI, plugin, version string, err error) {
+	dir, version := os.Getenv("AMBIENT_TOOL_ISTIO_CNI"), istioVersion
+	if dir == "" {
+		out, err := exec.Command("bash", filepath.Join(root, "hack", "kube-tools.sh"), "--path", IstioTool).Output()
 		if err != nil {
-			return "", fmt.Errorf("Istio's %s is not built (the tools cache builds it from %s@%s; or set %s): %w", tool, istioModule, istioVersion, env, err)
+			return "", "", "", fmt.Errorf("hack/kube-tools.sh --path %s: %w", IstioTool, err)
 		}
-		return p, nil
+		dir = strings.TrimSpace(string(out))
+		// <cache>/istio-cni-<version>/istio-cni
+		version = strings.TrimPrefix(filepath.Base(filepath.Dir(dir)), IstioTool+"-")
 	}
-	if installCNI, err = find(IstioInstallCNITool, "AMBIENT_TOOL_ISTIO_INSTALL_CNI"); err != nil {
-		return "", "", err
+	installCNI, plugin = filepath.Join(dir, "install-cni"), filepath.Join(dir, "istio-cni")
+	for _, p := range []string{installCNI, plugin} {
+		if st, err := os.Stat(p); err != nil || st.IsDir() {
+			return "", "", "", fmt.Errorf("Istio's %s is not built (hack/kube-tools.sh %s builds it from %s@%s; or set AMBIENT_TOOL_ISTIO_CNI to a directory holding install-cni and istio-cni)", p, IstioTool, istioModule, version)
+		}
 	}
-	if plugin, err = find(IstioPluginTool, "AMBIENT_TOOL_ISTIO_CNI"); err != nil {
-		return "", "", err
-	}
-	return installCNI, plugin, nil
+	return installCNI, plugin, version, nil
 }
 
 // istioChart is what Istio's chart, rendered with its ambient profile,
@@ -112,14 +110,14 @@ type istioChart struct {
 // The agents here run as host processes in the node's network namespace,
 // so ambient.shareHostNetworkNamespace is set: the chart's own setting for
 // a DaemonSet on the host network.
-func renderIstioChart(ctx context.Context, nativeNft bool) (*istioChart, error) {
+func renderIstioChart(ctx context.Context, version string, nativeNft bool) (*istioChart, error) {
 	helm, err := kubeenv.ToolPath(kubeenv.Helm)
 	if err != nil {
 		return nil, err
 	}
-	out, err := exec.CommandContext(ctx, "go", "mod", "download", "-json", istioModule+"@"+istioVersion).Output()
+	out, err := exec.CommandContext(ctx, "go", "mod", "download", "-json", istioModule+"@"+version).Output()
 	if err != nil {
-		return nil, fmt.Errorf("go mod download %s@%s: %w", istioModule, istioVersion, err)
+		return nil, fmt.Errorf("go mod download %s@%s: %w", istioModule, version, err)
 	}
 	var mod struct{ Dir string }
 	if err := json.Unmarshal(out, &mod); err != nil || mod.Dir == "" {

@@ -23,7 +23,7 @@ import (
 // running pods is not measured for it: istio-cni finds a running pod's
 // netns by scanning /host/proc for the pod's cgroup, which the simulated
 // kubelet's pods do not have.
-func (r *backendRun) runPeer(ctx context.Context, p Peer, installCNI, plugin string) (err error) {
+func (r *backendRun) runPeer(ctx context.Context, p Peer, installCNI, plugin, istioVer string) (err error) {
 	var cleanups []func() error
 	defer func() {
 		for i := len(cleanups) - 1; i >= 0; i-- {
@@ -34,7 +34,7 @@ func (r *backendRun) runPeer(ctx context.Context, p Peer, installCNI, plugin str
 	if err := os.MkdirAll(r.dir, 0o755); err != nil {
 		return err
 	}
-	chart, err := renderIstioChart(ctx, p.NativeNftables)
+	chart, err := renderIstioChart(ctx, istioVer, p.NativeNftables)
 	if err != nil {
 		return err
 	}

@@ -3,6 +3,7 @@ package bench
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -51,7 +52,7 @@ type Options struct {
 	// IstioInstallCNI and IstioPlugin are Istio's binaries for the peer
 	// column (IstioBinaries); IstioMissing, when set, says why they are
 	// not there, and the peer is reported n/a.
-	IstioInstallCNI, IstioPlugin, IstioMissing string
+	IstioInstallCNI, IstioPlugin, IstioVersion, IstioMissing string
 	// Log receives progress lines.
 	Log io.Writer
 }
@@ -201,7 +202,7 @@ func Run(ctx context.Context, o Options) (res *Result, err error) {
 			} else {
 				pr.Plugin = &pf
 			}
-			if err := bw.runPeer(ctx, p, o.IstioInstallCNI, o.IstioPlugin); err != nil {
+			if err := bw.runPeer(ctx, p, o.IstioInstallCNI, o.IstioPlugin, cmp.Or(o.IstioVersion, istioVersion)); err != nil {
 				pr.Error = err.Error()
 				logf("peer %s failed: %v", p.Name, err)
 			}

@@ -7,7 +7,6 @@ package main
 
 import (
 	"bytes"
-	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -40,8 +39,6 @@ func run() int {
 	out := flag.String("out", ".bench", "directory for the JSON results (and profiles)")
 	quick := flag.Bool("quick", envBool("BENCH_QUICK"), "few samples and small enrollments: a smoke run of the harness (env BENCH_QUICK)")
 	profile := flag.Bool("profile", envBool("BENCH_PROFILE"), "attach perf to the agent and write reports next to the JSON; inflates the figures (env BENCH_PROFILE)")
-	istioInstallCNI := flag.String("istio-install-cni", "", "Istio's install-cni for the peer column (default: AMBIENT_TOOL_ISTIO_INSTALL_CNI, else the tools cache)")
-	istioPlugin := flag.String("istio-plugin", "", "Istio's istio-cni CNI plugin for the peer column (default: AMBIENT_TOOL_ISTIO_CNI, else the tools cache)")
 	scale := flag.Bool("scale", false, "measure the agent's memory with 10,000 namespaces and 20,000 pods of other nodes in the API server (with -quick: 200 and 400)")
 	flag.Parse()
 	fail := func(err error) int {
@@ -51,19 +48,8 @@ func run() int {
 	if *scale && *profile {
 		return fail(errors.New("-scale measures memory: -profile (perf) does not apply to it"))
 	}
-	istioMissing := ""
-	if *istioInstallCNI == "" || *istioPlugin == "" {
-		i, p, err := bench.IstioBinaries()
-		if err != nil {
-			istioMissing = err.Error()
-		}
-		*istioInstallCNI, *istioPlugin = cmp.Or(*istioInstallCNI, i), cmp.Or(*istioPlugin, p)
-	}
 	// Resolve paths before anything else can change them.
-	for _, p := range []*string{installCNI, plugin, out, istioInstallCNI, istioPlugin} {
-		if *p == "" {
-			continue
-		}
+	for _, p := range []*string{installCNI, plugin, out} {
 		abs, err := filepath.Abs(*p)
 		if err != nil {
 			return fail(err)
@@ -81,6 +67,13 @@ func run() int {
 	if err != nil {
 		return fail(err)
 	}
+	// Istio's binaries for the peer column: their absence is reported in
+	// the table, never a failure of our figures.
+	istioInstallCNI, istioPlugin, istioVersion, istioErr := bench.IstioBinaries(root)
+	istioMissing := ""
+	if istioErr != nil {
+		istioMissing = istioErr.Error()
+	}
 	if err := os.MkdirAll(*out, 0o755); err != nil {
 		return fail(err)
 	}
@@ -92,7 +85,7 @@ func run() int {
 	res, runErr := bench.Run(ctx, bench.Options{
 		RepoRoot: root, InstallCNI: *installCNI, Plugin: *plugin, Quick: *quick,
 		Profile: *profile, ProfileDir: *out, Log: os.Stderr,
-		IstioInstallCNI: *istioInstallCNI, IstioPlugin: *istioPlugin, IstioMissing: istioMissing,
+		IstioInstallCNI: istioInstallCNI, IstioPlugin: istioPlugin, IstioVersion: istioVersion, IstioMissing: istioMissing,
 	})
 	if res == nil {
 		return fail(runErr)
