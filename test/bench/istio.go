@@ -84,7 +84,7 @@ func IstioBinaries(root string) (installCNI, plugin, version string, err error) 
 	installCNI, plugin = filepath.Join(dir, "install-cni"), filepath.Join(dir, "istio-cni")
 	for _, p := range []string{installCNI, plugin} {
 		if st, err := os.Stat(p); err != nil || st.IsDir() {
-			return "", "", "", fmt.Errorf("Istio's %s is not built (hack/kube-tools.sh %s builds it from %s@%s; or set AMBIENT_TOOL_ISTIO_CNI to a directory holding install-cni and istio-cni)", p, IstioTool, istioModule, version)
+			return "", "", "", fmt.Errorf("%s is not built (hack/kube-tools.sh %s builds it from %s@%s; or set AMBIENT_TOOL_ISTIO_CNI to a directory holding install-cni and istio-cni)", p, IstioTool, istioModule, version)
 		}
 	}
 	return installCNI, plugin, version, nil
@@ -156,7 +156,7 @@ func renderIstioChart(ctx context.Context, version string, nativeNft bool) (*ist
 		}
 	}
 	if ds == nil || cm == nil || len(ds.Spec.Template.Spec.Containers) != 1 {
-		return nil, errors.New("Istio's chart rendered no DaemonSet with one container and ConfigMap")
+		return nil, errors.New("the Istio chart rendered no DaemonSet with one container and ConfigMap")
 	}
 	ctr := ds.Spec.Template.Spec.Containers[0]
 	for _, ef := range ctr.EnvFrom {
@@ -182,7 +182,7 @@ func renderIstioChart(ctx context.Context, version string, nativeNft bool) (*ist
 	c.Args = append(slices.Clone(ctr.Command[1:]), ctr.Args...)
 	c.ServiceAccount = ds.Spec.Template.Spec.ServiceAccountName
 	if c.RBAC, err = kubeenv.ExtractRoles(manifest); err != nil {
-		return nil, fmt.Errorf("Istio's chart RBAC: %w", err)
+		return nil, fmt.Errorf("the Istio chart RBAC: %w", err)
 	}
 	return c, nil
 }
@@ -325,7 +325,7 @@ mount -t tmpfs -o mode=0755 tmpfs "$R"
 for d in usr etc dev sys; do mkdir -p "$R/$d"; mount --rbind "/$d" "$R/$d"; done
 for l in bin lib lib32 lib64 libx32 sbin; do if [ -L "/$l" ]; then ln -s "$(readlink "/$l")" "$R/$l"; fi; done
 mkdir -p "$R/proc" "$R/tmp" "$R/var" "$R/run/ztunnel" "$R/run/secrets/kubernetes.io/serviceaccount" \
-  "$R/host/proc" "$R/host/opt/cni/bin" "$R/host/etc/cni/net.d" "$R/opt/cni/bin" "$R$D"
+  "$R/host/proc" "$R/host/opt/cni/bin" "$R/host/etc/cni/net.d" "$R/host/var/run/netns" "$R/opt/cni/bin" "$R$D"
 ln -s /run "$R/var/run"
 mount --rbind /proc "$R/proc"
 mount --rbind /proc "$R/host/proc"
@@ -356,18 +356,18 @@ func (n *istioNode) waitChained(ctx context.Context, within time.Duration) ([]by
 	deadline := time.Now().Add(within)
 	for {
 		if n.proc.Exited() {
-			return nil, nil, fmt.Errorf("Istio's install-cni exited during start (%v); log tail:\n%s", n.proc.Err(), n.proc.LogTail(30))
+			return nil, nil, fmt.Errorf("the Istio install-cni exited during start (%v); log tail:\n%s", n.proc.Err(), n.proc.LogTail(30))
 		}
 		if n.ready() {
 			b, err := os.ReadFile(filepath.Join(n.ConfDir, "10-bridge.conflist"))
 			if err == nil {
-				if l, err := libcni.ConfListFromBytes(b); err == nil && len(l.Plugins) == 3 && l.Plugins[2].Network.Type == "istio-cni" {
+				if l, err := libcni.ConfListFromBytes(b); err == nil && len(l.Plugins) > 1 && l.Plugins[len(l.Plugins)-1].Network.Type == "istio-cni" {
 					return b, l, nil
 				}
 			}
 		}
 		if time.Now().After(deadline) {
-			return nil, nil, fmt.Errorf("Istio's install-cni not ready with istio-cni chained after %v; log tail:\n%s", within, n.proc.LogTail(30))
+			return nil, nil, fmt.Errorf("the Istio install-cni not ready with istio-cni chained after %v; log tail:\n%s", within, n.proc.LogTail(30))
 		}
 		if err := sleep(ctx, 100*time.Millisecond); err != nil {
 			return nil, nil, err
@@ -381,7 +381,7 @@ func (n *istioNode) Close() error {
 	var err error
 	if n.proc != nil && !n.proc.Exited() {
 		if serr := n.proc.Stop(5 * time.Second); serr != nil {
-			err = fmt.Errorf("Istio's install-cni shutdown: %w", serr)
+			err = fmt.Errorf("the Istio install-cni shutdown: %w", serr)
 		}
 	}
 	if l, lerr := netlink.LinkByName(n.Bridge); lerr == nil {

@@ -111,7 +111,7 @@ func (r *backendRun) runPeer(ctx context.Context, p Peer, installCNI, plugin, is
 		}
 	}
 	if n.proc.Exited() {
-		return fmt.Errorf("Istio's install-cni exited during the run: %v; log %s", n.proc.Err(), n.LogPath)
+		return fmt.Errorf("the Istio install-cni exited during the run: %v; log %s", n.proc.Err(), n.LogPath)
 	}
 	return nil
 }

@@ -74,6 +74,15 @@ func (o Options) sizes() sizes {
 	return sizes{seq: 34, conc: 32, reps: 3, enroll: []int{100, 500}, execRuns: 100, quietWait: 10 * time.Second}
 }
 
+// peers are the istio-cni runs: a quick run keeps the smoke test short
+// with its default (iptables) mode alone.
+func (o Options) peers() []Peer {
+	if o.Quick {
+		return Peers()[:1]
+	}
+	return Peers()
+}
+
 // quietBusyPct is the share of the machine's CPUs at or under which a
 // second counts as quiet.
 const quietBusyPct = 25
@@ -189,7 +198,7 @@ func Run(ctx context.Context, o Options) (res *Result, err error) {
 	// Istio's istio-cni in the same run, after ours, each with its own
 	// interleaved baseline blocks; its failure is reported beside our
 	// figures, never in place of them.
-	for _, p := range Peers() {
+	for _, p := range o.peers() {
 		pr := BackendResult{Name: p.Name, Unavailable: o.IstioMissing}
 		if pr.Unavailable == "" {
 			logf("== peer %s", p.Name)
