@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -22,15 +23,19 @@ import (
 
 // auditPolicy logs the agent's ServiceAccount's requests (metadata only)
 // and nothing else.
-func auditPolicy(user string) string {
+func auditPolicy(users ...string) string {
+	quoted := make([]string, len(users))
+	for i, u := range users {
+		quoted[i] = strconv.Quote(u)
+	}
 	return fmt.Sprintf(`apiVersion: audit.k8s.io/v1
 kind: Policy
 omitStages: ["RequestReceived", "ResponseStarted"]
 rules:
 - level: Metadata
-  users: [%q]
+  users: [%s]
 - level: None
-`, user)
+`, strings.Join(quoted, ", "))
 }
 
 // auditArgs are the kube-apiserver flags that write the log; blocking mode

@@ -19,6 +19,7 @@ import (
 
 	"github.com/containernetworking/cni/libcni"
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"sigs.k8s.io/yaml"
@@ -52,6 +53,10 @@ const (
 // IstioTool is the tools cache's directory of Istio's install-cni and
 // istio-cni plugin (hack/kube-tools.sh istio-cni).
 const IstioTool = "istio-cni"
+
+// istioUser is istio-cni's ServiceAccount (the chart's), as the API
+// server's audit log names it; install-cni and its plugin both use it.
+var istioUser = "system:serviceaccount:" + istioNamespace + ":" + istioRelease
 
 // Peer is one way of running Istio's istio-cni beside ours.
 type Peer struct {
@@ -193,9 +198,14 @@ func renderIstioChart(ctx context.Context, version string, nativeNft bool) (*ist
 // namespace of its own, in the node's (the benchmark's) network namespace.
 type istioNode struct {
 	Name, Dir, BinDir, ConfDir, RunDir, ZDSSocket, LogPath, Bridge string
-	Env                                                            map[string]string
-	Primary                                                        []byte
-	proc                                                           *childproc.Proc
+	// NetnsDir is a shared mount the pods' namespaces are bound in: its
+	// copy in install-cni's mount namespace sees them.
+	NetnsDir string
+	Env      map[string]string
+	Primary  []byte
+	proc     *childproc.Proc // unshare, whose child install-cni is
+	agentPid int             // install-cni, PID 1 of its PID namespace
+	shared   bool
 }
 
 // startIstio prepares the node (CNI bin dir with the reference plugins,
@@ -207,10 +217,25 @@ func startIstio(ctx context.Context, r *backendRun, installCNI, plugin string, c
 		RunDir: filepath.Join(r.dir, "run"), LogPath: filepath.Join(r.dir, "install-cni.log"),
 	}
 	n.ZDSSocket = filepath.Join(r.dir, "ztunnel", "ztunnel.sock")
-	for _, d := range []string{n.BinDir, n.ConfDir, n.RunDir, filepath.Dir(n.ZDSSocket), filepath.Join(r.dir, "image"), filepath.Join(r.dir, "sa")} {
+	n.NetnsDir = filepath.Join(r.dir, "netns")
+	for _, d := range []string{n.BinDir, n.ConfDir, n.RunDir, filepath.Dir(n.ZDSSocket), filepath.Join(r.dir, "image"), filepath.Join(r.dir, "sa"), n.NetnsDir} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return nil, err
 		}
+	}
+	node := n
+	defer func() {
+		if err != nil {
+			err = errors.Join(err, node.Close())
+			n = nil
+		}
+	}()
+	if err := unix.Mount(n.NetnsDir, n.NetnsDir, "", unix.MS_BIND, ""); err != nil {
+		return n, fmt.Errorf("bind %s: %w", n.NetnsDir, err)
+	}
+	n.shared = true
+	if err := unix.Mount("", n.NetnsDir, "", unix.MS_SHARED, ""); err != nil {
+		return n, fmt.Errorf("make %s a shared mount: %w", n.NetnsDir, err)
 	}
 	for _, p := range cnibin.ReferencePlugins {
 		b, err := os.ReadFile(filepath.Join(r.refPlugins, p))
@@ -289,10 +314,28 @@ func startIstio(ctx context.Context, r *backendRun, installCNI, plugin string, c
 	if err := os.WriteFile(script, []byte(istioStartScript), 0o755); err != nil {
 		return nil, err
 	}
-	args := append([]string{"--mount", "--propagation", "private", "sh", script, r.dir, filepath.Join(r.dir, "image", "install-cni")}, chart.Args...)
+	args := append([]string{"--mount", "--pid", "--fork", "--kill-child=SIGTERM", "--propagation", "slave",
+		"sh", script, r.dir, filepath.Join(r.dir, "image", "install-cni")}, chart.Args...)
 	n.proc, err = childproc.StartEnviron("istio install-cni", "unshare", args, simnode.Environ(n.Env), n.LogPath)
 	if err != nil {
-		return nil, err
+		return n, err
+	}
+	// install-cni is unshare's child (the script execs it).
+	deadline := time.Now().Add(time.Minute)
+	for n.agentPid == 0 {
+		b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", n.proc.Pid(), n.proc.Pid()))
+		if f := strings.Fields(string(b)); len(f) == 1 {
+			if comm, _ := os.ReadFile("/proc/" + f[0] + "/comm"); strings.TrimSpace(string(comm)) == "install-cni" {
+				n.agentPid, _ = strconv.Atoi(f[0])
+				break
+			}
+		}
+		if n.proc.Exited() || time.Now().After(deadline) {
+			return n, fmt.Errorf("the Istio install-cni did not start (%v); log tail:\n%s", n.proc.Err(), n.proc.LogTail(30))
+		}
+		if err := sleep(ctx, 20*time.Millisecond); err != nil {
+			return n, err
+		}
 	}
 	return n, nil
 }
@@ -311,11 +354,14 @@ func istioNodeLocal(n *istioNode, api *url.URL) map[string]string {
 	}
 }
 
-// istioStartScript builds install-cni's container view and execs it: a
-// tmpfs root with the host's /usr, /etc, /dev and /sys, the chart's
-// hostPath mounts (/host/opt/cni/bin, /host/etc/cni/net.d, /host/proc
-// read-only, /var/run/ztunnel), the ServiceAccount files and the node's
-// directory at its own path. The mount namespace goes with the process.
+// istioStartScript builds install-cni's container view and execs it, as
+// PID 1 of a PID namespace of its own (so that /host/proc/1, which it reads
+// as the node's, is in the node's network namespace): a tmpfs root with
+// the host's /usr, /etc, /dev and /sys, the chart's hostPath mounts
+// (/host/opt/cni/bin, /host/etc/cni/net.d, /host/proc read-only,
+// /var/run/ztunnel), the pods' namespaces under /host at their own path,
+// the ServiceAccount files and the node's directory at its own path. The
+// namespaces go with the process.
 const istioStartScript = `set -eu
 D=$1; shift
 BIN=$1; shift
@@ -327,9 +373,10 @@ for l in bin lib lib32 lib64 libx32 sbin; do if [ -L "/$l" ]; then ln -s "$(read
 mkdir -p "$R/proc" "$R/tmp" "$R/var" "$R/run/ztunnel" "$R/run/secrets/kubernetes.io/serviceaccount" \
   "$R/host/proc" "$R/host/opt/cni/bin" "$R/host/etc/cni/net.d" "$R/host/var/run/netns" "$R/opt/cni/bin" "$R$D"
 ln -s /run "$R/var/run"
-mount --rbind /proc "$R/proc"
-mount --rbind /proc "$R/host/proc"
-mount -o remount,bind,ro "$R/host/proc"
+mount -t proc proc "$R/proc"
+mount -t proc -o ro proc "$R/host/proc"
+mkdir -p "$R/host$D/netns"
+mount --rbind "$D/netns" "$R/host$D/netns"
 mount --rbind "$D" "$R$D"
 mount --bind "$D/bin" "$R/host/opt/cni/bin"
 mount --bind "$D/net.d" "$R/host/etc/cni/net.d"
@@ -376,16 +423,28 @@ func (n *istioNode) waitChained(ctx context.Context, within time.Duration) ([]by
 }
 
 // Close stops install-cni (SIGTERM, the chart's 5 s grace, as the kubelet
-// does) and removes its bridge; the mount namespace goes with it.
+// does), removes its bridge and the shared netns mount; the mount and PID
+// namespaces go with it.
 func (n *istioNode) Close() error {
 	var err error
 	if n.proc != nil && !n.proc.Exited() {
-		if serr := n.proc.Stop(5 * time.Second); serr != nil {
-			err = fmt.Errorf("the Istio install-cni shutdown: %w", serr)
+		if n.agentPid != 0 {
+			_ = unix.Kill(n.agentPid, unix.SIGTERM)
+			for deadline := time.Now().Add(5 * time.Second); !n.proc.Exited() && time.Now().Before(deadline); {
+				time.Sleep(20 * time.Millisecond)
+			}
+		}
+		if !n.proc.Exited() {
+			err = errors.Join(err, fmt.Errorf("the Istio install-cni did not stop within its grace: %w", n.proc.Stop(time.Second)))
 		}
 	}
 	if l, lerr := netlink.LinkByName(n.Bridge); lerr == nil {
 		err = errors.Join(err, netlink.LinkDel(l))
+	}
+	if n.shared {
+		if uerr := unix.Unmount(n.NetnsDir, unix.MNT_DETACH); uerr != nil && !errors.Is(uerr, unix.EINVAL) {
+			err = errors.Join(err, fmt.Errorf("unmount %s: %w", n.NetnsDir, uerr))
+		}
 	}
 	return err
 }

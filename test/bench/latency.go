@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"slices"
 	"sync"
 	"time"
@@ -31,7 +32,27 @@ type sandbox struct {
 	namespace string
 	name      string
 	uid       types.UID
-	procPath  bool
+	// alias is a second mount of the netns the CNI calls name instead.
+	alias string
+}
+
+// bindAlias mounts the sandbox's netns in dir too and names it there.
+func (s *sandbox) bindAlias(dir string) error {
+	if dir == "" {
+		return nil
+	}
+	p := filepath.Join(dir, filepath.Base(s.ns.Path()))
+	f, err := os.Create(p)
+	if err != nil {
+		return err
+	}
+	f.Close()
+	if err := unix.Mount(s.ns.Path(), p, "", unix.MS_BIND, ""); err != nil {
+		_ = os.Remove(p)
+		return fmt.Errorf("bind %s at %s: %w", s.ns.Path(), p, err)
+	}
+	s.alias = p
+	return nil
 }
 
 func newSandbox(namespace, name string, uid types.UID) (*sandbox, error) {
@@ -56,8 +77,8 @@ func newSandbox(namespace, name string, uid types.UID) (*sandbox, error) {
 
 func (s *sandbox) rt() *libcni.RuntimeConf {
 	path := s.ns.Path()
-	if s.procPath {
-		path = fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), s.ns.Fd())
+	if s.alias != "" {
+		path = s.alias
 	}
 	return &libcni.RuntimeConf{
 		ContainerID: s.id,
@@ -77,6 +98,12 @@ func (s *sandbox) rt() *libcni.RuntimeConf {
 // held through the mount (a forking child, for a moment) makes umount
 // EBUSY: retried for a second, then detached so nothing is left.
 func (s *sandbox) close() error {
+	if s.alias != "" {
+		if err := unix.Unmount(s.alias, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) {
+			return fmt.Errorf("unmount %s: %w", s.alias, err)
+		}
+		_ = os.Remove(s.alias)
+	}
 	path := s.ns.Path()
 	_ = s.ns.Close()
 	var err error
@@ -118,11 +145,11 @@ type latencyRun struct {
 	pods        int // per block
 	reps        int
 	concurrency int
-	// procNetns names every sandbox (baseline too, so both chains get the
-	// same path) by this process's descriptor of it, /proc/<pid>/fd/<fd>:
-	// a peer agent that opens pod namespaces under its /host/proc mount
-	// reaches them there without the mounts of /var/run/netns.
-	procNetns bool
+	// netnsDir, when set, is a shared mount where every sandbox's netns
+	// (the baseline's too, so both chains get the same kind of path) is
+	// bound and named: a peer agent in a mount namespace of its own sees
+	// new mounts there, not those of /var/run/netns.
+	netnsDir string
 	// annotated: the agent captures these pods, so the ADD window stays
 	// open until each carries the redirection annotation `enabled`: the
 	// agent writes it off the ADD's critical path, and its PATCH counts
@@ -194,7 +221,9 @@ func (l *latencyRun) baselineBlock(ctx context.Context) (add, del []time.Duratio
 		if boxes[i], err = newSandbox(l.namespace, name, types.UID(testnet.RandName("", 8))); err != nil {
 			return nil, nil, 0, err
 		}
-		boxes[i].procPath = l.procNetns
+		if err := boxes[i].bindAlias(l.netnsDir); err != nil {
+			return nil, nil, 0, err
+		}
 	}
 	add, errs = waves(boxes, l.concurrency, func(s *sandbox) error {
 		_, err := l.cni.AddNetworkList(ctx, l.primary, s.rt())
@@ -232,7 +261,9 @@ func (l *latencyRun) measuredBlock(ctx context.Context, rep int, add, del *sampl
 		if boxes[i], err = newSandbox(l.namespace, name, obj.UID); err != nil {
 			return err
 		}
-		boxes[i].procPath = l.procNetns
+		if err := boxes[i].bindAlias(l.netnsDir); err != nil {
+			return err
+		}
 	}
 	d, errs := waves(boxes, l.concurrency, func(s *sandbox) error {
 		_, err := l.cni.AddNetworkList(ctx, l.chained, s.rt())

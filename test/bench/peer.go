@@ -45,7 +45,6 @@ func (r *backendRun) runPeer(ctx context.Context, p Peer, installCNI, plugin, is
 	}
 	cleanups = append(cleanups, n.Close)
 	r.agentEnv = n.Env
-	r.res.AgentPID = n.proc.Pid()
 	zt := ztunnel.New(ztunnel.Config{SocketPath: n.ZDSSocket, Logger: slog.New(slog.DiscardHandler)})
 	ztCtx, ztCancel := context.WithCancel(context.Background())
 	ztDone := make(chan error, 1)
@@ -67,9 +66,13 @@ func (r *backendRun) runPeer(ctx context.Context, p Peer, installCNI, plugin, is
 		return err
 	}
 	r.res.Detected = map[bool]string{false: "iptables", true: "nftables"}[p.NativeNftables]
-	r.agent = n.proc
+	r.agent, r.agentPid = n.proc, n.agentPid
+	r.res.AgentPID = n.agentPid
 	r.metricsURL = istioMetricsURL
-	r.auditLog = newAuditLogUser(r.audit, fmt.Sprintf("system:serviceaccount:%s:%s", istioNamespace, chart.ServiceAccount))
+	if u := "system:serviceaccount:" + istioNamespace + ":" + chart.ServiceAccount; u != istioUser {
+		return fmt.Errorf("the Istio chart's ServiceAccount is %s, the audit policy logs %s", u, istioUser)
+	}
+	r.auditLog = newAuditLogUser(r.audit, istioUser)
 	_ = chainedBytes
 
 	if err := sleep(ctx, 2*time.Second); err != nil {
@@ -88,7 +91,7 @@ func (r *backendRun) runPeer(ctx context.Context, p Peer, installCNI, plugin, is
 	defer pluginLog.Close()
 	cni := libcni.NewCNIConfigWithCacheDir([]string{n.BinDir}, filepath.Join(r.dir, "cni-cache"),
 		&invoke.DefaultExec{RawExec: &invoke.RawExec{Stderr: pluginLog}, PluginDecoder: version.PluginDecoder{}})
-	r.procNetns = true
+	r.netnsDir = n.NetnsDir
 	namespaces := map[string]string{}
 	for _, kind := range []string{"ambient", "non-ambient"} {
 		var labels map[string]string

@@ -193,7 +193,11 @@ func (r *Result) WriteTable(w io.Writer) error {
 		header = append(header, name)
 	}
 	ours := 0 // the column ratios are taken against: the shipped backend
-	for _, p := range r.Peers {
+	peers := r.Peers
+	if len(r.Backends) == 0 {
+		peers = nil
+	}
+	for _, p := range peers {
 		header = append(header, p.Name+" ÷ "+r.Backends[ours].Name)
 	}
 	header = append(header, "issue 10 target")
@@ -213,7 +217,7 @@ func (r *Result) WriteTable(w io.Writer) error {
 				line = append(line, c)
 			}
 		}
-		for i := range r.Peers {
+		for i := range peers {
 			line = append(line, ratioCell(line[1+len(r.Backends)+i], line[1+ours]))
 		}
 		rows = append(rows, append(line, target))
@@ -309,6 +313,8 @@ func (r *Result) WriteTable(w io.Writer) error {
 			fmt.Fprintf(w, "%s: n/a: %s\n", b.Name, b.Unavailable)
 		case b.Error != "":
 			fmt.Fprintf(w, "%s: FAILED: %s\n", b.Name, b.Error)
+		case b.KubeClientQPS == 0:
+			fmt.Fprintf(w, "%s: API requests count install-cni's and its plugin's (one ServiceAccount); enrollment not measured\n", b.Name)
 		default:
 			line := fmt.Sprintf("%s: agent's own mean time per ambient ADD %.1f ms; client limit %g/s burst %d", b.Name, b.AgentAddMeanMs, b.KubeClientQPS, b.KubeClientBurst)
 			for _, e := range b.Enroll {

@@ -163,7 +163,7 @@ func Run(ctx context.Context, o Options) (res *Result, err error) {
 
 	user := fmt.Sprintf("system:serviceaccount:%s:%s", agentNamespace, shipped.ServiceAccount)
 	policy, auditPath := filepath.Join(work, "audit-policy.yaml"), filepath.Join(work, "audit.log")
-	if err := os.WriteFile(policy, []byte(auditPolicy(user)), 0o600); err != nil {
+	if err := os.WriteFile(policy, []byte(auditPolicy(user, istioUser)), 0o600); err != nil {
 		return nil, err
 	}
 	logf("starting etcd and kube-apiserver")
@@ -253,9 +253,20 @@ type backendRun struct {
 	metricsURL string
 	log        string
 	auditLog   *auditLog
-	// procNetns: sandboxes are named by /proc/<pid>/fd/<fd> (see
-	// latencyRun.procNetns).
-	procNetns bool
+	// netnsDir, when set, is a shared mount where every sandbox's netns is
+	// bound too, and named (see latencyRun.netnsDir).
+	netnsDir string
+	// agentPid, when set, is the agent's process under r.agent (a peer
+	// started through unshare).
+	agentPid int
+}
+
+// pid is the agent's process.
+func (r *backendRun) pid() int {
+	if r.agentPid != 0 {
+		return r.agentPid
+	}
+	return r.agent.Pid()
 }
 
 func (r *backendRun) run(ctx context.Context) (err error) {
@@ -295,7 +306,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 	if r.agent, err = sim.StartAgent(); err != nil {
 		return err
 	}
-	r.res.AgentPID = r.agent.Pid()
+	r.res.AgentPID = r.pid()
 	if err := sim.WaitReady(ctx, 2*time.Minute); err != nil {
 		return err
 	}
@@ -436,7 +447,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 				return err
 			}
 		}
-		cpu0, err := ReadCPU(r.agent.Pid())
+		cpu0, err := ReadCPU(r.pid())
 		if err != nil {
 			return err
 		}
@@ -452,7 +463,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 		if err := r.settle(ctx); err != nil {
 			return err
 		}
-		cpu1, err := ReadCPU(r.agent.Pid())
+		cpu1, err := ReadCPU(r.pid())
 		if err != nil {
 			return err
 		}
@@ -502,7 +513,7 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 	q := quietCheck{maxWait: r.sz.quietWait, busyPct: quietBusyPct, logf: r.logf}
 	lr := &latencyRun{
 		client: r.client, cni: cni, chained: chained, primary: primary, node: node, namespace: ns, pods: n, concurrency: c,
-		reps: r.sz.reps, annotated: kind == "ambient", quiet: q.wait, procNetns: r.procNetns,
+		reps: r.sz.reps, annotated: kind == "ambient", quiet: q.wait, netnsDir: r.netnsDir,
 		settle: func(ctx context.Context) error { return r.settle(ctx) },
 		window: func(op string, rep int) func() error {
 			w := &window{start: time.Now()}
@@ -514,7 +525,7 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 					return func() error { return err }
 				}
 			}
-			if w.cpu0, err = ReadCPU(r.agent.Pid()); err != nil {
+			if w.cpu0, err = ReadCPU(r.pid()); err != nil {
 				return func() error { return err }
 			}
 			if w.mark, err = r.auditLog.mark(); err != nil {
@@ -523,7 +534,7 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 			w.add0, _ = scrapeAddHistogram(r.metricsURL)
 			return func() error {
 				var err error
-				if w.cpu1, err = ReadCPU(r.agent.Pid()); err != nil {
+				if w.cpu1, err = ReadCPU(r.pid()); err != nil {
 					return err
 				}
 				w.reqs = r.auditLog.since(w.mark)
@@ -598,7 +609,7 @@ func (r *backendRun) settle(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		c0, err := ReadCPU(r.agent.Pid())
+		c0, err := ReadCPU(r.pid())
 		if err != nil {
 			return err
 		}
@@ -609,7 +620,7 @@ func (r *backendRun) settle(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		c1, err := ReadCPU(r.agent.Pid())
+		c1, err := ReadCPU(r.pid())
 		if err != nil {
 			return err
 		}
@@ -639,7 +650,7 @@ func (r *backendRun) profile(phase string) (func() ([]string, error), error) {
 	data := base + ".perf.data"
 	cmd := exec.Command("perf", "record", "-q", "-g", "-F", "499", "-e", "cpu-clock",
 		"-e", "sched:sched_process_fork", "-e", "sched:sched_process_exec", "-e", "sched:sched_process_exit",
-		"-p", strconv.Itoa(r.agent.Pid()), "-o", data)
+		"-p", strconv.Itoa(r.pid()), "-o", data)
 	cmd.Stdout, cmd.Stderr = io.Discard, io.Discard
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("perf record: %w", err)
@@ -750,7 +761,7 @@ type Memory struct {
 
 // memory reads VmRSS and the Go runtime's view from /metrics.
 func (r *backendRun) memory() (Memory, error) {
-	return ReadMemory(r.agent.Pid(), r.metricsURL)
+	return ReadMemory(r.pid(), r.metricsURL)
 }
 
 // ReadMemory reads pid's VmRSS, RssAnon and RssFile, and the Go runtime's
