@@ -360,8 +360,9 @@ func istioNodeLocal(n *istioNode, api *url.URL) map[string]string {
 // the host's /usr, /etc, /dev and /sys, the chart's hostPath mounts
 // (/host/opt/cni/bin, /host/etc/cni/net.d, /host/proc read-only,
 // /var/run/ztunnel), the pods' namespaces under /host at their own path,
-// the ServiceAccount files and the node's directory at its own path. The
-// namespaces go with the process.
+// the ServiceAccount files and the node's directory at its own path; beside
+// it a process named kubelet, as on a node. The namespaces go with the
+// process.
 const istioStartScript = `set -eu
 D=$1; shift
 BIN=$1; shift
@@ -383,6 +384,10 @@ mount --bind "$D/net.d" "$R/host/etc/cni/net.d"
 mount --bind "$D/ztunnel" "$R/run/ztunnel"
 mount --bind "$D/sa" "$R/run/secrets/kubernetes.io/serviceaccount"
 mount --bind "$D/image" "$R/opt/cni/bin"
+# The node's kubelet, as istio-cni's nftables mode looks for it (by name, to
+# match its probes by UID); it goes with the PID namespace.
+mkdir -p "$D/kubelet" && ln -sf /bin/sleep "$D/kubelet/kubelet"
+"$D/kubelet/kubelet" infinity &
 cd /
 exec chroot "$R" "$BIN" "$@"
 `
