@@ -44,7 +44,8 @@ BENCH_OUT     ?= .bench
 
 # A profiled run keeps the agent's symbol table: perf symbolizes from it.
 bench: AGENT_LDFLAGS := $(if $(filter 1 true,$(BENCH_PROFILE)),,-s -w)
-bench: build tools ## as root: measure the shipped binaries with the chart's defaults, print one table (docs/performance.md); JSON in .bench/; BENCH_QUICK=1 for a smoke run, BENCH_PROFILE=1 to attach perf
+bench: build tools ## as root: measure the shipped binaries with the chart's defaults beside Istio's istio-cni (built into the tools cache on first use), print one table (docs/performance.md); JSON in .bench/; BENCH_QUICK=1 for a smoke run, BENCH_PROFILE=1 to attach perf
+	GO='$(GO)' hack/kube-tools.sh istio-cni
 	$(GO) run ./test/bench/cmd/bench -install-cni $(BIN)/install-cni -plugin $(BIN)/ambient-cni -out $(BENCH_OUT)
 
 bench-scale: build tools ## as root: the agent's RSS idle and with 10,000 namespaces (10 KiB of annotations each) and 20,000 pods of other nodes in the API server, against its targets (docs/performance.md); BENCH_QUICK=1 for a smoke run

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -22,15 +23,19 @@ import (
 
 // auditPolicy logs the agent's ServiceAccount's requests (metadata only)
 // and nothing else.
-func auditPolicy(user string) string {
+func auditPolicy(users ...string) string {
+	quoted := make([]string, len(users))
+	for i, u := range users {
+		quoted[i] = strconv.Quote(u)
+	}
 	return fmt.Sprintf(`apiVersion: audit.k8s.io/v1
 kind: Policy
 omitStages: ["RequestReceived", "ResponseStarted"]
 rules:
 - level: Metadata
-  users: [%q]
+  users: [%s]
 - level: None
-`, user)
+`, strings.Join(quoted, ", "))
 }
 
 // auditArgs are the kube-apiserver flags that write the log; blocking mode
@@ -66,6 +71,9 @@ type auditEvent struct {
 	Stage     string `json:"stage"`
 	Verb      string `json:"verb"`
 	UserAgent string `json:"userAgent"`
+	User      struct {
+		Username string `json:"username"`
+	} `json:"user"`
 	ObjectRef *struct {
 		Resource    string `json:"resource"`
 		Subresource string `json:"subresource"`
@@ -81,6 +89,9 @@ type auditEvent struct {
 type auditLog struct {
 	path      string
 	userAgent string
+	// user, when set, matches by the authenticated user instead (a peer
+	// whose User-Agent is not ours to know).
+	user string
 
 	mu      sync.Mutex
 	off     int64
@@ -92,6 +103,10 @@ type auditLog struct {
 
 func newAuditLog(path, node string) *auditLog {
 	return &auditLog{path: path, userAgent: installcni.UserAgentPrefix + node}
+}
+
+func newAuditLogUser(path, user string) *auditLog {
+	return &auditLog{path: path, user: user}
 }
 
 // poll reads what was appended since the last call.
@@ -137,7 +152,7 @@ func (a *auditLog) addLine(line []byte) {
 	}
 	// The client appends nothing to the configured User-Agent; a prefix
 	// match would also take another node's "ambient-cni/<node>-2".
-	if ev.Stage != "ResponseComplete" || ev.UserAgent != a.userAgent {
+	if ev.Stage != "ResponseComplete" || (a.user == "" && ev.UserAgent != a.userAgent) || (a.user != "" && ev.User.Username != a.user) {
 		return
 	}
 	if ev.Verb == "watch" {

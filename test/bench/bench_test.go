@@ -294,6 +294,36 @@ func TestQuickBench(t *testing.T) {
 	if ran == 0 {
 		t.Fatal("no backend ran")
 	}
+	// Istio's column: skipped only when its binaries are absent outside
+	// CI; its failure does not fail the bench command, but it fails the
+	// harness's smoke test.
+	if len(res.Peers) != len(Options{Quick: true}.peers()) {
+		t.Fatalf("peers %+v", res.Peers)
+	}
+	for _, p := range res.Peers {
+		switch {
+		case p.Unavailable != "":
+			if os.Getenv("CI") == "true" {
+				t.Errorf("%s: n/a under CI: %s", p.Name, p.Unavailable)
+			} else {
+				t.Logf("%s: n/a: %s", p.Name, p.Unavailable)
+			}
+			if !strings.Contains(string(table), p.Name+": n/a") {
+				t.Errorf("%s is unavailable but the table does not say so", p.Name)
+			}
+		case p.Error != "":
+			t.Errorf("%s: %s", p.Name, p.Error)
+		default:
+			if len(p.Latency) != 8 || p.RSSIdleMB <= 0 || p.Plugin == nil || p.Plugin.ExecP50Ms <= 0 {
+				t.Errorf("%s: incomplete figures %+v", p.Name, p)
+			}
+			for _, l := range p.Latency {
+				if l.Samples == 0 || l.Errors != 0 || l.P50Ms <= 0 || l.ChainP50Ms <= 0 {
+					t.Errorf("%s: %s %s x%d: %+v", p.Name, l.Kind, l.Op, l.Concurrency, l)
+				}
+			}
+		}
+	}
 }
 
 // Children are timed from fork to exit by the program they exec'd;

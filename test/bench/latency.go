@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"slices"
 	"sync"
 	"time"
@@ -31,6 +32,27 @@ type sandbox struct {
 	namespace string
 	name      string
 	uid       types.UID
+	// alias is a second mount of the netns the CNI calls name instead.
+	alias string
+}
+
+// bindAlias mounts the sandbox's netns in dir too and names it there.
+func (s *sandbox) bindAlias(dir string) error {
+	if dir == "" {
+		return nil
+	}
+	p := filepath.Join(dir, filepath.Base(s.ns.Path()))
+	f, err := os.Create(p)
+	if err != nil {
+		return err
+	}
+	f.Close()
+	if err := unix.Mount(s.ns.Path(), p, "", unix.MS_BIND, ""); err != nil {
+		_ = os.Remove(p)
+		return fmt.Errorf("bind %s at %s: %w", s.ns.Path(), p, err)
+	}
+	s.alias = p
+	return nil
 }
 
 func newSandbox(namespace, name string, uid types.UID) (*sandbox, error) {
@@ -54,9 +76,13 @@ func newSandbox(namespace, name string, uid types.UID) (*sandbox, error) {
 }
 
 func (s *sandbox) rt() *libcni.RuntimeConf {
+	path := s.ns.Path()
+	if s.alias != "" {
+		path = s.alias
+	}
 	return &libcni.RuntimeConf{
 		ContainerID: s.id,
-		NetNS:       s.ns.Path(),
+		NetNS:       path,
 		IfName:      "eth0",
 		Args: [][2]string{
 			{"IgnoreUnknown", "1"},
@@ -72,6 +98,12 @@ func (s *sandbox) rt() *libcni.RuntimeConf {
 // held through the mount (a forking child, for a moment) makes umount
 // EBUSY: retried for a second, then detached so nothing is left.
 func (s *sandbox) close() error {
+	if s.alias != "" {
+		if err := unix.Unmount(s.alias, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) {
+			return fmt.Errorf("unmount %s: %w", s.alias, err)
+		}
+		_ = os.Remove(s.alias)
+	}
 	path := s.ns.Path()
 	_ = s.ns.Close()
 	var err error
@@ -95,8 +127,14 @@ func (s *sandbox) close() error {
 
 // latencyRun measures CNI ADD and DEL through the chained conflist (with
 // our plugin) against the primary conflist alone (bridge + host-local) in
-// the same run: waves of `concurrency` simultaneous calls, the two chains
-// alternating wave by wave so that load changing over time hits both.
+// the same run, as blocks: a block runs one chain's ADDs (then its DELs) for
+// `pods` sandboxes in waves of `concurrency` simultaneous calls, and blocks
+// of the two chains alternate, `reps` times each, the order flipping every
+// rep so that load drifting over the run hits both alike. Every block
+// starts on a settled agent and, as far as its bounded wait allows, a quiet
+// machine: the baseline never runs beside the agent's work for the
+// measured pods (annotations written after the ADD returned, informer
+// events), which a wave-by-wave pairing lets it absorb.
 type latencyRun struct {
 	client      kubernetes.Interface
 	cni         *libcni.CNIConfig
@@ -104,8 +142,14 @@ type latencyRun struct {
 	primary     *libcni.NetworkConfigList
 	node        string
 	namespace   string
-	pods        int
+	pods        int // per block
+	reps        int
 	concurrency int
+	// netnsDir, when set, is a shared mount where every sandbox's netns
+	// (the baseline's too, so both chains get the same kind of path) is
+	// bound and named: a peer agent in a mount namespace of its own sees
+	// new mounts there, not those of /var/run/netns.
+	netnsDir string
 	// annotated: the agent captures these pods, so the ADD window stays
 	// open until each carries the redirection annotation `enabled`: the
 	// agent writes it off the ADD's critical path, and its PATCH counts
@@ -114,8 +158,12 @@ type latencyRun struct {
 	// between runs while the agent may still react (an annotation written
 	// after the ADD returned; the pod deletions before DEL).
 	settle func(context.Context) error
-	// window brackets each op's measurement window (CPU, API requests).
-	window func(op string) func() error
+	// quiet waits (bounded) for a quiet machine before a block and
+	// reports what it saw.
+	quiet func(ctx context.Context, block string) (Block, error)
+	// window brackets each measured block's op (CPU, API requests); rep
+	// counts from 0.
+	window func(op string, rep int) func() error
 }
 
 // samples are the measured durations of one op, per chain.
@@ -124,12 +172,76 @@ type samples struct {
 	errors           int
 }
 
-func (l *latencyRun) run(ctx context.Context) (add, del samples, err error) {
-	n := l.pods
-	chained := make([]*sandbox, n)
-	primary := make([]*sandbox, n)
+func (l *latencyRun) run(ctx context.Context) (add, del samples, blocks []Block, err error) {
+	for rep := range l.reps {
+		arms := []string{"baseline", "measured"}
+		if rep%2 == 1 {
+			arms[0], arms[1] = arms[1], arms[0]
+		}
+		for _, arm := range arms {
+			if err := l.settle(ctx); err != nil {
+				return add, del, blocks, err
+			}
+			b, err := l.quiet(ctx, fmt.Sprintf("%s block %d/%d", arm, rep+1, l.reps))
+			if err != nil {
+				return add, del, blocks, err
+			}
+			b.Arm, b.Rep = arm, rep
+			blocks = append(blocks, b)
+			if arm == "baseline" {
+				a, d, errs, err := l.baselineBlock(ctx)
+				add.primary, del.primary = append(add.primary, a...), append(del.primary, d...)
+				add.errors += errs
+				if err != nil {
+					return add, del, blocks, err
+				}
+				continue
+			}
+			if err := l.measuredBlock(ctx, rep, &add, &del); err != nil {
+				return add, del, blocks, err
+			}
+		}
+	}
+	return add, del, blocks, nil
+}
+
+// baselineBlock runs the primary chain alone: ADDs, then DELs, of fresh
+// sandboxes our plugin never sees (no Pod objects: the chain reads none).
+func (l *latencyRun) baselineBlock(ctx context.Context) (add, del []time.Duration, errs int, err error) {
+	boxes := make([]*sandbox, l.pods)
 	defer func() {
-		for _, s := range append(chained, primary...) {
+		for _, s := range boxes {
+			if s != nil {
+				err = errors.Join(err, s.close())
+			}
+		}
+	}()
+	for i := range boxes {
+		name := fmt.Sprintf("base-%d-c%d-%03d", time.Now().UnixNano()%1e6, l.concurrency, i)
+		if boxes[i], err = newSandbox(l.namespace, name, types.UID(testnet.RandName("", 8))); err != nil {
+			return nil, nil, 0, err
+		}
+		if err := boxes[i].bindAlias(l.netnsDir); err != nil {
+			return nil, nil, 0, err
+		}
+	}
+	add, errs = waves(boxes, l.concurrency, func(s *sandbox) error {
+		_, err := l.cni.AddNetworkList(ctx, l.primary, s.rt())
+		return err
+	})
+	d, derrs := waves(boxes, l.concurrency, func(s *sandbox) error {
+		return l.cni.DelNetworkList(ctx, l.primary, s.rt())
+	})
+	return add, d, errs + derrs, nil
+}
+
+// measuredBlock runs the chained conflist over Pod objects bound to the
+// node, as a kubelet would.
+func (l *latencyRun) measuredBlock(ctx context.Context, rep int, add, del *samples) (err error) {
+	n := l.pods
+	boxes := make([]*sandbox, n)
+	defer func() {
+		for _, s := range boxes {
 			if s != nil {
 				err = errors.Join(err, s.close())
 			}
@@ -139,93 +251,75 @@ func (l *latencyRun) run(ctx context.Context) (add, del samples, err error) {
 
 	// ADD: the window opens before the Pod objects exist, so what the
 	// agent does when its informer sees a new pod counts for the pod.
-	end := l.window("ADD")
+	end := l.window("ADD", rep)
 	for i := range n {
 		name := fmt.Sprintf("lat-%d-c%d-%03d", time.Now().UnixNano()%1e6, l.concurrency, i)
 		obj, err := pods.Create(ctx, podObject(l.namespace, name, l.node), metav1.CreateOptions{})
 		if err != nil {
-			return add, del, fmt.Errorf("create pod: %w", err)
+			return fmt.Errorf("create pod: %w", err)
 		}
-		if chained[i], err = newSandbox(l.namespace, name, obj.UID); err != nil {
-			return add, del, err
+		if boxes[i], err = newSandbox(l.namespace, name, obj.UID); err != nil {
+			return err
 		}
-		// The primary chain alone: our plugin never sees this sandbox.
-		if primary[i], err = newSandbox(l.namespace, name+"-base", types.UID(testnet.RandName("", 8))); err != nil {
-			return add, del, err
-		}
-	}
-	for w := 0; w*l.concurrency < n; w++ {
-		lo, hi := w*l.concurrency, min(n, (w+1)*l.concurrency)
-		first, second := l.primary, l.chained
-		if w%2 == 1 {
-			first, second = second, first
-		}
-		for _, list := range []*libcni.NetworkConfigList{first, second} {
-			boxes, out := chained[lo:hi], &add.chained
-			if list == l.primary {
-				boxes, out = primary[lo:hi], &add.primary
-			}
-			d, errs := wave(boxes, func(s *sandbox) error {
-				_, err := l.cni.AddNetworkList(ctx, list, s.rt())
-				return err
-			})
-			*out = append(*out, d...)
-			add.errors += errs
+		if err := boxes[i].bindAlias(l.netnsDir); err != nil {
+			return err
 		}
 	}
-	if l.annotated {
-		if err := l.waitAnnotated(ctx, chained); err != nil {
-			return add, del, err
+	d, errs := waves(boxes, l.concurrency, func(s *sandbox) error {
+		_, err := l.cni.AddNetworkList(ctx, l.chained, s.rt())
+		return err
+	})
+	add.chained, add.errors = append(add.chained, d...), add.errors+errs
+	if l.annotated && errs == 0 {
+		if err := l.waitAnnotated(ctx, boxes); err != nil {
+			return err
 		}
 	}
 	if err := l.settle(ctx); err != nil {
-		return add, del, err
+		return err
 	}
 	if err := end(); err != nil {
-		return add, del, err
+		return err
 	}
 
 	// DEL: as kubelet does it, the pod object is deleted (gracefully)
 	// first, and the sandbox is torn down once its containers stopped;
 	// then the object goes for good.
-	end = l.window("DEL")
+	end = l.window("DEL", rep)
 	grace := int64(30)
-	for _, s := range chained {
+	for _, s := range boxes {
 		if err := pods.Delete(ctx, s.name, metav1.DeleteOptions{GracePeriodSeconds: &grace}); err != nil {
-			return add, del, fmt.Errorf("delete pod: %w", err)
+			return fmt.Errorf("delete pod: %w", err)
 		}
 	}
 	if err := l.settle(ctx); err != nil {
-		return add, del, err
+		return err
 	}
-	for w := 0; w*l.concurrency < n; w++ {
-		lo, hi := w*l.concurrency, min(n, (w+1)*l.concurrency)
-		first, second := l.primary, l.chained
-		if w%2 == 1 {
-			first, second = second, first
-		}
-		for _, list := range []*libcni.NetworkConfigList{first, second} {
-			boxes, out := chained[lo:hi], &del.chained
-			if list == l.primary {
-				boxes, out = primary[lo:hi], &del.primary
-			}
-			d, errs := wave(boxes, func(s *sandbox) error {
-				return l.cni.DelNetworkList(ctx, list, s.rt())
-			})
-			*out = append(*out, d...)
-			del.errors += errs
-		}
-	}
+	d, errs = waves(boxes, l.concurrency, func(s *sandbox) error {
+		return l.cni.DelNetworkList(ctx, l.chained, s.rt())
+	})
+	del.chained, del.errors = append(del.chained, d...), del.errors+errs
 	zero := int64(0)
-	for _, s := range chained {
+	for _, s := range boxes {
 		if err := pods.Delete(ctx, s.name, metav1.DeleteOptions{GracePeriodSeconds: &zero}); err != nil {
-			return add, del, fmt.Errorf("remove pod: %w", err)
+			return fmt.Errorf("remove pod: %w", err)
 		}
 	}
 	if err := l.settle(ctx); err != nil {
-		return add, del, err
+		return err
 	}
-	return add, del, end()
+	return end()
+}
+
+// waves runs f over boxes, concurrency at a time, wave after wave.
+func waves(boxes []*sandbox, concurrency int, f func(*sandbox) error) ([]time.Duration, int) {
+	var out []time.Duration
+	fails := 0
+	for lo := 0; lo < len(boxes); lo += concurrency {
+		d, errs := wave(boxes[lo:min(len(boxes), lo+concurrency)], f)
+		out, fails = append(out, d...), fails+errs
+	}
+	return out, fails
 }
 
 // waitAnnotated waits until every pod of boxes carries the redirection

@@ -3,6 +3,8 @@ package bench
 import (
 	"fmt"
 	"io"
+	"slices"
+	"strconv"
 	"strings"
 	"time"
 	"unicode/utf8"
@@ -24,7 +26,12 @@ type Result struct {
 	AgentEnv map[string]string `json:"agentEnv"`
 	// NodeLocal is the list of settings the benchmark changed, and why.
 	NodeLocal map[string]string `json:"nodeLocal"`
-	Backends  []BackendResult   `json:"backends"`
+	// Method states how the latency figures were measured.
+	Method   string          `json:"method"`
+	Backends []BackendResult `json:"backends"`
+	// Peers are Istio's istio-cni runs (its iptables and native nftables
+	// modes), measured by the same harness in the same run.
+	Peers []BackendResult `json:"peers,omitempty"`
 }
 
 // Machine describes where and under what load the run happened.
@@ -72,6 +79,10 @@ type BackendResult struct {
 	// cni_add_duration_seconds histogram), the rest of the ADD being the
 	// plugin's exec and the chain.
 	AgentAddMeanMs float64 `json:"agentAddMeanMs"`
+	// Plugin is a peer's plugin figures (ours: Result.Plugin).
+	Plugin *Plugin `json:"plugin,omitempty"`
+	// AgentEnv is a peer's whole environment (ours: Result.AgentEnv).
+	AgentEnv map[string]string `json:"agentEnv,omitempty"`
 	// Profiles are perf report files written for this backend.
 	Profiles []string `json:"profiles,omitempty"`
 	Error    string   `json:"error,omitempty"`
@@ -84,6 +95,11 @@ type Latency struct {
 	Concurrency int    `json:"concurrency"`
 	Samples     int    `json:"samples"`
 	Errors      int    `json:"errors"`
+	// Reps blocks of PodsPerBlock pods ran per arm; Blocks say in which
+	// order and on how quiet a machine.
+	Reps         int     `json:"reps"`
+	PodsPerBlock int     `json:"podsPerBlock"`
+	Blocks       []Block `json:"blocks,omitempty"`
 	// Chain* are the bridge + host-local chain alone; P* with our plugin.
 	ChainP50Ms float64 `json:"chainP50Ms"`
 	ChainP99Ms float64 `json:"chainP99Ms"`
@@ -156,23 +172,40 @@ func (r *Result) WriteTable(w io.Writer) error {
 		r.Started.UTC().Format("2006-01-02 15:04 UTC"), r.Commit, map[bool]string{true: " (BENCH_QUICK: few samples)"}[r.Quick],
 		r.Machine.CPUs, r.Machine.LoadStart[0], r.Machine.LoadStart[1], r.Machine.LoadStart[2],
 		r.Machine.LoadEnd[0], r.Machine.LoadEnd[1], r.Machine.LoadEnd[2], r.Seconds)
+	if r.Method != "" {
+		fmt.Fprintf(w, "method: %s\n", r.Method)
+	}
+	for _, b := range append(slices.Clone(r.Backends), r.Peers...) {
+		if q := b.quietSummary(); q != "" {
+			fmt.Fprintf(w, "%s: %s\n", b.Name, q)
+		}
+	}
 	if r.Profiled {
 		fmt.Fprintln(w, "PROFILED RUN: perf was attached to the agent; CPU and latency figures are inflated")
 	}
 	header := []string{"figure (ms over the bridge + host-local chain alone unless said)"}
-	for _, b := range r.Backends {
+	cols := append(slices.Clone(r.Backends), r.Peers...)
+	for _, b := range cols {
 		name := b.Name
 		if b.Detected != "" {
 			name += " (" + b.Detected + ")"
 		}
 		header = append(header, name)
 	}
+	ours := 0 // the column ratios are taken against: the shipped backend
+	peers := r.Peers
+	if len(r.Backends) == 0 {
+		peers = nil
+	}
+	for _, p := range peers {
+		header = append(header, p.Name+" ÷ "+r.Backends[ours].Name)
+	}
 	header = append(header, "issue 10 target")
 	rows := [][]string{header}
 	row := func(label, target string, cell func(b *BackendResult) string) {
 		line := []string{label}
-		for i := range r.Backends {
-			b := &r.Backends[i]
+		for i := range cols {
+			b := &cols[i]
 			switch c := cell(b); {
 			case b.Unavailable != "":
 				line = append(line, "n/a")
@@ -183,6 +216,9 @@ func (r *Result) WriteTable(w io.Writer) error {
 			default:
 				line = append(line, c)
 			}
+		}
+		for i := range peers {
+			line = append(line, ratioCell(line[1+len(r.Backends)+i], line[1+ours]))
 		}
 		rows = append(rows, append(line, target))
 	}
@@ -260,16 +296,25 @@ func (r *Result) WriteTable(w io.Writer) error {
 			return fmt.Sprintf("%.2f / %.2f", a.APIPerPod, d.APIPerPod)
 		})
 	}
-	row("plugin binary size / exec (CNI VERSION) p50", "", func(*BackendResult) string {
-		return fmt.Sprintf("%.2f MiB / %.2f ms", float64(r.Plugin.SizeBytes)/(1<<20), r.Plugin.ExecP50Ms)
+	row("plugin binary size / exec (CNI VERSION) p50: MiB / ms", "", func(b *BackendResult) string {
+		p := &r.Plugin
+		if b.Plugin != nil {
+			p = b.Plugin
+		}
+		if p.ExecRuns == 0 && p.SizeBytes == 0 {
+			return ""
+		}
+		return fmt.Sprintf("%.2f MiB / %.2f ms", float64(p.SizeBytes)/(1<<20), p.ExecP50Ms)
 	})
 	writeMarkdown(w, rows)
-	for _, b := range r.Backends {
+	for _, b := range cols {
 		switch {
 		case b.Unavailable != "":
 			fmt.Fprintf(w, "%s: n/a: %s\n", b.Name, b.Unavailable)
 		case b.Error != "":
 			fmt.Fprintf(w, "%s: FAILED: %s\n", b.Name, b.Error)
+		case b.KubeClientQPS == 0:
+			fmt.Fprintf(w, "%s: API requests count install-cni's and its plugin's (one ServiceAccount); enrollment not measured\n", b.Name)
 		default:
 			line := fmt.Sprintf("%s: agent's own mean time per ambient ADD %.1f ms; client limit %g/s burst %d", b.Name, b.AgentAddMeanMs, b.KubeClientQPS, b.KubeClientBurst)
 			for _, e := range b.Enroll {
@@ -279,6 +324,61 @@ func (r *Result) WriteTable(w io.Writer) error {
 		}
 	}
 	return nil
+}
+
+// ratioCell divides the numbers of a peer's cell by those of ours, pair
+// by pair ("+72.6 / +213.7" over "+12.9 / +16.4" is "5.6× / 13.0×"), up to
+// a parenthesis; a pair whose divisor is not positive has no ratio.
+func ratioCell(peer, ours string) string {
+	nums := func(s string) []float64 {
+		s, _, _ = strings.Cut(s, "(")
+		var out []float64
+		for f := range strings.FieldsSeq(s) {
+			if v, err := strconv.ParseFloat(strings.TrimSuffix(f, ";"), 64); err == nil {
+				out = append(out, v)
+			}
+		}
+		return out
+	}
+	p, o := nums(peer), nums(ours)
+	if len(p) == 0 || len(p) != len(o) {
+		return "-"
+	}
+	var parts []string
+	for i := range p {
+		if o[i] <= 0 || p[i] < 0 {
+			parts = append(parts, "-")
+			continue
+		}
+		parts = append(parts, fmt.Sprintf("%.1f×", p[i]/o[i]))
+	}
+	return strings.Join(parts, " / ")
+}
+
+// quietSummary says how many of the backend's latency blocks started on a
+// quiet machine, and the load range they saw.
+func (b *BackendResult) quietSummary() string {
+	n, quiet := 0, 0
+	lo, hi := 0.0, 0.0
+	for _, l := range b.Latency {
+		if l.Op != "ADD" {
+			continue // ADD and DEL share their blocks
+		}
+		for _, bl := range l.Blocks {
+			if n == 0 || bl.Load1 < lo {
+				lo = bl.Load1
+			}
+			hi = max(hi, bl.Load1)
+			n++
+			if bl.Quiet {
+				quiet++
+			}
+		}
+	}
+	if n == 0 {
+		return ""
+	}
+	return fmt.Sprintf("%d of %d latency blocks started on a quiet machine (the rest after the bounded wait); one-minute load %.1f–%.1f at their starts", quiet, n, lo, hi)
 }
 
 // failed reports whether any backend that ran failed.

@@ -3,6 +3,7 @@ package bench
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -48,22 +49,51 @@ type Options struct {
 	// and the large enrollment and writes its reports to ProfileDir.
 	Profile    bool
 	ProfileDir string
+	// IstioInstallCNI and IstioPlugin are Istio's binaries for the peer
+	// column (IstioBinaries); IstioMissing, when set, says why they are
+	// not there, and the peer is reported n/a.
+	IstioInstallCNI, IstioPlugin, IstioVersion, IstioMissing string
 	// Log receives progress lines.
 	Log io.Writer
 }
 
 // sizes are how many pods each phase uses.
 type sizes struct {
-	seq, conc int   // latency pods per kind at 1 and 8 at a time
+	seq, conc int   // latency pods per kind and block at 1 and 8 at a time
+	reps      int   // blocks per arm (baseline, measured) of each latency figure
 	enroll    []int // running pods per namespace flip, small then large
 	execRuns  int
+	// quietWait bounds the wait for a quiet machine before each block.
+	quietWait time.Duration
 }
 
 func (o Options) sizes() sizes {
 	if o.Quick {
-		return sizes{seq: 3, conc: 8, enroll: []int{4, 12}, execRuns: 10}
+		return sizes{seq: 2, conc: 8, reps: 2, enroll: []int{4, 12}, execRuns: 10}
 	}
-	return sizes{seq: 100, conc: 96, enroll: []int{100, 500}, execRuns: 100}
+	return sizes{seq: 34, conc: 32, reps: 3, enroll: []int{100, 500}, execRuns: 100, quietWait: 10 * time.Second}
+}
+
+// peers are the istio-cni runs: a quick run keeps the smoke test short
+// with its default (iptables) mode alone.
+func (o Options) peers() []Peer {
+	if o.Quick {
+		return Peers()[:1]
+	}
+	return Peers()
+}
+
+// quietBusyPct is the share of the machine's CPUs at or under which a
+// second counts as quiet.
+const quietBusyPct = 25
+
+// Method states how the latency figures are measured (printed with the
+// table and recorded in the JSON).
+func (s sizes) method() string {
+	return fmt.Sprintf("latency: the bridge + host-local chain alone (baseline) and the chain with the plugin (measured) run as separate blocks "+
+		"at the same concurrency, %d blocks each, alternating (the order flips every rep); %d / %d pods per block at 1 / 8 at a time; "+
+		"each block starts on a settled agent after waiting up to %s for a second with ≤ %d%% of the CPUs busy; Δ = measured quantile − baseline quantile over all blocks",
+		s.reps, s.seq, s.conc, s.quietWait, quietBusyPct)
 }
 
 const (
@@ -101,7 +131,7 @@ func Run(ctx context.Context, o Options) (res *Result, err error) {
 	res = &Result{
 		Started: time.Now(), Quick: o.Quick, Profiled: o.Profile, Commit: commit(o.RepoRoot),
 		Machine:   Machine{CPUs: runtime.NumCPU(), Kernel: kernel(), Go: runtime.Version(), LoadStart: LoadAvg()},
-		NodeLocal: simnode.NodeLocal,
+		NodeLocal: simnode.NodeLocal, Method: sz.method(),
 	}
 	defer func() {
 		res.Machine.LoadEnd = LoadAvg()
@@ -133,7 +163,7 @@ func Run(ctx context.Context, o Options) (res *Result, err error) {
 
 	user := fmt.Sprintf("system:serviceaccount:%s:%s", agentNamespace, shipped.ServiceAccount)
 	policy, auditPath := filepath.Join(work, "audit-policy.yaml"), filepath.Join(work, "audit.log")
-	if err := os.WriteFile(policy, []byte(auditPolicy(user)), 0o600); err != nil {
+	if err := os.WriteFile(policy, []byte(auditPolicy(user, istioUser)), 0o600); err != nil {
 		return nil, err
 	}
 	logf("starting etcd and kube-apiserver")
@@ -161,6 +191,35 @@ func Run(ctx context.Context, o Options) (res *Result, err error) {
 			}
 		}
 		res.Backends = append(res.Backends, br)
+		if ctx.Err() != nil {
+			return res, ctx.Err()
+		}
+	}
+	// Istio's istio-cni in the same run, after ours, each with its own
+	// interleaved baseline blocks; its failure is reported beside our
+	// figures, never in place of them.
+	for _, p := range o.peers() {
+		pr := BackendResult{Name: p.Name, Unavailable: o.IstioMissing}
+		if pr.Unavailable == "" {
+			logf("== peer %s", p.Name)
+			bw := &backendRun{
+				o: o, sz: sz, logf: logf, env: env, client: env.Client,
+				dir: filepath.Join(work, p.Name), refPlugins: cniPaths[0], audit: auditPath, res: &pr,
+			}
+			if pf, err := pluginFigures(o.IstioPlugin, sz.execRuns); err != nil {
+				logf("peer %s: plugin exec: %v", p.Name, err)
+			} else {
+				pr.Plugin = &pf
+			}
+			if err := bw.runPeer(ctx, p, o.IstioInstallCNI, o.IstioPlugin, cmp.Or(o.IstioVersion, istioVersion)); err != nil {
+				pr.Error = err.Error()
+				logf("peer %s failed: %v", p.Name, err)
+			}
+			pr.AgentEnv = bw.agentEnv
+		} else {
+			logf("== peer %s: n/a: %s", p.Name, pr.Unavailable)
+		}
+		res.Peers = append(res.Peers, pr)
 		if ctx.Err() != nil {
 			return res, ctx.Err()
 		}
@@ -194,6 +253,20 @@ type backendRun struct {
 	metricsURL string
 	log        string
 	auditLog   *auditLog
+	// netnsDir, when set, is a shared mount where every sandbox's netns is
+	// bound too, and named (see latencyRun.netnsDir).
+	netnsDir string
+	// agentPid, when set, is the agent's process under r.agent (a peer
+	// started through unshare).
+	agentPid int
+}
+
+// pid is the agent's process.
+func (r *backendRun) pid() int {
+	if r.agentPid != 0 {
+		return r.agentPid
+	}
+	return r.agent.Pid()
 }
 
 func (r *backendRun) run(ctx context.Context) (err error) {
@@ -233,7 +306,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 	if r.agent, err = sim.StartAgent(); err != nil {
 		return err
 	}
-	r.res.AgentPID = r.agent.Pid()
+	r.res.AgentPID = r.pid()
 	if err := sim.WaitReady(ctx, 2*time.Minute); err != nil {
 		return err
 	}
@@ -374,7 +447,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 				return err
 			}
 		}
-		cpu0, err := ReadCPU(r.agent.Pid())
+		cpu0, err := ReadCPU(r.pid())
 		if err != nil {
 			return err
 		}
@@ -390,7 +463,7 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 		if err := r.settle(ctx); err != nil {
 			return err
 		}
-		cpu1, err := ReadCPU(r.agent.Pid())
+		cpu1, err := ReadCPU(r.pid())
 		if err != nil {
 			return err
 		}
@@ -435,23 +508,24 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 		took       time.Duration
 		add0, add1 histogram
 	}
-	windows := map[string]*window{}
+	windows := map[string][]*window{}
 	profiling := r.o.Profile && kind == "ambient" && c == 1
+	q := quietCheck{maxWait: r.sz.quietWait, busyPct: quietBusyPct, logf: r.logf}
 	lr := &latencyRun{
 		client: r.client, cni: cni, chained: chained, primary: primary, node: node, namespace: ns, pods: n, concurrency: c,
-		annotated: kind == "ambient",
-		settle:    func(ctx context.Context) error { return r.settle(ctx) },
-		window: func(op string) func() error {
+		reps: r.sz.reps, annotated: kind == "ambient", quiet: q.wait, netnsDir: r.netnsDir,
+		settle: func(ctx context.Context) error { return r.settle(ctx) },
+		window: func(op string, rep int) func() error {
 			w := &window{start: time.Now()}
-			windows[op] = w
+			windows[op] = append(windows[op], w)
 			var stopProfile func() ([]string, error)
 			var err error
-			if profiling {
+			if profiling && rep == 0 {
 				if stopProfile, err = r.profile("ambient-" + strings.ToLower(op) + "-seq"); err != nil {
 					return func() error { return err }
 				}
 			}
-			if w.cpu0, err = ReadCPU(r.agent.Pid()); err != nil {
+			if w.cpu0, err = ReadCPU(r.pid()); err != nil {
 				return func() error { return err }
 			}
 			if w.mark, err = r.auditLog.mark(); err != nil {
@@ -460,7 +534,7 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 			w.add0, _ = scrapeAddHistogram(r.metricsURL)
 			return func() error {
 				var err error
-				if w.cpu1, err = ReadCPU(r.agent.Pid()); err != nil {
+				if w.cpu1, err = ReadCPU(r.pid()); err != nil {
 					return err
 				}
 				w.reqs = r.auditLog.since(w.mark)
@@ -477,34 +551,47 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 			}
 		},
 	}
-	r.logf("%s pods, %d at a time: %d ADDs and DELs with and without the plugin", kind, c, n)
-	add, del, err := lr.run(ctx)
+	r.logf("%s pods, %d at a time: %d blocks of %d ADDs and DELs with and without the plugin", kind, c, r.sz.reps, n)
+	add, del, blocks, err := lr.run(ctx)
 	if err != nil {
 		return err
 	}
 	for _, op := range []string{"ADD", "DEL"} {
-		s, w := add, windows[op]
+		s := add
 		if op == "DEL" {
 			s = del
 		}
+		var cpu CPUTimes
+		var reqs []APIRequest
+		var took time.Duration
+		var hist histogram
+		for _, w := range windows[op] {
+			cpu = CPUTimes{Own: cpu.Own + w.cpu1.Sub(w.cpu0).Own, Children: cpu.Children + w.cpu1.Sub(w.cpu0).Children}
+			reqs = append(reqs, w.reqs...)
+			took += w.took
+			hist.sum += w.add1.sum - w.add0.sum
+			hist.count += w.add1.count - w.add0.count
+		}
+		pods := float64(len(windows[op]) * n)
 		l := Latency{
 			Kind: kind, Op: op, Concurrency: c, Samples: len(s.chained), Errors: s.errors,
+			Reps: r.sz.reps, PodsPerBlock: n, Blocks: blocks,
 			ChainP50Ms: ms(quantile(s.primary, .5)), ChainP99Ms: ms(quantile(s.primary, .99)),
 			P50Ms: ms(quantile(s.chained, .5)), P99Ms: ms(quantile(s.chained, .99)),
-			CPUMsPerPod:    ms(w.cpu1.Sub(w.cpu0).Total()) / float64(n),
-			OwnCPUMsPerPod: ms(w.cpu1.Sub(w.cpu0).Own) / float64(n),
-			APIPerPod:      float64(len(w.reqs)) / float64(n), APIRequests: summarize(w.reqs), APIServerMs: meanServerMs(w.reqs),
-			WindowSeconds: w.took.Seconds(), ChainedMs: msList(s.chained), ChainMs: msList(s.primary),
+			CPUMsPerPod:    ms(cpu.Total()) / pods,
+			OwnCPUMsPerPod: ms(cpu.Own) / pods,
+			APIPerPod:      float64(len(reqs)) / pods, APIRequests: summarize(reqs), APIServerMs: meanServerMs(reqs),
+			WindowSeconds: took.Seconds(), ChainedMs: msList(s.chained), ChainMs: msList(s.primary),
 		}
 		l.DeltaP50Ms, l.DeltaP99Ms = l.P50Ms-l.ChainP50Ms, l.P99Ms-l.ChainP99Ms
 		r.res.Latency = append(r.res.Latency, l)
-		if kind == "ambient" && op == "ADD" && c == 1 && w.add1.count > w.add0.count {
-			r.res.AgentAddMeanMs = 1000 * (w.add1.sum - w.add0.sum) / (w.add1.count - w.add0.count)
+		if kind == "ambient" && op == "ADD" && c == 1 && hist.count > 0 {
+			r.res.AgentAddMeanMs = 1000 * hist.sum / hist.count
 		}
 		r.logf("  %s: Δp50 %+.1f ms, Δp99 %+.1f ms, %.1f ms agent CPU and %.2f API requests per pod, %d failed",
 			op, l.DeltaP50Ms, l.DeltaP99Ms, l.CPUMsPerPod, l.APIPerPod, l.Errors)
 		if s.errors > 0 {
-			return fmt.Errorf("%d of %d %s calls failed; see %s and %s", s.errors, n, op, r.log, filepath.Join(r.dir, "plugin-stderr.log"))
+			return fmt.Errorf("%d of %d %s calls failed; see %s and %s", s.errors, r.sz.reps*n, op, r.log, filepath.Join(r.dir, "plugin-stderr.log"))
 		}
 	}
 	return nil
@@ -522,7 +609,7 @@ func (r *backendRun) settle(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		c0, err := ReadCPU(r.agent.Pid())
+		c0, err := ReadCPU(r.pid())
 		if err != nil {
 			return err
 		}
@@ -533,7 +620,7 @@ func (r *backendRun) settle(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		c1, err := ReadCPU(r.agent.Pid())
+		c1, err := ReadCPU(r.pid())
 		if err != nil {
 			return err
 		}
@@ -563,7 +650,7 @@ func (r *backendRun) profile(phase string) (func() ([]string, error), error) {
 	data := base + ".perf.data"
 	cmd := exec.Command("perf", "record", "-q", "-g", "-F", "499", "-e", "cpu-clock",
 		"-e", "sched:sched_process_fork", "-e", "sched:sched_process_exec", "-e", "sched:sched_process_exit",
-		"-p", strconv.Itoa(r.agent.Pid()), "-o", data)
+		"-p", strconv.Itoa(r.pid()), "-o", data)
 	cmd.Stdout, cmd.Stderr = io.Discard, io.Discard
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("perf record: %w", err)
@@ -674,7 +761,7 @@ type Memory struct {
 
 // memory reads VmRSS and the Go runtime's view from /metrics.
 func (r *backendRun) memory() (Memory, error) {
-	return ReadMemory(r.agent.Pid(), r.metricsURL)
+	return ReadMemory(r.pid(), r.metricsURL)
 }
 
 // ReadMemory reads pid's VmRSS, RssAnon and RssFile, and the Go runtime's

@@ -46,3 +46,33 @@ func TestWriteTable(t *testing.T) {
 		t.Errorf("the unavailable backend is not n/a in every row:\n%s", out)
 	}
 }
+
+// A peer's ratio divides its numbers by ours pair by pair, and has none
+// where ours is not positive or the shapes differ.
+func TestRatioCell(t *testing.T) {
+	for _, c := range []struct{ peer, ours, want string }{
+		{"+72.6 / +213.7", "+12.9 / +16.4", "5.6× / 13.0×"},
+		{"+5.0 / +1.0", "-1.0 / +2.0", "- / 0.5×"},
+		{"104.7 / -", "31.8 / 39.7 (500 pods)", "-"},
+		{"118.27 MiB / 55.19 ms", "3.11 MiB / 1.58 ms", "38.0× / 34.9×"},
+		{"n/a", "+1.0 / +1.0", "-"},
+	} {
+		if got := ratioCell(c.peer, c.ours); got != c.want {
+			t.Errorf("ratioCell(%q, %q) = %q, want %q", c.peer, c.ours, got, c.want)
+		}
+	}
+}
+
+// The quiet check reads the aggregate cpu line: idle and iowait are idle,
+// guest time is already in user.
+func TestParseStatCPU(t *testing.T) {
+	total, idle, err := parseStatCPU("cpu  100 0 50 800 50 0 0 0 30 0\ncpu0 1 2 3 4 5\n")
+	if err != nil || total != 1000 || idle != 850 {
+		t.Errorf("parseStatCPU = %d, %d, %v", total, idle, err)
+	}
+	for _, bad := range []string{"", "cpu0 1 2 3 4 5", "cpu 1 2 x 4 5"} {
+		if _, _, err := parseStatCPU(bad); err == nil {
+			t.Errorf("parseStatCPU(%q): want an error", bad)
+		}
+	}
+}

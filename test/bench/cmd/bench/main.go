@@ -67,6 +67,13 @@ func run() int {
 	if err != nil {
 		return fail(err)
 	}
+	// Istio's binaries for the peer column: their absence is reported in
+	// the table, never a failure of our figures.
+	istioInstallCNI, istioPlugin, istioVersion, istioErr := bench.IstioBinaries(root)
+	istioMissing := ""
+	if istioErr != nil {
+		istioMissing = istioErr.Error()
+	}
 	if err := os.MkdirAll(*out, 0o755); err != nil {
 		return fail(err)
 	}
@@ -78,6 +85,7 @@ func run() int {
 	res, runErr := bench.Run(ctx, bench.Options{
 		RepoRoot: root, InstallCNI: *installCNI, Plugin: *plugin, Quick: *quick,
 		Profile: *profile, ProfileDir: *out, Log: os.Stderr,
+		IstioInstallCNI: istioInstallCNI, IstioPlugin: istioPlugin, IstioVersion: istioVersion, IstioMissing: istioMissing,
 	})
 	if res == nil {
 		return fail(runErr)
