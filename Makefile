@@ -22,7 +22,7 @@ KEEP          ?=
 PLUGIN_LDFLAGS := -s -w
 AGENT_LDFLAGS  := -s -w
 
-.PHONY: archcheck check all build tools node-tools bench bench-scale test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: archcheck check all build tools peer-tools node-tools bench bench-scale test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -36,6 +36,10 @@ build: ## build the plugin and the agent into ./bin
 tools: ## build etcd, kube-apiserver and helm from the Go module proxy into the tools cache (minutes the first time, then cached)
 	GO='$(GO)' hack/kube-tools.sh
 
+# make test's quick bench runs Istio's istio-cni beside ours too.
+peer-tools: ## build Istio's istio-cni (install-cni and its plugin) from istio.io/istio into the tools cache, for make bench's peer column (cached)
+	GO='$(GO)' hack/kube-tools.sh istio-cni
+
 node-tools: ## build everything a real node needs: kubelet, kube-controller-manager, kube-scheduler, crictl, CNI plugins, the Multus thin plugin, the image's Debian rootfs, istiod (cached)
 	GO='$(GO)' hack/kube-tools.sh node
 
@@ -44,8 +48,7 @@ BENCH_OUT     ?= .bench
 
 # A profiled run keeps the agent's symbol table: perf symbolizes from it.
 bench: AGENT_LDFLAGS := $(if $(filter 1 true,$(BENCH_PROFILE)),,-s -w)
-bench: build tools ## as root: measure the shipped binaries with the chart's defaults beside Istio's istio-cni (built into the tools cache on first use), print one table (docs/performance.md); JSON in .bench/; BENCH_QUICK=1 for a smoke run, BENCH_PROFILE=1 to attach perf
-	GO='$(GO)' hack/kube-tools.sh istio-cni
+bench: build tools peer-tools ## as root: measure the shipped binaries with the chart's defaults beside Istio's istio-cni (built into the tools cache on first use), print one table (docs/performance.md); JSON in .bench/; BENCH_QUICK=1 for a smoke run, BENCH_PROFILE=1 to attach perf
 	$(GO) run ./test/bench/cmd/bench -install-cni $(BIN)/install-cni -plugin $(BIN)/ambient-cni -out $(BENCH_OUT)
 
 bench-scale: build tools ## as root: the agent's RSS idle and with 10,000 namespaces (10 KiB of annotations each) and 20,000 pods of other nodes in the API server, against its targets (docs/performance.md); BENCH_QUICK=1 for a smoke run
@@ -56,7 +59,7 @@ check: lint test test-long e2e ## as root: everything CI runs (.ci/run runs exac
 # The suite must leave a real node's paths (/var/run/ambient-cni,
 # /etc/cni/net.d, /opt/cni/bin, /var/run/ztunnel) as it found them:
 # hack/node-paths.sh lists them before and compares after.
-test: tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures); fails if a test touched a real node's paths
+test: tools peer-tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures); fails if a test touched a real node's paths
 	@snap=$$(mktemp); hack/node-paths.sh snapshot $$snap; \
 	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...; rc=$$?; \
 	hack/node-paths.sh check $$snap || rc=1; rm -f $$snap; exit $$rc
