@@ -32,7 +32,6 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
 	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
-	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
@@ -73,20 +72,7 @@ func (w *lineWriter) Write(p []byte) (int, error) {
 }
 
 func TestRealNode(t *testing.T) {
-	testnet.RequireRoot(t)
-	if _, err := FindTools(); err != nil {
-		testnet.Missing(t, err.Error())
-	}
-	ctx := context.Background()
-	out := &lineWriter{t: t}
-	// What an earlier, killed run left is not this run's to report.
-	if err := Reap(ctx, out); err != nil {
-		t.Fatal(err)
-	}
-	before, err := TakeHostSnapshot()
-	if err != nil {
-		t.Fatal(err)
-	}
+	ctx, out, _ := startNodeTest(t)
 
 	// A node whose owner was killed (no chance to tear down) is torn down
 	// by the next Up: the host snapshot at the end covers it too.
@@ -98,12 +84,9 @@ func TestRealNode(t *testing.T) {
 	if err != nil {
 		t.Fatalf("node up: %v", err)
 	}
-	downDone := false
 	t.Cleanup(func() {
-		if !downDone {
-			if err := n.Down(); err != nil {
-				t.Errorf("down: %v", err)
-			}
+		if err := n.Down(); err != nil {
+			t.Errorf("down: %v", err)
 		}
 	})
 	if killedDir != "" {
@@ -137,31 +120,7 @@ func TestRealNode(t *testing.T) {
 	t.Run("a taken metrics port stops neither pods nor the agent", e.testMetricsPortTaken)
 	t.Run("helm upgrade keeps the plugin installed throughout", e.testHelmUpgrade)
 	t.Run("helm uninstall restores the config and releases captured pods", e.testHelmUninstall)
-	t.Run("nothing was sent off the machine", func(t *testing.T) {
-		hits, err := n.GuardHits()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if len(hits) > 0 {
-			t.Errorf("the egress guard counted connection attempts off the machine: %v", hits)
-		}
-	})
-
-	downDone = true
-	if err := n.Down(); err != nil {
-		t.Fatalf("down: %v", err)
-	}
-	after, err := TakeHostSnapshot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	diff := after.Diff(before)
-	if rel := Relevant(diff); len(rel) > 0 {
-		t.Errorf("the host is not as the node found it:\n%s", strings.Join(rel, "\n"))
-	}
-	if len(diff) > 0 {
-		t.Logf("host changes not attributable to the node (other programs on this machine):\n%s", strings.Join(diff, "\n"))
-	}
+	t.Run("nothing was sent off the machine", testNoEgress(n))
 }
 
 // startAndKillNode runs `node up` in a child process until the node is up

@@ -6,7 +6,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
@@ -23,22 +22,9 @@ import (
 // node of its own (Up waits for TestRealNode's to be gone), on which
 // istiod's untaint controller, not the agent, removes the startup taint.
 func TestRealNodeIstiod(t *testing.T) {
-	testnet.RequireRoot(t)
-	tools, err := FindTools()
-	if err != nil {
-		testnet.Missing(t, err.Error())
-	}
+	ctx, out, tools := startNodeTest(t)
 	if _, err := IstiodDir(tools.Repo); err != nil {
 		testnet.Missing(t, err.Error())
-	}
-	ctx := context.Background()
-	out := &lineWriter{t: t}
-	if err := Reap(ctx, out); err != nil {
-		t.Fatal(err)
-	}
-	before, err := TakeHostSnapshot()
-	if err != nil {
-		t.Fatal(err)
 	}
 	// Registered with the startup taint, as a node pool set up for
 	// istiod's taint.enabled is.
@@ -137,15 +123,7 @@ func TestRealNodeIstiod(t *testing.T) {
 		waitIstiod(t, n, ist, never, false)
 	})
 
-	t.Run("nothing was sent off the machine", func(t *testing.T) {
-		hits, err := n.GuardHits()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if len(hits) > 0 {
-			t.Errorf("the egress guard counted connection attempts off the machine: %v", hits)
-		}
-	})
+	t.Run("nothing was sent off the machine", testNoEgress(n))
 
 	logTail() // Down removes the node directory with the log
 	if err := ist.Stop(); err != nil {
@@ -154,14 +132,6 @@ func TestRealNodeIstiod(t *testing.T) {
 	downDone = true
 	if err := n.Down(); err != nil {
 		t.Fatalf("down: %v", err)
-	}
-	after, err := TakeHostSnapshot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	diff := after.Diff(before)
-	if rel := Relevant(diff); len(rel) > 0 {
-		t.Errorf("the host is not as the node found it:\n%s", strings.Join(rel, "\n"))
 	}
 }
 

@@ -23,7 +23,6 @@ import (
 	"k8s.io/apimachinery/pkg/watch"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 	"github.com/ambient-cni/ambient-cni/test/realnode/podapp"
 )
@@ -58,12 +57,7 @@ func figure(t *testing.T, name string, v any) {
 }
 
 func TestRealNodeLifecycle(t *testing.T) {
-	testnet.RequireRoot(t)
-	if _, err := FindTools(); err != nil {
-		testnet.Missing(t, err.Error())
-	}
-	ctx := context.Background()
-	out := &lineWriter{t: t}
+	ctx, out, _ := startNodeTest(t)
 	n, err := Up(ctx, Options{Out: out})
 	if err != nil {
 		t.Fatalf("node up: %v", err)
