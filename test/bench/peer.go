@@ -51,7 +51,7 @@ func (r *backendRun) runPeer(ctx context.Context, p Peer, installCNI, plugin, is
 	go func() { ztDone <- zt.Run(ztCtx) }() // owner: this run; the cleanup waits
 	cleanups = append(cleanups, func() error { ztCancel(); return <-ztDone })
 	r.zt = zt
-	chainedBytes, chained, err := n.waitChained(ctx, 2*time.Minute)
+	_, chained, err := n.waitChained(ctx, 2*time.Minute)
 	if err != nil {
 		return err
 	}
@@ -73,16 +73,10 @@ func (r *backendRun) runPeer(ctx context.Context, p Peer, installCNI, plugin, is
 		return fmt.Errorf("the Istio chart's ServiceAccount is %s, the audit policy logs %s", u, istioUser)
 	}
 	r.auditLog = newAuditLogUser(r.audit, istioUser)
-	_ = chainedBytes
 
-	if err := sleep(ctx, 2*time.Second); err != nil {
+	if err := r.readIdle(ctx, "istio-cni ready ("+r.res.Detected+")"); err != nil {
 		return err
 	}
-	if r.res.MemoryIdle, err = r.memory(); err != nil {
-		return err
-	}
-	r.res.RSSIdleMB = r.res.MemoryIdle.RSSMiB
-	r.logf("istio-cni ready (%s), idle RSS %.1f MiB", r.res.Detected, r.res.RSSIdleMB)
 
 	pluginLog, err := os.Create(filepath.Join(r.dir, "plugin-stderr.log"))
 	if err != nil {

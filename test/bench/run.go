@@ -332,16 +332,9 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 	}
 	sim.Chained = chainedBytes
 
-	// Idle: ready, ztunnel connected, nothing enrolled; give the start-up
-	// garbage a moment to be collected.
-	if err := sleep(ctx, 2*time.Second); err != nil {
+	if err := r.readIdle(ctx, "agent ready (backend "+r.res.Detected+")"); err != nil {
 		return err
 	}
-	if r.res.MemoryIdle, err = r.memory(); err != nil {
-		return err
-	}
-	r.res.RSSIdleMB = r.res.MemoryIdle.RSSMiB
-	r.logf("agent ready (backend %s), idle RSS %.1f MiB", r.res.Detected, r.res.RSSIdleMB)
 
 	pluginLog, err := os.Create(filepath.Join(r.dir, "plugin-stderr.log"))
 	if err != nil {
@@ -602,6 +595,22 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 // does after a CNI call returned, or in reaction to an informer event (an
 // annotation written off the critical path, rules removed when a pod is
 // deleted), is then done and counted in the phase that caused it.
+// readIdle records the agent's idle memory: ready, ztunnel connected,
+// nothing enrolled, after a moment for the start-up garbage to be
+// collected. what says which agent is ready, for the log line.
+func (r *backendRun) readIdle(ctx context.Context, what string) error {
+	if err := sleep(ctx, 2*time.Second); err != nil {
+		return err
+	}
+	m, err := r.memory()
+	if err != nil {
+		return err
+	}
+	r.res.MemoryIdle, r.res.RSSIdleMB = m, m.RSSMiB
+	r.logf("%s, idle RSS %.1f MiB", what, r.res.RSSIdleMB)
+	return nil
+}
+
 func (r *backendRun) settle(ctx context.Context) error {
 	deadline := time.Now().Add(2 * time.Minute)
 	for {
