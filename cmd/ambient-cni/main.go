@@ -6,14 +6,9 @@ package main
 import (
 	"os"
 
-	"github.com/containernetworking/cni/pkg/skel"
-
 	"github.com/ambient-cni/ambient-cni/pkg/plugin"
 )
 
 func main() {
-	if err := plugin.GuardNetnsEnv(os.Getenv, os.Setenv); err != nil {
-		os.Exit(1)
-	}
-	skel.PluginMainFuncs(plugin.New(os.Stdout, os.Stderr).Funcs(), plugin.VersionInfo, plugin.About)
+	os.Exit(plugin.New(os.Stdout, os.Stderr).Run(os.Getenv, os.Stdin))
 }

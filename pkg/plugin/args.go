@@ -2,7 +2,6 @@ package plugin
 
 import (
 	"fmt"
-	"os"
 
 	"github.com/containernetworking/cni/pkg/types"
 )
@@ -39,22 +38,4 @@ func (a *K8sArgs) requirePod() error {
 				a.K8S_POD_NAME, a.K8S_POD_NAMESPACE), "")
 	}
 	return nil
-}
-
-// GuardNetnsEnv keeps the CNI library's own check of CNI_NETNS after ADD
-// and DEL (it opens the path, blocking, to compare it with the plugin's
-// namespace) from hanging on a FIFO or acting on a device: when CNI_NETNS
-// names anything but a regular file (a namespace file is one), it sets
-// CNI_NETNS_OVERRIDE so the library skips the check. The plugin never
-// enters the namespace; the agent validates the path itself.
-func GuardNetnsEnv(getenv func(string) string, setenv func(string, string) error) error {
-	p := getenv("CNI_NETNS")
-	if p == "" {
-		return nil
-	}
-	st, err := os.Stat(p) // stat never opens, so it cannot block
-	if err != nil || st.Mode().IsRegular() {
-		return nil
-	}
-	return setenv("CNI_NETNS_OVERRIDE", "1")
 }

@@ -20,7 +20,6 @@ import (
 
 	"github.com/containernetworking/cni/pkg/types"
 	"github.com/containernetworking/cni/pkg/types/create"
-	"github.com/containernetworking/cni/pkg/version"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
@@ -28,9 +27,6 @@ import (
 
 // SupportedVersions are the CNI spec versions the plugin speaks.
 var SupportedVersions = []string{"0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"}
-
-// VersionInfo is what the plugin reports for CNI VERSION.
-var VersionInfo = version.PluginSupports(SupportedVersions...)
 
 // rawConfig is the JSON the runtime hands the plugin on stdin: the
 // standard CNI keys and ours. Unknown keys are ignored: runtimes inject

@@ -10,7 +10,6 @@ import (
 	"slices"
 	"time"
 
-	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 	current "github.com/containernetworking/cni/pkg/types/100"
 
@@ -35,11 +34,6 @@ func New(stdout, stderr io.Writer) *Plugin {
 	return &Plugin{Stdout: stdout, Stderr: stderr}
 }
 
-// Funcs wires the verbs for skel.PluginMainFuncs.
-func (p *Plugin) Funcs() skel.CNIFuncs {
-	return skel.CNIFuncs{Add: p.Add, Del: p.Del, Check: p.Check, Status: p.Status, GC: p.GC}
-}
-
 // call is the per-invocation context shared by the verbs.
 type call struct {
 	cfg    *Config
@@ -49,7 +43,7 @@ type call struct {
 	cancel context.CancelFunc
 }
 
-func (p *Plugin) start(verb string, args *skel.CmdArgs) (*call, error) {
+func (p *Plugin) start(verb string, args *CmdArgs) (*call, error) {
 	cfg, err := ParseConfig(args.StdinData)
 	if err != nil {
 		return nil, err
@@ -66,7 +60,7 @@ func (p *Plugin) start(verb string, args *skel.CmdArgs) (*call, error) {
 // Add tells the agent about a new pod and waits for its verdict; the pod
 // starts (prevResult is printed) only once the agent has enrolled it or
 // declared it out of scope.
-func (p *Plugin) Add(args *skel.CmdArgs) error {
+func (p *Plugin) Add(args *CmdArgs) error {
 	c, err := p.start("ADD", args)
 	if err != nil {
 		return err
@@ -176,7 +170,7 @@ func (p *Plugin) passThrough(cfg *Config) error {
 
 // Del tells the agent a sandbox is gone. It never fails because the agent
 // is unreachable: the request is spooled for the agent to replay.
-func (p *Plugin) Del(args *skel.CmdArgs) error {
+func (p *Plugin) Del(args *CmdArgs) error {
 	c, err := p.start("DEL", args)
 	if err != nil {
 		return err
@@ -215,7 +209,7 @@ func (p *Plugin) Del(args *skel.CmdArgs) error {
 }
 
 // Check asks the agent to verify the pod's rules.
-func (p *Plugin) Check(args *skel.CmdArgs) error {
+func (p *Plugin) Check(args *CmdArgs) error {
 	c, err := p.start("CHECK", args)
 	if err != nil {
 		return err
@@ -249,7 +243,7 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 
 // Status succeeds unless configured to require the agent, because a
 // failing STATUS marks the whole node NotReady.
-func (p *Plugin) Status(args *skel.CmdArgs) error {
+func (p *Plugin) Status(args *CmdArgs) error {
 	c, err := p.start("STATUS", args)
 	if err != nil {
 		return err
@@ -267,7 +261,7 @@ func (p *Plugin) Status(args *skel.CmdArgs) error {
 
 // GC forwards the runtime's valid attachments so the agent can forget
 // sandboxes that no longer exist.
-func (p *Plugin) GC(args *skel.CmdArgs) error {
+func (p *Plugin) GC(args *CmdArgs) error {
 	c, err := p.start("GC", args)
 	if err != nil {
 		return err
@@ -303,7 +297,7 @@ func (p *Plugin) GC(args *skel.CmdArgs) error {
 // request ADD and CHECK send. excluded reports a pod in a namespace the
 // plugin config excludes (the event then holds only its name and
 // namespace): the caller lets it through without asking the agent.
-func (c *call) podEvent(cmd ambient.Command, args *skel.CmdArgs) (ev *ambient.PodEvent, excluded bool, err error) {
+func (c *call) podEvent(cmd ambient.Command, args *CmdArgs) (ev *ambient.PodEvent, excluded bool, err error) {
 	k8s, err := ParseK8sArgs(args.Args)
 	if err != nil {
 		return nil, false, err

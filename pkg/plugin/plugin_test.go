@@ -18,7 +18,6 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 
-	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
@@ -102,20 +101,20 @@ func prevFor(version string) string {
 	return prev
 }
 
-func run(t *testing.T, verb func(*Plugin) func(*skel.CmdArgs) error, stdin []byte, args string) (string, error) {
+func run(t *testing.T, verb func(*Plugin) func(*CmdArgs) error, stdin []byte, args string) (string, error) {
 	t.Helper()
 	var out, logs bytes.Buffer
 	p := New(&out, &logs)
-	err := verb(p)(&skel.CmdArgs{ContainerID: "sb1", Netns: "/var/run/netns/cni-1", IfName: "eth0", Args: args, StdinData: stdin})
+	err := verb(p)(&CmdArgs{ContainerID: "sb1", Netns: "/var/run/netns/cni-1", IfName: "eth0", Args: args, StdinData: stdin})
 	if logs.Len() > 0 {
 		t.Logf("plugin log:\n%s", logs.String())
 	}
 	return out.String(), err
 }
 
-func add(p *Plugin) func(*skel.CmdArgs) error   { return p.Add }
-func del(p *Plugin) func(*skel.CmdArgs) error   { return p.Del }
-func check(p *Plugin) func(*skel.CmdArgs) error { return p.Check }
+func add(p *Plugin) func(*CmdArgs) error   { return p.Add }
+func del(p *Plugin) func(*CmdArgs) error   { return p.Del }
+func check(p *Plugin) func(*CmdArgs) error { return p.Check }
 
 func cniCode(t *testing.T, err error) uint {
 	t.Helper()
@@ -185,7 +184,7 @@ func TestAgentErrorsNameTheSide(t *testing.T) {
 	for _, tc := range []struct {
 		status    int
 		retryable bool
-		verb      func(*Plugin) func(*skel.CmdArgs) error
+		verb      func(*Plugin) func(*CmdArgs) error
 		code      uint
 		msg       string
 	}{
@@ -281,12 +280,12 @@ func TestAddAgentDownFailsClosed(t *testing.T) {
 }
 
 // runAt runs a verb with the plugin's clock set to now.
-func runAt(t *testing.T, now time.Time, verb func(*Plugin) func(*skel.CmdArgs) error, stdin []byte, args string) (string, error) {
+func runAt(t *testing.T, now time.Time, verb func(*Plugin) func(*CmdArgs) error, stdin []byte, args string) (string, error) {
 	t.Helper()
 	var out, logs bytes.Buffer
 	p := New(&out, &logs)
 	p.Now = func() time.Time { return now }
-	err := verb(p)(&skel.CmdArgs{ContainerID: "sb1", Netns: "/var/run/netns/cni-1", IfName: "eth0", Args: args, StdinData: stdin})
+	err := verb(p)(&CmdArgs{ContainerID: "sb1", Netns: "/var/run/netns/cni-1", IfName: "eth0", Args: args, StdinData: stdin})
 	if logs.Len() > 0 {
 		t.Logf("plugin log:\n%s", logs.String())
 	}
@@ -472,17 +471,17 @@ func TestStatus(t *testing.T) {
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "agent.sock")
 	stdin := []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q}`, sock))
-	if _, err := run(t, func(p *Plugin) func(*skel.CmdArgs) error { return p.Status }, stdin, ""); err != nil {
+	if _, err := run(t, func(p *Plugin) func(*CmdArgs) error { return p.Status }, stdin, ""); err != nil {
 		t.Errorf("default STATUS with agent down: %v", err)
 	}
 	strict := []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q,"statusRequiresAgent":true}`, sock))
-	_, err := run(t, func(p *Plugin) func(*skel.CmdArgs) error { return p.Status }, strict, "")
+	_, err := run(t, func(p *Plugin) func(*CmdArgs) error { return p.Status }, strict, "")
 	if cniCode(t, err) != types.ErrPluginNotAvailable {
 		t.Errorf("strict STATUS with agent down: %v", err)
 	}
 	a := newFakeAgent(t, verdict(ambient.VerdictOK))
 	strict = []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q,"statusRequiresAgent":true}`, a.sock))
-	if _, err := run(t, func(p *Plugin) func(*skel.CmdArgs) error { return p.Status }, strict, ""); err != nil {
+	if _, err := run(t, func(p *Plugin) func(*CmdArgs) error { return p.Status }, strict, ""); err != nil {
 		t.Errorf("strict STATUS with agent up: %v", err)
 	}
 }
@@ -490,7 +489,7 @@ func TestStatus(t *testing.T) {
 func TestGCForwardsValidAttachments(t *testing.T) {
 	a := newFakeAgent(t, verdict(ambient.VerdictOK))
 	stdin := []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q,"cni.dev/valid-attachments":[{"containerID":"a","ifname":"eth0"},{"containerID":"b","ifname":"eth0"},{"containerID":"a","ifname":"net1"}]}`, a.sock))
-	if _, err := run(t, func(p *Plugin) func(*skel.CmdArgs) error { return p.GC }, stdin, ""); err != nil {
+	if _, err := run(t, func(p *Plugin) func(*CmdArgs) error { return p.GC }, stdin, ""); err != nil {
 		t.Fatal(err)
 	}
 	if len(a.gcs) != 1 || strings.Join(a.gcs[0].ValidSandboxIDs, ",") != "a,b" || a.gcs[0].Network != "k8s" {
@@ -498,16 +497,16 @@ func TestGCForwardsValidAttachments(t *testing.T) {
 	}
 	// Without the key (not an empty list) nothing is forwarded.
 	bare := []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q}`, a.sock))
-	if _, err := run(t, func(p *Plugin) func(*skel.CmdArgs) error { return p.GC }, bare, ""); err != nil || len(a.gcs) != 1 {
+	if _, err := run(t, func(p *Plugin) func(*CmdArgs) error { return p.GC }, bare, ""); err != nil || len(a.gcs) != 1 {
 		t.Errorf("GC without valid-attachments: %v, forwarded %d", err, len(a.gcs))
 	}
 	empty := []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q,"cni.dev/valid-attachments":[]}`, a.sock))
-	if _, err := run(t, func(p *Plugin) func(*skel.CmdArgs) error { return p.GC }, empty, ""); err != nil || len(a.gcs) != 2 || len(a.gcs[1].ValidSandboxIDs) != 0 {
+	if _, err := run(t, func(p *Plugin) func(*CmdArgs) error { return p.GC }, empty, ""); err != nil || len(a.gcs) != 2 || len(a.gcs[1].ValidSandboxIDs) != 0 {
 		t.Errorf("GC with an empty list: %v, forwarded %+v", err, a.gcs)
 	}
 	// Agent down: GC is skipped, not failed.
 	down := []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q,"cni.dev/valid-attachments":[]}`, filepath.Join(t.TempDir(), "agent.sock")))
-	if _, err := run(t, func(p *Plugin) func(*skel.CmdArgs) error { return p.GC }, down, ""); err != nil {
+	if _, err := run(t, func(p *Plugin) func(*CmdArgs) error { return p.GC }, down, ""); err != nil {
 		t.Errorf("GC with agent down: %v", err)
 	}
 }
