@@ -19,7 +19,6 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/pkg/types"
-	"github.com/containernetworking/cni/pkg/types/create"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
@@ -34,6 +33,10 @@ var SupportedVersions = []string{"0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"}
 type rawConfig struct {
 	types.PluginConf
 	ownConf
+	// PrevResult shadows PluginConf's map: kept as its bytes, it is
+	// decoded once, by its own version, and printed as it came when that
+	// is the config's version.
+	PrevResult json.RawMessage `json:"prevResult,omitempty"`
 }
 
 // ownConf names ambient.PluginConf so both confs can be embedded.
@@ -76,7 +79,7 @@ type Config struct {
 	// ambient.AgentUnreachableFailClosed.
 	AgentUnreachable string
 	// PrevResult is the previous plugin's result, nil when absent.
-	PrevResult types.Result
+	PrevResult *PrevResult
 	// ValidAttachments is set for GC.
 	ValidAttachments []types.GCAttachment
 }
@@ -158,49 +161,12 @@ func ParseConfig(stdin []byte) (*Config, error) {
 			}
 		}
 	}
-	prev, err := parsePrevResult(raw.RawPrevResult, c.CNIVersion)
+	prev, err := parsePrevResult(raw.PrevResult, c.CNIVersion)
 	if err != nil {
 		return nil, err
 	}
 	c.PrevResult = prev
 	return c, nil
-}
-
-// resultVersions are the CNI versions whose results the CNI library reads.
-var resultVersions = []string{"0.1.0", "0.2.0", "0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"}
-
-// parsePrevResult reads the previous plugin's result by its own cniVersion
-// (the config's when it names none), so a primary plugin that answers in
-// another supported version than the conflist's is no reason to keep a pod
-// from starting, and checks now that it converts to the config's version,
-// in which the plugin prints it.
-func parsePrevResult(raw map[string]any, confVersion string) (types.Result, error) {
-	if raw == nil {
-		return nil, nil
-	}
-	v, ok := raw["cniVersion"].(string)
-	if _, present := raw["cniVersion"]; present && !ok {
-		return nil, types.NewError(types.ErrDecodingFailure, fmt.Sprintf("decode prevResult: cniVersion %v is not a string", raw["cniVersion"]), "")
-	}
-	if v == "" {
-		raw["cniVersion"] = confVersion
-	} else if !slices.Contains(resultVersions, v) {
-		return nil, types.NewError(types.ErrIncompatibleCNIVersion, fmt.Sprintf("prevResult has cniVersion %q, which no CNI spec defines a result for", v),
-			"known: "+strings.Join(resultVersions, ", "))
-	}
-	b, err := json.Marshal(raw)
-	if err != nil {
-		return nil, types.NewError(types.ErrDecodingFailure, "decode prevResult: "+err.Error(), "")
-	}
-	res, err := create.CreateFromBytes(b)
-	if err != nil {
-		return nil, types.NewError(types.ErrDecodingFailure, "decode prevResult: "+err.Error(), "")
-	}
-	if _, err := res.GetAsVersion(confVersion); err != nil {
-		return nil, types.NewError(types.ErrIncompatibleCNIVersion,
-			fmt.Sprintf("prevResult in CNI version %s cannot be converted to the config's %s: %v", res.Version(), confVersion, err), "")
-	}
-	return res, nil
 }
 
 func invalidConfig(format string, a ...any) error {

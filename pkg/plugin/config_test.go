@@ -1,6 +1,7 @@
 package plugin
 
 import (
+	"encoding/json"
 	"errors"
 	"log/slog"
 	"path/filepath"
@@ -33,7 +34,7 @@ func TestParseConfigDefaults(t *testing.T) {
 		Timeout: ambient.DefaultPluginTimeout, LogLevel: slog.LevelWarn, ExcludedNamespaces: []string{"kube-system"},
 		AgentUnreachable: ambient.AgentUnreachableSnapshot,
 	}
-	if diff := cmp.Diff(want, c); diff != "" {
+	if diff := cmp.Diff(want, c, cmpopts.IgnoreUnexported(Config{})); diff != "" {
 		t.Errorf("defaults wrong (-want +got):\n%s", diff)
 	}
 }
@@ -56,10 +57,10 @@ func TestParseConfigKeys(t *testing.T) {
 		Timeout: 1500 * time.Millisecond, LogLevel: slog.LevelDebug, ExcludedNamespaces: []string{}, StatusRequiresAgent: true,
 		AgentUnreachable: ambient.AgentUnreachableFailClosed,
 	}
-	if diff := cmp.Diff(want, c, cmpopts.IgnoreFields(Config{}, "PrevResult")); diff != "" {
+	if diff := cmp.Diff(want, c, cmpopts.IgnoreFields(Config{}, "PrevResult"), cmpopts.IgnoreUnexported(Config{})); diff != "" {
 		t.Errorf("keys not honoured (-want +got):\n%s", diff)
 	}
-	ips, err := podIPs(c.PrevResult)
+	ips, err := c.PrevResult.PodIPs()
 	if err != nil || strings.Join(ips, ",") != "10.1.0.5,fd00::5" {
 		t.Errorf("podIPs = %v, %v; want the sandbox interface's two addresses only", ips, err)
 	}
@@ -152,11 +153,14 @@ func FuzzParseConfig(f *testing.F) {
 			t.Fatalf("accepted invalid config: %+v", c)
 		}
 		if c.PrevResult != nil {
-			// ParseConfig promised the pass-through conversion works.
-			if _, err := c.PrevResult.GetAsVersion(c.CNIVersion); err != nil {
-				t.Fatalf("accepted a prevResult that does not convert to %s: %v", c.CNIVersion, err)
+			// What is printed names the config's version.
+			var out struct {
+				CNIVersion string `json:"cniVersion"`
 			}
-			_, _ = podIPs(c.PrevResult)
+			if err := json.Unmarshal(c.PrevResult.out, &out); err != nil || out.CNIVersion != c.CNIVersion {
+				t.Fatalf("prevResult printed as %s (%v), not in %s", c.PrevResult.out, err, c.CNIVersion)
+			}
+			_, _ = c.PrevResult.PodIPs()
 		}
 	})
 }

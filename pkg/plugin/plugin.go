@@ -6,12 +6,10 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net/netip"
 	"slices"
 	"time"
 
 	"github.com/containernetworking/cni/pkg/types"
-	current "github.com/containernetworking/cni/pkg/types/100"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
@@ -160,12 +158,12 @@ func (p *Plugin) now() time.Time {
 	return time.Now()
 }
 
+// passThrough prints prevResult in the config's version.
 func (p *Plugin) passThrough(cfg *Config) error {
-	res, err := cfg.PrevResult.GetAsVersion(cfg.CNIVersion)
-	if err != nil {
-		return types.NewError(types.ErrIncompatibleCNIVersion, "convert prevResult to "+cfg.CNIVersion+": "+err.Error(), "")
+	if _, err := p.Stdout.Write(cfg.PrevResult.out); err != nil {
+		return types.NewError(types.ErrIOFailure, "write the result: "+err.Error(), "")
 	}
-	return res.PrintTo(p.Stdout)
+	return nil
 }
 
 // Del tells the agent a sandbox is gone. It never fails because the agent
@@ -292,7 +290,6 @@ func (p *Plugin) GC(args *CmdArgs) error {
 	return nil
 }
 
-// podIPs lists the addresses prevResult gave the pod's own interfaces.
 // podEvent reads the pod from CNI_ARGS and builds and validates the
 // request ADD and CHECK send. excluded reports a pod in a namespace the
 // plugin config excludes (the event then holds only its name and
@@ -309,7 +306,7 @@ func (c *call) podEvent(cmd ambient.Command, args *CmdArgs) (ev *ambient.PodEven
 	if slices.Contains(c.cfg.ExcludedNamespaces, ev.PodNamespace) {
 		return ev, true, nil
 	}
-	ips, err := podIPs(c.cfg.PrevResult)
+	ips, err := c.cfg.PrevResult.PodIPs()
 	if err != nil {
 		return nil, false, err
 	}
@@ -319,31 +316,6 @@ func (c *call) podEvent(cmd ambient.Command, args *CmdArgs) (ev *ambient.PodEven
 		return nil, false, types.NewError(types.ErrInvalidEnvironmentVariables, "ambient-cni: invalid pod data from the runtime: "+err.Error(), "")
 	}
 	return ev, false, nil
-}
-
-func podIPs(prev types.Result) ([]string, error) {
-	res, err := current.NewResultFromResult(prev)
-	if err != nil {
-		return nil, types.NewError(types.ErrDecodingFailure, "read prevResult: "+err.Error(), "")
-	}
-	var out []string
-	for _, ip := range res.IPs {
-		if ip.Interface != nil {
-			i := *ip.Interface
-			if i < 0 || i >= len(res.Interfaces) || res.Interfaces[i].Sandbox == "" {
-				continue // an address on a host-side interface
-			}
-		}
-		a, ok := netip.AddrFromSlice(ip.Address.IP)
-		if !ok {
-			continue
-		}
-		s := a.Unmap().String()
-		if !slices.Contains(out, s) {
-			out = append(out, s)
-		}
-	}
-	return out, nil
 }
 
 // snapshotView wraps a possibly-nil snapshot for logging.

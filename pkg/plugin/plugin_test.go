@@ -565,3 +565,45 @@ func TestVersionConversion(t *testing.T) {
 		}
 	}
 }
+
+// TestPassThroughSameVersionIsByteExact: a prevResult in the config's own
+// version is printed exactly as it came (keys the library does not know
+// included); one in another version is converted.
+func TestPassThroughSameVersionIsByteExact(t *testing.T) {
+	a := newFakeAgent(t, verdict(ambient.VerdictNotEnrolled))
+	prev := strings.Replace(prevV1, `"cniVersion":"1.0.0",`, `"cniVersion":"1.0.0", "x-extra":{"k":[1,2]},`, 1)
+	stdin := []byte(fmt.Sprintf(`{"cniVersion":"1.0.0","name":"k8s","type":"ambient-cni","agentSocket":%q,"prevResult":%s}`, a.sock, prev))
+	out, err := run(t, add, stdin, k8sArgs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out != prev {
+		t.Errorf("printed %s, want prevResult byte for byte %s", out, prev)
+	}
+	stdin = []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","type":"ambient-cni","agentSocket":%q,"prevResult":%s}`, a.sock, prev))
+	out, err = run(t, add, stdin, k8sArgs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(out, "x-extra") || !strings.Contains(out, `"cniVersion": "1.1.0"`) {
+		t.Errorf("a 1.0.0 prevResult under a 1.1.0 config printed %s; want it converted", out)
+	}
+}
+
+// TestBadPrevResultInConfigVersion: the fast path still refuses what it
+// reads and cannot parse.
+func TestBadPrevResultInConfigVersion(t *testing.T) {
+	for name, prev := range map[string]string{
+		"address not a CIDR":   `{"cniVersion":"1.0.0","ips":[{"address":"nope"}]}`,
+		"address not string":   `{"cniVersion":"1.0.0","ips":[{"address":5}]}`,
+		"ips not a list":       `{"cniVersion":"1.0.0","ips":{}}`,
+		"interface not number": `{"cniVersion":"1.0.0","ips":[{"interface":"0","address":"10.0.0.1/24"}]}`,
+		"not an object":        `[1]`,
+	} {
+		_, err := ParseConfig([]byte(`{"cniVersion":"1.0.0","name":"n","prevResult":` + prev + `}`))
+		var te *types.Error
+		if !errors.As(err, &te) || te.Code != types.ErrDecodingFailure {
+			t.Errorf("%s: got %v, want code %d", name, err, types.ErrDecodingFailure)
+		}
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 )
@@ -36,7 +37,7 @@ func TestEntryRoundTrip(t *testing.T) {
 		Timeout: 12 * time.Second, LogLevel: slog.LevelDebug, ExcludedNamespaces: e.ExcludedNamespaces, StatusRequiresAgent: true,
 		AgentUnreachable: ambient.AgentUnreachableFailClosed,
 	}
-	if diff := cmp.Diff(want, c); diff != "" {
+	if diff := cmp.Diff(want, c, cmpopts.IgnoreUnexported(Config{})); diff != "" {
 		t.Fatalf("entry %s parsed wrong (-want +got):\n%s", b, diff)
 	}
 }
