@@ -28,15 +28,17 @@ import (
 var SupportedVersions = []string{"0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"}
 
 // rawConfig is the JSON the runtime hands the plugin on stdin: the
-// standard CNI keys and ours. Unknown keys are ignored: runtimes inject
-// their own (runtimeConfig, args, ...).
+// standard CNI keys the plugin reads and ours. Other keys are ignored:
+// runtimes inject their own (runtimeConfig, args, ...), and the keys meant
+// for the runtime (type, capabilities, ipam, dns) are not the plugin's.
 type rawConfig struct {
-	types.PluginConf
-	ownConf
-	// PrevResult shadows PluginConf's map: kept as its bytes, it is
-	// decoded once, by its own version, and printed as it came when that
-	// is the config's version.
+	CNIVersion       string               `json:"cniVersion"`
+	Name             string               `json:"name"`
+	ValidAttachments []types.GCAttachment `json:"cni.dev/valid-attachments,omitempty"`
+	// PrevResult is kept as its bytes: decoded once, by its own version,
+	// and printed as it came when that is the config's version.
 	PrevResult json.RawMessage `json:"prevResult,omitempty"`
+	ownConf
 }
 
 // ownConf names ambient.PluginConf so both confs can be embedded.
@@ -97,6 +99,11 @@ func ParseConfig(stdin []byte) (*Config, error) {
 	if err := json.Unmarshal(stdin, &raw); err != nil {
 		return nil, types.NewError(types.ErrDecodingFailure, "decode ambient-cni config: "+err.Error(), "")
 	}
+	return configFrom(&raw)
+}
+
+// configFrom validates a decoded configuration.
+func configFrom(raw *rawConfig) (*Config, error) {
 	if !slices.Contains(SupportedVersions, raw.CNIVersion) {
 		return nil, types.NewError(types.ErrIncompatibleCNIVersion,
 			fmt.Sprintf("cniVersion %q is not supported", raw.CNIVersion),

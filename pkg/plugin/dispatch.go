@@ -37,6 +37,9 @@ type CmdArgs struct {
 	NetnsOverride string
 	// StdinData is the configuration read from stdin.
 	StdinData []byte
+	// conf is StdinData decoded by the dispatcher, nil when it did not
+	// decode as the plugin's configuration (the verb then says why).
+	conf *rawConfig
 }
 
 // specVersion is the CNI spec version the VERSION answer is written in.
@@ -115,16 +118,29 @@ func dispatch(getenv func(string) string, stdin io.Reader, stdout, stderr io.Wri
 		return err
 	}
 	args.StdinData = data
-	hdr, err := decodeHeader(data)
-	if err != nil {
+	// One decode serves the dispatcher and the verb; only a config that
+	// does not decode as the plugin's is looked at again, as skel would,
+	// for the error skel would give.
+	var hdr *confHeader
+	args.conf = new(rawConfig)
+	if json.Unmarshal(data, args.conf) != nil {
+		args.conf = nil
+		if hdr, err = decodeHeader(data); err != nil {
+			return err
+		}
+	} else if err := checkNetworkName(args.conf.Name); err != nil {
 		return err
 	}
 	if !strings.Contains(cniEnvs[0].required, " "+cmd+" ") {
 		return types.NewError(types.ErrInvalidEnvironmentVariables, fmt.Sprintf("unknown CNI_COMMAND: %v", cmd), "")
 	}
-	v, err := hdr.version()
-	if err != nil {
-		return err
+	v := "0.1.0" // the spec's first version had no cniVersion key
+	if args.conf != nil && args.conf.CNIVersion != "" {
+		v = args.conf.CNIVersion
+	} else if hdr != nil {
+		if v, err = hdr.version(); err != nil {
+			return err
+		}
 	}
 	switch cmd {
 	case "ADD", "DEL":
@@ -181,13 +197,21 @@ func decodeHeader(data []byte) (*confHeader, *types.Error) {
 	if err != nil {
 		return nil, types.NewError(types.ErrDecodingFailure, fmt.Sprintf("error unmarshall network config: %v", err), "")
 	}
-	if name == "" {
-		return nil, types.NewError(types.ErrInvalidNetworkConfig, "missing network name", "")
-	}
-	if !validName(name) {
-		return nil, types.NewError(types.ErrInvalidNetworkConfig, "invalid characters found in network name", name)
+	if err := checkNetworkName(name); err != nil {
+		return nil, err
 	}
 	return &h, nil
+}
+
+// checkNetworkName refuses a missing or malformed network name.
+func checkNetworkName(name string) *types.Error {
+	if name == "" {
+		return types.NewError(types.ErrInvalidNetworkConfig, "missing network name", "")
+	}
+	if !validName(name) {
+		return types.NewError(types.ErrInvalidNetworkConfig, "invalid characters found in network name", name)
+	}
+	return nil
 }
 
 // version is the config's cniVersion, "0.1.0" when it names none (the

@@ -2,6 +2,7 @@ package plugin
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"io"
 	"os"
@@ -9,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
 
 	"github.com/containernetworking/cni/pkg/skel"
 	"github.com/containernetworking/cni/pkg/types"
@@ -201,7 +203,10 @@ func TestDispatchArgs(t *testing.T) {
 		t.Fatal(e)
 	}
 	want := &CmdArgs{ContainerID: "sb-1_a.b", Netns: "/var/run/netns/none-such", IfName: "eth0", Args: "K8S_POD_NAME=a", Path: "/opt/cni/bin", NetnsOverride: "1", StdinData: []byte(goodConf)}
-	if d := cmp.Diff(want, got); d != "" {
+	if got.conf == nil || got.conf.Name != "k8s-pod-network" {
+		t.Errorf("the decoded config is not handed on: %+v", got.conf)
+	}
+	if d := cmp.Diff(want, got, cmpopts.IgnoreUnexported(CmdArgs{})); d != "" {
 		t.Errorf("args (-want +got):\n%s", d)
 	}
 }
@@ -286,6 +291,30 @@ func TestValidName(t *testing.T) {
 	for s, want := range map[string]bool{"": false, "a": true, "0": true, "A-b_c.d": true, "-a": false, "_a": false, ".a": false, "a b": false, "a/b": false, "é": false, "a\n": false, "a-": true} {
 		if got := validName(s); got != want {
 			t.Errorf("validName(%q) = %v, want %v", s, got, want)
+		}
+	}
+}
+
+// TestRunConfigErrorOrder: the version is judged before the plugin's own
+// keys, as with skel, whether or not the config decodes in one go.
+func TestRunConfigErrorOrder(t *testing.T) {
+	for stdin, want := range map[string]uint{
+		`{"cniVersion":"1.0.0","name":"n","timeout":5}`:                                 types.ErrDecodingFailure,
+		`{"cniVersion":"9.9.9","name":"n","timeout":5}`:                                 types.ErrIncompatibleCNIVersion,
+		`{"cniVersion":"9.9.9","name":"n","timeout":"5s"}`:                              types.ErrIncompatibleCNIVersion,
+		`{"cniVersion":"1.0.0","name":"n","timeout":"forever"}`:                         types.ErrInvalidNetworkConfig,
+		`{"cniVersion":"1.0.0","name":"n","agentSocket":"rel"}`:                         types.ErrInvalidNetworkConfig,
+		`{"cniVersion":"1.0.0","name":"n","prevResult":{"cniVersion":"1.0.0","ips":7}}`: types.ErrDecodingFailure,
+	} {
+		var out bytes.Buffer
+		env := addEnv("ADD", nil)
+		if code := New(&out, io.Discard).Run(func(k string) string { return env[k] }, strings.NewReader(stdin)); code != 1 {
+			t.Errorf("%s: exit %d", stdin, code)
+			continue
+		}
+		var e types.Error
+		if err := json.Unmarshal(out.Bytes(), &e); err != nil || e.Code != want {
+			t.Errorf("%s: printed %s (%v), want code %d", stdin, out.String(), err, want)
 		}
 	}
 }

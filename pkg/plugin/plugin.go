@@ -42,11 +42,17 @@ type call struct {
 }
 
 func (p *Plugin) start(verb string, args *CmdArgs) (*call, error) {
-	cfg, err := ParseConfig(args.StdinData)
+	var cfg *Config
+	var err error
+	if args.conf != nil {
+		cfg, err = configFrom(args.conf)
+	} else {
+		cfg, err = ParseConfig(args.StdinData)
+	}
 	if err != nil {
 		return nil, err
 	}
-	log := slog.New(slog.NewTextHandler(p.Stderr, &slog.HandlerOptions{Level: cfg.LogLevel})).
+	log := slog.New(&lazyHandler{h: slog.NewTextHandler(p.Stderr, &slog.HandlerOptions{Level: cfg.LogLevel})}).
 		With("plugin", "ambient-cni", "cmd", verb)
 	if args.ContainerID != "" {
 		log = log.With("sandbox", args.ContainerID)
