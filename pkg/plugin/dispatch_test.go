@@ -318,3 +318,34 @@ func TestRunConfigErrorOrder(t *testing.T) {
 		}
 	}
 }
+
+// FuzzDispatchAsSkel compares the dispatcher with skel on arbitrary
+// commands, container ids, interface names and stdin.
+func FuzzDispatchAsSkel(f *testing.F) {
+	f.Add("ADD", "sb1", "eth0", goodConf)
+	f.Add("CHECK", "a.b", "e", `{"cniVersion":"0.4.0","name":"x"}`)
+	f.Add("GC", "", "", `{"cniVersion":"1.1.0","name":"x","cni.dev/valid-attachments":[]}`)
+	f.Add("STATUS", "-", "a b", `{"name":"x"}`)
+	f.Add("VERSION", "", "", `nonsense`)
+	f.Add("DEL", "x", "..", `{"cniVersion":"1.0.0","name":"n","prevResult":{"cniVersion":"1.0.0"}}`)
+	f.Fuzz(func(t *testing.T, cmd, id, ifname, stdin string) {
+		if strings.ContainsRune(cmd+id+ifname, 0) {
+			t.Skip("the environment cannot hold NUL")
+		}
+		c := dispatchCase{env: addEnv(cmd, map[string]string{"CNI_CONTAINERID": id, "CNI_IFNAME": ifname}), stdin: stdin}
+		for k, v := range c.env {
+			if v == "" {
+				delete(c.env, k)
+			}
+		}
+		want, got := runSkel(t, c), runOurs(c)
+		if cmd == "" {
+			// skel prints its about text on stderr only; so do we.
+			want.Stdout, got.Stdout = "", ""
+		}
+		want.Err, got.Err = decodeErrorShape(want.Err), decodeErrorShape(got.Err)
+		if d := cmp.Diff(want, got); d != "" {
+			t.Errorf("dispatcher differs from skel (-skel +ours):\n%s", d)
+		}
+	})
+}
