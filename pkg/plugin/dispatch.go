@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -48,20 +49,24 @@ const specVersion = "1.1.0"
 // cniEnv is one CNI_* variable and the commands that require it.
 type cniEnv struct {
 	name     string
-	required string // the commands, space separated, that need it set
+	required []string // the commands that need it set
 	validate func(string) *types.Error
 }
+
+// verbCommands are the commands that call a verb (VERSION is answered by
+// the dispatcher).
+var verbCommands = []string{"ADD", "CHECK", "DEL", "GC", "STATUS"}
 
 // cniEnvs are skel's variables, in its order: the first invalid one wins,
 // then every missing one is listed.
 var cniEnvs = [...]cniEnv{
-	{"CNI_COMMAND", " ADD CHECK DEL GC STATUS ", nil},
-	{"CNI_CONTAINERID", " ADD CHECK DEL ", validateContainerID},
-	{"CNI_NETNS", " ADD CHECK ", nil},
-	{"CNI_IFNAME", " ADD CHECK DEL ", validateIfName},
-	{"CNI_ARGS", "", nil},
-	{"CNI_PATH", " ADD CHECK DEL GC STATUS ", nil},
-	{"CNI_NETNS_OVERRIDE", "", nil},
+	{"CNI_COMMAND", verbCommands, nil},
+	{"CNI_CONTAINERID", []string{"ADD", "CHECK", "DEL"}, validateContainerID},
+	{"CNI_NETNS", []string{"ADD", "CHECK"}, nil},
+	{"CNI_IFNAME", []string{"ADD", "CHECK", "DEL"}, validateIfName},
+	{"CNI_ARGS", nil, nil},
+	{"CNI_PATH", verbCommands, nil},
+	{"CNI_NETNS_OVERRIDE", nil, nil},
 }
 
 // Run serves one CNI invocation: getenv reads the CNI_* variables, stdin
@@ -95,7 +100,7 @@ func dispatch(getenv func(string) string, stdin io.Reader, stdout, stderr io.Wri
 	var missing []string
 	for i, v := range cniEnvs {
 		vals[i] = getenv(v.name)
-		req := strings.Contains(v.required, " "+cmd+" ")
+		req := slices.Contains(v.required, cmd)
 		switch {
 		case vals[i] == "" && req:
 			missing = append(missing, v.name)
@@ -131,7 +136,7 @@ func dispatch(getenv func(string) string, stdin io.Reader, stdout, stderr io.Wri
 	} else if err := checkNetworkName(args.conf.Name); err != nil {
 		return err
 	}
-	if !strings.Contains(cniEnvs[0].required, " "+cmd+" ") {
+	if !slices.Contains(verbCommands, cmd) {
 		return types.NewError(types.ErrInvalidEnvironmentVariables, fmt.Sprintf("unknown CNI_COMMAND: %v", cmd), "")
 	}
 	v := "0.1.0" // the spec's first version had no cniVersion key

@@ -54,6 +54,9 @@ func dispatchCases() []dispatchCase {
 	add("unknown command, bad JSON first", addEnv("FOO", nil), `{`)
 	add("unknown command, version not a string is not looked at", addEnv("FOO", nil), `{"name":"n","cniVersion":1}`)
 	add("lower-case command", addEnv("add", nil), goodConf)
+	add("two commands", addEnv("ADD CHECK", nil), goodConf)
+	add("command with spaces", addEnv(" STATUS ", nil), goodConf)
+	add("GC STATUS", addEnv("GC STATUS", nil), goodConf)
 	for _, cmd := range []string{"ADD", "DEL", "CHECK", "GC", "STATUS", "VERSION"} {
 		add(cmd+" ok", addEnv(cmd, nil), goodConf)
 		add(cmd+" bare env", map[string]string{"CNI_COMMAND": cmd}, goodConf)
@@ -327,6 +330,7 @@ func FuzzDispatchAsSkel(f *testing.F) {
 	f.Add("GC", "", "", `{"cniVersion":"1.1.0","name":"x","cni.dev/valid-attachments":[]}`)
 	f.Add("STATUS", "-", "a b", `{"name":"x"}`)
 	f.Add("VERSION", "", "", `nonsense`)
+	f.Add("GC STATUS", "a", "b", goodConf)
 	f.Add("DEL", "x", "..", `{"cniVersion":"1.0.0","name":"n","prevResult":{"cniVersion":"1.0.0"}}`)
 	f.Fuzz(func(t *testing.T, cmd, id, ifname, stdin string) {
 		if strings.ContainsRune(cmd+id+ifname, 0) {
