@@ -8,10 +8,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"strconv"
 	"strings"
-	"time"
 )
 
 // Client is the plugin's side of the exchange with the node agent:
@@ -94,18 +92,11 @@ func (c *Client) GC(ctx context.Context, req *GCRequest) (*PodEventResponse, err
 }
 
 func (c *Client) exchange(ctx context.Context, method, path string, body []byte) (*PodEventResponse, error) {
-	var d net.Dialer
-	conn, err := d.DialContext(ctx, "unix", c.Socket)
+	conn, err := dialUnix(ctx, c.Socket)
 	if err != nil {
 		return nil, &UnreachableError{Socket: c.Socket, Err: err}
 	}
 	defer conn.Close()
-	if dl, ok := ctx.Deadline(); ok {
-		_ = conn.SetDeadline(dl)
-	}
-	// Close the connection when ctx is cancelled without a deadline.
-	stop := context.AfterFunc(ctx, func() { _ = conn.SetDeadline(time.Unix(1, 0)) })
-	defer stop()
 
 	if _, err := conn.Write(encodeRequest(method, path, body)); err != nil {
 		return nil, &ExchangeError{Op: method + " " + path, Err: err}
