@@ -68,6 +68,9 @@ type Agent interface {
 	// SandboxReleased reports whether the runtime tore down uid's captured
 	// sandbox (CNI DEL) and nothing captured it since.
 	SandboxReleased(uid types.UID) bool
+	// HoldAnnotations defers the annotation writes (bounded) until
+	// release is called: a batch's captures go first.
+	HoldAnnotations() (release func())
 }
 
 // Finder locates running pods' network namespaces (netns.Scanner).
@@ -323,6 +326,11 @@ func (c *Controller) processBatch(ctx context.Context) bool {
 	}
 	var found *handles
 	if len(want) > 0 {
+		// Every pod of the batch handed to ztunnel before the API writes
+		// that tell of it: on a small node the writes and the API
+		// server's work for them would take the cores the captures need.
+		release := c.cfg.Agent.HoldAnnotations()
+		defer release()
 		found = c.find(want)
 		defer found.closeRest()
 	}

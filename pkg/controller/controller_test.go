@@ -43,6 +43,7 @@ type fakeAgent struct {
 	// and maxInFlight count the captures held at once.
 	gate                  chan struct{}
 	inFlight, maxInFlight int
+	holds                 int // annotation holds in force
 }
 
 func newFakeAgent() *fakeAgent {
@@ -129,6 +130,27 @@ func (a *fakeAgent) Unenroll(_ context.Context, uid types.UID) error {
 	}
 	delete(a.unresolved, uid)
 	return nil
+}
+
+func (a *fakeAgent) HoldAnnotations() func() {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.holds++
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			a.mu.Lock()
+			defer a.mu.Unlock()
+			a.holds--
+		})
+	}
+}
+
+// held is how many annotation holds are in force.
+func (a *fakeAgent) held() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.holds
 }
 
 func (a *fakeAgent) EnrolledUID(namespace, name string) (types.UID, bool) {
@@ -326,7 +348,8 @@ func TestNamespaceFlipCapturesRunningPods(t *testing.T) {
 
 // TestEnrollmentParallelAndBounded: the running pods of a
 // namespace that gets labelled are captured in parallel, at most Parallel
-// (default 8) at a time, after one /proc scan for the whole burst.
+// (default 8) at a time, after one /proc scan for the whole burst, with
+// the annotation writes held until the batch's captures are done.
 func TestEnrollmentParallelAndBounded(t *testing.T) {
 	var pods []*corev1.Pod
 	var uids []types.UID
@@ -348,6 +371,9 @@ func TestEnrollmentParallelAndBounded(t *testing.T) {
 	scans := len(e.finder.scanLog())
 	e.kube.SetNamespace(namespace("shop", true))
 	poll.Until(t, "8 captures in flight", func() bool { now, _ := inFlight(); return now == 8 })
+	if n := e.agent.held(); n != 1 {
+		t.Errorf("%d annotation holds while the batch captures, want 1", n)
+	}
 	close(gate)
 	poll.Until(t, "every pod captured", func() bool {
 		for i := range 30 {
@@ -360,6 +386,7 @@ func TestEnrollmentParallelAndBounded(t *testing.T) {
 	if _, most := inFlight(); most != 8 {
 		t.Errorf("at most %d captures at once, want 8 (the default bound)", most)
 	}
+	poll.Until(t, "the annotation hold released", func() bool { return e.agent.held() == 0 })
 	if got := len(e.finder.scanLog()) - scans; got < 1 || got > 3 {
 		t.Errorf("%d scans for one namespace flip of 30 pods, want them batched: %v", got, e.finder.scanLog())
 	}

@@ -299,6 +299,16 @@ func (a *Agent) FlushAnnotations(ctx context.Context) error {
 	return a.annotations.flush(ctx)
 }
 
+// HoldAnnotations defers the annotation writes that have not started
+// until release is called, for at most a couple of seconds: the pod
+// controller holds them while it captures a batch of running pods (a
+// namespace label), so the captures get the node's CPU (and the API
+// server's, where it shares the node) first. Captures and ztunnel
+// handoffs never wait for it; release is idempotent.
+func (a *Agent) HoldAnnotations() (release func()) {
+	return a.annotations.hold()
+}
+
 // PendingAnnotations is how many pods wait for an annotation write.
 func (a *Agent) PendingAnnotations() int {
 	return a.annotations.pending()

@@ -19,6 +19,11 @@ import (
 // busy when many pods are enrolled at once (a namespace label).
 const annotationWorkers = 8
 
+// maxAnnotationHold bounds how long holds (annotationWriter.hold) defer
+// the writes, counted from the first of a run of holds that follow each
+// other: captures that go on and on never starve the annotations.
+const maxAnnotationHold = 2 * time.Second
+
 // Backoff of a failed annotation write, per pod.
 const (
 	annotationRetryMin = 100 * time.Millisecond
@@ -54,6 +59,16 @@ type annotationWriter struct {
 	// idle is closed and replaced whenever want becomes empty and no then
 	// runs (for Flush).
 	idle chan struct{}
+	// holds counts the holds in force; the writes wait while any is, until
+	// heldSince + maxAnnotationHold. unheld is closed when the last one
+	// ends, at heldUntil.
+	holds                int
+	heldSince, heldUntil time.Time
+	unheld               chan struct{}
+	// maxHold is maxAnnotationHold (tests shorten or lengthen it);
+	// waiting counts the writes waiting on a hold.
+	maxHold time.Duration
+	waiting int
 }
 
 type wantedAnnotation struct {
@@ -72,6 +87,7 @@ func newAnnotationWriter(ann Annotator, pods PodLister, limit *rate.Limiter, log
 		want:    map[types.UID]*wantedAnnotation{},
 		written: map[types.UID]string{},
 		idle:    make(chan struct{}),
+		maxHold: maxAnnotationHold,
 	}
 }
 
@@ -88,6 +104,64 @@ func (w *annotationWriter) set(namespace, name string, uid types.UID, value stri
 	w.want[uid] = &wantedAnnotation{namespace: namespace, name: name, value: value, then: then}
 	w.mu.Unlock()
 	w.queue.Add(uid)
+}
+
+// hold defers the writes not yet started until release is called (or
+// maxAnnotationHold has passed): a batch of captures (a namespace label's
+// running pods) gets the CPU and the API server's cores before the writes
+// of its annotations, which then go out paced as always. The ztunnel
+// handoff never waits for an annotation, and a pod is annotated enabled
+// only once ztunnel acked it, held or not.
+func (w *annotationWriter) hold() (release func()) {
+	w.mu.Lock()
+	if w.holds == 0 {
+		if now := time.Now(); now.Sub(w.heldUntil) > w.maxHold {
+			// Not a continuation of the previous run of holds: a new bound.
+			w.heldSince = now
+		}
+		w.unheld = make(chan struct{})
+	}
+	w.holds++
+	w.mu.Unlock()
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			w.mu.Lock()
+			defer w.mu.Unlock()
+			if w.holds--; w.holds == 0 {
+				w.heldUntil = time.Now()
+				close(w.unheld)
+			}
+		})
+	}
+}
+
+// waitUnheld returns once no hold is in force, the holds' bound has
+// passed, or ctx ends; it reports whether it waited.
+func (w *annotationWriter) waitUnheld(ctx context.Context) bool {
+	w.mu.Lock()
+	if w.holds == 0 {
+		w.mu.Unlock()
+		return false
+	}
+	ch, left := w.unheld, w.maxHold-time.Since(w.heldSince)
+	if left <= 0 {
+		w.mu.Unlock()
+		return false
+	}
+	w.waiting++
+	w.mu.Unlock()
+	t := time.NewTimer(left)
+	defer t.Stop()
+	select {
+	case <-ch:
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	w.mu.Lock()
+	w.waiting--
+	w.mu.Unlock()
+	return true
 }
 
 // forget drops whatever the pod still wanted written: its sandbox is gone.
@@ -194,6 +268,16 @@ func (w *annotationWriter) write(ctx context.Context, uid types.UID) {
 	}
 	w.mu.Unlock()
 
+	if w.waitUnheld(ctx) {
+		w.mu.Lock()
+		stale := w.want[uid] != want
+		w.mu.Unlock()
+		if stale {
+			// Replaced (the queue holds the pod again) or forgotten
+			// while held.
+			return
+		}
+	}
 	if err := w.limit.Wait(ctx); err != nil {
 		// Shutting down: what is still wanted is left to the next agent.
 		return
