@@ -18,7 +18,8 @@ import (
 
 // Capture is the one way a pod gets captured, for the CNI path and the pod
 // controller alike: capture record, in-pod rules, host probe set, ztunnel
-// handoff (waits for the ack); the status annotation is then written
+// handoff (waits for the ack; for a pod not held yet it runs while the
+// rules go in); the status annotation is then written
 // asynchronously (see Run). ns is the pod's network namespace, held open:
 // Capture owns it, keeps it in the state on success and closes it
 // otherwise. sb is the sandbox at CNI ADD; nil (the controller) takes the

@@ -17,8 +17,11 @@ import (
 )
 
 // BenchmarkCapturePhases breaks the agent's part of an ambient CNI ADD
-// into its phases (the capture's debug-level "capture timings": prepare,
-// capture record, in-pod rules, host probe set, ztunnel handoff), for pods
+// into its phases (the debug-level "capture timings": the event server's
+// read and decode, decision and netns open, then the capture's prepare,
+// capture record, in-pod rules, host probe set and ztunnel handoff, which
+// for a new pod is what is left of the ack's wait once the rules are in,
+// and the reply), for pods
 // started one at a time and eight at a time through the real plugin
 // binary, with the chart's settings and the backend it chooses. It logs
 // the median and p90 of each phase, and the CPU time per pod started of
