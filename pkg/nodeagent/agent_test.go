@@ -272,6 +272,10 @@ func TestEnrollFailures(t *testing.T) {
 	if got := h.recorded(t); len(got) != 0 || h.rules.count() != 0 || h.annotations(t, "u1") != "" {
 		t.Fatalf("after a failed apply: records %v, rules in %d namespaces, annotations %q", got, h.rules.count(), h.ann.history("u1"))
 	}
+	// ztunnel, handed the pod while its rules went in, forgets it again.
+	if h.zt.addCount("u1") != 0 && h.zt.delLog() != "u1" {
+		t.Fatalf("after a failed apply: ztunnel got %d Adds of u1 and Dels %q", h.zt.addCount("u1"), h.zt.delLog())
+	}
 	h.rules.setApplyErr(nil)
 	h.zt.setAddErr(errors.New("no ztunnel connected"))
 	_, err = h.srv.Add(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn))
@@ -290,6 +294,34 @@ func TestEnrollFailures(t *testing.T) {
 	}
 	if p := h.agent.Pods(); len(p) != 1 || p[0].State != StateEnabled || h.agent.Pending("u1") {
 		t.Fatalf("state after retry = %+v", p)
+	}
+}
+
+// TestHandoffOverlapsRules: a pod the agent does not hold yet is handed
+// to ztunnel while its rules go in, and the ADD answers only once both
+// are done.
+func TestHandoffOverlapsRules(t *testing.T) {
+	h := newHarness(t)
+	pn := testnet.NewNS(t)
+	h.kube.SetPod(pod("shop", "web", "u1", nil))
+	var sawAdd bool
+	h.rules.mu.Lock()
+	h.rules.onApply = func() {
+		deadline := time.Now().Add(10 * time.Second)
+		for h.zt.addCount("u1") == 0 && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond)
+		}
+		sawAdd = h.zt.addCount("u1") == 1
+	}
+	h.rules.mu.Unlock()
+	if _, err := h.srv.Add(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
+		t.Fatalf("add: %v", err)
+	}
+	if !sawAdd {
+		t.Fatal("the rules' apply never saw the pod's ZDS Add: the handoff waited for the rules")
+	}
+	if p := h.agent.Pods(); len(p) != 1 || p[0].State != StateEnabled || h.rules.count() != 1 {
+		t.Fatalf("state after the ADD = %+v, rules in %d namespaces", p, h.rules.count())
 	}
 }
 

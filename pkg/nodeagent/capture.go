@@ -18,7 +18,8 @@ import (
 
 // Capture is the one way a pod gets captured, for the CNI path and the pod
 // controller alike: capture record, in-pod rules, host probe set, ztunnel
-// handoff (waits for the ack); the status annotation is then written
+// handoff (waits for the ack; for a pod not held yet it runs while the
+// rules go in); the status annotation is then written
 // asynchronously (see Run). ns is the pod's network namespace, held open:
 // Capture owns it, keeps it in the state on success and closes it
 // otherwise. sb is the sandbox at CNI ADD; nil (the controller) takes the
@@ -31,6 +32,13 @@ import (
 // the ADD, and any ztunnel that connects meanwhile acks it in its
 // snapshot, which makes it Enabled (SnapshotAcked).
 func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, sb *Sandbox) error {
+	return a.capture(ctx, pod, ns, sb, nil)
+}
+
+// capture is Capture; t, when not nil, is the timer of the request that
+// asked for it (the event server's), which goes on timing the capture's
+// phases and logs them with its own; nil times the capture alone.
+func (a *Agent) capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, sb *Sandbox, t *phaseTimer) error {
 	if pod == nil || pod.UID == "" {
 		_ = ns.Close()
 		return errors.New("capture: pod without uid")
@@ -39,14 +47,15 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, 
 	if sb != nil {
 		sandboxID, network, ips = sb.ID, sb.Network, sb.IPs
 	}
-	start := time.Now()
+	own := t == nil
+	if own {
+		// The phases' durations, logged at debug level: the breakdown of
+		// the capture's critical path (docs/performance.md).
+		t = newPhaseTimer(a.log)
+	}
 	unlock := a.lock(pod.UID)
 	defer unlock()
 	log := a.log.With("pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID)
-	// The phases' durations, logged at debug level: the breakdown of the
-	// capture's critical path (docs/performance.md).
-	var t phaseTimer
-	t.start(log, start)
 
 	if sb == nil && a.tornDown(ns, pod.UID) {
 		// The controller found a namespace whose sandbox a CNI DEL just
@@ -86,8 +95,32 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, 
 		return Retryable(err)
 	}
 	t.lap("record")
+	// A pod the agent does not hold yet goes to ztunnel while its rules go
+	// in: the two are independent until the pod starts, which waits for
+	// both, and ztunnel's ack (queued behind the other pods' on its
+	// connection) no longer follows the rules' time. The entry is in the
+	// state first, so a ztunnel that connects meanwhile finds the pod in
+	// its snapshot. A pod already held (a repeated ADD, a recreated
+	// sandbox) keeps the order rules, then handoff: a failed apply then
+	// leaves ztunnel serving it as before.
+	var handoff chan error
+	if a.cfg.Ztunnel != nil && old == nil {
+		a.mu.Lock()
+		a.pods[pod.UID] = e
+		a.mu.Unlock()
+		handoff = make(chan error, 1)
+		w := a.workload(e)
+		go func() {
+			zctx, cancel := context.WithTimeout(ctx, a.cfg.ZtunnelTimeout)
+			defer cancel()
+			handoff <- a.cfg.Ztunnel.Add(zctx, w)
+		}()
+	}
 	if err := a.cfg.Rules.Apply(ns.Path(), cfg); err != nil {
 		a.ruleError("apply")
+		if handoff != nil {
+			a.undoHandoff(log, e, <-handoff)
+		}
 		a.undoFailedApply(log, pod.UID, old, ns, prevRec, hadRec)
 		_ = ns.Close()
 		return Retryable(fmt.Errorf("apply in-pod rules in netns %s: %w", ns.Source(), err))
@@ -110,9 +143,14 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, 
 	t.lap("probe")
 
 	if a.cfg.Ztunnel != nil {
-		zctx, cancel := context.WithTimeout(ctx, a.cfg.ZtunnelTimeout)
-		err := a.cfg.Ztunnel.Add(zctx, a.workload(e))
-		cancel()
+		var err error
+		if handoff != nil {
+			err = <-handoff
+		} else {
+			zctx, cancel := context.WithTimeout(ctx, a.cfg.ZtunnelTimeout)
+			err = a.cfg.Ztunnel.Add(zctx, a.workload(e))
+			cancel()
+		}
 		if err != nil {
 			// A snapshot may have acked the pod meanwhile.
 			a.mu.Lock()
@@ -127,9 +165,15 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, 
 	e.State = StateEnabled
 	a.mu.Unlock()
 	a.wantAnnotation(&e.EnrolledPod, StateEnabled, nil)
-	t.log(log, "capture timings")
+	if own {
+		t.log(log, captureTimings)
+	}
 	return nil
 }
+
+// captureTimings is the message of the debug-level line that breaks one
+// capture into its phases; a CNI ADD's line also has the event server's.
+const captureTimings = "capture timings"
 
 // phaseTimer records how long each phase of a capture took, only while
 // debug logging is on.
@@ -139,14 +183,19 @@ type phaseTimer struct {
 	attrs    []any
 }
 
-func (t *phaseTimer) start(log *slog.Logger, now time.Time) {
-	t.on = log.Enabled(context.Background(), slog.LevelDebug)
-	t.t0, t.last = now, now
+// newPhaseTimer starts timing now if log logs at debug level.
+func newPhaseTimer(log *slog.Logger) *phaseTimer {
+	t := &phaseTimer{on: log.Enabled(context.Background(), slog.LevelDebug)}
+	if t.on {
+		t.t0 = time.Now()
+		t.last = t.t0
+	}
+	return t
 }
 
-// lap ends phase name.
+// lap ends phase name. A nil timer times nothing.
 func (t *phaseTimer) lap(name string) {
-	if !t.on {
+	if t == nil || !t.on {
 		return
 	}
 	now := time.Now()
@@ -156,7 +205,7 @@ func (t *phaseTimer) lap(name string) {
 
 // log writes the phases and their total at debug level.
 func (t *phaseTimer) log(log *slog.Logger, msg string) {
-	if !t.on {
+	if t == nil || !t.on {
 		return
 	}
 	log.Debug(msg, append(t.attrs, "total", t.last.Sub(t.t0))...)
@@ -186,6 +235,31 @@ func (a *Agent) holderOf(ns *netns.Handle, uid types.UID) *entry {
 		}
 	}
 	return nil
+}
+
+// undoHandoff takes back a pod handed to ztunnel while its rules went in,
+// once the rules failed (addErr is the handoff's outcome): the pod leaves
+// the state, and ztunnel, which may have it even when the Add failed (a
+// lost ack), is told to forget it. Called with the pod's lock held.
+func (a *Agent) undoHandoff(log *slog.Logger, e *entry, addErr error) {
+	a.mu.Lock()
+	if a.pods[e.UID] == e {
+		delete(a.pods, e.UID)
+	}
+	a.mu.Unlock()
+	uid := string(e.UID)
+	if addErr == nil {
+		ctx, cancel := context.WithTimeout(context.Background(), a.cfg.ZtunnelTimeout)
+		err := a.cfg.Ztunnel.Del(ctx, uid)
+		cancel()
+		if err == nil {
+			return
+		}
+		log.Warn("take back from ztunnel a pod whose rules failed", "err", err)
+	}
+	if err := a.cfg.Ztunnel.DelNoWait(uid); err != nil {
+		log.Warn("take back from ztunnel a pod whose rules failed", "err", err)
+	}
 }
 
 // undoFailedApply leaves the pod as it was before a capture whose apply

@@ -32,6 +32,8 @@ type recordedRules struct {
 	calls     []string
 	applyErr  error
 	removeErr error
+	// onApply, when set, runs as Apply begins.
+	onApply func()
 	// installed holds each namespace's rules, by namespace identity.
 	installed map[string]*fakeRules
 }
@@ -75,6 +77,12 @@ func (r *recordedRules) record(op, path string, injected error) (string, error) 
 }
 
 func (r *recordedRules) Apply(path string, cfg ruleset.PodConfig) error {
+	r.mu.Lock()
+	onApply := r.onApply
+	r.mu.Unlock()
+	if onApply != nil {
+		onApply()
+	}
 	k, err := r.record("apply", path, r.injected(&r.applyErr))
 	if err != nil {
 		return err

@@ -226,6 +226,7 @@ func readBody(w http.ResponseWriter, r *http.Request) ([]byte, int, error) {
 }
 
 func (s *Server) handlePodEvent(w http.ResponseWriter, r *http.Request) {
+	t := newPhaseTimer(s.log)
 	b, code, err := readBody(w, r)
 	if err != nil {
 		s.log.Warn("bad pod event", "err", err)
@@ -240,10 +241,11 @@ func (s *Server) handlePodEvent(w http.ResponseWriter, r *http.Request) {
 		reply(w, http.StatusBadRequest, ambient.PodEventResponse{Error: err.Error()})
 		return
 	}
+	t.lap("read")
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.HandlerTimeout)
 	defer cancel()
 	start := time.Now()
-	verdict, err := s.dispatch(ctx, ev)
+	verdict, err := s.dispatch(ctx, ev, t)
 	took := time.Since(start)
 	log := s.log.With("cmd", ev.Command, "pod", ev.PodNamespace+"/"+ev.PodName, "sandbox", ev.SandboxID, "took", took)
 	if err != nil {
@@ -256,6 +258,10 @@ func (s *Server) handlePodEvent(w http.ResponseWriter, r *http.Request) {
 	s.observe(string(ev.Command), string(verdict), took)
 	log.Debug("pod event done", "verdict", verdict)
 	reply(w, http.StatusOK, ambient.PodEventResponse{Verdict: verdict})
+	if verdict == ambient.VerdictEnrolled && ev.Command == ambient.CommandAdd {
+		t.lap("reply")
+		t.log(log, captureTimings)
+	}
 }
 
 // statusOf maps a request's failure to the HTTP status that names its
@@ -293,7 +299,8 @@ func ResultStatus(result string) int {
 	return http.StatusOK
 }
 
-func (s *Server) dispatch(ctx context.Context, ev *ambient.PodEvent) (ambient.Verdict, error) {
+// dispatch answers one decoded event; t times an ADD's phases.
+func (s *Server) dispatch(ctx context.Context, ev *ambient.PodEvent, t *phaseTimer) (ambient.Verdict, error) {
 	if ev.Command == ambient.CommandDel {
 		// DEL never opens the netns: the agent holds its own handle, and
 		// the runtime may already have removed the mount. The path only
@@ -306,14 +313,15 @@ func (s *Server) dispatch(ctx context.Context, ev *ambient.PodEvent) (ambient.Ve
 	if ev.Command == ambient.CommandCheck {
 		return ambient.VerdictOK, s.checkPath(ctx, p, ev.Netns)
 	}
-	return s.addPath(ctx, p, ev.Netns)
+	return s.addPath(ctx, p, ev.Netns, t)
 }
 
 // addPath is the CNI ADD with the runtime's netns path: the path is opened
 // (and so validated against the allowed roots) only for a pod that will be
 // captured, so a wrong netns root setting never stops the pods that stay
 // outside the mesh.
-func (s *Server) addPath(ctx context.Context, p PodInfo, path string) (ambient.Verdict, error) {
+// t, when not nil, times the phases.
+func (s *Server) addPath(ctx context.Context, p PodInfo, path string, t *phaseTimer) (ambient.Verdict, error) {
 	d, pod, err := s.decide(ctx, p)
 	if err != nil {
 		return "", err
@@ -322,11 +330,13 @@ func (s *Server) addPath(ctx context.Context, p PodInfo, path string) (ambient.V
 		s.log.Info("pod not enrolled", "pod", p.Namespace+"/"+p.Name, "sandbox", p.SandboxID, "reason", d.Reason)
 		return ambient.VerdictNotEnrolled, nil
 	}
+	t.lap("decide")
 	ns, err := s.netns.Open(path)
 	if err != nil {
 		return "", err
 	}
-	return s.capture(ctx, p, d, pod, ns)
+	t.lap("open")
+	return s.capture(ctx, p, d, pod, ns, t)
 }
 
 // Add is the CNI ADD: decide, then capture. It takes ownership of ns and
@@ -343,7 +353,7 @@ func (s *Server) Add(ctx context.Context, p PodInfo, ns *netns.Handle) (ambient.
 		s.log.Info("pod not enrolled", "pod", p.Namespace+"/"+p.Name, "sandbox", p.SandboxID, "reason", d.Reason)
 		return ambient.VerdictNotEnrolled, nil
 	}
-	return s.capture(ctx, p, d, pod, ns)
+	return s.capture(ctx, p, d, pod, ns, nil)
 }
 
 // decide is the enablement decision for the pod of a CNI request, with
@@ -360,9 +370,10 @@ func (s *Server) decide(ctx context.Context, p PodInfo) (enablement.Decision, *c
 	return d, pod, nil
 }
 
-// capture enrolls a pod decided in; it takes ownership of ns.
-func (s *Server) capture(ctx context.Context, p PodInfo, d enablement.Decision, pod *corev1.Pod, ns *netns.Handle) (ambient.Verdict, error) {
-	if err := s.agent.Capture(ctx, pod, ns, &Sandbox{ID: p.SandboxID, IPs: p.IPs, Network: p.Network}); err != nil {
+// capture enrolls a pod decided in; it takes ownership of ns. t, when not
+// nil, goes on timing the request's phases.
+func (s *Server) capture(ctx context.Context, p PodInfo, d enablement.Decision, pod *corev1.Pod, ns *netns.Handle, t *phaseTimer) (ambient.Verdict, error) {
+	if err := s.agent.capture(ctx, pod, ns, &Sandbox{ID: p.SandboxID, IPs: p.IPs, Network: p.Network}, t); err != nil {
 		return "", err
 	}
 	s.log.Info("pod enrolled", "pod", p.Namespace+"/"+p.Name, "sandbox", p.SandboxID, "reason", d.Reason, "uid", pod.UID)
@@ -453,7 +464,7 @@ func (s *Server) RecheckPassedThrough(ctx context.Context) (int, error) {
 		ev := en.Event
 		p := PodInfo{Namespace: ev.PodNamespace, Name: ev.PodName, UID: types.UID(ev.PodUID), SandboxID: ev.SandboxID, IPs: ev.Addrs(), Network: ev.Network}
 		log := s.log.With("pod", p.Namespace+"/"+p.Name, "sandbox", p.SandboxID)
-		v, err := s.addPath(ctx, p, ev.Netns)
+		v, err := s.addPath(ctx, p, ev.Netns, nil)
 		switch {
 		case err == nil && v == ambient.VerdictEnrolled:
 			log.Warn("pod started while the agent was gone is now captured")

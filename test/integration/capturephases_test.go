@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -11,16 +12,22 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
+	"github.com/ambient-cni/ambient-cni/test/bench"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
 )
 
 // BenchmarkCapturePhases breaks the agent's part of an ambient CNI ADD
-// into its phases (the capture's debug-level "capture timings": prepare,
-// capture record, in-pod rules, host probe set, ztunnel handoff), for pods
+// into its phases (the debug-level "capture timings": the event server's
+// read and decode, decision and netns open, then the capture's prepare,
+// capture record, in-pod rules, host probe set and ztunnel handoff, which
+// for a new pod is what is left of the ack's wait once the rules are in,
+// and the reply), for pods
 // started one at a time and eight at a time through the real plugin
 // binary, with the chart's settings and the backend it chooses. It logs
-// the median and p90 of each phase; docs/performance.md carries the
-// figures. Run with:
+// the median and p90 of each phase, and the CPU time per pod started of
+// this process (the agent, the stand-in and the harness) and of the API
+// server, over the starts; docs/performance.md carries the figures. Run
+// with:
 //
 //	go test ./test/integration -run '^$' -bench CapturePhases -benchtime 1x
 func BenchmarkCapturePhases(b *testing.B) {
@@ -33,6 +40,7 @@ func BenchmarkCapturePhases(b *testing.B) {
 		for _, conc := range []int{1, 8} {
 			ns := n.namespace(fmt.Sprintf("phases-c%d", conc), ambientLabel)
 			rec.reset()
+			self0, api0 := readCPU(b, os.Getpid()), readCPU(b, n.env.APIServerPid())
 			var wg sync.WaitGroup
 			sem := make(chan struct{}, conc)
 			pods := make([]*kubesim.Pod, 48)
@@ -49,7 +57,9 @@ func BenchmarkCapturePhases(b *testing.B) {
 				})
 			}
 			wg.Wait()
-			b.Logf("%d at a time, %d captures:\n%s", conc, rec.count(), rec.summary())
+			self, api := readCPU(b, os.Getpid()).Sub(self0), readCPU(b, n.env.APIServerPid()).Sub(api0)
+			b.Logf("%d at a time, %d captures:\n%s  cpu per pod: this process %.2f ms (its children %.2f), kube-apiserver %.2f ms",
+				conc, rec.count(), rec.summary(), ms(self.Own)/float64(len(pods)), ms(self.Children)/float64(len(pods)), ms(api.Own)/float64(len(pods)))
 			for _, p := range pods {
 				if p != nil {
 					if err := n.kube.Delete(ctx, p); err != nil {
@@ -59,6 +69,14 @@ func BenchmarkCapturePhases(b *testing.B) {
 			}
 		}
 	}
+}
+
+func readCPU(b *testing.B, pid int) bench.CPUTimes {
+	c, err := bench.ReadCPU(pid)
+	if err != nil {
+		b.Fatalf("cpu time of pid %d: %v", pid, err)
+	}
+	return c
 }
 
 // multiHandler sends records to the recorder at every level and to the

@@ -275,7 +275,9 @@ func New(o Options) (*App, error) {
 		Observe: func(verb, result string, took time.Duration) {
 			m.ObserveRequest(verb, result, nodeagent.ResultStatus(result), took)
 		},
-		Logger: a.log,
+		// The agent's (a hook may have changed it): an ADD's timings
+		// span both.
+		Logger: agentCfg.Logger,
 	}, a.pods, a.agent)
 	a.ctrl = controller.New(controller.Config{
 		Pods:   a.pods,

@@ -360,6 +360,14 @@ func freePorts(n int) ([]int, error) {
 	return ports, nil
 }
 
+// APIServerPid is the process id of the current kube-apiserver, for a
+// benchmark that reads its CPU time.
+func (e *Env) APIServerPid() int {
+	e.apiMu.Lock()
+	defer e.apiMu.Unlock()
+	return e.apiserver.Pid()
+}
+
 // StopAPIServer stops kube-apiserver (SIGTERM, then SIGKILL after a few
 // seconds) and leaves etcd running: a control-plane outage. Every client
 // sees connections refused until StartAPIServer.
