@@ -115,9 +115,6 @@ func sendBatch(c *netlink.Conn, msgs []netlink.Message) error {
 	return nil
 }
 
-// batchAckWait bounds the wait for a batch's acknowledgements.
-const batchAckWait = 10 * time.Second
-
 // tableInfo is what a table dump tells about one table.
 type tableInfo struct {
 	family  uint8

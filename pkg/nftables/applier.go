@@ -35,7 +35,7 @@ type Applier struct {
 	closing sync.WaitGroup
 
 	mu       sync.Mutex
-	programs map[string]program // rendered pod rules by configuration
+	programs map[string]program // rendered pod rules by configuration, with their fresh batch
 
 	// beforeFlush, set by tests only, queues more on an apply's batch.
 	beforeFlush func(conn)
@@ -53,8 +53,11 @@ func NewApplier(log *slog.Logger) *Applier {
 // configurations, so the bound is only a guard.
 const maxPrograms = 256
 
-// program renders cfg's rules, or returns them from the cache. Programs
-// are never modified after rendering, so sharing them is safe.
+// program renders cfg's rules, or returns them from the cache, with the
+// batch that installs them in a namespace without our tables: it depends
+// on the program alone, so it is built once and replayed for every new
+// pod. Programs are never modified after rendering, so sharing them is
+// safe.
 func (a *Applier) program(cfg ruleset.PodConfig) (program, error) {
 	key := fmt.Sprintf("%+v", cfg.WithDefaults())
 	a.mu.Lock()
@@ -66,6 +69,14 @@ func (a *Applier) program(cfg ruleset.PodConfig) (program, error) {
 	p, err := renderPod(cfg)
 	if err != nil {
 		return program{}, err
+	}
+	q, err := netfilter.NewRecorder()
+	if err != nil {
+		return program{}, err
+	}
+	add(q.Conn, p)
+	if p.fresh, err = q.Batch(); err != nil {
+		return program{}, fmt.Errorf("nftables: encode pod rules: %w", err)
 	}
 	a.mu.Lock()
 	if len(a.programs) >= maxPrograms {
@@ -94,10 +105,10 @@ func (a *Applier) lock(netnsPath string) func() {
 // deleted something.
 func (a *Applier) release(c conn, deleted bool) {
 	if !deleted {
-		_ = c.CloseLasting()
+		_ = c.close()
 		return
 	}
-	a.closing.Go(func() { _ = c.CloseLasting() })
+	a.closing.Go(func() { _ = c.close() })
 }
 
 // podNetns refuses an empty path: it would mean the agent's own (the
@@ -109,9 +120,10 @@ func podNetns(path string) error {
 	return nil
 }
 
-// open enters the namespace once: its state, a route socket and an
-// nf_tables socket, both usable from any thread afterwards.
-func open(netnsPath string) (*policyroute.Conn, netns.State, conn, error) {
+// open enters the namespace once: its state, a route socket and the
+// nf_tables sockets (write: also the one for changes), all usable from any
+// thread afterwards.
+func open(netnsPath string, write bool) (*policyroute.Conn, netns.State, conn, error) {
 	var (
 		st netns.State
 		rt *policyroute.Conn
@@ -125,12 +137,8 @@ func open(netnsPath string) (*policyroute.Conn, netns.State, conn, error) {
 		if rt, err = policyroute.Dial(st.LoopbackIndex); err != nil {
 			return err
 		}
-		gc, err := gnft.New(gnft.AsLasting())
-		if err != nil {
-			return fmt.Errorf("nf_tables netlink: %w", err)
-		}
-		c = conn{gc}
-		return nil
+		c, err = dialHere(write)
+		return err
 	})
 	if err != nil {
 		if rt != nil {
@@ -186,18 +194,18 @@ func (a *Applier) ApplySeeing(netnsPath string, cfg ruleset.PodConfig) (netfilte
 		return netfilter.Seen{}, err
 	}
 	defer a.lock(netnsPath)()
-	rt, st, c, err := open(netnsPath)
+	rt, st, c, err := open(netnsPath, true)
 	if err != nil {
 		return netfilter.Seen{}, err
 	}
 	defer rt.Close()
 	if !st.LoopbackUp {
-		_ = c.CloseLasting()
+		_ = c.close()
 		return netfilter.Seen{}, fmt.Errorf("lo is down in netns %s: redirected traffic could not reach ztunnel", netnsPath)
 	}
 	live, foreign, err := readLive(c, PodTables, false)
 	if err != nil {
-		_ = c.CloseLasting()
+		_ = c.close()
 		return netfilter.Seen{}, fmt.Errorf("read nf_tables state of netns %s: %w", netnsPath, err)
 	}
 	seen := others(st, foreign)
@@ -215,15 +223,24 @@ func (a *Applier) ApplySeeing(netnsPath string, cfg ruleset.PodConfig) (netfilte
 	}
 	if len(errs) == 0 && !rulesOK {
 		// Replace, never patch: our tables are ours alone, so deleting
-		// and re-adding them in one transaction is exact and atomic.
-		for name := range live {
-			c.DelTable(&gnft.Table{Name: name, Family: gnft.TableFamilyINet})
+		// and re-adding them in one transaction is exact and atomic. A
+		// namespace without them (every new pod) takes the program's
+		// batch as it is.
+		b, err := p.fresh, error(nil)
+		if len(live) > 0 || a.beforeFlush != nil {
+			for name := range live {
+				c.q.DelTable(&gnft.Table{Name: name, Family: gnft.TableFamilyINet})
+			}
+			add(c.q.Conn, p)
+			if a.beforeFlush != nil {
+				a.beforeFlush(c)
+			}
+			b, err = c.q.Batch()
 		}
-		add(c, p)
-		if a.beforeFlush != nil {
-			a.beforeFlush(c)
+		if err == nil {
+			err = c.w.Send(b)
 		}
-		if err := c.Flush(); err != nil {
+		if err != nil {
 			errs = append(errs, fmt.Errorf("apply nf_tables rules in netns %s: %w", netnsPath, err))
 		}
 	}
@@ -275,12 +292,12 @@ func (a *Applier) VerifySeeing(netnsPath string, cfg ruleset.PodConfig) (ruleset
 	if err != nil {
 		return ruleset.Drift{}, netfilter.Seen{}, err
 	}
-	rt, st, c, err := open(netnsPath)
+	rt, st, c, err := open(netnsPath, false)
 	if err != nil {
 		return ruleset.Drift{}, netfilter.Seen{}, err
 	}
 	defer rt.Close()
-	defer func() { _ = c.CloseLasting() }()
+	defer func() { _ = c.close() }()
 	live, foreign, err := readLive(c, PodTables, false)
 	if err != nil {
 		return ruleset.Drift{}, netfilter.Seen{}, fmt.Errorf("read nf_tables state of netns %s: %w", netnsPath, err)
@@ -331,26 +348,26 @@ func (a *Applier) remove(netnsPath string, routing bool) (netfilter.Seen, error)
 		return netfilter.Seen{}, err
 	}
 	defer a.lock(netnsPath)()
-	rt, st, c, err := open(netnsPath)
+	rt, st, c, err := open(netnsPath, true)
 	if err != nil {
 		return netfilter.Seen{}, err
 	}
 	defer rt.Close()
-	tables, err := c.ListTablesOfFamily(gnft.TableFamilyUnspecified)
+	tables, err := c.r.ListTablesOfFamily(gnft.TableFamilyUnspecified)
 	if err != nil {
-		_ = c.CloseLasting()
+		_ = c.close()
 		return netfilter.Seen{}, fmt.Errorf("list nf_tables tables in netns %s: %w", netnsPath, err)
 	}
 	n, foreign := 0, false
 	for _, t := range tables {
 		foreign = foreign || t.Family == gnft.TableFamilyIPv4 || t.Family == gnft.TableFamilyIPv6
 		if t.Family == gnft.TableFamilyINet && slices.Contains(PodTables, t.Name) {
-			c.DelTable(t)
+			c.q.DelTable(t)
 			n++
 		}
 	}
 	if n > 0 {
-		err = c.Flush()
+		err = c.flush()
 	}
 	a.release(c, n > 0)
 	seen := others(st, foreign)

@@ -42,10 +42,10 @@ func NewHostProbe(log *slog.Logger, netnsPath string, cfg ruleset.HostProbeConfi
 
 // conn returns the lasting connection, dialling it first. h.mu held.
 func (h *HostProbe) conn() (conn, error) {
-	if h.c.Conn != nil {
+	if h.c.ok() {
 		return h.c, nil
 	}
-	c, err := dial(h.netns)
+	c, err := dial(h.netns, true)
 	if err != nil {
 		return conn{}, err
 	}
@@ -56,8 +56,8 @@ func (h *HostProbe) conn() (conn, error) {
 // drop closes the connection after an error, so the next call starts on a
 // clean socket. h.mu held.
 func (h *HostProbe) drop() {
-	if h.c.Conn != nil {
-		_ = h.c.CloseLasting()
+	if h.c.ok() {
+		_ = h.c.close()
 		h.c = conn{}
 	}
 }
@@ -117,7 +117,7 @@ func (h *HostProbe) Ensure() error {
 	t := p.tables[0]
 	if lt := live[TableHost]; lt != nil {
 		for _, lc := range lt.chains {
-			c.DelChain(lc.c)
+			c.q.DelChain(lc.c)
 		}
 		// A set of the wrong type cannot be added over, and one the
 		// program no longer has (IPv6's, with IPv6 now left alone) serves
@@ -125,12 +125,12 @@ func (h *HostProbe) Ensure() error {
 		for _, ls := range lt.sets {
 			i := slices.IndexFunc(t.sets, func(s *set) bool { return s.name == ls.Name })
 			if i < 0 || ls.KeyType.GetNFTMagic() != t.sets[i].keyType.GetNFTMagic() {
-				c.DelSet(ls)
+				c.q.DelSet(ls)
 			}
 		}
 	}
-	add(c, p)
-	if err := c.Flush(); err != nil {
+	add(c.q.Conn, p)
+	if err := c.flush(); err != nil {
 		h.drop()
 		return fmt.Errorf("install host probe SNAT (%s): %w", t.name, err)
 	}
@@ -175,14 +175,14 @@ func (h *HostProbe) setOp(ip netip.Addr, del bool) error {
 	}
 	s := h.set(f)
 	el := []gnft.SetElement{{Key: ip.AsSlice()}}
-	op, verb := c.SetAddElements, "add"
+	op, verb := c.q.SetAddElements, "add"
 	if del {
-		op, verb = c.SetDeleteElements, "delete"
+		op, verb = c.q.SetDeleteElements, "delete"
 	}
 	if err := op(s, el); err != nil {
 		return err
 	}
-	err = c.Flush()
+	err = c.flush()
 	if del && errors.Is(err, unix.ENOENT) {
 		return nil // already absent, or no set: nothing to remove
 	}
@@ -222,7 +222,7 @@ func (h *HostProbe) IPs() ([]netip.Addr, error) {
 		if !slices.ContainsFunc(lt.sets, func(s *gnft.Set) bool { return s.Name == ruleset.ProbeSet(f) }) {
 			continue
 		}
-		els, err := c.GetSetElements(h.set(f))
+		els, err := c.r.GetSetElements(h.set(f))
 		if err != nil {
 			h.drop()
 			return nil, fmt.Errorf("list set %s: %w", ruleset.ProbeSet(f), err)
@@ -270,14 +270,14 @@ func (h *HostProbe) Remove() error {
 		return err
 	}
 	defer h.drop()
-	tables, err := c.ListTablesOfFamily(gnft.TableFamilyINet)
+	tables, err := c.r.ListTablesOfFamily(gnft.TableFamilyINet)
 	if err != nil {
 		return fmt.Errorf("list host nf_tables tables: %w", err)
 	}
 	for _, t := range tables {
 		if t.Name == TableHost {
-			c.DelTable(t)
-			if err := c.Flush(); err != nil {
+			c.q.DelTable(t)
+			if err := c.flush(); err != nil {
 				return fmt.Errorf("remove host probe SNAT: %w", err)
 			}
 		}

@@ -2,6 +2,7 @@ package nftables
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"slices"
 
@@ -9,29 +10,75 @@ import (
 	"github.com/google/nftables/expr"
 
 	"github.com/ambient-cni/ambient-cni/pkg/netfilter"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
-// conn is one lasting nf_tables netlink socket inside a namespace. The
-// calling thread never enters the namespace: the socket is created there
-// (google/nftables WithNetNSFd) and used from anywhere.
+// conn is what one call holds in a namespace: a lasting google/nftables
+// socket for reads (r), and for changes a Recorder they are queued on (q)
+// and a socket that sends them as one transaction asking for one ack (w).
+// The sockets are created inside the namespace and used from any thread.
+// Reads and changes are apart on purpose: a change queued on r would
+// never be sent.
 type conn struct {
-	*gnft.Conn
+	r *gnft.Conn
+	q *netfilter.Recorder
+	w *netfilter.Socket
 }
 
-// dial opens a lasting connection in the namespace at netnsPath ("" = the
-// caller's).
-func dial(netnsPath string) (conn, error) {
-	f, err := netfilter.OpenNetns(netnsPath)
-	if err != nil {
-		return conn{}, err
-	}
-	defer f.Close()
-	c, err := gnft.New(gnft.WithNetNSFd(int(f.Fd())), gnft.AsLasting())
+// dial opens a connection in the namespace at netnsPath ("" = the
+// caller's); write adds what changes need.
+func dial(netnsPath string, write bool) (conn, error) {
+	var c conn
+	err := netns.Do(netnsPath, func() error {
+		var err error
+		c, err = dialHere(write)
+		return err
+	})
 	if err != nil {
 		return conn{}, fmt.Errorf("nf_tables netlink in netns %s: %w", netnsPath, err)
 	}
-	return conn{c}, nil
+	return c, nil
+}
+
+// dialHere opens a connection in the calling thread's namespace.
+func dialHere(write bool) (conn, error) {
+	r, err := gnft.New(gnft.AsLasting())
+	if err != nil {
+		return conn{}, fmt.Errorf("nf_tables netlink: %w", err)
+	}
+	c := conn{r: r}
+	if !write {
+		return c, nil
+	}
+	if c.q, err = netfilter.NewRecorder(); err == nil {
+		c.w, err = netfilter.DialSocket()
+	}
+	if err != nil {
+		_ = r.CloseLasting()
+		return conn{}, err
+	}
+	return c, nil
+}
+
+// ok reports whether c is open.
+func (c conn) ok() bool { return c.r != nil }
+
+// close closes c's sockets.
+func (c conn) close() error {
+	if c.r == nil {
+		return nil
+	}
+	return errors.Join(c.r.CloseLasting(), c.w.Close())
+}
+
+// flush sends what is queued on c.q as one transaction.
+func (c conn) flush() error {
+	b, err := c.q.Batch()
+	if err != nil {
+		return err
+	}
+	return c.w.Send(b)
 }
 
 // liveChain is one of our chains as the kernel holds it.
@@ -60,7 +107,7 @@ func (t *liveTable) chain(name string) *liveChain {
 // tells whether any ip or ip6 table exists (where iptables-nft keeps its
 // rules).
 func readLive(c conn, names []string, withSets bool) (live map[string]*liveTable, foreign bool, err error) {
-	tables, err := c.ListTablesOfFamily(gnft.TableFamilyUnspecified)
+	tables, err := c.r.ListTablesOfFamily(gnft.TableFamilyUnspecified)
 	if err != nil {
 		return nil, false, fmt.Errorf("list nf_tables tables: %w", err)
 	}
@@ -76,7 +123,7 @@ func readLive(c conn, names []string, withSets bool) (live map[string]*liveTable
 	if len(live) == 0 {
 		return live, foreign, nil
 	}
-	chains, err := c.ListChainsOfTableFamily(gnft.TableFamilyINet)
+	chains, err := c.r.ListChainsOfTableFamily(gnft.TableFamilyINet)
 	if err != nil {
 		return nil, false, fmt.Errorf("list nf_tables chains: %w", err)
 	}
@@ -85,7 +132,7 @@ func readLive(c conn, names []string, withSets bool) (live map[string]*liveTable
 		if lt == nil {
 			continue
 		}
-		rules, err := c.GetRules(ch.Table, ch)
+		rules, err := c.r.GetRules(ch.Table, ch)
 		if err != nil {
 			return nil, false, fmt.Errorf("list rules of %s %s: %w", ch.Table.Name, ch.Name, err)
 		}
@@ -93,7 +140,7 @@ func readLive(c conn, names []string, withSets bool) (live map[string]*liveTable
 	}
 	if withSets {
 		for name, lt := range live {
-			sets, err := c.GetSets(&gnft.Table{Name: name, Family: gnft.TableFamilyINet})
+			sets, err := c.r.GetSets(&gnft.Table{Name: name, Family: gnft.TableFamilyINet})
 			if err != nil {
 				return nil, false, fmt.Errorf("list sets of %s: %w", name, err)
 			}
@@ -182,20 +229,25 @@ func diff(p program, live map[string]*liveTable, owned []string) []ruleset.Drift
 	return items
 }
 
-// add queues the program's tables, sets, chains and rules on c.
-func add(c conn, p program) {
+// add queues the program's tables, sets, chains and rules on q. Set ids
+// are numbered here, unique in the batch, so the same program always
+// makes the same bytes (google/nftables would number them from a
+// process-wide counter).
+func add(q *gnft.Conn, p program) {
+	var setID uint32
 	for _, t := range p.tables {
-		tbl := c.AddTable(&gnft.Table{Name: t.name, Family: gnft.TableFamilyINet})
+		tbl := q.AddTable(&gnft.Table{Name: t.name, Family: gnft.TableFamilyINet})
 		ids := map[string]uint32{}
 		for _, s := range t.sets {
-			gs := &gnft.Set{Table: tbl, Name: s.name, KeyType: s.keyType}
+			setID++
+			gs := &gnft.Set{Table: tbl, Name: s.name, KeyType: s.keyType, ID: setID}
 			// Only fails for anonymous or malformed sets, which we never make.
-			_ = c.AddSet(gs, nil)
+			_ = q.AddSet(gs, nil)
 			ids[s.name] = gs.ID
 		}
 		for _, ch := range t.chains {
 			accept := gnft.ChainPolicyAccept
-			gc := c.AddChain(&gnft.Chain{Name: ch.name, Table: tbl, Type: ch.typ, Hooknum: ch.hook,
+			gc := q.AddChain(&gnft.Chain{Name: ch.name, Table: tbl, Type: ch.typ, Hooknum: ch.hook,
 				Priority: gnft.ChainPriorityRef(gnft.ChainPriority(ch.prio)), Policy: &accept})
 			for _, r := range ch.rules {
 				exprs := make([]expr.Any, len(r.exprs))
@@ -208,7 +260,7 @@ func add(c conn, p program) {
 					}
 					exprs[i] = e
 				}
-				c.AddRule(&gnft.Rule{Table: tbl, Chain: gc, Exprs: exprs, UserData: r.id})
+				q.AddRule(&gnft.Rule{Table: tbl, Chain: gc, Exprs: exprs, UserData: r.id})
 			}
 		}
 	}

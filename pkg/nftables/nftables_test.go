@@ -295,7 +295,7 @@ func TestApplyFailureUndone(t *testing.T) {
 		a.beforeFlush = func(c conn) {
 			// A rule for a chain that does not exist: the kernel refuses
 			// the whole batch.
-			c.AddRule(&gnft.Rule{Table: &gnft.Table{Name: TableNAT, Family: gnft.TableFamilyINet},
+			c.q.AddRule(&gnft.Rule{Table: &gnft.Table{Name: TableNAT, Family: gnft.TableFamilyINet},
 				Chain: &gnft.Chain{Name: "no-such-chain"}, Exprs: []expr.Any{&expr.Verdict{Kind: expr.VerdictAccept}}})
 		}
 		if err := a.Apply(p, ruleset.PodConfig{BypassInbound: true}); err == nil {

@@ -12,12 +12,12 @@ import (
 // HasTables reports whether the namespace at netnsPath holds an inet table
 // named in names.
 func HasTables(netnsPath string, names []string) (bool, error) {
-	c, err := dial(netnsPath)
+	c, err := dial(netnsPath, false)
 	if err != nil {
 		return false, err
 	}
-	defer func() { _ = c.CloseLasting() }()
-	tables, err := c.ListTablesOfFamily(gnft.TableFamilyINet)
+	defer func() { _ = c.close() }()
+	tables, err := c.r.ListTablesOfFamily(gnft.TableFamilyINet)
 	if err != nil {
 		return false, fmt.Errorf("list nf_tables tables in netns %s: %w", netnsPath, err)
 	}
@@ -44,16 +44,16 @@ func Probe() error {
 		return err
 	}
 	p.tables = append(p.tables, h.tables...)
-	c, err := dial("")
+	c, err := dial("", true)
 	if err != nil {
 		return err
 	}
-	defer func() { _ = c.CloseLasting() }()
-	add(c, p)
+	defer func() { _ = c.close() }()
+	add(c.q.Conn, p)
 	for _, t := range p.tables {
-		c.DelTable(&gnft.Table{Name: t.name, Family: gnft.TableFamilyINet})
+		c.q.DelTable(&gnft.Table{Name: t.name, Family: gnft.TableFamilyINet})
 	}
-	if err := c.Flush(); err != nil {
+	if err := c.flush(); err != nil {
 		return fmt.Errorf("nf_tables probe: %w", err)
 	}
 	return nil

@@ -11,6 +11,7 @@ import (
 	"github.com/google/nftables/expr"
 	"golang.org/x/sys/unix"
 
+	"github.com/ambient-cni/ambient-cni/pkg/netfilter"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
@@ -40,6 +41,9 @@ var PodTables = []string{TableRaw, TableMangle, TableNAT}
 // base chains, each rule both as netlink expressions and as nft text.
 type program struct {
 	tables []*table
+	// fresh installs the program in a namespace without our tables; set
+	// by Applier.program, nil elsewhere.
+	fresh *netfilter.Batch
 }
 
 type table struct {
