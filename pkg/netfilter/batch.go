@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
+	"syscall"
 	"time"
 	"unsafe"
 
@@ -135,10 +137,27 @@ func (r *Recorder) Batch() (*Batch, error) {
 // network namespace of the calling thread and usable from any thread
 // afterwards. It is not safe for concurrent use.
 type Socket struct {
-	fd   int
+	fd int
+	// rc, when set, is a mdlayher/netlink connection's socket, owned and
+	// closed by that connection; fd is then unused.
+	rc   syscall.RawConn
 	seq  uint32
 	out  []byte
 	recv []byte
+}
+
+// socketOf sends batches on c's socket (non-blocking, in Go's poller; c's
+// read deadline bounds the wait for answers). Its sequence numbers start
+// far from c's own, so a late answer is never taken for one of c's.
+func socketOf(c *netlink.Conn) (*Socket, error) {
+	if err := c.SetOption(netlink.CapAcknowledge, true); err != nil {
+		return nil, fmt.Errorf("netlink (netfilter) socket: NETLINK_CAP_ACK: %w", err)
+	}
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return nil, fmt.Errorf("netlink (netfilter) socket: %w", err)
+	}
+	return &Socket{fd: -1, rc: rc, seq: 1 << 31}, nil
 }
 
 // answerBuf is the receive buffer. Answers are capped (NETLINK_CAP_ACK):
@@ -174,7 +193,7 @@ func DialSocket() (*Socket, error) {
 
 // Close closes the socket.
 func (s *Socket) Close() error {
-	if s == nil || s.fd < 0 {
+	if s == nil || s.fd < 0 || s.rc != nil {
 		return nil
 	}
 	err := unix.Close(s.fd)
@@ -194,7 +213,7 @@ func (s *Socket) Send(b *Batch) error {
 	s.seq += uint32(len(b.offs))
 	s.out = append(s.out[:0], b.buf...)
 	b.number(s.out, first)
-	n, err := unix.Write(s.fd, s.out)
+	n, err := s.write(s.out)
 	if err != nil {
 		return fmt.Errorf("send nf_tables batch: %w", err)
 	}
@@ -206,9 +225,9 @@ func (s *Socket) Send(b *Batch) error {
 	}
 	w := answers{first: first, last: first + uint32(len(b.offs)) - 2, types: b.types}
 	for !w.done {
-		n, err := s.recvTrunc()
+		n, err := s.read()
 		if err != nil {
-			if errors.Is(err, unix.EAGAIN) {
+			if errors.Is(err, unix.EAGAIN) || errors.Is(err, os.ErrDeadlineExceeded) {
 				err = fmt.Errorf("no answer within %s", batchAckWait)
 			}
 			return w.fail(fmt.Errorf("receive nf_tables answers: %w", err))
@@ -223,12 +242,42 @@ func (s *Socket) Send(b *Batch) error {
 	return w.fail(nil)
 }
 
-// recvTrunc reads one datagram; with MSG_TRUNC the kernel reports its
-// full length even when it did not fit. A raw recvfrom without a source
-// address, so the hot path allocates nothing.
-func (s *Socket) recvTrunc() (int, error) {
+func (s *Socket) write(b []byte) (int, error) {
+	if s.rc == nil {
+		return unix.Write(s.fd, b)
+	}
+	var n int
+	var err error
+	if cerr := s.rc.Write(func(fd uintptr) bool {
+		n, err = unix.Write(int(fd), b)
+		return err != unix.EAGAIN
+	}); cerr != nil {
+		return 0, cerr
+	}
+	return n, err
+}
+
+func (s *Socket) read() (int, error) {
+	if s.rc == nil {
+		return recvTrunc(s.fd, s.recv)
+	}
+	var n int
+	var err error
+	if cerr := s.rc.Read(func(fd uintptr) bool {
+		n, err = recvTrunc(int(fd), s.recv)
+		return err != unix.EAGAIN
+	}); cerr != nil {
+		return 0, cerr
+	}
+	return n, err
+}
+
+// recvTrunc reads one datagram into buf; with MSG_TRUNC the kernel
+// reports its full length even when it did not fit. A raw recvfrom
+// without a source address, so the hot path allocates nothing.
+func recvTrunc(fd int, buf []byte) (int, error) {
 	for {
-		n, _, e := unix.Syscall6(unix.SYS_RECVFROM, uintptr(s.fd), uintptr(unsafe.Pointer(&s.recv[0])), uintptr(len(s.recv)), unix.MSG_TRUNC, 0, 0)
+		n, _, e := unix.Syscall6(unix.SYS_RECVFROM, uintptr(fd), uintptr(unsafe.Pointer(&buf[0])), uintptr(len(buf)), unix.MSG_TRUNC, 0, 0)
 		if e == unix.EINTR {
 			continue
 		}

@@ -53,8 +53,35 @@ func batchOf(t *testing.T, msgs ...netlink.Message) *Batch {
 func TestBatchOneAck(t *testing.T) {
 	testnet.RequireRoot(t)
 	testnet.RequireCommands(t, "nft")
-	n := testnet.NewNS(t)
-	s := socketIn(t, n)
+	t.Run("own socket", func(t *testing.T) {
+		n := testnet.NewNS(t)
+		testOneAck(t, n, socketIn(t, n))
+	})
+	t.Run("netlink.Conn", func(t *testing.T) {
+		n := testnet.NewNS(t)
+		f, err := OpenNetns(n.Path())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		c, err := dialNetfilter(int(f.Fd()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = c.Close() })
+		s, err := socketOf(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		testOneAck(t, n, s)
+		// The connection still works for requests of its own.
+		if ts, err := listTables(c, unix.NFPROTO_INET); err != nil || len(ts) != 1 {
+			t.Fatalf("list after batches: %v, %v", ts, err)
+		}
+	})
+}
+
+func testOneAck(t *testing.T, n ns.NetNS, s *Socket) {
 
 	good := batchOf(t, tableMsg(t, unix.NFT_MSG_NEWTABLE, "a"), tableMsg(t, unix.NFT_MSG_NEWTABLE, "b"))
 	if err := s.Send(good); err != nil {
@@ -83,6 +110,7 @@ func TestBatchOneAck(t *testing.T) {
 			if err == nil {
 				t.Fatal("batch with a failing message succeeded")
 			}
+			t.Log(err)
 			if !errors.Is(err, unix.ENOENT) {
 				t.Fatalf("error %v is not ENOENT", err)
 			}

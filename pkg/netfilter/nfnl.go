@@ -2,7 +2,6 @@ package netfilter
 
 import (
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"os"
 	"time"
@@ -67,52 +66,25 @@ func rawMsg(msg int, flags netlink.HeaderFlags, family uint8, attrs []netlink.At
 	}, nil
 }
 
-// sendBatch sends msgs as one nf_tables transaction and collects every
-// acknowledgement: the kernel applies all or nothing.
+// sendBatch sends msgs as one nf_tables transaction on c, asking for one
+// ack: the kernel applies all or nothing.
 func sendBatch(c *netlink.Conn, msgs []netlink.Message) error {
 	if len(msgs) == 0 {
 		return nil
 	}
-	batch := make([]netlink.Message, 0, len(msgs)+2)
-	batch = append(batch, netlink.Message{
-		Header: netlink.Header{Type: netlink.HeaderType(unix.NFNL_MSG_BATCH_BEGIN), Flags: netlink.Request},
-		Data:   genmsg(unix.AF_UNSPEC, unix.NFNL_SUBSYS_NFTABLES),
-	})
-	batch = append(batch, msgs...)
-	batch = append(batch, netlink.Message{
-		Header: netlink.Header{Type: netlink.HeaderType(unix.NFNL_MSG_BATCH_END), Flags: netlink.Request},
-		Data:   genmsg(unix.AF_UNSPEC, unix.NFNL_SUBSYS_NFTABLES),
-	})
-	sent, err := c.SendMessages(batch)
+	b, err := NewBatch(msgs)
 	if err != nil {
-		return fmt.Errorf("send nf_tables batch: %w", err)
+		return err
 	}
-	acks := 0
-	for _, m := range sent {
-		if m.Header.Flags&netlink.Acknowledge != 0 {
-			acks++
-		}
+	s, err := socketOf(c)
+	if err != nil {
+		return err
 	}
-	// The kernel answers every acked message with its own datagram (an
-	// error or a zero ack), also after a failed batch, except when it
-	// refuses the batch as a whole; the deadline bounds that case.
 	if err := c.SetReadDeadline(time.Now().Add(batchAckWait)); err != nil {
 		return err
 	}
 	defer func() { _ = c.SetReadDeadline(time.Time{}) }()
-	var errs []error
-	for range acks {
-		if _, err := c.Receive(); err != nil {
-			errs = append(errs, err)
-			if errors.Is(err, unix.EPERM) || errors.Is(err, unix.ENOBUFS) || errors.Is(err, os.ErrDeadlineExceeded) {
-				break
-			}
-		}
-	}
-	if len(errs) > 0 {
-		return fmt.Errorf("nf_tables batch: %w", errors.Join(errs...))
-	}
-	return nil
+	return s.Send(b)
 }
 
 // tableInfo is what a table dump tells about one table.
