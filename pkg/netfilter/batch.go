@@ -107,7 +107,8 @@ type Recorder struct {
 // NewRecorder returns an empty Recorder.
 func NewRecorder() (*Recorder, error) {
 	r := &Recorder{}
-	c, err := gnft.New(gnft.WithTestDial(func(req []netlink.Message) ([]netlink.Message, error) {
+	// Lasting: one in-memory connection for every Flush.
+	c, err := gnft.New(gnft.AsLasting(), gnft.WithTestDial(func(req []netlink.Message) ([]netlink.Message, error) {
 		r.msgs = append(r.msgs, req...)
 		// No answers: Flush returns at once.
 		return nil, io.EOF

@@ -1,6 +1,7 @@
 package nftables
 
 import (
+	"net/netip"
 	"testing"
 	"time"
 
@@ -97,4 +98,27 @@ func BenchmarkFreshBatch(b *testing.B) {
 			return s.Send(p.fresh)
 		})
 	})
+}
+
+// BenchmarkProbeSetAdd is what enrolling a pod costs the host probe SNAT:
+// one pod IP added to its family's set.
+func BenchmarkProbeSetAdd(b *testing.B) {
+	testnet.RequireRoot(b)
+	n := testnet.NewNS(b)
+	h := NewHostProbe(nil, n.Path(), ruleset.HostProbeConfig{})
+	b.Cleanup(func() { _ = h.Close() })
+	if err := h.Ensure(); err != nil {
+		b.Fatal(err)
+	}
+	var cpu time.Duration
+	c0 := cpuClock(b)
+	b.ResetTimer()
+	for i := range b.N {
+		if err := h.AddIP(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)})); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.StopTimer()
+	cpu = cpuClock(b) - c0
+	b.ReportMetric(float64(cpu.Nanoseconds())/float64(b.N), "cpu-ns/op")
 }
