@@ -47,19 +47,8 @@ func onFreshNS(b *testing.B, op func(n ns.NetNS) error) {
 	b.ReportMetric(float64(cpu.Nanoseconds())/float64(b.N), "cpu-ns/op")
 }
 
-// BenchmarkApplyFresh is Apply on a new pod's namespace: the whole of it
-// (state, routes, tables read, the batch).
-func BenchmarkApplyFresh(b *testing.B) {
-	a := NewApplier(nil)
-	b.Cleanup(func() { _ = a.Close() })
-	cfg := ruleset.PodConfig{DNSCapture: true}
-	if err := cfg.Validate(); err != nil {
-		b.Fatal(err)
-	}
-	onFreshNS(b, func(n ns.NetNS) error { return a.Apply(n.Path(), cfg) })
-}
-
-// BenchmarkFreshBatch is the pod's nf_tables batch alone, in a new
+// BenchmarkFreshBatch is the pod's nf_tables batch alone (for the whole
+// Apply, see pkg/rulesbackend's BenchmarkBackends), in a new
 // namespace: sent as google/nftables sends it (every message acked, one
 // receive each, the messages built each time), and replayed as Apply
 // does (built once, one ack).
