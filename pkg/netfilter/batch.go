@@ -383,7 +383,9 @@ func (w *answers) parse(b []byte) error {
 			adv = len(b)
 		}
 		b = b[adv:]
-		if typ != unix.NLMSG_ERROR || seq < w.first || seq > w.last {
+		// Offsets from first, so a counter that wraps inside the batch
+		// still matches.
+		if typ != unix.NLMSG_ERROR || seq-w.first > w.last-w.first {
 			continue
 		}
 		if len(msg) < nlmsgerr {

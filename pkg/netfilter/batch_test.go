@@ -257,6 +257,15 @@ func TestParseAnswers(t *testing.T) {
 		t.Fatalf("refused batch: %v", err)
 	}
 
+	// Sequence numbers that wrap inside the batch.
+	w = &answers{first: 0xffffffff, last: 1, types: types}
+	if err := w.parse(append(answer(0, 2, ""), answer(5, 0, "")...)); err != nil || w.done {
+		t.Fatalf("wrapped: err %v done %v", err, w.done)
+	}
+	if err := w.parse(answer(1, 0, "")); err != nil || !w.done || !errors.As(w.fail(nil), &me) || me.Index != 0 {
+		t.Fatalf("wrapped: err %v done %v, %+v", err, w.done, me)
+	}
+
 	long := answer(12, 22, strings.Repeat("x", 1000))
 	w = newW()
 	if err := w.parse(long); err != nil || !w.done {

@@ -1,8 +1,10 @@
 // Package netfilter is the low-level nf_tables netlink layer shared by both
 // rules backends (pkg/iptables and pkg/nftables): tables and chains this
 // project owns, created and deleted over raw netlink where google/nftables
-// cannot express it, and what a namespace holds of netfilter besides our
-// own tables. It knows neither backend.
+// cannot express it, what a namespace holds of netfilter besides our own
+// tables, and the sender every nf_tables transaction goes through (one
+// acknowledgement per batch, batches recorded from google/nftables and
+// replayed). It knows neither backend.
 package netfilter
 
 // Seen is what a backend saw, at no extra cost, of the namespace's
