@@ -5,10 +5,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"sync"
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
+	"github.com/containernetworking/cni/pkg/invoke"
+	"github.com/containernetworking/cni/pkg/version"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -182,6 +186,9 @@ type enrollNode struct {
 	kube    *kubesim.Node
 	own     *kubesim.Owner
 	running []*kubesim.Pod
+	// pluginLog takes the plugins' stderr (istio-cni's plugin logs each
+	// call), out of the progress output.
+	pluginLog *os.File
 }
 
 // newEnrollNode makes a simulated kubelet named name, its files under dir,
@@ -189,13 +196,23 @@ type enrollNode struct {
 // pidns, when set, is the PID namespace its pods' processes start in (the
 // agent's, when the agent has one of its own and finds pods in its /proc).
 func newEnrollNode(dir string, client kubernetes.Interface, name, binDir string, chained []byte, pidns string) (*enrollNode, error) {
-	e := &enrollNode{own: &kubesim.Owner{Dir: dir}}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	log, err := os.Create(filepath.Join(dir, "plugin-stderr.log"))
+	if err != nil {
+		return nil, err
+	}
+	e := &enrollNode{own: &kubesim.Owner{Dir: dir}, pluginLog: log}
 	if err := kubesim.Catch(func() error {
 		e.kube = kubesim.NewNode(e.own, client, name, []string{binDir}, chained)
 		return nil
 	}); err != nil {
+		log.Close()
 		return nil, err
 	}
+	e.kube.CNI = libcni.NewCNIConfigWithCacheDir([]string{binDir}, filepath.Join(dir, "cni-cache"),
+		&invoke.DefaultExec{RawExec: &invoke.RawExec{Stderr: log}, PluginDecoder: version.PluginDecoder{}})
 	e.kube.PIDNamespace = pidns
 	return e, nil
 }
@@ -206,7 +223,8 @@ func (e *enrollNode) Close(primary *libcni.NetworkConfigList) error {
 	e.kube.Conf = primary
 	err := teardown(e.kube, e.running)
 	e.running = nil
-	return errors.Join(err, kubesim.Catch(func() error { e.own.Close(); return nil }))
+	err = errors.Join(err, kubesim.Catch(func() error { e.own.Close(); return nil }))
+	return errors.Join(err, e.pluginLog.Close())
 }
 
 // enrollRunning measures the enrollment flips of r.sz.enroll running pods
