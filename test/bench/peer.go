@@ -19,10 +19,8 @@ import (
 
 // runPeer measures Istio's istio-cni as run measures ours: its own
 // simulated node, the same reference chain, API server and ztunnel stand-in,
-// the same latency blocks against its own interleaved baseline. Enrolling
-// running pods is not measured for it: istio-cni finds a running pod's
-// netns by scanning /host/proc for the pod's cgroup, which the simulated
-// kubelet's pods do not have.
+// the same latency blocks against its own interleaved baseline, then the
+// same enrollment of running pods (enrollPeer).
 func (r *backendRun) runPeer(ctx context.Context, p Peer, installCNI, plugin, istioVer string) (err error) {
 	var cleanups []func() error
 	defer func() {
@@ -51,7 +49,7 @@ func (r *backendRun) runPeer(ctx context.Context, p Peer, installCNI, plugin, is
 	go func() { ztDone <- zt.Run(ztCtx) }() // owner: this run; the cleanup waits
 	cleanups = append(cleanups, func() error { ztCancel(); return <-ztDone })
 	r.zt = zt
-	_, chained, err := n.waitChained(ctx, 2*time.Minute)
+	chainedBytes, chained, err := n.waitChained(ctx, 2*time.Minute)
 	if err != nil {
 		return err
 	}
@@ -107,8 +105,36 @@ func (r *backendRun) runPeer(ctx context.Context, p Peer, installCNI, plugin, is
 			}
 		}
 	}
+	if err := r.enrollPeer(ctx, n, chainedBytes, primaryList); err != nil {
+		return err
+	}
 	if n.proc.Exited() {
 		return fmt.Errorf("the Istio install-cni exited during the run: %v; log %s", n.proc.Err(), n.LogPath)
 	}
 	return nil
+}
+
+// istio-cni's client-side limit (its node agent's buildKubeClient sets
+// it; the chart has no setting for it).
+const (
+	istioKubeClientQPS   = 80
+	istioKubeClientBurst = 160
+)
+
+// enrollPeer measures istio-cni enrolling running pods as ours is
+// measured (enrollRunning). istio-cni finds a running pod's netns by
+// scanning /host/proc, a proc mount of its own PID namespace, for a
+// process whose cgroup path carries the pod's UID; so the pods'
+// processes start in install-cni's PID namespace (PID 1 there stays
+// install-cni, the node's), in the kubelet's cgroupfs layout. They are
+// torn down through the primary chain before install-cni stops.
+func (r *backendRun) enrollPeer(ctx context.Context, n *istioNode, chained []byte, primary *libcni.NetworkConfigList) (err error) {
+	pods, err := newEnrollNode(filepath.Join(r.dir, "kubesim"), r.client, r.res.Node, n.BinDir, chained,
+		fmt.Sprintf("/proc/%d/ns/pid", n.agentPid))
+	if err != nil {
+		return err
+	}
+	defer func() { err = errors.Join(err, pods.Close(primary)) }()
+	r.res.KubeClientQPS, r.res.KubeClientBurst = istioKubeClientQPS, istioKubeClientBurst
+	return r.enrollRunning(ctx, pods, istioKubeClientQPS, istioKubeClientBurst)
 }

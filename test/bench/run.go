@@ -23,14 +23,12 @@ import (
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/test/lib/childproc"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
-	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
@@ -368,123 +366,20 @@ func (r *backendRun) run(ctx context.Context) (err error) {
 	// Enrollment: running pods on the simulated kubelet, through the
 	// chained conflist (not enrolled at ADD: their namespace is not
 	// labelled yet), then the label.
-	own := &kubesim.Owner{Dir: filepath.Join(r.dir, "kubesim")}
-	cleanups = append(cleanups, func() error {
-		// The agent and stand-in stop first (cleanups run in reverse),
-		// so the pods are torn down by the primary chain alone, as after
-		// an uninstall: no agent work for thousands of DELs.
-		return kubesim.Catch(func() error { own.Close(); return nil })
-	})
-	var kube *kubesim.Node
-	if err := kubesim.Catch(func() error {
-		kube = kubesim.NewNode(own, r.client, node, []string{binDir}, chainedBytes)
-		return nil
-	}); err != nil {
+	pods, err := newEnrollNode(filepath.Join(r.dir, "kubesim"), r.client, node, binDir, chainedBytes, "")
+	if err != nil {
 		return err
 	}
-	var running []*kubesim.Pod
 	cleanups = append(cleanups, func() error {
-		kube.Conf = primaryList
+		// The agent and stand-in stop first, so the pods are torn down
+		// by the primary chain alone, as after an uninstall: no agent
+		// work for thousands of DELs.
 		err := errors.Join(sim.StopStandIn(), r.stopAgent())
-		return errors.Join(err, teardown(kube, running))
+		return errors.Join(err, pods.Close(primaryList))
 	})
-	order := []int{len(r.sz.enroll) - 1}
-	for i := range len(r.sz.enroll) - 1 {
-		order = append(order, i)
+	if err := r.enrollRunning(ctx, pods, float64(cfg.KubeClientQPS), cfg.KubeClientBurst); err != nil {
+		return err
 	}
-	// The large flip first, so the RSS after it is the agent's with
-	// exactly that many pods enrolled.
-	type flip struct {
-		ns   string
-		pods int
-		uids []types.UID
-	}
-	var flips []flip
-	for _, i := range order {
-		n := r.sz.enroll[i]
-		ns, err := createNamespace(ctx, r.client, fmt.Sprintf("enroll-%d-%s", n, r.backend.Name), nil)
-		if err != nil {
-			return err
-		}
-		r.logf("starting %d running pods", n)
-		pods, err := startPods(ctx, kube, ns, n)
-		for _, p := range pods {
-			if p != nil {
-				running = append(running, p)
-			}
-		}
-		if err != nil {
-			return fmt.Errorf("start running pods: %w", err)
-		}
-		var uids []types.UID
-		for _, p := range pods {
-			uids = append(uids, p.Obj.UID)
-		}
-		flips = append(flips, flip{ns, n, uids})
-	}
-	enrolls := make([]Enroll, len(r.sz.enroll))
-	// Between flips the client's token bucket refills (burst/QPS): a
-	// flip starts with the burst available, as one after a quiet spell
-	// does on a node.
-	refill := time.Duration(float64(cfg.KubeClientBurst) / float64(cfg.KubeClientQPS) * float64(time.Second))
-	for k, f := range flips {
-		if err := r.settle(ctx); err != nil {
-			return err
-		}
-		if err := sleep(ctx, refill); err != nil {
-			return err
-		}
-		var stopProfile func() ([]string, error)
-		if r.o.Profile && k == 0 {
-			if stopProfile, err = r.profile(fmt.Sprintf("enroll-%d", f.pods)); err != nil {
-				return err
-			}
-		}
-		cpu0, err := ReadCPU(r.pid())
-		if err != nil {
-			return err
-		}
-		mark, err := r.auditLog.mark()
-		if err != nil {
-			return err
-		}
-		times, err := enrollFlip(ctx, r.client, f.ns, f.pods, 10*time.Minute, r.zt, f.uids)
-		took := times.enabled
-		if err != nil {
-			return fmt.Errorf("enroll %d running pods: %w", f.pods, err)
-		}
-		if err := r.settle(ctx); err != nil {
-			return err
-		}
-		cpu1, err := ReadCPU(r.pid())
-		if err != nil {
-			return err
-		}
-		if stopProfile != nil {
-			files, err := stopProfile()
-			if err != nil {
-				return err
-			}
-			r.res.Profiles = append(r.res.Profiles, files...)
-		}
-		reqs := r.auditLog.since(mark)
-		e := Enroll{
-			Pods: f.pods, Seconds: took.Seconds(), MsPerPod: ms(took) / float64(f.pods),
-			CPUMsPerPod: ms(cpu1.Sub(cpu0).Total()) / float64(f.pods),
-			APIPerPod:   float64(len(reqs)) / float64(f.pods), APIRequests: summarize(reqs), APIServerMs: meanServerMs(reqs),
-			APIPerSecond: float64(len(reqs)) / took.Seconds(), Running: len(running),
-			CapturedSeconds: times.captured.Seconds(),
-		}
-		r.logf("enrolled %d running pods in %.2f s (%.1f ms per pod, %.2f API requests per pod; all served by ztunnel after %.2f s)", f.pods, e.Seconds, e.MsPerPod, e.APIPerPod, e.CapturedSeconds)
-		if k == 0 {
-			if r.res.MemoryPods, err = r.memory(); err != nil {
-				return err
-			}
-			r.res.RSSPodsMB, r.res.RSSPods = r.res.MemoryPods.RSSMiB, f.pods
-		}
-		enrolls[order[k]] = e
-	}
-	r.res.Enroll = enrolls
 	if r.agent.Exited() {
 		return fmt.Errorf("install-cni exited during the run: %v; log %s", r.agent.Err(), r.log)
 	}
@@ -655,7 +550,7 @@ func (r *backendRun) profile(phase string) (func() ([]string, error), error) {
 	if err := os.MkdirAll(r.o.ProfileDir, 0o755); err != nil {
 		return nil, err
 	}
-	base := filepath.Join(r.o.ProfileDir, fmt.Sprintf("profile-%s-%s", r.backend.Name, phase))
+	base := filepath.Join(r.o.ProfileDir, fmt.Sprintf("profile-%s-%s", r.res.Name, phase))
 	data := base + ".perf.data"
 	cmd := exec.Command("perf", "record", "-q", "-g", "-F", "499", "-e", "cpu-clock",
 		"-e", "sched:sched_process_fork", "-e", "sched:sched_process_exec", "-e", "sched:sched_process_exit",
