@@ -18,11 +18,11 @@ import (
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
-// agent is what differs between the systems the benchmark compares (ours
-// with a rules backend, Istio's istio-cni in a mode): how one is built,
-// started and stopped, and how its enrollment of running pods is
+// lifecycle is what differs between the systems the benchmark compares
+// (ours with a rules backend, Istio's istio-cni in a mode): how one is
+// built, started and stopped, and how its enrollment of running pods is
 // measured. backendRun drives every system through the same steps.
-type agent interface {
+type lifecycle interface {
 	// prepare builds what lasts across the system's starts: its node
 	// (directories, primary conflist, ServiceAccount), r.auditLog and
 	// r.cni.
@@ -55,7 +55,7 @@ type backendRun struct {
 	refPlugins string
 	audit      string
 	res        *BackendResult
-	kind       agent
+	kind       lifecycle
 
 	// Set by prepare.
 	agentEnv map[string]string
@@ -276,7 +276,7 @@ func starts(systems []*backendRun) StartCost {
 }
 
 // newSystem is the run of one system in the run's work directory.
-func newSystem(o Options, sz sizes, logf func(string, ...any), env *kubeenv.Env, work, refPlugins, audit string, res *BackendResult, kind agent) *backendRun {
+func newSystem(o Options, sz sizes, logf func(string, ...any), env *kubeenv.Env, work, refPlugins, audit string, res *BackendResult, kind lifecycle) *backendRun {
 	return &backendRun{
 		o: o, sz: sz, logf: logf, env: env, client: env.Client, dir: filepath.Join(work, res.Name),
 		refPlugins: refPlugins, audit: audit, res: res, kind: kind,
