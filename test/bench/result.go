@@ -37,7 +37,8 @@ type Result struct {
 	Starts StartCost `json:"starts"`
 }
 
-// StartCost sums the systems' starts (to ready and settled) and stops.
+// StartCost sums the systems' starts (to ready and settled) and their
+// stops between reps.
 type StartCost struct {
 	Starts       int     `json:"starts"`
 	StartSeconds float64 `json:"startSeconds"`
@@ -46,7 +47,7 @@ type StartCost struct {
 
 // String is the one line the run prints about it.
 func (c StartCost) String() string {
-	return fmt.Sprintf("interleaving: %d system starts took %.0f s to ready and settled, their stops %.0f s", c.Starts, c.StartSeconds, c.StopSeconds)
+	return fmt.Sprintf("interleaving: %d system starts took %.0f s to ready and settled, the stops between reps %.0f s", c.Starts, c.StartSeconds, c.StopSeconds)
 }
 
 // Machine describes where and under what load the run happened.

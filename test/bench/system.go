@@ -260,7 +260,9 @@ func (r *backendRun) close() error {
 	return err
 }
 
-// starts sums the systems' starts and stops: the cost of interleaving.
+// starts sums the systems' starts and their stops between reps: the cost
+// of interleaving. A system's last stop, after its enrollment (an
+// uninstall with its running pods), a run without interleaving has too.
 func starts(systems []*backendRun) StartCost {
 	var c StartCost
 	for _, s := range systems {
@@ -268,7 +270,7 @@ func starts(systems []*backendRun) StartCost {
 		for _, t := range s.res.StartSeconds {
 			c.StartSeconds += t
 		}
-		for _, t := range s.res.StopSeconds {
+		for _, t := range s.res.StopSeconds[:max(len(s.res.StopSeconds)-1, 0)] {
 			c.StopSeconds += t
 		}
 	}

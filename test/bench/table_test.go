@@ -37,7 +37,7 @@ func TestWriteTable(t *testing.T) {
 		}
 	}
 	for _, want := range []string{"iptables (nft)", "| +4.0 / +9.0", "enroll 500 running pods", "30.0 / 45.0 (500 pods)", "3.00 MiB / 2.50 ms",
-		"nftables: n/a: no setting", "other: FAILED: boom", "| failed", "interleaving: 12 system starts took 96 s to ready and settled, their stops 30 s"} {
+		"nftables: n/a: no setting", "other: FAILED: boom", "| failed", "interleaving: 12 system starts took 96 s to ready and settled, the stops between reps 30 s"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("table lacks %q:\n%s", want, out)
 		}
