@@ -32,6 +32,22 @@ type Result struct {
 	// Peers are Istio's istio-cni runs (its iptables and native nftables
 	// modes), measured by the same harness in the same run.
 	Peers []BackendResult `json:"peers,omitempty"`
+	// Starts is what interleaving the systems' reps cost: every system
+	// is started and stopped once per rep.
+	Starts StartCost `json:"starts"`
+}
+
+// StartCost sums the systems' starts (to ready and settled) and their
+// stops between reps.
+type StartCost struct {
+	Starts       int     `json:"starts"`
+	StartSeconds float64 `json:"startSeconds"`
+	StopSeconds  float64 `json:"stopSeconds"`
+}
+
+// String is the one line the run prints about it.
+func (c StartCost) String() string {
+	return fmt.Sprintf("interleaving: %d system starts took %.0f s to ready and settled, the stops between reps %.0f s", c.Starts, c.StartSeconds, c.StopSeconds)
 }
 
 // Machine describes where and under what load the run happened.
@@ -85,7 +101,11 @@ type BackendResult struct {
 	AgentEnv map[string]string `json:"agentEnv,omitempty"`
 	// Profiles are perf report files written for this backend.
 	Profiles []string `json:"profiles,omitempty"`
-	Error    string   `json:"error,omitempty"`
+	// StartSeconds and StopSeconds are each start's time to ready and
+	// settled, and each stop's, one per rep.
+	StartSeconds []float64 `json:"startSeconds,omitempty"`
+	StopSeconds  []float64 `json:"stopSeconds,omitempty"`
+	Error        string    `json:"error,omitempty"`
 }
 
 // Latency is one (pod kind, op, concurrency) measurement.
@@ -180,6 +200,9 @@ func (r *Result) WriteTable(w io.Writer) error {
 		r.Machine.LoadEnd[0], r.Machine.LoadEnd[1], r.Machine.LoadEnd[2], r.Seconds)
 	if r.Method != "" {
 		fmt.Fprintf(w, "method: %s\n", r.Method)
+	}
+	if r.Starts.Starts > 0 {
+		fmt.Fprintln(w, r.Starts)
 	}
 	for _, b := range append(slices.Clone(r.Backends), r.Peers...) {
 		if q := b.quietSummary(); q != "" {

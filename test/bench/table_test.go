@@ -8,7 +8,7 @@ import (
 // The table has one row per figure and one column per backend; a backend
 // that cannot run is n/a in every row, a failed one says so.
 func TestWriteTable(t *testing.T) {
-	r := &Result{Commit: "abc", Plugin: Plugin{SizeBytes: 3 << 20, ExecP50Ms: 2.5}}
+	r := &Result{Commit: "abc", Plugin: Plugin{SizeBytes: 3 << 20, ExecP50Ms: 2.5}, Starts: StartCost{Starts: 12, StartSeconds: 96.4, StopSeconds: 30}}
 	ok := BackendResult{Name: "iptables", Detected: "nft", RSSIdleMB: 30, RSSPodsMB: 45, RSSPods: 500,
 		Enroll: []Enroll{{Pods: 100, Seconds: 1, MsPerPod: 10}, {Pods: 500, Seconds: 5, MsPerPod: 10, CPUMsPerPod: 2.5, OwnCPUMsPerPod: 1.25}}}
 	for _, kind := range []string{"ambient", "non-ambient"} {
@@ -38,13 +38,33 @@ func TestWriteTable(t *testing.T) {
 	}
 	for _, want := range []string{"iptables (nft)", "| +4.0 / +9.0", "enroll 500 running pods", "30.0 / 45.0 (500 pods)",
 		"agent CPU per enrolled pod, 500 running pods (own + children; own alone): ms", "| 2.50 (1.25)", "3.00 MiB / 2.50 ms",
-		"nftables: n/a: no setting", "other: FAILED: boom", "| failed"} {
+		"nftables: n/a: no setting", "other: FAILED: boom", "| failed", "interleaving: 12 system starts took 96 s to ready and settled, the stops between reps 30 s"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("table lacks %q:\n%s", want, out)
 		}
 	}
 	if strings.Count(out, "| n/a") < 19 {
 		t.Errorf("the unavailable backend is not n/a in every row:\n%s", out)
+	}
+}
+
+// Every rep starts with the next system: over as many reps as systems,
+// each is first once and runs once per rep.
+func TestRepOrder(t *testing.T) {
+	first := map[int]int{}
+	for rep := range 4 {
+		o := repOrder(4, rep)
+		first[o[0]]++
+		seen := map[int]bool{}
+		for _, i := range o {
+			seen[i] = true
+		}
+		if len(o) != 4 || len(seen) != 4 {
+			t.Errorf("rep %d: order %v", rep, o)
+		}
+	}
+	if len(first) != 4 {
+		t.Errorf("first systems over 4 reps: %v", first)
 	}
 }
 
