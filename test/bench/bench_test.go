@@ -314,8 +314,15 @@ func TestQuickBench(t *testing.T) {
 		case p.Error != "":
 			t.Errorf("%s: %s", p.Name, p.Error)
 		default:
-			if len(p.Latency) != 8 || p.RSSIdleMB <= 0 || p.Plugin == nil || p.Plugin.ExecP50Ms <= 0 {
+			if len(p.Latency) != 8 || p.RSSIdleMB <= 0 || p.Plugin == nil || p.Plugin.ExecP50Ms <= 0 ||
+				len(p.Enroll) != 2 || p.RSSPodsMB <= 0 || p.RSSPods == 0 {
 				t.Errorf("%s: incomplete figures %+v", p.Name, p)
+			}
+			// Its enrollment of running pods, found by its /host/proc scan.
+			for _, e := range p.Enroll {
+				if e.Seconds <= 0 || e.CapturedSeconds <= 0 || e.APIPerPod <= 0 || e.CPUMsPerPod < 0 || e.OwnCPUMsPerPod < 0 {
+					t.Errorf("%s: enroll %+v", p.Name, e)
+				}
 			}
 			for _, l := range p.Latency {
 				if l.Samples == 0 || l.Errors != 0 || l.P50Ms <= 0 || l.ChainP50Ms <= 0 {

@@ -5,9 +5,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"sync"
 	"time"
 
+	"github.com/containernetworking/cni/libcni"
+	"github.com/containernetworking/cni/pkg/invoke"
+	"github.com/containernetworking/cni/pkg/version"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -173,4 +178,160 @@ func enrollWatch(ctx context.Context, client kubernetes.Interface, namespace str
 		}
 	}
 	return started{start, time.Since(start)}, nil
+}
+
+// enrollNode is the simulated kubelet that runs the pods of the
+// enrollment flips, and the pods it runs.
+type enrollNode struct {
+	kube    *kubesim.Node
+	own     *kubesim.Owner
+	running []*kubesim.Pod
+	// pluginLog takes the plugins' stderr (istio-cni's plugin logs each
+	// call), out of the progress output.
+	pluginLog *os.File
+}
+
+// newEnrollNode makes a simulated kubelet named name, its files under dir,
+// whose runtime runs the chained conflist with the plugins of binDir.
+// pidns, when set, is the PID namespace its pods' processes start in (the
+// agent's, when the agent has one of its own and finds pods in its /proc).
+func newEnrollNode(dir string, client kubernetes.Interface, name, binDir string, chained []byte, pidns string) (*enrollNode, error) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	log, err := os.Create(filepath.Join(dir, "plugin-stderr.log"))
+	if err != nil {
+		return nil, err
+	}
+	e := &enrollNode{own: &kubesim.Owner{Dir: dir}, pluginLog: log}
+	if err := kubesim.Catch(func() error {
+		e.kube = kubesim.NewNode(e.own, client, name, []string{binDir}, chained)
+		return nil
+	}); err != nil {
+		log.Close()
+		return nil, err
+	}
+	e.kube.CNI = libcni.NewCNIConfigWithCacheDir([]string{binDir}, filepath.Join(dir, "cni-cache"),
+		&invoke.DefaultExec{RawExec: &invoke.RawExec{Stderr: log}, PluginDecoder: version.PluginDecoder{}})
+	e.kube.PIDNamespace = pidns
+	return e, nil
+}
+
+// Close tears the pods down through primary, the chain without the mesh's
+// plugin, and removes the node's files.
+func (e *enrollNode) Close(primary *libcni.NetworkConfigList) error {
+	e.kube.Conf = primary
+	err := teardown(e.kube, e.running)
+	e.running = nil
+	err = errors.Join(err, kubesim.Catch(func() error { e.own.Close(); return nil }))
+	return errors.Join(err, e.pluginLog.Close())
+}
+
+// enrollRunning measures the enrollment flips of r.sz.enroll running pods
+// on node, each in a namespace of its own labelled ambient at once, into
+// r.res.Enroll: time until all annotated and until all served by the
+// ztunnel stand-in, the agent's CPU and API requests over the flip, and
+// the agent's memory after the largest. qps and burst are the agent's
+// client-side limit: before each flip its token bucket refills.
+func (r *backendRun) enrollRunning(ctx context.Context, node *enrollNode, qps float64, burst int) error {
+	order := []int{len(r.sz.enroll) - 1}
+	for i := range len(r.sz.enroll) - 1 {
+		order = append(order, i)
+	}
+	// The large flip first, so the RSS after it is the agent's with
+	// exactly that many pods enrolled.
+	type flip struct {
+		ns   string
+		pods int
+		uids []types.UID
+	}
+	var flips []flip
+	for _, i := range order {
+		n := r.sz.enroll[i]
+		ns, err := createNamespace(ctx, r.client, fmt.Sprintf("enroll-%d-%s", n, r.res.Name), nil)
+		if err != nil {
+			return err
+		}
+		r.logf("starting %d running pods", n)
+		pods, err := startPods(ctx, node.kube, ns, n)
+		for _, p := range pods {
+			if p != nil {
+				node.running = append(node.running, p)
+			}
+		}
+		if err != nil {
+			return fmt.Errorf("start running pods: %w", err)
+		}
+		var uids []types.UID
+		for _, p := range pods {
+			uids = append(uids, p.Obj.UID)
+		}
+		flips = append(flips, flip{ns, n, uids})
+	}
+	enrolls := make([]Enroll, len(r.sz.enroll))
+	// Between flips the client's token bucket refills (burst/QPS): a
+	// flip starts with the burst available, as one after a quiet spell
+	// does on a node.
+	refill := time.Duration(float64(burst) / qps * float64(time.Second))
+	for k, f := range flips {
+		if err := r.settle(ctx); err != nil {
+			return err
+		}
+		if err := sleep(ctx, refill); err != nil {
+			return err
+		}
+		var stopProfile func() ([]string, error)
+		var err error
+		if r.o.Profile && k == 0 {
+			if stopProfile, err = r.profile(fmt.Sprintf("enroll-%d", f.pods)); err != nil {
+				return err
+			}
+		}
+		cpu0, err := ReadCPU(r.pid())
+		if err != nil {
+			return err
+		}
+		mark, err := r.auditLog.mark()
+		if err != nil {
+			return err
+		}
+		times, err := enrollFlip(ctx, r.client, f.ns, f.pods, 10*time.Minute, r.zt, f.uids)
+		took := times.enabled
+		if err != nil {
+			return fmt.Errorf("enroll %d running pods: %w", f.pods, err)
+		}
+		if err := r.settle(ctx); err != nil {
+			return err
+		}
+		cpu1, err := ReadCPU(r.pid())
+		if err != nil {
+			return err
+		}
+		if stopProfile != nil {
+			files, err := stopProfile()
+			if err != nil {
+				return err
+			}
+			r.res.Profiles = append(r.res.Profiles, files...)
+		}
+		reqs := r.auditLog.since(mark)
+		cpu := cpu1.Sub(cpu0)
+		e := Enroll{
+			Pods: f.pods, Seconds: took.Seconds(), MsPerPod: ms(took) / float64(f.pods),
+			CPUMsPerPod: ms(cpu.Total()) / float64(f.pods), OwnCPUMsPerPod: ms(cpu.Own) / float64(f.pods),
+			APIPerPod: float64(len(reqs)) / float64(f.pods), APIRequests: summarize(reqs), APIServerMs: meanServerMs(reqs),
+			APIPerSecond: float64(len(reqs)) / took.Seconds(), Running: len(node.running),
+			CapturedSeconds: times.captured.Seconds(),
+		}
+		r.logf("enrolled %d running pods in %.2f s (%.1f ms per pod, %.2f API requests per pod, agent CPU %.2f ms per pod; all served by ztunnel after %.2f s)", f.pods, e.Seconds, e.MsPerPod, e.APIPerPod, e.CPUMsPerPod, e.CapturedSeconds)
+		if k == 0 {
+			if r.res.MemoryPods, err = r.memory(); err != nil {
+				return err
+			}
+			r.res.RSSPodsMB, r.res.RSSPods = r.res.MemoryPods.RSSMiB, f.pods
+		}
+		enrolls[order[k]] = e
+	}
+	r.res.Enroll = enrolls
+	return nil
 }

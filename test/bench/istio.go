@@ -202,17 +202,18 @@ type istioNode struct {
 	// copy in install-cni's mount namespace sees them.
 	NetnsDir string
 	Env      map[string]string
+	Args     []string // install-cni's, the chart's
 	Primary  []byte
 	proc     *childproc.Proc // unshare, whose child install-cni is
 	agentPid int             // install-cni, PID 1 of its PID namespace
 	shared   bool
 }
 
-// startIstio prepares the node (CNI bin dir with the reference plugins,
-// the primary conflist, the ServiceAccount under the chart's RBAC) and
-// starts install-cni with the chart's environment. Close undoes it.
-func startIstio(ctx context.Context, r *backendRun, installCNI, plugin string, chart *istioChart) (n *istioNode, err error) {
-	n = &istioNode{
+// prepareIstio prepares the node (CNI bin dir with the reference plugins,
+// the primary conflist, the ServiceAccount under the chart's RBAC, the
+// chart's environment) for start. Close undoes it.
+func prepareIstio(ctx context.Context, r *backendRun, installCNI, plugin string, chart *istioChart) (n *istioNode, err error) {
+	n = &istioNode{Args: chart.Args,
 		Name: r.res.Node, Dir: r.dir, BinDir: filepath.Join(r.dir, "bin"), ConfDir: filepath.Join(r.dir, "net.d"),
 		RunDir: filepath.Join(r.dir, "run"), LogPath: filepath.Join(r.dir, "install-cni.log"),
 	}
@@ -314,12 +315,18 @@ func startIstio(ctx context.Context, r *backendRun, installCNI, plugin string, c
 	if err := os.WriteFile(script, []byte(istioStartScript), 0o755); err != nil {
 		return nil, err
 	}
+	return n, nil
+}
+
+// start starts install-cni with the chart's environment, in a mount and
+// PID namespace of its own; one must not be running.
+func (n *istioNode) start(ctx context.Context) (err error) {
 	args := append([]string{"--mount", "--pid", "--fork", "--kill-child=SIGTERM", "--propagation", "slave",
-		"sh", script, r.dir, filepath.Join(r.dir, "image", "install-cni")}, chart.Args...)
-	n.proc, err = childproc.StartEnviron("istio install-cni", "unshare", args, simnode.Environ(n.Env), n.LogPath)
-	if err != nil {
-		return n, err
+		"sh", filepath.Join(n.Dir, "start.sh"), n.Dir, filepath.Join(n.Dir, "image", "install-cni")}, n.Args...)
+	if n.proc, err = childproc.StartEnviron("istio install-cni", "unshare", args, simnode.Environ(n.Env), n.LogPath); err != nil {
+		return err
 	}
+	n.agentPid = 0
 	// install-cni is unshare's child (the script execs it).
 	deadline := time.Now().Add(time.Minute)
 	for n.agentPid == 0 {
@@ -331,13 +338,13 @@ func startIstio(ctx context.Context, r *backendRun, installCNI, plugin string, c
 			}
 		}
 		if n.proc.Exited() || time.Now().After(deadline) {
-			return n, fmt.Errorf("the Istio install-cni did not start (%v); log tail:\n%s", n.proc.Err(), n.proc.LogTail(30))
+			return fmt.Errorf("the Istio install-cni did not start (%v); log tail:\n%s", n.proc.Err(), n.proc.LogTail(30))
 		}
 		if err := sleep(ctx, 20*time.Millisecond); err != nil {
-			return n, err
+			return err
 		}
 	}
-	return n, nil
+	return nil
 }
 
 // istioSubnet is the istio-cni node's pod network, apart from ours.
@@ -427,10 +434,23 @@ func (n *istioNode) waitChained(ctx context.Context, within time.Duration) ([]by
 	}
 }
 
-// Close stops install-cni (SIGTERM, the chart's 5 s grace, as the kubelet
-// does), removes its bridge and the shared netns mount; the mount and PID
-// namespaces go with it.
+// Close stops install-cni, removes its bridge and the shared netns mount.
 func (n *istioNode) Close() error {
+	err := n.stop()
+	if l, lerr := netlink.LinkByName(n.Bridge); lerr == nil {
+		err = errors.Join(err, netlink.LinkDel(l))
+	}
+	if n.shared {
+		if uerr := unix.Unmount(n.NetnsDir, unix.MNT_DETACH); uerr != nil && !errors.Is(uerr, unix.EINVAL) {
+			err = errors.Join(err, fmt.Errorf("unmount %s: %w", n.NetnsDir, uerr))
+		}
+	}
+	return err
+}
+
+// stop stops install-cni (SIGTERM, the chart's 5 s grace, as the kubelet
+// does); the mount and PID namespaces go with it. A no-op when stopped.
+func (n *istioNode) stop() error {
 	var err error
 	if n.proc != nil && !n.proc.Exited() {
 		if n.agentPid != 0 {
@@ -441,14 +461,6 @@ func (n *istioNode) Close() error {
 		}
 		if !n.proc.Exited() {
 			err = errors.Join(err, fmt.Errorf("the Istio install-cni did not stop within its grace: %w", n.proc.Stop(time.Second)))
-		}
-	}
-	if l, lerr := netlink.LinkByName(n.Bridge); lerr == nil {
-		err = errors.Join(err, netlink.LinkDel(l))
-	}
-	if n.shared {
-		if uerr := unix.Unmount(n.NetnsDir, unix.MNT_DETACH); uerr != nil && !errors.Is(uerr, unix.EINVAL) {
-			err = errors.Join(err, fmt.Errorf("unmount %s: %w", n.NetnsDir, uerr))
 		}
 	}
 	return err

@@ -129,8 +129,9 @@ func (s *sandbox) close() error {
 // our plugin) against the primary conflist alone (bridge + host-local) in
 // the same run, as blocks: a block runs one chain's ADDs (then its DELs) for
 // `pods` sandboxes in waves of `concurrency` simultaneous calls, and blocks
-// of the two chains alternate, `reps` times each, the order flipping every
-// rep so that load drifting over the run hits both alike. Every block
+// of the two chains alternate, one of each per rep, the order flipping
+// every rep so that load drifting over the run hits both alike (the caller
+// runs the reps, other systems' reps between them). Every block
 // starts on a settled agent and, as far as its bounded wait allows, a quiet
 // machine: the baseline never runs beside the agent's work for the
 // measured pods (annotations written after the ADD returned, informer
@@ -143,7 +144,7 @@ type latencyRun struct {
 	node        string
 	namespace   string
 	pods        int // per block
-	reps        int
+	reps        int // how many the caller runs, for the blocks' labels
 	concurrency int
 	// netnsDir, when set, is a shared mount where every sandbox's netns
 	// (the baseline's too, so both chains get the same kind of path) is
@@ -172,37 +173,37 @@ type samples struct {
 	errors           int
 }
 
-func (l *latencyRun) run(ctx context.Context) (add, del samples, blocks []Block, err error) {
-	for rep := range l.reps {
-		arms := []string{"baseline", "measured"}
-		if rep%2 == 1 {
-			arms[0], arms[1] = arms[1], arms[0]
+// rep runs one rep (counting from 0): a baseline and a measured block,
+// in the order of the rep; the samples are added to add and del.
+func (l *latencyRun) rep(ctx context.Context, rep int, add, del *samples) (blocks []Block, err error) {
+	arms := []string{"baseline", "measured"}
+	if rep%2 == 1 {
+		arms[0], arms[1] = arms[1], arms[0]
+	}
+	for _, arm := range arms {
+		if err := l.settle(ctx); err != nil {
+			return blocks, err
 		}
-		for _, arm := range arms {
-			if err := l.settle(ctx); err != nil {
-				return add, del, blocks, err
-			}
-			b, err := l.quiet(ctx, fmt.Sprintf("%s block %d/%d", arm, rep+1, l.reps))
+		b, err := l.quiet(ctx, fmt.Sprintf("%s block %d/%d", arm, rep+1, l.reps))
+		if err != nil {
+			return blocks, err
+		}
+		b.Arm, b.Rep = arm, rep
+		blocks = append(blocks, b)
+		if arm == "baseline" {
+			a, d, errs, err := l.baselineBlock(ctx)
+			add.primary, del.primary = append(add.primary, a...), append(del.primary, d...)
+			add.errors += errs
 			if err != nil {
-				return add, del, blocks, err
+				return blocks, err
 			}
-			b.Arm, b.Rep = arm, rep
-			blocks = append(blocks, b)
-			if arm == "baseline" {
-				a, d, errs, err := l.baselineBlock(ctx)
-				add.primary, del.primary = append(add.primary, a...), append(del.primary, d...)
-				add.errors += errs
-				if err != nil {
-					return add, del, blocks, err
-				}
-				continue
-			}
-			if err := l.measuredBlock(ctx, rep, &add, &del); err != nil {
-				return add, del, blocks, err
-			}
+			continue
+		}
+		if err := l.measuredBlock(ctx, rep, add, del); err != nil {
+			return blocks, err
 		}
 	}
-	return add, del, blocks, nil
+	return blocks, nil
 }
 
 // baselineBlock runs the primary chain alone: ADDs, then DELs, of fresh

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -19,21 +20,15 @@ import (
 	"strings"
 	"time"
 
-	"github.com/containernetworking/cni/libcni"
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/test/lib/childproc"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
-	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
-	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
 // Options configure Run.
@@ -92,6 +87,8 @@ const quietBusyPct = 25
 func (s sizes) method() string {
 	return fmt.Sprintf("latency: the bridge + host-local chain alone (baseline) and the chain with the plugin (measured) run as separate blocks "+
 		"at the same concurrency, %d blocks each, alternating (the order flips every rep); %d / %d pods per block at 1 / 8 at a time; "+
+		"the systems' reps interleave: rep after rep, every system in turn (the order rotating every rep) is started, runs one rep of every figure and is stopped, "+
+		"its enrollment once after its last rep; "+
 		"each block starts on a settled agent after waiting up to %s for a second with ≤ %d%% of the CPUs busy; Δ = measured quantile − baseline quantile over all blocks",
 		s.reps, s.seq, s.conc, s.quietWait, quietBusyPct)
 }
@@ -173,56 +170,42 @@ func Run(ctx context.Context, o Options) (res *Result, err error) {
 	}
 	defer env.Stop()
 
-	for _, b := range Backends() {
-		br := BackendResult{Name: b.Name, Selector: b.Selector, Unavailable: b.Unavailable}
-		if b.Unavailable == "" {
-			logf("== backend %s", b.Name)
-			bw := &backendRun{
-				o: o, sz: sz, logf: logf, shipped: shipped, backend: b, env: env, client: env.Client,
-				dir: filepath.Join(work, b.Name), refPlugins: cniPaths[0],
-				audit: auditPath, res: &br,
-			}
-			if err := bw.run(ctx); err != nil {
-				br.Error = err.Error()
-				logf("backend %s failed: %v", b.Name, err)
-			}
-			if res.AgentEnv == nil {
-				res.AgentEnv = bw.agentEnv
-			}
+	// Every system (ours with each rules backend, Istio's istio-cni in
+	// each mode) in the same run, their latency reps interleaved; a
+	// peer's failure is reported beside our figures, never in place of
+	// them.
+	backends, peers := Backends(), o.peers()
+	res.Backends, res.Peers = make([]BackendResult, len(backends)), make([]BackendResult, len(peers))
+	var systems []*backendRun
+	for i, b := range backends {
+		res.Backends[i] = BackendResult{Name: b.Name, Selector: b.Selector, Unavailable: b.Unavailable}
+		if b.Unavailable != "" {
+			continue
 		}
-		res.Backends = append(res.Backends, br)
-		if ctx.Err() != nil {
-			return res, ctx.Err()
+		// Each node's bridge stays up between its reps: the subnets differ.
+		subnet := netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(64 + i), 0, 0}), 16)
+		systems = append(systems, newSystem(o, sz, logf, env, work, cniPaths[0], auditPath, &res.Backends[i],
+			&ourAgent{shipped: shipped, backend: b, subnet: subnet}))
+	}
+	for i, p := range peers {
+		res.Peers[i] = BackendResult{Name: p.Name, Unavailable: o.IstioMissing}
+		if o.IstioMissing != "" {
+			logf("== peer %s: n/a: %s", p.Name, o.IstioMissing)
+			continue
+		}
+		systems = append(systems, newSystem(o, sz, logf, env, work, cniPaths[0], auditPath, &res.Peers[i],
+			&peerAgent{peer: p, installCNI: o.IstioInstallCNI, plugin: o.IstioPlugin, version: cmp.Or(o.IstioVersion, istioVersion)}))
+	}
+	interleave(ctx, systems, sz.reps)
+	for _, s := range systems {
+		if _, ours := s.kind.(*ourAgent); ours && res.AgentEnv == nil {
+			res.AgentEnv = s.agentEnv
 		}
 	}
-	// Istio's istio-cni in the same run, after ours, each with its own
-	// interleaved baseline blocks; its failure is reported beside our
-	// figures, never in place of them.
-	for _, p := range o.peers() {
-		pr := BackendResult{Name: p.Name, Unavailable: o.IstioMissing}
-		if pr.Unavailable == "" {
-			logf("== peer %s", p.Name)
-			bw := &backendRun{
-				o: o, sz: sz, logf: logf, env: env, client: env.Client,
-				dir: filepath.Join(work, p.Name), refPlugins: cniPaths[0], audit: auditPath, res: &pr,
-			}
-			if pf, err := pluginFigures(o.IstioPlugin, sz.execRuns); err != nil {
-				logf("peer %s: plugin exec: %v", p.Name, err)
-			} else {
-				pr.Plugin = &pf
-			}
-			if err := bw.runPeer(ctx, p, o.IstioInstallCNI, o.IstioPlugin, cmp.Or(o.IstioVersion, istioVersion)); err != nil {
-				pr.Error = err.Error()
-				logf("peer %s failed: %v", p.Name, err)
-			}
-			pr.AgentEnv = bw.agentEnv
-		} else {
-			logf("== peer %s: n/a: %s", p.Name, pr.Unavailable)
-		}
-		res.Peers = append(res.Peers, pr)
-		if ctx.Err() != nil {
-			return res, ctx.Err()
-		}
+	res.Starts = starts(systems)
+	logf("%s", res.Starts)
+	if ctx.Err() != nil {
+		return res, ctx.Err()
 	}
 	if f := res.failed(); len(f) > 0 {
 		return res, fmt.Errorf("benchmark failed: %s", strings.Join(f, "; "))
@@ -230,287 +213,41 @@ func Run(ctx context.Context, o Options) (res *Result, err error) {
 	return res, nil
 }
 
-// backendRun is one rules backend's run: its own node directory, agent
-// process, stand-in and pods.
-type backendRun struct {
-	o          Options
-	sz         sizes
-	logf       func(string, ...any)
-	shipped    *simnode.Shipped
-	backend    Backend
-	env        *kubeenv.Env
-	client     kubernetes.Interface
-	dir        string
-	refPlugins string
-	audit      string
-	res        *BackendResult
-
-	agentEnv map[string]string
-	node     *simnode.Node
-	agent    *childproc.Proc
-	zt       *ztunnel.StandIn
-	// metricsURL is where the agent serves /metrics (its own address).
-	metricsURL string
-	log        string
-	auditLog   *auditLog
-	// netnsDir, when set, is a shared mount where every sandbox's netns is
-	// bound too, and named (see latencyRun.netnsDir).
-	netnsDir string
-	// agentPid, when set, is the agent's process under r.agent (a peer
-	// started through unshare).
-	agentPid int
+// figure is one latency figure (pod kind, concurrency) of a system: its
+// samples, blocks and measured windows pooled over the system's reps.
+type figure struct {
+	kind        string
+	concurrency int
+	pods        int // per block
+	namespace   string
+	add, del    samples
+	blocks      []Block
+	windows     map[string][]*window
 }
 
-// pid is the agent's process.
-func (r *backendRun) pid() int {
-	if r.agentPid != 0 {
-		return r.agentPid
-	}
-	return r.agent.Pid()
+// window is one measured block's op: the agent's CPU, API requests and
+// ADD histogram around it.
+type window struct {
+	cpu0, cpu1 CPUTimes
+	mark       int
+	reqs       []APIRequest
+	start      time.Time
+	took       time.Duration
+	add0, add1 histogram
 }
 
-func (r *backendRun) run(ctx context.Context) (err error) {
-	var cleanups []func() error
-	defer func() {
-		for i := len(cleanups) - 1; i >= 0; i-- {
-			err = errors.Join(err, cleanups[i]())
-		}
-	}()
-	node := "bench-" + r.backend.Name
-	r.res.Node = node
-	if err := os.MkdirAll(r.dir, 0o755); err != nil {
-		return err
-	}
-	r.logf("starting %s with the chart's environment (log %s)", r.o.InstallCNI, filepath.Join(r.dir, "install-cni.log"))
-	sim, err := simnode.Prepare(ctx, simnode.Options{
-		Env: r.env, Chart: r.shipped, InstallCNI: r.o.InstallCNI, Plugin: r.o.Plugin,
-		ReferencePlugins: r.refPlugins, Dir: r.dir, Name: node, Settings: r.backend.settings(),
-		RunOnTmpfs: true,
-	})
-	if err != nil {
-		return err
-	}
-	r.node = sim
-	cleanups = append(cleanups, sim.Close)
-	binDir := sim.BinDir
-	r.agentEnv, r.log = sim.AgentEnv, sim.LogPath
-	cfg := sim.Config
-	primaryList, err := libcni.ConfListFromBytes(sim.Primary)
-	if err != nil {
-		return err
-	}
-	r.res.KubeClientQPS, r.res.KubeClientBurst = float64(cfg.KubeClientQPS), cfg.KubeClientBurst
-	r.metricsURL = sim.MetricsURL
-	r.auditLog = newAuditLog(r.audit, node)
-
-	if r.agent, err = sim.StartAgent(); err != nil {
-		return err
-	}
-	r.res.AgentPID = r.pid()
-	if err := sim.WaitReady(ctx, 2*time.Minute); err != nil {
-		return err
-	}
-	zt := sim.StartStandIn(ztunnel.Faults{})
-	r.zt = zt
-	wctx, cancel := context.WithTimeout(ctx, time.Minute)
-	err = zt.Wait(wctx, zt.Ready)
-	cancel()
-	if err != nil {
-		return fmt.Errorf("the ztunnel stand-in got no snapshot: %w", err)
-	}
-	r.res.Detected = detectedBackend(r.log)
-	chainedBytes, err := os.ReadFile(filepath.Join(sim.ConfDir, simnode.PrimaryConf))
-	if err != nil {
-		return err
-	}
-	chained, err := libcni.ConfListFromBytes(chainedBytes)
-	if err != nil {
-		return err
-	}
-	if len(chained.Plugins) != 2 || chained.Plugins[1].Network.Type != cfg.PluginType {
-		return fmt.Errorf("the installer did not chain %s last into %s:\n%s", cfg.PluginType, simnode.PrimaryConf, chainedBytes)
-	}
-	sim.Chained = chainedBytes
-
-	if err := r.readIdle(ctx, "agent ready (backend "+r.res.Detected+")"); err != nil {
-		return err
-	}
-
-	pluginLog, err := os.Create(filepath.Join(r.dir, "plugin-stderr.log"))
-	if err != nil {
-		return err
-	}
-	defer pluginLog.Close()
-	cni := sim.CNI(pluginLog)
-
-	namespaces := map[string]string{}
-	for _, kind := range []string{"ambient", "non-ambient"} {
-		var labels map[string]string
-		if kind == "ambient" {
-			labels = map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}
-		}
-		if namespaces[kind], err = createNamespace(ctx, r.client, "lat-"+kind+"-"+r.backend.Name, labels); err != nil {
-			return err
-		}
-	}
-	for _, c := range []int{1, 8} {
-		for _, kind := range []string{"ambient", "non-ambient"} {
-			n := r.sz.seq
-			if c > 1 {
-				n = r.sz.conc
-			}
-			if err := r.latency(ctx, cni, chained, primaryList, node, namespaces[kind], kind, c, n); err != nil {
-				return fmt.Errorf("%s pods, %d at a time: %w", kind, c, err)
-			}
-		}
-	}
-
-	// Enrollment: running pods on the simulated kubelet, through the
-	// chained conflist (not enrolled at ADD: their namespace is not
-	// labelled yet), then the label.
-	own := &kubesim.Owner{Dir: filepath.Join(r.dir, "kubesim")}
-	cleanups = append(cleanups, func() error {
-		// The agent and stand-in stop first (cleanups run in reverse),
-		// so the pods are torn down by the primary chain alone, as after
-		// an uninstall: no agent work for thousands of DELs.
-		return kubesim.Catch(func() error { own.Close(); return nil })
-	})
-	var kube *kubesim.Node
-	if err := kubesim.Catch(func() error {
-		kube = kubesim.NewNode(own, r.client, node, []string{binDir}, chainedBytes)
-		return nil
-	}); err != nil {
-		return err
-	}
-	var running []*kubesim.Pod
-	cleanups = append(cleanups, func() error {
-		kube.Conf = primaryList
-		err := errors.Join(sim.StopStandIn(), r.stopAgent())
-		return errors.Join(err, teardown(kube, running))
-	})
-	order := []int{len(r.sz.enroll) - 1}
-	for i := range len(r.sz.enroll) - 1 {
-		order = append(order, i)
-	}
-	// The large flip first, so the RSS after it is the agent's with
-	// exactly that many pods enrolled.
-	type flip struct {
-		ns   string
-		pods int
-		uids []types.UID
-	}
-	var flips []flip
-	for _, i := range order {
-		n := r.sz.enroll[i]
-		ns, err := createNamespace(ctx, r.client, fmt.Sprintf("enroll-%d-%s", n, r.backend.Name), nil)
-		if err != nil {
-			return err
-		}
-		r.logf("starting %d running pods", n)
-		pods, err := startPods(ctx, kube, ns, n)
-		for _, p := range pods {
-			if p != nil {
-				running = append(running, p)
-			}
-		}
-		if err != nil {
-			return fmt.Errorf("start running pods: %w", err)
-		}
-		var uids []types.UID
-		for _, p := range pods {
-			uids = append(uids, p.Obj.UID)
-		}
-		flips = append(flips, flip{ns, n, uids})
-	}
-	enrolls := make([]Enroll, len(r.sz.enroll))
-	// Between flips the client's token bucket refills (burst/QPS): a
-	// flip starts with the burst available, as one after a quiet spell
-	// does on a node.
-	refill := time.Duration(float64(cfg.KubeClientBurst) / float64(cfg.KubeClientQPS) * float64(time.Second))
-	for k, f := range flips {
-		if err := r.settle(ctx); err != nil {
-			return err
-		}
-		if err := sleep(ctx, refill); err != nil {
-			return err
-		}
-		var stopProfile func() ([]string, error)
-		if r.o.Profile && k == 0 {
-			if stopProfile, err = r.profile(fmt.Sprintf("enroll-%d", f.pods)); err != nil {
-				return err
-			}
-		}
-		cpu0, err := ReadCPU(r.pid())
-		if err != nil {
-			return err
-		}
-		mark, err := r.auditLog.mark()
-		if err != nil {
-			return err
-		}
-		times, err := enrollFlip(ctx, r.client, f.ns, f.pods, 10*time.Minute, r.zt, f.uids)
-		took := times.enabled
-		if err != nil {
-			return fmt.Errorf("enroll %d running pods: %w", f.pods, err)
-		}
-		if err := r.settle(ctx); err != nil {
-			return err
-		}
-		cpu1, err := ReadCPU(r.pid())
-		if err != nil {
-			return err
-		}
-		if stopProfile != nil {
-			files, err := stopProfile()
-			if err != nil {
-				return err
-			}
-			r.res.Profiles = append(r.res.Profiles, files...)
-		}
-		reqs := r.auditLog.since(mark)
-		e := Enroll{
-			Pods: f.pods, Seconds: took.Seconds(), MsPerPod: ms(took) / float64(f.pods),
-			CPUMsPerPod: ms(cpu1.Sub(cpu0).Total()) / float64(f.pods),
-			APIPerPod:   float64(len(reqs)) / float64(f.pods), APIRequests: summarize(reqs), APIServerMs: meanServerMs(reqs),
-			APIPerSecond: float64(len(reqs)) / took.Seconds(), Running: len(running),
-			CapturedSeconds: times.captured.Seconds(),
-		}
-		r.logf("enrolled %d running pods in %.2f s (%.1f ms per pod, %.2f API requests per pod; all served by ztunnel after %.2f s)", f.pods, e.Seconds, e.MsPerPod, e.APIPerPod, e.CapturedSeconds)
-		if k == 0 {
-			if r.res.MemoryPods, err = r.memory(); err != nil {
-				return err
-			}
-			r.res.RSSPodsMB, r.res.RSSPods = r.res.MemoryPods.RSSMiB, f.pods
-		}
-		enrolls[order[k]] = e
-	}
-	r.res.Enroll = enrolls
-	if r.agent.Exited() {
-		return fmt.Errorf("install-cni exited during the run: %v; log %s", r.agent.Err(), r.log)
-	}
-	return nil
-}
-
-// latency measures one (kind, concurrency) and records it.
-func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained, primary *libcni.NetworkConfigList, node, ns, kind string, c, n int) error {
-	type window struct {
-		cpu0, cpu1 CPUTimes
-		mark       int
-		reqs       []APIRequest
-		start      time.Time
-		took       time.Duration
-		add0, add1 histogram
-	}
-	windows := map[string][]*window{}
+// latency runs one rep of figure f on the started system.
+func (r *backendRun) latency(ctx context.Context, f *figure, rep int) error {
+	kind, c, n := f.kind, f.concurrency, f.pods
 	profiling := r.o.Profile && kind == "ambient" && c == 1
 	q := quietCheck{maxWait: r.sz.quietWait, busyPct: quietBusyPct, logf: r.logf}
 	lr := &latencyRun{
-		client: r.client, cni: cni, chained: chained, primary: primary, node: node, namespace: ns, pods: n, concurrency: c,
+		client: r.client, cni: r.cni, chained: r.chained, primary: r.primary, node: r.res.Node, namespace: f.namespace, pods: n, concurrency: c,
 		reps: r.sz.reps, annotated: kind == "ambient", quiet: q.wait, netnsDir: r.netnsDir,
 		settle: func(ctx context.Context) error { return r.settle(ctx) },
 		window: func(op string, rep int) func() error {
 			w := &window{start: time.Now()}
-			windows[op] = append(windows[op], w)
+			f.windows[op] = append(f.windows[op], w)
 			var stopProfile func() ([]string, error)
 			var err error
 			if profiling && rep == 0 {
@@ -544,31 +281,47 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 			}
 		},
 	}
-	r.logf("%s pods, %d at a time: %d blocks of %d ADDs and DELs with and without the plugin", kind, c, r.sz.reps, n)
-	add, del, blocks, err := lr.run(ctx)
+	r.logf("%s pods, %d at a time: rep %d/%d, a block of %d ADDs and DELs with and without the plugin each", kind, c, rep+1, r.sz.reps, n)
+	blocks, err := lr.rep(ctx, rep, &f.add, &f.del)
+	f.blocks = append(f.blocks, blocks...)
 	if err != nil {
 		return err
 	}
+	for _, s := range []struct {
+		op string
+		samples
+	}{{"ADD", f.add}, {"DEL", f.del}} {
+		if s.errors > 0 {
+			return fmt.Errorf("%d of %d %s calls failed by rep %d; see %s and %s", s.errors, (rep+1)*n, s.op, rep+1, r.log, r.pluginLog.Name())
+		}
+	}
+	return nil
+}
+
+// record records figure f, its samples pooled over all reps.
+func (r *backendRun) record(f *figure) {
+	kind, c, n := f.kind, f.concurrency, f.pods
+	r.logf("%s: %s pods, %d at a time, over %d reps:", r.res.Name, kind, c, r.sz.reps)
 	for _, op := range []string{"ADD", "DEL"} {
-		s := add
+		s := f.add
 		if op == "DEL" {
-			s = del
+			s = f.del
 		}
 		var cpu CPUTimes
 		var reqs []APIRequest
 		var took time.Duration
 		var hist histogram
-		for _, w := range windows[op] {
+		for _, w := range f.windows[op] {
 			cpu = CPUTimes{Own: cpu.Own + w.cpu1.Sub(w.cpu0).Own, Children: cpu.Children + w.cpu1.Sub(w.cpu0).Children}
 			reqs = append(reqs, w.reqs...)
 			took += w.took
 			hist.sum += w.add1.sum - w.add0.sum
 			hist.count += w.add1.count - w.add0.count
 		}
-		pods := float64(len(windows[op]) * n)
+		pods := float64(len(f.windows[op]) * n)
 		l := Latency{
 			Kind: kind, Op: op, Concurrency: c, Samples: len(s.chained), Errors: s.errors,
-			Reps: r.sz.reps, PodsPerBlock: n, Blocks: blocks,
+			Reps: r.sz.reps, PodsPerBlock: n, Blocks: f.blocks,
 			ChainP50Ms: ms(quantile(s.primary, .5)), ChainP99Ms: ms(quantile(s.primary, .99)),
 			P50Ms: ms(quantile(s.chained, .5)), P99Ms: ms(quantile(s.chained, .99)),
 			CPUMsPerPod:    ms(cpu.Total()) / pods,
@@ -583,11 +336,7 @@ func (r *backendRun) latency(ctx context.Context, cni *libcni.CNIConfig, chained
 		}
 		r.logf("  %s: Δp50 %+.1f ms, Δp99 %+.1f ms, %.1f ms agent CPU and %.2f API requests per pod, %d failed",
 			op, l.DeltaP50Ms, l.DeltaP99Ms, l.CPUMsPerPod, l.APIPerPod, l.Errors)
-		if s.errors > 0 {
-			return fmt.Errorf("%d of %d %s calls failed; see %s and %s", s.errors, r.sz.reps*n, op, r.log, filepath.Join(r.dir, "plugin-stderr.log"))
-		}
 	}
-	return nil
 }
 
 // settle waits until the agent is idle: no API request and under 20 ms
@@ -611,6 +360,11 @@ func (r *backendRun) readIdle(ctx context.Context, what string) error {
 	return nil
 }
 
+// settle waits until the agent is idle: no API request and under 20 ms
+// of CPU (its own and its children's) for a whole second. Work the agent
+// does after a CNI call returned, or in reaction to an informer event (an
+// annotation written off the critical path, rules removed when a pod is
+// deleted), is then done and counted in the phase that caused it.
 func (r *backendRun) settle(ctx context.Context) error {
 	deadline := time.Now().Add(2 * time.Minute)
 	for {
@@ -642,12 +396,6 @@ func (r *backendRun) settle(ctx context.Context) error {
 	}
 }
 
-// stopAgent stops install-cni as the kubelet would (SIGTERM) and checks
-// that it uninstalled itself; it is a no-op once stopped.
-func (r *backendRun) stopAgent() error {
-	return r.node.StopAgent()
-}
-
 // profile attaches perf to the agent (its children inherit it: iptables
 // and ipset runs show up) until the returned function stops it and writes
 // the reports.
@@ -655,7 +403,7 @@ func (r *backendRun) profile(phase string) (func() ([]string, error), error) {
 	if err := os.MkdirAll(r.o.ProfileDir, 0o755); err != nil {
 		return nil, err
 	}
-	base := filepath.Join(r.o.ProfileDir, fmt.Sprintf("profile-%s-%s", r.backend.Name, phase))
+	base := filepath.Join(r.o.ProfileDir, fmt.Sprintf("profile-%s-%s", r.res.Name, phase))
 	data := base + ".perf.data"
 	cmd := exec.Command("perf", "record", "-q", "-g", "-F", "499", "-e", "cpu-clock",
 		"-e", "sched:sched_process_fork", "-e", "sched:sched_process_exec", "-e", "sched:sched_process_exit",

@@ -46,6 +46,10 @@ type Node struct {
 	Conf   *libcni.NetworkConfigList
 	// Driver is the cgroup layout of pods' processes.
 	Driver podproc.Driver
+	// PIDNamespace, when set, is the PID namespace (/proc/<pid>/ns/pid)
+	// pods' processes start in: a node agent in a PID namespace of its own
+	// finds running pods in its /proc only when they live there.
+	PIDNamespace string
 
 	t          T
 	cgroupRoot string
@@ -186,7 +190,7 @@ func (n *Node) StartSandbox(ctx context.Context, obj *corev1.Pod) (*Pod, error) 
 			p.IPs = append(p.IPs, a.Unmap())
 		}
 	}
-	if p.proc, err = podproc.Start(string(obj.UID), netns.Path(), podproc.Options{Driver: n.Driver, Root: n.cgroupRoot}); err != nil {
+	if p.proc, err = podproc.Start(string(obj.UID), netns.Path(), podproc.Options{Driver: n.Driver, Root: n.cgroupRoot, PIDNamespace: n.PIDNamespace}); err != nil {
 		return nil, n.fail(ctx, p, err)
 	}
 	n.mu.Lock()

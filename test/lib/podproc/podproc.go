@@ -13,11 +13,14 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
@@ -87,6 +90,11 @@ type Options struct {
 	Hierarchies []string
 	// QoS picks the pod's QoS cgroup; the zero value is BestEffort.
 	QoS QoS
+	// PIDNamespace, when set, is a PID namespace file (/proc/<pid>/ns/pid)
+	// the process is started in, as a node agent in a PID namespace of its
+	// own sees its node's pods only when they live there. Empty is the
+	// caller's.
+	PIDNamespace string
 }
 
 // CgroupPath returns a BestEffort pod's container cgroup path below a
@@ -126,7 +134,7 @@ func Start(uid, netnsPath string, o Options) (*Sandbox, error) {
 	s.Cmd = exec.Command("nsenter", "--net="+netnsPath, "--", "sleep", "infinity")
 	// No Pdeathsig: it fires when the forking OS thread exits, and netns
 	// helpers end locked threads, which would kill the pod at random.
-	if err := s.Cmd.Start(); err != nil {
+	if err := startIn(s.Cmd, o.PIDNamespace); err != nil {
 		return nil, fmt.Errorf("start pod process: %w", err)
 	}
 	if err := waitInNetns(s.Cmd.Process.Pid, netnsPath); err != nil {
@@ -144,6 +152,32 @@ func Start(uid, netnsPath string, o Options) (*Sandbox, error) {
 		}
 	}
 	return s, nil
+}
+
+// startIn starts cmd with its PID in the PID namespace at pidns (the
+// caller's when empty): an OS thread of its own joins the namespace for
+// its children (setns with CLONE_NEWPID changes only where the thread's
+// children go) and forks cmd. The thread is never handed back to the Go
+// scheduler: it ends with its goroutine.
+func startIn(cmd *exec.Cmd, pidns string) error {
+	if pidns == "" {
+		return cmd.Start()
+	}
+	f, err := os.Open(pidns)
+	if err != nil {
+		return fmt.Errorf("open PID namespace: %w", err)
+	}
+	defer f.Close()
+	errc := make(chan error, 1)
+	go func() { // owner: startIn, which waits for it
+		runtime.LockOSThread()
+		if err := unix.Setns(int(f.Fd()), unix.CLONE_NEWPID); err != nil {
+			errc <- fmt.Errorf("join PID namespace %s: %w", pidns, err)
+			return
+		}
+		errc <- cmd.Start()
+	}()
+	return <-errc
 }
 
 func (s *Sandbox) place(hier, rel string) error {
