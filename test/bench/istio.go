@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -115,14 +116,24 @@ type istioChart struct {
 // The agents here run as host processes in the node's network namespace,
 // so ambient.shareHostNetworkNamespace is set: the chart's own setting for
 // a DaemonSet on the host network.
-func renderIstioChart(ctx context.Context, version string, nativeNft bool) (*istioChart, error) {
+func renderIstioChart(ctx context.Context, root, version string, nativeNft bool) (*istioChart, error) {
 	helm, err := kubeenv.ToolPath(kubeenv.Helm)
 	if err != nil {
 		return nil, err
 	}
-	out, err := exec.CommandContext(ctx, "go", "mod", "download", "-json", istioModule+"@"+version).Output()
+	// From hack/tools/istio, whose go.sum holds the module's checksum: the
+	// bench runs in a network namespace without a route out, where a
+	// module missing from go.sum could not be checked against the checksum
+	// database (a cold module cache has no record of it).
+	dl := exec.CommandContext(ctx, "go", "mod", "download", "-json", istioModule+"@"+version)
+	dl.Dir = filepath.Join(root, "hack", "tools", "istio")
+	out, err := dl.Output()
 	if err != nil {
-		return nil, fmt.Errorf("go mod download %s@%s: %w", istioModule, version, err)
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			return nil, fmt.Errorf("go mod download %s@%s in %s: %w: %s", istioModule, version, dl.Dir, err, bytes.TrimSpace(ee.Stderr))
+		}
+		return nil, fmt.Errorf("go mod download %s@%s in %s: %w", istioModule, version, dl.Dir, err)
 	}
 	var mod struct{ Dir string }
 	if err := json.Unmarshal(out, &mod); err != nil || mod.Dir == "" {

@@ -14,7 +14,7 @@ import (
 func TestIstioChartEnvironment(t *testing.T) {
 	kubeenv.RequireTool(t, kubeenv.Helm)
 	for _, nft := range []bool{false, true} {
-		c, err := renderIstioChart(context.Background(), istioVersion, nft)
+		c, err := renderIstioChart(context.Background(), repoRoot(t), istioVersion, nft)
 		if err != nil {
 			t.Fatal(err)
 		}

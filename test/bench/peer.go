@@ -35,7 +35,7 @@ func (a *peerAgent) prepare(ctx context.Context, r *backendRun) error {
 	} else {
 		r.res.Plugin = &pf
 	}
-	chart, err := renderIstioChart(ctx, a.version, a.peer.NativeNftables)
+	chart, err := renderIstioChart(ctx, r.o.RepoRoot, a.version, a.peer.NativeNftables)
 	if err != nil {
 		return err
 	}
