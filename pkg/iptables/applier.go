@@ -15,7 +15,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-cni/ambient-cni/pkg/netfilter"
-	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
@@ -116,15 +115,6 @@ func (a *Applier) bound(ctx context.Context) (context.Context, context.CancelFun
 	return context.WithTimeout(ctx, a.timeout)
 }
 
-// podNetns refuses an empty path: for the Executor it means "the caller's
-// namespace", which for the node agent is the host's, never a pod's.
-func podNetns(path string) error {
-	if path == "" {
-		return errors.New("pod netns path is empty")
-	}
-	return nil
-}
-
 // save reads and parses the family's current state in the namespace.
 func (a *Applier) save(ctx context.Context, netnsPath string, f ruleset.Family) (*Save, error) {
 	out, err := a.exec.Run(ctx, netnsPath, Cmd{Name: a.backend.SaveCmd(f)})
@@ -175,7 +165,7 @@ type familyPlan struct {
 
 // ApplyContext is Apply with a context.
 func (a *Applier) ApplyContext(ctx context.Context, netnsPath string, cfg ruleset.PodConfig) error {
-	if err := podNetns(netnsPath); err != nil {
+	if err := ruleset.CheckPodNetns(netnsPath); err != nil {
 		return err
 	}
 	if err := cfg.Validate(); err != nil {
@@ -212,7 +202,7 @@ func (a *Applier) ApplyContext(ctx context.Context, netnsPath string, cfg rulese
 		return err
 	}
 	switch {
-	case staleIPv6(v6, cfg):
+	case cfg.StaleIPv6(v6.IPv6 || v6.IPv6Loopback):
 		// IPv6 is left alone in a namespace that has it: what a previous
 		// configuration installed for it goes, policy route included.
 		if err := a.removeFamily(ctx, netnsPath, ruleset.IPv6, true); err != nil {
@@ -227,12 +217,6 @@ func (a *Applier) ApplyContext(ctx context.Context, netnsPath string, cfg rulese
 		a.log.Debug("IPv6 disabled on lo: no IPv6 policy route", "netns", netnsPath)
 	}
 	return nil
-}
-
-// staleIPv6 reports whether cfg leaves IPv6 alone in a namespace that has
-// it, where a previous configuration may have left IPv6 rules and routes.
-func staleIPv6(st netns.State, cfg ruleset.PodConfig) bool {
-	return cfg.IPv4Only && (st.IPv6 || st.IPv6Loopback)
 }
 
 // applyPlans runs the changing part of an apply: policy routes first (a
@@ -422,7 +406,7 @@ func (a *Applier) Verify(netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift
 
 // VerifyContext is Verify with a context.
 func (a *Applier) VerifyContext(ctx context.Context, netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift, error) {
-	if err := podNetns(netnsPath); err != nil {
+	if err := ruleset.CheckPodNetns(netnsPath); err != nil {
 		return ruleset.Drift{}, err
 	}
 	if err := cfg.Validate(); err != nil {
@@ -438,7 +422,7 @@ func (a *Applier) VerifyContext(ctx context.Context, netnsPath string, cfg rules
 	err = perFamily(func(f ruleset.Family) error {
 		i := slices.Index(ruleset.Families, f)
 		rs := PodRules(cfg, f)
-		if f == ruleset.IPv6 && staleIPv6(v6, cfg) {
+		if f == ruleset.IPv6 && cfg.StaleIPv6(v6.IPv6 || v6.IPv6Loopback) {
 			// IPv6 left alone: anything of ours there is a leftover.
 			cur, err := a.save(ctx, netnsPath, f)
 			if err != nil {
@@ -496,7 +480,7 @@ func (a *Applier) Remove(netnsPath string) error {
 
 // RemoveContext is Remove with a context.
 func (a *Applier) RemoveContext(ctx context.Context, netnsPath string) error {
-	if err := podNetns(netnsPath); err != nil {
+	if err := ruleset.CheckPodNetns(netnsPath); err != nil {
 		return err
 	}
 	defer a.lock(netnsPath)()
@@ -521,7 +505,7 @@ func (a *Applier) RemoveContext(ctx context.Context, netnsPath string) error {
 // families but keeps the policy routes: for moving a pod to the other
 // backend, which uses the same routes. Idempotent.
 func (a *Applier) RemoveRules(netnsPath string) error {
-	if err := podNetns(netnsPath); err != nil {
+	if err := ruleset.CheckPodNetns(netnsPath); err != nil {
 		return err
 	}
 	defer a.lock(netnsPath)()
@@ -543,7 +527,7 @@ func (a *Applier) RemoveRules(netnsPath string) error {
 // HasRules reports whether the namespace holds any chain of ours or any
 // rule referring to one, in either family.
 func (a *Applier) HasRules(netnsPath string) (bool, error) {
-	if err := podNetns(netnsPath); err != nil {
+	if err := ruleset.CheckPodNetns(netnsPath); err != nil {
 		return false, err
 	}
 	ctx, cancel := a.bound(context.Background())

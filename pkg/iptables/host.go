@@ -226,7 +226,7 @@ func (h *HostProbe) Ensure() error {
 // AddIP adds an enrolled pod IP to its family's set (idempotent). Call
 // after the pod's rules are in place.
 func (h *HostProbe) AddIP(ip netip.Addr) error {
-	ip, f, err := probeIP(ip)
+	ip, f, err := ruleset.ProbeIP(ip)
 	if err != nil {
 		return err
 	}
@@ -240,7 +240,7 @@ func (h *HostProbe) AddIP(ip netip.Addr) error {
 
 // DelIP removes a pod IP from its family's set (idempotent).
 func (h *HostProbe) DelIP(ip netip.Addr) error {
-	ip, f, err := probeIP(ip)
+	ip, f, err := ruleset.ProbeIP(ip)
 	if err != nil {
 		return err
 	}
@@ -258,17 +258,6 @@ func (h *HostProbe) IPs() ([]netip.Addr, error) {
 		out = append(out, ips...)
 	}
 	return out, nil
-}
-
-func probeIP(ip netip.Addr) (netip.Addr, ruleset.Family, error) {
-	if !ip.IsValid() || ip.Zone() != "" || ip.IsUnspecified() || ip.IsLoopback() || ip.IsMulticast() {
-		return netip.Addr{}, 0, fmt.Errorf("not a pod IP: %s", ip)
-	}
-	ip = ip.Unmap()
-	if ip.Is4() {
-		return ip, ruleset.IPv4, nil
-	}
-	return ip, ruleset.IPv6, nil
 }
 
 // Verify reports drift of the SNAT rule and missing sets.

@@ -59,12 +59,7 @@ func TestBatchOneAck(t *testing.T) {
 	})
 	t.Run("netlink.Conn", func(t *testing.T) {
 		n := testnet.NewNS(t)
-		f, err := OpenNetns(n.Path())
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
-		c, err := dialNetfilter(int(f.Fd()))
+		c, err := dialNetfilter(n.Path())
 		if err != nil {
 			t.Fatal(err)
 		}

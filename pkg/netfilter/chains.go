@@ -12,12 +12,7 @@ import (
 // ip6 table (where iptables-nft keeps its rules), a chain named in names:
 // a cheap netlink check for rules another backend left.
 func HasChains(netnsPath string, names []string) (bool, error) {
-	ns, err := OpenNetns(netnsPath)
-	if err != nil {
-		return false, err
-	}
-	defer ns.Close()
-	c, err := dialNetfilter(int(ns.Fd()))
+	c, err := dialNetfilter(netnsPath)
 	if err != nil {
 		return false, err
 	}

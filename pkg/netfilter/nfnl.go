@@ -3,11 +3,12 @@ package netfilter
 import (
 	"encoding/binary"
 	"fmt"
-	"os"
 	"time"
 
 	"github.com/mdlayher/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 )
 
 // This file talks nf_tables netlink directly for the few things
@@ -22,27 +23,18 @@ const nftaTableUserdata = 6
 // as the table's comment.
 const udataTableComment = 0
 
-// OpenNetns opens a network namespace by path ("" = the caller's), for
-// sockets created inside it without the calling thread entering it.
-func OpenNetns(path string) (*os.File, error) {
-	if path == "" {
-		path = "/proc/self/ns/net"
-	}
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, fmt.Errorf("open netns %s: %w", path, err)
-	}
-	return f, nil
-}
-
-// dialNetfilter opens a NETLINK_NETFILTER socket inside the namespace fd
-// refers to; the calling thread never changes namespace.
-func dialNetfilter(netnsFd int) (*netlink.Conn, error) {
-	c, err := netlink.Dial(unix.NETLINK_NETFILTER, &netlink.Config{NetNS: netnsFd})
-	if err != nil {
-		return nil, fmt.Errorf("netlink (netfilter): %w", err)
-	}
-	return c, nil
+// dialNetfilter opens a NETLINK_NETFILTER socket inside the namespace at
+// netnsPath ("" = the caller's), through netns.Socket: the one place that
+// enters a namespace, so the netlink library never switches a thread
+// itself.
+func dialNetfilter(netnsPath string) (*netlink.Conn, error) {
+	return netns.Socket(netnsPath, func() (*netlink.Conn, error) {
+		c, err := netlink.Dial(unix.NETLINK_NETFILTER, nil)
+		if err != nil {
+			return nil, fmt.Errorf("netlink (netfilter): %w", err)
+		}
+		return c, nil
+	})
 }
 
 // genmsg is struct nfgenmsg: family, version, resource id (big endian).

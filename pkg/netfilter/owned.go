@@ -83,12 +83,7 @@ func CreateOwned(netnsPath string, tables []TableRef, chains []BaseChain) (Creat
 	if len(tables) == 0 && len(chains) == 0 {
 		return Created{}, nil
 	}
-	ns, err := OpenNetns(netnsPath)
-	if err != nil {
-		return Created{}, err
-	}
-	defer ns.Close()
-	c, err := dialNetfilter(int(ns.Fd()))
+	c, err := dialNetfilter(netnsPath)
 	if err != nil {
 		return Created{}, err
 	}
@@ -244,12 +239,7 @@ func deleteOwned(netnsPath string, tables []TableRef, closeConn func(*netlink.Co
 	if len(tables) == 0 {
 		return deleted, nil
 	}
-	ns, err := OpenNetns(netnsPath)
-	if err != nil {
-		return deleted, err
-	}
-	defer ns.Close()
-	c, err := dialNetfilter(int(ns.Fd()))
+	c, err := dialNetfilter(netnsPath)
 	if err != nil {
 		return deleted, err
 	}

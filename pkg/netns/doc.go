@@ -12,7 +12,9 @@
 //   - the namespace state the capture rules depend on (State: lo up, IPv6,
 //     x_tables);
 //   - Do and DoInNew, the only code that moves a thread into another
-//     network namespace (a test keeps it so).
+//     network namespace, and Socket, the way code elsewhere gets a socket
+//     inside one (a test keeps it so: no other package enters a namespace,
+//     by syscall or through a library's namespace option).
 //
 // It imports no other package of the project.
 package netns

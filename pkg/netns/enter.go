@@ -3,6 +3,7 @@ package netns
 import (
 	"errors"
 	"fmt"
+	"io"
 	"runtime"
 
 	"golang.org/x/sys/unix"
@@ -33,6 +34,33 @@ func Do(path string, fn func() error) error {
 	}
 	defer unix.Close(fd)
 	return doFD(fd, path, fn)
+}
+
+// Socket returns the socket dial opens inside the network namespace at path
+// ("" = the caller's), dialled on a thread Do moved there. A socket belongs
+// to the namespace it was created in for its whole life, so the caller uses
+// it from any thread afterwards without entering anything: this is how code
+// outside this package talks netlink inside a pod's namespace, instead of
+// passing the namespace to a library that would switch a thread itself.
+// dial must only open the socket. If the thread cannot return, the socket
+// is closed and the error returned.
+func Socket[S io.Closer](path string, dial func() (S, error)) (S, error) {
+	var s S
+	opened := false
+	err := Do(path, func() error {
+		var err error
+		s, err = dial()
+		opened = err == nil
+		return err
+	})
+	if err != nil {
+		if opened {
+			_ = s.Close()
+		}
+		var zero S
+		return zero, err
+	}
+	return s, nil
 }
 
 // DoInNew runs fn inside a new network namespace of its own, which is gone

@@ -2,14 +2,12 @@ package netns
 
 import (
 	"fmt"
-	"go/parser"
-	"go/token"
 	"os"
 	"path/filepath"
 	"runtime"
-	"strconv"
-	"strings"
 	"testing"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
@@ -131,69 +129,48 @@ func TestDoLeavesNoThreadBehind(t *testing.T) {
 	}
 }
 
-// enterCalls are the ways of moving a thread into another network
-// namespace: the raw syscalls and the helpers of the libraries the module
-// uses (containernetworking's ns.Do and ns.WithNetNSPath, vishvananda's
-// netns.Set and netlink's handles opened at another namespace).
-var enterCalls = []string{"Setns", "Unshare", "WithNetNSPath", "NewHandleAt", "NewHandleAtFrom", "GetNetlinkSocketAt", "LockOSThread"}
+// socketFile is a socket as an io.Closer for Socket.
+type socketFile struct{ fd int }
 
-// TestOnlyThisPackageEntersNamespaces: outside this package (and tests),
-// nothing under pkg/ or cmd/ moves a thread into a namespace, so Do is the
-// one audited place where that happens.
-func TestOnlyThisPackageEntersNamespaces(t *testing.T) {
-	var files []string
-	for _, glob := range []string{"../*/*.go", "../*/*/*.go", "../../cmd/*/*.go", "../../cmd/*/*/*.go"} {
-		m, err := filepath.Glob(glob)
-		if err != nil {
-			t.Fatal(err)
-		}
-		files = append(files, m...)
+func (s socketFile) Close() error { return unix.Close(s.fd) }
+
+// Socket's socket lives in the namespace it was opened in (the kernel
+// tells, SIOCGSKNS), the caller's thread never left its own, and dial's
+// error comes back as it is.
+func TestSocketOpensInsideTheNamespace(t *testing.T) {
+	testnet.RequireRoot(t)
+	pod := testnet.NewNS(t)
+	dial := func() (socketFile, error) {
+		fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_NETFILTER)
+		return socketFile{fd}, err
 	}
-	checked := 0
-	for _, f := range files {
-		if strings.HasSuffix(f, "_test.go") || filepath.Dir(f) == filepath.Join("..", "netns") {
-			continue
-		}
-		checked++
-		fset := token.NewFileSet()
-		file, err := parser.ParseFile(fset, f, nil, parser.SkipObjectResolution)
+	nsOfSocket := func(s socketFile) Identity {
+		nsfd, err := unix.IoctlRetInt(s.fd, unix.SIOCGSKNS)
 		if err != nil {
 			t.Fatal(err)
 		}
-		// Which local names refer to containernetworking's pkg/ns.
-		nsNames := map[string]bool{}
-		for _, imp := range file.Imports {
-			path, _ := strconv.Unquote(imp.Path.Value)
-			if path == "github.com/containernetworking/plugins/pkg/ns" {
-				name := "ns"
-				if imp.Name != nil {
-					name = imp.Name.Name
-				}
-				nsNames[name] = true
-			}
-			if path == "github.com/vishvananda/netns" {
-				t.Errorf("%s imports %s: enter namespaces with pkg/netns.Do", f, path)
-			}
-		}
-		src, err := os.ReadFile(f)
+		defer unix.Close(nsfd)
+		return netnsOf(t, fmt.Sprintf("/proc/self/fd/%d", nsfd))
+	}
+	for _, tc := range []struct{ path, want string }{{pod.Path(), pod.Path()}, {"", "/proc/thread-self/ns/net"}} {
+		runtime.LockOSThread()
+		want := netnsOf(t, tc.want)
+		s, err := Socket(tc.path, dial)
 		if err != nil {
+			runtime.UnlockOSThread()
 			t.Fatal(err)
 		}
-		for i, line := range strings.Split(string(src), "\n") {
-			code, _, _ := strings.Cut(line, "//")
-			for _, call := range enterCalls {
-				if strings.Contains(code, "."+call+"(") {
-					t.Errorf("%s:%d calls %s: enter namespaces with pkg/netns.Do", f, i+1, call)
-				}
-			}
-			for name := range nsNames {
-				if strings.Contains(code, name+".Do(") || strings.Contains(code, ".Do(func("+name+".NetNS)") {
-					t.Errorf("%s:%d calls %s.Do: enter namespaces with pkg/netns.Do", f, i+1, name)
-				}
-			}
+		got := nsOfSocket(s)
+		runtime.UnlockOSThread()
+		_ = s.Close()
+		if got != want {
+			t.Errorf("Socket(%q): the socket is in %+v, want %+v", tc.path, got, want)
 		}
 	}
-	if checked < 50 {
-		t.Fatalf("checked only %d production files; the globs no longer find the sources", checked)
+	if _, err := Socket(pod.Path(), func() (socketFile, error) { return socketFile{-1}, unix.EPROTONOSUPPORT }); err != unix.EPROTONOSUPPORT {
+		t.Errorf("dial's error came back as %v", err)
+	}
+	if _, err := Socket("/dev/null", dial); err == nil {
+		t.Error("Socket dialled in /dev/null")
 	}
 }

@@ -111,15 +111,6 @@ func (a *Applier) release(c conn, deleted bool) {
 	a.closing.Go(func() { _ = c.close() })
 }
 
-// podNetns refuses an empty path: it would mean the agent's own (the
-// host's) namespace, never a pod's.
-func podNetns(path string) error {
-	if path == "" {
-		return errors.New("pod netns path is empty")
-	}
-	return nil
-}
-
 // open enters the namespace once: its state, a route socket and the
 // nf_tables sockets (write: also the one for changes), all usable from any
 // thread afterwards.
@@ -156,13 +147,6 @@ func routes(st netns.State, cfg ruleset.PodConfig) []ruleset.Family {
 	return cfg.Families(st.IPv6 && st.IPv6Loopback)
 }
 
-// staleIPv6Route reports whether an IPv6 policy route may be left over
-// that the desired state no longer has: cfg leaves IPv6 alone in a
-// namespace that has it (a previous configuration captured it).
-func staleIPv6Route(st netns.State, cfg ruleset.PodConfig) bool {
-	return cfg.IPv4Only && (st.IPv6 || st.IPv6Loopback)
-}
-
 // others is what a call saw of the namespace's other netfilter tables:
 // foreign says whether it holds ip or ip6 nf_tables tables.
 func others(st netns.State, foreign bool) netfilter.Seen {
@@ -183,7 +167,7 @@ func (a *Applier) Apply(netnsPath string, cfg ruleset.PodConfig) error {
 // ApplySeeing is Apply, also reporting what it saw of the namespace's other
 // netfilter tables.
 func (a *Applier) ApplySeeing(netnsPath string, cfg ruleset.PodConfig) (netfilter.Seen, error) {
-	if err := podNetns(netnsPath); err != nil {
+	if err := ruleset.CheckPodNetns(netnsPath); err != nil {
 		return netfilter.Seen{}, err
 	}
 	if err := cfg.Validate(); err != nil {
@@ -255,7 +239,7 @@ func (a *Applier) ApplySeeing(netnsPath string, cfg ruleset.PodConfig) (netfilte
 		}
 		return seen, errors.Join(errs...)
 	}
-	if staleIPv6Route(st, cfg) {
+	if cfg.StaleIPv6(st.IPv6 || st.IPv6Loopback) {
 		// The rules no longer send IPv6 to ztunnel; its route goes too.
 		if err := rt.RemovePolicyRoute(ruleset.IPv6, ruleset.PodRules(cfg, ruleset.IPv6).Routing, policyroute.All); err != nil {
 			return seen, fmt.Errorf("remove IPv6 policy routing in netns %s: %w", netnsPath, err)
@@ -282,7 +266,7 @@ func (a *Applier) Verify(netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift
 // VerifySeeing is Verify, also reporting what it saw of the namespace's other
 // netfilter tables.
 func (a *Applier) VerifySeeing(netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift, netfilter.Seen, error) {
-	if err := podNetns(netnsPath); err != nil {
+	if err := ruleset.CheckPodNetns(netnsPath); err != nil {
 		return ruleset.Drift{}, netfilter.Seen{}, err
 	}
 	if err := cfg.Validate(); err != nil {
@@ -311,7 +295,7 @@ func (a *Applier) VerifySeeing(netnsPath string, cfg ruleset.PodConfig) (ruleset
 		}
 		d.Items = append(d.Items, policyroute.Drift(f, want, rule, route)...)
 	}
-	if staleIPv6Route(st, cfg) {
+	if cfg.StaleIPv6(st.IPv6 || st.IPv6Loopback) {
 		want := ruleset.PodRules(cfg, ruleset.IPv6).Routing
 		rule, route, err := rt.PolicyRouteState(ruleset.IPv6, want)
 		if err != nil {
@@ -344,7 +328,7 @@ func (a *Applier) RemoveRules(netnsPath string) error {
 }
 
 func (a *Applier) remove(netnsPath string, routing bool) (netfilter.Seen, error) {
-	if err := podNetns(netnsPath); err != nil {
+	if err := ruleset.CheckPodNetns(netnsPath); err != nil {
 		return netfilter.Seen{}, err
 	}
 	defer a.lock(netnsPath)()

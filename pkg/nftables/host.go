@@ -145,20 +145,9 @@ func (h *HostProbe) set(f ruleset.Family) *gnft.Set {
 	return &gnft.Set{Table: &gnft.Table{Name: TableHost, Family: gnft.TableFamilyINet}, Name: ruleset.ProbeSet(f), KeyType: kt}
 }
 
-func probeIP(ip netip.Addr) (netip.Addr, ruleset.Family, error) {
-	if !ip.IsValid() || ip.Zone() != "" || ip.IsUnspecified() || ip.IsLoopback() || ip.IsMulticast() {
-		return netip.Addr{}, 0, fmt.Errorf("not a pod IP: %s", ip)
-	}
-	ip = ip.Unmap()
-	if ip.Is4() {
-		return ip, ruleset.IPv4, nil
-	}
-	return ip, ruleset.IPv6, nil
-}
-
 // setOp runs one element change on the probe set of ip's family.
 func (h *HostProbe) setOp(ip netip.Addr, del bool) error {
-	ip, f, err := probeIP(ip)
+	ip, f, err := ruleset.ProbeIP(ip)
 	if err != nil {
 		return err
 	}

@@ -39,6 +39,12 @@ func (c PodConfig) Families(nsIPv6 bool) []Family {
 	return []Family{IPv4}
 }
 
+// StaleIPv6 reports whether c leaves IPv6 alone in a namespace that has
+// it (nsIPv6: IPv6 on, or an IPv6 address on lo), where a previous
+// configuration may have left IPv6 rules and an IPv6 policy route for
+// removal to clear.
+func (c PodConfig) StaleIPv6(nsIPv6 bool) bool { return c.IPv4Only && nsIPv6 }
+
 // MaxVirtualInterfaces bounds PodConfig.VirtualInterfaces: each name costs
 // a rule per family, and an annotation is not a place for hundreds.
 const MaxVirtualInterfaces = 32

@@ -261,6 +261,20 @@ func ProbeSet(f Family) string {
 	return ProbeSetV4
 }
 
+// ProbeIP checks ip as a pod IP for the host's probe set and returns it
+// as the set holds it (an IPv4-mapped IPv6 address unmapped) with its
+// family; what can never be a pod's IP is an error.
+func ProbeIP(ip netip.Addr) (netip.Addr, Family, error) {
+	if !ip.IsValid() || ip.Zone() != "" || ip.IsUnspecified() || ip.IsLoopback() || ip.IsMulticast() {
+		return netip.Addr{}, 0, fmt.Errorf("not a pod IP: %s", ip)
+	}
+	ip = ip.Unmap()
+	if ip.Is4() {
+		return ip, IPv4, nil
+	}
+	return ip, IPv6, nil
+}
+
 func host(a netip.Addr) netip.Prefix { return netip.PrefixFrom(a, a.BitLen()) }
 
 // PodRules builds the desired rule set of family f for a pod. It is pure:

@@ -87,6 +87,11 @@ func TestFamilies(t *testing.T) {
 		if len(got) != tc.want || got[0] != IPv4 {
 			t.Errorf("%+v, namespace IPv6 %v: %v", tc.cfg, tc.nsIPv6, got)
 		}
+		// IPv6 is stale exactly where the namespace has it and the
+		// desired state leaves it out.
+		if stale := tc.cfg.StaleIPv6(tc.nsIPv6); stale != (tc.nsIPv6 && tc.want == 1) {
+			t.Errorf("%+v, namespace IPv6 %v: stale IPv6 %v", tc.cfg, tc.nsIPv6, stale)
+		}
 		// The result is the caller's to change.
 		got[0] = IPv6
 		if Families[0] != IPv4 {
@@ -95,5 +100,41 @@ func TestFamilies(t *testing.T) {
 	}
 	if h := (HostProbeConfig{IPv4Only: true}); len(h.Families(true)) != 1 || !h.Pod().IPv4Only {
 		t.Error("host probe options lose IPv4Only")
+	}
+}
+
+// ProbeIP takes what can be a pod's address, unmapped, with its family,
+// and refuses the rest.
+func TestProbeIP(t *testing.T) {
+	for _, tc := range []struct {
+		in, want string
+		f        Family
+	}{
+		{"10.1.2.3", "10.1.2.3", IPv4},
+		{"::ffff:10.1.2.3", "10.1.2.3", IPv4},
+		{"fd00::5", "fd00::5", IPv6},
+	} {
+		ip, f, err := ProbeIP(netip.MustParseAddr(tc.in))
+		if err != nil || ip != netip.MustParseAddr(tc.want) || f != tc.f {
+			t.Errorf("ProbeIP(%s) = %s, %v, %v; want %s, %v", tc.in, ip, f, err, tc.want, tc.f)
+		}
+	}
+	bad := []netip.Addr{{}}
+	for _, s := range []string{"0.0.0.0", "::", "127.0.0.1", "::1", "224.0.0.1", "ff02::1", "fe80::1%eth0", "::ffff:127.0.0.1"} {
+		bad = append(bad, netip.MustParseAddr(s))
+	}
+	for _, ip := range bad {
+		if got, _, err := ProbeIP(ip); err == nil {
+			t.Errorf("ProbeIP(%s) accepted it as %s", ip, got)
+		}
+	}
+}
+
+func TestCheckPodNetns(t *testing.T) {
+	if CheckPodNetns("") == nil {
+		t.Error("an empty pod netns path (the caller's own namespace) accepted")
+	}
+	if err := CheckPodNetns("/var/run/netns/pod"); err != nil {
+		t.Error(err)
 	}
 }
