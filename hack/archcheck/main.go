@@ -1,6 +1,8 @@
 // Command archcheck fails when the import graph of the production packages
 // breaks the package table of docs/architecture.md: a package the table does
-// not list, or a project import its "may import" column does not allow.
+// not list, a project import its "may import" column does not allow, or an
+// allowance in that column that no import of the row's packages uses (a stale
+// allowance would let a later import in unseen).
 //
 // The table is the one source of the import rules, so the documentation and
 // the build cannot drift apart. `make lint` runs it from the repository root.
@@ -219,6 +221,38 @@ func check(rules []rule, graph map[string][]string) []string {
 		}
 		if _, ok := graph[ru.pkg]; !ok {
 			problems = append(problems, fmt.Sprintf("the table lists %s, which does not exist: remove or rename its row", ru.pkg))
+		}
+	}
+	return append(problems, unusedAllowances(rules, graph)...)
+}
+
+// unusedAllowances reports each entry of a row's "may import" column that no
+// import of the packages the row governs matches. The graph must be the whole
+// module's production packages, as it is for check.
+func unusedAllowances(rules []rule, graph map[string][]string) []string {
+	used := map[string]map[string]bool{} // row → allowance → used
+	for pkg, deps := range graph {
+		ru, ok := ruleFor(rules, pkg)
+		if !ok || ru.anything {
+			continue
+		}
+		for _, dep := range deps {
+			for _, a := range ru.allowed {
+				if matches(a, dep) {
+					if used[ru.pkg] == nil {
+						used[ru.pkg] = map[string]bool{}
+					}
+					used[ru.pkg][a] = true
+				}
+			}
+		}
+	}
+	var problems []string
+	for _, ru := range rules {
+		for _, a := range ru.allowed {
+			if !used[ru.pkg][a] {
+				problems = append(problems, fmt.Sprintf("the row of %s allows %s, which none of its imports uses: remove the allowance", ru.pkg, a))
+			}
 		}
 	}
 	return problems

@@ -92,3 +92,57 @@ func TestParseListing(t *testing.T) {
 		t.Fatal("a package outside the module was accepted")
 	}
 }
+
+func TestUnusedAllowances(t *testing.T) {
+	rules, err := parseTable(strings.NewReader(table))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name  string
+		graph map[string][]string
+		want  []string // the allowances reported, as "row allows dep"
+	}{
+		{
+			name:  "every allowance used",
+			graph: map[string][]string{"pkg/a": nil, "pkg/b": {"pkg/a"}, "pkg/c": {"pkg/a"}, "pkg/c/d": {"pkg/b"}},
+		},
+		{
+			name:  "a subtree row's allowance used by a package below it",
+			graph: map[string][]string{"pkg/b": {"pkg/a"}, "pkg/c/d/e": {"pkg/a", "pkg/b"}},
+		},
+		{
+			name:  "nothing imported",
+			graph: map[string][]string{"pkg/a": nil, "pkg/b": nil, "pkg/c": nil},
+			want:  []string{"pkg/b allows pkg/a", "pkg/c/... allows pkg/b", "pkg/c/... allows pkg/a"},
+		},
+		{
+			name:  "one of a row's two allowances unused",
+			graph: map[string][]string{"pkg/b": {"pkg/a"}, "pkg/c": {"pkg/b"}},
+			want:  []string{"pkg/c/... allows pkg/a"},
+		},
+		{
+			name:  "an import by an anything row uses no allowance",
+			graph: map[string][]string{"cmd/x": {"pkg/a", "pkg/b"}, "pkg/c": {"pkg/a", "pkg/b"}},
+			want:  []string{"pkg/b allows pkg/a"},
+		},
+		{
+			name:  "a disallowed import uses no allowance",
+			graph: map[string][]string{"pkg/b": {"pkg/c"}, "pkg/c": {"pkg/a", "pkg/b"}},
+			want:  []string{"pkg/b allows pkg/a"},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := unusedAllowances(rules, tc.graph)
+			if len(got) != len(tc.want) {
+				t.Fatalf("got %d reports, want %d:\n%s", len(got), len(tc.want), strings.Join(got, "\n"))
+			}
+			for i, w := range tc.want {
+				row, dep, _ := strings.Cut(w, " allows ")
+				if want := "the row of " + row + " allows " + dep + ","; !strings.HasPrefix(got[i], want) {
+					t.Errorf("report %d = %q, want it to start with %q", i, got[i], want)
+				}
+			}
+		})
+	}
+}

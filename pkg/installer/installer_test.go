@@ -605,41 +605,6 @@ func TestShutdownDuringUpgradeLeavesPlugin(t *testing.T) {
 	}
 }
 
-type fakeChecker struct {
-	up  bool
-	err error
-}
-
-func (f fakeChecker) IsUpgrade(context.Context) (bool, error) { return f.up, f.err }
-
-func TestShutdownChecked(t *testing.T) {
-	for name, tc := range map[string]struct {
-		c       UpgradeChecker
-		removed bool
-	}{
-		"not an upgrade": {fakeChecker{up: false}, true},
-		"upgrade":        {fakeChecker{up: true}, false},
-		"checker error":  {fakeChecker{err: errors.New("apiserver unreachable")}, false},
-		"no checker":     {nil, false},
-	} {
-		t.Run(name, func(t *testing.T) {
-			e := newEnv(t)
-			e.write(t, "10-bridge.conflist", bridgeList, 0o644)
-			i := e.installer(t, nil)
-			if err := i.Install(context.Background()); err != nil {
-				t.Fatal(err)
-			}
-			if err := i.ShutdownChecked(context.Background(), tc.c); err != nil {
-				t.Fatal(err)
-			}
-			removed := e.read(t, "10-bridge.conflist") == bridgeList && e.binaryOK() != nil
-			if removed != tc.removed {
-				t.Errorf("removed=%v, want %v", removed, tc.removed)
-			}
-		})
-	}
-}
-
 func TestSymlinkedPrimaryKeepsLink(t *testing.T) {
 	e := newEnv(t)
 	realDir := filepath.Join(filepath.Dir(e.conf), "real")

@@ -2,6 +2,7 @@ package kubeadapter
 
 import (
 	"context"
+	"errors"
 	"io"
 	"log/slog"
 	"strings"
@@ -14,7 +15,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/ambient-cni/ambient-cni/pkg/installer"
 	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/poll"
@@ -145,7 +145,7 @@ func (a *agentNode) isUpgrade() bool {
 	a.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	return installer.IsUpgrade(ctx, a.checker, nil)
+	return IsUpgrade(ctx, a.checker, nil)
 }
 
 // TestUpgradeChecker runs against a real API server with the shipped
@@ -283,4 +283,31 @@ func nodeAffinity(terms ...corev1.NodeSelectorTerm) *corev1.Affinity {
 	return &corev1.Affinity{NodeAffinity: &corev1.NodeAffinity{
 		RequiredDuringSchedulingIgnoredDuringExecution: &corev1.NodeSelector{NodeSelectorTerms: terms},
 	}}
+}
+
+type fakeChecker struct {
+	up  bool
+	err error
+}
+
+func (f fakeChecker) IsUpgrade(context.Context) (bool, error) { return f.up, f.err }
+
+// TestIsUpgradeErrsOnTheSideOfAnUpgrade: only a checker's plain "no" is an
+// uninstall; no checker, or one that cannot tell, keeps the plugin.
+func TestIsUpgradeErrsOnTheSideOfAnUpgrade(t *testing.T) {
+	for name, tc := range map[string]struct {
+		c    UpgradeChecker
+		want bool
+	}{
+		"not an upgrade": {fakeChecker{up: false}, false},
+		"upgrade":        {fakeChecker{up: true}, true},
+		"checker error":  {fakeChecker{err: errors.New("apiserver unreachable")}, true},
+		"no checker":     {nil, true},
+	} {
+		t.Run(name, func(t *testing.T) {
+			if got := IsUpgrade(context.Background(), tc.c, nil); got != tc.want {
+				t.Errorf("IsUpgrade = %v, want %v", got, tc.want)
+			}
+		})
+	}
 }

@@ -18,7 +18,7 @@ func TestPluginBinaryStaysThin(t *testing.T) {
 	if mod, err := exec.Command("go", "env", "GOMOD").Output(); err != nil || !strings.HasSuffix(strings.TrimSpace(string(mod)), "go.mod") {
 		t.Skip("not run from inside the module")
 	}
-	out, err := exec.Command("go", "list", "-deps", "github.com/ambient-cni/ambient-cni/cmd/ambient-cni").Output()
+	out, err := exec.Command("go", "list", "-deps", "github.com/ambient-cni/ambient-cni/cmd/cni-plugin").Output()
 	if err != nil {
 		t.Fatalf("go list -deps: %v", err)
 	}

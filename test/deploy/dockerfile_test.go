@@ -89,7 +89,7 @@ func TestDockerfileMatchesChart(t *testing.T) {
 		t.Errorf("manifest command %v, values image.command %v", got, cmd)
 	}
 	uninstall, _ := lookup(defaults, "image.uninstallCommand")
-	for path, pkg := range map[string]string{plugin.(string): "./cmd/ambient-cni", cmd.(string): "./cmd/install-cni", uninstall.(string): "./cmd/ambient-cni-uninstall"} {
+	for path, pkg := range map[string]string{plugin.(string): "./cmd/cni-plugin", cmd.(string): "./cmd/install-cni", uninstall.(string): "./cmd/ambient-cni-uninstall"} {
 		out, ok := d.copies[path]
 		if !ok {
 			t.Errorf("the image has nothing at %s (COPY targets %v)", path, d.copies)

@@ -57,7 +57,7 @@ func BuildImages(ctx context.Context, dir string, t Tools, logf func(string, ...
 	}
 	start := time.Now()
 	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags=-s -w", "-o", bin+"/",
-		"./cmd/ambient-cni", "./cmd/install-cni", "./cmd/ambient-cni-uninstall", "./test/lib/ztunnel/cmd/ztunnel-standin", "./test/realnode/cmd/app", "./test/realnode/cmd/pause")
+		"./cmd/cni-plugin", "./cmd/install-cni", "./cmd/ambient-cni-uninstall", "./test/lib/ztunnel/cmd/ztunnel-standin", "./test/realnode/cmd/app", "./test/realnode/cmd/pause")
 	cmd.Dir = t.Repo
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := cmd.CombinedOutput(); err != nil {

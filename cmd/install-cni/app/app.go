@@ -606,7 +606,7 @@ func (a *App) warnOwnPod(ctx context.Context, reason, msg string) {
 func (a *App) shutdown(stopZtunnel func()) error {
 	ctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
 	defer cancel()
-	upgrade := installer.IsUpgrade(ctx, a.upgrade, a.log)
+	upgrade := kubeadapter.IsUpgrade(ctx, a.upgrade, a.log)
 	var errs []error
 	if upgrade && a.cfg.StartupTaintOnShutdown {
 		// First, so that nothing is scheduled onto the node while it has no

@@ -170,7 +170,7 @@ func buildReference(root string) (string, error) {
 	return dir, publish(tmp, dir)
 }
 
-// buildOurs builds cmd/ambient-cni like `make build` and files it under its
+// buildOurs builds cmd/cni-plugin like `make build` and files it under its
 // content hash, so an unchanged plugin is reused across test binaries.
 func buildOurs(root string) (string, error) {
 	modRoot, err := goOut("", "env", "GOMOD")
@@ -186,7 +186,7 @@ func buildOurs(root string) (string, error) {
 	}
 	defer os.RemoveAll(tmp)
 	bin := filepath.Join(tmp, PluginName)
-	if _, err := goOut(filepath.Dir(modRoot), "build", "-trimpath", "-ldflags=-s -w", "-o", bin, "./cmd/ambient-cni"); err != nil {
+	if _, err := goOut(filepath.Dir(modRoot), "build", "-trimpath", "-ldflags=-s -w", "-o", bin, "./cmd/cni-plugin"); err != nil {
 		return "", err
 	}
 	sum, err := hashFile(bin)

@@ -1,0 +1,124 @@
+package installer
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
+)
+
+// Shutdown stops all further repairs. During an upgrade it leaves the
+// binary and our entry in place. Otherwise it removes our entry from every
+// config in ConfDir (putting back the primary's exact bytes, or the
+// original .conf we converted, when the file is still as we wrote it; else
+// cutting out only our entry) and then removes the binary, in that order
+// so no config ever names a missing plugin.
+func (i *Installer) Shutdown(ctx context.Context, upgrade bool) error {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	i.closed = true
+	i.loadState()
+	if upgrade {
+		i.log.Info("upgrade: leaving plugin binary and config entry in place")
+		return nil
+	}
+	var errs []error
+	ents, err := os.ReadDir(i.cfg.ConfDir)
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		errs = append(errs, fmt.Errorf("read CNI conf dir: %w", err))
+	}
+	for _, e := range ents {
+		if err := ctx.Err(); err != nil {
+			return errors.Join(append(errs, err)...)
+		}
+		if e.IsDir() || filepath.Ext(e.Name()) != ConflistExt {
+			continue
+		}
+		p := filepath.Join(i.cfg.ConfDir, e.Name())
+		err := i.unchainFile(p)
+		// Racing a primary that is writing the same file: try again.
+		for try := 0; errors.Is(err, atomicfile.ErrChanged) && try < 3; try++ {
+			time.Sleep(i.cfg.Debounce)
+			err = i.unchainFile(p)
+		}
+		if err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := os.Remove(i.dst); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		errs = append(errs, fmt.Errorf("remove plugin binary: %w", err))
+	} else {
+		i.log.Info("removed plugin binary", "path", i.dst)
+	}
+	for _, d := range []string{i.cfg.BinDir, i.cfg.ConfDir} {
+		_, _ = atomicfile.RemoveStaleTemps(d)
+	}
+	if len(errs) == 0 {
+		i.dropState()
+	}
+	return errors.Join(errs...)
+}
+
+// unchainFile takes our entry out of one conflist, if it holds one.
+func (i *Installer) unchainFile(path string) error {
+	target := path
+	if t, err := filepath.EvalSymlinks(path); err == nil {
+		target = t
+	}
+	cur, fi, err := readLimited(path)
+	if err != nil {
+		return fmt.Errorf("read %s: %w", path, err)
+	}
+	if !i.hasOurEntry(cur) {
+		return nil
+	}
+	guard := func() error {
+		now, _, err := readLimited(path)
+		if err != nil || !bytes.Equal(now, cur) {
+			return fmt.Errorf("%s: %w", path, atomicfile.ErrChanged)
+		}
+		return nil
+	}
+	rec := i.records[target]
+	if rec == nil {
+		rec = i.records[path]
+	}
+	if rec != nil && rec.orig != nil && bytes.Equal(cur, rec.written) {
+		if rec.origPath == path || rec.origPath == target {
+			if err := atomicfile.WriteFile(target, rec.orig, atomicfile.Options{Mode: fi.Mode(), Owner: atomicfile.OwnerOf(fi), Guard: guard}); err != nil {
+				return fmt.Errorf("restore %s: %w", path, err)
+			}
+			i.log.Info("restored primary CNI config", "file", path)
+			return nil
+		}
+		// We converted origPath into this list. Put the .conf back unless
+		// the primary has written a new one meanwhile; then drop the list.
+		if _, err := os.Lstat(rec.origPath); errors.Is(err, fs.ErrNotExist) {
+			if err := atomicfile.WriteFile(rec.origPath, rec.orig, atomicfile.Options{Mode: rec.origMode, Owner: rec.origOwner}); err != nil {
+				return fmt.Errorf("restore %s: %w", rec.origPath, err)
+			}
+		}
+		if err := os.Remove(path); err != nil {
+			return fmt.Errorf("remove converted list %s: %w", path, err)
+		}
+		i.log.Info("restored primary CNI config", "file", rec.origPath, "removed", path)
+		return nil
+	}
+	// The primary rewrote the file since (or we never saw its original):
+	// cut out our entry and keep every other byte it wrote.
+	out, err := Unchain(cur, i.cfg.PluginName)
+	if err != nil {
+		return fmt.Errorf("remove our entry from %s: %w", path, err)
+	}
+	if err := atomicfile.WriteFile(target, out, atomicfile.Options{Mode: fi.Mode(), Owner: atomicfile.OwnerOf(fi), Guard: guard}); err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	i.log.Info("removed our entry from CNI config", "file", path)
+	return nil
+}

@@ -1,0 +1,118 @@
+package installer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"time"
+
+	"github.com/fsnotify/fsnotify"
+
+	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
+)
+
+// Run installs, then watches the conf dir and the bin dir and repairs our
+// binary and entry whenever they go missing or stale, until ctx is done.
+// With no primary config it logs once and waits for one to appear. It
+// returns nil when ctx is done, or an error if watching cannot start.
+func (i *Installer) Run(ctx context.Context) error {
+	w, err := fsnotify.NewWatcher()
+	if err != nil {
+		return fmt.Errorf("installer: start fsnotify: %w", err)
+	}
+	defer w.Close()
+	watching := i.addWatches(w)
+
+	timer := time.NewTimer(0) // first pass right away
+	defer timer.Stop()
+	due := time.Now() // when the armed timer fires; zero when idle
+	schedule := func(d time.Duration) {
+		at := time.Now().Add(d)
+		if !due.IsZero() && !at.Before(due) {
+			return // an earlier pass is already armed and will see this
+		}
+		// Go 1.23+ timers: Reset needs no drain and drops a stale fire.
+		timer.Reset(d)
+		due = at
+	}
+	resync := time.NewTicker(i.cfg.ResyncInterval)
+	defer resync.Stop()
+	backoff := time.Duration(0)
+
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case ev, ok := <-w.Events:
+			if !ok {
+				return errors.New("installer: fsnotify watcher closed")
+			}
+			if ev.Name == i.cfg.ConfDir || ev.Name == i.cfg.BinDir {
+				// The directory itself went away: its watch is gone with it.
+				watching = false
+				schedule(i.cfg.Debounce)
+				continue
+			}
+			if i.relevant(ev) {
+				schedule(i.cfg.Debounce)
+			}
+		case err, ok := <-w.Errors:
+			if !ok {
+				return errors.New("installer: fsnotify watcher closed")
+			}
+			// Usually a queue overflow: events were lost, so look at everything.
+			i.log.Warn("fsnotify error; rechecking", "err", err)
+			schedule(i.cfg.Debounce)
+		case <-resync.C:
+			schedule(0)
+		case <-timer.C:
+			due = time.Time{}
+			if !watching {
+				watching = i.addWatches(w)
+			}
+			retry, err := i.pass(false)
+			switch {
+			case errors.Is(err, errClosed):
+				// Shut down: nothing more to guard, but keep Run's contract
+				// of returning only when ctx is done.
+			case err != nil && !errors.Is(err, ErrNoPrimaryConfig) && !errors.Is(err, ErrConfigInFlux):
+				backoff = min(max(2*backoff, 200*time.Millisecond), 10*time.Second)
+				schedule(backoff)
+			default:
+				backoff = 0
+			}
+			if retry > 0 {
+				schedule(retry)
+			}
+			if !watching {
+				schedule(time.Second)
+			}
+		}
+	}
+}
+
+// addWatches watches both directories; it reports whether both are watched.
+func (i *Installer) addWatches(w *fsnotify.Watcher) bool {
+	ok := true
+	for _, d := range []string{i.cfg.ConfDir, i.cfg.BinDir} {
+		if err := w.Add(d); err != nil {
+			i.log.Debug("cannot watch directory yet", "dir", d, "err", err)
+			ok = false
+		}
+	}
+	return ok
+}
+
+// relevant filters events down to the files we care about.
+func (i *Installer) relevant(ev fsnotify.Event) bool {
+	dir, base := filepath.Dir(ev.Name), filepath.Base(ev.Name)
+	if atomicfile.IsTemp(base) {
+		return false
+	}
+	if dir == i.cfg.BinDir && base == i.cfg.PluginName {
+		return true
+	}
+	// A chmod of a config changes nothing the runtime reads.
+	return dir == i.cfg.ConfDir && isConfigName(base) && !ev.Has(fsnotify.Chmod)
+}
