@@ -74,20 +74,22 @@ func newHarness(t *testing.T) *harness {
 	}
 	h.agent = a
 	h.run(t)
-	h.srv = NewServer(ServerConfig{Socket: filepath.Join(h.dir, "agent.sock")}, h.kube.Cache, a)
+	h.srv = NewServer(ServerConfig{Layout: h.layout()}, h.kube.Cache, a)
 	h.kube.Start()
 	h.kube.SetNamespace(namespace("shop", true))
 	h.kube.SetNamespace(namespace("plain", false))
 	return h
 }
 
+// layout is the harness agent's run directory.
+func (h *harness) layout() nodefiles.Layout { return nodefiles.InDir(h.dir) }
+
 // config is the harness agent's configuration.
 func (h *harness) config() Config {
 	return Config{
 		Rules: h.rules, Ztunnel: h.zt, Annotator: h.ann, Enablement: h.kube.Cache, Pods: h.kube.Cache,
-		SnapshotFile: nodefiles.InDir(h.dir).Snapshot(), SpoolDir: nodefiles.InDir(h.dir).DelSpool(),
-		RecordDir: nodefiles.InDir(h.dir).Records(),
-		Netns:     netns.Policy{Roots: []string{"/var/run/netns", "/run/netns"}},
+		Layout: h.layout(),
+		Netns:  netns.Policy{Roots: []string{"/var/run/netns", "/run/netns"}},
 	}
 }
 
@@ -118,7 +120,7 @@ func (h *harness) restart(t *testing.T) {
 		t.Fatal(err)
 	}
 	h.agent = a
-	h.srv = NewServer(ServerConfig{Socket: filepath.Join(h.dir, "agent.sock")}, h.kube.Cache, a)
+	h.srv = NewServer(ServerConfig{Layout: h.layout()}, h.kube.Cache, a)
 	h.run(t)
 }
 
@@ -137,7 +139,7 @@ func (h *harness) annotations(t *testing.T, uid types.UID) string {
 // recorded lists the uids with a capture record on disk.
 func (h *harness) recorded(t *testing.T) []string {
 	t.Helper()
-	des, err := os.ReadDir(nodefiles.InDir(h.dir).Records())
+	des, err := os.ReadDir(h.layout().Records())
 	if err != nil && !os.IsNotExist(err) {
 		t.Fatal(err)
 	}
@@ -436,7 +438,7 @@ func TestDrainSpool(t *testing.T) {
 	if _, err := h.srv.Add(ctx, info("shop/web", "u1", "sb1"), openNS(t, testnet.NewNS(t))); err != nil {
 		t.Fatal(err)
 	}
-	spool := nodefiles.InDir(h.dir).DelSpool()
+	spool := h.layout().DelSpool()
 	if err := nodefiles.Spool(spool, ambient.PodEvent{Command: ambient.CommandDel, SandboxID: "sb1"}); err != nil {
 		t.Fatal(err)
 	}
@@ -461,7 +463,7 @@ func TestDrainSpool(t *testing.T) {
 func TestSnapshotFollowsEnablement(t *testing.T) {
 	h := newHarness(t)
 	h.kube.Cache.OnEnablementChange(func() { _ = h.agent.RefreshSnapshot() })
-	path := nodefiles.InDir(h.dir).Snapshot()
+	path := h.layout().Snapshot()
 	read := func() *nodefiles.EnablementSnapshot {
 		t.Helper()
 		b, err := os.ReadFile(path)
@@ -599,23 +601,16 @@ func TestSandboxReleased(t *testing.T) {
 // is refused, rather than given the real node's directory (where a test
 // that forgot one would write over the running agent's records).
 func TestNodeFilesHaveNoDefaults(t *testing.T) {
-	dir := t.TempDir()
-	full := Config{Rules: &recordedRules{}, SnapshotFile: filepath.Join(dir, "snap"), SpoolDir: filepath.Join(dir, "spool"), RecordDir: filepath.Join(dir, "rec")}
+	full := Config{Rules: &recordedRules{}, Layout: nodefiles.InDir(t.TempDir())}
 	if a, err := NewAgent(full); err != nil {
 		t.Fatalf("complete config refused: %v", err)
 	} else {
 		_ = a.Close()
 	}
-	for name, drop := range map[string]func(*Config){
-		"SnapshotFile": func(c *Config) { c.SnapshotFile = "" },
-		"SpoolDir":     func(c *Config) { c.SpoolDir = "" },
-		"RecordDir":    func(c *Config) { c.RecordDir = "" },
-	} {
-		c := full
-		drop(&c)
-		if _, err := NewAgent(c); err == nil || !strings.Contains(err.Error(), name) {
-			t.Errorf("no %s: %v; want an error naming it", name, err)
-		}
+	c := full
+	c.Layout = nodefiles.Layout{}
+	if _, err := NewAgent(c); err == nil || !strings.Contains(err.Error(), "Layout") {
+		t.Errorf("no Layout: %v; want an error naming it", err)
 	}
 	if err := NewServer(ServerConfig{}, nil, nil).Listen(); err == nil {
 		t.Error("an event server with no socket listened (on the real node's path?)")

@@ -57,7 +57,7 @@ func (a *Agent) GC(ctx context.Context, network string, valid []string) int {
 // exists (see RemoveSandbox). Call it at startup after restoring state,
 // then leave it to RunSpoolDrain.
 func (a *Agent) DrainSpool(ctx context.Context) (int, error) {
-	entries, err := nodefiles.List(a.cfg.SpoolDir)
+	entries, err := nodefiles.List(a.cfg.Layout.DelSpool())
 	if err != nil {
 		return 0, err
 	}

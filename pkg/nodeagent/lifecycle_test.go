@@ -254,7 +254,7 @@ func withNetns(d SandboxDel, path string) SandboxDel {
 func TestReplayedDelCleansUnrestoredPod(t *testing.T) {
 	h := newHarness(t)
 	ctx := context.Background()
-	spool := nodefiles.InDir(h.dir).DelSpool()
+	spool := h.layout().DelSpool()
 	gone, held := testnet.NewNS(t), testnet.NewNS(t)
 	// A previous agent captured "gone"; no record (an older agent).
 	if err := h.rules.seed(gone.Path(), ruleset.PodConfig{}); err != nil {

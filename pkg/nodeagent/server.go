@@ -25,10 +25,11 @@ import (
 // ServerConfig configures the plugin event server. Zero values take the
 // defaults.
 type ServerConfig struct {
-	// Socket is the Unix socket path (required; install-cni passes
-	// ambient.DefaultAgentSocket unless told otherwise).
-	// Its directory is created (or tightened) to 0700, the socket is 0600.
-	Socket string
+	// Layout is the agent's run directory (required): the server listens
+	// on its AgentSocket, keeps its Heartbeat fresh and re-checks its
+	// AddSpool. The directory is created (or tightened) to 0700, the
+	// socket is 0600.
+	Layout nodefiles.Layout
 	// Netns decides which netns paths from the plugin are accepted: nsfs
 	// mounts below its roots (nil: netns.DefaultRoots) and
 	// /proc/<pid>/ns/net, opened below its ProcRoot. Give it the agent's
@@ -123,16 +124,16 @@ func NewServer(cfg ServerConfig, decider Decider, agent *Agent) *Server {
 }
 
 // Socket is the path the server listens on.
-func (s *Server) Socket() string { return s.cfg.Socket }
+func (s *Server) Socket() string { return s.cfg.Layout.AgentSocket() }
 
 // Listen makes the socket directory root-only (0700), replaces a stale
 // socket file (never any other kind of file) and listens (socket 0600).
 func (s *Server) Listen() error {
-	if s.cfg.Socket == "" {
+	if s.Socket() == "" {
 		// No default: it would be the real node's socket.
-		return errors.New("nodeagent: ServerConfig.Socket is required")
+		return errors.New("nodeagent: ServerConfig.Layout is required")
 	}
-	ln, err := unixsock.Listen(unixsock.Config{Path: s.cfg.Socket, Net: "unix", Mode: 0o600, PrivateDir: true})
+	ln, err := unixsock.Listen(unixsock.Config{Path: s.Socket(), Net: "unix", Mode: 0o600, PrivateDir: true})
 	if err != nil {
 		return err
 	}
@@ -422,7 +423,7 @@ func (s *Server) Check(ctx context.Context, p PodInfo, ns *netns.Handle) error {
 // then at every beat. A round of re-checks gets one beat, so a slow one
 // (no ztunnel yet) never leaves the heartbeat stale for long.
 func (s *Server) keepAlive(ctx context.Context) {
-	hb := nodefiles.ForSocket(s.cfg.Socket).Heartbeat()
+	hb := s.cfg.Layout.Heartbeat()
 	t := time.NewTicker(nodefiles.HeartbeatInterval)
 	defer t.Stop()
 	for {
@@ -449,7 +450,7 @@ func (s *Server) keepAlive(ctx context.Context) {
 // may succeed later is kept for the next round. It returns how many pods
 // it captured.
 func (s *Server) RecheckPassedThrough(ctx context.Context) (int, error) {
-	dir := nodefiles.ForSocket(s.cfg.Socket).AddSpool()
+	dir := s.cfg.Layout.AddSpool()
 	entries, err := nodefiles.ListAdds(dir)
 	if err != nil {
 		return 0, err

@@ -165,7 +165,7 @@ func (a *Agent) RemoveRecords() error {
 // touched.
 func (a *Agent) RemoveNodeFiles() error {
 	errs := []error{a.records.removeAll(), a.snapshot.Remove()}
-	if err := os.RemoveAll(a.cfg.SpoolDir); err != nil {
+	if err := os.RemoveAll(a.cfg.Layout.DelSpool()); err != nil {
 		errs = append(errs, fmt.Errorf("remove DEL spool: %w", err))
 	}
 	return errors.Join(errs...)

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"net/netip"
-	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -82,7 +81,7 @@ func TestRestoreUnresolvedKeepsPod(t *testing.T) {
 	}
 	rules, zt, ann := newRecordedRules(), &fakeZtunnel{}, &fakeAnnotator{}
 	dir := t.TempDir() // the node files: never the real node's
-	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, SnapshotFile: filepath.Join(dir, "snap"), SpoolDir: filepath.Join(dir, "spool"), RecordDir: nodefiles.InDir(dir).Records()})
+	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, Layout: nodefiles.InDir(dir)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -175,7 +174,7 @@ func TestUnresolvedPodInspectAndReleaseAll(t *testing.T) {
 	probe := &fakeProbe{ips: map[netip.Addr]bool{}}
 	rules, zt, ann := newRecordedRules(), &fakeZtunnel{}, &fakeAnnotator{}
 	dir := t.TempDir() // the node files: never the real node's
-	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, SnapshotFile: filepath.Join(dir, "snap"), SpoolDir: filepath.Join(dir, "spool"), RecordDir: nodefiles.InDir(dir).Records()})
+	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, Layout: nodefiles.InDir(dir)})
 	if err != nil {
 		t.Fatal(err)
 	}
