@@ -6,6 +6,7 @@ import (
 
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 )
 
@@ -61,24 +62,14 @@ func (a *Agent) DrainSpool(ctx context.Context) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	n := 0
-	for _, en := range entries {
-		if en.Err != nil {
-			a.log.Warn("dropping unusable spool entry", "path", en.Path, "err", en.Err)
-			_ = nodefiles.Remove(en.Path)
-			continue
-		}
-		ev := en.Event
+	n := drainSpool(a.log, "DEL spool", entries, func(ev *ambient.PodEvent) spoolStep {
 		del := SandboxDel{SandboxID: ev.SandboxID, UID: types.UID(ev.PodUID), Namespace: ev.PodNamespace, Name: ev.PodName, Netns: ev.Netns, Replayed: true}
 		if err := a.RemoveSandbox(ctx, del); err != nil {
-			a.log.Warn("replay spooled DEL", "sandbox", en.Event.SandboxID, "err", err)
-			continue
+			a.log.Warn("replay spooled DEL", "sandbox", ev.SandboxID, "err", err)
+			return spoolKeep
 		}
-		if err := nodefiles.Remove(en.Path); err != nil {
-			a.log.Warn("remove spool entry", "err", err)
-		}
-		n++
-	}
+		return spoolCounted
+	})
 	if n > 0 {
 		a.log.Info("replayed spooled DELs", "count", n)
 	}

@@ -310,11 +310,16 @@ func (s *Server) dispatch(ctx context.Context, ev *ambient.PodEvent, t *phaseTim
 			SandboxID: ev.SandboxID, UID: types.UID(ev.PodUID), Namespace: ev.PodNamespace, Name: ev.PodName, Netns: ev.Netns,
 		})
 	}
-	p := PodInfo{Namespace: ev.PodNamespace, Name: ev.PodName, UID: types.UID(ev.PodUID), SandboxID: ev.SandboxID, IPs: ev.Addrs(), Network: ev.Network}
+	p := podInfo(ev)
 	if ev.Command == ambient.CommandCheck {
 		return ambient.VerdictOK, s.checkPath(ctx, p, ev.Netns)
 	}
 	return s.addPath(ctx, p, ev.Netns, t)
+}
+
+// podInfo is the pod a CNI event names.
+func podInfo(ev *ambient.PodEvent) PodInfo {
+	return PodInfo{Namespace: ev.PodNamespace, Name: ev.PodName, UID: types.UID(ev.PodUID), SandboxID: ev.SandboxID, IPs: ev.Addrs(), Network: ev.Network}
 }
 
 // addPath is the CNI ADD with the runtime's netns path: the path is opened
@@ -450,42 +455,32 @@ func (s *Server) keepAlive(ctx context.Context) {
 // may succeed later is kept for the next round. It returns how many pods
 // it captured.
 func (s *Server) RecheckPassedThrough(ctx context.Context) (int, error) {
-	dir := s.cfg.Layout.AddSpool()
-	entries, err := nodefiles.ListAdds(dir)
+	entries, err := nodefiles.ListAdds(s.cfg.Layout.AddSpool())
 	if err != nil {
 		return 0, err
 	}
-	n := 0
-	for _, en := range entries {
-		if en.Err != nil {
-			s.log.Warn("dropping unusable ADD spool entry", "path", en.Path, "err", en.Err)
-			_ = nodefiles.Remove(en.Path)
-			continue
-		}
-		ev := en.Event
-		p := PodInfo{Namespace: ev.PodNamespace, Name: ev.PodName, UID: types.UID(ev.PodUID), SandboxID: ev.SandboxID, IPs: ev.Addrs(), Network: ev.Network}
+	return drainSpool(s.log, "ADD spool", entries, func(ev *ambient.PodEvent) spoolStep {
+		p := podInfo(ev)
 		log := s.log.With("pod", p.Namespace+"/"+p.Name, "sandbox", p.SandboxID)
 		v, err := s.addPath(ctx, p, ev.Netns, nil)
 		switch {
 		case err == nil && v == ambient.VerdictEnrolled:
 			log.Warn("pod started while the agent was gone is now captured")
-			n++
+			return spoolCounted
 		case err == nil:
+			return spoolDone
 		case IsInvalid(err) || apierrors.IsNotFound(err):
 			// Its sandbox or the pod itself is gone.
 			log.Info("pod started while the agent was gone needs no re-check", "err", err)
+			return spoolDone
 		default:
 			// A netns that is gone comes back invalid (above); the path is
 			// the plugin's, which the agent may only reach under its proc
 			// root, so it is not looked at here.
 			log.Warn("re-check of a pod started while the agent was gone failed; will retry", "err", err)
-			continue
+			return spoolKeep
 		}
-		if err := nodefiles.Remove(en.Path); err != nil {
-			log.Warn("remove ADD spool entry", "err", err)
-		}
-	}
-	return n, nil
+	}), nil
 }
 
 func (s *Server) handleStatus(w http.ResponseWriter, r *http.Request) {
