@@ -345,23 +345,6 @@ func (s *Server) addPath(ctx context.Context, p PodInfo, path string, t *phaseTi
 	return s.capture(ctx, p, d, pod, ns, t)
 }
 
-// Add is the CNI ADD: decide, then capture. It takes ownership of ns and
-// answers only once the pod's rules are in place (and ztunnel acked), or
-// the pod is out of scope.
-func (s *Server) Add(ctx context.Context, p PodInfo, ns *netns.Handle) (ambient.Verdict, error) {
-	d, pod, err := s.decide(ctx, p)
-	if err != nil {
-		_ = ns.Close()
-		return "", err
-	}
-	if !d.Enroll {
-		_ = ns.Close()
-		s.log.Info("pod not enrolled", "pod", p.Namespace+"/"+p.Name, "sandbox", p.SandboxID, "reason", d.Reason)
-		return ambient.VerdictNotEnrolled, nil
-	}
-	return s.capture(ctx, p, d, pod, ns, nil)
-}
-
 // decide is the enablement decision for the pod of a CNI request, with
 // the pod; a pod of another uid than the runtime's is retryable (the cache
 // lags).
@@ -403,21 +386,6 @@ func (s *Server) checkPath(ctx context.Context, p PodInfo, path string) error {
 	ns, err := s.netns.Open(path)
 	if err != nil {
 		return err
-	}
-	return s.agent.Check(ctx, p, d, ns)
-}
-
-// Check is the CNI CHECK: decide, then verify that a pod that should be
-// captured is enrolled in this very namespace with its rules intact. It
-// takes ownership of ns.
-func (s *Server) Check(ctx context.Context, p PodInfo, ns *netns.Handle) error {
-	d, pod, err := s.decider.Decide(ctx, p.Namespace, p.Name, string(p.UID))
-	if err != nil {
-		_ = ns.Close()
-		return Retryable(fmt.Errorf("decide on pod %s/%s: %w", p.Namespace, p.Name, err))
-	}
-	if p.UID == "" && pod != nil {
-		p.UID = pod.UID
 	}
 	return s.agent.Check(ctx, p, d, ns)
 }

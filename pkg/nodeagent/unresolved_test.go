@@ -216,7 +216,7 @@ func TestRecordedPodRestoredWithoutNetns(t *testing.T) {
 		pn := testnet.NewNS(t)
 		nss[n] = pn.Path()
 		h.kube.SetPod(pod("shop", n, "u-"+n, nil))
-		if _, err := h.srv.Add(ctx, info("shop/"+n, "u-"+n, "sb-"+n), openNS(t, pn)); err != nil {
+		if _, err := h.add(ctx, info("shop/"+n, "u-"+n, "sb-"+n), pn); err != nil {
 			t.Fatal(err)
 		}
 	}
