@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
@@ -353,4 +354,16 @@ func (a *Agent) workload(e *entry) zds.Workload {
 		w.Netns = e.ns.File()
 	}
 	return w
+}
+
+// ruleConfig is the rule set options for one pod.
+func (a *Agent) ruleConfig(pod *corev1.Pod) ruleset.PodConfig {
+	return ruleset.PodConfig{
+		ProbeSNATv4:       a.cfg.ProbeSNATv4,
+		ProbeSNATv6:       a.cfg.ProbeSNATv6,
+		IPv4Only:          a.cfg.IPv4Only,
+		DNSCapture:        enablement.DNSCapture(pod, a.cfg.DNSCapture),
+		BypassInbound:     enablement.BypassInbound(pod),
+		VirtualInterfaces: enablement.VirtualInterfaces(pod),
+	}
 }
