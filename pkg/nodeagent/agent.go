@@ -3,7 +3,6 @@ package nodeagent
 import (
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 	"net/netip"
 	"sync"
@@ -15,6 +14,8 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
@@ -109,20 +110,16 @@ type Config struct {
 	// Events, when set, gets a Warning on a captured pod whose annotations
 	// the agent ignores because they do not parse.
 	Events EventRecorder
-	// RecordDir holds the capture records (required: the Records of the
-	// agent socket's nodefiles.Layout).
-	RecordDir string
+	// Layout names the node files the agent keeps and reads (required, no
+	// default: a default would be the real node's run directory, which a
+	// caller that forgot it, a test, would then write into): the capture
+	// records, the enablement snapshot and the plugin's DEL spool.
+	Layout nodefiles.Layout
 	// Netns decides which netns paths of CNI DELs (and spooled DELs) the
 	// agent may open (nil roots: netns.DefaultRoots; and /proc).
 	Netns netns.Policy
 	// Enablement feeds the snapshot file; nil writes no snapshot.
 	Enablement EnablementSource
-	// SnapshotFile is the enablement snapshot path (required: the
-	// Snapshot of the agent socket's nodefiles.Layout).
-	SnapshotFile string
-	// SpoolDir is where the plugin spools DELs (required: the DelSpool of
-	// the agent socket's nodefiles.Layout).
-	SpoolDir string
 	// ExcludedNamespaces are recorded in the snapshot (default kube-system).
 	ExcludedNamespaces []string
 	// DNSCapture is the default for pods without the dns-capture annotation.
@@ -245,13 +242,8 @@ func NewAgent(cfg Config) (*Agent, error) {
 	if cfg.ZtunnelTimeout <= 0 {
 		cfg.ZtunnelTimeout = DefaultZtunnelTimeout
 	}
-	// The node files have no defaults: a default would be the real node's
-	// directory, which a caller that forgot one (a test) would then write
-	// into, over the running agent's records.
-	for _, p := range []struct{ name, v string }{{"SnapshotFile", cfg.SnapshotFile}, {"SpoolDir", cfg.SpoolDir}, {"RecordDir", cfg.RecordDir}} {
-		if p.v == "" {
-			return nil, fmt.Errorf("nodeagent: %s is required (install-cni derives it from the agent socket)", p.name)
-		}
+	if cfg.Layout.AgentSocket() == "" {
+		return nil, errors.New("nodeagent: Layout is required")
 	}
 	if cfg.ExcludedNamespaces == nil {
 		cfg.ExcludedNamespaces = []string{ambient.DefaultExcludedNamespace}
@@ -269,8 +261,8 @@ func NewAgent(cfg Config) (*Agent, error) {
 	return &Agent{
 		cfg:         cfg,
 		log:         log,
-		snapshot:    newSnapshotWriter(cfg.SnapshotFile),
-		records:     newRecordStore(cfg.RecordDir),
+		snapshot:    newSnapshotWriter(cfg.Layout.Snapshot()),
+		records:     newRecordStore(cfg.Layout.Records()),
 		annotations: newAnnotationWriter(cfg.Annotator, cfg.Pods, rate.NewLimiter(rate.Limit(cfg.AnnotationQPS), cfg.AnnotationBurst), log.With("component", "annotations")),
 		pods:        map[types.UID]*entry{},
 		busy:        map[types.UID]*podLock{},
@@ -362,4 +354,16 @@ func (a *Agent) workload(e *entry) zds.Workload {
 		w.Netns = e.ns.File()
 	}
 	return w
+}
+
+// ruleConfig is the rule set options for one pod.
+func (a *Agent) ruleConfig(pod *corev1.Pod) ruleset.PodConfig {
+	return ruleset.PodConfig{
+		ProbeSNATv4:       a.cfg.ProbeSNATv4,
+		ProbeSNATv6:       a.cfg.ProbeSNATv6,
+		IPv4Only:          a.cfg.IPv4Only,
+		DNSCapture:        enablement.DNSCapture(pod, a.cfg.DNSCapture),
+		BypassInbound:     enablement.BypassInbound(pod),
+		VirtualInterfaces: enablement.VirtualInterfaces(pod),
+	}
 }

@@ -74,20 +74,22 @@ func newHarness(t *testing.T) *harness {
 	}
 	h.agent = a
 	h.run(t)
-	h.srv = NewServer(ServerConfig{Socket: filepath.Join(h.dir, "agent.sock")}, h.kube.Cache, a)
+	h.srv = NewServer(ServerConfig{Layout: h.layout()}, h.kube.Cache, a)
 	h.kube.Start()
 	h.kube.SetNamespace(namespace("shop", true))
 	h.kube.SetNamespace(namespace("plain", false))
 	return h
 }
 
+// layout is the harness agent's run directory.
+func (h *harness) layout() nodefiles.Layout { return nodefiles.InDir(h.dir) }
+
 // config is the harness agent's configuration.
 func (h *harness) config() Config {
 	return Config{
 		Rules: h.rules, Ztunnel: h.zt, Annotator: h.ann, Enablement: h.kube.Cache, Pods: h.kube.Cache,
-		SnapshotFile: nodefiles.InDir(h.dir).Snapshot(), SpoolDir: nodefiles.InDir(h.dir).DelSpool(),
-		RecordDir: nodefiles.InDir(h.dir).Records(),
-		Netns:     netns.Policy{Roots: []string{"/var/run/netns", "/run/netns"}},
+		Layout: h.layout(),
+		Netns:  netns.Policy{Roots: []string{"/var/run/netns", "/run/netns"}},
 	}
 }
 
@@ -118,7 +120,7 @@ func (h *harness) restart(t *testing.T) {
 		t.Fatal(err)
 	}
 	h.agent = a
-	h.srv = NewServer(ServerConfig{Socket: filepath.Join(h.dir, "agent.sock")}, h.kube.Cache, a)
+	h.srv = NewServer(ServerConfig{Layout: h.layout()}, h.kube.Cache, a)
 	h.run(t)
 }
 
@@ -137,7 +139,7 @@ func (h *harness) annotations(t *testing.T, uid types.UID) string {
 // recorded lists the uids with a capture record on disk.
 func (h *harness) recorded(t *testing.T) []string {
 	t.Helper()
-	des, err := os.ReadDir(nodefiles.InDir(h.dir).Records())
+	des, err := os.ReadDir(h.layout().Records())
 	if err != nil && !os.IsNotExist(err) {
 		t.Fatal(err)
 	}
@@ -157,6 +159,18 @@ func openNS(t *testing.T, n ns.NetNS) *netns.Handle {
 	return h
 }
 
+// add is a CNI ADD of pod p in the test's namespace n, the way the event
+// server's socket handler takes it.
+func (h *harness) add(ctx context.Context, p PodInfo, n ns.NetNS) (ambient.Verdict, error) {
+	return h.srv.addPath(ctx, p, n.Path(), nil)
+}
+
+// check is a CNI CHECK of pod p in the test's namespace n, the way the
+// event server's socket handler takes it.
+func (h *harness) check(ctx context.Context, p PodInfo, n ns.NetNS) error {
+	return h.srv.checkPath(ctx, p, n.Path())
+}
+
 func info(p string, uid, sandbox string) PodInfo {
 	nsName, name, _ := strings.Cut(p, "/")
 	return PodInfo{Namespace: nsName, Name: name, UID: types.UID(uid), SandboxID: sandbox, IPs: []netip.Addr{netip.MustParseAddr("10.9.0.5")}}
@@ -168,7 +182,7 @@ func TestEnrollAndRemove(t *testing.T) {
 	pn := testnet.NewNS(t)
 	h.kube.SetPod(pod("shop", "web", "u1", nil))
 
-	v, err := h.srv.Add(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn))
+	v, err := h.add(context.Background(), info("shop/web", "u1", "sb1"), pn)
 	if err != nil || v != ambient.VerdictEnrolled {
 		t.Fatalf("HandleAdd = %q, %v", v, err)
 	}
@@ -193,7 +207,7 @@ func TestEnrollAndRemove(t *testing.T) {
 		t.Errorf("workloads = %+v", w)
 	}
 	// A repeated ADD for the same sandbox is idempotent.
-	if v, err := h.srv.Add(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil || v != ambient.VerdictEnrolled {
+	if v, err := h.add(context.Background(), info("shop/web", "u1", "sb1"), pn); err != nil || v != ambient.VerdictEnrolled {
 		t.Fatalf("second HandleAdd = %q, %v", v, err)
 	}
 	if len(h.agent.Pods()) != 1 {
@@ -241,7 +255,7 @@ func TestEnrollDecisions(t *testing.T) {
 		uid  string
 		want ambient.Verdict
 	}{{"plain/a", "u-a", ambient.VerdictNotEnrolled}, {"plain/b", "u-b", ambient.VerdictEnrolled}, {"shop/c", "u-c", ambient.VerdictNotEnrolled}} {
-		v, err := h.srv.Add(context.Background(), info(tc.pod, tc.uid, "sb-"+tc.uid), openNS(t, pn))
+		v, err := h.add(context.Background(), info(tc.pod, tc.uid, "sb-"+tc.uid), pn)
 		if err != nil || v != tc.want {
 			t.Errorf("%s: %q, %v; want %q", tc.pod, v, err, tc.want)
 		}
@@ -251,7 +265,7 @@ func TestEnrollDecisions(t *testing.T) {
 	}
 	// Unknown pod, or the runtime naming another uid: retry later.
 	for _, p := range []PodInfo{info("shop/ghost", "", "sb-x"), info("plain/a", "other-uid", "sb-y")} {
-		if _, err := h.srv.Add(context.Background(), p, openNS(t, pn)); !IsRetryable(err) {
+		if _, err := h.add(context.Background(), p, pn); !IsRetryable(err) {
 			t.Errorf("%s/%s: %v, want retryable", p.Namespace, p.Name, err)
 		}
 	}
@@ -263,7 +277,7 @@ func TestEnrollFailures(t *testing.T) {
 	h.kube.SetPod(pod("shop", "web", "u1", nil))
 
 	h.rules.setApplyErr(errors.New("xtables lock busy"))
-	_, err := h.srv.Add(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn))
+	_, err := h.add(context.Background(), info("shop/web", "u1", "sb1"), pn)
 	if !IsRetryable(err) || !strings.Contains(err.Error(), "xtables lock busy") || len(h.agent.Pods()) != 0 {
 		t.Fatalf("apply failure: %v, state %v", err, h.agent.Pods())
 	}
@@ -278,7 +292,7 @@ func TestEnrollFailures(t *testing.T) {
 	}
 	h.rules.setApplyErr(nil)
 	h.zt.setAddErr(errors.New("no ztunnel connected"))
-	_, err = h.srv.Add(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn))
+	_, err = h.add(context.Background(), info("shop/web", "u1", "sb1"), pn)
 	if !IsRetryable(err) || !strings.Contains(err.Error(), "no ztunnel") {
 		t.Fatalf("ztunnel failure: %v", err)
 	}
@@ -289,7 +303,7 @@ func TestEnrollFailures(t *testing.T) {
 		t.Errorf("annotations %q", got)
 	}
 	h.zt.setAddErr(nil)
-	if _, err := h.srv.Add(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
+	if _, err := h.add(context.Background(), info("shop/web", "u1", "sb1"), pn); err != nil {
 		t.Fatalf("retry: %v", err)
 	}
 	if p := h.agent.Pods(); len(p) != 1 || p[0].State != StateEnabled || h.agent.Pending("u1") {
@@ -314,7 +328,7 @@ func TestHandoffOverlapsRules(t *testing.T) {
 		sawAdd = h.zt.addCount("u1") == 1
 	}
 	h.rules.mu.Unlock()
-	if _, err := h.srv.Add(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
+	if _, err := h.add(context.Background(), info("shop/web", "u1", "sb1"), pn); err != nil {
 		t.Fatalf("add: %v", err)
 	}
 	if !sawAdd {
@@ -331,23 +345,23 @@ func TestCheck(t *testing.T) {
 	h.kube.SetPod(pod("shop", "web", "u1", nil))
 	h.kube.SetPod(pod("plain", "x", "u2", nil))
 	ctx := context.Background()
-	if err := h.srv.Check(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn)); err == nil || !strings.Contains(err.Error(), "not enrolled") {
+	if err := h.check(ctx, info("shop/web", "u1", "sb1"), pn); err == nil || !strings.Contains(err.Error(), "not enrolled") {
 		t.Errorf("CHECK of an unenrolled pod that needs capture: %v", err)
 	}
-	if err := h.srv.Check(ctx, info("plain/x", "u2", "sb2"), openNS(t, pn)); err != nil {
+	if err := h.check(ctx, info("plain/x", "u2", "sb2"), pn); err != nil {
 		t.Errorf("CHECK of a pod out of scope: %v", err)
 	}
-	if _, err := h.srv.Add(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
+	if _, err := h.add(ctx, info("shop/web", "u1", "sb1"), pn); err != nil {
 		t.Fatal(err)
 	}
-	if err := h.srv.Check(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
+	if err := h.check(ctx, info("shop/web", "u1", "sb1"), pn); err != nil {
 		t.Errorf("clean CHECK: %v", err)
 	}
-	if err := h.srv.Check(ctx, info("shop/web", "u1", "sb1"), openNS(t, other)); err == nil || !strings.Contains(err.Error(), "enrolled in netns") {
+	if err := h.check(ctx, info("shop/web", "u1", "sb1"), other); err == nil || !strings.Contains(err.Error(), "enrolled in netns") {
 		t.Errorf("CHECK with another netns: %v", err)
 	}
 	h.rules.dropRule(t, pn.Path(), "ISTIO_OUTPUT")
-	err := h.srv.Check(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn))
+	err := h.check(ctx, info("shop/web", "u1", "sb1"), pn)
 	if !errors.Is(err, ErrDrift) || !strings.Contains(err.Error(), "ISTIO_OUTPUT") || IsRetryable(err) {
 		t.Errorf("CHECK with drift: %v", err)
 	}
@@ -358,7 +372,7 @@ func TestGCAndUnenroll(t *testing.T) {
 	ctx := context.Background()
 	for _, n := range []string{"a", "b", "c"} {
 		h.kube.SetPod(pod("shop", n, "u-"+n, nil))
-		if _, err := h.srv.Add(ctx, info("shop/"+n, "u-"+n, "sb-"+n), openNS(t, testnet.NewNS(t))); err != nil {
+		if _, err := h.add(ctx, info("shop/"+n, "u-"+n, "sb-"+n), testnet.NewNS(t)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -433,10 +447,10 @@ func TestDrainSpool(t *testing.T) {
 	h := newHarness(t)
 	ctx := context.Background()
 	h.kube.SetPod(pod("shop", "web", "u1", nil))
-	if _, err := h.srv.Add(ctx, info("shop/web", "u1", "sb1"), openNS(t, testnet.NewNS(t))); err != nil {
+	if _, err := h.add(ctx, info("shop/web", "u1", "sb1"), testnet.NewNS(t)); err != nil {
 		t.Fatal(err)
 	}
-	spool := nodefiles.InDir(h.dir).DelSpool()
+	spool := h.layout().DelSpool()
 	if err := nodefiles.Spool(spool, ambient.PodEvent{Command: ambient.CommandDel, SandboxID: "sb1"}); err != nil {
 		t.Fatal(err)
 	}
@@ -461,7 +475,7 @@ func TestDrainSpool(t *testing.T) {
 func TestSnapshotFollowsEnablement(t *testing.T) {
 	h := newHarness(t)
 	h.kube.Cache.OnEnablementChange(func() { _ = h.agent.RefreshSnapshot() })
-	path := nodefiles.InDir(h.dir).Snapshot()
+	path := h.layout().Snapshot()
 	read := func() *nodefiles.EnablementSnapshot {
 		t.Helper()
 		b, err := os.ReadFile(path)
@@ -523,7 +537,7 @@ func TestEnrollCyclesLeakNothing(t *testing.T) {
 	fds := testnet.OpenFDs(t)
 	for i := range 200 {
 		sb := "sb" + string(rune('a'+i%26))
-		if _, err := h.srv.Add(ctx, info("shop/web", "u1", sb), openNS(t, pn)); err != nil {
+		if _, err := h.add(ctx, info("shop/web", "u1", sb), pn); err != nil {
 			t.Fatal(err)
 		}
 		if err := h.agent.RemoveSandbox(ctx, SandboxDel{SandboxID: sb}); err != nil {
@@ -548,7 +562,7 @@ func TestHeldNetnsDoesNotPinMount(t *testing.T) {
 	h := newHarness(t)
 	pn := testnet.NewNS(t)
 	h.kube.SetPod(pod("shop", "web", "u1", nil))
-	if _, err := h.srv.Add(context.Background(), info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
+	if _, err := h.add(context.Background(), info("shop/web", "u1", "sb1"), pn); err != nil {
 		t.Fatal(err)
 	}
 	_ = pn.Close() // the test's own handle was opened through the mount
@@ -575,7 +589,7 @@ func TestSandboxReleased(t *testing.T) {
 	ctx := context.Background()
 	pn := testnet.NewNS(t)
 	h.kube.SetPod(pod("shop", "web", "u1", nil))
-	if _, err := h.srv.Add(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
+	if _, err := h.add(ctx, info("shop/web", "u1", "sb1"), pn); err != nil {
 		t.Fatal(err)
 	}
 	if h.agent.SandboxReleased("u1") {
@@ -587,7 +601,7 @@ func TestSandboxReleased(t *testing.T) {
 	if err := h.agent.RemoveSandbox(ctx, SandboxDel{SandboxID: "sb1", UID: "u1"}); err != nil || !h.agent.SandboxReleased("u1") {
 		t.Fatalf("DEL of the captured sandbox not remembered (%v)", err)
 	}
-	if _, err := h.srv.Add(ctx, info("shop/web", "u1", "sb2"), openNS(t, pn)); err != nil {
+	if _, err := h.add(ctx, info("shop/web", "u1", "sb2"), pn); err != nil {
 		t.Fatal(err)
 	}
 	if h.agent.SandboxReleased("u1") {
@@ -599,23 +613,16 @@ func TestSandboxReleased(t *testing.T) {
 // is refused, rather than given the real node's directory (where a test
 // that forgot one would write over the running agent's records).
 func TestNodeFilesHaveNoDefaults(t *testing.T) {
-	dir := t.TempDir()
-	full := Config{Rules: &recordedRules{}, SnapshotFile: filepath.Join(dir, "snap"), SpoolDir: filepath.Join(dir, "spool"), RecordDir: filepath.Join(dir, "rec")}
+	full := Config{Rules: &recordedRules{}, Layout: nodefiles.InDir(t.TempDir())}
 	if a, err := NewAgent(full); err != nil {
 		t.Fatalf("complete config refused: %v", err)
 	} else {
 		_ = a.Close()
 	}
-	for name, drop := range map[string]func(*Config){
-		"SnapshotFile": func(c *Config) { c.SnapshotFile = "" },
-		"SpoolDir":     func(c *Config) { c.SpoolDir = "" },
-		"RecordDir":    func(c *Config) { c.RecordDir = "" },
-	} {
-		c := full
-		drop(&c)
-		if _, err := NewAgent(c); err == nil || !strings.Contains(err.Error(), name) {
-			t.Errorf("no %s: %v; want an error naming it", name, err)
-		}
+	c := full
+	c.Layout = nodefiles.Layout{}
+	if _, err := NewAgent(c); err == nil || !strings.Contains(err.Error(), "Layout") {
+		t.Errorf("no Layout: %v; want an error naming it", err)
 	}
 	if err := NewServer(ServerConfig{}, nil, nil).Listen(); err == nil {
 		t.Error("an event server with no socket listened (on the real node's path?)")

@@ -81,13 +81,13 @@ func TestCaptureRefusesAnotherLivePodsNetns(t *testing.T) {
 // those that should be, and forgets those decided out or gone.
 func TestRecheckPassedThrough(t *testing.T) {
 	s := newServer(t, nil, nil)
-	hb := nodefiles.ForSocket(s.sock).Heartbeat()
+	hb := s.layout.Heartbeat()
 	poll.Until(t, "heartbeat written", func() bool { _, err := nodefiles.LastAlive(hb); return err == nil })
 
 	in, out := testnet.NewNS(t), testnet.NewNS(t)
 	s.kube.SetPod(pod("shop", "late", "u1", nil))
 	s.kube.SetPod(pod("plain", "web", "u2", nil))
-	dir := nodefiles.ForSocket(s.sock).AddSpool()
+	dir := s.layout.AddSpool()
 	for _, ev := range []ambient.PodEvent{
 		{Command: ambient.CommandAdd, PodName: "late", PodNamespace: "shop", PodUID: "u1", SandboxID: "sb1", Netns: in.Path(), IPs: []string{"10.9.0.5"}},
 		{Command: ambient.CommandAdd, PodName: "web", PodNamespace: "plain", PodUID: "u2", SandboxID: "sb2", Netns: out.Path(), IPs: []string{"10.9.0.6"}},
@@ -170,7 +170,7 @@ func TestCaptureReportsInvalidAnnotation(t *testing.T) {
 	events := &eventLog{}
 	cfg := h.config()
 	cfg.Events, cfg.DNSCapture = events, true
-	cfg.RecordDir = t.TempDir()
+	cfg.Layout = nodefiles.InDir(t.TempDir())
 	a, err := NewAgent(cfg)
 	if err != nil {
 		t.Fatal(err)

@@ -3,7 +3,6 @@ package nodeagent
 import (
 	"context"
 	"log/slog"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -27,7 +26,7 @@ func TestAnnotationBudget(t *testing.T) {
 	} {
 		dir := t.TempDir()
 		a, err := NewAgent(Config{Rules: newRecordedRules(), Annotator: &fakeAnnotator{}, AnnotationQPS: tc.qps, AnnotationBurst: tc.burst,
-			SnapshotFile: filepath.Join(dir, "snap"), SpoolDir: filepath.Join(dir, "spool"), RecordDir: nodefiles.InDir(dir).Records()})
+			Layout: nodefiles.InDir(dir)})
 		if err != nil {
 			t.Fatal(err)
 		}

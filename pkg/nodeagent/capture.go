@@ -13,7 +13,6 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
-	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
 // Capture is the one way a pod gets captured, for the CNI path and the pod
@@ -301,18 +300,6 @@ func (a *Agent) undoFailedApply(log *slog.Logger, uid types.UID, old *entry, ns 
 	}
 	if err := a.records.remove(uid); err != nil {
 		log.Warn("remove capture record", "err", err)
-	}
-}
-
-// ruleConfig is the rule set options for one pod.
-func (a *Agent) ruleConfig(pod *corev1.Pod) ruleset.PodConfig {
-	return ruleset.PodConfig{
-		ProbeSNATv4:       a.cfg.ProbeSNATv4,
-		ProbeSNATv6:       a.cfg.ProbeSNATv6,
-		IPv4Only:          a.cfg.IPv4Only,
-		DNSCapture:        enablement.DNSCapture(pod, a.cfg.DNSCapture),
-		BypassInbound:     enablement.BypassInbound(pod),
-		VirtualInterfaces: enablement.VirtualInterfaces(pod),
 	}
 }
 

@@ -46,7 +46,7 @@ func TestForgetLeavesStateBeforeZtunnelDel(t *testing.T) {
 	}
 	h.kube.SetPod(pod("shop", "a", "u-a", nil))
 	h.kube.SetPod(pod("shop", "b", "u-b", nil))
-	if _, err := h.srv.Add(ctx, info("shop/a", "u-a", "sb-a"), openNS(t, testnet.NewNS(t))); err != nil {
+	if _, err := h.add(ctx, info("shop/a", "u-a", "sb-a"), testnet.NewNS(t)); err != nil {
 		t.Fatal(err)
 	}
 	if err := h.agent.Capture(ctx, pod("shop", "b", "u-b", nil), openNS(t, testnet.NewNS(t)), nil); err != nil {
@@ -141,7 +141,7 @@ func TestPendingConvergesOnSnapshotAck(t *testing.T) {
 	ctx := context.Background()
 	h.kube.SetPod(pod("shop", "web", "u1", nil))
 	h.zt.setAddErr(errors.New("no ztunnel connected"))
-	if _, err := h.srv.Add(ctx, info("shop/web", "u1", "sb1"), openNS(t, testnet.NewNS(t))); !IsRetryable(err) {
+	if _, err := h.add(ctx, info("shop/web", "u1", "sb1"), testnet.NewNS(t)); !IsRetryable(err) {
 		t.Fatalf("ADD without ztunnel: %v", err)
 	}
 	if got := h.annotations(t, "u1"); got != "pending" {
@@ -254,7 +254,7 @@ func withNetns(d SandboxDel, path string) SandboxDel {
 func TestReplayedDelCleansUnrestoredPod(t *testing.T) {
 	h := newHarness(t)
 	ctx := context.Background()
-	spool := nodefiles.InDir(h.dir).DelSpool()
+	spool := h.layout().DelSpool()
 	gone, held := testnet.NewNS(t), testnet.NewNS(t)
 	// A previous agent captured "gone"; no record (an older agent).
 	if err := h.rules.seed(gone.Path(), ruleset.PodConfig{}); err != nil {
@@ -262,7 +262,7 @@ func TestReplayedDelCleansUnrestoredPod(t *testing.T) {
 	}
 	// "held" is captured by this agent; a stale spool entry names it.
 	h.kube.SetPod(pod("shop", "held", "u-held", nil))
-	if _, err := h.srv.Add(ctx, info("shop/held", "u-held", "sb-held"), openNS(t, held)); err != nil {
+	if _, err := h.add(ctx, info("shop/held", "u-held", "sb-held"), held); err != nil {
 		t.Fatal(err)
 	}
 	for _, ev := range []ambient.PodEvent{
@@ -295,7 +295,7 @@ func TestRecordsAcrossRestart(t *testing.T) {
 	p := pod("shop", "web", "u1", nil)
 	h.kube.SetPod(p)
 	h.ann.setErr(apierrors.NewTimeoutError("slow API", 1))
-	if _, err := h.srv.Add(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
+	if _, err := h.add(ctx, info("shop/web", "u1", "sb1"), pn); err != nil {
 		t.Fatal(err)
 	}
 	h.restart(t) // the queued annotation write is lost
@@ -479,7 +479,7 @@ func TestGCDropsRecordOnlyPods(t *testing.T) {
 	ctx := context.Background()
 	for _, n := range []string{"a", "b"} {
 		h.kube.SetPod(pod("shop", n, "u-"+n, nil))
-		if _, err := h.srv.Add(ctx, info("shop/"+n, "u-"+n, "sb-"+n), openNS(t, testnet.NewNS(t))); err != nil {
+		if _, err := h.add(ctx, info("shop/"+n, "u-"+n, "sb-"+n), testnet.NewNS(t)); err != nil {
 			t.Fatal(err)
 		}
 	}

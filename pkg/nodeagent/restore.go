@@ -143,55 +143,6 @@ func (a *Agent) Unresolved(uid types.UID) bool {
 	return e != nil && e.Unresolved
 }
 
-// recordedNetns is the identity of the namespace uid's capture record
-// names, if it names one.
-func (a *Agent) recordedNetns(uid types.UID) (netns.Identity, bool) {
-	rec, ok := a.records.get(uid)
-	if !ok || (rec.NetnsDev == 0 && rec.NetnsIno == 0) {
-		return netns.Identity{}, false
-	}
-	return netns.Identity{Dev: rec.NetnsDev, Ino: rec.NetnsIno}, true
-}
-
-// Release takes capture off a pod the agent finds captured at startup but
-// does not want captured any more (unlabelled while no agent ran, or an
-// unenroll a crash interrupted): rules, probe set, then annotation, then
-// record, as Unenroll does. The pod is not in the state, so no ztunnel
-// snapshot names it. It owns ns.
-func (a *Agent) Release(ctx context.Context, pod *corev1.Pod, ns *netns.Handle) error {
-	defer ns.Close()
-	unlock := a.lock(pod.UID)
-	defer unlock()
-	if a.get(pod.UID) != nil {
-		return fmt.Errorf("release %s/%s: the pod is enrolled; unenroll it", pod.Namespace, pod.Name)
-	}
-	log := a.log.With("pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID)
-	if err := a.cfg.Rules.Remove(ns.Path()); err != nil {
-		a.ruleError("remove")
-		return Retryable(fmt.Errorf("remove rules of %s/%s: %w", pod.Namespace, pod.Name, err))
-	}
-	ips := enablement.PodIPs(pod)
-	if rec, ok := a.records.get(pod.UID); ok {
-		ips = append(ips, rec.IPs...)
-	}
-	a.dropProbeIPs(log, ips, nil)
-	a.clearThenForget(pod.Namespace, pod.Name, pod.UID)
-	log.Info("released a pod captured before the restart")
-	return nil
-}
-
-// clearThenForget removes the pod's annotation and, once that is done (or
-// the pod is gone), its record: the last two steps of every removal.
-// Called with the pod's lock held.
-func (a *Agent) clearThenForget(namespace, name string, uid types.UID) {
-	gen := a.records.generation(uid)
-	a.annotations.set(namespace, name, uid, "", func() {
-		if err := a.records.removeIf(uid, gen); err != nil {
-			a.log.Warn("remove capture record", "uid", uid, "err", err)
-		}
-	})
-}
-
 // SnapshotAcked is told (zds.Config.SnapshotAcked) that a ztunnel acked
 // the Add of uid with netns in its snapshot: a Pending pod held in that
 // very namespace becomes Enabled and is annotated so. This is what makes a

@@ -25,10 +25,11 @@ import (
 // ServerConfig configures the plugin event server. Zero values take the
 // defaults.
 type ServerConfig struct {
-	// Socket is the Unix socket path (required; install-cni passes
-	// ambient.DefaultAgentSocket unless told otherwise).
-	// Its directory is created (or tightened) to 0700, the socket is 0600.
-	Socket string
+	// Layout is the agent's run directory (required): the server listens
+	// on its AgentSocket, keeps its Heartbeat fresh and re-checks its
+	// AddSpool. The directory is created (or tightened) to 0700, the
+	// socket is 0600.
+	Layout nodefiles.Layout
 	// Netns decides which netns paths from the plugin are accepted: nsfs
 	// mounts below its roots (nil: netns.DefaultRoots) and
 	// /proc/<pid>/ns/net, opened below its ProcRoot. Give it the agent's
@@ -123,16 +124,16 @@ func NewServer(cfg ServerConfig, decider Decider, agent *Agent) *Server {
 }
 
 // Socket is the path the server listens on.
-func (s *Server) Socket() string { return s.cfg.Socket }
+func (s *Server) Socket() string { return s.cfg.Layout.AgentSocket() }
 
 // Listen makes the socket directory root-only (0700), replaces a stale
 // socket file (never any other kind of file) and listens (socket 0600).
 func (s *Server) Listen() error {
-	if s.cfg.Socket == "" {
+	if s.Socket() == "" {
 		// No default: it would be the real node's socket.
-		return errors.New("nodeagent: ServerConfig.Socket is required")
+		return errors.New("nodeagent: ServerConfig.Layout is required")
 	}
-	ln, err := unixsock.Listen(unixsock.Config{Path: s.cfg.Socket, Net: "unix", Mode: 0o600, PrivateDir: true})
+	ln, err := unixsock.Listen(unixsock.Config{Path: s.Socket(), Net: "unix", Mode: 0o600, PrivateDir: true})
 	if err != nil {
 		return err
 	}
@@ -309,11 +310,16 @@ func (s *Server) dispatch(ctx context.Context, ev *ambient.PodEvent, t *phaseTim
 			SandboxID: ev.SandboxID, UID: types.UID(ev.PodUID), Namespace: ev.PodNamespace, Name: ev.PodName, Netns: ev.Netns,
 		})
 	}
-	p := PodInfo{Namespace: ev.PodNamespace, Name: ev.PodName, UID: types.UID(ev.PodUID), SandboxID: ev.SandboxID, IPs: ev.Addrs(), Network: ev.Network}
+	p := podInfo(ev)
 	if ev.Command == ambient.CommandCheck {
 		return ambient.VerdictOK, s.checkPath(ctx, p, ev.Netns)
 	}
 	return s.addPath(ctx, p, ev.Netns, t)
+}
+
+// podInfo is the pod a CNI event names.
+func podInfo(ev *ambient.PodEvent) PodInfo {
+	return PodInfo{Namespace: ev.PodNamespace, Name: ev.PodName, UID: types.UID(ev.PodUID), SandboxID: ev.SandboxID, IPs: ev.Addrs(), Network: ev.Network}
 }
 
 // addPath is the CNI ADD with the runtime's netns path: the path is opened
@@ -337,23 +343,6 @@ func (s *Server) addPath(ctx context.Context, p PodInfo, path string, t *phaseTi
 	}
 	t.lap("open")
 	return s.capture(ctx, p, d, pod, ns, t)
-}
-
-// Add is the CNI ADD: decide, then capture. It takes ownership of ns and
-// answers only once the pod's rules are in place (and ztunnel acked), or
-// the pod is out of scope.
-func (s *Server) Add(ctx context.Context, p PodInfo, ns *netns.Handle) (ambient.Verdict, error) {
-	d, pod, err := s.decide(ctx, p)
-	if err != nil {
-		_ = ns.Close()
-		return "", err
-	}
-	if !d.Enroll {
-		_ = ns.Close()
-		s.log.Info("pod not enrolled", "pod", p.Namespace+"/"+p.Name, "sandbox", p.SandboxID, "reason", d.Reason)
-		return ambient.VerdictNotEnrolled, nil
-	}
-	return s.capture(ctx, p, d, pod, ns, nil)
 }
 
 // decide is the enablement decision for the pod of a CNI request, with
@@ -401,28 +390,13 @@ func (s *Server) checkPath(ctx context.Context, p PodInfo, path string) error {
 	return s.agent.Check(ctx, p, d, ns)
 }
 
-// Check is the CNI CHECK: decide, then verify that a pod that should be
-// captured is enrolled in this very namespace with its rules intact. It
-// takes ownership of ns.
-func (s *Server) Check(ctx context.Context, p PodInfo, ns *netns.Handle) error {
-	d, pod, err := s.decider.Decide(ctx, p.Namespace, p.Name, string(p.UID))
-	if err != nil {
-		_ = ns.Close()
-		return Retryable(fmt.Errorf("decide on pod %s/%s: %w", p.Namespace, p.Name, err))
-	}
-	if p.UID == "" && pod != nil {
-		p.UID = pod.UID
-	}
-	return s.agent.Check(ctx, p, d, ns)
-}
-
 // keepAlive refreshes the heartbeat next to the socket while the server
 // serves, so the plugin knows for how long the agent has been gone, and
 // re-checks the pods the plugin let through while it was: first thing,
 // then at every beat. A round of re-checks gets one beat, so a slow one
 // (no ztunnel yet) never leaves the heartbeat stale for long.
 func (s *Server) keepAlive(ctx context.Context) {
-	hb := nodefiles.ForSocket(s.cfg.Socket).Heartbeat()
+	hb := s.cfg.Layout.Heartbeat()
 	t := time.NewTicker(nodefiles.HeartbeatInterval)
 	defer t.Stop()
 	for {
@@ -449,42 +423,32 @@ func (s *Server) keepAlive(ctx context.Context) {
 // may succeed later is kept for the next round. It returns how many pods
 // it captured.
 func (s *Server) RecheckPassedThrough(ctx context.Context) (int, error) {
-	dir := nodefiles.ForSocket(s.cfg.Socket).AddSpool()
-	entries, err := nodefiles.ListAdds(dir)
+	entries, err := nodefiles.ListAdds(s.cfg.Layout.AddSpool())
 	if err != nil {
 		return 0, err
 	}
-	n := 0
-	for _, en := range entries {
-		if en.Err != nil {
-			s.log.Warn("dropping unusable ADD spool entry", "path", en.Path, "err", en.Err)
-			_ = nodefiles.Remove(en.Path)
-			continue
-		}
-		ev := en.Event
-		p := PodInfo{Namespace: ev.PodNamespace, Name: ev.PodName, UID: types.UID(ev.PodUID), SandboxID: ev.SandboxID, IPs: ev.Addrs(), Network: ev.Network}
+	return drainSpool(s.log, "ADD spool", entries, func(ev *ambient.PodEvent) spoolStep {
+		p := podInfo(ev)
 		log := s.log.With("pod", p.Namespace+"/"+p.Name, "sandbox", p.SandboxID)
 		v, err := s.addPath(ctx, p, ev.Netns, nil)
 		switch {
 		case err == nil && v == ambient.VerdictEnrolled:
 			log.Warn("pod started while the agent was gone is now captured")
-			n++
+			return spoolCounted
 		case err == nil:
+			return spoolDone
 		case IsInvalid(err) || apierrors.IsNotFound(err):
 			// Its sandbox or the pod itself is gone.
 			log.Info("pod started while the agent was gone needs no re-check", "err", err)
+			return spoolDone
 		default:
 			// A netns that is gone comes back invalid (above); the path is
 			// the plugin's, which the agent may only reach under its proc
 			// root, so it is not looked at here.
 			log.Warn("re-check of a pod started while the agent was gone failed; will retry", "err", err)
-			continue
+			return spoolKeep
 		}
-		if err := nodefiles.Remove(en.Path); err != nil {
-			log.Warn("remove ADD spool entry", "err", err)
-		}
-	}
-	return n, nil
+	}), nil
 }
 
 func (s *Server) handleStatus(w http.ResponseWriter, r *http.Request) {

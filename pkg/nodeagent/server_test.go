@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
@@ -45,8 +46,9 @@ func TestMain(m *testing.M) {
 
 type serverHarness struct {
 	*harness
-	srv  *Server
-	sock string
+	srv    *Server
+	sock   string
+	layout nodefiles.Layout
 }
 
 // newServer starts an event server for a fresh agent. roots nil means
@@ -55,7 +57,7 @@ func newServer(t *testing.T, roots []string, tweak func(*ServerConfig)) *serverH
 	t.Helper()
 	h := newHarness(t)
 	sock := filepath.Join(h.dir, "run", "agent.sock")
-	cfg := ServerConfig{Socket: sock, Netns: netns.Policy{Roots: roots}, ReadHeaderTimeout: 300 * time.Millisecond, ReadTimeout: 500 * time.Millisecond,
+	cfg := ServerConfig{Layout: nodefiles.ForSocket(sock), Netns: netns.Policy{Roots: roots}, ReadHeaderTimeout: 300 * time.Millisecond, ReadTimeout: 500 * time.Millisecond,
 		HandlerTimeout: 5 * time.Second}
 	if tweak != nil {
 		tweak(&cfg)
@@ -73,7 +75,7 @@ func newServer(t *testing.T, roots []string, tweak func(*ServerConfig)) *serverH
 			t.Errorf("Serve: %v", err)
 		}
 	})
-	return &serverHarness{harness: h, srv: srv, sock: sock}
+	return &serverHarness{harness: h, srv: srv, sock: cfg.Layout.AgentSocket(), layout: cfg.Layout}
 }
 
 func (s *serverHarness) send(t *testing.T, ev *ambient.PodEvent) (*ambient.PodEventResponse, error) {
@@ -169,7 +171,7 @@ func TestServerSocketReplacement(t *testing.T) {
 	ln.(*net.UnixListener).SetUnlinkOnClose(false)
 	_ = ln.Close()
 	h := newHarness(t)
-	srv := NewServer(ServerConfig{Socket: sock}, h.kube.Cache, h.agent)
+	srv := NewServer(ServerConfig{Layout: nodefiles.ForSocket(sock)}, h.kube.Cache, h.agent)
 	if err := srv.Listen(); err != nil {
 		t.Fatalf("stale socket not replaced: %v", err)
 	}
@@ -179,7 +181,7 @@ func TestServerSocketReplacement(t *testing.T) {
 	if err := os.WriteFile(file, []byte("keep me"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	srv = NewServer(ServerConfig{Socket: file}, h.kube.Cache, h.agent)
+	srv = NewServer(ServerConfig{Layout: nodefiles.ForSocket(file)}, h.kube.Cache, h.agent)
 	if err := srv.Listen(); err == nil || !strings.Contains(err.Error(), "not a socket") {
 		t.Errorf("regular file at the socket path: %v", err)
 	}
@@ -189,11 +191,11 @@ func TestServerSocketReplacement(t *testing.T) {
 	// An old agent stopping after a newer one took over the path leaves
 	// the newer one's socket alone.
 	shared := filepath.Join(dir, "shared.sock")
-	older := NewServer(ServerConfig{Socket: shared}, h.kube.Cache, h.agent)
+	older := NewServer(ServerConfig{Layout: nodefiles.ForSocket(shared)}, h.kube.Cache, h.agent)
 	if err := older.Listen(); err != nil {
 		t.Fatal(err)
 	}
-	newer := NewServer(ServerConfig{Socket: shared}, h.kube.Cache, h.agent)
+	newer := NewServer(ServerConfig{Layout: nodefiles.ForSocket(shared)}, h.kube.Cache, h.agent)
 	if err := newer.Listen(); err != nil {
 		t.Fatal(err)
 	}
@@ -211,7 +213,7 @@ func TestServerSocketReplacement(t *testing.T) {
 	if err := os.Mkdir(loose, 0o777); err != nil {
 		t.Fatal(err)
 	}
-	srv = NewServer(ServerConfig{Socket: filepath.Join(loose, "a.sock")}, h.kube.Cache, h.agent)
+	srv = NewServer(ServerConfig{Layout: nodefiles.ForSocket(filepath.Join(loose, "a.sock"))}, h.kube.Cache, h.agent)
 	if err := srv.Listen(); err != nil {
 		t.Fatal(err)
 	}
@@ -420,8 +422,7 @@ func TestServerRefusesNonRootPeer(t *testing.T) {
 	if err := os.Chmod(shared, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	s := newServer(t, nil, func(c *ServerConfig) { c.Socket = filepath.Join(shared, "run", "agent.sock") })
-	s.sock = filepath.Join(shared, "run", "agent.sock")
+	s := newServer(t, nil, func(c *ServerConfig) { c.Layout = nodefiles.ForSocket(filepath.Join(shared, "run", "agent.sock")) })
 	pn := testnet.NewNS(t)
 	s.kube.SetPod(pod("shop", "web", "u1", nil))
 	// Loosen the file modes so only SO_PEERCRED stands in the way.

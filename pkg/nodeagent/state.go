@@ -1,9 +1,6 @@
 package nodeagent
 
 import (
-	"errors"
-	"fmt"
-	"os"
 	"slices"
 	"sort"
 	"time"
@@ -27,41 +24,6 @@ func (a *Agent) Pending(uid types.UID) bool {
 	return recorded
 }
 
-// releasedTTL is how long SandboxReleased remembers a pod: far longer than
-// any pod stays between its sandbox's teardown and its object's removal.
-const releasedTTL = time.Hour
-
-// noteReleased records that the runtime removed uid's captured sandbox.
-func (a *Agent) noteReleased(uid types.UID) {
-	now := time.Now()
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	for u, at := range a.released {
-		if now.Sub(at) > releasedTTL {
-			delete(a.released, u)
-		}
-	}
-	a.released[uid] = now
-}
-
-// PodGone is told (podcache OnPodDeleted) that uid's object is gone: what
-// the agent remembered of it outside its state (the annotation last
-// written, a released sandbox, torn namespaces) is dropped, so those
-// tables hold only pods that exist, however many come and go (finished
-// Job pods, pods unenrolled then deleted). A pod the agent still holds is
-// released by the controller as before.
-func (a *Agent) PodGone(uid types.UID) {
-	a.annotations.podGone(uid)
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	delete(a.released, uid)
-	for id, m := range a.torn {
-		if m.uid == uid {
-			delete(a.torn, id)
-		}
-	}
-}
-
 // TableSizes is how many pods each of the agent's per-pod tables holds,
 // by table: state (held pods), locks, released, torn, annotations_wanted,
 // annotations_written, records. Exported as a gauge: each must return to
@@ -76,17 +38,6 @@ func (a *Agent) TableSizes() map[string]int {
 		"state": len(a.pods), "locks": len(a.busy), "released": len(a.released), "torn": len(a.torn),
 		"annotations_wanted": want, "annotations_written": written, "records": records,
 	}
-}
-
-// SandboxReleased reports whether the runtime removed uid's sandbox (CNI
-// DEL) while it was captured and no sandbox of it was captured since. A
-// terminating pod in that state has no network left to capture: the
-// controller leaves it alone until its object is gone.
-func (a *Agent) SandboxReleased(uid types.UID) bool {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	_, ok := a.released[uid]
-	return ok
 }
 
 // EnrolledUID reports the uid enrolled under namespace/name, if any: in
@@ -149,26 +100,6 @@ func (a *Agent) Workloads() []zds.Workload {
 		out = append(out, a.workload(e))
 	}
 	return out
-}
-
-// RemoveRecords deletes every capture record and their directory, for an
-// uninstall (after the pods were released; a pod whose release failed
-// keeps its annotation, which a later agent adopts).
-func (a *Agent) RemoveRecords() error {
-	return a.records.removeAll()
-}
-
-// RemoveNodeFiles deletes what the agent and the plugin keep on the node
-// for an uninstall, once the plugin is no longer chained: the capture
-// records, the enablement snapshot and the DEL spool (the plugin's
-// fallbacks while the agent is away). Nothing else in their directory is
-// touched.
-func (a *Agent) RemoveNodeFiles() error {
-	errs := []error{a.records.removeAll(), a.snapshot.Remove()}
-	if err := os.RemoveAll(a.cfg.SpoolDir); err != nil {
-		errs = append(errs, fmt.Errorf("remove DEL spool: %w", err))
-	}
-	return errors.Join(errs...)
 }
 
 // Close releases every held netns handle; the rules and the capture

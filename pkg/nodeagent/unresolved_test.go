@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"net/netip"
-	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -82,7 +81,7 @@ func TestRestoreUnresolvedKeepsPod(t *testing.T) {
 	}
 	rules, zt, ann := newRecordedRules(), &fakeZtunnel{}, &fakeAnnotator{}
 	dir := t.TempDir() // the node files: never the real node's
-	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, SnapshotFile: filepath.Join(dir, "snap"), SpoolDir: filepath.Join(dir, "spool"), RecordDir: nodefiles.InDir(dir).Records()})
+	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, Layout: nodefiles.InDir(dir)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -175,7 +174,7 @@ func TestUnresolvedPodInspectAndReleaseAll(t *testing.T) {
 	probe := &fakeProbe{ips: map[netip.Addr]bool{}}
 	rules, zt, ann := newRecordedRules(), &fakeZtunnel{}, &fakeAnnotator{}
 	dir := t.TempDir() // the node files: never the real node's
-	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, SnapshotFile: filepath.Join(dir, "snap"), SpoolDir: filepath.Join(dir, "spool"), RecordDir: nodefiles.InDir(dir).Records()})
+	a, err := NewAgent(Config{Rules: rules, Ztunnel: zt, Annotator: ann, HostProbe: probe, Layout: nodefiles.InDir(dir)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -217,7 +216,7 @@ func TestRecordedPodRestoredWithoutNetns(t *testing.T) {
 		pn := testnet.NewNS(t)
 		nss[n] = pn.Path()
 		h.kube.SetPod(pod("shop", n, "u-"+n, nil))
-		if _, err := h.srv.Add(ctx, info("shop/"+n, "u-"+n, "sb-"+n), openNS(t, pn)); err != nil {
+		if _, err := h.add(ctx, info("shop/"+n, "u-"+n, "sb-"+n), pn); err != nil {
 			t.Fatal(err)
 		}
 	}

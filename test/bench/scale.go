@@ -368,7 +368,7 @@ func waitCaughtUp(ctx context.Context, c kubernetes.Interface, node *simnode.Nod
 	var last string
 	for {
 		var buf bytes.Buffer
-		code, err := installcni.AskAgent(ctx, node.Config.AgentSocket, path, 30*time.Second, &buf)
+		code, err := installcni.AskAgent(ctx, node.Config.Layout(), path, 30*time.Second, &buf)
 		switch {
 		case err != nil:
 			last = err.Error()

@@ -327,7 +327,7 @@ func (n *node) waitCacheHas(ctx context.Context, ns string) {
 	}
 	deadline := time.Now().Add(time.Minute)
 	for {
-		s, err := nodefiles.ReadSnapshot(nodefiles.ForSocket(n.cfg.AgentSocket).Snapshot())
+		s, err := nodefiles.ReadSnapshot(n.cfg.Layout().Snapshot())
 		if err == nil && s.PodLevelEnablement {
 			return
 		}

@@ -326,7 +326,7 @@ func fdCounts(pid int) (fds, netns int, err error) {
 
 // spooled lists DELs the plugin spooled and the agent has not replayed.
 func (n *node) spooled() int {
-	es, _ := nodefiles.List(nodefiles.ForSocket(n.cfg.AgentSocket).DelSpool())
+	es, _ := nodefiles.List(n.cfg.Layout().DelSpool())
 	return len(es)
 }
 

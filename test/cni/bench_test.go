@@ -39,7 +39,7 @@ func benchAdd(b *testing.B, namespace string) {
 	}
 	prev := `{"cniVersion":"1.0.0","interfaces":[{"name":"eth0","mac":"aa:bb:cc:dd:ee:02","sandbox":"` + s.ns.Path() + `"}],` +
 		`"ips":[{"interface":0,"address":"10.1.0.5/24","gateway":"10.1.0.1"}]}`
-	stdin := []byte(fmt.Sprintf(`{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"ambient-cni","agentSocket":%q,"prevResult":%s}`, n.sock, prev))
+	stdin := []byte(fmt.Sprintf(`{"cniVersion":"1.0.0","name":"k8s-pod-network","type":"ambient-cni","agentSocket":%q,"prevResult":%s}`, n.layout.AgentSocket(), prev))
 	env := []string{"CNI_COMMAND=ADD", "CNI_CONTAINERID=" + s.id, "CNI_NETNS=" + s.ns.Path(), "CNI_IFNAME=eth0", "CNI_PATH=/nonexistent",
 		"CNI_ARGS=IgnoreUnknown=1;K8S_POD_NAMESPACE=" + namespace + ";K8S_POD_NAME=bench;K8S_POD_UID=" + s.uid + ";K8S_POD_INFRA_CONTAINER_ID=" + s.id}
 	times := make([]time.Duration, 0, b.N)

@@ -215,12 +215,12 @@ func TestChainAgentDown(t *testing.T) {
 	if !n.ourChains(t, web) {
 		t.Fatal("no rules after ADD")
 	}
-	snap, err := os.ReadFile(nodefiles.ForSocket(n.sock).Snapshot())
+	snap, err := os.ReadFile(n.layout.Snapshot())
 	if err != nil || !strings.Contains(string(snap), `"shop"`) || strings.Contains(string(snap), `"plain"`) {
 		t.Fatalf("snapshot %s, %v", snap, err)
 	}
 	n.stopAgent()
-	if _, err := os.Stat(n.sock); !errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Stat(n.layout.AgentSocket()); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("socket still present after stop: %v", err)
 	}
 
@@ -247,7 +247,7 @@ func TestChainAgentDown(t *testing.T) {
 	if err := n.del(web); err != nil {
 		t.Fatalf("DEL with agent down: %v", err)
 	}
-	entries, err := nodefiles.List(nodefiles.ForSocket(n.sock).DelSpool())
+	entries, err := nodefiles.List(n.layout.DelSpool())
 	if err != nil || len(entries) == 0 {
 		t.Fatalf("spool %+v, %v", entries, err)
 	}
@@ -259,7 +259,7 @@ func TestChainAgentDown(t *testing.T) {
 	if len(n.agent.Pods()) != 0 {
 		t.Errorf("pod not cleaned up after the agent returned: %+v", n.agent.Pods())
 	}
-	if entries, _ := nodefiles.List(nodefiles.ForSocket(n.sock).DelSpool()); len(entries) != 0 {
+	if entries, _ := nodefiles.List(n.layout.DelSpool()); len(entries) != 0 {
 		t.Errorf("spool not drained: %+v", entries)
 	}
 	// And the runtime's retries succeed.
@@ -273,14 +273,14 @@ func TestChainAgentDown(t *testing.T) {
 // ageNodeFiles makes the agent's last signs of life (heartbeat, snapshot
 // write time) an hour old, as after a long outage, and sets the snapshot's
 // content.
-func ageNodeFiles(t *testing.T, sock string, snap nodefiles.EnablementSnapshot) {
+func ageNodeFiles(t *testing.T, layout nodefiles.Layout, snap nodefiles.EnablementSnapshot) {
 	t.Helper()
 	old := time.Now().Add(-time.Hour)
 	snap.Generation, snap.Written = 1000, old
-	if err := nodefiles.WriteSnapshot(nodefiles.ForSocket(sock).Snapshot(), &snap); err != nil {
+	if err := nodefiles.WriteSnapshot(layout.Snapshot(), &snap); err != nil {
 		t.Fatal(err)
 	}
-	if err := nodefiles.TouchHeartbeat(nodefiles.ForSocket(sock).Heartbeat(), old); err != nil {
+	if err := nodefiles.TouchHeartbeat(layout.Heartbeat(), old); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -301,10 +301,10 @@ func TestChainAgentDownSnapshot(t *testing.T) {
 	// The test's agent object still follows the cluster; a gone agent
 	// would not have seen this pod: its snapshot says no pod-level use.
 	poll.Until(t, "snapshot refreshed for the labelled pod", func() bool {
-		s, err := nodefiles.ReadSnapshot(nodefiles.ForSocket(n.sock).Snapshot())
+		s, err := nodefiles.ReadSnapshot(n.layout.Snapshot())
 		return err == nil && s.PodLevelEnablement
 	})
-	ageNodeFiles(t, n.sock, nodefiles.EnablementSnapshot{EnabledNamespaces: []string{"shop"}, ExcludedNamespaces: []string{"kube-system"}})
+	ageNodeFiles(t, n.layout, nodefiles.EnablementSnapshot{EnabledNamespaces: []string{"shop"}, ExcludedNamespaces: []string{"kube-system"}})
 
 	_, err := n.add(n.newPod("shop", "api", nil))
 	if cniCode(err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), `namespace "shop" may need ambient capture`) {
@@ -320,20 +320,20 @@ func TestChainAgentDownSnapshot(t *testing.T) {
 	if n.ourChains(t, plain) || n.ourChains(t, late) {
 		t.Errorf("pass-through pod got rules")
 	}
-	if e, err := nodefiles.ListAdds(nodefiles.ForSocket(n.sock).AddSpool()); err != nil || len(e) != 2 {
+	if e, err := nodefiles.ListAdds(n.layout.AddSpool()); err != nil || len(e) != 2 {
 		t.Errorf("ADD spool %+v, %v; want the two passed-through pods", e, err)
 	}
 
 	strict := newNode(t, "1.0.0", map[string]any{"agentUnreachable": ambient.AgentUnreachableFailClosed})
 	strict.stopAgent()
-	ageNodeFiles(t, strict.sock, nodefiles.EnablementSnapshot{EnabledNamespaces: []string{"shop"}})
+	ageNodeFiles(t, strict.layout, nodefiles.EnablementSnapshot{EnabledNamespaces: []string{"shop"}})
 	if _, err := strict.add(strict.newPod("plain", "db", nil)); cniCode(err) != types.ErrTryAgainLater {
 		t.Errorf("fail-closed, plain namespace, agent gone: %v", err)
 	}
 
 	// The agent returns: the labelled pod is captured, the other forgotten.
 	n.startAgent()
-	poll.Until(t, "ADD spool re-checked", func() bool { e, _ := nodefiles.ListAdds(nodefiles.ForSocket(n.sock).AddSpool()); return len(e) == 0 })
+	poll.Until(t, "ADD spool re-checked", func() bool { e, _ := nodefiles.ListAdds(n.layout.AddSpool()); return len(e) == 0 })
 	if !n.ourChains(t, late) {
 		t.Errorf("pod opted in while the agent was gone not captured on its return")
 	}
@@ -481,7 +481,7 @@ func TestChainNoZtunnelIsRetryable(t *testing.T) {
 	t.Cleanup(func() { cancel(); <-done })
 	agent, err := nodeagent.NewAgent(nodeagent.Config{
 		Rules: n.rules, Ztunnel: zs, ZtunnelTimeout: 300 * time.Millisecond,
-		SnapshotFile: nodefiles.ForSocket(n.sock).Snapshot(), SpoolDir: nodefiles.ForSocket(n.sock).DelSpool(), RecordDir: nodefiles.ForSocket(n.sock).Records(),
+		Layout: n.layout,
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -85,7 +85,7 @@ func TestConfPrimaryThroughTheRuntime(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	entry, err := json.Marshal(map[string]any{"agentSocket": n.sock, "timeout": "20s", "logLevel": "debug"})
+	entry, err := json.Marshal(map[string]any{"agentSocket": n.layout.AgentSocket(), "timeout": "20s", "logLevel": "debug"})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -102,7 +102,7 @@ type node struct {
 	t       testing.TB
 	version string
 	dir     string
-	sock    string
+	layout  nodefiles.Layout
 	bridge  string
 	subnet  netip.Prefix
 	gateway netip.Addr
@@ -149,12 +149,12 @@ func newNode(t testing.TB, cniVersion string, extra map[string]any) *node {
 	}
 	t.Cleanup(func() { _ = os.RemoveAll(dir) })
 	n := &node{
-		t: t, version: cniVersion, dir: dir, sock: filepath.Join(dir, "run", "agent.sock"),
+		t: t, version: cniVersion, dir: dir, layout: nodefiles.ForSocket(filepath.Join(dir, "run", "agent.sock")),
 		bridge: testnet.RandName("acb", 8),
 	}
 	n.subnet = netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 100 + randByte()%50, randByte(), 0}), 24)
 	n.gateway = n.subnet.Addr().Next()
-	keys := map[string]any{"agentSocket": n.sock, "timeout": "20s", "logLevel": "debug"}
+	keys := map[string]any{"agentSocket": n.layout.AgentSocket(), "timeout": "20s", "logLevel": "debug"}
 	for k, v := range extra {
 		keys[k] = v
 	}
@@ -181,7 +181,7 @@ func newNode(t testing.TB, cniVersion string, extra map[string]any) *node {
 	n.rules = iptables.NewApplier(log, backend)
 	n.agent, err = nodeagent.NewAgent(nodeagent.Config{
 		Rules: n.rules, Enablement: n.kube.Cache, Logger: log,
-		SnapshotFile: nodefiles.ForSocket(n.sock).Snapshot(), SpoolDir: nodefiles.ForSocket(n.sock).DelSpool(), RecordDir: nodefiles.ForSocket(n.sock).Records(),
+		Layout: n.layout,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -204,7 +204,7 @@ func newNode(t testing.TB, cniVersion string, extra map[string]any) *node {
 // agent does at startup.
 func (n *node) startAgent() {
 	n.t.Helper()
-	n.srv = nodeagent.NewServer(nodeagent.ServerConfig{Socket: n.sock, Logger: n.agentLog()}, n.kube.Cache, n.agent)
+	n.srv = nodeagent.NewServer(nodeagent.ServerConfig{Layout: n.layout, Logger: n.agentLog()}, n.kube.Cache, n.agent)
 	if err := n.srv.Listen(); err != nil {
 		n.t.Fatal(err)
 	}

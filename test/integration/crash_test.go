@@ -96,7 +96,7 @@ func (a faultyAnnotator) SetRedirection(ctx context.Context, namespace, name str
 }
 
 // recordDir is where the daemon keeps its capture records.
-func (n *node) recordDir() string { return nodefiles.ForSocket(n.cfg.AgentSocket).Records() }
+func (n *node) recordDir() string { return n.cfg.Layout().Records() }
 
 // rt is the runtime configuration the simulated kubelet uses for p's
 // sandbox, for CNI calls the test makes itself.
@@ -220,7 +220,7 @@ func TestReplayedDelCleansPodNotRestored(t *testing.T) {
 			if err := n.kube.CNI.DelNetworkList(ctx, n.kube.Conf, rt(p)); err != nil {
 				t.Fatalf("DEL while the agent is down: %v", err)
 			}
-			if spooled, _ := nodefiles.List(nodefiles.ForSocket(n.cfg.AgentSocket).DelSpool()); len(spooled) != 1 {
+			if spooled, _ := nodefiles.List(n.cfg.Layout().DelSpool()); len(spooled) != 1 {
 				t.Fatalf("spooled DELs: %+v", spooled)
 			}
 			if tc.dropRecord {

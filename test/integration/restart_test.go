@@ -131,7 +131,7 @@ func TestRestartRepairsRuleRemovedWhileDown(t *testing.T) {
 	if err := n.kube.Delete(context.Background(), gone); err != nil {
 		t.Fatalf("delete pod while the agent is down: %v", err)
 	}
-	if spooled, _ := nodefiles.List(nodefiles.ForSocket(n.cfg.AgentSocket).DelSpool()); len(spooled) != 1 {
+	if spooled, _ := nodefiles.List(n.cfg.Layout().DelSpool()); len(spooled) != 1 {
 		t.Fatalf("spooled DELs while the agent is down: %+v, want the deleted pod's", spooled)
 	}
 	n.deleteFirstOutputRule(a.NS.Path())
@@ -169,7 +169,7 @@ func TestRestartRepairsRuleRemovedWhileDown(t *testing.T) {
 	if !n.inProbeSet(a) || !n.inProbeSet(b) {
 		t.Error("the restored pods' IPs are not in the host probe set")
 	}
-	if spooled, _ := nodefiles.List(nodefiles.ForSocket(n.cfg.AgentSocket).DelSpool()); len(spooled) != 0 {
+	if spooled, _ := nodefiles.List(n.cfg.Layout().DelSpool()); len(spooled) != 0 {
 		t.Errorf("spooled DELs left after the restart: %+v", spooled)
 	}
 }
@@ -211,7 +211,7 @@ func TestPodStartedWhileAgentGoneRecheckedOnReturn(t *testing.T) {
 	n.waitEnrolled(waitLong, a)
 
 	n.stopDaemon()
-	snapPath := nodefiles.ForSocket(n.cfg.AgentSocket).Snapshot()
+	snapPath := n.cfg.Layout().Snapshot()
 	snap, err := nodefiles.ReadSnapshot(snapPath)
 	if err != nil || snap.PodLevelEnablement {
 		t.Fatalf("the agent's snapshot: %+v, %v", snap, err)
@@ -221,7 +221,7 @@ func TestPodStartedWhileAgentGoneRecheckedOnReturn(t *testing.T) {
 	if err := nodefiles.WriteSnapshot(snapPath, snap); err != nil {
 		t.Fatal(err)
 	}
-	if err := nodefiles.TouchHeartbeat(nodefiles.ForSocket(n.cfg.AgentSocket).Heartbeat(), old); err != nil {
+	if err := nodefiles.TouchHeartbeat(n.cfg.Layout().Heartbeat(), old); err != nil {
 		t.Fatal(err)
 	}
 
@@ -229,14 +229,14 @@ func TestPodStartedWhileAgentGoneRecheckedOnReturn(t *testing.T) {
 	if n.hasRules(late) {
 		t.Fatal("a pod started while the agent was gone has rules")
 	}
-	if e, err := nodefiles.ListAdds(nodefiles.ForSocket(n.cfg.AgentSocket).AddSpool()); err != nil || len(e) != 1 {
+	if e, err := nodefiles.ListAdds(n.cfg.Layout().AddSpool()); err != nil || len(e) != 1 {
 		t.Fatalf("recorded ADDs while the agent is gone: %+v, %v; want the new pod's", e, err)
 	}
 
 	n.startDaemon()
 	n.waitEnrolled(waitLong, late)
 	eventually(t, "the record of the pod re-checked", func() bool {
-		e, _ := nodefiles.ListAdds(nodefiles.ForSocket(n.cfg.AgentSocket).AddSpool())
+		e, _ := nodefiles.ListAdds(n.cfg.Layout().AddSpool())
 		return len(e) == 0
 	})
 	mustGet(t, late, a)

@@ -6,7 +6,6 @@ import (
 	"slices"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
@@ -85,7 +84,7 @@ func TestUninstallTellsZtunnelAndLeavesNothing(t *testing.T) {
 	if got := names(des); !slices.Equal(got, []string{"theirs"}) {
 		t.Errorf("a directory that existed holds %v after the uninstall, want only what was there (theirs)", got)
 	}
-	if _, err := os.Stat(nodefiles.InDir(agentDir).NodeDirsLedger()); !os.IsNotExist(err) {
+	if _, err := os.Stat(n.cfg.Layout().NodeDirsLedger()); !os.IsNotExist(err) {
 		t.Errorf("ledger left: %v", err)
 	}
 }

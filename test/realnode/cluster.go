@@ -37,9 +37,12 @@ const ChartDir = "deploy/charts/ambient-cni"
 func (n *Node) AgentSocketDir() string   { return filepath.Join(n.Dir, "run", "ambient-cni") }
 func (n *Node) ZtunnelSocketDir() string { return filepath.Join(n.Dir, "run", "ztunnel") }
 
-// AgentSocket is the agent's plugin socket on the host; the plugin's node
-// files (snapshot, heartbeat, spools) are named after it.
-func (n *Node) AgentSocket() string { return filepath.Join(n.AgentSocketDir(), "agent.sock") }
+// Layout is the agent's run directory on the host: its plugin socket and
+// the node files (snapshot, heartbeat, spools) named after it.
+func (n *Node) Layout() nodefiles.Layout { return nodefiles.InDir(n.AgentSocketDir()) }
+
+// AgentSocket is the agent's plugin socket on the host.
+func (n *Node) AgentSocket() string { return n.Layout().AgentSocket() }
 
 // ChartValues are the values this node installs the chart with: only what
 // a user of such a node sets, each for the reason given. Everything else
@@ -164,7 +167,7 @@ const AgentMetricsPort = health.DefaultMetricsPort
 // AgentDebugSocket is the agent's root-only debug socket on the host (the
 // chart's agent.socketDir is a hostPath).
 func (n *Node) AgentDebugSocket() string {
-	return nodefiles.InDir(n.AgentSocketDir()).DebugSocket()
+	return n.Layout().DebugSocket()
 }
 
 // AgentGet GETs a path of the agent where the chart serves it: /metrics

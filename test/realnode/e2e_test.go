@@ -27,7 +27,6 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
@@ -678,7 +677,7 @@ func (e *e2e) testDeleteRunsDEL(t *testing.T) {
 		t.Error("ztunnel got no Del for the pod")
 	}
 	e.agentForgot(t, p.UID, p.Status.PodIP)
-	spool, _ := os.ReadDir(nodefiles.ForSocket(e.n.AgentSocket()).DelSpool())
+	spool, _ := os.ReadDir(e.n.Layout().DelSpool())
 	if len(spool) > 0 {
 		t.Errorf("DELs spooled (the plugin could not reach the agent): %v", spool)
 	}

@@ -74,7 +74,7 @@ func (e *e2e) testAgentCrashloop(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	snapPath := nodefiles.ForSocket(e.n.AgentSocket()).Snapshot()
+	snapPath := e.n.Layout().Snapshot()
 	err = e.n.Poll(ctx, "snapshot shows "+meshNS+" enabled", func(context.Context) (bool, error) {
 		s, err := nodefiles.ReadSnapshot(snapPath)
 		if err != nil {
@@ -140,7 +140,7 @@ func (e *e2e) testAgentCrashloop(t *testing.T) {
 			t.Errorf("%s/%s, started while the agent is gone: %v", p.Namespace, p.Name, err)
 		}
 	}
-	adds, err := nodefiles.ListAdds(nodefiles.ForSocket(e.n.AgentSocket()).AddSpool())
+	adds, err := nodefiles.ListAdds(e.n.Layout().AddSpool())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -183,7 +183,7 @@ func (e *e2e) testAgentCrashloop(t *testing.T) {
 	e.mustCaptured(t, ready)
 	e.mustCaptured(t, late)
 	err = e.n.Poll(ctx, "ADD spool re-checked", func(context.Context) (bool, error) {
-		adds, err := nodefiles.ListAdds(nodefiles.ForSocket(e.n.AgentSocket()).AddSpool())
+		adds, err := nodefiles.ListAdds(e.n.Layout().AddSpool())
 		if err != nil {
 			return false, err
 		}
@@ -364,12 +364,12 @@ func (e *e2e) oneAgent(t *testing.T) corev1.Pod {
 // newer of its heartbeat and its snapshot's write time.
 func (e *e2e) lastAlive(t *testing.T) time.Time {
 	t.Helper()
-	s, err := nodefiles.ReadSnapshot(nodefiles.ForSocket(e.n.AgentSocket()).Snapshot())
+	s, err := nodefiles.ReadSnapshot(e.n.Layout().Snapshot())
 	if err != nil {
 		t.Fatal(err)
 	}
 	last := s.Written
-	if hb, err := nodefiles.LastAlive(nodefiles.ForSocket(e.n.AgentSocket()).Heartbeat()); err == nil && hb.After(last) {
+	if hb, err := nodefiles.LastAlive(e.n.Layout().Heartbeat()); err == nil && hb.After(last) {
 		last = hb
 	}
 	return last

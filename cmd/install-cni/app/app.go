@@ -184,7 +184,7 @@ func New(o Options) (*App, error) {
 		return nil, err
 	}
 	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
-	layout := nodefiles.ForSocket(c.AgentSocket)
+	layout := c.Layout()
 	a.installer, err = installer.New(installer.Config{
 		BinDir: c.CNIBinDir, ConfDir: c.CNIConfDir, PluginBinary: c.PluginBinary, PluginName: c.PluginType,
 		PrimaryConfName: c.CNIConfName, PluginConfig: entry,
@@ -245,11 +245,9 @@ func New(o Options) (*App, error) {
 		AnnotationQPS:      float64(c.AnnotationQPS),
 		AnnotationBurst:    c.AnnotationBurst,
 		Pods:               a.pods,
-		RecordDir:          layout.Records(),
+		Layout:             layout,
 		Netns:              netnsPolicy,
 		Enablement:         a.pods,
-		SnapshotFile:       layout.Snapshot(),
-		SpoolDir:           layout.DelSpool(),
 		ExcludedNamespaces: nonNil(c.ExcludedNamespaces),
 		DNSCapture:         c.DNSCapture,
 		ProbeSNATv4:        c.ProbeSNATv4,
@@ -270,7 +268,7 @@ func New(o Options) (*App, error) {
 	// The two ways in: the plugin's events (decide, capture) and the pod
 	// controller (decide, find, capture).
 	a.server = nodeagent.NewServer(nodeagent.ServerConfig{
-		Socket: c.AgentSocket, Netns: netnsPolicy,
+		Layout: layout, Netns: netnsPolicy,
 		HandlerTimeout: ambient.HandlerTimeout(c.PluginTimeout),
 		Observe: func(verb, result string, took time.Duration) {
 			m.ObserveRequest(verb, result, nodeagent.ResultStatus(result), took)
@@ -357,7 +355,7 @@ func (a *App) DaemonSetSeen() string { return a.upgrade.Seen() }
 // DebugSocket is where the debug endpoints are served: in the agent
 // socket's (root-only) directory.
 func (a *App) DebugSocket() string {
-	return nodefiles.ForSocket(a.cfg.AgentSocket).DebugSocket()
+	return a.cfg.Layout().DebugSocket()
 }
 
 // RulesBackend names the rules backend in use ("nftables", "iptables-nft"
@@ -386,7 +384,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 	}()
 	// Private directories for the sockets and the node files, noted as
 	// found so an uninstall leaves them as they were.
-	layout := nodefiles.ForSocket(c.AgentSocket)
+	layout := c.Layout()
 	if err := nodedirs.Ensure(layout.NodeDirsLedger(), layout.Dir(), filepath.Dir(c.ZDSSocket)); err != nil {
 		return err
 	}
@@ -639,7 +637,7 @@ func (a *App) shutdown(stopZtunnel func()) error {
 		errs = append(errs, fmt.Errorf("installer shutdown: %w", err))
 	}
 	if !upgrade {
-		layout := nodefiles.ForSocket(a.cfg.AgentSocket)
+		layout := a.cfg.Layout()
 		if err := a.agent.RemoveHostProbe(); err != nil {
 			errs = append(errs, err)
 		}

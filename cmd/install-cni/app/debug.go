@@ -58,7 +58,7 @@ func DebugMain(args []string, getenv func(string) string, stdout, stderr io.Writ
 		fs.Usage()
 		return errors.New("install-cni debug: want pods, explain or explain NAMESPACE/NAME")
 	}
-	code, err := AskAgent(context.Background(), sock, path, time.Minute, stdout)
+	code, err := AskAgent(context.Background(), nodefiles.ForSocket(sock), path, time.Minute, stdout)
 	if err != nil {
 		return err
 	}
@@ -111,7 +111,7 @@ func ProbeMain(args []string, getenv func(string) string, stdout, stderr io.Writ
 		fs.Usage()
 		return errors.New("install-cni probe: want live or ready")
 	}
-	code, err := AskAgent(context.Background(), sock, path, *timeout, stdout)
+	code, err := AskAgent(context.Background(), nodefiles.ForSocket(sock), path, *timeout, stdout)
 	if err != nil {
 		return err
 	}
@@ -121,12 +121,12 @@ func ProbeMain(args []string, getenv func(string) string, stdout, stderr io.Writ
 	return nil
 }
 
-// AskAgent GETs path (e.g. /readyz, /debug/pods) from the agent whose
-// agent socket is agentSocket, over the debug socket next to it, copies
+// AskAgent GETs path (e.g. /readyz, /debug/pods) from the agent whose run
+// directory is layout, over its debug socket, copies
 // the answer's body to out and returns its status code. Tests use it to
 // read the agent's health as kubelet's exec probes do.
-func AskAgent(ctx context.Context, agentSocket, path string, timeout time.Duration, out io.Writer) (int, error) {
-	debugSock := nodefiles.ForSocket(agentSocket).DebugSocket()
+func AskAgent(ctx context.Context, layout nodefiles.Layout, path string, timeout time.Duration, out io.Writer) (int, error) {
+	debugSock := layout.DebugSocket()
 	client := &http.Client{
 		Timeout: timeout,
 		Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {

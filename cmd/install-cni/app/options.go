@@ -15,6 +15,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/health"
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
@@ -351,6 +352,10 @@ func Parse(args []string, getenv func(string) string, stderr io.Writer) (*Config
 	}
 	return c, c.validate()
 }
+
+// Layout is the agent's run directory around AgentSocket: the one place
+// install-cni names its node files, handed to every part as this value.
+func (c *Config) Layout() nodefiles.Layout { return nodefiles.ForSocket(c.AgentSocket) }
 
 // EnablementPolicy is the policy the agent decides with: the excluded
 // namespaces, and the data-plane namespaces (by default the agent's own).

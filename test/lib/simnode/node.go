@@ -311,7 +311,7 @@ func (n *Node) StopAgent() error {
 // Ready reports whether the agent answers /readyz with 200, asked as the
 // chart's exec probe asks it: over the root-only debug socket.
 func (n *Node) Ready() bool {
-	code, err := installcni.AskAgent(context.Background(), n.Config.AgentSocket, "/readyz", 2*time.Second, io.Discard)
+	code, err := installcni.AskAgent(context.Background(), n.Config.Layout(), "/readyz", 2*time.Second, io.Discard)
 	return err == nil && code == http.StatusOK
 }
 

@@ -20,7 +20,7 @@ func enrollThree(t *testing.T, h *harness) {
 	ctx := context.Background()
 	for _, n := range []string{"a", "b"} {
 		h.kube.SetPod(pod("shop", n, "u-"+n, nil))
-		if _, err := h.srv.Add(ctx, info("shop/"+n, "u-"+n, "sb-"+n), openNS(t, testnet.NewNS(t))); err != nil {
+		if _, err := h.add(ctx, info("shop/"+n, "u-"+n, "sb-"+n), testnet.NewNS(t)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -108,7 +108,7 @@ func TestReleaseAllReleasesRecordOnlyPods(t *testing.T) {
 	ctx := context.Background()
 	pn := testnet.NewNS(t)
 	h.kube.SetPod(pod("shop", "web", "u1", nil))
-	if _, err := h.srv.Add(ctx, info("shop/web", "u1", "sb1"), openNS(t, pn)); err != nil {
+	if _, err := h.add(ctx, info("shop/web", "u1", "sb1"), pn); err != nil {
 		t.Fatal(err)
 	}
 	if err := h.agent.FlushAnnotations(ctx); err != nil {

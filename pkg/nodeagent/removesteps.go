@@ -1,0 +1,336 @@
+package nodeagent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"strings"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
+)
+
+// releaseMode says why a recorded pod the agent does not hold is released.
+type releaseMode int
+
+const (
+	// releaseUnenroll: the controller no longer wants the pod captured.
+	releaseUnenroll releaseMode = iota
+	// releaseDel: a CNI DEL; the namespace is about to go, and so (or a
+	// new sandbox's ADD follows) does the annotation.
+	releaseDel
+	// releaseReplayedDel: a DEL from the spool; the runtime has moved on,
+	// so a namespace still there gets our rules removed.
+	releaseReplayedDel
+	// releaseUninstall: ReleaseAll, once the agent stopped (its
+	// annotation writer too: the annotation was cleared already).
+	releaseUninstall
+)
+
+// releaseRecord undoes what a record says the agent may have left on a pod
+// it does not hold: our rules in the recorded namespace (when it still
+// exists, is the recorded one and no enrolled pod holds it), the
+// probe-set IPs, then (unenroll) the annotation of a pod that lives on,
+// then the record. Called with the pod's lock held.
+func (a *Agent) releaseRecord(rec Record, mode releaseMode) {
+	log := a.log.With("pod", rec.Namespace+"/"+rec.Name, "uid", rec.UID)
+	if mode != releaseDel {
+		_ = a.removeRulesAt(log, rec.Netns, &netns.Identity{Dev: rec.NetnsDev, Ino: rec.NetnsIno}, rec.UID)
+	}
+	a.dropProbeIPs(log, rec.IPs, nil)
+	switch {
+	case mode == releaseUnenroll && !a.podDeleting(rec.Namespace, rec.Name, rec.UID):
+		a.clearThenForget(rec.Namespace, rec.Name, rec.UID)
+	default:
+		if mode == releaseUnenroll || mode == releaseUninstall {
+			a.annotations.forget(rec.UID) // nothing left to un-annotate
+		}
+		// A DEL leaves a write an unenroll queued (its removal of the
+		// annotation) to finish.
+		if err := a.records.remove(rec.UID); err != nil {
+			log.Warn("remove capture record", "err", err)
+		}
+	}
+	log.Info("released a recorded pod the agent did not hold", "why", [...]string{"unenroll", "del", "replayed del", "uninstall"}[mode])
+}
+
+// errNetnsUnknown: a pod restored without its netns whose capture record
+// names none (an older agent's pod): its rules cannot be reached.
+var errNetnsUnknown = errors.New("the pod's network namespace is not known")
+
+// removeRules removes our rules from a held pod's namespace: through its
+// handle, or, for a pod restored without its netns, from the namespace its
+// capture record names if that still exists (see removeRulesAt; if it
+// does not, neither do the rules). Called with the pod's lock held.
+func (a *Agent) removeRules(log *slog.Logger, e *entry) error {
+	if e.ns != nil {
+		if err := a.cfg.Rules.Remove(e.ns.Path()); err != nil {
+			a.ruleError("remove")
+			return err
+		}
+		return nil
+	}
+	rec, _ := a.records.get(e.UID)
+	want, known := a.recordedNetns(e.UID)
+	if !known {
+		return errNetnsUnknown
+	}
+	return a.removeRulesAt(log, rec.Netns, &want, e.UID)
+}
+
+// removeRulesAt removes our rules from the namespace at path, for a
+// pod the agent does not hold a handle of: only a namespace that still
+// exists, is the one expected (want, when known), and that no enrolled pod
+// holds and no other pod's record names. A /proc/<pid>/ns/net path (the
+// pid may have been reused) is only trusted with a known identity. It
+// returns only the removal's own failure: a namespace that is gone or
+// another one now has none of the pod's rules left to remove.
+func (a *Agent) removeRulesAt(log *slog.Logger, path string, want *netns.Identity, uid types.UID) error {
+	if path == "" || (want == nil && strings.HasPrefix(path, "/proc/")) {
+		return nil
+	}
+	ns, err := a.cfg.Netns.Open(path)
+	if err != nil {
+		if errors.Is(err, fs.ErrPermission) {
+			// The agent's own rights, not a namespace torn down: rules
+			// may be left behind, so say so where an operator looks.
+			log.Warn("cannot open the namespace to remove rules", "netns", path, "err", err)
+		} else {
+			log.Debug("namespace gone; no rules to remove", "netns", path, "err", err)
+		}
+		return nil
+	}
+	defer ns.Close()
+	id := ns.Identity()
+	if want != nil && id != *want {
+		log.Debug("path names another namespace now; left alone", "netns", path)
+		return nil
+	}
+	if a.heldElsewhere(id, uid) {
+		log.Info("namespace belongs to another captured pod; left alone", "netns", path)
+		return nil
+	}
+	if err := a.cfg.Rules.Remove(ns.Path()); err != nil {
+		a.ruleError("remove")
+		log.Warn("remove rules by path", "netns", path, "err", err)
+		return err
+	}
+	log.Info("removed rules from the namespace of a pod the agent did not hold", "netns", path)
+	return nil
+}
+
+// forget takes the pod out: out of the state first (so no ztunnel that
+// connects from now on gets an Add for it), then ztunnel is told (without
+// waiting for its ack), the netns handle is closed, the probe-set IPs, the
+// capture record and any annotation write still wanted go. Called with
+// the pod's lock held.
+func (a *Agent) forget(log *slog.Logger, e *entry) {
+	a.drop(e)
+	if a.cfg.Ztunnel != nil {
+		if err := a.cfg.Ztunnel.DelNoWait(string(e.UID)); err != nil {
+			// A ztunnel that missed the Del drops the pod at its next snapshot.
+			log.Warn("ztunnel del", "err", err)
+		}
+	}
+	_ = e.ns.Close()
+	a.dropProbeIPs(log, e.IPs, nil)
+	a.annotations.forget(e.UID)
+	if err := a.records.remove(e.UID); err != nil {
+		log.Warn("remove capture record", "err", err)
+	}
+	if e.Unresolved {
+		a.unresolvedGone()
+	}
+	log.Info("pod removed")
+}
+
+// drop removes the entry from the state (the ZDS snapshot source).
+func (a *Agent) drop(e *entry) {
+	a.mu.Lock()
+	if a.pods[e.UID] == e {
+		delete(a.pods, e.UID)
+	}
+	a.mu.Unlock()
+}
+
+// clearThenForget removes the pod's annotation and, once that is done (or
+// the pod is gone), its record: the last two steps of every removal.
+// Called with the pod's lock held.
+func (a *Agent) clearThenForget(namespace, name string, uid types.UID) {
+	gen := a.records.generation(uid)
+	a.annotations.set(namespace, name, uid, "", func() {
+		if err := a.records.removeIf(uid, gen); err != nil {
+			a.log.Warn("remove capture record", "uid", uid, "err", err)
+		}
+	})
+}
+
+// clearAnnotationNow removes the pod's redirection annotation with one
+// API request (none for a pod the cache knows is going away).
+func (a *Agent) clearAnnotationNow(ctx context.Context, namespace, name string, uid types.UID) error {
+	if a.cfg.Annotator == nil || a.podDeleting(namespace, name, uid) {
+		return nil
+	}
+	err := a.cfg.Annotator.SetRedirection(ctx, namespace, name, uid, "")
+	if err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("clear the annotation of %s/%s: %w", namespace, name, err)
+	}
+	return nil
+}
+
+// podDeleting reports whether the pod cache knows the pod is gone (no pod
+// with this uid under the name) or being deleted: its annotation is not
+// worth an API request. Without a cache nothing is known.
+func (a *Agent) podDeleting(namespace, name string, uid types.UID) bool {
+	if a.cfg.Pods == nil {
+		return false
+	}
+	p, err := a.cfg.Pods.Pod(namespace, name)
+	if apierrors.IsNotFound(err) {
+		return true
+	}
+	return err == nil && (p.UID != uid || p.DeletionTimestamp != nil)
+}
+
+// podGoing reports whether the pod is going away for good: gone,
+// terminating or finished.
+func (a *Agent) podGoing(namespace, name string, uid types.UID) bool {
+	if a.cfg.Pods == nil {
+		return false
+	}
+	p, err := a.cfg.Pods.Pod(namespace, name)
+	if apierrors.IsNotFound(err) {
+		return true
+	}
+	if err != nil {
+		return false
+	}
+	return p.UID != uid || p.DeletionTimestamp != nil || enablement.IsTerminal(p)
+}
+
+// netnsIdentity identifies the namespace at a DEL's netns path, when the
+// path is one the agent accepts and still a network namespace.
+func (a *Agent) netnsIdentity(path string) (netns.Identity, bool) {
+	if path == "" {
+		return netns.Identity{}, false
+	}
+	id, err := a.cfg.Netns.Identify(path)
+	if err != nil {
+		return netns.Identity{}, false
+	}
+	return id, true
+}
+
+// heldElsewhere reports whether an enrolled pod holds namespace id, or a
+// record of a pod other than uid names it.
+func (a *Agent) heldElsewhere(id netns.Identity, uid types.UID) bool {
+	a.mu.Lock()
+	for _, e := range a.pods {
+		if e.ns != nil && e.ns.Identity() == id {
+			a.mu.Unlock()
+			return true
+		}
+	}
+	a.mu.Unlock()
+	for _, r := range a.records.all() {
+		if r.UID != uid && (netns.Identity{Dev: r.NetnsDev, Ino: r.NetnsIno}) == id {
+			return true
+		}
+	}
+	return false
+}
+
+func (a *Agent) uidOfSandbox(sandboxID string) types.UID {
+	a.mu.Lock()
+	for uid, e := range a.pods {
+		if e.SandboxID == sandboxID {
+			a.mu.Unlock()
+			return uid
+		}
+	}
+	a.mu.Unlock()
+	for _, r := range a.records.all() {
+		if r.SandboxID == sandboxID {
+			return r.UID
+		}
+	}
+	return ""
+}
+
+// recordedNetns is the identity of the namespace uid's capture record
+// names, if it names one.
+func (a *Agent) recordedNetns(uid types.UID) (netns.Identity, bool) {
+	rec, ok := a.records.get(uid)
+	if !ok || (rec.NetnsDev == 0 && rec.NetnsIno == 0) {
+		return netns.Identity{}, false
+	}
+	return netns.Identity{Dev: rec.NetnsDev, Ino: rec.NetnsIno}, true
+}
+
+// releasedTTL is how long SandboxReleased remembers a pod: far longer than
+// any pod stays between its sandbox's teardown and its object's removal.
+const releasedTTL = time.Hour
+
+// noteReleased records that the runtime removed uid's captured sandbox.
+func (a *Agent) noteReleased(uid types.UID) {
+	now := time.Now()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for u, at := range a.released {
+		if now.Sub(at) > releasedTTL {
+			delete(a.released, u)
+		}
+	}
+	a.released[uid] = now
+}
+
+// tornTTL is how long a namespace whose sandbox a CNI DEL tore down is
+// refused to the controller.
+const tornTTL = time.Minute
+
+// tornMark is a namespace whose sandbox a CNI DEL tore down: which pod's,
+// and when.
+type tornMark struct {
+	uid types.UID
+	at  time.Time
+}
+
+// markTorn notes that the runtime is tearing down pod uid's sandbox, whose
+// namespace is id.
+func (a *Agent) markTorn(id netns.Identity, uid types.UID) {
+	now := time.Now()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.pruneTornLocked(now)
+	a.torn[id] = tornMark{uid: uid, at: now}
+}
+
+// pruneTornLocked drops the marks older than tornTTL: a DEL that came after
+// its pod's object was gone (PodGone ran first) leaves a mark only time
+// removes. a.mu is held.
+func (a *Agent) pruneTornLocked(now time.Time) {
+	for id, m := range a.torn {
+		if now.Sub(m.at) > tornTTL {
+			delete(a.torn, id)
+		}
+	}
+}
+
+// tornDown reports whether a CNI DEL lately tore down pod uid's sandbox
+// whose namespace is ns. The pod counts, not only the identity: once a
+// namespace is freed the kernel reuses its inode number, so another pod's
+// new namespace can carry a torn one's identity within the minute (seen
+// in make bench: 500 new pods after hundreds of DELs, some refused for a
+// minute).
+func (a *Agent) tornDown(ns *netns.Handle, uid types.UID) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	m, ok := a.torn[ns.Identity()]
+	return ok && m.uid == uid && time.Since(m.at) <= tornTTL
+}
