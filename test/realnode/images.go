@@ -63,6 +63,11 @@ func BuildImages(ctx context.Context, dir string, t Tools, logf func(string, ...
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return Images{}, fmt.Errorf("build image binaries: %w\n%s", err, out)
 	}
+	// go build names a binary after its main's directory; the plugin's is
+	// cmd/cni-plugin, its binary ambient-cni (the name runtimes look up).
+	if err := os.Rename(filepath.Join(bin, "cni-plugin"), filepath.Join(bin, "ambient-cni")); err != nil {
+		return Images{}, fmt.Errorf("name the plugin binary: %w", err)
+	}
 	logf("   built install-cni, the plugin, the uninstall hook, the stand-in, app and pause (static) in %v", time.Since(start).Round(100*time.Millisecond))
 
 	imgs := Images{Agent: imageName("ambient-cni"), Pause: imageName("pause"), App: imageName("app"), StandIn: imageName("ztunnel-standin")}
