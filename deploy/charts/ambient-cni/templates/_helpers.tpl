@@ -341,11 +341,8 @@ charts rely on the same order).
 {{- if and (hasKey $g "nativeNftables") (eq $v.agent.rulesBackend "auto") (not $v.agent.iptablesBackend) -}}
 {{- $_ := set $v.agent "rulesBackend" (ternary "nftables" "iptables" $g.nativeNftables) -}}
 {{- end -}}
-{{- /* Istio's names: its metrics port with them. */ -}}
-{{- if $v.istioCompat.names -}}
-{{- if not (has (int $v.agent.metricsPort) (list 9974 15014)) -}}
-{{- fail (printf "istioCompat.names serves metrics on Istio's port 15014; agent.metricsPort (%v) must stay at its default" $v.agent.metricsPort) -}}
-{{- end -}}
+{{- /* Istio's names: its metrics port with them, unless another is set. */ -}}
+{{- if and $v.istioCompat.names (eq (int $v.agent.metricsPort) 9974) -}}
 {{- $_ := set $v.agent "metricsPort" 15014 -}}
 {{- end -}}
 {{- end -}}
