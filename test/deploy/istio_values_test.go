@@ -574,3 +574,24 @@ func TestIstioCompatNames(t *testing.T) {
 		t.Errorf("explicit metrics port: %q", got)
 	}
 }
+
+// As a subchart (helm injects the parent's global into it), the chart
+// renders with Istio's globals and reads those Istio's CNI chart reads.
+func TestSubchartWithIstioGlobals(t *testing.T) {
+	parent := t.TempDir()
+	if err := os.WriteFile(filepath.Join(parent, "Chart.yaml"), []byte("apiVersion: v2\nname: mesh\nversion: 0.1.0\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	values := "global: {hub: docker.io/istio, tag: 1.28.0, istioNamespace: istio-system, logging: {level: \"default:debug\"}}\nambient-cni: {profile: ambient}\n"
+	if err := os.WriteFile(filepath.Join(parent, "values.yaml"), []byte(values), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.CopyFS(filepath.Join(parent, "charts", "ambient-cni"), os.DirFS(filepath.Join(repoRoot(t), chartDir))); err != nil {
+		t.Fatal(err)
+	}
+	out, err := helm(t, "template", releaseName, parent, "--namespace", namespace)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantEnv("AMBIENT_LOG_LEVEL", "debug")(t, decode(t, out))
+}
