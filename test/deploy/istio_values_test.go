@@ -358,6 +358,11 @@ var istioValueCases = map[string][]istioCase{
 		{values: `profile: demo`, fail: `profile: "demo": Istio's profiles other than ambient leave istio-cni in sidecar mode`},
 	},
 	"global.profile": {{values: `global: {profile: ambient}`}},
+	// An istio/ambient values file's cni section, as the umbrella passes it.
+	"cni.profile": {
+		{values: `cni: {profile: ambient}`},
+		{values: `cni: {profile: demo}`, fail: `profile: "demo"`},
+	},
 	"platform":       {{values: `platform: k3s`, check: wantHostPath("cni-bin-dir", "/var/lib/rancher/k3s/data/cni")}},
 	"global.platform": {
 		{values: `global: {platform: k3d}`, check: wantHostPath("cni-bin-dir", "/bin")},

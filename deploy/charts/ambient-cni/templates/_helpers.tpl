@@ -309,7 +309,7 @@ charts rely on the same order).
 {{- fail "env: istio-cni's own environment; ambient-cni's settings are the chart's values (docs/install-cni.md); other variables go in extraEnv, a list of name and value" -}}
 {{- end -}}
 {{- /* Profiles: only the ambient one means something here. */ -}}
-{{- with $v.profile | default $g.profile -}}
+{{- with $v.profile | default $cni.profile | default $g.profile -}}
 {{- if ne . "ambient" -}}
 {{- fail (printf "profile: %q: Istio's profiles other than ambient leave istio-cni in sidecar mode; ambient-cni is always in ambient mode: use profile: ambient or none" .) -}}
 {{- end -}}
