@@ -363,7 +363,7 @@ var istioValueCases = map[string][]istioCase{
 		{values: `cni: {profile: ambient}`},
 		{values: `cni: {profile: demo}`, fail: `profile: "demo"`},
 	},
-	"platform":       {{values: `platform: k3s`, check: wantHostPath("cni-bin-dir", "/var/lib/rancher/k3s/data/cni")}},
+	"platform": {{values: `platform: k3s`, check: wantHostPath("cni-bin-dir", "/var/lib/rancher/k3s/data/cni")}},
 	"global.platform": {
 		{values: `global: {platform: k3d}`, check: wantHostPath("cni-bin-dir", "/bin")},
 		{values: `global: {platform: nope}`, fail: `platform "nope" is not one of the chart's platforms`},
