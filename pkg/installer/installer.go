@@ -116,9 +116,30 @@ type Config struct {
 	// Stats.Reinstalls), e.g. a prometheus Counter's Inc. It runs with the
 	// Installer's lock held: it must be quick and must not call back.
 	OnReinstall func()
+	// OnOutcome, when set, is called with what a pass came to when it
+	// failed to copy the binary or to chain the config, and once each time
+	// the plugin became installed (the first complete pass, and every pass
+	// that repaired the binary or the entry): what istio-cni counts as
+	// istio_cni_installs_total. It runs with the Installer's lock held: it
+	// must be quick and must not call back.
+	OnOutcome func(Outcome)
 	// Logger receives structured logs; nil discards them.
 	Logger *slog.Logger
 }
+
+// Outcome is what an install pass came to (Config.OnOutcome).
+type Outcome string
+
+const (
+	// OutcomeInstalled: the binary is in place and the config chained,
+	// after a pass that wrote either, or the first pass.
+	OutcomeInstalled Outcome = "installed"
+	// OutcomeCopyFailed: the plugin binary could not be copied.
+	OutcomeCopyFailed Outcome = "copy-failed"
+	// OutcomeConfigFailed: the primary config could not be found, read or
+	// chained (istio-cni chained in it included).
+	OutcomeConfigFailed Outcome = "config-failed"
+)
 
 // Stats are the Installer's counters, all monotonic, for metrics.
 type Stats struct {
@@ -154,6 +175,11 @@ type Installer struct {
 	tempsCleant bool
 	stateLoaded bool
 	lastErr     string // last pass error logged at Warn
+	// reported is set once OutcomeInstalled was reported, with the count
+	// of writes it was reported for: a later pass reports again only
+	// after writing.
+	reported       bool
+	reportedWrites uint64
 	// removals are when a pass found our entry gone from a config we had
 	// chained (the last contestedRemovals of them); contested is set
 	// while they say the primary is fighting us. contestMu guards both, so
@@ -316,6 +342,9 @@ func (i *Installer) pass(force bool) (retry time.Duration, err error) {
 		i.tempsCleant = true
 	}
 	if retry, err = i.ensureBinary(force); err != nil || retry > 0 {
+		if err != nil {
+			i.outcome(OutcomeCopyFailed)
+		}
 		return retry, err
 	}
 	path, err := i.findPrimary()
@@ -331,13 +360,29 @@ func (i *Installer) pass(force bool) (retry time.Duration, err error) {
 		return 0, err
 	}
 	if err != nil {
+		i.outcome(OutcomeConfigFailed)
 		return 0, err
 	}
 	if i.waiting {
 		i.log.Info("primary CNI config found", "file", path)
 		i.waiting = false
 	}
-	return i.ensureChained(path, force)
+	retry, err = i.ensureChained(path, force)
+	switch writes := i.configWrites.Load() + i.binaryCopies.Load(); {
+	case err != nil:
+		i.outcome(OutcomeConfigFailed)
+	case retry == 0 && i.installed && (!i.reported || writes != i.reportedWrites):
+		i.reported, i.reportedWrites = true, writes
+		i.outcome(OutcomeInstalled)
+	}
+	return retry, err
+}
+
+// outcome reports what a pass came to (Config.OnOutcome).
+func (i *Installer) outcome(o Outcome) {
+	if i.cfg.OnOutcome != nil {
+		i.cfg.OnOutcome(o)
+	}
 }
 
 func (i *Installer) countReinstall() {

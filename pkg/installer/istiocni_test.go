@@ -2,6 +2,9 @@ package installer
 
 import (
 	"errors"
+	"os"
+	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -69,5 +72,55 @@ func TestOwnTypeIstioCNIIsNoConflict(t *testing.T) {
 	}
 	if err := i.Check(); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// OnOutcome reports what istio-cni counts as istio_cni_installs_total: a
+// success each time the plugin became installed (first install, repair;
+// not a pass that finds everything in place), a failure per failed pass.
+func TestOutcomes(t *testing.T) {
+	e := newEnv(t)
+	e.write(t, "10-bridge.conflist", bridgeList, 0o644)
+	var got []Outcome
+	i := e.installer(t, func(c *Config) { c.OnOutcome = func(o Outcome) { got = append(got, o) } })
+	for range 2 {
+		if err := i.Install(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Our entry removed: the repair is another success.
+	e.write(t, "10-bridge.conflist", bridgeList, 0o644)
+	if err := i.Install(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	// istio-cni chained in the primary: the config cannot be chained.
+	e.write(t, "10-bridge.conflist", istioChained, 0o644)
+	if err := i.Install(t.Context()); !errors.Is(err, ErrIstioCNIChained) {
+		t.Fatalf("Install: %v, want ErrIstioCNIChained", err)
+	}
+	if want := []Outcome{OutcomeInstalled, OutcomeInstalled, OutcomeConfigFailed}; !slices.Equal(got, want) {
+		t.Errorf("outcomes %v, want %v", got, want)
+	}
+
+	// A plugin binary gone after start: the copy fails.
+	e2 := newEnv(t)
+	e2.write(t, "10-bridge.conflist", bridgeList, 0o644)
+	src := filepath.Join(t.TempDir(), "plugin")
+	if err := os.WriteFile(src, e2.srcBytes, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	got = nil
+	i2 := e2.installer(t, func(c *Config) {
+		c.PluginBinary = src
+		c.OnOutcome = func(o Outcome) { got = append(got, o) }
+	})
+	if err := os.Remove(src); err != nil {
+		t.Fatal(err)
+	}
+	if err := i2.Install(t.Context()); err == nil {
+		t.Fatal("Install with a missing plugin binary succeeded")
+	}
+	if want := []Outcome{OutcomeCopyFailed}; !slices.Equal(got, want) {
+		t.Errorf("outcomes %v, want %v", got, want)
 	}
 }

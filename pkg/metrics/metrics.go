@@ -2,7 +2,8 @@
 // to the agent, the servers, the controller and the installer, and keeps
 // the gauges current (RunGauges). Beside ours (ambient_cni_*) it serves the
 // istio-cni node agent's metrics that have a meaning here, under Istio's
-// names and labels, so existing dashboards and alerts keep working. They live on a registry the caller owns
+// names and labels, so existing dashboards and alerts keep working. They
+// live on a registry the caller owns
 // (no global registration), so tests and several agents in one process
 // never collide.
 package metrics
@@ -55,10 +56,31 @@ type Metrics struct {
 	// ztunnels connected over ZDS.
 	IstioZtunnelConnected prometheus.Gauge
 	// IstioPluginRequests is istio-cni's istio_cni_plugin_requests_total:
-	// CNI ADD requests handled, by response_code (the HTTP status the
-	// agent answered the plugin with). Count through ObserveRequest.
+	// the CNI ADDs of pods in the mesh, by response_code (the HTTP status
+	// the agent answered the plugin with). istio-cni's plugin forwards only
+	// those (it checks exclusions and enablement itself); ours forwards
+	// every ADD, so the ADDs the agent found outside the mesh are left out.
+	// Count through ObserveRequest.
 	IstioPluginRequests *prometheus.CounterVec
+	// IstioInstalls is istio-cni's istio_cni_installs_total, by result:
+	// SUCCESS each time the plugin became installed (the first complete
+	// install, every repair), COPY_BINARIES_FAILURE and
+	// CREATE_CNI_CONFIG_FAILURE per failed attempt. Istio's
+	// CREATE_KUBECONFIG_FAILURE never occurs: the plugin uses no
+	// kubeconfig. Count through ObserveInstall.
+	IstioInstalls *prometheus.CounterVec
+	// IstioReconcileEvents is istio-cni's nodeagent_reconcile_events_total:
+	// informer events of this node's pods and of namespaces, by type (add,
+	// update, delete).
+	IstioReconcileEvents *prometheus.CounterVec
 }
+
+// istio_cni_installs_total's result values (Istio's).
+const (
+	InstallSuccess       = "SUCCESS"
+	InstallCopyFailure   = "COPY_BINARIES_FAILURE"
+	InstallConfigFailure = "CREATE_CNI_CONFIG_FAILURE"
+)
 
 // New creates the metrics on a fresh registry that also carries the Go
 // runtime and process collectors.
@@ -113,12 +135,20 @@ func New() *Metrics {
 		}),
 		IstioPluginRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "istio_cni_plugin_requests_total",
-			Help: "CNI plugin ADD requests handled by the node agent, by response code; istio-cni's name.",
+			Help: "CNI plugin ADD requests of pods in the mesh handled by the node agent, by response code; istio-cni's name.",
 		}, []string{"response_code"}),
+		IstioInstalls: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "istio_cni_installs_total",
+			Help: "Total number of CNI plugins installed by the CNI installer, by result; istio-cni's name.",
+		}, []string{"result"}),
+		IstioReconcileEvents: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "nodeagent_reconcile_events_total",
+			Help: "The total number of node agent reconcile events (pod and namespace informer events), by type; istio-cni's name.",
+		}, []string{"type"}),
 	}
 	r.MustRegister(m.CNIRequests, m.AddLatency, m.EnrolledPods, m.ZtunnelConnections, m.TrackedPods,
 		m.RuleErrors, m.RuleDrift, m.NetnsScans, m.InstallerReinstalls,
-		m.IstioInstallReady, m.IstioZtunnelConnected, m.IstioPluginRequests,
+		m.IstioInstallReady, m.IstioZtunnelConnected, m.IstioPluginRequests, m.IstioInstalls, m.IstioReconcileEvents,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	// Label values known up front appear at zero, so dashboards and alerts
 	// see the series before the first event.
@@ -128,20 +158,41 @@ func New() *Metrics {
 	for _, st := range podStates {
 		m.EnrolledPods.WithLabelValues(st)
 	}
+	for _, r := range []string{InstallSuccess, InstallCopyFailure, InstallConfigFailure} {
+		m.IstioInstalls.WithLabelValues(r)
+	}
+	for _, e := range []string{"add", "update", "delete"} {
+		m.IstioReconcileEvents.WithLabelValues(e)
+	}
 	return m
+}
+
+// ObserveInstall counts one result of the installer in IstioInstalls
+// (InstallSuccess, InstallCopyFailure or InstallConfigFailure).
+func (m *Metrics) ObserveInstall(result string) {
+	m.IstioInstalls.WithLabelValues(result).Inc()
+}
+
+// ObserveEvent counts one informer event (add, update, delete) in
+// IstioReconcileEvents.
+func (m *Metrics) ObserveEvent(event string) {
+	m.IstioReconcileEvents.WithLabelValues(event).Inc()
 }
 
 // podStates are the EnrolledPods label values: the redirection states.
 var podStates = []string{ambient.RedirectionPending, ambient.RedirectionEnabled}
 
 // ObserveRequest counts one plugin request the agent answered: verb and
-// result in CNIRequests, the handling time of an ADD in AddLatency, and an
-// ADD's HTTP status (code) in IstioPluginRequests.
+// result in CNIRequests, the handling time of an ADD in AddLatency, and the
+// HTTP status (code) of an ADD of a pod in the mesh (any result but
+// not-enrolled) in IstioPluginRequests.
 func (m *Metrics) ObserveRequest(verb, result string, code int, took time.Duration) {
 	m.CNIRequests.WithLabelValues(verb, result).Inc()
 	if verb == "ADD" {
 		m.AddLatency.Observe(took.Seconds())
-		m.IstioPluginRequests.WithLabelValues(strconv.Itoa(code)).Inc()
+		if result != string(ambient.VerdictNotEnrolled) {
+			m.IstioPluginRequests.WithLabelValues(strconv.Itoa(code)).Inc()
+		}
 	}
 }
 

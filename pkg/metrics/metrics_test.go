@@ -54,10 +54,40 @@ func TestIstioNamesBesideOurs(t *testing.T) {
 	m := New()
 	m.ObserveRequest("ADD", "enrolled", 200, time.Millisecond)
 	m.ObserveRequest("ADD", "retry", 503, time.Millisecond)
+	// Istio's plugin never forwards the ADD of a pod outside the mesh.
+	m.ObserveRequest("ADD", "not-enrolled", 200, time.Millisecond)
 	m.ObserveRequest("DEL", "removed", 200, time.Millisecond)
 	for code, want := range map[string]float64{"200": 1, "503": 1} {
 		if got, _ := value(t, m, "istio_cni_plugin_requests_total", "response_code", code); got != want {
-			t.Errorf(`istio_cni_plugin_requests_total{response_code=%q} = %v, want %v (ADDs only)`, code, got, want)
+			t.Errorf(`istio_cni_plugin_requests_total{response_code=%q} = %v, want %v (ADDs of pods in the mesh only)`, code, got, want)
+		}
+	}
+	if got, _ := value(t, m, "ambient_cni_cni_requests_total", "verb", "ADD", "result", "not-enrolled"); got != 1 {
+		t.Errorf("ambient_cni_cni_requests_total ADD not-enrolled = %v, want 1", got)
+	}
+
+	// istio_cni_installs_total{result} with Istio's result values, each
+	// served from the start.
+	for _, r := range []string{"SUCCESS", "COPY_BINARIES_FAILURE", "CREATE_CNI_CONFIG_FAILURE"} {
+		if got, ok := value(t, m, "istio_cni_installs_total", "result", r); !ok || got != 0 {
+			t.Errorf("istio_cni_installs_total{result=%q} = %v (served %v), want 0 before any install", r, got, ok)
+		}
+	}
+	m.ObserveInstall(InstallSuccess)
+	m.ObserveInstall(InstallSuccess)
+	m.ObserveInstall(InstallConfigFailure)
+	for r, want := range map[string]float64{"SUCCESS": 2, "CREATE_CNI_CONFIG_FAILURE": 1, "COPY_BINARIES_FAILURE": 0} {
+		if got, _ := value(t, m, "istio_cni_installs_total", "result", r); got != want {
+			t.Errorf("istio_cni_installs_total{result=%q} = %v, want %v", r, got, want)
+		}
+	}
+	// nodeagent_reconcile_events_total{type}, Istio's add/update/delete.
+	m.ObserveEvent("add")
+	m.ObserveEvent("update")
+	m.ObserveEvent("update")
+	for ty, want := range map[string]float64{"add": 1, "update": 2, "delete": 0} {
+		if got, ok := value(t, m, "nodeagent_reconcile_events_total", "type", ty); !ok || got != want {
+			t.Errorf("nodeagent_reconcile_events_total{type=%q} = %v (served %v), want %v", ty, got, ok, want)
 		}
 	}
 	if got, _ := value(t, m, "ambient_cni_cni_requests_total", "verb", "DEL", "result", "removed"); got != 1 {

@@ -42,7 +42,12 @@ type Config struct {
 	// AssumePodLevelEnablement makes EnablementState report pod-level
 	// enablement even when no pod on this node uses it yet.
 	AssumePodLevelEnablement bool
-	Logger                   *slog.Logger
+	// OnEvent, when set, is called for every informer event of a pod of
+	// this node or of a namespace, with "add", "update" or "delete": what
+	// istio-cni counts as nodeagent_reconcile_events_total. It runs on the
+	// informer's goroutine: it must be quick.
+	OnEvent func(event string)
+	Logger  *slog.Logger
 }
 
 // Cache holds the informers. Create it with New, register handlers, then
@@ -87,22 +92,28 @@ func New(cfg Config) *Cache {
 	c.pods, c.nss = listerscorev1.NewPodLister(podInf.GetIndexer()), listerscorev1.NewNamespaceLister(nsInf.GetIndexer())
 	c.synced = []cache.InformerSynced{podInf.HasSynced, nsInf.HasSynced}
 
+	event := func(string) {}
+	if cfg.OnEvent != nil {
+		event = cfg.OnEvent
+	}
 	_, _ = podInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(o any) { c.podChanged(o) },
-		UpdateFunc: func(_, o any) { c.podChanged(o) },
+		AddFunc:    func(o any) { event("add"); c.podChanged(o) },
+		UpdateFunc: func(_, o any) { event("update"); c.podChanged(o) },
 		DeleteFunc: func(o any) {
+			event("delete")
 			c.podChanged(o)
 			c.podDeleted(o)
 		},
 	})
 	_, _ = nsInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc: func(o any) { c.namespaceChanged(o) },
+		AddFunc: func(o any) { event("add"); c.namespaceChanged(o) },
 		UpdateFunc: func(old, o any) {
+			event("update")
 			if cfg.Policy.Selectors.NamespaceChangeMatters(nsLabels(old), nsLabels(o)) {
 				c.namespaceChanged(o)
 			}
 		},
-		DeleteFunc: func(o any) { c.namespaceChanged(o) },
+		DeleteFunc: func(o any) { event("delete"); c.namespaceChanged(o) },
 	})
 	var running sync.WaitGroup
 	c.start = func(stop <-chan struct{}) {

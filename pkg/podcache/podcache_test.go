@@ -278,3 +278,38 @@ func TestCacheKeepsTheNamespaceLabelsDecisionsRead(t *testing.T) {
 		t.Errorf("a pod of the selected namespace: %+v", d)
 	}
 }
+
+// eventCounter counts OnEvent calls by type.
+type eventCounter struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+func (c *eventCounter) on(e string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.n[e]++
+}
+
+func (c *eventCounter) get() map[string]int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return maps.Clone(c.n)
+}
+
+// OnEvent sees every informer event of this node's pods and of namespaces,
+// by type, as istio-cni's nodeagent_reconcile_events_total counts them:
+// namespace updates that change nothing for enablement included.
+func TestEventsCounted(t *testing.T) {
+	c := &eventCounter{n: map[string]int{}}
+	k := fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy(), OnEvent: c.on})
+	k.Start()
+	k.SetNamespace(namespace("shop", false))
+	k.SetPod(pod("shop", "a", "u-a", nil))
+	ns := namespace("shop", false)
+	ns.Annotations = map[string]string{"x": "y"}
+	k.SetNamespace(ns)
+	k.DeletePod("shop", "a")
+	want := map[string]int{"add": 2, "update": 1, "delete": 1}
+	poll.Until(t, "events counted", func() bool { return maps.Equal(c.get(), want) })
+}

@@ -17,6 +17,9 @@ type schemaNode struct {
 	Type                 any                    `json:"type"`
 	Properties           map[string]*schemaNode `json:"properties"`
 	AdditionalProperties any                    `json:"additionalProperties"`
+	// Ref is set on Istio's keys (definitions.istio): accepted for istio-cni
+	// values files, they have no default here (istio_values_test.go).
+	Ref string `json:"$ref"`
 }
 
 // fixed reports whether the node is an object whose keys the chart defines
@@ -57,6 +60,9 @@ func knobs(n *schemaNode, prefix string) []string {
 	var out []string
 	for name, p := range n.Properties {
 		path := strings.TrimPrefix(prefix+"."+name, ".")
+		if p.Ref != "" {
+			continue
+		}
 		if p.fixed() {
 			out = append(out, knobs(p, path)...)
 			continue

@@ -106,6 +106,12 @@ func TestReadyzAndMetrics(t *testing.T) {
 	if got := n.metric(`istio_cni_plugin_requests_total{response_code="200"}`); got != istioAddsBefore+1 {
 		t.Errorf("istio-cni's count of answered ADDs %v -> %v, want one more", istioAddsBefore, got)
 	}
+	if got := n.metric(`istio_cni_installs_total{result="SUCCESS"}`); got < 1 {
+		t.Errorf(`istio_cni_installs_total{result="SUCCESS"} = %v after the install`, got)
+	}
+	if got := n.metric(`nodeagent_reconcile_events_total{type="add"}`); got < 2 {
+		t.Errorf(`nodeagent_reconcile_events_total{type="add"} = %v after a namespace and a pod`, got)
+	}
 	if got := n.metric(`ambient_cni_cni_add_duration_seconds_count`); got < 1 {
 		t.Errorf("ADD latency histogram count %v", got)
 	}
@@ -115,6 +121,7 @@ func TestReadyzAndMetrics(t *testing.T) {
 		"ambient_cni_ztunnel_connections", "ambient_cni_rule_errors_total", "ambient_cni_installer_reinstalls_total",
 		// istio-cni's names, for its dashboards and alerts.
 		"istio_cni_install_ready", "ztunnel_connected", "istio_cni_plugin_requests_total",
+		"istio_cni_installs_total", "nodeagent_reconcile_events_total",
 	} {
 		if !strings.Contains(text, "# TYPE "+name+" ") {
 			t.Errorf("/metrics lacks %s", name)

@@ -190,6 +190,7 @@ func New(o Options) (*App, error) {
 		PrimaryConfName: c.CNIConfName, PluginConfig: entry,
 		StateFile:   layout.InstallerState(),
 		OnReinstall: m.InstallerReinstalls.Inc,
+		OnOutcome:   func(o installer.Outcome) { m.ObserveInstall(istioInstallResult(o)) },
 		// Said on the agent's own pod, where kubectl describe shows why
 		// it is not ready.
 		OnRefused: func(err error) {
@@ -214,6 +215,7 @@ func New(o Options) (*App, error) {
 		Policy:                   policy,
 		Self:                     types.NamespacedName{Namespace: c.PodNamespace, Name: c.PodName},
 		AssumePodLevelEnablement: c.AssumePodLevelEnablement,
+		OnEvent:                  m.ObserveEvent,
 		Logger:                   a.log,
 	})
 
@@ -658,4 +660,16 @@ func (a *App) shutdown(stopZtunnel func()) error {
 	}
 	a.log.Info("install-cni stopped", "upgrade", upgrade)
 	return errors.Join(errs...)
+}
+
+// istioInstallResult is istio_cni_installs_total's result for an
+// installer outcome.
+func istioInstallResult(o installer.Outcome) string {
+	switch o {
+	case installer.OutcomeInstalled:
+		return metrics.InstallSuccess
+	case installer.OutcomeCopyFailed:
+		return metrics.InstallCopyFailure
+	}
+	return metrics.InstallConfigFailure
 }

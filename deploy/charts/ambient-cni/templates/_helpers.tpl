@@ -4,7 +4,7 @@ agent reads its own DaemonSet by this name on shutdown, so the Role's
 resourceNames and AMBIENT_DAEMONSET_NAME both come from here.
 */}}
 {{- define "ambient-cni.fullname" -}}
-{{- .Values.nameOverride | default "ambient-cni" | trunc 63 | trimSuffix "-" -}}
+{{- .Values.nameOverride | default (.Values.istioCompat.names | ternary "istio-cni-node" "ambient-cni") | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
 {{- define "ambient-cni.labels" -}}
@@ -174,4 +174,176 @@ over it (an empty value is unset).
 {{- $_ := set $p "netnsDirs" (.Values.cni.netnsDirs | default $p.netnsDirs) -}}
 {{- $_ := set $p "seLinuxOptions" (.Values.securityContext.seLinuxOptions | default $p.seLinuxOptions) -}}
 {{- toYaml $p -}}
+{{- end -}}
+
+{{/*
+Istio's values (docs/migrating-from-istio-cni.md has the table). An
+istio-cni values file carries the istio/cni chart's keys at the top level,
+under cni (Istio's chart copies cni.* over the top level, so cni wins) and
+under global. Each either sets ours with Istio's meaning or fails, naming
+ours or saying why there is none; a few that only steer Istio's own agent
+are accepted without effect. It rewrites .Values in place, once:
+templates/zzz_istio-values.yaml includes it, and helm renders a chart's
+templates in reverse name order, so before every other template (Istio's
+charts rely on the same order).
+*/}}
+{{- define "ambient-cni.istioValues" -}}
+{{- $v := .Values -}}
+{{- if not (hasKey $v "_istioValuesApplied") -}}
+{{- $_ := set $v "_istioValuesApplied" true -}}
+{{- $g := $v.global | default dict -}}
+{{- $cni := $v.cni -}}
+{{- if hasKey $v "_internal_defaults_do_not_set" -}}
+{{- fail "_internal_defaults_do_not_set: Istio's chart defaults, as helm show values prints them; keep only the keys you changed, at the top level" -}}
+{{- end -}}
+{{- /* Istio's own keys: top level, then cni.* over them. */ -}}
+{{- $i := dict -}}
+{{- $keys := list "hub" "tag" "variant" "pullPolicy" "logging" "cniBinDir" "cniConfDir" "cniConfFileName" "cniNetnsDir" "istioOwnedCNIConfigFileName" "istioOwnedCNIConfig" "excludeNamespaces" "daemonSetLabels" "chained" "provider" "repair" "seccompProfile" "seLinuxOptions" "useAppArmorAnnotation" "revision" "ownerName" "env" -}}
+{{- range $k := $keys -}}
+{{- if hasKey $v $k -}}{{- $_ := set $i $k (index $v $k) -}}{{- end -}}
+{{- if hasKey $cni $k -}}{{- $_ := set $i $k (index $cni $k) -}}{{- end -}}
+{{- end -}}
+{{- /* Keys both charts have, with one meaning: cni.* over ours. */ -}}
+{{- range $k := list "affinity" "podAnnotations" "podLabels" "resources" "resourceQuotas" "tolerations" "updateStrategy" "terminationGracePeriodSeconds" "ambient" -}}
+{{- if hasKey $cni $k -}}
+{{- $new := index $cni $k -}}
+{{- if and (kindIs "map" $new) (kindIs "map" (index $v $k)) -}}
+{{- $new = mustMergeOverwrite (deepCopy (index $v $k)) $new -}}
+{{- end -}}
+{{- $_ := set $v $k $new -}}
+{{- end -}}
+{{- end -}}
+{{- /* The image is ours. */ -}}
+{{- if or (kindIs "string" $v.image) (hasKey $cni "image") -}}
+{{- fail (printf "image: %v is Istio's install-cni image name; ambient-cni runs its own image: set image.repository and image.tag (empty: the chart's version), or drop image" (ternary $v.image $cni.image (kindIs "string" $v.image))) -}}
+{{- end -}}
+{{- range $k := list "hub" "tag" "variant" -}}
+{{- with index $i $k -}}
+{{- fail (printf "%s: %v names Istio's install-cni image; ambient-cni runs its own: set image.repository and image.tag instead" $k .) -}}
+{{- end -}}
+{{- end -}}
+{{- with index $i "pullPolicy" | default $g.imagePullPolicy -}}
+{{- $_ := set $v.image "pullPolicy" . -}}
+{{- end -}}
+{{- /* Istio's level: bare, or the default scope's of a scoped list. */ -}}
+{{- with (index $i "logging" | default dict).level | default ($g.logging | default dict).level -}}
+{{- $level := "" -}}
+{{- range $part := splitList "," . -}}
+{{- $kv := splitList ":" (trim $part) -}}
+{{- if eq (len $kv) 1 -}}{{- $level = first $kv -}}
+{{- else if eq (first $kv) "default" -}}{{- $level = last $kv -}}
+{{- end -}}
+{{- end -}}
+{{- $levels := dict "debug" "debug" "info" "info" "warn" "warn" "warning" "warn" "error" "error" "fatal" "error" "none" "error" -}}
+{{- if not (hasKey $levels $level) -}}
+{{- fail (printf "logging.level %q: ambient-cni's agent has one level (agent.logLevel: debug, info, warn or error; Istio's fatal and none become error), given bare or as Istio's default scope (default:debug)" .) -}}
+{{- end -}}
+{{- $_ := set $v.agent "logLevel" (index $levels $level) -}}
+{{- end -}}
+{{- /* Node layout. */ -}}
+{{- if and (not $v.platform) $g.platform -}}
+{{- $_ := set $v "platform" $g.platform -}}
+{{- end -}}
+{{- range $pair := list (list "cniBinDir" "binDir") (list "cniConfDir" "confDir") (list "cniConfFileName" "confName") -}}
+{{- $istio := first $pair -}}
+{{- $ours := last $pair -}}
+{{- with index $i $istio -}}
+{{- if and (index $cni $ours) (ne (index $cni $ours) .) -}}
+{{- fail (printf "%s (Istio's name) and cni.%s disagree; keep cni.%s" $istio $ours $ours) -}}
+{{- end -}}
+{{- $_ := set $cni $ours . -}}
+{{- end -}}
+{{- end -}}
+{{- with index $i "cniNetnsDir" -}}
+{{- $dirs := $cni.netnsDirs | default (include "ambient-cni.platform" $ | fromYaml).netnsDirs -}}
+{{- if not (has . $dirs) -}}{{- $dirs = append $dirs . -}}{{- end -}}
+{{- $_ := set $cni "netnsDirs" $dirs -}}
+{{- end -}}
+{{- if index $i "istioOwnedCNIConfig" -}}
+{{- fail "istioOwnedCNIConfig: ambient-cni chains its entry into the primary network's own config file (cni.confName names it) and writes no config file of its own" -}}
+{{- end -}}
+{{- if and (hasKey $i "chained") (not (index $i "chained")) -}}
+{{- fail "chained: false (a standalone config file, as for Multus): ambient-cni always chains into the primary network's config; on OpenShift set platform: openshift, which chains after Multus" -}}
+{{- end -}}
+{{- with index $i "provider" -}}
+{{- if ne . "default" -}}
+{{- fail (printf "provider: %q: ambient-cni has no provider setting; it chains into the primary config (with Multus on OpenShift: platform: openshift)" .) -}}
+{{- end -}}
+{{- end -}}
+{{- /* What is captured. */ -}}
+{{- if hasKey $i "excludeNamespaces" -}}
+{{- $_ := set $v.agent "excludedNamespaces" (index $i "excludeNamespaces" | default (list)) -}}
+{{- end -}}
+{{- $a := $v.ambient -}}
+{{- if and (hasKey $a "enabled") (not $a.enabled) -}}
+{{- fail "ambient.enabled: false is istio-cni for sidecars only; ambient-cni serves ambient mode only, always on: drop ambient.enabled (and keep istio-cni while sidecars rely on it)" -}}
+{{- end -}}
+{{- if hasKey $a "dnsCapture" -}}
+{{- $_ := set $v.agent "dnsCapture" $a.dnsCapture -}}
+{{- end -}}
+{{- if and (hasKey $a "reconcileIptablesOnStartup") (not $a.reconcileIptablesOnStartup) -}}
+{{- fail "ambient.reconcileIptablesOnStartup: false: ambient-cni always brings captured pods' rules up to date at startup (Istio's default, true); drop it" -}}
+{{- end -}}
+{{- if and (hasKey $a "shareHostNetworkNamespace") (not $a.shareHostNetworkNamespace) -}}
+{{- fail "ambient.shareHostNetworkNamespace: false: ambient-cni's agent always runs in the host network namespace (as true); drop it" -}}
+{{- end -}}
+{{- with index $i "repair" -}}
+{{- if or (not (hasKey . "enabled")) .enabled -}}
+{{- fail "repair: istio-cni's repair of sidecar pods (its istio-validation init container); ambient-cni has no sidecar mode and nothing to repair: drop repair or set repair.enabled: false" -}}
+{{- end -}}
+{{- end -}}
+{{- /* The container. */ -}}
+{{- with index $i "seccompProfile" -}}
+{{- $_ := set $v.securityContext "seccompProfile" . -}}
+{{- end -}}
+{{- with index $i "seLinuxOptions" -}}
+{{- $_ := set $v.securityContext "seLinuxOptions" (merge (deepCopy .) (dict "type" "spc_t")) -}}
+{{- end -}}
+{{- if hasKey $i "daemonSetLabels" -}}
+{{- $_ := set $v "daemonSetLabels" (index $i "daemonSetLabels") -}}
+{{- end -}}
+{{- with index $i "revision" -}}
+{{- fail (printf "revision: %q: ambient-cni is one node agent for the whole cluster, serving every revision's ztunnel; drop revision" .) -}}
+{{- end -}}
+{{- with index $i "env" -}}
+{{- fail "env: istio-cni's own environment; ambient-cni's settings are the chart's values (docs/install-cni.md); other variables go in extraEnv, a list of name and value" -}}
+{{- end -}}
+{{- /* Profiles: only the ambient one means something here. */ -}}
+{{- with $v.profile | default $cni.profile | default $g.profile -}}
+{{- if ne . "ambient" -}}
+{{- fail (printf "profile: %q: Istio's profiles other than ambient leave istio-cni in sidecar mode; ambient-cni is always in ambient mode: use profile: ambient or none" .) -}}
+{{- end -}}
+{{- end -}}
+{{- with $v.compatibilityVersion -}}
+{{- if not (semverCompare ">=1.29.0-0" (printf "%v.0" .)) -}}
+{{- fail (printf "compatibilityVersion: %v: before 1.29 istio-cni left captured pods' rules alone at startup; ambient-cni always brings them up to date, as Istio does from 1.29: use 1.29 or later, or none" .) -}}
+{{- end -}}
+{{- end -}}
+{{- /* Istio's globals the CNI chart reads; the rest concern other charts. */ -}}
+{{- if $g.logAsJson -}}
+{{- fail "global.logAsJson: ambient-cni's agent logs text only" -}}
+{{- end -}}
+{{- with $g.resourceScope -}}
+{{- if ne . "all" -}}
+{{- fail (printf "global.resourceScope: %q: the chart installs all of its objects in one release (all)" .) -}}
+{{- end -}}
+{{- end -}}
+{{- with $g.imagePullSecrets -}}
+{{- $s := $v.imagePullSecrets | default (list) -}}
+{{- range . -}}
+{{- $s = append $s (ternary (dict "name" .) . (kindIs "string" .)) -}}
+{{- end -}}
+{{- $_ := set $v "imagePullSecrets" $s -}}
+{{- end -}}
+{{- if and (not $v.resources) $g.defaultResources -}}
+{{- $_ := set $v "resources" $g.defaultResources -}}
+{{- end -}}
+{{- if and (hasKey $g "nativeNftables") (eq $v.agent.rulesBackend "auto") (not $v.agent.iptablesBackend) -}}
+{{- $_ := set $v.agent "rulesBackend" (ternary "nftables" "iptables" $g.nativeNftables) -}}
+{{- end -}}
+{{- /* Istio's names: its metrics port with them, unless another is set. */ -}}
+{{- if and $v.istioCompat.names (eq (int $v.agent.metricsPort) 9974) -}}
+{{- $_ := set $v.agent "metricsPort" 15014 -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
