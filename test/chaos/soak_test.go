@@ -3,8 +3,6 @@ package chaos
 import (
 	"context"
 	"fmt"
-	"io"
-	"net/http"
 	"net/netip"
 	"path/filepath"
 	"regexp"
@@ -23,6 +21,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/test/lib/scrape"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
@@ -165,18 +164,12 @@ var trackedPodsSeries = regexp.MustCompile(`(?m)^ambient_cni_agent_tracked_pods\
 
 // trackedPods reads the agent's per-pod table sizes from its /metrics.
 func (n *node) trackedPods() (map[string]float64, error) {
-	c := &http.Client{Timeout: 10 * time.Second}
-	resp, err := c.Get(n.metricsURL() + "/metrics")
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
+	text, err := scrape.Text(n.metricsURL())
 	if err != nil {
 		return nil, err
 	}
 	out := map[string]float64{}
-	for _, m := range trackedPodsSeries.FindAllStringSubmatch(string(b), -1) {
+	for _, m := range trackedPodsSeries.FindAllStringSubmatch(text, -1) {
 		v, err := strconv.ParseFloat(m[2], 64)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", m[0], err)
@@ -307,7 +300,7 @@ func (s *soaker) requireNothingLeft(ctx context.Context, t *testing.T, namespace
 	// The gauge is sampled every few seconds: poll it.
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		out, err := scrapeSum(n.metricsURL(), "ambient_cni_enrolled_pods")
+		out, err := scrape.Sum(n.metricsURL(), "ambient_cni_enrolled_pods")
 		if err == nil && out == 0 {
 			break
 		}
@@ -347,34 +340,4 @@ func (s *soaker) requireNothingLeft(ctx context.Context, t *testing.T, namespace
 			t.Errorf("host-local reservation left: %s", b)
 		}
 	}
-}
-
-// scrapeSum adds up every sample of a metric (all its label values) on
-// the agent's /metrics.
-func scrapeSum(base, name string) (float64, error) {
-	resp, err := (&http.Client{Timeout: 5 * time.Second}).Get(base + "/metrics")
-	if err != nil {
-		return 0, err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return 0, err
-	}
-	sum, seen := 0.0, false
-	for l := range strings.SplitSeq(string(b), "\n") {
-		if !strings.HasPrefix(l, name+"{") && !strings.HasPrefix(l, name+" ") {
-			continue
-		}
-		f := strings.Fields(l)
-		v, err := strconv.ParseFloat(f[len(f)-1], 64)
-		if err != nil {
-			return 0, fmt.Errorf("%q: %w", l, err)
-		}
-		sum, seen = sum+v, true
-	}
-	if !seen {
-		return 0, fmt.Errorf("no %s in /metrics", name)
-	}
-	return sum, nil
 }
