@@ -21,6 +21,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/scrape"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
@@ -298,17 +299,13 @@ func (s *soaker) requireNothingLeft(ctx context.Context, t *testing.T, namespace
 		t.Errorf("the stand-in still serves %d workloads", len(ws))
 	}
 	// The gauge is sampled every few seconds: poll it.
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		out, err := scrape.Sum(n.metricsURL(), "ambient_cni_enrolled_pods")
-		if err == nil && out == 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Errorf("the agent's state holds %v pods (enrolled-pods metric; %v)", out, err)
-			break
-		}
-		time.Sleep(200 * time.Millisecond)
+	var out float64
+	var err error
+	if poll.Wait(ctx, 30*time.Second, func() bool {
+		out, err = scrape.Sum(n.metricsURL(), "ambient_cni_enrolled_pods")
+		return err == nil && out == 0
+	}) != nil {
+		t.Errorf("the agent's state holds %v pods (enrolled-pods metric; %v)", out, err)
 	}
 	if sp := n.spooled(); sp > 0 {
 		t.Errorf("%d spooled DELs", sp)

@@ -13,6 +13,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/procstat"
 )
 
@@ -158,7 +159,7 @@ func BenchmarkEnrollRunningNamespace(b *testing.B) {
 			})
 		}
 		wg.Wait()
-		eventually(b, "the agent to forget the deleted pods", func() bool { return len(n.d.Agent().Pods()) == 0 })
+		poll.Within(b, waitLong, "the agent to forget the deleted pods", func() bool { return len(n.d.Agent().Pods()) == 0 })
 		b.StartTimer()
 	}
 	b.ReportMetric(total.Seconds()/float64(iters), "s-to-enabled")
