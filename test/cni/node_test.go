@@ -52,7 +52,6 @@ import (
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/dataplanetest"
 	"github.com/ambient-cni/ambient-cni/test/lib/fakecluster"
-	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
@@ -337,11 +336,7 @@ func (n *node) outputChain() string {
 // chooses it, with the tools it needs.
 func shippedRules(t testing.TB, log *slog.Logger) *rulesbackend.Backend {
 	t.Helper()
-	root, err := kubeenv.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	chart, err := simnode.CommittedChart(root)
+	chart, err := simnode.CommittedChart()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -175,11 +175,7 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = os.RemoveAll(n.dir) })
-	root, err := kubeenv.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	chart, err := simnode.CommittedChart(root)
+	chart, err := simnode.CommittedChart()
 	if err != nil {
 		t.Fatal(err)
 	}

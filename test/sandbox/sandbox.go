@@ -83,11 +83,7 @@ func run(ctx context.Context, opts Options, o *kubesim.Owner, say func(string, .
 	if err != nil {
 		return err
 	}
-	root, err := kubeenv.RepoRoot()
-	if err != nil {
-		return err
-	}
-	chart, err := simnode.CommittedChart(root)
+	chart, err := simnode.CommittedChart()
 	if err != nil {
 		return err
 	}
