@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
-	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/containernetworking/plugins/pkg/testutils"
 	"github.com/vishvananda/netlink"
 	corev1 "k8s.io/api/core/v1"
@@ -246,13 +245,7 @@ func (s *soaker) cycle(ctx context.Context, obj *corev1.Pod, check bool) (rerr e
 			rerr = err
 		}
 	}()
-	if err := netns.Do(func(ns.NetNS) error {
-		lo, err := netlink.LinkByName("lo")
-		if err != nil {
-			return err
-		}
-		return netlink.LinkSetUp(lo)
-	}); err != nil {
+	if err := testnet.LoopbackUp(netns); err != nil {
 		return err
 	}
 	rt := &libcni.RuntimeConf{
