@@ -13,7 +13,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"net/http"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -32,6 +31,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
 	"github.com/ambient-cni/ambient-cni/test/lib/poll"
+	"github.com/ambient-cni/ambient-cni/test/lib/scrape"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
@@ -215,7 +215,8 @@ func run(ctx context.Context, opts Options, o *kubesim.Owner, say func(string, .
 		return err
 	}
 	say("== agent metrics (excerpt)")
-	for _, l := range strings.Split(body(node.MetricsURL+"/metrics"), "\n") {
+	metrics, _ := scrape.Text(node.MetricsURL) // an excerpt for the reader: none is no failure
+	for _, l := range strings.Split(metrics, "\n") {
 		if strings.HasPrefix(l, "ambient_cni_cni_requests_total") || strings.HasPrefix(l, "ambient_cni_enrolled_pods") {
 			say("   %s", l)
 		}
@@ -266,16 +267,6 @@ func waitAnnotations(ctx context.Context, c kubernetes.Interface, ns string, nam
 		}
 		return true
 	})
-}
-
-func body(url string) string {
-	resp, err := http.Get(url)
-	if err != nil {
-		return ""
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return string(b)
 }
 
 func freeAddr() (string, error) {
