@@ -21,6 +21,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/procstat"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
@@ -287,7 +288,7 @@ func (r *backendRun) enrollRunning(ctx context.Context, node *enrollNode, qps fl
 				return err
 			}
 		}
-		cpu0, err := ReadCPU(r.pid())
+		cpu0, err := procstat.ReadCPU(r.pid())
 		if err != nil {
 			return err
 		}
@@ -303,7 +304,7 @@ func (r *backendRun) enrollRunning(ctx context.Context, node *enrollNode, qps fl
 		if err := r.settle(ctx); err != nil {
 			return err
 		}
-		cpu1, err := ReadCPU(r.pid())
+		cpu1, err := procstat.ReadCPU(r.pid())
 		if err != nil {
 			return err
 		}

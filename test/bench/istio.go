@@ -28,6 +28,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/test/lib/childproc"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/procstat"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
@@ -483,7 +484,7 @@ func memTotal() (int64, error) {
 	if err != nil {
 		return 0, err
 	}
-	m, err := parseStatus(b, "MemTotal")
+	m, err := procstat.ParseStatus(b, "MemTotal")
 	if err != nil {
 		return 0, err
 	}

@@ -13,7 +13,6 @@ import (
 	"github.com/containernetworking/cni/libcni"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/containernetworking/plugins/pkg/testutils"
-	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -61,13 +60,7 @@ func newSandbox(namespace, name string, uid types.UID) (*sandbox, error) {
 		return nil, fmt.Errorf("create netns: %w", err)
 	}
 	// Runtimes bring the sandbox's loopback up before the network's chain.
-	if err := netns.Do(func(ns.NetNS) error {
-		lo, err := netlink.LinkByName("lo")
-		if err != nil {
-			return err
-		}
-		return netlink.LinkSetUp(lo)
-	}); err != nil {
+	if err := testnet.LoopbackUp(netns); err != nil {
 		s := &sandbox{ns: netns}
 		_ = s.close()
 		return nil, fmt.Errorf("bring up lo: %w", err)
@@ -104,25 +97,7 @@ func (s *sandbox) close() error {
 		}
 		_ = os.Remove(s.alias)
 	}
-	path := s.ns.Path()
-	_ = s.ns.Close()
-	var err error
-	for range 50 {
-		if err = unix.Unmount(path, 0); !errors.Is(err, unix.EBUSY) {
-			break
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	if errors.Is(err, unix.EBUSY) {
-		err = unix.Unmount(path, unix.MNT_DETACH)
-	}
-	if rerr := os.Remove(path); rerr != nil && !os.IsNotExist(rerr) {
-		return errors.Join(err, rerr)
-	}
-	if err != nil && !errors.Is(err, unix.EINVAL) {
-		return fmt.Errorf("unmount %s: %w", path, err)
-	}
-	return nil
+	return testnet.RemoveNS(s.ns)
 }
 
 // latencyRun measures CNI ADD and DEL through the chained conflist (with

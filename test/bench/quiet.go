@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/ambient-cni/ambient-cni/test/lib/procstat"
 )
 
 // Block is one measured or baseline block of a latency figure: what the
@@ -41,7 +43,7 @@ func (q quietCheck) wait(ctx context.Context, label string) (Block, error) {
 		if err != nil {
 			return Block{}, err
 		}
-		b := Block{Load1: LoadAvg()[0], BusyPct: busy, Quiet: busy <= q.busyPct, WaitedS: time.Since(start).Seconds()}
+		b := Block{Load1: procstat.LoadAvg()[0], BusyPct: busy, Quiet: busy <= q.busyPct, WaitedS: time.Since(start).Seconds()}
 		if b.Quiet {
 			q.logf("  %s: load %.2f, %.0f%% busy: quiet", label, b.Load1, b.BusyPct)
 			return b, nil

@@ -9,7 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net/http"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -27,6 +26,8 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/procstat"
+	"github.com/ambient-cni/ambient-cni/test/lib/scrape"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
@@ -127,11 +128,11 @@ func Run(ctx context.Context, o Options) (res *Result, err error) {
 	sz := o.sizes()
 	res = &Result{
 		Started: time.Now(), Quick: o.Quick, Profiled: o.Profile, Commit: commit(o.RepoRoot),
-		Machine:   Machine{CPUs: runtime.NumCPU(), Kernel: kernel(), Go: runtime.Version(), LoadStart: LoadAvg()},
+		Machine:   Machine{CPUs: runtime.NumCPU(), Kernel: kernel(), Go: runtime.Version(), LoadStart: procstat.LoadAvg()},
 		NodeLocal: simnode.NodeLocal, Method: sz.method(),
 	}
 	defer func() {
-		res.Machine.LoadEnd = LoadAvg()
+		res.Machine.LoadEnd = procstat.LoadAvg()
 		res.Seconds = time.Since(res.Started).Seconds()
 	}()
 
@@ -228,7 +229,7 @@ type figure struct {
 // window is one measured block's op: the agent's CPU, API requests and
 // ADD histogram around it.
 type window struct {
-	cpu0, cpu1 CPUTimes
+	cpu0, cpu1 procstat.CPUTimes
 	mark       int
 	reqs       []APIRequest
 	start      time.Time
@@ -255,7 +256,7 @@ func (r *backendRun) latency(ctx context.Context, f *figure, rep int) error {
 					return func() error { return err }
 				}
 			}
-			if w.cpu0, err = ReadCPU(r.pid()); err != nil {
+			if w.cpu0, err = procstat.ReadCPU(r.pid()); err != nil {
 				return func() error { return err }
 			}
 			if w.mark, err = r.auditLog.mark(); err != nil {
@@ -264,7 +265,7 @@ func (r *backendRun) latency(ctx context.Context, f *figure, rep int) error {
 			w.add0, _ = scrapeAddHistogram(r.metricsURL)
 			return func() error {
 				var err error
-				if w.cpu1, err = ReadCPU(r.pid()); err != nil {
+				if w.cpu1, err = procstat.ReadCPU(r.pid()); err != nil {
 					return err
 				}
 				w.reqs = r.auditLog.since(w.mark)
@@ -307,12 +308,12 @@ func (r *backendRun) record(f *figure) {
 		if op == "DEL" {
 			s = f.del
 		}
-		var cpu CPUTimes
+		var cpu procstat.CPUTimes
 		var reqs []APIRequest
 		var took time.Duration
 		var hist histogram
 		for _, w := range f.windows[op] {
-			cpu = CPUTimes{Own: cpu.Own + w.cpu1.Sub(w.cpu0).Own, Children: cpu.Children + w.cpu1.Sub(w.cpu0).Children}
+			cpu = procstat.CPUTimes{Own: cpu.Own + w.cpu1.Sub(w.cpu0).Own, Children: cpu.Children + w.cpu1.Sub(w.cpu0).Children}
 			reqs = append(reqs, w.reqs...)
 			took += w.took
 			hist.sum += w.add1.sum - w.add0.sum
@@ -372,7 +373,7 @@ func (r *backendRun) settle(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		c0, err := ReadCPU(r.pid())
+		c0, err := procstat.ReadCPU(r.pid())
 		if err != nil {
 			return err
 		}
@@ -383,7 +384,7 @@ func (r *backendRun) settle(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		c1, err := ReadCPU(r.pid())
+		c1, err := procstat.ReadCPU(r.pid())
 		if err != nil {
 			return err
 		}
@@ -525,14 +526,14 @@ func (r *backendRun) memory() (Memory, error) {
 // view from the agent's /metrics at metricsURL (a bonus: left zero when
 // the scrape fails).
 func ReadMemory(pid int, metricsURL string) (Memory, error) {
-	st, err := ReadStatus(pid, "VmRSS", "RssAnon", "RssFile")
+	st, err := procstat.ReadStatus(pid, "VmRSS", "RssAnon", "RssFile")
 	if err != nil {
 		return Memory{}, err
 	}
 	m := Memory{
 		RSSMiB: float64(st["VmRSS"]) / (1 << 20), AnonMiB: float64(st["RssAnon"]) / (1 << 20), FileMiB: float64(st["RssFile"]) / (1 << 20),
 	}
-	vals, err := Scrape(metricsURL, "go_memstats_heap_inuse_bytes", "go_memstats_stack_inuse_bytes", "go_memstats_sys_bytes", "go_goroutines")
+	vals, err := scrape.Values(metricsURL, "go_memstats_heap_inuse_bytes", "go_memstats_stack_inuse_bytes", "go_memstats_sys_bytes", "go_goroutines")
 	if err != nil {
 		return m, nil // RSS is the figure; the breakdown is a bonus
 	}
@@ -543,35 +544,13 @@ func ReadMemory(pid int, metricsURL string) (Memory, error) {
 	return m, nil
 }
 
-// Scrape reads unlabelled samples of the agent's /metrics at base (a URL
-// as simnode.HealthURL returns).
-func Scrape(base string, names ...string) (map[string]float64, error) {
-	resp, err := (&http.Client{Timeout: 5 * time.Second}).Get(base + "/metrics")
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
-	out := map[string]float64{}
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		f := strings.Fields(sc.Text())
-		if len(f) != 2 || !slices.Contains(names, f[0]) {
-			continue
-		}
-		if v, err := strconv.ParseFloat(f[1], 64); err == nil {
-			out[f[0]] = v
-		}
-	}
-	return out, sc.Err()
-}
-
 // histogram is a Prometheus histogram's sum and count.
 type histogram struct{ sum, count float64 }
 
 // scrapeAddHistogram reads ambient_cni_cni_add_duration_seconds from the
 // agent's /metrics.
 func scrapeAddHistogram(base string) (histogram, error) {
-	v, err := Scrape(base, "ambient_cni_cni_add_duration_seconds_sum", "ambient_cni_cni_add_duration_seconds_count")
+	v, err := scrape.Values(base, "ambient_cni_cni_add_duration_seconds_sum", "ambient_cni_cni_add_duration_seconds_count")
 	return histogram{sum: v["ambient_cni_cni_add_duration_seconds_sum"], count: v["ambient_cni_cni_add_duration_seconds_count"]}, err
 }
 

@@ -28,6 +28,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/test/lib/childproc"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/procstat"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
@@ -145,11 +146,11 @@ func RunScale(ctx context.Context, o ScaleOptions) (res *ScaleResult, err error)
 	defer cancel()
 	res = &ScaleResult{
 		Started: time.Now(), Quick: o.Quick, Commit: commit(o.RepoRoot),
-		Machine:    Machine{CPUs: runtime.NumCPU(), Kernel: kernel(), Go: runtime.Version(), LoadStart: LoadAvg()},
+		Machine:    Machine{CPUs: runtime.NumCPU(), Kernel: kernel(), Go: runtime.Version(), LoadStart: procstat.LoadAvg()},
 		Namespaces: sz.namespaces, AnnotationBytes: sz.annotationBytes, Pods: sz.pods, OtherNodes: sz.otherNodes,
 	}
 	defer func() {
-		res.Machine.LoadEnd = LoadAvg()
+		res.Machine.LoadEnd = procstat.LoadAvg()
 		res.Seconds = time.Since(res.Started).Seconds()
 	}()
 
@@ -221,7 +222,7 @@ func RunScale(ctx context.Context, o ScaleOptions) (res *ScaleResult, err error)
 	if res.After, err = settledMemory(ctx, agent, node.MetricsURL, 5*time.Minute); err != nil {
 		return res, fmt.Errorf("after the load: %w", err)
 	}
-	if st, err := ReadStatus(agent.Pid(), "VmHWM"); err == nil {
+	if st, err := procstat.ReadStatus(agent.Pid(), "VmHWM"); err == nil {
 		res.PeakRSSMiB = float64(st["VmHWM"]) / (1 << 20)
 	}
 	res.GrowthKiBPerNamespace = (res.After.RSSMiB - res.Idle.RSSMiB) * 1024 / float64(sz.namespaces)
@@ -246,7 +247,7 @@ func RunScale(ctx context.Context, o ScaleOptions) (res *ScaleResult, err error)
 	if res.Restarted, err = settledMemory(ctx, agent, node.MetricsURL, 5*time.Minute); err != nil {
 		return res, fmt.Errorf("after the restart: %w", err)
 	}
-	if st, err := ReadStatus(agent.Pid(), "VmHWM"); err == nil {
+	if st, err := procstat.ReadStatus(agent.Pid(), "VmHWM"); err == nil {
 		res.RestartPeakRSSMiB = float64(st["VmHWM"]) / (1 << 20)
 	}
 	if agent.Exited() {
@@ -409,11 +410,11 @@ func settledMemory(ctx context.Context, agent *childproc.Proc, metricsURL string
 	var samples []sample
 	deadline := time.Now().Add(within)
 	for {
-		st, err := ReadStatus(agent.Pid(), "VmRSS")
+		st, err := procstat.ReadStatus(agent.Pid(), "VmRSS")
 		if err != nil {
 			return Memory{}, fmt.Errorf("read the agent's RSS: %w", err)
 		}
-		cpu, err := ReadCPU(agent.Pid())
+		cpu, err := procstat.ReadCPU(agent.Pid())
 		if err != nil {
 			return Memory{}, fmt.Errorf("read the agent's CPU: %w", err)
 		}

@@ -3,6 +3,7 @@ package bench
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -10,6 +11,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 )
 
 // TestQuickScale runs the scale harness end to end with a small load
@@ -67,15 +70,8 @@ func TestQuickScale(t *testing.T) {
 	}
 	// The agent was stopped with the node (a gone process, or a new one
 	// that reused its number).
-	deadline := time.Now().Add(time.Minute)
-	for {
+	poll.Within(t, time.Minute, fmt.Sprintf("install-cni (pid %d) to stop", res.AgentPID), func() bool {
 		exe, err := os.Readlink(filepath.Join("/proc", strconv.Itoa(res.AgentPID), "exe"))
-		if err != nil || !strings.Contains(exe, "install-cni") {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("install-cni (pid %d) still runs", res.AgentPID)
-		}
-		time.Sleep(100 * time.Millisecond)
-	}
+		return err != nil || !strings.Contains(exe, "install-cni")
+	})
 }

@@ -18,6 +18,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 )
 
 // apiPending are the API-outage checks waiting for fixes being made on
@@ -325,25 +326,22 @@ func (n *node) waitCacheHas(ctx context.Context, ns string) {
 	if _, err := n.kube.Create(ctx, podObject(ns, "cache-marker", ambient.DataplaneModeAmbient)); err != nil {
 		n.t.Fatal(err)
 	}
-	deadline := time.Now().Add(time.Minute)
-	for {
-		s, err := nodefiles.ReadSnapshot(n.cfg.Layout().Snapshot())
-		if err == nil && s.PodLevelEnablement {
-			return
-		}
-		if time.Now().After(deadline) {
-			n.t.Fatalf("the agent's cache did not show the marker pod within a minute (snapshot %+v, %v)", s, err)
-		}
-		time.Sleep(50 * time.Millisecond)
+	var s *nodefiles.EnablementSnapshot
+	var err error
+	if poll.Wait(ctx, time.Minute, func() bool {
+		s, err = nodefiles.ReadSnapshot(n.cfg.Layout().Snapshot())
+		return err == nil && s.PodLevelEnablement
+	}) != nil {
+		n.t.Fatalf("the agent's cache did not show the marker pod within a minute (snapshot %+v, %v)", s, err)
 	}
 }
 
 // waitAnnotated waits until every pod carries the redirection annotation
 // enabled, and returns a violation for each that does not within d.
 func (n *node) waitAnnotated(ctx context.Context, pods []*corev1.Pod, d time.Duration) []string {
-	deadline := time.Now().Add(d)
-	for {
-		var missing []string
+	var missing []string
+	_ = poll.Wait(ctx, d, func() bool {
+		missing = nil
 		for _, p := range pods {
 			o, err := n.env.Client.CoreV1().Pods(p.Namespace).Get(ctx, p.Name, metav1.GetOptions{})
 			switch {
@@ -354,9 +352,7 @@ func (n *node) waitAnnotated(ctx context.Context, pods []*corev1.Pod, d time.Dur
 					p.Namespace, p.Name, o.Annotations[ambient.RedirectionAnnotation], d))
 			}
 		}
-		if len(missing) == 0 || time.Now().After(deadline) || ctx.Err() != nil {
-			return missing
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+		return len(missing) == 0
+	})
+	return missing
 }

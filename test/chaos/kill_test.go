@@ -6,7 +6,6 @@ import (
 	"math/rand/v2"
 	"net/netip"
 	"os"
-	"sort"
 	"strconv"
 	"strings"
 	"testing"
@@ -91,27 +90,7 @@ func killRun(t *testing.T, seed uint64, subnet netip.Prefix) {
 	w.stable, w.servedAtAdd = amb, true
 
 	// The schedule, all from the seed.
-	type event struct {
-		at   time.Duration
-		kill bool
-	}
-	var events []event
-	for range 3 + rng.IntN(2) {
-		events = append(events, event{at: time.Second + time.Duration(rng.Int64N(int64(killChurn-2*time.Second))), kill: true})
-	}
-	for at := time.Duration(0); ; {
-		at += 1500*time.Millisecond + time.Duration(rng.Int64N(int64(2500*time.Millisecond)))
-		if at >= killChurn {
-			break
-		}
-		events = append(events, event{at: at})
-		if rng.IntN(2) == 0 {
-			// While the flip's captures or releases are under way: the
-			// moments a crash can leave a pod half done.
-			events = append(events, event{at: at + time.Duration(rng.Int64N(int64(400*time.Millisecond))), kill: true})
-		}
-	}
-	sort.Slice(events, func(i, j int) bool { return events[i].at < events[j].at })
+	events := faultSchedule(rng, 3+rng.IntN(2), killChurn-2*time.Second, killChurn, 1500*time.Millisecond, 2500*time.Millisecond)
 
 	// Pods must start in the end, whatever the agent went through.
 	ctx, cancel := context.WithTimeout(context.Background(), killChurn+3*time.Minute)
@@ -132,23 +111,10 @@ func killRun(t *testing.T, seed uint64, subnet netip.Prefix) {
 		return plain, ""
 	})
 
-	var log []string
-	for _, ev := range events {
-		time.Sleep(time.Until(start.Add(ev.at)))
-		if !ev.kill {
-			next := ambient.DataplaneModeAmbient
-			if w.modeOf(flip) == next {
-				next = ""
-			}
-			if err := w.setMode(ctx, flip, next); err != nil {
-				t.Fatal(err)
-			}
-			log = append(log, fmt.Sprintf("%5.1fs flip -> %q", time.Since(start).Seconds(), next))
-			continue
-		}
+	log := w.play(ctx, t, start, events, flip, func(say func(string, ...any)) {
 		n.killAgent()
 		down := time.Duration(rng.Int64N(int64(1500 * time.Millisecond)))
-		log = append(log, fmt.Sprintf("%5.1fs SIGKILL, down %v", time.Since(start).Seconds(), down.Round(time.Millisecond)))
+		say("SIGKILL, down %v", down.Round(time.Millisecond))
 		time.Sleep(down)
 		n.startAgent()
 		if rng.IntN(3) == 0 {
@@ -156,11 +122,11 @@ func killRun(t *testing.T, seed uint64, subnet netip.Prefix) {
 			time.Sleep(time.Duration(rng.Int64N(int64(800 * time.Millisecond))))
 			n.killAgent()
 			down = time.Duration(rng.Int64N(int64(500 * time.Millisecond)))
-			log = append(log, fmt.Sprintf("%5.1fs SIGKILL during start, down %v", time.Since(start).Seconds(), down.Round(time.Millisecond)))
+			say("SIGKILL during start, down %v", down.Round(time.Millisecond))
 			time.Sleep(down)
 			n.startAgent()
 		}
-	}
+	})
 	t.Logf("schedule:\n  %s", strings.Join(log, "\n  "))
 	for _, err := range wait() {
 		t.Errorf("pod churn: %v", err)

@@ -17,11 +17,12 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
-	"github.com/ambient-cni/ambient-cni/test/bench"
 	"github.com/ambient-cni/ambient-cni/test/lib/childproc"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/procstat"
+	"github.com/ambient-cni/ambient-cni/test/lib/scrape"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
@@ -280,12 +281,12 @@ func (n *node) usage() (usage, error) {
 	if u.fds, u.netns, err = fdCounts(pid); err != nil {
 		return u, err
 	}
-	st, err := bench.ReadStatus(pid, "VmRSS")
+	st, err := procstat.ReadStatus(pid, "VmRSS")
 	if err != nil {
 		return u, err
 	}
 	u.rss = float64(st["VmRSS"])
-	m, err := bench.Scrape(n.metricsURL(), "go_goroutines", "go_memstats_heap_inuse_bytes")
+	m, err := scrape.Values(n.metricsURL(), "go_goroutines", "go_memstats_heap_inuse_bytes")
 	if err != nil {
 		return u, err
 	}
@@ -338,12 +339,12 @@ func (n *node) idle(within time.Duration) {
 	deadline := time.Now().Add(within)
 	for {
 		pid := n.agentPID()
-		c0, err := bench.ReadCPU(pid)
+		c0, err := procstat.ReadCPU(pid)
 		if err != nil {
 			n.t.Fatal(err)
 		}
 		time.Sleep(time.Second)
-		c1, err := bench.ReadCPU(pid)
+		c1, err := procstat.ReadCPU(pid)
 		if err != nil {
 			n.t.Fatal(err)
 		}

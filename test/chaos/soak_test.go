@@ -3,8 +3,6 @@ package chaos
 import (
 	"context"
 	"fmt"
-	"io"
-	"net/http"
 	"net/netip"
 	"path/filepath"
 	"regexp"
@@ -16,13 +14,14 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
-	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/containernetworking/plugins/pkg/testutils"
 	"github.com/vishvananda/netlink"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
+	"github.com/ambient-cni/ambient-cni/test/lib/scrape"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
@@ -165,18 +164,12 @@ var trackedPodsSeries = regexp.MustCompile(`(?m)^ambient_cni_agent_tracked_pods\
 
 // trackedPods reads the agent's per-pod table sizes from its /metrics.
 func (n *node) trackedPods() (map[string]float64, error) {
-	c := &http.Client{Timeout: 10 * time.Second}
-	resp, err := c.Get(n.metricsURL() + "/metrics")
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
+	text, err := scrape.Text(n.metricsURL())
 	if err != nil {
 		return nil, err
 	}
 	out := map[string]float64{}
-	for _, m := range trackedPodsSeries.FindAllStringSubmatch(string(b), -1) {
+	for _, m := range trackedPodsSeries.FindAllStringSubmatch(text, -1) {
 		v, err := strconv.ParseFloat(m[2], 64)
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", m[0], err)
@@ -252,13 +245,7 @@ func (s *soaker) cycle(ctx context.Context, obj *corev1.Pod, check bool) (rerr e
 			rerr = err
 		}
 	}()
-	if err := netns.Do(func(ns.NetNS) error {
-		lo, err := netlink.LinkByName("lo")
-		if err != nil {
-			return err
-		}
-		return netlink.LinkSetUp(lo)
-	}); err != nil {
+	if err := testnet.LoopbackUp(netns); err != nil {
 		return err
 	}
 	rt := &libcni.RuntimeConf{
@@ -305,17 +292,13 @@ func (s *soaker) requireNothingLeft(ctx context.Context, t *testing.T, namespace
 		t.Errorf("the stand-in still serves %d workloads", len(ws))
 	}
 	// The gauge is sampled every few seconds: poll it.
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		out, err := scrapeSum(n.metricsURL(), "ambient_cni_enrolled_pods")
-		if err == nil && out == 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Errorf("the agent's state holds %v pods (enrolled-pods metric; %v)", out, err)
-			break
-		}
-		time.Sleep(200 * time.Millisecond)
+	var out float64
+	var err error
+	if poll.Wait(ctx, 30*time.Second, func() bool {
+		out, err = scrape.Sum(n.metricsURL(), "ambient_cni_enrolled_pods")
+		return err == nil && out == 0
+	}) != nil {
+		t.Errorf("the agent's state holds %v pods (enrolled-pods metric; %v)", out, err)
 	}
 	if sp := n.spooled(); sp > 0 {
 		t.Errorf("%d spooled DELs", sp)
@@ -347,34 +330,4 @@ func (s *soaker) requireNothingLeft(ctx context.Context, t *testing.T, namespace
 			t.Errorf("host-local reservation left: %s", b)
 		}
 	}
-}
-
-// scrapeSum adds up every sample of a metric (all its label values) on
-// the agent's /metrics.
-func scrapeSum(base, name string) (float64, error) {
-	resp, err := (&http.Client{Timeout: 5 * time.Second}).Get(base + "/metrics")
-	if err != nil {
-		return 0, err
-	}
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return 0, err
-	}
-	sum, seen := 0.0, false
-	for l := range strings.SplitSeq(string(b), "\n") {
-		if !strings.HasPrefix(l, name+"{") && !strings.HasPrefix(l, name+" ") {
-			continue
-		}
-		f := strings.Fields(l)
-		v, err := strconv.ParseFloat(f[len(f)-1], 64)
-		if err != nil {
-			return 0, fmt.Errorf("%q: %w", l, err)
-		}
-		sum, seen = sum+v, true
-	}
-	if !seen {
-		return 0, fmt.Errorf("no %s in /metrics", name)
-	}
-	return sum, nil
 }

@@ -2,12 +2,10 @@ package chaos
 
 import (
 	"context"
-	"fmt"
 	"math/rand/v2"
 	"net/netip"
 	"os"
 	"slices"
-	"sort"
 	"strings"
 	"testing"
 	"time"
@@ -60,40 +58,9 @@ func TestZtunnelRestarts(t *testing.T) {
 		return plain, ""
 	})
 
-	type event struct {
-		at   time.Duration
-		kill bool
-	}
-	var events []event
-	for range 3 {
-		events = append(events, event{at: time.Second + time.Duration(rng.Int64N(int64(ztunnelChurn-4*time.Second))), kill: true})
-	}
-	for at := time.Duration(0); ; {
-		at += 2*time.Second + time.Duration(rng.Int64N(int64(3*time.Second)))
-		if at >= ztunnelChurn {
-			break
-		}
-		events = append(events, event{at: at})
-		if rng.IntN(2) == 0 {
-			events = append(events, event{at: at + time.Duration(rng.Int64N(int64(400*time.Millisecond))), kill: true})
-		}
-	}
-	sort.Slice(events, func(i, j int) bool { return events[i].at < events[j].at })
-	var log []string
+	events := faultSchedule(rng, 3, ztunnelChurn-4*time.Second, ztunnelChurn, 2*time.Second, 3*time.Second)
 	longOutage := false
-	for _, ev := range events {
-		time.Sleep(time.Until(start.Add(ev.at)))
-		if !ev.kill {
-			next := ambient.DataplaneModeAmbient
-			if w.modeOf(flip) == next {
-				next = ""
-			}
-			if err := w.setMode(ctx, flip, next); err != nil {
-				t.Fatal(err)
-			}
-			log = append(log, fmt.Sprintf("%5.1fs flip -> %q", time.Since(start).Seconds(), next))
-			continue
-		}
+	log := w.play(ctx, t, start, events, flip, func(say func(string, ...any)) {
 		n.stopStandIn()
 		down := time.Duration(rng.Int64N(int64(3 * time.Second)))
 		if !longOutage {
@@ -102,10 +69,10 @@ func TestZtunnelRestarts(t *testing.T) {
 			// must converge once ztunnel is back.
 			down, longOutage = n.cfg.ZtunnelWait+time.Second+time.Duration(rng.Int64N(int64(2*time.Second))), true
 		}
-		log = append(log, fmt.Sprintf("%5.1fs ztunnel killed, down %v", time.Since(start).Seconds(), down.Round(time.Millisecond)))
+		say("ztunnel killed, down %v", down.Round(time.Millisecond))
 		time.Sleep(down)
 		n.startStandIn()
-	}
+	})
 	t.Logf("schedule:\n  %s", strings.Join(log, "\n  "))
 	for _, err := range wait() {
 		t.Errorf("pod churn: %v", err)

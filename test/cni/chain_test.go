@@ -22,12 +22,11 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
-	"github.com/ambient-cni/ambient-cni/pkg/iptables"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
-	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 	"github.com/ambient-cni/ambient-cni/test/lib/captureproxy"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/lib/dataplanetest"
 	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 )
 
@@ -165,9 +164,9 @@ func chainScenario(t *testing.T, v string) {
 		if err := n.check(plain); err != nil {
 			t.Errorf("CHECK of disabled pod: %v", err)
 		}
-		web.inNS(t, n.rules.Backend().Cmd(ruleset.IPv4), "-t", "nat", "-D", iptables.ChainOutput, "1")
+		dataplanetest.DeleteFirstOutputRule(t, n.rules.Name, web.ns.Path())
 		err := n.check(web)
-		if err == nil || !strings.Contains(err.Error(), "drifted") || !strings.Contains(err.Error(), iptables.ChainOutput) {
+		if err == nil || !strings.Contains(err.Error(), "drifted") || !strings.Contains(err.Error(), n.outputChain()) {
 			t.Errorf("CHECK after deleting a rule by hand: %v", err)
 		}
 	}
@@ -480,7 +479,7 @@ func TestChainNoZtunnelIsRetryable(t *testing.T) {
 	go func() { done <- zs.Serve(ctx) }()
 	t.Cleanup(func() { cancel(); <-done })
 	agent, err := nodeagent.NewAgent(nodeagent.Config{
-		Rules: n.rules, Ztunnel: zs, ZtunnelTimeout: 300 * time.Millisecond,
+		Rules: n.rules.Rules, Ztunnel: zs, ZtunnelTimeout: 300 * time.Millisecond,
 		Layout: n.layout,
 	})
 	if err != nil {

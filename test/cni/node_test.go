@@ -1,7 +1,16 @@
 // Package cni runs the CNI plugin for real: the reference bridge and
 // host-local plugins and ours, chained in a conflist like a real node's and
 // driven through libcni, against an in-process node agent that applies the
-// real in-pod rules.
+// real in-pod rules in the rules backend the chart ships (auto:
+// test/lib/simnode's Rules, as install-cni chooses).
+//
+// The node is not test/lib/simnode's whole node: the tests read and swap
+// the agent itself (its state, its ZDS server, a stop between two CNI
+// calls), which only an in-process agent allows, and the plugin's
+// behaviour does not depend on how the agent learns about pods, so a fake
+// pod cache (test/lib/fakecluster) stands in for the API server that a
+// simnode needs. test/integration runs the plugin on the whole simulated
+// node.
 package cni
 
 import (
@@ -35,11 +44,15 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
+	"github.com/ambient-cni/ambient-cni/pkg/nftables"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
+	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/lib/dataplanetest"
 	"github.com/ambient-cni/ambient-cni/test/lib/fakecluster"
+	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
@@ -110,8 +123,9 @@ type node struct {
 	cni     *libcni.CNIConfig
 	rec     *recordingExec
 
-	kube  *fakecluster.Cluster
-	rules *iptables.Applier
+	kube *fakecluster.Cluster
+	// rules is the shipped backend's choice (rules.Name says which).
+	rules *rulesbackend.Backend
 	agent *nodeagent.Agent
 	srv   *nodeagent.Server
 	stop  func()
@@ -137,11 +151,7 @@ func randByte() byte {
 func newNode(t testing.TB, cniVersion string, extra map[string]any) *node {
 	t.Helper()
 	testnet.RequireRoot(t)
-	testnet.RequireCommands(t, "ip", "iptables-restore", "iptables-save")
-	backend, err := iptables.DetectBackend(os.Getenv("AMBIENT_IPTABLES_BACKEND"))
-	if err != nil {
-		testnet.Missing(t, "no usable iptables backend: "+err.Error())
-	}
+	testnet.RequireCommands(t, "ip")
 	// A short private dir: the socket path must fit in sun_path.
 	dir, err := os.MkdirTemp("", "acni-")
 	if err != nil {
@@ -178,9 +188,9 @@ func newNode(t testing.TB, cniVersion string, extra map[string]any) *node {
 
 	log := slog.New(slog.NewTextHandler(&testWriter{t: t}, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	n.kube = fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy()})
-	n.rules = iptables.NewApplier(log, backend)
+	n.rules = shippedRules(t, log)
 	n.agent, err = nodeagent.NewAgent(nodeagent.Config{
-		Rules: n.rules, Enablement: n.kube.Cache, Logger: log,
+		Rules: n.rules.Rules, Enablement: n.kube.Cache, Logger: log,
 		Layout: n.layout,
 	})
 	if err != nil {
@@ -302,11 +312,46 @@ func (s *sandbox) inNS(t testing.TB, name string, args ...string) string {
 	return out.String()
 }
 
-// ourChains reports whether the sandbox's netns holds any of our chains.
+// ourChains reports whether the sandbox's netns holds our rules in the
+// agent's backend.
 func (n *node) ourChains(t testing.TB, s *sandbox) bool {
 	t.Helper()
-	out := s.inNS(t, n.rules.Backend().SaveCmd(ruleset.IPv4))
-	return strings.Contains(out, iptables.ChainOutput) || strings.Contains(out, iptables.ChainPrerouting)
+	ipt, nft := dataplanetest.OurRules(t, s.ns.Path())
+	if n.rules.Name == dataplanetest.NFTablesBackend {
+		return nft
+	}
+	return ipt
+}
+
+// outputChain is how a drift report names the agent backend's outbound
+// capture chain (DeleteFirstOutputRule's).
+func (n *node) outputChain() string {
+	if n.rules.Name == dataplanetest.NFTablesBackend {
+		return nftables.TableNAT
+	}
+	return iptables.ChainOutput
+}
+
+// shippedRules builds the rules backend the chart ships, as install-cni
+// chooses it, with the tools it needs.
+func shippedRules(t testing.TB, log *slog.Logger) *rulesbackend.Backend {
+	t.Helper()
+	chart, err := simnode.CommittedChart()
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := simnode.Rules(chart, "", log)
+	if err != nil {
+		testnet.Missing(t, "no usable rules backend: "+err.Error())
+	}
+	t.Cleanup(func() { _ = b.Close() })
+	if b.Name == dataplanetest.NFTablesBackend {
+		testnet.RequireCommands(t, "nft")
+	} else {
+		f := dataplanetest.IPTablesFlavour(t, b.Name)
+		testnet.RequireCommands(t, f.SaveCmd(ruleset.IPv4), f.RestoreCmd(ruleset.IPv4), f.Cmd(ruleset.IPv4))
+	}
+	return b
 }
 
 // podAddr is the sandbox's IPv4 address on eth0.

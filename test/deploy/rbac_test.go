@@ -17,6 +17,7 @@ import (
 	"k8s.io/client-go/rest"
 
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
@@ -139,15 +140,10 @@ func TestChartBindingsGrantTheAgent(t *testing.T) {
 	// The RBAC authorizer sees new bindings through a watch: wait for them.
 	deadline := time.Now().Add(30 * time.Second)
 	for _, a := range grant {
-		for {
-			ok, err := allowed(a)
-			if ok {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%+v never allowed (last error %v)", a, err)
-			}
-			time.Sleep(50 * time.Millisecond)
+		var ok bool
+		var err error
+		if poll.Wait(ctx, time.Until(deadline), func() bool { ok, err = allowed(a); return ok }) != nil {
+			t.Fatalf("%+v never allowed (last error %v)", a, err)
 		}
 	}
 	deny := []authorizationv1.ResourceAttributes{

@@ -19,6 +19,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/kubeclient/kubeclienttest"
 	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
@@ -77,17 +78,13 @@ func TestStartupTaintPolicy(t *testing.T) {
 		return apierrors.IsForbidden(err) && strings.Contains(err.Error(), "ValidatingAdmissionPolicy") &&
 			strings.Contains(err.Error(), "the CNI agent may") && !strings.Contains(err.Error(), "resulted in error")
 	}
-	deadline := time.Now().Add(60 * time.Second)
-	for {
-		_, err := bound.CoreV1().Nodes().Patch(ctx, nodeA, types.MergePatchType, []byte(`{"metadata":{"labels":{"example.com/pool":"other"}}}`),
+	var answer error
+	if poll.Wait(ctx, 60*time.Second, func() bool {
+		_, answer = bound.CoreV1().Nodes().Patch(ctx, nodeA, types.MergePatchType, []byte(`{"metadata":{"labels":{"example.com/pool":"other"}}}`),
 			metav1.PatchOptions{DryRun: []string{metav1.DryRunAll}})
-		if refusedByPolicy(err) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("label change on its own node not refused by the policy within 60s: last answer %v", err)
-		}
-		time.Sleep(200 * time.Millisecond)
+		return refusedByPolicy(answer)
+	}) != nil {
+		t.Fatalf("label change on its own node not refused by the policy within 60s: last answer %v", answer)
 	}
 
 	jsonPatch := func(ops ...map[string]any) []byte {

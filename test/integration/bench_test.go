@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"strconv"
-	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -15,6 +13,8 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
+	"github.com/ambient-cni/ambient-cni/test/lib/procstat"
 )
 
 // benchPods is how many running pods the namespace label enrolls at once.
@@ -135,7 +135,11 @@ func BenchmarkEnrollRunningNamespace(b *testing.B) {
 		iters++
 		b.Logf("%d running pods handed to ztunnel after %v; an ambient pod starts in %v idle, %v during the enrollment",
 			benchPods, handedAfter.Round(time.Millisecond), idleStart.Round(time.Millisecond), duringStart.Round(time.Millisecond))
-		rss, hwm := procStatusKB(b, "VmRSS"), procStatusKB(b, "VmHWM")
+		st, err := procstat.ReadStatus(os.Getpid(), "VmRSS", "VmHWM")
+		if err != nil {
+			b.Fatal(err)
+		}
+		rss, hwm := int(st["VmRSS"]>>10), int(st["VmHWM"]>>10)
 		b.Logf("%d running pods enabled %v after the namespace label; test process RSS %d MiB (peak %d MiB)",
 			benchPods, took.Round(time.Millisecond), rss/1024, hwm/1024)
 		b.ReportMetric(float64(rss)/1024, "MiB-rss")
@@ -155,31 +159,11 @@ func BenchmarkEnrollRunningNamespace(b *testing.B) {
 			})
 		}
 		wg.Wait()
-		eventually(b, "the agent to forget the deleted pods", func() bool { return len(n.d.Agent().Pods()) == 0 })
+		poll.Within(b, waitLong, "the agent to forget the deleted pods", func() bool { return len(n.d.Agent().Pods()) == 0 })
 		b.StartTimer()
 	}
 	b.ReportMetric(total.Seconds()/float64(iters), "s-to-enabled")
 	b.ReportMetric(toZtunnel.Seconds()/float64(iters), "s-to-ztunnel")
 	b.ReportMetric(float64(startIdle.Milliseconds())/float64(iters), "ms-pod-start-idle")
 	b.ReportMetric(float64(startDuring.Milliseconds())/float64(iters), "ms-pod-start-during")
-}
-
-// procStatusKB reads a kB field of /proc/self/status.
-func procStatusKB(tb testing.TB, field string) int {
-	tb.Helper()
-	b, err := os.ReadFile("/proc/self/status")
-	if err != nil {
-		tb.Fatal(err)
-	}
-	for l := range strings.SplitSeq(string(b), "\n") {
-		if v, ok := strings.CutPrefix(l, field+":"); ok {
-			kb, err := strconv.Atoi(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")))
-			if err != nil {
-				tb.Fatalf("%s: %v", field, err)
-			}
-			return kb
-		}
-	}
-	tb.Fatalf("no %s in /proc/self/status", field)
-	return 0
 }

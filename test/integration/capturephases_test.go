@@ -12,8 +12,8 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
-	"github.com/ambient-cni/ambient-cni/test/bench"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/procstat"
 )
 
 // BenchmarkCapturePhases breaks the agent's part of an ambient CNI ADD
@@ -71,8 +71,8 @@ func BenchmarkCapturePhases(b *testing.B) {
 	}
 }
 
-func readCPU(b *testing.B, pid int) bench.CPUTimes {
-	c, err := bench.ReadCPU(pid)
+func readCPU(b *testing.B, pid int) procstat.CPUTimes {
+	c, err := procstat.ReadCPU(pid)
 	if err != nil {
 		b.Fatalf("cpu time of pid %d: %v", pid, err)
 	}

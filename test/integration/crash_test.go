@@ -19,6 +19,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
@@ -124,7 +125,7 @@ func TestUnenrollCrashPointsRepaired(t *testing.T) {
 		n.waitEnrolled(waitLong, p)
 		f.set(point, true)
 		n.setPodMode(p, "") // the controller unenrolls it
-		eventually(t, "the agent reaching "+point, func() bool { return f.hit(point) > 0 })
+		poll.Within(t, waitLong, "the agent reaching "+point, func() bool { return f.hit(point) > 0 })
 		n.stopDaemon()
 		f.set(point, false)
 		t.Logf("agent stopped at %q: annotation %q, rules %v", point, n.annotation(p), n.hasRules(p))
@@ -148,7 +149,7 @@ func TestPendingPodOfPreviousAgentEnabled(t *testing.T) {
 	shop := n.namespace("shop", nil)
 	p := n.runPod(podSpec(shop, "p", nil, nil))
 	n.setNamespaceMode(shop, ambient.DataplaneModeAmbient)
-	eventually(t, "the pod annotated pending", func() bool { return n.annotation(p) == ambient.RedirectionPending })
+	poll.Within(t, waitLong, "the pod annotated pending", func() bool { return n.annotation(p) == ambient.RedirectionPending })
 	if !n.hasRules(p) {
 		t.Fatal("a pending pod has no rules")
 	}
@@ -184,7 +185,7 @@ func TestFailedAddConvergesOnSnapshot(t *testing.T) {
 		t.Fatal("the pending pod has no rules")
 	}
 	n.startStandIn(ztunnel.Faults{})
-	eventually(t, "the pod served and annotated enabled", func() bool {
+	poll.Within(t, waitLong, "the pod served and annotated enabled", func() bool {
 		_, served := n.zt.Workload(string(obj.UID))
 		return served && n.annotation(p) == ambient.RedirectionEnabled
 	})
@@ -306,7 +307,7 @@ func TestAnnotationRepairedAfterCrash(t *testing.T) {
 	if _, ok := n.zt.Workload(string(p.Obj.UID)); !ok || !n.hasRules(p) {
 		t.Fatal("the pod is not captured when its ADD returned")
 	}
-	eventually(t, "an annotation write tried", func() bool { return f.hit(faultAnnotate) > 0 })
+	poll.Within(t, waitLong, "an annotation write tried", func() bool { return f.hit(faultAnnotate) > 0 })
 	n.stopDaemon()
 	if got := n.annotation(p); got != "" {
 		t.Fatalf("annotation %q written despite the fault", got)

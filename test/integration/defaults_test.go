@@ -6,7 +6,6 @@ import (
 	"time"
 
 	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
-	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 )
 
@@ -48,11 +47,7 @@ func TestHarnessRunsShippedDefaults(t *testing.T) {
 			t.Errorf("the harness sets %s, which is not listed in harnessSettings", name)
 		}
 	}
-	root, err := kubeenv.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	chart, err := simnode.CommittedChart(root)
+	chart, err := simnode.CommittedChart()
 	if err != nil {
 		t.Fatal(err)
 	}

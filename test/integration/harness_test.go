@@ -36,6 +36,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
@@ -174,11 +175,7 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = os.RemoveAll(n.dir) })
-	root, err := kubeenv.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	chart, err := simnode.CommittedChart(root)
+	chart, err := simnode.CommittedChart()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -619,13 +616,10 @@ func (n *node) waitEnrolled(within time.Duration, pods ...*kubesim.Pod) {
 	n.t.Helper()
 	deadline := time.Now().Add(within)
 	for _, p := range pods {
-		for !n.enrolled(p) {
-			if time.Now().After(deadline) {
-				_, served := n.zt.Workload(string(p.Obj.UID))
-				n.t.Fatalf("pod %s not enrolled within %v: annotation %q, served by stand-in %v",
-					p.Obj.Name, within, n.annotation(p), served)
-			}
-			time.Sleep(20 * time.Millisecond)
+		if poll.Wait(context.Background(), time.Until(deadline), func() bool { return n.enrolled(p) }) != nil {
+			_, served := n.zt.Workload(string(p.Obj.UID))
+			n.t.Fatalf("pod %s not enrolled within %v: annotation %q, served by stand-in %v",
+				p.Obj.Name, within, n.annotation(p), served)
 		}
 	}
 	for _, p := range pods {
@@ -684,31 +678,16 @@ func (n *node) waitUnenrolled(pods ...*kubesim.Pod) {
 	}, "stand-in to drop the pods")
 	deadline := time.Now().Add(waitLong)
 	for _, p := range pods {
-		for {
-			_, inState := n.d.Agent().EnrolledUID(p.Obj.Namespace, p.Obj.Name)
-			probed := n.inProbeSet(p)
-			if !inState && !probed && n.annotation(p) == "" {
-				break
-			}
-			if time.Now().After(deadline) {
-				n.t.Fatalf("pod %s still enrolled: in state %v, in the host probe set %v, annotation %q",
-					p.Obj.Name, inState, probed, n.annotation(p))
-			}
-			time.Sleep(20 * time.Millisecond)
+		var inState, probed bool
+		if poll.Wait(context.Background(), time.Until(deadline), func() bool {
+			_, inState = n.d.Agent().EnrolledUID(p.Obj.Namespace, p.Obj.Name)
+			probed = n.inProbeSet(p)
+			return !inState && !probed && n.annotation(p) == ""
+		}) != nil {
+			n.t.Fatalf("pod %s still enrolled: in state %v, in the host probe set %v, annotation %q",
+				p.Obj.Name, inState, probed, n.annotation(p))
 		}
 		n.requireNotEnrolled(p)
-	}
-}
-
-// eventually polls cond until it holds or waitLong passes.
-func eventually(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(waitLong)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", waitLong, what)
-		}
-		time.Sleep(20 * time.Millisecond)
 	}
 }
 

@@ -12,6 +12,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
@@ -33,7 +34,7 @@ func TestNewPodEnrolledByCNI(t *testing.T) {
 	if !n.hasRules(p) {
 		t.Fatal("no redirection rules when the ADD returned")
 	}
-	eventually(t, "the annotation enabled", func() bool { return n.annotation(p) == ambient.RedirectionEnabled })
+	poll.Within(t, waitLong, "the annotation enabled", func() bool { return n.annotation(p) == ambient.RedirectionEnabled })
 	var sandbox string
 	for _, e := range n.d.Agent().Pods() {
 		if e.UID == p.Obj.UID {
@@ -109,7 +110,7 @@ func TestDeletedAndFinishedPodsAreRemoved(t *testing.T) {
 		if _, ok := n.zt.Workload(uid); ok {
 			t.Fatalf("stand-in still serves %s after its Del", tc.pod.Obj.Name)
 		}
-		eventually(t, tc.pod.Obj.Name+" gone from the agent state", func() bool {
+		poll.Within(t, waitLong, tc.pod.Obj.Name+" gone from the agent state", func() bool {
 			_, ok := n.d.Agent().EnrolledUID(tc.pod.Obj.Namespace, tc.pod.Obj.Name)
 			return !ok
 		})
@@ -117,9 +118,9 @@ func TestDeletedAndFinishedPodsAreRemoved(t *testing.T) {
 		// host probe set (it keeps an IP another enrolled pod holds, so it
 		// must look once the entry is gone): the last step comes a moment
 		// after the one the test saw.
-		eventually(t, tc.pod.Obj.Name+"'s IP gone from the host probe set", func() bool { return !n.inProbeSet(tc.pod) })
+		poll.Within(t, waitLong, tc.pod.Obj.Name+"'s IP gone from the host probe set", func() bool { return !n.inProbeSet(tc.pod) })
 		if tc.pod == finishing {
-			eventually(t, "the finished pod's annotation cleared", func() bool { return n.annotation(tc.pod) == "" })
+			poll.Within(t, waitLong, "the finished pod's annotation cleared", func() bool { return n.annotation(tc.pod) == "" })
 		}
 	}
 	if len(n.d.Agent().Pods()) != 0 {

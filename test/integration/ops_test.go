@@ -22,6 +22,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
@@ -127,7 +128,7 @@ func TestReadyzAndMetrics(t *testing.T) {
 			t.Errorf("/metrics lacks %s", name)
 		}
 	}
-	eventually(t, "gauges: one enabled pod, one ztunnel", func() bool {
+	poll.Within(t, waitLong, "gauges: one enabled pod, one ztunnel", func() bool {
 		return n.metric(`ambient_cni_enrolled_pods{state="enabled"}`) == 1 && n.metric(`ambient_cni_ztunnel_connections`) == 1 &&
 			n.metric(`ztunnel_connected`) == 1 && n.metric(`istio_cni_install_ready`) == 1
 	})
@@ -164,7 +165,7 @@ func TestReadyzAndMetrics(t *testing.T) {
 	if out, err := exec.Command("chattr", "-i", n.confDir).CombinedOutput(); err != nil {
 		t.Fatalf("chattr -i: %v %s", err, out)
 	}
-	eventually(t, "/readyz ready again once the installer restored our entry", func() bool {
+	poll.Within(t, waitLong, "/readyz ready again once the installer restored our entry", func() bool {
 		code, _ := n.get("/readyz")
 		return code == http.StatusOK
 	})
@@ -172,7 +173,7 @@ func TestReadyzAndMetrics(t *testing.T) {
 		t.Errorf("restored config differs from the chained one:\n%s\nwant:\n%s", got, chained)
 	}
 	// The counter moves just after the write /readyz already sees.
-	eventually(t, "the repair counted in installer_reinstalls_total", func() bool {
+	poll.Within(t, waitLong, "the repair counted in installer_reinstalls_total", func() bool {
 		return n.metric("ambient_cni_installer_reinstalls_total") > reinstalls
 	})
 }
@@ -234,7 +235,7 @@ func TestShippedRBACSuffices(t *testing.T) {
 	if err := n.kube.Delete(ctx, p); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "pod removed from the agent", func() bool { return len(n.d.Agent().Pods()) == 0 })
+	poll.Within(t, waitLong, "pod removed from the agent", func() bool { return len(n.d.Agent().Pods()) == 0 })
 }
 
 // get fetches one of the health endpoints as kubelet's exec probe does:

@@ -29,6 +29,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/explain"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
@@ -126,7 +127,7 @@ func TestTerminatingPodStaysCaptured(t *testing.T) {
 			t.Fatalf("final delete of %s: %v", p.Obj.Name, err)
 		}
 		n.waitStandIn(func() bool { _, ok := n.zt.Workload(string(uid)); return !ok }, "the stand-in to drop "+p.Obj.Name)
-		eventually(t, p.Obj.Name+" gone from the agent state", func() bool {
+		poll.Within(t, waitLong, p.Obj.Name+" gone from the agent state", func() bool {
 			_, ok := n.d.Agent().EnrolledUID(p.Obj.Namespace, p.Obj.Name)
 			return !ok
 		})
@@ -189,7 +190,7 @@ func (n *node) revokeAgentRBAC() {
 			}
 		}
 	}
-	eventually(n.t, "the agent's DaemonSet read refused", func() bool {
+	poll.Within(n.t, waitLong, "the agent's DaemonSet read refused", func() bool {
 		_, err := n.client.AppsV1().DaemonSets(n.agentNS).Get(ctx, n.cfg.DaemonSet, metav1.GetOptions{})
 		return apierrors.IsForbidden(err)
 	})
@@ -215,7 +216,7 @@ func (n *node) pluginInstalled() (binary, chained bool) {
 func TestShutdownUninstallsOnlyOnProof(t *testing.T) {
 	t.Run("rbac lost", func(t *testing.T) {
 		n := newNode(t, nodeOptions{Upgrade: true})
-		eventually(t, "the agent's watch sees its DaemonSet", func() bool { return n.d.DaemonSetSeen() == "present" })
+		poll.Within(t, waitLong, "the agent's watch sees its DaemonSet", func() bool { return n.d.DaemonSetSeen() == "present" })
 		n.revokeAgentRBAC()
 		mark := n.logs.mark()
 		n.stopDaemon()
@@ -230,11 +231,11 @@ func TestShutdownUninstallsOnlyOnProof(t *testing.T) {
 	})
 	t.Run("helm uninstall order", func(t *testing.T) {
 		n := newNode(t, nodeOptions{Upgrade: true})
-		eventually(t, "the agent's watch sees its DaemonSet", func() bool { return n.d.DaemonSetSeen() == "present" })
+		poll.Within(t, waitLong, "the agent's watch sees its DaemonSet", func() bool { return n.d.DaemonSetSeen() == "present" })
 		if err := n.env.Client.AppsV1().DaemonSets(n.agentNS).Delete(context.Background(), n.cfg.DaemonSet, metav1.DeleteOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		eventually(t, "the agent's watch sees its DaemonSet deleted", func() bool { return n.d.DaemonSetSeen() == "deleted" })
+		poll.Within(t, waitLong, "the agent's watch sees its DaemonSet deleted", func() bool { return n.d.DaemonSetSeen() == "deleted" })
 		n.revokeAgentRBAC()
 		n.stopDaemon()
 		if bin, chained := n.pluginInstalled(); bin || chained {
@@ -380,13 +381,13 @@ func TestExplain(t *testing.T) {
 	}})
 	n.setNamespaceMode(shop, ambient.DataplaneModeAmbient)
 	n.waitEnrolled(waitLong, good, drifted)
-	eventually(t, "the rejected pod captured, pending", func() bool { return n.d.Agent().Pending(rejected.Obj.UID) })
+	poll.Within(t, waitLong, "the rejected pod captured, pending", func() bool { return n.d.Agent().Pending(rejected.Obj.UID) })
 	n.deleteFirstOutputRule(drifted.NS.Path())
 
 	// The annotation is read from the agent's informer cache, a moment
 	// behind the API.
 	var r *explain.Report
-	eventually(t, "the captured pod explained as fine", func() bool { r = n.explain(shop, "good"); return r.OK })
+	poll.Within(t, waitLong, "the captured pod explained as fine", func() bool { r = n.explain(shop, "good"); return r.OK })
 	if !r.OK || r.Verdict != "captured (namespace labelled ambient)" || !r.Policy.Capture || r.Policy.NamespaceLabel != ambient.DataplaneModeAmbient ||
 		r.Captured == nil || !r.Captured.ZtunnelAcked || r.Captured.Via != "controller" || !r.Captured.Rules.Clean ||
 		r.Captured.Rules.Backend != n.rules.Name || !r.Netns.Found || r.Annotation != ambient.RedirectionEnabled || r.UID != good.Obj.UID {

@@ -14,6 +14,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
@@ -86,7 +87,7 @@ func TestEventOnEnrollFailure(t *testing.T) {
 	n.setPodMode(p, ambient.DataplaneModeAmbient)
 
 	var ev *corev1.Event
-	eventually(t, "a Warning Event on the pod", func() bool {
+	poll.Within(t, waitLong, "a Warning Event on the pod", func() bool {
 		list, err := n.env.Client.CoreV1().Events(plain).List(context.Background(), metav1.ListOptions{
 			FieldSelector: fields.OneTermEqualSelector("involvedObject.uid", uid).String(),
 		})

@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 
 	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 )
 
 // TestMetricsPortTaken: another process on the node holds the metrics
@@ -38,7 +39,7 @@ func TestMetricsPortTaken(t *testing.T) {
 	}
 
 	var ev corev1.Event
-	eventually(t, "a Warning Event on the agent's pod naming the taken port", func() bool {
+	poll.Within(t, waitLong, "a Warning Event on the agent's pod naming the taken port", func() bool {
 		list, err := n.env.Client.CoreV1().Events(n.agentNS).List(context.Background(), metav1.ListOptions{
 			FieldSelector: fields.OneTermEqualSelector("involvedObject.name", n.agentPod).String(),
 		})

@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 )
 
@@ -30,13 +31,13 @@ func TestExclusivePrimaryReported(t *testing.T) {
 		if err := os.WriteFile(path, n.sim.Primary, 0o644); err != nil {
 			t.Fatal(err)
 		}
-		eventually(t, fmt.Sprintf("the entry back after removal %d", i+1), func() bool {
+		poll.Within(t, waitLong, fmt.Sprintf("the entry back after removal %d", i+1), func() bool {
 			b, err := os.ReadFile(path)
 			return err == nil && bytes.Contains(b, []byte(`"`+cnibin.PluginName+`"`))
 		})
 	}
 	var ev corev1.Event
-	eventually(t, "a Warning Event on the agent's pod about the primary", func() bool {
+	poll.Within(t, waitLong, "a Warning Event on the agent's pod about the primary", func() bool {
 		list, err := n.env.Client.CoreV1().Events(n.agentNS).List(context.Background(), metav1.ListOptions{
 			FieldSelector: fields.AndSelectors(fields.OneTermEqualSelector("involvedObject.name", n.agentPod),
 				fields.OneTermEqualSelector("reason", "PrimaryCNIRemovesEntry")).String(),

@@ -19,6 +19,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
@@ -235,7 +236,7 @@ func TestPodStartedWhileAgentGoneRecheckedOnReturn(t *testing.T) {
 
 	n.startDaemon()
 	n.waitEnrolled(waitLong, late)
-	eventually(t, "the record of the pod re-checked", func() bool {
+	poll.Within(t, waitLong, "the record of the pod re-checked", func() bool {
 		e, _ := nodefiles.ListAdds(n.cfg.Layout().AddSpool())
 		return len(e) == 0
 	})

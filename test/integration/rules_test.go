@@ -10,10 +10,10 @@ import (
 	"strings"
 
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
-	"github.com/ambient-cni/ambient-cni/pkg/netfilter"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	"github.com/ambient-cni/ambient-cni/test/lib/dataplanetest"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
@@ -24,7 +24,7 @@ import (
 // matrix over every backend lives in pkg/rulesbackend.
 
 // nftablesBackend is rulesbackend's name for the native backend.
-const nftablesBackend = "nftables"
+const nftablesBackend = dataplanetest.NFTablesBackend
 
 // openRules builds, for the test's own reads, the backend the agent chose:
 // the same configured value (and so the same choice), with the host probe
@@ -51,11 +51,8 @@ func (n *node) openRules() {
 // iptablesFlavour is the flavour of an iptables backend name
 // ("iptables-nft").
 func (n *node) iptablesFlavour(name string) iptables.Backend {
-	f, ok := strings.CutPrefix(name, "iptables-")
-	if !ok {
-		n.t.Fatalf("rules backend %q is not an iptables flavour", name)
-	}
-	return iptables.Backend(f)
+	n.t.Helper()
+	return dataplanetest.IPTablesFlavour(n.t, name)
 }
 
 // requireAgentBackend fails unless the running agent chose what the test
@@ -103,22 +100,7 @@ func (n *node) hasRules(p *kubesim.Pod) bool {
 // flavour) and our nftables tables.
 func (n *node) ourRules(netnsPath string) (ipt, nft bool) {
 	n.t.Helper()
-	nft, err := nftables.HasTables(netnsPath, nftables.PodTables)
-	if err != nil {
-		n.t.Fatalf("look for nftables tables: %v", err)
-	}
-	ours := []string{iptables.ChainPrerouting, iptables.ChainOutput}
-	if ipt, err = netfilter.HasChains(netnsPath, ours); err != nil {
-		n.t.Fatalf("look for iptables-nft chains: %v", err)
-	}
-	if !ipt {
-		if _, err := exec.LookPath(iptables.BackendLegacy.SaveCmd(ruleset.IPv4)); err == nil {
-			legacy := n.inNetns(netnsPath, iptables.BackendLegacy.SaveCmd(ruleset.IPv4)) +
-				n.inNetns(netnsPath, iptables.BackendLegacy.SaveCmd(ruleset.IPv6))
-			ipt = strings.Contains(legacy, ":"+iptables.ChainOutput+" ") || strings.Contains(legacy, ":"+iptables.ChainPrerouting+" ")
-		}
-	}
-	return ipt, nft
+	return dataplanetest.OurRules(n.t, netnsPath)
 }
 
 // rulesDump is what a failure message shows of a pod's rules.
@@ -142,22 +124,7 @@ func (n *node) inProbeSet(p *kubesim.Pod) bool {
 // of the pod's outbound nat chain, as an operator or another tool would.
 func (n *node) deleteFirstOutputRule(netnsPath string) {
 	n.t.Helper()
-	if n.rules.Name != nftablesBackend {
-		cmd := n.iptablesFlavour(n.rules.Name).Cmd(ruleset.IPv4)
-		n.inNetns(netnsPath, cmd, "-t", "nat", "-D", iptables.ChainOutput, "1")
-		return
-	}
-	list := n.inNetns(netnsPath, "nft", "-a", "list", "chain", "inet", nftables.TableNAT, "output")
-	for l := range strings.SplitSeq(list, "\n") {
-		l = strings.TrimSpace(l)
-		if !strings.Contains(l, "# handle ") || strings.HasPrefix(l, "table ") || strings.HasPrefix(l, "chain ") {
-			continue
-		}
-		_, h, _ := strings.Cut(l, "# handle ")
-		n.inNetns(netnsPath, "nft", "delete", "rule", "inet", nftables.TableNAT, "output", "handle", h)
-		return
-	}
-	n.t.Fatalf("no rule in the pod's nat output chain:\n%s", list)
+	dataplanetest.DeleteFirstOutputRule(n.t, n.rules.Name, netnsPath)
 }
 
 // counterLine is one rule of iptables-save -c: "[packets:bytes] -A ...".

@@ -14,6 +14,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/controller"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 )
 
 // istioCNISidecar is a pod as Istio's injector shapes it with
@@ -53,7 +54,7 @@ func TestSidecarPodExpectingIstioCNI(t *testing.T) {
 	withInit := n.runPod(istioCNISidecar(shop, "with-init", "istio-init"))
 
 	var evs []corev1.Event
-	eventually(t, "a Warning Event on the sidecar pod that expects istio-cni", func() bool {
+	poll.Within(t, waitLong, "a Warning Event on the sidecar pod that expects istio-cni", func() bool {
 		evs = n.warnings(shop, p.Obj.UID, controller.ReasonIstioCNIExpected)
 		return len(evs) > 0
 	})
@@ -73,7 +74,7 @@ func TestSidecarPodExpectingIstioCNI(t *testing.T) {
 		}
 	}
 	marker := n.runPod(istioCNISidecar(shop, "marker", ambient.IstioValidationInitContainer))
-	eventually(t, "the marker pod's Event", func() bool {
+	poll.Within(t, waitLong, "the marker pod's Event", func() bool {
 		return len(n.warnings(shop, marker.Obj.UID, controller.ReasonIstioCNIExpected)) > 0
 	})
 	if evs := n.warnings(shop, p.Obj.UID, controller.ReasonIstioCNIExpected); len(evs) != 1 || evs[0].Count > 1 {

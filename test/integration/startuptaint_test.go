@@ -4,6 +4,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
@@ -31,7 +32,7 @@ func TestStartupTaint(t *testing.T) {
 				t.Fatalf("startup taint %v, other taint %v before a ztunnel acked its snapshot; want both", startup, other)
 			}
 			n.startStandIn(ztunnel.Faults{})
-			eventually(t, "the startup taint to go", func() bool { startup, _ := n.taints(); return !startup })
+			poll.Within(t, waitLong, "the startup taint to go", func() bool { startup, _ := n.taints(); return !startup })
 			if _, other := n.taints(); !other {
 				t.Error("the other taint went with ours")
 			}

@@ -9,6 +9,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 )
 
 // TestPerPodTablesEmptyAfterPodsGo: whatever the agent remembers per pod
@@ -45,7 +46,7 @@ func TestPerPodTablesEmptyAfterPodsGo(t *testing.T) {
 	n.waitUnenrolled(unenrolled)
 	// The finished pod's sandbox is gone: released once ztunnel lost it
 	// and its annotation went.
-	eventually(t, "the finished pod released", func() bool {
+	poll.Within(t, waitLong, "the finished pod released", func() bool {
 		_, served := n.zt.Workload(string(job.Obj.UID))
 		return !served && n.annotation(job) == ""
 	})
@@ -56,7 +57,7 @@ func TestPerPodTablesEmptyAfterPodsGo(t *testing.T) {
 		t.Fatal(err)
 	}
 	var last map[string]int
-	eventually(t, "every per-pod table back to its starting size", func() bool {
+	poll.Within(t, waitLong, "every per-pod table back to its starting size", func() bool {
 		last = agent.TableSizes()
 		return maps.Equal(last, start)
 	})

@@ -13,6 +13,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
@@ -115,7 +116,7 @@ func TestRestartKeepsPodWhoseNetnsIsNotFound(t *testing.T) {
 			return m.Kind == ztunnel.KindAdd && m.UID == string(a.Obj.UID) && m.FDs == 1 && m.Netns == served.Netns
 		})
 	}, "an Add with the pod's netns once it is found")
-	eventually(t, "the pod resolved in the agent's state", func() bool {
+	poll.Within(t, waitLong, "the pod resolved in the agent's state", func() bool {
 		for _, p := range n.d.Agent().Pods() {
 			if p.UID == a.Obj.UID {
 				return p.Netns != ""

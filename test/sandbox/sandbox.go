@@ -13,7 +13,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"net/http"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -31,6 +30,8 @@ import (
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
+	"github.com/ambient-cni/ambient-cni/test/lib/scrape"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
@@ -82,11 +83,7 @@ func run(ctx context.Context, opts Options, o *kubesim.Owner, say func(string, .
 	if err != nil {
 		return err
 	}
-	root, err := kubeenv.RepoRoot()
-	if err != nil {
-		return err
-	}
-	chart, err := simnode.CommittedChart(root)
+	chart, err := simnode.CommittedChart()
 	if err != nil {
 		return err
 	}
@@ -210,7 +207,7 @@ func run(ctx context.Context, opts Options, o *kubesim.Owner, say func(string, .
 	}
 	// The agent drops the annotation first (istiod stops sending HBONE),
 	// then the rules, then tells ztunnel.
-	if err := waitFor(ctx, 30*time.Second, func() bool { return len(zt.Workloads()) == 0 }); err != nil {
+	if err := poll.Wait(ctx, 30*time.Second, func() bool { return len(zt.Workloads()) == 0 }); err != nil {
 		return fmt.Errorf("ztunnel still serves pods after unlabel: %w", err)
 	}
 	say("   annotations removed, rules and ztunnel listeners gone")
@@ -218,7 +215,8 @@ func run(ctx context.Context, opts Options, o *kubesim.Owner, say func(string, .
 		return err
 	}
 	say("== agent metrics (excerpt)")
-	for _, l := range strings.Split(body(node.MetricsURL+"/metrics"), "\n") {
+	metrics, _ := scrape.Text(node.MetricsURL) // an excerpt for the reader: none is no failure
+	for _, l := range strings.Split(metrics, "\n") {
 		if strings.HasPrefix(l, "ambient_cni_cni_requests_total") || strings.HasPrefix(l, "ambient_cni_enrolled_pods") {
 			say("   %s", l)
 		}
@@ -260,7 +258,7 @@ func labelNamespace(ctx context.Context, c kubernetes.Interface, name, value str
 }
 
 func waitAnnotations(ctx context.Context, c kubernetes.Interface, ns string, names []string, want string) error {
-	return waitFor(ctx, 30*time.Second, func() bool {
+	return poll.Wait(ctx, 30*time.Second, func() bool {
 		for _, n := range names {
 			p, err := c.CoreV1().Pods(ns).Get(ctx, n, metav1.GetOptions{})
 			if err != nil || p.Annotations[ambient.RedirectionAnnotation] != want {
@@ -269,31 +267,6 @@ func waitAnnotations(ctx context.Context, c kubernetes.Interface, ns string, nam
 		}
 		return true
 	})
-}
-
-func waitFor(ctx context.Context, limit time.Duration, cond func() bool) error {
-	deadline := time.Now().Add(limit)
-	for !cond() {
-		if time.Now().After(deadline) {
-			return fmt.Errorf("gave up after %v", limit)
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
-	return nil
-}
-
-func body(url string) string {
-	resp, err := http.Get(url)
-	if err != nil {
-		return ""
-	}
-	defer resp.Body.Close()
-	b, _ := io.ReadAll(resp.Body)
-	return string(b)
 }
 
 func freeAddr() (string, error) {

@@ -18,6 +18,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/kubeclient/kubeclienttest"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 )
 
 // NodeName is the node the cache follows unless the config names one.
@@ -138,11 +139,7 @@ func (c *Cluster) SetNamespace(ns *corev1.Namespace) {
 
 func (c *Cluster) await(what string, cond func() bool) {
 	c.t.Helper()
-	deadline := time.Now().Add(wait)
-	for !cond() {
-		if time.Now().After(deadline) {
-			c.t.Fatalf("the pod cache did not see %s within %v", what, wait)
-		}
-		time.Sleep(time.Millisecond)
+	if poll.Wait(context.Background(), wait, cond) != nil {
+		c.t.Fatalf("the pod cache did not see %s within %v", what, wait)
 	}
 }

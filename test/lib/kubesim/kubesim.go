@@ -22,7 +22,6 @@ import (
 	types100 "github.com/containernetworking/cni/pkg/types/100"
 	"github.com/containernetworking/plugins/pkg/ns"
 	"github.com/containernetworking/plugins/pkg/testutils"
-	"github.com/vishvananda/netlink"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -166,13 +165,7 @@ func (n *Node) StartSandbox(ctx context.Context, obj *corev1.Pod) (*Pod, error) 
 	p := &Pod{Obj: obj, NS: netns, SandboxID: testnet.RandName("", 64)}
 	// Runtimes bring the sandbox's loopback up (containerd runs the
 	// loopback plugin before the network's chain).
-	if err := netns.Do(func(ns.NetNS) error {
-		lo, err := netlink.LinkByName("lo")
-		if err != nil {
-			return err
-		}
-		return netlink.LinkSetUp(lo)
-	}); err != nil {
+	if err := testnet.LoopbackUp(netns); err != nil {
 		_ = n.closeNS(p)
 		return nil, fmt.Errorf("bring up lo: %w", err)
 	}

@@ -84,10 +84,14 @@ func RenderChart(ctx context.Context, repoRoot string) (*Shipped, error) {
 	return ParseShipped(stdout.Bytes())
 }
 
-// CommittedChart reads the chart's rendered manifest committed in repoRoot
-// (ManifestPath): the chart's defaults without needing helm.
-func CommittedChart(repoRoot string) (*Shipped, error) {
-	b, err := os.ReadFile(filepath.Join(repoRoot, ManifestPath))
+// CommittedChart reads the chart's rendered manifest committed in the
+// repository (ManifestPath): the chart's defaults without needing helm.
+func CommittedChart() (*Shipped, error) {
+	root, err := kubeenv.RepoRoot()
+	if err != nil {
+		return nil, err
+	}
+	b, err := os.ReadFile(filepath.Join(root, ManifestPath))
 	if err != nil {
 		return nil, fmt.Errorf("read the shipped manifest: %w", err)
 	}

@@ -116,16 +116,16 @@ func NewNS(t testing.TB) ns.NetNS {
 		t.Fatalf("create netns: %v", err)
 	}
 	t.Cleanup(func() { _ = RemoveNS(n) })
-	if err := n.Do(func(ns.NetNS) error {
-		lo, err := netlink.LinkByName("lo")
-		if err != nil {
-			return err
-		}
-		return netlink.LinkSetUp(lo)
-	}); err != nil {
+	if err := LoopbackUp(n); err != nil {
 		t.Fatalf("bring up lo: %v", err)
 	}
 	return n
+}
+
+// LoopbackUp brings up lo in the namespace, as runtimes do in a sandbox
+// before the network's chain runs.
+func LoopbackUp(n ns.NetNS) error {
+	return n.Do(func(ns.NetNS) error { return loopbackUp() })
 }
 
 // Pod is one end of a veth pair inside a namespace.

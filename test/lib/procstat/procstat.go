@@ -1,4 +1,6 @@
-package bench
+// Package procstat reads a process's CPU times and memory from /proc, for
+// the suites that measure or watch the shipped agent.
+package procstat
 
 import (
 	"bytes"
@@ -35,10 +37,12 @@ func ReadCPU(pid int) (CPUTimes, error) {
 	if err != nil {
 		return CPUTimes{}, err
 	}
-	return parseStat(b)
+	return ParseStat(b)
 }
 
-func parseStat(b []byte) (CPUTimes, error) {
+// ParseStat reads utime, stime, cutime and cstime from a /proc/<pid>/stat
+// line.
+func ParseStat(b []byte) (CPUTimes, error) {
 	// The command name (field 2) is in parentheses and may hold spaces:
 	// count fields after the last ')'.
 	i := bytes.LastIndexByte(b, ')')
@@ -69,10 +73,13 @@ func ReadStatus(pid int, fields ...string) (map[string]int64, error) {
 	if err != nil {
 		return nil, err
 	}
-	return parseStatus(b, fields...)
+	return ParseStatus(b, fields...)
 }
 
-func parseStatus(b []byte, fields ...string) (map[string]int64, error) {
+// ParseStatus returns kB fields of a /proc status-like file
+// (/proc/<pid>/status, /proc/meminfo) in bytes; a missing field is an
+// error.
+func ParseStatus(b []byte, fields ...string) (map[string]int64, error) {
 	out := map[string]int64{}
 	for l := range strings.SplitSeq(string(b), "\n") {
 		name, v, ok := strings.Cut(l, ":")
