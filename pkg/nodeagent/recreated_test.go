@@ -75,8 +75,7 @@ func TestUnenrollRecreatedPod(t *testing.T) {
 	ann := &countingAnnotator{Annotator: kubeadapter.Annotator{Client: client}}
 	dir := t.TempDir()
 	layout := nodefiles.InDir(dir)
-	a, err := NewAgent(Config{Rules: newRecordedRules(), Annotator: ann,
-		SnapshotFile: layout.Snapshot(), SpoolDir: layout.DelSpool(), RecordDir: layout.Records()})
+	a, err := NewAgent(Config{Rules: newRecordedRules(), Annotator: ann, Layout: layout})
 	if err != nil {
 		t.Fatal(err)
 	}

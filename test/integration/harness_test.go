@@ -84,6 +84,11 @@ type nodeOptions struct {
 	// injection; see crash_test.go). Not a setting: the agent's flags stay
 	// the shipped ones.
 	AgentHook func(*nodeagent.Config)
+	// ServerHook changes each daemon's event server configuration (slow
+	// or hung answers; see watchdog_test.go); WatchdogPeriod shortens the
+	// watchdog's period. Not settings either.
+	ServerHook     func(*nodeagent.ServerConfig)
+	WatchdogPeriod time.Duration
 	// MetricsAddr is the agent's --metrics-addr (default: a free loopback
 	// port); TestMetricsPortTaken points it at a port already held.
 	MetricsAddr string
@@ -147,6 +152,13 @@ type node struct {
 	stopZT func()
 
 	kube *kubesim.Node
+
+	opts nodeOptions
+	// exited is closed when the daemon's Run returned (runErr waits for
+	// it); exitExpected keeps stopDaemon from failing the test on it.
+	exited       chan struct{}
+	runErr       func() error
+	exitExpected bool
 }
 
 func randByte() byte {
@@ -163,7 +175,7 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 	testnet.RequireCommands(t, "ip", "nsenter", "sleep")
 	cnibin.Paths(t) // skips under AMBIENT_UNIT_ONLY before an apiserver starts; builds the plugins once
 	env := kube.Env(t)
-	n := &node{t: t, env: env, Name: testnet.RandName("node-", 8), hook: opts.AgentHook}
+	n := &node{t: t, env: env, Name: testnet.RandName("node-", 8), hook: opts.AgentHook, opts: opts}
 	var err error
 	n.logs = &logSink{t: t}
 	t.Cleanup(n.logs.stop) // registered first: runs after every other cleanup
@@ -371,8 +383,10 @@ func (n *node) startDaemon() {
 			default:
 			}
 		},
-		MetricsRetry: 200 * time.Millisecond,
-		AgentHook:    n.hook,
+		MetricsRetry:   200 * time.Millisecond,
+		AgentHook:      n.hook,
+		ServerHook:     n.opts.ServerHook,
+		WatchdogPeriod: n.opts.WatchdogPeriod,
 	})
 	if err != nil {
 		t.Fatalf("daemon: %v", err)
@@ -386,12 +400,13 @@ func (n *node) startDaemon() {
 		once.Do(func() {
 			cancel()
 			<-done
-			if runErr != nil {
+			if runErr != nil && !n.exitExpected {
 				t.Errorf("daemon Run: %v", runErr)
 			}
 		})
 	}
 	n.d, n.stopD = d, stop
+	n.exited, n.runErr = done, func() error { <-done; return runErr }
 	n.requireAgentBackend()
 
 	deadline := time.After(waitLong)

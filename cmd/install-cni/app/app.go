@@ -83,7 +83,23 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) error {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	log.Info("install-cni starting", "node", cfg.NodeName)
-	return a.Run(ctx)
+	done := make(chan error, 1)
+	go func() { done <- a.Run(ctx) }()
+	select {
+	case err := <-done:
+		return err
+	case <-a.Hung():
+	}
+	// Run is shutting down after the watchdog; what hung may hang that
+	// too, and the process must end for kubelet to restart it.
+	t := time.NewTimer(hungExitGrace)
+	defer t.Stop()
+	select {
+	case err := <-done:
+		return err
+	case <-t.C:
+		return fmt.Errorf("the watchdog gave up on the plugin event server and the shutdown did not end within %s: exiting as a crash would", hungExitGrace)
+	}
 }
 
 // Options are what New needs besides the parsed configuration.
@@ -108,6 +124,12 @@ type Options struct {
 	// before the agent is built: tests wrap its side effects (rules,
 	// ztunnel, annotations) to stop it at a chosen step.
 	AgentHook func(*nodeagent.Config)
+	// ServerHook, when set, may change the plugin event server's
+	// configuration before it is built: tests slow or hang its answers.
+	ServerHook func(*nodeagent.ServerConfig)
+	// WatchdogPeriod is the time between the watchdog's checks of the
+	// event server; zero is watchdogPeriod.
+	WatchdogPeriod time.Duration
 }
 
 // shutdownTimeout bounds the upgrade check and the uninstall at shutdown.
@@ -123,6 +145,21 @@ const releaseTimeout = 12 * time.Second
 // ztunnelDelTimeout bounds the wait for ztunnel's acks of the released
 // pods' Dels on an uninstall.
 const ztunnelDelTimeout = 3 * time.Second
+
+// The watchdog: every watchdogPeriod the agent asks its own event server
+// for STATUS through the plugin's socket (each bounded by
+// health.LiveTimeout); after watchdogFailures failures in a row Run ends
+// with an error and install-cni exits non-zero, so kubelet restarts it.
+// A hung event server costs pods about half a minute, never more.
+const (
+	watchdogPeriod   = 10 * time.Second
+	watchdogFailures = 3
+)
+
+// hungExitGrace bounds the shutdown after the watchdog tripped: a part of
+// the agent that hangs may hang the shutdown too; past this Main returns
+// anyway (the next agent finds the node as a crash leaves it).
+const hungExitGrace = 20 * time.Second
 
 // hostProbeResync is how often the host probe SNAT is put back (another
 // tool removed it, or got a rule above it in POSTROUTING).
@@ -146,6 +183,10 @@ type App struct {
 	ctrl      *controller.Controller
 	health    *health.Server
 	explain   *explain.Explainer
+
+	// hung is closed when the watchdog gave up on the event server.
+	hung     chan struct{}
+	hungOnce sync.Once
 }
 
 // New builds every part; nothing runs or touches the node until Run.
@@ -160,7 +201,7 @@ func New(o Options) (*App, error) {
 	if o.Metrics == nil {
 		o.Metrics = metrics.New()
 	}
-	a := &App{cfg: c, log: o.Logger, opts: o, metrics: o.Metrics}
+	a := &App{cfg: c, log: o.Logger, opts: o, metrics: o.Metrics, hung: make(chan struct{})}
 	m := a.metrics
 
 	// Rules in pods and the host probe SNAT: nothing is dialled or
@@ -267,7 +308,7 @@ func New(o Options) (*App, error) {
 
 	// The two ways in: the plugin's events (decide, capture) and the pod
 	// controller (decide, find, capture).
-	a.server = nodeagent.NewServer(nodeagent.ServerConfig{
+	serverCfg := nodeagent.ServerConfig{
 		Layout: layout, Netns: netnsPolicy,
 		HandlerTimeout: ambient.HandlerTimeout(c.PluginTimeout),
 		Observe: func(verb, result string, took time.Duration) {
@@ -276,7 +317,11 @@ func New(o Options) (*App, error) {
 		// The agent's (a hook may have changed it): an ADD's timings
 		// span both.
 		Logger: agentCfg.Logger,
-	}, a.pods, a.agent)
+	}
+	if o.ServerHook != nil {
+		o.ServerHook(&serverCfg)
+	}
+	a.server = nodeagent.NewServer(serverCfg, a.pods, a.agent)
 	a.ctrl = controller.New(controller.Config{
 		Pods:   a.pods,
 		Agent:  a.agent,
@@ -305,6 +350,15 @@ func New(o Options) (*App, error) {
 		DaemonSet: a.upgrade.Seen,
 		Policy:    policy,
 	}
+	// Alive is answering: once the event server listens, it must answer
+	// the plugin's cheapest request through its socket (before, startup
+	// reconcile runs and readiness says so).
+	a.health.AddLiveCheck("event-server", func(ctx context.Context) error {
+		if !a.server.Listening() {
+			return nil
+		}
+		return a.server.Answering(ctx)
+	})
 	a.health.AddCheck("installer", a.installer.Check)
 	a.health.AddCheck("restore", func() error {
 		if !closed(a.ctrl.Restored()) {
@@ -512,6 +566,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 	}
 	start(&zdsWG, zdsCtx, "zds", a.zds.Serve)
 	run("event-server", a.server.Serve)
+	run("watchdog", a.watchdog)
 	run("spool", a.agent.RunSpoolDrain)
 	if c.StartupTaint {
 		run("startup-taint", nodetaint.Untainter{
@@ -539,6 +594,30 @@ func (a *App) Run(ctx context.Context) (err error) {
 	wg.Wait()
 	return errors.Join(runErr, a.shutdown(stopZtunnel))
 }
+
+// watchdog gives up on an event server that stopped answering (see
+// watchdogPeriod): its error ends Run, and Hung is closed.
+func (a *App) watchdog(ctx context.Context) error {
+	period := a.opts.WatchdogPeriod
+	if period <= 0 {
+		period = watchdogPeriod
+	}
+	err := health.Watchdog{
+		Name: "the plugin event server", Check: a.server.Answering,
+		Period: period, Timeout: health.LiveTimeout, Failures: watchdogFailures,
+		Failed: func(err error, inARow int) {
+			a.log.Warn("the plugin event server did not answer the watchdog", "in_a_row", inARow, "exit_at", watchdogFailures, "err", err)
+		},
+	}.Run(ctx)
+	if err != nil {
+		a.hungOnce.Do(func() { close(a.hung) })
+	}
+	return err
+}
+
+// Hung is closed when the watchdog gave up on the event server; Run then
+// shuts down and returns its error.
+func (a *App) Hung() <-chan struct{} { return a.hung }
 
 // metricsRetry is how often a metrics address that could not be bound is
 // tried again.
