@@ -216,7 +216,7 @@ func New(o Options) (*App, error) {
 
 	// The plugin on the node: binary and conflist entry.
 	entry, err := json.Marshal(ambient.PluginConf{
-		AgentSocket: c.AgentSocket, Timeout: c.PluginTimeout.String(),
+		AgentSocket: c.AgentSocket, StateDir: c.StateDir, Timeout: c.PluginTimeout.String(),
 		LogLevel: c.PluginLogLevel, ExcludedNamespaces: nonNil(c.ExcludedNamespaces),
 		StatusRequiresAgent: c.StatusChecksAgent, AgentUnreachable: c.AgentUnreachable,
 		AgentDownAfter: c.AgentDownAfter.String(),
