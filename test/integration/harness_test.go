@@ -734,6 +734,7 @@ type logSink struct {
 	mu      sync.Mutex
 	stopped bool
 	warns   []string
+	lines   []string
 }
 
 func (s *logSink) Write(p []byte) (int, error) {
@@ -743,6 +744,7 @@ func (s *logSink) Write(p []byte) (int, error) {
 	if strings.Contains(line, "level=WARN") || strings.Contains(line, "level=ERROR") {
 		s.warns = append(s.warns, line)
 	}
+	s.lines = append(s.lines, line)
 	if !s.stopped {
 		s.t.Log(line)
 	}
@@ -761,6 +763,13 @@ func (s *logSink) warningsSince(mark int) []string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return slices.Clone(s.warns[mark:])
+}
+
+// all returns every line logged so far.
+func (s *logSink) all() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.lines)
 }
 
 func (s *logSink) stop() {

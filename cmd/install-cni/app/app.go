@@ -187,6 +187,9 @@ type App struct {
 	// hung is closed when the watchdog gave up on the event server.
 	hung     chan struct{}
 	hungOnce sync.Once
+	// unchained is set once an uninstall took the plugin out of every
+	// config (leave, or shutdown's second try).
+	unchained bool
 }
 
 // New builds every part; nothing runs or touches the node until Run.
@@ -517,6 +520,17 @@ func (a *App) Run(ctx context.Context) (err error) {
 			Logger:     a.log.With("component", "debug"),
 		}.Handler())
 	})
+	// An uninstall cut short left its marker, which makes the plugin let
+	// every pod through while no agent answers; this agent chains the
+	// plugin again, so the mesh is back on the node: the marker goes
+	// first.
+	if had, err := nodefiles.ClearUninstalling(layout); err != nil {
+		cancel()
+		wg.Wait()
+		return err
+	} else if had {
+		a.log.Info("removed the marker of an uninstall cut short; the plugin is chained again", "marker", layout.Uninstalling())
+	}
 	run("installer", a.installer.Run)
 	run("daemonset-watch", a.upgrade.Run)
 	run("pod-cache", a.pods.Run)
@@ -540,9 +554,10 @@ func (a *App) Run(ctx context.Context) (err error) {
 		wg.Wait()
 		return err
 	case <-ctx.Done():
+		upgrade, leaveErr := a.leave()
 		cancel()
 		wg.Wait()
-		return a.shutdown(stopZtunnel)
+		return errors.Join(leaveErr, a.shutdown(upgrade, stopZtunnel))
 	}
 	if err := a.agent.RefreshSnapshot(); err != nil {
 		a.log.Error("enablement snapshot", "err", err)
@@ -580,6 +595,11 @@ func (a *App) Run(ctx context.Context) (err error) {
 	var runErr error
 	select {
 	case <-ctx.Done():
+	case runErr = <-errs:
+		a.log.Error("component failed; shutting down", "err", runErr)
+	}
+	upgrade, leaveErr := a.leave()
+	if upgrade && runErr == nil {
 		// Give the annotation writes queued by the last captures a
 		// moment; whatever is left the next agent repairs.
 		fctx, fcancel := context.WithTimeout(context.Background(), annotationFlushTimeout)
@@ -587,12 +607,10 @@ func (a *App) Run(ctx context.Context) (err error) {
 			a.log.Info("annotation writes left to the next agent", "pending", a.agent.PendingAnnotations())
 		}
 		fcancel()
-	case runErr = <-errs:
-		a.log.Error("component failed; shutting down", "err", runErr)
 	}
 	cancel()
 	wg.Wait()
-	return errors.Join(runErr, a.shutdown(stopZtunnel))
+	return errors.Join(runErr, leaveErr, a.shutdown(upgrade, stopZtunnel))
 }
 
 // watchdog gives up on an event server that stopped answering (see
@@ -671,19 +689,49 @@ func (a *App) warnOwnPod(ctx context.Context, reason, msg string) {
 	a.events.Event(ref, corev1.EventTypeWarning, reason, msg)
 }
 
-// shutdown releases the agent's state and, unless the DaemonSet lives on
-// (an upgrade: the next agent takes over, pods keep their rules and new
-// pods wait for it), puts the node back to plain networking: every
-// captured pod is released (annotation, rules, and a Del to ztunnel, whose
-// acks are awaited, bounded, before stopZtunnel closes the ZDS server),
-// then the plugin, its config entry, the host probe set and the agent's
-// node files go, and the node directories are put back as they were.
-// Nothing stays redirected to a ztunnel that may be going too. It runs
-// once every other component stopped; stopZtunnel stops the ZDS server.
-func (a *App) shutdown(stopZtunnel func()) error {
+// leave is the first step of a stop, taken while every component still
+// runs (the event server answers, the annotation writer writes): the
+// upgrade decision (kubeadapter's DaemonSet check), and on an uninstall the
+// uninstall marker, then the plugin unchained (the runtime no longer calls
+// it for new pods). The marker comes first so that a kill at any later
+// step leaves a plugin that, finding no agent, lets pods through.
+func (a *App) leave() (upgrade bool, err error) {
 	ctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
 	defer cancel()
-	upgrade := kubeadapter.IsUpgrade(ctx, a.upgrade, a.log)
+	upgrade = kubeadapter.IsUpgrade(ctx, a.upgrade, a.log)
+	if upgrade {
+		return true, nil
+	}
+	layout := a.cfg.Layout()
+	note := fmt.Sprintf("uninstall of ambient-cni from node %s begun by agent pod %s/%s", a.cfg.NodeName, a.cfg.PodNamespace, a.cfg.PodName)
+	if err := nodefiles.MarkUninstalling(layout, note); err != nil {
+		// Unchain anyway: a plugin left chained without an agent blocks
+		// the node's pods for good.
+		a.log.Error("uninstall: cannot write the uninstall marker; unchaining the plugin without it", "err", err)
+	} else {
+		a.log.Info("uninstall: marker written", "marker", layout.Uninstalling())
+	}
+	if err := a.installer.Shutdown(ctx, false); err != nil {
+		return false, fmt.Errorf("installer shutdown: %w", err)
+	}
+	a.unchained = true
+	a.log.Info("uninstall: plugin unchained; releasing the pods")
+	return false, nil
+}
+
+// shutdown finishes a stop once every other component stopped (leave
+// made the decision, and on an uninstall unchained the plugin). On an
+// upgrade the next agent takes over: pods keep their rules, new pods
+// wait for it, and the startup taint may go back on the node. On an
+// uninstall the node goes back to plain networking: every captured pod is
+// released (annotation, rules, and a Del to ztunnel, whose acks are
+// awaited, bounded, before stopZtunnel closes the ZDS server), then the
+// host probe set and the agent's node files go, the node directories are
+// put back as they were, and, last, the uninstall marker. stopZtunnel
+// stops the ZDS server.
+func (a *App) shutdown(upgrade bool, stopZtunnel func()) error {
+	ctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
+	defer cancel()
 	var errs []error
 	if upgrade && a.cfg.StartupTaintOnShutdown {
 		// First, so that nothing is scheduled onto the node while it has no
@@ -712,8 +760,14 @@ func (a *App) shutdown(stopZtunnel func()) error {
 	_ = a.agent.Close()
 	ictx, icancel := context.WithTimeout(context.Background(), shutdownTimeout)
 	defer icancel()
-	if err := a.installer.Shutdown(ictx, upgrade); err != nil {
-		errs = append(errs, fmt.Errorf("installer shutdown: %w", err))
+	if upgrade || !a.unchained {
+		// An upgrade leaves the plugin; an uninstall whose unchaining
+		// failed in leave tries once more.
+		if err := a.installer.Shutdown(ictx, upgrade); err != nil {
+			errs = append(errs, fmt.Errorf("installer shutdown: %w", err))
+		} else if !upgrade {
+			a.unchained = true
+		}
 	}
 	if !upgrade {
 		layout := a.cfg.Layout()
@@ -733,6 +787,13 @@ func (a *App) shutdown(stopZtunnel func()) error {
 		}
 		if err := nodedirs.Restore(layout.NodeDirsLedger()); err != nil {
 			errs = append(errs, err)
+		}
+		// Last, and only once no config names the plugin: until then it
+		// is what lets pods through.
+		if a.unchained {
+			if _, err := nodefiles.ClearUninstalling(layout); err != nil {
+				errs = append(errs, err)
+			}
 		}
 	}
 	a.log.Info("install-cni stopped", "upgrade", upgrade)

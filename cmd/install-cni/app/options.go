@@ -355,10 +355,6 @@ func Parse(args []string, getenv func(string) string, stderr io.Writer) (*Config
 	return c, c.validate()
 }
 
-// Layout is the agent's run directory around AgentSocket: the one place
-// install-cni names its node files, handed to every part as this value.
-func (c *Config) Layout() nodefiles.Layout { return nodefiles.ForSocket(c.AgentSocket) }
-
 // EnablementPolicy is the policy the agent decides with: the excluded
 // namespaces, and the data-plane namespaces (by default the agent's own).
 func (c *Config) EnablementPolicy() enablement.Policy {
@@ -370,7 +366,8 @@ func (c *Config) EnablementPolicy() enablement.Policy {
 }
 
 // Layout is where the agent's node files live: beside the agent socket,
-// and the persistent ones in the state directory.
+// and the persistent ones in the state directory; the one place
+// install-cni names them, handed to every part as this value.
 func (c *Config) Layout() nodefiles.Layout {
 	return nodefiles.ForSocket(c.AgentSocket).WithStateDir(c.StateDir)
 }
