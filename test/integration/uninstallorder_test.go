@@ -2,11 +2,14 @@ package integration
 
 import (
 	"bytes"
+	"context"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
@@ -94,5 +97,45 @@ func TestUninstallOrder(t *testing.T) {
 	}
 	if !chained() {
 		t.Error("the new agent did not chain the plugin")
+	}
+}
+
+// TestUninstallMarkerOnDaemonSetDeletion: the agent writes the uninstall
+// marker the moment its watch sees the DaemonSet deleted (helm uninstall's
+// hook deletes it before any agent gets SIGTERM), so a kill anywhere in
+// the shutdown that follows finds it; a DaemonSet created again (its pods
+// orphaned) takes the marker away. The agent serves throughout.
+func TestUninstallMarkerOnDaemonSetDeletion(t *testing.T) {
+	n := newNode(t, nodeOptions{Upgrade: true})
+	marker := n.cfg.Layout().Uninstalling()
+	exists := func() bool { _, err := os.Lstat(marker); return err == nil }
+	eventually(t, "the watch seeing the DaemonSet", func() bool { return n.d.DaemonSetSeen() == "present" })
+	if exists() {
+		t.Fatal("marker written while the DaemonSet lives")
+	}
+	ctx := context.Background()
+	// No garbage collector runs here: the DaemonSet goes at once and
+	// nothing deletes the agent (as with --cascade=orphan).
+	if err := n.env.Client.AppsV1().DaemonSets(n.agentNS).Delete(ctx, n.cfg.DaemonSet, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the marker after the DaemonSet's deletion", exists)
+	if failed := n.d.Ready(); len(failed) > 0 {
+		t.Errorf("the agent stopped serving when its DaemonSet went: %v", failed)
+	}
+	n.createDaemonSet()
+	eventually(t, "the marker gone once the DaemonSet is back", func() bool { return !exists() })
+
+	// Deleted again, and the agent stops: an uninstall, marker gone last.
+	if err := n.env.Client.AppsV1().DaemonSets(n.agentNS).Delete(ctx, n.cfg.DaemonSet, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the marker after the second deletion", exists)
+	n.stopDaemon()
+	if exists() {
+		t.Error("the marker outlived a complete uninstall")
+	}
+	if b, err := os.ReadFile(filepath.Join(n.confDir, simnode.PrimaryConf)); err != nil || bytes.Contains(b, []byte(`"`+cnibin.PluginName+`"`)) {
+		t.Errorf("plugin still chained after the uninstall (%v)", err)
 	}
 }

@@ -20,6 +20,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -190,6 +191,9 @@ type App struct {
 	// unchained is set once an uninstall took the plugin out of every
 	// config (leave, or shutdown's second try).
 	unchained bool
+	// leaving is set once leave decided on an uninstall: the DaemonSet
+	// watch no longer clears the uninstall marker.
+	leaving atomic.Bool
 }
 
 // New builds every part; nothing runs or touches the node until Run.
@@ -250,6 +254,7 @@ func New(o Options) (*App, error) {
 		return nil, fmt.Errorf("installer: %w", err)
 	}
 	a.upgrade = kubeadapter.NewDaemonSetUpgradeChecker(o.Client, c.PodNamespace, c.DaemonSet, c.NodeName, a.log)
+	a.upgrade.OnChange(a.daemonSetChanged)
 
 	// What the agent decides with: the pod cache.
 	policy := c.EnablementPolicy()
@@ -689,6 +694,31 @@ func (a *App) warnOwnPod(ctx context.Context, reason, msg string) {
 	a.events.Event(ref, corev1.EventTypeWarning, reason, msg)
 }
 
+// daemonSetChanged follows the DaemonSet watch: a DaemonSet being deleted
+// (helm uninstall's hook deletes it in the foreground before the agents
+// get SIGTERM) or gone means an uninstall, so the marker is written at
+// once and a kill anywhere in the shutdown to come finds it there; one
+// that comes back (deleted and created again, orphaning its pods) takes
+// the marker away, unless this agent already decided to uninstall.
+func (a *App) daemonSetChanged(prev, next string) {
+	layout := a.cfg.Layout()
+	switch {
+	case next == "being deleted" || next == "deleted":
+		note := fmt.Sprintf("agent DaemonSet %s/%s %s, seen by agent pod %s/%s on node %s", a.cfg.PodNamespace, a.cfg.DaemonSet, next, a.cfg.PodNamespace, a.cfg.PodName, a.cfg.NodeName)
+		if err := nodefiles.MarkUninstalling(layout, note); err != nil {
+			a.log.Error("uninstall: cannot write the uninstall marker", "err", err)
+			return
+		}
+		a.log.Info("uninstall: marker written", "why", "agent DaemonSet "+next, "marker", layout.Uninstalling())
+	case next == "present" && (prev == "being deleted" || prev == "deleted") && !a.leaving.Load():
+		if had, err := nodefiles.ClearUninstalling(layout); err != nil {
+			a.log.Error("cannot remove the uninstall marker of a DaemonSet that is back", "err", err)
+		} else if had {
+			a.log.Info("agent DaemonSet is back: uninstall marker removed")
+		}
+	}
+}
+
 // leave is the first step of a stop, taken while every component still
 // runs (the event server answers, the annotation writer writes): the
 // upgrade decision (kubeadapter's DaemonSet check), and on an uninstall the
@@ -702,6 +732,7 @@ func (a *App) leave() (upgrade bool, err error) {
 	if upgrade {
 		return true, nil
 	}
+	a.leaving.Store(true)
 	layout := a.cfg.Layout()
 	note := fmt.Sprintf("uninstall of ambient-cni from node %s begun by agent pod %s/%s", a.cfg.NodeName, a.cfg.PodNamespace, a.cfg.PodName)
 	if err := nodefiles.MarkUninstalling(layout, note); err != nil {
