@@ -96,4 +96,8 @@ const (
 	// DefaultAgentSocket is where the agent listens for the CNI plugin;
 	// the files it shares with the plugin live beside it (see nodefiles).
 	DefaultAgentSocket = "/var/run/ambient-cni/agent.sock"
+	// DefaultStateDir is the agent's persistent node directory: on the
+	// host's disk, not tmpfs, so what the plugin decides by when the agent
+	// cannot answer survives a reboot (see nodefiles.Layout.StateDir).
+	DefaultStateDir = "/var/lib/ambient-cni"
 )

@@ -10,6 +10,9 @@ type PluginConf struct {
 	// AgentSocket is the node agent's Unix socket (default
 	// DefaultAgentSocket).
 	AgentSocket string `json:"agentSocket,omitempty"`
+	// StateDir is the agent's persistent node directory (default
+	// DefaultStateDir).
+	StateDir string `json:"stateDir,omitempty"`
 	// Timeout bounds one exchange with the agent, as a Go duration
 	// (default DefaultPluginTimeout, at most MaxPluginTimeout).
 	Timeout string `json:"timeout,omitempty"`

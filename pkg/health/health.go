@@ -2,8 +2,8 @@
 // where its audience can reach it:
 //
 //   - /healthz (alias /livez) and /readyz (Handler), which kubelet probes:
-//     they say ok, or which readiness check fails, and nothing about any
-//     pod. They are always served on the root-only debug socket, which the
+//     they say ok, or which liveness or readiness check fails, and nothing
+//     about any pod. They are always served on the root-only debug socket, which the
 //     chart's exec probes ask (install-cni probe), so the agent needs no
 //     host port to be probed; a TCP health address is optional and off by
 //     default;
@@ -22,6 +22,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"net/http"
 	"sort"
@@ -54,17 +55,58 @@ var DefaultMetricsAddr = ":" + strconv.Itoa(DefaultMetricsPort)
 // Check reports nil when its part of the agent is ready.
 type Check func() error
 
-// Server holds the readiness checks. Add checks before serving.
+// LiveCheck reports nil when its part of the agent answers; it gives up
+// when ctx ends.
+type LiveCheck func(ctx context.Context) error
+
+// LiveTimeout bounds the liveness checks of one /livez request, inside the
+// 4 s install-cni probe waits for the answer: a hung part is reported as
+// such, not as a probe that timed out.
+const LiveTimeout = 3 * time.Second
+
+// Server holds the readiness and liveness checks. Add checks before
+// serving.
 type Server struct {
 	mu     sync.Mutex
 	checks map[string]Check
 	// capture are the checks only readiness to capture adds (CaptureReady).
 	capture map[string]Check
+	live    map[string]LiveCheck
 }
 
 // New returns a server with no checks.
 func New() *Server {
-	return &Server{checks: map[string]Check{}, capture: map[string]Check{}}
+	return &Server{checks: map[string]Check{}, capture: map[string]Check{}, live: map[string]LiveCheck{}}
+}
+
+// AddLiveCheck registers a named liveness check: /healthz and /livez fail
+// while it does.
+func (s *Server) AddLiveCheck(name string, c LiveCheck) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.live[name] = c
+}
+
+// Live runs every liveness check, together bounded by LiveTimeout and
+// ctx, and returns the failures, sorted by name.
+func (s *Server) Live(ctx context.Context) []string {
+	s.mu.Lock()
+	names := make([]string, 0, len(s.live))
+	for n := range s.live {
+		names = append(names, n)
+	}
+	checks := maps.Clone(s.live)
+	s.mu.Unlock()
+	sort.Strings(names)
+	ctx, cancel := context.WithTimeout(ctx, LiveTimeout)
+	defer cancel()
+	var failed []string
+	for _, n := range names {
+		if err := checks[n](ctx); err != nil {
+			failed = append(failed, fmt.Sprintf("%s: %v", n, err))
+		}
+	}
+	return failed
 }
 
 // AddCheck registers a named readiness check.
@@ -132,7 +174,12 @@ func (s *Server) Handler() http.Handler {
 var Paths = []string{"/healthz", "/livez", "/readyz"}
 
 func (s *Server) register(mux *http.ServeMux) {
-	live := func(w http.ResponseWriter, _ *http.Request) {
+	live := func(w http.ResponseWriter, r *http.Request) {
+		if failed := s.Live(r.Context()); len(failed) > 0 {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			_, _ = w.Write([]byte("not live:\n" + strings.Join(failed, "\n") + "\n"))
+			return
+		}
 		_, _ = w.Write([]byte("ok\n"))
 	}
 	mux.HandleFunc("GET /healthz", live)

@@ -10,9 +10,14 @@ package kubeadapter
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"strings"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	apivalidation "k8s.io/apimachinery/pkg/api/validation"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/record"
 
@@ -29,7 +34,11 @@ type Annotator struct {
 
 // SetRedirection sets the annotation to value, or removes it when value is
 // "". The patch carries the pod UID as a precondition, so a pod recreated
-// under the same name is never marked by mistake.
+// under the same name is never marked by mistake. A pod that is gone, or
+// replaced under its name, is an error apierrors.IsNotFound reports: for
+// the replaced pod the API server answers 422 (the uid is immutable),
+// which is turned into that NotFound here; every other error is returned
+// as the API server gave it.
 func (a Annotator) SetRedirection(ctx context.Context, namespace, name string, uid types.UID, value string) error {
 	var v any
 	if value != "" {
@@ -45,10 +54,32 @@ func (a Annotator) SetRedirection(ctx context.Context, namespace, name string, u
 		return err
 	}
 	_, err = a.Client.PatchPodStatus(ctx, namespace, name, types.MergePatchType, patch)
+	if uidRefused(err) {
+		return fmt.Errorf("pod %s/%s is no longer uid %s (%v): %w", namespace, name, uid, err,
+			apierrors.NewNotFound(corev1.Resource("pods"), name))
+	}
 	if err != nil {
 		return fmt.Errorf("patch %s on pod %s/%s: %w", ambient.RedirectionAnnotation, namespace, name, err)
 	}
 	return nil
+}
+
+// uidRefused reports whether err is the API server refusing the patch's
+// uid as a change of an immutable field (422, a FieldValueInvalid cause on
+// metadata.uid): the object under the name is another pod. Any other 422,
+// or one with further causes, is not this.
+func uidRefused(err error) bool {
+	var status apierrors.APIStatus
+	if !apierrors.IsInvalid(err) || !errors.As(err, &status) {
+		return false
+	}
+	d := status.Status().Details
+	if d == nil || len(d.Causes) != 1 {
+		return false
+	}
+	c := d.Causes[0]
+	return c.Type == metav1.CauseTypeFieldValueInvalid && c.Field == "metadata.uid" &&
+		strings.Contains(c.Message, apivalidation.FieldImmutableErrorMsg)
 }
 
 // eventComponent is the source component of the agent's Events.

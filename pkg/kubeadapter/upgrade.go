@@ -61,8 +61,9 @@ type DaemonSetUpgradeChecker struct {
 	nodeName        string
 	log             *slog.Logger
 
-	mu   sync.Mutex
-	seen watchState
+	mu       sync.Mutex
+	seen     watchState
+	onChange func(prev, next string)
 }
 
 // watchState is what the watch saw of the DaemonSet, latest first.
@@ -91,6 +92,16 @@ func NewDaemonSetUpgradeChecker(client UpgradeClient, namespace, name, nodeName 
 	}
 	return &DaemonSetUpgradeChecker{client: client, namespace: namespace, name: name, nodeName: nodeName,
 		log: log.With("component", "daemonset-watch", "daemonset", namespace+"/"+name)}
+}
+
+// OnChange has f told, from the watch, each change of what it saw (the
+// values Seen reports): the agent marks the node as being uninstalled the
+// moment its DaemonSet is being deleted, before any pod gets SIGTERM.
+// Call it before Run.
+func (d *DaemonSetUpgradeChecker) OnChange(f func(prev, next string)) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.onChange = f
 }
 
 // Run watches the DaemonSet (list and watch by name, all the agent's RBAC
@@ -131,9 +142,13 @@ func (d *DaemonSetUpgradeChecker) observe(o any, deleted bool) {
 	d.mu.Lock()
 	prev := d.seen
 	d.seen = next
+	notify := d.onChange
 	d.mu.Unlock()
 	if next != prev && next != seenAlive {
 		d.log.Info("agent DaemonSet " + string(next) + ": this agent uninstalls the plugin when it stops")
+	}
+	if next != prev && notify != nil {
+		notify(string(prev), string(next))
 	}
 }
 

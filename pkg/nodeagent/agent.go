@@ -48,7 +48,8 @@ type EnablementSource interface {
 
 // Annotator writes the pod's redirection status annotation; value "" removes
 // it (pkg/kubeadapter.Annotator). The pod controller uses it too, to clear
-// stale annotations.
+// stale annotations. A pod gone, or replaced by another pod under its
+// name, is an error apierrors.IsNotFound reports.
 type Annotator interface {
 	SetRedirection(ctx context.Context, namespace, name string, uid types.UID, value string) error
 }

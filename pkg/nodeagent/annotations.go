@@ -34,8 +34,8 @@ const (
 // critical path. It keeps, per pod, only the latest value the agent wants
 // (coalescing), writes it with retries and per-pod backoff, and skips a
 // write when the pod already carries the value. A pod that is gone
-// (NotFound, or replaced under its name: the patch's UID precondition
-// fails) drops its write. Nothing is lost while the agent runs; a crash
+// (NotFound, which the Annotator also reports for a pod replaced under
+// its name) drops its write. Nothing is lost while the agent runs; a crash
 // loses the queue, and the next agent rewrites what its restored pods need
 // (see Agent.Restore and Agent.SnapshotAcked).
 type annotationWriter struct {
@@ -283,14 +283,15 @@ func (w *annotationWriter) write(ctx context.Context, uid types.UID) {
 		return
 	}
 	err := w.ann.SetRedirection(ctx, want.namespace, want.name, uid, want.value)
-	gone := apierrors.IsNotFound(err) || apierrors.IsConflict(err)
+	gone := apierrors.IsNotFound(err)
 	w.mu.Lock()
 	switch {
 	case err == nil:
 		w.written[uid] = want.value
 	case gone:
-		// Deleted, or replaced by a pod of another UID under the name:
-		// there is nothing of ours left to mark.
+		// Deleted, or replaced by a pod of another UID under the name
+		// (the Annotator reports both as NotFound): there is nothing of
+		// ours left to mark.
 		delete(w.written, uid)
 		w.log.Debug("pod gone; annotation not written", "pod", want.namespace+"/"+want.name, "uid", uid, "value", want.value)
 	default:

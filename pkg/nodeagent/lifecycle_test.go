@@ -352,25 +352,27 @@ func TestAnnotationWriter(t *testing.T) {
 	if got := h.annotations(t, "u-b"); got != "enabled" {
 		t.Errorf("writes %q after retries", got)
 	}
-	// Gone: NotFound or the UID precondition failing.
-	for i, err := range []error{
-		apierrors.NewNotFound(schema.GroupResource{Resource: "pods"}, "c"),
-		apierrors.NewConflict(schema.GroupResource{Resource: "pods"}, "c", errors.New("Precondition failed: UID in precondition")),
-	} {
-		h.ann.setErr(err)
-		ran := make(chan struct{})
-		uid := types.UID("u-gone-" + string(rune('0'+i)))
-		w.set("shop", "c", uid, "", func() { close(ran) })
-		select {
-		case <-ran:
-		case <-time.After(30 * time.Second):
-			t.Fatalf("%v: the write was not dropped", err)
-		}
-		if n := h.ann.attempts(uid); n != 1 {
-			t.Errorf("%v: %d attempts, want 1", err, n)
-		}
+	// Gone: NotFound (the Annotator's answer for a pod replaced under its
+	// name too, see TestUnenrollRecreatedPod).
+	h.ann.setErr(apierrors.NewNotFound(schema.GroupResource{Resource: "pods"}, "c"))
+	ran := make(chan struct{})
+	w.set("shop", "c", "u-gone", "", func() { close(ran) })
+	select {
+	case <-ran:
+	case <-time.After(30 * time.Second):
+		t.Fatal("NotFound: the write was not dropped")
 	}
+	if n := h.ann.attempts("u-gone"); n != 1 {
+		t.Errorf("NotFound: %d attempts, want 1", n)
+	}
+	// A conflict is not a pod gone: retried until it goes through.
+	h.ann.setErr(apierrors.NewConflict(schema.GroupResource{Resource: "pods"}, "c", errors.New("the object has been modified")))
+	w.set("shop", "c", "u-busy", "enabled", nil)
+	poll.Until(t, "a conflict retried", func() bool { return h.ann.attempts("u-busy") >= 2 })
 	h.ann.setErr(nil)
+	if got := h.annotations(t, "u-busy"); got != "enabled" {
+		t.Errorf("writes %q after conflicts, want enabled", got)
+	}
 	// Already on the object (as the pod cache shows): not written.
 	d := pod("shop", "d", "u-d", nil)
 	d.Annotations = map[string]string{ambient.RedirectionAnnotation: ambient.RedirectionEnabled}

@@ -147,6 +147,15 @@ func (s *Server) Listen() error {
 	return nil
 }
 
+// Answering makes one STATUS round trip through the socket, dialled by
+// its path as the plugin dials it: nil once the server accepted, read and
+// answered the request within ctx. STATUS touches no rules and no pod, so
+// it proves the serving loop alive without adding work (the agent's
+// liveness check and watchdog).
+func (s *Server) Answering(ctx context.Context) error {
+	return (&ambient.Client{Socket: s.Socket()}).Status(ctx)
+}
+
 // Listening reports whether Listen succeeded.
 func (s *Server) Listening() bool {
 	s.mu.Lock()

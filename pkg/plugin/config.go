@@ -52,6 +52,8 @@ type Config struct {
 	Name string
 	// AgentSocket is the node agent's Unix socket (key "agentSocket").
 	AgentSocket string
+	// StateDir is the agent's persistent node directory (key "stateDir").
+	StateDir string
 	// SnapshotFile is the agent's enablement snapshot, next to the socket.
 	SnapshotFile string
 	// SpoolDir holds DELs recorded while the agent was unreachable.
@@ -134,7 +136,11 @@ func configFrom(raw *rawConfig) (*Config, error) {
 		// 107: sun_path holds 108 bytes including the terminating NUL.
 		return nil, invalidConfig("agentSocket %q must be a clean absolute path of at most 107 bytes", c.AgentSocket)
 	}
-	files := nodefiles.ForSocket(c.AgentSocket)
+	if raw.StateDir != "" && (!filepath.IsAbs(raw.StateDir) || filepath.Clean(raw.StateDir) != raw.StateDir) {
+		return nil, invalidConfig("stateDir %q must be a clean absolute path", raw.StateDir)
+	}
+	files := nodefiles.ForSocket(c.AgentSocket).WithStateDir(raw.StateDir)
+	c.StateDir = files.StateDir()
 	c.SnapshotFile = files.Snapshot()
 	c.SpoolDir = files.DelSpool()
 	c.AddSpoolDir = files.AddSpool()

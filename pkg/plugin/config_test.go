@@ -28,7 +28,7 @@ func TestParseConfigDefaults(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := &Config{
-		CNIVersion: "1.0.0", Name: "k8s", AgentSocket: "/var/run/ambient-cni/agent.sock",
+		CNIVersion: "1.0.0", Name: "k8s", AgentSocket: "/var/run/ambient-cni/agent.sock", StateDir: "/var/lib/ambient-cni",
 		SnapshotFile: "/var/run/ambient-cni/enablement.json", SpoolDir: "/var/run/ambient-cni/pending-del",
 		AddSpoolDir: "/var/run/ambient-cni/pending-add", HeartbeatFile: "/var/run/ambient-cni/agent-alive", AgentDownAfter: ambient.DefaultAgentDownAfter,
 		Timeout: ambient.DefaultPluginTimeout, LogLevel: slog.LevelWarn, ExcludedNamespaces: []string{"kube-system"},
@@ -51,7 +51,7 @@ func TestParseConfigKeys(t *testing.T) {
 		t.Fatal("prevResult not parsed")
 	}
 	want := &Config{
-		CNIVersion: "0.4.0", Name: "k8s", AgentSocket: "/run/a/agent.sock",
+		CNIVersion: "0.4.0", Name: "k8s", AgentSocket: "/run/a/agent.sock", StateDir: "/var/lib/ambient-cni",
 		SnapshotFile: "/run/a/enablement.json", SpoolDir: "/run/a/pending-del",
 		AddSpoolDir: "/run/a/pending-add", HeartbeatFile: "/run/a/agent-alive", AgentDownAfter: 5 * time.Minute,
 		Timeout: 1500 * time.Millisecond, LogLevel: slog.LevelDebug, ExcludedNamespaces: []string{}, StatusRequiresAgent: true,

@@ -15,7 +15,7 @@ import (
 // TestEntryRoundTrip proves the entry the installer writes from
 // ambient.PluginConf is read back by the plugin with every value intact.
 func TestEntryRoundTrip(t *testing.T) {
-	e := ambient.PluginConf{AgentSocket: "/run/x/agent.sock", Timeout: "12s", LogLevel: "debug",
+	e := ambient.PluginConf{AgentSocket: "/run/x/agent.sock", StateDir: "/var/lib/x", Timeout: "12s", LogLevel: "debug",
 		ExcludedNamespaces: []string{"infra", "kube-system"}, StatusRequiresAgent: true,
 		AgentUnreachable: ambient.AgentUnreachableFailClosed, AgentDownAfter: "90s"}
 	b, err := json.Marshal(e)
@@ -31,7 +31,7 @@ func TestEntryRoundTrip(t *testing.T) {
 		t.Fatalf("ParseConfig(entry): %v", err)
 	}
 	want := &Config{
-		CNIVersion: "1.0.0", Name: "k8s-pod-network", AgentSocket: e.AgentSocket,
+		CNIVersion: "1.0.0", Name: "k8s-pod-network", AgentSocket: e.AgentSocket, StateDir: e.StateDir,
 		SnapshotFile: "/run/x/enablement.json", SpoolDir: "/run/x/pending-del",
 		AddSpoolDir: "/run/x/pending-add", HeartbeatFile: "/run/x/agent-alive", AgentDownAfter: 90 * time.Second,
 		Timeout: 12 * time.Second, LogLevel: slog.LevelDebug, ExcludedNamespaces: e.ExcludedNamespaces, StatusRequiresAgent: true,

@@ -70,7 +70,7 @@ func TestBenchRunsShipped(t *testing.T) {
 
 	// The benchmark changes only where things are and who the agent is.
 	wantLocal := []string{"AMBIENT_AGENT_SOCKET", "AMBIENT_CNI_BIN_DIR", "AMBIENT_CNI_CONF_DIR", "AMBIENT_KUBECONFIG",
-		"AMBIENT_NODE_NAME", "AMBIENT_PLUGIN_BINARY", "AMBIENT_POD_NAME", "AMBIENT_PROC_ROOT", "AMBIENT_ZDS_SOCKET"}
+		"AMBIENT_NODE_NAME", "AMBIENT_PLUGIN_BINARY", "AMBIENT_POD_NAME", "AMBIENT_PROC_ROOT", "AMBIENT_STATE_DIR", "AMBIENT_ZDS_SOCKET"}
 	var local []string
 	for k := range simnode.NodeLocal {
 		local = append(local, k)
@@ -82,7 +82,7 @@ func TestBenchRunsShipped(t *testing.T) {
 	for _, b := range Backends() {
 		env, err := simnode.AgentEnv(shipped, simnode.Paths{
 			Name: "bench-node", PodName: "bench-pod", CNIBinDir: "/b/bin", CNIConfDir: "/b/net.d", PluginBinary: "/b/ambient-cni",
-			AgentSocket: "/b/run/agent.sock", ZDSSocket: "/b/run/zt.sock", Kubeconfig: "/b/kubeconfig",
+			AgentSocket: "/b/run/agent.sock", ZDSSocket: "/b/run/zt.sock", StateDir: "/b/state", Kubeconfig: "/b/kubeconfig",
 		}, b.settings())
 		if err != nil {
 			t.Fatal(err)
@@ -105,6 +105,7 @@ func TestBenchRunsShipped(t *testing.T) {
 		want := *chart
 		want.NodeName, want.PodName, want.CNIBinDir, want.CNIConfDir = got.NodeName, got.PodName, got.CNIBinDir, got.CNIConfDir
 		want.PluginBinary, want.AgentSocket, want.ZDSSocket, want.ProcRoot, want.Kubeconfig = got.PluginBinary, got.AgentSocket, got.ZDSSocket, got.ProcRoot, got.Kubeconfig
+		want.StateDir = got.StateDir
 		if b.Selector == "" {
 			if !reflect.DeepEqual(*got, want) {
 				t.Errorf("%s: the benchmark's configuration differs from the chart's beyond node-local settings:\n got %+v\nwant %+v", b.Name, got, want)

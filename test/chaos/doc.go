@@ -4,7 +4,8 @@
 // the ztunnel stand-in and pods that start and stop through the real CNI
 // chain, and breaks things while they churn: the agent SIGKILLed at random
 // points (seeded), ztunnel killed and restarted, the API server stopped
-// for 30 seconds, and 5,000 add/delete cycles. After each it checks what
+// for 30 seconds, 5,000 add/delete cycles, and the agent SIGKILLed at each
+// step of an uninstall. After each it checks what
 // production needs: every pod that should be captured is (rules, ztunnel
 // workload, annotation enabled, probe-set entry), every other pod carries
 // no trace of capture, and the agent leaks nothing. docs/reliability.md

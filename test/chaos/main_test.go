@@ -165,7 +165,7 @@ func runGroups() int {
 		{name: "soak", run: "^TestSoak$"},
 		{name: "agent kills (1)", run: "^TestAgentKilled$", seeds: kill[:half]},
 		{name: "agent kills (2)", run: "^TestAgentKilled$", seeds: kill[half:]},
-		{name: "ztunnel restarts, API server outage", run: "^(TestZtunnelRestarts|TestAPIServerOutage)$", seeds: zt},
+		{name: "ztunnel restarts, API server outage, uninstall kills", run: "^(TestZtunnelRestarts|TestAPIServerOutage|TestUninstallKilled)$", seeds: zt},
 	}
 	fmt.Printf("chaos: agent-kill seeds %s, ztunnel seed %s (replay all: %s=%s)\n",
 		joinSeeds(kill), joinSeeds(zt), seedsEnv, joinSeeds(seeds))

@@ -45,6 +45,9 @@ type nodeOptions struct {
 	apiHost string
 	// subnet is the pod network (default simnode's /16).
 	subnet netip.Prefix
+	// namespace is the agent's namespace, for a node with a DaemonSet of
+	// its own (default: the chart's, shared, with none).
+	namespace string
 }
 
 // node is one simulated node (test/lib/simnode: the shipped install-cni as
@@ -99,6 +102,7 @@ func newNode(t *testing.T, o nodeOptions) *node {
 	n.sim, err = simnode.Prepare(context.Background(), simnode.Options{
 		Env: env, Chart: sh.chart, InstallCNI: sh.installCNI, Plugin: sh.plugin,
 		ReferencePlugins: cnibin.Paths(t)[0], Dir: n.dir, Name: n.name, Subnet: o.subnet, APIHost: o.apiHost,
+		Namespace: o.namespace,
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -269,7 +269,7 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 		CNIBinDir: "/host/opt/cni/bin", CNIConfDir: "/host/etc/cni/net.d", CNIConfName: "10-primary.conflist",
 		PluginType: "mesh-cni", PluginBinary: "/custom/plugins/ambient-cni",
 		PluginTimeout: 45 * time.Second, PluginLogLevel: "debug", StatusChecksAgent: true, AgentUnreachable: "fail-closed", AgentDownAfter: 5 * time.Minute,
-		AgentSocket: "/var/run/mesh-agent/agent.sock", ZDSSocket: "/var/run/ztunnel-custom/zds.sock",
+		AgentSocket: "/var/run/mesh-agent/agent.sock", StateDir: "/var/lib/mesh-agent", ZDSSocket: "/var/run/ztunnel-custom/zds.sock",
 		ProcRoot: "/host/proc", NetnsDirs: []string{"/var/run/custom-netns", "/run/custom/netns"},
 		ExcludedNamespaces:       []string{"kube-system", "istio-system", "monitoring"},
 		DataPlaneNamespaces:      []string{"all-values-ns", "ztunnel-system"},

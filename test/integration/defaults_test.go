@@ -53,7 +53,7 @@ func TestHarnessRunsShippedDefaults(t *testing.T) {
 	}
 	env, err := simnode.AgentEnv(chart, simnode.Paths{
 		Name: "n", PodName: "p", CNIBinDir: "/tmp/x/bin", CNIConfDir: "/tmp/x/net.d", PluginBinary: "/tmp/x/ambient-cni",
-		AgentSocket: "/tmp/x/agent.sock", ZDSSocket: "/tmp/x/zt.sock", Kubeconfig: "/tmp/x/kubeconfig",
+		AgentSocket: "/tmp/x/agent.sock", ZDSSocket: "/tmp/x/zt.sock", StateDir: "/tmp/x/state", Kubeconfig: "/tmp/x/kubeconfig",
 	}, settings)
 	if err != nil {
 		t.Fatal(err)

@@ -85,6 +85,11 @@ type nodeOptions struct {
 	// injection; see crash_test.go). Not a setting: the agent's flags stay
 	// the shipped ones.
 	AgentHook func(*nodeagent.Config)
+	// ServerHook changes each daemon's event server configuration (slow
+	// or hung answers; see watchdog_test.go); WatchdogPeriod shortens the
+	// watchdog's period. Not settings either.
+	ServerHook     func(*nodeagent.ServerConfig)
+	WatchdogPeriod time.Duration
 	// MetricsAddr is the agent's --metrics-addr (default: a free loopback
 	// port); TestMetricsPortTaken points it at a port already held.
 	MetricsAddr string
@@ -148,6 +153,13 @@ type node struct {
 	stopZT func()
 
 	kube *kubesim.Node
+
+	opts nodeOptions
+	// exited is closed when the daemon's Run returned (runErr waits for
+	// it); exitExpected keeps stopDaemon from failing the test on it.
+	exited       chan struct{}
+	runErr       func() error
+	exitExpected bool
 }
 
 func randByte() byte {
@@ -164,7 +176,7 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 	testnet.RequireCommands(t, "ip", "nsenter", "sleep")
 	cnibin.Paths(t) // skips under AMBIENT_UNIT_ONLY before an apiserver starts; builds the plugins once
 	env := kube.Env(t)
-	n := &node{t: t, env: env, Name: testnet.RandName("node-", 8), hook: opts.AgentHook}
+	n := &node{t: t, env: env, Name: testnet.RandName("node-", 8), hook: opts.AgentHook, opts: opts}
 	var err error
 	n.logs = &logSink{t: t}
 	t.Cleanup(n.logs.stop) // registered first: runs after every other cleanup
@@ -368,8 +380,10 @@ func (n *node) startDaemon() {
 			default:
 			}
 		},
-		MetricsRetry: 200 * time.Millisecond,
-		AgentHook:    n.hook,
+		MetricsRetry:   200 * time.Millisecond,
+		AgentHook:      n.hook,
+		ServerHook:     n.opts.ServerHook,
+		WatchdogPeriod: n.opts.WatchdogPeriod,
 	})
 	if err != nil {
 		t.Fatalf("daemon: %v", err)
@@ -383,12 +397,13 @@ func (n *node) startDaemon() {
 		once.Do(func() {
 			cancel()
 			<-done
-			if runErr != nil {
+			if runErr != nil && !n.exitExpected {
 				t.Errorf("daemon Run: %v", runErr)
 			}
 		})
 	}
 	n.d, n.stopD = d, stop
+	n.exited, n.runErr = done, func() error { <-done; return runErr }
 	n.requireAgentBackend()
 
 	deadline := time.After(waitLong)
@@ -698,6 +713,7 @@ type logSink struct {
 	mu      sync.Mutex
 	stopped bool
 	warns   []string
+	lines   []string
 }
 
 func (s *logSink) Write(p []byte) (int, error) {
@@ -707,6 +723,7 @@ func (s *logSink) Write(p []byte) (int, error) {
 	if strings.Contains(line, "level=WARN") || strings.Contains(line, "level=ERROR") {
 		s.warns = append(s.warns, line)
 	}
+	s.lines = append(s.lines, line)
 	if !s.stopped {
 		s.t.Log(line)
 	}
@@ -725,6 +742,13 @@ func (s *logSink) warningsSince(mark int) []string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return slices.Clone(s.warns[mark:])
+}
+
+// all returns every line logged so far.
+func (s *logSink) all() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.lines)
 }
 
 func (s *logSink) stop() {

@@ -20,6 +20,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -83,7 +84,23 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) error {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	log.Info("install-cni starting", "node", cfg.NodeName)
-	return a.Run(ctx)
+	done := make(chan error, 1)
+	go func() { done <- a.Run(ctx) }()
+	select {
+	case err := <-done:
+		return err
+	case <-a.Hung():
+	}
+	// Run is shutting down after the watchdog; what hung may hang that
+	// too, and the process must end for kubelet to restart it.
+	t := time.NewTimer(hungExitGrace)
+	defer t.Stop()
+	select {
+	case err := <-done:
+		return err
+	case <-t.C:
+		return fmt.Errorf("the watchdog gave up on the plugin event server and the shutdown did not end within %s: exiting as a crash would", hungExitGrace)
+	}
 }
 
 // Options are what New needs besides the parsed configuration.
@@ -108,6 +125,12 @@ type Options struct {
 	// before the agent is built: tests wrap its side effects (rules,
 	// ztunnel, annotations) to stop it at a chosen step.
 	AgentHook func(*nodeagent.Config)
+	// ServerHook, when set, may change the plugin event server's
+	// configuration before it is built: tests slow or hang its answers.
+	ServerHook func(*nodeagent.ServerConfig)
+	// WatchdogPeriod is the time between the watchdog's checks of the
+	// event server; zero is watchdogPeriod.
+	WatchdogPeriod time.Duration
 }
 
 // shutdownTimeout bounds the upgrade check and the uninstall at shutdown.
@@ -123,6 +146,21 @@ const releaseTimeout = 12 * time.Second
 // ztunnelDelTimeout bounds the wait for ztunnel's acks of the released
 // pods' Dels on an uninstall.
 const ztunnelDelTimeout = 3 * time.Second
+
+// The watchdog: every watchdogPeriod the agent asks its own event server
+// for STATUS through the plugin's socket (each bounded by
+// health.LiveTimeout); after watchdogFailures failures in a row Run ends
+// with an error and install-cni exits non-zero, so kubelet restarts it.
+// A hung event server costs pods about half a minute, never more.
+const (
+	watchdogPeriod   = 10 * time.Second
+	watchdogFailures = 3
+)
+
+// hungExitGrace bounds the shutdown after the watchdog tripped: a part of
+// the agent that hangs may hang the shutdown too; past this Main returns
+// anyway (the next agent finds the node as a crash leaves it).
+const hungExitGrace = 20 * time.Second
 
 // hostProbeResync is how often the host probe SNAT is put back (another
 // tool removed it, or got a rule above it in POSTROUTING).
@@ -146,6 +184,16 @@ type App struct {
 	ctrl      *controller.Controller
 	health    *health.Server
 	explain   *explain.Explainer
+
+	// hung is closed when the watchdog gave up on the event server.
+	hung     chan struct{}
+	hungOnce sync.Once
+	// unchained is set once an uninstall took the plugin out of every
+	// config (leave, or shutdown's second try).
+	unchained bool
+	// leaving is set once leave decided on an uninstall: the DaemonSet
+	// watch no longer clears the uninstall marker.
+	leaving atomic.Bool
 }
 
 // New builds every part; nothing runs or touches the node until Run.
@@ -160,7 +208,7 @@ func New(o Options) (*App, error) {
 	if o.Metrics == nil {
 		o.Metrics = metrics.New()
 	}
-	a := &App{cfg: c, log: o.Logger, opts: o, metrics: o.Metrics}
+	a := &App{cfg: c, log: o.Logger, opts: o, metrics: o.Metrics, hung: make(chan struct{})}
 	m := a.metrics
 
 	// Rules in pods and the host probe SNAT: nothing is dialled or
@@ -175,7 +223,7 @@ func New(o Options) (*App, error) {
 
 	// The plugin on the node: binary and conflist entry.
 	entry, err := json.Marshal(ambient.PluginConf{
-		AgentSocket: c.AgentSocket, Timeout: c.PluginTimeout.String(),
+		AgentSocket: c.AgentSocket, StateDir: c.StateDir, Timeout: c.PluginTimeout.String(),
 		LogLevel: c.PluginLogLevel, ExcludedNamespaces: nonNil(c.ExcludedNamespaces),
 		StatusRequiresAgent: c.StatusChecksAgent, AgentUnreachable: c.AgentUnreachable,
 		AgentDownAfter: c.AgentDownAfter.String(),
@@ -207,6 +255,7 @@ func New(o Options) (*App, error) {
 		return nil, fmt.Errorf("installer: %w", err)
 	}
 	a.upgrade = kubeadapter.NewDaemonSetUpgradeChecker(o.Client, c.PodNamespace, c.DaemonSet, c.NodeName, a.log)
+	a.upgrade.OnChange(a.daemonSetChanged)
 
 	// What the agent decides with: the pod cache.
 	policy := c.EnablementPolicy()
@@ -269,7 +318,7 @@ func New(o Options) (*App, error) {
 
 	// The two ways in: the plugin's events (decide, capture) and the pod
 	// controller (decide, find, capture).
-	a.server = nodeagent.NewServer(nodeagent.ServerConfig{
+	serverCfg := nodeagent.ServerConfig{
 		Layout: layout, Netns: netnsPolicy,
 		HandlerTimeout: ambient.HandlerTimeout(c.PluginTimeout),
 		Observe: func(verb, result string, took time.Duration) {
@@ -278,7 +327,11 @@ func New(o Options) (*App, error) {
 		// The agent's (a hook may have changed it): an ADD's timings
 		// span both.
 		Logger: agentCfg.Logger,
-	}, a.pods, a.agent)
+	}
+	if o.ServerHook != nil {
+		o.ServerHook(&serverCfg)
+	}
+	a.server = nodeagent.NewServer(serverCfg, a.pods, a.agent)
 	a.ctrl = controller.New(controller.Config{
 		Pods:   a.pods,
 		Agent:  a.agent,
@@ -307,6 +360,15 @@ func New(o Options) (*App, error) {
 		DaemonSet: a.upgrade.Seen,
 		Policy:    policy,
 	}
+	// Alive is answering: once the event server listens, it must answer
+	// the plugin's cheapest request through its socket (before, startup
+	// reconcile runs and readiness says so).
+	a.health.AddLiveCheck("event-server", func(ctx context.Context) error {
+		if !a.server.Listening() {
+			return nil
+		}
+		return a.server.Answering(ctx)
+	})
 	a.health.AddCheck("installer", a.installer.Check)
 	a.health.AddCheck("restore", func() error {
 		if !closed(a.ctrl.Restored()) {
@@ -465,6 +527,17 @@ func (a *App) Run(ctx context.Context) (err error) {
 			Logger:     a.log.With("component", "debug"),
 		}.Handler())
 	})
+	// An uninstall cut short left its marker, which makes the plugin let
+	// every pod through while no agent answers; this agent chains the
+	// plugin again, so the mesh is back on the node: the marker goes
+	// first.
+	if had, err := nodefiles.ClearUninstalling(layout); err != nil {
+		cancel()
+		wg.Wait()
+		return err
+	} else if had {
+		a.log.Info("removed the marker of an uninstall cut short; the plugin is chained again", "marker", layout.Uninstalling())
+	}
 	run("installer", a.installer.Run)
 	run("daemonset-watch", a.upgrade.Run)
 	run("pod-cache", a.pods.Run)
@@ -488,9 +561,10 @@ func (a *App) Run(ctx context.Context) (err error) {
 		wg.Wait()
 		return err
 	case <-ctx.Done():
+		upgrade, leaveErr := a.leave()
 		cancel()
 		wg.Wait()
-		return a.shutdown(stopZtunnel)
+		return errors.Join(leaveErr, a.shutdown(upgrade, stopZtunnel))
 	}
 	if err := a.agent.RefreshSnapshot(); err != nil {
 		a.log.Error("enablement snapshot", "err", err)
@@ -514,6 +588,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 	}
 	start(&zdsWG, zdsCtx, "zds", a.zds.Serve)
 	run("event-server", a.server.Serve)
+	run("watchdog", a.watchdog)
 	run("spool", a.agent.RunSpoolDrain)
 	if c.StartupTaint {
 		run("startup-taint", nodetaint.Untainter{
@@ -527,6 +602,11 @@ func (a *App) Run(ctx context.Context) (err error) {
 	var runErr error
 	select {
 	case <-ctx.Done():
+	case runErr = <-errs:
+		a.log.Error("component failed; shutting down", "err", runErr)
+	}
+	upgrade, leaveErr := a.leave()
+	if upgrade && runErr == nil {
 		// Give the annotation writes queued by the last captures a
 		// moment; whatever is left the next agent repairs.
 		fctx, fcancel := context.WithTimeout(context.Background(), annotationFlushTimeout)
@@ -534,13 +614,35 @@ func (a *App) Run(ctx context.Context) (err error) {
 			a.log.Info("annotation writes left to the next agent", "pending", a.agent.PendingAnnotations())
 		}
 		fcancel()
-	case runErr = <-errs:
-		a.log.Error("component failed; shutting down", "err", runErr)
 	}
 	cancel()
 	wg.Wait()
-	return errors.Join(runErr, a.shutdown(stopZtunnel))
+	return errors.Join(runErr, leaveErr, a.shutdown(upgrade, stopZtunnel))
 }
+
+// watchdog gives up on an event server that stopped answering (see
+// watchdogPeriod): its error ends Run, and Hung is closed.
+func (a *App) watchdog(ctx context.Context) error {
+	period := a.opts.WatchdogPeriod
+	if period <= 0 {
+		period = watchdogPeriod
+	}
+	err := health.Watchdog{
+		Name: "the plugin event server", Check: a.server.Answering,
+		Period: period, Timeout: health.LiveTimeout, Failures: watchdogFailures,
+		Failed: func(err error, inARow int) {
+			a.log.Warn("the plugin event server did not answer the watchdog", "in_a_row", inARow, "exit_at", watchdogFailures, "err", err)
+		},
+	}.Run(ctx)
+	if err != nil {
+		a.hungOnce.Do(func() { close(a.hung) })
+	}
+	return err
+}
+
+// Hung is closed when the watchdog gave up on the event server; Run then
+// shuts down and returns its error.
+func (a *App) Hung() <-chan struct{} { return a.hung }
 
 // metricsRetry is how often a metrics address that could not be bound is
 // tried again.
@@ -594,19 +696,75 @@ func (a *App) warnOwnPod(ctx context.Context, reason, msg string) {
 	a.events.Event(ref, corev1.EventTypeWarning, reason, msg)
 }
 
-// shutdown releases the agent's state and, unless the DaemonSet lives on
-// (an upgrade: the next agent takes over, pods keep their rules and new
-// pods wait for it), puts the node back to plain networking: every
-// captured pod is released (annotation, rules, and a Del to ztunnel, whose
-// acks are awaited, bounded, before stopZtunnel closes the ZDS server),
-// then the plugin, its config entry, the host probe set and the agent's
-// node files go, and the node directories are put back as they were.
-// Nothing stays redirected to a ztunnel that may be going too. It runs
-// once every other component stopped; stopZtunnel stops the ZDS server.
-func (a *App) shutdown(stopZtunnel func()) error {
+// daemonSetChanged follows the DaemonSet watch: a DaemonSet being deleted
+// (helm uninstall's hook deletes it in the foreground before the agents
+// get SIGTERM) or gone means an uninstall, so the marker is written at
+// once and a kill anywhere in the shutdown to come finds it there; one
+// that comes back (deleted and created again, orphaning its pods) takes
+// the marker away, unless this agent already decided to uninstall.
+func (a *App) daemonSetChanged(prev, next string) {
+	layout := a.cfg.Layout()
+	switch {
+	case next == "being deleted" || next == "deleted":
+		note := fmt.Sprintf("agent DaemonSet %s/%s %s, seen by agent pod %s/%s on node %s", a.cfg.PodNamespace, a.cfg.DaemonSet, next, a.cfg.PodNamespace, a.cfg.PodName, a.cfg.NodeName)
+		if err := nodefiles.MarkUninstalling(layout, note); err != nil {
+			a.log.Error("uninstall: cannot write the uninstall marker", "err", err)
+			return
+		}
+		a.log.Info("uninstall: marker written", "why", "agent DaemonSet "+next, "marker", layout.Uninstalling())
+	case next == "present" && (prev == "being deleted" || prev == "deleted") && !a.leaving.Load():
+		if had, err := nodefiles.ClearUninstalling(layout); err != nil {
+			a.log.Error("cannot remove the uninstall marker of a DaemonSet that is back", "err", err)
+		} else if had {
+			a.log.Info("agent DaemonSet is back: uninstall marker removed")
+		}
+	}
+}
+
+// leave is the first step of a stop, taken while every component still
+// runs (the event server answers, the annotation writer writes): the
+// upgrade decision (kubeadapter's DaemonSet check), and on an uninstall the
+// uninstall marker, then the plugin unchained (the runtime no longer calls
+// it for new pods). The marker comes first so that a kill at any later
+// step leaves a plugin that, finding no agent, lets pods through.
+func (a *App) leave() (upgrade bool, err error) {
 	ctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
 	defer cancel()
-	upgrade := kubeadapter.IsUpgrade(ctx, a.upgrade, a.log)
+	upgrade = kubeadapter.IsUpgrade(ctx, a.upgrade, a.log)
+	if upgrade {
+		return true, nil
+	}
+	a.leaving.Store(true)
+	layout := a.cfg.Layout()
+	note := fmt.Sprintf("uninstall of ambient-cni from node %s begun by agent pod %s/%s", a.cfg.NodeName, a.cfg.PodNamespace, a.cfg.PodName)
+	if err := nodefiles.MarkUninstalling(layout, note); err != nil {
+		// Unchain anyway: a plugin left chained without an agent blocks
+		// the node's pods for good.
+		a.log.Error("uninstall: cannot write the uninstall marker; unchaining the plugin without it", "err", err)
+	} else {
+		a.log.Info("uninstall: marker written", "marker", layout.Uninstalling())
+	}
+	if err := a.installer.Shutdown(ctx, false); err != nil {
+		return false, fmt.Errorf("installer shutdown: %w", err)
+	}
+	a.unchained = true
+	a.log.Info("uninstall: plugin unchained; releasing the pods")
+	return false, nil
+}
+
+// shutdown finishes a stop once every other component stopped (leave
+// made the decision, and on an uninstall unchained the plugin). On an
+// upgrade the next agent takes over: pods keep their rules, new pods
+// wait for it, and the startup taint may go back on the node. On an
+// uninstall the node goes back to plain networking: every captured pod is
+// released (annotation, rules, and a Del to ztunnel, whose acks are
+// awaited, bounded, before stopZtunnel closes the ZDS server), then the
+// host probe set and the agent's node files go, the node directories are
+// put back as they were, and, last, the uninstall marker. stopZtunnel
+// stops the ZDS server.
+func (a *App) shutdown(upgrade bool, stopZtunnel func()) error {
+	ctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
+	defer cancel()
 	var errs []error
 	if upgrade && a.cfg.StartupTaintOnShutdown {
 		// First, so that nothing is scheduled onto the node while it has no
@@ -635,8 +793,14 @@ func (a *App) shutdown(stopZtunnel func()) error {
 	_ = a.agent.Close()
 	ictx, icancel := context.WithTimeout(context.Background(), shutdownTimeout)
 	defer icancel()
-	if err := a.installer.Shutdown(ictx, upgrade); err != nil {
-		errs = append(errs, fmt.Errorf("installer shutdown: %w", err))
+	if upgrade || !a.unchained {
+		// An upgrade leaves the plugin; an uninstall whose unchaining
+		// failed in leave tries once more.
+		if err := a.installer.Shutdown(ictx, upgrade); err != nil {
+			errs = append(errs, fmt.Errorf("installer shutdown: %w", err))
+		} else if !upgrade {
+			a.unchained = true
+		}
 	}
 	if !upgrade {
 		layout := a.cfg.Layout()
@@ -656,6 +820,13 @@ func (a *App) shutdown(stopZtunnel func()) error {
 		}
 		if err := nodedirs.Restore(layout.NodeDirsLedger()); err != nil {
 			errs = append(errs, err)
+		}
+		// Last, and only once no config names the plugin: until then it
+		// is what lets pods through.
+		if a.unchained {
+			if _, err := nodefiles.ClearUninstalling(layout); err != nil {
+				errs = append(errs, err)
+			}
 		}
 	}
 	a.log.Info("install-cni stopped", "upgrade", upgrade)

@@ -75,7 +75,8 @@ Kubelet's exec probe of the node agent on this node, asked over its root-only
 debug socket (debug.sock next to the agent socket), so the agent holds no
 host port for it:
 
-  live    /livez: the agent's process answers
+  live    /livez: the plugin event server answers a STATUS round trip
+          through its socket
   ready   /readyz: plugin installed and chained, sockets listening, startup
           reconcile done (what fails is printed)
 

@@ -76,6 +76,7 @@ type Config struct {
 	AgentDownAfter    time.Duration
 
 	AgentSocket string
+	StateDir    string
 	ZDSSocket   string
 	ProcRoot    string
 	NetnsDirs   []string
@@ -244,6 +245,7 @@ func options() []option {
 			return nil
 		}},
 		{"agent-socket", "Unix socket the plugin reaches the agent on (directory 0700, socket 0600).", ambient.DefaultAgentSocket, str(func(c *Config) *string { return &c.AgentSocket })},
+		{"state-dir", "Persistent host directory (on disk, not tmpfs; directory 0700): what the plugin decides by when the agent cannot answer, kept across reboots, and the uninstall marker.", ambient.DefaultStateDir, str(func(c *Config) *string { return &c.StateDir })},
 		{"zds-socket", "ZDS socket ztunnel connects to.", ambient.DefaultZDSSocket, str(func(c *Config) *string { return &c.ZDSSocket })},
 		{"proc-root", "The host's /proc as mounted in the container, scanned to find running pods' network namespaces.", defaultProcRoot, str(func(c *Config) *string { return &c.ProcRoot })},
 		{"netns-dirs", "Comma-separated directories where the runtime mounts pod network namespaces; the only netns paths accepted from the plugin besides /proc/<pid>/ns/net.", strings.Join(netns.DefaultRoots, ","), list(func(c *Config) *[]string { return &c.NetnsDirs })},
@@ -353,10 +355,6 @@ func Parse(args []string, getenv func(string) string, stderr io.Writer) (*Config
 	return c, c.validate()
 }
 
-// Layout is the agent's run directory around AgentSocket: the one place
-// install-cni names its node files, handed to every part as this value.
-func (c *Config) Layout() nodefiles.Layout { return nodefiles.ForSocket(c.AgentSocket) }
-
 // EnablementPolicy is the policy the agent decides with: the excluded
 // namespaces, and the data-plane namespaces (by default the agent's own).
 func (c *Config) EnablementPolicy() enablement.Policy {
@@ -365,6 +363,13 @@ func (c *Config) EnablementPolicy() enablement.Policy {
 		p.DataPlaneNamespaces = []string{c.PodNamespace}
 	}
 	return p
+}
+
+// Layout is where the agent's node files live: beside the agent socket,
+// and the persistent ones in the state directory; the one place
+// install-cni names them, handed to every part as this value.
+func (c *Config) Layout() nodefiles.Layout {
+	return nodefiles.ForSocket(c.AgentSocket).WithStateDir(c.StateDir)
 }
 
 func (c *Config) validate() error {
@@ -399,7 +404,7 @@ func (c *Config) validate() error {
 			errs = append(errs, fmt.Errorf("netns dir %q is not absolute", d))
 		}
 	}
-	for _, p := range []struct{ name, v string }{{"agent-socket", c.AgentSocket}, {"zds-socket", c.ZDSSocket}, {"cni-bin-dir", c.CNIBinDir}, {"cni-conf-dir", c.CNIConfDir}} {
+	for _, p := range []struct{ name, v string }{{"agent-socket", c.AgentSocket}, {"state-dir", c.StateDir}, {"zds-socket", c.ZDSSocket}, {"cni-bin-dir", c.CNIBinDir}, {"cni-conf-dir", c.CNIConfDir}} {
 		if !strings.HasPrefix(p.v, "/") {
 			errs = append(errs, fmt.Errorf("%s %q is not an absolute path", p.name, p.v))
 		}

@@ -8,15 +8,39 @@ import (
 
 // Layout is the agent's run directory: the directory of its socket, a
 // root-only host directory that outlives the agent's container, and
-// everything in it. It is the one place those paths are spelled; the
-// plugin and the agent both take theirs from it.
+// everything in it; and its state directory, a root-only host directory on
+// disk that also outlives a reboot. It is the one place those paths are
+// spelled; the plugin and the agent both take theirs from it.
 type Layout struct {
 	socket string
+	state  string
 }
 
 // ForSocket is the layout around the agent socket at socket: everything
-// else lives in the socket's directory.
+// else lives in the socket's directory, but for the state directory
+// (ambient.DefaultStateDir unless WithStateDir says otherwise).
 func ForSocket(socket string) Layout { return Layout{socket: socket} }
+
+// WithStateDir is l with its persistent state directory at dir.
+func (l Layout) WithStateDir(dir string) Layout {
+	l.state = dir
+	return l
+}
+
+// StateDir is the persistent node directory (on disk, not tmpfs): what
+// the plugin decides by when the agent cannot answer, which must survive a
+// reboot, and the marker of an uninstall in progress.
+func (l Layout) StateDir() string {
+	if l.state == "" {
+		return ambient.DefaultStateDir
+	}
+	return l.state
+}
+
+// Uninstalling is the marker an uninstall writes in the state directory
+// before it removes anything: while it exists and the agent cannot answer,
+// the plugin lets every pod through, since the mesh is leaving the node.
+func (l Layout) Uninstalling() string { return filepath.Join(l.StateDir(), "uninstalling") }
 
 // InDir is the layout of run directory dir, the agent socket named as by
 // default.

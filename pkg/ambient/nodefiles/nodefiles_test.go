@@ -183,3 +183,33 @@ func TestListHostileEntries(t *testing.T) {
 		}
 	}
 }
+
+// TestUninstallMarker: the marker is written (state directory created
+// root-only), found, replaced, and cleared once; clearing none is fine.
+func TestUninstallMarker(t *testing.T) {
+	l := ForSocket(filepath.Join(t.TempDir(), "run", "agent.sock")).WithStateDir(filepath.Join(t.TempDir(), "state", "nested"))
+	if had, err := ClearUninstalling(l); had || err != nil {
+		t.Fatalf("clear with none: %v, %v", had, err)
+	}
+	for _, note := range []string{"first", "second"} {
+		if err := MarkUninstalling(l, note); err != nil {
+			t.Fatal(err)
+		}
+		b, err := os.ReadFile(l.Uninstalling())
+		if err != nil || string(b) != note+"\n" {
+			t.Fatalf("marker holds %q, %v", b, err)
+		}
+	}
+	if fi, err := os.Stat(l.StateDir()); err != nil || fi.Mode().Perm() != 0o700 {
+		t.Errorf("state dir: %v, %v; want 0700", fi, err)
+	}
+	if fi, err := os.Stat(l.Uninstalling()); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Errorf("marker: %v, %v; want 0600", fi, err)
+	}
+	if had, err := ClearUninstalling(l); !had || err != nil {
+		t.Fatalf("clear: %v, %v", had, err)
+	}
+	if _, err := os.Lstat(l.Uninstalling()); !os.IsNotExist(err) {
+		t.Errorf("marker left after clear: %v", err)
+	}
+}

@@ -135,6 +135,15 @@ func (p *Proc) Stop(grace time.Duration) error {
 	}
 }
 
+// Signal sends sig without waiting (a SIGTERM whose shutdown a test
+// interrupts, say); a nil or exited Proc is left alone.
+func (p *Proc) Signal(sig os.Signal) error {
+	if p == nil || p.Exited() {
+		return nil
+	}
+	return p.cmd.Process.Signal(sig)
+}
+
 // Kill sends SIGKILL, as an OOM kill would (nothing of the child's
 // shutdown runs), and waits until the child is reaped.
 func (p *Proc) Kill() {

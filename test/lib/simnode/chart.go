@@ -165,6 +165,7 @@ var NodeLocal = map[string]string{
 	"AMBIENT_PLUGIN_BINARY": "bin/ambient-cni from make build (the image's copy in the chart)",
 	"AMBIENT_AGENT_SOCKET":  "sockets in the node's directory, not the machine's /var/run",
 	"AMBIENT_ZDS_SOCKET":    "sockets in the node's directory, not the machine's /var/run",
+	"AMBIENT_STATE_DIR":     "the agent's persistent files (uninstall marker) in the node's directory, not the machine's /var/lib",
 	"AMBIENT_PROC_ROOT":     "the host's /proc is /proc here (mounted at /host/proc in the chart)",
 	"AMBIENT_KUBECONFIG": "the ServiceAccount's token and the loopback API server in a kubeconfig " +
 		"(the chart uses in-cluster configuration; neither carries a rate limit)",
@@ -176,6 +177,7 @@ type Paths struct {
 	CNIBinDir, CNIConfDir  string
 	PluginBinary           string
 	AgentSocket, ZDSSocket string
+	StateDir               string
 	Kubeconfig             string
 }
 
@@ -194,6 +196,7 @@ func AgentEnv(s *Shipped, p Paths, settings map[string]string) (map[string]strin
 		"AMBIENT_PLUGIN_BINARY": p.PluginBinary,
 		"AMBIENT_AGENT_SOCKET":  p.AgentSocket,
 		"AMBIENT_ZDS_SOCKET":    p.ZDSSocket,
+		"AMBIENT_STATE_DIR":     p.StateDir,
 		"AMBIENT_PROC_ROOT":     "/proc",
 		"AMBIENT_KUBECONFIG":    p.Kubeconfig,
 	}

@@ -233,7 +233,10 @@ func Prepare(ctx context.Context, o Options) (n *Node, err error) {
 		CNIBinDir: n.BinDir, CNIConfDir: n.ConfDir, PluginBinary: o.Plugin,
 		AgentSocket: filepath.Join(n.runDir, "ambient-cni", "agent.sock"),
 		ZDSSocket:   filepath.Join(n.runDir, "ztunnel", "ztunnel.sock"),
-		Kubeconfig:  kubeconfig,
+		// On the node's disk, beside the tmpfs run directory, as
+		// /var/lib is beside /var/run.
+		StateDir:   filepath.Join(o.Dir, "state"),
+		Kubeconfig: kubeconfig,
 	}, settings); err != nil {
 		return n, err
 	}

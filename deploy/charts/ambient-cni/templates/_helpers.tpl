@@ -68,6 +68,8 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ .Values.cni.agentDownAfter | quote }}
 - name: AMBIENT_AGENT_SOCKET
   value: {{ printf "%s/agent.sock" (.Values.agent.socketDir | trimSuffix "/") | quote }}
+- name: AMBIENT_STATE_DIR
+  value: {{ .Values.agent.stateDir | quote }}
 - name: AMBIENT_ZDS_SOCKET
   value: {{ printf "%s/%s" (.Values.ztunnel.socketDir | trimSuffix "/") .Values.ztunnel.socketName | quote }}
 - name: AMBIENT_PROC_ROOT

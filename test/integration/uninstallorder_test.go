@@ -1,0 +1,141 @@
+package integration
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
+)
+
+// releaseWatch notes, at the first rule removal of an uninstall (the
+// first pod released), what the node looked like.
+type releaseWatch struct {
+	ruleset.Applier
+	mu      sync.Mutex
+	at      func() string
+	first   string
+	removes int
+}
+
+func (r *releaseWatch) Remove(netns string) error {
+	r.mu.Lock()
+	if r.removes++; r.removes == 1 && r.at != nil {
+		r.first = r.at()
+	}
+	r.mu.Unlock()
+	return r.Applier.Remove(netns)
+}
+
+// TestUninstallOrder: an uninstall (no DaemonSet) writes the uninstall
+// marker, then unchains the plugin, then releases the pods, then removes
+// the rest and, last, the marker. Each kill point is safe: before the
+// unchaining the marker makes a plugin that finds no agent let pods
+// through (test/chaos TestUninstallKilled); after it no config names the
+// plugin. A new agent removes a stale marker before it chains the plugin.
+func TestUninstallOrder(t *testing.T) {
+	w := &releaseWatch{}
+	var n *node
+	n = newNode(t, nodeOptions{AgentHook: func(c *nodeagent.Config) { w.Applier = c.Rules; c.Rules = w }})
+	marker := n.cfg.Layout().Uninstalling()
+	conf := filepath.Join(n.confDir, simnode.PrimaryConf)
+	chained := func() bool {
+		b, err := os.ReadFile(conf)
+		return err == nil && bytes.Contains(b, []byte(`"`+cnibin.PluginName+`"`))
+	}
+	w.at = func() string {
+		_, err := os.Lstat(marker)
+		return "marker present: " + map[bool]string{true: "yes", false: "no"}[err == nil] +
+			"; plugin chained: " + map[bool]string{true: "yes", false: "no"}[chained()]
+	}
+	shop := n.namespace("shop", ambientLabel)
+	a := n.runPod(podSpec(shop, "a", nil, nil))
+	n.waitEnrolled(waitLong, a)
+
+	n.stopDaemon()
+	w.mu.Lock()
+	first, removes := w.first, w.removes
+	w.mu.Unlock()
+	if removes == 0 {
+		t.Fatal("the uninstall released no pod")
+	}
+	if first != "marker present: yes; plugin chained: no" {
+		t.Errorf("when the first pod was released: %s; want the marker written and the plugin unchained before", first)
+	}
+	if n.hasRules(a) {
+		t.Error("the pod keeps its rules")
+	}
+	if chained() {
+		t.Error("the plugin is still chained after the uninstall")
+	}
+	if _, err := os.Lstat(marker); !os.IsNotExist(err) {
+		t.Errorf("the marker outlived a complete uninstall: %v", err)
+	}
+	logs := strings.Join(n.logs.all(), "\n")
+	iMarker, iUnchained := strings.Index(logs, "uninstall: marker written"), strings.Index(logs, "uninstall: plugin unchained")
+	if iMarker < 0 || iUnchained < 0 || iMarker > iUnchained {
+		t.Errorf("log order: marker at %d, unchained at %d; want the marker first", iMarker, iUnchained)
+	}
+
+	// An uninstall cut short left its marker; the mesh is installed again:
+	// the new agent removes it before it chains the plugin.
+	if err := os.WriteFile(marker, []byte("left by a killed uninstall\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	n.startDaemon()
+	if _, err := os.Lstat(marker); !os.IsNotExist(err) {
+		t.Errorf("a new agent left the stale marker: %v", err)
+	}
+	if !chained() {
+		t.Error("the new agent did not chain the plugin")
+	}
+}
+
+// TestUninstallMarkerOnDaemonSetDeletion: the agent writes the uninstall
+// marker the moment its watch sees the DaemonSet deleted (helm uninstall's
+// hook deletes it before any agent gets SIGTERM), so a kill anywhere in
+// the shutdown that follows finds it; a DaemonSet created again (its pods
+// orphaned) takes the marker away. The agent serves throughout.
+func TestUninstallMarkerOnDaemonSetDeletion(t *testing.T) {
+	n := newNode(t, nodeOptions{Upgrade: true})
+	marker := n.cfg.Layout().Uninstalling()
+	exists := func() bool { _, err := os.Lstat(marker); return err == nil }
+	eventually(t, "the watch seeing the DaemonSet", func() bool { return n.d.DaemonSetSeen() == "present" })
+	if exists() {
+		t.Fatal("marker written while the DaemonSet lives")
+	}
+	ctx := context.Background()
+	// No garbage collector runs here: the DaemonSet goes at once and
+	// nothing deletes the agent (as with --cascade=orphan).
+	if err := n.env.Client.AppsV1().DaemonSets(n.agentNS).Delete(ctx, n.cfg.DaemonSet, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the marker after the DaemonSet's deletion", exists)
+	if failed := n.d.Ready(); len(failed) > 0 {
+		t.Errorf("the agent stopped serving when its DaemonSet went: %v", failed)
+	}
+	n.createDaemonSet()
+	eventually(t, "the marker gone once the DaemonSet is back", func() bool { return !exists() })
+
+	// Deleted again, and the agent stops: an uninstall, marker gone last.
+	if err := n.env.Client.AppsV1().DaemonSets(n.agentNS).Delete(ctx, n.cfg.DaemonSet, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the marker after the second deletion", exists)
+	n.stopDaemon()
+	if exists() {
+		t.Error("the marker outlived a complete uninstall")
+	}
+	if b, err := os.ReadFile(filepath.Join(n.confDir, simnode.PrimaryConf)); err != nil || bytes.Contains(b, []byte(`"`+cnibin.PluginName+`"`)) {
+		t.Errorf("plugin still chained after the uninstall (%v)", err)
+	}
+}
