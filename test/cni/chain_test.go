@@ -26,7 +26,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 	"github.com/ambient-cni/ambient-cni/test/lib/captureproxy"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
-	"github.com/ambient-cni/ambient-cni/test/lib/dataplanetest"
+	"github.com/ambient-cni/ambient-cni/test/lib/ourrules"
 	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 )
 
@@ -164,7 +164,7 @@ func chainScenario(t *testing.T, v string) {
 		if err := n.check(plain); err != nil {
 			t.Errorf("CHECK of disabled pod: %v", err)
 		}
-		dataplanetest.DeleteFirstOutputRule(t, n.rules.Name, web.ns.Path())
+		ourrules.DeleteFirstOutputRule(t, n.rules.Name, web.ns.Path())
 		err := n.check(web)
 		if err == nil || !strings.Contains(err.Error(), "drifted") || !strings.Contains(err.Error(), n.outputChain()) {
 			t.Errorf("CHECK after deleting a rule by hand: %v", err)

@@ -50,8 +50,8 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
-	"github.com/ambient-cni/ambient-cni/test/lib/dataplanetest"
 	"github.com/ambient-cni/ambient-cni/test/lib/fakecluster"
+	"github.com/ambient-cni/ambient-cni/test/lib/ourrules"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
@@ -316,8 +316,8 @@ func (s *sandbox) inNS(t testing.TB, name string, args ...string) string {
 // agent's backend.
 func (n *node) ourChains(t testing.TB, s *sandbox) bool {
 	t.Helper()
-	ipt, nft := dataplanetest.OurRules(t, s.ns.Path())
-	if n.rules.Name == dataplanetest.NFTablesBackend {
+	ipt, nft := ourrules.OurRules(t, s.ns.Path())
+	if n.rules.Name == ourrules.NFTablesBackend {
 		return nft
 	}
 	return ipt
@@ -326,7 +326,7 @@ func (n *node) ourChains(t testing.TB, s *sandbox) bool {
 // outputChain is how a drift report names the agent backend's outbound
 // capture chain (DeleteFirstOutputRule's).
 func (n *node) outputChain() string {
-	if n.rules.Name == dataplanetest.NFTablesBackend {
+	if n.rules.Name == ourrules.NFTablesBackend {
 		return nftables.TableNAT
 	}
 	return iptables.ChainOutput
@@ -345,10 +345,10 @@ func shippedRules(t testing.TB, log *slog.Logger) *rulesbackend.Backend {
 		testnet.Missing(t, "no usable rules backend: "+err.Error())
 	}
 	t.Cleanup(func() { _ = b.Close() })
-	if b.Name == dataplanetest.NFTablesBackend {
+	if b.Name == ourrules.NFTablesBackend {
 		testnet.RequireCommands(t, "nft")
 	} else {
-		f := dataplanetest.IPTablesFlavour(t, b.Name)
+		f := ourrules.IPTablesFlavour(t, b.Name)
 		testnet.RequireCommands(t, f.SaveCmd(ruleset.IPv4), f.RestoreCmd(ruleset.IPv4), f.Cmd(ruleset.IPv4))
 	}
 	return b

@@ -13,8 +13,8 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
-	"github.com/ambient-cni/ambient-cni/test/lib/dataplanetest"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/ourrules"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
@@ -24,7 +24,7 @@ import (
 // matrix over every backend lives in pkg/rulesbackend.
 
 // nftablesBackend is rulesbackend's name for the native backend.
-const nftablesBackend = dataplanetest.NFTablesBackend
+const nftablesBackend = ourrules.NFTablesBackend
 
 // openRules builds, for the test's own reads, the backend the agent chose:
 // the same configured value (and so the same choice), with the host probe
@@ -52,7 +52,7 @@ func (n *node) openRules() {
 // ("iptables-nft").
 func (n *node) iptablesFlavour(name string) iptables.Backend {
 	n.t.Helper()
-	return dataplanetest.IPTablesFlavour(n.t, name)
+	return ourrules.IPTablesFlavour(n.t, name)
 }
 
 // requireAgentBackend fails unless the running agent chose what the test
@@ -100,7 +100,7 @@ func (n *node) hasRules(p *kubesim.Pod) bool {
 // flavour) and our nftables tables.
 func (n *node) ourRules(netnsPath string) (ipt, nft bool) {
 	n.t.Helper()
-	return dataplanetest.OurRules(n.t, netnsPath)
+	return ourrules.OurRules(n.t, netnsPath)
 }
 
 // rulesDump is what a failure message shows of a pod's rules.
@@ -124,7 +124,7 @@ func (n *node) inProbeSet(p *kubesim.Pod) bool {
 // of the pod's outbound nat chain, as an operator or another tool would.
 func (n *node) deleteFirstOutputRule(netnsPath string) {
 	n.t.Helper()
-	dataplanetest.DeleteFirstOutputRule(n.t, n.rules.Name, netnsPath)
+	ourrules.DeleteFirstOutputRule(n.t, n.rules.Name, netnsPath)
 }
 
 // counterLine is one rule of iptables-save -c: "[packets:bytes] -A ...".

@@ -14,6 +14,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 )
 
@@ -109,7 +110,7 @@ func TestUninstallMarkerOnDaemonSetDeletion(t *testing.T) {
 	n := newNode(t, nodeOptions{Upgrade: true})
 	marker := n.cfg.Layout().Uninstalling()
 	exists := func() bool { _, err := os.Lstat(marker); return err == nil }
-	eventually(t, "the watch seeing the DaemonSet", func() bool { return n.d.DaemonSetSeen() == "present" })
+	poll.Within(t, waitLong, "the watch seeing the DaemonSet", func() bool { return n.d.DaemonSetSeen() == "present" })
 	if exists() {
 		t.Fatal("marker written while the DaemonSet lives")
 	}
@@ -119,18 +120,18 @@ func TestUninstallMarkerOnDaemonSetDeletion(t *testing.T) {
 	if err := n.env.Client.AppsV1().DaemonSets(n.agentNS).Delete(ctx, n.cfg.DaemonSet, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the marker after the DaemonSet's deletion", exists)
+	poll.Within(t, waitLong, "the marker after the DaemonSet's deletion", exists)
 	if failed := n.d.Ready(); len(failed) > 0 {
 		t.Errorf("the agent stopped serving when its DaemonSet went: %v", failed)
 	}
 	n.createDaemonSet()
-	eventually(t, "the marker gone once the DaemonSet is back", func() bool { return !exists() })
+	poll.Within(t, waitLong, "the marker gone once the DaemonSet is back", func() bool { return !exists() })
 
 	// Deleted again, and the agent stops: an uninstall, marker gone last.
 	if err := n.env.Client.AppsV1().DaemonSets(n.agentNS).Delete(ctx, n.cfg.DaemonSet, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, "the marker after the second deletion", exists)
+	poll.Within(t, waitLong, "the marker after the second deletion", exists)
 	n.stopDaemon()
 	if exists() {
 		t.Error("the marker outlived a complete uninstall")

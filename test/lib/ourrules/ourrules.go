@@ -1,4 +1,7 @@
-package dataplanetest
+// Package ourrules checks and tampers with the agent's own capture rules of
+// either backend inside a pod's namespace. It is apart from dataplanetest,
+// which the backends' own tests import, because it imports the backends.
+package ourrules
 
 import (
 	"os/exec"
@@ -9,6 +12,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/netfilter"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	"github.com/ambient-cni/ambient-cni/test/lib/dataplanetest"
 )
 
 // NFTablesBackend is the name pkg/rulesbackend gives the nftables backend;
@@ -41,8 +45,8 @@ func OurRules(t testing.TB, netnsPath string) (ipt, nft bool) {
 	}
 	if !ipt {
 		if _, err := exec.LookPath(iptables.BackendLegacy.SaveCmd(ruleset.IPv4)); err == nil {
-			legacy := Run(t, netnsPath, iptables.BackendLegacy.SaveCmd(ruleset.IPv4)) +
-				Run(t, netnsPath, iptables.BackendLegacy.SaveCmd(ruleset.IPv6))
+			legacy := dataplanetest.Run(t, netnsPath, iptables.BackendLegacy.SaveCmd(ruleset.IPv4)) +
+				dataplanetest.Run(t, netnsPath, iptables.BackendLegacy.SaveCmd(ruleset.IPv6))
 			ipt = strings.Contains(legacy, ":"+iptables.ChainOutput+" ") || strings.Contains(legacy, ":"+iptables.ChainPrerouting+" ")
 		}
 	}
@@ -55,17 +59,17 @@ func OurRules(t testing.TB, netnsPath string) (ipt, nft bool) {
 func DeleteFirstOutputRule(t testing.TB, backend, netnsPath string) {
 	t.Helper()
 	if backend != NFTablesBackend {
-		Run(t, netnsPath, IPTablesFlavour(t, backend).Cmd(ruleset.IPv4), "-t", "nat", "-D", iptables.ChainOutput, "1")
+		dataplanetest.Run(t, netnsPath, IPTablesFlavour(t, backend).Cmd(ruleset.IPv4), "-t", "nat", "-D", iptables.ChainOutput, "1")
 		return
 	}
-	list := Run(t, netnsPath, "nft", "-a", "list", "chain", "inet", nftables.TableNAT, "output")
+	list := dataplanetest.Run(t, netnsPath, "nft", "-a", "list", "chain", "inet", nftables.TableNAT, "output")
 	for l := range strings.SplitSeq(list, "\n") {
 		l = strings.TrimSpace(l)
 		if !strings.Contains(l, "# handle ") || strings.HasPrefix(l, "table ") || strings.HasPrefix(l, "chain ") {
 			continue
 		}
 		_, h, _ := strings.Cut(l, "# handle ")
-		Run(t, netnsPath, "nft", "delete", "rule", "inet", nftables.TableNAT, "output", "handle", h)
+		dataplanetest.Run(t, netnsPath, "nft", "delete", "rule", "inet", nftables.TableNAT, "output", "handle", h)
 		return
 	}
 	t.Fatalf("no rule in the pod's nat output chain:\n%s", list)
