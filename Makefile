@@ -17,21 +17,32 @@ TEST_TIMEOUT  ?= 20m
 E2E_TIMEOUT   ?= 45m
 # make demo KEEP=1 leaves the node up until Ctrl-C.
 KEEP          ?=
+# The version every binary, the image and the chart carry: git describe
+# of the checkout (a tag, or tag-N-gCOMMIT, -dirty with local changes),
+# else a VERSION file, else dev. COMMIT is the full commit.
+VERSION       ?= $(shell git describe --tags --always --dirty 2>/dev/null || cat VERSION 2>/dev/null || echo dev)
+COMMIT        ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
+BUILDINFO     := github.com/ambient-cni/ambient-cni/pkg/buildinfo
+STAMP_LDFLAGS := -X $(BUILDINFO).version=$(VERSION) -X $(BUILDINFO).commit=$(COMMIT)
 # Both binaries ship stripped (as deploy/Dockerfile builds them): no symbol
 # table or DWARF; panics still print file:line from the pclntab.
-PLUGIN_LDFLAGS := -s -w
-AGENT_LDFLAGS  := -s -w
+PLUGIN_LDFLAGS := -s -w $(STAMP_LDFLAGS)
+AGENT_LDFLAGS  := -s -w $(STAMP_LDFLAGS)
 
-.PHONY: archcheck tidy check all build tools peer-tools node-tools bench bench-scale test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: archcheck tidy check all build version tools peer-tools node-tools bench bench-scale test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-build: ## build the plugin and the agent into ./bin
+build: ## build the plugin, the agent and the uninstall hook into ./bin, version-stamped
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(PLUGIN_LDFLAGS)' -o $(BIN)/ambient-cni ./cmd/cni-plugin
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(AGENT_LDFLAGS)' -o $(BIN)/install-cni ./cmd/install-cni
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(AGENT_LDFLAGS)' -o $(BIN)/ambient-cni-uninstall ./cmd/ambient-cni-uninstall
+
+version: ## print the version make stamps into the binaries, the image and the chart
+	@echo $(VERSION)
 
 tools: ## build etcd, kube-apiserver and helm from the Go module proxy into the tools cache (minutes the first time, then cached)
 	GO='$(GO)' hack/kube-tools.sh
@@ -47,7 +58,7 @@ node-tools: ## build everything a real node needs: kubelet, kube-controller-mana
 BENCH_OUT     ?= .bench
 
 # A profiled run keeps the agent's symbol table: perf symbolizes from it.
-bench: AGENT_LDFLAGS := $(if $(filter 1 true,$(BENCH_PROFILE)),,-s -w)
+bench: AGENT_LDFLAGS := $(if $(filter 1 true,$(BENCH_PROFILE)),,-s -w) $(STAMP_LDFLAGS)
 bench: build tools peer-tools ## as root: measure the shipped binaries with the chart's defaults beside Istio's istio-cni (built into the tools cache on first use), print one table (docs/performance.md); JSON in .bench/; BENCH_QUICK=1 for a smoke run, BENCH_PROFILE=1 to attach perf
 	$(GO) run ./test/bench/cmd/bench -install-cni $(BIN)/install-cni -plugin $(BIN)/ambient-cni -out $(BENCH_OUT)
 
