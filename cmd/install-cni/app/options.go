@@ -101,22 +101,41 @@ type Config struct {
 	HealthAddr  string
 	MetricsAddr string
 	LogLevel    string
-
-	// effective is every setting's value as parsed (default, environment
-	// or flag), in the table's order, for the agent's first log line. No
-	// setting holds a secret: the kubeconfig is a path.
-	effective []setting
 }
 
-// setting is one setting's effective value as text.
-type setting struct{ name, value string }
-
-// SettingsAttr is the effective settings as one log attribute, "settings",
-// a group with one key per setting.
-func (c *Config) SettingsAttr() slog.Attr {
-	attrs := make([]any, 0, len(c.effective))
-	for _, s := range c.effective {
-		attrs = append(attrs, slog.String(s.name, s.value))
+// SettingsAttr is the effective settings of a Config that Parse made from
+// the same args and environment, as one log attribute: "settings", a group
+// with one key per setting, in the table's order, each as text (default,
+// environment or flag, flags winning; the annotation budget as validate
+// left it). No setting holds a secret: the kubeconfig is a path.
+func (c *Config) SettingsAttr(args []string, getenv func(string) string) slog.Attr {
+	opts := options()
+	values := make(map[string]string, len(opts))
+	fs := flag.NewFlagSet("install-cni", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	for _, o := range opts {
+		v := o.def
+		if o.alias() != "" {
+			if e := getenv(EnvName(o.alias())); e != "" {
+				v = e
+			}
+		}
+		if e := getenv(EnvName(o.name)); e != "" {
+			v = e
+		}
+		values[o.name] = v
+		record := func(v string) error { values[o.name] = v; return nil }
+		fs.Func(o.name, "", record)
+		if o.alias() != "" {
+			fs.Func(o.alias(), "", record)
+		}
+	}
+	_ = fs.Parse(args) // Parse accepted these args already
+	values["annotation-qps"] = strconv.FormatFloat(float64(c.AnnotationQPS), 'g', -1, 32)
+	values["annotation-burst"] = strconv.Itoa(c.AnnotationBurst)
+	attrs := make([]any, 0, len(opts))
+	for _, o := range opts {
+		attrs = append(attrs, slog.String(o.name, values[o.name]))
 	}
 	return slog.Group("settings", attrs...)
 }
@@ -337,7 +356,6 @@ func EnvName(name string) string {
 func Parse(args []string, getenv func(string) string, stderr io.Writer) (*Config, error) {
 	c := &Config{}
 	opts := options()
-	values := make(map[string]string, len(opts))
 	for _, o := range opts {
 		v := o.def
 		if o.alias() != "" {
@@ -348,7 +366,6 @@ func Parse(args []string, getenv func(string) string, stderr io.Writer) (*Config
 		if e := getenv(EnvName(o.name)); e != "" {
 			v = e
 		}
-		values[o.name] = v
 		if v == "" {
 			continue
 		}
@@ -359,13 +376,7 @@ func Parse(args []string, getenv func(string) string, stderr io.Writer) (*Config
 	fs := flag.NewFlagSet("install-cni", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	for _, o := range opts {
-		set := func(v string) error {
-			if err := o.set(c, v); err != nil {
-				return err
-			}
-			values[o.name] = v
-			return nil
-		}
+		set := func(v string) error { return o.set(c, v) }
 		fs.Func(o.name, fmt.Sprintf("%s (env %s, default %q)", o.help, EnvName(o.name), o.def), set)
 		if o.alias() != "" {
 			fs.Func(o.alias(), fmt.Sprintf("Old name of --%s.", o.name), set)
@@ -377,16 +388,7 @@ func Parse(args []string, getenv func(string) string, stderr io.Writer) (*Config
 	if fs.NArg() > 0 {
 		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
 	}
-	if err := c.validate(); err != nil {
-		return c, err
-	}
-	// validate may lower the annotation budget to fit the client's.
-	values["annotation-qps"] = strconv.FormatFloat(float64(c.AnnotationQPS), 'g', -1, 32)
-	values["annotation-burst"] = strconv.Itoa(c.AnnotationBurst)
-	for _, o := range opts {
-		c.effective = append(c.effective, setting{o.name, values[o.name]})
-	}
-	return c, nil
+	return c, c.validate()
 }
 
 // Layout is the agent's run directory around AgentSocket: the one place

@@ -298,19 +298,20 @@ func TestEnablementSelector(t *testing.T) {
 // environment, flags (flags win), and the annotation budget as validate
 // lowered it; one key per setting.
 func TestSettingsAttr(t *testing.T) {
-	c, err := Parse([]string{"--node-name=n1", "--log-level=debug", "--kube-client-qps=8"},
-		env(map[string]string{"AMBIENT_LOG_LEVEL": "warn", "AMBIENT_PLUGIN_TIMEOUT": "40s"}), io.Discard)
+	args := []string{"--node-name=n1", "--log-level=debug", "--kube-client-qps=8", "--iptables-backend=nft"}
+	e := env(map[string]string{"AMBIENT_LOG_LEVEL": "warn", "AMBIENT_PLUGIN_TIMEOUT": "40s"})
+	c, err := Parse(args, e, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
 	got := map[string]string{}
-	for _, a := range c.SettingsAttr().Value.Group() {
+	for _, a := range c.SettingsAttr(args, e).Value.Group() {
 		got[a.Key] = a.Value.String()
 	}
 	if len(got) != len(options()) {
 		t.Errorf("%d settings logged, want %d (one per option)", len(got), len(options()))
 	}
-	for k, want := range map[string]string{"node-name": "n1", "log-level": "debug", "plugin-timeout": "40s", "kube-client-qps": "8", "annotation-qps": "5", "dns-capture": "true", "kubeconfig": ""} {
+	for k, want := range map[string]string{"node-name": "n1", "log-level": "debug", "plugin-timeout": "40s", "kube-client-qps": "8", "annotation-qps": "5", "dns-capture": "true", "kubeconfig": "", "rules-backend": "nft"} {
 		if got[k] != want {
 			t.Errorf("settings[%s] = %q, want %q", k, got[k], want)
 		}
