@@ -29,7 +29,7 @@ STAMP_LDFLAGS := -X $(BUILDINFO).version=$(VERSION) -X $(BUILDINFO).commit=$(COM
 PLUGIN_LDFLAGS := -s -w $(STAMP_LDFLAGS)
 AGENT_LDFLAGS  := -s -w $(STAMP_LDFLAGS)
 
-.PHONY: archcheck tidy check all build version image image-push image-tools tools peer-tools node-tools bench bench-scale test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: archcheck tidy check all build version image image-push image-tools chart chart-push tools peer-tools node-tools bench bench-scale test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -65,6 +65,23 @@ image: image-tools ## build the agent's image (linux/amd64 and linux/arm64, one 
 image-push: ## push $(IMAGE_DIR) (make image) to REGISTRY as ambient-cni:$(IMAGE_TAG) (credentials: docker login's config)
 	@test -n '$(REGISTRY)' || { echo "make image-push needs REGISTRY=host[:port]/path"; exit 1; }
 	$(GO) run ./hack/imagebuild push -layout $(IMAGE_DIR) -ref '$(REGISTRY)/ambient-cni:$(IMAGE_TAG)'
+
+# make chart: the chart packaged with the same version. A chart version
+# must be SemVer: VERSION without its v, or 0.0.0-VERSION when VERSION is
+# not a tag (a bare commit). appVersion, and so the image tag the chart
+# uses by default, is VERSION itself.
+CHART_VERSION ?= $(shell v='$(VERSION)'; case "$$v" in (v[0-9]*) echo "$${v#v}";; (*) echo "0.0.0-$$v";; esac)
+CHART_OUT     ?= $(BIN)/chart
+
+chart: ## lint and package the chart as $(CHART_OUT)/ambient-cni-$(CHART_VERSION).tgz (version and appVersion from VERSION); builds helm if needed
+	GO='$(GO)' hack/kube-tools.sh helm
+	@helm=$$(hack/kube-tools.sh --path helm); set -e; \
+	$$helm lint --strict deploy/charts/ambient-cni; \
+	$$helm package deploy/charts/ambient-cni --version '$(CHART_VERSION)' --app-version '$(VERSION)' -d $(CHART_OUT)
+
+chart-push: ## push the packaged chart (make chart) to REGISTRY as an OCI artifact: oci://$(REGISTRY)/ambient-cni
+	@test -n '$(REGISTRY)' || { echo "make chart-push needs REGISTRY=host[:port]/path"; exit 1; }
+	$$(hack/kube-tools.sh --path helm) push $(CHART_OUT)/ambient-cni-$(CHART_VERSION).tgz oci://$(REGISTRY)
 
 version: ## print the version make stamps into the binaries, the image and the chart
 	@echo $(VERSION)
