@@ -46,7 +46,7 @@ func TestStampedBinaries(t *testing.T) {
 	const v, c = "v9.8.7-test", "0123456789abcdef0123456789abcdef01234567"
 	ldflags := "-X github.com/ambient-cni/ambient-cni/pkg/buildinfo.version=" + v +
 		" -X github.com/ambient-cni/ambient-cni/pkg/buildinfo.commit=" + c
-	pkgs := map[string]string{"install-cni": "./cmd/install-cni", "ambient-cni-uninstall": "./cmd/ambient-cni-uninstall", "ambient-cni": pluginPackage(t, root)}
+	pkgs := map[string]string{"install-cni": "./cmd/install-cni", "ambient-cni-uninstall": "./cmd/ambient-cni-uninstall", "ambient-cni": "./cmd/cni-plugin"}
 	for name, pkg := range pkgs {
 		cmd := exec.Command("go", "build", "-trimpath", "-ldflags", ldflags, "-o", filepath.Join(out, name), pkg)
 		cmd.Dir = root
@@ -63,16 +63,4 @@ func TestStampedBinaries(t *testing.T) {
 			t.Errorf("%s --version = %q, want prefix %q", name, got, want)
 		}
 	}
-}
-
-// pluginPackage is the plugin's main package (cmd/cni-plugin, or its
-// older home cmd/ambient-cni).
-func pluginPackage(t *testing.T, root string) string {
-	for _, p := range []string{"cmd/cni-plugin", "cmd/ambient-cni"} {
-		if _, err := os.Stat(filepath.Join(root, p, "main.go")); err == nil {
-			return "./" + p
-		}
-	}
-	t.Fatal("no plugin main package")
-	return ""
 }
