@@ -5,7 +5,8 @@
 //
 // Settings come from the environment: AMBIENT_POD_NAMESPACE (the
 // release namespace), AMBIENT_DAEMONSET_NAME, AMBIENT_UNINSTALL_TIMEOUT
-// (a Go duration, default 5m). It uses the in-cluster configuration.
+// (a Go duration, default 5m), AMBIENT_LOG_FORMAT (text, the default, or
+// json, as the agent's). It uses the in-cluster configuration.
 // --version prints the version and exits.
 package main
 
@@ -31,7 +32,11 @@ func main() {
 		fmt.Println(buildinfo.String("ambient-cni-uninstall"))
 		return
 	}
-	log := slog.New(slog.NewJSONHandler(os.Stderr, nil))
+	var h slog.Handler = slog.NewTextHandler(os.Stderr, nil)
+	if os.Getenv("AMBIENT_LOG_FORMAT") == "json" {
+		h = slog.NewJSONHandler(os.Stderr, nil)
+	}
+	log := slog.New(h)
 	log.Info("ambient-cni-uninstall starting", "version", buildinfo.Version(), "commit", buildinfo.Commit())
 	if err := run(log); err != nil {
 		log.Error("uninstall hook failed", "err", err)

@@ -60,7 +60,7 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) error {
 	if err := level.UnmarshalText([]byte(cfg.LogLevel)); err != nil {
 		return err
 	}
-	log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level}))
+	log := slog.New(NewLogHandler(cfg.LogFormat, stderr, &slog.HandlerOptions{Level: level}))
 	// The first line says which build runs and how it is set up.
 	log.Info("install-cni starting", "version", buildinfo.Version(), "commit", buildinfo.Commit(), "node", cfg.NodeName, cfg.SettingsAttr(args, getenv))
 	klog.SetSlogLogger(log.With("component", "client-go"))

@@ -42,6 +42,9 @@ const (
 	defaultProcRoot = "/proc"
 	// defaultLogLevel is install-cni's own log level.
 	defaultLogLevel = "info"
+	// defaultLogFormat is text, as istio-cni's default (its chart's
+	// global.logAsJson is false): kubectl logs is read by people.
+	defaultLogFormat = "text"
 	// defaultKubeClientQPS and defaultKubeClientBurst are the agent's
 	// client-side API rate limit, as Istio's CNI agent's (client-go's own
 	// 5/10 capped the agent at 5 pods/s).
@@ -101,6 +104,7 @@ type Config struct {
 	HealthAddr  string
 	MetricsAddr string
 	LogLevel    string
+	LogFormat   string
 }
 
 // SettingsAttr is the effective settings of a Config that Parse made from
@@ -333,7 +337,24 @@ func options() []option {
 			}
 			return fmt.Errorf("want debug, info, warn or error")
 		}},
+		{"log-format", "Log format: text (key=value lines, for people; istio-cni's default) or json (one object per line, for log pipelines).", defaultLogFormat, func(c *Config, v string) error {
+			switch v {
+			case "text", "json":
+				c.LogFormat = v
+				return nil
+			}
+			return fmt.Errorf("want text or json")
+		}},
 	}
+}
+
+// NewLogHandler is the slog handler of a log format (text or json; see
+// the log-format setting) writing to w.
+func NewLogHandler(format string, w io.Writer, opts *slog.HandlerOptions) slog.Handler {
+	if format == "json" {
+		return slog.NewJSONHandler(w, opts)
+	}
+	return slog.NewTextHandler(w, opts)
 }
 
 // envNames names the environment variables that set o, for errors: the

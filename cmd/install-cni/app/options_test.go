@@ -3,6 +3,7 @@ package app
 import (
 	"bytes"
 	"io"
+	"log/slog"
 	"net/netip"
 	"os"
 	"slices"
@@ -315,5 +316,31 @@ func TestSettingsAttr(t *testing.T) {
 		if got[k] != want {
 			t.Errorf("settings[%s] = %q, want %q", k, got[k], want)
 		}
+	}
+}
+
+// The log format is text by default (as istio-cni's), json on request,
+// and nothing else.
+func TestLogFormat(t *testing.T) {
+	for _, c := range []struct {
+		args   []string
+		want   string
+		prefix string
+	}{{nil, "text", "time="}, {[]string{"--log-format=json"}, "json", "{"}} {
+		cfg, err := Parse(append([]string{"--node-name=n"}, c.args...), env(nil), io.Discard)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if cfg.LogFormat != c.want {
+			t.Errorf("%v: log format %q, want %q", c.args, cfg.LogFormat, c.want)
+		}
+		var b bytes.Buffer
+		slog.New(NewLogHandler(cfg.LogFormat, &b, nil)).Info("hello", "k", "v")
+		if !strings.HasPrefix(b.String(), c.prefix) {
+			t.Errorf("%s line %q, want it to start with %q", c.want, b.String(), c.prefix)
+		}
+	}
+	if _, err := Parse([]string{"--node-name=n", "--log-format=xml"}, env(nil), io.Discard); err == nil {
+		t.Error("--log-format=xml accepted")
 	}
 }
