@@ -81,14 +81,7 @@ func run(args []string) error {
 		if err != nil {
 			return fmt.Errorf("push: -ref: %w", err)
 		}
-		idx, err := ociimage.ReadLayout(*dir)
-		if err != nil {
-			return err
-		}
-		if err := remote.WriteIndex(r, idx, remote.WithAuthFromKeychain(authn.DefaultKeychain)); err != nil {
-			return fmt.Errorf("push %s: %w", r, err)
-		}
-		d, err := idx.Digest()
+		d, err := ociimage.Push(*dir, r, remote.WithAuthFromKeychain(authn.DefaultKeychain))
 		if err != nil {
 			return err
 		}

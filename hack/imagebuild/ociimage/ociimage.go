@@ -23,10 +23,12 @@ import (
 	"strings"
 	"time"
 
+	"github.com/google/go-containerregistry/pkg/name"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/empty"
 	"github.com/google/go-containerregistry/pkg/v1/layout"
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 	"github.com/google/go-containerregistry/pkg/v1/types"
 )
@@ -198,6 +200,20 @@ func ReadLayout(dir string) (v1.ImageIndex, error) {
 		return nil, fmt.Errorf("layout %s: want one image index, have %d entries", dir, len(m.Manifests))
 	}
 	return outer.ImageIndex(m.Manifests[0].Digest)
+}
+
+// Push writes the image index a layout written by WriteLayout holds, and
+// every image and layer in it, to ref, and returns the index digest: what
+// a runtime pulls by digest.
+func Push(dir string, ref name.Reference, opts ...remote.Option) (v1.Hash, error) {
+	idx, err := ReadLayout(dir)
+	if err != nil {
+		return v1.Hash{}, err
+	}
+	if err := remote.WriteIndex(ref, idx, opts...); err != nil {
+		return v1.Hash{}, fmt.Errorf("push %s: %w", ref, err)
+	}
+	return idx.Digest()
 }
 
 // File is one regular file of a FilesLayer.

@@ -3,13 +3,19 @@ package ociimage
 import (
 	"archive/tar"
 	"io"
+	"log"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/google/go-containerregistry/pkg/name"
+	"github.com/google/go-containerregistry/pkg/registry"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
 )
 
 // tarEntry is one entry of a synthetic rootfs.
@@ -295,5 +301,54 @@ func TestLayoutRoundTrip(t *testing.T) {
 	}
 	if !slices.Equal(arches, []string{"amd64", "arm64"}) {
 		t.Errorf("platforms %q, want amd64 and arm64", arches)
+	}
+}
+
+// A layout pushes as it is: a registry (go-containerregistry's, on
+// loopback) then serves the same index, both images and their platforms.
+func TestPushLayout(t *testing.T) {
+	s := inputs(t, t.TempDir(), time.Unix(1700000000, 0), false)
+	idx, err := Build(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(t.TempDir(), "image")
+	if err := WriteLayout(dir, idx, s.Version); err != nil {
+		t.Fatal(err)
+	}
+	reg := httptest.NewServer(registry.New(registry.Logger(log.New(io.Discard, "", 0))))
+	defer reg.Close()
+	ref, err := name.ParseReference(strings.TrimPrefix(reg.URL, "http://") + "/ambient-cni:" + s.Version)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pushed, err := Push(dir, ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, _ := idx.Digest()
+	if pushed != want {
+		t.Fatalf("pushed %s, built %s", pushed, want)
+	}
+	got, err := remote.Index(ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d, _ := got.Digest(); d != want {
+		t.Fatalf("registry serves %s, pushed %s", d, want)
+	}
+	m, err := got.IndexManifest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, desc := range m.Manifests {
+		img, err := got.Image(desc.Digest)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ls, err := img.Layers()
+		if err != nil || len(ls) != 2 {
+			t.Fatalf("%s: %d layers (%v)", desc.Platform.Architecture, len(ls), err)
+		}
 	}
 }
