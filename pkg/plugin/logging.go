@@ -84,12 +84,19 @@ func cut(s string) string {
 
 // teeHandler writes each record through h and keeps a copy in rec. It
 // sees only the records h is enabled for, so at the default level (warn)
-// a quiet call records nothing and costs nothing more.
+// a quiet call records nothing; like lazyHandler it formats its With
+// attributes only when a record is written.
 type teeHandler struct {
-	h      slog.Handler
-	rec    *logRecorder
-	attrs  []string // key, value of the With attributes
-	prefix string   // the open groups, "a.b."
+	h     slog.Handler
+	rec   *logRecorder
+	attrs []prefixed // the With attributes, in order
+	group string     // the open groups, "a.b."
+}
+
+// prefixed is a With attribute and the groups open when it was added.
+type prefixed struct {
+	group string
+	attr  slog.Attr
 }
 
 // Enabled reports whether the wrapped handler writes records of level l.
@@ -97,9 +104,12 @@ func (t *teeHandler) Enabled(ctx context.Context, l slog.Level) bool { return t.
 
 // Handle writes r and keeps its copy.
 func (t *teeHandler) Handle(ctx context.Context, r slog.Record) error {
-	attrs := append([]string(nil), t.attrs...)
+	attrs := make([]string, 0, 2*(len(t.attrs)+r.NumAttrs()))
+	for _, a := range t.attrs {
+		attrs = append(attrs, a.group+a.attr.Key, a.attr.Value.String())
+	}
 	r.Attrs(func(a slog.Attr) bool {
-		attrs = append(attrs, t.prefix+a.Key, a.Value.String())
+		attrs = append(attrs, t.group+a.Key, a.Value.String())
 		return true
 	})
 	t.rec.add(r.Level, r.Message, attrs)
@@ -108,14 +118,14 @@ func (t *teeHandler) Handle(ctx context.Context, r slog.Record) error {
 
 // WithAttrs keeps attrs for the records to come, in both.
 func (t *teeHandler) WithAttrs(attrs []slog.Attr) slog.Handler {
-	kept := append([]string(nil), t.attrs...)
+	kept := t.attrs[:len(t.attrs):len(t.attrs)]
 	for _, a := range attrs {
-		kept = append(kept, t.prefix+a.Key, a.Value.String())
+		kept = append(kept, prefixed{t.group, a})
 	}
-	return &teeHandler{h: t.h.WithAttrs(attrs), rec: t.rec, attrs: kept, prefix: t.prefix}
+	return &teeHandler{h: t.h.WithAttrs(attrs), rec: t.rec, attrs: kept, group: t.group}
 }
 
 // WithGroup opens a group in both.
 func (t *teeHandler) WithGroup(name string) slog.Handler {
-	return &teeHandler{h: t.h.WithGroup(name), rec: t.rec, attrs: t.attrs, prefix: t.prefix + name + "."}
+	return &teeHandler{h: t.h.WithGroup(name), rec: t.rec, attrs: t.attrs, group: t.group + name + "."}
 }
