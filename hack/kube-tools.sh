@@ -18,6 +18,8 @@
 # the version hack/tools/istio requires (istio-cni is built only on
 # request: make bench runs it). debian-rootfs is a tarball made
 # by mmdebstrap (Debian package); its version is a hash of what it includes.
+# image-rootfs-amd64 and image-rootfs-arm64, make image's Debian bases, are
+# tarballs made the same way, with no emulator for the foreign one.
 # Nothing else is downloaded. What is already in the cache is not rebuilt.
 #
 # usage: hack/kube-tools.sh [name...]   build (default: etcd kube-apiserver helm)
