@@ -17,21 +17,74 @@ TEST_TIMEOUT  ?= 20m
 E2E_TIMEOUT   ?= 45m
 # make demo KEEP=1 leaves the node up until Ctrl-C.
 KEEP          ?=
+# The version every binary, the image and the chart carry: git describe
+# of the checkout (a tag, or tag-N-gCOMMIT, -dirty with local changes),
+# else a VERSION file, else dev. COMMIT is the full commit.
+VERSION       ?= $(shell git describe --tags --always --dirty 2>/dev/null || cat VERSION 2>/dev/null || echo dev)
+COMMIT        ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
+BUILDINFO     := github.com/ambient-cni/ambient-cni/pkg/buildinfo
+STAMP_LDFLAGS := -X $(BUILDINFO).version=$(VERSION) -X $(BUILDINFO).commit=$(COMMIT)
 # Both binaries ship stripped (as deploy/Dockerfile builds them): no symbol
 # table or DWARF; panics still print file:line from the pclntab.
-PLUGIN_LDFLAGS := -s -w
-AGENT_LDFLAGS  := -s -w
+PLUGIN_LDFLAGS := -s -w $(STAMP_LDFLAGS)
+AGENT_LDFLAGS  := -s -w $(STAMP_LDFLAGS)
 
-.PHONY: archcheck tidy check all build tools peer-tools node-tools bench bench-scale test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: archcheck tidy check all build version image image-push image-tools chart chart-push tools peer-tools node-tools bench bench-scale test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-build: ## build the plugin and the agent into ./bin
-	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(PLUGIN_LDFLAGS)' -o $(BIN)/ambient-cni ./cmd/cni-plugin
+build: ## build the plugin, the agent and the uninstall hook into ./bin, version-stamped
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(PLUGIN_LDFLAGS)' -o $(BIN)/ambient-cni $(PLUGIN_PKG)
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(AGENT_LDFLAGS)' -o $(BIN)/install-cni ./cmd/install-cni
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(AGENT_LDFLAGS)' -o $(BIN)/ambient-cni-uninstall ./cmd/ambient-cni-uninstall
+
+# make image: the agent's image for every architecture under one OCI index,
+# built without Docker (hack/imagebuild) on the Debian bases of
+# hack/kube-tools.sh image-rootfs-ARCH, written as an OCI layout directory.
+IMAGE_ARCHES  ?= amd64 arm64
+IMAGE_DIR     ?= $(BIN)/image
+IMAGE_SOURCE  ?= https://github.com/ambient-cni/ambient-cni
+# make image-push REGISTRY=host[:port]/path pushes IMAGE_DIR as
+# $(REGISTRY)/ambient-cni:$(IMAGE_TAG).
+REGISTRY      ?=
+IMAGE_TAG     ?= $(VERSION)
+PLUGIN_PKG    := ./cmd/cni-plugin
+
+image: image-tools ## build the agent's image (linux/amd64 and linux/arm64, one index) without Docker into $(IMAGE_DIR), an OCI layout; reproducible
+	@set -e; for a in $(IMAGE_ARCHES); do \
+		echo "building linux/$$a binaries"; \
+		CGO_ENABLED=0 GOOS=linux GOARCH=$$a $(GO) build -trimpath -ldflags='$(PLUGIN_LDFLAGS)' -o $(BIN)/linux-$$a/ambient-cni $(PLUGIN_PKG); \
+		CGO_ENABLED=0 GOOS=linux GOARCH=$$a $(GO) build -trimpath -ldflags='$(AGENT_LDFLAGS)' -o $(BIN)/linux-$$a/ ./cmd/install-cni ./cmd/ambient-cni-uninstall; \
+	done
+	$(GO) run ./hack/imagebuild build -out $(IMAGE_DIR) -version '$(VERSION)' -revision '$(COMMIT)' -source '$(IMAGE_SOURCE)' \
+		$(foreach a,$(IMAGE_ARCHES),-platform $(a)=$$(hack/kube-tools.sh --path image-rootfs-$(a)),$(BIN)/linux-$(a))
+
+image-push: ## push $(IMAGE_DIR) (make image) to REGISTRY as ambient-cni:$(IMAGE_TAG) (credentials: docker login's config)
+	@test -n '$(REGISTRY)' || { echo "make image-push needs REGISTRY=host[:port]/path"; exit 1; }
+	$(GO) run ./hack/imagebuild push -layout $(IMAGE_DIR) -ref '$(REGISTRY)/ambient-cni:$(IMAGE_TAG)'
+
+# make chart: the chart packaged with the same version. A chart version
+# must be SemVer: VERSION without its v, or 0.0.0-VERSION when VERSION is
+# not a tag (a bare commit). appVersion, and so the image tag the chart
+# uses by default, is VERSION itself.
+CHART_VERSION ?= $(shell v='$(VERSION)'; case "$$v" in (v[0-9]*) echo "$${v#v}";; (*) echo "0.0.0-$$v";; esac)
+CHART_OUT     ?= $(BIN)/chart
+
+chart: ## lint and package the chart as $(CHART_OUT)/ambient-cni-$(CHART_VERSION).tgz (version and appVersion from VERSION); builds helm if needed
+	GO='$(GO)' hack/kube-tools.sh helm
+	@helm=$$(hack/kube-tools.sh --path helm); set -e; \
+	$$helm lint --strict deploy/charts/ambient-cni; \
+	$$helm package deploy/charts/ambient-cni --version '$(CHART_VERSION)' --app-version '$(VERSION)' -d $(CHART_OUT)
+
+chart-push: ## push the packaged chart (make chart) to REGISTRY as an OCI artifact: oci://$(REGISTRY)/ambient-cni
+	@test -n '$(REGISTRY)' || { echo "make chart-push needs REGISTRY=host[:port]/path"; exit 1; }
+	$$(hack/kube-tools.sh --path helm) push $(CHART_OUT)/ambient-cni-$(CHART_VERSION).tgz oci://$(REGISTRY)
+
+version: ## print the version make stamps into the binaries, the image and the chart
+	@echo $(VERSION)
 
 tools: ## build etcd, kube-apiserver and helm from the Go module proxy into the tools cache (minutes the first time, then cached)
 	GO='$(GO)' hack/kube-tools.sh
@@ -40,6 +93,9 @@ tools: ## build etcd, kube-apiserver and helm from the Go module proxy into the 
 peer-tools: ## build Istio's istio-cni (install-cni and its plugin) from istio.io/istio into the tools cache, for make bench's peer column (cached)
 	GO='$(GO)' hack/kube-tools.sh istio-cni
 
+image-tools: ## build make image's Debian bases (hack/kube-tools.sh image-rootfs-ARCH, one per architecture) into the tools cache
+	GO='$(GO)' hack/kube-tools.sh $(addprefix image-rootfs-,$(IMAGE_ARCHES))
+
 node-tools: ## build everything a real node needs: kubelet, kube-controller-manager, kube-scheduler, crictl, CNI plugins, the Multus thin plugin, the image's Debian rootfs, istiod (cached)
 	GO='$(GO)' hack/kube-tools.sh node
 
@@ -47,7 +103,7 @@ node-tools: ## build everything a real node needs: kubelet, kube-controller-mana
 BENCH_OUT     ?= .bench
 
 # A profiled run keeps the agent's symbol table: perf symbolizes from it.
-bench: AGENT_LDFLAGS := $(if $(filter 1 true,$(BENCH_PROFILE)),,-s -w)
+bench: AGENT_LDFLAGS := $(if $(filter 1 true,$(BENCH_PROFILE)),,-s -w) $(STAMP_LDFLAGS)
 bench: build tools peer-tools ## as root: measure the shipped binaries with the chart's defaults beside Istio's istio-cni (built into the tools cache on first use), print one table (docs/performance.md); JSON in .bench/; BENCH_QUICK=1 for a smoke run, BENCH_PROFILE=1 to attach perf
 	$(GO) run ./test/bench/cmd/bench -install-cni $(BIN)/install-cni -plugin $(BIN)/ambient-cni -out $(BENCH_OUT)
 
@@ -59,7 +115,7 @@ check: lint test test-long e2e ## as root: everything CI runs (.ci/run runs exac
 # The suite must leave a real node's paths (/var/run/ambient-cni,
 # /etc/cni/net.d, /opt/cni/bin, /var/run/ztunnel) as it found them:
 # hack/node-paths.sh lists them before and compares after.
-test: tools peer-tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures); fails if a test touched a real node's paths
+test: tools peer-tools image-tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures); fails if a test touched a real node's paths
 	@snap=$$(mktemp); hack/node-paths.sh snapshot $$snap; \
 	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...; rc=$$?; \
 	hack/node-paths.sh check $$snap || rc=1; rm -f $$snap; exit $$rc

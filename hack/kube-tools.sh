@@ -18,6 +18,8 @@
 # the version hack/tools/istio requires (istio-cni is built only on
 # request: make bench runs it). debian-rootfs is a tarball made
 # by mmdebstrap (Debian package); its version is a hash of what it includes.
+# image-rootfs-amd64 and image-rootfs-arm64, make image's Debian bases, are
+# tarballs made the same way, with no emulator for the foreign one.
 # Nothing else is downloaded. What is already in the cache is not rebuilt.
 #
 # usage: hack/kube-tools.sh [name...]   build (default: etcd kube-apiserver helm)
@@ -32,7 +34,7 @@ cache="${AMBIENT_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ambient-cni/tools}
 GO="${GO:-go}"
 default_tools=(etcd kube-apiserver helm)
 node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler crictl cni-plugins multus debian-rootfs istiod)
-all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler helm crictl cni-plugins multus debian-rootfs istiod istio-cni)
+all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler helm crictl cni-plugins multus debian-rootfs istiod istio-cni image-rootfs-amd64 image-rootfs-arm64)
 
 # The DaemonSet image's base, as deploy/Dockerfile's: Debian bookworm with
 # the netfilter tools, without documentation. Changing this list changes
@@ -41,6 +43,31 @@ rootfs_suite=bookworm
 rootfs_args=(--variant=apt --include=iptables,nftables,ipset
 	--dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*'
 	--dpkgopt='path-exclude=/usr/share/locale/*')
+
+# The base of make image, one per architecture, both made the same way so
+# that the two images carry the same files: --variant=extract unpacks the
+# packages without running their maintainer scripts, so a foreign
+# architecture needs no emulator (qemu-user and binfmt_misc). The
+# Essential:yes set (?essential, what bookworm-slim holds but apt) and the
+# netfilter tools, merged /usr as bookworm's, without documentation. The
+# hook does what the unrun scripts would have done that matters here:
+# /etc/passwd and /etc/group from base-passwd, /bin/sh (dash), and the iptables
+# alternatives pointing at the nft flavour (bookworm's default; the agent
+# itself names iptables-nft-* or iptables-legacy-* as the node uses).
+image_rootfs_args=(--variant=extract --include='?essential' --include=usr-is-merged,iptables,nftables,ipset
+	--setup-hook=/usr/share/mmdebstrap/hooks/merged-usr/setup00.sh
+	--dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*'
+	--dpkgopt='path-exclude=/usr/share/locale/*')
+image_rootfs_hook='set -e; r="$1"
+for f in passwd group; do cp "$r/usr/share/base-passwd/$f.master" "$r/etc/$f"; done
+[ -e "$r/usr/bin/sh" ] || ln -s dash "$r/usr/bin/sh"
+mkdir -p "$r/etc/alternatives"
+for t in iptables ip6tables arptables ebtables; do for s in "" -restore -save; do
+	if [ -L "$r/usr/sbin/$t-nft$s" ]; then
+		ln -sfn "/usr/sbin/$t-nft$s" "$r/etc/alternatives/$t$s"
+		ln -sfn "/etc/alternatives/$t$s" "$r/usr/sbin/$t$s"
+	fi
+done; done'
 
 # spec NAME prints: tools-module-dir version-module package
 spec() {
@@ -65,6 +92,7 @@ spec() {
 	istiod) echo "istio istio.io/istio istio.io/istio/pilot/cmd/pilot-discovery" ;;
 	istio-cni) echo "istio istio.io/istio istio.io/istio/cni/cmd/install-cni istio.io/istio/cni/cmd/istio-cni" ;;
 	debian-rootfs) echo "- - -" ;;
+	image-rootfs-amd64 | image-rootfs-arm64) echo "rootfs:${1#image-rootfs-} - -" ;;
 	*)
 		echo "unknown tool $1 (known: ${all_tools[*]})" >&2
 		return 1
@@ -89,6 +117,11 @@ version() {
 	local v
 	if [[ "$1" == - ]]; then
 		v="$(printf '%s\n' "$rootfs_suite" "${rootfs_args[@]}" | sha256sum)"
+		echo "$rootfs_suite-${v:0:12}"
+		return 0
+	fi
+	if [[ "$1" == rootfs:* ]]; then
+		v="$(printf '%s\n' "$rootfs_suite" "${1#rootfs:}" "${image_rootfs_args[@]}" "$image_rootfs_hook" | sha256sum)"
 		echo "$rootfs_suite-${v:0:12}"
 		return 0
 	fi
@@ -204,6 +237,17 @@ rootfs() {
 	mmdebstrap --quiet --format=tar "${rootfs_args[@]}" "$rootfs_suite" "$1"
 }
 
+# image_rootfs ARCH TMP builds make image's base for ARCH (see
+# image_rootfs_args); SOURCE_DATE_EPOCH pins the times mmdebstrap sets.
+image_rootfs() {
+	if ! command -v mmdebstrap >/dev/null; then
+		echo "kube-tools: image-rootfs needs mmdebstrap (Debian package mmdebstrap; .ci/run installs it)" >&2
+		return 1
+	fi
+	SOURCE_DATE_EPOCH=0 mmdebstrap --quiet --format=tar --architectures="$1" "${image_rootfs_args[@]}" \
+		--extract-hook="$image_rootfs_hook" "$rootfs_suite" "$2"
+}
+
 build() {
 	local name="$1" s dir mod v out tmp start pid rc
 	s="$(spec "$name")"
@@ -231,7 +275,7 @@ build() {
 	tmp="$(dirname "$out")/.$name.tmp.$$"
 	rm -rf "$tmp"
 	local src=""
-	if [[ "$dir" != - ]]; then
+	if [[ "$dir" != - && "$dir" != rootfs:* ]]; then
 		echo "kube-tools: downloading modules for $name $v ..."
 		src="$(moddir "$dir" "$mod" "$v")"
 		if [[ -z "$src" ]]; then
@@ -251,6 +295,8 @@ build() {
 	rc=0
 	if [[ "$dir" == - ]]; then
 		rootfs "$tmp" || rc=$?
+	elif [[ "$dir" == rootfs:* ]]; then
+		image_rootfs "${dir#rootfs:}" "$tmp" || rc=$?
 	else
 		compile "$name" "$v" "$src" "$tmp" "${pkg[@]}" || rc=$?
 	fi

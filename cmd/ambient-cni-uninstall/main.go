@@ -5,7 +5,9 @@
 //
 // Settings come from the environment: AMBIENT_POD_NAMESPACE (the
 // release namespace), AMBIENT_DAEMONSET_NAME, AMBIENT_UNINSTALL_TIMEOUT
-// (a Go duration, default 5m). It uses the in-cluster configuration.
+// (a Go duration, default 5m), AMBIENT_LOG_FORMAT (text, the default, or
+// json, as the agent's). It uses the in-cluster configuration.
+// --version prints the version and exits.
 package main
 
 import (
@@ -20,12 +22,22 @@ import (
 
 	"k8s.io/client-go/rest"
 
+	"github.com/ambient-cni/ambient-cni/pkg/buildinfo"
 	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
 	"github.com/ambient-cni/ambient-cni/pkg/uninstall"
 )
 
 func main() {
-	log := slog.New(slog.NewJSONHandler(os.Stderr, nil))
+	if buildinfo.IsVersionFlag(os.Args[1:]) {
+		fmt.Println(buildinfo.String("ambient-cni-uninstall"))
+		return
+	}
+	var h slog.Handler = slog.NewTextHandler(os.Stderr, nil)
+	if os.Getenv("AMBIENT_LOG_FORMAT") == "json" {
+		h = slog.NewJSONHandler(os.Stderr, nil)
+	}
+	log := slog.New(h)
+	log.Info("ambient-cni-uninstall starting", "version", buildinfo.Version(), "commit", buildinfo.Commit())
 	if err := run(log); err != nil {
 		log.Error("uninstall hook failed", "err", err)
 		os.Exit(1)

@@ -10,9 +10,14 @@ import (
 	"os"
 
 	"github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
+	"github.com/ambient-cni/ambient-cni/pkg/buildinfo"
 )
 
 func main() {
+	if buildinfo.IsVersionFlag(os.Args[1:]) {
+		fmt.Println(buildinfo.String("install-cni"))
+		return
+	}
 	if len(os.Args) > 1 {
 		sub := map[string]func([]string, func(string) string, io.Writer, io.Writer) error{
 			"debug": app.DebugMain,

@@ -91,6 +91,22 @@ func (c *Client) GC(ctx context.Context, req *GCRequest) (*PodEventResponse, err
 	return c.exchange(ctx, "POST", PathGC, body)
 }
 
+// PluginLog sends the plugin's log records of one call to the agent.
+func (c *Client) PluginLog(ctx context.Context, l *PluginLog) error {
+	body, err := json.Marshal(l)
+	if err != nil {
+		return fmt.Errorf("encode plugin log: %w", err)
+	}
+	resp, err := c.exchange(ctx, "POST", PathPluginLog, body)
+	if err != nil {
+		return err
+	}
+	if resp.Error != "" {
+		return errors.New(resp.Error)
+	}
+	return nil
+}
+
 func (c *Client) exchange(ctx context.Context, method, path string, body []byte) (*PodEventResponse, error) {
 	conn, err := dialUnix(ctx, c.Socket)
 	if err != nil {

@@ -17,6 +17,16 @@ const (
 	PathStatus = "/v1/status"
 	// PathGC is the HTTP path the plugin POSTs a GCRequest to.
 	PathGC = "/v1/gc"
+	// PathPluginLog is the HTTP path the plugin POSTs its own log records
+	// of one call to (PluginLog), so the agent's log shows them too.
+	PathPluginLog = "/v1/plugin-log"
+	// MaxPluginLogRecords bounds the records of one PluginLog; the plugin
+	// keeps the first ones.
+	MaxPluginLogRecords = 32
+	// maxPluginLogText bounds a record's message and each attribute.
+	maxPluginLogText = 1024
+	// maxPluginLogAttrs bounds a record's attribute strings (key, value, ...).
+	maxPluginLogAttrs = 32
 	// MaxRequestBytes caps every request body the agent accepts.
 	MaxRequestBytes = 64 << 10
 	// maxGCIDs bounds a GC request (the body cap bounds it too).
@@ -175,6 +185,53 @@ func printable(s string) bool {
 		}
 	}
 	return true
+}
+
+// PluginLog is the plugin's log records of one call, sent to the agent
+// after the call, best effort: the same lines the runtime's log got.
+type PluginLog struct {
+	Records []PluginLogRecord `json:"records"`
+}
+
+// PluginLogRecord is one log record of the plugin.
+type PluginLogRecord struct {
+	// Level is slog's name of the level: DEBUG, INFO, WARN or ERROR.
+	Level string `json:"level"`
+	Msg   string `json:"msg"`
+	// Attrs are the record's attributes as text: key, value, key, value.
+	Attrs []string `json:"attrs,omitempty"`
+}
+
+// DecodePluginLog decodes and validates a plugin log body: at most
+// MaxPluginLogRecords records, known levels, bounded text, pairs of
+// attributes with printable keys.
+func DecodePluginLog(b []byte) (*PluginLog, error) {
+	var l PluginLog
+	if err := decodeStrict(b, &l); err != nil {
+		return nil, err
+	}
+	if len(l.Records) == 0 || len(l.Records) > MaxPluginLogRecords {
+		return nil, fmt.Errorf("records: want 1 to %d, have %d", MaxPluginLogRecords, len(l.Records))
+	}
+	for i, r := range l.Records {
+		switch r.Level {
+		case "DEBUG", "INFO", "WARN", "ERROR":
+		default:
+			return nil, fmt.Errorf("records[%d].level: %q is not DEBUG, INFO, WARN or ERROR", i, r.Level)
+		}
+		if len(r.Msg) > maxPluginLogText {
+			return nil, fmt.Errorf("records[%d].msg: longer than %d", i, maxPluginLogText)
+		}
+		if len(r.Attrs)%2 != 0 || len(r.Attrs) > maxPluginLogAttrs {
+			return nil, fmt.Errorf("records[%d].attrs: want key, value pairs, at most %d strings", i, maxPluginLogAttrs)
+		}
+		for j, a := range r.Attrs {
+			if len(a) > maxPluginLogText || (j%2 == 0 && (a == "" || !printable(a))) {
+				return nil, fmt.Errorf("records[%d].attrs[%d]: invalid", i, j)
+			}
+		}
+	}
+	return &l, nil
 }
 
 // decodeStrict decodes exactly one JSON value with no unknown fields and

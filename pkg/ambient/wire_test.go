@@ -141,3 +141,47 @@ func FuzzDecodeGCRequest(f *testing.F) {
 		}
 	})
 }
+
+func FuzzDecodePluginLog(f *testing.F) {
+	fuzzseed.Add(f, "FuzzDecodePluginLog")
+	f.Fuzz(func(t *testing.T, b []byte) {
+		l, err := DecodePluginLog(b)
+		if err != nil {
+			return
+		}
+		if len(l.Records) == 0 || len(l.Records) > MaxPluginLogRecords {
+			t.Fatalf("accepted %d records", len(l.Records))
+		}
+		for _, r := range l.Records {
+			if len(r.Msg) > maxPluginLogText || len(r.Attrs)%2 != 0 || len(r.Attrs) > maxPluginLogAttrs {
+				t.Fatalf("accepted an invalid record %+v", r)
+			}
+			for i := 0; i < len(r.Attrs); i += 2 {
+				if r.Attrs[i] == "" || !printable(r.Attrs[i]) {
+					t.Fatalf("accepted key %q", r.Attrs[i])
+				}
+			}
+		}
+	})
+}
+
+// A plugin log the agent takes: the records a plugin sends, within the
+// limits; one past a limit is refused.
+func TestDecodePluginLogLimits(t *testing.T) {
+	rec := func(n int) string {
+		return `{"level":"WARN","msg":"` + strings.Repeat("m", n) + `"}`
+	}
+	many := strings.Repeat(rec(1)+",", MaxPluginLogRecords)
+	for body, ok := range map[string]bool{
+		`{"records":[` + rec(maxPluginLogText) + `]}`:                      true,
+		`{"records":[` + rec(maxPluginLogText+1) + `]}`:                    false,
+		`{"records":[` + strings.TrimSuffix(many, ",") + `]}`:              true,
+		`{"records":[` + many + rec(1) + `]}`:                              false,
+		`{"records":[{"level":"WARN","msg":"x","attrs":["k","v"]}],"x":1}`: false,
+		`{"records":[` + rec(1) + `]}{}`:                                   false,
+	} {
+		if _, err := DecodePluginLog([]byte(body)); (err == nil) != ok {
+			t.Errorf("%.60s…: err %v, want ok=%v", body, err, ok)
+		}
+	}
+}

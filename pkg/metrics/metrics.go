@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/buildinfo"
 )
 
 const namespace = "ambient_cni"
@@ -45,6 +46,9 @@ type Metrics struct {
 	// NetnsScans counts /proc passes made to find running pods' network
 	// namespaces; one serves a whole batch of pods.
 	NetnsScans prometheus.Counter
+	// BuildInfo is 1, labelled with the agent's version and commit
+	// (ambient_cni_build_info; istio-cni serves no build metric).
+	BuildInfo *prometheus.GaugeVec
 	// InstallerReinstalls counts how often the installer restored the
 	// plugin binary or its conflist entry.
 	InstallerReinstalls prometheus.Counter
@@ -125,6 +129,10 @@ func New() *Metrics {
 			Namespace: namespace, Name: "installer_reinstalls_total",
 			Help: "Times the installer restored the plugin binary or its config entry.",
 		}),
+		BuildInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Namespace: namespace, Name: "build_info",
+			Help: "Always 1; labels: the agent's version and commit.",
+		}, []string{"version", "commit"}),
 		IstioInstallReady: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "istio_cni_install_ready",
 			Help: "Whether the CNI plugin installation is ready (1) or not (0); istio-cni's name.",
@@ -147,9 +155,10 @@ func New() *Metrics {
 		}, []string{"type"}),
 	}
 	r.MustRegister(m.CNIRequests, m.AddLatency, m.EnrolledPods, m.ZtunnelConnections, m.TrackedPods,
-		m.RuleErrors, m.RuleDrift, m.NetnsScans, m.InstallerReinstalls,
+		m.RuleErrors, m.RuleDrift, m.NetnsScans, m.InstallerReinstalls, m.BuildInfo,
 		m.IstioInstallReady, m.IstioZtunnelConnected, m.IstioPluginRequests, m.IstioInstalls, m.IstioReconcileEvents,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	m.BuildInfo.WithLabelValues(buildinfo.Version(), buildinfo.Commit()).Set(1)
 	// Label values known up front appear at zero, so dashboards and alerts
 	// see the series before the first event.
 	for _, op := range []string{"apply", "verify", "remove"} {

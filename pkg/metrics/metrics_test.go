@@ -115,3 +115,12 @@ func TestIstioNamesBesideOurs(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// The build metric is served from the start with the binary's version
+// and commit ("dev" and "unknown" in an unstamped test binary).
+func TestBuildInfo(t *testing.T) {
+	m := New()
+	if got, ok := value(t, m, "ambient_cni_build_info", "version", "dev", "commit", "unknown"); !ok || got != 1 {
+		t.Fatalf(`ambient_cni_build_info{version="dev",commit="unknown"} = %v (present %v), want 1`, got, ok)
+	}
+}

@@ -103,6 +103,7 @@ func NewServer(cfg ServerConfig, decider Decider, agent *Agent) *Server {
 	mux.HandleFunc(ambient.PathPodEvent, s.handlePodEvent)
 	mux.HandleFunc(ambient.PathStatus, s.handleStatus)
 	mux.HandleFunc(ambient.PathGC, s.handleGC)
+	mux.HandleFunc(ambient.PathPluginLog, s.handlePluginLog)
 	// Anything else (a plugin of another version, a stray client) gets a
 	// JSON answer the plugin can read, not net/http's plain-text 404.
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
@@ -473,6 +474,34 @@ func (s *Server) observe(verb, result string, took time.Duration) {
 	if s.cfg.Observe != nil {
 		s.cfg.Observe(verb, result, took)
 	}
+}
+
+// handlePluginLog writes the plugin's own log records of one call into the
+// agent's log (component cni-plugin), so kubectl logs of the node's agent
+// shows why a sandbox failed on the plugin's side too, as istio-cni's
+// agent does.
+func (s *Server) handlePluginLog(w http.ResponseWriter, r *http.Request) {
+	b, code, err := readBody(w, r)
+	if err != nil {
+		reply(w, code, ambient.PodEventResponse{Error: err.Error()})
+		return
+	}
+	l, err := ambient.DecodePluginLog(b)
+	if err != nil {
+		reply(w, http.StatusBadRequest, ambient.PodEventResponse{Error: err.Error()})
+		return
+	}
+	log := s.cfg.Logger.With("component", "cni-plugin")
+	for _, rec := range l.Records {
+		var lv slog.Level
+		_ = lv.UnmarshalText([]byte(rec.Level)) // DecodePluginLog checked it
+		attrs := make([]slog.Attr, 0, len(rec.Attrs)/2)
+		for i := 0; i+1 < len(rec.Attrs); i += 2 {
+			attrs = append(attrs, slog.String(rec.Attrs[i], rec.Attrs[i+1]))
+		}
+		log.LogAttrs(r.Context(), lv, rec.Msg, attrs...)
+	}
+	reply(w, http.StatusOK, ambient.PodEventResponse{Verdict: ambient.VerdictOK})
 }
 
 func (s *Server) handleGC(w http.ResponseWriter, r *http.Request) {

@@ -2,15 +2,18 @@ package nodeagent
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -251,6 +254,12 @@ func TestServerRejectsMalformedRequests(t *testing.T) {
 		"gc without list":   {post(ambient.PathGC, `{}`), "400", "validSandboxIDs"},
 		"gc bad id":         {post(ambient.PathGC, `{"validSandboxIDs":["a b"]}`), "400", "sandboxID"},
 		"gc unknown field":  {post(ambient.PathGC, `{"validSandboxIDs":[],"all":true}`), "400", "unknown field"},
+		"plugin log empty":  {post(ambient.PathPluginLog, `{"records":[]}`), "400", "records"},
+		"plugin log level":  {post(ambient.PathPluginLog, `{"records":[{"level":"LOUD","msg":"x"}]}`), "400", "level"},
+		"plugin log attrs":  {post(ambient.PathPluginLog, `{"records":[{"level":"WARN","msg":"x","attrs":["odd"]}]}`), "400", "attrs"},
+		"plugin log key":    {post(ambient.PathPluginLog, `{"records":[{"level":"WARN","msg":"x","attrs":["a key","v"]}]}`), "400", "attrs"},
+		"plugin log long":   {post(ambient.PathPluginLog, `{"records":[{"level":"WARN","msg":"`+strings.Repeat("m", 2000)+`"}]}`), "400", "msg"},
+		"GET plugin log":    {"GET " + ambient.PathPluginLog + " HTTP/1.1\r\nHost: a\r\n\r\n", "405", "POST"},
 		"chunked oversized": {"POST " + ambient.PathPodEvent + " HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked(ambient.MaxRequestBytes+10), "413", "exceeds"},
 	} {
 		st, body := s.raw(t, tc.req)
@@ -548,4 +557,45 @@ func TestServerErrorsNameTheSide(t *testing.T) {
 	if st, msg := s.raw(t, "POST /v2/pod-event HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}"); st != "404" || !strings.Contains(msg, `"error"`) {
 		t.Errorf("unknown endpoint: HTTP %s %s; want a JSON 404", st, msg)
 	}
+}
+
+// The plugin's log records land in the agent's log, marked as the
+// plugin's, with their level and attributes.
+func TestPluginLogInAgentLog(t *testing.T) {
+	var buf syncBuffer
+	s := newServer(t, nil, func(c *ServerConfig) { c.Logger = slog.New(slog.NewTextHandler(&buf, nil)) })
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	err := (&ambient.Client{Socket: s.sock}).PluginLog(ctx, &ambient.PluginLog{Records: []ambient.PluginLogRecord{
+		{Level: "WARN", Msg: "node agent unreachable; failing closed", Attrs: []string{"sandbox", "sb1", "pod", "shop/web"}},
+		{Level: "DEBUG", Msg: "below the agent's level"},
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := buf.String()
+	if !strings.Contains(got, `level=WARN msg="node agent unreachable; failing closed" component=cni-plugin sandbox=sb1 pod=shop/web`) {
+		t.Errorf("agent log lacks the plugin's record:\n%s", got)
+	}
+	if strings.Contains(got, "below the agent's level") {
+		t.Errorf("a DEBUG record passed the agent's info level:\n%s", got)
+	}
+}
+
+// syncBuffer is a bytes.Buffer safe for the server's goroutines.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }

@@ -2,6 +2,7 @@ package plugin
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -39,6 +40,39 @@ type call struct {
 	client *ambient.Client
 	ctx    context.Context
 	cancel context.CancelFunc
+	// logged holds a copy of what the call logged, for the agent's log.
+	logged *logRecorder
+}
+
+// pluginLogTimeout bounds the send of a call's log records to the agent:
+// after the verb's work, best effort, and only when something was logged.
+const pluginLogTimeout = 250 * time.Millisecond
+
+// finish ends the call: it sends what the call logged, and the error it
+// returns to the runtime (which the runtime logs in its own journal), to
+// the agent, so the agent's log shows the plugin's side of a failure.
+// Nothing is sent on the quiet path (nothing logged at the configured
+// level, no error), and a failed send changes nothing.
+func (c *call) finish(err error) {
+	defer c.cancel()
+	if err != nil {
+		c.logged.add(slog.LevelError, "CNI call failed", []string{"err", err.Error()})
+	}
+	if len(c.logged.recs) == 0 {
+		return
+	}
+	recs := c.logged.recs
+	// JSON escaping can grow the text past the agent's request limit:
+	// send fewer records rather than none.
+	for len(recs) > 1 {
+		if b, err := json.Marshal(ambient.PluginLog{Records: recs}); err == nil && len(b) <= ambient.MaxRequestBytes {
+			break
+		}
+		recs = recs[:len(recs)/2]
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), pluginLogTimeout)
+	defer cancel()
+	_ = c.client.PluginLog(ctx, &ambient.PluginLog{Records: recs})
 }
 
 func (p *Plugin) start(verb string, args *CmdArgs) (*call, error) {
@@ -52,24 +86,25 @@ func (p *Plugin) start(verb string, args *CmdArgs) (*call, error) {
 	if err != nil {
 		return nil, err
 	}
-	log := slog.New(&lazyHandler{h: slog.NewTextHandler(p.Stderr, &slog.HandlerOptions{Level: cfg.LogLevel})}).
+	logged := &logRecorder{}
+	log := slog.New(&teeHandler{h: &lazyHandler{h: slog.NewTextHandler(p.Stderr, &slog.HandlerOptions{Level: cfg.LogLevel})}, rec: logged}).
 		With("plugin", "ambient-cni", "cmd", verb)
 	if args.ContainerID != "" {
 		log = log.With("sandbox", args.ContainerID)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), cfg.Timeout)
-	return &call{cfg: cfg, log: log, client: &ambient.Client{Socket: cfg.AgentSocket}, ctx: ctx, cancel: cancel}, nil
+	return &call{cfg: cfg, log: log, client: &ambient.Client{Socket: cfg.AgentSocket}, ctx: ctx, cancel: cancel, logged: logged}, nil
 }
 
 // Add tells the agent about a new pod and waits for its verdict; the pod
 // starts (prevResult is printed) only once the agent has enrolled it or
 // declared it out of scope.
-func (p *Plugin) Add(args *CmdArgs) error {
+func (p *Plugin) Add(args *CmdArgs) (err error) {
 	c, err := p.start("ADD", args)
 	if err != nil {
 		return err
 	}
-	defer c.cancel()
+	defer func() { c.finish(err) }()
 	if c.cfg.PrevResult == nil {
 		return types.NewError(types.ErrInvalidNetworkConfig,
 			"ambient-cni got no prevResult: it must be chained after the primary CNI plugin in a .conflist", "")
@@ -174,12 +209,12 @@ func (p *Plugin) passThrough(cfg *Config) error {
 
 // Del tells the agent a sandbox is gone. It never fails because the agent
 // is unreachable: the request is spooled for the agent to replay.
-func (p *Plugin) Del(args *CmdArgs) error {
+func (p *Plugin) Del(args *CmdArgs) (err error) {
 	c, err := p.start("DEL", args)
 	if err != nil {
 		return err
 	}
-	defer c.cancel()
+	defer func() { c.finish(err) }()
 	k8s, err := ParseK8sArgs(args.Args)
 	if err != nil {
 		// Nothing about the pod is needed to remove a sandbox.
@@ -213,12 +248,12 @@ func (p *Plugin) Del(args *CmdArgs) error {
 }
 
 // Check asks the agent to verify the pod's rules.
-func (p *Plugin) Check(args *CmdArgs) error {
+func (p *Plugin) Check(args *CmdArgs) (err error) {
 	c, err := p.start("CHECK", args)
 	if err != nil {
 		return err
 	}
-	defer c.cancel()
+	defer func() { c.finish(err) }()
 	if c.cfg.PrevResult == nil {
 		return types.NewError(types.ErrInvalidNetworkConfig, "ambient-cni got no prevResult for CHECK", "")
 	}
@@ -247,12 +282,12 @@ func (p *Plugin) Check(args *CmdArgs) error {
 
 // Status succeeds unless configured to require the agent, because a
 // failing STATUS marks the whole node NotReady.
-func (p *Plugin) Status(args *CmdArgs) error {
+func (p *Plugin) Status(args *CmdArgs) (err error) {
 	c, err := p.start("STATUS", args)
 	if err != nil {
 		return err
 	}
-	defer c.cancel()
+	defer func() { c.finish(err) }()
 	if !c.cfg.StatusRequiresAgent {
 		return nil
 	}
@@ -265,12 +300,12 @@ func (p *Plugin) Status(args *CmdArgs) error {
 
 // GC forwards the runtime's valid attachments so the agent can forget
 // sandboxes that no longer exist.
-func (p *Plugin) GC(args *CmdArgs) error {
+func (p *Plugin) GC(args *CmdArgs) (err error) {
 	c, err := p.start("GC", args)
 	if err != nil {
 		return err
 	}
-	defer c.cancel()
+	defer func() { c.finish(err) }()
 	if c.cfg.ValidAttachments == nil {
 		// No list is not an empty list: forwarding it would make the agent
 		// forget every pod on the node.

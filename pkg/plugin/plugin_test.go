@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
@@ -31,6 +32,7 @@ type fakeAgent struct {
 	mu        sync.Mutex
 	events    []ambient.PodEvent
 	gcs       []ambient.GCRequest
+	logs      []ambient.PluginLog
 	answer    func(ambient.PodEvent) (int, ambient.PodEventResponse)
 }
 
@@ -66,7 +68,23 @@ func (a *fakeAgent) serve(w http.ResponseWriter, r *http.Request) {
 		_ = json.NewEncoder(w).Encode(ambient.PodEventResponse{Verdict: ambient.VerdictOK})
 	case ambient.PathStatus:
 		_ = json.NewEncoder(w).Encode(ambient.PodEventResponse{Verdict: ambient.VerdictOK})
+	case ambient.PathPluginLog:
+		b, _ := io.ReadAll(r.Body)
+		l, err := ambient.DecodePluginLog(b)
+		if err != nil {
+			w.WriteHeader(http.StatusBadRequest)
+			_ = json.NewEncoder(w).Encode(ambient.PodEventResponse{Error: err.Error()})
+			return
+		}
+		a.logs = append(a.logs, *l)
+		_ = json.NewEncoder(w).Encode(ambient.PodEventResponse{Verdict: ambient.VerdictOK})
 	}
+}
+
+func (a *fakeAgent) gotLogs() []ambient.PluginLog {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return append([]ambient.PluginLog(nil), a.logs...)
 }
 
 func (a *fakeAgent) got() []ambient.PodEvent {
@@ -605,5 +623,85 @@ func TestBadPrevResultInConfigVersion(t *testing.T) {
 		if !errors.As(err, &te) || te.Code != types.ErrDecodingFailure {
 			t.Errorf("%s: got %v, want code %d", name, err, types.ErrDecodingFailure)
 		}
+	}
+}
+
+// The plugin's own log lines, and the error it returns to the runtime,
+// reach the agent after the call (its log shows the plugin's side of a
+// failure); a quiet successful call sends nothing.
+func TestPluginLogReachesAgent(t *testing.T) {
+	a := newFakeAgent(t, verdict(ambient.VerdictNotEnrolled))
+	if _, err := run(t, add, conf(a.sock, "1.0.0", ""), k8sArgs); err != nil {
+		t.Fatal(err)
+	}
+	if l := a.gotLogs(); len(l) != 0 {
+		t.Fatalf("a quiet ADD at the default level sent %v", l)
+	}
+	// At info the verdict is logged, and sent with the call's attributes.
+	if _, err := run(t, add, conf(a.sock, "1.0.0", `,"logLevel":"info"`), k8sArgs); err != nil {
+		t.Fatal(err)
+	}
+	l := a.gotLogs()
+	if len(l) != 1 || len(l[0].Records) == 0 {
+		t.Fatalf("logs sent: %v, want one call's", l)
+	}
+	r := l[0].Records[len(l[0].Records)-1]
+	attrs := strings.Join(r.Attrs, " ")
+	if r.Level != "INFO" || r.Msg != "agent verdict" || !strings.Contains(attrs, "sandbox sb1") || !strings.Contains(attrs, "pod shop/web-1") || !strings.Contains(attrs, "verdict not-enrolled") {
+		t.Errorf("record %+v, want the verdict with the call's sandbox and pod", r)
+	}
+	// A failed ADD sends the error it returns.
+	b := newFakeAgent(t, func(ambient.PodEvent) (int, ambient.PodEventResponse) {
+		return 503, ambient.PodEventResponse{Error: "no ztunnel connected", Retryable: true}
+	})
+	if _, err := run(t, add, conf(b.sock, "1.0.0", ""), k8sArgs); err == nil {
+		t.Fatal("ADD succeeded")
+	}
+	l = b.gotLogs()
+	if len(l) != 1 {
+		t.Fatalf("logs sent: %v", l)
+	}
+	last := l[0].Records[len(l[0].Records)-1]
+	if last.Level != "ERROR" || len(last.Attrs) != 2 || !strings.Contains(last.Attrs[1], "no ztunnel connected") {
+		t.Errorf("last record %+v, want the call's error", last)
+	}
+}
+
+// Logging to the agent never changes a call's outcome: with no agent
+// (nothing listening) the ADD fails as it would have, with its own error.
+func TestPluginLogNoAgent(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "none.sock")
+	_, err := run(t, add, conf(sock, "1.0.0", `,"agentUnreachable":"fail-closed"`), k8sArgs)
+	if cniCode(t, err) != types.ErrTryAgainLater {
+		t.Errorf("ADD with no agent: %v, want the fail-closed retry", err)
+	}
+}
+
+// A call that logs more than the agent takes sends the first records only.
+func TestLogRecorderBounds(t *testing.T) {
+	rec := &logRecorder{}
+	log := slog.New(&teeHandler{h: slog.NewTextHandler(io.Discard, nil), rec: rec}).With("k", strings.Repeat("v", 5000))
+	for i := range ambient.MaxPluginLogRecords + 5 {
+		log.WithGroup("g").Info(strings.Repeat("m", 3000), "i", i)
+	}
+	if len(rec.recs) == 0 || len(rec.recs) >= ambient.MaxPluginLogRecords || rec.size > maxRecordedBytes+2*maxRecordedText {
+		t.Fatalf("%d records of %d bytes kept, want the size budget (%d) to stop it", len(rec.recs), rec.size, maxRecordedBytes)
+	}
+	small := &logRecorder{}
+	for range ambient.MaxPluginLogRecords + 5 {
+		small.add(slog.LevelWarn, "m", nil)
+	}
+	if len(small.recs) != ambient.MaxPluginLogRecords {
+		t.Errorf("%d small records kept, want %d", len(small.recs), ambient.MaxPluginLogRecords)
+	}
+	body, err := json.Marshal(ambient.PluginLog{Records: rec.recs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ambient.DecodePluginLog(body); err != nil {
+		t.Fatalf("the agent refuses what the plugin sends: %v", err)
+	}
+	if got := rec.recs[0].Attrs; got[0] != "k" || got[2] != "g.i" || got[3] != "0" {
+		t.Errorf("attrs %q, want k, then g.i 0", got[:4])
 	}
 }

@@ -596,12 +596,8 @@ func detectedBackend(logPath string) string {
 		return ""
 	}
 	for l := range strings.SplitSeq(string(b), "\n") {
-		var m struct {
-			Msg     string `json:"msg"`
-			Backend string `json:"backend"`
-		}
-		if json.Unmarshal([]byte(l), &m) == nil && m.Backend != "" && strings.Contains(m.Msg, "backend") {
-			return m.Backend
+		if f := logFields(l); f["backend"] != "" && strings.Contains(f["msg"], "backend") {
+			return f["backend"]
 		}
 	}
 	return ""

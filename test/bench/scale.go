@@ -452,11 +452,8 @@ func memoryLimitLogged(logPath string) string {
 		return ""
 	}
 	for l := range strings.SplitSeq(string(b), "\n") {
-		var m map[string]any
-		if json.Unmarshal([]byte(l), &m) != nil {
-			continue
-		}
-		if msg, _ := m["msg"].(string); strings.HasPrefix(msg, "memory limit") {
+		m := logFields(l)
+		if strings.HasPrefix(m["msg"], "memory limit") {
 			delete(m, "time")
 			delete(m, "level")
 			out, _ := json.Marshal(m)

@@ -251,9 +251,11 @@ func (n *node) logTail(lines int, problems bool) string {
 	}
 	var keep []string
 	for l := range strings.SplitSeq(strings.TrimRight(string(b), "\n"), "\n") {
-		// Lines that are not JSON log records (the process's last words
-		// on stderr, a panic) are always problems.
-		if problems && strings.HasPrefix(l, "{") && !strings.Contains(l, `"level":"WARN"`) && !strings.Contains(l, `"level":"ERROR"`) && !strings.Contains(l, "simnode:") {
+		// Lines that are not log records, text or JSON (the process's
+		// last words on stderr, a panic) are always problems.
+		record := strings.HasPrefix(l, "{") || strings.HasPrefix(l, "time=")
+		problem := strings.Contains(l, `"level":"WARN"`) || strings.Contains(l, `"level":"ERROR"`) || strings.Contains(l, " level=WARN ") || strings.Contains(l, " level=ERROR ")
+		if problems && record && !problem && !strings.Contains(l, "simnode:") {
 			continue
 		}
 		keep = append(keep, l)

@@ -276,7 +276,7 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 		AssumePodLevelEnablement: true, ZtunnelWait: 7 * time.Second, DNSCapture: false,
 		RulesBackend: rulesbackend.Selection{Choice: rulesbackend.IPTables, Flavour: iptables.BackendNFT},
 		ProbeSNATv4:  netip.MustParseAddr("169.254.7.42"), ProbeSNATv6: netip.MustParseAddr("fd16::42"),
-		HealthAddr: ":15999", MetricsAddr: ":15998", LogLevel: "debug", KubeClientQPS: 12.5, KubeClientBurst: 25, AnnotationQPS: 7.5, AnnotationBurst: 15,
+		HealthAddr: ":15999", MetricsAddr: ":15998", LogLevel: "debug", LogFormat: "json", KubeClientQPS: 12.5, KubeClientBurst: 25, AnnotationQPS: 7.5, AnnotationBurst: 15,
 		StartupTaint: true, StartupTaintOnShutdown: true,
 	}
 	sel, err := enablement.ParseSelectors([]byte(`[{namespaceSelector: {matchLabels: {mesh: "yes"}}}, {podSelector: {matchExpressions: [{key: team, operator: In, values: [payments]}]}}]`))

@@ -133,15 +133,27 @@ func firstDiffLine(a, b []byte) int {
 	return min(len(la), len(lb)) + 1
 }
 
-// helm lint --strict passes with the defaults and with every value set.
+// helm lint --strict passes, with no warning, with the defaults, with
+// every value set and on every platform (make chart lints before it
+// packages).
 func TestHelmLint(t *testing.T) {
-	for name, extra := range map[string][]string{
+	cases := map[string][]string{
 		"defaults":   nil,
 		"all values": {"-f", allValues},
-	} {
+	}
+	for _, p := range platforms {
+		cases["platform "+p] = []string{"--set", "platform=" + p}
+	}
+	for name, extra := range cases {
 		out, err := helm(t, append([]string{"lint", chartDir, "--strict", "--namespace", namespace}, extra...)...)
 		if err != nil {
 			t.Errorf("%s: %v\n%s", name, err, out)
+			continue
+		}
+		for l := range strings.SplitSeq(string(out), "\n") {
+			if strings.Contains(l, "[WARNING]") || strings.Contains(l, "[ERROR]") {
+				t.Errorf("%s: helm lint: %s", name, l)
+			}
 		}
 	}
 }

@@ -100,7 +100,8 @@ func TestUninstallHook(t *testing.T) {
 		agentEnv := o.env(t)
 		if env["AMBIENT_DAEMONSET_NAME"] != c.ds || env["AMBIENT_UNINSTALL_TIMEOUT"] != c.timeout ||
 			env["KUBERNETES_SERVICE_HOST"] != c.host || env["KUBERNETES_SERVICE_HOST"] != agentEnv["KUBERNETES_SERVICE_HOST"] ||
-			env["KUBERNETES_SERVICE_PORT"] != agentEnv["KUBERNETES_SERVICE_PORT"] {
+			env["KUBERNETES_SERVICE_PORT"] != agentEnv["KUBERNETES_SERVICE_PORT"] ||
+			env["AMBIENT_LOG_FORMAT"] != agentEnv["AMBIENT_LOG_FORMAT"] {
 			t.Errorf("%s: job env %v", name, env)
 		}
 		sc := ctr.SecurityContext

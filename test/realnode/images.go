@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/ambient-cni/ambient-cni/hack/imagebuild/ociimage"
 	"github.com/ambient-cni/ambient-cni/test/realnode/imagearchive"
 )
 
@@ -38,12 +39,13 @@ func imageName(name string) string { return ImageRepository + "/" + name + ":" +
 // image.repository).
 const AgentRepository = ImageRepository + "/ambient-cni"
 
-// The DaemonSet image layout, as deploy/Dockerfile builds it (the chart's
-// image.command, image.pluginBinary and image.uninstallCommand).
+// The DaemonSet image layout, as make image and deploy/Dockerfile build
+// it (the chart's image.command, image.pluginBinary and
+// image.uninstallCommand).
 const (
-	agentCommand     = "/usr/local/bin/install-cni"
-	pluginBinary     = "/opt/ambient-cni/bin/ambient-cni"
-	uninstallCommand = "/usr/local/bin/ambient-cni-uninstall"
+	agentCommand     = ociimage.AgentCommand
+	pluginBinary     = ociimage.PluginBinary
+	uninstallCommand = ociimage.UninstallCommand
 )
 
 // BuildImages builds the binaries of every image from the repository

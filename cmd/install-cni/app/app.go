@@ -32,6 +32,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
+	"github.com/ambient-cni/ambient-cni/pkg/buildinfo"
 	"github.com/ambient-cni/ambient-cni/pkg/controller"
 	"github.com/ambient-cni/ambient-cni/pkg/explain"
 	"github.com/ambient-cni/ambient-cni/pkg/health"
@@ -60,7 +61,9 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) error {
 	if err := level.UnmarshalText([]byte(cfg.LogLevel)); err != nil {
 		return err
 	}
-	log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level}))
+	log := slog.New(NewLogHandler(cfg.LogFormat, stderr, &slog.HandlerOptions{Level: level}))
+	// The first line says which build runs and how it is set up.
+	log.Info("install-cni starting", "version", buildinfo.Version(), "commit", buildinfo.Commit(), "node", cfg.NodeName, cfg.SettingsAttr(args, getenv))
 	klog.SetSlogLogger(log.With("component", "client-go"))
 	setMemoryLimit(getenv, log)
 
@@ -83,7 +86,6 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) error {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
-	log.Info("install-cni starting", "node", cfg.NodeName)
 	done := make(chan error, 1)
 	go func() { done <- a.Run(ctx) }()
 	select {

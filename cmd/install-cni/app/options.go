@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"math"
 	"net"
 	"net/netip"
@@ -41,6 +42,9 @@ const (
 	defaultProcRoot = "/proc"
 	// defaultLogLevel is install-cni's own log level.
 	defaultLogLevel = "info"
+	// defaultLogFormat is text, as istio-cni's default (its chart's
+	// global.logAsJson is false): kubectl logs is read by people.
+	defaultLogFormat = "text"
 	// defaultKubeClientQPS and defaultKubeClientBurst are the agent's
 	// client-side API rate limit, as Istio's CNI agent's (client-go's own
 	// 5/10 capped the agent at 5 pods/s).
@@ -101,6 +105,44 @@ type Config struct {
 	HealthAddr  string
 	MetricsAddr string
 	LogLevel    string
+	LogFormat   string
+}
+
+// SettingsAttr is the effective settings of a Config that Parse made from
+// the same args and environment, as one log attribute: "settings", a group
+// with one key per setting, in the table's order, each as text (default,
+// environment or flag, flags winning; the annotation budget as validate
+// left it). No setting holds a secret: the kubeconfig is a path.
+func (c *Config) SettingsAttr(args []string, getenv func(string) string) slog.Attr {
+	opts := options()
+	values := make(map[string]string, len(opts))
+	fs := flag.NewFlagSet("install-cni", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	for _, o := range opts {
+		v := o.def
+		if o.alias() != "" {
+			if e := getenv(EnvName(o.alias())); e != "" {
+				v = e
+			}
+		}
+		if e := getenv(EnvName(o.name)); e != "" {
+			v = e
+		}
+		values[o.name] = v
+		record := func(v string) error { values[o.name] = v; return nil }
+		fs.Func(o.name, "", record)
+		if o.alias() != "" {
+			fs.Func(o.alias(), "", record)
+		}
+	}
+	_ = fs.Parse(args) // Parse accepted these args already
+	values["annotation-qps"] = strconv.FormatFloat(float64(c.AnnotationQPS), 'g', -1, 32)
+	values["annotation-burst"] = strconv.Itoa(c.AnnotationBurst)
+	attrs := make([]any, 0, len(opts))
+	for _, o := range opts {
+		attrs = append(attrs, slog.String(o.name, values[o.name]))
+	}
+	return slog.Group("settings", attrs...)
 }
 
 // option is one row of the settings table.
@@ -297,7 +339,24 @@ func options() []option {
 			}
 			return fmt.Errorf("want debug, info, warn or error")
 		}},
+		{"log-format", "Log format: text (key=value lines, for people; istio-cni's default) or json (one object per line, for log pipelines).", defaultLogFormat, func(c *Config, v string) error {
+			switch v {
+			case "text", "json":
+				c.LogFormat = v
+				return nil
+			}
+			return fmt.Errorf("want text or json")
+		}},
 	}
+}
+
+// NewLogHandler is the slog handler of a log format (text or json; see
+// the log-format setting) writing to w.
+func NewLogHandler(format string, w io.Writer, opts *slog.HandlerOptions) slog.Handler {
+	if format == "json" {
+		return slog.NewJSONHandler(w, opts)
+	}
+	return slog.NewTextHandler(w, opts)
 }
 
 // envNames names the environment variables that set o, for errors: the

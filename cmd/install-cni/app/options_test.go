@@ -3,6 +3,7 @@ package app
 import (
 	"bytes"
 	"io"
+	"log/slog"
 	"net/netip"
 	"os"
 	"slices"
@@ -291,5 +292,55 @@ func TestEnablementSelector(t *testing.T) {
 	}
 	if c.EnablementPolicy().Decide(p, ambientNS).Enroll || !c.EnablementPolicy().Decide(p, meshNS).Enroll {
 		t.Error("the configured selectors are not the policy's")
+	}
+}
+
+// The first log line's settings are the effective values: defaults,
+// environment, flags (flags win), and the annotation budget as validate
+// lowered it; one key per setting.
+func TestSettingsAttr(t *testing.T) {
+	args := []string{"--node-name=n1", "--log-level=debug", "--kube-client-qps=8", "--iptables-backend=nft"}
+	e := env(map[string]string{"AMBIENT_LOG_LEVEL": "warn", "AMBIENT_PLUGIN_TIMEOUT": "40s"})
+	c, err := Parse(args, e, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]string{}
+	for _, a := range c.SettingsAttr(args, e).Value.Group() {
+		got[a.Key] = a.Value.String()
+	}
+	if len(got) != len(options()) {
+		t.Errorf("%d settings logged, want %d (one per option)", len(got), len(options()))
+	}
+	for k, want := range map[string]string{"node-name": "n1", "log-level": "debug", "plugin-timeout": "40s", "kube-client-qps": "8", "annotation-qps": "5", "dns-capture": "true", "kubeconfig": "", "rules-backend": "nft"} {
+		if got[k] != want {
+			t.Errorf("settings[%s] = %q, want %q", k, got[k], want)
+		}
+	}
+}
+
+// The log format is text by default (as istio-cni's), json on request,
+// and nothing else.
+func TestLogFormat(t *testing.T) {
+	for _, c := range []struct {
+		args   []string
+		want   string
+		prefix string
+	}{{nil, "text", "time="}, {[]string{"--log-format=json"}, "json", "{"}} {
+		cfg, err := Parse(append([]string{"--node-name=n"}, c.args...), env(nil), io.Discard)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if cfg.LogFormat != c.want {
+			t.Errorf("%v: log format %q, want %q", c.args, cfg.LogFormat, c.want)
+		}
+		var b bytes.Buffer
+		slog.New(NewLogHandler(cfg.LogFormat, &b, nil)).Info("hello", "k", "v")
+		if !strings.HasPrefix(b.String(), c.prefix) {
+			t.Errorf("%s line %q, want it to start with %q", c.want, b.String(), c.prefix)
+		}
+	}
+	if _, err := Parse([]string{"--node-name=n", "--log-format=xml"}, env(nil), io.Discard); err == nil {
+		t.Error("--log-format=xml accepted")
 	}
 }

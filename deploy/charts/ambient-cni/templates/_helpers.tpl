@@ -102,6 +102,8 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ printf ":%v" .Values.agent.metricsPort | quote }}
 - name: AMBIENT_LOG_LEVEL
   value: {{ .Values.agent.logLevel | quote }}
+- name: AMBIENT_LOG_FORMAT
+  value: {{ .Values.agent.logFormat | quote }}
 - name: AMBIENT_KUBE_CLIENT_QPS
   value: {{ .Values.agent.kubeClientQPS | toString | quote }}
 - name: AMBIENT_KUBE_CLIENT_BURST
