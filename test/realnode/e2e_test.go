@@ -371,7 +371,7 @@ func (e *e2e) testAgentPod(t *testing.T) {
 		t.Errorf("API override: host %q port %q", env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"])
 	}
 	// The process really runs with exactly those capabilities, and in the
-	// host's cgroup namespace (containerd 1.6 on cgroup v1).
+	// host's cgroup namespace (containerd on this cgroup v1 host).
 	pid := e.containerPID(t, ReleaseNamespace, p.Name)
 	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
