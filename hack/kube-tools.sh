@@ -33,8 +33,8 @@ tools="$repo/hack/tools"
 cache="${AMBIENT_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ambient-cni/tools}"
 GO="${GO:-go}"
 default_tools=(etcd kube-apiserver helm)
-node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler crictl cni-plugins multus debian-rootfs istiod)
-all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler helm crictl cni-plugins multus debian-rootfs istiod istio-cni image-rootfs-amd64 image-rootfs-arm64)
+node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler crictl containerd cni-plugins multus debian-rootfs istiod)
+all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler helm crictl containerd cni-plugins multus debian-rootfs istiod istio-cni image-rootfs-amd64 image-rootfs-arm64)
 
 # The DaemonSet image's base, as deploy/Dockerfile's: Debian bookworm with
 # the netfilter tools, without documentation. Changing this list changes
@@ -79,6 +79,9 @@ spec() {
 	kube-scheduler) echo "kubernetes k8s.io/kubernetes k8s.io/kubernetes/cmd/kube-scheduler" ;;
 	helm) echo "helm helm.sh/helm/v3 helm.sh/helm/v3/cmd/helm" ;;
 	crictl) echo "cri-tools sigs.k8s.io/cri-tools sigs.k8s.io/cri-tools/cmd/crictl" ;;
+	# A directory: containerd 2.x, its runc shim and ctr (the real node's
+	# runtime; Debian's containerd is 1.6, which Kubernetes >= 1.36 drops).
+	containerd) echo "containerd github.com/containerd/containerd/v2 github.com/containerd/containerd/v2/cmd/containerd github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 github.com/containerd/containerd/v2/cmd/ctr" ;;
 	# The thin plugin: Multus as the node's primary meta-plugin, reading
 	# its delegates' configs itself (no multus daemon).
 	multus) echo "multus gopkg.in/k8snetworkplumbingwg/multus-cni.v4 gopkg.in/k8snetworkplumbingwg/multus-cni.v4/cmd/multus" ;;
@@ -154,6 +157,9 @@ ldflags() {
 	crictl)
 		echo "-X sigs.k8s.io/cri-tools/pkg/version.Version=$v"
 		;;
+	containerd)
+		echo "-X github.com/containerd/containerd/v2/version.Version=$v -X github.com/containerd/containerd/v2/version.Package=github.com/containerd/containerd/v2"
+		;;
 	multus)
 		echo "-X gopkg.in/k8snetworkplumbingwg/multus-cni.v4/pkg/multus.version=$v -X gopkg.in/k8snetworkplumbingwg/multus-cni.v4/pkg/multus.gitTreeState=clean -X gopkg.in/k8snetworkplumbingwg/multus-cni.v4/pkg/multus.releaseStatus=,released"
 		;;
@@ -174,6 +180,9 @@ buildtags() {
 	case "$1" in
 	istiod) echo "vtprotobuf,disable_pgv" ;;
 	istio-cni) echo "agent,disable_pgv,grpcnotrace,retrynotrace" ;;
+	# As containerd's static release builds: no snapshotters this host
+	# lacks (btrfs, devmapper and zfs need cgo or kernel headers).
+	containerd) echo "no_btrfs,no_devmapper,no_zfs" ;;
 	esac
 }
 

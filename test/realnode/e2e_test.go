@@ -117,6 +117,7 @@ func TestRealNode(t *testing.T) {
 	t.Run("a crashlooping agent past agentDownAfter blocks only the pods it must capture", e.testAgentCrashloop)
 	t.Run("a DaemonSet that leaves the node unchains the plugin", e.testNodeSelectorExcludes)
 	t.Run("a taken metrics port stops neither pods nor the agent", e.testMetricsPortTaken)
+	t.Run("containerd calls CNI STATUS and the node follows it only when the operator chose so", e.testStatusThroughTheRuntime)
 	t.Run("helm upgrade keeps the plugin installed throughout", e.testHelmUpgrade)
 	t.Run("helm uninstall restores the config and releases captured pods", e.testHelmUninstall)
 	t.Run("nothing was sent off the machine", testNoEgress(n))
@@ -370,7 +371,7 @@ func (e *e2e) testAgentPod(t *testing.T) {
 		t.Errorf("API override: host %q port %q", env["KUBERNETES_SERVICE_HOST"], env["KUBERNETES_SERVICE_PORT"])
 	}
 	// The process really runs with exactly those capabilities, and in the
-	// host's cgroup namespace (containerd 1.6 on cgroup v1).
+	// host's cgroup namespace (containerd on this cgroup v1 host).
 	pid := e.containerPID(t, ReleaseNamespace, p.Name)
 	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {

@@ -46,8 +46,10 @@ func (n *Node) network() error {
 			return fmt.Errorf("install CNI plugin %s: %w", p, err)
 		}
 	}
+	// cniVersion 1.1.0, as current primaries write: containerd 2.x then
+	// calls CNI STATUS on every plugin of the list from its CRI Status.
 	conf := map[string]any{
-		"cniVersion": "1.0.0",
+		"cniVersion": "1.1.0",
 		"name":       "ambient-node",
 		"plugins": []any{map[string]any{
 			"type":        "bridge",

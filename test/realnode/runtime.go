@@ -19,16 +19,21 @@ import (
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 )
 
-// containerdConfig is containerd 1.6's config for the node. Everything it
-// keeps lives under the node directory; the settings that matter on this
-// kind of host are explained where they are set.
+// containerdConfig is containerd 2.x's config for the node (version 3,
+// which every 2.x reads; the CRI plugin is split into
+// io.containerd.cri.v1.images and io.containerd.cri.v1.runtime, and the
+// CNI binaries are a list of directories). Everything it keeps lives under
+// the node directory; the settings that matter on this kind of host are
+// explained where they are set.
 func (n *Node) containerdConfig() string {
 	c := filepath.Join(n.Dir, "containerd")
 	q := strconv.Quote
-	return fmt.Sprintf(`version = 2
+	return fmt.Sprintf(`version = 3
 root = %s
 state = %s
-disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs", "io.containerd.internal.v1.tracing", "io.containerd.tracing.processor.v1.otlp"]
+# Nothing from the host's /etc/containerd.
+imports = []
+disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.blockfile", "io.containerd.snapshotter.v1.erofs", "io.containerd.differ.v1.erofs", "io.containerd.internal.v1.tracing", "io.containerd.tracing.processor.v1.otlp", "io.containerd.nri.v1.nri", "io.containerd.image-verifier.v1.bindir"]
 
 [grpc]
   address = %s
@@ -42,35 +47,44 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 [plugins."io.containerd.internal.v1.opt"]
   path = %s
 
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = %s
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "overlayfs"
+
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = %s
+
+[plugins."io.containerd.cri.v1.runtime"]
   # Without CAP_SYS_RESOURCE every sandbox would fail to start.
   restrict_oom_score_adj = true
   # Pod netns files under the state dir (made a shared mount before
   # containerd starts), so the agent's HostToContainer mount sees them.
   netns_mounts_under_state_dir = true
-  stream_server_address = "127.0.0.1"
-  stream_server_port = "0"
   enable_selinux = false
+  cdi_spec_dirs = []
 
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
+  [plugins."io.containerd.cri.v1.runtime".containerd]
     default_runtime_name = "runc"
 
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
 
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-        # kubelet uses the cgroupfs driver (containerd 1.6 cannot tell it).
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+        # kubelet uses the cgroupfs driver; containerd 2.x reports this
+        # to kubelet through the RuntimeConfig CRI call.
         SystemdCgroup = false
+        BinaryName = %s
         Root = %s
 
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = %s
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = [%s]
     conf_dir = %s
     max_conf_num = 1
+
+[plugins."io.containerd.grpc.v1.cri"]
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
 `, q(filepath.Join(c, "root")), q(filepath.Join(c, "state")), q(n.ContainerdSocket), q(n.ContainerdSocket+".ttrpc"),
-		q(filepath.Join(c, "opt")), q(n.Images.Pause), q(filepath.Join(c, "runc")), q(n.CNIBinDir), q(n.CNIConfDir))
+		q(filepath.Join(c, "opt")), q(n.Images.Pause), q(n.Tools.Runc), q(filepath.Join(c, "runc")), q(n.CNIBinDir), q(n.CNIConfDir))
 }
 
 // startContainerd makes the netns dir a shared mount, writes the config,
@@ -96,7 +110,9 @@ func (n *Node) startContainerd(ctx context.Context) error {
 	if err := os.WriteFile(cfg, []byte(n.containerdConfig()), 0o600); err != nil {
 		return err
 	}
-	p, err := childproc.Start("containerd", n.Tools.Containerd, []string{"--config", cfg, "--log-level", "info"}, nil, filepath.Join(n.Dir, "containerd.log"))
+	// containerd finds its runc shim on PATH: the one built beside it.
+	env := []string{"PATH=" + filepath.Dir(n.Tools.Containerd) + string(os.PathListSeparator) + os.Getenv("PATH")}
+	p, err := childproc.Start("containerd", n.Tools.Containerd, []string{"--config", cfg, "--log-level", "info"}, env, filepath.Join(n.Dir, "containerd.log"))
 	if err != nil {
 		return err
 	}
@@ -145,7 +161,8 @@ func (n *Node) kubeletConfig(port, healthzPort int) string {
 kind: KubeletConfiguration
 # This host has a cgroup v1 hybrid layout, which kubelet 1.37 refuses by default.
 failCgroupV1: false
-# containerd 1.6 lacks the RuntimeConfig CRI call: must match SystemdCgroup = false.
+# Must match SystemdCgroup = false (kubelet also asks containerd 2.x through the
+# RuntimeConfig CRI call).
 cgroupDriver: cgroupfs
 failSwapOn: false
 address: 127.0.0.1

@@ -24,7 +24,8 @@ type Tools struct {
 	CNIPlugins string
 	// Rootfs is the Debian base image tarball.
 	Rootfs string
-	// From the Debian packages containerd and runc.
+	// Containerd and Ctr are containerd 2.x's, built into the tools cache
+	// (its runc shim beside them); Runc is the Debian package's.
 	Containerd, Ctr, Runc string
 	// Repo is the repository root (images are built from it).
 	Repo string
@@ -47,6 +48,7 @@ func FindTools() (Tools, error) {
 	for name, dst := range map[string]*string{
 		"kubelet": &t.Kubelet, "kube-controller-manager": &t.ControllerManager, "kube-scheduler": &t.Scheduler,
 		"helm": &t.Helm, "crictl": &t.Crictl, "cni-plugins": &t.CNIPlugins, "debian-rootfs": &t.Rootfs,
+		"containerd": &t.Containerd,
 	} {
 		p, err := toolPath(t.Repo, name)
 		if err != nil {
@@ -55,8 +57,13 @@ func FindTools() (Tools, error) {
 		}
 		*dst = p
 	}
+	if t.Containerd != "" {
+		// The containerd tool is a directory of containerd, its shim and ctr.
+		dir := t.Containerd
+		t.Containerd, t.Ctr = filepath.Join(dir, "containerd"), filepath.Join(dir, "ctr")
+	}
 	var pkgs []string
-	for name, dst := range map[string]*string{"containerd": &t.Containerd, "ctr": &t.Ctr, "runc": &t.Runc, "mmdebstrap": new(string), "nft": new(string), "ipset": new(string), "iptables": new(string)} {
+	for name, dst := range map[string]*string{"runc": &t.Runc, "mmdebstrap": new(string), "nft": new(string), "ipset": new(string), "iptables": new(string)} {
 		p, err := exec.LookPath(name)
 		if err != nil {
 			pkgs = append(pkgs, name)
@@ -69,7 +76,7 @@ func FindTools() (Tools, error) {
 		errs = append(errs, fmt.Errorf("not built: %s; build them with %s (minutes the first time, then cached)", strings.Join(missing, ", "), BuildCommand))
 	}
 	if len(pkgs) > 0 {
-		errs = append(errs, fmt.Errorf("not installed: %s (Debian packages containerd, runc, mmdebstrap, nftables, ipset, iptables; .ci/run installs them)", strings.Join(pkgs, ", ")))
+		errs = append(errs, fmt.Errorf("not installed: %s (Debian packages runc, mmdebstrap, nftables, ipset, iptables; .ci/run installs them)", strings.Join(pkgs, ", ")))
 	}
 	return t, errors.Join(errs...)
 }
