@@ -94,11 +94,11 @@ type Config struct {
 	// VerifyPeriod is how often every captured pod is proven again; 0
 	// turns the verifier off.
 	VerifyPeriod time.Duration
-	DNSCapture               bool
-	RulesBackend             rulesbackend.Selection
-	ProbeSNATv4              netip.Addr
-	ProbeSNATv6              netip.Addr
-	IPv6                     bool
+	DNSCapture   bool
+	RulesBackend rulesbackend.Selection
+	ProbeSNATv4  netip.Addr
+	ProbeSNATv6  netip.Addr
+	IPv6         bool
 
 	// StartupTaint removes the node's startup taint once the agent is
 	// ready to capture; StartupTaintOnShutdown puts it back when the agent
