@@ -133,6 +133,9 @@ type Verification struct {
 	Repaired bool     `json:"repaired,omitempty"`
 	// Problem says why the pod is not proven.
 	Problem string `json:"problem,omitempty"`
+	// LastDriftAt and LastDrift are the latest proof that found drift.
+	LastDriftAt *time.Time `json:"lastDriftAt,omitempty"`
+	LastDrift   []string   `json:"lastDrift,omitempty"`
 }
 
 // Rules is the result of verifying the pod's rules just now.

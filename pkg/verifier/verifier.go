@@ -131,7 +131,8 @@ type Config struct {
 	// (default DefaultPeriod).
 	Period time.Duration
 	// Settle is the grace of a fresh capture's annotation, ztunnel
-	// listeners, and of a pod not captured yet (default DefaultSettle).
+	// listeners, and of a pod not captured yet (default DefaultSettle, at
+	// most Period).
 	Settle time.Duration
 	// OnDrift is told every drift found, by kind; OnUnproven the number
 	// of pods not proven after every proof. Wire metrics here.
@@ -164,6 +165,10 @@ type Proof struct {
 	// Problem says why the pod is not proven (a repair failed, a check
 	// could not run, what is still wrong).
 	Problem string
+	// LastDriftAt and LastDrift are the latest proof of the pod that found
+	// drift, kept across the clean proofs after it.
+	LastDriftAt time.Time
+	LastDrift   []Finding
 }
 
 // Verifier proves the captured pods. Create it with New, then Run it.
@@ -183,7 +188,7 @@ func New(cfg Config) *Verifier {
 		cfg.Period = DefaultPeriod
 	}
 	if cfg.Settle <= 0 {
-		cfg.Settle = DefaultSettle
+		cfg.Settle = min(DefaultSettle, cfg.Period)
 	}
 	if cfg.Listening == nil {
 		cfg.Listening = netns.ListeningTCPPorts
@@ -330,8 +335,19 @@ func (v *Verifier) prove(ctx context.Context, uid types.UID) {
 	if !ok {
 		return
 	}
+	// The proof's time is when its checks began: a change made after it
+	// is the next proof's to find.
+	proof := Proof{At: v.cfg.now()}
+	v.mu.Lock()
+	if prev, ok := v.proofs[uid]; ok {
+		proof.LastDriftAt, proof.LastDrift = prev.LastDriftAt, prev.LastDrift
+	}
+	v.mu.Unlock()
 	found, problem := v.check(e, pod)
-	proof := Proof{At: v.cfg.now(), Found: found}
+	proof.Found = found
+	if len(found) > 0 {
+		proof.LastDriftAt, proof.LastDrift = proof.At, found
+	}
 	switch {
 	case len(found) > 0:
 		v.found(pod, found)

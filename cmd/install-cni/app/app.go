@@ -428,6 +428,13 @@ func (a *App) verification(uid types.UID) (explain.Verification, bool) {
 	for _, f := range p.Found {
 		v.Found = append(v.Found, f.String())
 	}
+	if !p.LastDriftAt.IsZero() {
+		at := p.LastDriftAt
+		v.LastDriftAt = &at
+		for _, f := range p.LastDrift {
+			v.LastDrift = append(v.LastDrift, f.String())
+		}
+	}
 	return v, true
 }
 
