@@ -144,9 +144,9 @@ type node struct {
 	// apiRequests counts the agent client's requests other than watches
 	// (a watch is one long request; its events are not requests).
 	apiRequests atomic.Int64
-	cfg               *installcni.Config
-	logs              *logSink
-	log               *slog.Logger
+	cfg         *installcni.Config
+	logs        *logSink
+	log         *slog.Logger
 
 	d           *installcni.App
 	hook        func(*nodeagent.Config)
