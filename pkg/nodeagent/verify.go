@@ -53,5 +53,17 @@ func (a *Agent) Recapture(ctx context.Context, pod *corev1.Pod, resetZtunnel boo
 	if err != nil {
 		return fmt.Errorf("recapture %s/%s: %w", pod.Namespace, pod.Name, err)
 	}
+	// The verifier read the pod's annotation from the cache and found it
+	// changed: the value this agent last wrote no longer says what the
+	// object carries.
+	a.annotations.forgetWritten(pod.UID)
 	return a.Capture(ctx, pod, ns, nil)
+}
+
+// forgetWritten drops the value last written on uid, so the next write
+// compares with the pod cache again.
+func (w *annotationWriter) forgetWritten(uid types.UID) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	delete(w.written, uid)
 }
