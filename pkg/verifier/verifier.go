@@ -246,8 +246,12 @@ func (v *Verifier) round(ctx context.Context) {
 		v.cfg.sleep(ctx, gap)
 		return
 	}
-	for _, p := range pods {
-		if !v.cfg.sleep(ctx, gap) {
+	// Each pod has its slot in the round: the time a proof takes comes
+	// out of the wait before the next, so a round lasts the period.
+	start := v.cfg.now()
+	for i, p := range pods {
+		wait := start.Add(time.Duration(i+1) * gap).Sub(v.cfg.now())
+		if !v.cfg.sleep(ctx, max(wait, MinGap)) {
 			return
 		}
 		v.prove(ctx, p.UID)

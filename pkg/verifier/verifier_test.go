@@ -456,3 +456,30 @@ func TestRunStops(t *testing.T) {
 		t.Fatal("Run did not return")
 	}
 }
+
+// The time a proof takes comes out of the wait before the next one, so a
+// round lasts the period however slow the proofs; never below MinGap.
+func TestSlowProofsKeepTheRoundToThePeriod(t *testing.T) {
+	h := newHarness(t, time.Minute)
+	for i := 1; i <= 4; i++ {
+		h.pod(i, true)
+	}
+	listening := h.v.cfg.Listening
+	h.v.cfg.Listening = func(f *os.File) (map[uint16]bool, error) {
+		h.now = h.now.Add(5 * time.Second)
+		return listening(f)
+	}
+	h.v.round(context.Background())
+	if want := []time.Duration{15 * time.Second, 10 * time.Second, 10 * time.Second, 10 * time.Second}; !slices.Equal(h.sleeps, want) {
+		t.Fatalf("sleeps %v, want %v", h.sleeps, want)
+	}
+	h.sleeps = nil
+	h.v.cfg.Listening = func(f *os.File) (map[uint16]bool, error) {
+		h.now = h.now.Add(time.Minute)
+		return listening(f)
+	}
+	h.v.round(context.Background())
+	if want := []time.Duration{15 * time.Second, MinGap, MinGap, MinGap}; !slices.Equal(h.sleeps, want) {
+		t.Fatalf("proofs slower than their slots: sleeps %v, want %v", h.sleeps, want)
+	}
+}
