@@ -128,7 +128,7 @@ func New() *Metrics {
 		}),
 		VerifyDrift: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Namespace: namespace, Name: "verify_drift_total",
-			Help: "Drift the verifier found on captured pods and repaired, by kind (rules, ztunnel, probe_set, annotation, uncaptured).",
+			Help: "Drift the verifier found on captured pods and repaired, by kind (rules, ztunnel, probe_set, annotation, sandbox, uncaptured).",
 		}, []string{"kind"}),
 		PodsUnproven: prometheus.NewGauge(prometheus.GaugeOpts{
 			Namespace: namespace, Name: "pods_unproven",

@@ -68,10 +68,14 @@ const (
 	// KindUncaptured: the pod should be captured and the agent does not
 	// hold it.
 	KindUncaptured Kind = "uncaptured"
+	// KindSandbox: the namespace the agent holds the pod in has none of
+	// the pod's IPs: its sandbox was recreated without the agent (the
+	// plugin unchained), and the new one is not captured.
+	KindSandbox Kind = "sandbox"
 )
 
 // Kinds lists every kind, for metrics that show them all at zero.
-var Kinds = []Kind{KindRules, KindZtunnel, KindProbeSet, KindAnnotation, KindUncaptured}
+var Kinds = []Kind{KindRules, KindZtunnel, KindProbeSet, KindAnnotation, KindUncaptured, KindSandbox}
 
 // ReasonDrift is the reason of the Warning Event on a pod found drifted.
 const ReasonDrift = "AmbientCaptureDrift"
@@ -89,6 +93,9 @@ type Agent interface {
 	InPod(uid types.UID, fn func(ns *os.File) error) error
 	// Recapture captures an enrolled pod again in its held namespace.
 	Recapture(ctx context.Context, pod *corev1.Pod, resetZtunnel bool) error
+	// Capture captures a pod in ns (a recreated sandbox's), taking
+	// ownership of ns.
+	Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, sb *nodeagent.Sandbox) error
 	EnrolledUID(namespace, name string) (types.UID, bool)
 	SandboxReleased(uid types.UID) bool
 }
@@ -98,6 +105,11 @@ type Pods interface {
 	Pods() ([]*corev1.Pod, error)
 	Pod(namespace, name string) (*corev1.Pod, error)
 	DecideCached(p *corev1.Pod) enablement.Decision
+}
+
+// Finder locates running pods' network namespaces (netns.Scanner).
+type Finder interface {
+	Find(pods map[types.UID][]netip.Addr) (map[types.UID]*netns.Handle, error)
 }
 
 // ProbeSet reads the host probe set (the rules backend's host probe).
@@ -120,8 +132,12 @@ type Config struct {
 	// none, no pod can be proven held (nil: ztunnel is not checked).
 	Ztunnels func() int
 	// Listening lists a namespace's listening TCP ports (default
-	// netns.ListeningTCPPorts).
+	// netns.ListeningTCPPorts); Addrs its addresses (default netns.Addrs).
 	Listening func(ns *os.File) (map[uint16]bool, error)
+	Addrs     func(ns *os.File) ([]netip.Addr, error)
+	// Finder, when set, finds the namespace of a pod whose sandbox was
+	// recreated without the agent, so it is captured there.
+	Finder Finder
 	// Requeue hands a pod that should be captured and is not to the pod
 	// controller, which decides and captures it.
 	Requeue func(types.NamespacedName)
@@ -192,6 +208,9 @@ func New(cfg Config) *Verifier {
 	}
 	if cfg.Listening == nil {
 		cfg.Listening = netns.ListeningTCPPorts
+	}
+	if cfg.Addrs == nil {
+		cfg.Addrs = netns.Addrs
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
@@ -355,8 +374,7 @@ func (v *Verifier) prove(ctx context.Context, uid types.UID) {
 	switch {
 	case len(found) > 0:
 		v.found(pod, found)
-		reset := slices.ContainsFunc(found, func(f Finding) bool { return f.Kind == KindZtunnel })
-		if err := v.cfg.Agent.Recapture(ctx, pod, reset); err != nil {
+		if err := v.repair(ctx, pod, found); err != nil {
 			proof.Problem = fmt.Sprintf("repair failed: %v", err)
 			v.log.Warn("repair drifted pod", "pod", pod.Namespace+"/"+pod.Name, "err", err)
 			break
@@ -417,12 +435,40 @@ func (v *Verifier) subject(uid types.UID) (nodeagent.EnrolledPod, *corev1.Pod, b
 	return e, pod, true
 }
 
+// repair puts right what check found: a recreated sandbox is captured in
+// its new namespace; anything else by capturing the pod again in the one
+// the agent holds (ztunnel told to drop it first when its listeners are
+// gone).
+func (v *Verifier) repair(ctx context.Context, pod *corev1.Pod, found []Finding) error {
+	has := func(k Kind) bool { return slices.ContainsFunc(found, func(f Finding) bool { return f.Kind == k }) }
+	if !has(KindSandbox) {
+		return v.cfg.Agent.Recapture(ctx, pod, has(KindZtunnel))
+	}
+	if v.cfg.Finder == nil {
+		return errors.New("no way to find the pod's new network namespace")
+	}
+	handles, err := v.cfg.Finder.Find(map[types.UID][]netip.Addr{pod.UID: enablement.PodIPs(pod)})
+	ns, ok := handles[pod.UID]
+	delete(handles, pod.UID)
+	for _, h := range handles {
+		_ = h.Close()
+	}
+	if !ok {
+		return fmt.Errorf("the pod's new network namespace was not found (%v)", err)
+	}
+	return v.cfg.Agent.Capture(ctx, pod, ns, nil)
+}
+
 // check proves one pod: what drifted, and problem when something could
 // not be proven but is not drift to repair (no ztunnel connected, a read
 // that failed).
 func (v *Verifier) check(e nodeagent.EnrolledPod, pod *corev1.Pod) (found []Finding, problem string) {
 	var problems []string
 	settled := v.cfg.now().Sub(e.Since) >= v.cfg.Settle
+	if f := v.checkSandbox(e, pod); f != nil {
+		// Whatever else holds in the old namespace serves nobody.
+		return []Finding{*f}, ""
+	}
 	in, ok := v.cfg.Agent.Inspect(e.UID)
 	switch {
 	case !ok:
@@ -464,6 +510,25 @@ func (v *Verifier) check(e nodeagent.EnrolledPod, pod *corev1.Pod) (found []Find
 		found = append(found, Finding{KindAnnotation, fmt.Sprintf("annotation %s is %q, the agent's state is %q", ambient.RedirectionAnnotation, got, in.State)})
 	}
 	return found, strings.Join(problems, "; ")
+}
+
+// checkSandbox proves the namespace the agent holds is still the pod's:
+// it has one of the IPs the pod's status shows.
+func (v *Verifier) checkSandbox(e nodeagent.EnrolledPod, pod *corev1.Pod) *Finding {
+	want := enablement.PodIPs(pod)
+	if len(want) == 0 {
+		return nil
+	}
+	var have []netip.Addr
+	err := v.cfg.Agent.InPod(e.UID, func(ns *os.File) error {
+		var err error
+		have, err = v.cfg.Addrs(ns)
+		return err
+	})
+	if err != nil || slices.ContainsFunc(want, func(a netip.Addr) bool { return slices.Contains(have, a) }) {
+		return nil
+	}
+	return &Finding{KindSandbox, fmt.Sprintf("the network namespace the agent holds the pod in (%s) has none of its IPs %v: its sandbox was recreated without the agent; capturing the new one", e.Netns, want)}
 }
 
 // checkZtunnel proves ztunnel holds the pod: its in-pod listeners are up.

@@ -19,6 +19,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 )
 
@@ -39,6 +40,11 @@ type fakeNode struct {
 	failRepair error
 	// current is the pod whose namespace InPod entered last.
 	current types.UID
+	// moved are the pods whose sandbox was recreated: the held namespace
+	// has none of their IPs; found is what the finder finds.
+	moved    map[types.UID]bool
+	found    map[types.UID]bool
+	captures []string
 }
 
 func newFakeNode() *fakeNode {
@@ -46,6 +52,7 @@ func newFakeNode() *fakeNode {
 		enrolled: map[types.UID]*nodeagent.EnrolledPod{}, pods: map[types.UID]*corev1.Pod{},
 		drift: map[types.UID][]string{}, listening: map[types.UID]map[uint16]bool{},
 		probe: map[netip.Addr]bool{}, ztunnels: 1, released: map[types.UID]bool{},
+		moved: map[types.UID]bool{}, found: map[types.UID]bool{},
 	}
 }
 
@@ -129,6 +136,26 @@ func (f *fakeNode) Recapture(_ context.Context, pod *corev1.Pod, reset bool) err
 	e.State = nodeagent.StateEnabled
 	e.Since = time.Now()
 	return nil
+}
+
+func (f *fakeNode) Capture(_ context.Context, pod *corev1.Pod, ns *netns.Handle, _ *nodeagent.Sandbox) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.captures = append(f.captures, pod.Name)
+	delete(f.moved, pod.UID)
+	return nil
+}
+
+func (f *fakeNode) Find(pods map[types.UID][]netip.Addr) (map[types.UID]*netns.Handle, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	out := map[types.UID]*netns.Handle{}
+	for uid := range pods {
+		if f.found[uid] {
+			out[uid] = nil // the fake Capture never looks at it
+		}
+	}
+	return out, nil
 }
 
 func (f *fakeNode) EnrolledUID(namespace, name string) (types.UID, bool) {
@@ -223,6 +250,15 @@ func newHarness(t *testing.T, period time.Duration) *harness {
 			defer h.mu.Unlock()
 			return h.listening[h.current], nil
 		},
+		Addrs: func(*os.File) ([]netip.Addr, error) {
+			h.mu.Lock()
+			defer h.mu.Unlock()
+			if h.moved[h.current] {
+				return nil, nil
+			}
+			return h.enrolled[h.current].IPs, nil
+		},
+		Finder:     h.fakeNode,
 		Requeue:    func(k types.NamespacedName) { h.requeued = append(h.requeued, k) },
 		Events:     h.ev,
 		Period:     period,
@@ -481,5 +517,28 @@ func TestSlowProofsKeepTheRoundToThePeriod(t *testing.T) {
 	h.v.round(context.Background())
 	if want := []time.Duration{15 * time.Second, MinGap, MinGap, MinGap}; !slices.Equal(h.sleeps, want) {
 		t.Fatalf("proofs slower than their slots: sleeps %v, want %v", h.sleeps, want)
+	}
+}
+
+// A pod whose sandbox was recreated without the agent (the namespace the
+// agent holds has none of its IPs) is captured in the namespace the
+// finder finds, and nothing else is judged in the old one; not found, it
+// stays unproven.
+func TestRecreatedSandboxIsCapturedInItsNewNamespace(t *testing.T) {
+	h := newHarness(t, time.Minute)
+	p := h.pod(1, true)
+	h.moved[p.UID] = true
+	h.drift[p.UID] = []string{"irrelevant in the old namespace"}
+	h.v.round(context.Background())
+	proof, _ := h.v.Last(p.UID)
+	if proof.OK || h.drifts[KindSandbox] != 1 || len(h.drifts) != 1 || len(h.captures) > 0 || h.unproven != 1 {
+		t.Fatalf("not found: proof %+v, drifts %v, captures %v, unproven %d", proof, h.drifts, h.captures, h.unproven)
+	}
+	h.found[p.UID] = true
+	delete(h.drift, p.UID)
+	h.v.round(context.Background())
+	proof, _ = h.v.Last(p.UID)
+	if !proof.OK || !proof.Repaired || !slices.Equal(h.captures, []string{"pod-1"}) || len(h.recaptures) > 0 || h.unproven != 0 {
+		t.Fatalf("found: proof %+v, captures %v, recaptures %v, unproven %d", proof, h.captures, h.recaptures, h.unproven)
 	}
 }

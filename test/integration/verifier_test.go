@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containernetworking/cni/libcni"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 	corev1 "k8s.io/api/core/v1"
@@ -196,26 +197,8 @@ func TestVerifierRepairsTampering(t *testing.T) {
 func TestVerifierCapturesPodNeverGivenToAgent(t *testing.T) {
 	n := newNode(t, nodeOptions{VerifyPeriod: testVerifyPeriod})
 	shop := n.namespace("shop", ambientLabel)
-	// The runtime as it runs while our plugin is not chained: the
-	// primary conflist without our entry.
-	conf, err := os.ReadFile(filepath.Join(n.confDir, simnode.PrimaryConf))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var list map[string]any
-	if err := json.Unmarshal(conf, &list); err != nil {
-		t.Fatal(err)
-	}
-	plugins := list["plugins"].([]any)
-	list["plugins"] = slices.DeleteFunc(plugins, func(p any) bool { return p.(map[string]any)["type"] == cnibin.PluginName })
-	if len(list["plugins"].([]any)) == len(plugins) {
-		t.Fatalf("the conflist does not name our plugin:\n%s", conf)
-	}
-	unchained, err := json.Marshal(list)
-	if err != nil {
-		t.Fatal(err)
-	}
-	bare := kubesim.NewNode(t, n.env.Client, n.Name, []string{n.binDir}, unchained)
+	// The runtime as it runs while our plugin is not chained.
+	bare := kubesim.NewNode(t, n.env.Client, n.Name, []string{n.binDir}, n.unchainedConf())
 	p, err := bare.Run(context.Background(), podSpec(shop, "missed", nil, nil))
 	if err != nil {
 		t.Fatal(err)
@@ -230,7 +213,92 @@ func TestVerifierCapturesPodNeverGivenToAgent(t *testing.T) {
 		return ok && proof.OK
 	})
 	eventually(t, "the unproven gauge at 0", func() bool { return gauge(t, n.metrics.PodsUnproven) == 0 })
+}
 
+// unchainedConf is the node's primary conflist without our entry, as the
+// runtime reads it while our plugin is not chained (a primary CNI that
+// rewrote its config at boot, before the agent put the entry back).
+func (n *node) unchainedConf() []byte {
+	n.t.Helper()
+	conf, err := os.ReadFile(filepath.Join(n.confDir, simnode.PrimaryConf))
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	var list map[string]any
+	if err := json.Unmarshal(conf, &list); err != nil {
+		n.t.Fatal(err)
+	}
+	plugins := list["plugins"].([]any)
+	list["plugins"] = slices.DeleteFunc(slices.Clone(plugins), func(p any) bool { return p.(map[string]any)["type"] == cnibin.PluginName })
+	if len(list["plugins"].([]any)) == len(plugins) {
+		n.t.Fatalf("the conflist does not name our plugin:\n%s", conf)
+	}
+	out, err := json.Marshal(list)
+	if err != nil {
+		n.t.Fatal(err)
+	}
+	return out
+}
+
+// TestVerifierFindsSandboxRecreatedUnchained: a captured pod whose sandbox
+// the runtime recreates while our plugin is not chained (no DEL, no ADD
+// reach the agent, and the pod's status change is nothing the controller
+// acts on for a pod it holds) is found by its next proof, captured in its
+// new network namespace (rules, ztunnel, probe set) and reported.
+func TestVerifierFindsSandboxRecreatedUnchained(t *testing.T) {
+	n := newNode(t, nodeOptions{VerifyPeriod: testVerifyPeriod})
+	shop := n.namespace("shop", ambientLabel)
+	p := n.runPod(podSpec(shop, "web", nil, nil))
+	client := n.runPod(podSpec(shop, "client", nil, nil))
+	n.waitEnrolled(waitLong, p, client)
+	oldIP := p.Addr(4)
+
+	chained := n.kube.Conf
+	unchained, err := libcni.ConfListFromBytes(n.unchainedConf())
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.kube.Conf = unchained
+	recreated := time.Now()
+	if err := n.kube.Teardown(context.Background(), p); err != nil {
+		t.Fatal(err)
+	}
+	np, err := n.kube.Start(context.Background(), p.Obj)
+	n.kube.Conf = chained
+	if err != nil {
+		t.Fatal(err)
+	}
+	serveApp(t, np)
+	t.Logf("sandbox recreated unchained: %v -> %v", oldIP, np.Addr(4))
+	if n.podRulesClean(np) {
+		t.Fatal("the new sandbox has our rules although the plugin was not chained")
+	}
+
+	proof := n.proofAfter(np, recreated)
+	if !slices.ContainsFunc(proof.Found, func(f verifier.Finding) bool { return f.Kind == verifier.KindSandbox }) {
+		// The pod's status may have reached the cache after the proof
+		// began; the next one finds it.
+		proof = n.proofAfter(np, time.Now())
+	}
+	if !slices.ContainsFunc(proof.Found, func(f verifier.Finding) bool { return f.Kind == verifier.KindSandbox }) || !proof.OK {
+		t.Fatalf("recreated sandbox not found and captured: %+v", proof)
+	}
+	if !n.podRulesClean(np) || !n.inProbeSet(np) {
+		t.Fatal("the new sandbox is not captured")
+	}
+	n.waitStandIn(func() bool {
+		w, ok := n.zt.Workload(string(np.Obj.UID))
+		return ok && slices.Contains(w.IPs, np.Addr(4))
+	}, "the stand-in serving the new sandbox")
+	mustGet(t, client, np)
+	n.requireTunneled(client, np)
+	if got := counter(t, n.metrics.VerifyDrift.WithLabelValues(string(verifier.KindSandbox))); got != 1 {
+		t.Errorf("sandbox drift counted %v times, want 1", got)
+	}
+	eventually(t, "a Warning Event naming the recreated sandbox", func() bool {
+		return slices.ContainsFunc(n.driftEvents(np), func(m string) bool { return strings.Contains(m, "sandbox:") })
+	})
+	eventually(t, "the unproven gauge at 0", func() bool { return gauge(t, n.metrics.PodsUnproven) == 0 })
 }
 
 // TestVerifierNoAPIRequestsWhenNothingDrifted: proving a healthy node's

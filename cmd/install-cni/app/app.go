@@ -362,7 +362,7 @@ func New(o Options) (*App, error) {
 			m.VerifyDrift.WithLabelValues(string(k))
 		}
 		a.verifier = verifier.New(verifier.Config{
-			Agent: a.agent, Pods: a.pods, Probe: rules.Probe,
+			Agent: a.agent, Pods: a.pods, Probe: rules.Probe, Finder: finder,
 			Ztunnels:   a.zds.ReadyConnections,
 			Requeue:    a.ctrl.Requeue,
 			Events:     a.events,
