@@ -148,7 +148,7 @@ type Config struct {
 	Period time.Duration
 	// Settle is the grace of a fresh capture's annotation, ztunnel
 	// listeners, and of a pod not captured yet (default DefaultSettle, at
-	// most Period).
+	// most half the period).
 	Settle time.Duration
 	// OnDrift is told every drift found, by kind; OnUnproven the number
 	// of pods not proven after every proof. Wire metrics here.
@@ -204,7 +204,9 @@ func New(cfg Config) *Verifier {
 		cfg.Period = DefaultPeriod
 	}
 	if cfg.Settle <= 0 {
-		cfg.Settle = min(DefaultSettle, cfg.Period)
+		// At most half a period: a pod captured (or repaired) by one
+		// proof is settled by its next, a period later.
+		cfg.Settle = min(DefaultSettle, cfg.Period/2)
 	}
 	if cfg.Listening == nil {
 		cfg.Listening = netns.ListeningTCPPorts
