@@ -75,14 +75,18 @@ const (
 )
 
 // Kinds lists every kind, for metrics that show them all at zero.
-var Kinds = []Kind{KindRules, KindZtunnel, KindProbeSet, KindAnnotation, KindUncaptured, KindSandbox}
+func Kinds() []Kind {
+	return []Kind{KindRules, KindZtunnel, KindProbeSet, KindAnnotation, KindSandbox, KindUncaptured}
+}
 
 // ReasonDrift is the reason of the Warning Event on a pod found drifted.
 const ReasonDrift = "AmbientCaptureDrift"
 
-// ZtunnelPorts are the ports ztunnel listens on inside every pod it
+// ztunnelPorts are the ports ztunnel listens on inside every pod it
 // serves (outbound, inbound plaintext, inbound HBONE).
-var ZtunnelPorts = []uint16{ambient.ZtunnelOutboundPort, ambient.ZtunnelInboundPlaintextPort, ambient.ZtunnelInboundHBONEPort}
+func ztunnelPorts() []uint16 {
+	return []uint16{ambient.ZtunnelOutboundPort, ambient.ZtunnelInboundPlaintextPort, ambient.ZtunnelInboundHBONEPort}
+}
 
 // Agent is the node agent as the verifier uses it (*nodeagent.Agent).
 type Agent interface {
@@ -167,6 +171,7 @@ type Finding struct {
 	Detail string
 }
 
+// String is the finding as Events and explain show it: "kind: detail".
 func (f Finding) String() string { return string(f.Kind) + ": " + f.Detail }
 
 // Proof is the outcome of the last proof of one pod.
@@ -551,7 +556,7 @@ func (v *Verifier) checkZtunnel(e nodeagent.EnrolledPod, settled bool) (*Finding
 		return nil, "ztunnel's listeners could not be read: " + err.Error()
 	}
 	var down []string
-	for _, p := range ZtunnelPorts {
+	for _, p := range ztunnelPorts() {
 		if !ports[p] {
 			down = append(down, fmt.Sprint(p))
 		}

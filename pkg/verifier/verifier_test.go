@@ -58,7 +58,7 @@ func newFakeNode() *fakeNode {
 
 func allPorts() map[uint16]bool {
 	m := map[uint16]bool{}
-	for _, p := range ZtunnelPorts {
+	for _, p := range ztunnelPorts() {
 		m[p] = true
 	}
 	return m

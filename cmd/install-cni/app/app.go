@@ -358,7 +358,7 @@ func New(o Options) (*App, error) {
 	// Every captured pod proven again on a period; drift repaired through
 	// the agent's capture, uncaptured pods handed to the controller.
 	if c.VerifyPeriod > 0 {
-		for _, k := range verifier.Kinds {
+		for _, k := range verifier.Kinds() {
 			m.VerifyDrift.WithLabelValues(string(k))
 		}
 		a.verifier = verifier.New(verifier.Config{
