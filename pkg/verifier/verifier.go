@@ -363,6 +363,11 @@ func (v *Verifier) uncaptured(p *corev1.Pod) bool {
 func (v *Verifier) prove(ctx context.Context, uid types.UID) {
 	e, pod, ok := v.subject(uid)
 	if !ok {
+		if e.Unresolved {
+			// Its rules and ztunnel's hold cannot be read without its
+			// namespace; the controller keeps looking for it.
+			v.record(uid, Proof{At: v.cfg.now(), Problem: "restored without its network namespace after a restart: not found since"})
+		}
 		return
 	}
 	// The proof's time is when its checks began: a change made after it
@@ -399,11 +404,19 @@ func (v *Verifier) prove(ctx context.Context, uid types.UID) {
 	default:
 		proof.OK = true
 	}
+	v.record(uid, proof)
+}
+
+// record keeps uid's proof, keeping the last drift an earlier one found.
+func (v *Verifier) record(uid types.UID, proof Proof) {
 	v.mu.Lock()
+	defer v.mu.Unlock()
+	if prev, ok := v.proofs[uid]; ok && proof.LastDriftAt.IsZero() {
+		proof.LastDriftAt, proof.LastDrift = prev.LastDriftAt, prev.LastDrift
+	}
 	v.proofs[uid] = proof
 	delete(v.missing, uid)
 	v.report()
-	v.mu.Unlock()
 }
 
 func joinProblems(found []Finding, problem string) string {

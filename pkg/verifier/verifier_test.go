@@ -542,3 +542,16 @@ func TestRecreatedSandboxIsCapturedInItsNewNamespace(t *testing.T) {
 		t.Fatalf("found: proof %+v, captures %v, recaptures %v, unproven %d", proof, h.captures, h.recaptures, h.unproven)
 	}
 }
+
+// A pod restored without its namespace cannot be proven: it counts as
+// unproven, and nothing is repaired (the controller looks for it).
+func TestUnresolvedPodIsUnproven(t *testing.T) {
+	h := newHarness(t, time.Minute)
+	p := h.pod(1, true)
+	h.enrolled[p.UID].Unresolved = true
+	h.v.round(context.Background())
+	proof, ok := h.v.Last(p.UID)
+	if !ok || proof.OK || !strings.Contains(proof.Problem, "network namespace") || h.unproven != 1 || len(h.recaptures) > 0 {
+		t.Fatalf("proof %+v (%v), unproven %d, recaptures %v", proof, ok, h.unproven, h.recaptures)
+	}
+}
