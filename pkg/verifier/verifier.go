@@ -200,7 +200,14 @@ type Verifier struct {
 	mu     sync.Mutex
 	proofs map[types.UID]Proof
 	// missing are the pods found uncaptured, and since when.
-	missing map[types.UID]time.Time
+	missing map[types.UID]*missingPod
+}
+
+// missingPod is a pod found uncaptured: since when, and whether it was
+// reported (once per time it goes missing).
+type missingPod struct {
+	since time.Time
+	told  bool
 }
 
 // New returns a verifier for cfg.
@@ -229,7 +236,7 @@ func New(cfg Config) *Verifier {
 		cfg.sleep = sleepCtx
 	}
 	return &Verifier{cfg: cfg, log: cfg.Logger.With("component", "verifier"),
-		proofs: map[types.UID]Proof{}, missing: map[types.UID]time.Time{}}
+		proofs: map[types.UID]Proof{}, missing: map[types.UID]*missingPod{}}
 }
 
 func sleepCtx(ctx context.Context, d time.Duration) bool {
@@ -319,17 +326,27 @@ func (v *Verifier) findUncaptured(ctx context.Context) {
 		}
 		seen[p.UID] = true
 		v.mu.Lock()
-		since, known := v.missing[p.UID]
+		m, known := v.missing[p.UID]
 		if !known {
-			v.missing[p.UID] = now
+			m = &missingPod{since: now}
+			v.missing[p.UID] = m
+		}
+		ripe := known && now.Sub(m.since) >= v.cfg.Settle
+		tell := ripe && !m.told
+		if tell {
+			m.told = true
 		}
 		v.mu.Unlock()
-		if !known || now.Sub(since) < v.cfg.Settle {
+		if !ripe {
 			continue
 		}
-		d := v.cfg.Pods.DecideCached(p)
-		f := Finding{Kind: KindUncaptured, Detail: fmt.Sprintf("the pod should be captured (%s) but the agent does not hold it; capturing it", d.Reason)}
-		v.found(p, []Finding{f})
+		if tell {
+			d := v.cfg.Pods.DecideCached(p)
+			f := Finding{Kind: KindUncaptured, Detail: fmt.Sprintf("the pod should be captured (%s) but the agent does not hold it; capturing it", d.Reason)}
+			v.found(p, []Finding{f})
+		}
+		// Every round while it stays uncaptured: the controller's own
+		// retries may have given up on it.
 		if v.cfg.Requeue != nil {
 			v.cfg.Requeue(types.NamespacedName{Namespace: p.Namespace, Name: p.Name})
 		}
@@ -616,8 +633,8 @@ func (v *Verifier) unprovenLocked() int {
 		}
 	}
 	now := v.cfg.now()
-	for _, since := range v.missing {
-		if now.Sub(since) >= v.cfg.Settle {
+	for _, m := range v.missing {
+		if now.Sub(m.since) >= v.cfg.Settle {
 			n++
 		}
 	}

@@ -439,6 +439,11 @@ func TestUncapturedPodIsHandedToTheController(t *testing.T) {
 	if h.drifts[KindUncaptured] != 1 || len(h.ev.events) != 1 || h.unproven != 1 {
 		t.Fatalf("drifts %v, events %v, unproven %d", h.drifts, h.ev.events, h.unproven)
 	}
+	// Still uncaptured a round later: handed over again, told once.
+	h.v.round(context.Background())
+	if len(h.requeued) != 2 || h.drifts[KindUncaptured] != 1 || len(h.ev.events) != 1 || h.unproven != 1 {
+		t.Fatalf("second round: requeued %v, drifts %v, events %v, unproven %d", h.requeued, h.drifts, h.ev.events, h.unproven)
+	}
 	// The controller captured it.
 	h.mu.Lock()
 	h.enrolled[p.UID] = &nodeagent.EnrolledPod{UID: p.UID, Namespace: "ns", Name: p.Name, IPs: []netip.Addr{netip.MustParseAddr("10.0.0.2")},
@@ -448,7 +453,7 @@ func TestUncapturedPodIsHandedToTheController(t *testing.T) {
 	p.Annotations = map[string]string{ambient.RedirectionAnnotation: ambient.RedirectionEnabled}
 	h.mu.Unlock()
 	h.v.round(context.Background())
-	if h.unproven != 0 || len(h.requeued) != 1 {
+	if h.unproven != 0 || len(h.requeued) != 2 {
 		t.Fatalf("after capture: unproven %d, requeued %v", h.unproven, h.requeued)
 	}
 }
