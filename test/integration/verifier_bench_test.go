@@ -13,6 +13,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/verifier"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 )
 
 // verifierBenchPods is the node's pod count: Kubernetes' default pod
@@ -65,7 +66,7 @@ func BenchmarkVerifier110Pods(b *testing.B) {
 	v := n.d.Verifier()
 	// roundAfter waits until every pod has a proof begun after t0.
 	roundAfter := func(t0 time.Time) {
-		eventually(b, "a verifier round over every pod", func() bool {
+		poll.Within(b, waitLong, "a verifier round over every pod", func() bool {
 			for _, p := range pods {
 				if proof, ok := v.Last(p.Obj.UID); !ok || !proof.At.After(t0) {
 					return false
@@ -108,13 +109,13 @@ func BenchmarkVerifier110Pods(b *testing.B) {
 				b.Fatal(err)
 			}
 			var found time.Time
-			eventually(b, "the drift found", func() bool {
+			poll.Within(b, waitLong, "the drift found", func() bool {
 				proof, ok := v.Last(p.Obj.UID)
 				found = proof.LastDriftAt
 				return ok && found.After(t0)
 			})
 			detect += found.Sub(t0)
-			eventually(b, "the drift repaired", func() bool { return n.inProbeSet(p) })
+			poll.Within(b, waitLong, "the drift repaired", func() bool { return n.inProbeSet(p) })
 		}
 		detect /= samples
 	}

@@ -24,8 +24,8 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/pkg/verifier"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
-	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 )
 
@@ -48,7 +48,7 @@ func gauge(t testing.TB, g prometheus.Gauge) float64 {
 func (n *node) proofAfter(p *kubesim.Pod, t0 time.Time) verifier.Proof {
 	n.t.Helper()
 	var proof verifier.Proof
-	eventually(n.t, "a proof of "+p.Obj.Name+" begun after "+t0.Format(time.StampMilli), func() bool {
+	poll.Within(n.t, waitLong, "a proof of "+p.Obj.Name+" begun after "+t0.Format(time.StampMilli), func() bool {
 		got, ok := n.d.Verifier().Last(p.Obj.UID)
 		proof = got
 		return ok && got.At.After(t0)
@@ -167,12 +167,12 @@ func TestVerifierRepairsTampering(t *testing.T) {
 			if !proof.OK || !proof.Repaired {
 				t.Errorf("not repaired: %+v", proof)
 			}
-			eventually(t, "the pod repaired", c.repaired)
+			poll.Within(t, waitLong, "the pod repaired", c.repaired)
 			if got := counter(t, n.metrics.VerifyDrift.WithLabelValues(string(c.kind))); got != counted+1 {
 				t.Errorf("ambient_cni_verify_drift_total{kind=%q} = %v, want %v", c.kind, got, counted+1)
 			}
 			var msgs []string
-			eventually(t, "a Warning Event on the pod naming the drift", func() bool {
+			poll.Within(t, waitLong, "a Warning Event on the pod naming the drift", func() bool {
 				msgs = n.driftEvents(a)
 				return len(msgs) > events && slices.ContainsFunc(msgs, func(m string) bool { return strings.Contains(m, string(c.kind)+":") })
 			})
@@ -181,7 +181,7 @@ func TestVerifierRepairsTampering(t *testing.T) {
 				!slices.ContainsFunc(r.Captured.Verification.LastDrift, func(s string) bool { return strings.HasPrefix(s, string(c.kind)+":") }) {
 				t.Errorf("explain does not show the drift: %+v", r.Captured)
 			}
-			eventually(t, "the unproven gauge back at 0", func() bool { return gauge(t, n.metrics.PodsUnproven) == 0 })
+			poll.Within(t, waitLong, "the unproven gauge back at 0", func() bool { return gauge(t, n.metrics.PodsUnproven) == 0 })
 			mustGet(t, b, a)
 			n.requireTunneled(b, a)
 			if p, _ := v.Last(b.Obj.UID); p.LastDriftAt != bProof.LastDriftAt || !p.OK {
@@ -208,11 +208,11 @@ func TestVerifierCapturesPodNeverGivenToAgent(t *testing.T) {
 	if !n.podRulesClean(p) || !n.inProbeSet(p) {
 		t.Fatal("the missed pod is enrolled without its rules or probe-set entry")
 	}
-	eventually(t, "the missed pod proven", func() bool {
+	poll.Within(t, waitLong, "the missed pod proven", func() bool {
 		proof, ok := n.d.Verifier().Last(p.Obj.UID)
 		return ok && proof.OK
 	})
-	eventually(t, "the unproven gauge at 0", func() bool { return gauge(t, n.metrics.PodsUnproven) == 0 })
+	poll.Within(t, waitLong, "the unproven gauge at 0", func() bool { return gauge(t, n.metrics.PodsUnproven) == 0 })
 }
 
 // unchainedConf is the node's primary conflist without our entry, as the
@@ -295,10 +295,10 @@ func TestVerifierFindsSandboxRecreatedUnchained(t *testing.T) {
 	if got := counter(t, n.metrics.VerifyDrift.WithLabelValues(string(verifier.KindSandbox))); got != 1 {
 		t.Errorf("sandbox drift counted %v times, want 1", got)
 	}
-	eventually(t, "a Warning Event naming the recreated sandbox", func() bool {
+	poll.Within(t, waitLong, "a Warning Event naming the recreated sandbox", func() bool {
 		return slices.ContainsFunc(n.driftEvents(np), func(m string) bool { return strings.Contains(m, "sandbox:") })
 	})
-	eventually(t, "the unproven gauge at 0", func() bool { return gauge(t, n.metrics.PodsUnproven) == 0 })
+	poll.Within(t, waitLong, "the unproven gauge at 0", func() bool { return gauge(t, n.metrics.PodsUnproven) == 0 })
 }
 
 // TestVerifierNoAPIRequestsWhenNothingDrifted: proving a healthy node's
@@ -332,17 +332,13 @@ func TestVerifierNoAPIRequestsWhenNothingDrifted(t *testing.T) {
 // TestVerifierShippedPeriod pins the shipped period: one minute, from the
 // chart as from the flag's default, and 0 turns the verifier off.
 func TestVerifierShippedPeriod(t *testing.T) {
-	root, err := kubeenv.RepoRoot()
-	if err != nil {
-		t.Fatal(err)
-	}
-	chart, err := simnode.CommittedChart(root)
+	chart, err := simnode.CommittedChart()
 	if err != nil {
 		t.Fatal(err)
 	}
 	env, err := simnode.AgentEnv(chart, simnode.Paths{
 		Name: "n", PodName: "p", CNIBinDir: "/tmp/x/bin", CNIConfDir: "/tmp/x/net.d", PluginBinary: "/tmp/x/ambient-cni",
-		AgentSocket: "/tmp/x/agent.sock", ZDSSocket: "/tmp/x/zt.sock", Kubeconfig: "/tmp/x/kubeconfig",
+		AgentSocket: "/tmp/x/agent.sock", ZDSSocket: "/tmp/x/zt.sock", StateDir: "/tmp/x/state", Kubeconfig: "/tmp/x/kubeconfig",
 	}, nil)
 	if err != nil {
 		t.Fatal(err)
