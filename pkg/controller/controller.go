@@ -166,6 +166,11 @@ func (c *Controller) Run(ctx context.Context) error {
 	return nil
 }
 
+// Requeue has the controller reconcile pod again, as a change of it
+// would: the verifier hands it the pods it found uncaptured, so the
+// controller's decision is the one that captures them.
+func (c *Controller) Requeue(pod types.NamespacedName) { c.queue.Add(pod) }
+
 // Restored is closed once the pods enrolled before a restart are back in
 // the agent's state; the ZDS snapshot and readiness wait for it.
 func (c *Controller) Restored() <-chan struct{} { return c.restored }

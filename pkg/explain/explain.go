@@ -59,6 +59,8 @@ type Explainer struct {
 	// last saw of its DaemonSet. Either may be nil.
 	Ztunnels  func() int
 	DaemonSet func() string
+	// Verified, when set, is the verifier's last proof of a pod.
+	Verified func(uid types.UID) (Verification, bool)
 	// Policy is the enablement policy the agent decides with, for the
 	// notes on a decision (why a data-plane label did not exempt a pod).
 	Policy enablement.Policy
@@ -116,6 +118,24 @@ type Capture struct {
 	SandboxID string    `json:"sandboxID,omitempty"`
 	Since     time.Time `json:"since"`
 	Rules     Rules     `json:"rules"`
+	// Verification is the verifier's last proof of the pod; absent
+	// before the first (or with the verifier off).
+	Verification *Verification `json:"verification,omitempty"`
+}
+
+// Verification is the outcome of the verifier's last proof of a pod.
+type Verification struct {
+	At time.Time `json:"at"`
+	// Proven: the pod was proven captured (after any repair).
+	Proven bool `json:"proven"`
+	// Found is the drift the proof found (and repaired, when Repaired).
+	Found    []string `json:"found,omitempty"`
+	Repaired bool     `json:"repaired,omitempty"`
+	// Problem says why the pod is not proven.
+	Problem string `json:"problem,omitempty"`
+	// LastDriftAt and LastDrift are the latest proof that found drift.
+	LastDriftAt *time.Time `json:"lastDriftAt,omitempty"`
+	LastDrift   []string   `json:"lastDrift,omitempty"`
 }
 
 // Rules is the result of verifying the pod's rules just now.
@@ -278,6 +298,11 @@ func (e *Explainer) report(p *corev1.Pod, found *scan) *Report {
 	}
 	if held {
 		r.Captured = e.capture(in)
+		if e.Verified != nil {
+			if v, ok := e.Verified(in.UID); ok {
+				r.Captured.Verification = &v
+			}
+		}
 		r.Netns = heldNetns(in.EnrolledPod)
 	} else {
 		r.Netns = e.netnsOf(p, d, ips, found)
@@ -352,6 +377,9 @@ func (e *Explainer) judge(r *Report, p *corev1.Pod, d enablement.Decision, ips [
 		}
 		if r.Annotation != c.State {
 			problems = append(problems, fmt.Sprintf("annotation %s is %q, want %q: istiod's view of the pod is stale", ambient.RedirectionAnnotation, r.Annotation, c.State))
+		}
+		if v := c.Verification; v != nil && !v.Proven {
+			problems = append(problems, "the verifier's last proof ("+v.At.UTC().Format(time.RFC3339)+") failed: "+v.Problem)
 		}
 	case d.Enroll:
 		switch {

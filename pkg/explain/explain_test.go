@@ -218,3 +218,29 @@ func TestExplainDataPlaneLabelOutsideItsNamespaces(t *testing.T) {
 		t.Errorf("ztunnel in its namespace: %+v; want exempt, no note", r.Policy)
 	}
 }
+
+// A captured pod's report carries the verifier's last proof; a failed one
+// is a problem that names what is wrong.
+func TestVerification(t *testing.T) {
+	on := &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: "shop", Labels: map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}}}
+	ok := mkPod("shop", "ok", "u-ok", "10.0.0.1", func(p *corev1.Pod) { p.Annotations[ambient.RedirectionAnnotation] = ambient.RedirectionEnabled })
+	bad := mkPod("shop", "bad", "u-bad", "10.0.0.2", func(p *corev1.Pod) { p.Annotations[ambient.RedirectionAnnotation] = ambient.RedirectionEnabled })
+	pods := &fakePods{pods: map[string]*corev1.Pod{"shop/ok": ok, "shop/bad": bad}, nss: map[string]*corev1.Namespace{"shop": on}}
+	okIn, badIn := held(ok, nodeagent.StateEnabled), held(bad, nodeagent.StateEnabled)
+	agent := &fakeAgent{held: map[types.UID]nodeagent.Inspection{ok.UID: okIn, bad.UID: badIn}}
+	at := time.Unix(1700000000, 0)
+	proofs := map[types.UID]Verification{
+		ok.UID:  {At: at, Proven: true, LastDriftAt: &at, LastDrift: []string{"rules: flushed"}},
+		bad.UID: {At: at, Problem: "repair failed: xtables lock"},
+	}
+	e := &Explainer{Pods: pods, Agent: agent, Finder: &fakeFinder{}, Backend: "nftables",
+		Verified: func(uid types.UID) (Verification, bool) { v, ok := proofs[uid]; return v, ok }}
+	r, err := e.Explain(context.Background(), "shop", "ok")
+	if err != nil || r.Captured == nil || r.Captured.Verification == nil || !r.Captured.Verification.Proven || !r.OK {
+		t.Fatalf("proven pod: %+v, %v", r, err)
+	}
+	r, err = e.Explain(context.Background(), "shop", "bad")
+	if err != nil || r.OK || !strings.Contains(strings.Join(r.Problems, "\n"), "xtables lock") {
+		t.Fatalf("unproven pod: %+v, %v", r, err)
+	}
+}

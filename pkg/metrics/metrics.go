@@ -43,6 +43,11 @@ type Metrics struct {
 	RuleErrors *prometheus.CounterVec
 	// RuleDrift counts verifications that found drift and repaired it.
 	RuleDrift prometheus.Counter
+	// VerifyDrift counts what the verifier found drifted on captured
+	// pods (or a pod found uncaptured), by kind; PodsUnproven is how many
+	// pods are not proven captured now (0 on a healthy node).
+	VerifyDrift  *prometheus.CounterVec
+	PodsUnproven prometheus.Gauge
 	// NetnsScans counts /proc passes made to find running pods' network
 	// namespaces; one serves a whole batch of pods.
 	NetnsScans prometheus.Counter
@@ -121,6 +126,14 @@ func New() *Metrics {
 			Namespace: namespace, Name: "rule_drift_repairs_total",
 			Help: "In-pod rule sets found drifted and re-applied.",
 		}),
+		VerifyDrift: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Namespace: namespace, Name: "verify_drift_total",
+			Help: "Drift the verifier found on captured pods and repaired, by kind (rules, ztunnel, probe_set, annotation, sandbox, uncaptured).",
+		}, []string{"kind"}),
+		PodsUnproven: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: namespace, Name: "pods_unproven",
+			Help: "Pods on this node that should be captured and whose capture the verifier has not proven now; 0 on a healthy node.",
+		}),
 		NetnsScans: prometheus.NewCounter(prometheus.CounterOpts{
 			Namespace: namespace, Name: "netns_scans_total",
 			Help: "Passes over /proc to find running pods' network namespaces (one per batch of pods).",
@@ -155,7 +168,7 @@ func New() *Metrics {
 		}, []string{"type"}),
 	}
 	r.MustRegister(m.CNIRequests, m.AddLatency, m.EnrolledPods, m.ZtunnelConnections, m.TrackedPods,
-		m.RuleErrors, m.RuleDrift, m.NetnsScans, m.InstallerReinstalls, m.BuildInfo,
+		m.RuleErrors, m.RuleDrift, m.VerifyDrift, m.PodsUnproven, m.NetnsScans, m.InstallerReinstalls, m.BuildInfo,
 		m.IstioInstallReady, m.IstioZtunnelConnected, m.IstioPluginRequests, m.IstioInstalls, m.IstioReconcileEvents,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.BuildInfo.WithLabelValues(buildinfo.Version(), buildinfo.Commit()).Set(1)

@@ -273,7 +273,7 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 		ProcRoot: "/host/proc", NetnsDirs: []string{"/var/run/custom-netns", "/run/custom/netns"},
 		ExcludedNamespaces:       []string{"kube-system", "istio-system", "monitoring"},
 		DataPlaneNamespaces:      []string{"all-values-ns", "ztunnel-system"},
-		AssumePodLevelEnablement: true, ZtunnelWait: 7 * time.Second, DNSCapture: false,
+		AssumePodLevelEnablement: true, ZtunnelWait: 7 * time.Second, VerifyPeriod: 30 * time.Second, DNSCapture: false,
 		RulesBackend: rulesbackend.Selection{Choice: rulesbackend.IPTables, Flavour: iptables.BackendNFT},
 		ProbeSNATv4:  netip.MustParseAddr("169.254.7.42"), ProbeSNATv6: netip.MustParseAddr("fd16::42"),
 		HealthAddr: ":15999", MetricsAddr: ":15998", LogLevel: "debug", LogFormat: "json", KubeClientQPS: 12.5, KubeClientBurst: 25, AnnotationQPS: 7.5, AnnotationBurst: 15,

@@ -171,6 +171,7 @@ func TestTemplateRejectsBadValues(t *testing.T) {
 		"bad backend (old name)":      {[]string{"--set", "agent.iptablesBackend=ebtables"}, "iptablesBackend"},
 		"bad log level":               {[]string{"--set", "agent.logLevel=loud"}, "logLevel"},
 		"bad duration":                {[]string{"--set", "agent.ztunnelWait=soon"}, "ztunnelWait"},
+		"bad verify period":           {[]string{"--set", "agent.verifyPeriod=-1m"}, "verifyPeriod"},
 		"v6 probe address as v4":      {[]string{"--set", "agent.probeSNATIPv4=fd00::1"}, "probeSNATIPv4"},
 		"port out of range":           {[]string{"--set", "agent.healthPort=70000"}, "healthPort"},
 		"client QPS not positive":     {[]string{"--set", "agent.kubeClientQPS=0"}, "kubeClientQPS"},

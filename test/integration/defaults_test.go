@@ -26,6 +26,7 @@ var harnessSettings = map[string]string{
 	"startup-taint":             "only TestStartupTaint, as startupTaint.enabled",
 	"startup-taint-on-shutdown": "only TestStartupTaint, as startupTaint.restoreOnShutdown",
 	"enablement-selector":       "only TestEnablementSelectors sets a list of its own, to prove the setting is followed",
+	"verify-period":             "only the verifier's tests shorten it, so a tamper is found within a test's wait; TestVerifierShippedPeriod pins the default",
 }
 
 // TestHarnessRunsShippedDefaults pins what the suite runs the agent with
@@ -40,7 +41,7 @@ func TestHarnessRunsShippedDefaults(t *testing.T) {
 			t.Errorf("the harness may not set %s: it is a tuning setting, run it as shipped", tuning)
 		}
 	}
-	settings := nodeSettings(nodeOptions{ZtunnelWait: time.Second, EnablementSelector: "[]"})
+	settings := nodeSettings(nodeOptions{ZtunnelWait: time.Second, EnablementSelector: "[]", VerifyPeriod: time.Second})
 	settings["pod-namespace"] = "ns"
 	for name := range settings {
 		if _, ok := harnessSettings[name]; !ok {

@@ -16,6 +16,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -101,6 +102,8 @@ type nodeOptions struct {
 	// EnablementSelector is the agent's --enablement-selector (default:
 	// the chart's, Istio's list).
 	EnablementSelector string
+	// VerifyPeriod is the agent's --verify-period (default: the chart's).
+	VerifyPeriod time.Duration
 }
 
 // startupTaintRBAC is the rule startupTaint.enabled adds to the chart's
@@ -138,9 +141,12 @@ type node struct {
 	agentNS, agentPod string
 	client            kubernetes.Interface // the agent's ServiceAccount, as a full clientset
 	agentClient       *kubeclient.Client   // the agent's own client
-	cfg               *installcni.Config
-	logs              *logSink
-	log               *slog.Logger
+	// apiRequests counts the agent client's requests other than watches
+	// (a watch is one long request; its events are not requests).
+	apiRequests atomic.Int64
+	cfg         *installcni.Config
+	logs        *logSink
+	log         *slog.Logger
 
 	d           *installcni.App
 	hook        func(*nodeagent.Config)
@@ -221,7 +227,16 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 	// The agent's client is built as install-cni builds it, with the
 	// shipped rate limit; kubeenv's raised QPS is for the test's own
 	// clients (kubesim, assertions) only. requireShippedClient pins it.
-	if n.agentClient, err = kubeclient.NewForConfig(n.cfg.KubeClientConfig(saConfig)); err != nil {
+	agentConfig := n.cfg.KubeClientConfig(saConfig)
+	agentConfig.Wrap(func(rt http.RoundTripper) http.RoundTripper {
+		return roundTripFunc(func(r *http.Request) (*http.Response, error) {
+			if r.URL.Query().Get("watch") != "true" {
+				n.apiRequests.Add(1)
+			}
+			return rt.RoundTrip(r)
+		})
+	})
+	if n.agentClient, err = kubeclient.NewForConfig(agentConfig); err != nil {
 		t.Fatal(err)
 	}
 	requireShippedClient(t, n.agentClient)
@@ -262,6 +277,12 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 	return n
 }
 
+// roundTripFunc is an http.RoundTripper from a function.
+type roundTripFunc func(*http.Request) (*http.Response, error)
+
+// RoundTrip calls f.
+func (f roundTripFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }
+
 // nodeSettings are the agent's settings on a test node beyond the chart's
 // environment and simnode's NodeLocal ones (and the pod-namespace simnode
 // sets for a node's own namespace); TestHarnessRunsShippedDefaults fails
@@ -284,6 +305,9 @@ func nodeSettings(opts nodeOptions) map[string]string {
 	}
 	if opts.EnablementSelector != "" {
 		s["enablement-selector"] = opts.EnablementSelector
+	}
+	if opts.VerifyPeriod > 0 {
+		s["verify-period"] = opts.VerifyPeriod.String()
 	}
 	return s
 }

@@ -120,6 +120,7 @@ func TestReadyzAndMetrics(t *testing.T) {
 	for _, name := range []string{
 		"ambient_cni_cni_requests_total", "ambient_cni_cni_add_duration_seconds", "ambient_cni_enrolled_pods",
 		"ambient_cni_ztunnel_connections", "ambient_cni_rule_errors_total", "ambient_cni_installer_reinstalls_total",
+		"ambient_cni_verify_drift_total", "ambient_cni_pods_unproven",
 		// istio-cni's names, for its dashboards and alerts.
 		"istio_cni_install_ready", "ztunnel_connected", "istio_cni_plugin_requests_total",
 		"istio_cni_installs_total", "nodeagent_reconcile_events_total",

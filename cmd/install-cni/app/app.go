@@ -47,6 +47,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
+	"github.com/ambient-cni/ambient-cni/pkg/verifier"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
 
@@ -186,6 +187,7 @@ type App struct {
 	ctrl      *controller.Controller
 	health    *health.Server
 	explain   *explain.Explainer
+	verifier  *verifier.Verifier // nil when verify-period is 0
 
 	// hung is closed when the watchdog gave up on the event server.
 	hung     chan struct{}
@@ -353,6 +355,24 @@ func New(o Options) (*App, error) {
 	// What the agent remembers per pod goes with the pod's object.
 	a.pods.OnPodDeleted(a.agent.PodGone)
 
+	// Every captured pod proven again on a period; drift repaired through
+	// the agent's capture, uncaptured pods handed to the controller.
+	if c.VerifyPeriod > 0 {
+		for _, k := range verifier.Kinds() {
+			m.VerifyDrift.WithLabelValues(string(k))
+		}
+		a.verifier = verifier.New(verifier.Config{
+			Agent: a.agent, Pods: a.pods, Probe: rules.Probe, Finder: finder,
+			Ztunnels:   a.zds.ReadyConnections,
+			Requeue:    a.ctrl.Requeue,
+			Events:     a.events,
+			Period:     c.VerifyPeriod,
+			OnDrift:    func(k verifier.Kind) { m.VerifyDrift.WithLabelValues(string(k)).Inc() },
+			OnUnproven: func(n int) { m.PodsUnproven.Set(float64(n)) },
+			Logger:     a.log,
+		})
+	}
+
 	a.health = health.New()
 	a.explain = &explain.Explainer{
 		Pods: a.pods, Agent: a.agent,
@@ -361,6 +381,9 @@ func New(o Options) (*App, error) {
 		Ztunnels:  a.zds.Connections,
 		DaemonSet: a.upgrade.Seen,
 		Policy:    policy,
+	}
+	if a.verifier != nil {
+		a.explain.Verified = a.verification
 	}
 	// Alive is answering: once the event server listens, it must answer
 	// the plugin's cheapest request through its socket (before, startup
@@ -394,6 +417,29 @@ func New(o Options) (*App, error) {
 	})
 	return a, nil
 }
+
+// verification is the verifier's last proof of uid, as explain shows it.
+func (a *App) verification(uid types.UID) (explain.Verification, bool) {
+	p, ok := a.verifier.Last(uid)
+	if !ok {
+		return explain.Verification{}, false
+	}
+	v := explain.Verification{At: p.At, Proven: p.OK, Repaired: p.Repaired, Problem: p.Problem}
+	for _, f := range p.Found {
+		v.Found = append(v.Found, f.String())
+	}
+	if !p.LastDriftAt.IsZero() {
+		at := p.LastDriftAt
+		v.LastDriftAt = &at
+		for _, f := range p.LastDrift {
+			v.LastDrift = append(v.LastDrift, f.String())
+		}
+	}
+	return v, true
+}
+
+// Verifier is the verifier (for tests); nil when verify-period is 0.
+func (a *App) Verifier() *verifier.Verifier { return a.verifier }
 
 func nonNil(s []string) []string {
 	if s == nil {
@@ -592,6 +638,11 @@ func (a *App) Run(ctx context.Context) (err error) {
 	run("event-server", a.server.Serve)
 	run("watchdog", a.watchdog)
 	run("spool", a.agent.RunSpoolDrain)
+	if a.verifier != nil {
+		// Once the pods are restored and the servers listen: a proof
+		// before a ztunnel connected would find every pod unheld.
+		run("verifier", a.verifier.Run)
+	}
 	if c.StartupTaint {
 		run("startup-taint", nodetaint.Untainter{
 			Client: a.opts.Client, Node: c.NodeName, Ready: a.health.CaptureReady,

@@ -23,6 +23,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
+	"github.com/ambient-cni/ambient-cni/pkg/verifier"
 )
 
 // EnvPrefix prefixes every flag's environment-variable name.
@@ -90,11 +91,14 @@ type Config struct {
 	EnablementSelectors      *enablement.Selectors
 	AssumePodLevelEnablement bool
 	ZtunnelWait              time.Duration
-	DNSCapture               bool
-	RulesBackend             rulesbackend.Selection
-	ProbeSNATv4              netip.Addr
-	ProbeSNATv6              netip.Addr
-	IPv6                     bool
+	// VerifyPeriod is how often every captured pod is proven again; 0
+	// turns the verifier off.
+	VerifyPeriod time.Duration
+	DNSCapture   bool
+	RulesBackend rulesbackend.Selection
+	ProbeSNATv4  netip.Addr
+	ProbeSNATv6  netip.Addr
+	IPv6         bool
 
 	// StartupTaint removes the node's startup taint once the agent is
 	// ready to capture; StartupTaintOnShutdown puts it back when the agent
@@ -203,6 +207,22 @@ func duration(dst func(*Config) *time.Duration) func(*Config, string) error {
 	}
 }
 
+// period parses a duration that may be 0 (off), never negative; a
+// positive one below min is refused.
+func period(min time.Duration, dst func(*Config) *time.Duration) func(*Config, string) error {
+	return func(c *Config, v string) error {
+		d, err := time.ParseDuration(v)
+		if err != nil {
+			return err
+		}
+		if d < 0 || (d > 0 && d < min) {
+			return fmt.Errorf("must be 0 (off) or at least %s", min)
+		}
+		*dst(c) = d
+		return nil
+	}
+}
+
 func positiveFloat(dst func(*Config) *float32) func(*Config, string) error {
 	return func(c *Config, v string) error {
 		f, err := strconv.ParseFloat(v, 32)
@@ -303,6 +323,7 @@ func options() []option {
 		}},
 		{"assume-pod-level-enablement", "With plugin-agent-unreachable=snapshot: tell the plugin's fallback that any namespace may hold a pod enabled by its own label, so it fails closed everywhere but excluded namespaces however long the agent is gone. No effect with fail-closed.", "false", boolean(func(c *Config) *bool { return &c.AssumePodLevelEnablement })},
 		{"ztunnel-wait", "How long CNI ADD waits for a connected ztunnel to acknowledge a pod before failing with a retryable error.", nodeagent.DefaultZtunnelTimeout.String(), duration(func(c *Config) *time.Duration { return &c.ZtunnelWait })},
+		{"verify-period", "How often every captured pod is proven still captured (its rules, ztunnel's in-pod listeners, its probe-set entry, its annotation), spread evenly over the period; drift is repaired and reported, and a pod that should be captured and is not is captured. 0 turns the verifier off.", verifier.DefaultPeriod.String(), period(time.Second, func(c *Config) *time.Duration { return &c.VerifyPeriod })},
 		{"dns-capture", "Capture DNS (port 53) to ztunnel by default, as Istio's chart does (ambient.dnsCapture); per pod: annotation ambient.istio.io/dns-capture.", "true", boolean(func(c *Config) *bool { return &c.DNSCapture })},
 		{"rules-backend", "Rules backend in pods and for the host probe SNAT: auto (native nftables when the kernel supports it, else iptables), nftables, iptables (flavour detected from the node), or iptables in one flavour: nft or legacy. Each backend also removes what the other left.", string(rulesbackend.Auto), func(c *Config, v string) error {
 			sel, err := rulesbackend.Parse(v)

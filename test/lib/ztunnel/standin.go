@@ -258,6 +258,29 @@ func (z *StandIn) Workload(uid string) (Workload, bool) {
 	return p.view(), true
 }
 
+// CloseListeners closes the in-pod listeners of one served pod and keeps
+// serving it otherwise, as a ztunnel that lost a pod's listeners but not
+// the pod: an Add of the pod in the same netns then changes nothing (a Del
+// and a new Add start it again). False when the pod is not served.
+func (z *StandIn) CloseListeners(uid string) bool {
+	z.mu.Lock()
+	p, ok := z.pods[uid]
+	z.mu.Unlock()
+	if !ok {
+		return false
+	}
+	p.mu.Lock()
+	for _, l := range p.lns {
+		_ = l.Close()
+	}
+	p.lns = nil
+	p.mu.Unlock()
+	z.mu.Lock()
+	z.notifyLocked()
+	z.mu.Unlock()
+	return true
+}
+
 // Wait blocks until cond returns true or ctx ends. cond is re-evaluated
 // whenever the stand-in's state changes; it may call the accessors.
 func (z *StandIn) Wait(ctx context.Context, cond func() bool) error {

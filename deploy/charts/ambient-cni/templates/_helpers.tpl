@@ -86,6 +86,8 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ .Values.agent.assumePodLevelEnablement | toString | quote }}
 - name: AMBIENT_ZTUNNEL_WAIT
   value: {{ .Values.agent.ztunnelWait | quote }}
+- name: AMBIENT_VERIFY_PERIOD
+  value: {{ .Values.agent.verifyPeriod | quote }}
 - name: AMBIENT_DNS_CAPTURE
   value: {{ .Values.agent.dnsCapture | toString | quote }}
 - name: AMBIENT_RULES_BACKEND

@@ -1,0 +1,138 @@
+package netns
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+
+	"golang.org/x/sys/unix"
+)
+
+// ListeningTCPPorts lists the local ports of the TCP sockets listening in
+// the open network namespace ns, IPv4 and IPv6 alike, with one socket
+// diagnostics (NETLINK_SOCK_DIAG, inet_diag) dump per family. The netlink
+// socket is opened inside ns, so the kernel answers for that namespace
+// only; nothing else runs there.
+func ListeningTCPPorts(ns *os.File) (map[uint16]bool, error) {
+	out := map[uint16]bool{}
+	err := doFD(int(ns.Fd()), ns.Name(), func() error {
+		fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_SOCK_DIAG)
+		if err != nil {
+			return fmt.Errorf("open sock_diag socket: %w", err)
+		}
+		defer unix.Close(fd)
+		if err := unix.Bind(fd, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+			return fmt.Errorf("bind sock_diag socket: %w", err)
+		}
+		if err := dumpListening(fd, unix.AF_INET, 1, out); err != nil {
+			return err
+		}
+		// A kernel without IPv6 has no inet6 diag handler: no listeners
+		// there to find.
+		if err := dumpListening(fd, unix.AF_INET6, 2, out); err != nil && !errors.Is(err, unix.ENOENT) && !errors.Is(err, unix.EAFNOSUPPORT) {
+			return err
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("list listening TCP sockets in netns %s: %w", ns.Name(), err)
+	}
+	return out, nil
+}
+
+// inet_diag wire sizes (linux/inet_diag.h).
+const (
+	sizeofInetDiagReqV2 = 56
+	sizeofInetDiagMsg   = 72
+	tcpListen           = 10 // TCP_LISTEN in the kernel's tcp_states.h
+)
+
+// dumpListening sends one inet_diag dump request for family's listening
+// TCP sockets and adds their local ports to out.
+func dumpListening(fd int, family uint8, seq uint32, out map[uint16]bool) error {
+	req := make([]byte, unix.NLMSG_HDRLEN+sizeofInetDiagReqV2)
+	binary.NativeEndian.PutUint32(req[0:], uint32(len(req)))
+	binary.NativeEndian.PutUint16(req[4:], unix.SOCK_DIAG_BY_FAMILY)
+	binary.NativeEndian.PutUint16(req[6:], unix.NLM_F_REQUEST|unix.NLM_F_DUMP)
+	binary.NativeEndian.PutUint32(req[8:], seq)
+	body := req[unix.NLMSG_HDRLEN:]
+	body[0] = family
+	body[1] = unix.IPPROTO_TCP
+	binary.NativeEndian.PutUint32(body[4:], 1<<tcpListen) // idiag_states
+	if err := unix.Sendto(fd, req, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+		return fmt.Errorf("send inet_diag request: %w", err)
+	}
+	buf := make([]byte, 32<<10)
+	for {
+		n, _, err := unix.Recvfrom(fd, buf, 0)
+		if err != nil {
+			if errors.Is(err, unix.EINTR) {
+				continue
+			}
+			return fmt.Errorf("receive inet_diag answer: %w", err)
+		}
+		done, err := parseDiagListening(buf[:n], seq, out)
+		if err != nil || done {
+			return err
+		}
+	}
+}
+
+// parseDiagListening adds the local ports of the inet_diag messages in b
+// (one netlink datagram, answering request seq) to out; done is true once
+// the dump's end is seen. Anything malformed is an error, never a panic.
+func parseDiagListening(b []byte, seq uint32, out map[uint16]bool) (done bool, err error) {
+	for len(b) > 0 {
+		if len(b) < unix.NLMSG_HDRLEN {
+			return false, fmt.Errorf("inet_diag: short netlink header (%d bytes)", len(b))
+		}
+		l := int(binary.NativeEndian.Uint32(b[0:]))
+		typ := binary.NativeEndian.Uint16(b[4:])
+		if l < unix.NLMSG_HDRLEN || l > len(b) {
+			return false, fmt.Errorf("inet_diag: netlink message length %d out of range (%d left)", l, len(b))
+		}
+		msg := b[unix.NLMSG_HDRLEN:l]
+		if s := binary.NativeEndian.Uint32(b[8:]); s != seq {
+			return false, fmt.Errorf("inet_diag: answer to request %d, expected %d", s, seq)
+		}
+		switch typ {
+		case unix.NLMSG_DONE:
+			return true, nil
+		case unix.NLMSG_ERROR:
+			if len(msg) < 4 {
+				return false, errors.New("inet_diag: short netlink error")
+			}
+			if e := int32(binary.NativeEndian.Uint32(msg)); e != 0 {
+				return false, fmt.Errorf("inet_diag: %w", unix.Errno(-e))
+			}
+		case unix.SOCK_DIAG_BY_FAMILY:
+			if len(msg) < sizeofInetDiagMsg {
+				return false, fmt.Errorf("inet_diag: short message (%d bytes)", len(msg))
+			}
+			// idiag_state at 1; the socket id follows the four one-byte
+			// fields, its source port first, in network byte order.
+			if msg[1] == tcpListen {
+				out[binary.BigEndian.Uint16(msg[4:])] = true
+			}
+		}
+		// Messages are 4-byte aligned within the datagram.
+		next := (l + unix.NLMSG_ALIGNTO - 1) &^ (unix.NLMSG_ALIGNTO - 1)
+		if next >= len(b) {
+			break
+		}
+		b = b[next:]
+	}
+	return false, nil
+}
+
+// Dup returns a second handle on the same namespace, which the caller
+// owns and closes independently of n (a duplicate of n's descriptor, so
+// what was checked when n was opened holds for it too).
+func (n *Handle) Dup() (*Handle, error) {
+	fd, err := unix.FcntlInt(n.f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("duplicate netns descriptor %s: %w", n.source, err)
+	}
+	return &Handle{f: os.NewFile(uintptr(fd), n.source), source: n.source, id: n.id}, nil
+}
