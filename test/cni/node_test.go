@@ -22,7 +22,6 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -295,21 +294,6 @@ func (n *node) check(s *sandbox) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	return n.cni.CheckNetworkList(ctx, n.list, s.rt())
-}
-
-// inNS runs a command inside the sandbox's netns.
-func (s *sandbox) inNS(t testing.TB, name string, args ...string) string {
-	t.Helper()
-	var out bytes.Buffer
-	err := s.ns.Do(func(ns.NetNS) error {
-		cmd := exec.Command(name, args...)
-		cmd.Stdout, cmd.Stderr = &out, &out
-		return cmd.Run()
-	})
-	if err != nil {
-		t.Fatalf("%s %v in %s: %v\n%s", name, args, s.ns.Path(), err, out.String())
-	}
-	return out.String()
 }
 
 // ourChains reports whether the sandbox's netns holds our rules in the

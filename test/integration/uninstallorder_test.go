@@ -45,8 +45,7 @@ func (r *releaseWatch) Remove(netns string) error {
 // plugin. A new agent removes a stale marker before it chains the plugin.
 func TestUninstallOrder(t *testing.T) {
 	w := &releaseWatch{}
-	var n *node
-	n = newNode(t, nodeOptions{AgentHook: func(c *nodeagent.Config) { w.Applier = c.Rules; c.Rules = w }})
+	n := newNode(t, nodeOptions{AgentHook: func(c *nodeagent.Config) { w.Applier = c.Rules; c.Rules = w }})
 	marker := n.cfg.Layout().Uninstalling()
 	conf := filepath.Join(n.confDir, simnode.PrimaryConf)
 	chained := func() bool {
