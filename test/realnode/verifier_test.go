@@ -108,6 +108,9 @@ func (e *e2e) testVerifier(t *testing.T) {
 			deleteProbeEntry(t, target.Status.PodIP)
 			return time.Now()
 		}, func(ctx context.Context) (bool, error) { return inHostProbeSet(target.Status.PodIP) }},
+		// A sandbox drift, not an uncaptured one, also proves the new
+		// sandbox came up without the plugin: an ADD through it would
+		// have moved the agent to the new namespace.
 		{verifier.KindSandbox, func(t *testing.T) time.Time {
 			return e.recreateSandboxUnchained(t, target)
 		}, func(ctx context.Context) (bool, error) {
