@@ -1,6 +1,8 @@
 // Command ztunnel-standin runs the test ztunnel stand-in against a node
 // agent's ZDS socket until SIGTERM or SIGINT. With -debug-addr it serves its
-// state as JSON: /workloads, /records and /messages.
+// state as JSON (GET /workloads, /records and /messages) and takes one
+// fault to inject: POST /close-listeners?uid=UID closes one pod's in-pod
+// listeners, as a ztunnel that lost them.
 package main
 
 import (
@@ -71,5 +73,12 @@ func debugMux(z *ztunnel.StandIn) *http.ServeMux {
 	serve("/workloads", func() any { return z.Workloads() })
 	serve("/records", func() any { return z.Records() })
 	serve("/messages", func() any { return z.Messages() })
+	mux.HandleFunc("POST /close-listeners", func(w http.ResponseWriter, r *http.Request) {
+		if !z.CloseListeners(r.URL.Query().Get("uid")) {
+			http.Error(w, "no such pod served", http.StatusNotFound)
+			return
+		}
+		w.WriteHeader(http.StatusNoContent)
+	})
 	return mux
 }
