@@ -38,10 +38,11 @@ type hostProbe interface {
 
 // sgpNode is a node and a branch ENI pod wired as the VPC CNI does it for
 // security groups for pods (strict mode): the node's own ENI ("trunk", a
-// veth to a namespace that answers nothing, so nothing leaves the machine) carries a VLAN for the pod's
-// branch ENI; the pod's veth and the VLAN select, by iif rules, a table of
-// the pod's own whose default route leaves by the VLAN and whose host route
-// names the veth. The main table has no route to the pod.
+// veth to a namespace that answers nothing, so nothing leaves the
+// machine) carries a VLAN for the pod's branch ENI; the pod's veth and the
+// VLAN select, by iif rules, a table of the pod's own whose default route
+// leaves by the VLAN and whose host route names the veth. The main table
+// has no route to the pod.
 type sgpNode struct {
 	node, pod cnins.NetNS
 	podIP     netip.Addr
