@@ -62,36 +62,30 @@ func (c *Conn) FindBranchENI(ip netip.Addr) (ruleset.BranchENI, bool, error) {
 		return ruleset.BranchENI{}, false, fmt.Errorf("list rules: %w", err)
 	}
 	var rv []ruleset.RuleView
-	tables := map[int]bool{}
 	for _, r := range rules {
-		if r.IifName == "" {
+		if r.IifName != "" {
+			rv = append(rv, ruleset.RuleView{Priority: r.Priority, Iif: r.IifName, Table: r.Table, Protocol: r.Protocol})
+		}
+	}
+	if len(rv) == 0 {
+		return ruleset.BranchENI{}, false, nil // no iif rule: no branch ENI pod on the node
+	}
+	// One dump of every table, and only the pod's host routes named.
+	rs, err := c.h.RouteListFiltered(fam, &netlink.Route{Table: unix.RT_TABLE_UNSPEC}, netlink.RT_FILTER_TABLE)
+	if err != nil {
+		return ruleset.BranchENI{}, false, fmt.Errorf("list routes: %w", err)
+	}
+	host := netip.PrefixFrom(ip.Unmap(), ip.Unmap().BitLen())
+	var routes []ruleset.RouteView
+	for _, r := range rs {
+		if r.LinkIndex == 0 || prefix(r.Dst) != host {
 			continue
 		}
-		rv = append(rv, ruleset.RuleView{Priority: r.Priority, Iif: r.IifName, Table: r.Table, Protocol: r.Protocol})
-		tables[r.Table] = true
-	}
-	var routes []ruleset.RouteView
-	names := map[int]string{}
-	for t := range tables {
-		rs, err := c.h.RouteListFiltered(fam, &netlink.Route{Table: t}, netlink.RT_FILTER_TABLE)
+		l, err := c.h.LinkByIndex(r.LinkIndex)
 		if err != nil {
-			return ruleset.BranchENI{}, false, fmt.Errorf("list routes in table %d: %w", t, err)
+			continue // gone meanwhile: not the pod's device
 		}
-		for _, r := range rs {
-			if r.Dst == nil || r.LinkIndex == 0 {
-				continue
-			}
-			name, ok := names[r.LinkIndex]
-			if !ok {
-				l, err := c.h.LinkByIndex(r.LinkIndex)
-				if err != nil {
-					continue // gone meanwhile: not the pod's device
-				}
-				name = l.Attrs().Name
-				names[r.LinkIndex] = name
-			}
-			routes = append(routes, ruleset.RouteView{Table: r.Table, Dst: prefix(r.Dst), Dev: name})
-		}
+		routes = append(routes, ruleset.RouteView{Table: r.Table, Dst: host, Dev: l.Attrs().Name})
 	}
 	b, ok := ruleset.FindBranchENI(ip, rv, routes)
 	return b, ok, nil
