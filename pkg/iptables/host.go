@@ -14,6 +14,8 @@ import (
 	"github.com/vishvananda/netlink/nl"
 	"golang.org/x/sys/unix"
 
+	"github.com/ambient-cni/ambient-cni/pkg/netns"
+	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
@@ -235,7 +237,10 @@ func (h *HostProbe) AddIP(ip netip.Addr) error {
 		// IPv6 probes reach the app as they are.
 		return nil
 	}
-	return h.a.sets.AddIP(h.netns, ruleset.ProbeSet(f), ip)
+	if err := h.a.sets.AddIP(h.netns, ruleset.ProbeSet(f), ip); err != nil {
+		return err
+	}
+	return addBranchENI(h.netns, h.cfg, ip)
 }
 
 // DelIP removes a pod IP from its family's set (idempotent).
@@ -244,7 +249,33 @@ func (h *HostProbe) DelIP(ip netip.Addr) error {
 	if err != nil {
 		return err
 	}
-	return h.a.sets.DelIP(h.netns, ruleset.ProbeSet(f), ip)
+	if err := h.a.sets.DelIP(h.netns, ruleset.ProbeSet(f), ip); err != nil {
+		return err
+	}
+	return removeBranchENI(h.netns, ip)
+}
+
+// RemoveBranchENI deletes the probe path of every branch ENI pod. Remove
+// leaves it: the ip rules are the node's, not one backend's, and a switch
+// of backends removes the old one's after the new one has added its own.
+func (h *HostProbe) RemoveBranchENI() error { return removeBranchENI(h.netns, netip.Addr{}) }
+
+// addBranchENI puts the probe path of the pod at ip in place if it is a
+// branch ENI pod (pkg/policyroute.AddBranchENI) and cfg allows.
+func addBranchENI(netnsPath string, cfg ruleset.HostProbeConfig, ip netip.Addr) error {
+	if cfg.NoBranchENI {
+		return nil
+	}
+	return netns.Do(netnsPath, func() error {
+		_, err := policyroute.AddBranchENI(ip)
+		return err
+	})
+}
+
+// removeBranchENI deletes the probe path of the pod at ip (every pod's for
+// the zero Addr), whatever cfg says now.
+func removeBranchENI(netnsPath string, ip netip.Addr) error {
+	return netns.Do(netnsPath, func() error { return policyroute.RemoveBranchENI(ip) })
 }
 
 // IPs lists the IPs in both sets, for reconciliation after a restart.

@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
+	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 )
 
@@ -182,12 +183,39 @@ func (h *HostProbe) setOp(ip netip.Addr, del bool) error {
 	return nil
 }
 
-// AddIP adds an enrolled pod IP to its family's set (idempotent). Call
+// AddIP adds an enrolled pod IP to its family's set (idempotent), and, for
+// a branch ENI pod, its probe path (pkg/policyroute.AddBranchENI). Call
 // after the pod's rules are in place.
-func (h *HostProbe) AddIP(ip netip.Addr) error { return h.setOp(ip, false) }
+func (h *HostProbe) AddIP(ip netip.Addr) error {
+	if err := h.setOp(ip, false); err != nil {
+		return err
+	}
+	if h.cfg.NoBranchENI || (h.cfg.IPv4Only && ip.Unmap().Is6()) {
+		return nil
+	}
+	return netns.Do(h.netns, func() error {
+		_, err := policyroute.AddBranchENI(ip.Unmap())
+		return err
+	})
+}
 
-// DelIP removes a pod IP from its family's set (idempotent).
-func (h *HostProbe) DelIP(ip netip.Addr) error { return h.setOp(ip, true) }
+// DelIP removes a pod IP from its family's set and its branch ENI probe
+// path (idempotent).
+func (h *HostProbe) DelIP(ip netip.Addr) error {
+	if err := h.setOp(ip, true); err != nil {
+		return err
+	}
+	return h.removeBranchENI(ip.Unmap())
+}
+
+// RemoveBranchENI deletes the probe path of every branch ENI pod. Remove
+// leaves it: the ip rules are the node's, not one backend's, and a switch
+// of backends removes the old one's after the new one has added its own.
+func (h *HostProbe) RemoveBranchENI() error { return h.removeBranchENI(netip.Addr{}) }
+
+func (h *HostProbe) removeBranchENI(ip netip.Addr) error {
+	return netns.Do(h.netns, func() error { return policyroute.RemoveBranchENI(ip) })
+}
 
 // IPs lists the IPs in both sets, for reconciliation after a restart.
 func (h *HostProbe) IPs() ([]netip.Addr, error) {

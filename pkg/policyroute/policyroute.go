@@ -1,9 +1,10 @@
 // Package policyroute keeps the fwmark rule and local route that keep
 // replies of ztunnel-originated inbound connections inside a pod (`ip rule
 // fwmark 0x111/0xfff lookup 100`, `local 0.0.0.0/0 dev lo table 100`), over
-// a netlink socket opened inside the pod's namespace. Both rules backends
-// use it; entering the namespace, and the namespace state the routes
-// depend on, are pkg/netns's.
+// a netlink socket opened inside the pod's namespace, and, on the node, the
+// ip rules that route kubelet probes of EKS branch ENI pods through their
+// veth. Both rules backends use it; entering the namespace, and the
+// namespace state the routes depend on, are pkg/netns's.
 package policyroute
 
 import (

@@ -82,6 +82,9 @@ type HostProbe interface {
 	AddIP(ip netip.Addr) error
 	DelIP(ip netip.Addr) error
 	IPs() ([]netip.Addr, error)
+	// RemoveBranchENI deletes the branch ENI pods' probe path, which
+	// Remove leaves (it is the node's, not one backend's).
+	RemoveBranchENI() error
 }
 
 // Config selects and configures a backend.

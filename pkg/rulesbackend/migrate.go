@@ -253,7 +253,8 @@ func (m *migratingHost) Ensure() error {
 }
 
 // Remove removes every backend's probe SNAT: all rules first, since a set
-// cannot go while a rule uses it, then the sets.
+// cannot go while a rule uses it, then the sets, then the branch ENI pods'
+// probe path.
 func (m *migratingHost) Remove() error {
 	var errs []error
 	for _, o := range m.others {
@@ -263,5 +264,6 @@ func (m *migratingHost) Remove() error {
 	for _, o := range m.others {
 		errs = append(errs, o.p.Remove())
 	}
+	errs = append(errs, m.HostProbe.RemoveBranchENI())
 	return errors.Join(errs...)
 }

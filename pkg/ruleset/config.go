@@ -115,6 +115,10 @@ type HostProbeConfig struct {
 	// IPv4Only leaves IPv6 alone, as PodConfig.IPv4Only does in pods: no
 	// IPv6 probe SNAT and no IPv6 probe set on the host.
 	IPv4Only bool
+	// NoBranchENI turns off the probe path of branch ENI pods (see
+	// BranchENIRules), which is on by default, as in Istio, and inert on
+	// nodes not prepared for them.
+	NoBranchENI bool
 }
 
 // Pod returns the pod options with the same probe addresses and families.

@@ -186,7 +186,8 @@ func settings(t testing.TB) map[string]string {
 // notInChart lists the settings the chart deliberately leaves to their
 // defaults, with the reason.
 var notInChart = map[string]string{
-	"AMBIENT_KUBECONFIG": "the agent uses its ServiceAccount (in-cluster configuration); extraEnv can still set it",
+	"AMBIENT_KUBECONFIG":                  "the agent uses its ServiceAccount (in-cluster configuration); extraEnv can still set it",
+	"AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE": "as in Istio, whose chart has no value for it either: the variable, set with extraEnv",
 }
 
 // Every AMBIENT_* variable the chart sets is a real setting of install-cni,

@@ -99,6 +99,9 @@ type Config struct {
 	ProbeSNATv4  netip.Addr
 	ProbeSNATv6  netip.Addr
 	IPv6         bool
+	// AWSBranchENIProbe routes kubelet probes of EKS branch ENI pods
+	// through their veth (ruleset.BranchENIRules).
+	AWSBranchENIProbe bool
 
 	// StartupTaint removes the node's startup taint once the agent is
 	// ready to capture; StartupTaintOnShutdown puts it back when the agent
@@ -334,6 +337,7 @@ func options() []option {
 			return nil
 		}},
 		{"ipv6", "Capture IPv6 too where a pod has it, as Istio's chart does by default (ambient.ipv6); false installs IPv4 redirection only (in pods and for the host probe SNAT), so dual-stack pods' IPv6 goes direct, and removes IPv6 rules an earlier setting left.", "true", boolean(func(c *Config) *bool { return &c.IPv6 })},
+		{"enable-aws-branch-eni-probe", "On EKS nodes prepared for security groups for pods (net.ipv4.tcp_early_demux=0), route kubelet probes of captured branch ENI pods through the pod's veth with two ip rules per pod, as Istio's variable of the same name does; without them the probe SNAT source cannot cross the VPC and the probes fail. Inert on other nodes.", "true", boolean(func(c *Config) *bool { return &c.AWSBranchENIProbe })},
 		{"probe-snat-ipv4", "Source address kubelet probes are SNATed to (IPv4).", ambient.DefaultProbeSNATv4.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv4 }, false)},
 		{"probe-snat-ipv6", "Source address kubelet probes are SNATed to (IPv6).", ambient.DefaultProbeSNATv6.String(), addr(func(c *Config) *netip.Addr { return &c.ProbeSNATv6 }, true)},
 		{"startup-taint", "Remove the startup taint " + nodetaint.Key + ":" + string(nodetaint.Effect) + " (kubelet --register-with-taints) from this node once the agent is ready to capture: the plugin is chained, startup reconcile is done, both sockets listen and a ztunnel acked its snapshot. Needs the chart's nodes patch permission (startupTaint.enabled).", "false", boolean(func(c *Config) *bool { return &c.StartupTaint })},
