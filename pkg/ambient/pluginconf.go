@@ -22,6 +22,11 @@ type PluginConf struct {
 	// ExcludedNamespaces pass through without asking the agent. Absent (or
 	// null) means DefaultExcludedNamespace; an empty list excludes none.
 	ExcludedNamespaces []string `json:"excludedNamespaces"`
+	// ControlPlaneNamespaces never wait on the agent: while it cannot
+	// answer, their pods are decided by the API server and, failing that,
+	// pass unless the agent's snapshot shows their namespace enabled. An
+	// entry ending in "*" is a prefix ("openshift-*").
+	ControlPlaneNamespaces []string `json:"controlPlaneNamespaces,omitempty"`
 	// StatusRequiresAgent makes CNI STATUS fail while the agent is
 	// unreachable (a failing STATUS marks the whole node NotReady).
 	StatusRequiresAgent bool `json:"statusRequiresAgent,omitempty"`

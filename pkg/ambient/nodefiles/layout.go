@@ -87,4 +87,17 @@ func (l Layout) NodeDirsLedger() string { return l.join("node-dirs.json") }
 // an uninstall after an agent restart still restores them exactly.
 func (l Layout) InstallerState() string { return l.join("installer-state.json") }
 
+// StateSnapshot is the enablement snapshot kept in the state directory:
+// the one the plugin decides by, since it survives a reboot.
+func (l Layout) StateSnapshot() string { return filepath.Join(l.StateDir(), "enablement.json") }
+
+// PluginCredential is the plugin's own API credential, in the state
+// directory (see package plugincred).
+func (l Layout) PluginCredential() string { return filepath.Join(l.StateDir(), "plugin-credential.json") }
+
+// FallbackBinary is the plugin's second tier (ambient-cni-fallback), which
+// the agent copies into the state directory and the plugin execs only
+// while the agent cannot answer.
+func (l Layout) FallbackBinary() string { return filepath.Join(l.StateDir(), "ambient-cni-fallback") }
+
 func (l Layout) join(name string) string { return filepath.Join(l.Dir(), name) }
