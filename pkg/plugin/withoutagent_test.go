@@ -22,7 +22,7 @@ import (
 // captured, three that must not.
 type tablePod struct {
 	name, ns, pod, uid string
-	mustCapture       bool
+	mustCapture        bool
 }
 
 var tablePods = []tablePod{

@@ -93,7 +93,9 @@ func (l Layout) StateSnapshot() string { return filepath.Join(l.StateDir(), "ena
 
 // PluginCredential is the plugin's own API credential, in the state
 // directory (see package plugincred).
-func (l Layout) PluginCredential() string { return filepath.Join(l.StateDir(), "plugin-credential.json") }
+func (l Layout) PluginCredential() string {
+	return filepath.Join(l.StateDir(), "plugin-credential.json")
+}
 
 // FallbackBinary is the plugin's second tier (ambient-cni-fallback), which
 // the agent copies into the state directory and the plugin execs only
