@@ -173,17 +173,26 @@ type Rotator struct {
 	Retry time.Duration
 	// Logger receives renewals and failures.
 	Logger *slog.Logger
+
+	// written: the last WriteOnce succeeded, so Run waits half a lifetime
+	// before the next; else it retries soon.
+	written bool
 }
 
 // WriteOnce issues a token and writes the file.
 func (r *Rotator) WriteOnce(ctx context.Context) error {
+	r.written = false
 	tok, err := r.Source.Token(ctx, r.Lifetime)
 	if err != nil {
 		return fmt.Errorf("plugin credential: token: %w", err)
 	}
 	f := r.Base
 	f.Token = tok
-	return Write(r.Path, &f)
+	if err := Write(r.Path, &f); err != nil {
+		return err
+	}
+	r.written = true
+	return nil
 }
 
 // Run renews the token every half lifetime until ctx ends, retrying a
@@ -199,6 +208,9 @@ func (r *Rotator) Run(ctx context.Context) error {
 		log = slog.New(slog.DiscardHandler)
 	}
 	wait := r.Lifetime / 2
+	if !r.written {
+		wait = retry
+	}
 	for {
 		t := time.NewTimer(wait)
 		select {

@@ -91,6 +91,16 @@ func (l Layout) InstallerState() string { return l.join("installer-state.json") 
 // the one the plugin decides by, since it survives a reboot.
 func (l Layout) StateSnapshot() string { return filepath.Join(l.StateDir(), "enablement.json") }
 
+// ExplicitStateSnapshot is StateSnapshot when the state directory was set
+// (WithStateDir), else "": a layout built around a socket alone (a test's)
+// never writes into the host's default state directory.
+func (l Layout) ExplicitStateSnapshot() string {
+	if l.state == "" {
+		return ""
+	}
+	return l.StateSnapshot()
+}
+
 // PluginCredential is the plugin's own API credential, in the state
 // directory (see package plugincred).
 func (l Layout) PluginCredential() string {
