@@ -1,12 +1,13 @@
 // Package plugin is the logic of the thin CNI plugin: it parses the plugin
 // configuration and the runtime's CNI_ARGS, forwards each pod to the node
-// agent over its Unix socket, decides on its own when the agent is
-// unreachable (fail closed while it is probably coming back; past that,
-// the agent's enablement snapshot lets pods outside the mesh start), and
-// passes prevResult through unchanged.
+// agent over its Unix socket, decides on its own when the agent cannot
+// answer (by the API server through the fallback binary, else by the
+// agent's persistent snapshot, failing closed for what it cannot vouch
+// for), and passes prevResult through unchanged.
 //
 // It must stay small: the runtime execs the plugin for every pod, so it
-// imports no Kubernetes client and no net/http (see the deps test).
+// imports no Kubernetes client and no net/http or TLS (see the deps test):
+// the API server is asked by a separate binary, exec'd only then.
 package plugin
 
 import (

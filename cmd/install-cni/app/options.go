@@ -306,7 +306,7 @@ func options() []option {
 		{"plugin-timeout", "How long the plugin waits for the agent's answer; must exceed ztunnel-wait.", ambient.DefaultPluginTimeout.String(), duration(func(c *Config) *time.Duration { return &c.PluginTimeout })},
 		{"plugin-log-level", "Log level of the plugin on the runtime's log (debug, info, warn, error).", ambient.DefaultPluginLogLevel, str(func(c *Config) *string { return &c.PluginLogLevel })},
 		{"plugin-status-checks-agent", "Make CNI STATUS fail (error 50) while the agent is unreachable; off by default because a failing STATUS marks the node NotReady.", "false", boolean(func(c *Config) *bool { return &c.StatusChecksAgent })},
-		{"plugin-agent-unreachable", "What the plugin does for a pod outside excluded-namespaces while the agent is unreachable: snapshot (fail closed, CNI error 11, while the agent was alive within plugin-agent-down-after; past that, start pods whose namespace the agent's last enablement snapshot did not see enabled and have the agent re-check them when it returns) or fail-closed (fail closed however long the agent is gone).", ambient.AgentUnreachableSnapshot, func(c *Config, v string) error {
+		{"plugin-agent-unreachable", "What the plugin does for a pod outside excluded-namespaces while the agent cannot answer: snapshot (ask the API server with the plugin's own credential and decide as the agent would: a pod that must be captured fails with CNI error 11, any other starts and is re-checked; with the API server down too, decide by the agent's snapshot in state-dir, failing closed for what it cannot vouch for) or fail-closed (every such pod fails with error 11 until the agent answers).", ambient.AgentUnreachableSnapshot, func(c *Config, v string) error {
 			switch v {
 			case ambient.AgentUnreachableFailClosed, ambient.AgentUnreachableSnapshot:
 				c.AgentUnreachable = v
@@ -314,7 +314,7 @@ func options() []option {
 			}
 			return fmt.Errorf("want %s or %s", ambient.AgentUnreachableFailClosed, ambient.AgentUnreachableSnapshot)
 		}},
-		{"plugin-agent-down-after", "How long after the agent's last heartbeat the plugin stops expecting it back (a restart or an upgrade takes less) and, with plugin-agent-unreachable=snapshot, lets pods the snapshot shows outside the mesh start.", ambient.DefaultAgentDownAfter.String(), func(c *Config, v string) error {
+		{"plugin-agent-down-after", "Accepted for existing configurations; no decision uses it any more.", ambient.DefaultAgentDownAfter.String(), func(c *Config, v string) error {
 			d, err := time.ParseDuration(v)
 			if err != nil || d <= 0 || d > ambient.MaxAgentDownAfter {
 				return fmt.Errorf("want a duration in (0, %s]", ambient.MaxAgentDownAfter)
