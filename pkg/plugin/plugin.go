@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"time"
 	"slices"
 	"time"
 
@@ -118,8 +119,10 @@ func (p *Plugin) Add(args *CmdArgs) (err error) {
 		log.Debug("namespace excluded by plugin config; passing through")
 		return p.passThrough(c.cfg)
 	}
-	resp, err := c.client.PodEvent(c.ctx, ev)
+	resp, early, err := p.askAgent(c, log, ev)
 	switch {
+	case early != "":
+		return p.passEarly(c, log, ev, early)
 	case err != nil:
 		return p.fallback(c, log, ev, err)
 	case resp.Error != "":
@@ -132,6 +135,54 @@ func (p *Plugin) Add(args *CmdArgs) (err error) {
 	default:
 		return types.NewError(types.ErrInternal, fmt.Sprintf("ambient-cni: unexpected agent verdict %q for ADD", resp.Verdict), "")
 	}
+}
+
+// slowAgent is how long ADD waits for the agent before it also asks the
+// API server: a pod that must not be captured then starts without waiting
+// out the whole timeout on a hung agent (one that must be captured keeps
+// waiting for the agent). Half the timeout when that is shorter.
+const slowAgent = 5 * time.Second
+
+// askAgent sends the ADD to the agent. If the agent has not answered
+// within slowAgent, it asks the API server too: when that shows the pod
+// outside the mesh, early says why and the agent's answer is not awaited.
+func (p *Plugin) askAgent(c *call, log *slog.Logger, ev *ambient.PodEvent) (resp *ambient.PodEventResponse, early string, err error) {
+	type answer struct {
+		resp *ambient.PodEventResponse
+		err  error
+	}
+	// Buffered: the sender never blocks, and ends with c.ctx.
+	done := make(chan answer, 1)
+	go func() {
+		r, err := c.client.PodEvent(c.ctx, ev)
+		done <- answer{r, err}
+	}()
+	t := time.NewTimer(min(slowAgent, c.cfg.Timeout/2))
+	defer t.Stop()
+	select {
+	case a := <-done:
+		return a.resp, "", a.err
+	case <-t.C:
+	}
+	if v, err := p.askAPIServer(c, ev); err == nil && !*v.Enroll {
+		return nil, fmt.Sprintf("the node agent has not answered in %s and the API server shows the pod outside the mesh (%s)", min(slowAgent, c.cfg.Timeout/2), v.Reason), nil
+	} else if err != nil {
+		log.Debug("agent slow and API server not asked", "err", err)
+	}
+	a := <-done
+	return a.resp, "", a.err
+}
+
+// passEarly lets a pod the API server shows outside the mesh start while
+// the agent is slow to answer, recorded for the agent to re-check.
+func (p *Plugin) passEarly(c *call, log *slog.Logger, ev *ambient.PodEvent, why string) error {
+	rec := *ev
+	rec.Command = ambient.CommandAdd
+	if err := nodefiles.Spool(c.cfg.AddSpoolDir, rec); err != nil {
+		log.Error("could not record the pod for the agent to re-check", "err", err, "dir", c.cfg.AddSpoolDir)
+	}
+	log.Warn("passing through (recorded for the agent to re-check)", "reason", why)
+	return p.passThrough(c.cfg)
 }
 
 // fallback is ADD while the agent cannot answer: a pod that must not be

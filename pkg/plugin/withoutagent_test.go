@@ -315,3 +315,19 @@ func TestFallbackRequest(t *testing.T) {
 		t.Errorf("ADD spool %+v, %v", entries, err)
 	}
 }
+
+// TestHungAgentPlainPodStartsEarly: with the default timeout, a pod the
+// API server shows outside the mesh does not wait out the timeout on a
+// hung agent: the plugin asks the API server once the agent is slow.
+func TestHungAgentPlainPodStartsEarly(t *testing.T) {
+	n := newNode(t)
+	hungAgent(t, n.sock)
+	n.fallback(t, fakeAPIUp)
+	var out, logs strings.Builder
+	p := New(&out, &logs)
+	err := p.Add(&CmdArgs{ContainerID: "sb1", Netns: "/var/run/netns/cni-1", IfName: "eth0", Args: tablePods[3].args(), StdinData: n.conf("")})
+	t.Logf("plugin log:\n%s", logs.String())
+	if err != nil || !strings.Contains(logs.String(), "has not answered in 5s") {
+		t.Errorf("plain pod, hung agent: %v; want it started once the agent was slow", err)
+	}
+}
