@@ -7,7 +7,6 @@ import (
 	"io"
 	"log/slog"
 	"os"
-	"time"
 	"slices"
 	"time"
 
