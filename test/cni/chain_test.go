@@ -199,12 +199,12 @@ func cniCode(err error) uint {
 	return 0
 }
 
-// TestChainAgentDown: with the agent just stopped (its heartbeat fresh: it
-// is probably restarting), through the real chain, the shipped default
-// fails every pod outside the excluded namespaces with code 11, also in a
-// namespace the agent's last snapshot did not see enabled; excluded
-// namespaces start, DEL is spooled, and pods start again once the agent
-// is back.
+// TestChainAgentDown: with the agent stopped and no API server to ask (no
+// fallback binary), through the real chain, the shipped default fails a
+// new pod with code 11 in an enabled namespace and in one the agent's
+// persistent snapshot saw not enabled (the new pod's labels are unknown);
+// excluded namespaces start, DEL is spooled, and pods start again once the
+// agent is back.
 func TestChainAgentDown(t *testing.T) {
 	n := newNode(t, "1.0.0", nil)
 	// Enroll a pod while the agent is up; the snapshot now names "shop".
