@@ -49,11 +49,20 @@ func (p *Plugin) askAPIServer(c *call, ev *ambient.PodEvent) (apiVerdict, error)
 	if err != nil {
 		return apiVerdict{}, err
 	}
+	return parseVerdict(out)
+}
+
+// parseVerdict reads the fallback binary's answer: one JSON object with
+// enroll set, nothing unknown, nothing after it.
+func parseVerdict(out []byte) (apiVerdict, error) {
 	var v apiVerdict
 	dec := json.NewDecoder(bytes.NewReader(out))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&v); err != nil || v.Enroll == nil {
 		return apiVerdict{}, fmt.Errorf("fallback binary: bad answer %q", truncate(out))
+	}
+	if dec.More() {
+		return apiVerdict{}, fmt.Errorf("fallback binary: more than one answer %q", truncate(out))
 	}
 	return v, nil
 }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
+	"github.com/ambient-cni/ambient-cni/test/lib/fuzzseed"
 )
 
 // The pods of the state table (docs/reliability.md): three that must be
@@ -330,4 +331,25 @@ func TestHungAgentPlainPodStartsEarly(t *testing.T) {
 	if err != nil || !strings.Contains(logs.String(), "has not answered in 5s") {
 		t.Errorf("plain pod, hung agent: %v; want it started once the agent was slow", err)
 	}
+}
+
+// FuzzParseVerdict: the only answer that lets a pod start is an object
+// whose enroll is false.
+func FuzzParseVerdict(f *testing.F) {
+	fuzzseed.Add(f, "FuzzParseVerdict")
+	f.Fuzz(func(t *testing.T, b []byte) {
+		v, err := parseVerdict(b)
+		if err != nil {
+			return
+		}
+		if v.Enroll == nil {
+			t.Fatalf("accepted %q without enroll", b)
+		}
+		var m map[string]any
+		if json.Unmarshal(b, &m) == nil {
+			if e, ok := m["enroll"].(bool); !ok || e != *v.Enroll {
+				t.Fatalf("parsed %q as enroll %v", b, *v.Enroll)
+			}
+		}
+	})
 }
