@@ -115,6 +115,7 @@ func TestRealNode(t *testing.T) {
 	t.Run("netns discovery from a private cgroup namespace", e.testPrivateCgroupNamespace)
 	t.Run("agent pod restart under pod churn", e.testAgentRestartUnderChurn)
 	t.Run("a crashlooping agent blocks only the pods it must capture", e.testAgentCrashloop)
+	t.Run("a hung agent holds only the pods it must capture", e.testAgentHung)
 	t.Run("a DaemonSet that leaves the node unchains the plugin", e.testNodeSelectorExcludes)
 	t.Run("a taken metrics port stops neither pods nor the agent", e.testMetricsPortTaken)
 	t.Run("containerd calls CNI STATUS and the node follows it only when the operator chose so", e.testStatusThroughTheRuntime)
