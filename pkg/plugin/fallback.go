@@ -111,6 +111,12 @@ func runFallback(ctx context.Context, bin string, argv []string, in []byte) ([]b
 		errR.Close()
 		return nil, fmt.Errorf("fallback binary: %w", err)
 	}
+	// A process left holding the pipes (a child of the binary) cannot make
+	// the reads outlast the deadline.
+	if dl, ok := ctx.Deadline(); ok {
+		_ = outR.SetReadDeadline(dl)
+		_ = errR.SetReadDeadline(dl)
+	}
 	done := make(chan struct{})
 	go func() {
 		select {

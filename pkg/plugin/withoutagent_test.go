@@ -263,7 +263,7 @@ func TestHostileFallback(t *testing.T) {
 		{"wrong type", "#!/bin/sh\necho '{\"enroll\":\"false\"}'\n", 0o700},
 		{"oversized", "#!/bin/sh\nhead -c 100000 /dev/zero | tr '\\\\0' ' '; echo '{\"enroll\":false}'\n", 0o700},
 		{"floods stderr and fails", "#!/bin/sh\nhead -c 1000000 /dev/zero >&2; exit 1\n", 0o700},
-		{"hangs", "#!/bin/sh\nexec sleep 60\n", 0o700},
+		{"hangs", "#!/bin/sh\nexec sleep 12\n", 0o700},
 		{"group-writable", "#!/bin/sh\necho '{\"enroll\":false}'\n", 0o720},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -352,4 +352,18 @@ func FuzzParseVerdict(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestFallbackChildHoldsPipes: a fallback that leaves a child holding its
+// output open cannot hold the plugin past its deadline.
+func TestFallbackChildHoldsPipes(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits for the fallback timeout")
+	}
+	n := newNode(t)
+	n.snapshot(t, time.Now())
+	n.fallback(t, "#!/bin/sh\nsleep 12 &\nsleep 12\n")
+	if _, err := run(t, add, n.conf(""), tablePods[1].args()); err == nil || cniCode(t, err) != types.ErrTryAgainLater {
+		t.Errorf("pod-label-enabled pod: %v, want code 11", err)
+	}
 }
