@@ -175,6 +175,7 @@ const (
 // the agent that hangs may hang the shutdown too; past this Main returns
 // anyway (the next agent finds the node as a crash leaves it).
 const hungExitGrace = 20 * time.Second
+
 // snapshotRefresh is how often the enablement snapshot is brought up to
 // date with this node's pods.
 const snapshotRefresh = 15 * time.Second
