@@ -38,6 +38,7 @@ help: ## list targets
 
 build: ## build the plugin, the agent and the uninstall hook into ./bin, version-stamped
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(PLUGIN_LDFLAGS)' -o $(BIN)/ambient-cni $(PLUGIN_PKG)
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(PLUGIN_LDFLAGS)' -o $(BIN)/ambient-cni-fallback ./cmd/ambient-cni-fallback
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(AGENT_LDFLAGS)' -o $(BIN)/install-cni ./cmd/install-cni
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(AGENT_LDFLAGS)' -o $(BIN)/ambient-cni-uninstall ./cmd/ambient-cni-uninstall
 
@@ -57,6 +58,7 @@ image: image-tools ## build the agent's image (linux/amd64 and linux/arm64, one 
 	@set -e; for a in $(IMAGE_ARCHES); do \
 		echo "building linux/$$a binaries"; \
 		CGO_ENABLED=0 GOOS=linux GOARCH=$$a $(GO) build -trimpath -ldflags='$(PLUGIN_LDFLAGS)' -o $(BIN)/linux-$$a/ambient-cni $(PLUGIN_PKG); \
+		CGO_ENABLED=0 GOOS=linux GOARCH=$$a $(GO) build -trimpath -ldflags='$(PLUGIN_LDFLAGS)' -o $(BIN)/linux-$$a/ambient-cni-fallback ./cmd/ambient-cni-fallback; \
 		CGO_ENABLED=0 GOOS=linux GOARCH=$$a $(GO) build -trimpath -ldflags='$(AGENT_LDFLAGS)' -o $(BIN)/linux-$$a/ ./cmd/install-cni ./cmd/ambient-cni-uninstall; \
 	done
 	$(GO) run ./hack/imagebuild build -out $(IMAGE_DIR) -version '$(VERSION)' -revision '$(COMMIT)' -source '$(IMAGE_SOURCE)' \

@@ -22,17 +22,20 @@ type PluginConf struct {
 	// ExcludedNamespaces pass through without asking the agent. Absent (or
 	// null) means DefaultExcludedNamespace; an empty list excludes none.
 	ExcludedNamespaces []string `json:"excludedNamespaces"`
+	// ControlPlaneNamespaces never wait on the agent: while it cannot
+	// answer, their pods are decided by the API server and, failing that,
+	// pass unless the agent's snapshot shows their namespace enabled. An
+	// entry ending in "*" is a prefix ("openshift-*").
+	ControlPlaneNamespaces []string `json:"controlPlaneNamespaces,omitempty"`
 	// StatusRequiresAgent makes CNI STATUS fail while the agent is
 	// unreachable (a failing STATUS marks the whole node NotReady).
 	StatusRequiresAgent bool `json:"statusRequiresAgent,omitempty"`
 	// AgentUnreachable is what ADD and CHECK do for a pod outside the
-	// excluded namespaces while the agent cannot be reached:
+	// excluded namespaces while the agent cannot answer:
 	// AgentUnreachableSnapshot (default) or AgentUnreachableFailClosed.
 	AgentUnreachable string `json:"agentUnreachable,omitempty"`
-	// AgentDownAfter is how long after the agent's last heartbeat the
-	// plugin stops expecting it back and, with AgentUnreachableSnapshot,
-	// decides from the snapshot, as a Go duration (default
-	// DefaultAgentDownAfter).
+	// AgentDownAfter is accepted for existing configurations; no decision
+	// uses it any more.
 	AgentDownAfter string `json:"agentDownAfter,omitempty"`
 }
 
@@ -40,17 +43,13 @@ type PluginConf struct {
 const (
 	// AgentUnreachableFailClosed fails ADD with CNI error 11 (try again
 	// later) for every pod outside the excluded namespaces while the agent
-	// is unreachable, however long it has been gone: for operators who
-	// want every pod the plugin cannot decide on blocked.
+	// cannot answer: a strict opt-in.
 	AgentUnreachableFailClosed = "fail-closed"
-	// AgentUnreachableSnapshot (the default) fails closed too while the
-	// agent is probably coming back (its heartbeat is younger than
-	// AgentDownAfter: a restart, an upgrade). Once it has been gone longer,
-	// pods the agent's last enablement snapshot shows outside the mesh
-	// (namespace not enabled, no pod-level enablement in use) start
-	// uncaptured and are recorded for the agent to re-check when it
-	// returns; pods of enabled namespaces keep failing closed, and so does
-	// every pod when there is no snapshot.
+	// AgentUnreachableSnapshot (the default, named for its last tier)
+	// decides while the agent cannot answer: by the API server, asked with
+	// the plugin's own credential; failing that, by the agent's snapshot in
+	// its state directory, failing closed for what it cannot vouch for (see
+	// package plugin).
 	AgentUnreachableSnapshot = "snapshot"
 )
 

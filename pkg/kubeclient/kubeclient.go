@@ -10,10 +10,12 @@ package kubeclient
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"time"
 
 	appsv1 "k8s.io/api/apps/v1"
+	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -71,6 +73,12 @@ type Events interface {
 	PatchEvent(ctx context.Context, e *corev1.Event, data []byte) (*corev1.Event, error)
 }
 
+// ServiceAccountTokens issues bound tokens of a ServiceAccount (the
+// TokenRequest API): the agent's credential for the plugin.
+type ServiceAccountTokens interface {
+	CreateToken(ctx context.Context, namespace, name string, tr *authenticationv1.TokenRequest) (*authenticationv1.TokenRequest, error)
+}
+
 // Interface is every verb of the client. Users declare the part they need.
 type Interface interface {
 	PodReader
@@ -80,6 +88,7 @@ type Interface interface {
 	DaemonSetReader
 	DaemonSetDeleter
 	Events
+	ServiceAccountTokens
 }
 
 // NewScheme returns a scheme holding core/v1, apps/v1 and the unversioned
@@ -360,3 +369,25 @@ func DaemonSetListWatch(c DaemonSetReader, namespace string, tweak func(*metav1.
 
 // RateLimiter is the limiter every request of the client waits on.
 func (c *Client) RateLimiter() flowcontrol.RateLimiter { return c.core.GetRateLimiter() }
+
+// CreateToken asks for a token of ServiceAccount namespace/name. The
+// TokenRequest is not a core/v1 type the client's scheme holds, so it
+// travels as plain JSON.
+func (c *Client) CreateToken(ctx context.Context, namespace, name string, tr *authenticationv1.TokenRequest) (*authenticationv1.TokenRequest, error) {
+	in := *tr
+	in.APIVersion, in.Kind = authenticationv1.SchemeGroupVersion.String(), "TokenRequest"
+	body, err := json.Marshal(&in)
+	if err != nil {
+		return nil, err
+	}
+	raw, err := c.core.Post().Namespace(namespace).Resource("serviceaccounts").Name(name).SubResource("token").
+		SetHeader("Content-Type", "application/json").Body(body).Do(ctx).Raw()
+	if err != nil {
+		return nil, err
+	}
+	out := &authenticationv1.TokenRequest{}
+	if err := json.Unmarshal(raw, out); err != nil {
+		return nil, fmt.Errorf("decode TokenRequest: %w", err)
+	}
+	return out, nil
+}

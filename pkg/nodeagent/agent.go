@@ -262,7 +262,7 @@ func NewAgent(cfg Config) (*Agent, error) {
 	return &Agent{
 		cfg:         cfg,
 		log:         log,
-		snapshot:    newSnapshotWriter(cfg.Layout.Snapshot()),
+		snapshot:    newSnapshotWriter(cfg.Layout.Snapshot(), cfg.Layout.ExplicitStateSnapshot()),
 		records:     newRecordStore(cfg.Layout.Records()),
 		annotations: newAnnotationWriter(cfg.Annotator, cfg.Pods, rate.NewLimiter(rate.Limit(cfg.AnnotationQPS), cfg.AnnotationBurst), log.With("component", "annotations")),
 		pods:        map[types.UID]*entry{},

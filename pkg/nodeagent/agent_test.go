@@ -495,7 +495,8 @@ func TestSnapshotFollowsEnablement(t *testing.T) {
 	}
 	s := read()
 	ignoreWritten := cmpopts.IgnoreFields(nodefiles.EnablementSnapshot{}, "Written")
-	want := &nodefiles.EnablementSnapshot{Generation: 1, EnabledNamespaces: []string{"shop"}, ExcludedNamespaces: []string{"kube-system"}}
+	want := &nodefiles.EnablementSnapshot{Generation: 1, EnabledNamespaces: []string{"shop"}, ExcludedNamespaces: []string{"kube-system"},
+		Namespaces: []string{"plain", "shop"}}
 	if diff := cmp.Diff(want, s, ignoreWritten); diff != "" {
 		t.Fatalf("first snapshot (-want +got):\n%s", diff)
 	}
@@ -510,13 +511,14 @@ func TestSnapshotFollowsEnablement(t *testing.T) {
 	poll.Until(t, "blog in the snapshot", func() bool { return strings.Join(read().EnabledNamespaces, ",") == "blog,shop" })
 	h.kube.SetPod(pod("plain", "solo", "u5", map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}))
 	poll.Until(t, "pod-level enablement in the snapshot", func() bool { return read().PodLevelEnablement })
-	want = &nodefiles.EnablementSnapshot{Generation: 3, EnabledNamespaces: []string{"blog", "shop"}, PodLevelEnablement: true, ExcludedNamespaces: []string{"kube-system"}}
+	want = &nodefiles.EnablementSnapshot{Generation: 3, EnabledNamespaces: []string{"blog", "shop"}, PodLevelEnablement: true, ExcludedNamespaces: []string{"kube-system"},
+		Namespaces: []string{"blog", "plain", "shop"}, Pods: map[string]bool{"u5": true}}
 	if diff := cmp.Diff(want, read(), ignoreWritten); diff != "" {
 		t.Errorf("snapshot after changes (-want +got):\n%s", diff)
 	}
 	// A new writer (agent restart) continues the generation.
-	w := newSnapshotWriter(path)
-	if wrote, err := w.Update(nil, false, nil); err != nil || !wrote || read().Generation != 4 {
+	w := newSnapshotWriter(path, "")
+	if wrote, err := w.Update(nil, false, nil, nil, nil); err != nil || !wrote || read().Generation != 4 {
 		t.Errorf("restarted writer: %v %v gen %d", wrote, err, read().Generation)
 	}
 	var raw map[string]any

@@ -3,6 +3,7 @@ package nodeagent
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"slices"
 	"sync"
@@ -18,6 +19,9 @@ import (
 // across agent restarts.
 type snapshotWriter struct {
 	path string
+	// state is the copy in the persistent state directory ("" for none):
+	// the one the plugin decides by, as it survives a reboot.
+	state string
 
 	mu   sync.Mutex
 	gen  int64
@@ -26,11 +30,16 @@ type snapshotWriter struct {
 
 // newSnapshotWriter returns a writer for path; an existing readable
 // snapshot there sets the starting generation.
-func newSnapshotWriter(path string) *snapshotWriter {
-	w := &snapshotWriter{path: path}
-	if b, err := os.ReadFile(path); err == nil {
-		if s, err := nodefiles.ParseSnapshot(b); err == nil {
-			w.gen = s.Generation
+func newSnapshotWriter(path, state string) *snapshotWriter {
+	w := &snapshotWriter{path: path, state: state}
+	for _, p := range []string{path, state} {
+		if p == "" {
+			continue
+		}
+		if b, err := os.ReadFile(p); err == nil {
+			if s, err := nodefiles.ParseSnapshot(b); err == nil {
+				w.gen = max(w.gen, s.Generation)
+			}
 		}
 	}
 	return w
@@ -41,11 +50,13 @@ func (w *snapshotWriter) Path() string { return w.path }
 
 // Update writes a snapshot of the given state unless it equals the last
 // one written. It reports whether it wrote.
-func (w *snapshotWriter) Update(enabled []string, podLevel bool, excluded []string) (bool, error) {
+func (w *snapshotWriter) Update(enabled []string, podLevel bool, excluded []string, namespaces []string, pods map[string]bool) (bool, error) {
 	next := &nodefiles.EnablementSnapshot{
 		EnabledNamespaces:  sortedCopy(enabled),
 		PodLevelEnablement: podLevel,
 		ExcludedNamespaces: sortedCopy(excluded),
+		Namespaces:         sortedCopy(namespaces),
+		Pods:               pods,
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -57,6 +68,11 @@ func (w *snapshotWriter) Update(enabled []string, podLevel bool, excluded []stri
 	if err := nodefiles.WriteSnapshot(w.path, next); err != nil {
 		return false, err
 	}
+	if w.state != "" {
+		if err := nodefiles.WriteSnapshot(w.state, next); err != nil {
+			return false, err
+		}
+	}
 	w.gen, w.last = next.Generation, next
 	return true, nil
 }
@@ -66,8 +82,13 @@ func (w *snapshotWriter) Remove() error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	w.last = nil
-	if err := os.Remove(w.path); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("remove enablement snapshot: %w", err)
+	for _, p := range []string{w.path, w.state} {
+		if p == "" {
+			continue
+		}
+		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("remove enablement snapshot: %w", err)
+		}
 	}
 	return nil
 }
@@ -84,7 +105,15 @@ func sortedCopy(s []string) []string {
 func sameSnapshot(a, b *nodefiles.EnablementSnapshot) bool {
 	return a.PodLevelEnablement == b.PodLevelEnablement &&
 		slices.Equal(a.EnabledNamespaces, b.EnabledNamespaces) &&
-		slices.Equal(a.ExcludedNamespaces, b.ExcludedNamespaces)
+		slices.Equal(a.ExcludedNamespaces, b.ExcludedNamespaces) &&
+		slices.Equal(a.Namespaces, b.Namespaces) && maps.Equal(a.Pods, b.Pods)
+}
+
+// NodeStateSource, when the EnablementSource also is one, adds to the
+// snapshot what lets the plugin fail closed for what it never saw: every
+// namespace known, and this node's pods by UID with their decision.
+type NodeStateSource interface {
+	NodeState() (namespaces []string, pods map[string]bool)
 }
 
 // RefreshSnapshot rewrites the enablement snapshot from cfg.Enablement if
@@ -97,7 +126,12 @@ func (a *Agent) RefreshSnapshot() error {
 		return nil
 	}
 	enabled, podLevel := a.cfg.Enablement.EnablementState()
-	wrote, err := a.snapshot.Update(enabled, podLevel, a.cfg.ExcludedNamespaces)
+	var namespaces []string
+	var pods map[string]bool
+	if ns, ok := a.cfg.Enablement.(NodeStateSource); ok {
+		namespaces, pods = ns.NodeState()
+	}
+	wrote, err := a.snapshot.Update(enabled, podLevel, a.cfg.ExcludedNamespaces, namespaces, pods)
 	if err != nil {
 		a.log.Error("write enablement snapshot", "err", err)
 		return err

@@ -1,12 +1,13 @@
 // Package plugin is the logic of the thin CNI plugin: it parses the plugin
 // configuration and the runtime's CNI_ARGS, forwards each pod to the node
-// agent over its Unix socket, decides on its own when the agent is
-// unreachable (fail closed while it is probably coming back; past that,
-// the agent's enablement snapshot lets pods outside the mesh start), and
-// passes prevResult through unchanged.
+// agent over its Unix socket, decides on its own when the agent cannot
+// answer (by the API server through the fallback binary, else by the
+// agent's persistent snapshot, failing closed for what it cannot vouch
+// for), and passes prevResult through unchanged.
 //
 // It must stay small: the runtime execs the plugin for every pod, so it
-// imports no Kubernetes client and no net/http (see the deps test).
+// imports no Kubernetes client and no net/http or TLS (see the deps test):
+// the API server is asked by a separate binary, exec'd only then.
 package plugin
 
 import (
@@ -73,6 +74,9 @@ type Config struct {
 	// ExcludedNamespaces pass through without asking the agent
 	// (key "excludedNamespaces"; default kube-system).
 	ExcludedNamespaces []string
+	// ControlPlaneNamespaces never wait on the agent (key
+	// "controlPlaneNamespaces"; "prefix-*" entries match by prefix).
+	ControlPlaneNamespaces []string
 	// StatusRequiresAgent makes STATUS fail with code 50 while the agent is
 	// unreachable (key "statusRequiresAgent"; default false, because a
 	// failing STATUS marks the whole node NotReady).
@@ -166,6 +170,12 @@ func configFrom(raw *rawConfig) (*Config, error) {
 	if err := c.LogLevel.UnmarshalText([]byte(lvl)); err != nil {
 		return nil, invalidConfig("logLevel %q must be debug, info, warn or error", raw.LogLevel)
 	}
+	for _, ns := range raw.ControlPlaneNamespaces {
+		if p, ok := strings.CutSuffix(ns, "*"); ok && !validNamespace(strings.TrimRight(p, "-")) || !ok && !validNamespace(ns) {
+			return nil, invalidConfig("controlPlaneNamespaces: %q is not a namespace name or a prefix ending in *", ns)
+		}
+	}
+	c.ControlPlaneNamespaces = raw.ControlPlaneNamespaces
 	if raw.ExcludedNamespaces != nil {
 		c.ExcludedNamespaces = raw.ExcludedNamespaces
 		for _, ns := range c.ExcludedNamespaces {
@@ -180,6 +190,22 @@ func configFrom(raw *rawConfig) (*Config, error) {
 	}
 	c.PrevResult = prev
 	return c, nil
+}
+
+// files is the layout of the agent's node files the config names.
+func (c *Config) files() nodefiles.Layout {
+	return nodefiles.ForSocket(c.AgentSocket).WithStateDir(c.StateDir)
+}
+
+// controlPlane reports whether ns is one of the control plane's
+// namespaces, which never wait on the agent.
+func (c *Config) controlPlane(ns string) bool {
+	for _, e := range c.ControlPlaneNamespaces {
+		if p, ok := strings.CutSuffix(e, "*"); ok && strings.HasPrefix(ns, p) || e == ns {
+			return true
+		}
+	}
+	return false
 }
 
 func invalidConfig(format string, a ...any) error {

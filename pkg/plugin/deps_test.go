@@ -8,7 +8,8 @@ import (
 
 // TestPluginBinaryStaysThin guards the plugin binary's dependency set: the
 // runtime execs it for every pod, so it must not pull in the Kubernetes
-// API types or client, net/http, metrics, protobuf, netlink or the rules
+// API types or client, net/http or TLS (the fallback binary asks the API
+// server, exec'd only when the agent cannot answer), metrics, protobuf, netlink or the rules
 // backends, nor the CNI library's skel and what only it needs (its name
 // regexps, its netns packages): the plugin's own dispatcher replaces it.
 func TestPluginBinaryStaysThin(t *testing.T) {
@@ -23,7 +24,7 @@ func TestPluginBinaryStaysThin(t *testing.T) {
 		t.Fatalf("go list -deps: %v", err)
 	}
 	deps := strings.Fields(string(out))
-	forbidden := []string{"k8s.io/", "net/http", "github.com/ambient-cni/ambient-cni/pkg/ambient/enablement", "k8s.io/client-go", "github.com/prometheus/", "google.golang.org/protobuf", "github.com/vishvananda/netlink",
+	forbidden := []string{"k8s.io/", "net/http", "crypto/tls", "crypto/x509", "os/exec", "github.com/ambient-cni/ambient-cni/pkg/apiverdict", "github.com/ambient-cni/ambient-cni/pkg/ambient/enablement", "k8s.io/client-go", "github.com/prometheus/", "google.golang.org/protobuf", "github.com/vishvananda/netlink",
 		"github.com/coreos/go-iptables", "github.com/containernetworking/plugins/", "github.com/ambient-cni/ambient-cni/pkg/nodeagent",
 		"github.com/google/nftables", "github.com/mdlayher/", "github.com/ambient-cni/ambient-cni/pkg/iptables",
 		"github.com/ambient-cni/ambient-cni/pkg/nftables", "github.com/ambient-cni/ambient-cni/pkg/rulesbackend",

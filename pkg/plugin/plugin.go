@@ -3,10 +3,10 @@ package plugin
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
 	"slices"
 	"time"
 
@@ -23,9 +23,6 @@ const About = "ambient-cni: chained CNI plugin that hands Kubernetes pods to the
 type Plugin struct {
 	Stdout io.Writer
 	Stderr io.Writer
-	// Now is the clock the agent's heartbeat is judged by (default
-	// time.Now); tests set it.
-	Now func() time.Time
 }
 
 // New returns a plugin writing results to stdout and logs to stderr.
@@ -98,7 +95,9 @@ func (p *Plugin) start(verb string, args *CmdArgs) (*call, error) {
 
 // Add tells the agent about a new pod and waits for its verdict; the pod
 // starts (prevResult is printed) only once the agent has enrolled it or
-// declared it out of scope.
+// declared it out of scope. When the agent cannot answer (unreachable,
+// past the plugin's deadline, or a broken answer), the plugin decides
+// without it (withoutAgent).
 func (p *Plugin) Add(args *CmdArgs) (err error) {
 	c, err := p.start("ADD", args)
 	if err != nil {
@@ -119,13 +118,12 @@ func (p *Plugin) Add(args *CmdArgs) (err error) {
 		log.Debug("namespace excluded by plugin config; passing through")
 		return p.passThrough(c.cfg)
 	}
-	resp, err := c.client.PodEvent(c.ctx, ev)
-	var unreachable *ambient.UnreachableError
+	resp, early, err := p.askAgent(c, log, ev)
 	switch {
-	case errors.As(err, &unreachable):
-		return p.fallback(c, log, ev, err)
+	case early != "":
+		return p.passEarly(c, log, ev, early)
 	case err != nil:
-		return tryAgain("ambient-cni: %v; the pod was not started, the runtime will retry", err)
+		return p.fallback(c, log, ev, err)
 	case resp.Error != "":
 		return agentError("ADD", resp)
 	}
@@ -138,25 +136,63 @@ func (p *Plugin) Add(args *CmdArgs) (err error) {
 	}
 }
 
-// fallback decides while the agent is unreachable, for a pod outside the
-// excluded namespaces. It fails closed (code 11: the runtime retries) with
-// agentUnreachable "fail-closed"; while the agent is probably coming back
-// (its last sign of life, the heartbeat or the snapshot's write time, is
-// younger than agentDownAfter); when there is no usable snapshot; and for a
-// pod the snapshot shows may need capture. Only a pod the agent's last
-// snapshot shows outside the mesh, with the agent gone longer than
-// agentDownAfter, starts uncaptured: it is recorded in the ADD spool so the
-// agent re-checks it first thing when it returns.
-func (p *Plugin) fallback(c *call, log *slog.Logger, ev *ambient.PodEvent, cause error) error {
-	ns := ev.PodNamespace
-	if c.cfg.AgentUnreachable != ambient.AgentUnreachableSnapshot {
-		log.Warn("node agent unreachable; failing closed", "err", cause, "agentUnreachable", c.cfg.AgentUnreachable)
-		return tryAgain("ambient-cni: %v; namespace %q is not excluded, so the pod may need ambient capture and is not started until the node agent answers (agentUnreachable %q). The runtime will retry: check that the ambient-cni node agent is running on this node", cause, ns, c.cfg.AgentUnreachable)
+// slowAgent is how long ADD waits for the agent before it also asks the
+// API server: a pod that must not be captured then starts without waiting
+// out the whole timeout on a hung agent (one that must be captured keeps
+// waiting for the agent). Half the timeout when that is shorter.
+const slowAgent = 5 * time.Second
+
+// askAgent sends the ADD to the agent. If the agent has not answered
+// within slowAgent, it asks the API server too: when that shows the pod
+// outside the mesh, early says why and the agent's answer is not awaited.
+func (p *Plugin) askAgent(c *call, log *slog.Logger, ev *ambient.PodEvent) (resp *ambient.PodEventResponse, early string, err error) {
+	type answer struct {
+		resp *ambient.PodEventResponse
+		err  error
 	}
-	snap, why := p.agentGone(c, ns)
-	if why != "" {
-		log.Warn("node agent unreachable; failing closed", "err", cause, "reason", why)
-		return tryAgain("ambient-cni: %v, and %s; refusing to start the pod uncaptured. The runtime will retry: check that the ambient-cni node agent is running on this node", cause, why)
+	// Buffered: the sender never blocks, and ends with c.ctx.
+	done := make(chan answer, 1)
+	go func() {
+		r, err := c.client.PodEvent(c.ctx, ev)
+		done <- answer{r, err}
+	}()
+	t := time.NewTimer(min(slowAgent, c.cfg.Timeout/2))
+	defer t.Stop()
+	select {
+	case a := <-done:
+		return a.resp, "", a.err
+	case <-t.C:
+	}
+	if v, err := p.askAPIServer(c, ev); err == nil && !*v.Enroll {
+		return nil, fmt.Sprintf("the node agent has not answered in %s and the API server shows the pod outside the mesh (%s)", min(slowAgent, c.cfg.Timeout/2), v.Reason), nil
+	} else if err != nil {
+		log.Debug("agent slow and API server not asked", "err", err)
+	}
+	a := <-done
+	return a.resp, "", a.err
+}
+
+// passEarly lets a pod the API server shows outside the mesh start while
+// the agent is slow to answer, recorded for the agent to re-check.
+func (p *Plugin) passEarly(c *call, log *slog.Logger, ev *ambient.PodEvent, why string) error {
+	rec := *ev
+	rec.Command = ambient.CommandAdd
+	if err := nodefiles.Spool(c.cfg.AddSpoolDir, rec); err != nil {
+		log.Error("could not record the pod for the agent to re-check", "err", err, "dir", c.cfg.AddSpoolDir)
+	}
+	log.Warn("passing through (recorded for the agent to re-check)", "reason", why)
+	return p.passThrough(c.cfg)
+}
+
+// fallback is ADD while the agent cannot answer: a pod that must not be
+// captured starts, recorded in the ADD spool so the agent re-checks it
+// first thing when it returns; any other fails with code 11 (the runtime
+// retries) until the agent answers.
+func (p *Plugin) fallback(c *call, log *slog.Logger, ev *ambient.PodEvent, cause error) error {
+	pass, why := p.withoutAgent(c, ev)
+	if !pass {
+		log.Warn("node agent cannot answer; failing closed", "err", cause, "reason", why)
+		return tryAgain("ambient-cni: %v; %s, so the pod is not started until the node agent answers. The runtime will retry: check that the ambient-cni node agent is running on this node", cause, why)
 	}
 	rec := *ev
 	rec.Command = ambient.CommandAdd
@@ -165,38 +201,59 @@ func (p *Plugin) fallback(c *call, log *slog.Logger, ev *ambient.PodEvent, cause
 		// when it returns; the spool only puts these first.
 		log.Error("could not record the pod for the agent to re-check", "err", err, "dir", c.cfg.AddSpoolDir)
 	}
-	log.Warn("node agent gone; namespace not enabled per snapshot, passing through (recorded for the agent to re-check)",
-		"err", cause, "generation", snap.generation(), "downAfter", c.cfg.AgentDownAfter)
+	log.Warn("node agent cannot answer; passing through (recorded for the agent to re-check)", "err", cause, "reason", why)
 	return p.passThrough(c.cfg)
 }
 
-// agentGone reads the node files the fallback decides by: it returns the
-// snapshot and "" when namespace ns is outside the mesh per the snapshot
-// and the agent has been gone longer than agentDownAfter, else why not.
-func (p *Plugin) agentGone(c *call, ns string) (snapshotView, string) {
-	snap, serr := readSnapshot(c.cfg.SnapshotFile)
-	if serr != nil {
-		return snap, fmt.Sprintf("no usable enablement snapshot (%v), so namespace %q may need ambient capture", serr, ns)
+// withoutAgent decides a pod while the agent cannot answer, in tiers:
+//  1. an uninstall in progress (its marker in the state directory): every
+//     pod passes, the mesh is leaving the node;
+//  2. agentUnreachable fail-closed: every pod fails closed;
+//  3. the API server, asked with the plugin's own credential by the
+//     fallback binary: the agent's own decision, from live labels;
+//  4. failing that, the persistent snapshot, failing closed for anything
+//     it cannot vouch for; the control plane's namespaces pass unless the
+//     snapshot shows them enabled.
+//
+// It returns whether the pod may start uncaptured, and why.
+func (p *Plugin) withoutAgent(c *call, ev *ambient.PodEvent) (bool, string) {
+	ns := ev.PodNamespace
+	if _, err := os.Lstat(c.cfg.files().Uninstalling()); err == nil {
+		return true, "the mesh is being removed from this node (uninstall marker " + c.cfg.files().Uninstalling() + ")"
 	}
-	last := snap.Written
-	if hb, err := nodefiles.LastAlive(c.cfg.HeartbeatFile); err == nil && hb.After(last) {
-		last = hb
+	if c.cfg.AgentUnreachable == ambient.AgentUnreachableFailClosed {
+		return false, fmt.Sprintf("agentUnreachable is %q", ambient.AgentUnreachableFailClosed)
 	}
-	// A sign of life in the future (a clock set back) counts as recent.
-	if age := p.now().Sub(last); age < c.cfg.AgentDownAfter {
-		return snap, fmt.Sprintf("the node agent was alive %s ago, within agentDownAfter %s, so it is probably restarting", age.Round(time.Second), c.cfg.AgentDownAfter)
+	v, apiErr := p.askAPIServer(c, ev)
+	if apiErr == nil {
+		if *v.Enroll {
+			return false, fmt.Sprintf("the API server shows the pod must be captured (%s)", v.Reason)
+		}
+		return true, fmt.Sprintf("the API server shows the pod outside the mesh (%s)", v.Reason)
 	}
-	if snap.MayNeedCapture(ns) {
-		return snap, fmt.Sprintf("namespace %q may need ambient capture per the enablement snapshot (generation %d)", ns, snap.generation())
+	snap, serr := nodefiles.ReadSnapshot(c.cfg.files().StateSnapshot())
+	enabled := snap != nil && slices.Contains(snap.EnabledNamespaces, ns)
+	switch {
+	case snap != nil && snap.Pods != nil && ev.PodUID != "" && hasKey(snap.Pods, ev.PodUID):
+		if snap.Pods[ev.PodUID] {
+			return false, fmt.Sprintf("the API server cannot be asked (%v) and the agent's snapshot shows the pod captured", apiErr)
+		}
+		return true, fmt.Sprintf("the API server cannot be asked (%v); the agent's snapshot shows the pod outside the mesh", apiErr)
+	case enabled:
+		return false, fmt.Sprintf("the API server cannot be asked (%v) and namespace %q is enabled per the agent's snapshot", apiErr, ns)
+	case c.cfg.controlPlane(ns):
+		return true, fmt.Sprintf("the API server cannot be asked (%v); namespace %q is the control plane's and not enabled per the agent's snapshot", apiErr, ns)
+	case snap == nil:
+		return false, fmt.Sprintf("the API server cannot be asked (%v) and there is no usable snapshot (%v), so the pod may need ambient capture", apiErr, serr)
+	case slices.Contains(snap.ExcludedNamespaces, ns):
+		return true, fmt.Sprintf("the API server cannot be asked (%v); namespace %q is excluded", apiErr, ns)
 	}
-	return snap, ""
+	return false, fmt.Sprintf("the API server cannot be asked (%v) and the agent's snapshot cannot vouch for the pod (its labels are unknown)", apiErr)
 }
 
-func (p *Plugin) now() time.Time {
-	if p.Now != nil {
-		return p.Now()
-	}
-	return time.Now()
+func hasKey[V any](m map[string]V, k string) bool {
+	_, ok := m[k]
+	return ok
 }
 
 // passThrough prints prevResult in the config's version.
@@ -263,17 +320,12 @@ func (p *Plugin) Check(args *CmdArgs) (err error) {
 	}
 	ns, name := ev.PodNamespace, ev.PodName
 	resp, err := c.client.PodEvent(c.ctx, ev)
-	var unreachable *ambient.UnreachableError
 	switch {
-	case errors.As(err, &unreachable):
-		if c.cfg.AgentUnreachable == ambient.AgentUnreachableSnapshot {
-			if _, why := p.agentGone(c, ns); why == "" {
-				return nil
-			}
-		}
-		return tryAgain("ambient-cni: %v; cannot verify pod %s/%s, whose namespace may need capture", err, ns, name)
 	case err != nil:
-		return tryAgain("ambient-cni: %v", err)
+		if pass, why := p.withoutAgent(c, ev); !pass {
+			return tryAgain("ambient-cni: %v; cannot verify pod %s/%s: %s", err, ns, name, why)
+		}
+		return nil
 	case resp.Error != "":
 		return agentError("CHECK", resp)
 	}
@@ -357,23 +409,6 @@ func (c *call) podEvent(cmd ambient.Command, args *CmdArgs) (ev *ambient.PodEven
 		return nil, false, types.NewError(types.ErrInvalidEnvironmentVariables, "ambient-cni: invalid pod data from the runtime: "+err.Error(), "")
 	}
 	return ev, false, nil
-}
-
-// snapshotView wraps a possibly-nil snapshot for logging.
-type snapshotView struct{ *nodefiles.EnablementSnapshot }
-
-func (s snapshotView) generation() int64 {
-	if s.EnablementSnapshot == nil {
-		return 0
-	}
-	return s.Generation
-}
-
-// readSnapshot loads the agent's enablement snapshot; on any problem it
-// returns a nil snapshot, which MayNeedCapture treats as "fail closed".
-func readSnapshot(path string) (snapshotView, error) {
-	s, err := nodefiles.ReadSnapshot(path)
-	return snapshotView{s}, err
 }
 
 func tryAgain(format string, a ...any) error {

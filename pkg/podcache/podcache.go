@@ -303,6 +303,23 @@ func (c *Cache) decide(p *corev1.Pod, ns *corev1.Namespace) enablement.Decision 
 	return c.cfg.Policy.Decide(p, ns)
 }
 
+// NodeState is the rest of what the plugin's snapshot needs: every
+// namespace known, and this node's pods by UID with the decision for each
+// (true: captured), so the plugin can fail closed for what it never saw.
+func (c *Cache) NodeState() (namespaces []string, pods map[string]bool) {
+	nss, _ := c.nss.List(labels.Everything())
+	for _, n := range nss {
+		namespaces = append(namespaces, n.Name)
+	}
+	slices.Sort(namespaces)
+	ps, _ := c.pods.List(labels.Everything())
+	pods = make(map[string]bool, len(ps))
+	for _, p := range ps {
+		pods[string(p.UID)] = c.DecideCached(p).Enroll
+	}
+	return namespaces, pods
+}
+
 // EnablementState is what the plugin's fallback snapshot needs: the
 // namespaces where a pod may be enabled whatever its own labels (the
 // enablement selectors select the namespace), and whether any pod on this

@@ -58,6 +58,9 @@ func TestBenchRunsShipped(t *testing.T) {
 	}
 	defaults.PodName, defaults.PodNamespace = "pod", simnode.ReleaseNamespace
 	defaults.ProcRoot = chart.ProcRoot // the host's /proc, mounted at /host/proc
+	// The plugin's ServiceAccount is named for the release; the selector
+	// text is the chart's JSON (its meaning compares as EnablementSelectors).
+	defaults.PluginServiceAccount, defaults.EnablementSelectorText = chart.PluginServiceAccount, chart.EnablementSelectorText
 	if !reflect.DeepEqual(chart, defaults) {
 		t.Errorf("the chart's defaults differ from install-cni's:\n chart %+v\n  flag %+v", chart, defaults)
 	}

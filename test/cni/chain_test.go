@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -198,12 +199,12 @@ func cniCode(err error) uint {
 	return 0
 }
 
-// TestChainAgentDown: with the agent just stopped (its heartbeat fresh: it
-// is probably restarting), through the real chain, the shipped default
-// fails every pod outside the excluded namespaces with code 11, also in a
-// namespace the agent's last snapshot did not see enabled; excluded
-// namespaces start, DEL is spooled, and pods start again once the agent
-// is back.
+// TestChainAgentDown: with the agent stopped and no API server to ask (no
+// fallback binary), through the real chain, the shipped default fails a
+// new pod with code 11 in an enabled namespace and in one the agent's
+// persistent snapshot saw not enabled (the new pod's labels are unknown);
+// excluded namespaces start, DEL is spooled, and pods start again once the
+// agent is back.
 func TestChainAgentDown(t *testing.T) {
 	n := newNode(t, "1.0.0", nil)
 	// Enroll a pod while the agent is up; the snapshot now names "shop".
@@ -214,22 +215,23 @@ func TestChainAgentDown(t *testing.T) {
 	if !n.ourChains(t, web) {
 		t.Fatal("no rules after ADD")
 	}
-	snap, err := os.ReadFile(n.layout.Snapshot())
-	if err != nil || !strings.Contains(string(snap), `"shop"`) || strings.Contains(string(snap), `"plain"`) {
-		t.Fatalf("snapshot %s, %v", snap, err)
+	snap, err := nodefiles.ReadSnapshot(n.layout.StateSnapshot())
+	if err != nil || strings.Join(snap.EnabledNamespaces, ",") != "shop" || !slices.Contains(snap.Namespaces, "plain") {
+		t.Fatalf("snapshot %+v, %v", snap, err)
 	}
 	n.stopAgent()
 	if _, err := os.Stat(n.layout.AgentSocket()); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("socket still present after stop: %v", err)
 	}
 
-	// Enabled namespace, and one the snapshot saw as not enabled: both
-	// fail closed, retryable, saying why.
+	// No API server to ask (no fallback binary here): the enabled
+	// namespace, and a new pod of one the snapshot saw as not enabled
+	// (its labels unknown), both fail closed, retryable, saying why.
 	for _, ns := range []string{"shop", "plain"} {
 		p := n.newPod(ns, "api", nil)
 		_, err = n.add(p)
 		if cniCode(err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "unreachable") ||
-			!strings.Contains(err.Error(), "probably restarting") {
+			!strings.Contains(err.Error(), "the API server cannot be asked") {
 			t.Errorf("ADD in namespace %s with agent down: %v; want code 11", ns, err)
 		}
 		if n.ourChains(t, p) {
@@ -269,72 +271,74 @@ func TestChainAgentDown(t *testing.T) {
 	}
 }
 
-// ageNodeFiles makes the agent's last signs of life (heartbeat, snapshot
-// write time) an hour old, as after a long outage, and sets the snapshot's
-// content.
-func ageNodeFiles(t *testing.T, layout nodefiles.Layout, snap nodefiles.EnablementSnapshot) {
-	t.Helper()
-	old := time.Now().Add(-time.Hour)
-	snap.Generation, snap.Written = 1000, old
-	if err := nodefiles.WriteSnapshot(layout.Snapshot(), &snap); err != nil {
-		t.Fatal(err)
-	}
-	if err := nodefiles.TouchHeartbeat(layout.Heartbeat(), old); err != nil {
-		t.Fatal(err)
-	}
-}
+// fakeFallback stands in for the fallback binary with the API server up:
+// namespace shop is labelled ambient, and so is any pod named "late" (its
+// own label, put on while the agent was gone).
+const fakeFallback = `#!/bin/sh
+req=$(cat)
+case "$req" in
+*'"namespace":"shop"'*) echo '{"enroll":true,"reason":"namespace labelled ambient"}';;
+*'"name":"late"'*) echo '{"enroll":true,"reason":"pod labelled ambient"}';;
+*) echo '{"enroll":false,"reason":"neither pod nor namespace labelled ambient"}';;
+esac
+`
 
-// TestChainAgentDownSnapshot: with the agent gone longer than
-// agentDownAfter the default decides from the agent's last snapshot: a
-// namespace it saw enabled fails closed, one it did not passes through and
-// is recorded; with agentUnreachable "fail-closed" both wait. When the agent
-// returns it re-checks what passed: a pod opted in by its own label while
-// the agent was gone (the residual risk) gets captured then.
-func TestChainAgentDownSnapshot(t *testing.T) {
+// TestChainAgentDownFallback: with the agent gone the plugin asks the API
+// server (through the fallback binary in the state dir): a pod of an
+// enabled namespace and a pod opted in by its own label while the agent
+// was gone both wait, a plain pod starts at once, recorded; with
+// agentUnreachable "fail-closed" every pod waits. When the agent returns
+// the waiting pods are captured on the runtime's retry and the recorded
+// one is re-checked and left alone.
+func TestChainAgentDownFallback(t *testing.T) {
 	n := newNode(t, "1.0.0", nil)
 	if _, err := n.add(n.newPod("shop", "web", nil)); err != nil {
 		t.Fatal(err)
 	}
+	if err := os.WriteFile(n.layout.FallbackBinary(), []byte(fakeFallback), 0o700); err != nil {
+		t.Fatal(err)
+	}
 	n.stopAgent()
 	late := n.newPod("plain", "late", map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient})
-	// The test's agent object still follows the cluster; a gone agent
-	// would not have seen this pod: its snapshot says no pod-level use.
-	poll.Until(t, "snapshot refreshed for the labelled pod", func() bool {
-		s, err := nodefiles.ReadSnapshot(n.layout.Snapshot())
-		return err == nil && s.PodLevelEnablement
-	})
-	ageNodeFiles(t, n.layout, nodefiles.EnablementSnapshot{EnabledNamespaces: []string{"shop"}, ExcludedNamespaces: []string{"kube-system"}})
-
-	_, err := n.add(n.newPod("shop", "api", nil))
-	if cniCode(err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), `namespace "shop" may need ambient capture`) {
+	api := n.newPod("shop", "api", nil)
+	if _, err := n.add(api); cniCode(err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "must be captured") {
 		t.Errorf("ADD in enabled namespace with agent gone: %v", err)
+	}
+	if _, err := n.add(late); cniCode(err) != types.ErrTryAgainLater {
+		t.Errorf("SECURITY: ADD of a pod opted in by its label in a plain namespace, agent gone: %v; want code 11", err)
 	}
 	plain := n.newPod("plain", "db", nil)
 	if _, err := n.add(plain); err != nil {
 		t.Errorf("ADD in plain namespace with agent gone: %v", err)
 	}
-	if _, err := n.add(late); err != nil {
-		t.Errorf("ADD of a pod opted in by its label in a plain namespace, agent gone: %v", err)
-	}
 	if n.ourChains(t, plain) || n.ourChains(t, late) {
-		t.Errorf("pass-through pod got rules")
+		t.Errorf("pass-through or failed pod got rules")
 	}
-	if e, err := nodefiles.ListAdds(n.layout.AddSpool()); err != nil || len(e) != 2 {
-		t.Errorf("ADD spool %+v, %v; want the two passed-through pods", e, err)
+	if e, err := nodefiles.ListAdds(n.layout.AddSpool()); err != nil || len(e) != 1 {
+		t.Errorf("ADD spool %+v, %v; want the passed-through pod", e, err)
 	}
 
 	strict := newNode(t, "1.0.0", map[string]any{"agentUnreachable": ambient.AgentUnreachableFailClosed})
+	if err := os.WriteFile(strict.layout.FallbackBinary(), []byte(fakeFallback), 0o700); err != nil {
+		t.Fatal(err)
+	}
 	strict.stopAgent()
-	ageNodeFiles(t, strict.layout, nodefiles.EnablementSnapshot{EnabledNamespaces: []string{"shop"}})
 	if _, err := strict.add(strict.newPod("plain", "db", nil)); cniCode(err) != types.ErrTryAgainLater {
 		t.Errorf("fail-closed, plain namespace, agent gone: %v", err)
 	}
 
-	// The agent returns: the labelled pod is captured, the other forgotten.
+	// The agent returns: the runtime's retries capture the waiting pods;
+	// the recorded one is re-checked and stays outside the mesh.
 	n.startAgent()
 	poll.Until(t, "ADD spool re-checked", func() bool { e, _ := nodefiles.ListAdds(n.layout.AddSpool()); return len(e) == 0 })
-	if !n.ourChains(t, late) {
-		t.Errorf("pod opted in while the agent was gone not captured on its return")
+	for _, p := range []*sandbox{late, api} {
+		_ = n.del(p) // as the runtime does after a failed ADD
+		if _, err := n.add(p); err != nil {
+			t.Fatalf("retry after the agent returned: %v", err)
+		}
+		if !n.ourChains(t, p) {
+			t.Errorf("pod that waited not captured on retry")
+		}
 	}
 	if n.ourChains(t, plain) {
 		t.Errorf("pod outside the mesh captured on the agent's return")

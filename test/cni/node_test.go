@@ -158,12 +158,13 @@ func newNode(t testing.TB, cniVersion string, extra map[string]any) *node {
 	}
 	t.Cleanup(func() { _ = os.RemoveAll(dir) })
 	n := &node{
-		t: t, version: cniVersion, dir: dir, layout: nodefiles.ForSocket(filepath.Join(dir, "run", "agent.sock")),
+		t: t, version: cniVersion, dir: dir, layout: nodefiles.ForSocket(filepath.Join(dir, "run", "agent.sock")).WithStateDir(filepath.Join(dir, "state")),
 		bridge: testnet.RandName("acb", 8),
 	}
 	n.subnet = netip.PrefixFrom(netip.AddrFrom4([4]byte{10, 100 + randByte()%50, randByte(), 0}), 24)
 	n.gateway = n.subnet.Addr().Next()
-	keys := map[string]any{"agentSocket": n.layout.AgentSocket(), "timeout": "20s", "logLevel": "debug"}
+	// The agent's state dir is private to the test (never the host's).
+	keys := map[string]any{"agentSocket": n.layout.AgentSocket(), "stateDir": n.layout.StateDir(), "timeout": "20s", "logLevel": "debug"}
 	for k, v := range extra {
 		keys[k] = v
 	}

@@ -46,6 +46,11 @@ type objects struct {
 	binding  *admissionregistrationv1.ValidatingAdmissionPolicyBinding
 	kinds    []string
 	manifest []byte
+	// pluginSA, pluginCR and pluginCRB are the plugin's own identity
+	// (named <fullname>-plugin): get on pods and namespaces only.
+	pluginSA  *corev1.ServiceAccount
+	pluginCR  *rbacv1.ClusterRole
+	pluginCRB *rbacv1.ClusterRoleBinding
 	// hooks are the helm hook objects (helm.sh/hook annotation), kept
 	// apart: helm runs them around the release, they are not part of it.
 	hooks []*unstructured.Unstructured
@@ -63,40 +68,55 @@ func decode(t testing.TB, manifest []byte) *objects {
 			out.hooks = append(out.hooks, o)
 			continue
 		}
-		if o.GetKind() != "ResourceQuota" {
+		plugin := strings.HasSuffix(o.GetName(), "-plugin")
+		if o.GetKind() != "ResourceQuota" && !plugin {
 			out.kinds = append(out.kinds, o.GetKind())
 		}
 		var dst any
-		switch o.GetKind() {
-		case "DaemonSet":
-			out.ds = &appsv1.DaemonSet{}
-			dst = out.ds
-		case "ServiceAccount":
-			out.sa = &corev1.ServiceAccount{}
-			dst = out.sa
-		case "ClusterRole":
-			out.cr = &rbacv1.ClusterRole{}
-			dst = out.cr
-		case "ClusterRoleBinding":
-			out.crb = &rbacv1.ClusterRoleBinding{}
-			dst = out.crb
-		case "Role":
-			out.role = &rbacv1.Role{}
-			dst = out.role
-		case "RoleBinding":
-			out.rb = &rbacv1.RoleBinding{}
-			dst = out.rb
-		case "ResourceQuota":
-			out.rq = &corev1.ResourceQuota{}
-			dst = out.rq
-		case "ValidatingAdmissionPolicy":
-			out.policy = &admissionregistrationv1.ValidatingAdmissionPolicy{}
-			dst = out.policy
-		case "ValidatingAdmissionPolicyBinding":
-			out.binding = &admissionregistrationv1.ValidatingAdmissionPolicyBinding{}
-			dst = out.binding
+		switch kind := o.GetKind(); {
+		case plugin && kind == "ServiceAccount":
+			out.pluginSA = &corev1.ServiceAccount{}
+			dst = out.pluginSA
+		case plugin && kind == "ClusterRole":
+			out.pluginCR = &rbacv1.ClusterRole{}
+			dst = out.pluginCR
+		case plugin && kind == "ClusterRoleBinding":
+			out.pluginCRB = &rbacv1.ClusterRoleBinding{}
+			dst = out.pluginCRB
+		case plugin:
+			t.Fatalf("unexpected %s %s in the manifest", kind, o.GetName())
 		default:
-			t.Fatalf("unexpected %s %s in the manifest", o.GetKind(), o.GetName())
+			switch o.GetKind() {
+			case "DaemonSet":
+				out.ds = &appsv1.DaemonSet{}
+				dst = out.ds
+			case "ServiceAccount":
+				out.sa = &corev1.ServiceAccount{}
+				dst = out.sa
+			case "ClusterRole":
+				out.cr = &rbacv1.ClusterRole{}
+				dst = out.cr
+			case "ClusterRoleBinding":
+				out.crb = &rbacv1.ClusterRoleBinding{}
+				dst = out.crb
+			case "Role":
+				out.role = &rbacv1.Role{}
+				dst = out.role
+			case "RoleBinding":
+				out.rb = &rbacv1.RoleBinding{}
+				dst = out.rb
+			case "ResourceQuota":
+				out.rq = &corev1.ResourceQuota{}
+				dst = out.rq
+			case "ValidatingAdmissionPolicy":
+				out.policy = &admissionregistrationv1.ValidatingAdmissionPolicy{}
+				dst = out.policy
+			case "ValidatingAdmissionPolicyBinding":
+				out.binding = &admissionregistrationv1.ValidatingAdmissionPolicyBinding{}
+				dst = out.binding
+			default:
+				t.Fatalf("unexpected %s %s in the manifest", o.GetKind(), o.GetName())
+			}
 		}
 		if err := runtime.DefaultUnstructuredConverter.FromUnstructuredWithValidation(o.Object, dst, true); err != nil {
 			t.Fatalf("%s %s: %v", o.GetKind(), o.GetName(), err)
@@ -109,6 +129,9 @@ func decode(t testing.TB, manifest []byte) *objects {
 	}
 	if !slices.Equal(out.kinds, want) {
 		t.Fatalf("manifest holds %v, want one each of %v", out.kinds, want)
+	}
+	if out.pluginSA == nil || out.pluginCR == nil || out.pluginCRB == nil {
+		t.Fatalf("manifest lacks the plugin's ServiceAccount, ClusterRole or ClusterRoleBinding")
 	}
 	return out
 }
@@ -240,6 +263,11 @@ func TestChartDefaultsMatchProcessDefaults(t *testing.T) {
 	want.PodName = "agent-x1"
 	want.PodNamespace = namespace
 	want.ProcRoot = "/host/proc" // the host's /proc, mounted read-only
+	// The plugin's ServiceAccount is named for the release.
+	want.PluginServiceAccount = releaseName + "-plugin"
+	// The selector setting as given (JSON from the chart): its meaning is
+	// compared through EnablementSelectors.
+	want.EnablementSelectorText = got.EnablementSelectorText
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("chart defaults differ from install-cni's:\n got %+v\nwant %+v", got, want)
 	}
@@ -279,12 +307,14 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 		ProbeSNATv4:  netip.MustParseAddr("169.254.7.42"), ProbeSNATv6: netip.MustParseAddr("fd16::42"),
 		HealthAddr: ":15999", MetricsAddr: ":15998", LogLevel: "debug", LogFormat: "json", KubeClientQPS: 12.5, KubeClientBurst: 25, AnnotationQPS: 7.5, AnnotationBurst: 15,
 		StartupTaint: true, StartupTaintOnShutdown: true,
+		ControlPlaneNamespaces: []string{"openshift-*", "platform-system"}, PluginServiceAccount: "mesh-node-plugin", PluginTokenLifetime: 12 * time.Hour,
 	}
 	sel, err := enablement.ParseSelectors([]byte(`[{namespaceSelector: {matchLabels: {mesh: "yes"}}}, {podSelector: {matchExpressions: [{key: team, operator: In, values: [payments]}]}}]`))
 	if err != nil {
 		t.Fatal(err)
 	}
 	want.EnablementSelectors = sel
+	want.EnablementSelectorText = got.EnablementSelectorText
 	if !reflect.DeepEqual(got, want) {
 		t.Errorf("all-values configuration\n got %+v\nwant %+v", got, want)
 	}

@@ -89,7 +89,8 @@ func TestDockerfileMatchesChart(t *testing.T) {
 		t.Errorf("manifest command %v, values image.command %v", got, cmd)
 	}
 	uninstall, _ := lookup(defaults, "image.uninstallCommand")
-	for path, pkg := range map[string]string{plugin.(string): "./cmd/cni-plugin", cmd.(string): "./cmd/install-cni", uninstall.(string): "./cmd/ambient-cni-uninstall"} {
+	fallback := filepath.Join(filepath.Dir(plugin.(string)), "ambient-cni-fallback")
+	for path, pkg := range map[string]string{plugin.(string): "./cmd/cni-plugin", cmd.(string): "./cmd/install-cni", uninstall.(string): "./cmd/ambient-cni-uninstall", fallback: "./cmd/ambient-cni-fallback"} {
 		out, ok := d.copies[path]
 		if !ok {
 			t.Errorf("the image has nothing at %s (COPY targets %v)", path, d.copies)

@@ -60,6 +60,12 @@ func TestManifestRBACIsShippedRBAC(t *testing.T) {
 		t.Errorf("Role in %s, DaemonSet in %s", o.role.Namespace, o.ds.Namespace)
 	}
 	for _, r := range o.role.Rules {
+		if reflect.DeepEqual(r.Resources, []string{"serviceaccounts/token"}) {
+			if !reflect.DeepEqual(r.ResourceNames, []string{o.pluginSA.Name}) || !reflect.DeepEqual(r.Verbs, []string{"create"}) {
+				t.Errorf("Role rule %+v: want create on the plugin's ServiceAccount %s only", r, o.pluginSA.Name)
+			}
+			continue
+		}
 		if !reflect.DeepEqual(r.ResourceNames, []string{o.ds.Name}) {
 			t.Errorf("Role rule %+v: want it limited to DaemonSet %s", r, o.ds.Name)
 		}
@@ -76,9 +82,23 @@ func TestManifestRBACIsShippedRBAC(t *testing.T) {
 	if !reflect.DeepEqual(all.cr.Rules, wantCluster) {
 		t.Errorf("all-values ClusterRole rules %+v differ from the manifest's plus the SCC's and the startup taint's %+v", all.cr.Rules, wantCluster)
 	}
-	want := []rbacv1.PolicyRule{{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{"mesh-node"}, Verbs: []string{"get", "list", "watch"}}}
+	want := []rbacv1.PolicyRule{{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{"mesh-node"}, Verbs: []string{"get", "list", "watch"}},
+		{APIGroups: []string{""}, Resources: []string{"serviceaccounts/token"}, ResourceNames: []string{"mesh-node-plugin"}, Verbs: []string{"create"}}}
 	if !reflect.DeepEqual(all.role.Rules, want) {
 		t.Errorf("all-values Role rules %+v, want %+v", all.role.Rules, want)
+	}
+	// The plugin's own role: get on pods and namespaces, nothing else,
+	// bound to its own ServiceAccount only.
+	wantPlugin := []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"pods", "namespaces"}, Verbs: []string{"get"}}}
+	if !reflect.DeepEqual(o.pluginCR.Rules, wantPlugin) {
+		t.Errorf("plugin ClusterRole rules %+v, want %+v", o.pluginCR.Rules, wantPlugin)
+	}
+	pluginSubject := rbacv1.Subject{Kind: rbacv1.ServiceAccountKind, Name: o.pluginSA.Name, Namespace: o.pluginSA.Namespace}
+	if o.pluginCRB.RoleRef.Name != o.pluginCR.Name || !reflect.DeepEqual(o.pluginCRB.Subjects, []rbacv1.Subject{pluginSubject}) {
+		t.Errorf("plugin ClusterRoleBinding %+v", o.pluginCRB)
+	}
+	if o.pluginSA.AutomountServiceAccountToken == nil || *o.pluginSA.AutomountServiceAccountToken {
+		t.Errorf("plugin ServiceAccount mounts its token into pods")
 	}
 }
 

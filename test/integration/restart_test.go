@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"errors"
 	"io"
 	"net"
 	"os"
@@ -13,6 +14,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
+
+	"github.com/containernetworking/cni/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
@@ -198,47 +201,59 @@ func roundTrip(t *testing.T, c net.Conn, msg string) {
 	}
 }
 
-// TestPodStartedWhileAgentGoneRecheckedOnReturn: once the agent has been
-// gone longer than agentDownAfter (its heartbeat and snapshot aged by
-// hand, an hour old), a pod in a namespace its last snapshot saw not
-// enabled starts uncaptured through the real plugin, even one opted in by
-// its own label (the documented residual risk), and is recorded; the
-// returning agent re-checks the record and captures the pod.
+// TestPodStartedWhileAgentGoneRecheckedOnReturn: with the agent gone and
+// no API server to ask (this node's agent has no plugin credential), the
+// real plugin decides by the persistent snapshot: a new pod opted in by
+// its own label in a plain namespace waits (code 11: its labels are
+// unknown to the snapshot), however long the agent has been gone; a pod
+// the snapshot lists as outside the mesh (its sandbox restarted, same UID)
+// starts and is recorded. When the agent returns the retried pod is
+// captured and the record re-checked.
 func TestPodStartedWhileAgentGoneRecheckedOnReturn(t *testing.T) {
 	n := newNode(t, nodeOptions{Upgrade: true})
 	shop := n.namespace("shop", ambientLabel)
 	plain := n.namespace("plain", nil)
 	a := n.runPod(podSpec(shop, "a", nil, nil))
+	outside := n.runPod(podSpec(plain, "outside", nil, nil))
 	n.waitEnrolled(waitLong, a)
+	state := n.cfg.Layout().StateSnapshot()
+	poll.Within(t, waitLong, "the snapshot lists this node's pods", func() bool {
+		s, err := nodefiles.ReadSnapshot(state)
+		return err == nil && len(s.Pods) >= 2
+	})
 
 	n.stopDaemon()
-	snapPath := n.cfg.Layout().Snapshot()
-	snap, err := nodefiles.ReadSnapshot(snapPath)
-	if err != nil || snap.PodLevelEnablement {
-		t.Fatalf("the agent's snapshot: %+v, %v", snap, err)
-	}
-	old := time.Now().Add(-time.Hour)
-	snap.Written = old
-	if err := nodefiles.WriteSnapshot(snapPath, snap); err != nil {
+	ctx := context.Background()
+	obj, err := n.kube.Create(ctx, podSpec(plain, "late", ambientLabel, nil))
+	if err != nil {
 		t.Fatal(err)
 	}
-	if err := nodefiles.TouchHeartbeat(n.cfg.Layout().Heartbeat(), old); err != nil {
-		t.Fatal(err)
+	var te *types.Error
+	if _, err := n.kube.Start(ctx, obj); !errors.As(err, &te) || te.Code != types.ErrTryAgainLater {
+		t.Fatalf("SECURITY: a pod opted in by its label started while the agent was gone: %v; want code 11", err)
 	}
-
-	late := n.runPod(podSpec(plain, "late", ambientLabel, nil))
-	if n.hasRules(late) {
-		t.Fatal("a pod started while the agent was gone has rules")
+	// The runtime restarts the sandbox of a pod the snapshot vouches for.
+	restarted, err := n.kube.Start(ctx, outside.Obj)
+	if err != nil {
+		t.Fatalf("a pod the snapshot lists outside the mesh, agent gone: %v", err)
 	}
 	if e, err := nodefiles.ListAdds(n.cfg.Layout().AddSpool()); err != nil || len(e) != 1 {
-		t.Fatalf("recorded ADDs while the agent is gone: %+v, %v; want the new pod's", e, err)
+		t.Fatalf("recorded ADDs while the agent is gone: %+v, %v; want the restarted pod's", e, err)
 	}
 
 	n.startDaemon()
-	n.waitEnrolled(waitLong, late)
 	poll.Within(t, waitLong, "the record of the pod re-checked", func() bool {
 		e, _ := nodefiles.ListAdds(n.cfg.Layout().AddSpool())
 		return len(e) == 0
 	})
+	late, err := n.kube.Start(ctx, obj)
+	if err != nil {
+		t.Fatalf("the runtime's retry once the agent is back: %v", err)
+	}
+	serveApp(t, late)
+	n.waitEnrolled(waitLong, late)
+	if n.hasRules(restarted) {
+		t.Error("the pod outside the mesh got rules on the agent's return")
+	}
 	mustGet(t, late, a)
 }

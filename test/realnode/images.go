@@ -59,7 +59,7 @@ func BuildImages(ctx context.Context, dir string, t Tools, logf func(string, ...
 	}
 	start := time.Now()
 	cmd := exec.CommandContext(ctx, "go", "build", "-trimpath", "-ldflags=-s -w", "-o", bin+"/",
-		"./cmd/cni-plugin", "./cmd/install-cni", "./cmd/ambient-cni-uninstall", "./test/lib/ztunnel/cmd/ztunnel-standin", "./test/realnode/cmd/app", "./test/realnode/cmd/pause")
+		"./cmd/cni-plugin", "./cmd/ambient-cni-fallback", "./cmd/install-cni", "./cmd/ambient-cni-uninstall", "./test/lib/ztunnel/cmd/ztunnel-standin", "./test/realnode/cmd/app", "./test/realnode/cmd/pause")
 	cmd.Dir = t.Repo
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := cmd.CombinedOutput(); err != nil {
@@ -81,7 +81,7 @@ func BuildImages(ctx context.Context, dir string, t Tools, logf func(string, ...
 		imgs.archives = append(imgs.archives, a)
 		return nil
 	}
-	for _, b := range []string{"ambient-cni", "install-cni", "ambient-cni-uninstall", "ztunnel-standin", "app", "pause"} {
+	for _, b := range []string{"ambient-cni", "ambient-cni-fallback", "install-cni", "ambient-cni-uninstall", "ztunnel-standin", "app", "pause"} {
 		if _, err := os.Stat(filepath.Join(bin, b)); err != nil {
 			return Images{}, fmt.Errorf("image binary %s: %w", b, err)
 		}
@@ -89,6 +89,7 @@ func BuildImages(ctx context.Context, dir string, t Tools, logf func(string, ...
 	agentTop, err := imagearchive.FilesLayer(
 		imagearchive.File{Path: agentCommand, Mode: 0o755, Source: filepath.Join(bin, "install-cni")},
 		imagearchive.File{Path: pluginBinary, Mode: 0o755, Source: filepath.Join(bin, "ambient-cni")},
+		imagearchive.File{Path: filepath.Join(filepath.Dir(pluginBinary), "ambient-cni-fallback"), Mode: 0o755, Source: filepath.Join(bin, "ambient-cni-fallback")},
 		imagearchive.File{Path: uninstallCommand, Mode: 0o755, Source: filepath.Join(bin, "ambient-cni-uninstall")},
 	)
 	if err != nil {

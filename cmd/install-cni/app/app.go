@@ -81,7 +81,13 @@ func Main(args []string, getenv func(string) string, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("kubernetes client: %w", err)
 	}
-	a, err := New(Options{Config: cfg, Client: client, Logger: log})
+	ca := rc.CAData
+	if len(ca) == 0 && rc.CAFile != "" {
+		if ca, err = os.ReadFile(rc.CAFile); err != nil {
+			return fmt.Errorf("API server CA: %w", err)
+		}
+	}
+	a, err := New(Options{Config: cfg, Client: client, Logger: log, APIServer: rc.Host, APICA: ca})
 	if err != nil {
 		return err
 	}
@@ -124,6 +130,11 @@ type Options struct {
 	// MetricsRetry is the wait between attempts to bind a metrics address
 	// that is taken; zero is 30 seconds.
 	MetricsRetry time.Duration
+	// APIServer and APICA are the API server's URL and CA bundle (PEM) as
+	// the agent reaches it: the plugin's credential carries them. Empty
+	// APIServer writes no credential.
+	APIServer string
+	APICA     []byte
 	// AgentHook, when set, may change the node agent's configuration
 	// before the agent is built: tests wrap its side effects (rules,
 	// ztunnel, annotations) to stop it at a chosen step.
@@ -164,6 +175,10 @@ const (
 // the agent that hangs may hang the shutdown too; past this Main returns
 // anyway (the next agent finds the node as a crash leaves it).
 const hungExitGrace = 20 * time.Second
+
+// snapshotRefresh is how often the enablement snapshot is brought up to
+// date with this node's pods.
+const snapshotRefresh = 15 * time.Second
 
 // hostProbeResync is how often the host probe SNAT is put back (another
 // tool removed it, or got a rule above it in POSTROUTING).
@@ -228,7 +243,7 @@ func New(o Options) (*App, error) {
 
 	// The plugin on the node: binary and conflist entry.
 	entry, err := json.Marshal(ambient.PluginConf{
-		AgentSocket: c.AgentSocket, StateDir: c.StateDir, Timeout: c.PluginTimeout.String(),
+		AgentSocket: c.AgentSocket, StateDir: c.StateDir, ControlPlaneNamespaces: c.ControlPlane(), Timeout: c.PluginTimeout.String(),
 		LogLevel: c.PluginLogLevel, ExcludedNamespaces: nonNil(c.ExcludedNamespaces),
 		StatusRequiresAgent: c.StatusChecksAgent, AgentUnreachable: c.AgentUnreachable,
 		AgentDownAfter: c.AgentDownAfter.String(),
@@ -504,6 +519,9 @@ func (a *App) Run(ctx context.Context) (err error) {
 	if err := a.agent.EnsureHostProbe(); err != nil {
 		return err
 	}
+	// What the plugin decides by while the agent cannot answer, in place
+	// before the installer chains it: a chained plugin always has them.
+	cred := a.writePluginFiles(ctx)
 	// What a previous agent recorded it captured; restored with the
 	// annotated pods once the pod cache is synced.
 	if err := a.agent.LoadRecords(); err != nil {
@@ -588,6 +606,26 @@ func (a *App) Run(ctx context.Context) (err error) {
 		a.log.Info("removed the marker of an uninstall cut short; the plugin is chained again", "marker", layout.Uninstalling())
 	}
 	run("installer", a.installer.Run)
+	if cred != nil {
+		run("plugin-credential", cred.Run)
+	}
+	run("snapshot-refresh", func(ctx context.Context) error {
+		// The snapshot lists this node's pods by UID; pods come and go
+		// without an enablement change, so it is refreshed on a timer too
+		// (it is rewritten only when it changed).
+		t := time.NewTicker(snapshotRefresh)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-t.C:
+				if closed(a.ctrl.Restored()) {
+					_ = a.agent.RefreshSnapshot()
+				}
+			}
+		}
+	})
 	run("daemonset-watch", a.upgrade.Run)
 	run("pod-cache", a.pods.Run)
 	run("annotations", a.agent.Run)

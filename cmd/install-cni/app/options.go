@@ -10,6 +10,7 @@ import (
 	"math"
 	"net"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -86,9 +87,21 @@ type Config struct {
 	ProcRoot    string
 	NetnsDirs   []string
 
-	ExcludedNamespaces       []string
-	DataPlaneNamespaces      []string
-	EnablementSelectors      *enablement.Selectors
+	ExcludedNamespaces  []string
+	DataPlaneNamespaces []string
+	EnablementSelectors *enablement.Selectors
+	// EnablementSelectorText is the enablement-selector setting as given,
+	// for the plugin's credential file (its fallback parses it again).
+	EnablementSelectorText string
+	// ControlPlaneNamespaces never wait on the agent (the platform's
+	// system namespaces; "prefix-*" matches by prefix); the agent's own
+	// and the data-plane namespaces are added.
+	ControlPlaneNamespaces []string
+	// PluginServiceAccount is the plugin's own ServiceAccount in the
+	// agent's namespace; "" writes no credential.
+	PluginServiceAccount string
+	// PluginTokenLifetime is how long each of its tokens is valid.
+	PluginTokenLifetime      time.Duration
 	AssumePodLevelEnablement bool
 	ZtunnelWait              time.Duration
 	// VerifyPeriod is how often every captured pod is proven again; 0
@@ -293,7 +306,7 @@ func options() []option {
 		{"plugin-timeout", "How long the plugin waits for the agent's answer; must exceed ztunnel-wait.", ambient.DefaultPluginTimeout.String(), duration(func(c *Config) *time.Duration { return &c.PluginTimeout })},
 		{"plugin-log-level", "Log level of the plugin on the runtime's log (debug, info, warn, error).", ambient.DefaultPluginLogLevel, str(func(c *Config) *string { return &c.PluginLogLevel })},
 		{"plugin-status-checks-agent", "Make CNI STATUS fail (error 50) while the agent is unreachable; off by default because a failing STATUS marks the node NotReady.", "false", boolean(func(c *Config) *bool { return &c.StatusChecksAgent })},
-		{"plugin-agent-unreachable", "What the plugin does for a pod outside excluded-namespaces while the agent is unreachable: snapshot (fail closed, CNI error 11, while the agent was alive within plugin-agent-down-after; past that, start pods whose namespace the agent's last enablement snapshot did not see enabled and have the agent re-check them when it returns) or fail-closed (fail closed however long the agent is gone).", ambient.AgentUnreachableSnapshot, func(c *Config, v string) error {
+		{"plugin-agent-unreachable", "What the plugin does for a pod outside excluded-namespaces while the agent cannot answer: snapshot (ask the API server with the plugin's own credential and decide as the agent would: a pod that must be captured fails with CNI error 11, any other starts and is re-checked; with the API server down too, decide by the agent's snapshot in state-dir, failing closed for what it cannot vouch for) or fail-closed (every such pod fails with error 11 until the agent answers).", ambient.AgentUnreachableSnapshot, func(c *Config, v string) error {
 			switch v {
 			case ambient.AgentUnreachableFailClosed, ambient.AgentUnreachableSnapshot:
 				c.AgentUnreachable = v
@@ -301,7 +314,7 @@ func options() []option {
 			}
 			return fmt.Errorf("want %s or %s", ambient.AgentUnreachableFailClosed, ambient.AgentUnreachableSnapshot)
 		}},
-		{"plugin-agent-down-after", "How long after the agent's last heartbeat the plugin stops expecting it back (a restart or an upgrade takes less) and, with plugin-agent-unreachable=snapshot, lets pods the snapshot shows outside the mesh start.", ambient.DefaultAgentDownAfter.String(), func(c *Config, v string) error {
+		{"plugin-agent-down-after", "Accepted for existing configurations; no decision uses it any more.", ambient.DefaultAgentDownAfter.String(), func(c *Config, v string) error {
 			d, err := time.ParseDuration(v)
 			if err != nil || d <= 0 || d > ambient.MaxAgentDownAfter {
 				return fmt.Errorf("want a duration in (0, %s]", ambient.MaxAgentDownAfter)
@@ -321,7 +334,17 @@ func options() []option {
 			if err != nil {
 				return err
 			}
-			c.EnablementSelectors = s
+			c.EnablementSelectors, c.EnablementSelectorText = s, v
+			return nil
+		}},
+		{"control-plane-namespaces", "Comma-separated namespaces that never wait on the agent (the platform's system namespaces; an entry ending in * is a prefix, as openshift-*), besides the agent's own and the data-plane namespaces: while the agent cannot answer, the plugin decides their pods by the API server and, failing that, lets them start unless the agent's snapshot shows their namespace enabled.", "", list(func(c *Config) *[]string { return &c.ControlPlaneNamespaces })},
+		{"plugin-service-account", "The plugin's own ServiceAccount in pod-namespace, allowed only to get pods and namespaces: the agent writes a token of it, bound to the node, into state-dir for the plugin to ask the API server while the agent cannot answer. Empty: no credential (the plugin decides by the snapshot alone).", "", str(func(c *Config) *string { return &c.PluginServiceAccount })},
+		{"plugin-token-lifetime", "Lifetime of each token of plugin-service-account; the agent renews it after half.", "24h", func(c *Config, v string) error {
+			d, err := time.ParseDuration(v)
+			if err != nil || d < 10*time.Minute || d > 48*time.Hour {
+				return errors.New("want a duration in [10m, 48h]")
+			}
+			c.PluginTokenLifetime = d
 			return nil
 		}},
 		{"assume-pod-level-enablement", "With plugin-agent-unreachable=snapshot: tell the plugin's fallback that any namespace may hold a pod enabled by its own label, so it fails closed everywhere but excluded namespaces however long the agent is gone. No effect with fail-closed.", "false", boolean(func(c *Config) *bool { return &c.AssumePodLevelEnablement })},
@@ -454,6 +477,18 @@ func (c *Config) EnablementPolicy() enablement.Policy {
 // install-cni names them, handed to every part as this value.
 func (c *Config) Layout() nodefiles.Layout {
 	return nodefiles.ForSocket(c.AgentSocket).WithStateDir(c.StateDir)
+}
+
+// ControlPlane lists the namespaces that never wait on the agent: the
+// agent's own, the data-plane namespaces and control-plane-namespaces.
+func (c *Config) ControlPlane() []string {
+	out := slices.Clone(c.ControlPlaneNamespaces)
+	if c.PodNamespace != "" {
+		out = append(out, c.PodNamespace)
+	}
+	out = append(out, c.EnablementPolicy().DataPlaneNamespaces...)
+	slices.Sort(out)
+	return slices.Compact(out)
 }
 
 func (c *Config) validate() error {

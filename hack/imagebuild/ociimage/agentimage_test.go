@@ -123,7 +123,7 @@ func TestAgentImage(t *testing.T) {
 	for _, arch := range []string{"amd64", "arm64"} {
 		rootfs := rootfsTool(t, arch)
 		bin := filepath.Join(t.TempDir(), arch)
-		for _, b := range [][]string{{"-o", bin + "/ambient-cni", "./cmd/cni-plugin"}, {"-o", bin + "/", "./cmd/install-cni", "./cmd/ambient-cni-uninstall"}} {
+		for _, b := range [][]string{{"-o", bin + "/ambient-cni", "./cmd/cni-plugin"}, {"-o", bin + "/", "./cmd/install-cni", "./cmd/ambient-cni-uninstall", "./cmd/ambient-cni-fallback"}} {
 			cmd := exec.Command("go", append([]string{"build", "-trimpath", "-ldflags=-s -w"}, b...)...)
 			cmd.Dir = root
 			cmd.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH="+arch)

@@ -40,6 +40,9 @@ const (
 	AgentCommand     = "/usr/local/bin/install-cni"
 	PluginBinary     = "/opt/ambient-cni/bin/ambient-cni"
 	UninstallCommand = "/usr/local/bin/ambient-cni-uninstall"
+	// FallbackBinary is the plugin's second tier, beside it; the agent
+	// copies it into its state dir.
+	FallbackBinary = "/opt/ambient-cni/bin/ambient-cni-fallback"
 )
 
 // AgentFiles maps each of the agent's files in the image to the binary's
@@ -48,6 +51,7 @@ var AgentFiles = map[string]string{
 	AgentCommand:     "install-cni",
 	PluginBinary:     "ambient-cni",
 	UninstallCommand: "ambient-cni-uninstall",
+	FallbackBinary:   "ambient-cni-fallback",
 }
 
 // Epoch is the one modification time of every entry.

@@ -87,4 +87,29 @@ func (l Layout) NodeDirsLedger() string { return l.join("node-dirs.json") }
 // an uninstall after an agent restart still restores them exactly.
 func (l Layout) InstallerState() string { return l.join("installer-state.json") }
 
+// StateSnapshot is the enablement snapshot kept in the state directory:
+// the one the plugin decides by, since it survives a reboot.
+func (l Layout) StateSnapshot() string { return filepath.Join(l.StateDir(), "enablement.json") }
+
+// ExplicitStateSnapshot is StateSnapshot when the state directory was set
+// (WithStateDir), else "": a layout built around a socket alone (a test's)
+// never writes into the host's default state directory.
+func (l Layout) ExplicitStateSnapshot() string {
+	if l.state == "" {
+		return ""
+	}
+	return l.StateSnapshot()
+}
+
+// PluginCredential is the plugin's own API credential, in the state
+// directory (see package plugincred).
+func (l Layout) PluginCredential() string {
+	return filepath.Join(l.StateDir(), "plugin-credential.json")
+}
+
+// FallbackBinary is the plugin's second tier (ambient-cni-fallback), which
+// the agent copies into the state directory and the plugin execs only
+// while the agent cannot answer.
+func (l Layout) FallbackBinary() string { return filepath.Join(l.StateDir(), "ambient-cni-fallback") }
+
 func (l Layout) join(name string) string { return filepath.Join(l.Dir(), name) }

@@ -29,6 +29,12 @@ type EnablementSnapshot struct {
 	PodLevelEnablement bool `json:"podLevelEnablement"`
 	// ExcludedNamespaces are never captured.
 	ExcludedNamespaces []string `json:"excludedNamespaces"`
+	// Namespaces are every namespace the agent knew when it wrote: one it
+	// never saw may be enabled, so the plugin fails closed for it.
+	Namespaces []string `json:"namespaces,omitempty"`
+	// Pods are this node's pods the agent knew, by UID, with its decision
+	// (true: captured). A pod restarted after a reboot keeps its UID.
+	Pods map[string]bool `json:"pods,omitempty"`
 	// Written is when the agent wrote the snapshot.
 	Written time.Time `json:"written"`
 }

@@ -8,6 +8,7 @@ import (
 	"context"
 
 	appsv1 "k8s.io/api/apps/v1"
+	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -112,4 +113,9 @@ func (c Clientset) UpdateEvent(ctx context.Context, e *corev1.Event) (*corev1.Ev
 // PatchEvent implements kubeclient.Events.
 func (c Clientset) PatchEvent(ctx context.Context, e *corev1.Event, data []byte) (*corev1.Event, error) {
 	return c.CoreV1().Events(e.Namespace).Patch(ctx, e.Name, types.StrategicMergePatchType, data, metav1.PatchOptions{})
+}
+
+// CreateToken implements kubeclient.ServiceAccountTokens.
+func (c Clientset) CreateToken(ctx context.Context, namespace, name string, tr *authenticationv1.TokenRequest) (*authenticationv1.TokenRequest, error) {
+	return c.CoreV1().ServiceAccounts(namespace).CreateToken(ctx, name, tr, metav1.CreateOptions{})
 }

@@ -305,6 +305,9 @@ func TestShippedRBACRules(t *testing.T) {
 		{"cluster", "", "nodes", "", "get"},
 		// Only its own DaemonSet (the default release's name).
 		{"namespace", "apps", "daemonsets", "ambient-cni", "get,list,watch"},
+		// Tokens of the plugin's own ServiceAccount only (its credential
+		// for when the agent cannot answer).
+		{"namespace", "", "serviceaccounts/token", "ambient-cni-plugin", "create"},
 	}
 	sortRules := func(a, b rule) int { return strings.Compare(fmt.Sprint(a), fmt.Sprint(b)) }
 	slices.SortFunc(got, sortRules)

@@ -65,8 +65,8 @@ func ShippedRBAC(t testing.TB) []byte {
 	return roles
 }
 
-// ExtractRoles returns the ClusterRoles and Roles of a manifest as a YAML
-// stream, in manifest order, each Role without its namespace. A manifest
+// ExtractRoles returns the agent's ClusterRoles and Roles of a manifest as
+// a YAML stream, in manifest order, each Role without its namespace. A manifest
 // without a ClusterRole is an error: the agent cannot work without one.
 func ExtractRoles(manifest []byte) ([]byte, error) {
 	objs, err := ParseObjects(manifest)
@@ -76,7 +76,8 @@ func ExtractRoles(manifest []byte) ([]byte, error) {
 	var out bytes.Buffer
 	clusterRoles := 0
 	for _, o := range objs {
-		if o.GroupVersionKind().Group != rbacv1.GroupName {
+		// The plugin's own role (<fullname>-plugin) is not the agent's.
+		if o.GroupVersionKind().Group != rbacv1.GroupName || strings.HasSuffix(o.GetName(), "-plugin") {
 			continue
 		}
 		switch o.GetKind() {
@@ -436,16 +437,17 @@ func (e *Env) ApplyDryRun(ctx context.Context, manifest []byte) error {
 	return err
 }
 
-// RoleRules collects the rules of every ClusterRole and every Role in a
-// manifest (other kinds are ignored), so a test can check that a rendered
-// chart grants exactly what ShippedRBAC does.
+// RoleRules collects the rules of every ClusterRole and every Role of the
+// agent in a manifest (other kinds, and the plugin's own role, are
+// ignored), so a test can check that a rendered chart grants exactly what
+// ShippedRBAC does.
 func RoleRules(manifest []byte) (cluster, namespaced []rbacv1.PolicyRule, err error) {
 	objs, err := ParseObjects(manifest)
 	if err != nil {
 		return nil, nil, err
 	}
 	for _, o := range objs {
-		if o.GroupVersionKind().Group != rbacv1.GroupName {
+		if o.GroupVersionKind().Group != rbacv1.GroupName || strings.HasSuffix(o.GetName(), "-plugin") {
 			continue
 		}
 		switch o.GetKind() {

@@ -80,6 +80,12 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ join "," .Values.agent.excludedNamespaces | quote }}
 - name: AMBIENT_DATA_PLANE_NAMESPACES
   value: {{ join "," .Values.agent.dataPlaneNamespaces | quote }}
+- name: AMBIENT_CONTROL_PLANE_NAMESPACES
+  value: {{ join "," (concat (include "ambient-cni.layout" . | fromYaml).systemNamespaces .Values.agent.controlPlaneNamespaces) | quote }}
+- name: AMBIENT_PLUGIN_SERVICE_ACCOUNT
+  value: {{ printf "%s-plugin" (include "ambient-cni.fullname" .) | quote }}
+- name: AMBIENT_PLUGIN_TOKEN_LIFETIME
+  value: {{ .Values.cni.pluginTokenLifetime | quote }}
 - name: AMBIENT_ENABLEMENT_SELECTOR
   value: {{ .Values.ambient.enablementSelectors | toJson | quote }}
 - name: AMBIENT_ASSUME_POD_LEVEL_ENABLEMENT

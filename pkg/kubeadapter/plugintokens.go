@@ -1,0 +1,43 @@
+package kubeadapter
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	authenticationv1 "k8s.io/api/authentication/v1"
+
+	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
+)
+
+// PluginTokens issues the plugin's own tokens (package plugincred's
+// TokenSource): tokens of the plugin's ServiceAccount, which may only read
+// pods and namespaces, bound to this node, so the API server rejects them
+// once the node object is deleted, and expiring.
+type PluginTokens struct {
+	Client kubeclient.ServiceAccountTokens
+	// Namespace and ServiceAccount name the plugin's ServiceAccount.
+	Namespace, ServiceAccount string
+	// NodeName is the node the tokens are bound to.
+	NodeName string
+}
+
+// Token asks the TokenRequest API for a token valid for lifetime.
+func (p PluginTokens) Token(ctx context.Context, lifetime time.Duration) (string, error) {
+	secs := int64(lifetime / time.Second)
+	tr := &authenticationv1.TokenRequest{Spec: authenticationv1.TokenRequestSpec{
+		ExpirationSeconds: &secs,
+		BoundObjectRef:    &authenticationv1.BoundObjectReference{APIVersion: "v1", Kind: "Node", Name: p.NodeName},
+	}}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	out, err := p.Client.CreateToken(ctx, p.Namespace, p.ServiceAccount, tr)
+	if err != nil {
+		return "", fmt.Errorf("token for ServiceAccount %s/%s bound to node %s: %w", p.Namespace, p.ServiceAccount, p.NodeName, err)
+	}
+	if out.Status.Token == "" {
+		return "", errors.New("TokenRequest answered no token")
+	}
+	return out.Status.Token, nil
+}

@@ -1,0 +1,233 @@
+// Package plugincred is the plugin's own API credential on the node: the
+// file the agent writes into its state directory (the API server's URL
+// and CA, a short-lived token of the plugin's ServiceAccount, and the
+// enablement policy to decide by) and the rotator that keeps it fresh.
+// The plugin's fallback reads it only while the agent cannot answer. It is
+// pure: the agent hands the rotator a TokenSource, so no Kubernetes client
+// is linked here.
+package plugincred
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/url"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
+)
+
+// FileName is the credential's name in the agent's state directory.
+const FileName = "plugin-credential.json"
+
+// MaxBytes bounds the file the fallback reads: a CA bundle, a token and a
+// policy are a few KiB.
+const MaxBytes = 256 << 10
+
+// File is the credential file's content.
+type File struct {
+	// Server is the API server's https URL, as the agent reaches it.
+	Server string `json:"server"`
+	// CA is the PEM bundle the API server's certificate is checked against.
+	CA string `json:"ca"`
+	// Token is a bound ServiceAccount token of the plugin's own identity.
+	Token string `json:"token"`
+	// NodeName is the node the token is bound to.
+	NodeName string `json:"nodeName"`
+	// Policy is the agent's enablement policy, so the fallback decides as
+	// the agent would.
+	Policy Policy `json:"policy"`
+}
+
+// Policy is the enablement policy as the agent was configured.
+type Policy struct {
+	// ExcludedNamespaces are never captured.
+	ExcludedNamespaces []string `json:"excludedNamespaces"`
+	// DataPlaneNamespaces are where the data-plane labels exempt a pod.
+	DataPlaneNamespaces []string `json:"dataPlaneNamespaces"`
+	// EnablementSelectors is the agent's enablement-selector setting (YAML
+	// or JSON); empty is Istio's default list.
+	EnablementSelectors string `json:"enablementSelectors,omitempty"`
+}
+
+// Parse decodes and checks a credential file's contents.
+func Parse(b []byte) (*File, error) {
+	if len(b) == 0 {
+		return nil, errors.New("plugin credential: empty")
+	}
+	if len(b) > MaxBytes {
+		return nil, fmt.Errorf("plugin credential: %d bytes, more than %d", len(b), MaxBytes)
+	}
+	var f File
+	dec := json.NewDecoder(strings.NewReader(string(b)))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&f); err != nil {
+		return nil, fmt.Errorf("plugin credential: decode: %w", err)
+	}
+	if dec.More() {
+		return nil, errors.New("plugin credential: trailing data after the object")
+	}
+	if err := f.Validate(); err != nil {
+		return nil, err
+	}
+	return &f, nil
+}
+
+// Validate checks what the fallback relies on: an https server URL with a
+// host, a CA, a token that fits in one header line.
+func (f *File) Validate() error {
+	u, err := url.Parse(f.Server)
+	if err != nil || u.Scheme != "https" || u.Host == "" || u.User != nil || (u.Path != "" && u.Path != "/") || u.RawQuery != "" || u.Fragment != "" {
+		return fmt.Errorf("plugin credential: server %q is not an https URL of a host", f.Server)
+	}
+	if !strings.Contains(f.CA, "-----BEGIN CERTIFICATE-----") {
+		return errors.New("plugin credential: no PEM certificate in ca")
+	}
+	if f.Token == "" || strings.ContainsFunc(f.Token, func(r rune) bool { return r <= ' ' || r > '~' }) {
+		return errors.New("plugin credential: token empty or not printable ASCII")
+	}
+	for _, ns := range append(append([]string{}, f.Policy.ExcludedNamespaces...), f.Policy.DataPlaneNamespaces...) {
+		if ns == "" || len(ns) > 63 {
+			return fmt.Errorf("plugin credential: namespace %q in the policy is not a namespace name", ns)
+		}
+	}
+	return nil
+}
+
+// Read reads and checks the credential at path. It must be a regular file
+// that only root can read or write: anything else is not ours.
+func Read(path string) (*File, error) {
+	// O_NONBLOCK: a FIFO in its place fails the regular-file check instead
+	// of blocking the open.
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK|syscall.O_NOFOLLOW, 0)
+	if err != nil {
+		return nil, fmt.Errorf("plugin credential: %w", err)
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil || !st.Mode().IsRegular() {
+		return nil, fmt.Errorf("plugin credential %s: not a regular file", path)
+	}
+	if st.Mode().Perm()&0o077 != 0 {
+		return nil, fmt.Errorf("plugin credential %s: mode %v, want no access for group and others", path, st.Mode().Perm())
+	}
+	if o := atomicfile.OwnerOf(st); o != nil && o.UID != os.Geteuid() {
+		return nil, fmt.Errorf("plugin credential %s: owned by uid %d, not by us", path, o.UID)
+	}
+	b, err := io.ReadAll(io.LimitReader(f, MaxBytes+1))
+	if err != nil {
+		return nil, fmt.Errorf("plugin credential %s: %w", path, err)
+	}
+	return Parse(b)
+}
+
+// Write replaces the credential at path atomically, mode 0600, in a
+// directory made 0700.
+func Write(path string, f *File) error {
+	if err := f.Validate(); err != nil {
+		return err
+	}
+	b, err := json.Marshal(f)
+	if err != nil {
+		return fmt.Errorf("plugin credential: encode: %w", err)
+	}
+	dir := filepath.Dir(path)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("plugin credential: %w", err)
+	}
+	if err := os.Chmod(dir, 0o700); err != nil {
+		return fmt.Errorf("plugin credential: %w", err)
+	}
+	if err := atomicfile.WriteFile(path, b, atomicfile.Options{Mode: 0o600}); err != nil {
+		return fmt.Errorf("plugin credential: %w", err)
+	}
+	return nil
+}
+
+// TokenSource issues a token of the plugin's identity valid for about
+// lifetime (the API server may shorten it).
+type TokenSource interface {
+	Token(ctx context.Context, lifetime time.Duration) (string, error)
+}
+
+// Rotator writes the credential and renews its token well before expiry.
+// Its waits are Go timers, which run on the monotonic clock: a wall-clock
+// change neither delays nor hastens a renewal.
+type Rotator struct {
+	// Path is the credential file.
+	Path string
+	// Base is the file's content but the token.
+	Base File
+	// Source issues the tokens.
+	Source TokenSource
+	// Lifetime is the token lifetime asked for; a renewal comes after half.
+	Lifetime time.Duration
+	// Retry is the wait after a failed renewal (default 10 s).
+	Retry time.Duration
+	// Logger receives renewals and failures.
+	Logger *slog.Logger
+
+	// written: the last WriteOnce succeeded, so Run waits half a lifetime
+	// before the next; else it retries soon.
+	written bool
+}
+
+// WriteOnce issues a token and writes the file.
+func (r *Rotator) WriteOnce(ctx context.Context) error {
+	r.written = false
+	tok, err := r.Source.Token(ctx, r.Lifetime)
+	if err != nil {
+		return fmt.Errorf("plugin credential: token: %w", err)
+	}
+	f := r.Base
+	f.Token = tok
+	if err := Write(r.Path, &f); err != nil {
+		return err
+	}
+	r.written = true
+	return nil
+}
+
+// Run renews the token every half lifetime until ctx ends, retrying a
+// failure every Retry; a token that could not be renewed in time expires,
+// and the plugin then decides by its snapshot.
+func (r *Rotator) Run(ctx context.Context) error {
+	retry := r.Retry
+	if retry <= 0 {
+		retry = 10 * time.Second
+	}
+	log := r.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	wait := r.Lifetime / 2
+	if !r.written {
+		wait = retry
+	}
+	for {
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		case <-t.C:
+		}
+		if err := r.WriteOnce(ctx); err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			log.Warn("renew the plugin's API credential", "err", err, "retry", retry)
+			wait = retry
+			continue
+		}
+		log.Debug("plugin's API credential renewed", "path", r.Path)
+		wait = r.Lifetime / 2
+	}
+}

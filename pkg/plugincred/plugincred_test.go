@@ -1,0 +1,172 @@
+package plugincred
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ambient-cni/ambient-cni/test/lib/fuzzseed"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
+)
+
+const ca = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
+
+func valid() *File {
+	return &File{Server: "https://10.96.0.1:443", CA: ca, Token: "eyJ.a.b", NodeName: "n1",
+		Policy: Policy{ExcludedNamespaces: []string{"kube-system"}, DataPlaneNamespaces: []string{"istio-system"}}}
+}
+
+func TestWriteRead(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "state")
+	p := filepath.Join(dir, FileName)
+	if err := Write(p, valid()); err != nil {
+		t.Fatal(err)
+	}
+	got, err := Read(p)
+	if err != nil || got.Token != "eyJ.a.b" || got.Server != "https://10.96.0.1:443" || got.Policy.DataPlaneNamespaces[0] != "istio-system" {
+		t.Fatalf("read back %+v, %v", got, err)
+	}
+	for path, want := range map[string]os.FileMode{dir: 0o700, p: 0o600} {
+		if st, err := os.Stat(path); err != nil || st.Mode().Perm() != want {
+			t.Errorf("%s: mode %v, want %v (%v)", path, st.Mode().Perm(), want, err)
+		}
+	}
+}
+
+// Hostile files: nothing but a root-only regular file of the right shape
+// is read, and nothing blocks.
+func TestReadHostile(t *testing.T) {
+	dir := t.TempDir()
+	good := filepath.Join(dir, "good")
+	if err := Write(good, valid()); err != nil {
+		t.Fatal(err)
+	}
+	cases := map[string]func(p string) error{
+		"missing": func(string) error { return nil },
+		"fifo":    func(p string) error { return syscall.Mkfifo(p, 0o600) },
+		"dir":     func(p string) error { return os.Mkdir(p, 0o700) },
+		"symlink": func(p string) error { return os.Symlink(good, p) },
+		"world-readable": func(p string) error {
+			b, _ := os.ReadFile(good)
+			return os.WriteFile(p, b, 0o644)
+		},
+		"oversized": func(p string) error {
+			return os.WriteFile(p, []byte(`{"server":"https://a","token":"`+strings.Repeat("a", MaxBytes)+`"}`), 0o600)
+		},
+		"empty":     func(p string) error { return os.WriteFile(p, nil, 0o600) },
+		"malformed": func(p string) error { return os.WriteFile(p, []byte(`{"server":`), 0o600) },
+	}
+	for name, mk := range cases {
+		t.Run(name, func(t *testing.T) {
+			p := filepath.Join(dir, name)
+			if err := mk(p); err != nil {
+				t.Fatal(err)
+			}
+			if f, err := Read(p); err == nil {
+				t.Errorf("read %+v from a %s file", f, name)
+			}
+		})
+	}
+}
+
+func TestValidate(t *testing.T) {
+	for name, mut := range map[string]func(*File){
+		"http":             func(f *File) { f.Server = "http://10.96.0.1" },
+		"no host":          func(f *File) { f.Server = "https://" },
+		"userinfo":         func(f *File) { f.Server = "https://u:p@a" },
+		"path":             func(f *File) { f.Server = "https://a/evil" },
+		"no CA":            func(f *File) { f.CA = "" },
+		"no token":         func(f *File) { f.Token = "" },
+		"header injection": func(f *File) { f.Token = "t\r\nX-Evil: 1" },
+		"space in token":   func(f *File) { f.Token = "a b" },
+		"bad namespace":    func(f *File) { f.Policy.ExcludedNamespaces = []string{""} },
+	} {
+		f := valid()
+		mut(f)
+		if err := f.Validate(); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+		if err := Write(filepath.Join(t.TempDir(), "c"), f); err == nil {
+			t.Errorf("%s: written", name)
+		}
+	}
+}
+
+func FuzzParse(f *testing.F) {
+	fuzzseed.Add(f, "FuzzParse")
+	f.Fuzz(func(t *testing.T, b []byte) {
+		c, err := Parse(b)
+		if err != nil {
+			return
+		}
+		if err := c.Validate(); err != nil {
+			t.Fatalf("Parse accepted what Validate refuses: %v", err)
+		}
+		if strings.ContainsAny(c.Token, "\r\n ") || !strings.HasPrefix(c.Server, "https://") {
+			t.Fatalf("accepted %+v", c)
+		}
+	})
+}
+
+type tokens struct {
+	mu    sync.Mutex
+	n     int
+	fail  bool
+	asked []time.Duration
+}
+
+func (s *tokens) Token(_ context.Context, lifetime time.Duration) (string, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.asked = append(s.asked, lifetime)
+	if s.fail {
+		return "", errors.New("API server down")
+	}
+	s.n++
+	return "tok" + string(rune('a'+s.n)), nil
+}
+
+func (s *tokens) count() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.n
+}
+
+// The rotator writes at once, renews after half the lifetime, and after a
+// failure retries at the retry interval, never waiting a whole half
+// lifetime on a missing token.
+func TestRotator(t *testing.T) {
+	p := filepath.Join(t.TempDir(), FileName)
+	src := &tokens{fail: true}
+	r := &Rotator{Path: p, Base: *valid(), Source: src, Lifetime: 200 * time.Millisecond, Retry: 20 * time.Millisecond}
+	if err := r.WriteOnce(context.Background()); err == nil {
+		t.Fatal("first write succeeded with the API server down")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error)
+	go func() { done <- r.Run(ctx) }()
+	src.mu.Lock()
+	src.fail = false
+	src.mu.Unlock()
+	poll.Until(t, "a token after the API server returned", func() bool { return src.count() >= 1 })
+	poll.Until(t, "renewals", func() bool { return src.count() >= 3 })
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	f, err := Read(p)
+	if err != nil || !strings.HasPrefix(f.Token, "tok") {
+		t.Fatalf("file after renewals: %+v, %v", f, err)
+	}
+	for _, l := range src.asked {
+		if l != r.Lifetime {
+			t.Errorf("asked for lifetime %s, want %s", l, r.Lifetime)
+		}
+	}
+}
