@@ -307,6 +307,8 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 		ProbeSNATv4:  netip.MustParseAddr("169.254.7.42"), ProbeSNATv6: netip.MustParseAddr("fd16::42"),
 		HealthAddr: ":15999", MetricsAddr: ":15998", LogLevel: "debug", LogFormat: "json", KubeClientQPS: 12.5, KubeClientBurst: 25, AnnotationQPS: 7.5, AnnotationBurst: 15,
 		StartupTaint: true, StartupTaintOnShutdown: true,
+		// No chart value (Istio has none): install-cni's default, on.
+		AWSBranchENIProbe:      true,
 		ControlPlaneNamespaces: []string{"openshift-*", "platform-system"}, PluginServiceAccount: "mesh-node-plugin", PluginTokenLifetime: 12 * time.Hour,
 	}
 	sel, err := enablement.ParseSelectors([]byte(`[{namespaceSelector: {matchLabels: {mesh: "yes"}}}, {podSelector: {matchExpressions: [{key: team, operator: In, values: [payments]}]}}]`))
