@@ -257,14 +257,6 @@ func TestAddExcludedNamespaceSkipsAgent(t *testing.T) {
 	}
 }
 
-func writeSnapshot(t *testing.T, dir string, s nodefiles.EnablementSnapshot) {
-	t.Helper()
-	b, _ := json.Marshal(s)
-	if err := os.WriteFile(nodefiles.InDir(dir).Snapshot(), b, 0o600); err != nil {
-		t.Fatal(err)
-	}
-}
-
 func TestDelSpoolsWhenAgentDown(t *testing.T) {
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "agent.sock")
