@@ -37,7 +37,7 @@ flags:
   --version                print the version
 
 RBAC: get pods in the pod's namespace; list pods and create pods/exec in the
-agent's namespace (docs/kubectl-plugin.md).
+agent's namespace (docs/troubleshooting.md (kubectl ambient-cni)).
 `
 
 // Options are the parsed command line.

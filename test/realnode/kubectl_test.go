@@ -22,7 +22,7 @@ import (
 )
 
 // kubectlOperator is the user the plugin runs as: only the RBAC
-// docs/kubectl-plugin.md documents, nothing else.
+// docs/troubleshooting.md (kubectl ambient-cni) documents, nothing else.
 const kubectlOperator = "ambient-cni-operator"
 
 // kubectl runs the real kubectl with the plugin on PATH as the operator.
@@ -196,7 +196,7 @@ func (e *e2e) testKubectlPlugin(t *testing.T) {
 }
 
 // operatorKubeconfig writes a kubeconfig of a user with exactly the RBAC
-// docs/kubectl-plugin.md documents: get pods in the pods' namespaces, list
+// docs/troubleshooting.md (kubectl ambient-cni) documents: get pods in the pods' namespaces, list
 // pods and create pods/exec in the agent's namespace.
 func (e *e2e) operatorKubeconfig(t *testing.T, dir string, podNamespaces ...string) string {
 	t.Helper()
