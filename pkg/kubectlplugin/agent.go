@@ -37,8 +37,8 @@ const (
 )
 
 // Client asks node agents through the API server. It needs get on the
-// asked pod, list on pods and create on pods/exec in the agent's namespace
-// (docs/troubleshooting.md (kubectl ambient-cni)).
+// asked pod, list on pods and get and create on pods/exec in the agent's
+// namespace (docs/troubleshooting.md, kubectl ambient-cni).
 type Client struct {
 	Kube   kubernetes.Interface
 	Config *rest.Config

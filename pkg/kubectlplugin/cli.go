@@ -36,8 +36,8 @@ flags:
   --context NAME           kubeconfig context
   --version                print the version
 
-RBAC: get pods in the pod's namespace; list pods and create pods/exec in the
-agent's namespace (docs/troubleshooting.md (kubectl ambient-cni)).
+RBAC: get pods in the pod's namespace; list pods, and get and create
+pods/exec, in the agent's namespace (docs/troubleshooting.md).
 `
 
 // Options are the parsed command line.

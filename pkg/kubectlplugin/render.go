@@ -61,7 +61,7 @@ var advices = []advice{
 	{reasonIs("ztunnel or node-agent pod"), "nothing: the mesh's own data plane is never captured"},
 	{reasonIs("pod phase is terminal"), "nothing: the pod has finished"},
 	{problemHas("injected for istio-cni's sidecar mode"), "run this sidecar pod where istio-cni runs, or inject it with istio-init (pilot.cni.enabled=false): see docs/differences-from-istio.md"},
-	{reasonIs("sidecar-injected pod"), "nothing for ambient: sidecar pods are served by their sidecar, not captured"},
+	{func(r *Report) bool { return r.OK && reasonIs("sidecar-injected pod")(r) }, "nothing for ambient: sidecar pods are served by their sidecar, not captured"},
 	{problemHas("is not a boolean"), "fix the pod's annotation (true or false)"},
 	{problemHas("still holds an earlier pod of this name"), "nothing if it passes: the agent releases the earlier pod"},
 	{problemHas("stale annotation"), "nothing if it passes: the agent clears it"},
@@ -154,6 +154,9 @@ func checks(r *Report) [][2]string {
 		out = append(out, [2]string{"agent", "does not hold it"})
 	}
 	ns := "not found: " + r.Netns.How
+	if strings.HasPrefix(r.Netns.How, "not ") {
+		ns = r.Netns.How
+	}
 	if r.Netns.Found {
 		ns = "found: " + r.Netns.How
 	}

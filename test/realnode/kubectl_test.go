@@ -183,21 +183,46 @@ func (e *e2e) testKubectlPlugin(t *testing.T) {
 		}
 	}
 
-	// Without pods/exec the operator gets the API server's refusal.
-	if err := n.Client.RbacV1().RoleBindings(ReleaseNamespace).Delete(ctx, kubectlOperator, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if err := n.Poll(ctx, "plugin refused without its RBAC", func(ctx context.Context) (bool, error) {
-		_, err := k.run(ctx, "ambient-cni", "explain", mesh+"/web")
-		return err != nil && strings.Contains(err.Error(), "forbidden"), nil
-	}); err != nil {
-		t.Error(err)
+	// pods/exec needs both verbs: with either alone, or none, the API
+	// server refuses the operator, naming the missing verb.
+	for _, c := range []struct{ verbs, missing []string }{
+		{[]string{"create"}, []string{"cannot get resource \"pods/exec\""}},
+		{[]string{"get"}, []string{"cannot create resource \"pods/exec\""}},
+		{nil, []string{"pods/exec", "forbidden"}},
+	} {
+		role, err := n.Client.RbacV1().Roles(ReleaseNamespace).Get(ctx, kubectlOperator, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		role.Rules[1].Verbs = c.verbs
+		if c.verbs == nil {
+			role.Rules = role.Rules[:1]
+		}
+		if _, err := n.Client.RbacV1().Roles(ReleaseNamespace).Update(ctx, role, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		var last error
+		if err := n.Poll(ctx, fmt.Sprintf("plugin refused with pods/exec verbs %v", c.verbs), func(ctx context.Context) (bool, error) {
+			_, last = k.run(ctx, "ambient-cni", "explain", mesh+"/web")
+			if last == nil {
+				return false, nil
+			}
+			for _, m := range c.missing {
+				if !strings.Contains(last.Error(), m) {
+					return false, nil
+				}
+			}
+			return true, nil
+		}); err != nil {
+			t.Errorf("%v (last: %v)", err, last)
+		}
 	}
 }
 
 // operatorKubeconfig writes a kubeconfig of a user with exactly the RBAC
-// docs/troubleshooting.md (kubectl ambient-cni) documents: get pods in the pods' namespaces, list
-// pods and create pods/exec in the agent's namespace.
+// docs/troubleshooting.md (kubectl ambient-cni) documents: get pods in the
+// pods' namespaces, list pods and get and create pods/exec in the agent's
+// namespace.
 func (e *e2e) operatorKubeconfig(t *testing.T, dir string, podNamespaces ...string) string {
 	t.Helper()
 	ctx := context.Background()
@@ -219,7 +244,7 @@ func (e *e2e) operatorKubeconfig(t *testing.T, dir string, podNamespaces ...stri
 	}
 	bind(ReleaseNamespace, []rbacv1.PolicyRule{
 		{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"list"}},
-		{APIGroups: []string{""}, Resources: []string{"pods/exec"}, Verbs: []string{"create"}},
+		{APIGroups: []string{""}, Resources: []string{"pods/exec"}, Verbs: []string{"get", "create"}},
 	})
 	for _, ns := range podNamespaces {
 		bind(ns, []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: []string{"get"}}})
