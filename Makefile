@@ -36,11 +36,12 @@ all: build
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-build: ## build the plugin, the agent and the uninstall hook into ./bin, version-stamped
+build: ## build the plugin, the agent, the uninstall hook and the kubectl plugin into ./bin, version-stamped
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(PLUGIN_LDFLAGS)' -o $(BIN)/ambient-cni $(PLUGIN_PKG)
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(PLUGIN_LDFLAGS)' -o $(BIN)/ambient-cni-fallback ./cmd/ambient-cni-fallback
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(AGENT_LDFLAGS)' -o $(BIN)/install-cni ./cmd/install-cni
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(AGENT_LDFLAGS)' -o $(BIN)/ambient-cni-uninstall ./cmd/ambient-cni-uninstall
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(AGENT_LDFLAGS)' -o $(BIN)/kubectl-ambient_cni ./cmd/kubectl-ambient_cni
 
 # make image: the agent's image for every architecture under one OCI index,
 # built without Docker (hack/imagebuild) on the Debian bases of

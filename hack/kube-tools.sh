@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the external binaries the tests run (etcd, kube-apiserver, helm, and
 # on request the real node's kubelet, kube-controller-manager,
-# kube-scheduler, crictl, the reference CNI plugins and the Multus thin
+# kube-scheduler, kubectl, crictl, the reference CNI plugins and the Multus thin
 # plugin) from the Go module
 # proxy, and the real node's Debian base image rootfs from the Debian
 # packages, into a cache outside the repository keyed by version:
@@ -33,8 +33,8 @@ tools="$repo/hack/tools"
 cache="${AMBIENT_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ambient-cni/tools}"
 GO="${GO:-go}"
 default_tools=(etcd kube-apiserver helm)
-node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler crictl containerd cni-plugins multus debian-rootfs istiod)
-all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler helm crictl containerd cni-plugins multus debian-rootfs istiod istio-cni image-rootfs-amd64 image-rootfs-arm64)
+node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler kubectl crictl containerd cni-plugins multus debian-rootfs istiod)
+all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler kubectl helm crictl containerd cni-plugins multus debian-rootfs istiod istio-cni image-rootfs-amd64 image-rootfs-arm64)
 
 # The DaemonSet image's base, as deploy/Dockerfile's: Debian bookworm with
 # the netfilter tools, without documentation. Changing this list changes
@@ -77,6 +77,8 @@ spec() {
 	kubelet) echo "kubernetes k8s.io/kubernetes k8s.io/kubernetes/cmd/kubelet" ;;
 	kube-controller-manager) echo "kubernetes k8s.io/kubernetes k8s.io/kubernetes/cmd/kube-controller-manager" ;;
 	kube-scheduler) echo "kubernetes k8s.io/kubernetes k8s.io/kubernetes/cmd/kube-scheduler" ;;
+	# The real kubectl, to run the project's kubectl plugin as operators do.
+	kubectl) echo "kubernetes k8s.io/kubernetes k8s.io/kubernetes/cmd/kubectl" ;;
 	helm) echo "helm helm.sh/helm/v3 helm.sh/helm/v3/cmd/helm" ;;
 	crictl) echo "cri-tools sigs.k8s.io/cri-tools sigs.k8s.io/cri-tools/cmd/crictl" ;;
 	# A directory: containerd 2.x, its runc shim and ctr (the real node's
@@ -147,6 +149,12 @@ ldflags() {
 		local minor="${v#v1.}"
 		minor="${minor%%.*}"
 		echo "-X k8s.io/component-base/version.gitVersion=$v -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
+		;;
+	kubectl)
+		# kubectl version reports client-go's version variables.
+		local minor="${v#v1.}"
+		minor="${minor%%.*}"
+		echo "-X k8s.io/client-go/pkg/version.gitVersion=$v -X k8s.io/client-go/pkg/version.gitMajor=1 -X k8s.io/client-go/pkg/version.gitMinor=$minor -X k8s.io/client-go/pkg/version.gitTreeState=clean -X k8s.io/component-base/version.gitVersion=$v -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
 		;;
 	helm)
 		local kv
@@ -295,7 +303,7 @@ build() {
 		# go list fetches exactly the modules the build needs, so the silent
 		# compile that follows is split from the network part.
 		(cd "$src" && "$GO" list -mod=readonly -tags "$(buildtags "$name")" -deps "${pkg[@]}" >/dev/null)
-		echo "kube-tools: building $name $v (a cold build takes minutes on 2 cores: etcd ~2, kube-apiserver ~5-10, then kubelet, kube-controller-manager, kube-scheduler ~1.5 each, helm ~1.5, crictl ~1, multus ~1, istiod ~7, istio-cni ~1 after istiod) ..."
+		echo "kube-tools: building $name $v (a cold build takes minutes on 2 cores: etcd ~2, kube-apiserver ~5-10, then kubelet, kube-controller-manager, kube-scheduler, kubectl ~1.5 each, helm ~1.5, crictl ~1, multus ~1, istiod ~7, istio-cni ~1 after istiod) ..."
 	else
 		echo "kube-tools: building $name $v with mmdebstrap from the Debian packages (~1 min) ..."
 	fi

@@ -46,7 +46,7 @@ func TestStampedBinaries(t *testing.T) {
 	const v, c = "v9.8.7-test", "0123456789abcdef0123456789abcdef01234567"
 	ldflags := "-X github.com/ambient-cni/ambient-cni/pkg/buildinfo.version=" + v +
 		" -X github.com/ambient-cni/ambient-cni/pkg/buildinfo.commit=" + c
-	pkgs := map[string]string{"install-cni": "./cmd/install-cni", "ambient-cni-uninstall": "./cmd/ambient-cni-uninstall", "ambient-cni": "./cmd/cni-plugin"}
+	pkgs := map[string]string{"install-cni": "./cmd/install-cni", "ambient-cni-uninstall": "./cmd/ambient-cni-uninstall", "ambient-cni": "./cmd/cni-plugin", "kubectl-ambient_cni": "./cmd/kubectl-ambient_cni"}
 	for name, pkg := range pkgs {
 		cmd := exec.Command("go", "build", "-trimpath", "-ldflags", ldflags, "-o", filepath.Join(out, name), pkg)
 		cmd.Dir = root

@@ -227,7 +227,10 @@ func (n *Node) startKubelet(ctx context.Context) error {
 		"--root-dir=" + root,
 		"--cert-dir=" + filepath.Join(k, "pki"),
 		"--hostname-override=" + n.Name,
-		// kubectl logs/exec reach the node by its InternalIP.
+		// kubectl logs/exec reach the node by its InternalIP, 127.0.0.1,
+		// where kubelet listens. kubelet refuses a loopback node IP and
+		// then sets no address at all (nodeAddress sets it); without
+		// this flag it would publish the machine's own address instead.
 		"--node-ip=127.0.0.1",
 		"--v=1",
 	}
@@ -239,7 +242,7 @@ func (n *Node) startKubelet(ctx context.Context) error {
 		return err
 	}
 	n.procs = append(n.procs, p)
-	return n.poll(ctx, "node Ready", n.opts.Wait, func(ctx context.Context) (bool, error) {
+	if err := n.poll(ctx, "node Ready", n.opts.Wait, func(ctx context.Context) (bool, error) {
 		node, err := n.Client.CoreV1().Nodes().Get(ctx, n.Name, metav1.GetOptions{})
 		if err != nil {
 			return false, err
@@ -253,7 +256,22 @@ func (n *Node) startKubelet(ctx context.Context) error {
 			}
 		}
 		return false, nil
-	})
+	}); err != nil {
+		return err
+	}
+	return n.nodeAddress(ctx)
+}
+
+// nodeAddress gives the Node the addresses kubelet refuses to set itself
+// (a loopback InternalIP): the API server reaches kubelet at the node's
+// InternalIP for exec, attach and logs. kubelet's status updates leave an
+// address list they failed to compute alone.
+func (n *Node) nodeAddress(ctx context.Context) error {
+	patch := fmt.Sprintf(`{"status":{"addresses":[{"type":"InternalIP","address":"127.0.0.1"},{"type":"Hostname","address":%q}]}}`, n.Name)
+	if _, err := n.Client.CoreV1().Nodes().PatchStatus(ctx, n.Name, []byte(patch)); err != nil {
+		return fmt.Errorf("set the node's addresses: %w", err)
+	}
+	return nil
 }
 
 // freePorts returns n loopback TCP ports that were free a moment ago.

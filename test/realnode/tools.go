@@ -20,6 +20,9 @@ const BuildCommand = "hack/kube-tools.sh node"
 // Tools are the programs a node runs.
 type Tools struct {
 	Kubelet, ControllerManager, Scheduler, Helm, Crictl string
+	// Kubectl is the real kubectl, to run the project's kubectl plugin
+	// as operators do.
+	Kubectl string
 	// CNIPlugins is a directory with bridge, host-local and loopback.
 	CNIPlugins string
 	// Rootfs is the Debian base image tarball.
@@ -47,7 +50,7 @@ func FindTools() (Tools, error) {
 	}
 	for name, dst := range map[string]*string{
 		"kubelet": &t.Kubelet, "kube-controller-manager": &t.ControllerManager, "kube-scheduler": &t.Scheduler,
-		"helm": &t.Helm, "crictl": &t.Crictl, "cni-plugins": &t.CNIPlugins, "debian-rootfs": &t.Rootfs,
+		"helm": &t.Helm, "crictl": &t.Crictl, "kubectl": &t.Kubectl, "cni-plugins": &t.CNIPlugins, "debian-rootfs": &t.Rootfs,
 		"containerd": &t.Containerd,
 	} {
 		p, err := toolPath(t.Repo, name)
