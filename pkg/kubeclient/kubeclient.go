@@ -372,7 +372,8 @@ func (c *Client) RateLimiter() flowcontrol.RateLimiter { return c.core.GetRateLi
 
 // CreateToken asks for a token of ServiceAccount namespace/name. The
 // TokenRequest is not a core/v1 type the client's scheme holds, so it
-// travels as plain JSON.
+// travels as plain JSON both ways (the client otherwise asks for
+// protobuf, which json cannot decode).
 func (c *Client) CreateToken(ctx context.Context, namespace, name string, tr *authenticationv1.TokenRequest) (*authenticationv1.TokenRequest, error) {
 	in := *tr
 	in.APIVersion, in.Kind = authenticationv1.SchemeGroupVersion.String(), "TokenRequest"
@@ -381,7 +382,7 @@ func (c *Client) CreateToken(ctx context.Context, namespace, name string, tr *au
 		return nil, err
 	}
 	raw, err := c.core.Post().Namespace(namespace).Resource("serviceaccounts").Name(name).SubResource("token").
-		SetHeader("Content-Type", "application/json").Body(body).Do(ctx).Raw()
+		SetHeader("Content-Type", "application/json").SetHeader("Accept", "application/json").Body(body).Do(ctx).Raw()
 	if err != nil {
 		return nil, err
 	}

@@ -6,6 +6,7 @@ import (
 	"sync"
 	"testing"
 
+	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -92,6 +93,18 @@ func TestClientAgainstAPIServer(t *testing.T) {
 				[]byte(`{"metadata":{"annotations":{"example.com/a":"b"}}}`))
 			if err != nil || patched.Annotations["example.com/a"] != "b" {
 				t.Fatalf("PatchPodStatus: %v, %v", patched, err)
+			}
+
+			// The plugin credential's token, in whatever content type the
+			// client asks for the rest.
+			sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "plugin"}}
+			if _, err := env.Client.CoreV1().ServiceAccounts(ns).Create(ctx, sa, metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+			exp := int64(600)
+			tok, err := c.CreateToken(ctx, ns, "plugin", &authenticationv1.TokenRequest{Spec: authenticationv1.TokenRequestSpec{ExpirationSeconds: &exp}})
+			if err != nil || tok.Status.Token == "" {
+				t.Fatalf("CreateToken: %v, %v", tok, err)
 			}
 
 			b := record.NewBroadcaster()
