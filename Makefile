@@ -115,7 +115,7 @@ bench-scale: build tools ## as root: the agent's RSS idle and with 10,000 namesp
 
 check: lint test test-long e2e ## as root: everything CI runs (.ci/run runs exactly this)
 
-# The suite must leave a real node's paths (/var/run/ambient-cni,
+# The suite must leave a real node's paths (/var/run/ambient-cni, /var/lib/ambient-cni,
 # /etc/cni/net.d, /opt/cni/bin, /var/run/ztunnel) as it found them:
 # hack/node-paths.sh lists them before and compares after.
 test: tools peer-tools image-tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures); fails if a test touched a real node's paths

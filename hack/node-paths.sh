@@ -10,7 +10,7 @@
 # one before and one after the suite.
 set -eu
 
-PATHS="/var/run/ambient-cni /etc/cni/net.d /opt/cni/bin /var/run/ztunnel"
+PATHS="/var/run/ambient-cni /var/lib/ambient-cni /etc/cni/net.d /opt/cni/bin /var/run/ztunnel"
 
 listing() {
 	for p in $PATHS; do

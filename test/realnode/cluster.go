@@ -39,7 +39,13 @@ func (n *Node) ZtunnelSocketDir() string { return filepath.Join(n.Dir, "run", "z
 
 // Layout is the agent's run directory on the host: its plugin socket and
 // the node files (snapshot, heartbeat, spools) named after it.
-func (n *Node) Layout() nodefiles.Layout { return nodefiles.InDir(n.AgentSocketDir()) }
+func (n *Node) Layout() nodefiles.Layout {
+	return nodefiles.InDir(n.AgentSocketDir()).WithStateDir(n.AgentStateDir())
+}
+
+// AgentStateDir is the node's persistent agent directory (the chart's
+// agent.stateDir), in the node's directory: the machine's is not ours.
+func (n *Node) AgentStateDir() string { return filepath.Join(n.Dir, "state", "ambient-cni") }
 
 // AgentSocket is the agent's plugin socket on the host.
 func (n *Node) AgentSocket() string { return n.Layout().AgentSocket() }
@@ -65,7 +71,7 @@ func (n *Node) ChartValues(tag string) map[string]any {
 		},
 		// Host directories of the node, not the machine's (which other
 		// programs on a shared machine may use).
-		"agent":   map[string]any{"socketDir": n.AgentSocketDir()},
+		"agent":   map[string]any{"socketDir": n.AgentSocketDir(), "stateDir": n.AgentStateDir()},
 		"ztunnel": map[string]any{"socketDir": n.ZtunnelSocketDir()},
 		// No kube-proxy: the kubernetes Service IP would leave the
 		// machine. The agent uses the API server on loopback instead.
