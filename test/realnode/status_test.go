@@ -72,7 +72,7 @@ func (e *e2e) testStatusThroughTheRuntime(t *testing.T) {
 		t.Fatalf("before: runtime network ready %v (%s), %v", ready, msg, err)
 	}
 
-	outage := func(statusChecksAgent bool) func() error {
+	outage := func(t *testing.T, statusChecksAgent bool) func() error {
 		t.Helper()
 		values := []string{"--set", fmt.Sprintf("cni.statusChecksAgent=%t", statusChecksAgent)}
 		if err := e.n.InstallAgent(ctx, "upgrade", ImageTag, values...); err != nil {
@@ -91,7 +91,19 @@ func (e *e2e) testStatusThroughTheRuntime(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		old := e.oneAgent(t)
+		// The upgrade's rollout may still be removing the agent it replaced.
+		var old corev1.Pod
+		err = e.n.Poll(ctx, "one agent pod after the upgrade", func(ctx context.Context) (bool, error) {
+			pods, err := e.n.AgentPods(ctx)
+			if err != nil || len(pods) != 1 {
+				return false, fmt.Errorf("%d agent pods, %v", len(pods), err)
+			}
+			old = pods[0]
+			return true, nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
 		restore := e.restoreChartOnFailure(t, nil)
 		if err := e.n.UpgradeAgentNoWait(ctx, ImageTag, append(values, "--set-json", brokenKubeconfig)...); err != nil {
 			t.Fatal(err)
@@ -118,7 +130,7 @@ func (e *e2e) testStatusThroughTheRuntime(t *testing.T) {
 	}
 
 	t.Run("by default an agent outage leaves the network ready", func(t *testing.T) {
-		restore := outage(false)
+		restore := outage(t, false)
 		// The STATUS call this makes happens now, with the agent gone.
 		ready, msg, err := e.runtimeNetwork(ctx)
 		if err != nil || !ready {
@@ -133,7 +145,7 @@ func (e *e2e) testStatusThroughTheRuntime(t *testing.T) {
 	})
 
 	t.Run("with statusChecksAgent the node is NotReady while the agent is gone", func(t *testing.T) {
-		restore := outage(true)
+		restore := outage(t, true)
 		err := e.n.Poll(ctx, "containerd reports the network not ready with the plugin's message", func(ctx context.Context) (bool, error) {
 			ready, msg, err := e.runtimeNetwork(ctx)
 			if err != nil {
