@@ -39,6 +39,53 @@ const outageWindow = 20 * time.Second
 // from a bad upgrade.
 const brokenKubeconfig = `extraEnv=[{"name":"AMBIENT_KUBECONFIG","value":"/nonexistent/kubeconfig"}]`
 
+// crashloopAgent makes the bad upgrade: the DaemonSet replaces the one
+// agent running now with one that exits at start (extra are more helm
+// arguments), and it waits until the new agent has exited once. The
+// returned function upgrades back to the chart's defaults; a test that
+// fails first gets that from a cleanup.
+func (e *e2e) crashloopAgent(t *testing.T, extra ...string) func() error {
+	t.Helper()
+	ctx := context.Background()
+	// An earlier upgrade's rollout may still be removing the agent it
+	// replaced.
+	var old corev1.Pod
+	err := e.n.Poll(ctx, "one agent pod before the bad upgrade", func(ctx context.Context) (bool, error) {
+		pods, err := e.n.AgentPods(ctx)
+		if err != nil || len(pods) != 1 {
+			return false, fmt.Errorf("%d agent pods, %v", len(pods), err)
+		}
+		old = pods[0]
+		return true, nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fixed := e.restoreChartOnFailure(t, nil)
+	if err := e.n.UpgradeAgentNoWait(ctx, ImageTag, append(extra, "--set-json", brokenKubeconfig)...); err != nil {
+		t.Fatal(err)
+	}
+	err = e.n.Poll(ctx, "agent crashlooping", func(ctx context.Context) (bool, error) {
+		pods, err := e.n.AgentPods(ctx)
+		if err != nil {
+			return false, err
+		}
+		if len(pods) != 1 || pods[0].Name == old.Name {
+			return false, fmt.Errorf("%d agent pods, the old one %s may still be there", len(pods), old.Name)
+		}
+		for _, cs := range pods[0].Status.ContainerStatuses {
+			if term := cs.LastTerminationState.Terminated; term != nil && term.ExitCode != 0 {
+				return true, nil
+			}
+		}
+		return false, fmt.Errorf("agent %s has not exited yet: %s", pods[0].Name, podSummary(&pods[0]))
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fixed
+}
+
 // The agent crashloops (a bad helm upgrade): the plugin asks the API
 // server with its own credential, so a pod of a plain namespace starts
 // uncaptured at once and is recorded for the agent; a pod of an enabled
@@ -92,31 +139,7 @@ func (e *e2e) testAgentCrashloop(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	// The bad upgrade: the DaemonSet replaces the agent with one that
-	// exits at start.
-	old := e.oneAgent(t)
-	fixed := e.restoreChartOnFailure(t, nil)
-	if err := e.n.UpgradeAgentNoWait(ctx, ImageTag, append(window, "--set-json", brokenKubeconfig)...); err != nil {
-		t.Fatal(err)
-	}
-	err = e.n.Poll(ctx, "agent crashlooping", func(ctx context.Context) (bool, error) {
-		pods, err := e.n.AgentPods(ctx)
-		if err != nil {
-			return false, err
-		}
-		if len(pods) != 1 || pods[0].Name == old.Name {
-			return false, fmt.Errorf("%d agent pods, the old one %s may still be there", len(pods), old.Name)
-		}
-		for _, cs := range pods[0].Status.ContainerStatuses {
-			if term := cs.LastTerminationState.Terminated; term != nil && term.ExitCode != 0 {
-				return true, nil
-			}
-		}
-		return false, fmt.Errorf("agent %s has not exited yet: %s", pods[0].Name, podSummary(&pods[0]))
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	fixed := e.crashloopAgent(t, window...)
 	// The old agent is gone (its pod left the API once its container
 	// stopped) and the new one never starts serving: its last sign of
 	// life is final.

@@ -91,42 +91,7 @@ func (e *e2e) testStatusThroughTheRuntime(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		// The upgrade's rollout may still be removing the agent it replaced.
-		var old corev1.Pod
-		err = e.n.Poll(ctx, "one agent pod after the upgrade", func(ctx context.Context) (bool, error) {
-			pods, err := e.n.AgentPods(ctx)
-			if err != nil || len(pods) != 1 {
-				return false, fmt.Errorf("%d agent pods, %v", len(pods), err)
-			}
-			old = pods[0]
-			return true, nil
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-		restore := e.restoreChartOnFailure(t, nil)
-		if err := e.n.UpgradeAgentNoWait(ctx, ImageTag, append(values, "--set-json", brokenKubeconfig)...); err != nil {
-			t.Fatal(err)
-		}
-		err = e.n.Poll(ctx, "the old agent gone and the new one crashlooping", func(ctx context.Context) (bool, error) {
-			pods, err := e.n.AgentPods(ctx)
-			if err != nil {
-				return false, err
-			}
-			if len(pods) != 1 || pods[0].Name == old.Name {
-				return false, fmt.Errorf("%d agent pods, the old one %s may still be there", len(pods), old.Name)
-			}
-			for _, cs := range pods[0].Status.ContainerStatuses {
-				if term := cs.LastTerminationState.Terminated; term != nil && term.ExitCode != 0 {
-					return true, nil
-				}
-			}
-			return false, fmt.Errorf("agent %s has not exited yet: %s", pods[0].Name, podSummary(&pods[0]))
-		})
-		if err != nil {
-			t.Fatal(err)
-		}
-		return restore
+		return e.crashloopAgent(t, values...)
 	}
 
 	t.Run("by default an agent outage leaves the network ready", func(t *testing.T) {
