@@ -199,10 +199,11 @@ func (l *life) testImageUnpullableAfterReboot(t *testing.T) {
 //
 // How an operator recovers: put the node back under the DaemonSet (what
 // this test does, restoring the nodeSelector): the agent returns and
-// captures the waiting pods. To take the node out of the mesh instead, run
-// the chart's uninstall there or remove the ambient-cni entry from the
-// node's CNI conflist; a pod already waiting then starts uncaptured on the
-// runtime's next retry.
+// captures the waiting pods. To take the node out of the mesh instead, as
+// root on the node: create the uninstall marker (uninstalling in
+// agent.stateDir), after which every pod starts, then remove the
+// ambient-cni entry from the node's CNI conflist; a pod already waiting
+// starts, uncaptured, on the runtime's next retry.
 func (l *life) testDaemonSetLeftWhileDown(t *testing.T) {
 	ctx := context.Background()
 	restore := l.restoreChartOnFailure(t, nil)
