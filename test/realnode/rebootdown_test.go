@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
@@ -55,7 +56,29 @@ func (l *life) rebootWithout(t *testing.T, prefix string, whileDown func() error
 	old := l.oneAgent(t)
 
 	var downErr error
-	if err := l.n.Reboot(ctx, func() { downErr = whileDown() }); err != nil {
+	down := func() {
+		if downErr = whileDown(); downErr != nil {
+			return
+		}
+		// The DaemonSet controller deletes the old agent pod before
+		// kubelet is back, so kubelet never runs it again: a real outage,
+		// not an agent that comes back for a moment (and, told its
+		// DaemonSet left, unchains the plugin).
+		downErr = l.n.Poll(ctx, "the old agent pod deleted", func(ctx context.Context) (bool, error) {
+			p, err := l.n.Client.CoreV1().Pods(old.Namespace).Get(ctx, old.Name, metav1.GetOptions{})
+			if apierrors.IsNotFound(err) {
+				return true, nil
+			}
+			if err != nil {
+				return false, err
+			}
+			if p.DeletionTimestamp == nil {
+				return false, fmt.Errorf("agent pod %s not deleted yet", old.Name)
+			}
+			return true, nil
+		})
+	}
+	if err := l.n.Reboot(ctx, down); err != nil {
 		t.Fatal(err)
 	}
 	if downErr != nil {
