@@ -118,6 +118,7 @@ func (l *life) rebootWithout(t *testing.T, prefix string, whileDown func() error
 	for _, p := range []**corev1.Pod{&r.plain, &r.cp} {
 		ready, err := l.n.WaitPodReady(ctx, (*p).Namespace, (*p).Name)
 		if err != nil {
+			l.logEvents(t, *p)
 			t.Fatal(err)
 		}
 		*p = ready
@@ -144,6 +145,20 @@ func (l *life) rebootWithout(t *testing.T, prefix string, whileDown func() error
 		t.Errorf("%s/%s while the agent is gone: %s, want ContainerCreating", meshNS, r.mesh.Name, podSummary(cur))
 	}
 	return r
+}
+
+// logEvents logs a pod's events: why a pod that should have started did
+// not.
+func (l *life) logEvents(t *testing.T, p *corev1.Pod) {
+	t.Helper()
+	evs, err := l.n.PodEvents(context.Background(), p.Namespace, p.Name)
+	if err != nil {
+		t.Log(err)
+		return
+	}
+	for _, ev := range evs {
+		t.Logf("%s/%s event %s (x%d): %s", p.Namespace, p.Name, ev.Reason, ev.Count, ev.Message)
+	}
 }
 
 // createHello creates an app pod that says hello to the sink at start,
