@@ -92,6 +92,8 @@ func TestRealNodeLifecycle(t *testing.T) {
 	t.Run("ztunnel restart under traffic", l.testZtunnelRestart)
 	t.Run("the primary CNI rewrites its config", l.testPrimaryRewritesConfig)
 	t.Run("reboot without drain", l.testReboot)
+	t.Run("image unpullable after a reboot", l.testImageUnpullableAfterReboot)
+	t.Run("DaemonSet left the node while down", l.testDaemonSetLeftWhileDown)
 }
 
 // startSink starts the host-network sink on a free port.
