@@ -40,27 +40,7 @@ func BenchmarkEnrollRunningNamespace(b *testing.B) {
 	for b.Loop() {
 		b.StopTimer()
 		ns := n.namespace("bench", nil)
-		pods := make([]*kubesim.Pod, benchPods)
-		var wg sync.WaitGroup
-		errs := make(chan error, benchPods)
-		sem := make(chan struct{}, 4)
-		for i := range pods {
-			wg.Go(func() {
-				sem <- struct{}{}
-				defer func() { <-sem }()
-				p, err := n.kube.Run(ctx, podSpec(ns, fmt.Sprintf("p%03d", i), nil, nil))
-				if err != nil {
-					errs <- err
-					return
-				}
-				pods[i] = p
-			})
-		}
-		wg.Wait()
-		close(errs)
-		for err := range errs {
-			b.Fatalf("start pods: %v", err)
-		}
+		pods := n.runPods(b, ns, benchPods)
 
 		// An ambient pod started while the label enrolls the running pods
 		// must not starve behind them: its start (sandbox, chain and
@@ -149,6 +129,8 @@ func BenchmarkEnrollRunningNamespace(b *testing.B) {
 			b.Fatalf("stand-in serves %d workloads, want at least %d", len(n.zt.Workloads()), benchPods)
 		}
 
+		var wg sync.WaitGroup
+		sem := make(chan struct{}, 4)
 		for _, p := range append(pods, ambPods...) {
 			wg.Go(func() {
 				sem <- struct{}{}
@@ -166,4 +148,33 @@ func BenchmarkEnrollRunningNamespace(b *testing.B) {
 	b.ReportMetric(toZtunnel.Seconds()/float64(iters), "s-to-ztunnel")
 	b.ReportMetric(float64(startIdle.Milliseconds())/float64(iters), "ms-pod-start-idle")
 	b.ReportMetric(float64(startDuring.Milliseconds())/float64(iters), "ms-pod-start-during")
+}
+
+// runPods starts count pods p000... in namespace ns, four at a time (as a
+// kubelet starts a batch), and fails tb if any cannot start.
+func (n *node) runPods(tb testing.TB, ns string, count int) []*kubesim.Pod {
+	tb.Helper()
+	ctx := context.Background()
+	pods := make([]*kubesim.Pod, count)
+	var wg sync.WaitGroup
+	errs := make(chan error, count)
+	sem := make(chan struct{}, 4)
+	for i := range pods {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			p, err := n.kube.Run(ctx, podSpec(ns, fmt.Sprintf("p%03d", i), nil, nil))
+			if err != nil {
+				errs <- err
+				return
+			}
+			pods[i] = p
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		tb.Fatalf("start pods: %v", err)
+	}
+	return pods
 }

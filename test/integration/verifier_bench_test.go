@@ -1,18 +1,14 @@
 package integration
 
 import (
-	"context"
-	"fmt"
 	"log/slog"
 	"math/rand/v2"
-	"sync"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/ambient-cni/ambient-cni/pkg/verifier"
-	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
 	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 )
 
@@ -39,29 +35,8 @@ const verifierBenchPeriod = 5 * time.Second
 //	go test ./test/integration -run '^$' -bench Verifier110Pods -benchtime 1x
 func BenchmarkVerifier110Pods(b *testing.B) {
 	n := newNode(b, nodeOptions{LogLevel: slog.LevelWarn, VerifyPeriod: verifierBenchPeriod})
-	ctx := context.Background()
 	ns := n.namespace("bench", ambientLabel)
-	pods := make([]*kubesim.Pod, verifierBenchPods)
-	var wg sync.WaitGroup
-	errs := make(chan error, verifierBenchPods)
-	sem := make(chan struct{}, 4)
-	for i := range pods {
-		wg.Go(func() {
-			sem <- struct{}{}
-			defer func() { <-sem }()
-			p, err := n.kube.Run(ctx, podSpec(ns, fmt.Sprintf("p%03d", i), nil, nil))
-			if err != nil {
-				errs <- err
-				return
-			}
-			pods[i] = p
-		})
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		b.Fatalf("start pods: %v", err)
-	}
+	pods := n.runPods(b, ns, verifierBenchPods)
 	n.waitEnrolled(3*time.Minute, pods...)
 	v := n.d.Verifier()
 	// roundAfter waits until every pod has a proof begun after t0.
