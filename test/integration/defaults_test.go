@@ -48,6 +48,23 @@ func TestHarnessRunsShippedDefaults(t *testing.T) {
 			t.Errorf("the harness sets %s, which is not listed in harnessSettings", name)
 		}
 	}
+	cfg := chartConfig(t, settings)
+	shipped, err := installcni.Parse([]string{"--node-name=n"}, func(string) string { return "" }, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.KubeClientQPS != shipped.KubeClientQPS || cfg.KubeClientBurst != shipped.KubeClientBurst ||
+		cfg.PluginTimeout != shipped.PluginTimeout || cfg.DNSCapture != shipped.DNSCapture ||
+		cfg.RulesBackend != shipped.RulesBackend || cfg.LogLevel != shipped.LogLevel {
+		t.Errorf("harness config %+v differs from the shipped %+v in a tuning setting", cfg, shipped)
+	}
+}
+
+// chartConfig is install-cni's configuration from the committed chart's
+// DaemonSet environment, with settings (install-cni flag names) on top,
+// as a simulated node would start it.
+func chartConfig(t *testing.T, settings map[string]string) *installcni.Config {
+	t.Helper()
 	chart, err := simnode.CommittedChart()
 	if err != nil {
 		t.Fatal(err)
@@ -63,13 +80,5 @@ func TestHarnessRunsShippedDefaults(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	shipped, err := installcni.Parse([]string{"--node-name=n"}, func(string) string { return "" }, io.Discard)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if cfg.KubeClientQPS != shipped.KubeClientQPS || cfg.KubeClientBurst != shipped.KubeClientBurst ||
-		cfg.PluginTimeout != shipped.PluginTimeout || cfg.DNSCapture != shipped.DNSCapture ||
-		cfg.RulesBackend != shipped.RulesBackend || cfg.LogLevel != shipped.LogLevel {
-		t.Errorf("harness config %+v differs from the shipped %+v in a tuning setting", cfg, shipped)
-	}
+	return cfg
 }

@@ -332,21 +332,7 @@ func TestVerifierNoAPIRequestsWhenNothingDrifted(t *testing.T) {
 // TestVerifierShippedPeriod pins the shipped period: one minute, from the
 // chart as from the flag's default, and 0 turns the verifier off.
 func TestVerifierShippedPeriod(t *testing.T) {
-	chart, err := simnode.CommittedChart()
-	if err != nil {
-		t.Fatal(err)
-	}
-	env, err := simnode.AgentEnv(chart, simnode.Paths{
-		Name: "n", PodName: "p", CNIBinDir: "/tmp/x/bin", CNIConfDir: "/tmp/x/net.d", PluginBinary: "/tmp/x/ambient-cni",
-		AgentSocket: "/tmp/x/agent.sock", ZDSSocket: "/tmp/x/zt.sock", StateDir: "/tmp/x/state", Kubeconfig: "/tmp/x/kubeconfig",
-	}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg, err := installcni.Parse(nil, func(k string) string { return env[k] }, io.Discard)
-	if err != nil {
-		t.Fatal(err)
-	}
+	cfg := chartConfig(t, nil)
 	if cfg.VerifyPeriod != time.Minute || verifier.DefaultPeriod != time.Minute {
 		t.Fatalf("chart's verify period %v (default %v), want 1m", cfg.VerifyPeriod, verifier.DefaultPeriod)
 	}
