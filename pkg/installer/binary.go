@@ -1,9 +1,12 @@
 package installer
 
 import (
+	"errors"
 	"fmt"
 	"io/fs"
 	"os"
+	"path/filepath"
+	"sync"
 	"syscall"
 	"time"
 
@@ -45,26 +48,86 @@ func stampOf(fi fs.FileInfo) stamp {
 	return stamp{ok: true, ino: st.Ino, size: fi.Size(), mtim: st.Mtim, ctim: st.Ctim, mode: fi.Mode()}
 }
 
-// ensureBinary copies the plugin binary into BinDir unless an identical
-// executable copy is already there.
-func (i *Installer) ensureBinary(force bool) (time.Duration, error) {
+// copyStamps remembers, per installed copy, the stamp of the version last
+// proven identical to ours. Passes and Check both use it, under its own
+// lock, so Check never waits for a pass.
+type copyStamps struct {
+	mu sync.Mutex
+	m  map[string]stamp
+}
+
+// proven reports whether fi is the version of dst last proven ours.
+func (c *copyStamps) proven(dst string, fi fs.FileInfo) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	s := c.m[dst]
+	return s.ok && stampOf(fi) == s
+}
+
+func (c *copyStamps) set(dst string, s stamp) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.m[dst] = s
+}
+
+// isOurs reports whether dst is an executable copy of src: by its stamp
+// when one was proven, else by content, stamping it when it settled.
+func (c *copyStamps) isOurs(src, dst string) (bool, error) {
 	checked := time.Now() // before the stat: see trustedStamp
-	fi, err := os.Stat(i.dst)
-	if err == nil && i.binStamp.ok && stampOf(fi) == i.binStamp {
-		return 0, nil
+	fi, err := os.Stat(dst)
+	if errors.Is(err, fs.ErrNotExist) {
+		return false, nil
 	}
-	if err == nil && fi.Mode().IsRegular() && fi.Mode().Perm()&0o111 != 0 {
-		same, err := sameContent(i.cfg.PluginBinary, i.dst)
+	if err != nil {
+		return false, err
+	}
+	if c.proven(dst, fi) {
+		return true, nil
+	}
+	if !fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0 {
+		return false, nil
+	}
+	same, err := sameContent(src, dst)
+	if err != nil || !same {
+		return false, err
+	}
+	// fi was taken before the content was read, so it describes what was
+	// compared or something older: a later change shows as a different
+	// stamp.
+	c.set(dst, trustedStamp(fi, checked))
+	return true, nil
+}
+
+// ensureBinary keeps an identical executable copy of the plugin binary in
+// every bin dir. Each copy is repaired on its own, so a directory that
+// cannot be written does not hold back the others; any failure fails the
+// pass, so the config is chained only once a runtime searching any of the
+// dirs finds our binary.
+func (i *Installer) ensureBinary(force bool) (time.Duration, error) {
+	var errs []error
+	for _, dst := range i.bins {
+		wait, err := i.ensureCopy(dst, force)
 		if err != nil {
-			return 0, fmt.Errorf("compare plugin binary: %w", err)
+			errs = append(errs, err)
+			continue
 		}
-		if same {
-			// fi was taken before the content was read, so it describes
-			// what was compared or something older: a later change
-			// shows as a different stamp.
-			i.binStamp = trustedStamp(fi, checked)
-			return 0, nil
+		if wait > 0 {
+			// No token left: the rest waits for the pass Run schedules.
+			return wait, errors.Join(errs...)
 		}
+	}
+	return 0, errors.Join(errs...)
+}
+
+// ensureCopy copies the plugin binary to dst unless an identical
+// executable copy is already there.
+func (i *Installer) ensureCopy(dst string, force bool) (time.Duration, error) {
+	ours, err := i.copies.isOurs(i.cfg.PluginBinary, dst)
+	if err != nil {
+		return 0, fmt.Errorf("compare plugin binary %s: %w", dst, err)
+	}
+	if ours {
+		return 0, nil
 	}
 	if !force {
 		if wait := i.limiter.take(time.Now()); wait > 0 {
@@ -72,11 +135,11 @@ func (i *Installer) ensureBinary(force bool) (time.Duration, error) {
 			return wait, nil
 		}
 	}
-	if err := os.MkdirAll(i.cfg.BinDir, 0o755); err != nil {
+	if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
 		return 0, fmt.Errorf("create CNI bin dir: %w", err)
 	}
-	if err := atomicfile.CopyFile(i.cfg.PluginBinary, i.dst, atomicfile.Options{Mode: 0o755}); err != nil {
-		return 0, fmt.Errorf("install plugin binary: %w", err)
+	if err := atomicfile.CopyFile(i.cfg.PluginBinary, dst, atomicfile.Options{Mode: 0o755}); err != nil {
+		return 0, fmt.Errorf("install plugin binary %s: %w", dst, err)
 	}
 	if i.testHookBinaryCopied != nil {
 		i.testHookBinaryCopied()
@@ -85,11 +148,11 @@ func (i *Installer) ensureBinary(force bool) (time.Duration, error) {
 	// path by then, and a writer may already have overwritten or replaced
 	// our copy; stamping that would hide it from every later pass. The
 	// pass our own rename triggers compares the content and stamps it.
-	i.binStamp = stamp{}
+	i.copies.set(dst, stamp{})
 	i.binaryCopies.Add(1)
 	if i.installed {
 		i.countReinstall()
 	}
-	i.log.Info("installed plugin binary", "path", i.dst, "reinstall", i.installed)
+	i.log.Info("installed plugin binary", "path", dst, "reinstall", i.installed)
 	return 0, nil
 }

@@ -1,5 +1,6 @@
 // Package installer puts the ambient-cni plugin on a node for install-cni
-// and keeps it there: it copies the plugin binary into the host's CNI bin directory,
+// and keeps it there: it copies the plugin binary into the host's CNI bin
+// directory (and every extra one, for a runtime that searches several),
 // chains the plugin as the last entry of the primary CNI's configuration
 // list, restores both whenever the primary CNI (or anyone) rewrites or
 // removes them, and takes them away again on a real uninstall.
@@ -41,6 +42,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -75,6 +77,13 @@ var errClosed = errors.New("installer shut down")
 type Config struct {
 	// BinDir is the host CNI bin directory the plugin binary is copied to.
 	BinDir string
+	// ExtraBinDirs are more directories the plugin binary is copied to and
+	// kept in exactly as in BinDir, for a runtime that searches a list of
+	// directories (containerd 2.x bin_dirs, CRI-O plugin_dirs) and runs the
+	// first binary of the name it finds: a copy in each directory of the
+	// list means whichever it finds is ours, never a stale one left by an
+	// older version. Each must be absolute and listed once, BinDir included.
+	ExtraBinDirs []string
 	// ConfDir is the host CNI config directory holding the primary config.
 	ConfDir string
 	// PluginBinary is the path of the plugin binary to install (in our image).
@@ -163,13 +172,16 @@ type Installer struct {
 	cfg   Config
 	log   *slog.Logger
 	entry []byte // our normalized plugin entry
-	dst   string // installed binary path
+	// bins are the installed binary's paths, one per bin dir: BinDir's
+	// first, then ExtraBinDirs' in their order.
+	bins []string
+	// copies remembers which copies were last proven identical to ours.
+	copies copyStamps
 
 	mu          sync.Mutex // serializes passes and Shutdown
 	closed      bool
 	limiter     rewriteLimit
 	records     map[string]*record
-	binStamp    stamp
 	installed   bool // first complete install done
 	waiting     bool // "waiting for primary config" already logged
 	tempsCleant bool
@@ -212,6 +224,11 @@ func New(cfg Config) (*Installer, error) {
 		return nil, errors.New("installer: BinDir, ConfDir and PluginBinary are required")
 	}
 	cfg.BinDir, cfg.ConfDir = filepath.Clean(cfg.BinDir), filepath.Clean(cfg.ConfDir)
+	binDirs, err := checkBinDirs(cfg.BinDir, cfg.ExtraBinDirs)
+	if err != nil {
+		return nil, err
+	}
+	cfg.ExtraBinDirs = binDirs[1:]
 	if cfg.StateFile != "" {
 		cfg.StateFile = filepath.Clean(cfg.StateFile)
 	}
@@ -256,14 +273,46 @@ func New(cfg Config) (*Installer, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
+	bins := make([]string, len(binDirs))
+	for n, d := range binDirs {
+		bins[n] = filepath.Join(d, cfg.PluginName)
+	}
 	return &Installer{
 		cfg:     cfg,
 		log:     log.With("component", "installer"),
 		entry:   entry,
-		dst:     filepath.Join(cfg.BinDir, cfg.PluginName),
+		bins:    bins,
+		copies:  copyStamps{m: map[string]stamp{}},
 		limiter: newRewriteLimit(cfg.MaxRewritesPerSecond, cfg.RewriteBurst),
 		records: map[string]*record{},
 	}, nil
+}
+
+// checkBinDirs returns BinDir and the extra bin dirs, cleaned, refusing an
+// empty or relative extra dir and any dir listed twice: a duplicate would
+// be copied to and removed twice, and says the list is not what its
+// writer meant.
+func checkBinDirs(binDir string, extra []string) ([]string, error) {
+	dirs := []string{binDir}
+	for _, d := range extra {
+		if d == "" {
+			return nil, errors.New("installer: an extra bin dir is empty")
+		}
+		if !filepath.IsAbs(d) {
+			return nil, fmt.Errorf("installer: extra bin dir %q is not an absolute path", d)
+		}
+		d = filepath.Clean(d)
+		if slices.Contains(dirs, d) {
+			return nil, fmt.Errorf("installer: bin dir %s is listed twice", d)
+		}
+		dirs = append(dirs, d)
+	}
+	return dirs, nil
+}
+
+// binDirs are BinDir and ExtraBinDirs.
+func (i *Installer) binDirs() []string {
+	return append([]string{i.cfg.BinDir}, i.cfg.ExtraBinDirs...)
 }
 
 func plainName(s string) bool {
@@ -334,7 +383,7 @@ func (i *Installer) pass(force bool) (retry time.Duration, err error) {
 	}()
 	i.loadState()
 	if !i.tempsCleant {
-		for _, d := range []string{i.cfg.BinDir, i.cfg.ConfDir} {
+		for _, d := range append(i.binDirs(), i.cfg.ConfDir) {
 			if n, err := atomicfile.RemoveStaleTemps(d); err == nil && n > 0 {
 				i.log.Info("removed stale temporary files", "dir", d, "count", n)
 			}
@@ -395,6 +444,6 @@ func (i *Installer) countReinstall() {
 func (i *Installer) markInstalled(path string) {
 	if !i.installed {
 		i.installed = true
-		i.log.Info("plugin installed", "binary", i.dst, "config", path)
+		i.log.Info("plugin installed", "binaries", i.bins, "config", path)
 	}
 }

@@ -11,22 +11,28 @@ import (
 func (i *Installer) Ready() bool { return i.Check() == nil }
 
 // Check looks at the disk now and says why the plugin is not installed:
-// the binary must be in BinDir, executable and the size of ours, and the
-// primary config must end with our entry. A primary that keeps removing
+// the binary must be in BinDir and every extra bin dir, executable and
+// identical to ours (by content, or by the stamp of the version last
+// proven so: a stat per copy), and the primary config must end with our
+// entry. A primary that keeps removing
 // the entry (ErrPrimaryContested) fails it too, until it has left the
 // entry alone for a minute: chained one moment, it is not the next. nil
 // means ready.
 func (i *Installer) Check() error {
-	src, err := os.Stat(i.cfg.PluginBinary)
-	if err != nil {
+	if _, err := os.Stat(i.cfg.PluginBinary); err != nil {
 		return fmt.Errorf("plugin binary source: %w", err)
 	}
-	fi, err := os.Stat(i.dst)
-	if err != nil {
-		return fmt.Errorf("plugin binary not installed: %w", err)
-	}
-	if !fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0 || fi.Size() != src.Size() {
-		return fmt.Errorf("plugin binary %s is not our executable", i.dst)
+	for _, dst := range i.bins {
+		if _, err := os.Stat(dst); err != nil {
+			return fmt.Errorf("plugin binary not installed: %w", err)
+		}
+		ours, err := i.copies.isOurs(i.cfg.PluginBinary, dst)
+		if err != nil {
+			return fmt.Errorf("plugin binary %s: %w", dst, err)
+		}
+		if !ours {
+			return fmt.Errorf("plugin binary %s is not our executable", dst)
+		}
 	}
 	path, err := i.findPrimary()
 	if err != nil {

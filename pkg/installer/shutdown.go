@@ -14,10 +14,11 @@ import (
 )
 
 // Shutdown stops all further repairs. During an upgrade it leaves the
-// binary and our entry in place. Otherwise it removes our entry from every
-// config in ConfDir (putting back the primary's exact bytes, or the
-// original .conf we converted, when the file is still as we wrote it; else
-// cutting out only our entry) and then removes the binary, in that order
+// binary (in every bin dir) and our entry in place. Otherwise it removes
+// our entry from every config in ConfDir (putting back the primary's exact
+// bytes, or the original .conf we converted, when the file is still as we
+// wrote it; else cutting out only our entry) and then removes the binary
+// from every bin dir, in that order
 // so no config ever names a missing plugin.
 func (i *Installer) Shutdown(ctx context.Context, upgrade bool) error {
 	i.mu.Lock()
@@ -51,12 +52,14 @@ func (i *Installer) Shutdown(ctx context.Context, upgrade bool) error {
 			errs = append(errs, err)
 		}
 	}
-	if err := os.Remove(i.dst); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		errs = append(errs, fmt.Errorf("remove plugin binary: %w", err))
-	} else {
-		i.log.Info("removed plugin binary", "path", i.dst)
+	for _, dst := range i.bins {
+		if err := os.Remove(dst); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			errs = append(errs, fmt.Errorf("remove plugin binary: %w", err))
+		} else {
+			i.log.Info("removed plugin binary", "path", dst)
+		}
 	}
-	for _, d := range []string{i.cfg.BinDir, i.cfg.ConfDir} {
+	for _, d := range append(i.binDirs(), i.cfg.ConfDir) {
 		_, _ = atomicfile.RemoveStaleTemps(d)
 	}
 	if len(errs) == 0 {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"slices"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
@@ -12,7 +13,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
 )
 
-// Run installs, then watches the conf dir and the bin dir and repairs our
+// Run installs, then watches the conf dir and the bin dirs and repairs our
 // binary and entry whenever they go missing or stale, until ctx is done.
 // With no primary config it logs once and waits for one to appear. It
 // returns nil when ctx is done, or an error if watching cannot start.
@@ -48,7 +49,7 @@ func (i *Installer) Run(ctx context.Context) error {
 			if !ok {
 				return errors.New("installer: fsnotify watcher closed")
 			}
-			if ev.Name == i.cfg.ConfDir || ev.Name == i.cfg.BinDir {
+			if ev.Name == i.cfg.ConfDir || slices.Contains(i.binDirs(), ev.Name) {
 				// The directory itself went away: its watch is gone with it.
 				watching = false
 				schedule(i.cfg.Debounce)
@@ -92,10 +93,11 @@ func (i *Installer) Run(ctx context.Context) error {
 	}
 }
 
-// addWatches watches both directories; it reports whether both are watched.
+// addWatches watches the conf dir and every bin dir; it reports whether all
+// are watched.
 func (i *Installer) addWatches(w *fsnotify.Watcher) bool {
 	ok := true
-	for _, d := range []string{i.cfg.ConfDir, i.cfg.BinDir} {
+	for _, d := range append([]string{i.cfg.ConfDir}, i.binDirs()...) {
 		if err := w.Add(d); err != nil {
 			i.log.Debug("cannot watch directory yet", "dir", d, "err", err)
 			ok = false
@@ -110,7 +112,7 @@ func (i *Installer) relevant(ev fsnotify.Event) bool {
 	if atomicfile.IsTemp(base) {
 		return false
 	}
-	if dir == i.cfg.BinDir && base == i.cfg.PluginName {
+	if base == i.cfg.PluginName && slices.Contains(i.binDirs(), dir) {
 		return true
 	}
 	// A chmod of a config changes nothing the runtime reads.

@@ -295,7 +295,7 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 	want := &app.Config{
 		NodeName: "node-a", PodName: "agent-x1", PodNamespace: "all-values-ns",
 		DaemonSet: "mesh-node", Kubeconfig: "/etc/mesh/kubeconfig",
-		CNIBinDir: "/host/opt/cni/bin", CNIConfDir: "/host/etc/cni/net.d", CNIConfName: "10-primary.conflist",
+		CNIBinDir: "/host/opt/cni/bin", CNIExtraBinDirs: []string{"/host/extra-cni-bin/opt/cni/bin", "/host/extra-cni-bin/usr/libexec/cni"}, CNIConfDir: "/host/etc/cni/net.d", CNIConfName: "10-primary.conflist",
 		PluginType: "mesh-cni", PluginBinary: "/custom/plugins/ambient-cni",
 		PluginTimeout: 45 * time.Second, PluginLogLevel: "debug", StatusChecksAgent: true, AgentUnreachable: "fail-closed", AgentDownAfter: 5 * time.Minute,
 		AgentSocket: "/var/run/mesh-agent/agent.sock", StateDir: "/var/lib/mesh-agent", ZDSSocket: "/var/run/ztunnel-custom/zds.sock",
@@ -326,6 +326,7 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 type hostPaths struct {
 	binDir, confDir, agentDir, ztunnelDir, xtablesLock string
 	netnsDirs                                          []string
+	extraBinDirs                                       []string
 }
 
 // Every path install-cni is configured with is backed by the right host
@@ -337,10 +338,15 @@ func TestMountsBackEveryPath(t *testing.T) {
 	}{
 		"defaults": {render(t, releaseName, namespace), hostPaths{
 			"/opt/cni/bin", "/etc/cni/net.d", "/var/run/ambient-cni", "/var/run/ztunnel", "/run/xtables.lock",
-			[]string{"/var/run/netns", "/run/netns", "/run/containerd/io.containerd.grpc.v1.cri/netns"}}},
+			[]string{"/var/run/netns", "/run/netns", "/run/containerd/io.containerd.grpc.v1.cri/netns"}, nil}},
 		"all values": {render(t, "all", "all-values-ns", "-f", allValues), hostPaths{
 			"/home/kubernetes/bin", "/etc/cni/custom.d", "/var/run/mesh-agent", "/var/run/ztunnel-custom", "/var/run/xtables-custom.lock",
-			[]string{"/var/run/custom-netns", "/run/custom/netns"}}},
+			[]string{"/var/run/custom-netns", "/run/custom/netns"}, []string{"/opt/cni/bin", "/usr/libexec/cni"}}},
+		// A runtime's search list (containerd 2.x bin_dirs) on the generic
+		// layout: each extra dir is its own host mount.
+		"extra bin dirs": {render(t, releaseName, namespace, "--set", "cni.extraBinDirs={/usr/libexec/cni,/var/lib/cni/bin}"), hostPaths{
+			"/opt/cni/bin", "/etc/cni/net.d", "/var/run/ambient-cni", "/var/run/ztunnel", "/run/xtables.lock",
+			[]string{"/var/run/netns", "/run/netns", "/run/containerd/io.containerd.grpc.v1.cri/netns"}, []string{"/usr/libexec/cni", "/var/lib/cni/bin"}}},
 	}
 	for name, c := range cases {
 		o := decode(t, c.manifest)
@@ -376,6 +382,16 @@ func TestMountsBackEveryPath(t *testing.T) {
 		}
 		check("cni bin dir", cfg.CNIBinDir, c.host.binDir, corev1.HostPathDirectoryOrCreate, false)
 		check("cni conf dir", cfg.CNIConfDir, c.host.confDir, corev1.HostPathDirectoryOrCreate, false)
+		// The plugin is kept in every dir of the runtime's list, each
+		// written through a mount of exactly that host dir.
+		if len(cfg.CNIExtraBinDirs) != len(c.host.extraBinDirs) {
+			t.Errorf("%s: extra bin dirs %v, want one per host dir %v", name, cfg.CNIExtraBinDirs, c.host.extraBinDirs)
+		}
+		for k, d := range cfg.CNIExtraBinDirs {
+			if k < len(c.host.extraBinDirs) {
+				check("extra cni bin dir", d, c.host.extraBinDirs[k], corev1.HostPathDirectoryOrCreate, false)
+			}
+		}
 		check("proc root", cfg.ProcRoot, "/proc", corev1.HostPathDirectory, true)
 		check("xtables lock", "/run/xtables.lock", c.host.xtablesLock, corev1.HostPathFileOrCreate, false)
 		// The plugin on the host dials the socket path the agent listens

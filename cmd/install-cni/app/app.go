@@ -254,7 +254,7 @@ func New(o Options) (*App, error) {
 	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
 	layout := c.Layout()
 	a.installer, err = installer.New(installer.Config{
-		BinDir: c.CNIBinDir, ConfDir: c.CNIConfDir, PluginBinary: c.PluginBinary, PluginName: c.PluginType,
+		BinDir: c.CNIBinDir, ExtraBinDirs: c.CNIExtraBinDirs, ConfDir: c.CNIConfDir, PluginBinary: c.PluginBinary, PluginName: c.PluginType,
 		PrimaryConfName: c.CNIConfName, PluginConfig: entry,
 		StateFile:   layout.InstallerState(),
 		OnReinstall: m.InstallerReinstalls.Inc,

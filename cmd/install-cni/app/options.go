@@ -10,6 +10,7 @@ import (
 	"math"
 	"net"
 	"net/netip"
+	"path"
 	"slices"
 	"strconv"
 	"strings"
@@ -70,7 +71,10 @@ type Config struct {
 	AnnotationQPS   float32
 	AnnotationBurst int
 
-	CNIBinDir         string
+	CNIBinDir string
+	// CNIExtraBinDirs are more bin dirs the plugin binary is kept in, for
+	// a runtime that searches several (installer.Config.ExtraBinDirs).
+	CNIExtraBinDirs   []string
 	CNIConfDir        string
 	CNIConfName       string
 	PluginType        string
@@ -198,6 +202,33 @@ func list(dst func(*Config) *[]string) func(*Config, string) error {
 	}
 }
 
+// dirList parses a comma-separated list of absolute directories, strictly:
+// an empty entry (a stray comma) or a directory listed twice is an error,
+// not skipped, since a list of host paths that is not what its writer
+// meant should stop the agent, not install somewhere unexpected. An empty
+// value is no directory.
+func dirList(dst func(*Config) *[]string) func(*Config, string) error {
+	return func(c *Config, v string) error {
+		var out []string
+		if strings.TrimSpace(v) != "" {
+			for s := range strings.SplitSeq(v, ",") {
+				s = strings.TrimSpace(s)
+				switch {
+				case s == "":
+					return errors.New("empty entry (a stray comma?)")
+				case !strings.HasPrefix(s, "/"):
+					return fmt.Errorf("%q is not an absolute path", s)
+				case slices.Contains(out, path.Clean(s)):
+					return fmt.Errorf("%s is listed twice", path.Clean(s))
+				}
+				out = append(out, path.Clean(s))
+			}
+		}
+		*dst(c) = out
+		return nil
+	}
+}
+
 func boolean(dst func(*Config) *bool) func(*Config, string) error {
 	return func(c *Config, v string) error {
 		b, err := strconv.ParseBool(v)
@@ -299,10 +330,11 @@ func options() []option {
 		{"annotation-qps", "Redirection annotation writes per second the agent sends on average; must stay below kube-client-qps, so that a namespace label enrolling many pods never holds up the requests a capture makes. The kubelet's own client limit (docs/install-cni.md says why).", strconv.Itoa(nodeagent.DefaultAnnotationQPS), positiveFloat(func(c *Config) *float32 { return &c.AnnotationQPS })},
 		{"annotation-burst", "Redirection annotation writes the agent may send at once above annotation-qps; must stay below kube-client-burst.", strconv.Itoa(nodeagent.DefaultAnnotationBurst), positiveInt(func(c *Config) *int { return &c.AnnotationBurst })},
 		{"cni-bin-dir", "Host CNI binary directory, as mounted in the container.", hostRoot + installer.DefaultBinDir, str(func(c *Config) *string { return &c.CNIBinDir })},
+		{"cni-extra-bin-dirs", "Comma-separated more host CNI binary directories, as mounted in the container, that the plugin binary is also copied to and kept in, exactly as in cni-bin-dir. For a runtime that searches a list of directories and runs the first binary named as the config's type (containerd 2.x bin_dirs, CRI-O plugin_dirs): list every directory of the runtime's list besides cni-bin-dir, so none holds an older or foreign " + installer.DefaultPluginName + " that shadows ours. Readiness needs every copy; an uninstall removes every copy, an upgrade leaves them. Each absolute, none twice (cni-bin-dir included).", "", dirList(func(c *Config) *[]string { return &c.CNIExtraBinDirs })},
 		{"cni-conf-dir", "Host CNI config directory, as mounted in the container.", hostRoot + installer.DefaultConfDir, str(func(c *Config) *string { return &c.CNIConfDir })},
 		{"cni-conf-name", "Primary CNI config file to chain into; empty picks the runtime's choice (lexically first valid file).", "", str(func(c *Config) *string { return &c.CNIConfName })},
 		{"cni-plugin-type", "Plugin type (and binary name) written into the conflist.", installer.DefaultPluginName, str(func(c *Config) *string { return &c.PluginType })},
-		{"plugin-binary", "Plugin binary inside the image, copied into cni-bin-dir.", defaultPluginBinary, str(func(c *Config) *string { return &c.PluginBinary })},
+		{"plugin-binary", "Plugin binary inside the image, copied into cni-bin-dir and cni-extra-bin-dirs.", defaultPluginBinary, str(func(c *Config) *string { return &c.PluginBinary })},
 		{"plugin-timeout", "How long the plugin waits for the agent's answer; must exceed ztunnel-wait.", ambient.DefaultPluginTimeout.String(), duration(func(c *Config) *time.Duration { return &c.PluginTimeout })},
 		{"plugin-log-level", "Log level of the plugin on the runtime's log (debug, info, warn, error).", ambient.DefaultPluginLogLevel, str(func(c *Config) *string { return &c.PluginLogLevel })},
 		{"plugin-status-checks-agent", "Make CNI STATUS fail (error 50) while the agent is unreachable; off by default because a failing STATUS marks the node NotReady.", "false", boolean(func(c *Config) *bool { return &c.StatusChecksAgent })},
@@ -527,6 +559,9 @@ func (c *Config) validate() error {
 		if !strings.HasPrefix(p.v, "/") {
 			errs = append(errs, fmt.Errorf("%s %q is not an absolute path", p.name, p.v))
 		}
+	}
+	if slices.Contains(c.CNIExtraBinDirs, path.Clean(c.CNIBinDir)) {
+		errs = append(errs, fmt.Errorf("cni-extra-bin-dirs lists cni-bin-dir %s again", path.Clean(c.CNIBinDir)))
 	}
 	return errors.Join(errs...)
 }

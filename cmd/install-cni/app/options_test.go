@@ -125,27 +125,59 @@ func TestRejectsBadInput(t *testing.T) {
 		env  map[string]string
 		want string
 	}{
-		"no node":            {nil, nil, "node name is required"},
-		"bad duration env":   {nil, map[string]string{"AMBIENT_NODE_NAME": "n", "AMBIENT_ZTUNNEL_WAIT": "soon"}, "AMBIENT_ZTUNNEL_WAIT"},
-		"negative duration":  {[]string{"--node-name=n", "--ztunnel-wait=-1s"}, nil, "positive"},
-		"timeout below wait": {[]string{"--node-name=n", "--plugin-timeout=2s", "--ztunnel-wait=3s"}, nil, "must exceed"},
-		"v6 as v4":           {[]string{"--node-name=n", "--probe-snat-ipv4=fd00::1"}, nil, "IPv4"},
-		"bad bool":           {[]string{"--node-name=n", "--dns-capture=yes please"}, nil, "true or false"},
-		"bad backend":        {[]string{"--node-name=n", "--rules-backend=ebtables"}, nil, "nftables, iptables, nft or legacy"},
-		"bad backend (old)":  {[]string{"--node-name=n", "--iptables-backend=ebtables"}, nil, "nftables, iptables, nft or legacy"},
-		"bad backend env":    {nil, map[string]string{"AMBIENT_NODE_NAME": "n", "AMBIENT_IPTABLES_BACKEND": "ebtables"}, "AMBIENT_IPTABLES_BACKEND"},
-		"relative socket":    {[]string{"--node-name=n", "--agent-socket=agent.sock"}, nil, "absolute"},
-		"relative netns dir": {[]string{"--node-name=n", "--netns-dirs=/run/netns,netns"}, nil, "not absolute"},
-		"unknown flag":       {[]string{"--node-name=n", "--frobnicate"}, nil, "frobnicate"},
-		"stray argument":     {[]string{"--node-name=n", "extra"}, nil, "unexpected"},
-		"bad log level":      {[]string{"--node-name=n", "--log-level=loud"}, nil, "debug, info"},
-		"bad selector env":   {nil, map[string]string{"AMBIENT_NODE_NAME": "n", "AMBIENT_ENABLEMENT_SELECTOR": "- podSelector: {matchExpression: []}"}, "AMBIENT_ENABLEMENT_SELECTOR"},
-		"empty selector":     {[]string{"--node-name=n", "--enablement-selector= "}, nil, "empty"},
+		"no node":                      {nil, nil, "node name is required"},
+		"bad duration env":             {nil, map[string]string{"AMBIENT_NODE_NAME": "n", "AMBIENT_ZTUNNEL_WAIT": "soon"}, "AMBIENT_ZTUNNEL_WAIT"},
+		"negative duration":            {[]string{"--node-name=n", "--ztunnel-wait=-1s"}, nil, "positive"},
+		"timeout below wait":           {[]string{"--node-name=n", "--plugin-timeout=2s", "--ztunnel-wait=3s"}, nil, "must exceed"},
+		"v6 as v4":                     {[]string{"--node-name=n", "--probe-snat-ipv4=fd00::1"}, nil, "IPv4"},
+		"bad bool":                     {[]string{"--node-name=n", "--dns-capture=yes please"}, nil, "true or false"},
+		"bad backend":                  {[]string{"--node-name=n", "--rules-backend=ebtables"}, nil, "nftables, iptables, nft or legacy"},
+		"bad backend (old)":            {[]string{"--node-name=n", "--iptables-backend=ebtables"}, nil, "nftables, iptables, nft or legacy"},
+		"bad backend env":              {nil, map[string]string{"AMBIENT_NODE_NAME": "n", "AMBIENT_IPTABLES_BACKEND": "ebtables"}, "AMBIENT_IPTABLES_BACKEND"},
+		"relative socket":              {[]string{"--node-name=n", "--agent-socket=agent.sock"}, nil, "absolute"},
+		"relative netns dir":           {[]string{"--node-name=n", "--netns-dirs=/run/netns,netns"}, nil, "not absolute"},
+		"unknown flag":                 {[]string{"--node-name=n", "--frobnicate"}, nil, "frobnicate"},
+		"stray argument":               {[]string{"--node-name=n", "extra"}, nil, "unexpected"},
+		"bad log level":                {[]string{"--node-name=n", "--log-level=loud"}, nil, "debug, info"},
+		"bad selector env":             {nil, map[string]string{"AMBIENT_NODE_NAME": "n", "AMBIENT_ENABLEMENT_SELECTOR": "- podSelector: {matchExpression: []}"}, "AMBIENT_ENABLEMENT_SELECTOR"},
+		"empty selector":               {[]string{"--node-name=n", "--enablement-selector= "}, nil, "empty"},
+		"relative extra bin dir":       {[]string{"--node-name=n", "--cni-extra-bin-dirs=/host/usr/libexec/cni,opt/cni/bin"}, nil, `"opt/cni/bin" is not an absolute path`},
+		"extra bin dir twice":          {[]string{"--node-name=n", "--cni-extra-bin-dirs=/host/a,/host/a/"}, nil, "/host/a is listed twice"},
+		"extra bin dir is the bin dir": {[]string{"--node-name=n", "--cni-bin-dir=/host/opt/cni/bin", "--cni-extra-bin-dirs=/host/opt/cni/bin/"}, nil, "lists cni-bin-dir /host/opt/cni/bin again"},
+		"empty extra bin dir":          {[]string{"--node-name=n", "--cni-extra-bin-dirs=/host/a,,/host/b"}, nil, "empty entry"},
+		"trailing comma env":           {nil, map[string]string{"AMBIENT_NODE_NAME": "n", "AMBIENT_CNI_EXTRA_BIN_DIRS": "/host/a,"}, "AMBIENT_CNI_EXTRA_BIN_DIRS"},
 	}
 	for name, c := range cases {
 		_, err := Parse(c.args, env(c.env), io.Discard)
 		if err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%s: err = %v, want it to mention %q", name, err, c.want)
+		}
+	}
+}
+
+// TestExtraBinDirs: none by default; a list from the environment or a flag
+// (the flag winning), cleaned; an empty flag clears the environment's.
+func TestExtraBinDirs(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		env  map[string]string
+		want []string
+	}{
+		{nil, nil, nil},
+		{nil, map[string]string{"AMBIENT_CNI_EXTRA_BIN_DIRS": "/host/usr/libexec/cni, /host/opt/cni/bin2/"}, []string{"/host/usr/libexec/cni", "/host/opt/cni/bin2"}},
+		{[]string{"--cni-extra-bin-dirs=/host/b"}, map[string]string{"AMBIENT_CNI_EXTRA_BIN_DIRS": "/host/a"}, []string{"/host/b"}},
+		{[]string{"--cni-extra-bin-dirs="}, map[string]string{"AMBIENT_CNI_EXTRA_BIN_DIRS": "/host/a"}, nil},
+	} {
+		e := map[string]string{"AMBIENT_NODE_NAME": "n"}
+		for k, v := range tc.env {
+			e[k] = v
+		}
+		c, err := Parse(tc.args, env(e), io.Discard)
+		if err != nil {
+			t.Fatalf("%v %v: %v", tc.args, tc.env, err)
+		}
+		if diff := cmp.Diff(tc.want, c.CNIExtraBinDirs); diff != "" {
+			t.Errorf("%v %v: extra bin dirs (-want +got):\n%s", tc.args, tc.env, diff)
 		}
 	}
 }

@@ -32,6 +32,13 @@ comes from values; these stay fixed so the image and the env agree.
 {{- define "ambient-cni.containerProc" -}}/host/proc{{- end -}}
 
 {{/*
+Container path of an extra bin dir (cni.extraBinDirs): its host path under
+a prefix of its own, so it never lands on another mount (an extra
+/opt/cni/bin beside GKE's binDir) and the agent's logs still name it.
+*/}}
+{{- define "ambient-cni.containerExtraBinDir" -}}/host/extra-cni-bin{{ clean . }}{{- end -}}
+
+{{/*
 The environment of install-cni: one AMBIENT_* variable per setting of
 docs/install-cni.md (all but AMBIENT_KUBECONFIG: in-cluster configuration is
 used), plus the API server override of apiServer.host. Paths the plugin also uses on the host (agent socket, netns dirs) are
@@ -48,6 +55,8 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ include "ambient-cni.fullname" . | quote }}
 - name: AMBIENT_CNI_BIN_DIR
   value: {{ include "ambient-cni.containerBinDir" . | quote }}
+- name: AMBIENT_CNI_EXTRA_BIN_DIRS
+  value: {{ $dirs := list }}{{ range (include "ambient-cni.layout" . | fromYaml).extraBinDirs }}{{ $dirs = append $dirs (include "ambient-cni.containerExtraBinDir" .) }}{{ end }}{{ join "," $dirs | quote }}
 - name: AMBIENT_CNI_CONF_DIR
   value: {{ include "ambient-cni.containerConfDir" . | quote }}
 - name: AMBIENT_CNI_CONF_NAME
@@ -183,6 +192,14 @@ over it (an empty value is unset).
 {{- end -}}
 {{- $_ := set $p "binDir" (.Values.cni.binDir | default $p.binDir) -}}
 {{- $_ := set $p "confDir" (.Values.cni.confDir | default $p.confDir) -}}
+{{- $_ := set $p "extraBinDirs" (.Values.cni.extraBinDirs | default $p.extraBinDirs | default (list)) -}}
+{{- $seen := list (clean $p.binDir) -}}
+{{- range $p.extraBinDirs -}}
+{{- if has (clean .) $seen -}}
+{{- fail (printf "cni.extraBinDirs: %s is listed twice (cni.binDir is %s)" (clean .) (clean $p.binDir)) -}}
+{{- end -}}
+{{- $seen = append $seen (clean .) -}}
+{{- end -}}
 {{- $_ := set $p "netnsDirs" (.Values.cni.netnsDirs | default $p.netnsDirs) -}}
 {{- $_ := set $p "seLinuxOptions" (.Values.securityContext.seLinuxOptions | default $p.seLinuxOptions) -}}
 {{- toYaml $p -}}
