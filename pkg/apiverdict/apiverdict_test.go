@@ -176,7 +176,7 @@ func FuzzDecodeObject(f *testing.F) {
 	fuzzseed.Add(f, "FuzzDecodeObject")
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var p corev1.Pod
-		if err := decodeObject(b, "Pod", &p); err != nil {
+		if err := decodeObject(b, "v1", "Pod", &p); err != nil {
 			return
 		}
 		var tm metav1.TypeMeta
