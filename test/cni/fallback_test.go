@@ -38,7 +38,7 @@ func pluginRBAC(t *testing.T) []byte {
 	}
 	var out []byte
 	for doc := range strings.SplitSeq(string(manifest), "\n---\n") {
-		if (strings.Contains(doc, "kind: ClusterRole\n") || strings.Contains(doc, "kind: Role\n")) && strings.Contains(doc, "name: ambient-cni-plugin\n") {
+		if (strings.Contains(doc, "\nkind: ClusterRole\n") || strings.Contains(doc, "\nkind: Role\n")) && strings.Contains(doc, "name: ambient-cni-plugin\n") {
 			out = append(out, []byte("---\n"+doc+"\n")...)
 		}
 	}
@@ -87,7 +87,7 @@ func wantStarts(t *testing.T, err error, what string) {
 // that left.
 func wantWaitForAgent(t *testing.T, err error, what string) {
 	t.Helper()
-	if err == nil || strings.Contains(err.Error(), "DaemonSet") || !strings.Contains(err.Error(), "check that the ambient-cni node agent is running") {
+	if err == nil || strings.Contains(err.Error(), "agent's DaemonSet") || !strings.Contains(err.Error(), "check that the ambient-cni node agent is running") {
 		t.Errorf("%s: %v, want a wait for the agent that names no DaemonSet", what, err)
 	}
 }
