@@ -2,6 +2,9 @@
 // agent cannot answer: it reads the plugin's own credential, asks the API
 // server for the pod and its namespace (two GETs, plain net/http, no
 // Kubernetes client), and decides with the agent's enablement policy.
+// For a pod that must be captured, and so will wait for the agent, it
+// also tells whether an agent can still come: the agent's DaemonSet
+// exists and still runs on this node (two more GETs).
 // It lives in its own small binary (ambient-cni-fallback), which the
 // plugin execs only then, so the plugin the runtime execs for every pod
 // links no TLS or HTTP stack and starts no slower.
@@ -20,9 +23,11 @@ import (
 	"strings"
 	"time"
 
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/dstarget"
 	"github.com/ambient-cni/ambient-cni/pkg/plugincred"
 )
 
@@ -37,6 +42,9 @@ type Request struct {
 	// UID, when set, must be the pod's: another pod of the same name
 	// (deleted and recreated) is not the one being started.
 	UID string `json:"uid,omitempty"`
+	// CheckAgent: the pod will wait for the node agent if it must be
+	// captured, so check that an agent can still come (AgentGone).
+	CheckAgent bool `json:"checkAgent,omitempty"`
 }
 
 // Verdict is the answer, printed as JSON for the plugin.
@@ -45,6 +53,11 @@ type Verdict struct {
 	Enroll bool `json:"enroll"`
 	// Reason is the enablement reason.
 	Reason string `json:"reason"`
+	// AgentGone, set only for a pod that must be captured and a request
+	// with CheckAgent, says why no agent will come back to this node: the
+	// agent's DaemonSet is gone, being deleted, or no longer runs on the
+	// node. Empty when it still does, or when that cannot be told.
+	AgentGone string `json:"agentGone,omitempty"`
 }
 
 // Decide asks the API server, with the credential cred, about the pod of
@@ -61,7 +74,7 @@ func Decide(ctx context.Context, cred *plugincred.File, req Request) (Verdict, e
 	}
 	base := strings.TrimSuffix(cred.Server, "/")
 	var pod corev1.Pod
-	if err := get(ctx, hc, cred.Token, base+"/api/v1/namespaces/"+url.PathEscape(req.Namespace)+"/pods/"+url.PathEscape(req.Name), "Pod", &pod); err != nil {
+	if err := get(ctx, hc, cred.Token, base+"/api/v1/namespaces/"+url.PathEscape(req.Namespace)+"/pods/"+url.PathEscape(req.Name), "v1", "Pod", &pod); err != nil {
 		return Verdict{}, err
 	}
 	if pod.Namespace != req.Namespace || pod.Name != req.Name {
@@ -71,14 +84,59 @@ func Decide(ctx context.Context, cred *plugincred.File, req Request) (Verdict, e
 		return Verdict{}, fmt.Errorf("pod %s/%s has uid %s, the runtime starts %s", req.Namespace, req.Name, pod.UID, req.UID)
 	}
 	var ns corev1.Namespace
-	if err := get(ctx, hc, cred.Token, base+"/api/v1/namespaces/"+url.PathEscape(req.Namespace), "Namespace", &ns); err != nil {
+	if err := get(ctx, hc, cred.Token, base+"/api/v1/namespaces/"+url.PathEscape(req.Namespace), "v1", "Namespace", &ns); err != nil {
 		return Verdict{}, err
 	}
 	if ns.Name != req.Namespace {
 		return Verdict{}, fmt.Errorf("API server answered namespace %q for %q", ns.Name, req.Namespace)
 	}
 	d := policy.Decide(&pod, &ns)
-	return Verdict{Enroll: d.Enroll, Reason: string(d.Reason)}, nil
+	v := Verdict{Enroll: d.Enroll, Reason: string(d.Reason)}
+	if v.Enroll && req.CheckAgent {
+		// Best effort: the verdict stands whatever this finds, and an
+		// error (no RBAC for it under an older chart, a timeout) only
+		// leaves the wait unexplained, as before.
+		v.AgentGone, _ = agentGone(ctx, hc, cred, base)
+	}
+	return v, nil
+}
+
+// agentGone says why the agent's DaemonSet will never run an agent on the
+// credential's node again, or "" when it still does; two more GETs, the
+// DaemonSet and the Node, judged by the DaemonSet controller's predicate
+// (dstarget). An error means it cannot tell: the caller says nothing.
+func agentGone(ctx context.Context, hc *http.Client, cred *plugincred.File, base string) (string, error) {
+	ref := cred.DaemonSet
+	if ref == nil || cred.NodeName == "" {
+		return "", errors.New("plugin credential names no DaemonSet")
+	}
+	name := ref.Namespace + "/" + ref.Name
+	var ds appsv1.DaemonSet
+	err := get(ctx, hc, cred.Token, base+"/apis/apps/v1/namespaces/"+url.PathEscape(ref.Namespace)+"/daemonsets/"+url.PathEscape(ref.Name), "apps/v1", "DaemonSet", &ds)
+	var se *statusError
+	switch {
+	case errors.As(err, &se) && se.code == http.StatusNotFound:
+		// A 404 comes only past authorization: the DaemonSet is gone.
+		return fmt.Sprintf("the agent's DaemonSet %s is deleted", name), nil
+	case err != nil:
+		return "", err
+	case ds.Namespace != ref.Namespace || ds.Name != ref.Name:
+		return "", fmt.Errorf("API server answered DaemonSet %s/%s for %s", ds.Namespace, ds.Name, name)
+	case ds.DeletionTimestamp != nil:
+		return fmt.Sprintf("the agent's DaemonSet %s is being deleted", name), nil
+	}
+	var node corev1.Node
+	if err := get(ctx, hc, cred.Token, base+"/api/v1/nodes/"+url.PathEscape(cred.NodeName), "v1", "Node", &node); err != nil {
+		return "", err
+	}
+	if node.Name != cred.NodeName {
+		return "", fmt.Errorf("API server answered node %q for %q", node.Name, cred.NodeName)
+	}
+	targets, why, err := dstarget.TargetsNode(&ds, &node)
+	if err != nil || targets {
+		return "", err
+	}
+	return fmt.Sprintf("the agent's DaemonSet %s no longer runs on node %s (%s)", name, cred.NodeName, why), nil
 }
 
 func policyOf(p plugincred.Policy) (enablement.Policy, error) {
@@ -112,8 +170,17 @@ func httpClient(cred *plugincred.File) (*http.Client, error) {
 	}, nil
 }
 
-// get fetches one object of kind into out, bounded, and checks its kind.
-func get(ctx context.Context, hc *http.Client, token, u, kind string, out any) error {
+// statusError is an answer of the API server other than 200.
+type statusError struct {
+	kind string
+	code int
+}
+
+func (e *statusError) Error() string { return fmt.Sprintf("get %s: HTTP %d", e.kind, e.code) }
+
+// get fetches one object of apiVersion and kind into out, bounded, and
+// checks its type.
+func get(ctx context.Context, hc *http.Client, token, u, apiVersion, kind string, out any) error {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
 	if err != nil {
 		return err
@@ -134,13 +201,13 @@ func get(ctx context.Context, hc *http.Client, token, u, kind string, out any) e
 		return fmt.Errorf("get %s: answer larger than %d bytes", kind, MaxObjectBytes)
 	}
 	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("get %s: HTTP %d", kind, resp.StatusCode)
+		return &statusError{kind: kind, code: resp.StatusCode}
 	}
-	return decodeObject(b, kind, out)
+	return decodeObject(b, apiVersion, kind, out)
 }
 
-// decodeObject decodes one API object of kind (apiVersion v1) into out.
-func decodeObject(b []byte, kind string, out any) error {
+// decodeObject decodes one API object of apiVersion and kind into out.
+func decodeObject(b []byte, apiVersion, kind string, out any) error {
 	var tm struct {
 		APIVersion string `json:"apiVersion"`
 		Kind       string `json:"kind"`
@@ -148,7 +215,7 @@ func decodeObject(b []byte, kind string, out any) error {
 	if err := json.Unmarshal(b, &tm); err != nil {
 		return fmt.Errorf("decode %s: %w", kind, err)
 	}
-	if tm.Kind != kind || tm.APIVersion != "v1" {
+	if tm.Kind != kind || tm.APIVersion != apiVersion {
 		return fmt.Errorf("decode %s: got %s %s", kind, tm.APIVersion, tm.Kind)
 	}
 	if err := json.Unmarshal(b, out); err != nil {

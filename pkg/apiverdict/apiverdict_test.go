@@ -6,10 +6,13 @@ import (
 	"encoding/pem"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -24,7 +27,18 @@ type apiServer struct {
 	pods    map[string]*corev1.Pod
 	nss     map[string]*corev1.Namespace
 	hostile map[string]func(w http.ResponseWriter)
-	token   string
+	// objs are other objects by path (the agent's DaemonSet, the node).
+	objs  map[string]any
+	token string
+	// asked are the paths asked, in order.
+	mu    sync.Mutex
+	asked []string
+}
+
+func (s *apiServer) paths() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.asked)
 }
 
 func (s *apiServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -32,8 +46,15 @@ func (s *apiServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(http.StatusUnauthorized)
 		return
 	}
+	s.mu.Lock()
+	s.asked = append(s.asked, r.URL.Path)
+	s.mu.Unlock()
 	if h := s.hostile[r.URL.Path]; h != nil {
 		h(w)
+		return
+	}
+	if o, ok := s.objs[r.URL.Path]; ok {
+		_ = json.NewEncoder(w).Encode(o)
 		return
 	}
 	parts := strings.Split(strings.TrimPrefix(r.URL.Path, "/api/v1/namespaces/"), "/")
@@ -70,7 +91,7 @@ func namespace(name string, labels map[string]string) *corev1.Namespace {
 func newServer(t *testing.T) (*apiServer, *plugincred.File) {
 	t.Helper()
 	amb := map[string]string{"istio.io/dataplane-mode": "ambient"}
-	s := &apiServer{token: "tok", hostile: map[string]func(http.ResponseWriter){},
+	s := &apiServer{token: "tok", hostile: map[string]func(http.ResponseWriter){}, objs: map[string]any{},
 		pods: map[string]*corev1.Pod{
 			"shop/web": pod("shop", "web", "", nil), "plain/labelled": pod("plain", "labelled", "", amb),
 			"plain/app": pod("plain", "app", "", nil), "istio-system/ztunnel": pod("istio-system", "ztunnel", "", map[string]string{"app": "ztunnel"}),
@@ -172,11 +193,101 @@ func TestDecideHostileAnswers(t *testing.T) {
 	}
 }
 
+const (
+	dsPath   = "/apis/apps/v1/namespaces/istio-system/daemonsets/ambient-cni"
+	nodePath = "/api/v1/nodes/n1"
+)
+
+func daemonSet(nodeSelector map[string]string) *appsv1.DaemonSet {
+	ds := &appsv1.DaemonSet{TypeMeta: metav1.TypeMeta{APIVersion: "apps/v1", Kind: "DaemonSet"},
+		ObjectMeta: metav1.ObjectMeta{Namespace: "istio-system", Name: "ambient-cni"}}
+	ds.Spec.Template.Spec.NodeSelector = nodeSelector
+	return ds
+}
+
+// Before a pod that must be captured waits, the fallback tells whether an
+// agent can still come: the agent's DaemonSet exists and still runs on the
+// node. Only then, only when asked, and never at the verdict's expense.
+func TestDecideAgentGone(t *testing.T) {
+	node := &corev1.Node{TypeMeta: metav1.TypeMeta{APIVersion: "v1", Kind: "Node"},
+		ObjectMeta: metav1.ObjectMeta{Name: "n1", Labels: map[string]string{"mesh": "on"}}}
+	deleting := daemonSet(nil)
+	deleting.DeletionTimestamp = &metav1.Time{Time: time.Now()}
+	for _, c := range []struct {
+		name  string
+		setup func(s *apiServer)
+		// want is a part of AgentGone, "" for none.
+		want string
+	}{
+		{"still runs on the node", func(s *apiServer) { s.objs[dsPath] = daemonSet(map[string]string{"mesh": "on"}) }, ""},
+		{"deleted", func(s *apiServer) {}, "istio-system/ambient-cni is deleted"},
+		{"being deleted", func(s *apiServer) { s.objs[dsPath] = deleting }, "istio-system/ambient-cni is being deleted"},
+		{"node not selected", func(s *apiServer) { s.objs[dsPath] = daemonSet(map[string]string{"mesh": "off"}) },
+			"istio-system/ambient-cni no longer runs on node n1 (its nodeSelector does not match the node's labels)"},
+		// An older chart: the plugin's role reads neither.
+		{"DaemonSet forbidden", func(s *apiServer) {
+			s.hostile[dsPath] = func(w http.ResponseWriter) { w.WriteHeader(http.StatusForbidden) }
+		}, ""},
+		{"node forbidden", func(s *apiServer) {
+			s.objs[dsPath] = daemonSet(map[string]string{"mesh": "off"})
+			s.hostile[nodePath] = func(w http.ResponseWriter) { w.WriteHeader(http.StatusForbidden) }
+		}, ""},
+		{"DaemonSet answer of another kind", func(s *apiServer) { s.objs[dsPath] = node }, ""},
+		{"another DaemonSet", func(s *apiServer) {
+			ds := daemonSet(map[string]string{"mesh": "off"})
+			ds.Name = "ztunnel"
+			s.objs[dsPath] = ds
+		}, ""},
+		{"DaemonSet hangs", func(s *apiServer) { s.hostile[dsPath] = func(http.ResponseWriter) { time.Sleep(5 * time.Second) } }, ""},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s, cred := newServer(t)
+			cred.DaemonSet = &plugincred.ObjectRef{Namespace: "istio-system", Name: "ambient-cni"}
+			s.objs[nodePath] = node
+			c.setup(s)
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+			defer cancel()
+			v, err := Decide(ctx, cred, Request{Namespace: "shop", Name: "web", CheckAgent: true})
+			if err != nil || !v.Enroll {
+				t.Fatalf("%+v, %v: want the verdict whatever the DaemonSet check finds", v, err)
+			}
+			if (c.want == "") != (v.AgentGone == "") || !strings.Contains(v.AgentGone, c.want) {
+				t.Errorf("AgentGone %q, want %q", v.AgentGone, c.want)
+			}
+		})
+	}
+	// Asked only for a pod that must be captured, only with CheckAgent,
+	// only when the credential names the DaemonSet.
+	for _, c := range []struct {
+		name, pod string
+		check     bool
+		ref       *plugincred.ObjectRef
+	}{
+		{"pod outside the mesh", "app", true, &plugincred.ObjectRef{Namespace: "istio-system", Name: "ambient-cni"}},
+		{"not asked to check", "labelled", false, &plugincred.ObjectRef{Namespace: "istio-system", Name: "ambient-cni"}},
+		{"credential of an older agent", "labelled", true, nil},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			s, cred := newServer(t)
+			cred.DaemonSet = c.ref
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+			defer cancel()
+			v, err := Decide(ctx, cred, Request{Namespace: "plain", Name: c.pod, CheckAgent: c.check})
+			if err != nil || v.AgentGone != "" {
+				t.Errorf("%+v, %v", v, err)
+			}
+			if got := s.paths(); len(got) != 2 {
+				t.Errorf("asked %v, want only the pod and its namespace", got)
+			}
+		})
+	}
+}
+
 func FuzzDecodeObject(f *testing.F) {
 	fuzzseed.Add(f, "FuzzDecodeObject")
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var p corev1.Pod
-		if err := decodeObject(b, "Pod", &p); err != nil {
+		if err := decodeObject(b, "v1", "Pod", &p); err != nil {
 			return
 		}
 		var tm metav1.TypeMeta

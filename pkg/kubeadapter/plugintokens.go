@@ -13,7 +13,7 @@ import (
 
 // PluginTokens issues the plugin's own tokens (package plugincred's
 // TokenSource): tokens of the plugin's ServiceAccount, which may only read
-// pods and namespaces, bound to this node, so the API server rejects them
+// pods, namespaces, nodes and the agent's DaemonSet, bound to this node, so the API server rejects them
 // once the node object is deleted, and expiring.
 type PluginTokens struct {
 	Client kubeclient.ServiceAccountTokens

@@ -13,6 +13,7 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/ambient-cni/ambient-cni/pkg/dstarget"
 	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
 )
 
@@ -200,7 +201,7 @@ func (d *DaemonSetUpgradeChecker) targetsThisNode(ctx context.Context, ds *appsv
 	if err != nil {
 		return false, fmt.Errorf("daemonset %s/%s lives; get node %s to tell whether it still schedules here: %w; not proof of an uninstall", d.namespace, d.name, d.nodeName, err)
 	}
-	targets, why, err := DaemonSetTargetsNode(ds, node)
+	targets, why, err := dstarget.TargetsNode(ds, node)
 	if err != nil {
 		return false, fmt.Errorf("%w; not proof of an uninstall", err)
 	}

@@ -26,6 +26,10 @@ const maxVerdictBytes = 4096
 type apiVerdict struct {
 	Enroll *bool  `json:"enroll"`
 	Reason string `json:"reason"`
+	// AgentGone, for a pod that must be captured, says why no agent will
+	// come back to the node (its DaemonSet gone or no longer running
+	// there); empty when one may.
+	AgentGone string `json:"agentGone,omitempty"`
 }
 
 // askAPIServer runs the fallback binary the agent keeps in its state
@@ -34,12 +38,14 @@ type apiVerdict struct {
 // own so the plugin, exec'd for every pod, links no TLS or HTTP stack.
 // Any failure (no binary, no credential, API server down, a timeout, a
 // bad answer) is an error: the caller decides without the API server.
-func (p *Plugin) askAPIServer(c *call, ev *ambient.PodEvent) (apiVerdict, error) {
+// With checkAgent (the caller makes a pod that must be captured wait for
+// the agent) the binary also tells whether an agent can still come.
+func (p *Plugin) askAPIServer(c *call, ev *ambient.PodEvent, checkAgent bool) (apiVerdict, error) {
 	bin := c.cfg.files().FallbackBinary()
 	if err := ownedByUs(bin); err != nil {
 		return apiVerdict{}, err
 	}
-	req, err := json.Marshal(map[string]string{"namespace": ev.PodNamespace, "name": ev.PodName, "uid": ev.PodUID})
+	req, err := json.Marshal(fallbackRequest{Namespace: ev.PodNamespace, Name: ev.PodName, UID: ev.PodUID, CheckAgent: checkAgent})
 	if err != nil {
 		return apiVerdict{}, err
 	}
@@ -50,6 +56,14 @@ func (p *Plugin) askAPIServer(c *call, ev *ambient.PodEvent) (apiVerdict, error)
 		return apiVerdict{}, err
 	}
 	return parseVerdict(out)
+}
+
+// fallbackRequest is the fallback binary's request (package apiverdict).
+type fallbackRequest struct {
+	Namespace  string `json:"namespace"`
+	Name       string `json:"name"`
+	UID        string `json:"uid"`
+	CheckAgent bool   `json:"checkAgent,omitempty"`
 }
 
 // parseVerdict reads the fallback binary's answer: one JSON object with

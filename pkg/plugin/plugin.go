@@ -163,7 +163,7 @@ func (p *Plugin) askAgent(c *call, log *slog.Logger, ev *ambient.PodEvent) (resp
 		return a.resp, "", a.err
 	case <-t.C:
 	}
-	if v, err := p.askAPIServer(c, ev); err == nil && !*v.Enroll {
+	if v, err := p.askAPIServer(c, ev, false); err == nil && !*v.Enroll {
 		return nil, fmt.Sprintf("the node agent has not answered in %s and the API server shows the pod outside the mesh (%s)", min(slowAgent, c.cfg.Timeout/2), v.Reason), nil
 	} else if err != nil {
 		log.Debug("agent slow and API server not asked", "err", err)
@@ -189,10 +189,18 @@ func (p *Plugin) passEarly(c *call, log *slog.Logger, ev *ambient.PodEvent, why 
 // first thing when it returns; any other fails with code 11 (the runtime
 // retries) until the agent answers.
 func (p *Plugin) fallback(c *call, log *slog.Logger, ev *ambient.PodEvent, cause error) error {
-	pass, why := p.withoutAgent(c, ev)
-	if !pass {
-		log.Warn("node agent cannot answer; failing closed", "err", cause, "reason", why)
-		return tryAgain("ambient-cni: %v; %s, so the pod is not started until the node agent answers. The runtime will retry: check that the ambient-cni node agent is running on this node", cause, why)
+	d := p.withoutAgent(c, ev)
+	switch {
+	case !d.pass && d.agentGone != "":
+		// Said first: the runtime's event may cut a long message short.
+		log.Error("node agent cannot answer and none will return; failing closed", "err", cause, "reason", d.why)
+		return tryAgain("ambient-cni: %s. The pod is not started: it must be captured (%s) and waits for a node agent (%v). "+
+			"Put the node back in the DaemonSet's scope (its agent returns and captures the pod), or take the node out of the mesh: "+
+			"as root on the node create %s (pods then start, uncaptured), then remove the ambient-cni entry from the node's CNI config list",
+			d.agentGone, d.reason, cause, c.cfg.files().Uninstalling())
+	case !d.pass:
+		log.Warn("node agent cannot answer; failing closed", "err", cause, "reason", d.why)
+		return tryAgain("ambient-cni: %v; %s, so the pod is not started until the node agent answers. The runtime will retry: check that the ambient-cni node agent is running on this node", cause, d.why)
 	}
 	rec := *ev
 	rec.Command = ambient.CommandAdd
@@ -201,8 +209,19 @@ func (p *Plugin) fallback(c *call, log *slog.Logger, ev *ambient.PodEvent, cause
 		// when it returns; the spool only puts these first.
 		log.Error("could not record the pod for the agent to re-check", "err", err, "dir", c.cfg.AddSpoolDir)
 	}
-	log.Warn("node agent cannot answer; passing through (recorded for the agent to re-check)", "err", cause, "reason", why)
+	log.Warn("node agent cannot answer; passing through (recorded for the agent to re-check)", "err", cause, "reason", d.why)
 	return p.passThrough(c.cfg)
+}
+
+// decision is withoutAgent's answer.
+type decision struct {
+	// pass: the pod may start uncaptured.
+	pass bool
+	// why is the whole reason, for the log and CHECK.
+	why string
+	// agentGone, for a pod that must be captured, says why no agent will
+	// return to the node; reason is then the enablement reason.
+	agentGone, reason string
 }
 
 // withoutAgent decides a pod while the agent cannot answer, in tiers:
@@ -216,39 +235,53 @@ func (p *Plugin) fallback(c *call, log *slog.Logger, ev *ambient.PodEvent, cause
 //     snapshot shows them enabled.
 //
 // It returns whether the pod may start uncaptured, and why.
-func (p *Plugin) withoutAgent(c *call, ev *ambient.PodEvent) (bool, string) {
+//
+// A pod the API server shows must be captured waits even when the
+// fallback finds that no agent will return (the agent's DaemonSet deleted
+// or no longer running on the node): starting it uncaptured would break
+// the one promise that matters, and istio-cni's plugin also fails such a
+// pod while its agent is gone. The wait is then explained, with what ends
+// it, instead of pointing at an agent that is not coming.
+func (p *Plugin) withoutAgent(c *call, ev *ambient.PodEvent) decision {
 	ns := ev.PodNamespace
+	pass := func(why string) decision { return decision{pass: true, why: why} }
+	wait := func(why string) decision { return decision{why: why} }
 	if _, err := os.Lstat(c.cfg.files().Uninstalling()); err == nil {
-		return true, "the mesh is being removed from this node (uninstall marker " + c.cfg.files().Uninstalling() + ")"
+		return pass("the mesh is being removed from this node (uninstall marker " + c.cfg.files().Uninstalling() + ")")
 	}
 	if c.cfg.AgentUnreachable == ambient.AgentUnreachableFailClosed {
-		return false, fmt.Sprintf("agentUnreachable is %q", ambient.AgentUnreachableFailClosed)
+		return wait(fmt.Sprintf("agentUnreachable is %q", ambient.AgentUnreachableFailClosed))
 	}
-	v, apiErr := p.askAPIServer(c, ev)
+	v, apiErr := p.askAPIServer(c, ev, true)
 	if apiErr == nil {
 		if *v.Enroll {
-			return false, fmt.Sprintf("the API server shows the pod must be captured (%s)", v.Reason)
+			d := wait(fmt.Sprintf("the API server shows the pod must be captured (%s)", v.Reason))
+			if v.AgentGone != "" {
+				d.why += "; " + v.AgentGone + ", so no node agent will return to this node"
+				d.agentGone, d.reason = v.AgentGone, v.Reason
+			}
+			return d
 		}
-		return true, fmt.Sprintf("the API server shows the pod outside the mesh (%s)", v.Reason)
+		return pass(fmt.Sprintf("the API server shows the pod outside the mesh (%s)", v.Reason))
 	}
 	snap, serr := nodefiles.ReadSnapshot(c.cfg.files().StateSnapshot())
 	enabled := snap != nil && slices.Contains(snap.EnabledNamespaces, ns)
 	switch {
 	case snap != nil && snap.Pods != nil && ev.PodUID != "" && hasKey(snap.Pods, ev.PodUID):
 		if snap.Pods[ev.PodUID] {
-			return false, fmt.Sprintf("the API server cannot be asked (%v) and the agent's snapshot shows the pod captured", apiErr)
+			return wait(fmt.Sprintf("the API server cannot be asked (%v) and the agent's snapshot shows the pod captured", apiErr))
 		}
-		return true, fmt.Sprintf("the API server cannot be asked (%v); the agent's snapshot shows the pod outside the mesh", apiErr)
+		return pass(fmt.Sprintf("the API server cannot be asked (%v); the agent's snapshot shows the pod outside the mesh", apiErr))
 	case enabled:
-		return false, fmt.Sprintf("the API server cannot be asked (%v) and namespace %q is enabled per the agent's snapshot", apiErr, ns)
+		return wait(fmt.Sprintf("the API server cannot be asked (%v) and namespace %q is enabled per the agent's snapshot", apiErr, ns))
 	case c.cfg.controlPlane(ns):
-		return true, fmt.Sprintf("the API server cannot be asked (%v); namespace %q is the control plane's and not enabled per the agent's snapshot", apiErr, ns)
+		return pass(fmt.Sprintf("the API server cannot be asked (%v); namespace %q is the control plane's and not enabled per the agent's snapshot", apiErr, ns))
 	case snap == nil:
-		return false, fmt.Sprintf("the API server cannot be asked (%v) and there is no usable snapshot (%v), so the pod may need ambient capture", apiErr, serr)
+		return wait(fmt.Sprintf("the API server cannot be asked (%v) and there is no usable snapshot (%v), so the pod may need ambient capture", apiErr, serr))
 	case slices.Contains(snap.ExcludedNamespaces, ns):
-		return true, fmt.Sprintf("the API server cannot be asked (%v); namespace %q is excluded", apiErr, ns)
+		return pass(fmt.Sprintf("the API server cannot be asked (%v); namespace %q is excluded", apiErr, ns))
 	}
-	return false, fmt.Sprintf("the API server cannot be asked (%v) and the agent's snapshot cannot vouch for the pod (its labels are unknown)", apiErr)
+	return wait(fmt.Sprintf("the API server cannot be asked (%v) and the agent's snapshot cannot vouch for the pod (its labels are unknown)", apiErr))
 }
 
 func hasKey[V any](m map[string]V, k string) bool {
@@ -322,8 +355,8 @@ func (p *Plugin) Check(args *CmdArgs) (err error) {
 	resp, err := c.client.PodEvent(c.ctx, ev)
 	switch {
 	case err != nil:
-		if pass, why := p.withoutAgent(c, ev); !pass {
-			return tryAgain("ambient-cni: %v; cannot verify pod %s/%s: %s", err, ns, name, why)
+		if d := p.withoutAgent(c, ev); !d.pass {
+			return tryAgain("ambient-cni: %v; cannot verify pod %s/%s: %s", err, ns, name, d.why)
 		}
 		return nil
 	case resp.Error != "":

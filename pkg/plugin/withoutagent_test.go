@@ -51,6 +51,23 @@ case "$req" in
 esac
 `
 
+// fakeAPIUpAgentGone is fakeAPIUp once the agent's DaemonSet has left
+// the node: asked with checkAgent (only when a pod would wait), it says so
+// for a pod that must be captured.
+const fakeAPIUpAgentGone = `#!/bin/sh
+req=$(cat)
+gone=
+case "$req" in *'"checkAgent":true'*) gone=',"agentGone":"` + agentGoneText + `"';; esac
+case "$req" in
+*'"namespace":"shop"'*|*'"namespace":"fresh"'*) echo '{"enroll":true,"reason":"namespace labelled ambient"'"$gone"'}';;
+*'"name":"labelled"'*) echo '{"enroll":true,"reason":"pod labelled ambient"'"$gone"'}';;
+*) echo '{"enroll":false,"reason":"neither pod nor namespace labelled ambient"}';;
+esac
+`
+
+// agentGoneText is what the fallback binary says of a DaemonSet that left.
+const agentGoneText = "the agent DaemonSet istio-system/ambient-cni no longer runs on node n1 (its nodeSelector does not match the node labels)"
+
 // fakeAPIDown is the fallback binary with the API server unreachable.
 const fakeAPIDown = "#!/bin/sh\necho 'get Pod: dial tcp 10.96.0.1:443: connect: connection refused' >&2\nexit 1\n"
 
@@ -174,7 +191,10 @@ func TestStatesWithoutAgent(t *testing.T) {
 			n.snapshot(t, now.Add(-72*time.Hour))
 		}, "", apiUp},
 		{"agent never served on the node", func(t *testing.T, n node) { n.fallback(t, fakeAPIUp) }, "", apiUp},
-		{"DaemonSet left the node while down", func(t *testing.T, n node) { n.fallback(t, fakeAPIUp); n.snapshot(t, now.Add(-time.Hour)) }, "", apiUp},
+		{"DaemonSet left the node while down", func(t *testing.T, n node) { n.fallback(t, fakeAPIUpAgentGone); n.snapshot(t, now.Add(-time.Hour)) }, "", apiUp},
+		// An older chart: the plugin's role cannot read the DaemonSet, so
+		// the fallback cannot tell, and the wait reads as before.
+		{"DaemonSet left the node while down, not readable", func(t *testing.T, n node) { n.fallback(t, fakeAPIUp); n.snapshot(t, now.Add(-time.Hour)) }, "", apiUp},
 		{"uninstall killed mid-way", func(t *testing.T, n node) {
 			n.fallback(t, fakeAPIUp)
 			n.snapshot(t, now)
@@ -201,6 +221,22 @@ func TestStatesWithoutAgent(t *testing.T) {
 				}
 				if got != st.want[pod.name] {
 					t.Errorf("%s: %s (%v), want %s", pod.name, got, err, st.want[pod.name])
+				}
+				// A wait says what ends it: the agent's return, or, when
+				// its DaemonSet left the node, the operator's remedy.
+				left := st.name == "DaemonSet left the node while down"
+				if err != nil {
+					msg := err.Error()
+					if gone := strings.Contains(msg, agentGoneText); gone != left {
+						t.Errorf("%s: %q names the DaemonSet leaving: %v, want %v", pod.name, msg, gone, left)
+					}
+					if left && (!strings.HasPrefix(msg, "ambient-cni: "+agentGoneText) || !strings.Contains(msg, "Put the node back in the DaemonSet's scope") ||
+						!strings.Contains(msg, n.layout().Uninstalling()) || !strings.Contains(msg, "must be captured")) {
+						t.Errorf("%s: %q, want the DaemonSet first, then the remedy", pod.name, msg)
+					}
+					if !left && !strings.Contains(msg, "check that the ambient-cni node agent is running") {
+						t.Errorf("%s: %q, want the wait for the agent", pod.name, msg)
+					}
 				}
 				if pod.mustCapture && got == "start" && st.name != "uninstall killed mid-way" {
 					t.Errorf("SECURITY: %s started uncaptured", pod.name)
@@ -307,8 +343,9 @@ func TestFallbackRequest(t *testing.T) {
 		t.Fatal(err)
 	}
 	b, _ := os.ReadFile(got)
-	var req map[string]string
-	if err := json.Unmarshal(b, &req); err != nil || req["namespace"] != "default" || req["name"] != "app" || req["uid"] != "uid-plain" {
+	var req map[string]any
+	// checkAgent: the pod would wait if it had to be captured.
+	if err := json.Unmarshal(b, &req); err != nil || req["namespace"] != "default" || req["name"] != "app" || req["uid"] != "uid-plain" || req["checkAgent"] != true {
 		t.Errorf("request %q, %v", b, err)
 	}
 	entries, err := nodefiles.ListAdds(n.layout().AddSpool())

@@ -44,6 +44,17 @@ type File struct {
 	// Policy is the agent's enablement policy, so the fallback decides as
 	// the agent would.
 	Policy Policy `json:"policy"`
+	// DaemonSet is the agent's own DaemonSet: before the plugin makes a
+	// pod wait for an agent, the fallback checks that one can still come
+	// (the DaemonSet exists and still runs on NodeName). Absent (a file of
+	// an older agent): no such check.
+	DaemonSet *ObjectRef `json:"daemonSet,omitempty"`
+}
+
+// ObjectRef names a namespaced object.
+type ObjectRef struct {
+	Namespace string `json:"namespace"`
+	Name      string `json:"name"`
 }
 
 // Policy is the enablement policy as the agent was configured.
@@ -98,7 +109,22 @@ func (f *File) Validate() error {
 			return fmt.Errorf("plugin credential: namespace %q in the policy is not a namespace name", ns)
 		}
 	}
+	if ds := f.DaemonSet; ds != nil {
+		// They become URL path segments and name the node: keep them to
+		// what an object name can be.
+		if !objectName(ds.Namespace, 63) || !objectName(ds.Name, 253) || !objectName(f.NodeName, 253) {
+			return fmt.Errorf("plugin credential: daemonSet %q/%q on node %q is not a valid object reference", ds.Namespace, ds.Name, f.NodeName)
+		}
+	}
 	return nil
+}
+
+// objectName: a non-empty name of lowercase letters, digits, '-' and '.',
+// at most max bytes (the API server's own rules are stricter; this keeps
+// anything that could change a request's path out).
+func objectName(s string, max int) bool {
+	return s != "" && len(s) <= max && s != "." && s != ".." &&
+		!strings.ContainsFunc(s, func(r rune) bool { return (r < 'a' || r > 'z') && (r < '0' || r > '9') && r != '-' && r != '.' })
 }
 
 // Read reads and checks the credential at path. It must be a regular file

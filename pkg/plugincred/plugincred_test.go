@@ -19,7 +19,8 @@ const ca = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 
 func valid() *File {
 	return &File{Server: "https://10.96.0.1:443", CA: ca, Token: "eyJ.a.b", NodeName: "n1",
-		Policy: Policy{ExcludedNamespaces: []string{"kube-system"}, DataPlaneNamespaces: []string{"istio-system"}}}
+		Policy:    Policy{ExcludedNamespaces: []string{"kube-system"}, DataPlaneNamespaces: []string{"istio-system"}},
+		DaemonSet: &ObjectRef{Namespace: "istio-system", Name: "ambient-cni"}}
 }
 
 func TestWriteRead(t *testing.T) {
@@ -29,7 +30,8 @@ func TestWriteRead(t *testing.T) {
 		t.Fatal(err)
 	}
 	got, err := Read(p)
-	if err != nil || got.Token != "eyJ.a.b" || got.Server != "https://10.96.0.1:443" || got.Policy.DataPlaneNamespaces[0] != "istio-system" {
+	if err != nil || got.Token != "eyJ.a.b" || got.Server != "https://10.96.0.1:443" || got.Policy.DataPlaneNamespaces[0] != "istio-system" ||
+		got.DaemonSet == nil || *got.DaemonSet != (ObjectRef{Namespace: "istio-system", Name: "ambient-cni"}) {
 		t.Fatalf("read back %+v, %v", got, err)
 	}
 	for path, want := range map[string]os.FileMode{dir: 0o700, p: 0o600} {
@@ -86,6 +88,13 @@ func TestValidate(t *testing.T) {
 		"header injection": func(f *File) { f.Token = "t\r\nX-Evil: 1" },
 		"space in token":   func(f *File) { f.Token = "a b" },
 		"bad namespace":    func(f *File) { f.Policy.ExcludedNamespaces = []string{""} },
+		// The DaemonSet's names become path segments of a request.
+		"daemonSet path":        func(f *File) { f.DaemonSet.Name = "../../secrets/x" },
+		"daemonSet dot-dot":     func(f *File) { f.DaemonSet.Namespace = ".." },
+		"daemonSet no name":     func(f *File) { f.DaemonSet.Name = "" },
+		"daemonSet query":       func(f *File) { f.DaemonSet.Name = "a?watch=1" },
+		"daemonSet, no node":    func(f *File) { f.NodeName = "" },
+		"daemonSet, node slash": func(f *File) { f.NodeName = "n/1" },
 	} {
 		f := valid()
 		mut(f)
@@ -95,6 +104,20 @@ func TestValidate(t *testing.T) {
 		if err := Write(filepath.Join(t.TempDir(), "c"), f); err == nil {
 			t.Errorf("%s: written", name)
 		}
+	}
+}
+
+// A file without a DaemonSet (written by an older agent) is still read:
+// the fallback then only skips the check that needs it.
+func TestReadWithoutDaemonSet(t *testing.T) {
+	f := valid()
+	f.DaemonSet = nil
+	p := filepath.Join(t.TempDir(), FileName)
+	if err := Write(p, f); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := Read(p); err != nil || got.DaemonSet != nil {
+		t.Fatalf("read back %+v, %v", got, err)
 	}
 }
 

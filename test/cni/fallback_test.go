@@ -12,6 +12,7 @@ import (
 	"testing"
 
 	"github.com/containernetworking/cni/pkg/types"
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
@@ -23,7 +24,8 @@ import (
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 )
 
-// pluginRBAC is the plugin's own ClusterRole from the shipped manifest.
+// pluginRBAC is the plugin's own ClusterRole and Role from the shipped
+// manifest.
 func pluginRBAC(t *testing.T) []byte {
 	t.Helper()
 	root, err := kubeenv.RepoRoot()
@@ -36,12 +38,12 @@ func pluginRBAC(t *testing.T) []byte {
 	}
 	var out []byte
 	for doc := range strings.SplitSeq(string(manifest), "\n---\n") {
-		if strings.Contains(doc, "kind: ClusterRole\n") && strings.Contains(doc, "name: ambient-cni-plugin\n") {
+		if (strings.Contains(doc, "\nkind: ClusterRole\n") || strings.Contains(doc, "\nkind: Role\n")) && strings.Contains(doc, "name: ambient-cni-plugin\n") {
 			out = append(out, []byte("---\n"+doc+"\n")...)
 		}
 	}
-	if out == nil {
-		t.Fatal("no ClusterRole ambient-cni-plugin in the shipped manifest")
+	if strings.Count(string(out), "name: ambient-cni-plugin\n") != 2 {
+		t.Fatalf("want the ClusterRole and the Role ambient-cni-plugin in the shipped manifest, got:\n%s", out)
 	}
 	return out
 }
@@ -81,6 +83,66 @@ func wantStarts(t *testing.T, err error, what string) {
 	}
 }
 
+// wantWaitForAgent: the wait points at the agent, not at a DaemonSet
+// that left.
+func wantWaitForAgent(t *testing.T, err error, what string) {
+	t.Helper()
+	if err == nil || strings.Contains(err.Error(), "agent's DaemonSet") || !strings.Contains(err.Error(), "check that the ambient-cni node agent is running") {
+		t.Errorf("%s: %v, want a wait for the agent that names no DaemonSet", what, err)
+	}
+}
+
+// agentDaemonSet is a DaemonSet in the agent's place, targeting every node.
+func agentDaemonSet(ns, name string) *appsv1.DaemonSet {
+	labels := map[string]string{"app.kubernetes.io/name": name}
+	return &appsv1.DaemonSet{
+		ObjectMeta: metav1.ObjectMeta{Namespace: ns, Name: name},
+		Spec: appsv1.DaemonSetSpec{
+			Selector: &metav1.LabelSelector{MatchLabels: labels},
+			Template: corev1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{Labels: labels},
+				Spec:       corev1.PodSpec{Containers: []corev1.Container{{Name: "agent", Image: "agent"}}},
+			},
+		},
+	}
+}
+
+// olderChartCredential writes, into a node directory of its own, the
+// credential an older chart's plugin role gives: get on pods and
+// namespaces only. It returns the run and state directories.
+func olderChartCredential(t *testing.T, env *kubeenv.Env, ns, node, ds string, ca []byte) (string, string) {
+	t.Helper()
+	const sa = "older-chart-plugin"
+	env.ServiceAccountClient(t, ns, sa, []byte(`apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata:
+  name: older-chart-plugin
+rules:
+  - apiGroups: [""]
+    resources: ["pods", "namespaces"]
+    verbs: ["get"]
+`))
+	admin, err := kubeclient.NewForConfig(env.Config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	root := t.TempDir()
+	run, state := filepath.Join(root, "run"), filepath.Join(root, "state")
+	rot := &plugincred.Rotator{
+		Path: nodefiles.ForSocket(filepath.Join(run, "agent.sock")).WithStateDir(state).PluginCredential(),
+		Base: plugincred.File{Server: env.Config.Host, CA: string(ca), NodeName: node,
+			Policy:    plugincred.Policy{ExcludedNamespaces: []string{"kube-system"}, DataPlaneNamespaces: []string{ns}},
+			DaemonSet: &plugincred.ObjectRef{Namespace: ns, Name: ds}},
+		Source:   kubeadapter.PluginTokens{Client: admin, Namespace: ns, ServiceAccount: sa, NodeName: node},
+		Lifetime: 3600e9,
+	}
+	if err := rot.WriteOnce(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	buildFallback(t, state)
+	return run, state
+}
+
 func wantWaits(t *testing.T, err error, what string) {
 	t.Helper()
 	var te *types.Error
@@ -99,7 +161,7 @@ func wantWaits(t *testing.T, err error, what string) {
 func TestFallbackAgainstAPIServer(t *testing.T) {
 	env := kubeenv.Start(t)
 	ctx := context.Background()
-	const sysNS, node = "istio-system", "node-fallback"
+	const sysNS, node, agentDS = "istio-system", "node-fallback", "ambient-cni"
 	// The plugin's identity as shipped, and the agent's.
 	env.CreateNamespace(t, sysNS, nil)
 	env.ServiceAccountClient(t, sysNS, "ambient-cni-plugin", pluginRBAC(t))
@@ -120,7 +182,8 @@ func TestFallbackAgainstAPIServer(t *testing.T) {
 	rot := &plugincred.Rotator{
 		Path: nodefiles.ForSocket(filepath.Join(run, "agent.sock")).WithStateDir(state).PluginCredential(),
 		Base: plugincred.File{Server: env.Config.Host, CA: string(ca), NodeName: node,
-			Policy: plugincred.Policy{ExcludedNamespaces: []string{"kube-system"}, DataPlaneNamespaces: []string{sysNS}}},
+			Policy:    plugincred.Policy{ExcludedNamespaces: []string{"kube-system"}, DataPlaneNamespaces: []string{sysNS}},
+			DaemonSet: &plugincred.ObjectRef{Namespace: sysNS, Name: agentDS}},
 		Source:   kubeadapter.PluginTokens{Client: agentClient, Namespace: sysNS, ServiceAccount: "ambient-cni-plugin", NodeName: node},
 		Lifetime: 3600e9,
 	}
@@ -153,11 +216,59 @@ func TestFallbackAgainstAPIServer(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	wantWaits(t, addWithoutAgent(t, run, state, nsEnabled), "namespace-enabled pod")
-	wantWaits(t, addWithoutAgent(t, run, state, podLabelled), "pod-label-enabled pod")
-	wantWaits(t, addWithoutAgent(t, run, state, fresh), "pod of a namespace labelled during the outage")
+	// The agent's DaemonSet, still running on the node: the agent is only
+	// away, and the waits say to look for it.
+	ds := agentDaemonSet(sysNS, agentDS)
+	if _, err := env.Client.AppsV1().DaemonSets(sysNS).Create(ctx, ds, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []*corev1.Pod{nsEnabled, podLabelled, fresh} {
+		err := addWithoutAgent(t, run, state, p)
+		wantWaits(t, err, p.Namespace+"/"+p.Name)
+		wantWaitForAgent(t, err, p.Namespace+"/"+p.Name)
+	}
 	wantStarts(t, addWithoutAgent(t, run, state, plain), "plain pod")
 	wantStarts(t, addWithoutAgent(t, run, state, istiod), "istio-system pod")
+
+	t.Run("DaemonSet left the node while down", func(t *testing.T) {
+		oldRun, oldState := olderChartCredential(t, env, sysNS, node, agentDS, ca)
+		// Moved away by its nodeSelector, then deleted: either way no
+		// agent will return, and the wait says so, and what ends it; the
+		// pod still waits (fail closed), a plain pod still starts.
+		ds.Spec.Template.Spec.NodeSelector = map[string]string{"ambient-cni.test/agent": "elsewhere"}
+		if _, err := env.Client.AppsV1().DaemonSets(sysNS).Update(ctx, ds, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		for _, c := range []struct {
+			name, want string
+			change     func()
+		}{
+			{"node not selected", "the agent's DaemonSet istio-system/ambient-cni no longer runs on node node-fallback (its nodeSelector does not match the node's labels)", func() {}},
+			{"deleted", "the agent's DaemonSet istio-system/ambient-cni is deleted", func() {
+				if err := env.Client.AppsV1().DaemonSets(sysNS).Delete(ctx, agentDS, metav1.DeleteOptions{}); err != nil {
+					t.Fatal(err)
+				}
+			}},
+		} {
+			c.change()
+			for _, p := range []*corev1.Pod{nsEnabled, podLabelled, fresh} {
+				what := c.name + ": " + p.Namespace + "/" + p.Name
+				err := addWithoutAgent(t, run, state, p)
+				wantWaits(t, err, what)
+				if err == nil || !strings.HasPrefix(err.Error(), "ambient-cni: "+c.want+".") ||
+					!strings.Contains(err.Error(), "Put the node back in the DaemonSet's scope") || !strings.Contains(err.Error(), filepath.Join(state, "uninstalling")) {
+					t.Errorf("%s: %v, want it to say first that %s, then the remedy", what, err, c.want)
+				}
+				// An older chart's plugin role cannot read the DaemonSet or
+				// the node: the wait reads as before, no harder.
+				err = addWithoutAgent(t, oldRun, oldState, p)
+				wantWaits(t, err, "older chart, "+what)
+				wantWaitForAgent(t, err, "older chart, "+what)
+			}
+			wantStarts(t, addWithoutAgent(t, run, state, plain), c.name+": plain pod")
+			wantStarts(t, addWithoutAgent(t, oldRun, oldState, plain), c.name+": older chart, plain pod")
+		}
+	})
 
 	// The API server down too: no snapshot here, so only the control plane
 	// starts.

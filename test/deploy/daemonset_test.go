@@ -46,11 +46,14 @@ type objects struct {
 	binding  *admissionregistrationv1.ValidatingAdmissionPolicyBinding
 	kinds    []string
 	manifest []byte
-	// pluginSA, pluginCR and pluginCRB are the plugin's own identity
-	// (named <fullname>-plugin): get on pods and namespaces only.
-	pluginSA  *corev1.ServiceAccount
-	pluginCR  *rbacv1.ClusterRole
-	pluginCRB *rbacv1.ClusterRoleBinding
+	// pluginSA, pluginCR, pluginCRB, pluginRole and pluginRB are the
+	// plugin's own identity (named <fullname>-plugin): get on pods,
+	// namespaces and nodes, and on the agent's DaemonSet.
+	pluginSA   *corev1.ServiceAccount
+	pluginCR   *rbacv1.ClusterRole
+	pluginCRB  *rbacv1.ClusterRoleBinding
+	pluginRole *rbacv1.Role
+	pluginRB   *rbacv1.RoleBinding
 	// hooks are the helm hook objects (helm.sh/hook annotation), kept
 	// apart: helm runs them around the release, they are not part of it.
 	hooks []*unstructured.Unstructured
@@ -83,6 +86,12 @@ func decode(t testing.TB, manifest []byte) *objects {
 		case plugin && kind == "ClusterRoleBinding":
 			out.pluginCRB = &rbacv1.ClusterRoleBinding{}
 			dst = out.pluginCRB
+		case plugin && kind == "Role":
+			out.pluginRole = &rbacv1.Role{}
+			dst = out.pluginRole
+		case plugin && kind == "RoleBinding":
+			out.pluginRB = &rbacv1.RoleBinding{}
+			dst = out.pluginRB
 		case plugin:
 			t.Fatalf("unexpected %s %s in the manifest", kind, o.GetName())
 		default:
@@ -130,8 +139,8 @@ func decode(t testing.TB, manifest []byte) *objects {
 	if !slices.Equal(out.kinds, want) {
 		t.Fatalf("manifest holds %v, want one each of %v", out.kinds, want)
 	}
-	if out.pluginSA == nil || out.pluginCR == nil || out.pluginCRB == nil {
-		t.Fatalf("manifest lacks the plugin's ServiceAccount, ClusterRole or ClusterRoleBinding")
+	if out.pluginSA == nil || out.pluginCR == nil || out.pluginCRB == nil || out.pluginRole == nil || out.pluginRB == nil {
+		t.Fatalf("manifest lacks the plugin's ServiceAccount, ClusterRole, ClusterRoleBinding, Role or RoleBinding")
 	}
 	return out
 }

@@ -87,15 +87,33 @@ func TestManifestRBACIsShippedRBAC(t *testing.T) {
 	if !reflect.DeepEqual(all.role.Rules, want) {
 		t.Errorf("all-values Role rules %+v, want %+v", all.role.Rules, want)
 	}
-	// The plugin's own role: get on pods and namespaces, nothing else,
-	// bound to its own ServiceAccount only.
-	wantPlugin := []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"pods", "namespaces"}, Verbs: []string{"get"}}}
+	// The plugin's own roles: get on pods, namespaces and nodes (the node:
+	// whether the agent's DaemonSet still runs there), and get on the
+	// agent's DaemonSet by name in its namespace; nothing else, bound to
+	// its own ServiceAccount only.
+	wantPlugin := []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"pods", "namespaces"}, Verbs: []string{"get"}},
+		{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get"}}}
 	if !reflect.DeepEqual(o.pluginCR.Rules, wantPlugin) {
 		t.Errorf("plugin ClusterRole rules %+v, want %+v", o.pluginCR.Rules, wantPlugin)
 	}
 	pluginSubject := rbacv1.Subject{Kind: rbacv1.ServiceAccountKind, Name: o.pluginSA.Name, Namespace: o.pluginSA.Namespace}
 	if o.pluginCRB.RoleRef.Name != o.pluginCR.Name || !reflect.DeepEqual(o.pluginCRB.Subjects, []rbacv1.Subject{pluginSubject}) {
 		t.Errorf("plugin ClusterRoleBinding %+v", o.pluginCRB)
+	}
+	for _, rendered := range []struct {
+		o  *objects
+		ds string
+	}{{o, o.ds.Name}, {all, "mesh-node"}} {
+		wantRole := []rbacv1.PolicyRule{{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{rendered.ds}, Verbs: []string{"get"}}}
+		r := rendered.o
+		if !reflect.DeepEqual(r.pluginRole.Rules, wantRole) || r.pluginRole.Namespace != r.ds.Namespace {
+			t.Errorf("plugin Role in %s: rules %+v, want %+v in %s", r.pluginRole.Namespace, r.pluginRole.Rules, wantRole, r.ds.Namespace)
+		}
+		subject := rbacv1.Subject{Kind: rbacv1.ServiceAccountKind, Name: r.pluginSA.Name, Namespace: r.pluginSA.Namespace}
+		if r.pluginRB.RoleRef != (rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: r.pluginRole.Name}) ||
+			!reflect.DeepEqual(r.pluginRB.Subjects, []rbacv1.Subject{subject}) || r.pluginRB.Namespace != r.pluginRole.Namespace {
+			t.Errorf("plugin RoleBinding %+v does not bind Role %s to %+v", r.pluginRB, r.pluginRole.Name, subject)
+		}
 	}
 	if o.pluginSA.AutomountServiceAccountToken == nil || *o.pluginSA.AutomountServiceAccountToken {
 		t.Errorf("plugin ServiceAccount mounts its token into pods")
@@ -127,26 +145,7 @@ func TestChartBindingsGrantTheAgent(t *testing.T) {
 	if _, err := env.Apply(ctx, render(t, name, ns, "--set", "nameOverride="+name), kubeenv.ApplyOptions{Namespace: ns}); err != nil {
 		t.Fatal(err)
 	}
-	tr, err := env.Client.CoreV1().ServiceAccounts(ns).CreateToken(ctx, name, &authenticationv1.TokenRequest{
-		Spec: authenticationv1.TokenRequestSpec{ExpirationSeconds: new(int64(600))},
-	}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg := &rest.Config{Host: env.Config.Host, TLSClientConfig: rest.TLSClientConfig{CAData: env.Config.CAData}, BearerToken: tr.Status.Token}
-	sa, err := kubernetes.NewForConfig(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	allowed := func(a authorizationv1.ResourceAttributes) (bool, error) {
-		r, err := sa.AuthorizationV1().SelfSubjectAccessReviews().Create(ctx, &authorizationv1.SelfSubjectAccessReview{
-			Spec: authorizationv1.SelfSubjectAccessReviewSpec{ResourceAttributes: &a},
-		}, metav1.CreateOptions{})
-		if err != nil {
-			return false, err
-		}
-		return r.Status.Allowed, nil
-	}
+	allowed := accessOf(t, env, ns, name)
 	grant := []authorizationv1.ResourceAttributes{
 		{Verb: "list", Resource: "pods"},
 		{Verb: "watch", Resource: "pods"},
@@ -182,5 +181,65 @@ func TestChartBindingsGrantTheAgent(t *testing.T) {
 		if ok, err := allowed(a); ok || err != nil {
 			t.Errorf("%+v: allowed=%v err=%v, want denied", a, ok, err)
 		}
+	}
+
+	// The plugin's own ServiceAccount: the pod and its namespace, the node
+	// and the agent's DaemonSet by name, read only.
+	plugin := accessOf(t, env, ns, name+"-plugin")
+	for _, a := range []authorizationv1.ResourceAttributes{
+		{Verb: "get", Resource: "pods", Namespace: "default", Name: "p"},
+		{Verb: "get", Resource: "namespaces", Name: "default"},
+		{Verb: "get", Resource: "nodes", Name: "some-node"},
+		{Verb: "get", Group: "apps", Resource: "daemonsets", Namespace: ns, Name: name},
+	} {
+		var ok bool
+		var err error
+		if poll.Wait(ctx, time.Until(deadline.Add(30*time.Second)), func() bool { ok, err = plugin(a); return ok }) != nil {
+			t.Fatalf("plugin: %+v never allowed (last error %v)", a, err)
+		}
+	}
+	for _, a := range []authorizationv1.ResourceAttributes{
+		{Verb: "list", Resource: "pods"},
+		{Verb: "list", Resource: "nodes"},
+		{Verb: "watch", Resource: "nodes"},
+		{Verb: "patch", Resource: "nodes", Name: "some-node"},
+		{Verb: "list", Group: "apps", Resource: "daemonsets", Namespace: ns},
+		{Verb: "watch", Group: "apps", Resource: "daemonsets", Namespace: ns, Name: name},
+		{Verb: "get", Group: "apps", Resource: "daemonsets", Namespace: ns, Name: "ztunnel"},
+		{Verb: "get", Group: "apps", Resource: "daemonsets", Namespace: "default", Name: name},
+		{Verb: "patch", Group: "apps", Resource: "daemonsets", Namespace: ns, Name: name},
+		{Verb: "get", Resource: "secrets", Namespace: ns, Name: "s"},
+		{Verb: "create", Resource: "serviceaccounts", Subresource: "token", Namespace: ns, Name: name + "-plugin"},
+	} {
+		if ok, err := plugin(a); ok || err != nil {
+			t.Errorf("plugin: %+v: allowed=%v err=%v, want denied", a, ok, err)
+		}
+	}
+}
+
+// accessOf returns a check of what ServiceAccount ns/name may do, asked
+// with a token of its own.
+func accessOf(t *testing.T, env *kubeenv.Env, ns, name string) func(authorizationv1.ResourceAttributes) (bool, error) {
+	t.Helper()
+	ctx := context.Background()
+	tr, err := env.Client.CoreV1().ServiceAccounts(ns).CreateToken(ctx, name, &authenticationv1.TokenRequest{
+		Spec: authenticationv1.TokenRequestSpec{ExpirationSeconds: new(int64(600))},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := &rest.Config{Host: env.Config.Host, TLSClientConfig: rest.TLSClientConfig{CAData: env.Config.CAData}, BearerToken: tr.Status.Token}
+	sa, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return func(a authorizationv1.ResourceAttributes) (bool, error) {
+		r, err := sa.AuthorizationV1().SelfSubjectAccessReviews().Create(ctx, &authorizationv1.SelfSubjectAccessReview{
+			Spec: authorizationv1.SelfSubjectAccessReviewSpec{ResourceAttributes: &a},
+		}, metav1.CreateOptions{})
+		if err != nil {
+			return false, err
+		}
+		return r.Status.Allowed, nil
 	}
 }

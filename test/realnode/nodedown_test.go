@@ -407,7 +407,7 @@ func (e *e2e) create(t *testing.T, ns, name string) *corev1.Pod {
 
 // waitSandboxError waits for kubelet's report that a pod's sandbox failed
 // with the plugin's error containing want.
-func (e *e2e) waitSandboxError(t *testing.T, p *corev1.Pod, want string) {
+func (e *e2e) waitSandboxError(t *testing.T, p *corev1.Pod, want string, more ...string) {
 	t.Helper()
 	err := e.n.Poll(context.Background(), p.Name+" refused by the plugin", func(ctx context.Context) (bool, error) {
 		evs, err := e.n.PodEvents(ctx, p.Namespace, p.Name)
@@ -419,13 +419,14 @@ func (e *e2e) waitSandboxError(t *testing.T, p *corev1.Pod, want string) {
 			if ev.Reason != "FailedCreatePodSandBox" {
 				continue
 			}
-			if strings.Contains(ev.Message, "ambient-cni:") && strings.Contains(ev.Message, want) {
+			if strings.Contains(ev.Message, "ambient-cni:") && strings.Contains(ev.Message, want) &&
+				!slices.ContainsFunc(more, func(m string) bool { return !strings.Contains(ev.Message, m) }) {
 				t.Logf("%s/%s: %s", p.Namespace, p.Name, ev.Message)
 				return true, nil
 			}
 			seen = append(seen, ev.Message)
 		}
-		return false, fmt.Errorf("no sandbox failure saying %q; seen: %q", want, seen)
+		return false, fmt.Errorf("no sandbox failure saying %q; seen: %q", append([]string{want}, more...), seen)
 	})
 	if err != nil {
 		t.Fatalf("%s/%s: %v", p.Namespace, p.Name, err)

@@ -36,8 +36,9 @@ type rebootAgentless struct {
 // waits until agentGone says the agent cannot serve, then checks the
 // promise without the agent: a pod of a plain namespace and one of
 // istio-system start uncaptured, a pod of an ambient namespace waits with
-// the plugin's code-11 refusal, on the API server's word.
-func (l *life) rebootWithout(t *testing.T, prefix string, whileDown func() error, agentGone func([]corev1.Pod) error) rebootAgentless {
+// the plugin's code-11 refusal, on the API server's word, its sandbox
+// failure saying each of waitSays.
+func (l *life) rebootWithout(t *testing.T, prefix string, whileDown func() error, agentGone func([]corev1.Pod) error, waitSays ...string) rebootAgentless {
 	t.Helper()
 	ctx := context.Background()
 	if l.traffic != nil {
@@ -136,7 +137,7 @@ func (l *life) rebootWithout(t *testing.T, prefix string, whileDown func() error
 	}
 	// Code 11 (try again later): kubelet retries the sandbox until the
 	// agent answers, and never starts the pod uncaptured.
-	l.waitSandboxError(t, r.mesh, "the API server shows the pod must be captured")
+	l.waitSandboxError(t, r.mesh, "must be captured", waitSays...)
 	cur, err := l.n.Client.CoreV1().Pods(meshNS).Get(ctx, r.mesh.Name, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -224,7 +225,9 @@ func (l *life) testImageUnpullableAfterReboot(t *testing.T) {
 				}
 			}
 			return fmt.Errorf("agent %s: %s, want ErrImageNeverPull", pods[0].Name, podSummary(&pods[0]))
-		})
+		},
+		// The DaemonSet still runs on the node: the wait is for its agent.
+		"the API server shows the pod must be captured", "check that the ambient-cni node agent is running")
 	l.agentReturns(t, restore, r)
 }
 
@@ -233,7 +236,10 @@ func (l *life) testImageUnpullableAfterReboot(t *testing.T) {
 // so no agent unchains the plugin or serves it. Plain and istio-system
 // pods start uncaptured (the plugin asks the API server with its
 // credential, valid until it expires, at most cni.pluginTokenLifetime); a
-// pod of an ambient namespace waits and never starts uncaptured.
+// pod of an ambient namespace waits and never starts uncaptured, and its
+// sandbox failure says that the DaemonSet no longer runs on this node
+// (the fallback read the DaemonSet and the Node with the plugin's own
+// role) and what ends the wait.
 //
 // How an operator recovers: put the node back under the DaemonSet (what
 // this test does, restoring the nodeSelector): the agent returns and
@@ -252,7 +258,9 @@ func (l *life) testDaemonSetLeftWhileDown(t *testing.T) {
 				return fmt.Errorf("agent pod %s still there: %s", pods[0].Name, podSummary(&pods[0]))
 			}
 			return nil
-		})
+		},
+		"the agent's DaemonSet "+ReleaseNamespace+"/ambient-cni no longer runs on node "+l.n.Name+" (its nodeSelector does not match the node's labels)",
+		"Put the node back in the DaemonSet's scope", "/uninstalling")
 	// Still off the node: no agent came back meanwhile.
 	pods, err := l.n.AgentPods(ctx)
 	if err != nil {

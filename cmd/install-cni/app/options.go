@@ -370,7 +370,7 @@ func options() []option {
 			return nil
 		}},
 		{"control-plane-namespaces", "Comma-separated namespaces that never wait on the agent (the platform's system namespaces; an entry ending in * is a prefix, as openshift-*), besides the agent's own and the data-plane namespaces: while the agent cannot answer, the plugin decides their pods by the API server and, failing that, lets them start unless the agent's snapshot shows their namespace enabled.", "", list(func(c *Config) *[]string { return &c.ControlPlaneNamespaces })},
-		{"plugin-service-account", "The plugin's own ServiceAccount in pod-namespace, allowed only to get pods and namespaces: the agent writes a token of it, bound to the node, into state-dir for the plugin to ask the API server while the agent cannot answer. Empty: no credential (the plugin decides by the snapshot alone).", "", str(func(c *Config) *string { return &c.PluginServiceAccount })},
+		{"plugin-service-account", "The plugin's own ServiceAccount in pod-namespace, allowed only to get pods, namespaces, nodes and the agent's DaemonSet: the agent writes a token of it, bound to the node, into state-dir for the plugin to ask the API server while the agent cannot answer. Empty: no credential (the plugin decides by the snapshot alone).", "", str(func(c *Config) *string { return &c.PluginServiceAccount })},
 		{"plugin-token-lifetime", "Lifetime of each token of plugin-service-account; the agent renews it after half.", "24h", func(c *Config, v string) error {
 			d, err := time.ParseDuration(v)
 			if err != nil || d < 10*time.Minute || d > 48*time.Hour {

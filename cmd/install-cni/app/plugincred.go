@@ -44,7 +44,8 @@ func (a *App) writePluginFiles(ctx context.Context) *plugincred.Rotator {
 		Path: layout.PluginCredential(),
 		Base: plugincred.File{Server: a.opts.APIServer, CA: string(a.opts.APICA), NodeName: c.NodeName,
 			Policy: plugincred.Policy{ExcludedNamespaces: nonNil(c.ExcludedNamespaces), DataPlaneNamespaces: c.EnablementPolicy().DataPlaneNamespaces,
-				EnablementSelectors: c.EnablementSelectorText}},
+				EnablementSelectors: c.EnablementSelectorText},
+			DaemonSet: daemonSetRef(c)},
 		Source:   kubeadapter.PluginTokens{Client: a.opts.Client, Namespace: c.PodNamespace, ServiceAccount: c.PluginServiceAccount, NodeName: c.NodeName},
 		Lifetime: c.PluginTokenLifetime,
 		Logger:   a.log.With("component", "plugin-credential"),
@@ -57,6 +58,16 @@ func (a *App) writePluginFiles(ctx context.Context) *plugincred.Rotator {
 		a.log.Info("plugin credential written", "path", r.Path, "serviceAccount", c.PluginServiceAccount)
 	}
 	return r
+}
+
+// daemonSetRef names the agent's DaemonSet for the fallback, which checks
+// before a pod waits for an agent that one can still come; nil when the
+// agent does not know its namespace.
+func daemonSetRef(c *Config) *plugincred.ObjectRef {
+	if c.PodNamespace == "" || c.DaemonSet == "" {
+		return nil
+	}
+	return &plugincred.ObjectRef{Namespace: c.PodNamespace, Name: c.DaemonSet}
 }
 
 // copyBinary replaces dst with src's content, mode 0700, atomically.

@@ -1,4 +1,8 @@
-package kubeadapter
+// Package dstarget tells whether a DaemonSet's controller would run its
+// pod on a node, as its own predicate decides. It is pure (API types and
+// the scheduler's helpers, no client), so both the agent and the plugin's
+// fallback binary link it.
+package dstarget
 
 import (
 	"fmt"
@@ -30,7 +34,7 @@ func systemTaint(t *corev1.Taint) bool {
 	return t.Key == nodetaint.Key || slices.ContainsFunc(systemTaintPrefixes, func(p string) bool { return strings.HasPrefix(t.Key, p) })
 }
 
-// DaemonSetTargetsNode reports whether the DaemonSet controller would
+// TargetsNode reports whether the DaemonSet controller would
 // start ds's pod on node, as its own predicate decides: the template's
 // nodeName, nodeSelector and required node affinity (matchExpressions and
 // matchFields) must match the node, and every NoSchedule or NoExecute
@@ -38,7 +42,7 @@ func systemTaint(t *corev1.Taint) bool {
 // condition taints aside (systemTaintPrefixes). When it does not, why
 // names the first reason. An error (a selector that does not parse)
 // decides nothing.
-func DaemonSetTargetsNode(ds *appsv1.DaemonSet, node *corev1.Node) (targets bool, why string, err error) {
+func TargetsNode(ds *appsv1.DaemonSet, node *corev1.Node) (targets bool, why string, err error) {
 	spec := &ds.Spec.Template.Spec
 	if spec.NodeName != "" && spec.NodeName != node.Name {
 		return false, fmt.Sprintf("its pod template is pinned to node %q", spec.NodeName), nil

@@ -1,4 +1,4 @@
-package kubeadapter
+package dstarget
 
 import (
 	"strings"
@@ -27,7 +27,7 @@ func requiredAffinity(terms ...corev1.NodeSelectorTerm) *corev1.Affinity {
 	}}
 }
 
-func TestDaemonSetTargetsNode(t *testing.T) {
+func TestTargetsNode(t *testing.T) {
 	linux := map[string]string{"kubernetes.io/os": "linux", "mesh": "on"}
 	in := func(key string, values ...string) corev1.NodeSelectorRequirement {
 		return corev1.NodeSelectorRequirement{Key: key, Operator: corev1.NodeSelectorOpIn, Values: values}
@@ -108,7 +108,7 @@ func TestDaemonSetTargetsNode(t *testing.T) {
 			nodeWith(nil, corev1.Taint{Key: corev1.TaintNodeNotReady, Effect: corev1.TaintEffectNoSchedule}, taint("dedicated", corev1.TaintEffectNoSchedule)), false, "dedicated"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			got, why, err := DaemonSetTargetsNode(tc.ds, tc.node)
+			got, why, err := TargetsNode(tc.ds, tc.node)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -121,12 +121,12 @@ func TestDaemonSetTargetsNode(t *testing.T) {
 
 // A selector the API server would not have accepted decides nothing: an
 // error, not an uninstall.
-func TestDaemonSetTargetsNodeBadSelector(t *testing.T) {
+func TestTargetsNodeBadSelector(t *testing.T) {
 	ds := dsWith(func(s *corev1.PodSpec) {
 		s.Affinity = requiredAffinity(corev1.NodeSelectorTerm{MatchExpressions: []corev1.NodeSelectorRequirement{
 			{Key: "mesh", Operator: "Sometimes", Values: []string{"on"}}}})
 	})
-	if got, _, err := DaemonSetTargetsNode(ds, nodeWith(nil)); err == nil {
+	if got, _, err := TargetsNode(ds, nodeWith(nil)); err == nil {
 		t.Errorf("bad operator: targets = %v, no error", got)
 	}
 }
