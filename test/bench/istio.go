@@ -222,8 +222,8 @@ type istioNode struct {
 	// readyURL is its readiness probe as reached from here.
 	netns, readyURL string
 	proc            *childproc.Proc // unshare, whose child install-cni is
-	agentPid int             // install-cni, PID 1 of its PID namespace
-	shared   bool
+	agentPid        int             // install-cni, PID 1 of its PID namespace
+	shared          bool
 }
 
 // istioPlace says where one istio-cni node is: its API server, its
