@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/test/bench"
+	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
@@ -61,6 +62,14 @@ func run() int {
 			return fail(err)
 		}
 		*p = abs
+	}
+	if !testnet.InOwnNetns() {
+		// The reference plugins are built here, where the module proxy
+		// is reachable; the run in its own network namespace finds
+		// them cached.
+		if _, _, err := cnibin.Build(); err != nil {
+			return fail(fmt.Errorf("build the reference CNI plugins: %w", err))
+		}
 	}
 	code, reexec, err := testnet.ProgramInOwnNetns()
 	if err != nil {
