@@ -18,6 +18,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
@@ -109,6 +110,10 @@ type FleetSystem struct {
 	EstablishedSeconds float64 `json:"establishedSeconds"`
 	// WatchesPerAgent is what each agent holds open, by resource.
 	WatchesPerAgent map[string]int `json:"watchesPerAgent"`
+	// FlipQuiet is whether the agents went quiet (10 s without a request)
+	// within a minute of the flip, which ends the Flip window; else it
+	// ends after that minute.
+	FlipQuiet bool `json:"flipQuiet"`
 	// AgentRSSMiB is the agents' mean RSS at rest.
 	AgentRSSMiB float64 `json:"agentRssMiB"`
 	// Idle is the API server with the nodes but no agent; Start from
@@ -197,6 +202,9 @@ type fleetKind interface {
 	user() string
 	// setup renders the chart (once per system).
 	setup(ctx context.Context) error
+	// install makes what the chart installs once per cluster, beyond
+	// each node's agent ServiceAccount and RBAC.
+	install(ctx context.Context, env *kubeenv.Env) error
 	prepare(ctx context.Context, p fleetPlace) (fleetAgent, error)
 }
 
@@ -263,6 +271,9 @@ func runFleetSystem(ctx context.Context, o FleetOptions, sz fleetSizes, k fleetK
 		return sys, err
 	}
 	apiHost := "https://" + net.JoinHostPort(fnet.gateway.Addr().String(), u.Port())
+	if err := k.install(ctx, env); err != nil {
+		return sys, err
+	}
 
 	tag := testnet.RandName("", 4)
 	logf("making %d nodes", sz.agents)
@@ -389,7 +400,7 @@ func runFleetSystem(ctx context.Context, o FleetOptions, sz fleetSizes, k fleetK
 	if _, err := env.Client.CoreV1().Namespaces().Patch(ctx, flipNS, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
 		return sys, fmt.Errorf("label namespace %s: %w", flipNS, err)
 	}
-	if err := waitQuiet(ctx, audit, 10*time.Second, 3*time.Minute); err != nil {
+	if sys.FlipQuiet, err = waitQuiet(ctx, audit, 10*time.Second, time.Minute); err != nil {
 		return sys, err
 	}
 	if err := allRunning(agents, places); err != nil {
@@ -471,22 +482,24 @@ func waitEstablished(ctx context.Context, audit *fleetAudit, ipToNode map[string
 }
 
 // waitQuiet waits until the agents made no request for quiet (and at
-// least quiet has passed).
-func waitQuiet(ctx context.Context, audit *fleetAudit, quiet, within time.Duration) error {
+// least quiet has passed), or until within has passed: it reports
+// whether they were quiet. Agents that ask all the time (a periodic
+// request) are a figure, not a failure.
+func waitQuiet(ctx context.Context, audit *fleetAudit, quiet, within time.Duration) (bool, error) {
 	start := time.Now()
 	for {
 		q, err := audit.quietFor()
 		if err != nil {
-			return err
+			return false, err
 		}
 		if q >= quiet && time.Since(start) >= quiet {
-			return nil
+			return true, nil
 		}
 		if time.Since(start) > within {
-			return fmt.Errorf("the agents were still asking the API server %v after the flip", within)
+			return false, nil
 		}
 		if err := sleep(ctx, 500*time.Millisecond); err != nil {
-			return err
+			return false, err
 		}
 	}
 }
@@ -609,6 +622,28 @@ func (f *ourFleet) setup(context.Context) (err error) {
 	return err
 }
 
+// install creates the chart's ServiceAccounts: the plugin's, which the
+// agent makes tokens for, beside the agent's own.
+func (f *ourFleet) install(ctx context.Context, env *kubeenv.Env) error {
+	objs, err := kubeenv.ParseObjects(f.shipped.Manifest)
+	if err != nil {
+		return err
+	}
+	for _, o := range objs {
+		if o.GetKind() != "ServiceAccount" {
+			continue
+		}
+		if _, err := env.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: o.GetNamespace()}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+			return fmt.Errorf("create namespace %s: %w", o.GetNamespace(), err)
+		}
+		sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: o.GetNamespace(), Name: o.GetName()}}
+		if _, err := env.Client.CoreV1().ServiceAccounts(sa.Namespace).Create(ctx, sa, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+			return fmt.Errorf("create the chart's serviceaccount %s/%s: %w", sa.Namespace, sa.Name, err)
+		}
+	}
+	return nil
+}
+
 func (f *ourFleet) prepare(ctx context.Context, p fleetPlace) (fleetAgent, error) {
 	n, err := simnode.Prepare(ctx, simnode.Options{
 		Env: p.env, Chart: f.shipped, InstallCNI: f.o.InstallCNI, Plugin: f.o.Plugin,
@@ -665,6 +700,10 @@ func (f *istioFleet) setup(ctx context.Context) (err error) {
 	f.chart, err = renderIstioChart(ctx, f.o.RepoRoot, f.o.IstioVersion, false)
 	return err
 }
+
+// install has nothing to do: the agent's ServiceAccount is all the
+// chart's agent uses.
+func (f *istioFleet) install(context.Context, *kubeenv.Env) error { return nil }
 
 func (f *istioFleet) prepare(ctx context.Context, p fleetPlace) (fleetAgent, error) {
 	n, err := prepareIstio(ctx, istioPlace{
@@ -735,17 +774,21 @@ func (r *FleetResult) WriteReport(w io.Writer) error {
 	}
 	fmt.Fprintln(w)
 	n := float64(r.Agents)
-	rows := [][]string{{"per agent"}}
-	for _, s := range r.Systems {
-		rows[0] = append(rows[0], s.Name)
+	names := func(first string) []string {
+		row := []string{first}
+		for _, s := range r.Systems {
+			if s.Error != "" {
+				row = append(row, s.Name+" (failed: partial)")
+			} else {
+				row = append(row, s.Name)
+			}
+		}
+		return row
 	}
+	rows := [][]string{names("per agent")}
 	add := func(label string, f func(s *FleetSystem) string) {
 		row := []string{label}
 		for _, s := range r.Systems {
-			if s.Error != "" {
-				row = append(row, "failed")
-				continue
-			}
 			row = append(row, f(s))
 		}
 		rows = append(rows, row)
@@ -769,7 +812,13 @@ func (r *FleetResult) WriteReport(w io.Writer) error {
 	add("rest: API server RSS beyond idle: KiB", func(s *FleetSystem) string {
 		return fmt.Sprintf("%.0f", (s.Rest.RSSMiB-s.Idle.RSSMiB)*1024/n)
 	})
-	add("flip: requests", func(s *FleetSystem) string { return fmt.Sprintf("%.2f", float64(s.Flip.AgentRequests)/n) })
+	add("flip: requests (window: s)", func(s *FleetSystem) string {
+		quiet := ""
+		if !s.FlipQuiet {
+			quiet = ", never quiet"
+		}
+		return fmt.Sprintf("%.2f (%.0f%s)", float64(s.Flip.AgentRequests)/n, s.Flip.Seconds, quiet)
+	})
 	add("flip: watch events sent (bytes)", func(s *FleetSystem) string {
 		return fmt.Sprintf("%.1f (%.0f)", s.Flip.WatchEvents/n, s.Flip.WatchEventBytes/n)
 	})
@@ -780,10 +829,7 @@ func (r *FleetResult) WriteReport(w io.Writer) error {
 	writeMarkdown(w, rows)
 
 	fmt.Fprintln(w)
-	rows = [][]string{{"the API server, all agents"}}
-	for _, s := range r.Systems {
-		rows[0] = append(rows[0], s.Name)
-	}
+	rows = [][]string{names("the API server, all agents")}
 	add("RSS idle (no agent) / at rest / after the flip: MiB", func(s *FleetSystem) string {
 		return fmt.Sprintf("%.0f / %.0f / %.0f", s.Idle.RSSMiB, s.Rest.RSSMiB, s.Flip.RSSMiB)
 	})
