@@ -17,9 +17,11 @@ import (
 	"strings"
 	"time"
 
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	k8sruntime "k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
@@ -124,6 +126,9 @@ type FleetSystem struct {
 	Start FleetPhase `json:"start"`
 	Rest  FleetPhase `json:"rest"`
 	Flip  FleetPhase `json:"flip"`
+	// DaemonSetStatus is one write of the chart's DaemonSet's status, as
+	// its controller writes it while pods become ready.
+	DaemonSetStatus FleetPhase `json:"daemonSetStatus"`
 }
 
 // FleetPhase is the API server over one window.
@@ -151,6 +156,10 @@ type FleetPhase struct {
 	// the API server sent to watchers over the window.
 	WatchEvents     float64 `json:"watchEvents"`
 	WatchEventBytes float64 `json:"watchEventBytes"`
+	// Goroutines and HeapInuseMiB are kube-apiserver's at the end (its
+	// Go runtime's metrics): what each watch holds, steadier than RSS.
+	Goroutines   float64 `json:"goroutines"`
+	HeapInuseMiB float64 `json:"heapInuseMiB"`
 }
 
 // RunFleet runs the fleet benchmark: ours, then istio-cni's when built.
@@ -203,8 +212,10 @@ type fleetKind interface {
 	// setup renders the chart (once per system).
 	setup(ctx context.Context) error
 	// install makes what the chart installs once per cluster, beyond
-	// each node's agent ServiceAccount and RBAC.
-	install(ctx context.Context, env *kubeenv.Env) error
+	// each node's agent ServiceAccount and RBAC, and returns its
+	// DaemonSet's namespace and name (created in the API; no controller
+	// runs it).
+	install(ctx context.Context, env *kubeenv.Env) (dsNamespace, dsName string, err error)
 	prepare(ctx context.Context, p fleetPlace) (fleetAgent, error)
 }
 
@@ -271,7 +282,8 @@ func runFleetSystem(ctx context.Context, o FleetOptions, sz fleetSizes, k fleetK
 		return sys, err
 	}
 	apiHost := "https://" + net.JoinHostPort(fnet.gateway.Addr().String(), u.Port())
-	if err := k.install(ctx, env); err != nil {
+	dsNS, dsName, err := k.install(ctx, env)
+	if err != nil {
 		return sys, err
 	}
 
@@ -421,6 +433,30 @@ func runFleetSystem(ctx context.Context, o FleetOptions, sz fleetSizes, k fleetK
 			return sys, fmt.Errorf("node %s holds watches %v after the flip, %v before", node, ow[ip], sys.WatchesPerAgent)
 		}
 	}
+
+	// What a DaemonSet status write costs: the DaemonSet controller
+	// writes it as the agents' pods become ready, during every rollout.
+	ds, err := env.Client.AppsV1().DaemonSets(dsNS).Get(ctx, dsName, metav1.GetOptions{})
+	if err != nil {
+		return sys, err
+	}
+	ds.Status.DesiredNumberScheduled, ds.Status.CurrentNumberScheduled = int32(sz.agents), int32(sz.agents)
+	ds.Status.NumberReady, ds.Status.NumberAvailable, ds.Status.UpdatedNumberScheduled = int32(sz.agents), int32(sz.agents), int32(sz.agents)
+	ds.Status.ObservedGeneration = ds.Generation
+	if _, err := env.Client.AppsV1().DaemonSets(dsNS).UpdateStatus(ctx, ds, metav1.UpdateOptions{}); err != nil {
+		return sys, fmt.Errorf("write the DaemonSet's status: %w", err)
+	}
+	if _, err := waitQuiet(ctx, audit, 5*time.Second, 30*time.Second); err != nil {
+		return sys, err
+	}
+	s5, err := sampleAPI(ctx, env, audit)
+	if err != nil {
+		return sys, err
+	}
+	sys.DaemonSetStatus = s5.since(s4)
+	if err := allRunning(agents, places); err != nil {
+		return sys, err
+	}
 	logf("done: %d requests at start, %d at rest, %d at the flip", sys.Start.AgentRequests, sys.Rest.AgentRequests, sys.Flip.AgentRequests)
 	return sys, nil
 }
@@ -530,6 +566,7 @@ type apiSample struct {
 	watches, registered float64
 	events, eventBytes  float64
 	requests            float64
+	goroutines, heap    float64
 	agents              auditCounts
 }
 
@@ -559,6 +596,8 @@ func sampleAPI(ctx context.Context, env *kubeenv.Env, audit *fleetAudit) (apiSam
 	s.events, _ = metricSum(text, "apiserver_watch_events_total", "")
 	s.eventBytes, _ = metricSum(text, "apiserver_watch_events_sizes_sum", "")
 	s.requests, _ = metricSum(text, "apiserver_request_total", "")
+	s.goroutines, _ = metricSum(text, "go_goroutines", "")
+	s.heap, _ = metricSum(text, "go_memstats_heap_inuse_bytes", "")
 	if s.agents, err = audit.counts(); err != nil {
 		return s, fmt.Errorf("the audit log: %w", err)
 	}
@@ -594,6 +633,7 @@ func (s apiSample) since(a apiSample) FleetPhase {
 		RSSMiB:              float64(s.rss) / (1 << 20), PeakRSSMiB: float64(s.hwm) / (1 << 20),
 		LongRunningWatches: s.watches, RegisteredWatchers: s.registered,
 		WatchEvents: s.events - a.events, WatchEventBytes: s.eventBytes - a.eventBytes,
+		Goroutines: s.goroutines, HeapInuseMiB: s.heap / (1 << 20),
 	}
 	for k, v := range s.agents.byKey {
 		if d := v - a.agents.byKey[k]; d > 0 {
@@ -622,26 +662,49 @@ func (f *ourFleet) setup(context.Context) (err error) {
 	return err
 }
 
-// install creates the chart's ServiceAccounts: the plugin's, which the
-// agent makes tokens for, beside the agent's own.
-func (f *ourFleet) install(ctx context.Context, env *kubeenv.Env) error {
-	objs, err := kubeenv.ParseObjects(f.shipped.Manifest)
+// install creates the chart's ServiceAccounts (the plugin's, which the
+// agent makes tokens for, beside the agent's own) and its DaemonSet.
+func (f *ourFleet) install(ctx context.Context, env *kubeenv.Env) (string, string, error) {
+	return installChart(ctx, env, f.shipped.Manifest, simnode.ReleaseNamespace)
+}
+
+// installChart creates a rendered chart's ServiceAccounts and DaemonSet
+// (in namespace when they name none).
+func installChart(ctx context.Context, env *kubeenv.Env, manifest []byte, namespace string) (dsNS, dsName string, err error) {
+	objs, err := kubeenv.ParseObjects(manifest)
 	if err != nil {
-		return err
+		return "", "", err
 	}
 	for _, o := range objs {
-		if o.GetKind() != "ServiceAccount" {
+		if o.GetKind() != "ServiceAccount" && o.GetKind() != "DaemonSet" {
 			continue
 		}
+		if o.GetNamespace() == "" {
+			o.SetNamespace(namespace)
+		}
 		if _, err := env.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: o.GetNamespace()}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-			return fmt.Errorf("create namespace %s: %w", o.GetNamespace(), err)
+			return "", "", fmt.Errorf("create namespace %s: %w", o.GetNamespace(), err)
+		}
+		if o.GetKind() == "DaemonSet" {
+			ds := &appsv1.DaemonSet{}
+			if err := k8sruntime.DefaultUnstructuredConverter.FromUnstructured(o.Object, ds); err != nil {
+				return "", "", fmt.Errorf("decode the chart's DaemonSet: %w", err)
+			}
+			if _, err := env.Client.AppsV1().DaemonSets(ds.Namespace).Create(ctx, ds, metav1.CreateOptions{}); err != nil {
+				return "", "", fmt.Errorf("create the chart's DaemonSet %s/%s: %w", ds.Namespace, ds.Name, err)
+			}
+			dsNS, dsName = ds.Namespace, ds.Name
+			continue
 		}
 		sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: o.GetNamespace(), Name: o.GetName()}}
 		if _, err := env.Client.CoreV1().ServiceAccounts(sa.Namespace).Create(ctx, sa, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-			return fmt.Errorf("create the chart's serviceaccount %s/%s: %w", sa.Namespace, sa.Name, err)
+			return "", "", fmt.Errorf("create the chart's serviceaccount %s/%s: %w", sa.Namespace, sa.Name, err)
 		}
 	}
-	return nil
+	if dsName == "" {
+		return "", "", errors.New("the chart renders no DaemonSet")
+	}
+	return dsNS, dsName, nil
 }
 
 func (f *ourFleet) prepare(ctx context.Context, p fleetPlace) (fleetAgent, error) {
@@ -701,9 +764,10 @@ func (f *istioFleet) setup(ctx context.Context) (err error) {
 	return err
 }
 
-// install has nothing to do: the agent's ServiceAccount is all the
-// chart's agent uses.
-func (f *istioFleet) install(context.Context, *kubeenv.Env) error { return nil }
+// install creates the chart's ServiceAccount and DaemonSet.
+func (f *istioFleet) install(ctx context.Context, env *kubeenv.Env) (string, string, error) {
+	return installChart(ctx, env, f.chart.Manifest, istioNamespace)
+}
 
 func (f *istioFleet) prepare(ctx context.Context, p fleetPlace) (fleetAgent, error) {
 	n, err := prepareIstio(ctx, istioPlace{
@@ -812,6 +876,12 @@ func (r *FleetResult) WriteReport(w io.Writer) error {
 	add("rest: API server RSS beyond idle: KiB", func(s *FleetSystem) string {
 		return fmt.Sprintf("%.0f", (s.Rest.RSSMiB-s.Idle.RSSMiB)*1024/n)
 	})
+	add("rest: API server goroutines beyond idle", func(s *FleetSystem) string {
+		return fmt.Sprintf("%.1f", (s.Rest.Goroutines-s.Idle.Goroutines)/n)
+	})
+	add("rest: API server Go heap in use beyond idle: KiB", func(s *FleetSystem) string {
+		return fmt.Sprintf("%.0f", (s.Rest.HeapInuseMiB-s.Idle.HeapInuseMiB)*1024/n)
+	})
 	add("flip: requests (window: s)", func(s *FleetSystem) string {
 		quiet := ""
 		if !s.FlipQuiet {
@@ -825,6 +895,9 @@ func (r *FleetResult) WriteReport(w io.Writer) error {
 	add("flip: API server CPU beyond idle: ms", func(s *FleetSystem) string {
 		return fmt.Sprintf("%.1f", (s.Flip.APIServerCPUSeconds-idleRate(s)*s.Flip.Seconds)*1000/n)
 	})
+	add("one DaemonSet status write: watch events sent (bytes)", func(s *FleetSystem) string {
+		return fmt.Sprintf("%.1f (%.0f)", s.DaemonSetStatus.WatchEvents/n, s.DaemonSetStatus.WatchEventBytes/n)
+	})
 	add("agent's own RSS at rest: MiB", func(s *FleetSystem) string { return fmt.Sprintf("%.1f", s.AgentRSSMiB) })
 	writeMarkdown(w, rows)
 
@@ -834,6 +907,12 @@ func (r *FleetResult) WriteReport(w io.Writer) error {
 		return fmt.Sprintf("%.0f / %.0f / %.0f", s.Idle.RSSMiB, s.Rest.RSSMiB, s.Flip.RSSMiB)
 	})
 	add("peak RSS (VmHWM): MiB", func(s *FleetSystem) string { return fmt.Sprintf("%.0f", s.Flip.PeakRSSMiB) })
+	add("Go heap in use idle / at rest: MiB", func(s *FleetSystem) string {
+		return fmt.Sprintf("%.0f / %.0f", s.Idle.HeapInuseMiB, s.Rest.HeapInuseMiB)
+	})
+	add("goroutines idle / at rest", func(s *FleetSystem) string {
+		return fmt.Sprintf("%.0f / %.0f", s.Idle.Goroutines, s.Rest.Goroutines)
+	})
 	add("CPU idle (no agent) / at rest: % of a core", func(s *FleetSystem) string {
 		return fmt.Sprintf("%.1f / %.1f", idleRate(s)*100, s.Rest.APIServerCPUSeconds/s.Rest.Seconds*100)
 	})
