@@ -344,7 +344,7 @@ func runFleetSystem(ctx context.Context, o FleetOptions, sz fleetSizes, k fleetK
 		return sys, err
 	}
 
-	audit := newFleetAudit(auditPath, k.user())
+	audit := newFleetAudit(auditPath, k.user(), ipToNode)
 	logf("the API server without agents for %v", sz.idle)
 	s0, err := sampleAPI(ctx, env, audit)
 	if err != nil {
@@ -963,7 +963,7 @@ func (r *FleetResult) WriteReport(w io.Writer) error {
 	return nil
 }
 
-// watchList is "namespaces 1, pods 1".
+// watchList is "namespaces 1, pods (spec.nodeName=<node>) 1".
 func watchList(m map[string]int) string {
 	var out []string
 	for _, k := range slices.Sorted(maps.Keys(m)) {

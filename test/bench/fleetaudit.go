@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"maps"
+	"net/url"
 	"strings"
 	"sync"
 	"time"
@@ -29,6 +30,9 @@ rules:
 // holds open.
 type fleetAudit struct {
 	user string
+	// nodes names each node's address: a watch's field selector that
+	// names its own node reads "<node>", so that nodes compare equal.
+	nodes map[string]string
 
 	mu   sync.Mutex
 	tail logTail
@@ -45,8 +49,8 @@ type fleetAudit struct {
 
 type openWatch struct{ source, resource string }
 
-func newFleetAudit(path, user string) *fleetAudit {
-	return &fleetAudit{user: user, tail: logTail{path: path}, reqs: map[string]int{}, open: map[string]openWatch{}}
+func newFleetAudit(path, user string, nodes map[string]string) *fleetAudit {
+	return &fleetAudit{user: user, nodes: nodes, tail: logTail{path: path}, reqs: map[string]int{}, open: map[string]openWatch{}}
 }
 
 func (a *fleetAudit) poll() error {
@@ -80,7 +84,7 @@ func (a *fleetAudit) addLine(line []byte) {
 			if len(ev.SourceIPs) > 0 {
 				src = ev.SourceIPs[0]
 			}
-			a.open[ev.AuditID] = openWatch{source: src, resource: res}
+			a.open[ev.AuditID] = openWatch{source: src, resource: res + a.selectors(ev.RequestURI, src)}
 		case "ResponseComplete":
 			delete(a.open, ev.AuditID)
 		}
@@ -146,4 +150,26 @@ func (a *fleetAudit) quietFor() (time.Duration, error) {
 		return time.Duration(1<<62 - 1), nil
 	}
 	return time.Since(a.last), nil
+}
+
+// selectors is a watch's field and label selectors, " (…)", with the
+// watching node's name as "<node>"; "" when it has none.
+func (a *fleetAudit) selectors(requestURI, source string) string {
+	u, err := url.Parse(requestURI)
+	if err != nil {
+		return ""
+	}
+	var sel []string
+	for _, k := range []string{"fieldSelector", "labelSelector"} {
+		if v := u.Query().Get(k); v != "" {
+			if node := a.nodes[source]; node != "" {
+				v = strings.ReplaceAll(v, node, "<node>")
+			}
+			sel = append(sel, v)
+		}
+	}
+	if len(sel) == 0 {
+		return ""
+	}
+	return " (" + strings.Join(sel, "; ") + ")"
 }
