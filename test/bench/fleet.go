@@ -876,6 +876,12 @@ func (r *FleetResult) WriteReport(w io.Writer) error {
 	add("rest: API server RSS beyond idle: KiB", func(s *FleetSystem) string {
 		return fmt.Sprintf("%.0f", (s.Rest.RSSMiB-s.Idle.RSSMiB)*1024/n)
 	})
+	add("rest: watch events sent per minute (bytes)", func(s *FleetSystem) string {
+		return fmt.Sprintf("%.1f (%.0f)", s.Rest.WatchEvents/n*60/s.Rest.Seconds, s.Rest.WatchEventBytes/n*60/s.Rest.Seconds)
+	})
+	add("start: watch events sent (bytes)", func(s *FleetSystem) string {
+		return fmt.Sprintf("%.1f (%.0f)", s.Start.WatchEvents/n, s.Start.WatchEventBytes/n)
+	})
 	add("rest: API server goroutines beyond idle", func(s *FleetSystem) string {
 		return fmt.Sprintf("%.1f", (s.Rest.Goroutines-s.Idle.Goroutines)/n)
 	})
