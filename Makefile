@@ -29,7 +29,7 @@ STAMP_LDFLAGS := -X $(BUILDINFO).version=$(VERSION) -X $(BUILDINFO).commit=$(COM
 PLUGIN_LDFLAGS := -s -w $(STAMP_LDFLAGS)
 AGENT_LDFLAGS  := -s -w $(STAMP_LDFLAGS)
 
-.PHONY: archcheck tidy check all build version image image-push image-tools chart chart-push tools peer-tools node-tools bench bench-scale test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: archcheck tidy check all build version image image-push image-tools chart chart-push tools peer-tools node-tools bench bench-scale bench-agents test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -112,6 +112,11 @@ bench: build tools peer-tools ## as root: measure the shipped binaries with the 
 
 bench-scale: build tools ## as root: the agent's RSS idle and with 10,000 namespaces (10 KiB of annotations each) and 20,000 pods of other nodes in the API server, against its targets (docs/performance.md); BENCH_QUICK=1 for a smoke run
 	$(GO) run ./test/bench/cmd/bench -scale -install-cni $(BIN)/install-cni -plugin $(BIN)/ambient-cni -out $(BENCH_OUT)
+
+# How many node agents make bench-agents runs of each system.
+BENCH_AGENTS  ?= 50
+bench-agents: build tools peer-tools ## as root: what BENCH_AGENTS (50) node agents, each on a simulated node, cost one API server (requests, watches, memory, CPU at start, at rest, at a namespace flip), ours beside istio-cni's (docs/performance.md); BENCH_QUICK=1 for a smoke run
+	$(GO) run ./test/bench/cmd/bench -agents $(BENCH_AGENTS) -install-cni $(BIN)/install-cni -plugin $(BIN)/ambient-cni -out $(BENCH_OUT)
 
 check: lint test test-long e2e ## as root: everything CI runs (.ci/run runs exactly this)
 

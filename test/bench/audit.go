@@ -68,10 +68,13 @@ func (r APIRequest) Key() string {
 }
 
 type auditEvent struct {
-	Stage     string `json:"stage"`
-	Verb      string `json:"verb"`
-	UserAgent string `json:"userAgent"`
-	User      struct {
+	AuditID    string   `json:"auditID"`
+	RequestURI string   `json:"requestURI"`
+	SourceIPs  []string `json:"sourceIPs"`
+	Stage      string   `json:"stage"`
+	Verb       string   `json:"verb"`
+	UserAgent  string   `json:"userAgent"`
+	User       struct {
 		Username string `json:"username"`
 	} `json:"user"`
 	ObjectRef *struct {
@@ -87,33 +90,44 @@ type auditEvent struct {
 
 // auditLog follows the audit log file and keeps the agent's requests.
 type auditLog struct {
-	path      string
+	tail      logTail
 	userAgent string
 	// user, when set, matches by the authenticated user instead (a peer
 	// whose User-Agent is not ours to know).
 	user string
 
 	mu      sync.Mutex
-	off     int64
-	partial []byte
 	reqs    []APIRequest
 	watches int
 	bad     int
 }
 
 func newAuditLog(path, node string) *auditLog {
-	return &auditLog{path: path, userAgent: installcni.UserAgentPrefix + node}
+	return &auditLog{tail: logTail{path: path}, userAgent: installcni.UserAgentPrefix + node}
 }
 
 func newAuditLogUser(path, user string) *auditLog {
-	return &auditLog{path: path, user: user}
+	return &auditLog{tail: logTail{path: path}, user: user}
 }
 
 // poll reads what was appended since the last call.
 func (a *auditLog) poll() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	f, err := os.Open(a.path)
+	return a.tail.read(a.addLine)
+}
+
+// logTail reads the lines appended to a growing file since its last
+// read; a line not yet complete waits for the next.
+type logTail struct {
+	path    string
+	off     int64
+	partial []byte
+}
+
+// read calls line for each complete line appended since the last read.
+func (t *logTail) read(line func([]byte)) error {
+	f, err := os.Open(t.path)
 	if os.IsNotExist(err) {
 		return nil
 	}
@@ -121,25 +135,25 @@ func (a *auditLog) poll() error {
 		return err
 	}
 	defer f.Close()
-	if _, err := f.Seek(a.off, io.SeekStart); err != nil {
+	if _, err := f.Seek(t.off, io.SeekStart); err != nil {
 		return err
 	}
 	b, err := io.ReadAll(f)
 	if err != nil {
 		return err
 	}
-	a.off += int64(len(b))
-	b = append(a.partial, b...)
+	t.off += int64(len(b))
+	b = append(t.partial, b...)
 	last := bytes.LastIndexByte(b, '\n')
 	if last < 0 {
-		a.partial = b
+		t.partial = b
 		return nil
 	}
-	a.partial = append([]byte(nil), b[last+1:]...)
+	t.partial = append([]byte(nil), b[last+1:]...)
 	sc := bufio.NewScanner(bytes.NewReader(b[:last+1]))
 	sc.Buffer(make([]byte, 64*1024), 4*1024*1024)
 	for sc.Scan() {
-		a.addLine(sc.Bytes())
+		line(sc.Bytes())
 	}
 	return sc.Err()
 }

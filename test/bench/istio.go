@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"net/netip"
 	"net/url"
@@ -47,7 +48,8 @@ const (
 	istioRelease   = "istio-cni"
 	// istioReadyURL is the DaemonSet's readiness probe (port 8000 is fixed
 	// in install-cni).
-	istioReadyURL = "http://127.0.0.1:8000/readyz"
+	istioReadyURL  = "http://127.0.0.1:" + istioReadyPort + "/readyz"
+	istioReadyPort = "8000"
 	// istioMetricsURL is its monitoring port (the chart's 15014).
 	istioMetricsURL = "http://127.0.0.1:15014"
 )
@@ -216,22 +218,44 @@ type istioNode struct {
 	Env      map[string]string
 	Args     []string // install-cni's, the chart's
 	Primary  []byte
-	proc     *childproc.Proc // unshare, whose child install-cni is
-	agentPid int             // install-cni, PID 1 of its PID namespace
-	shared   bool
+	// netns, when set, is the network namespace install-cni runs in;
+	// readyURL is its readiness probe as reached from here.
+	netns, readyURL string
+	proc            *childproc.Proc // unshare, whose child install-cni is
+	agentPid        int             // install-cni, PID 1 of its PID namespace
+	shared          bool
+}
+
+// istioPlace says where one istio-cni node is: its API server, its
+// directory, its name and the reference plugins its bin dir gets.
+type istioPlace struct {
+	env        *kubeenv.Env
+	dir, name  string
+	refPlugins string
+	// apiHost, when set, is the API server's URL as the node reaches it
+	// (default env's own).
+	apiHost string
+	// netns, when set, is a network namespace (a bind-mounted file)
+	// install-cni runs in, as a node of its own; its readiness probe is
+	// then asked at nodeIP.
+	netns, nodeIP string
 }
 
 // prepareIstio prepares the node (CNI bin dir with the reference plugins,
 // the primary conflist, the ServiceAccount under the chart's RBAC, the
 // chart's environment) for start. Close undoes it.
-func prepareIstio(ctx context.Context, r *backendRun, installCNI, plugin string, chart *istioChart) (n *istioNode, err error) {
+func prepareIstio(ctx context.Context, at istioPlace, installCNI, plugin string, chart *istioChart) (n *istioNode, err error) {
 	n = &istioNode{Args: chart.Args,
-		Name: r.res.Node, Dir: r.dir, BinDir: filepath.Join(r.dir, "bin"), ConfDir: filepath.Join(r.dir, "net.d"),
-		RunDir: filepath.Join(r.dir, "run"), LogPath: filepath.Join(r.dir, "install-cni.log"),
+		Name: at.name, Dir: at.dir, BinDir: filepath.Join(at.dir, "bin"), ConfDir: filepath.Join(at.dir, "net.d"),
+		RunDir: filepath.Join(at.dir, "run"), LogPath: filepath.Join(at.dir, "install-cni.log"),
+		netns: at.netns, readyURL: istioReadyURL,
 	}
-	n.ZDSSocket = filepath.Join(r.dir, "ztunnel", "ztunnel.sock")
-	n.NetnsDir = filepath.Join(r.dir, "netns")
-	for _, d := range []string{n.BinDir, n.ConfDir, n.RunDir, filepath.Dir(n.ZDSSocket), filepath.Join(r.dir, "image"), filepath.Join(r.dir, "sa"), n.NetnsDir} {
+	if at.nodeIP != "" {
+		n.readyURL = "http://" + net.JoinHostPort(at.nodeIP, istioReadyPort) + "/readyz"
+	}
+	n.ZDSSocket = filepath.Join(at.dir, "ztunnel", "ztunnel.sock")
+	n.NetnsDir = filepath.Join(at.dir, "netns")
+	for _, d := range []string{n.BinDir, n.ConfDir, n.RunDir, filepath.Dir(n.ZDSSocket), filepath.Join(at.dir, "image"), filepath.Join(at.dir, "sa"), n.NetnsDir} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			return nil, err
 		}
@@ -251,7 +275,7 @@ func prepareIstio(ctx context.Context, r *backendRun, installCNI, plugin string,
 		return n, fmt.Errorf("make %s a shared mount: %w", n.NetnsDir, err)
 	}
 	for _, p := range cnibin.ReferencePlugins {
-		b, err := os.ReadFile(filepath.Join(r.refPlugins, p))
+		b, err := os.ReadFile(filepath.Join(at.refPlugins, p))
 		if err != nil {
 			return nil, err
 		}
@@ -266,29 +290,33 @@ func prepareIstio(ctx context.Context, r *backendRun, installCNI, plugin string,
 		if err != nil {
 			return nil, err
 		}
-		if err := os.WriteFile(filepath.Join(r.dir, "image", dst), b, 0o755); err != nil {
+		if err := os.WriteFile(filepath.Join(at.dir, "image", dst), b, 0o755); err != nil {
 			return nil, err
 		}
 	}
 	n.Bridge = testnet.RandName("ic", 8)
-	n.Primary = cnibin.Conflist(cnibin.Network{Bridge: n.Bridge, Subnet: istioSubnet, DataDir: filepath.Join(r.dir, "ipam")})
+	n.Primary = cnibin.Conflist(cnibin.Network{Bridge: n.Bridge, Subnet: istioSubnet, DataDir: filepath.Join(at.dir, "ipam")})
 	if err := os.WriteFile(filepath.Join(n.ConfDir, "10-bridge.conflist"), n.Primary, 0o644); err != nil {
 		return nil, err
 	}
-	cfg, err := r.env.ServiceAccountConfig(ctx, istioNamespace, chart.ServiceAccount, chart.RBAC)
+	cfg, err := at.env.ServiceAccountConfig(ctx, istioNamespace, chart.ServiceAccount, chart.RBAC)
 	if err != nil {
 		return nil, err
 	}
-	if err := os.WriteFile(filepath.Join(r.dir, "sa", "token"), []byte(cfg.BearerToken), 0o600); err != nil {
+	if err := os.WriteFile(filepath.Join(at.dir, "sa", "token"), []byte(cfg.BearerToken), 0o600); err != nil {
 		return nil, err
 	}
-	if err := os.WriteFile(filepath.Join(r.dir, "sa", "ca.crt"), cfg.CAData, 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(at.dir, "sa", "ca.crt"), cfg.CAData, 0o644); err != nil {
 		return nil, err
 	}
-	if err := os.WriteFile(filepath.Join(r.dir, "sa", "namespace"), []byte(istioNamespace), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(at.dir, "sa", "namespace"), []byte(istioNamespace), 0o644); err != nil {
 		return nil, err
 	}
-	u, err := url.Parse(cfg.Host)
+	host := cfg.Host
+	if at.apiHost != "" {
+		host = at.apiHost
+	}
+	u, err := url.Parse(host)
 	if err != nil {
 		return nil, err
 	}
@@ -323,7 +351,7 @@ func prepareIstio(ctx context.Context, r *backendRun, installCNI, plugin string,
 	for k, v := range istioNodeLocal(n, u) {
 		n.Env[k] = v
 	}
-	script := filepath.Join(r.dir, "start.sh")
+	script := filepath.Join(at.dir, "start.sh")
 	if err := os.WriteFile(script, []byte(istioStartScript), 0o755); err != nil {
 		return nil, err
 	}
@@ -333,9 +361,13 @@ func prepareIstio(ctx context.Context, r *backendRun, installCNI, plugin string,
 // start starts install-cni with the chart's environment, in a mount and
 // PID namespace of its own; one must not be running.
 func (n *istioNode) start(ctx context.Context) (err error) {
-	args := append([]string{"--mount", "--pid", "--fork", "--kill-child=SIGTERM", "--propagation", "slave",
+	args := append([]string{"unshare", "--mount", "--pid", "--fork", "--kill-child=SIGTERM", "--propagation", "slave",
 		"sh", filepath.Join(n.Dir, "start.sh"), n.Dir, filepath.Join(n.Dir, "image", "install-cni")}, n.Args...)
-	if n.proc, err = childproc.StartEnviron("istio install-cni", "unshare", args, simnode.Environ(n.Env), n.LogPath); err != nil {
+	if n.netns != "" {
+		// nsenter execs unshare: the process started stays unshare.
+		args = append([]string{"nsenter", "--net=" + n.netns, "--"}, args...)
+	}
+	if n.proc, err = childproc.StartEnviron("istio install-cni", args[0], args[1:], simnode.Environ(n.Env), n.LogPath); err != nil {
 		return err
 	}
 	n.agentPid = 0
@@ -413,7 +445,7 @@ exec chroot "$R" "$BIN" "$@"
 
 // ready reports whether install-cni answers its readiness probe.
 func (n *istioNode) ready() bool {
-	resp, err := (&http.Client{Timeout: 2 * time.Second}).Get(istioReadyURL)
+	resp, err := (&http.Client{Timeout: 2 * time.Second}).Get(n.readyURL)
 	if err != nil {
 		return false
 	}

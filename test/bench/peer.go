@@ -42,7 +42,7 @@ func (a *peerAgent) prepare(ctx context.Context, r *backendRun) error {
 	if u := "system:serviceaccount:" + istioNamespace + ":" + chart.ServiceAccount; u != istioUser {
 		return fmt.Errorf("the Istio chart's ServiceAccount is %s, the audit policy logs %s", u, istioUser)
 	}
-	if a.node, err = prepareIstio(ctx, r, a.installCNI, a.plugin, chart); err != nil {
+	if a.node, err = prepareIstio(ctx, istioPlace{env: r.env, dir: r.dir, name: r.res.Node, refPlugins: r.refPlugins}, a.installCNI, a.plugin, chart); err != nil {
 		return err
 	}
 	r.agentEnv, r.res.AgentEnv, r.log = a.node.Env, a.node.Env, a.node.LogPath

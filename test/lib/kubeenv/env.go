@@ -50,6 +50,12 @@ type Options struct {
 	// kubelets (logs, exec) that authenticate clients against it, and has
 	// it reach them by their InternalIP (a node name may not resolve).
 	KubeletClient bool
+	// ListenAll binds the apiserver to every address, not only loopback,
+	// and names ServingIPs in its serving certificate: for clients in
+	// network namespaces of their own (simulated nodes) that reach it
+	// through an address of the caller's namespace.
+	ListenAll  bool
+	ServingIPs []net.IP
 }
 
 // ServiceCIDR is the service cluster IP range the apiserver is given.
@@ -165,7 +171,7 @@ func (e *Env) start(ctx context.Context, etcdBin, apiBin string, opts Options) e
 	firstSvcIP := make(net.IP, 4)
 	copy(firstSvcIP, svcNet.IP.To4())
 	firstSvcIP[3]++
-	servingCert, servingKey, err := ca.serving(firstSvcIP)
+	servingCert, servingKey, err := ca.serving(append([]net.IP{firstSvcIP}, opts.ServingIPs...)...)
 	if err != nil {
 		return err
 	}
@@ -243,6 +249,9 @@ func (e *Env) start(ctx context.Context, etcdBin, apiBin string, opts Options) e
 			"--kubelet-client-certificate="+filepath.Join(run, "kubelet-client.crt"),
 			"--kubelet-client-key="+filepath.Join(run, "kubelet-client.key"),
 			"--kubelet-preferred-address-types=InternalIP")
+	}
+	if opts.ListenAll {
+		args = append(args, "--bind-address=0.0.0.0")
 	}
 	args = append(args, opts.APIServerArgs...)
 	e.apiBin, e.apiArgs = apiBin, args

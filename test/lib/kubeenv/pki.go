@@ -83,14 +83,15 @@ func (a *authority) issue(tmpl *x509.Certificate) (certPEM, keyPEM []byte, err e
 	return pemBlock("CERTIFICATE", der), keyPEM, nil
 }
 
-// serving issues the apiserver's certificate for the loopback address and the
-// in-cluster names, so clients verify it against the CA like in a cluster.
-func (a *authority) serving(serviceIP net.IP) (certPEM, keyPEM []byte, err error) {
+// serving issues the apiserver's certificate for the loopback address, the
+// in-cluster names and ips (the service IP, addresses it listens on), so
+// clients verify it against the CA like in a cluster.
+func (a *authority) serving(ips ...net.IP) (certPEM, keyPEM []byte, err error) {
 	return a.issue(&x509.Certificate{
 		Subject:     pkix.Name{CommonName: "kube-apiserver"},
 		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
 		DNSNames:    []string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc", "kubernetes.default.svc.cluster.local"},
-		IPAddresses: []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback, serviceIP},
+		IPAddresses: append([]net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback}, ips...),
 	})
 }
 

@@ -75,6 +75,11 @@ type Options struct {
 	// ExtraRBAC is RBAC YAML bound beside the shipped roles, for a chart
 	// setting that adds rules (startupTaint.enabled adds nodes patch).
 	ExtraRBAC []byte
+	// Netns, when set, is a network namespace (a bind-mounted file) the
+	// agent runs in, as a node of its own among many sharing one API
+	// server: its host rules and metrics port are that namespace's. The
+	// caller made it and reaches the API server from it (APIHost).
+	Netns string
 	// StandIn configures the ztunnel stand-ins (SocketPath is the node's;
 	// a nil Logger discards).
 	StandIn ztunnel.Config
@@ -264,7 +269,12 @@ func (n *Node) StartAgent() (*childproc.Proc, error) {
 		fmt.Fprintf(f, "{\"msg\":\"simnode: starting install-cni #%d\"}\n", n.starts)
 		_ = f.Close()
 	}
-	p, err := childproc.StartEnviron("install-cni", n.opts.InstallCNI, n.opts.Chart.Args, Environ(n.AgentEnv), n.LogPath)
+	argv := append([]string{n.opts.InstallCNI}, n.opts.Chart.Args...)
+	if n.opts.Netns != "" {
+		// nsenter execs install-cni: the process started is the agent.
+		argv = append([]string{"nsenter", "--net=" + n.opts.Netns, "--"}, argv...)
+	}
+	p, err := childproc.StartEnviron("install-cni", argv[0], argv[1:], Environ(n.AgentEnv), n.LogPath)
 	if err != nil {
 		return nil, err
 	}

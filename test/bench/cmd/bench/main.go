@@ -2,7 +2,9 @@
 // chart's default values and prints one table (docs/performance.md).
 // `make bench` runs it as root; BENCH_QUICK=1 makes it a quick smoke run.
 // With -scale (`make bench-scale`) it measures the agent's memory with a
-// large cluster's namespaces and pods in the API server instead.
+// large cluster's namespaces and pods in the API server instead; with
+// -agents N (`make bench-agents`) what N node agents cost one API server,
+// ours beside istio-cni's.
 package main
 
 import (
@@ -20,6 +22,7 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/test/bench"
+	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
@@ -40,13 +43,17 @@ func run() int {
 	quick := flag.Bool("quick", envBool("BENCH_QUICK"), "few samples and small enrollments: a smoke run of the harness (env BENCH_QUICK)")
 	profile := flag.Bool("profile", envBool("BENCH_PROFILE"), "attach perf to the agent and write reports next to the JSON; inflates the figures (env BENCH_PROFILE)")
 	scale := flag.Bool("scale", false, "measure the agent's memory with 10,000 namespaces and 20,000 pods of other nodes in the API server (with -quick: 200 and 400)")
+	agents := flag.Int("agents", 0, "measure what this many node agents (ours, then istio-cni's) cost one API server (with -quick: at most 5)")
 	flag.Parse()
 	fail := func(err error) int {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		return 1
 	}
-	if *scale && *profile {
-		return fail(errors.New("-scale measures memory: -profile (perf) does not apply to it"))
+	if (*scale || *agents > 0) && *profile {
+		return fail(errors.New("-scale and -agents measure memory and the API server: -profile (perf) does not apply to them"))
+	}
+	if *scale && *agents > 0 {
+		return fail(errors.New("-scale and -agents are separate runs"))
 	}
 	// Resolve paths before anything else can change them.
 	for _, p := range []*string{installCNI, plugin, out} {
@@ -55,6 +62,14 @@ func run() int {
 			return fail(err)
 		}
 		*p = abs
+	}
+	if !testnet.InOwnNetns() {
+		// The reference plugins are built here, where the module proxy
+		// is reachable; the run in its own network namespace finds
+		// them cached.
+		if _, _, err := cnibin.Build(); err != nil {
+			return fail(fmt.Errorf("build the reference CNI plugins: %w", err))
+		}
 	}
 	code, reexec, err := testnet.ProgramInOwnNetns()
 	if err != nil {
@@ -79,6 +94,16 @@ func run() int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
+	if *agents > 0 {
+		n := *agents
+		if *quick {
+			n = min(n, 5)
+		}
+		return runFleet(ctx, bench.FleetOptions{
+			RepoRoot: root, InstallCNI: *installCNI, Plugin: *plugin, Agents: n, Quick: *quick, Log: os.Stderr,
+			IstioInstallCNI: istioInstallCNI, IstioPlugin: istioPlugin, IstioVersion: istioVersion, IstioMissing: istioMissing,
+		}, *out)
+	}
 	if *scale {
 		return runScale(ctx, bench.ScaleOptions{RepoRoot: root, InstallCNI: *installCNI, Plugin: *plugin, Quick: *quick, Log: os.Stderr}, *out)
 	}
@@ -158,5 +183,45 @@ func runScale(ctx context.Context, o bench.ScaleOptions, out string) int {
 	}
 	fmt.Fprintf(os.Stderr, "results: %s (%s)\n", filepath.Join(out, name+".json"), time.Duration(res.Seconds*float64(time.Second)).Round(time.Second))
 	os.Stdout.Write(report)
+	return 0
+}
+
+// runFleet runs the fleet benchmark, writes its JSON and report next to
+// the other results and prints the report. A system that failed is
+// reported in its column; the run then fails.
+func runFleet(ctx context.Context, o bench.FleetOptions, out string) int {
+	fail := func(err error) int {
+		fmt.Fprintln(os.Stderr, "bench -agents:", err)
+		return 1
+	}
+	res, runErr := bench.RunFleet(ctx, o)
+	if res == nil {
+		return fail(runErr)
+	}
+	b, err := json.MarshalIndent(res, "", "  ")
+	if err != nil {
+		return fail(err)
+	}
+	name := "agents-" + res.Started.UTC().Format("20060102T150405Z")
+	if res.Quick {
+		name += "-quick"
+	}
+	var buf bytes.Buffer
+	_ = res.WriteReport(&buf)
+	report := buf.Bytes()
+	for path, data := range map[string][]byte{
+		filepath.Join(out, name+".json"):         b,
+		filepath.Join(out, "agents-latest.json"): b,
+		filepath.Join(out, "agents-latest.txt"):  report,
+	} {
+		if err := os.WriteFile(path, append(data, '\n'), 0o644); err != nil {
+			return fail(err)
+		}
+	}
+	fmt.Fprintf(os.Stderr, "results: %s (%s)\n", filepath.Join(out, name+".json"), time.Duration(res.Seconds*float64(time.Second)).Round(time.Second))
+	os.Stdout.Write(report)
+	if runErr != nil {
+		return fail(runErr)
+	}
 	return 0
 }
