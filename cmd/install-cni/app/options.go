@@ -70,9 +70,12 @@ type Config struct {
 	AnnotationQPS   float32
 	AnnotationBurst int
 
-	CNIBinDir         string
-	CNIConfDir        string
-	CNIConfName       string
+	CNIBinDir   string
+	CNIConfDir  string
+	CNIConfName string
+	// IstioCNIRunDir, when set, lets the installer take over from a
+	// chained istio-cni whose node agent is gone.
+	IstioCNIRunDir    string
 	PluginType        string
 	PluginBinary      string
 	PluginTimeout     time.Duration
@@ -301,6 +304,7 @@ func options() []option {
 		{"cni-bin-dir", "Host CNI binary directory, as mounted in the container.", hostRoot + installer.DefaultBinDir, str(func(c *Config) *string { return &c.CNIBinDir })},
 		{"cni-conf-dir", "Host CNI config directory, as mounted in the container.", hostRoot + installer.DefaultConfDir, str(func(c *Config) *string { return &c.CNIConfDir })},
 		{"cni-conf-name", "Primary CNI config file to chain into; empty picks the runtime's choice (lexically first valid file).", "", str(func(c *Config) *string { return &c.CNIConfName })},
+		{"istio-cni-run-dir", "istio-cni's run directory on the host (its chart's /var/run/istio-cni), as mounted in the container. When set, an istio-cni found chained in the primary config is replaced by our entry in one write once nothing answers on its plugin event socket there (its DaemonSet moved off this node); unset, the agent refuses to chain next to istio-cni.", "", str(func(c *Config) *string { return &c.IstioCNIRunDir })},
 		{"cni-plugin-type", "Plugin type (and binary name) written into the conflist.", installer.DefaultPluginName, str(func(c *Config) *string { return &c.PluginType })},
 		{"plugin-binary", "Plugin binary inside the image, copied into cni-bin-dir.", defaultPluginBinary, str(func(c *Config) *string { return &c.PluginBinary })},
 		{"plugin-timeout", "How long the plugin waits for the agent's answer; must exceed ztunnel-wait.", ambient.DefaultPluginTimeout.String(), duration(func(c *Config) *time.Duration { return &c.PluginTimeout })},
