@@ -309,10 +309,8 @@ func RemoveIstioHost(before IstioHostState) []error {
 		}
 	}
 	for _, f := range iptablesFlavours {
-		bc := map[string][]string{}
-		for _, c := range before.Chains[f] {
-			bc["nat"] = append(bc["nat"], c)
-		}
+		// istio-cni's chain is in nat.
+		bc := map[string][]string{"nat": before.Chains[f]}
 		errs = append(errs, removeChains(f, istioHostChains, bc)...)
 	}
 	for _, s := range left.Sets {
