@@ -92,7 +92,12 @@ func (n *Node) ImportIstioCNI(ctx context.Context) (*IstioCNI, error) {
 		return nil, err
 	}
 	a := filepath.Join(n.Dir, "istio-install-cni.tar")
-	if err := imagearchive.WriteFile(a, imagearchive.Image{Name: IstioCNIImage, Entrypoint: []string{"/usr/local/bin/install-cni"}, Layers: []imagearchive.Layer{imagearchive.FileLayer(n.Tools.Rootfs), top}}); err != nil {
+	if err := imagearchive.WriteFile(a, imagearchive.Image{
+		Name: IstioCNIImage, Cmd: []string{"/usr/local/bin/install-cni"},
+		// Istio's Dockerfile's: the chart's command is install-cni, by PATH.
+		Env:        []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:/opt/cni/bin"},
+		WorkingDir: "/opt/cni/bin",
+		Layers:     []imagearchive.Layer{imagearchive.FileLayer(n.Tools.Rootfs), top}}); err != nil {
 		return nil, fmt.Errorf("write image %s: %w", IstioCNIImage, err)
 	}
 	start := time.Now()
