@@ -140,18 +140,51 @@ func (n *Node) IstioCNIValues(ic *IstioCNI, nativeNftables bool) map[string]any 
 	}
 }
 
-// istioPostRenderer rewrites the three host paths Istio's chart fixes
-// (no value sets them) to the node's: istio-cni's run directory (mounted
-// at the same path, which CNI_AGENT_RUN_DIR names), ztunnel's socket
-// directory, and the pod netns directory, mounted under /host at its own
-// path as istio-cni opens "/host"+netns.
+// istioHostProc prepares what istio-cni gets as the host's /proc: a proc
+// mount of the machine's PID namespace in the node directory whose
+// 1/ns/net is the host network namespace. istio-cni stats /proc/1/ns/net
+// to tell the host's netns apart, and on this machine PID 1's namespaces
+// are unreadable; every other process shows as in /proc. Down unmounts it
+// with everything under the node directory.
+func (n *Node) istioHostProc() (string, error) {
+	d := filepath.Join(n.Dir, "istio-host-proc")
+	if isMountPoint(d) {
+		return d, nil
+	}
+	if err := os.MkdirAll(d, 0o755); err != nil {
+		return "", err
+	}
+	ns := filepath.Join(d, "1", "ns")
+	for _, c := range [][]string{
+		{"mount", "-t", "proc", "proc", d},
+		{"mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", ns},
+		{"touch", filepath.Join(ns, "net")},
+		{"mount", "--bind", "/proc/self/ns/net", filepath.Join(ns, "net")},
+	} {
+		if out, err := exec.Command(c[0], c[1:]...).CombinedOutput(); err != nil {
+			return "", fmt.Errorf("istio-cni's host proc: %s: %v: %s", strings.Join(c, " "), err, out)
+		}
+	}
+	return d, nil
+}
+
+// istioPostRenderer rewrites the host paths Istio's chart fixes (no value
+// sets them) to the node's: istio-cni's run directory (mounted at the same
+// path, which CNI_AGENT_RUN_DIR names), ztunnel's socket directory, the
+// pod netns directory, mounted under /host at its own path as istio-cni
+// opens "/host"+netns, and the host's /proc (istioHostProc).
 func (n *Node) istioPostRenderer(ic *IstioCNI) (string, error) {
+	proc, err := n.istioHostProc()
+	if err != nil {
+		return "", err
+	}
 	script := fmt.Sprintf(`#!/bin/sh
 exec sed -e 's#^\( *\)path: /var/run/istio-cni$#\1path: %[1]s#' \
   -e 's#^\( *\)- mountPath: /var/run/istio-cni$#\1- mountPath: %[1]s#' \
   -e 's#^\( *\)path: /var/run/ztunnel$#\1path: %[2]s#' \
-  -e 's#^\( *\)- mountPath: /host/var/run/netns$#\1- mountPath: /host%[3]s#'
-`, ic.RunDir, n.ZtunnelSocketDir(), n.NetnsDir)
+  -e 's#^\( *\)- mountPath: /host/var/run/netns$#\1- mountPath: /host%[3]s#' \
+  -e 's#^\( *\)path: /proc$#\1path: %[4]s#'
+`, ic.RunDir, n.ZtunnelSocketDir(), n.NetnsDir, proc)
 	p := filepath.Join(n.Dir, "istio-post-render.sh")
 	return p, os.WriteFile(p, []byte(script), 0o755)
 }
