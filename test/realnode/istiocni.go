@@ -2,6 +2,7 @@ package realnode
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -10,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ambient-cni/ambient-cni/test/realnode/imagearchive"
@@ -203,8 +205,26 @@ func (n *Node) InstallIstioCNI(ctx context.Context, ic *IstioCNI, values map[str
 	if err := os.MkdirAll(ic.RunDir, 0o755); err != nil {
 		return err
 	}
-	_, err = n.Helm(ctx, "install", IstioCNIRelease, ic.Chart, "--namespace", ReleaseNamespace, "-f", vf, "--post-renderer", pr, "--wait", "--timeout", "5m")
-	return err
+	if _, err = n.Helm(ctx, "install", IstioCNIRelease, ic.Chart, "--namespace", ReleaseNamespace, "-f", vf, "--post-renderer", pr, "--wait", "--timeout", "5m"); err != nil {
+		return err
+	}
+	// helm's wait takes a DaemonSet of one node with maxUnavailable 1 as
+	// ready at once: wait for the pod itself.
+	return n.poll(ctx, "istio-cni's pod ready", n.opts.Wait, func(ctx context.Context) (bool, error) {
+		pods, err := n.Client.CoreV1().Pods(ReleaseNamespace).List(ctx, metav1.ListOptions{LabelSelector: "k8s-app=" + IstioCNIDaemonSet})
+		if err != nil {
+			return false, err
+		}
+		for _, p := range pods.Items {
+			for _, c := range p.Status.Conditions {
+				if p.DeletionTimestamp == nil && c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue {
+					return true, nil
+				}
+			}
+			return false, fmt.Errorf("istio-cni pod %s", podSummary(&p))
+		}
+		return false, errors.New("no istio-cni pod")
+	})
 }
 
 // UninstallIstioCNI runs helm uninstall of istio-cni.
