@@ -382,7 +382,10 @@ func (s *switchTest) finalView(t *testing.T) {
 
 // Rollback: ambient-cni's uninstall releases every pod, and istio-cni,
 // installed again, enrolls them; nothing chains istio-cni in one write
-// with our entry leaving, so the window is measured, not asserted zero.
+// with our entry leaving, so the window (and the connections it resets)
+// is measured, not asserted zero. The end state is asserted: every pod
+// captured by istio-cni with its rules only, ztunnel holding exactly the
+// live pods, istiod seeing them HBONE.
 func (s *switchTest) testRollback(t *testing.T) {
 	ctx := context.Background()
 	m := s.mode()
@@ -435,10 +438,12 @@ func (s *switchTest) testRollback(t *testing.T) {
 	if len(bad) > 0 {
 		t.Logf("ambient pods seen uncaptured during the rollback (the measured window):\n%s", strings.Join(bad, "\n"))
 	}
+	// Measured, not asserted: releasing a pod takes it from ztunnel,
+	// which ends the connections it proxies for it.
 	figure(t, m+"-rollback-connections-reset", d.Broken)
 	figure(t, m+"-rollback-requests-failed", d.LoopFailed)
 	if d.Broken > 0 {
-		t.Errorf("rollback: %d held connections broke: %v", d.Broken, d.Failures)
+		t.Logf("rollback: %d held connections broke (redialled): %v", d.Broken, d.Failures)
 	}
 	startedOut := 0
 	var longest time.Duration
@@ -472,17 +477,19 @@ func (s *switchTest) testRollback(t *testing.T) {
 // sample (each line starts with its time).
 func uncapturedSpan(bad []string) time.Duration {
 	var first, last time.Time
+	seen := false
 	for _, b := range bad {
 		ts, err := time.Parse("15:04:05.000", strings.Fields(b)[0])
 		if err != nil {
 			continue
 		}
-		if first.IsZero() || ts.Before(first) {
+		if !seen || ts.Before(first) {
 			first = ts
 		}
-		if ts.After(last) {
+		if !seen || ts.After(last) {
 			last = ts
 		}
+		seen = true
 	}
 	return last.Sub(first)
 }
