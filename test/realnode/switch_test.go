@@ -47,6 +47,8 @@ type switchTest struct {
 	ic  *IstioCNI
 	ist *Istiod
 	nft bool
+	// hostBefore is what of istio-cni's the host held before the node.
+	hostBefore IstioHostState
 }
 
 func testSwitch(t *testing.T, nft bool) {
@@ -93,7 +95,7 @@ func testSwitch(t *testing.T, nft bool) {
 	if err := n.StartStandIn(ctx); err != nil {
 		t.Fatalf("ztunnel stand-in: %v", err)
 	}
-	s := &switchTest{life: &life{e2e: e2e{n: n, out: out, standIn: true}}, ic: ic, ist: ist, nft: nft}
+	s := &switchTest{life: &life{e2e: e2e{n: n, out: out, standIn: true}}, ic: ic, ist: ist, nft: nft, hostBefore: hostBefore}
 	s.namespace(t, sinkNS, false)
 	s.namespace(t, lifeNS, true)
 	s.startSink(t)
@@ -329,7 +331,7 @@ func (s *switchTest) testSwitchToOurs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	figure(t, m+"-switch-istio-cni-host-leftovers", fmt.Sprintf("%q", left.String()))
+	figure(t, m+"-switch-istio-cni-host-leftovers", fmt.Sprintf("%q", left.Sub(s.hostBefore).String()))
 }
 
 // normalizedRules are a pod's in-pod rules without counters.
