@@ -2,7 +2,6 @@ package realnode
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -215,15 +214,16 @@ func (n *Node) InstallIstioCNI(ctx context.Context, ic *IstioCNI, values map[str
 		if err != nil {
 			return false, err
 		}
-		for _, p := range pods.Items {
-			for _, c := range p.Status.Conditions {
-				if p.DeletionTimestamp == nil && c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue {
-					return true, nil
-				}
-			}
-			return false, fmt.Errorf("istio-cni pod %s", podSummary(&p))
+		if len(pods.Items) != 1 {
+			return false, fmt.Errorf("%d istio-cni pods", len(pods.Items))
 		}
-		return false, errors.New("no istio-cni pod")
+		p := &pods.Items[0]
+		for _, c := range p.Status.Conditions {
+			if p.DeletionTimestamp == nil && c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue {
+				return true, nil
+			}
+		}
+		return false, fmt.Errorf("istio-cni pod %s", podSummary(p))
 	})
 }
 
