@@ -1,12 +1,15 @@
 package installer
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
 	"path/filepath"
 	"syscall"
 	"time"
+
+	"github.com/containernetworking/cni/libcni"
 )
 
 // takeOver returns the config to chain into: cur itself, or, when
@@ -25,8 +28,14 @@ func (i *Installer) takeOver(cur []byte, name string) (base []byte, took bool, e
 		// Errors are ChainInto's to report.
 		return cur, false, nil
 	}
-	if gone := i.cfg.IstioCNIGone(); gone != nil {
-		return nil, false, fmt.Errorf("%w; not taking over: %v", istioCNIError(), gone)
+	dirs, err := istioRunDirs(cur)
+	if err != nil {
+		return nil, false, fmt.Errorf("%w; not taking over: %v", istioCNIError(), err)
+	}
+	for _, d := range dirs {
+		if gone := i.cfg.IstioCNIGone(d); gone != nil {
+			return nil, false, fmt.Errorf("%w; not taking over: %v", istioCNIError(), gone)
+		}
 	}
 	out, err := Unchain(cur, IstioCNIType)
 	if err != nil {
@@ -35,19 +44,54 @@ func (i *Installer) takeOver(cur []byte, name string) (base []byte, took bool, e
 	return out, true, nil
 }
 
+// IstioCNIDefaultRunDir is istio-cni's run directory when its entry names
+// none (its agent's default).
+const IstioCNIDefaultRunDir = "/var/run/istio-cni"
+
+// istioRunDirs returns the run directory each istio-cni entry of a list
+// names (cni_agent_run_dir): where its plugin reaches its agent.
+func istioRunDirs(conf []byte) ([]string, error) {
+	list, err := libcni.ConfListFromBytes(conf)
+	if err != nil {
+		return nil, err
+	}
+	var dirs []string
+	for _, p := range list.Plugins {
+		if p.Network.Type != IstioCNIType {
+			continue
+		}
+		var e struct {
+			RunDir string `json:"cni_agent_run_dir"`
+		}
+		if err := json.Unmarshal(p.Bytes, &e); err != nil {
+			return nil, fmt.Errorf("istio-cni's entry: %w", err)
+		}
+		if e.RunDir == "" {
+			e.RunDir = IstioCNIDefaultRunDir
+		}
+		dirs = append(dirs, e.RunDir)
+	}
+	return dirs, nil
+}
+
 // IstioCNIEventSocket is the socket istio-cni's plugin reaches its node
 // agent on, in istio-cni's run directory (its chart's /var/run/istio-cni).
 const IstioCNIEventSocket = "pluginevent.sock"
 
 // IstioCNIAgentGone returns a Config.IstioCNIGone that says istio-cni's
 // node agent is gone when nothing answers on its plugin event socket in
-// runDir. istio-cni stops serving that socket only after its installer
-// stopped for good (on the way out of its process), so from then on
-// nothing chains istio-cni again; a new istio-cni pod on the node would
-// serve it again before chaining itself.
-func IstioCNIAgentGone(runDir string) func() error {
+// runDir, the host directory mounted at the same path. istio-cni stops
+// serving that socket only after its installer stopped for good (on the
+// way out of its process), so from then on nothing chains istio-cni again;
+// a new istio-cni pod on the node would serve it again before chaining
+// itself. An entry whose plugin reaches its agent in another directory is
+// not judged: the socket that says would not be the one looked at.
+func IstioCNIAgentGone(runDir string) func(entryRunDir string) error {
 	sock := filepath.Join(runDir, IstioCNIEventSocket)
-	return func() error {
+	return func(entryRunDir string) error {
+		if filepath.Clean(entryRunDir) != filepath.Clean(runDir) {
+			return fmt.Errorf("istio-cni's plugin reaches its agent in %s, not in %s, the directory mounted to tell: set migration.fromIstioCNI.runDir to %s", entryRunDir, runDir, entryRunDir)
+		}
 		c, err := net.DialTimeout("unix", sock, time.Second)
 		if err == nil {
 			_ = c.Close()

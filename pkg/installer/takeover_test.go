@@ -17,8 +17,10 @@ import (
 // primary's config without istio-cni.
 func TestTakesOverFromIstioCNIOnceItsAgentIsGone(t *testing.T) {
 	e := newEnv(t)
-	e.write(t, "10-containerd-net.conflist", istioChained, 0o644)
 	run := t.TempDir()
+	// istio-cni's entry names the run directory its plugin uses.
+	chained := strings.Replace(istioChained, "/var/run/istio-cni", run, 1)
+	e.write(t, "10-containerd-net.conflist", chained, 0o644)
 	sock := filepath.Join(run, IstioCNIEventSocket)
 	ln, err := net.Listen("unix", sock)
 	if err != nil {
@@ -37,7 +39,7 @@ func TestTakesOverFromIstioCNIOnceItsAgentIsGone(t *testing.T) {
 	if !errors.Is(err, ErrIstioCNIChained) || !strings.Contains(err.Error(), "still answers") {
 		t.Fatalf("Install while istio-cni's agent answers: %v, want ErrIstioCNIChained saying it still answers", err)
 	}
-	if got := e.read(t, "10-containerd-net.conflist"); got != istioChained {
+	if got := e.read(t, "10-containerd-net.conflist"); got != chained {
 		t.Fatalf("the config was changed while istio-cni's agent answers:\n%s", got)
 	}
 	if len(refused) != 1 {
@@ -74,7 +76,7 @@ func TestTakesOverFromIstioCNIOnceItsAgentIsGone(t *testing.T) {
 	if err := i.Shutdown(t.Context(), false); err != nil {
 		t.Fatal(err)
 	}
-	want, err := Unchain([]byte(istioChained), IstioCNIType)
+	want, err := Unchain([]byte(chained), IstioCNIType)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -84,18 +86,37 @@ func TestTakesOverFromIstioCNIOnceItsAgentIsGone(t *testing.T) {
 }
 
 // No socket at all (istio-cni's run directory empty or never made) is
-// gone too; a socket that cannot be judged is not.
+// gone too; a socket that cannot be judged is not, nor an entry whose
+// plugin uses another directory than the one looked at.
 func TestIstioCNIAgentGone(t *testing.T) {
-	if err := IstioCNIAgentGone(t.TempDir())(); err != nil {
+	d := t.TempDir()
+	if err := IstioCNIAgentGone(d)(d); err != nil {
 		t.Errorf("no socket: %v, want gone", err)
+	}
+	if err := IstioCNIAgentGone(d)("/var/run/istio-cni"); err == nil || !strings.Contains(err.Error(), "migration.fromIstioCNI.runDir") {
+		t.Errorf("an entry with another run directory: %v, want an error naming the value", err)
 	}
 	f := filepath.Join(t.TempDir(), "file")
 	if err := os.WriteFile(f, nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
 	// A file as the run directory: ENOTDIR, which says nothing.
-	if err := IstioCNIAgentGone(f)(); err == nil {
+	if err := IstioCNIAgentGone(f)(f); err == nil {
 		t.Error("a run directory that is a file: gone, want an error")
+	}
+}
+
+// The takeover looks at the run directory istio-cni's entry names; with
+// none named, istio-cni's default.
+func TestIstioRunDirs(t *testing.T) {
+	dirs, err := istioRunDirs([]byte(istioChained))
+	if err != nil || len(dirs) != 1 || dirs[0] != "/var/run/istio-cni" {
+		t.Errorf("run dirs %v (%v), want [/var/run/istio-cni]", dirs, err)
+	}
+	none := strings.Replace(istioChained, `"cni_agent_run_dir": "/var/run/istio-cni", `, "", 1)
+	dirs, err = istioRunDirs([]byte(none))
+	if err != nil || len(dirs) != 1 || dirs[0] != IstioCNIDefaultRunDir {
+		t.Errorf("run dirs without cni_agent_run_dir %v (%v), want the default", dirs, err)
 	}
 }
 

@@ -253,7 +253,7 @@ func New(o Options) (*App, error) {
 	}
 	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
 	layout := c.Layout()
-	var istioGone func() error
+	var istioGone func(string) error
 	if c.IstioCNIRunDir != "" {
 		istioGone = installer.IstioCNIAgentGone(c.IstioCNIRunDir)
 	}
