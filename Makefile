@@ -147,7 +147,7 @@ demo: node-tools $(BIN)/ambient-node ## as root: a real kubelet + containerd nod
 demo-down: $(BIN)/ambient-node ## tear down a node whose demo was killed (Ctrl-C tears down by itself)
 	$(BIN)/ambient-node down
 
-e2e: node-tools ## as root: the end-to-end tests on a real node (kubelet, containerd, helm-installed DaemonSet)
+e2e: node-tools peer-tools ## as root: the end-to-end tests on a real node (kubelet, containerd, helm-installed DaemonSet; Istio's istio-cni for the switch from it)
 	$(GO) test -tags realnode -count=1 -timeout $(E2E_TIMEOUT) -p 1 -v ./test/realnode/...
 
 test-unit: ## run the tests that need neither root nor built tools

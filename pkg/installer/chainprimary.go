@@ -24,7 +24,11 @@ func (i *Installer) ensureChained(path string, force bool) (time.Duration, error
 		return 0, fmt.Errorf("read primary config: %w", err)
 	}
 	name := filepath.Base(path)
-	out, newName, err := ChainInto(cur, name, i.entry, i.cfg.PluginName)
+	base, takeover, err := i.takeOver(cur, name)
+	if err != nil {
+		return 0, fmt.Errorf("chain into %s: %w", path, err)
+	}
+	out, newName, err := ChainInto(base, name, i.entry, i.cfg.PluginName)
 	if err != nil {
 		return 0, fmt.Errorf("chain into %s: %w", path, err)
 	}
@@ -88,7 +92,10 @@ func (i *Installer) ensureChained(path string, force bool) (time.Duration, error
 	}
 	rec := &record{written: out, origPath: path, origMode: fi.Mode().Perm(), origOwner: own}
 	if converting || !i.hasOurEntry(cur) {
-		rec.orig = cur
+		// After a takeover the primary's original is the file without
+		// istio-cni: an uninstall must not chain back a plugin whose
+		// agent is gone.
+		rec.orig = base
 	} else if old := i.records[target]; old != nil && old.orig != nil && sameWithoutOurs(cur, old.written, i.cfg.PluginName) {
 		// Only our entry was touched; the primary's original still holds.
 		rec.orig, rec.origPath, rec.origMode, rec.origOwner = old.orig, old.origPath, old.origMode, old.origOwner
@@ -99,6 +106,9 @@ func (i *Installer) ensureChained(path string, force bool) (time.Duration, error
 	i.configWrites.Add(1)
 	if i.installed {
 		i.countReinstall()
+	}
+	if takeover {
+		i.log.Info("took over from istio-cni: its entry replaced by ours in one write", "file", target)
 	}
 	i.log.Info("chained plugin into primary CNI config", "file", target, "from", path, "reinstall", i.installed)
 	i.markInstalled(target)

@@ -121,6 +121,14 @@ type Config struct {
 	// such episode: e.g. to record an Event. It runs with the Installer's
 	// lock held: it must be quick and must not call back.
 	OnRefused func(err error)
+	// IstioCNIGone, when set, lets a pass that finds istio-cni chained
+	// replace its entry with ours in one write instead of refusing
+	// (ErrIstioCNIChained), once it returns nil for the run directory of
+	// each istio-cni entry (cni_agent_run_dir): it must say that
+	// istio-cni's node agent has left the node for good, so that nothing
+	// chains istio-cni next to us again (IstioCNIAgentGone). Its error
+	// says why not yet, in the refusal.
+	IstioCNIGone func(entryRunDir string) error
 	// OnReinstall, when set, is called once per reinstall (see
 	// Stats.Reinstalls), e.g. a prometheus Counter's Inc. It runs with the
 	// Installer's lock held: it must be quick and must not call back.

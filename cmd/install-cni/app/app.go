@@ -253,12 +253,17 @@ func New(o Options) (*App, error) {
 	}
 	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
 	layout := c.Layout()
+	var istioGone func(string) error
+	if c.IstioCNIRunDir != "" {
+		istioGone = installer.IstioCNIAgentGone(c.IstioCNIRunDir)
+	}
 	a.installer, err = installer.New(installer.Config{
 		BinDir: c.CNIBinDir, ExtraBinDirs: c.CNIExtraBinDirs, ConfDir: c.CNIConfDir, PluginBinary: c.PluginBinary, PluginName: c.PluginType,
 		PrimaryConfName: c.CNIConfName, PluginConfig: entry,
-		StateFile:   layout.InstallerState(),
-		OnReinstall: m.InstallerReinstalls.Inc,
-		OnOutcome:   func(o installer.Outcome) { m.ObserveInstall(istioInstallResult(o)) },
+		IstioCNIGone: istioGone,
+		StateFile:    layout.InstallerState(),
+		OnReinstall:  m.InstallerReinstalls.Inc,
+		OnOutcome:    func(o installer.Outcome) { m.ObserveInstall(istioInstallResult(o)) },
 		// Said on the agent's own pod, where kubectl describe shows why
 		// it is not ready.
 		OnRefused: func(err error) {

@@ -74,9 +74,12 @@ type Config struct {
 	CNIBinDir string
 	// CNIExtraBinDirs are more bin dirs the plugin binary is kept in, for
 	// a runtime that searches several (installer.Config.ExtraBinDirs).
-	CNIExtraBinDirs   []string
-	CNIConfDir        string
-	CNIConfName       string
+	CNIExtraBinDirs []string
+	CNIConfDir      string
+	CNIConfName     string
+	// IstioCNIRunDir, when set, lets the installer take over from a
+	// chained istio-cni whose node agent is gone.
+	IstioCNIRunDir    string
 	PluginType        string
 	PluginBinary      string
 	PluginTimeout     time.Duration
@@ -333,6 +336,7 @@ func options() []option {
 		{"cni-extra-bin-dirs", "Comma-separated more host CNI binary directories, as mounted in the container, that the plugin binary is also copied to and kept in, exactly as in cni-bin-dir. For a runtime that searches a list of directories and runs the first binary named as the config's type (containerd 2.x bin_dirs, CRI-O plugin_dirs): list every directory of the runtime's list besides cni-bin-dir, so none holds an older or foreign " + installer.DefaultPluginName + " that shadows ours. Readiness needs every copy; an uninstall removes every copy, an upgrade leaves them. Each absolute, none twice (cni-bin-dir included).", "", dirList(func(c *Config) *[]string { return &c.CNIExtraBinDirs })},
 		{"cni-conf-dir", "Host CNI config directory, as mounted in the container.", hostRoot + installer.DefaultConfDir, str(func(c *Config) *string { return &c.CNIConfDir })},
 		{"cni-conf-name", "Primary CNI config file to chain into; empty picks the runtime's choice (lexically first valid file).", "", str(func(c *Config) *string { return &c.CNIConfName })},
+		{"istio-cni-run-dir", "istio-cni's run directory on the host (its chart's /var/run/istio-cni), as mounted in the container. When set, an istio-cni found chained in the primary config is replaced by our entry in one write once nothing answers on its plugin event socket there (its DaemonSet moved off this node); unset, the agent refuses to chain next to istio-cni.", "", str(func(c *Config) *string { return &c.IstioCNIRunDir })},
 		{"cni-plugin-type", "Plugin type (and binary name) written into the conflist.", installer.DefaultPluginName, str(func(c *Config) *string { return &c.PluginType })},
 		{"plugin-binary", "Plugin binary inside the image, copied into cni-bin-dir and cni-extra-bin-dirs.", defaultPluginBinary, str(func(c *Config) *string { return &c.PluginBinary })},
 		{"plugin-timeout", "How long the plugin waits for the agent's answer; must exceed ztunnel-wait.", ambient.DefaultPluginTimeout.String(), duration(func(c *Config) *time.Duration { return &c.PluginTimeout })},

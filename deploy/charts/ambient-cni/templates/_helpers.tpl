@@ -61,6 +61,10 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ include "ambient-cni.containerConfDir" . | quote }}
 - name: AMBIENT_CNI_CONF_NAME
   value: {{ .Values.cni.confName | quote }}
+{{- if .Values.migration.fromIstioCNI.enabled }}
+- name: AMBIENT_ISTIO_CNI_RUN_DIR
+  value: {{ .Values.migration.fromIstioCNI.runDir | quote }}
+{{- end }}
 - name: AMBIENT_CNI_PLUGIN_TYPE
   value: {{ .Values.cni.pluginType | quote }}
 - name: AMBIENT_PLUGIN_BINARY

@@ -1,0 +1,105 @@
+package installer
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/containernetworking/cni/libcni"
+)
+
+// takeOver returns the config to chain into: cur itself, or, when
+// istio-cni is chained in it and Config.IstioCNIGone says its node agent
+// has left the node, cur without istio-cni's entry (took is then set).
+// The caller writes the result with our entry in one write, so the
+// runtime never sees the list with both plugins or with neither: a pod
+// that comes while istio-cni's entry is there waits (its plugin fails
+// without its agent), and every pod after is ours.
+func (i *Installer) takeOver(cur []byte, name string) (base []byte, took bool, err error) {
+	if i.cfg.IstioCNIGone == nil || filepath.Ext(name) != ConflistExt {
+		return cur, false, nil
+	}
+	info, err := inspectList(cur, i.cfg.PluginName)
+	if err != nil || info.nIstio == 0 {
+		// Errors are ChainInto's to report.
+		return cur, false, nil
+	}
+	dirs, err := istioRunDirs(cur)
+	if err != nil {
+		return nil, false, fmt.Errorf("%w; not taking over: %v", istioCNIError(), err)
+	}
+	for _, d := range dirs {
+		if gone := i.cfg.IstioCNIGone(d); gone != nil {
+			return nil, false, fmt.Errorf("%w; not taking over: %v", istioCNIError(), gone)
+		}
+	}
+	out, err := Unchain(cur, IstioCNIType)
+	if err != nil {
+		return nil, false, fmt.Errorf("remove istio-cni's entry: %w", err)
+	}
+	return out, true, nil
+}
+
+// IstioCNIDefaultRunDir is istio-cni's run directory when its entry names
+// none (its agent's default).
+const IstioCNIDefaultRunDir = "/var/run/istio-cni"
+
+// istioRunDirs returns the run directory each istio-cni entry of a list
+// names (cni_agent_run_dir): where its plugin reaches its agent.
+func istioRunDirs(conf []byte) ([]string, error) {
+	list, err := libcni.ConfListFromBytes(conf)
+	if err != nil {
+		return nil, err
+	}
+	var dirs []string
+	for _, p := range list.Plugins {
+		if p.Network.Type != IstioCNIType {
+			continue
+		}
+		var e struct {
+			RunDir string `json:"cni_agent_run_dir"`
+		}
+		if err := json.Unmarshal(p.Bytes, &e); err != nil {
+			return nil, fmt.Errorf("istio-cni's entry: %w", err)
+		}
+		if e.RunDir == "" {
+			e.RunDir = IstioCNIDefaultRunDir
+		}
+		dirs = append(dirs, e.RunDir)
+	}
+	return dirs, nil
+}
+
+// IstioCNIEventSocket is the socket istio-cni's plugin reaches its node
+// agent on, in istio-cni's run directory (its chart's /var/run/istio-cni).
+const IstioCNIEventSocket = "pluginevent.sock"
+
+// IstioCNIAgentGone returns a Config.IstioCNIGone that says istio-cni's
+// node agent is gone when nothing answers on its plugin event socket in
+// runDir, the host directory mounted at the same path. istio-cni stops
+// serving that socket only after its installer stopped for good (on the
+// way out of its process), so from then on nothing chains istio-cni again;
+// a new istio-cni pod on the node would serve it again before chaining
+// itself. An entry whose plugin reaches its agent in another directory is
+// not judged: the socket that says would not be the one looked at.
+func IstioCNIAgentGone(runDir string) func(entryRunDir string) error {
+	sock := filepath.Join(runDir, IstioCNIEventSocket)
+	return func(entryRunDir string) error {
+		if filepath.Clean(entryRunDir) != filepath.Clean(runDir) {
+			return fmt.Errorf("istio-cni's plugin reaches its agent in %s, not in %s, the directory mounted to tell: set migration.fromIstioCNI.runDir to %s", entryRunDir, runDir, entryRunDir)
+		}
+		c, err := net.DialTimeout("unix", sock, time.Second)
+		if err == nil {
+			_ = c.Close()
+			return fmt.Errorf("istio-cni's node agent still answers on %s: move istio-cni's DaemonSet off this node first", sock)
+		}
+		if errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED) {
+			return nil
+		}
+		return fmt.Errorf("cannot tell whether istio-cni's node agent is gone (%s): %w", sock, err)
+	}
+}

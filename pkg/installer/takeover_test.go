@@ -1,0 +1,131 @@
+package installer
+
+import (
+	"errors"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/containernetworking/cni/libcni"
+)
+
+// The takeover from istio-cni: refused while istio-cni's node agent
+// answers on its plugin event socket, then, once nothing does, istio-cni's
+// entry is replaced by ours in one write, and an uninstall puts back the
+// primary's config without istio-cni.
+func TestTakesOverFromIstioCNIOnceItsAgentIsGone(t *testing.T) {
+	e := newEnv(t)
+	run := t.TempDir()
+	// istio-cni's entry names the run directory its plugin uses.
+	chained := strings.Replace(istioChained, "/var/run/istio-cni", run, 1)
+	e.write(t, "10-containerd-net.conflist", chained, 0o644)
+	sock := filepath.Join(run, IstioCNIEventSocket)
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The listener's file stays behind when it closes, as a killed
+	// agent's does: a refused connection is gone too.
+	ln.(*net.UnixListener).SetUnlinkOnClose(false)
+	var refused []error
+	i := e.installer(t, func(c *Config) {
+		c.IstioCNIGone = IstioCNIAgentGone(run)
+		c.OnRefused = func(err error) { refused = append(refused, err) }
+	})
+
+	err = i.Install(t.Context())
+	if !errors.Is(err, ErrIstioCNIChained) || !strings.Contains(err.Error(), "still answers") {
+		t.Fatalf("Install while istio-cni's agent answers: %v, want ErrIstioCNIChained saying it still answers", err)
+	}
+	if got := e.read(t, "10-containerd-net.conflist"); got != chained {
+		t.Fatalf("the config was changed while istio-cni's agent answers:\n%s", got)
+	}
+	if len(refused) != 1 {
+		t.Errorf("OnRefused calls: %v, want one", refused)
+	}
+
+	if err := ln.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(sock); err != nil {
+		t.Fatalf("the socket file should stay: %v", err)
+	}
+	if err := i.Install(t.Context()); err != nil {
+		t.Fatalf("Install once istio-cni's agent is gone: %v", err)
+	}
+	got := e.read(t, "10-containerd-net.conflist")
+	list, err := libcni.ConfListFromBytes([]byte(got))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var types []string
+	for _, p := range list.Plugins {
+		types = append(types, p.Network.Type)
+	}
+	if strings.Join(types, ",") != "bridge,"+DefaultPluginName {
+		t.Fatalf("plugins after the takeover: %v, want bridge then ours:\n%s", types, got)
+	}
+	if err := i.Check(); err != nil {
+		t.Errorf("Check after the takeover: %v", err)
+	}
+
+	// The uninstall restores the primary's config as istio-cni found it,
+	// without istio-cni: its agent is gone, its entry would fail pods.
+	if err := i.Shutdown(t.Context(), false); err != nil {
+		t.Fatal(err)
+	}
+	want, err := Unchain([]byte(chained), IstioCNIType)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := e.read(t, "10-containerd-net.conflist"); got != string(want) {
+		t.Errorf("after the uninstall:\n%s\nwant:\n%s", got, want)
+	}
+}
+
+// No socket at all (istio-cni's run directory empty or never made) is
+// gone too; a socket that cannot be judged is not, nor an entry whose
+// plugin uses another directory than the one looked at.
+func TestIstioCNIAgentGone(t *testing.T) {
+	d := t.TempDir()
+	if err := IstioCNIAgentGone(d)(d); err != nil {
+		t.Errorf("no socket: %v, want gone", err)
+	}
+	if err := IstioCNIAgentGone(d)("/var/run/istio-cni"); err == nil || !strings.Contains(err.Error(), "migration.fromIstioCNI.runDir") {
+		t.Errorf("an entry with another run directory: %v, want an error naming the value", err)
+	}
+	f := filepath.Join(t.TempDir(), "file")
+	if err := os.WriteFile(f, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// A file as the run directory: ENOTDIR, which says nothing.
+	if err := IstioCNIAgentGone(f)(f); err == nil {
+		t.Error("a run directory that is a file: gone, want an error")
+	}
+}
+
+// The takeover looks at the run directory istio-cni's entry names; with
+// none named, istio-cni's default.
+func TestIstioRunDirs(t *testing.T) {
+	dirs, err := istioRunDirs([]byte(istioChained))
+	if err != nil || len(dirs) != 1 || dirs[0] != "/var/run/istio-cni" {
+		t.Errorf("run dirs %v (%v), want [/var/run/istio-cni]", dirs, err)
+	}
+	none := strings.Replace(istioChained, `"cni_agent_run_dir": "/var/run/istio-cni", `, "", 1)
+	dirs, err = istioRunDirs([]byte(none))
+	if err != nil || len(dirs) != 1 || dirs[0] != IstioCNIDefaultRunDir {
+		t.Errorf("run dirs without cni_agent_run_dir %v (%v), want the default", dirs, err)
+	}
+}
+
+// Without IstioCNIGone the refusal stands, as before.
+func TestNoTakeoverUnlessAsked(t *testing.T) {
+	e := newEnv(t)
+	e.write(t, "10-containerd-net.conflist", istioChained, 0o644)
+	i := e.installer(t, nil)
+	if err := i.Install(t.Context()); !errors.Is(err, ErrIstioCNIChained) {
+		t.Fatalf("Install: %v, want ErrIstioCNIChained", err)
+	}
+}
