@@ -105,14 +105,16 @@ func (d *DaemonSetUpgradeChecker) OnChange(f func(prev, next string)) {
 	d.onChange = f
 }
 
-// Run watches the DaemonSet (list and watch by name, all the agent's RBAC
-// grants) until ctx ends.
+// Run watches the DaemonSet's metadata (list and watch by name, all the
+// agent's RBAC grants) until ctx ends. Metadata is all the watch looks
+// for (a deletion), and each status write of the DaemonSet reaches every
+// agent: the whole object would be about twelve times the bytes.
 func (d *DaemonSetUpgradeChecker) Run(ctx context.Context) error {
 	inf := cache.NewSharedIndexInformerWithOptions(
-		kubeclient.DaemonSetListWatch(d.client, d.namespace, func(o *metav1.ListOptions) {
+		kubeclient.DaemonSetMetadataListWatch(d.client, d.namespace, func(o *metav1.ListOptions) {
 			o.FieldSelector = fields.OneTermEqualSelector("metadata.name", d.name).String()
 		}),
-		&appsv1.DaemonSet{}, cache.SharedIndexInformerOptions{})
+		&metav1.PartialObjectMetadata{}, cache.SharedIndexInformerOptions{})
 	_, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(o any) { d.observe(o, false) },
 		UpdateFunc: func(_, o any) { d.observe(o, false) },
@@ -129,15 +131,15 @@ func (d *DaemonSetUpgradeChecker) observe(o any, deleted bool) {
 	if t, ok := o.(cache.DeletedFinalStateUnknown); ok {
 		o, deleted = t.Obj, true
 	}
-	ds, ok := o.(*appsv1.DaemonSet)
-	if !ok || ds.Name != d.name {
+	ds, ok := o.(metav1.Object)
+	if !ok || ds.GetName() != d.name {
 		return
 	}
 	next := seenAlive
 	switch {
 	case deleted:
 		next = seenGone
-	case ds.DeletionTimestamp != nil:
+	case ds.GetDeletionTimestamp() != nil:
 		next = seenDeleting
 	}
 	d.mu.Lock()

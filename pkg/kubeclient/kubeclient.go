@@ -23,6 +23,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/metadata"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/flowcontrol"
@@ -54,11 +55,14 @@ type Nodes interface {
 	PatchNode(ctx context.Context, name string, pt types.PatchType, data []byte) (*corev1.Node, error)
 }
 
-// DaemonSetReader reads and watches DaemonSets.
+// DaemonSetReader reads DaemonSets, and lists and watches their metadata
+// only: every agent watches its own DaemonSet, and each status write the
+// DaemonSet controller makes goes to every agent, so the watch carries
+// the object's metadata (about a twelfth of it), all it looks for.
 type DaemonSetReader interface {
 	GetDaemonSet(ctx context.Context, namespace, name string) (*appsv1.DaemonSet, error)
-	ListDaemonSets(ctx context.Context, namespace string, opts metav1.ListOptions) (*appsv1.DaemonSetList, error)
-	WatchDaemonSets(ctx context.Context, namespace string, opts metav1.ListOptions) (watch.Interface, error)
+	ListDaemonSetsMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (*metav1.PartialObjectMetadataList, error)
+	WatchDaemonSetsMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (watch.Interface, error)
 }
 
 // DaemonSetDeleter deletes DaemonSets (the uninstall hook).
@@ -111,6 +115,7 @@ func NewScheme() *runtime.Scheme {
 // Client is the REST implementation of Interface.
 type Client struct {
 	core, apps *rest.RESTClient
+	meta       metadata.Interface
 	params     runtime.ParameterCodec
 }
 
@@ -155,7 +160,11 @@ func NewForConfig(cfg *rest.Config) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Client{core: core, apps: apps, params: runtime.NewParameterCodec(s)}, nil
+	meta, err := metadata.NewForConfigAndClient(&c, httpClient)
+	if err != nil {
+		return nil, fmt.Errorf("kubernetes metadata client: %w", err)
+	}
+	return &Client{core: core, apps: apps, meta: meta, params: runtime.NewParameterCodec(s)}, nil
 }
 
 func timeout(opts metav1.ListOptions) time.Duration {
@@ -247,15 +256,14 @@ func (c *Client) GetDaemonSet(ctx context.Context, namespace, name string) (*app
 	return d, c.get(ctx, c.apps, namespace, "daemonsets", name, d)
 }
 
-// ListDaemonSets implements DaemonSetReader.
-func (c *Client) ListDaemonSets(ctx context.Context, namespace string, opts metav1.ListOptions) (*appsv1.DaemonSetList, error) {
-	l := &appsv1.DaemonSetList{}
-	return l, c.list(ctx, c.apps, namespace, "daemonsets", opts, l)
+// ListDaemonSetsMetadata implements DaemonSetReader.
+func (c *Client) ListDaemonSetsMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (*metav1.PartialObjectMetadataList, error) {
+	return c.meta.Resource(appsv1.SchemeGroupVersion.WithResource("daemonsets")).Namespace(namespace).List(ctx, opts)
 }
 
-// WatchDaemonSets implements DaemonSetReader.
-func (c *Client) WatchDaemonSets(ctx context.Context, namespace string, opts metav1.ListOptions) (watch.Interface, error) {
-	return c.watch(ctx, c.apps, namespace, "daemonsets", opts)
+// WatchDaemonSetsMetadata implements DaemonSetReader.
+func (c *Client) WatchDaemonSetsMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (watch.Interface, error) {
+	return c.meta.Resource(appsv1.SchemeGroupVersion.WithResource("daemonsets")).Namespace(namespace).Watch(ctx, opts)
 }
 
 // DeleteDaemonSet implements DaemonSetDeleter.
@@ -355,15 +363,16 @@ func NamespaceListWatch(c NamespaceReader, tweak func(*metav1.ListOptions)) cach
 		})
 }
 
-// DaemonSetListWatch lists and watches the DaemonSets of namespace, with
-// tweak (may be nil) applied to every request's options.
-func DaemonSetListWatch(c DaemonSetReader, namespace string, tweak func(*metav1.ListOptions)) cache.ListerWatcher {
+// DaemonSetMetadataListWatch lists and watches the metadata of the
+// DaemonSets of namespace (*metav1.PartialObjectMetadata), with tweak (may
+// be nil) applied to every request's options.
+func DaemonSetMetadataListWatch(c DaemonSetReader, namespace string, tweak func(*metav1.ListOptions)) cache.ListerWatcher {
 	return listWatch(c, tweak,
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-			return c.ListDaemonSets(ctx, namespace, o)
+			return c.ListDaemonSetsMetadata(ctx, namespace, o)
 		},
 		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-			return c.WatchDaemonSets(ctx, namespace, o)
+			return c.WatchDaemonSetsMetadata(ctx, namespace, o)
 		})
 }
 

@@ -10,6 +10,7 @@ import (
 	appsv1 "k8s.io/api/apps/v1"
 	authenticationv1 "k8s.io/api/authentication/v1"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
@@ -85,14 +86,33 @@ func (c Clientset) GetDaemonSet(ctx context.Context, namespace, name string) (*a
 	return c.AppsV1().DaemonSets(namespace).Get(ctx, name, metav1.GetOptions{})
 }
 
-// ListDaemonSets implements kubeclient.DaemonSetReader.
-func (c Clientset) ListDaemonSets(ctx context.Context, namespace string, opts metav1.ListOptions) (*appsv1.DaemonSetList, error) {
-	return c.AppsV1().DaemonSets(namespace).List(ctx, opts)
+// ListDaemonSetsMetadata implements kubeclient.DaemonSetReader, cutting
+// the full objects down to their metadata as the API server would.
+func (c Clientset) ListDaemonSetsMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (*metav1.PartialObjectMetadataList, error) {
+	l, err := c.AppsV1().DaemonSets(namespace).List(ctx, opts)
+	if err != nil {
+		return nil, err
+	}
+	out := &metav1.PartialObjectMetadataList{ListMeta: l.ListMeta}
+	for i := range l.Items {
+		out.Items = append(out.Items, *meta.AsPartialObjectMetadata(&l.Items[i]))
+	}
+	return out, nil
 }
 
-// WatchDaemonSets implements kubeclient.DaemonSetReader.
-func (c Clientset) WatchDaemonSets(ctx context.Context, namespace string, opts metav1.ListOptions) (watch.Interface, error) {
-	return c.AppsV1().DaemonSets(namespace).Watch(ctx, opts)
+// WatchDaemonSetsMetadata implements kubeclient.DaemonSetReader, cutting
+// the full objects down to their metadata as the API server would.
+func (c Clientset) WatchDaemonSetsMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (watch.Interface, error) {
+	w, err := c.AppsV1().DaemonSets(namespace).Watch(ctx, opts)
+	if err != nil {
+		return nil, err
+	}
+	return watch.Filter(w, func(e watch.Event) (watch.Event, bool) {
+		if o, ok := e.Object.(metav1.Object); ok && e.Type != watch.Error {
+			e.Object = meta.AsPartialObjectMetadata(o)
+		}
+		return e, true
+	}), nil
 }
 
 // DeleteDaemonSet implements kubeclient.DaemonSetDeleter.
