@@ -171,7 +171,7 @@ scrape_configs:
 	cmd := exec.Command(bin,
 		"--config.file="+filepath.Join(dir, "prometheus.yml"),
 		"--storage.tsdb.path="+filepath.Join(dir, "data"),
-		"--web.listen-address="+addr)
+		"--web.listen-address="+addr, "--log.level=warn")
 	cmd.Dir = dir
 	cmd.Stdout, cmd.Stderr = e.out, e.out
 	if err := cmd.Start(); err != nil {
