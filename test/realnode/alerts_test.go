@@ -29,6 +29,32 @@ import (
 // as the test needs anyway.
 const alertFor = "10s"
 
+// TestRealNodeAlerts is the SRE kit's proof on a node of its own (one
+// case, cheaper than a subtest of TestRealNode, whose first steps it does
+// not need): the chart installed with its defaults and the ztunnel
+// stand-in, then testAlerts.
+func TestRealNodeAlerts(t *testing.T) {
+	ctx, out, _ := startNodeTest(t)
+	n, err := Up(ctx, Options{Out: out})
+	if err != nil {
+		t.Fatalf("node up: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := n.Down(); err != nil {
+			t.Errorf("down: %v", err)
+		}
+	})
+	if err := n.InstallAgent(ctx, "install", ImageTag); err != nil {
+		t.Fatalf("helm install: %v", err)
+	}
+	if err := n.StartStandIn(ctx); err != nil {
+		t.Fatalf("ztunnel stand-in: %v", err)
+	}
+	e := &e2e{n: n, out: out, standIn: true}
+	t.Run("a real Prometheus fires and clears the agent's and ztunnel's alerts", e.testAlerts)
+	t.Run("nothing was sent off the machine", testNoEgress(n))
+}
+
 // A real Prometheus, a host process on the node, scrapes the agent's
 // /metrics as the chart's PodMonitor does (job ambient-cni, the node
 // label) and evaluates the chart's own alert rules. Freezing the agent
