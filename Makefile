@@ -89,7 +89,7 @@ chart-push: ## push the packaged chart (make chart) to REGISTRY as an OCI artifa
 version: ## print the version make stamps into the binaries, the image and the chart
 	@echo $(VERSION)
 
-tools: ## build etcd, kube-apiserver and helm from the Go module proxy into the tools cache (minutes the first time, then cached)
+tools: ## build etcd, kube-apiserver, helm and promtool (the alert rules' tests) from the Go module proxy into the tools cache (minutes the first time, then cached)
 	GO='$(GO)' hack/kube-tools.sh
 
 # make test's quick bench runs Istio's istio-cni beside ours too.
@@ -99,7 +99,7 @@ peer-tools: ## build Istio's istio-cni (install-cni and its plugin) from istio.i
 image-tools: ## build make image's Debian bases (hack/kube-tools.sh image-rootfs-ARCH, one per architecture) into the tools cache
 	GO='$(GO)' hack/kube-tools.sh $(addprefix image-rootfs-,$(IMAGE_ARCHES))
 
-node-tools: ## build everything a real node needs: kubelet, kube-controller-manager, kube-scheduler, crictl, CNI plugins, the Multus thin plugin, the image's Debian rootfs, istiod (cached)
+node-tools: ## build everything a real node needs: kubelet, kube-controller-manager, kube-scheduler, crictl, CNI plugins, the Multus thin plugin, the image's Debian rootfs, istiod, the Prometheus server (cached)
 	GO='$(GO)' hack/kube-tools.sh node
 
 # Where make bench writes its JSON (gitignored).

@@ -20,9 +20,10 @@
 # by mmdebstrap (Debian package); its version is a hash of what it includes.
 # image-rootfs-amd64 and image-rootfs-arm64, make image's Debian bases, are
 # tarballs made the same way, with no emulator for the foreign one.
+# promtool and prometheus (the server) come from one tools module.
 # Nothing else is downloaded. What is already in the cache is not rebuilt.
 #
-# usage: hack/kube-tools.sh [name...]   build (default: etcd kube-apiserver helm)
+# usage: hack/kube-tools.sh [name...]   build (default: etcd kube-apiserver helm promtool)
 #        hack/kube-tools.sh node        build everything the real node needs
 #        hack/kube-tools.sh --path name print the cached binary's path
 #        hack/kube-tools.sh --list      print name, version, path and state of each
@@ -32,9 +33,9 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 tools="$repo/hack/tools"
 cache="${AMBIENT_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ambient-cni/tools}"
 GO="${GO:-go}"
-default_tools=(etcd kube-apiserver helm)
-node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler kubectl crictl containerd cni-plugins multus debian-rootfs istiod)
-all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler kubectl helm crictl containerd cni-plugins multus debian-rootfs istiod istio-cni image-rootfs-amd64 image-rootfs-arm64)
+default_tools=(etcd kube-apiserver helm promtool)
+node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler kubectl crictl containerd cni-plugins multus debian-rootfs istiod prometheus)
+all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler kubectl helm crictl containerd cni-plugins multus debian-rootfs istiod istio-cni image-rootfs-amd64 image-rootfs-arm64 promtool prometheus)
 
 # The DaemonSet image's base, as deploy/Dockerfile's: Debian bookworm with
 # the netfilter tools, without documentation. Changing this list changes
@@ -96,6 +97,11 @@ spec() {
 	# the istio-cni plugin.
 	istiod) echo "istio istio.io/istio istio.io/istio/pilot/cmd/pilot-discovery" ;;
 	istio-cni) echo "istio istio.io/istio istio.io/istio/cni/cmd/install-cni istio.io/istio/cni/cmd/istio-cni" ;;
+	# promtool runs the alert rules' unit tests (make test); the server
+	# scrapes the agent on the real node (make e2e). Both from one
+	# module, without service discovery (remove_all_sd) or UI assets.
+	promtool) echo "prometheus github.com/prometheus/prometheus github.com/prometheus/prometheus/cmd/promtool" ;;
+	prometheus) echo "prometheus github.com/prometheus/prometheus github.com/prometheus/prometheus/cmd/prometheus" ;;
 	debian-rootfs) echo "- - -" ;;
 	image-rootfs-amd64 | image-rootfs-arm64) echo "rootfs:${1#image-rootfs-} - -" ;;
 	*)
@@ -165,6 +171,12 @@ ldflags() {
 	crictl)
 		echo "-X sigs.k8s.io/cri-tools/pkg/version.Version=$v"
 		;;
+	promtool | prometheus)
+		# The module's v0.3MM.P is Prometheus 3.MM.P.
+		local pv="${v#v0.3}"
+		pv="3.$((10#${pv%%.*})).${pv#*.}"
+		echo "-X github.com/prometheus/common/version.Version=$pv -X github.com/prometheus/common/version.Branch=HEAD"
+		;;
 	containerd)
 		echo "-X github.com/containerd/containerd/v2/version.Version=$v -X github.com/containerd/containerd/v2/version.Package=github.com/containerd/containerd/v2"
 		;;
@@ -191,6 +203,11 @@ buildtags() {
 	# As containerd's static release builds: no snapshotters this host
 	# lacks (btrfs, devmapper and zfs need cgo or kernel headers).
 	containerd) echo "no_btrfs,no_devmapper,no_zfs" ;;
+	# Only static configurations are scraped: no service discovery
+	# plugins (promtool still links Kubernetes SD, which it imports
+	# itself). Without builtinassets the server has no web UI; its HTTP
+	# API is all the tests use.
+	promtool | prometheus) echo "remove_all_sd" ;;
 	esac
 }
 

@@ -36,7 +36,7 @@ func TestToolPathsMatchScript(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, name := range []string{Etcd, KubeAPIServer, Kubelet, Helm} {
+	for _, name := range []string{Etcd, KubeAPIServer, Kubelet, Helm, Promtool, Prometheus} {
 		out, err := exec.Command("bash", filepath.Join(root, "hack", "kube-tools.sh"), "--path", name).Output()
 		if err != nil {
 			t.Fatalf("kube-tools.sh --path %s: %v", name, err)

@@ -18,6 +18,10 @@ const (
 	KubeAPIServer = "kube-apiserver"
 	Kubelet       = "kubelet"
 	Helm          = "helm"
+	// Promtool checks and unit-tests the chart's alert rules; Prometheus
+	// is the server the real node scrapes the agent with.
+	Promtool   = "promtool"
+	Prometheus = "prometheus"
 )
 
 // BuildCommand is what a developer runs to build the cached binaries.
@@ -37,6 +41,8 @@ func toolSpec(name string) (modDir, module string, err error) {
 		return "kubernetes", "k8s.io/kubernetes", nil
 	case Helm:
 		return "helm", "helm.sh/helm/v3", nil
+	case Promtool, Prometheus:
+		return "prometheus", "github.com/prometheus/prometheus", nil
 	}
 	return "", "", fmt.Errorf("unknown tool %q", name)
 }
