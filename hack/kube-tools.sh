@@ -16,7 +16,9 @@
 # CRDs of Istio's base chart and istiod's chart) and istio-cni (install-cni
 # and the istio-cni plugin) are directories built from istio.io/istio at
 # the version hack/tools/istio requires (istio-cni is built only on
-# request: make bench runs it). debian-rootfs is a tarball made
+# request: make bench runs it). registry is the CNCF distribution
+# registry (cmd/registry of github.com/distribution/distribution/v3, the
+# version hack/tools/distribution requires). debian-rootfs is a tarball made
 # by mmdebstrap (Debian package); its version is a hash of what it includes.
 # image-rootfs-amd64 and image-rootfs-arm64, make image's Debian bases, are
 # tarballs made the same way, with no emulator for the foreign one.
@@ -33,8 +35,8 @@ tools="$repo/hack/tools"
 cache="${AMBIENT_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ambient-cni/tools}"
 GO="${GO:-go}"
 default_tools=(etcd kube-apiserver helm)
-node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler kubectl crictl containerd cni-plugins multus debian-rootfs istiod)
-all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler kubectl helm crictl containerd cni-plugins multus debian-rootfs istiod istio-cni image-rootfs-amd64 image-rootfs-arm64)
+node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler kubectl crictl containerd cni-plugins multus debian-rootfs istiod registry)
+all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler kubectl helm crictl containerd cni-plugins multus debian-rootfs istiod istio-cni image-rootfs-amd64 image-rootfs-arm64 registry)
 
 # The DaemonSet image's base, as deploy/Dockerfile's: Debian bookworm with
 # the netfilter tools, without documentation. Changing this list changes
@@ -96,6 +98,10 @@ spec() {
 	# the istio-cni plugin.
 	istiod) echo "istio istio.io/istio istio.io/istio/pilot/cmd/pilot-discovery" ;;
 	istio-cni) echo "istio istio.io/istio istio.io/istio/cni/cmd/install-cni istio.io/istio/cni/cmd/istio-cni" ;;
+	# The CNCF distribution registry: the real node's OCI registry on
+	# loopback, which the agent's image and chart are pushed to and
+	# pulled from.
+	registry) echo "distribution github.com/distribution/distribution/v3 github.com/distribution/distribution/v3/cmd/registry" ;;
 	debian-rootfs) echo "- - -" ;;
 	image-rootfs-amd64 | image-rootfs-arm64) echo "rootfs:${1#image-rootfs-} - -" ;;
 	*)
@@ -164,6 +170,9 @@ ldflags() {
 		;;
 	crictl)
 		echo "-X sigs.k8s.io/cri-tools/pkg/version.Version=$v"
+		;;
+	registry)
+		echo "-X github.com/distribution/distribution/v3/version.version=$v -X github.com/distribution/distribution/v3/version.mainpkg=github.com/distribution/distribution/v3"
 		;;
 	containerd)
 		echo "-X github.com/containerd/containerd/v2/version.Version=$v -X github.com/containerd/containerd/v2/version.Package=github.com/containerd/containerd/v2"

@@ -55,12 +55,10 @@ func (n *Node) AgentSocket() string { return n.Layout().AgentSocket() }
 // is the chart's default (test/deploy pins those).
 func (n *Node) ChartValues(tag string) map[string]any {
 	v := map[string]any{
-		"image": map[string]any{
-			// The locally built image, which no registry holds.
-			"repository": AgentRepository,
-			"tag":        tag,
-			"pullPolicy": "Never",
-		},
+		// The image pushed to the node's registry as tag, pulled by
+		// digest; a tag never pushed by its name, which the registry
+		// lacks (AgentImage).
+		"image": n.imageValues(tag),
 		"cni": map[string]any{
 			// The node's runtime reads its CNI config and plugins here.
 			"binDir":  n.CNIBinDir,
@@ -134,12 +132,27 @@ func (n *Node) UpgradeAgentNoWait(ctx context.Context, tag string, extra ...stri
 	return n.applyChart(ctx, "upgrade", tag, nil, extra)
 }
 
+// imageValues are the chart's image values for tag: the registry's
+// repository and the digest pushed as tag (or the tag itself when none
+// was), pulled when the node lacks it.
+func (n *Node) imageValues(tag string) map[string]any {
+	v := map[string]any{"repository": n.AgentRepository(), "pullPolicy": "IfNotPresent"}
+	if d := n.AgentDigest(tag); d != "" {
+		v["digest"] = d
+	} else {
+		v["tag"] = tag
+	}
+	return v
+}
+
+// applyChart installs or upgrades the release from the chart in the
+// node's registry, as helm install oci:// does on a cluster.
 func (n *Node) applyChart(ctx context.Context, verb, tag string, wait, extra []string) error {
 	vf, err := n.writeValues("values-"+tag+".yaml", n.ChartValues(tag))
 	if err != nil {
 		return err
 	}
-	args := append([]string{verb, Release, ChartDir, "--namespace", ReleaseNamespace, "-f", vf}, wait...)
+	args := append([]string{verb, Release, n.ChartRef(), "--version", ChartVersion, "--plain-http", "--namespace", ReleaseNamespace, "-f", vf}, wait...)
 	_, err = n.Helm(ctx, append(args, extra...)...)
 	return err
 }
