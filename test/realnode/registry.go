@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"net/http"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -236,8 +235,9 @@ func (n *Node) pushChart(ctx context.Context) error {
 // Apache combined format): method, path, status and user agent.
 var accessLine = regexp.MustCompile(`"(GET|HEAD) (/v2/[^ ]+) HTTP/[0-9.]+" ([0-9]{3}) [0-9-]+ "[^"]*" "([^"]*)"`)
 
-// RegistryPulls returns the registry's successful GET requests of path
-// (e.g. /v2/ambient-cni/manifests/sha256:...), each as the user agent
+// RegistryPulls returns the registry's successful requests of path (e.g.
+// /v2/ambient-cni/manifests/sha256:...), GET or HEAD (a client resolves a
+// reference with HEAD, then fetches by digest), each as the user agent
 // that made it.
 func (n *Node) RegistryPulls(path string) ([]string, error) {
 	b, err := os.ReadFile(filepath.Join(n.Dir, "registry.log"))
@@ -246,7 +246,7 @@ func (n *Node) RegistryPulls(path string) ([]string, error) {
 	}
 	var agents []string
 	for _, m := range accessLine.FindAllStringSubmatch(string(b), -1) {
-		if m[1] == http.MethodGet && m[2] == path && m[3] == "200" {
+		if m[2] == path && m[3] == "200" {
 			agents = append(agents, m[4])
 		}
 	}
@@ -255,9 +255,9 @@ func (n *Node) RegistryPulls(path string) ([]string, error) {
 
 // CheckAgentFromRegistry proves that the installed agent came from the
 // node's registry: its pod runs the pushed digest (spec and imageID),
-// containerd GET that manifest from the registry and holds the image
-// under that digest, and helm's release is the packaged chart that helm
-// GET from the registry.
+// containerd asked the registry for that manifest and holds the image
+// under that digest, and helm's release is the packaged chart, which helm
+// asked the registry for.
 func (n *Node) CheckAgentFromRegistry(ctx context.Context) error {
 	d := n.AgentDigest(ImageTag)
 	if d == "" {
@@ -280,7 +280,7 @@ func (n *Node) CheckAgentFromRegistry(ctx context.Context) error {
 		return err
 	}
 	if !hasPrefixed(agents, "containerd/") {
-		return fmt.Errorf("the registry's log has no GET of the agent's manifest %s by containerd (user agents: %v)", d, agents)
+		return fmt.Errorf("the registry's log has no request of the agent's manifest %s by containerd (user agents: %v)", d, agents)
 	}
 	out, err := n.crictl(ctx, "images", "--digests", "-o", "json")
 	if err != nil {
@@ -320,7 +320,7 @@ func (n *Node) CheckAgentFromRegistry(ctx context.Context) error {
 		return err
 	}
 	if !hasPrefixed(agents, "Helm/") {
-		return fmt.Errorf("the registry's log has no GET of the chart %s:%s by helm (user agents: %v)", chartRepoPath+"/"+Release, ChartVersion, agents)
+		return fmt.Errorf("the registry's log has no request of the chart %s:%s by helm (user agents: %v)", chartRepoPath+"/"+Release, ChartVersion, agents)
 	}
 	return nil
 }
