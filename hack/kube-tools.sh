@@ -312,7 +312,7 @@ build() {
 		# go list fetches exactly the modules the build needs, so the silent
 		# compile that follows is split from the network part.
 		(cd "$src" && "$GO" list -mod=readonly -tags "$(buildtags "$name")" -deps "${pkg[@]}" >/dev/null)
-		echo "kube-tools: building $name $v (a cold build takes minutes on 2 cores: etcd ~2, kube-apiserver ~5-10, then kubelet, kube-controller-manager, kube-scheduler, kubectl ~1.5 each, helm ~1.5, crictl ~1, multus ~1, istiod ~7, istio-cni ~1 after istiod) ..."
+		echo "kube-tools: building $name $v (a cold build takes minutes on 2 cores: etcd ~2, kube-apiserver ~5-10, then kubelet, kube-controller-manager, kube-scheduler, kubectl ~1.5 each, helm ~1.5, crictl ~1, multus ~1, istiod ~7, istio-cni ~1 after istiod, registry ~2) ..."
 	else
 		echo "kube-tools: building $name $v with mmdebstrap from the Debian packages (~1 min) ..."
 	fi
