@@ -122,7 +122,34 @@ func (n *Node) writeValues(name string, values map[string]any) (string, error) {
 // InstallAgent installs the chart as a user does (helm install, waiting
 // for the DaemonSet to be ready) with ChartValues(tag) and extra values.
 func (n *Node) InstallAgent(ctx context.Context, verb, tag string, extra ...string) error {
-	return n.applyChart(ctx, verb, tag, []string{"--wait", "--timeout", "5m"}, extra)
+	if err := n.applyChart(ctx, verb, tag, []string{"--wait", "--timeout", "5m"}, extra); err != nil {
+		return err
+	}
+	return n.waitRollout(ctx)
+}
+
+// waitRollout waits as kubectl rollout status does: the DaemonSet
+// controller has seen the new spec, and every node the DaemonSet wants
+// runs an updated, available pod. helm --wait alone lets a one-node
+// DaemonSet with maxUnavailable 1 pass as soon as its pod is scheduled,
+// while its image may still be pulling.
+func (n *Node) waitRollout(ctx context.Context) error {
+	return n.poll(ctx, "agent DaemonSet rolled out", 5*time.Minute, func(ctx context.Context) (bool, error) {
+		l, err := n.Client.AppsV1().DaemonSets(ReleaseNamespace).List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=ambient-cni"})
+		if err != nil {
+			return false, err
+		}
+		if len(l.Items) != 1 {
+			return false, fmt.Errorf("%d agent DaemonSets", len(l.Items))
+		}
+		ds := l.Items[0]
+		st := ds.Status
+		if st.ObservedGeneration < ds.Generation || st.UpdatedNumberScheduled < st.DesiredNumberScheduled || st.NumberAvailable < st.DesiredNumberScheduled {
+			return false, fmt.Errorf("DaemonSet %s: generation %d (observed %d), desired %d, updated %d, available %d",
+				ds.Name, ds.Generation, st.ObservedGeneration, st.DesiredNumberScheduled, st.UpdatedNumberScheduled, st.NumberAvailable)
+		}
+		return true, nil
+	})
 }
 
 // UpgradeAgentNoWait runs helm upgrade with ChartValues(tag) and extra
