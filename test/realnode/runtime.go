@@ -180,8 +180,7 @@ podLogsDir: %q
 volumePluginDir: %q
 # Pods get no resolver: nothing on this node may look names up off the machine.
 resolvConf: ""
-# The test images exist only locally (imagePullPolicy: Never), and the
-# agent's registry may be gone when a test restores it: never collect them.
+# The test images exist only locally (imagePullPolicy: Never): never collect them.
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 evictionHard: {memory.available: "50Mi", nodefs.available: "1%%", nodefs.inodesFree: "1%%", imagefs.available: "1%%"}
