@@ -82,9 +82,15 @@ chart: ## lint and package the chart as $(CHART_OUT)/ambient-cni-$(CHART_VERSION
 	$$helm lint --strict deploy/charts/ambient-cni; \
 	$$helm package deploy/charts/ambient-cni --version '$(CHART_VERSION)' --app-version '$(VERSION)' -d $(CHART_OUT)
 
-chart-push: ## push the packaged chart (make chart) to REGISTRY as an OCI artifact: oci://$(REGISTRY)/ambient-cni
+# make chart-push puts the chart beside the image, under charts/ (as
+# Istio publishes its charts): helm install oci://$(REGISTRY)/charts/ambient-cni.
+# PLAIN_HTTP=1 for a registry without TLS (one on loopback, say); image-push
+# speaks plain HTTP to a loopback registry by itself.
+PLAIN_HTTP    ?=
+
+chart-push: ## push the packaged chart (make chart) to REGISTRY as an OCI artifact: oci://$(REGISTRY)/charts/ambient-cni (PLAIN_HTTP=1: no TLS)
 	@test -n '$(REGISTRY)' || { echo "make chart-push needs REGISTRY=host[:port]/path"; exit 1; }
-	$$(hack/kube-tools.sh --path helm) push $(CHART_OUT)/ambient-cni-$(CHART_VERSION).tgz oci://$(REGISTRY)
+	$$(hack/kube-tools.sh --path helm) push $(CHART_OUT)/ambient-cni-$(CHART_VERSION).tgz oci://$(REGISTRY)/charts $(if $(filter 1 true,$(PLAIN_HTTP)),--plain-http)
 
 version: ## print the version make stamps into the binaries, the image and the chart
 	@echo $(VERSION)

@@ -16,7 +16,9 @@
 # CRDs of Istio's base chart and istiod's chart) and istio-cni (install-cni
 # and the istio-cni plugin) are directories built from istio.io/istio at
 # the version hack/tools/istio requires (istio-cni is built only on
-# request: make bench runs it). debian-rootfs is a tarball made
+# request: make bench runs it). registry is the CNCF distribution
+# registry (cmd/registry of github.com/distribution/distribution/v3, the
+# version hack/tools/distribution requires). debian-rootfs is a tarball made
 # by mmdebstrap (Debian package); its version is a hash of what it includes.
 # image-rootfs-amd64 and image-rootfs-arm64, make image's Debian bases, are
 # tarballs made the same way, with no emulator for the foreign one.
@@ -34,8 +36,8 @@ tools="$repo/hack/tools"
 cache="${AMBIENT_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ambient-cni/tools}"
 GO="${GO:-go}"
 default_tools=(etcd kube-apiserver helm promtool)
-node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler kubectl crictl containerd cni-plugins multus debian-rootfs istiod prometheus)
-all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler kubectl helm crictl containerd cni-plugins multus debian-rootfs istiod istio-cni image-rootfs-amd64 image-rootfs-arm64 promtool prometheus)
+node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler kubectl crictl containerd cni-plugins multus debian-rootfs istiod prometheus registry)
+all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler kubectl helm crictl containerd cni-plugins multus debian-rootfs istiod istio-cni image-rootfs-amd64 image-rootfs-arm64 promtool prometheus registry)
 
 # The DaemonSet image's base, as deploy/Dockerfile's: Debian bookworm with
 # the netfilter tools, without documentation. Changing this list changes
@@ -102,6 +104,10 @@ spec() {
 	# module, without service discovery (remove_all_sd) or UI assets.
 	promtool) echo "prometheus github.com/prometheus/prometheus github.com/prometheus/prometheus/cmd/promtool" ;;
 	prometheus) echo "prometheus github.com/prometheus/prometheus github.com/prometheus/prometheus/cmd/prometheus" ;;
+	# The CNCF distribution registry: the real node's OCI registry on
+	# loopback, which the agent's image and chart are pushed to and
+	# pulled from.
+	registry) echo "distribution github.com/distribution/distribution/v3 github.com/distribution/distribution/v3/cmd/registry" ;;
 	debian-rootfs) echo "- - -" ;;
 	image-rootfs-amd64 | image-rootfs-arm64) echo "rootfs:${1#image-rootfs-} - -" ;;
 	*)
@@ -176,6 +182,9 @@ ldflags() {
 		local pv="${v#v0.3}"
 		pv="3.$((10#${pv%%.*})).${pv#*.}"
 		echo "-X github.com/prometheus/common/version.Version=$pv -X github.com/prometheus/common/version.Branch=HEAD"
+		;;
+	registry)
+		echo "-X github.com/distribution/distribution/v3/version.version=$v -X github.com/distribution/distribution/v3/version.mainpkg=github.com/distribution/distribution/v3"
 		;;
 	containerd)
 		echo "-X github.com/containerd/containerd/v2/version.Version=$v -X github.com/containerd/containerd/v2/version.Package=github.com/containerd/containerd/v2"
@@ -320,7 +329,7 @@ build() {
 		# go list fetches exactly the modules the build needs, so the silent
 		# compile that follows is split from the network part.
 		(cd "$src" && "$GO" list -mod=readonly -tags "$(buildtags "$name")" -deps "${pkg[@]}" >/dev/null)
-		echo "kube-tools: building $name $v (a cold build takes minutes on 2 cores: etcd ~2, kube-apiserver ~5-10, then kubelet, kube-controller-manager, kube-scheduler, kubectl ~1.5 each, helm ~1.5, crictl ~1, multus ~1, istiod ~7, istio-cni ~1 after istiod) ..."
+		echo "kube-tools: building $name $v (a cold build takes minutes on 2 cores: etcd ~2, kube-apiserver ~5-10, then kubelet, kube-controller-manager, kube-scheduler, kubectl ~1.5 each, helm ~1.5, crictl ~1, multus ~1, istiod ~7, istio-cni ~1 after istiod, registry ~2) ..."
 	else
 		echo "kube-tools: building $name $v with mmdebstrap from the Debian packages (~1 min) ..."
 	fi

@@ -55,12 +55,10 @@ func (n *Node) AgentSocket() string { return n.Layout().AgentSocket() }
 // is the chart's default (test/deploy pins those).
 func (n *Node) ChartValues(tag string) map[string]any {
 	v := map[string]any{
-		"image": map[string]any{
-			// The locally built image, which no registry holds.
-			"repository": AgentRepository,
-			"tag":        tag,
-			"pullPolicy": "Never",
-		},
+		// The image pushed to the node's registry as tag, pulled by
+		// digest; a tag never pushed by its name, which the registry
+		// lacks (AgentImage).
+		"image": n.imageValues(tag),
 		"cni": map[string]any{
 			// The node's runtime reads its CNI config and plugins here.
 			"binDir":  n.CNIBinDir,
@@ -124,7 +122,34 @@ func (n *Node) writeValues(name string, values map[string]any) (string, error) {
 // InstallAgent installs the chart as a user does (helm install, waiting
 // for the DaemonSet to be ready) with ChartValues(tag) and extra values.
 func (n *Node) InstallAgent(ctx context.Context, verb, tag string, extra ...string) error {
-	return n.applyChart(ctx, verb, tag, []string{"--wait", "--timeout", "5m"}, extra)
+	if err := n.applyChart(ctx, verb, tag, []string{"--wait", "--timeout", "5m"}, extra); err != nil {
+		return err
+	}
+	return n.waitRollout(ctx)
+}
+
+// waitRollout waits as kubectl rollout status does: the DaemonSet
+// controller has seen the new spec, and every node the DaemonSet wants
+// runs an updated, available pod. helm --wait alone lets a one-node
+// DaemonSet with maxUnavailable 1 pass as soon as its pod is scheduled,
+// while its image may still be pulling.
+func (n *Node) waitRollout(ctx context.Context) error {
+	return n.poll(ctx, "agent DaemonSet rolled out", 5*time.Minute, func(ctx context.Context) (bool, error) {
+		l, err := n.Client.AppsV1().DaemonSets(ReleaseNamespace).List(ctx, metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=ambient-cni"})
+		if err != nil {
+			return false, err
+		}
+		if len(l.Items) != 1 {
+			return false, fmt.Errorf("%d agent DaemonSets", len(l.Items))
+		}
+		ds := l.Items[0]
+		st := ds.Status
+		if st.ObservedGeneration < ds.Generation || st.UpdatedNumberScheduled < st.DesiredNumberScheduled || st.NumberAvailable < st.DesiredNumberScheduled {
+			return false, fmt.Errorf("DaemonSet %s: generation %d (observed %d), desired %d, updated %d, available %d",
+				ds.Name, ds.Generation, st.ObservedGeneration, st.DesiredNumberScheduled, st.UpdatedNumberScheduled, st.NumberAvailable)
+		}
+		return true, nil
+	})
 }
 
 // UpgradeAgentNoWait runs helm upgrade with ChartValues(tag) and extra
@@ -134,12 +159,27 @@ func (n *Node) UpgradeAgentNoWait(ctx context.Context, tag string, extra ...stri
 	return n.applyChart(ctx, "upgrade", tag, nil, extra)
 }
 
+// imageValues are the chart's image values for tag: the registry's
+// repository and the digest pushed as tag (or the tag itself when none
+// was), pulled when the node lacks it.
+func (n *Node) imageValues(tag string) map[string]any {
+	v := map[string]any{"repository": n.AgentRepository(), "pullPolicy": "IfNotPresent"}
+	if d := n.AgentDigest(tag); d != "" {
+		v["digest"] = d
+	} else {
+		v["tag"] = tag
+	}
+	return v
+}
+
+// applyChart installs or upgrades the release from the chart in the
+// node's registry, as helm install oci:// does on a cluster.
 func (n *Node) applyChart(ctx context.Context, verb, tag string, wait, extra []string) error {
 	vf, err := n.writeValues("values-"+tag+".yaml", n.ChartValues(tag))
 	if err != nil {
 		return err
 	}
-	args := append([]string{verb, Release, ChartDir, "--namespace", ReleaseNamespace, "-f", vf}, wait...)
+	args := append([]string{verb, Release, n.ChartRef(), "--version", ChartVersion, "--plain-http", "--namespace", ReleaseNamespace, "-f", vf}, wait...)
 	_, err = n.Helm(ctx, append(args, extra...)...)
 	return err
 }

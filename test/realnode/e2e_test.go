@@ -359,8 +359,13 @@ func (e *e2e) testAgentPod(t *testing.T) {
 		t.Errorf("hostNetwork=%v serviceAccount=%q", p.Spec.HostNetwork, p.Spec.ServiceAccountName)
 	}
 	c := p.Spec.Containers[0]
-	if c.Image != AgentRepository+":"+ImageTag || c.ImagePullPolicy != corev1.PullNever {
+	if c.ImagePullPolicy != corev1.PullIfNotPresent {
 		t.Errorf("image %s (%s)", c.Image, c.ImagePullPolicy)
+	}
+	// The image pushed to the registry by digest, pulled by containerd;
+	// the chart installed from the registry.
+	if err := e.n.CheckAgentFromRegistry(ctx); err != nil {
+		t.Error(err)
 	}
 	sc := c.SecurityContext
 	if sc == nil || sc.Privileged == nil || *sc.Privileged || sc.Capabilities == nil || len(sc.Capabilities.Add) != 4 {
@@ -927,7 +932,7 @@ func (e *e2e) testAgentRestartUnderChurn(t *testing.T) {
 func (e *e2e) testHelmUpgrade(t *testing.T) {
 	ctx := context.Background()
 	const tag = "dev2"
-	if err := e.n.TagImage(ctx, AgentRepository+":"+ImageTag, AgentRepository+":"+tag); err != nil {
+	if _, err := e.n.PushAgentTag(ctx, tag); err != nil {
 		t.Fatal(err)
 	}
 	stop := make(chan struct{})
@@ -960,7 +965,7 @@ func (e *e2e) testHelmUpgrade(t *testing.T) {
 			for _, c := range p.Status.Conditions {
 				ready = ready || (c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue)
 			}
-			if !strings.HasSuffix(p.Spec.Containers[0].Image, ":"+tag) || !ready {
+			if p.Spec.Containers[0].Image != e.n.AgentImage(tag) || !ready {
 				return false, fmt.Errorf("agent %s on %s ready=%v", p.Name, p.Spec.Containers[0].Image, ready)
 			}
 			return true, nil

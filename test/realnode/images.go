@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"time"
 
@@ -13,21 +14,29 @@ import (
 	"github.com/ambient-cni/ambient-cni/test/realnode/imagearchive"
 )
 
-// Images are the node's local images, by full name.
+// Images are the node's images: the agent's in the node's registry, the
+// others imported into containerd, by full name.
 type Images struct {
-	// Agent is the DaemonSet image: deploy/Dockerfile's contents (static
-	// install-cni and plugin on Debian bookworm with iptables, nftables
-	// and ipset).
+	// Agent is the DaemonSet image, by digest in the node's registry:
+	// make image's files (static install-cni and plugin on Debian
+	// bookworm with iptables, nftables and ipset).
 	Agent string
+	// Registry is the node's loopback registry (host:port).
+	Registry string
 	// Pause is the sandbox image, App the test application, StandIn the
 	// ztunnel stand-in.
 	Pause, App, StandIn string
 
 	archives []string
+	// agentLayout is the agent's OCI image layout (make image's output);
+	// digests the index digest pushed under each tag.
+	agentLayout string
+	digests     map[string]string
 }
 
-// ImageRepository and ImageTag name the local images: fully qualified, so
-// the runtime never tries a registry, and pulled Never.
+// ImageRepository and ImageTag name the local test images: fully
+// qualified, so the runtime never tries a registry, and pulled Never.
+// ImageTag is also the agent image's first tag in the node's registry.
 const (
 	ImageRepository = "docker.io/local"
 	ImageTag        = "dev"
@@ -35,22 +44,16 @@ const (
 
 func imageName(name string) string { return ImageRepository + "/" + name + ":" + ImageTag }
 
-// AgentRepository is the DaemonSet image's repository (chart value
-// image.repository).
-const AgentRepository = ImageRepository + "/ambient-cni"
-
-// The DaemonSet image layout, as make image and deploy/Dockerfile build
-// it (the chart's image.command, image.pluginBinary and
-// image.uninstallCommand).
-const (
-	agentCommand     = ociimage.AgentCommand
-	pluginBinary     = ociimage.PluginBinary
-	uninstallCommand = ociimage.UninstallCommand
-)
-
 // BuildImages builds the binaries of every image from the repository
-// (static, like deploy/Dockerfile), and writes one image archive each
-// under dir; Up imports them. The Debian base is the cached rootfs.
+// (static, like make image), writes the agent's image as make image does
+// (package ociimage: an OCI image index in an OCI layout, which Up pushes
+// to the node's registry) and one image archive for each other image
+// (which Up imports). The Debian base is the cached rootfs.
+//
+// The agent's index holds linux/amd64 only: make image's second
+// architecture would add a cross-compile and a second base to every
+// node's start for an image this node never runs (hack/imagebuild's tests
+// build both and compare their files).
 func BuildImages(ctx context.Context, dir string, t Tools, logf func(string, ...any)) (Images, error) {
 	imgDir := filepath.Join(dir, "images")
 	bin := filepath.Join(imgDir, "bin")
@@ -72,7 +75,7 @@ func BuildImages(ctx context.Context, dir string, t Tools, logf func(string, ...
 	}
 	logf("   built install-cni, the plugin, the uninstall hook, the stand-in, app and pause (static) in %v", time.Since(start).Round(100*time.Millisecond))
 
-	imgs := Images{Agent: imageName("ambient-cni"), Pause: imageName("pause"), App: imageName("app"), StandIn: imageName("ztunnel-standin")}
+	imgs := Images{Pause: imageName("pause"), App: imageName("app"), StandIn: imageName("ztunnel-standin"), agentLayout: filepath.Join(imgDir, "agent")}
 	one := func(name string, entry []string, cmd []string, layers ...imagearchive.Layer) error {
 		a := filepath.Join(imgDir, strings.NewReplacer("/", "_", ":", "_").Replace(name)+".tar")
 		if err := imagearchive.WriteFile(a, imagearchive.Image{Name: name, Entrypoint: entry, Cmd: cmd, Layers: layers}); err != nil {
@@ -86,17 +89,15 @@ func BuildImages(ctx context.Context, dir string, t Tools, logf func(string, ...
 			return Images{}, fmt.Errorf("image binary %s: %w", b, err)
 		}
 	}
-	agentTop, err := imagearchive.FilesLayer(
-		imagearchive.File{Path: agentCommand, Mode: 0o755, Source: filepath.Join(bin, "install-cni")},
-		imagearchive.File{Path: pluginBinary, Mode: 0o755, Source: filepath.Join(bin, "ambient-cni")},
-		imagearchive.File{Path: filepath.Join(filepath.Dir(pluginBinary), "ambient-cni-fallback"), Mode: 0o755, Source: filepath.Join(bin, "ambient-cni-fallback")},
-		imagearchive.File{Path: uninstallCommand, Mode: 0o755, Source: filepath.Join(bin, "ambient-cni-uninstall")},
-	)
+	idx, err := ociimage.Build(ociimage.Spec{
+		Platforms: []ociimage.Platform{{Arch: runtime.GOARCH, Rootfs: t.Rootfs, BinDir: bin}},
+		Version:   ImageTag, Revision: "realnode", Source: "test/realnode",
+	})
 	if err != nil {
-		return imgs, err
+		return imgs, fmt.Errorf("build the agent image: %w", err)
 	}
-	if err := one(imgs.Agent, []string{agentCommand}, nil, imagearchive.FileLayer(t.Rootfs), agentTop); err != nil {
-		return imgs, err
+	if err := ociimage.WriteLayout(imgs.agentLayout, idx, ImageTag); err != nil {
+		return imgs, fmt.Errorf("write the agent image layout: %w", err)
 	}
 	// The other images hold one static binary each, at the root.
 	for _, single := range []struct{ name, bin string }{{imgs.Pause, "pause"}, {imgs.App, "app"}, {imgs.StandIn, "ztunnel-standin"}} {
@@ -112,6 +113,6 @@ func BuildImages(ctx context.Context, dir string, t Tools, logf func(string, ...
 			return imgs, err
 		}
 	}
-	logf("   wrote 4 image archives in %v", time.Since(start).Round(100*time.Millisecond))
+	logf("   wrote the agent's OCI layout and 3 image archives in %v", time.Since(start).Round(100*time.Millisecond))
 	return imgs, nil
 }

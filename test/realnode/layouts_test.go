@@ -64,6 +64,11 @@ func testLayout(t *testing.T, l Layout) {
 	if err := n.InstallAgent(ctx, "install", ImageTag); err != nil {
 		t.Fatalf("helm install --set platform=%s: %v", l.Platform(), err)
 	}
+	// helm install oci:// from the node's registry; containerd pulled
+	// the agent's image from it by digest.
+	if err := n.CheckAgentFromRegistry(ctx); err != nil {
+		t.Error(err)
+	}
 	if err := n.StartStandIn(ctx); err != nil {
 		t.Fatalf("ztunnel stand-in: %v", err)
 	}

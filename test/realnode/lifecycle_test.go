@@ -447,7 +447,7 @@ func (l *life) waitAgentRolled(ctx context.Context, old, tag string) error {
 			return false, fmt.Errorf("%d agent pods (%v)", len(pods), err)
 		}
 		p := pods[0]
-		if p.Name == old || !strings.HasSuffix(p.Spec.Containers[0].Image, ":"+tag) || !isReady(&p) {
+		if p.Name == old || p.Spec.Containers[0].Image != l.n.AgentImage(tag) || !isReady(&p) {
 			return false, fmt.Errorf("agent %s on %s ready=%v", p.Name, p.Spec.Containers[0].Image, isReady(&p))
 		}
 		return true, nil
@@ -460,7 +460,7 @@ func (l *life) waitAgentRolled(ctx context.Context, old, tag string) error {
 func (l *life) testAgentRollUnderTraffic(t *testing.T) {
 	ctx := context.Background()
 	const tag = "life2"
-	if err := l.n.TagImage(ctx, AgentRepository+":"+ImageTag, AgentRepository+":"+tag); err != nil {
+	if _, err := l.n.PushAgentTag(ctx, tag); err != nil {
 		t.Fatal(err)
 	}
 	old := l.oneAgent(t)

@@ -2,8 +2,11 @@
 // demo and the end-to-end tests: etcd, kube-apiserver,
 // kube-controller-manager, kube-scheduler, containerd and kubelet (built by
 // hack/kube-tools.sh), a bridge + host-local primary CNI network, and
-// images built locally without a registry. ambient-cni is then installed
-// the way a user installs it, with helm, and runs as a DaemonSet pod.
+// images built locally: the agent's image and the chart pushed to a
+// registry on loopback (the CNCF distribution registry), the test images
+// imported. ambient-cni is then installed the way a user installs it,
+// with helm install oci://, and runs as a DaemonSet pod whose image
+// containerd pulls by digest.
 //
 // Everything lives under one directory (/tmp/ambient-node-*), and Down
 // leaves the host as Up found it: mounts, cgroups, links, iptables and
@@ -238,8 +241,18 @@ func Up(ctx context.Context, opts Options) (n *Node, err error) {
 	if err := n.saveState(); err != nil {
 		return n, err
 	}
-	n.logf("== images (built locally, imported without a registry)")
+	n.logf("== images: the agent's and the chart pushed to a loopback registry, the test images imported")
 	if n.Images, err = BuildImages(ctx, n.Dir, n.Tools, n.logf); err != nil {
+		return n, err
+	}
+	if err := n.startRegistry(ctx); err != nil {
+		return n, err
+	}
+	if _, err := n.pushAgent(ctx, ImageTag); err != nil {
+		return n, err
+	}
+	n.Images.Agent = n.AgentImage(ImageTag)
+	if err := n.pushChart(ctx); err != nil {
 		return n, err
 	}
 	if err := n.importImages(ctx); err != nil {
@@ -433,6 +446,7 @@ func (n *Node) Down() error {
 	guardErr := n.checkGuard()
 	errs = append(errs, teardown(n.st, n.logf)...)
 	n.proc("containerd").Stop(15 * time.Second)
+	n.proc("registry").Stop(15 * time.Second)
 	if n.Kube != nil {
 		n.Kube.Stop()
 	}

@@ -19,9 +19,10 @@ import (
 // node's run directory is gone, its state directory kept) and the plugin
 // decides alone, through the API server with its own credential.
 
-// missingTag is an agent image tag the node does not hold: with the
-// chart's pullPolicy Never the agent pod stays in ErrImageNeverPull.
-const missingTag = "not-on-this-node"
+// missingTag is an agent image tag the node's registry does not hold (it
+// was never pushed): the agent pod cannot pull it and stays in
+// ErrImagePull or ImagePullBackOff.
+const missingTag = "not-in-the-registry"
 
 // leaveNode is a nodeSelector this node lacks: the DaemonSet leaves it.
 const leaveNode = `nodeSelector={"ambient-cni.test/agent":"elsewhere"}`
@@ -206,7 +207,7 @@ func (l *life) agentReturns(t *testing.T, restore func() error, r rebootAgentles
 }
 
 // While the node is down, the DaemonSet is upgraded to an agent image the
-// node cannot pull (pullPolicy Never: ErrImageNeverPull), so the agent
+// node cannot pull (a tag its registry lacks), so the agent
 // never runs after the reboot. Plain and istio-system pods start
 // uncaptured at once; a pod of an ambient namespace waits with code 11;
 // the upgrade back to a good image captures it.
@@ -220,11 +221,11 @@ func (l *life) testImageUnpullableAfterReboot(t *testing.T) {
 				return fmt.Errorf("%d agent pods, want the one that cannot pull", len(pods))
 			}
 			for _, cs := range pods[0].Status.ContainerStatuses {
-				if w := cs.State.Waiting; w != nil && w.Reason == "ErrImageNeverPull" {
+				if w := cs.State.Waiting; w != nil && (w.Reason == "ErrImagePull" || w.Reason == "ImagePullBackOff") {
 					return nil
 				}
 			}
-			return fmt.Errorf("agent %s: %s, want ErrImageNeverPull", pods[0].Name, podSummary(&pods[0]))
+			return fmt.Errorf("agent %s: %s, want ErrImagePull or ImagePullBackOff", pods[0].Name, podSummary(&pods[0]))
 		},
 		// The DaemonSet still runs on the node: the wait is for its agent.
 		"the API server shows the pod must be captured", "check that the ambient-cni node agent is running")

@@ -50,6 +50,11 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 [plugins."io.containerd.cri.v1.images"]
   snapshotter = "overlayfs"
 
+  # One hosts.toml per registry host: the node's loopback registry
+  # serves plain HTTP.
+  [plugins."io.containerd.cri.v1.images".registry]
+    config_path = %s
+
   [plugins."io.containerd.cri.v1.images".pinned_images]
     sandbox = %s
 
@@ -84,7 +89,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
 `, q(filepath.Join(c, "root")), q(filepath.Join(c, "state")), q(n.ContainerdSocket), q(n.ContainerdSocket+".ttrpc"),
-		q(filepath.Join(c, "opt")), q(n.Images.Pause), q(n.Tools.Runc), q(filepath.Join(c, "runc")), q(n.CNIBinDir), q(n.CNIConfDir))
+		q(filepath.Join(c, "opt")), q(n.registryHostsDir()), q(n.Images.Pause), q(n.Tools.Runc), q(filepath.Join(c, "runc")), q(n.CNIBinDir), q(n.CNIConfDir))
 }
 
 // startContainerd makes the netns dir a shared mount, writes the config,
@@ -146,13 +151,6 @@ func (n *Node) importImages(ctx context.Context) error {
 	return nil
 }
 
-// TagImage gives an imported image a second name (a new tag for the same
-// content, e.g. to roll the DaemonSet in an upgrade).
-func (n *Node) TagImage(ctx context.Context, src, dst string) error {
-	_, err := n.ctr(ctx, "images", "tag", "--force", src, dst)
-	return err
-}
-
 // kubeletConfig is the KubeletConfiguration of the node; why each setting
 // is needed on this kind of host is said next to it.
 func (n *Node) kubeletConfig(port, healthzPort int) string {
@@ -182,7 +180,7 @@ podLogsDir: %q
 volumePluginDir: %q
 # Pods get no resolver: nothing on this node may look names up off the machine.
 resolvConf: ""
-# Images exist only locally (imagePullPolicy: Never): never collect them.
+# The test images exist only locally (imagePullPolicy: Never): never collect them.
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 evictionHard: {memory.available: "50Mi", nodefs.available: "1%%", nodefs.inodesFree: "1%%", imagefs.available: "1%%"}

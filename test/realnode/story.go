@@ -682,7 +682,7 @@ func Demo(ctx context.Context, out io.Writer, keep bool, opts ...DemoOption) (er
 			err = errors.Join(err, derr)
 		}
 	}()
-	fmt.Fprintf(out, "\n== helm install %s %s (image %s:%s, pullPolicy Never)\n", Release, ChartDir, AgentRepository, ImageTag)
+	fmt.Fprintf(out, "\n== helm install %s %s --version %s --plain-http (image %s, pulled by containerd from the loopback registry)\n", Release, n.ChartRef(), ChartVersion, n.AgentImage(ImageTag))
 	start := time.Now()
 	if err := n.InstallAgent(ctx, "install", ImageTag); err != nil {
 		return err

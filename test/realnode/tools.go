@@ -30,6 +30,9 @@ type Tools struct {
 	// Containerd and Ctr are containerd 2.x's, built into the tools cache
 	// (its runc shim beside them); Runc is the Debian package's.
 	Containerd, Ctr, Runc string
+	// Registry is the CNCF distribution registry, the node's loopback
+	// registry of the agent's image and the chart.
+	Registry string
 	// Repo is the repository root (images are built from it).
 	Repo string
 }
@@ -51,7 +54,7 @@ func FindTools() (Tools, error) {
 	for name, dst := range map[string]*string{
 		"kubelet": &t.Kubelet, "kube-controller-manager": &t.ControllerManager, "kube-scheduler": &t.Scheduler,
 		"helm": &t.Helm, "crictl": &t.Crictl, "kubectl": &t.Kubectl, "cni-plugins": &t.CNIPlugins, "debian-rootfs": &t.Rootfs,
-		"containerd": &t.Containerd,
+		"containerd": &t.Containerd, "registry": &t.Registry,
 	} {
 		p, err := toolPath(t.Repo, name)
 		if err != nil {
