@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"reflect"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -852,10 +853,18 @@ func hostProbe(t *testing.T, bc backendCase) {
 	if ips, err := hp.IPs(); err != nil || len(ips) != 2 {
 		t.Errorf("repair lost set members: %v %v", ips, err)
 	}
+	both := []netip.Addr{pod.V4, pod.V6}
+	if lack, err := hp.Lacks(both); err != nil || len(lack) != 0 {
+		t.Errorf("Lacks(%v) with both in the sets = %v, %v", both, lack, err)
+	}
 
 	for _, f := range families() {
 		if err := hp.DelIP(dt.Addr(pod, f)); err != nil {
 			t.Fatal(err)
+		}
+		// Asked again at once: a cached answer would miss it.
+		if lack, err := hp.Lacks(both); err != nil || !slices.Contains(lack, dt.Addr(pod, f)) {
+			t.Errorf("Lacks(%v) after DelIP(%v) = %v, %v", both, dt.Addr(pod, f), lack, err)
 		}
 		if err := hp.DelIP(dt.Addr(pod, f)); err != nil {
 			t.Fatalf("second DelIP: %v", err)

@@ -116,9 +116,12 @@ type Finder interface {
 	Find(pods map[types.UID][]netip.Addr) (map[types.UID]*netns.Handle, error)
 }
 
-// ProbeSet reads the host probe set (the rules backend's host probe).
+// ProbeSet is the host probe set (the rules backend's host probe).
 type ProbeSet interface {
-	IPs() ([]netip.Addr, error)
+	// Lacks returns those of ips the set lacks, without reading every
+	// other pod's where it can: a proof's cost must not grow with the
+	// node's pods.
+	Lacks(ips []netip.Addr) ([]netip.Addr, error)
 }
 
 // EventRecorder records Events on pods (client-go's record.EventRecorder).
@@ -527,19 +530,15 @@ func (v *Verifier) check(e nodeagent.EnrolledPod, pod *corev1.Pod) (found []Find
 	}
 
 	if v.cfg.Probe != nil && len(in.IPs) > 0 {
-		have, err := v.cfg.Probe.IPs()
+		lacks, err := v.cfg.Probe.Lacks(in.IPs)
 		if err != nil {
 			problems = append(problems, "host probe set could not be read: "+err.Error())
-		} else {
+		} else if len(lacks) > 0 {
 			var lost []string
-			for _, ip := range in.IPs {
-				if !slices.Contains(have, ip) {
-					lost = append(lost, ip.String())
-				}
+			for _, ip := range lacks {
+				lost = append(lost, ip.String())
 			}
-			if len(lost) > 0 {
-				found = append(found, Finding{KindProbeSet, "the host probe set lacks " + strings.Join(lost, ", ")})
-			}
+			found = append(found, Finding{KindProbeSet, "the host probe set lacks " + strings.Join(lost, ", ")})
 		}
 	}
 

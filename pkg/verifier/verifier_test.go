@@ -205,12 +205,14 @@ func (c fakeCache) DecideCached(p *corev1.Pod) enablement.Decision {
 	return enablement.Decision{Reason: "no label"}
 }
 
-func (f *fakeNode) IPs() ([]netip.Addr, error) {
+func (f *fakeNode) Lacks(ips []netip.Addr) ([]netip.Addr, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	var out []netip.Addr
-	for ip := range f.probe {
-		out = append(out, ip)
+	for _, ip := range ips {
+		if !f.probe[ip] {
+			out = append(out, ip)
+		}
 	}
 	return out, nil
 }
