@@ -406,7 +406,7 @@ func (a *Applier) Verify(netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift
 
 // VerifyContext is Verify with a context.
 func (a *Applier) VerifyContext(ctx context.Context, netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift, error) {
-	d, _, err := a.verify(ctx, netnsPath, cfg, 0)
+	d, _, err := a.verify(ctx, netnsPath, cfg, 0, false)
 	return d, err
 }
 
@@ -416,10 +416,11 @@ func (a *Applier) VerifyContext(ctx context.Context, netnsPath string, cfg rules
 // legacy flavour's x_tables have no generation: it returns 0 and reads
 // in full every time.
 func (a *Applier) VerifyGen(netnsPath string, cfg ruleset.PodConfig, gen uint32) (ruleset.Drift, uint32, error) {
-	return a.verify(context.Background(), netnsPath, cfg, gen)
+	return a.verify(context.Background(), netnsPath, cfg, gen, true)
 }
 
-func (a *Applier) verify(ctx context.Context, netnsPath string, cfg ruleset.PodConfig, gen uint32) (ruleset.Drift, uint32, error) {
+// verify is Verify; withGen reads the generation for VerifyGen.
+func (a *Applier) verify(ctx context.Context, netnsPath string, cfg ruleset.PodConfig, gen uint32, withGen bool) (ruleset.Drift, uint32, error) {
 	if err := ruleset.CheckPodNetns(netnsPath); err != nil {
 		return ruleset.Drift{}, 0, err
 	}
@@ -431,7 +432,7 @@ func (a *Applier) verify(ctx context.Context, netnsPath string, cfg ruleset.PodC
 	// Read before the rules: a change made after it moves it, so the
 	// next call reads again.
 	var now uint32
-	if a.backend == BackendNFT {
+	if withGen && a.backend == BackendNFT {
 		var err error
 		if now, err = netfilter.Generation(netnsPath); err != nil {
 			return ruleset.Drift{}, 0, err
