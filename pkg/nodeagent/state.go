@@ -90,6 +90,20 @@ func (a *Agent) Pods() []EnrolledPod {
 	return out
 }
 
+// Pod returns uid's entry, if enrolled: one pod without copying them all
+// (the verifier looks one up per proof).
+func (a *Agent) Pod(uid types.UID) (EnrolledPod, bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	e := a.pods[uid]
+	if e == nil {
+		return EnrolledPod{}, false
+	}
+	p := e.EnrolledPod
+	p.IPs = slices.Clone(p.IPs)
+	return p, true
+}
+
 // Workloads lists every enrolled pod, including those whose ztunnel Add is
 // still in flight, for the ZDS snapshot (zds.Config.Snapshot). It never
 // waits on enroll work.

@@ -91,6 +91,7 @@ func ztunnelPorts() []uint16 {
 // Agent is the node agent as the verifier uses it (*nodeagent.Agent).
 type Agent interface {
 	Pods() []nodeagent.EnrolledPod
+	Pod(uid types.UID) (nodeagent.EnrolledPod, bool)
 	// Inspect verifies uid's rules now.
 	Inspect(uid types.UID) (nodeagent.Inspection, bool)
 	// InPod runs fn on the namespace uid is held in.
@@ -454,14 +455,7 @@ func joinProblems(found []Finding, problem string) string {
 // be proven: gone, going, or no longer to be captured (the controller
 // releases it), or restored without its namespace.
 func (v *Verifier) subject(uid types.UID) (nodeagent.EnrolledPod, *corev1.Pod, bool) {
-	var e nodeagent.EnrolledPod
-	found := false
-	for _, p := range v.cfg.Agent.Pods() {
-		if p.UID == uid {
-			e, found = p, true
-			break
-		}
-	}
+	e, found := v.cfg.Agent.Pod(uid)
 	if !found || e.Unresolved {
 		return e, nil, false
 	}

@@ -96,6 +96,16 @@ func (f *fakeNode) Pods() []nodeagent.EnrolledPod {
 	return out
 }
 
+func (f *fakeNode) Pod(uid types.UID) (nodeagent.EnrolledPod, bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	e := f.enrolled[uid]
+	if e == nil {
+		return nodeagent.EnrolledPod{}, false
+	}
+	return *e, true
+}
+
 func (f *fakeNode) Inspect(uid types.UID) (nodeagent.Inspection, bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
