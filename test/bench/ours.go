@@ -110,8 +110,13 @@ func (a *ourAgent) enroll(ctx context.Context, r *backendRun) (err error) {
 	if a.pods, err = newEnrollNode(filepath.Join(r.dir, "kubesim"), r.client, r.res.Node, a.node.BinDir, a.node.Chained, ""); err != nil {
 		return err
 	}
+	// The idle agent's CPU before any pod runs, for the verifier's cost.
+	idle, err := r.idleCPU(ctx)
+	if err != nil {
+		return err
+	}
 	if err := r.enrollRunning(ctx, a.pods, float64(a.node.Config.KubeClientQPS), a.node.Config.KubeClientBurst); err != nil {
 		return err
 	}
-	return r.verifierFigures(ctx, a.pods)
+	return r.verifierFigures(ctx, a.pods, idle)
 }

@@ -347,12 +347,16 @@ func (r *Result) WriteTable(w io.Writer) error {
 			return fmt.Sprintf("%.2f / %.2f", a.APIPerPod, d.APIPerPod)
 		})
 	}
-	for i := range 2 {
+	rounds := 0
+	for _, b := range cols {
+		rounds = max(rounds, len(b.Verifier))
+	}
+	for i := range rounds {
 		label := "verifier, captured pods: agent CPU per pod per minute: ms (share of a core)"
 		target := ""
 		for _, b := range cols {
 			if i < len(b.Verifier) {
-				label = fmt.Sprintf("verifier, %d captured pods: agent CPU per pod per minute: ms (share of a core)", b.Verifier[i].Pods)
+				label = fmt.Sprintf("verifier, %d captured pods: agent CPU per pod per minute, idle agent's taken off: ms (share of a core)", b.Verifier[i].Pods)
 				if b.Verifier[i].Pods == verifierNodePods {
 					target = targets["verifier"]
 				}

@@ -16,12 +16,13 @@ import (
 
 // The verifier's cost: with the enrollment's pods captured and nothing
 // changing, the agent's CPU over one whole verifier period (every pod
-// proven once) is what proving them costs, plus the idle agent's own
-// (counted in: an upper bound). It is measured with every pod of the
-// enrollment captured and again with verifierNodePods of them, the
-// node's default pod limit; then one pod's rules are flushed from the
-// host and the drift is timed until the agent counts it and until it is
-// repaired.
+// proven once) is what proving them costs plus what the agent spends
+// idle (its host probe resync, metrics, heartbeats). The idle agent's
+// CPU is read first, over one period with no pod captured, and taken
+// off. It is measured with every pod of the enrollment captured and
+// again with verifierNodePods of them, the node's default pod limit;
+// then one pod's rules are flushed from the host and the drift is timed
+// until the agent counts it and until it is repaired.
 
 // verifierNodePods is Kubernetes' default pod limit per node, the count
 // the verifier's cost target is set for (under 1 % of a core).
@@ -37,11 +38,14 @@ type VerifierCost struct {
 	// PeriodSeconds is the verifier period; the window is one period.
 	PeriodSeconds float64 `json:"periodSeconds"`
 	WindowSeconds float64 `json:"windowSeconds"`
-	// CPUMs is the agent's CPU (own + children) over the window.
-	CPUMs float64 `json:"cpuMs"`
-	// CPUMsPerPodMinute is CPUMs per pod per minute of window.
+	// CPUMs is the agent's CPU (own + children) over the window; IdleMs
+	// the idle agent's over as long (no pod captured).
+	CPUMs  float64 `json:"cpuMs"`
+	IdleMs float64 `json:"idleMs"`
+	// CPUMsPerPodMinute is CPUMs less IdleMs, per pod per minute of
+	// window: the verifier's.
 	CPUMsPerPodMinute float64 `json:"cpuMsPerPodMinute"`
-	// CorePct is the share of one core over the window.
+	// CorePct is the verifier's share of one core over the window.
 	CorePct float64 `json:"corePct"`
 	// APIRequests the agent made in the window (watches apart): none is
 	// the promise.
@@ -79,11 +83,12 @@ func (r *backendRun) verifyPeriod() (time.Duration, error) {
 // with all of them and with verifierNodePods, then the time to find and
 // repair a pod's flushed rules. It tears pods down to get to
 // verifierNodePods.
-func (r *backendRun) verifierFigures(ctx context.Context, node *enrollNode) error {
+func (r *backendRun) verifierFigures(ctx context.Context, node *enrollNode, idle time.Duration) error {
 	period, err := r.verifyPeriod()
 	if err != nil {
 		return err
 	}
+	idlePerSecond := idle.Seconds() / period.Seconds() // CPU seconds a second
 	counts := []int{len(node.running)}
 	if len(node.running) > verifierNodePods {
 		counts = append(counts, verifierNodePods)
@@ -96,13 +101,13 @@ func (r *backendRun) verifierFigures(ctx context.Context, node *enrollNode) erro
 			}
 			node.running = node.running[:n]
 		}
-		c, err := r.verifierCost(ctx, n, period)
+		c, err := r.verifierCost(ctx, n, period, idlePerSecond)
 		if err != nil {
 			return err
 		}
 		r.res.Verifier = append(r.res.Verifier, c)
-		r.logf("verifier with %d captured pods: %.1f ms agent CPU over one %v period: %.3f ms per pod per minute, %.2f%% of a core; %d API requests",
-			n, c.CPUMs, period, c.CPUMsPerPodMinute, c.CorePct, c.APIRequests)
+		r.logf("verifier with %d captured pods: %.1f ms agent CPU over one %v period (idle agent: %.1f ms): %.3f ms per pod per minute, %.2f%% of a core; %d API requests",
+			n, c.CPUMs, period, c.IdleMs, c.CPUMsPerPodMinute, c.CorePct, c.APIRequests)
 		if c.APIRequests > 0 {
 			return fmt.Errorf("the agent made %d API requests over a verifier period with nothing drifted", c.APIRequests)
 		}
@@ -116,9 +121,38 @@ func (r *backendRun) verifierFigures(ctx context.Context, node *enrollNode) erro
 	return nil
 }
 
+// idleCPU reads the settled agent's CPU over one verifier period, with no
+// pod captured: what it spends whatever the verifier does.
+func (r *backendRun) idleCPU(ctx context.Context) (time.Duration, error) {
+	period, err := r.verifyPeriod()
+	if err != nil {
+		return 0, err
+	}
+	if err := r.settle(ctx); err != nil {
+		return 0, err
+	}
+	cpu0, err := procstat.ReadCPU(r.pid())
+	if err != nil {
+		return 0, err
+	}
+	start := time.Now()
+	if err := sleep(ctx, period); err != nil {
+		return 0, err
+	}
+	cpu1, err := procstat.ReadCPU(r.pid())
+	if err != nil {
+		return 0, err
+	}
+	// Scaled to exactly one period.
+	idle := time.Duration(float64(cpu1.Sub(cpu0).Total()) * period.Seconds() / time.Since(start).Seconds())
+	r.logf("idle agent, no pod captured: %.1f ms CPU over one %v verifier period", ms(idle), period)
+	return idle, nil
+}
+
 // verifierCost reads the agent's CPU and API requests over one period on
-// a settled agent with n pods captured.
-func (r *backendRun) verifierCost(ctx context.Context, n int, period time.Duration) (VerifierCost, error) {
+// a settled agent with n pods captured; idlePerSecond is the idle agent's
+// CPU seconds per second, taken off.
+func (r *backendRun) verifierCost(ctx context.Context, n int, period time.Duration, idlePerSecond float64) (VerifierCost, error) {
 	if err := r.settle(ctx); err != nil {
 		return VerifierCost{}, err
 	}
@@ -141,10 +175,12 @@ func (r *backendRun) verifierCost(ctx context.Context, n int, period time.Durati
 	took := time.Since(start)
 	reqs := r.auditLog.since(mark)
 	cpu := ms(cpu1.Sub(cpu0).Total())
+	idle := 1000 * idlePerSecond * took.Seconds()
+	own := max(cpu-idle, 0)
 	return VerifierCost{
-		Pods: n, PeriodSeconds: period.Seconds(), WindowSeconds: took.Seconds(), CPUMs: cpu,
-		CPUMsPerPodMinute: cpu / float64(n) / took.Minutes(),
-		CorePct:           100 * cpu / float64(took.Milliseconds()),
+		Pods: n, PeriodSeconds: period.Seconds(), WindowSeconds: took.Seconds(), CPUMs: cpu, IdleMs: idle,
+		CPUMsPerPodMinute: own / float64(n) / took.Minutes(),
+		CorePct:           100 * own / float64(took.Milliseconds()),
 		APIRequests:       len(reqs),
 	}, nil
 }
