@@ -128,6 +128,28 @@ func (NetlinkIPSets) ListSet(netnsPath, name string) ([]netip.Addr, bool, error)
 	return out, true, nil
 }
 
+// Lacks implements the optional test of IPSets HostProbe.Lacks uses: one
+// IPSET_CMD_TEST per address, so the cost does not grow with the set. A
+// missing set lacks every address.
+func (NetlinkIPSets) Lacks(netnsPath, name string, ips []netip.Addr) ([]netip.Addr, error) {
+	h, err := handle(netnsPath)
+	if err != nil {
+		return nil, err
+	}
+	defer h.Close()
+	var out []netip.Addr
+	for _, ip := range ips {
+		ok, err := h.IpsetTest(name, &netlink.IPSetEntry{IP: net.IP(ip.AsSlice()), Replace: true})
+		if err != nil && !isNoSet(err) {
+			return nil, fmt.Errorf("test %s in ipset %s: %w", ip, name, err)
+		}
+		if !ok {
+			out = append(out, ip)
+		}
+	}
+	return out, nil
+}
+
 // HostProbe keeps the probe SNAT in one network namespace: the node's
 // (netnsPath "") in production, a stand-in in tests. Ensure installs the
 // sets and rule, AddIP/DelIP track enrolled pod IPs, Remove undoes it all.
@@ -287,6 +309,49 @@ func (h *HostProbe) IPs() ([]netip.Addr, error) {
 			return nil, err
 		}
 		out = append(out, ips...)
+	}
+	return out, nil
+}
+
+// Lacks returns those of ips the probe sets lack: what the verifier asks
+// for every pod it proves. Without listing the sets where the ipset side
+// can test addresses one by one (NetlinkIPSets), so a proof costs the
+// same on a node of 10 pods or 500.
+func (h *HostProbe) Lacks(ips []netip.Addr) ([]netip.Addr, error) {
+	tester, ok := h.a.sets.(interface {
+		Lacks(netnsPath, name string, ips []netip.Addr) ([]netip.Addr, error)
+	})
+	var out []netip.Addr
+	for _, f := range ruleset.Families {
+		if f == ruleset.IPv6 && h.cfg.IPv4Only {
+			continue // AddIP puts none there
+		}
+		var mine []netip.Addr
+		for _, ip := range ips {
+			if ip, fam, err := ruleset.ProbeIP(ip); err == nil && fam == f {
+				mine = append(mine, ip)
+			}
+		}
+		if len(mine) == 0 {
+			continue
+		}
+		if ok {
+			lack, err := tester.Lacks(h.netns, ruleset.ProbeSet(f), mine)
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, lack...)
+			continue
+		}
+		have, _, err := h.a.sets.ListSet(h.netns, ruleset.ProbeSet(f))
+		if err != nil {
+			return nil, err
+		}
+		for _, ip := range mine {
+			if !slices.Contains(have, ip) {
+				out = append(out, ip)
+			}
+		}
 	}
 	return out, nil
 }

@@ -266,32 +266,58 @@ func (a *Applier) Verify(netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift
 // VerifySeeing is Verify, also reporting what it saw of the namespace's other
 // netfilter tables.
 func (a *Applier) VerifySeeing(netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift, netfilter.Seen, error) {
+	d, seen, _, err := a.VerifySeeingGen(netnsPath, cfg, 0)
+	return d, seen, err
+}
+
+// VerifyGen implements ruleset.GenVerifier: the tables are read only when
+// the namespace's nf_tables generation moved from gen.
+func (a *Applier) VerifyGen(netnsPath string, cfg ruleset.PodConfig, gen uint32) (ruleset.Drift, uint32, error) {
+	d, _, g, err := a.VerifySeeingGen(netnsPath, cfg, gen)
+	return d, g, err
+}
+
+// VerifySeeingGen is VerifySeeing and VerifyGen at once. With the tables
+// not read (the generation unchanged since a clean verify), no other
+// backend's nf_tables rules can have appeared either: the Seen says none.
+func (a *Applier) VerifySeeingGen(netnsPath string, cfg ruleset.PodConfig, gen uint32) (ruleset.Drift, netfilter.Seen, uint32, error) {
 	if err := ruleset.CheckPodNetns(netnsPath); err != nil {
-		return ruleset.Drift{}, netfilter.Seen{}, err
+		return ruleset.Drift{}, netfilter.Seen{}, 0, err
 	}
 	if err := cfg.Validate(); err != nil {
-		return ruleset.Drift{}, netfilter.Seen{}, err
+		return ruleset.Drift{}, netfilter.Seen{}, 0, err
 	}
 	p, err := a.program(cfg)
 	if err != nil {
-		return ruleset.Drift{}, netfilter.Seen{}, err
+		return ruleset.Drift{}, netfilter.Seen{}, 0, err
+	}
+	// Read before the state: a change made after it moves it, so the
+	// next call reads again.
+	now, err := netfilter.Generation(netnsPath)
+	if err != nil {
+		return ruleset.Drift{}, netfilter.Seen{}, 0, err
 	}
 	rt, st, c, err := open(netnsPath, false)
 	if err != nil {
-		return ruleset.Drift{}, netfilter.Seen{}, err
+		return ruleset.Drift{}, netfilter.Seen{}, 0, err
 	}
 	defer rt.Close()
 	defer func() { _ = c.close() }()
-	live, foreign, err := readLive(c, PodTables, false)
-	if err != nil {
-		return ruleset.Drift{}, netfilter.Seen{}, fmt.Errorf("read nf_tables state of netns %s: %w", netnsPath, err)
+	var d ruleset.Drift
+	foreign := false
+	if gen == 0 || now != gen {
+		var live map[string]*liveTable
+		live, foreign, err = readLive(c, PodTables, false)
+		if err != nil {
+			return ruleset.Drift{}, netfilter.Seen{}, 0, fmt.Errorf("read nf_tables state of netns %s: %w", netnsPath, err)
+		}
+		d.Items = diff(p, live, PodTables)
 	}
-	d := ruleset.Drift{Items: diff(p, live, PodTables)}
 	for _, f := range routes(st, cfg) {
 		want := ruleset.PodRules(cfg, f).Routing
 		rule, route, err := rt.PolicyRouteState(f, want)
 		if err != nil {
-			return ruleset.Drift{}, netfilter.Seen{}, fmt.Errorf("%s policy routing in netns %s: %w", f, netnsPath, err)
+			return ruleset.Drift{}, netfilter.Seen{}, 0, fmt.Errorf("%s policy routing in netns %s: %w", f, netnsPath, err)
 		}
 		d.Items = append(d.Items, policyroute.Drift(f, want, rule, route)...)
 	}
@@ -299,11 +325,11 @@ func (a *Applier) VerifySeeing(netnsPath string, cfg ruleset.PodConfig) (ruleset
 		want := ruleset.PodRules(cfg, ruleset.IPv6).Routing
 		rule, route, err := rt.PolicyRouteState(ruleset.IPv6, want)
 		if err != nil {
-			return ruleset.Drift{}, netfilter.Seen{}, fmt.Errorf("ipv6 policy routing in netns %s: %w", netnsPath, err)
+			return ruleset.Drift{}, netfilter.Seen{}, 0, fmt.Errorf("ipv6 policy routing in netns %s: %w", netnsPath, err)
 		}
 		d.Items = append(d.Items, policyroute.Leftover(ruleset.IPv6, want, rule, route)...)
 	}
-	return d, others(st, foreign), nil
+	return d, others(st, foreign), now, nil
 }
 
 // Remove deletes our tables (whatever options they were applied with) in

@@ -11,6 +11,7 @@ import (
 	gnft "github.com/google/nftables"
 	"golang.org/x/sys/unix"
 
+	"github.com/ambient-cni/ambient-cni/pkg/netfilter"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/policyroute"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
@@ -30,6 +31,10 @@ type HostProbe struct {
 
 	mu sync.Mutex
 	c  conn // lazily dialled; zero when closed
+	// seen is what the probe sets held at nf_tables generation seenGen
+	// (seen nil: not read yet), for Lacks.
+	seen    map[netip.Addr]bool
+	seenGen uint32
 }
 
 // NewHostProbe returns a HostProbe for the namespace at netnsPath ("" = the
@@ -251,6 +256,49 @@ func (h *HostProbe) IPs() ([]netip.Addr, error) {
 		}
 	}
 	slices.SortFunc(out, func(a, b netip.Addr) int { return a.Compare(b) })
+	return out, nil
+}
+
+// Lacks returns those of ips the probe sets lack: what the verifier asks
+// for every pod it proves. The sets are listed again only when the
+// namespace's nf_tables generation moved since the last list, so on a
+// quiet node a proof does not read the IPs of every other pod.
+func (h *HostProbe) Lacks(ips []netip.Addr) ([]netip.Addr, error) {
+	// Read before the sets: a change made after it moves it, so the next
+	// call lists again.
+	gen, err := netfilter.Generation(h.netns)
+	if err != nil {
+		return nil, err
+	}
+	h.mu.Lock()
+	have := h.seen
+	if h.seenGen != gen {
+		have = nil
+	}
+	h.mu.Unlock()
+	if have == nil {
+		list, err := h.IPs()
+		if err != nil {
+			return nil, err
+		}
+		have = make(map[netip.Addr]bool, len(list))
+		for _, ip := range list {
+			have[ip] = true
+		}
+		h.mu.Lock()
+		h.seen, h.seenGen = have, gen
+		h.mu.Unlock()
+	}
+	var out []netip.Addr
+	for _, ip := range ips {
+		ip, f, err := ruleset.ProbeIP(ip)
+		if err != nil || (f == ruleset.IPv6 && h.cfg.IPv4Only) {
+			continue // AddIP puts none there
+		}
+		if !have[ip] {
+			out = append(out, ip)
+		}
+	}
 	return out, nil
 }
 

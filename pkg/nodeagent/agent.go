@@ -198,6 +198,11 @@ type Sandbox struct {
 type entry struct {
 	EnrolledPod
 	ns *netns.Handle
+	// verifiedGen is the nf_tables generation of ns when Inspect last
+	// found its rules exactly in place (0: not known): while it holds,
+	// the next Inspect need not read them again (ruleset.GenVerifier).
+	// Guarded by the pod's lock; a capture makes a new entry.
+	verifiedGen uint32
 }
 
 // Agent is the node agent's core: the one way pods get in (Capture, and

@@ -7,6 +7,7 @@ import (
 
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/pkg/zds"
 )
 
@@ -89,6 +90,20 @@ func (a *Agent) Pods() []EnrolledPod {
 	return out
 }
 
+// Pod returns uid's entry, if enrolled: one pod without copying them all
+// (the verifier looks one up per proof).
+func (a *Agent) Pod(uid types.UID) (EnrolledPod, bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	e := a.pods[uid]
+	if e == nil {
+		return EnrolledPod{}, false
+	}
+	p := e.EnrolledPod
+	p.IPs = slices.Clone(p.IPs)
+	return p, true
+}
+
 // Workloads lists every enrolled pod, including those whose ztunnel Add is
 // still in flight, for the ZDS snapshot (zds.Config.Snapshot). It never
 // waits on enroll work.
@@ -144,7 +159,7 @@ func (a *Agent) Inspect(uid types.UID) (in Inspection, ok bool) {
 		in.VerifyError = "the pod's network namespace has not been found since the agent restarted (ztunnel keeps serving it)"
 		return in, true
 	}
-	drift, err := a.cfg.Rules.Verify(e.ns.Path(), e.Rules)
+	drift, err := a.verifyRules(e)
 	switch {
 	case err != nil:
 		in.VerifyError = err.Error()
@@ -154,4 +169,22 @@ func (a *Agent) Inspect(uid types.UID) (in Inspection, ok bool) {
 		}
 	}
 	return in, true
+}
+
+// verifyRules verifies e's rules, without reading them again when the
+// backend can tell nothing changed since they were last found in place:
+// the verifier proves every pod on a period, and a full read per proof
+// (two iptables-save runs with iptables) would cost the node a share of a
+// core. Called with e's pod lock held.
+func (a *Agent) verifyRules(e *entry) (ruleset.Drift, error) {
+	gv, ok := a.cfg.Rules.(ruleset.GenVerifier)
+	if !ok {
+		return a.cfg.Rules.Verify(e.ns.Path(), e.Rules)
+	}
+	drift, gen, err := gv.VerifyGen(e.ns.Path(), e.Rules, e.verifiedGen)
+	e.verifiedGen = 0
+	if err == nil && drift.Empty() {
+		e.verifiedGen = gen
+	}
+	return drift, err
 }

@@ -14,8 +14,9 @@ import (
 // BenchmarkBackends measures, for every backend as New builds it, one
 // pod's Apply into a fresh namespace (both families: the shipped DNS
 // capture default, real netns, real iptables-restore or netlink), the
-// converged re-apply, Verify, and Remove. Namespaces are made outside the
-// timed part. Besides wall time per operation it reports cpu-ms/op: the
+// converged re-apply, Verify, a verify by generation with nothing
+// changed (the verifier's steady cost), and Remove. Namespaces are made
+// outside the timed part. Besides wall time per operation it reports cpu-ms/op: the
 // CPU time (user and system) of the process and the commands it ran,
 // during the operations only.
 //
@@ -79,6 +80,29 @@ func BenchmarkBackends(b *testing.B) {
 				for i := 0; i < b.N; i++ {
 					cpu.start()
 					if d, err := r.Verify(n.Path(), cfg); err != nil || !d.Empty() {
+						b.Fatal(err, d)
+					}
+					cpu.stop()
+				}
+				cpu.report(b)
+			})
+			// What the verifier pays per proof on a healthy pod: a verify
+			// by the generation of the last clean one.
+			b.Run("verify-unchanged", func(b *testing.B) {
+				n := testnet.NewNS(b)
+				if err := r.Apply(n.Path(), cfg); err != nil {
+					b.Fatal(err)
+				}
+				gv := r.(ruleset.GenVerifier)
+				d, gen, err := gv.VerifyGen(n.Path(), cfg, 0)
+				if err != nil || !d.Empty() {
+					b.Fatal(err, d)
+				}
+				var cpu cpuMeter
+				b.ResetTimer()
+				for i := 0; i < b.N; i++ {
+					cpu.start()
+					if d, _, err := gv.VerifyGen(n.Path(), cfg, gen); err != nil || !d.Empty() {
 						b.Fatal(err, d)
 					}
 					cpu.stop()

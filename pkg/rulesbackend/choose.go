@@ -82,6 +82,9 @@ type HostProbe interface {
 	AddIP(ip netip.Addr) error
 	DelIP(ip netip.Addr) error
 	IPs() ([]netip.Addr, error)
+	// Lacks returns those of ips the probe sets lack, without listing
+	// them where it can (the verifier asks for every proof).
+	Lacks(ips []netip.Addr) ([]netip.Addr, error)
 	// RemoveBranchENI deletes the branch ENI pods' probe path, which
 	// Remove leaves (it is the node's, not one backend's).
 	RemoveBranchENI() error

@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"reflect"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -273,12 +274,36 @@ func scenarios(t *testing.T, bc backendCase) {
 	if d, err := a.Verify(A, ruleset.PodConfig{}); err != nil || !d.Empty() {
 		t.Fatalf("verify after apply: %v\n%s", err, d)
 	}
+	// Verified by generation: a clean verify's generation skips the next
+	// read, and what follows must still show through it.
+	gv, ok := a.(ruleset.GenVerifier)
+	if !ok {
+		t.Fatalf("%T verifies by generation for the verifier", a)
+	}
+	d, gen, err := gv.VerifyGen(A, ruleset.PodConfig{}, 0)
+	if err != nil || !d.Empty() {
+		t.Fatalf("verify by generation after apply: %v\n%s", err, d)
+	}
+	if (gen != 0) == (bc.value == "legacy") {
+		t.Fatalf("generation %d: want one exactly when the rules live in nf_tables", gen)
+	}
+	if d, again, err := gv.VerifyGen(A, ruleset.PodConfig{}, gen); err != nil || !d.Empty() || again != gen {
+		t.Fatalf("verify by generation, nothing changed: generation %d then %d, %v\n%s", gen, again, err, d)
+	}
 
-	// Delete one rule per family by hand: Verify must name exactly it.
+	// Delete one rule per family by hand: Verify must name exactly it,
+	// read in full or by the generation a clean verify returned.
 	want := bc.breakRules(t, A)
-	d, err := a.Verify(A, ruleset.PodConfig{})
+	d, err = a.Verify(A, ruleset.PodConfig{})
 	if err != nil {
 		t.Fatal(err)
+	}
+	dg, _, err := gv.VerifyGen(A, ruleset.PodConfig{}, gen)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dg.String() != d.String() {
+		t.Errorf("verify by generation after hand edits:\n%s\nwant what a full read finds:\n%s", dg, d)
 	}
 	if len(d.Items) != len(want) {
 		t.Fatalf("drift after hand edits:\n%s\nwant:\n%s", d, strings.Join(want, "\n"))
@@ -288,12 +313,23 @@ func scenarios(t *testing.T, bc backendCase) {
 			t.Errorf("drift item %d = %s, want %s", i, d.Items[i], w)
 		}
 	}
-	// Lost routing is named too.
+	// Lost routing is named too, with the netfilter state unchanged since
+	// a clean verify by generation: routing has no generation.
+	if err := a.Apply(A, ruleset.PodConfig{}); err != nil {
+		t.Fatalf("repair: %v", err)
+	}
+	if d, gen, err = gv.VerifyGen(A, ruleset.PodConfig{}, 0); err != nil || !d.Empty() {
+		t.Fatalf("verify by generation after repair: %v\n%s", err, d)
+	}
 	pair.A.Do(t, func() error {
 		return netlink.RuleDel(policyroute.IPRule(ruleset.PodRules(ruleset.PodConfig{}, ruleset.IPv4).Routing, ruleset.IPv4))
 	})
-	if d, _ := a.Verify(A, ruleset.PodConfig{}); !strings.Contains(d.String(), `ipv4: missing ip rule "pref 32764 fwmark 0x111/0xfff lookup 100"`) {
+	lost := `ipv4: missing ip rule "pref 32764 fwmark 0x111/0xfff lookup 100"`
+	if d, _ := a.Verify(A, ruleset.PodConfig{}); !strings.Contains(d.String(), lost) {
 		t.Errorf("deleted ip rule not named:\n%s", d)
+	}
+	if d, _, _ := gv.VerifyGen(A, ruleset.PodConfig{}, gen); !strings.Contains(d.String(), lost) {
+		t.Errorf("deleted ip rule not named by a verify by generation:\n%s", d)
 	}
 	if err := a.Apply(A, ruleset.PodConfig{}); err != nil {
 		t.Fatalf("repair: %v", err)
@@ -817,10 +853,18 @@ func hostProbe(t *testing.T, bc backendCase) {
 	if ips, err := hp.IPs(); err != nil || len(ips) != 2 {
 		t.Errorf("repair lost set members: %v %v", ips, err)
 	}
+	both := []netip.Addr{pod.V4, pod.V6}
+	if lack, err := hp.Lacks(both); err != nil || len(lack) != 0 {
+		t.Errorf("Lacks(%v) with both in the sets = %v, %v", both, lack, err)
+	}
 
 	for _, f := range families() {
 		if err := hp.DelIP(dt.Addr(pod, f)); err != nil {
 			t.Fatal(err)
+		}
+		// Asked again at once: a cached answer would miss it.
+		if lack, err := hp.Lacks(both); err != nil || !slices.Contains(lack, dt.Addr(pod, f)) {
+			t.Errorf("Lacks(%v) after DelIP(%v) = %v, %v", both, dt.Addr(pod, f), lack, err)
 		}
 		if err := hp.DelIP(dt.Addr(pod, f)); err != nil {
 			t.Fatalf("second DelIP: %v", err)

@@ -27,6 +27,9 @@ type remnants interface {
 	drift() ruleset.DriftItem
 	// removeRules deletes them, keeping the shared policy routes.
 	removeRules(netnsPath string) error
+	// inNFTables: its rules live in nf_tables, so they cannot have
+	// appeared while the namespace's nf_tables generation stood still.
+	inNFTables() bool
 }
 
 // migrating is the active backend plus cleanup of the others.
@@ -119,6 +122,47 @@ func (m *migrating) Verify(netnsPath string, cfg ruleset.PodConfig) (ruleset.Dri
 	return d, nil
 }
 
+// VerifyGen implements ruleset.GenVerifier: Verify, where the active
+// backend skips its netfilter read while the namespace's nf_tables
+// generation stays gen, and so does the look for another backend's rules
+// kept in nf_tables.
+func (m *migrating) VerifyGen(netnsPath string, cfg ruleset.PodConfig, gen uint32) (ruleset.Drift, uint32, error) {
+	seen := everything
+	var d ruleset.Drift
+	var now uint32
+	var err error
+	switch p := m.primary.(type) {
+	case genSeer:
+		d, seen, now, err = p.VerifySeeingGen(netnsPath, cfg, gen)
+	case ruleset.GenVerifier:
+		d, now, err = p.VerifyGen(netnsPath, cfg, gen)
+	default:
+		d, err = m.primary.Verify(netnsPath, cfg)
+	}
+	if err != nil {
+		return d, 0, err
+	}
+	unchanged := gen != 0 && now == gen
+	for _, o := range m.others {
+		if !o.possible(seen) || (unchanged && o.inNFTables()) {
+			continue
+		}
+		ok, err := o.present(netnsPath)
+		if err != nil {
+			return d, 0, fmt.Errorf("look for %s rules: %w", o.name(), err)
+		}
+		if ok {
+			d.Items = append(d.Items, o.drift())
+		}
+	}
+	return d, now, nil
+}
+
+// genSeer is a seer that also verifies by generation (nftables).
+type genSeer interface {
+	VerifySeeingGen(netnsPath string, cfg ruleset.PodConfig, gen uint32) (ruleset.Drift, netfilter.Seen, uint32, error)
+}
+
 // Remove implements Rules: every backend's rules and the policy routes.
 func (m *migrating) Remove(netnsPath string) error {
 	seen := everything
@@ -145,6 +189,7 @@ func (nftRemnants) drift() ruleset.DriftItem {
 	return ruleset.DriftItem{Kind: ruleset.DriftExtra, Object: "table", Table: "istio-ambient-* (nftables backend)"}
 }
 func (r nftRemnants) removeRules(netnsPath string) error { return r.a.RemoveRules(netnsPath) }
+func (nftRemnants) inNFTables() bool                     { return true }
 
 // iptRemnants is an iptables flavour seen from the other backends.
 type iptRemnants struct {
@@ -184,6 +229,7 @@ func (r iptRemnants) drift() ruleset.DriftItem {
 	return ruleset.DriftItem{Kind: ruleset.DriftExtra, Object: "chain", Chain: "ISTIO_* (" + r.name() + " backend)"}
 }
 func (r iptRemnants) removeRules(netnsPath string) error { return r.a.RemoveRules(netnsPath) }
+func (r iptRemnants) inNFTables() bool                   { return !r.legacy }
 
 // otherHost is another backend's host probe SNAT as the active one sees
 // it. sharesSets: both are iptables flavours, which use the same ipsets.

@@ -11,6 +11,20 @@ type Applier interface {
 	Remove(netnsPath string) error
 }
 
+// GenVerifier is an Applier whose Verify can skip re-reading a pod's
+// netfilter state when the kernel says it has not changed (the
+// namespace's nf_tables generation): proving a pod again and again then
+// costs a few netlink round trips, not a full read.
+type GenVerifier interface {
+	// VerifyGen is Verify. gen is the generation an earlier VerifyGen of
+	// the same cfg in the same namespace returned with an empty drift (0:
+	// none); while the namespace's generation is still gen, its netfilter
+	// state is not read again (its policy routes still are). It returns
+	// the generation its result holds for: 0 when it cannot tell (the
+	// state lives outside nf_tables), and then every call reads in full.
+	VerifyGen(netnsPath string, cfg PodConfig, gen uint32) (Drift, uint32, error)
+}
+
 // CheckPodNetns refuses an empty pod netns path, which both backends would
 // take for the caller's namespace: for the node agent the host's, never a
 // pod's.

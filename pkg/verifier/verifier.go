@@ -91,6 +91,7 @@ func ztunnelPorts() []uint16 {
 // Agent is the node agent as the verifier uses it (*nodeagent.Agent).
 type Agent interface {
 	Pods() []nodeagent.EnrolledPod
+	Pod(uid types.UID) (nodeagent.EnrolledPod, bool)
 	// Inspect verifies uid's rules now.
 	Inspect(uid types.UID) (nodeagent.Inspection, bool)
 	// InPod runs fn on the namespace uid is held in.
@@ -116,9 +117,12 @@ type Finder interface {
 	Find(pods map[types.UID][]netip.Addr) (map[types.UID]*netns.Handle, error)
 }
 
-// ProbeSet reads the host probe set (the rules backend's host probe).
+// ProbeSet is the host probe set (the rules backend's host probe).
 type ProbeSet interface {
-	IPs() ([]netip.Addr, error)
+	// Lacks returns those of ips the set lacks, without reading every
+	// other pod's where it can: a proof's cost must not grow with the
+	// node's pods.
+	Lacks(ips []netip.Addr) ([]netip.Addr, error)
 }
 
 // EventRecorder records Events on pods (client-go's record.EventRecorder).
@@ -451,14 +455,7 @@ func joinProblems(found []Finding, problem string) string {
 // be proven: gone, going, or no longer to be captured (the controller
 // releases it), or restored without its namespace.
 func (v *Verifier) subject(uid types.UID) (nodeagent.EnrolledPod, *corev1.Pod, bool) {
-	var e nodeagent.EnrolledPod
-	found := false
-	for _, p := range v.cfg.Agent.Pods() {
-		if p.UID == uid {
-			e, found = p, true
-			break
-		}
-	}
+	e, found := v.cfg.Agent.Pod(uid)
 	if !found || e.Unresolved {
 		return e, nil, false
 	}
@@ -527,19 +524,15 @@ func (v *Verifier) check(e nodeagent.EnrolledPod, pod *corev1.Pod) (found []Find
 	}
 
 	if v.cfg.Probe != nil && len(in.IPs) > 0 {
-		have, err := v.cfg.Probe.IPs()
+		lacks, err := v.cfg.Probe.Lacks(in.IPs)
 		if err != nil {
 			problems = append(problems, "host probe set could not be read: "+err.Error())
-		} else {
+		} else if len(lacks) > 0 {
 			var lost []string
-			for _, ip := range in.IPs {
-				if !slices.Contains(have, ip) {
-					lost = append(lost, ip.String())
-				}
+			for _, ip := range lacks {
+				lost = append(lost, ip.String())
 			}
-			if len(lost) > 0 {
-				found = append(found, Finding{KindProbeSet, "the host probe set lacks " + strings.Join(lost, ", ")})
-			}
+			found = append(found, Finding{KindProbeSet, "the host probe set lacks " + strings.Join(lost, ", ")})
 		}
 	}
 

@@ -96,6 +96,16 @@ func (f *fakeNode) Pods() []nodeagent.EnrolledPod {
 	return out
 }
 
+func (f *fakeNode) Pod(uid types.UID) (nodeagent.EnrolledPod, bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	e := f.enrolled[uid]
+	if e == nil {
+		return nodeagent.EnrolledPod{}, false
+	}
+	return *e, true
+}
+
 func (f *fakeNode) Inspect(uid types.UID) (nodeagent.Inspection, bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -205,12 +215,14 @@ func (c fakeCache) DecideCached(p *corev1.Pod) enablement.Decision {
 	return enablement.Decision{Reason: "no label"}
 }
 
-func (f *fakeNode) IPs() ([]netip.Addr, error) {
+func (f *fakeNode) Lacks(ips []netip.Addr) ([]netip.Addr, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	var out []netip.Addr
-	for ip := range f.probe {
-		out = append(out, ip)
+	for _, ip := range ips {
+		if !f.probe[ip] {
+			out = append(out, ip)
+		}
 	}
 	return out, nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -30,9 +31,18 @@ type ourAgent struct {
 }
 
 func (a *ourAgent) prepare(ctx context.Context, r *backendRun) error {
+	settings := a.backend.settings()
+	if r.o.Quick {
+		// A smoke run: drift found in seconds, not within the minute.
+		settings = maps.Clone(settings)
+		if settings == nil {
+			settings = map[string]string{}
+		}
+		settings["verify-period"] = quickVerifyPeriod.String()
+	}
 	sim, err := simnode.Prepare(ctx, simnode.Options{
 		Env: r.env, Chart: a.shipped, InstallCNI: r.o.InstallCNI, Plugin: r.o.Plugin,
-		ReferencePlugins: r.refPlugins, Dir: r.dir, Name: r.res.Node, Settings: a.backend.settings(),
+		ReferencePlugins: r.refPlugins, Dir: r.dir, Name: r.res.Node, Settings: settings,
 		RunOnTmpfs: true, Subnet: a.subnet,
 	})
 	if err != nil {
@@ -100,5 +110,13 @@ func (a *ourAgent) enroll(ctx context.Context, r *backendRun) (err error) {
 	if a.pods, err = newEnrollNode(filepath.Join(r.dir, "kubesim"), r.client, r.res.Node, a.node.BinDir, a.node.Chained, ""); err != nil {
 		return err
 	}
-	return r.enrollRunning(ctx, a.pods, float64(a.node.Config.KubeClientQPS), a.node.Config.KubeClientBurst)
+	// The idle agent's CPU before any pod runs, for the verifier's cost.
+	idle, err := r.idleCPU(ctx)
+	if err != nil {
+		return err
+	}
+	if err := r.enrollRunning(ctx, a.pods, float64(a.node.Config.KubeClientQPS), a.node.Config.KubeClientBurst); err != nil {
+		return err
+	}
+	return r.verifierFigures(ctx, a.pods, idle)
 }

@@ -105,7 +105,12 @@ type BackendResult struct {
 	// settled, and each stop's, one per rep.
 	StartSeconds []float64 `json:"startSeconds,omitempty"`
 	StopSeconds  []float64 `json:"stopSeconds,omitempty"`
-	Error        string    `json:"error,omitempty"`
+	// Verifier is the verifier's steady cost with the enrollment's pods
+	// captured and with verifierNodePods of them; VerifierDrift the time
+	// to find and repair one pod's flushed rules (ours only).
+	Verifier      []VerifierCost `json:"verifier,omitempty"`
+	VerifierDrift *VerifierDrift `json:"verifierDrift,omitempty"`
+	Error         string         `json:"error,omitempty"`
 }
 
 // Latency is one (pod kind, op, concurrency) measurement.
@@ -190,6 +195,9 @@ var targets = map[string]string{
 	"rss":                          "≤ 25 / ≤ 35",
 	"api ambient":                  "≤ 1 / 0",
 	"plugin":                       "exec ≤ 1.5 ms",
+	// Under 1 % of a core with 110 pods: 600 ms a minute, 5.45 per pod.
+	"verifier":       "≤ 5.4 (< 1 %), no API request",
+	"verifier drift": "counted within one period",
 }
 
 // WriteTable prints the one table of a run.
@@ -339,6 +347,36 @@ func (r *Result) WriteTable(w io.Writer) error {
 			return fmt.Sprintf("%.2f / %.2f", a.APIPerPod, d.APIPerPod)
 		})
 	}
+	rounds := 0
+	for _, b := range cols {
+		rounds = max(rounds, len(b.Verifier))
+	}
+	for i := range rounds {
+		label := "verifier, captured pods: agent CPU per pod per minute: ms (share of a core)"
+		target := ""
+		for _, b := range cols {
+			if i < len(b.Verifier) {
+				label = fmt.Sprintf("verifier, %d captured pods: agent CPU per pod per minute, idle agent's taken off: ms (share of a core)", b.Verifier[i].Pods)
+				if b.Verifier[i].Pods == verifierNodePods {
+					target = targets["verifier"]
+				}
+				break
+			}
+		}
+		row(label, target, func(b *BackendResult) string {
+			if i >= len(b.Verifier) {
+				return ""
+			}
+			v := b.Verifier[i]
+			return fmt.Sprintf("%.3f (%.2f%%)", v.CPUMsPerPodMinute, v.CorePct)
+		})
+	}
+	row("verifier: one pod's rules flushed from the host → drift counted / repaired: s", targets["verifier drift"], func(b *BackendResult) string {
+		if b.VerifierDrift == nil {
+			return ""
+		}
+		return fmt.Sprintf("%.1f / %.1f (period %.0f s)", b.VerifierDrift.DetectSeconds, b.VerifierDrift.RepairSeconds, b.VerifierDrift.PeriodSeconds)
+	})
 	row("plugin binary size / exec (CNI VERSION) p50: MiB / ms", targets["plugin"], func(b *BackendResult) string {
 		p := &r.Plugin
 		if b.Plugin != nil {
