@@ -90,7 +90,7 @@ func BuildImages(ctx context.Context, dir string, t Tools, logf func(string, ...
 		}
 	}
 	idx, err := ociimage.Build(ociimage.Spec{
-		Platforms: []ociimage.Platform{{Arch: runtime.GOARCH, Rootfs: t.Rootfs, BinDir: bin}},
+		Platforms: []ociimage.Platform{{Arch: runtime.GOARCH, Rootfs: t.ImageRootfs, BinDir: bin}},
 		Version:   ImageTag, Revision: "realnode", Source: "test/realnode",
 	})
 	if err != nil {

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"syscall"
 	"time"
@@ -25,8 +26,13 @@ type Tools struct {
 	Kubectl string
 	// CNIPlugins is a directory with bridge, host-local and loopback.
 	CNIPlugins string
-	// Rootfs is the Debian base image tarball.
+	// Rootfs is the Debian base image tarball of the other images (Istio's
+	// istio-cni).
 	Rootfs string
+	// ImageRootfs is make image's Debian base for this architecture
+	// (image-rootfs-ARCH): the agent's image is built on it, so the node
+	// runs the image make image builds.
+	ImageRootfs string
 	// Containerd and Ctr are containerd 2.x's, built into the tools cache
 	// (its runc shim beside them); Runc is the Debian package's.
 	Containerd, Ctr, Runc string
@@ -54,7 +60,7 @@ func FindTools() (Tools, error) {
 	for name, dst := range map[string]*string{
 		"kubelet": &t.Kubelet, "kube-controller-manager": &t.ControllerManager, "kube-scheduler": &t.Scheduler,
 		"helm": &t.Helm, "crictl": &t.Crictl, "kubectl": &t.Kubectl, "cni-plugins": &t.CNIPlugins, "debian-rootfs": &t.Rootfs,
-		"containerd": &t.Containerd, "registry": &t.Registry,
+		"containerd": &t.Containerd, "registry": &t.Registry, "image-rootfs-" + runtime.GOARCH: &t.ImageRootfs,
 	} {
 		p, err := toolPath(t.Repo, name)
 		if err != nil {
