@@ -611,6 +611,41 @@ func TestSandboxReleased(t *testing.T) {
 	}
 }
 
+// TestSandboxReleasedAfterObjectGone: a DEL that comes after the pod's
+// object is gone (PodGone has run) leaves no mark, which would otherwise
+// stay for releasedTTL; PodGone drops a mark made before it.
+func TestSandboxReleasedAfterObjectGone(t *testing.T) {
+	h := newHarness(t)
+	ctx := context.Background()
+	for _, c := range []struct {
+		name, uid string
+	}{{"late-del", "u1"}, {"early-del", "u2"}} {
+		pn := testnet.NewNS(t)
+		h.kube.SetPod(pod("shop", c.name, c.uid, nil))
+		if _, err := h.add(ctx, info("shop/"+c.name, c.uid, "sb-"+c.uid), pn); err != nil {
+			t.Fatal(err)
+		}
+		uid := types.UID(c.uid)
+		if c.name == "late-del" {
+			h.kube.DeletePod("shop", c.name)
+			h.agent.PodGone(uid)
+		}
+		if err := h.agent.RemoveSandbox(ctx, SandboxDel{SandboxID: "sb-" + c.uid, UID: uid, Namespace: "shop", Name: c.name}); err != nil {
+			t.Fatal(err)
+		}
+		if c.name == "early-del" {
+			if !h.agent.SandboxReleased(uid) {
+				t.Fatal("DEL of a pod whose object still exists not remembered")
+			}
+			h.kube.DeletePod("shop", c.name)
+			h.agent.PodGone(uid)
+		}
+		if h.agent.SandboxReleased(uid) {
+			t.Errorf("%s: a mark is left for a pod whose object is gone", c.name)
+		}
+	}
+}
+
 // TestNodeFilesHaveNoDefaults: an agent configured without its node files
 // is refused, rather than given the real node's directory (where a test
 // that forgot one would write over the running agent's records).

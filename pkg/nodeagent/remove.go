@@ -158,7 +158,7 @@ func (a *Agent) RemoveSandbox(ctx context.Context, d SandboxDel) error {
 		a.markTorn(e.ns.Identity(), uid)
 	}
 	a.forget(log, e)
-	a.noteReleased(uid)
+	a.noteReleased(e.Namespace, e.Name, uid)
 	return nil
 }
 
@@ -186,7 +186,7 @@ func (a *Agent) removeUnheldSandbox(ctx context.Context, log *slog.Logger, uid t
 		mode = releaseReplayedDel
 	}
 	a.releaseRecord(rec, mode)
-	a.noteReleased(uid)
+	a.noteReleased(d.Namespace, d.Name, uid)
 	return nil
 }
 

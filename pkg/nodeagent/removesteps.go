@@ -277,8 +277,12 @@ func (a *Agent) recordedNetns(uid types.UID) (netns.Identity, bool) {
 // any pod stays between its sandbox's teardown and its object's removal.
 const releasedTTL = time.Hour
 
-// noteReleased records that the runtime removed uid's captured sandbox.
-func (a *Agent) noteReleased(uid types.UID) {
+// noteReleased records that the runtime removed uid's captured sandbox,
+// unless the pod cache already knows the pod's object gone. PodGone, which
+// drops the mark, then has run or runs next (the cache holds the deletion
+// before it tells, and PodGone waits for a.mu), and a mark made after it
+// would stay for releasedTTL: a DEL often comes after the object is gone.
+func (a *Agent) noteReleased(namespace, name string, uid types.UID) {
 	now := time.Now()
 	a.mu.Lock()
 	defer a.mu.Unlock()
@@ -287,7 +291,23 @@ func (a *Agent) noteReleased(uid types.UID) {
 			delete(a.released, u)
 		}
 	}
+	if a.podObjectGone(namespace, name, uid) {
+		return
+	}
 	a.released[uid] = now
+}
+
+// podObjectGone reports whether the pod cache knows that no object with
+// uid exists under the name. Without a cache, or a name, nothing is known.
+func (a *Agent) podObjectGone(namespace, name string, uid types.UID) bool {
+	if a.cfg.Pods == nil || namespace == "" || name == "" {
+		return false
+	}
+	p, err := a.cfg.Pods.Pod(namespace, name)
+	if apierrors.IsNotFound(err) {
+		return true
+	}
+	return err == nil && p.UID != uid
 }
 
 // tornTTL is how long a namespace whose sandbox a CNI DEL tore down is
