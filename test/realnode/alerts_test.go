@@ -34,25 +34,9 @@ const alertFor = "10s"
 // not need): the chart installed with its defaults and the ztunnel
 // stand-in, then testAlerts.
 func TestRealNodeAlerts(t *testing.T) {
-	ctx, out, _ := startNodeTest(t)
-	n, err := Up(ctx, Options{Out: out})
-	if err != nil {
-		t.Fatalf("node up: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := n.Down(); err != nil {
-			t.Errorf("down: %v", err)
-		}
-	})
-	if err := n.InstallAgent(ctx, "install", ImageTag); err != nil {
-		t.Fatalf("helm install: %v", err)
-	}
-	if err := n.StartStandIn(ctx); err != nil {
-		t.Fatalf("ztunnel stand-in: %v", err)
-	}
-	e := &e2e{n: n, out: out, standIn: true}
+	e := startAgentNode(t)
 	t.Run("a real Prometheus fires and clears the agent's and ztunnel's alerts", e.testAlerts)
-	t.Run("nothing was sent off the machine", testNoEgress(n))
+	t.Run("nothing was sent off the machine", testNoEgress(e.n))
 }
 
 // A real Prometheus, a host process on the node, scrapes the agent's
@@ -94,19 +78,7 @@ func (e *e2e) testAlerts(t *testing.T) {
 	quiet("no agent or ztunnel alert on the healthy node")
 
 	// The agent hangs: its scrape times out.
-	agent := e.oneAgent(t)
-	pid := e.containerPID(t, agent.Namespace, agent.Name)
-	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
-		t.Fatal(err)
-	}
-	resumed := false
-	resume := func() {
-		if !resumed {
-			resumed = true
-			_ = syscall.Kill(pid, syscall.SIGCONT)
-		}
-	}
-	t.Cleanup(resume)
+	resume := e.freezeAgent(t)
 	prom.waitFiring(t, "AmbientCNIAgentDown", "AmbientCNIZtunnelDisconnected")
 	resume()
 	quiet("AmbientCNIAgentDown clears once the agent runs again")

@@ -4,7 +4,6 @@ package realnode
 
 import (
 	"context"
-	"syscall"
 	"testing"
 )
 
@@ -20,19 +19,7 @@ func (e *e2e) testAgentHung(t *testing.T) {
 	plainNS, meshNS := "hung-plain-"+suffix, "hung-mesh-"+suffix
 	e.namespace(t, plainNS, false)
 	e.namespace(t, meshNS, true)
-	agent := e.oneAgent(t)
-	pid := e.containerPID(t, agent.Namespace, agent.Name)
-	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
-		t.Fatal(err)
-	}
-	resumed := false
-	resume := func() {
-		if !resumed {
-			resumed = true
-			_ = syscall.Kill(pid, syscall.SIGCONT)
-		}
-	}
-	t.Cleanup(resume)
+	resume := e.freezeAgent(t)
 
 	plain := e.create(t, plainNS, "starts")
 	mesh := e.create(t, meshNS, "waits")

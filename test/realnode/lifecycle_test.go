@@ -56,7 +56,11 @@ func figure(t *testing.T, name string, v any) {
 	t.Logf("FIGURE %s %v", name, v)
 }
 
-func TestRealNodeLifecycle(t *testing.T) {
+// startAgentNode brings up a node of the test's own with the chart
+// installed with its defaults and the ztunnel stand-in running, torn down
+// when the test ends.
+func startAgentNode(t *testing.T) e2e {
+	t.Helper()
 	ctx, out, _ := startNodeTest(t)
 	n, err := Up(ctx, Options{Out: out})
 	if err != nil {
@@ -73,7 +77,12 @@ func TestRealNodeLifecycle(t *testing.T) {
 	if err := n.StartStandIn(ctx); err != nil {
 		t.Fatalf("ztunnel stand-in: %v", err)
 	}
-	l := &life{e2e: e2e{n: n, out: out, standIn: true}}
+	return e2e{n: n, out: out, standIn: true}
+}
+
+func TestRealNodeLifecycle(t *testing.T) {
+	e := startAgentNode(t)
+	l := &life{e2e: e}
 	l.namespace(t, sinkNS, false)
 	l.namespace(t, lifeNS, true)
 	l.startSink(t)

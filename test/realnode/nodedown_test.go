@@ -3,6 +3,7 @@
 package realnode
 
 import (
+	"syscall"
 	"context"
 	"encoding/json"
 	"errors"
@@ -378,6 +379,27 @@ func (e *e2e) oneAgent(t *testing.T) corev1.Pod {
 		t.Fatalf("agent pods: %d, %v", len(pods), err)
 	}
 	return pods[0]
+}
+
+// freezeAgent stops the node's agent with SIGSTOP (it hangs, alive to
+// its probes' connects, answering nothing) and returns what resumes it;
+// the test's cleanup resumes it too, once.
+func (e *e2e) freezeAgent(t *testing.T) (resume func()) {
+	t.Helper()
+	agent := e.oneAgent(t)
+	pid := e.containerPID(t, agent.Namespace, agent.Name)
+	if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	resumed := false
+	resume = func() {
+		if !resumed {
+			resumed = true
+			_ = syscall.Kill(pid, syscall.SIGCONT)
+		}
+	}
+	t.Cleanup(resume)
+	return resume
 }
 
 // lastAlive is the agent's last sign of life as the plugin reads it: the
