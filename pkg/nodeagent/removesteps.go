@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 
@@ -188,30 +189,32 @@ func (a *Agent) clearAnnotationNow(ctx context.Context, namespace, name string, 
 // with this uid under the name) or being deleted: its annotation is not
 // worth an API request. Without a cache nothing is known.
 func (a *Agent) podDeleting(namespace, name string, uid types.UID) bool {
+	p, gone, known := a.cachedPod(namespace, name, uid)
+	return known && (gone || p.DeletionTimestamp != nil)
+}
+
+// cachedPod looks uid's pod up in the pod cache: gone when no object with
+// uid exists under the name, p the object otherwise; known is false when
+// there is no cache or the lookup failed.
+func (a *Agent) cachedPod(namespace, name string, uid types.UID) (p *corev1.Pod, gone, known bool) {
 	if a.cfg.Pods == nil {
-		return false
+		return nil, false, false
 	}
 	p, err := a.cfg.Pods.Pod(namespace, name)
-	if apierrors.IsNotFound(err) {
-		return true
+	switch {
+	case apierrors.IsNotFound(err):
+		return nil, true, true
+	case err != nil:
+		return nil, false, false
 	}
-	return err == nil && (p.UID != uid || p.DeletionTimestamp != nil)
+	return p, p.UID != uid, true
 }
 
 // podGoing reports whether the pod is going away for good: gone,
 // terminating or finished.
 func (a *Agent) podGoing(namespace, name string, uid types.UID) bool {
-	if a.cfg.Pods == nil {
-		return false
-	}
-	p, err := a.cfg.Pods.Pod(namespace, name)
-	if apierrors.IsNotFound(err) {
-		return true
-	}
-	if err != nil {
-		return false
-	}
-	return p.UID != uid || p.DeletionTimestamp != nil || enablement.IsTerminal(p)
+	p, gone, known := a.cachedPod(namespace, name, uid)
+	return known && (gone || p.DeletionTimestamp != nil || enablement.IsTerminal(p))
 }
 
 // netnsIdentity identifies the namespace at a DEL's netns path, when the
@@ -300,14 +303,11 @@ func (a *Agent) noteReleased(namespace, name string, uid types.UID) {
 // podObjectGone reports whether the pod cache knows that no object with
 // uid exists under the name. Without a cache, or a name, nothing is known.
 func (a *Agent) podObjectGone(namespace, name string, uid types.UID) bool {
-	if a.cfg.Pods == nil || namespace == "" || name == "" {
+	if namespace == "" || name == "" {
 		return false
 	}
-	p, err := a.cfg.Pods.Pod(namespace, name)
-	if apierrors.IsNotFound(err) {
-		return true
-	}
-	return err == nil && p.UID != uid
+	_, gone, _ := a.cachedPod(namespace, name, uid)
+	return gone
 }
 
 // tornTTL is how long a namespace whose sandbox a CNI DEL tore down is

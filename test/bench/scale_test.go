@@ -22,27 +22,8 @@ import (
 // not asserted: this machine is shared and busy, and a small load says
 // nothing about scale.
 func TestQuickScale(t *testing.T) {
-	root, tmp, bin, benchBin := buildBench(t)
-	out := filepath.Join(tmp, "out")
-	cmd := exec.Command(benchBin, "-scale", "-quick", "-out", out,
-		"-install-cni", filepath.Join(bin, "install-cni"), "-plugin", filepath.Join(bin, "ambient-cni"))
-	cmd.Dir = root
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	report, err := cmd.Output()
-	t.Logf("progress:\n%s", stderr.String())
-	t.Logf("report:\n%s", report)
-	if err != nil {
-		t.Fatalf("bench -scale: %v", err)
-	}
-	b, err := os.ReadFile(filepath.Join(out, "scale-latest.json"))
-	if err != nil {
-		t.Fatal(err)
-	}
 	var res ScaleResult
-	if err := json.Unmarshal(b, &res); err != nil {
-		t.Fatal(err)
-	}
+	report := runQuick(t, "scale", &res, "-scale", "-quick")
 	if !res.Quick || res.Namespaces != 200 || res.Pods != 400 || res.AnnotationBytes != 10<<10 {
 		t.Errorf("not the quick load: %+v", res)
 	}
@@ -83,27 +64,8 @@ func TestQuickScale(t *testing.T) {
 // mount left under its directory). istio-cni's column runs when it is
 // built. Figures are not asserted.
 func TestQuickAgents(t *testing.T) {
-	root, tmp, bin, benchBin := buildBench(t)
-	out := filepath.Join(tmp, "out")
-	cmd := exec.Command(benchBin, "-agents", "5", "-quick", "-out", out,
-		"-install-cni", filepath.Join(bin, "install-cni"), "-plugin", filepath.Join(bin, "ambient-cni"))
-	cmd.Dir = root
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	report, err := cmd.Output()
-	t.Logf("progress:\n%s", stderr.String())
-	t.Logf("report:\n%s", report)
-	if err != nil {
-		t.Fatalf("bench -agents: %v", err)
-	}
-	b, err := os.ReadFile(filepath.Join(out, "agents-latest.json"))
-	if err != nil {
-		t.Fatal(err)
-	}
 	var res FleetResult
-	if err := json.Unmarshal(b, &res); err != nil {
-		t.Fatal(err)
-	}
+	report := runQuick(t, "agents", &res, "-agents", "5", "-quick")
 	if !res.Quick || res.Agents != 5 || len(res.Systems) == 0 {
 		t.Fatalf("not the quick fleet: %+v", res)
 	}
@@ -117,4 +79,32 @@ func TestQuickAgents(t *testing.T) {
 			t.Errorf("the report lacks %q", want)
 		}
 	}
+}
+
+// runQuick runs the bench command with args on the binaries make build
+// builds, logs its progress and report, decodes its KIND-latest.json into
+// res and returns the report.
+func runQuick(t *testing.T, kind string, res any, args ...string) []byte {
+	t.Helper()
+	root, tmp, bin, benchBin := buildBench(t)
+	out := filepath.Join(tmp, "out")
+	cmd := exec.Command(benchBin, append(args, "-out", out,
+		"-install-cni", filepath.Join(bin, "install-cni"), "-plugin", filepath.Join(bin, "ambient-cni"))...)
+	cmd.Dir = root
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	report, err := cmd.Output()
+	t.Logf("progress:\n%s", stderr.String())
+	t.Logf("report:\n%s", report)
+	if err != nil {
+		t.Fatalf("bench %s: %v", args[0], err)
+	}
+	b, err := os.ReadFile(filepath.Join(out, kind+"-latest.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := json.Unmarshal(b, res); err != nil {
+		t.Fatal(err)
+	}
+	return report
 }

@@ -126,6 +126,20 @@ rules:
 	if err != nil {
 		t.Fatal(err)
 	}
+	run, state, err := writeCredential(t, env, admin, ns, sa, node, ds, ca)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buildFallback(t, state)
+	return run, state
+}
+
+// writeCredential writes, into a node directory of its own under a test
+// temp dir, the plugin credential the agent would: a node-bound token of
+// ServiceAccount ns/sa obtained through client, the node's policy with ns
+// as its data-plane namespace, and the agent's DaemonSet ns/ds. It
+// returns the run and state directories.
+func writeCredential(t *testing.T, env *kubeenv.Env, client *kubeclient.Client, ns, sa, node, ds string, ca []byte) (string, string, error) {
 	root := t.TempDir()
 	run, state := filepath.Join(root, "run"), filepath.Join(root, "state")
 	rot := &plugincred.Rotator{
@@ -133,14 +147,10 @@ rules:
 		Base: plugincred.File{Server: env.Config.Host, CA: string(ca), NodeName: node,
 			Policy:    plugincred.Policy{ExcludedNamespaces: []string{"kube-system"}, DataPlaneNamespaces: []string{ns}},
 			DaemonSet: &plugincred.ObjectRef{Namespace: ns, Name: ds}},
-		Source:   kubeadapter.PluginTokens{Client: admin, Namespace: ns, ServiceAccount: sa, NodeName: node},
+		Source:   kubeadapter.PluginTokens{Client: client, Namespace: ns, ServiceAccount: sa, NodeName: node},
 		Lifetime: 3600e9,
 	}
-	if err := rot.WriteOnce(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	buildFallback(t, state)
-	return run, state
+	return run, state, rot.WriteOnce(context.Background())
 }
 
 func wantWaits(t *testing.T, err error, what string) {
@@ -177,17 +187,8 @@ func TestFallbackAgainstAPIServer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	root := t.TempDir()
-	run, state := filepath.Join(root, "run"), filepath.Join(root, "state")
-	rot := &plugincred.Rotator{
-		Path: nodefiles.ForSocket(filepath.Join(run, "agent.sock")).WithStateDir(state).PluginCredential(),
-		Base: plugincred.File{Server: env.Config.Host, CA: string(ca), NodeName: node,
-			Policy:    plugincred.Policy{ExcludedNamespaces: []string{"kube-system"}, DataPlaneNamespaces: []string{sysNS}},
-			DaemonSet: &plugincred.ObjectRef{Namespace: sysNS, Name: agentDS}},
-		Source:   kubeadapter.PluginTokens{Client: agentClient, Namespace: sysNS, ServiceAccount: "ambient-cni-plugin", NodeName: node},
-		Lifetime: 3600e9,
-	}
-	if err := rot.WriteOnce(ctx); err != nil {
+	run, state, err := writeCredential(t, env, agentClient, sysNS, "ambient-cni-plugin", node, agentDS, ca)
+	if err != nil {
 		t.Fatalf("the agent's shipped RBAC could not get the plugin a node-bound token: %v", err)
 	}
 	buildFallback(t, state)

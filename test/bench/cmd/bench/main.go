@@ -14,6 +14,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -161,29 +162,44 @@ func runScale(ctx context.Context, o bench.ScaleOptions, out string) int {
 		fmt.Fprintf(os.Stderr, "partial result:\n%s\n", b)
 		return fail(runErr)
 	}
-	b, err := json.MarshalIndent(res, "", "  ")
-	if err != nil {
+	if err := writeResult(out, "scale", res, res.Started, res.Quick, res.Seconds); err != nil {
 		return fail(err)
 	}
-	name := "scale-" + res.Started.UTC().Format("20060102T150405Z")
-	if res.Quick {
+	return 0
+}
+
+// report is a result that prints itself for people.
+type report interface {
+	WriteReport(w io.Writer) error
+}
+
+// writeResult writes res as KIND-<started>[-quick].json and as
+// KIND-latest.json and KIND-latest.txt (its report) in out, and prints the
+// report.
+func writeResult(out, kind string, res report, started time.Time, quick bool, seconds float64) error {
+	b, err := json.MarshalIndent(res, "", "  ")
+	if err != nil {
+		return err
+	}
+	name := kind + "-" + started.UTC().Format("20060102T150405Z")
+	if quick {
 		name += "-quick"
 	}
 	var buf bytes.Buffer
 	_ = res.WriteReport(&buf)
-	report := buf.Bytes()
+	rep := buf.Bytes()
 	for path, data := range map[string][]byte{
 		filepath.Join(out, name+".json"):        b,
-		filepath.Join(out, "scale-latest.json"): b,
-		filepath.Join(out, "scale-latest.txt"):  report,
+		filepath.Join(out, kind+"-latest.json"): b,
+		filepath.Join(out, kind+"-latest.txt"):  rep,
 	} {
 		if err := os.WriteFile(path, append(data, '\n'), 0o644); err != nil {
-			return fail(err)
+			return err
 		}
 	}
-	fmt.Fprintf(os.Stderr, "results: %s (%s)\n", filepath.Join(out, name+".json"), time.Duration(res.Seconds*float64(time.Second)).Round(time.Second))
-	os.Stdout.Write(report)
-	return 0
+	fmt.Fprintf(os.Stderr, "results: %s (%s)\n", filepath.Join(out, name+".json"), time.Duration(seconds*float64(time.Second)).Round(time.Second))
+	os.Stdout.Write(rep)
+	return nil
 }
 
 // runFleet runs the fleet benchmark, writes its JSON and report next to
@@ -198,28 +214,9 @@ func runFleet(ctx context.Context, o bench.FleetOptions, out string) int {
 	if res == nil {
 		return fail(runErr)
 	}
-	b, err := json.MarshalIndent(res, "", "  ")
-	if err != nil {
+	if err := writeResult(out, "agents", res, res.Started, res.Quick, res.Seconds); err != nil {
 		return fail(err)
 	}
-	name := "agents-" + res.Started.UTC().Format("20060102T150405Z")
-	if res.Quick {
-		name += "-quick"
-	}
-	var buf bytes.Buffer
-	_ = res.WriteReport(&buf)
-	report := buf.Bytes()
-	for path, data := range map[string][]byte{
-		filepath.Join(out, name+".json"):         b,
-		filepath.Join(out, "agents-latest.json"): b,
-		filepath.Join(out, "agents-latest.txt"):  report,
-	} {
-		if err := os.WriteFile(path, append(data, '\n'), 0o644); err != nil {
-			return fail(err)
-		}
-	}
-	fmt.Fprintf(os.Stderr, "results: %s (%s)\n", filepath.Join(out, name+".json"), time.Duration(res.Seconds*float64(time.Second)).Round(time.Second))
-	os.Stdout.Write(report)
 	if runErr != nil {
 		return fail(runErr)
 	}
