@@ -29,7 +29,7 @@ STAMP_LDFLAGS := -X $(BUILDINFO).version=$(VERSION) -X $(BUILDINFO).commit=$(COM
 PLUGIN_LDFLAGS := -s -w $(STAMP_LDFLAGS)
 AGENT_LDFLAGS  := -s -w $(STAMP_LDFLAGS)
 
-.PHONY: archcheck tidy check all build version image image-push image-tools chart chart-push tools peer-tools node-tools bench bench-scale bench-agents test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: archcheck tidy check check-tools all build version image image-push image-tools chart chart-push tools peer-tools node-tools bench bench-scale bench-agents test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -124,7 +124,13 @@ BENCH_AGENTS  ?= 50
 bench-agents: build tools peer-tools ## as root: what BENCH_AGENTS (50) node agents, each on a simulated node, cost one API server (requests, watches, memory, CPU at start, at rest, at a namespace flip), ours beside istio-cni's (docs/performance.md); BENCH_QUICK=1 for a smoke run
 	$(GO) run ./test/bench/cmd/bench -agents $(BENCH_AGENTS) -install-cni $(BIN)/install-cni -plugin $(BIN)/ambient-cni -out $(BENCH_OUT)
 
-check: lint test test-long e2e ## as root: everything CI runs (.ci/run runs exactly this)
+check: check-tools lint test test-long e2e ## as root: everything CI runs (.ci/run runs exactly this)
+
+# Every tool make check needs, in one run of hack/kube-tools.sh: on a cold
+# cache the Debian bases and the module downloads then overlap the Go
+# builds, rather than each target building its own tools one by one.
+check-tools: ## build every tool make check needs into the tools cache, downloads overlapping the builds
+	GO='$(GO)' hack/kube-tools.sh all
 
 # The suite must leave a real node's paths (/var/run/ambient-cni, /var/lib/ambient-cni,
 # /etc/cni/net.d, /opt/cni/bin, /var/run/ztunnel) as it found them:

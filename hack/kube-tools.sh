@@ -27,6 +27,7 @@
 #
 # usage: hack/kube-tools.sh [name...]   build (default: etcd kube-apiserver helm promtool)
 #        hack/kube-tools.sh node        build everything the real node needs
+#        hack/kube-tools.sh all         build every tool (make check's first step)
 #        hack/kube-tools.sh --path name print the cached binary's path
 #        hack/kube-tools.sh --list      print name, version, path and state of each
 set -euo pipefail
@@ -358,6 +359,68 @@ build() {
 	echo "kube-tools: built $name $v in $((SECONDS - start)) s -> $out"
 }
 
+# prefetch NAME... downloads, one tool after another, the modules each Go
+# tool's build needs (go list -deps, as build does), so that the network
+# part of the next build happens while the current one compiles. Only the
+# module cache is touched (it takes its own locks); build repeats the step
+# and finds everything there.
+prefetch() {
+	local n s dir mod pkgs v src
+	for n in "$@"; do
+		s="$(spec "$n")" || continue
+		read -r dir mod pkgs <<<"$s"
+		[[ "$dir" == - || "$dir" == rootfs:* ]] && continue
+		v="$(version "$dir" "$mod")" || continue
+		[[ -e "$cache/$n-$v/$n" ]] && continue
+		src="$(moddir "$dir" "$mod" "$v" 2>/dev/null)" || continue
+		[[ -n "$src" ]] || continue
+		# shellcheck disable=SC2086 # pkgs is a list of packages
+		(cd "$src" && "$GO" list -mod=readonly -tags "$(buildtags "$n")" -deps $pkgs >/dev/null 2>&1) || true
+	done
+}
+
+# build_all NAME... builds the tools named. The Go tools build one at a
+# time (go build already uses every core, and one after another they
+# share the build cache), with the next ones' modules downloaded meanwhile;
+# the Debian bases, which wait on the network and dpkg rather than the CPU,
+# build beside them. A cold make check thus overlaps most of its
+# downloads with compiling.
+build_all() {
+	local -a gotools=() rootfses=()
+	local n rc=0 fetcher="" baser=""
+	for n in "$@"; do
+		case "$n" in
+		debian-rootfs | image-rootfs-*) rootfses+=("$n") ;;
+		*) gotools+=("$n") ;;
+		esac
+	done
+	if [[ ${#rootfses[@]} -gt 0 && ${#gotools[@]} -gt 0 ]]; then
+		(for n in "${rootfses[@]}"; do build "$n" || exit 1; done) &
+		baser=$!
+		rootfses=()
+	fi
+	if [[ ${#gotools[@]} -gt 1 ]]; then
+		prefetch "${gotools[@]:1}" &
+		fetcher=$!
+	fi
+	for n in "${gotools[@]}" "${rootfses[@]}"; do
+		build "$n" || {
+			rc=1
+			break
+		}
+	done
+	if [[ -n "$fetcher" ]]; then
+		# Done long before the last build, unless a build failed: then
+		# stop it (a go list it started finishes on its own).
+		[[ $rc -eq 0 ]] || kill "$fetcher" 2>/dev/null || true
+		wait "$fetcher" 2>/dev/null || true
+	fi
+	if [[ -n "$baser" ]]; then
+		wait "$baser" || rc=1
+	fi
+	return "$rc"
+}
+
 case "${1:-}" in
 --path)
 	[[ $# -eq 2 ]] || {
@@ -384,12 +447,12 @@ case "${1:-}" in
 		set -- "${default_tools[@]}"
 	elif [[ $# -eq 1 && "$1" == node ]]; then
 		set -- "${node_tools[@]}"
+	elif [[ $# -eq 1 && "$1" == all ]]; then
+		set -- "${all_tools[@]}"
 	fi
 	for n in "$@"; do
 		spec "$n" >/dev/null
 	done
-	for n in "$@"; do
-		build "$n"
-	done
+	build_all "$@"
 	;;
 esac
