@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -220,6 +221,7 @@ func runGroups() int {
 		}()
 	}
 	code := 0
+	var failures []string
 	for range cmds {
 		var r result
 		select {
@@ -235,11 +237,41 @@ func runGroups() int {
 		verdict := "ok"
 		if r.code != 0 {
 			verdict, code = "FAIL", 1
+			failures = append(failures, failureLines(r.g.name, r.out)...)
 		}
 		fmt.Printf("=== chaos group %q (%s=%s): %s after %v\n%s\n", r.g.name, seedsEnv, joinSeeds(r.g.seeds), verdict, r.took.Round(time.Second), r.out)
 	}
+	// Repeated last: a CI log often shows only its end, where the groups'
+	// own output ends with the agent's log.
+	if len(failures) > 0 {
+		fmt.Printf("chaos: what failed:\n%s\n", strings.Join(failures, "\n"))
+	}
 	fmt.Printf("chaos: %d groups in %v; seeds %s\n", len(cmds), time.Since(start).Round(time.Second), joinSeeds(seeds))
 	return code
+}
+
+// testMessage is the first line of a test's message (Errorf, Fatalf,
+// Logf), or a FAIL line.
+var testMessage = regexp.MustCompile(`^\s*(--- FAIL: .*|[a-z_]+_test\.go:\d+: .*)$`)
+
+// failureLines picks a failed group's test messages and FAIL lines, each
+// cut short, at most 30.
+func failureLines(group string, out []byte) []string {
+	var lines []string
+	for l := range strings.SplitSeq(string(out), "\n") {
+		if !testMessage.MatchString(l) {
+			continue
+		}
+		l = strings.TrimSpace(l)
+		if len(l) > 300 {
+			l = l[:300] + " ..."
+		}
+		lines = append(lines, "  ["+group+"] "+l)
+	}
+	if len(lines) > 30 {
+		lines = lines[len(lines)-30:]
+	}
+	return lines
 }
 
 // parseSeeds reads a comma-separated seed list ("" is none).

@@ -7,6 +7,8 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -242,6 +244,9 @@ func (n *node) waitStandIn(within time.Duration, what string, cond func() bool) 
 	}
 }
 
+// logTime is a log record's time, text or JSON.
+var logTime = regexp.MustCompile(`^time=\S+ |"time":"[^"]*",?`)
+
 // logTail returns the agent log's last lines (only warnings and errors
 // when problems is set).
 func (n *node) logTail(lines int, problems bool) string {
@@ -249,7 +254,12 @@ func (n *node) logTail(lines int, problems bool) string {
 	if err != nil {
 		return err.Error()
 	}
-	var keep []string
+	// A record repeated with only its time changed (a retry every few
+	// seconds) is kept once, where it last appeared, with its count: it
+	// must not push the other problems out of the tail.
+	var order []string
+	last := map[string]string{}
+	count := map[string]int{}
 	for l := range strings.SplitSeq(strings.TrimRight(string(b), "\n"), "\n") {
 		// Lines that are not log records, text or JSON (the process's
 		// last words on stderr, a panic) are always problems.
@@ -257,6 +267,23 @@ func (n *node) logTail(lines int, problems bool) string {
 		problem := strings.Contains(l, `"level":"WARN"`) || strings.Contains(l, `"level":"ERROR"`) || strings.Contains(l, " level=WARN ") || strings.Contains(l, " level=ERROR ")
 		if problems && record && !problem && !strings.Contains(l, "simnode:") {
 			continue
+		}
+		key := l
+		if record {
+			key = logTime.ReplaceAllString(l, "")
+		}
+		if count[key] > 0 {
+			order = slices.DeleteFunc(order, func(k string) bool { return k == key })
+		}
+		order = append(order, key)
+		last[key] = l
+		count[key]++
+	}
+	keep := make([]string, 0, len(order))
+	for _, k := range order {
+		l := last[k]
+		if count[k] > 1 {
+			l += fmt.Sprintf(" (logged %d times)", count[k])
 		}
 		keep = append(keep, l)
 	}
