@@ -105,6 +105,9 @@ type Node struct {
 	lock        *os.File
 	procs       []*childproc.Proc
 	out         io.Writer
+	// link and workers are the cluster's further nodes (AddWorker).
+	link    *clusterLink
+	workers []*Worker
 }
 
 // state is what Down needs, also from another process: node.json.
@@ -124,7 +127,11 @@ type state struct {
 	KubeletRoot        string
 	Kubeconfig         string
 	Crictl             string
-	Before             before
+	// Links are the cluster link and the workers' veths, WorkerCgroups
+	// the workers' kubelet cgroup roots (AddWorker).
+	Links         []string
+	WorkerCgroups []string
+	Before        before
 }
 
 // before is the host state Up found, so Down removes only what is new.
@@ -429,6 +436,12 @@ func (n *Node) Down() error {
 	begin := time.Now()
 	phase := func(what string) { n.logf("   %s (%v)", what, time.Since(begin).Round(100*time.Millisecond)) }
 	var errs []error
+	// Further nodes first, each draining its own pods.
+	for _, w := range slices.Clone(n.workers) {
+		if err := w.Down(); err != nil {
+			errs = append(errs, fmt.Errorf("node %s: %w", w.Name, err))
+		}
+	}
 	// Pods first, through the API, while kubelet and the agent still run:
 	// kubelet stops them and containerd runs CNI DEL for each.
 	if n.Client != nil && n.proc("kubelet") != nil && !n.proc("kubelet").Exited() {
@@ -603,6 +616,13 @@ func finish(st *state, logf func(string, ...any)) []error {
 			errs = append(errs, err)
 		}
 	}
+	for _, c := range st.WorkerCgroups {
+		if _, err := os.Stat(c); err == nil {
+			if err := removeCgroupTree(c); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
 	unmount := []string{st.Dir}
 	if !st.Before.Paths["/var/lib/kubelet"] {
 		unmount = append(unmount, "/var/lib/kubelet")
@@ -615,7 +635,8 @@ func finish(st *state, logf func(string, ...any)) []error {
 	}
 	errs = append(errs, removeLinks(st)...)
 	for _, f := range iptablesFlavours {
-		errs = append(errs, removeChains(f, append(slices.Clone(kubeletChains), iptables.ChainProbeSNAT), st.Before.Chains[f])...)
+		chains := append(slices.Clone(kubeletChains), iptables.ChainProbeSNAT)
+		errs = append(errs, removeChains(f, append(chains, flannelChains...), st.Before.Chains[f])...)
 	}
 	if sets, err := ipsetNames(); err == nil {
 		for _, s := range sets {
