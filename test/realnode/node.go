@@ -142,6 +142,9 @@ type before struct {
 	IPSets    []string
 	Kubepods  []string
 	Sysctls   map[string]string
+	// ForwardPolicy is each iptables flavour's FORWARD policy (flanneld
+	// sets ACCEPT).
+	ForwardPolicy map[string]string
 }
 
 func (n *Node) logf(format string, args ...any) {
@@ -285,13 +288,14 @@ func Up(ctx context.Context, opts Options) (n *Node, err error) {
 
 // recordBefore notes the host state that Down must not remove.
 func recordBefore() (before, error) {
-	b := before{Paths: existing(hostPaths), Chains: map[string]map[string][]string{}}
+	b := before{Paths: existing(hostPaths), Chains: map[string]map[string][]string{}, ForwardPolicy: map[string]string{}}
 	for _, f := range iptablesFlavours {
 		save, err := iptablesSave(f)
 		if err != nil {
 			return b, err
 		}
 		b.Chains[f] = saveChains(save)
+		b.ForwardPolicy[f] = forwardPolicy(save)
 	}
 	var err error
 	if b.NftTables, err = nftTables(); err != nil {
@@ -659,6 +663,7 @@ func finish(st *state, logf func(string, ...any)) []error {
 	errs = append(errs, removeEmptyNewTables(st.Before.NftTables)...)
 	errs = append(errs, removeNew(st.Before.Paths)...)
 	errs = append(errs, restoreSysctls(st.Before.Sysctls)...)
+	errs = append(errs, restoreForwardPolicy(st.Before.ForwardPolicy)...)
 	if len(errs) == 0 && st.Dir != "" {
 		if err := os.RemoveAll(st.Dir); err != nil {
 			errs = append(errs, err)

@@ -62,6 +62,43 @@ const FlannelNetwork = "10.200.0.0/13"
 // network namespace (the first node's is the host's).
 var flannelChains = []string{"FLANNEL-FWD", "FLANNEL-POSTRTG"}
 
+// forwardPolicy is the filter table's FORWARD policy in an iptables-save
+// output ("" if it has none).
+func forwardPolicy(save string) string {
+	table := ""
+	for _, line := range strings.Split(save, "\n") {
+		if strings.HasPrefix(line, "*") {
+			table = line[1:]
+		}
+		if f := strings.Fields(line); table == "filter" && len(f) >= 2 && f[0] == ":FORWARD" {
+			return f[1]
+		}
+	}
+	return ""
+}
+
+// restoreForwardPolicy sets back each flavour's FORWARD policy that
+// changed (flanneld on the first node sets ACCEPT).
+func restoreForwardPolicy(before map[string]string) []error {
+	var errs []error
+	for f, want := range before {
+		if want == "" {
+			continue
+		}
+		save, err := iptablesSave(f)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if got := forwardPolicy(save); got != "" && got != want {
+			if out, err := exec.Command(f, "-t", "filter", "-P", "FORWARD", want).CombinedOutput(); err != nil {
+				errs = append(errs, fmt.Errorf("%s -P FORWARD %s: %w: %s", f, want, err, out))
+			}
+		}
+	}
+	return errs
+}
+
 // Worker is a further node of the first node's cluster.
 type Worker struct {
 	// Name is its Node name; Dir its files on the host, seen at the first
