@@ -1,11 +1,14 @@
 package realnode
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -24,10 +27,12 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
 	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
 	"github.com/ambient-cni/ambient-cni/test/lib/childproc"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
 // A cluster of several real nodes on one machine. The first node (Node)
@@ -873,4 +878,102 @@ func (f *forwarder) stop() {
 	f.conns = nil
 	f.mu.Unlock()
 	f.wg.Wait()
+}
+
+// workerStandInPort is the worker stand-in's debug port on the worker's
+// address (its own network: no other node's port to avoid).
+const workerStandInPort = 15099
+
+// StartStandIn runs a ztunnel stand-in on the worker, its debug endpoint
+// on the worker's address, reachable from the first node over the link.
+func (w *Worker) StartStandIn(ctx context.Context) error {
+	return w.first.startStandInPod(ctx, StandInName+"-"+strings.TrimPrefix(w.Name, w.first.Name+"-"), w.Name, w.IP, workerStandInPort)
+}
+
+func (w *Worker) standInAddr() string { return net.JoinHostPort(w.IP, strconv.Itoa(workerStandInPort)) }
+
+// StandInRecords returns every connection the worker's stand-in proxied.
+func (w *Worker) StandInRecords(ctx context.Context) ([]ztunnel.Record, error) {
+	return standInGetAt[[]ztunnel.Record](ctx, w.standInAddr(), "/records")
+}
+
+// StandInWorkloads returns the pods the worker's stand-in serves.
+func (w *Worker) StandInWorkloads(ctx context.Context) ([]ztunnel.Workload, error) {
+	return standInGetAt[[]ztunnel.Workload](ctx, w.standInAddr(), "/workloads")
+}
+
+// SetStandInRemote tells the stand-in at addr which captured pods other
+// nodes serve (their traffic takes the tunnel), as istiod tells ztunnel.
+func setStandInRemote(ctx context.Context, addr string, ips []string) error {
+	b, err := json.Marshal(ips)
+	if err != nil {
+		return err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPut, "http://"+addr+"/remote", bytes.NewReader(b))
+	if err != nil {
+		return err
+	}
+	resp, err := noKeepAlive.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusNoContent {
+		return fmt.Errorf("PUT %s/remote: %s", addr, resp.Status)
+	}
+	return nil
+}
+
+// SetStandInRemote tells the first node's stand-in the other nodes'
+// captured pods.
+func (n *Node) SetStandInRemote(ctx context.Context, ips []string) error {
+	return setStandInRemote(ctx, fmt.Sprintf("127.0.0.1:%d", n.standInPort), ips)
+}
+
+// SetStandInRemote tells the worker's stand-in the other nodes' captured
+// pods.
+func (w *Worker) SetStandInRemote(ctx context.Context, ips []string) error {
+	return setStandInRemote(ctx, w.standInAddr(), ips)
+}
+
+// servedBy checks a pod is enrolled in the API (annotation) and served by
+// a stand-in with its three listeners.
+func servedBy(ctx context.Context, n *Node, p *corev1.Pod, wls []ztunnel.Workload) (bool, error) {
+	cur, err := n.Client.CoreV1().Pods(p.Namespace).Get(ctx, p.Name, metav1.GetOptions{})
+	if err != nil {
+		return false, err
+	}
+	if v := cur.Annotations[ambient.RedirectionAnnotation]; v != ambient.RedirectionEnabled {
+		return false, fmt.Errorf("annotation %s=%q", ambient.RedirectionAnnotation, v)
+	}
+	for _, wl := range wls {
+		if wl.UID == string(p.UID) {
+			for _, port := range []int{ambient.ZtunnelOutboundPort, ambient.ZtunnelInboundPlaintextPort, ambient.ZtunnelInboundHBONEPort} {
+				if !slices.Contains(wl.Ports, port) {
+					return false, fmt.Errorf("stand-in has no listener on %d in it", port)
+				}
+			}
+			return true, nil
+		}
+	}
+	return false, errors.New("the stand-in does not serve it")
+}
+
+// Captured is true when a pod of the worker is enrolled (annotation) and
+// served by the worker's stand-in.
+func (w *Worker) Captured(ctx context.Context, p *corev1.Pod) (bool, error) {
+	wls, err := w.StandInWorkloads(ctx)
+	if err != nil {
+		return false, err
+	}
+	return servedBy(ctx, w.first, p, wls)
+}
+
+// Captured is Worker.Captured for a pod of the first node.
+func (n *Node) Captured(ctx context.Context, p *corev1.Pod) (bool, error) {
+	wls, err := n.StandInWorkloads(ctx)
+	if err != nil {
+		return false, err
+	}
+	return servedBy(ctx, n, p, wls)
 }
