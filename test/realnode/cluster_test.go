@@ -17,6 +17,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 	"github.com/ambient-cni/ambient-cni/test/realnode/podapp"
 )
@@ -46,7 +47,13 @@ func TestRealNodeCluster(t *testing.T) {
 	t.Logf("node %s joined and Ready with flannel in %v", w.Name, time.Since(joinStart).Round(100*time.Millisecond))
 
 	t.Run("pods across nodes", func(t *testing.T) { testAcrossNodes(ctx, t, n, w) })
-	t.Run("mesh across nodes", func(t *testing.T) { testMeshAcrossNodes(ctx, t, n, w) })
+	var pods map[string]*meshPod
+	t.Run("mesh across nodes", func(t *testing.T) { pods = testMeshAcrossNodes(ctx, t, n, w) })
+	if pods == nil {
+		return
+	}
+	t.Run("cordon changes nothing", func(t *testing.T) { testCordon(ctx, t, n, w, pods) })
+	t.Run("join and leave", func(t *testing.T) { testJoinLeave(ctx, t, n) })
 }
 
 // testAcrossNodes: a pod on each node reaches the other through flannel,
@@ -105,14 +112,15 @@ type meshPod struct {
 // captured client reaches an uncaptured server directly. Each server sees
 // the source it should: a captured server its own address (the stand-in
 // inside it delivered), an uncaptured one the client pod's.
-func testMeshAcrossNodes(ctx context.Context, t *testing.T, n *Node, w *Worker) {
+func testMeshAcrossNodes(ctx context.Context, t *testing.T, n *Node, w *Worker) map[string]*meshPod {
 	for _, start := range []func(context.Context) error{n.StartStandIn, w.StartStandIn} {
 		if err := start(ctx); err != nil {
 			t.Fatal(err)
 		}
 	}
 	begin := time.Now()
-	if err := n.InstallAgent(ctx, "install", ImageTag); err != nil {
+	// The startup taint is on: a node joining later waits for its agent.
+	if err := n.InstallAgent(ctx, "install", ImageTag, "--set", "startupTaint.enabled=true"); err != nil {
 		t.Fatal(err)
 	}
 	agents, err := n.AgentPods(ctx)
@@ -253,6 +261,183 @@ func testMeshAcrossNodes(ctx context.Context, t *testing.T, n *Node, w *Worker) 
 			t.Error(err)
 		}
 	}
+	if t.Failed() {
+		return nil
+	}
+	return pods
+}
+
+// agentOn returns the agent pod on a node.
+func agentOn(ctx context.Context, n *Node, node string) (*corev1.Pod, error) {
+	pods, err := n.AgentPods(ctx)
+	if err != nil {
+		return nil, err
+	}
+	for i := range pods {
+		if pods[i].Spec.NodeName == node {
+			return &pods[i], nil
+		}
+	}
+	return nil, fmt.Errorf("no agent pod on %s", node)
+}
+
+// testCordon: cordoning and uncordoning a node changes nothing: the same
+// agent pod runs there, its captured pod stays captured, the tunnel across
+// the nodes carries on.
+func testCordon(ctx context.Context, t *testing.T, n *Node, w *Worker, pods map[string]*meshPod) {
+	before, err := agentOn(ctx, n, w.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, on := range []bool{true, false} {
+		if err := w.Cordon(ctx, on); err != nil {
+			t.Fatal(err)
+		}
+		marker := fmt.Sprintf("/cordon-%d", i)
+		if err := fetch(ctx, pods["cap-first"].pod, pods["cap-second"].pod, marker); err != nil {
+			t.Errorf("cordon=%v: cap-first → cap-second: %v", on, err)
+		}
+		if ok, err := w.Captured(ctx, pods["cap-second"].pod); !ok {
+			t.Errorf("cordon=%v: cap-second no longer captured: %v", on, err)
+		}
+		now, err := agentOn(ctx, n, w.Name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if now.UID != before.UID {
+			t.Errorf("cordon=%v: the agent pod on %s changed (%s → %s)", on, w.Name, before.Name, now.Name)
+		}
+	}
+}
+
+// testJoinLeave: a node registered with the startup taint joins: the
+// DaemonSet's agent runs there and becomes ready, the taint goes, and a
+// pod started there is captured. Then the node is drained and deleted: its
+// agent releases its pod, and nothing of it is left in the first node's
+// agent or stand-in.
+func testJoinLeave(ctx context.Context, t *testing.T, n *Node) {
+	begin := time.Now()
+	w, err := n.AddWorker(ctx, WorkerOptions{StartupTaint: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	joined := time.Now()
+	t.Logf("node %s registered with the startup taint and Ready in %v", w.Name, joined.Sub(begin).Round(100*time.Millisecond))
+	if err := w.StartStandIn(ctx); err != nil {
+		t.Fatal(err)
+	}
+	err = n.Poll(ctx, "agent ready on "+w.Name+" and the startup taint gone", func(ctx context.Context) (bool, error) {
+		a, err := agentOn(ctx, n, w.Name)
+		if err != nil {
+			return false, err
+		}
+		if !podReady(a) {
+			return false, fmt.Errorf("agent %s not ready: %s", a.Name, podSummary(a))
+		}
+		node, err := n.Client.CoreV1().Nodes().Get(ctx, w.Name, metav1.GetOptions{})
+		if err != nil {
+			return false, err
+		}
+		for _, tn := range node.Spec.Taints {
+			if tn.Key == nodetaint.Key {
+				return false, fmt.Errorf("taint %s still on %s", tn.Key, w.Name)
+			}
+		}
+		return true, nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mesh := "join-" + randHex(4)
+	if err := n.CreateNamespace(ctx, mesh, map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}); err != nil {
+		t.Fatal(err)
+	}
+	p := w.AppPod(mesh, "joined", AppOptions{})
+	if _, err := n.Client.CoreV1().Pods(mesh).Create(ctx, p, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	ready, err := n.WaitPodReady(ctx, mesh, p.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := n.Poll(ctx, "joined pod captured", func(ctx context.Context) (bool, error) { return w.Captured(ctx, ready) }); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("node join to first captured pod: %v", time.Since(joined).Round(100*time.Millisecond))
+
+	if err := w.Drain(ctx); err != nil {
+		t.Fatal(err)
+	}
+	err = n.Poll(ctx, "the drained node's agent released its pod", func(ctx context.Context) (bool, error) {
+		st, err := w.AgentState(ctx)
+		if err != nil {
+			return false, err
+		}
+		for _, ap := range st {
+			if ap.UID == string(ready.UID) {
+				return false, fmt.Errorf("agent on %s still has %s/%s (%s)", w.Name, ap.Namespace, ap.Name, ap.State)
+			}
+		}
+		wls, err := w.StandInWorkloads(ctx)
+		if err != nil {
+			return false, err
+		}
+		for _, wl := range wls {
+			if wl.UID == string(ready.UID) {
+				return false, fmt.Errorf("the stand-in on %s still serves it", w.Name)
+			}
+		}
+		return true, nil
+	})
+	if err != nil {
+		t.Error(err)
+	}
+	if err := w.Down(); err != nil {
+		t.Fatal(err)
+	}
+	err = n.Poll(ctx, "one agent per node left", func(ctx context.Context) (bool, error) {
+		agents, err := n.AgentPods(ctx)
+		if err != nil {
+			return false, err
+		}
+		for _, a := range agents {
+			if a.Spec.NodeName == w.Name {
+				return false, fmt.Errorf("agent %s of the deleted node still exists", a.Name)
+			}
+		}
+		return true, nil
+	})
+	if err != nil {
+		t.Error(err)
+	}
+	st, err := n.AgentState(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wls, err := n.StandInWorkloads(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, ap := range st {
+		if ap.UID == string(ready.UID) {
+			t.Errorf("the first node's agent has the deleted node's pod %s/%s", ap.Namespace, ap.Name)
+		}
+	}
+	for _, wl := range wls {
+		if wl.UID == string(ready.UID) {
+			t.Errorf("the first node's stand-in serves the deleted node's pod")
+		}
+	}
+}
+
+// podReady reports the Ready condition.
+func podReady(p *corev1.Pod) bool {
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
 }
 
 // fetch has pod from GET path on pod to (the app's /fetch) and checks the

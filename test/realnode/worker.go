@@ -977,3 +977,68 @@ func (n *Node) Captured(ctx context.Context, p *corev1.Pod) (bool, error) {
 	}
 	return servedBy(ctx, n, p, wls)
 }
+
+// AgentState returns the pods the worker's agent has enrolled, from its
+// debug socket (a file of the worker's tree on the host).
+func (w *Worker) AgentState(ctx context.Context) ([]AgentPod, error) {
+	rel, err := filepath.Rel(w.first.Dir, w.first.AgentDebugSocket())
+	if err != nil {
+		return nil, err
+	}
+	c := &http.Client{Transport: &http.Transport{
+		DisableKeepAlives: true,
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", w.host(rel))
+		},
+	}}
+	b, err := httpGetWith(ctx, c, "http://agent/debug/pods")
+	if err != nil {
+		return nil, err
+	}
+	var pods []AgentPod
+	if err := json.Unmarshal(b, &pods); err != nil {
+		return nil, fmt.Errorf("decode /debug/pods: %w: %s", err, b)
+	}
+	return pods, nil
+}
+
+// Cordon sets the worker's Node unschedulable (or schedulable again), as
+// kubectl cordon and uncordon do.
+func (w *Worker) Cordon(ctx context.Context, on bool) error {
+	patch := fmt.Sprintf(`{"spec":{"unschedulable":%v}}`, on)
+	_, err := w.first.Client.CoreV1().Nodes().Patch(ctx, w.Name, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{})
+	return err
+}
+
+// Drain cordons the worker and deletes its pods but the DaemonSets', as
+// kubectl drain --ignore-daemonsets does, waiting until they are gone.
+func (w *Worker) Drain(ctx context.Context) error {
+	if err := w.Cordon(ctx, true); err != nil {
+		return err
+	}
+	n := w.first
+	l, err := n.Client.CoreV1().Pods("").List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + w.Name})
+	if err != nil {
+		return err
+	}
+	var gone []corev1.Pod
+	for _, p := range l.Items {
+		if owner := metav1.GetControllerOf(&p); owner != nil && owner.Kind == "DaemonSet" {
+			continue
+		}
+		if p.Namespace == ReleaseNamespace && strings.HasPrefix(p.Name, StandInName) {
+			continue // the node's ztunnel, a DaemonSet pod on a real cluster
+		}
+		if err := n.Client.CoreV1().Pods(p.Namespace).Delete(ctx, p.Name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+			return err
+		}
+		gone = append(gone, p)
+	}
+	for _, p := range gone {
+		if err := n.WaitPodGone(ctx, p.Namespace, p.Name); err != nil {
+			return err
+		}
+	}
+	return nil
+}
