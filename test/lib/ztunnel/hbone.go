@@ -6,14 +6,14 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log"
 	"net"
 	"net/http"
 	"net/netip"
 	"net/url"
 	"slices"
+	"sync"
 	"time"
-
-	"golang.org/x/net/http2"
 )
 
 // The tunnel between pods is shaped like ztunnel's HBONE: an HTTP/2
@@ -23,10 +23,17 @@ import (
 // in-pod rules see the same ports, marks and addresses either way. One
 // stream per connection, one connection per stream.
 
+// h2c is plaintext HTTP/2 with prior knowledge, and nothing else.
+func h2c() *http.Protocols {
+	p := new(http.Protocols)
+	p.SetUnencryptedHTTP2(true)
+	return p
+}
+
 // hboneConn is the client side of one CONNECT stream.
 type hboneConn struct {
 	net.Conn // the TCP connection to the peer's 15008 (addresses, deadlines)
-	cc       *http2.ClientConn
+	cc       *http.ClientConn
 	body     io.ReadCloser
 	w        *io.PipeWriter
 }
@@ -48,8 +55,14 @@ func (h *hboneConn) Close() error {
 // the destination pod's 15008; ctx bounds the stream's whole life, timeout
 // the wait for the answer. raw is closed on failure.
 func dialHBONE(ctx context.Context, raw net.Conn, target netip.AddrPort, timeout time.Duration) (net.Conn, error) {
-	t := &http2.Transport{AllowHTTP: true}
-	cc, err := t.NewClientConn(raw)
+	t := &http.Transport{
+		Protocols: h2c(),
+		// The connection is made already, from inside the pod's netns.
+		DialContext: func(context.Context, string, string) (net.Conn, error) { return raw, nil },
+	}
+	dctx, cancel := context.WithTimeout(ctx, timeout)
+	cc, err := t.NewClientConn(dctx, "http", raw.RemoteAddr().String())
+	cancel()
 	if err != nil {
 		_ = raw.Close()
 		return nil, fmt.Errorf("HTTP/2 to %s: %w", raw.RemoteAddr(), err)
@@ -68,7 +81,7 @@ func dialHBONE(ctx context.Context, raw net.Conn, target netip.AddrPort, timeout
 		err  error
 	}
 	done := make(chan result, 1)
-	go func() { // owner: dialHBONE, which waits on done or closes raw
+	go func() { // owner: dialHBONE, which waits on done
 		resp, err := cc.RoundTrip(req)
 		done <- result{resp, err}
 	}()
@@ -110,20 +123,51 @@ func (b *bufferedConn) Read(p []byte) (int, error) { return b.r.Read(p) }
 // header; both are at least three bytes long.
 func isHTTP2(br *bufio.Reader) bool {
 	b, err := br.Peek(3)
-	return err == nil && string(b) == http2.ClientPreface[:3]
+	return err == nil && string(b) == "PRI"
 }
 
 // serveHBONE serves CONNECT streams on a 15008 connection: each to one of
-// this pod's own addresses, one record each.
+// this pod's own addresses, one record each. It returns when the
+// connection is closed.
 func (p *pod) serveHBONE(c *net.TCPConn, br *bufio.Reader, base Record) {
-	srv := &http2.Server{}
-	srv.ServeConn(&bufferedConn{TCPConn: c, r: br}, &http2.ServeConnOpts{
-		Context: p.ctx,
+	done := make(chan struct{})
+	var once sync.Once
+	srv := &http.Server{
+		Protocols:   h2c(),
+		BaseContext: func(net.Listener) context.Context { return p.ctx },
 		Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			p.hboneStream(w, r, base)
 		}),
-	})
+		ConnState: func(_ net.Conn, s http.ConnState) {
+			if s == http.StateClosed || s == http.StateHijacked {
+				once.Do(func() { close(done) })
+			}
+		},
+		ErrorLog: log.New(io.Discard, "", 0),
+	}
+	_ = srv.Serve(&oneConn{c: &bufferedConn{TCPConn: c, r: br}, done: done})
+	<-done
 }
+
+// oneConn is a listener of one connection: Accept hands it out, then
+// waits until it is closed.
+type oneConn struct {
+	c    net.Conn
+	done chan struct{}
+	used bool
+}
+
+func (o *oneConn) Accept() (net.Conn, error) {
+	if !o.used {
+		o.used = true
+		return o.c, nil
+	}
+	<-o.done
+	return nil, net.ErrClosed
+}
+
+func (o *oneConn) Close() error   { return nil }
+func (o *oneConn) Addr() net.Addr { return o.c.LocalAddr() }
 
 func (p *pod) hboneStream(w http.ResponseWriter, r *http.Request, rec Record) {
 	fail := func(code int, err error) {

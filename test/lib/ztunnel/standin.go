@@ -506,13 +506,6 @@ func (z *StandIn) inMesh(a netip.Addr) bool {
 	return ok || z.remote[a.Unmap()]
 }
 
-func (z *StandIn) lookupIP(a netip.Addr) (string, bool) {
-	z.mu.Lock()
-	defer z.mu.Unlock()
-	uid, ok := z.byIP[a.Unmap()]
-	return uid, ok
-}
-
 func (z *StandIn) record(r Record) {
 	z.mu.Lock()
 	defer z.mu.Unlock()
