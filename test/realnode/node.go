@@ -457,7 +457,7 @@ func (n *Node) Down() error {
 		}
 		phase("pods deleted")
 	}
-	for _, name := range []string{"kubelet", "kube-controller-manager", "kube-scheduler"} {
+	for _, name := range []string{"kubelet", "kube-controller-manager", "kube-scheduler", "flanneld"} {
 		n.proc(name).Stop(15 * time.Second)
 	}
 	guardErr := n.checkGuard()

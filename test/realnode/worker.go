@@ -696,9 +696,14 @@ func (w *Worker) Down() error {
 			}
 		}
 	}
+	// The machine is gone: its Node goes (kubelet no longer re-registers
+	// it), and with it the DaemonSets' pods there.
 	if n.Client != nil {
 		if err := n.Client.CoreV1().Nodes().Delete(ctx, w.Name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
 			errs = append(errs, fmt.Errorf("delete node %s: %w", w.Name, err))
+		}
+		if err := w.forgetPods(ctx); err != nil {
+			errs = append(errs, err)
 		}
 	}
 	if err := unmountUnder(filepath.Join(w.Dir, "ns")); err != nil {
@@ -728,24 +733,50 @@ func (w *Worker) proc(name string) *childproc.Proc {
 	return nil
 }
 
-// deletePods deletes every pod bound to the worker and waits until its
-// containerd has no ready sandbox left (their CNI DEL has run).
+// deletePods deletes every pod bound to the worker but the DaemonSets'
+// (which would come back) and waits until kubelet has stopped them, their
+// CNI DEL run; the DaemonSets' pods go with the Node.
 func (w *Worker) deletePods(ctx context.Context) error {
-	zero := int64(0)
-	l, err := w.first.Client.CoreV1().Pods("").List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + w.Name})
+	n := w.first
+	l, err := n.Client.CoreV1().Pods("").List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + w.Name})
 	if err != nil {
 		return err
 	}
+	one := int64(1)
+	var gone []corev1.Pod
 	for _, p := range l.Items {
-		_ = w.first.Client.CoreV1().Pods(p.Namespace).Delete(ctx, p.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero})
-	}
-	return w.first.poll(ctx, "pods of "+w.Name+" stopped", 2*time.Minute, func(ctx context.Context) (bool, error) {
-		out, err := w.crictl(ctx, "pods", "--state", "ready", "-q")
-		if err != nil {
-			return false, fmt.Errorf("%w: %s", err, out)
+		if owner := metav1.GetControllerOf(&p); owner != nil && owner.Kind == "DaemonSet" {
+			continue
 		}
-		return strings.TrimSpace(out) == "", fmt.Errorf("sandboxes left: %s", out)
-	})
+		if err := n.Client.CoreV1().Pods(p.Namespace).Delete(ctx, p.Name, metav1.DeleteOptions{GracePeriodSeconds: &one}); err != nil && !apierrors.IsNotFound(err) {
+			return err
+		}
+		gone = append(gone, p)
+	}
+	for _, p := range gone {
+		if err := n.WaitPodGone(ctx, p.Namespace, p.Name); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// forgetPods removes the API objects of the pods still bound to the
+// deleted worker (its DaemonSets' pods), as the pod garbage collector
+// does for a Node that is gone.
+func (w *Worker) forgetPods(ctx context.Context) error {
+	n := w.first
+	l, err := n.Client.CoreV1().Pods("").List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + w.Name})
+	if err != nil {
+		return err
+	}
+	zero := int64(0)
+	for _, p := range l.Items {
+		if err := n.Client.CoreV1().Pods(p.Namespace).Delete(ctx, p.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero}); err != nil && !apierrors.IsNotFound(err) {
+			return err
+		}
+	}
+	return nil
 }
 
 // killNamespace kills every process in the mount namespace pinned at
