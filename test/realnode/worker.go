@@ -397,7 +397,12 @@ func (w *Worker) namespaces() error {
 	}
 	// The fixed host paths first: their private dirs are named by host
 	// paths the mount over the first node's directory then hides.
-	script := []string{"ip link set lo up"}
+	// The first node's mounts below its directory (its pods' netns files
+	// and their shared parent, kubelet's root) are not the worker's: a
+	// private copy of the netns dir under the worker's shared one would
+	// make the runtime refuse the agent's HostToContainer mount.
+	script := []string{"ip link set lo up",
+		`awk -v d="` + n.Dir + `/" 'index($5, d) == 1 { print $5 }' /proc/self/mountinfo | sort -r | while read -r m; do umount -l "$m"; done`}
 	for _, p := range workerHostPaths {
 		priv := w.host("host", strings.ReplaceAll(strings.TrimPrefix(p, "/"), "/", "_"))
 		if err := os.MkdirAll(priv, 0o755); err != nil {
