@@ -111,7 +111,8 @@ type meshPod struct {
 // 15008 on the other node; an uncaptured client's arrives on 15006; a
 // captured client reaches an uncaptured server directly. Each server sees
 // the source it should: a captured server its own address (the stand-in
-// inside it delivered), an uncaptured one the client pod's.
+// inside it delivered), an uncaptured one the client pod's. kubelet's
+// probes on each node reach the captured pods directly, SNATed.
 func testMeshAcrossNodes(ctx context.Context, t *testing.T, n *Node, w *Worker) map[string]*meshPod {
 	for _, start := range []func(context.Context) error{n.StartStandIn, w.StartStandIn} {
 		if err := start(ctx); err != nil {
@@ -255,11 +256,27 @@ func testMeshAcrossNodes(ctx context.Context, t *testing.T, n *Node, w *Worker) 
 		}
 	}
 	t.Logf("connections through the tunnel across nodes: %d", tunneled)
-	// kubelet's probes on each node still reach the captured pods.
+	// kubelet's probes on each node still reach the captured pods
+	// directly, SNATed by that node's agent to the probe address (through
+	// the stand-in, the app would see its own address).
 	for name, mp := range pods {
 		if _, err := n.WaitPodReady(ctx, mp.pod.Namespace, name); err != nil {
 			t.Error(err)
 		}
+		if !mp.captured {
+			continue
+		}
+		var seen []string
+		err := n.Poll(ctx, "probes of "+name, func(ctx context.Context) (bool, error) {
+			var err error
+			seen, err = n.probedFromSNAT(ctx, mp.pod)
+			return err == nil, err
+		})
+		if err != nil {
+			t.Errorf("%s on %s: %v", name, mp.node, err)
+			continue
+		}
+		t.Logf("%s on %s: kubelet's probes arrive from %s (SNAT); probe sources seen %v", name, mp.node, ambient.DefaultProbeSNATv4, seen)
 	}
 	if t.Failed() {
 		return nil
