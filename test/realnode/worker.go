@@ -163,6 +163,10 @@ var workerHostPaths = []string{"/var/lib/kubelet", "/var/log/containers", "/var/
 // Ready with flannel's network on it. The first call sets up the cluster
 // link and flannel on the first node.
 func (n *Node) AddWorker(ctx context.Context, o WorkerOptions) (w *Worker, err error) {
+	if n.opts.Layout != LayoutGeneric {
+		// A worker copies the generic layout's plugins and conflist.
+		return nil, fmt.Errorf("a worker joins a node of the generic layout only, not %q", n.opts.Layout)
+	}
 	flannel, err := toolPath(n.Tools.Repo, "flannel")
 	if err != nil {
 		return nil, fmt.Errorf("flannel not built (hack/kube-tools.sh flannel): %w", err)
