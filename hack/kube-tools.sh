@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the external binaries the tests run (etcd, kube-apiserver, helm, and
 # on request the real node's kubelet, kube-controller-manager,
-# kube-scheduler, kubectl, crictl, the reference CNI plugins and the Multus thin
-# plugin) from the Go module
+# kube-scheduler, kubectl, crictl, the reference CNI plugins, the Multus thin
+# plugin and flanneld) from the Go module
 # proxy, and the real node's Debian base image rootfs from the Debian
 # packages, into a cache outside the repository keyed by version:
 #
@@ -23,6 +23,9 @@
 # image-rootfs-amd64 and image-rootfs-arm64, make image's Debian bases, are
 # tarballs made the same way, with no emulator for the foreign one.
 # promtool and prometheus (the server) come from one tools module.
+# flannel is flanneld (kube subnet manager, vxlan and host-gw backends) from
+# a small main of its own in hack/tools/flannel: flannel's main package does
+# not build from the Go module proxy.
 # Nothing else is downloaded. What is already in the cache is not rebuilt.
 #
 # usage: hack/kube-tools.sh [name...]   build (default: etcd kube-apiserver helm promtool)
@@ -39,8 +42,8 @@ GO="${GO:-go}"
 default_tools=(etcd kube-apiserver helm promtool)
 # The real node runs the agent's image make image builds: its base for
 # this machine's architecture.
-node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler kubectl crictl containerd cni-plugins multus debian-rootfs istiod prometheus registry "image-rootfs-$("$GO" env GOARCH)")
-all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler kubectl helm crictl containerd cni-plugins multus debian-rootfs istiod istio-cni image-rootfs-amd64 image-rootfs-arm64 promtool prometheus registry)
+node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler kubectl crictl containerd cni-plugins multus debian-rootfs istiod prometheus registry flannel "image-rootfs-$("$GO" env GOARCH)")
+all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler kubectl helm crictl containerd cni-plugins multus flannel debian-rootfs istiod istio-cni image-rootfs-amd64 image-rootfs-arm64 promtool prometheus registry)
 
 # The DaemonSet image's base, as deploy/Dockerfile's: Debian bookworm with
 # the netfilter tools, without documentation. Changing this list changes
@@ -93,6 +96,9 @@ spec() {
 	# The thin plugin: Multus as the node's primary meta-plugin, reading
 	# its delegates' configs itself (no multus daemon).
 	multus) echo "multus gopkg.in/k8snetworkplumbingwg/multus-cni.v4 gopkg.in/k8snetworkplumbingwg/multus-cni.v4/cmd/multus" ;;
+	# The real primary between several real nodes: the tools module's own
+	# main over flannel's packages.
+	flannel) echo "flannel github.com/flannel-io/flannel ." ;;
 	# "@": built inside the plugins' own module (its go.sum pins their
 	# dependencies) at the version the project's go.mod requires.
 	cni-plugins) echo "@ github.com/containernetworking/plugins ./plugins/main/bridge ./plugins/ipam/host-local ./plugins/main/loopback" ;;
@@ -332,7 +338,7 @@ build() {
 		# go list fetches exactly the modules the build needs, so the silent
 		# compile that follows is split from the network part.
 		(cd "$src" && "$GO" list -mod=readonly -tags "$(buildtags "$name")" -deps "${pkg[@]}" >/dev/null)
-		echo "kube-tools: building $name $v (a cold build takes minutes on 2 cores: etcd ~2, kube-apiserver ~5-10, then kubelet, kube-controller-manager, kube-scheduler, kubectl ~1.5 each, helm ~1.5, crictl ~1, multus ~1, istiod ~7, istio-cni ~1 after istiod, registry ~2) ..."
+		echo "kube-tools: building $name $v (a cold build takes minutes on 2 cores: etcd ~2, kube-apiserver ~5-10, then kubelet, kube-controller-manager, kube-scheduler, kubectl ~1.5 each, helm ~1.5, crictl ~1, multus ~1, flannel ~3-5, istiod ~7, istio-cni ~1 after istiod, registry ~2) ..."
 	else
 		echo "kube-tools: building $name $v with mmdebstrap from the Debian packages (~1 min) ..."
 	fi

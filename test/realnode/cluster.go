@@ -294,13 +294,19 @@ func (n *Node) StartStandIn(ctx context.Context) error {
 		return err
 	}
 	n.standInPort = ports[0]
+	return n.startStandInPod(ctx, StandInName, n.Name, "127.0.0.1", n.standInPort)
+}
+
+// startStandInPod creates a stand-in pod bound to node, its debug endpoint
+// on host:port in the node's network, and waits until it is ready.
+func (n *Node) startStandInPod(ctx context.Context, name, node, host string, port int) error {
 	hostPathType := corev1.HostPathDirectoryOrCreate
 	f := false
 	root := int64(0)
 	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: StandInName, Namespace: ReleaseNamespace, Labels: map[string]string{"app": "ztunnel"}},
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ReleaseNamespace, Labels: map[string]string{"app": "ztunnel"}},
 		Spec: corev1.PodSpec{
-			NodeName:                     n.Name,
+			NodeName:                     node,
 			HostNetwork:                  true,
 			AutomountServiceAccountToken: &f,
 			EnableServiceLinks:           &f,
@@ -308,7 +314,7 @@ func (n *Node) StartStandIn(ctx context.Context) error {
 				Name:            "istio-proxy",
 				Image:           n.Images.StandIn,
 				ImagePullPolicy: corev1.PullNever,
-				Args:            []string{"-socket", "/var/run/ztunnel/ztunnel.sock", "-debug-addr", "127.0.0.1:" + strconv.Itoa(n.standInPort)},
+				Args:            []string{"-socket", "/var/run/ztunnel/ztunnel.sock", "-debug-addr", net.JoinHostPort(host, strconv.Itoa(port))},
 				SecurityContext: &corev1.SecurityContext{
 					RunAsUser: &root,
 					// Like ztunnel: enter pod netns (SYS_ADMIN), mark its
@@ -317,7 +323,7 @@ func (n *Node) StartStandIn(ctx context.Context) error {
 				},
 				VolumeMounts: []corev1.VolumeMount{{Name: "cni-ztunnel-sock-dir", MountPath: "/var/run/ztunnel"}},
 				ReadinessProbe: &corev1.Probe{
-					ProbeHandler:  corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Host: "127.0.0.1", Path: "/workloads", Port: intstr.FromInt(n.standInPort)}},
+					ProbeHandler:  corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Host: host, Path: "/workloads", Port: intstr.FromInt(port)}},
 					PeriodSeconds: 1,
 				},
 			}},
@@ -325,9 +331,9 @@ func (n *Node) StartStandIn(ctx context.Context) error {
 		},
 	}
 	if _, err := n.Client.CoreV1().Pods(ReleaseNamespace).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
-		return fmt.Errorf("create ztunnel stand-in pod: %w", err)
+		return fmt.Errorf("create ztunnel stand-in pod %s: %w", name, err)
 	}
-	_, err = n.WaitPodReady(ctx, ReleaseNamespace, StandInName)
+	_, err := n.WaitPodReady(ctx, ReleaseNamespace, name)
 	return err
 }
 
@@ -335,8 +341,13 @@ func (n *Node) StartStandIn(ctx context.Context) error {
 func (n *Node) StandInPort() int { return n.standInPort }
 
 func standInGet[T any](ctx context.Context, n *Node, path string) (T, error) {
+	return standInGetAt[T](ctx, fmt.Sprintf("127.0.0.1:%d", n.standInPort), path)
+}
+
+// standInGetAt GETs a stand-in's debug path at addr and decodes it.
+func standInGetAt[T any](ctx context.Context, addr, path string) (T, error) {
 	var v T
-	b, err := httpGet(ctx, fmt.Sprintf("http://127.0.0.1:%d%s", n.standInPort, path))
+	b, err := httpGet(ctx, "http://"+addr+path)
 	if err != nil {
 		return v, err
 	}

@@ -46,28 +46,7 @@ func (n *Node) network() error {
 			return fmt.Errorf("install CNI plugin %s: %w", p, err)
 		}
 	}
-	// cniVersion 1.1.0, as current primaries write: containerd 2.x then
-	// calls CNI STATUS on every plugin of the list from its CRI Status.
-	conf := map[string]any{
-		"cniVersion": "1.1.0",
-		"name":       "ambient-node",
-		"plugins": []any{map[string]any{
-			"type":        "bridge",
-			"bridge":      n.Bridge,
-			"isGateway":   true,
-			"ipMasq":      false,
-			"hairpinMode": true,
-			"ipam": map[string]any{
-				"type":   "host-local",
-				"ranges": [][]map[string]string{{{"subnet": n.Subnet, "gateway": n.Gateway}}},
-				// Pods route everything via the bridge, as on any node
-				// (kubelet probes are answered to the SNAT address that way).
-				"routes":  []map[string]string{{"dst": "0.0.0.0/0"}},
-				"dataDir": filepath.Join(n.Dir, "cni", "ipam"),
-			},
-		}},
-	}
-	b, err := json.MarshalIndent(conf, "", "  ")
+	b, err := bridgeConflist(n.Bridge, n.Subnet, n.Gateway, filepath.Join(n.Dir, "cni", "ipam"))
 	if err != nil {
 		return err
 	}
@@ -81,6 +60,35 @@ func (n *Node) network() error {
 		return n.writeMultus(n.CNIConfFile)
 	}
 	return nil
+}
+
+// bridgeConflist is the node's primary conflist: bridge + host-local on
+// subnet, as a plain bridged node has, and as flannel's CNI plugin
+// delegates on a flannel node (bridge, gateway, host-local on the node's
+// lease).
+func bridgeConflist(bridge, subnet, gateway, ipamDir string) ([]byte, error) {
+	// cniVersion 1.1.0, as current primaries write: containerd 2.x then
+	// calls CNI STATUS on every plugin of the list from its CRI Status.
+	conf := map[string]any{
+		"cniVersion": "1.1.0",
+		"name":       "ambient-node",
+		"plugins": []any{map[string]any{
+			"type":        "bridge",
+			"bridge":      bridge,
+			"isGateway":   true,
+			"ipMasq":      false,
+			"hairpinMode": true,
+			"ipam": map[string]any{
+				"type":   "host-local",
+				"ranges": [][]map[string]string{{{"subnet": subnet, "gateway": gateway}}},
+				// Pods route everything via the bridge, as on any node
+				// (kubelet probes are answered to the SNAT address that way).
+				"routes":  []map[string]string{{"dst": "0.0.0.0/0"}},
+				"dataDir": ipamDir,
+			},
+		}},
+	}
+	return json.MarshalIndent(conf, "", "  ")
 }
 
 // pickSubnet picks a random /24 in 10.200.0.0/13 that no route of the host
@@ -136,14 +144,21 @@ func prefixOf(n *net.IPNet) (netip.Prefix, bool) {
 // removeLinks deletes the node's bridge and any veth still attached to it
 // (the pods' netns are gone by now, so normally none).
 func removeLinks(st *state) []error {
+	var errs []error
+	for _, name := range st.Links {
+		if l, err := netlink.LinkByName(name); err == nil {
+			if err := netlink.LinkDel(l); err != nil && !errors.Is(err, unix.ENODEV) {
+				errs = append(errs, fmt.Errorf("delete %s: %w", name, err))
+			}
+		}
+	}
 	if st.Bridge == "" {
-		return nil
+		return errs
 	}
 	br, err := netlink.LinkByName(st.Bridge)
 	if err != nil {
-		return nil
+		return errs
 	}
-	var errs []error
 	links, _ := netlink.LinkList()
 	for _, l := range links {
 		if l.Attrs().MasterIndex == br.Attrs().Index {

@@ -105,6 +105,9 @@ type Node struct {
 	lock        *os.File
 	procs       []*childproc.Proc
 	out         io.Writer
+	// link and workers are the cluster's further nodes (AddWorker).
+	link    *clusterLink
+	workers []*Worker
 }
 
 // state is what Down needs, also from another process: node.json.
@@ -124,7 +127,11 @@ type state struct {
 	KubeletRoot        string
 	Kubeconfig         string
 	Crictl             string
-	Before             before
+	// Links are the cluster link and the workers' veths, WorkerCgroups
+	// the workers' kubelet cgroup roots (AddWorker).
+	Links         []string
+	WorkerCgroups []string
+	Before        before
 }
 
 // before is the host state Up found, so Down removes only what is new.
@@ -135,6 +142,9 @@ type before struct {
 	IPSets    []string
 	Kubepods  []string
 	Sysctls   map[string]string
+	// ForwardPolicy is each iptables flavour's FORWARD policy (flanneld
+	// sets ACCEPT).
+	ForwardPolicy map[string]string
 }
 
 func (n *Node) logf(format string, args ...any) {
@@ -278,13 +288,14 @@ func Up(ctx context.Context, opts Options) (n *Node, err error) {
 
 // recordBefore notes the host state that Down must not remove.
 func recordBefore() (before, error) {
-	b := before{Paths: existing(hostPaths), Chains: map[string]map[string][]string{}}
+	b := before{Paths: existing(hostPaths), Chains: map[string]map[string][]string{}, ForwardPolicy: map[string]string{}}
 	for _, f := range iptablesFlavours {
 		save, err := iptablesSave(f)
 		if err != nil {
 			return b, err
 		}
 		b.Chains[f] = saveChains(save)
+		b.ForwardPolicy[f] = forwardPolicy(save)
 	}
 	var err error
 	if b.NftTables, err = nftTables(); err != nil {
@@ -429,6 +440,12 @@ func (n *Node) Down() error {
 	begin := time.Now()
 	phase := func(what string) { n.logf("   %s (%v)", what, time.Since(begin).Round(100*time.Millisecond)) }
 	var errs []error
+	// Further nodes first, each draining its own pods.
+	for _, w := range slices.Clone(n.workers) {
+		if err := w.Down(); err != nil {
+			errs = append(errs, fmt.Errorf("node %s: %w", w.Name, err))
+		}
+	}
 	// Pods first, through the API, while kubelet and the agent still run:
 	// kubelet stops them and containerd runs CNI DEL for each.
 	if n.Client != nil && n.proc("kubelet") != nil && !n.proc("kubelet").Exited() {
@@ -440,7 +457,7 @@ func (n *Node) Down() error {
 		}
 		phase("pods deleted")
 	}
-	for _, name := range []string{"kubelet", "kube-controller-manager", "kube-scheduler"} {
+	for _, name := range []string{"kubelet", "kube-controller-manager", "kube-scheduler", "flanneld"} {
 		n.proc(name).Stop(15 * time.Second)
 	}
 	guardErr := n.checkGuard()
@@ -603,6 +620,13 @@ func finish(st *state, logf func(string, ...any)) []error {
 			errs = append(errs, err)
 		}
 	}
+	for _, c := range st.WorkerCgroups {
+		if _, err := os.Stat(c); err == nil {
+			if err := removeCgroupTree(c); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
 	unmount := []string{st.Dir}
 	if !st.Before.Paths["/var/lib/kubelet"] {
 		unmount = append(unmount, "/var/lib/kubelet")
@@ -615,7 +639,8 @@ func finish(st *state, logf func(string, ...any)) []error {
 	}
 	errs = append(errs, removeLinks(st)...)
 	for _, f := range iptablesFlavours {
-		errs = append(errs, removeChains(f, append(slices.Clone(kubeletChains), iptables.ChainProbeSNAT), st.Before.Chains[f])...)
+		chains := append(slices.Clone(kubeletChains), iptables.ChainProbeSNAT)
+		errs = append(errs, removeChains(f, append(chains, flannelChains...), st.Before.Chains[f])...)
 	}
 	if sets, err := ipsetNames(); err == nil {
 		for _, s := range sets {
@@ -638,6 +663,7 @@ func finish(st *state, logf func(string, ...any)) []error {
 	errs = append(errs, removeEmptyNewTables(st.Before.NftTables)...)
 	errs = append(errs, removeNew(st.Before.Paths)...)
 	errs = append(errs, restoreSysctls(st.Before.Sysctls)...)
+	errs = append(errs, restoreForwardPolicy(st.Before.ForwardPolicy)...)
 	if len(errs) == 0 && st.Dir != "" {
 		if err := os.RemoveAll(st.Dir); err != nil {
 			errs = append(errs, err)

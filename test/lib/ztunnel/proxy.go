@@ -163,7 +163,14 @@ func (p *pod) handle(c *net.TCPConn, port int) {
 	case ambient.ZtunnelInboundPlaintextPort:
 		up, err = p.inboundPlain(c, &rec)
 	case ambient.ZtunnelInboundHBONEPort:
-		src, up, err = p.inboundTunnel(c, &rec)
+		_ = c.SetReadDeadline(time.Now().Add(p.z.cfg.DialTimeout))
+		br := bufio.NewReaderSize(c, maxConnectLine)
+		if isHTTP2(br) {
+			_ = c.SetReadDeadline(time.Time{})
+			p.serveHBONE(c, br, rec)
+			return
+		}
+		src, up, err = p.inboundTunnel(c, br, &rec)
 	}
 	if err != nil {
 		rec.Err = err.Error()
@@ -193,25 +200,14 @@ func (p *pod) outbound(c *net.TCPConn, rec *Record) (net.Conn, error) {
 	}
 	ctx, cancel := context.WithTimeout(p.ctx, p.z.cfg.DialTimeout)
 	defer cancel()
-	if _, ok := p.z.lookupIP(orig.Addr()); ok {
+	if p.z.inMesh(orig.Addr()) {
 		rec.Tunneled = true
 		rec.Upstream = netip.AddrPortFrom(orig.Addr(), ambient.ZtunnelInboundHBONEPort)
-		up, err := dialFrom(ctx, p.nsfd, rec.Upstream)
+		raw, err := dialFrom(ctx, p.nsfd, rec.Upstream)
 		if err != nil {
 			return nil, fmt.Errorf("dial tunnel %s: %w", rec.Upstream, err)
 		}
-		err = up.SetWriteDeadline(time.Now().Add(p.z.cfg.DialTimeout))
-		if err == nil {
-			_, err = up.Write(connectLine(orig))
-		}
-		if err == nil {
-			err = up.SetWriteDeadline(time.Time{})
-		}
-		if err != nil {
-			_ = up.Close()
-			return nil, fmt.Errorf("send tunnel header: %w", err)
-		}
-		return up, nil
+		return dialHBONE(p.ctx, raw, orig, p.z.cfg.DialTimeout)
 	}
 	rec.Upstream = orig
 	up, err := dialFrom(ctx, p.nsfd, orig)
@@ -243,11 +239,7 @@ func (p *pod) inboundPlain(c *net.TCPConn, rec *Record) (net.Conn, error) {
 // inboundTunnel (15008): read the header and connect to the named port of
 // one of this pod's own addresses. Bytes read past the header are kept in
 // the returned reader.
-func (p *pod) inboundTunnel(c *net.TCPConn, rec *Record) (io.Reader, net.Conn, error) {
-	if err := c.SetReadDeadline(time.Now().Add(p.z.cfg.DialTimeout)); err != nil {
-		return nil, nil, err
-	}
-	br := bufio.NewReaderSize(c, maxConnectLine)
+func (p *pod) inboundTunnel(c *net.TCPConn, br *bufio.Reader, rec *Record) (io.Reader, net.Conn, error) {
 	line, err := br.ReadSlice('\n')
 	if err != nil {
 		return nil, nil, fmt.Errorf("read tunnel header: %w", err)
@@ -278,8 +270,8 @@ func pipe(c *net.TCPConn, src io.Reader, up net.Conn) {
 	go func() { // owner: pipe, which waits on done
 		defer close(done)
 		_, _ = io.Copy(up, src)
-		if tc, ok := up.(*net.TCPConn); ok {
-			_ = tc.CloseWrite()
+		if hc, ok := up.(interface{ CloseWrite() error }); ok {
+			_ = hc.CloseWrite()
 		}
 	}()
 	_, _ = io.Copy(c, up)

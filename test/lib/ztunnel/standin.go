@@ -7,7 +7,9 @@
 // (tunnel), proxies the traffic with ztunnel's mark, and records every
 // connection so tests can see which way it went.
 //
-// The tunnel between pods is a plain "CONNECT ip:port\n" header, not HBONE.
+// The tunnel between pods is shaped like HBONE (an HTTP/2 CONNECT stream
+// to the destination pod's 15008, without mTLS); 15008 also takes a plain
+// "CONNECT ip:port\n" header.
 // Faults makes it misbehave on purpose.
 package ztunnel
 
@@ -111,6 +113,7 @@ type StandIn struct {
 	faults   Faults
 	pods     map[string]*pod
 	byIP     map[netip.Addr]string
+	remote   map[netip.Addr]bool
 	records  []Record
 	messages []Message
 	connSeq  int
@@ -482,11 +485,25 @@ func (z *StandIn) reindexLocked() {
 	}
 }
 
-func (z *StandIn) lookupIP(a netip.Addr) (string, bool) {
+// SetRemote names the captured pods other nodes' ztunnels serve: a
+// connection to one of them is tunneled to its 15008 across the nodes, as
+// ztunnel does for an HBONE workload istiod tells it about.
+func (z *StandIn) SetRemote(addrs []netip.Addr) {
 	z.mu.Lock()
 	defer z.mu.Unlock()
-	uid, ok := z.byIP[a.Unmap()]
-	return uid, ok
+	z.remote = map[netip.Addr]bool{}
+	for _, a := range addrs {
+		z.remote[a.Unmap()] = true
+	}
+}
+
+// inMesh reports whether a destination takes the tunnel: a pod this
+// stand-in or another node's serves.
+func (z *StandIn) inMesh(a netip.Addr) bool {
+	z.mu.Lock()
+	defer z.mu.Unlock()
+	_, ok := z.byIP[a.Unmap()]
+	return ok || z.remote[a.Unmap()]
 }
 
 func (z *StandIn) record(r Record) {

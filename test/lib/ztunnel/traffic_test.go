@@ -263,3 +263,51 @@ func TestAgentRestartKeepsConnections(t *testing.T) {
 	}
 	_ = conn.Close()
 }
+
+// TestTunnelToAnotherStandIn: two stand-ins, each serving one pod, as
+// ztunnels on two nodes. Without knowing the other's pod, A's stand-in
+// sends A's connection to B directly and it lands on B's 15006 in B's
+// stand-in; once told B is in the mesh (SetRemote), it tunnels it: an
+// HTTP/2 CONNECT to B's 15008, served by B's stand-in, which delivers it
+// to B's port inside B.
+func TestTunnelToAnotherStandIn(t *testing.T) {
+	testnet.RequireRoot(t)
+	testnet.RequireCommands(t, "iptables-restore", "ip6tables-restore")
+	pods := newBridge(t, "a", "b")
+	a, b := pods["a"], pods["b"]
+	a.capture(t)
+	b.capture(t)
+	agA, agB := startAgent(t, 5*time.Second), startAgent(t, 5*time.Second)
+	zA := runStandIn(t, Config{SocketPath: agA.srv.SocketPath()})
+	zB := runStandIn(t, Config{SocketPath: agB.srv.SocketPath()})
+	waitFor(t, zA, "A's snapshot", zA.Ready)
+	waitFor(t, zB, "B's snapshot", zB.Ready)
+	agA.enroll(t, a)
+	agB.enroll(t, b)
+
+	b8080 := netip.AddrPortFrom(b.v4, 8080)
+	a.mustGet(t, b8080, "b")
+	waitFor(t, zB, "B's 15006 from A", func() bool {
+		return hasRecord(zB, func(r Record) bool {
+			return r.UID == b.uid && r.Port == 15006 && r.OrigDst == b8080 && r.Source.Addr() == a.v4
+		})
+	})
+	if !hasRecord(zA, func(r Record) bool {
+		return r.UID == a.uid && r.Port == 15001 && r.OrigDst == b8080 && !r.Tunneled
+	}) {
+		t.Fatalf("A's stand-in did not send A → B directly: %+v", zA.Records())
+	}
+
+	zA.SetRemote([]netip.Addr{b.v4})
+	a.mustGet(t, b8080, "b")
+	waitFor(t, zB, "B's 15008 from A", func() bool {
+		return hasRecord(zB, func(r Record) bool {
+			return r.UID == b.uid && r.Port == 15008 && r.OrigDst == b8080 && r.Source.Addr() == a.v4 && r.Err == ""
+		})
+	})
+	if !hasRecord(zA, func(r Record) bool {
+		return r.UID == a.uid && r.Port == 15001 && r.OrigDst == b8080 && r.Tunneled && r.Upstream == netip.AddrPortFrom(b.v4, 15008)
+	}) {
+		t.Fatalf("A's stand-in did not tunnel A → B: %+v", zA.Records())
+	}
+}

@@ -10,9 +10,11 @@ import (
 	"encoding/json"
 	"errors"
 	"flag"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/signal"
 	"syscall"
@@ -73,6 +75,17 @@ func debugMux(z *ztunnel.StandIn) *http.ServeMux {
 	serve("/workloads", func() any { return z.Workloads() })
 	serve("/records", func() any { return z.Records() })
 	serve("/messages", func() any { return z.Messages() })
+	// The captured pods of other nodes (a JSON list of addresses): their
+	// traffic goes through the tunnel.
+	mux.HandleFunc("PUT /remote", func(w http.ResponseWriter, r *http.Request) {
+		var addrs []netip.Addr
+		if err := json.NewDecoder(io.LimitReader(r.Body, 1<<20)).Decode(&addrs); err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		z.SetRemote(addrs)
+		w.WriteHeader(http.StatusNoContent)
+	})
 	mux.HandleFunc("POST /close-listeners", func(w http.ResponseWriter, r *http.Request) {
 		if !z.CloseListeners(r.URL.Query().Get("uid")) {
 			http.Error(w, "no such pod served", http.StatusNotFound)
