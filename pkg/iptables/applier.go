@@ -442,7 +442,12 @@ func (a *Applier) verify(ctx context.Context, netnsPath string, cfg ruleset.PodC
 	}
 	ctx, cancel := a.bound(ctx)
 	defer cancel()
-	pv, err := a.view(netnsPath, cfg, withGen && a.backend == BackendNFT)
+	// The policy routes wanted: the rules are rendered only when read.
+	wants := map[ruleset.Family]ruleset.PolicyRoute{}
+	for _, f := range ruleset.Families {
+		wants[f] = ruleset.PodRules(cfg, f).Routing
+	}
+	pv, err := a.view(netnsPath, cfg, wants, withGen && a.backend == BackendNFT)
 	if err != nil {
 		return ruleset.Drift{}, 0, netns.State{}, err
 	}
@@ -486,7 +491,7 @@ func (a *Applier) verify(ctx context.Context, netnsPath string, cfg ruleset.PodC
 		if !ok {
 			continue
 		}
-		want := PodRules(cfg, f).Routing
+		want := wants[f]
 		if f == ruleset.IPv6 && cfg.StaleIPv6(v6.IPv6 || v6.IPv6Loopback) {
 			d.Items = append(d.Items, policyroute.Leftover(f, want, r.rule, r.route)...)
 		} else {
@@ -521,12 +526,12 @@ func routeFamilies(cfg ruleset.PodConfig, st netns.State) []ruleset.Family {
 	return out
 }
 
-// view reads the pod's podView. With the netlink router it enters the
+// view reads the pod's podView, the policy routes against wants. With the netlink router it enters the
 // namespace once for all of it, on one routing socket: the verifier
 // verifies every pod each period, and each entry and socket costs system
 // time. The generation is read first: a change made after it moves it,
 // so the next verify reads the rules again.
-func (a *Applier) view(netnsPath string, cfg ruleset.PodConfig, withGen bool) (podView, error) {
+func (a *Applier) view(netnsPath string, cfg ruleset.PodConfig, wants map[ruleset.Family]ruleset.PolicyRoute, withGen bool) (podView, error) {
 	pv := podView{routes: map[ruleset.Family]routeState{}}
 	if _, ok := a.router.(NetlinkRouter); ok {
 		err := netns.Do(netnsPath, func() error {
@@ -546,7 +551,7 @@ func (a *Applier) view(netnsPath string, cfg ruleset.PodConfig, withGen bool) (p
 			}
 			defer c.Close()
 			for _, f := range routeFamilies(cfg, pv.state) {
-				rule, route, err := c.PolicyRouteState(f, PodRules(cfg, f).Routing)
+				rule, route, err := c.PolicyRouteState(f, wants[f])
 				if err != nil {
 					return fmt.Errorf("%s policy routing: %w", f, err)
 				}
@@ -569,7 +574,7 @@ func (a *Applier) view(netnsPath string, cfg ruleset.PodConfig, withGen bool) (p
 		return podView{}, err
 	}
 	for _, f := range routeFamilies(cfg, pv.state) {
-		rule, route, err := a.router.PolicyRouteState(netnsPath, f, PodRules(cfg, f).Routing)
+		rule, route, err := a.router.PolicyRouteState(netnsPath, f, wants[f])
 		if err != nil {
 			return podView{}, fmt.Errorf("%s policy routing in netns %s: %w", f, netnsPath, err)
 		}
