@@ -11,14 +11,23 @@ import (
 // Addrs lists the unicast addresses configured on any interface of the
 // open network namespace ns, without moving the calling thread into it.
 func Addrs(ns *os.File) ([]netip.Addr, error) {
-	var list []netlink.Addr
+	var out []netip.Addr
 	err := doFD(int(ns.Fd()), ns.Name(), func() error {
 		var err error
-		list, err = netlink.AddrList(nil, netlink.FAMILY_ALL)
+		out, err = addrsHere()
 		return err
 	})
 	if err != nil {
 		return nil, fmt.Errorf("list addresses in netns %s: %w", ns.Name(), err)
+	}
+	return out, nil
+}
+
+// addrsHere is Addrs in the calling thread's namespace.
+func addrsHere() ([]netip.Addr, error) {
+	list, err := netlink.AddrList(nil, netlink.FAMILY_ALL)
+	if err != nil {
+		return nil, err
 	}
 	out := make([]netip.Addr, 0, len(list))
 	for _, a := range list {

@@ -140,6 +140,48 @@ func open(netnsPath string, write bool) (*policyroute.Conn, netns.State, conn, e
 	return rt, st, c, nil
 }
 
+// openVerify is open for a verify by generation, in the same single entry
+// into the namespace (the verifier verifies every pod each period, and
+// each entry and socket costs system time): it first reads the
+// namespace's nf_tables generation, now, and opens the nf_tables
+// connection only when now is not prev, the generation of the last
+// clean verify (0: none), since only then are the tables read. Reading
+// the generation first means a change made after it moves it, so the
+// next verify reads again.
+func openVerify(netnsPath string, prev uint32) (*policyroute.Conn, netns.State, conn, uint32, error) {
+	var (
+		st  netns.State
+		rt  *policyroute.Conn
+		c   conn
+		now uint32
+	)
+	err := netns.Do(netnsPath, func() error {
+		var err error
+		// "": the namespace this thread is in now.
+		if now, err = netfilter.Generation(""); err != nil {
+			return err
+		}
+		if st, err = netns.ReadState(); err != nil {
+			return err
+		}
+		if rt, err = policyroute.Dial(st.LoopbackIndex); err != nil {
+			return err
+		}
+		if prev != 0 && now == prev {
+			return nil
+		}
+		c, err = dialHere(false)
+		return err
+	})
+	if err != nil {
+		if rt != nil {
+			rt.Close()
+		}
+		return nil, netns.State{}, conn{}, 0, fmt.Errorf("netns %s: %w", netnsPath, err)
+	}
+	return rt, st, c, now, nil
+}
+
 // routes lists the families whose policy route belongs to the desired
 // state: IPv4 always, IPv6 when the namespace and its lo have it and cfg
 // does not leave IPv6 alone.
@@ -291,13 +333,7 @@ func (a *Applier) VerifySeeingGen(netnsPath string, cfg ruleset.PodConfig, gen u
 	if err != nil {
 		return ruleset.Drift{}, netfilter.Seen{}, 0, err
 	}
-	// Read before the state: a change made after it moves it, so the
-	// next call reads again.
-	now, err := netfilter.Generation(netnsPath)
-	if err != nil {
-		return ruleset.Drift{}, netfilter.Seen{}, 0, err
-	}
-	rt, st, c, err := open(netnsPath, false)
+	rt, st, c, now, err := openVerify(netnsPath, gen)
 	if err != nil {
 		return ruleset.Drift{}, netfilter.Seen{}, 0, err
 	}

@@ -139,10 +139,11 @@ type Config struct {
 	// Ztunnels counts the ztunnels that acknowledged their snapshot; with
 	// none, no pod can be proven held (nil: ztunnel is not checked).
 	Ztunnels func() int
-	// Listening lists a namespace's listening TCP ports (default
-	// netns.ListeningTCPPorts); Addrs its addresses (default netns.Addrs).
-	Listening func(ns *os.File) (map[uint16]bool, error)
-	Addrs     func(ns *os.File) ([]netip.Addr, error)
+	// Look reads a pod's namespace: its addresses, and which of ports
+	// have a TCP listener (default netns.AddrsAndTCPListening, which
+	// enters the namespace once and looks the ports up one by one, so a
+	// proof's cost does not grow with the node's listeners).
+	Look func(ns *os.File, ports []uint16) ([]netip.Addr, map[uint16]bool, error)
 	// Finder, when set, finds the namespace of a pod whose sandbox was
 	// recreated without the agent, so it is captured there.
 	Finder Finder
@@ -224,11 +225,8 @@ func New(cfg Config) *Verifier {
 		// proof is settled by its next, a period later.
 		cfg.Settle = min(DefaultSettle, cfg.Period/2)
 	}
-	if cfg.Listening == nil {
-		cfg.Listening = netns.ListeningTCPPorts
-	}
-	if cfg.Addrs == nil {
-		cfg.Addrs = netns.Addrs
+	if cfg.Look == nil {
+		cfg.Look = netns.AddrsAndTCPListening
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
@@ -499,7 +497,11 @@ func (v *Verifier) repair(ctx context.Context, pod *corev1.Pod, found []Finding)
 func (v *Verifier) check(e nodeagent.EnrolledPod, pod *corev1.Pod) (found []Finding, problem string) {
 	var problems []string
 	settled := v.cfg.now().Sub(e.Since) >= v.cfg.Settle
-	if f := v.checkSandbox(e, pod); f != nil {
+	// One look into the pod's namespace serves the sandbox and ztunnel
+	// checks: every entry into a namespace costs system time, and a node
+	// proves several pods a second.
+	seen := v.look(e)
+	if f := v.checkSandbox(e, pod, seen); f != nil {
 		// Whatever else holds in the old namespace serves nobody.
 		return []Finding{*f}, ""
 	}
@@ -516,7 +518,7 @@ func (v *Verifier) check(e nodeagent.EnrolledPod, pod *corev1.Pod) (found []Find
 	if v.cfg.Ztunnels != nil {
 		if v.cfg.Ztunnels() == 0 {
 			problems = append(problems, "no ztunnel is connected")
-		} else if f, p := v.checkZtunnel(in.EnrolledPod, settled); f != nil {
+		} else if f, p := v.checkZtunnel(in.EnrolledPod, settled, seen); f != nil {
 			found = append(found, *f)
 		} else if p != "" {
 			problems = append(problems, p)
@@ -542,20 +544,33 @@ func (v *Verifier) check(e nodeagent.EnrolledPod, pod *corev1.Pod) (found []Find
 	return found, strings.Join(problems, "; ")
 }
 
+// podView is what one look into a pod's namespace saw.
+type podView struct {
+	addrs     []netip.Addr
+	listening map[uint16]bool
+	err       error
+}
+
+// look reads the namespace the agent holds e in: its addresses and
+// ztunnel's listeners.
+func (v *Verifier) look(e nodeagent.EnrolledPod) podView {
+	var pv podView
+	pv.err = v.cfg.Agent.InPod(e.UID, func(ns *os.File) error {
+		var err error
+		pv.addrs, pv.listening, err = v.cfg.Look(ns, ztunnelPorts())
+		return err
+	})
+	return pv
+}
+
 // checkSandbox proves the namespace the agent holds is still the pod's:
 // it has one of the IPs the pod's status shows.
-func (v *Verifier) checkSandbox(e nodeagent.EnrolledPod, pod *corev1.Pod) *Finding {
+func (v *Verifier) checkSandbox(e nodeagent.EnrolledPod, pod *corev1.Pod, seen podView) *Finding {
 	want := enablement.PodIPs(pod)
 	if len(want) == 0 {
 		return nil
 	}
-	var have []netip.Addr
-	err := v.cfg.Agent.InPod(e.UID, func(ns *os.File) error {
-		var err error
-		have, err = v.cfg.Addrs(ns)
-		return err
-	})
-	if err != nil || slices.ContainsFunc(want, func(a netip.Addr) bool { return slices.Contains(have, a) }) {
+	if seen.err != nil || slices.ContainsFunc(want, func(a netip.Addr) bool { return slices.Contains(seen.addrs, a) }) {
 		return nil
 	}
 	return &Finding{KindSandbox, fmt.Sprintf("the network namespace the agent holds the pod in (%s) has none of its IPs %v: its sandbox was recreated without the agent; capturing the new one", e.Netns, want)}
@@ -565,13 +580,8 @@ func (v *Verifier) checkSandbox(e nodeagent.EnrolledPod, pod *corev1.Pod) *Findi
 // Without them, a pod ztunnel acknowledged within Settle passes on the
 // acknowledgement (ztunnel may still be binding); a pod it never
 // acknowledged is handed to it again.
-func (v *Verifier) checkZtunnel(e nodeagent.EnrolledPod, settled bool) (*Finding, string) {
-	var ports map[uint16]bool
-	err := v.cfg.Agent.InPod(e.UID, func(ns *os.File) error {
-		var err error
-		ports, err = v.cfg.Listening(ns)
-		return err
-	})
+func (v *Verifier) checkZtunnel(e nodeagent.EnrolledPod, settled bool, seen podView) (*Finding, string) {
+	ports, err := seen.listening, seen.err
 	if errors.Is(err, nodeagent.ErrNotHeld) {
 		return nil, ""
 	}

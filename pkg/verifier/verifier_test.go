@@ -257,18 +257,17 @@ func newHarness(t *testing.T, period time.Duration) *harness {
 	h.v = New(Config{
 		Agent: h.fakeNode, Pods: fakeCache{h.fakeNode}, Probe: h.fakeNode,
 		Ztunnels: func() int { h.mu.Lock(); defer h.mu.Unlock(); return h.ztunnels },
-		Listening: func(*os.File) (map[uint16]bool, error) {
+		Look: func(_ *os.File, ports []uint16) ([]netip.Addr, map[uint16]bool, error) {
 			h.mu.Lock()
 			defer h.mu.Unlock()
-			return h.listening[h.current], nil
-		},
-		Addrs: func(*os.File) ([]netip.Addr, error) {
-			h.mu.Lock()
-			defer h.mu.Unlock()
-			if h.moved[h.current] {
-				return nil, nil
+			listening := map[uint16]bool{}
+			for _, p := range ports {
+				listening[p] = h.listening[h.current][p]
 			}
-			return h.enrolled[h.current].IPs, nil
+			if h.moved[h.current] {
+				return nil, listening, nil
+			}
+			return h.enrolled[h.current].IPs, listening, nil
 		},
 		Finder:     h.fakeNode,
 		Requeue:    func(k types.NamespacedName) { h.requeued = append(h.requeued, k) },
@@ -517,19 +516,19 @@ func TestSlowProofsKeepTheRoundToThePeriod(t *testing.T) {
 	for i := 1; i <= 4; i++ {
 		h.pod(i, true)
 	}
-	listening := h.v.cfg.Listening
-	h.v.cfg.Listening = func(f *os.File) (map[uint16]bool, error) {
+	look := h.v.cfg.Look
+	h.v.cfg.Look = func(f *os.File, ports []uint16) ([]netip.Addr, map[uint16]bool, error) {
 		h.now = h.now.Add(5 * time.Second)
-		return listening(f)
+		return look(f, ports)
 	}
 	h.v.round(context.Background())
 	if want := []time.Duration{15 * time.Second, 10 * time.Second, 10 * time.Second, 10 * time.Second}; !slices.Equal(h.sleeps, want) {
 		t.Fatalf("sleeps %v, want %v", h.sleeps, want)
 	}
 	h.sleeps = nil
-	h.v.cfg.Listening = func(f *os.File) (map[uint16]bool, error) {
+	h.v.cfg.Look = func(f *os.File, ports []uint16) ([]netip.Addr, map[uint16]bool, error) {
 		h.now = h.now.Add(time.Minute)
-		return listening(f)
+		return look(f, ports)
 	}
 	h.v.round(context.Background())
 	if want := []time.Duration{15 * time.Second, MinGap, MinGap, MinGap}; !slices.Equal(h.sleeps, want) {
