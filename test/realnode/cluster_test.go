@@ -39,6 +39,14 @@ func TestRealNodeCluster(t *testing.T) {
 			t.Error(err)
 		}
 	})
+	// istiod's node-untaint controller (its chart's taint.enabled) takes
+	// the startup taint off a joining node once our agent is ready there,
+	// as in a cluster whose node pools register with the taint.
+	ist, err := n.StartIstiod(ctx, IstiodOptions{Untaint: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = ist.Stop() }) // before Down (cleanups run last first)
 	joinStart := time.Now()
 	w, err := n.AddWorker(ctx, WorkerOptions{})
 	if err != nil {
@@ -120,8 +128,9 @@ func testMeshAcrossNodes(ctx context.Context, t *testing.T, n *Node, w *Worker) 
 		}
 	}
 	begin := time.Now()
-	// The startup taint is on: a node joining later waits for its agent.
-	if err := n.InstallAgent(ctx, "install", ImageTag, "--set", "startupTaint.enabled=true"); err != nil {
+	// The chart's defaults (the agent's own startup-taint handling off):
+	// istiod untaints a node joining later once its agent is ready.
+	if err := n.InstallAgent(ctx, "install", ImageTag); err != nil {
 		t.Fatal(err)
 	}
 	agents, err := n.AgentPods(ctx)
@@ -328,10 +337,10 @@ func testCordon(ctx context.Context, t *testing.T, n *Node, w *Worker, pods map[
 }
 
 // testJoinLeave: a node registered with the startup taint joins: the
-// DaemonSet's agent runs there and becomes ready, the taint goes, and a
-// pod started there is captured. Then the node is drained and deleted: its
-// agent releases its pod, and nothing of it is left in the first node's
-// agent or stand-in.
+// DaemonSet's agent runs there and becomes ready, istiod takes the taint
+// off, and a pod started there is captured. Then the node is drained and
+// deleted: its agent releases its pod, and nothing of it is left in the
+// first node's agent or stand-in.
 func testJoinLeave(ctx context.Context, t *testing.T, n *Node) {
 	begin := time.Now()
 	w, err := n.AddWorker(ctx, WorkerOptions{StartupTaint: true})
