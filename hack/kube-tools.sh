@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the external binaries the tests run (etcd, kube-apiserver, helm, and
 # on request the real node's kubelet, kube-controller-manager,
-# kube-scheduler, kubectl, crictl, the reference CNI plugins, the Multus thin
-# plugin and flanneld) from the Go module
+# kube-scheduler, kubectl, crictl, containerd, runc, the reference CNI plugins,
+# the Multus thin plugin and flanneld) from the Go module
 # proxy, and the real node's Debian base image rootfs from the Debian
 # packages, into a cache outside the repository keyed by version:
 #
@@ -26,6 +26,9 @@
 # flannel is flanneld (kube subnet manager, vxlan and host-gw backends) from
 # a small main of its own in hack/tools/flannel: flannel's main package does
 # not build from the Go module proxy.
+# runc is the one cgo build: it needs gcc and Debian's libseccomp-dev
+# (.ci/run installs them) and links libseccomp dynamically, as Debian's own
+# runc package does.
 # Nothing else is downloaded. What is already in the cache is not rebuilt.
 #
 # usage: hack/kube-tools.sh [name...]   build (default: etcd kube-apiserver helm promtool)
@@ -42,8 +45,8 @@ GO="${GO:-go}"
 default_tools=(etcd kube-apiserver helm promtool)
 # The real node runs the agent's image make image builds: its base for
 # this machine's architecture.
-node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler kubectl crictl containerd cni-plugins multus debian-rootfs istiod prometheus registry flannel "image-rootfs-$("$GO" env GOARCH)")
-all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler kubectl helm crictl containerd cni-plugins multus flannel debian-rootfs istiod istio-cni image-rootfs-amd64 image-rootfs-arm64 promtool prometheus registry)
+node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler kubectl crictl containerd runc cni-plugins multus debian-rootfs istiod prometheus registry flannel "image-rootfs-$("$GO" env GOARCH)")
+all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler kubectl helm crictl containerd runc cni-plugins multus flannel debian-rootfs istiod istio-cni image-rootfs-amd64 image-rootfs-arm64 promtool prometheus registry)
 
 # The DaemonSet image's base, as deploy/Dockerfile's: Debian bookworm with
 # the netfilter tools, without documentation. Changing this list changes
@@ -93,6 +96,10 @@ spec() {
 	# A directory: containerd 2.x, its runc shim and ctr (the real node's
 	# runtime; Debian's containerd is 1.6, which Kubernetes >= 1.36 drops).
 	containerd) echo "containerd github.com/containerd/containerd/v2 github.com/containerd/containerd/v2/cmd/containerd github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 github.com/containerd/containerd/v2/cmd/ctr" ;;
+	# The OCI runtime under containerd 2.x: a recent runc makes the
+	# idmapped mounts user-namespaced pods need (Debian's 1.1.5 ignores
+	# a mount's id mappings).
+	runc) echo "runc github.com/opencontainers/runc github.com/opencontainers/runc" ;;
 	# The thin plugin: Multus as the node's primary meta-plugin, reading
 	# its delegates' configs itself (no multus daemon).
 	multus) echo "multus gopkg.in/k8snetworkplumbingwg/multus-cni.v4 gopkg.in/k8snetworkplumbingwg/multus-cni.v4/cmd/multus" ;;
@@ -195,6 +202,10 @@ ldflags() {
 	registry)
 		echo "-X github.com/distribution/distribution/v3/version.version=$v -X github.com/distribution/distribution/v3/version.mainpkg=github.com/distribution/distribution/v3"
 		;;
+	runc)
+		# The VERSION file is embedded; the commit line names the tag.
+		echo "-X main.gitCommit=$v"
+		;;
 	containerd)
 		echo "-X github.com/containerd/containerd/v2/version.Version=$v -X github.com/containerd/containerd/v2/version.Package=github.com/containerd/containerd/v2"
 		;;
@@ -221,6 +232,8 @@ buildtags() {
 	# As containerd's static release builds: no snapshotters this host
 	# lacks (btrfs, devmapper and zfs need cgo or kernel headers).
 	containerd) echo "no_btrfs,no_devmapper,no_zfs" ;;
+	# As runc's Makefile, without libpathrs (a Rust library).
+	runc) echo "seccomp,urfave_cli_no_docs" ;;
 	# Only static configurations are scraped: no service discovery
 	# plugins (promtool still links Kubernetes SD, which it imports
 	# itself). Without builtinassets the server has no web UI; its HTTP
@@ -275,7 +288,10 @@ compile() {
 		out="$tmp/"
 	fi
 	flags="$(ldflags "$name" "$v")" || return 1
-	(cd "$src" && CGO_ENABLED=0 "$GO" build -mod=readonly -trimpath -tags "$(buildtags "$name")" -ldflags "-s -w $flags" -o "$out" "$@") &&
+	local cgo=0
+	# runc's nsenter is C, and seccomp goes through libseccomp.
+	[[ "$name" == runc ]] && cgo=1
+	(cd "$src" && CGO_ENABLED=$cgo "$GO" build -mod=readonly -trimpath -tags "$(buildtags "$name")" -ldflags "-s -w $flags" -o "$out" "$@") &&
 		finish "$name" "$v" "$tmp"
 }
 
@@ -338,7 +354,7 @@ build() {
 		# go list fetches exactly the modules the build needs, so the silent
 		# compile that follows is split from the network part.
 		(cd "$src" && "$GO" list -mod=readonly -tags "$(buildtags "$name")" -deps "${pkg[@]}" >/dev/null)
-		echo "kube-tools: building $name $v (a cold build takes minutes on 2 cores: etcd ~2, kube-apiserver ~5-10, then kubelet, kube-controller-manager, kube-scheduler, kubectl ~1.5 each, helm ~1.5, crictl ~1, multus ~1, flannel ~3-5, istiod ~7, istio-cni ~1 after istiod, registry ~2) ..."
+		echo "kube-tools: building $name $v (a cold build takes minutes on 2 cores: etcd ~2, kube-apiserver ~5-10, then kubelet, kube-controller-manager, kube-scheduler, kubectl ~1.5 each, helm ~1.5, crictl ~1, runc ~1, multus ~1, flannel ~3-5, istiod ~7, istio-cni ~1 after istiod, registry ~2) ..."
 	else
 		echo "kube-tools: building $name $v with mmdebstrap from the Debian packages (~1 min) ..."
 	fi

@@ -61,8 +61,15 @@ func figure(t *testing.T, name string, v any) {
 // when the test ends.
 func startAgentNode(t *testing.T) e2e {
 	t.Helper()
+	return startAgentNodeWith(t, Options{})
+}
+
+// startAgentNodeWith is startAgentNode with node options (Out is set).
+func startAgentNodeWith(t *testing.T, o Options) e2e {
+	t.Helper()
 	ctx, out, _ := startNodeTest(t)
-	n, err := Up(ctx, Options{Out: out})
+	o.Out = out
+	n, err := Up(ctx, o)
 	if err != nil {
 		t.Fatalf("node up: %v", err)
 	}

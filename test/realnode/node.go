@@ -70,6 +70,9 @@ type Options struct {
 	// Layout lays out the runtime's CNI dirs as a platform does, and
 	// ChartValues names the platform (zero: generic).
 	Layout Layout
+	// Runc is the OCI runtime under containerd (empty: Tools.Runc, the
+	// Debian package's), e.g. RecentRunc for user-namespaced pods.
+	Runc string
 }
 
 // Node is a running node.
@@ -177,6 +180,9 @@ func Up(ctx context.Context, opts Options) (n *Node, err error) {
 	tools, err := FindTools()
 	if err != nil {
 		return nil, err
+	}
+	if opts.Runc != "" {
+		tools.Runc = opts.Runc
 	}
 	n = &Node{opts: opts, out: opts.Out, Tools: tools}
 	begin := time.Now()

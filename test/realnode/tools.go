@@ -107,6 +107,17 @@ func toolPath(repo, name string) (string, error) {
 	return p, statTool(p)
 }
 
+// RecentRunc is the runc built into the tools cache (hack/kube-tools.sh
+// runc): unlike Debian's 1.1.5 it makes idmapped mounts, which containerd
+// 2.x requires of a runtime before it reports user namespace support.
+func RecentRunc() (string, error) {
+	repo, err := kubeenv.RepoRoot()
+	if err != nil {
+		return "", err
+	}
+	return toolPath(repo, "runc")
+}
+
 func statTool(p string) error {
 	if _, err := os.Stat(p); err != nil {
 		return fmt.Errorf("%s: %w", p, err)

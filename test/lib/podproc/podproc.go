@@ -154,6 +154,65 @@ func Start(uid, netnsPath string, o Options) (*Sandbox, error) {
 	return s, nil
 }
 
+// UserNSHostID is where StartUserNS maps a pod's uids and gids 0-65535 on
+// the host: kubelet's default for a hostUsers: false pod is a block of
+// 65536 ids at a multiple of 65536, never 0.
+const UserNSHostID = 65536 * 7
+
+// StartUserNS runs `sleep infinity` as a user-namespaced pod's process
+// (hostUsers: false): in a user namespace of its own mapping its ids
+// 0-65535 to the host's from UserNSHostID, and in a new network namespace
+// created inside that user namespace (so owned by it), as containerd 2.x
+// makes a user-namespaced sandbox's; then it moves it into the pod's
+// cgroup. The network namespace is /proc/<pid>/ns/net. Call Stop to kill
+// it and remove the cgroups.
+func StartUserNS(uid string, o Options) (*Sandbox, error) {
+	hier := o.Hierarchies
+	if hier == nil {
+		hier = DefaultHierarchies()
+	}
+	id := make([]byte, 32)
+	_, _ = rand.Read(id)
+	s := &Sandbox{UID: uid, ContainerID: hex.EncodeToString(id)}
+	// One clone makes both namespaces, so the new user namespace owns
+	// the new network namespace; the id maps are written before sleep
+	// runs (util-linux's unshare would need newuidmap for that).
+	s.Cmd = exec.Command("sleep", "infinity")
+	ids := []syscall.SysProcIDMap{{ContainerID: 0, HostID: UserNSHostID, Size: 65536}}
+	s.Cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWUSER | syscall.CLONE_NEWNET, UidMappings: ids, GidMappings: ids}
+	if err := startIn(s.Cmd, o.PIDNamespace); err != nil {
+		return nil, fmt.Errorf("start user-namespaced pod process: %w", err)
+	}
+	if err := waitExec(s.Cmd.Process.Pid, "sleep"); err != nil {
+		s.Stop()
+		return nil, err
+	}
+	rel := CgroupPathQoS(o.Driver, o.QoS, o.Root, uid, s.ContainerID)
+	for _, h := range hier {
+		if _, err := os.Stat(h); err != nil {
+			continue
+		}
+		if err := s.place(h, rel); err != nil {
+			s.Stop()
+			return nil, err
+		}
+	}
+	return s, nil
+}
+
+// waitExec waits until pid runs comm, so callers never see it half-way
+// (still the forked test binary).
+func waitExec(pid int, comm string) error {
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid)); err == nil && strings.TrimSpace(string(b)) == comm {
+			return nil
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	return fmt.Errorf("pid %d did not become %s", pid, comm)
+}
+
 // startIn starts cmd with its PID in the PID namespace at pidns (the
 // caller's when empty): an OS thread of its own joins the namespace for
 // its children (setns with CLONE_NEWPID changes only where the thread's

@@ -1,0 +1,264 @@
+//go:build realnode
+
+package realnode
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
+)
+
+// User-namespaced pods (hostUsers: false, GA in Kubernetes 1.36), on a
+// node of their own whose containerd 2.x runs the runc built into the
+// tools cache: Debian's runc 1.1.5 reports no idmapped mounts in `runc
+// features`, so containerd reports no user namespace support for the
+// handler and kubelet refuses every such pod. The capture rules key on
+// packet marks, not uids, but the agent does not capture these pods yet
+// (see testUserNamespacedPods): such a pod that must be captured is
+// refused at ADD, never started uncaptured.
+func TestRealNodeUserNamespaces(t *testing.T) {
+	testnet.RequireRoot(t)
+	runc, err := RecentRunc()
+	if err != nil {
+		testnet.Missing(t, fmt.Sprintf("runc for user-namespaced pods: %v; build it with %s", err, BuildCommand))
+	}
+	e := startAgentNodeWith(t, Options{Runc: runc})
+	t.Run("containerd reports user namespace support for its runc handler", e.testRuntimeUserns)
+	t.Run("user-namespaced pods run; one the mesh must capture is refused, never uncaptured", e.testUserNamespacedPods)
+	t.Run("on Debian's runc 1.1.5 kubelet refuses a user-namespaced pod", e.testOldRuncRefusesUserns)
+	t.Run("nothing was sent off the machine", testNoEgress(e.n))
+}
+
+// testRuntimeUserns: kubelet admits a hostUsers: false pod only on a
+// handler whose features say user namespaces, which containerd derives
+// from the runtime's `runc features` (user namespaces and idmap mounts).
+func (e *e2e) testRuntimeUserns(t *testing.T) {
+	ok, err := e.runtimeUserns(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !ok {
+		t.Fatal("containerd reports no runtime handler with user namespace support")
+	}
+}
+
+// runtimeUserns reports whether containerd says any runtime handler
+// supports user namespaces.
+func (e *e2e) runtimeUserns(ctx context.Context) (bool, error) {
+	out, err := e.n.crictl(ctx, "info")
+	if err != nil {
+		return false, err
+	}
+	var info struct {
+		RuntimeHandlers []struct {
+			Features map[string]any `json:"features"`
+		} `json:"runtimeHandlers"`
+	}
+	if err := json.Unmarshal([]byte(out), &info); err != nil {
+		return false, fmt.Errorf("crictl info: %w", err)
+	}
+	for _, h := range info.RuntimeHandlers {
+		if h.Features["userNamespaces"] == true || h.Features["user_namespaces"] == true {
+			return true, nil
+		}
+	}
+	return false, nil
+}
+
+// testOldRuncRefusesUserns: containerd restarted on Debian's runc 1.1.5,
+// whose `runc features` names no idmap mounts, reports no user namespace
+// support, and kubelet refuses a hostUsers: false pod with its own
+// message (the pod never reaches the plugin). The built runc is back
+// afterwards.
+func (e *e2e) testOldRuncRefusesUserns(t *testing.T) {
+	ctx := context.Background()
+	debian, err := exec.LookPath("runc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	recent := e.n.Tools.Runc
+	restart := func(runc string) {
+		t.Helper()
+		e.n.Tools.Runc = runc
+		if err := e.n.RestartContainerd(ctx); err != nil {
+			t.Fatalf("containerd on %s: %v", runc, err)
+		}
+	}
+	restart(debian)
+	defer restart(recent)
+	err = e.n.Poll(ctx, "containerd reports no user namespace support", func(ctx context.Context) (bool, error) {
+		ok, err := e.runtimeUserns(ctx)
+		if err == nil && ok {
+			err = errors.New("a handler still supports user namespaces")
+		}
+		return err == nil, err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns := "userns-old-" + randHex(4)
+	e.namespace(t, ns, true)
+	pod := e.n.AppPod(ns, "refused", AppOptions{})
+	hostUsers := false
+	pod.Spec.HostUsers = &hostUsers
+	if _, err := e.n.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	const want = "does not support user namespaces"
+	err = e.n.Poll(ctx, "kubelet refuses the pod", func(ctx context.Context) (bool, error) {
+		evs, err := e.n.PodEvents(ctx, ns, pod.Name)
+		if err != nil {
+			return false, err
+		}
+		var seen []string
+		for _, ev := range evs {
+			if strings.Contains(ev.Message, want) {
+				t.Logf("%s/%s on runc 1.1.5: %s: %s", ns, pod.Name, ev.Reason, ev.Message)
+				return true, nil
+			}
+			seen = append(seen, ev.Reason+": "+ev.Message)
+		}
+		return false, fmt.Errorf("no event saying %q; seen %q", want, seen)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.n.Client.CoreV1().Pods(ns).Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.n.WaitPodGone(ctx, ns, pod.Name); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// usernsPod starts an app pod with hostUsers: false and waits until it is
+// Ready.
+func (e *e2e) usernsPod(t *testing.T, ns, name string, o AppOptions) *corev1.Pod {
+	t.Helper()
+	ctx := context.Background()
+	pod := e.n.AppPod(ns, name, o)
+	hostUsers := false
+	pod.Spec.HostUsers = &hostUsers
+	if _, err := e.n.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	p, err := e.n.WaitPodReady(ctx, ns, name)
+	if err != nil {
+		e.logWhy(t, ns, name)
+		t.Fatal(err)
+	}
+	return p
+}
+
+// logWhy logs a pod's events and the lines of containerd's log that name
+// an error, for a pod that did not start.
+func (e *e2e) logWhy(t *testing.T, ns, name string) {
+	t.Helper()
+	if evs, err := e.n.PodEvents(context.Background(), ns, name); err == nil {
+		for _, ev := range evs {
+			t.Logf("event %s: %s", ev.Reason, ev.Message)
+		}
+	}
+	b, err := os.ReadFile(filepath.Join(e.n.Dir, "containerd.log"))
+	if err != nil {
+		t.Log(err)
+		return
+	}
+	var errs []string
+	for line := range strings.SplitSeq(string(b), "\n") {
+		if strings.Contains(line, "level=error") {
+			errs = append(errs, line)
+		}
+	}
+	t.Logf("containerd's last errors:\n%s", strings.Join(errs[max(0, len(errs)-8):], "\n"))
+}
+
+// mustOwnUserns fails unless the pod's container runs in a user namespace
+// of its own: uid 0 inside is a high uid on the host.
+func (e *e2e) mustOwnUserns(t *testing.T, p *corev1.Pod) {
+	t.Helper()
+	pid := e.containerPID(t, p.Namespace, p.Name)
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/uid_map", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := strings.Fields(string(b))
+	if len(f) < 3 || f[0] != "0" {
+		t.Fatalf("%s/%s uid_map %q", p.Namespace, p.Name, b)
+	}
+	if host, err := strconv.ParseUint(f[1], 10, 32); err != nil || host == 0 {
+		t.Fatalf("%s/%s runs with the host's uids (uid_map %q)", p.Namespace, p.Name, b)
+	}
+	self, err1 := os.Readlink("/proc/self/ns/user")
+	its, err2 := os.Readlink(fmt.Sprintf("/proc/%d/ns/user", pid))
+	if err := errors.Join(err1, err2); err != nil {
+		t.Fatal(err)
+	}
+	if self == its {
+		t.Fatalf("%s/%s shares the host's user namespace", p.Namespace, p.Name)
+	}
+	t.Logf("%s/%s: container uid 0 is host uid %s (%s)", p.Namespace, p.Name, f[1], its)
+}
+
+func (e *e2e) mustReleased(t *testing.T, p *corev1.Pod) {
+	t.Helper()
+	if err := e.n.Poll(context.Background(), p.Name+" released", func(ctx context.Context) (bool, error) { return e.n.released(ctx, p) }); err != nil {
+		t.Fatalf("%s/%s: %v", p.Namespace, p.Name, err)
+	}
+}
+
+// testUserNamespacedPods: a hostUsers: false pod outside the mesh runs in
+// a user namespace of its own and is left alone. One of an ambient
+// namespace is refused at ADD and never runs uncaptured: the agent
+// cannot read its netns's /proc/net/ip_tables_names, which belongs to
+// the pod's own root (a high host uid) and is mode 0440, while the
+// agent's uid 0 has no CAP_DAC_OVERRIDE or CAP_DAC_READ_SEARCH (the
+// chart drops them). TODO: capture such pods (read x_tables another way,
+// or grant CAP_DAC_READ_SEARCH), then prove capture at ADD and by
+// enrollment, traffic through the stand-in and release here.
+func (e *e2e) testUserNamespacedPods(t *testing.T) {
+	ctx := context.Background()
+	suffix := randHex(4)
+	plain, mesh := "userns-plain-"+suffix, "userns-mesh-"+suffix
+	e.namespace(t, plain, false)
+	e.namespace(t, mesh, true)
+
+	p := e.usernsPod(t, plain, "outside", AppOptions{})
+	e.mustOwnUserns(t, p)
+	e.mustReleased(t, p)
+
+	pod := e.n.AppPod(mesh, "refused", AppOptions{})
+	hostUsers := false
+	pod.Spec.HostUsers = &hostUsers
+	if _, err := e.n.Client.CoreV1().Pods(mesh).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	e.waitSandboxError(t, pod, "ip_tables_names: permission denied")
+	cur, err := e.n.Client.CoreV1().Pods(mesh).Get(ctx, pod.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cur.Status.Phase != corev1.PodPending {
+		t.Errorf("%s/%s is %s: a pod that must be captured ran without capture", mesh, pod.Name, cur.Status.Phase)
+	}
+	for _, n := range []struct{ ns, name string }{{mesh, pod.Name}, {plain, p.Name}} {
+		if err := e.n.Client.CoreV1().Pods(n.ns).Delete(ctx, n.name, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.n.WaitPodGone(ctx, n.ns, n.name); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
