@@ -110,6 +110,13 @@ type Config struct {
 	// that name holding our entry is then removed, as left by an owned
 	// install before.
 	OwnedConfName string
+	// OwnedGrace is how long the owned conflist outlives the primary's
+	// file: a primary that deletes its config while its agent restarts
+	// (Cilium on agent shutdown) writes it again within it, and the
+	// runtime never runs a list without our entry meanwhile. Past it the
+	// node has no network, as the primary meant. Default
+	// DefaultOwnedGrace.
+	OwnedGrace time.Duration
 	// PluginConfig is our plugin's config object (socket path, timeout, log
 	// level, excluded namespaces, ...). "type" is added when absent.
 	PluginConfig json.RawMessage
@@ -213,6 +220,9 @@ type Installer struct {
 	lastErr     string // last pass error logged at Warn
 	// ownRefused is why owning was last found impossible (logged once).
 	ownRefused string
+	// primaryGone is when a pass first found no primary config while the
+	// owned conflist was there; zero otherwise.
+	primaryGone time.Time
 	// reported is set once OutcomeInstalled was reported, with the count
 	// of writes it was reported for: a later pass reports again only
 	// after writing.
@@ -268,6 +278,9 @@ func New(cfg Config) (*Installer, error) {
 		if !plainName(cfg.PrimaryConfName) || !isConfigName(cfg.PrimaryConfName) {
 			return nil, fmt.Errorf("installer: primary config name %q must be a plain .conf, .conflist or .json file name", cfg.PrimaryConfName)
 		}
+	}
+	if cfg.OwnedGrace <= 0 {
+		cfg.OwnedGrace = DefaultOwnedGrace
 	}
 	if cfg.Owned && cfg.OwnedConfName == "" {
 		cfg.OwnedConfName = DefaultOwnedConfName
@@ -443,13 +456,9 @@ func (i *Installer) pass(force bool) (retry time.Duration, err error) {
 			i.log.Info("waiting for a primary CNI config", "dir", i.cfg.ConfDir, "name", i.cfg.PrimaryConfName)
 			i.waiting = true
 		}
-		// The primary took its config away: the node has no network, as
-		// it meant, not our copy of what it had.
-		if rerr := i.removeOwned("the primary CNI config is gone"); rerr != nil {
-			return 0, rerr
-		}
-		return 0, err
+		return i.primaryMissing(time.Now()), err
 	}
+	i.primaryGone = time.Time{}
 	if err != nil {
 		i.outcome(OutcomeConfigFailed)
 		return 0, err

@@ -27,6 +27,35 @@ import (
 // every primary's usual name (05-cilium, 10-calico, 10-flannel, ...).
 const DefaultOwnedConfName = "02-ambient-cni.conflist"
 
+// DefaultOwnedGrace is Config.OwnedGrace's default: longer than a
+// primary's agent takes to restart and write its config again.
+const DefaultOwnedGrace = 2 * time.Minute
+
+// primaryMissing handles a pass that found no primary config: the owned
+// conflist stays for OwnedGrace (a primary restarting writes its config
+// again meanwhile, and the runtime keeps running our entry), then goes
+// (the primary took its network away; our copy must not keep it). It
+// returns when to look again.
+func (i *Installer) primaryMissing(now time.Time) time.Duration {
+	if !i.isOwnedFile(i.ownedPath()) {
+		i.primaryGone = time.Time{}
+		return 0
+	}
+	if i.primaryGone.IsZero() {
+		i.primaryGone = now
+		i.log.Info("the primary CNI config is gone; keeping the owned config for a while", "grace", i.cfg.OwnedGrace)
+	}
+	if left := i.cfg.OwnedGrace - now.Sub(i.primaryGone); left > 0 {
+		return left
+	}
+	if err := i.removeOwned("the primary CNI config is gone for " + i.cfg.OwnedGrace.String()); err != nil {
+		i.log.Warn("cannot remove the owned config", "err", err)
+		return time.Second
+	}
+	i.primaryGone = time.Time{}
+	return 0
+}
+
 // ownedPath is the owned conflist's path, "" when none is configured.
 func (i *Installer) ownedPath() string {
 	if i.cfg.OwnedConfName == "" {
@@ -165,8 +194,9 @@ func (i *Installer) ensureOwned(path string, force bool) (time.Duration, error) 
 }
 
 // removeOwned removes the owned conflist if it is there and ours: when
-// the primary's config is gone (the node has no network, as the primary
-// meant), when owning is off, or when the owned name cannot sort first.
+// the primary's config is gone for good (the node has no network, as the
+// primary meant), when owning is off, or when the owned name cannot sort
+// first.
 // Left in place it would run a copy of a config the primary took back.
 func (i *Installer) removeOwned(why string) error {
 	p := i.ownedPath()

@@ -137,7 +137,7 @@ func TestOwnedSurvivesAPrimaryRewriteWhileWeAreDown(t *testing.T) {
 func TestOwnedFollowsThePrimary(t *testing.T) {
 	e := newEnv(t)
 	e.write(t, "10-bridge.conflist", bridgeList, 0o644)
-	i := e.installer(t, ownedOn)
+	i := e.installer(t, func(c *Config) { c.Owned, c.OwnedGrace = true, 100 * time.Millisecond })
 	run(t, i)
 	waitFor(t, "initial install", i.Check)
 
@@ -162,7 +162,7 @@ func TestOwnedFollowsThePrimary(t *testing.T) {
 		if err := os.Remove(e.path("10-bridge.conflist")); err != nil {
 			t.Fatal(err)
 		}
-		waitFor(t, "owned config removed with the primary's", func() error {
+		waitFor(t, "owned config removed past the grace", func() error {
 			if _, err := os.Stat(e.path(owned)); !errors.Is(err, fs.ErrNotExist) {
 				return fmt.Errorf("owned config still there (%v)", err)
 			}
@@ -188,6 +188,33 @@ func TestOwnedFollowsThePrimary(t *testing.T) {
 		})
 		waitFor(t, "ready", i.Check)
 	})
+}
+
+// A primary that deletes its config while its agent restarts and writes
+// it again: the owned config stays meanwhile, so the runtime never loads
+// a list without our entry (nor none at all).
+func TestOwnedOutlivesAPrimaryRestart(t *testing.T) {
+	e := newEnv(t)
+	e.write(t, "10-bridge.conflist", bridgeList, 0o644)
+	i := e.installer(t, func(c *Config) { c.Owned, c.OwnedGrace = true, time.Hour })
+	run(t, i)
+	waitFor(t, "initial install", i.Check)
+	if err := os.Remove(e.path("10-bridge.conflist")); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the pass that saw the primary gone", func() error {
+		if e.logs.count("the primary CNI config is gone") == 0 {
+			return errors.New("not seen yet")
+		}
+		return nil
+	})
+	if name, ours := e.runtimeChoice(t); name != owned || !ours {
+		t.Fatalf("while the primary restarts the runtime loads %q (ours: %v)", name, ours)
+	}
+	rewritten := strings.Replace(bridgeList, "cni0", "cni1", 1)
+	e.write(t, "10-bridge.conflist", rewritten, 0o644)
+	waitFor(t, "the copy of the new config", e.ownedOK(t, rewritten))
+	waitFor(t, "ready", i.Check)
 }
 
 func TestOwnedFallsBackToChaining(t *testing.T) {
@@ -273,7 +300,9 @@ func TestOwnedConfiguredPrimaryNotTheRuntimesChoice(t *testing.T) {
 	e := newEnv(t)
 	e.write(t, "00-multus.conf", `{"cniVersion":"1.0.0","name":"multus","type":"multus"}`, 0o644)
 	e.write(t, "10-bridge.conflist", bridgeList, 0o644)
-	i := e.installer(t, func(c *Config) { c.Owned, c.OwnedConfName, c.PrimaryConfName = true, "000-ambient-cni.conflist", "10-bridge.conflist" })
+	i := e.installer(t, func(c *Config) {
+		c.Owned, c.OwnedConfName, c.PrimaryConfName = true, "000-ambient-cni.conflist", "10-bridge.conflist"
+	})
 	if err := i.Install(context.Background()); err != nil {
 		t.Fatal(err)
 	}

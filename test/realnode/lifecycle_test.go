@@ -57,9 +57,9 @@ func figure(t *testing.T, name string, v any) {
 }
 
 // startAgentNode brings up a node of the test's own with the chart
-// installed with its defaults and the ztunnel stand-in running, torn down
-// when the test ends.
-func startAgentNode(t *testing.T) e2e {
+// installed with its defaults (and helm's extra arguments) and the
+// ztunnel stand-in running, torn down when the test ends.
+func startAgentNode(t *testing.T, extra ...string) e2e {
 	t.Helper()
 	ctx, out, _ := startNodeTest(t)
 	n, err := Up(ctx, Options{Out: out})
@@ -71,7 +71,7 @@ func startAgentNode(t *testing.T) e2e {
 			t.Errorf("down: %v", err)
 		}
 	})
-	if err := n.InstallAgent(ctx, "install", ImageTag); err != nil {
+	if err := n.InstallAgent(ctx, "install", ImageTag, extra...); err != nil {
 		t.Fatalf("helm install: %v", err)
 	}
 	if err := n.StartStandIn(ctx); err != nil {
