@@ -137,7 +137,7 @@ func TestOwnedSurvivesAPrimaryRewriteWhileWeAreDown(t *testing.T) {
 func TestOwnedFollowsThePrimary(t *testing.T) {
 	e := newEnv(t)
 	e.write(t, "10-bridge.conflist", bridgeList, 0o644)
-	i := e.installer(t, func(c *Config) { c.Owned, c.OwnedGrace = true, 100 * time.Millisecond })
+	i := e.installer(t, func(c *Config) { c.Owned, c.OwnedGrace = true, 100*time.Millisecond })
 	run(t, i)
 	waitFor(t, "initial install", i.Check)
 
