@@ -92,9 +92,9 @@ func runtimeConf(n *Node) (string, error) {
 	return "", fmt.Errorf("no config in %s", n.CNIConfDir)
 }
 
-// inStepWatch polls the owned conflist from the primary's rewrite on and
-// returns when it first held the rewrite's boot stamp (the window's end),
-// or zero if it never did before stop.
+// inStepWatch polls a conflist from the primary's rewrite on; stop
+// returns when it first held the rewrite's boot stamp and our entry (the
+// window's end), or zero if it did not.
 func inStepWatch(path string, boot int) (stop func() time.Time) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan time.Time, 1)
@@ -113,8 +113,16 @@ func inStepWatch(path string, boot int) (stop func() time.Time) {
 		}
 	}()
 	return func() time.Time {
-		cancel()
-		return <-done
+		// Called once the file is in step: the watch sees it on its next
+		// look, unless it never will (a failed cycle).
+		select {
+		case at := <-done:
+			cancel()
+			return at
+		case <-time.After(5 * time.Second):
+			cancel()
+			return <-done
+		}
 	}
 }
 
@@ -385,6 +393,9 @@ func (l *life) raceOnce(t *testing.T, boot int, ownedPath string, owned bool) ra
 		t.Errorf("boot %d: %v", boot, err)
 	}
 	inStep := stopWatch()
+	if inStep.IsZero() {
+		t.Fatalf("boot %d: the window's end was not seen", boot)
+	}
 	c.window = inStep.Sub(rewroteAt)
 	if c.windowSandboxes, err = l.sandboxesBefore(ctx, inStep); err != nil {
 		t.Errorf("boot %d: %v", boot, err)
