@@ -194,7 +194,7 @@ type raceCycle struct {
 }
 
 func TestRealNodeRebootRace(t *testing.T) {
-	begin := time.Now()
+	begin := time.Now() // includes waiting for the machine's real node
 	e := startAgentNode(t, "--set", "cni.ownedConfig=true")
 	l := &life{e2e: e}
 	ctx := context.Background()
@@ -318,8 +318,10 @@ func (l *life) raceOnce(t *testing.T, boot int, ownedPath string, owned bool) ra
 	if l.traffic != nil {
 		// Some traffic through the stand-in before the node goes down.
 		if err := l.n.Poll(ctx, "traffic before the reboot", func(context.Context) (bool, error) {
-			d := l.traffic.Counts()
-			return d.LoopOK >= 5 && d.HeldRequests >= heldConns, fmt.Errorf("%d loop requests, %d held", d.LoopOK, d.HeldRequests)
+			if d := l.traffic.Counts(); d.LoopOK < 5 || d.HeldRequests < heldConns {
+				return false, fmt.Errorf("%d loop requests, %d held", d.LoopOK, d.HeldRequests)
+			}
+			return true, nil
 		}); err != nil {
 			t.Errorf("boot %d: %v", boot, err)
 		}
@@ -387,8 +389,10 @@ func (l *life) raceOnce(t *testing.T, boot int, ownedPath string, owned bool) ra
 	}
 	c.back = time.Since(down)
 	if err := l.n.Poll(ctx, "our entry in step with the primary's boot rewrite", func(context.Context) (bool, error) {
-		b, ours, err := confState(watched)
-		return err == nil && b == boot && ours, fmt.Errorf("boot stamp %d (want %d), ours %v, %v", b, boot, ours, err)
+		if b, ours, err := confState(watched); err != nil || b != boot || !ours {
+			return false, fmt.Errorf("boot stamp %d (want %d), ours %v, %v", b, boot, ours, err)
+		}
+		return true, nil
 	}); err != nil {
 		t.Errorf("boot %d: %v", boot, err)
 	}
