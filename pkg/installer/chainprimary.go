@@ -47,6 +47,9 @@ func (i *Installer) ensureChained(path string, force bool) (time.Duration, error
 	converting := newName != name
 	if converting {
 		target = filepath.Join(filepath.Dir(path), newName)
+		if newName == i.cfg.OwnedConfName {
+			return 0, fmt.Errorf("converting %s would make %s, the owned config's name; refusing (name another: ownedConfName)", path, target)
+		}
 		if b, _, err := readLimited(target); err == nil && !i.hasOurEntry(b) {
 			return 0, fmt.Errorf("converting %s would overwrite %s, which is not ours; refusing", path, target)
 		} else if err != nil && !errors.Is(err, fs.ErrNotExist) {

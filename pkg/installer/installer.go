@@ -94,6 +94,29 @@ type Config struct {
 	// PrimaryConfName, when set, names the file in ConfDir to chain into
 	// instead of the lexically first valid config.
 	PrimaryConfName string
+	// Owned makes the installer write a conflist of its own, named
+	// OwnedConfName, holding the primary's plugins and our entry last,
+	// instead of chaining into the primary's file: named to sort first,
+	// it is what the runtime loads, and a primary that rewrites its own
+	// file (at every start of its agent, before ours is back after a
+	// reboot) cannot drop our entry. It is kept in step with every write
+	// of the primary's file, removed when the primary's file goes, and
+	// removed at uninstall. When OwnedConfName does not sort before the
+	// primary's file (or a configured primary is not the runtime's
+	// choice) the installer chains into the primary instead.
+	Owned bool
+	// OwnedConfName is the owned conflist's name (a plain .conflist name;
+	// default DefaultOwnedConfName). Set it with Owned off too: a file of
+	// that name holding our entry is then removed, as left by an owned
+	// install before.
+	OwnedConfName string
+	// OwnedGrace is how long the owned conflist outlives the primary's
+	// file: a primary that deletes its config while its agent restarts
+	// (Cilium on agent shutdown) writes it again within it, and the
+	// runtime never runs a list without our entry meanwhile. Past it the
+	// node has no network, as the primary meant. Default
+	// DefaultOwnedGrace.
+	OwnedGrace time.Duration
 	// PluginConfig is our plugin's config object (socket path, timeout, log
 	// level, excluded namespaces, ...). "type" is added when absent.
 	PluginConfig json.RawMessage
@@ -195,6 +218,11 @@ type Installer struct {
 	tempsCleant bool
 	stateLoaded bool
 	lastErr     string // last pass error logged at Warn
+	// ownRefused is why owning was last found impossible (logged once).
+	ownRefused string
+	// primaryGone is when a pass first found no primary config while the
+	// owned conflist was there; zero otherwise.
+	primaryGone time.Time
 	// reported is set once OutcomeInstalled was reported, with the count
 	// of writes it was reported for: a later pass reports again only
 	// after writing.
@@ -249,6 +277,20 @@ func New(cfg Config) (*Installer, error) {
 	if cfg.PrimaryConfName != "" {
 		if !plainName(cfg.PrimaryConfName) || !isConfigName(cfg.PrimaryConfName) {
 			return nil, fmt.Errorf("installer: primary config name %q must be a plain .conf, .conflist or .json file name", cfg.PrimaryConfName)
+		}
+	}
+	if cfg.OwnedGrace <= 0 {
+		cfg.OwnedGrace = DefaultOwnedGrace
+	}
+	if cfg.Owned && cfg.OwnedConfName == "" {
+		cfg.OwnedConfName = DefaultOwnedConfName
+	}
+	if n := cfg.OwnedConfName; n != "" {
+		if !plainName(n) || filepath.Ext(n) != ConflistExt {
+			return nil, fmt.Errorf("installer: owned config name %q must be a plain .conflist file name", n)
+		}
+		if n == cfg.PrimaryConfName {
+			return nil, fmt.Errorf("installer: owned config name %q names the primary config", n)
 		}
 	}
 	fi, err := os.Stat(cfg.PluginBinary)
@@ -414,8 +456,9 @@ func (i *Installer) pass(force bool) (retry time.Duration, err error) {
 			i.log.Info("waiting for a primary CNI config", "dir", i.cfg.ConfDir, "name", i.cfg.PrimaryConfName)
 			i.waiting = true
 		}
-		return 0, err
+		return i.primaryMissing(time.Now()), err
 	}
+	i.primaryGone = time.Time{}
 	if err != nil {
 		i.outcome(OutcomeConfigFailed)
 		return 0, err
@@ -424,7 +467,7 @@ func (i *Installer) pass(force bool) (retry time.Duration, err error) {
 		i.log.Info("primary CNI config found", "file", path)
 		i.waiting = false
 	}
-	retry, err = i.ensureChained(path, force)
+	retry, err = i.ensureConfig(path, force)
 	switch writes := i.configWrites.Load() + i.binaryCopies.Load(); {
 	case err != nil:
 		i.outcome(OutcomeConfigFailed)
@@ -433,6 +476,29 @@ func (i *Installer) pass(force bool) (retry time.Duration, err error) {
 		i.outcome(OutcomeInstalled)
 	}
 	return retry, err
+}
+
+// ensureConfig puts our entry where the runtime will run it: in the owned
+// conflist when owning is on and can work, else chained into the primary
+// (and any owned conflist of ours removed, since the runtime would either
+// not load it or load it in place of the primary's current config).
+func (i *Installer) ensureConfig(path string, force bool) (time.Duration, error) {
+	own, why, err := i.canOwn(path)
+	if err != nil {
+		return 0, err
+	}
+	if own {
+		i.ownRefused = ""
+		return i.ensureOwned(path, force)
+	}
+	if why != "" && why != i.ownRefused {
+		i.log.Warn("not writing an owned CNI config; chaining into the primary's instead", "reason", why)
+		i.ownRefused = why
+	}
+	if err := i.removeOwned("chaining into the primary's config instead"); err != nil {
+		return 0, err
+	}
+	return i.ensureChained(path, force)
 }
 
 // outcome reports what a pass came to (Config.OnOutcome).

@@ -66,6 +66,9 @@ func (i *Installer) findPrimary() (string, error) {
 			continue
 		}
 		p := filepath.Join(dir, e.Name())
+		if i.isOwnedFile(p) {
+			continue // our copy of the primary's, not a primary
+		}
 		if err := loadable(p); err != nil {
 			if fi, serr := os.Stat(p); serr == nil && time.Since(fi.ModTime()) < settleTime {
 				return "", fmt.Errorf("%w: %s: %v", ErrConfigInFlux, p, err)

@@ -14,8 +14,8 @@ import (
 )
 
 // Shutdown stops all further repairs. During an upgrade it leaves the
-// binary (in every bin dir) and our entry in place. Otherwise it removes
-// our entry from every config in ConfDir (putting back the primary's exact
+// binary (in every bin dir), the owned conflist and our entry in place.
+// Otherwise it removes the owned conflist, then our entry from every config in ConfDir (putting back the primary's exact
 // bytes, or the original .conf we converted, when the file is still as we
 // wrote it; else cutting out only our entry) and then removes the binary
 // from every bin dir, in that order
@@ -30,6 +30,11 @@ func (i *Installer) Shutdown(ctx context.Context, upgrade bool) error {
 		return nil
 	}
 	var errs []error
+	// The owned conflist first: it is a whole copy of ours, to remove,
+	// not a primary's file to take our entry out of.
+	if err := i.removeOwned("uninstall"); err != nil {
+		errs = append(errs, err)
+	}
 	ents, err := os.ReadDir(i.cfg.ConfDir)
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		errs = append(errs, fmt.Errorf("read CNI conf dir: %w", err))
@@ -42,6 +47,9 @@ func (i *Installer) Shutdown(ctx context.Context, upgrade bool) error {
 			continue
 		}
 		p := filepath.Join(i.cfg.ConfDir, e.Name())
+		if p == i.ownedPath() && i.isOwnedFile(p) {
+			continue // could not be removed: said above
+		}
 		err := i.unchainFile(p)
 		// Racing a primary that is writing the same file: try again.
 		for try := 0; errors.Is(err, atomicfile.ErrChanged) && try < 3; try++ {

@@ -196,10 +196,10 @@ var istioValueCases = map[string][]istioCase{
 		{values: `cniNetnsDir: /var/run/netns`},
 	},
 	// Read by Istio only with istioOwnedCNIConfig.
-	"istioOwnedCNIConfigFileName": {{values: `istioOwnedCNIConfigFileName: 02-istio-cni.conflist`}},
+	"istioOwnedCNIConfigFileName": {{values: `istioOwnedCNIConfigFileName: 02-istio-cni.conflist`, check: wantEnv("AMBIENT_CNI_OWNED_CONF_NAME", "02-istio-cni.conflist")}},
 	"istioOwnedCNIConfig": {
-		{values: `istioOwnedCNIConfig: true`, fail: "istioOwnedCNIConfig: ambient-cni chains its entry into the primary network's own config file"},
-		{values: `istioOwnedCNIConfig: false`},
+		{values: `istioOwnedCNIConfig: true`, check: wantEnv("AMBIENT_CNI_OWNED_CONFIG", "true")},
+		{values: `istioOwnedCNIConfig: false`, check: wantEnv("AMBIENT_CNI_OWNED_CONFIG", "false")},
 	},
 	"excludeNamespaces": {
 		{values: `excludeNamespaces: [kube-system, monitoring]`, check: wantEnv("AMBIENT_EXCLUDED_NAMESPACES", "kube-system,monitoring")},

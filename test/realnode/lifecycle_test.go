@@ -57,9 +57,9 @@ func figure(t *testing.T, name string, v any) {
 }
 
 // startAgentNode brings up a node of the test's own with the chart
-// installed with its defaults and the ztunnel stand-in running, torn down
-// when the test ends.
-func startAgentNode(t *testing.T) e2e {
+// installed with its defaults (and helm's extra arguments) and the
+// ztunnel stand-in running, torn down when the test ends.
+func startAgentNode(t *testing.T, extra ...string) e2e {
 	t.Helper()
 	return startAgentNodeWith(t, Options{})
 }
@@ -78,7 +78,7 @@ func startAgentNodeWith(t *testing.T, o Options) e2e {
 			t.Errorf("down: %v", err)
 		}
 	})
-	if err := n.InstallAgent(ctx, "install", ImageTag); err != nil {
+	if err := n.InstallAgent(ctx, "install", ImageTag, extra...); err != nil {
 		t.Fatalf("helm install: %v", err)
 	}
 	if err := n.StartStandIn(ctx); err != nil {

@@ -77,6 +77,10 @@ type Config struct {
 	CNIExtraBinDirs []string
 	CNIConfDir      string
 	CNIConfName     string
+	// CNIOwnedConfig and CNIOwnedConfName: write a conflist of our own
+	// that sorts before the primary's (installer.Config.Owned).
+	CNIOwnedConfig   bool
+	CNIOwnedConfName string
 	// IstioCNIRunDir, when set, lets the installer take over from a
 	// chained istio-cni whose node agent is gone.
 	IstioCNIRunDir    string
@@ -336,6 +340,8 @@ func options() []option {
 		{"cni-extra-bin-dirs", "Comma-separated more host CNI binary directories, as mounted in the container, that the plugin binary is also copied to and kept in, exactly as in cni-bin-dir. For a runtime that searches a list of directories and runs the first binary named as the config's type (containerd 2.x bin_dirs, CRI-O plugin_dirs): list every directory of the runtime's list besides cni-bin-dir, so none holds an older or foreign " + installer.DefaultPluginName + " that shadows ours. Readiness needs every copy; an uninstall removes every copy, an upgrade leaves them. Each absolute, none twice (cni-bin-dir included).", "", dirList(func(c *Config) *[]string { return &c.CNIExtraBinDirs })},
 		{"cni-conf-dir", "Host CNI config directory, as mounted in the container.", hostRoot + installer.DefaultConfDir, str(func(c *Config) *string { return &c.CNIConfDir })},
 		{"cni-conf-name", "Primary CNI config file to chain into; empty picks the runtime's choice (lexically first valid file).", "", str(func(c *Config) *string { return &c.CNIConfName })},
+		{"cni-owned-config", "Write a conflist of the agent's own, named cni-owned-conf-name, holding the primary's plugins and ours, instead of chaining into the primary's file: it sorts first, so the runtime loads it, and a primary that rewrites its own file (its agent does at every start, before ours after a reboot) cannot drop our entry. Kept in step with every write of the primary's file, removed when that file goes and at uninstall; while no agent runs (after a reboot, or an agent gone for good) the runtime runs our copy of the primary's last config. When the name does not sort before the primary's (or cni-conf-name is not the runtime's choice) the agent chains instead. docs/reliability.md weighs the two.", "false", boolean(func(c *Config) *bool { return &c.CNIOwnedConfig })},
+		{"cni-owned-conf-name", "Name of the owned conflist (a .conflist in cni-conf-dir that sorts before the primary's). With cni-owned-config off, a file of that name holding our entry is removed.", installer.DefaultOwnedConfName, str(func(c *Config) *string { return &c.CNIOwnedConfName })},
 		{"istio-cni-run-dir", "istio-cni's run directory on the host (its chart's /var/run/istio-cni), as mounted in the container. When set, an istio-cni found chained in the primary config is replaced by our entry in one write once nothing answers on its plugin event socket there (its DaemonSet moved off this node); unset, the agent refuses to chain next to istio-cni.", "", str(func(c *Config) *string { return &c.IstioCNIRunDir })},
 		{"cni-plugin-type", "Plugin type (and binary name) written into the conflist.", installer.DefaultPluginName, str(func(c *Config) *string { return &c.PluginType })},
 		{"plugin-binary", "Plugin binary inside the image, copied into cni-bin-dir and cni-extra-bin-dirs.", defaultPluginBinary, str(func(c *Config) *string { return &c.PluginBinary })},

@@ -65,6 +65,10 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ include "ambient-cni.containerConfDir" . | quote }}
 - name: AMBIENT_CNI_CONF_NAME
   value: {{ .Values.cni.confName | quote }}
+- name: AMBIENT_CNI_OWNED_CONFIG
+  value: {{ .Values.cni.ownedConfig | quote }}
+- name: AMBIENT_CNI_OWNED_CONF_NAME
+  value: {{ .Values.cni.ownedConfName | quote }}
 {{- if .Values.migration.fromIstioCNI.enabled }}
 - name: AMBIENT_ISTIO_CNI_RUN_DIR
   value: {{ .Values.migration.fromIstioCNI.runDir | quote }}
@@ -296,8 +300,12 @@ charts rely on the same order).
 {{- if not (has . $dirs) -}}{{- $dirs = append $dirs . -}}{{- end -}}
 {{- $_ := set $cni "netnsDirs" $dirs -}}
 {{- end -}}
+{{- /* Istio's default (false) leaves cni.ownedConfig as set. */ -}}
 {{- if index $i "istioOwnedCNIConfig" -}}
-{{- fail "istioOwnedCNIConfig: ambient-cni chains its entry into the primary network's own config file (cni.confName names it) and writes no config file of its own" -}}
+{{- $_ := set $cni "ownedConfig" true -}}
+{{- end -}}
+{{- with index $i "istioOwnedCNIConfigFileName" -}}
+{{- $_ := set $cni "ownedConfName" . -}}
 {{- end -}}
 {{- if and (hasKey $i "chained") (not (index $i "chained")) -}}
 {{- fail "chained: false (a standalone config file, as for Multus): ambient-cni always chains into the primary network's config; on OpenShift set platform: openshift, which chains after Multus" -}}
