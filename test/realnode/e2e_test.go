@@ -387,8 +387,8 @@ func (e *e2e) testAgentPod(t *testing.T) {
 	}
 	for _, line := range strings.Split(string(status), "\n") {
 		if v, ok := strings.CutPrefix(line, "CapEff:"); ok {
-			// NET_ADMIN(12) NET_RAW(13) SYS_ADMIN(21) SYS_PTRACE(19)
-			if want := fmt.Sprintf("%016x", 1<<12|1<<13|1<<21|1<<19); strings.TrimSpace(v) != want {
+			// NET_ADMIN(12) NET_RAW(13) SYS_ADMIN(21) SYS_PTRACE(19) DAC_READ_SEARCH(2)
+			if want := fmt.Sprintf("%016x", 1<<12|1<<13|1<<21|1<<19|1<<2); strings.TrimSpace(v) != want {
 				t.Errorf("agent CapEff %s, want %s", strings.TrimSpace(v), want)
 			}
 		}

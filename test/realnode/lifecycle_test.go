@@ -61,11 +61,11 @@ func figure(t *testing.T, name string, v any) {
 // ztunnel stand-in running, torn down when the test ends.
 func startAgentNode(t *testing.T, extra ...string) e2e {
 	t.Helper()
-	return startAgentNodeWith(t, Options{})
+	return startAgentNodeWith(t, Options{}, extra...)
 }
 
 // startAgentNodeWith is startAgentNode with node options (Out is set).
-func startAgentNodeWith(t *testing.T, o Options) e2e {
+func startAgentNodeWith(t *testing.T, o Options, extra ...string) e2e {
 	t.Helper()
 	ctx, out, _ := startNodeTest(t)
 	o.Out = out

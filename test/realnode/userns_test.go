@@ -7,6 +7,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/netip"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -16,8 +18,11 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
+	"github.com/ambient-cni/ambient-cni/test/realnode/podapp"
 )
 
 // User-namespaced pods (hostUsers: false, GA in Kubernetes 1.36), on a
@@ -25,9 +30,9 @@ import (
 // tools cache: Debian's runc 1.1.5 reports no idmapped mounts in `runc
 // features`, so containerd reports no user namespace support for the
 // handler and kubelet refuses every such pod. The capture rules key on
-// packet marks, not uids, but the agent does not capture these pods yet
-// (see testUserNamespacedPods): such a pod that must be captured is
-// refused at ADD, never started uncaptured.
+// packet marks, not uids; the agent reads such a pod's /proc/net files,
+// which belong to the pod's own root (a high host uid), with
+// CAP_DAC_READ_SEARCH.
 func TestRealNodeUserNamespaces(t *testing.T) {
 	testnet.RequireRoot(t)
 	runc, err := RecentRunc()
@@ -36,7 +41,7 @@ func TestRealNodeUserNamespaces(t *testing.T) {
 	}
 	e := startAgentNodeWith(t, Options{Runc: runc})
 	t.Run("containerd reports user namespace support for its runc handler", e.testRuntimeUserns)
-	t.Run("user-namespaced pods run; one the mesh must capture is refused, never uncaptured", e.testUserNamespacedPods)
+	t.Run("user-namespaced pods are captured at ADD and by enrollment, proxied, released", e.testUserNamespacedPods)
 	t.Run("on Debian's runc 1.1.5 kubelet refuses a user-namespaced pod", e.testOldRuncRefusesUserns)
 	t.Run("nothing was sent off the machine", testNoEgress(e.n))
 }
@@ -219,46 +224,111 @@ func (e *e2e) mustReleased(t *testing.T, p *corev1.Pod) {
 	}
 }
 
-// testUserNamespacedPods: a hostUsers: false pod outside the mesh runs in
-// a user namespace of its own and is left alone. One of an ambient
-// namespace is refused at ADD and never runs uncaptured: the agent
-// cannot read its netns's /proc/net/ip_tables_names, which belongs to
-// the pod's own root (a high host uid) and is mode 0440, while the
-// agent's uid 0 has no CAP_DAC_OVERRIDE or CAP_DAC_READ_SEARCH (the
-// chart drops them). TODO: capture such pods (read x_tables another way,
-// or grant CAP_DAC_READ_SEARCH), then prove capture at ADD and by
-// enrollment, traffic through the stand-in and release here.
-func (e *e2e) testUserNamespacedPods(t *testing.T) {
+// fetchThroughStandIn makes from GET to's app with a unique path and
+// proves the connection went out of from through the stand-in's 15001 and
+// into to through its 15008, and that to saw its own address (delivered
+// by the stand-in inside it).
+func (e *e2e) fetchThroughStandIn(t *testing.T, from, to *corev1.Pod) {
+	t.Helper()
 	ctx := context.Background()
-	suffix := randHex(4)
-	plain, mesh := "userns-plain-"+suffix, "userns-mesh-"+suffix
-	e.namespace(t, plain, false)
-	e.namespace(t, mesh, true)
-
-	p := e.usernsPod(t, plain, "outside", AppOptions{})
-	e.mustOwnUserns(t, p)
-	e.mustReleased(t, p)
-
-	pod := e.n.AppPod(mesh, "refused", AppOptions{})
-	hostUsers := false
-	pod.Spec.HostUsers = &hostUsers
-	if _, err := e.n.Client.CoreV1().Pods(mesh).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	e.waitSandboxError(t, pod, "ip_tables_names: permission denied")
-	cur, err := e.n.Client.CoreV1().Pods(mesh).Get(ctx, pod.Name, metav1.GetOptions{})
+	marker := "/userns-" + randHex(4) + "-" + from.Name + "-to-" + to.Name
+	body, err := httpGet(ctx, appURL(from, "/fetch?url="+url.QueryEscape(appURL(to, marker))))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cur.Status.Phase != corev1.PodPending {
-		t.Errorf("%s/%s is %s: a pod that must be captured ran without capture", mesh, pod.Name, cur.Status.Phase)
+	var res podapp.FetchResult
+	if err := json.Unmarshal(body, &res); err != nil {
+		t.Fatal(err)
 	}
-	for _, n := range []struct{ ns, name string }{{mesh, pod.Name}, {plain, p.Name}} {
-		if err := e.n.Client.CoreV1().Pods(n.ns).Delete(ctx, n.name, metav1.DeleteOptions{}); err != nil {
-			t.Fatal(err)
-		}
-		if err := e.n.WaitPodGone(ctx, n.ns, n.name); err != nil {
-			t.Fatal(err)
-		}
+	if res.Err != "" || res.Status != 200 {
+		t.Fatalf("%s → %s: status %d err %q", from.Name, to.Name, res.Status, res.Err)
 	}
+	e.mustProxied(t, from.UID, to, ambient.ZtunnelOutboundPort)
+	e.mustProxied(t, to.UID, to, ambient.ZtunnelInboundHBONEPort)
+	src, err := seenFrom(ctx, to, marker)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if src.String() != to.Status.PodIP {
+		t.Errorf("%s saw %s from %s: it bypassed the stand-in", to.Name, marker, src)
+	}
+}
+
+// mustProxied waits for a stand-in record of uid on port towards to's app.
+func (e *e2e) mustProxied(t *testing.T, uid types.UID, to *corev1.Pod, port int) {
+	t.Helper()
+	dst := netip.AddrPortFrom(netip.MustParseAddr(to.Status.PodIP), AppPort)
+	err := e.n.Poll(context.Background(), fmt.Sprintf("stand-in record of %s on %d to %s", uid, port, dst), func(context.Context) (bool, error) {
+		if len(e.records(t, uid, port, dst)) == 0 {
+			return false, fmt.Errorf("no record of %s on %d to %s", uid, port, dst)
+		}
+		return true, nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// labelNamespace sets (value non-empty) or removes the dataplane-mode label.
+func (e *e2e) labelNamespace(t *testing.T, ns, value string) {
+	t.Helper()
+	v := "null"
+	if value != "" {
+		v = strconv.Quote(value)
+	}
+	patch := fmt.Sprintf(`{"metadata":{"labels":{%q:%s}}}`, ambient.DataplaneModeLabel, v)
+	if _, err := e.n.Client.CoreV1().Namespaces().Patch(context.Background(), ns, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// testUserNamespacedPods: a hostUsers: false pod of an ambient namespace
+// is captured at ADD (its first connection, made at start, goes through
+// the stand-in); one started outside the mesh is enrolled when its
+// namespace is labelled; both carry traffic through the stand-in; the
+// label's removal releases one and the deletion of the other leaves no
+// trace in the agent, the stand-in or the probe set.
+func (e *e2e) testUserNamespacedPods(t *testing.T) {
+	ctx := context.Background()
+	suffix := randHex(4)
+	mesh, late := "userns-mesh-"+suffix, "userns-late-"+suffix
+	e.namespace(t, mesh, true)
+	e.namespace(t, late, false)
+
+	srv := e.usernsPod(t, mesh, "srv", AppOptions{})
+	e.mustOwnUserns(t, srv)
+	e.mustCaptured(t, srv)
+
+	hello := "/hello-from-cli"
+	cli := e.usernsPod(t, mesh, "cli", AppOptions{Hello: appURL(srv, hello)})
+	e.mustOwnUserns(t, cli)
+	e.mustCaptured(t, cli)
+	// Captured at ADD: the app's first act, before any agent could have
+	// enrolled a running pod, went out through the stand-in.
+	e.mustProxied(t, cli.UID, srv, ambient.ZtunnelOutboundPort)
+	if src, err := seenFrom(ctx, srv, hello); err != nil || src.String() != srv.Status.PodIP {
+		t.Errorf("srv saw cli's hello from %v (%v): it bypassed the stand-in", src, err)
+	}
+	e.fetchThroughStandIn(t, cli, srv)
+	e.fetchThroughStandIn(t, srv, cli)
+
+	// Enrollment: a running user-namespaced pod whose namespace joins.
+	run := e.usernsPod(t, late, "running", AppOptions{})
+	e.mustOwnUserns(t, run)
+	e.mustReleased(t, run)
+	e.labelNamespace(t, late, ambient.DataplaneModeAmbient)
+	e.mustCaptured(t, run)
+	e.fetchThroughStandIn(t, run, srv)
+	e.fetchThroughStandIn(t, cli, run)
+
+	// Release: the label goes, then a captured pod is deleted.
+	e.labelNamespace(t, late, "")
+	e.mustReleased(t, run)
+	if err := e.n.Client.CoreV1().Pods(mesh).Delete(ctx, srv.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.n.WaitPodGone(ctx, mesh, srv.Name); err != nil {
+		t.Fatal(err)
+	}
+	e.agentForgot(t, srv.UID, srv.Status.PodIP)
 }
