@@ -10,7 +10,6 @@ import (
 	"net/netip"
 	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -42,7 +41,6 @@ func TestRealNodeUserNamespaces(t *testing.T) {
 	e := startAgentNodeWith(t, Options{Runc: runc})
 	t.Run("containerd reports user namespace support for its runc handler", e.testRuntimeUserns)
 	t.Run("user-namespaced pods are captured at ADD and by enrollment, proxied, released", e.testUserNamespacedPods)
-	t.Run("on Debian's runc 1.1.5 kubelet refuses a user-namespaced pod", e.testOldRuncRefusesUserns)
 	t.Run("nothing was sent off the machine", testNoEgress(e.n))
 }
 
@@ -80,72 +78,6 @@ func (e *e2e) runtimeUserns(ctx context.Context) (bool, error) {
 		}
 	}
 	return false, nil
-}
-
-// testOldRuncRefusesUserns: containerd restarted on Debian's runc 1.1.5,
-// whose `runc features` names no idmap mounts, reports no user namespace
-// support, and kubelet refuses a hostUsers: false pod with its own
-// message (the pod never reaches the plugin). The built runc is back
-// afterwards.
-func (e *e2e) testOldRuncRefusesUserns(t *testing.T) {
-	ctx := context.Background()
-	debian, err := exec.LookPath("runc")
-	if err != nil {
-		t.Fatal(err)
-	}
-	recent := e.n.Tools.Runc
-	restart := func(runc string) {
-		t.Helper()
-		e.n.Tools.Runc = runc
-		if err := e.n.RestartContainerd(ctx); err != nil {
-			t.Fatalf("containerd on %s: %v", runc, err)
-		}
-	}
-	restart(debian)
-	defer restart(recent)
-	err = e.n.Poll(ctx, "containerd reports no user namespace support", func(ctx context.Context) (bool, error) {
-		ok, err := e.runtimeUserns(ctx)
-		if err == nil && ok {
-			err = errors.New("a handler still supports user namespaces")
-		}
-		return err == nil, err
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ns := "userns-old-" + randHex(4)
-	e.namespace(t, ns, true)
-	pod := e.n.AppPod(ns, "refused", AppOptions{})
-	hostUsers := false
-	pod.Spec.HostUsers = &hostUsers
-	if _, err := e.n.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	const want = "does not support user namespaces"
-	err = e.n.Poll(ctx, "kubelet refuses the pod", func(ctx context.Context) (bool, error) {
-		evs, err := e.n.PodEvents(ctx, ns, pod.Name)
-		if err != nil {
-			return false, err
-		}
-		var seen []string
-		for _, ev := range evs {
-			if strings.Contains(ev.Message, want) {
-				t.Logf("%s/%s on runc 1.1.5: %s: %s", ns, pod.Name, ev.Reason, ev.Message)
-				return true, nil
-			}
-			seen = append(seen, ev.Reason+": "+ev.Message)
-		}
-		return false, fmt.Errorf("no event saying %q; seen %q", want, seen)
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := e.n.Client.CoreV1().Pods(ns).Delete(ctx, pod.Name, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	if err := e.n.WaitPodGone(ctx, ns, pod.Name); err != nil {
-		t.Fatal(err)
-	}
 }
 
 // usernsPod starts an app pod with hostUsers: false and waits until it is
