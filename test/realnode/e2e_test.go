@@ -368,8 +368,8 @@ func (e *e2e) testAgentPod(t *testing.T) {
 		t.Error(err)
 	}
 	sc := c.SecurityContext
-	if sc == nil || sc.Privileged == nil || *sc.Privileged || sc.Capabilities == nil || len(sc.Capabilities.Add) != 4 {
-		t.Errorf("securityContext %+v: want the chart's (unprivileged, four capabilities)", sc)
+	if sc == nil || sc.Privileged == nil || *sc.Privileged || sc.Capabilities == nil || len(sc.Capabilities.Add) != 5 {
+		t.Errorf("securityContext %+v: want the chart's (unprivileged, five capabilities)", sc)
 	}
 	env := map[string]string{}
 	for _, v := range c.Env {
