@@ -581,16 +581,49 @@ func (n *Node) PodNetns(ctx context.Context, namespace, name string) (string, er
 }
 
 // NetnsRules returns every netfilter rule inside a network namespace:
-// iptables-save of both flavours and the nftables ruleset.
+// iptables-save of both flavours and the nftables tables that iptables-nft
+// does not manage. Those it manages are in iptables-nft-save's output
+// already; nft renders their xtables targets only for the first family it
+// prints ("XT target REDIRECT not found" for the other), so listed by nft
+// they would read differently with the order in which the families'
+// tables were made.
 func NetnsRules(ctx context.Context, netnsPath string) (string, error) {
+	run := func(c ...string) ([]byte, error) {
+		out, err := exec.CommandContext(ctx, "nsenter", append([]string{"--net=" + netnsPath}, c...)...).CombinedOutput()
+		if err != nil {
+			return nil, fmt.Errorf("%s in %s: %w: %s", strings.Join(c, " "), netnsPath, err, out)
+		}
+		return out, nil
+	}
 	var b strings.Builder
-	for _, c := range [][]string{{"iptables-nft-save"}, {"iptables-legacy-save"}, {"ip6tables-nft-save"}, {"ip6tables-legacy-save"}, {"nft", "list", "ruleset"}} {
+	for _, c := range [][]string{{"iptables-nft-save"}, {"iptables-legacy-save"}, {"ip6tables-nft-save"}, {"ip6tables-legacy-save"}} {
 		if _, err := exec.LookPath(c[0]); err != nil {
 			continue
 		}
-		out, err := exec.CommandContext(ctx, "nsenter", append([]string{"--net=" + netnsPath}, c...)...).CombinedOutput()
+		out, err := run(c...)
 		if err != nil {
-			return "", fmt.Errorf("%s in %s: %w: %s", strings.Join(c, " "), netnsPath, err, out)
+			return "", err
+		}
+		b.Write(out)
+	}
+	if _, err := exec.LookPath("nft"); err != nil {
+		return b.String(), nil
+	}
+	tables, err := run("nft", "list", "tables")
+	if err != nil {
+		return "", err
+	}
+	for line := range strings.SplitSeq(string(tables), "\n") {
+		f := strings.Fields(line)
+		if len(f) != 3 || f[0] != "table" {
+			continue
+		}
+		out, err := run("nft", "list", "table", f[1], f[2])
+		if err != nil {
+			return "", err
+		}
+		if bytes.Contains(out, []byte("managed by iptables-nft")) {
+			continue
 		}
 		b.Write(out)
 	}
