@@ -106,16 +106,25 @@ func (i *Installer) ensureChained(path string, force bool) (time.Duration, error
 	i.records[target] = rec
 	i.saveState()
 
+	i.noteWritten(target, takeover, "its entry replaced by ours in one write",
+		"chained plugin into primary CNI config", "file", target, "from", path)
+	return 0, nil
+}
+
+// noteWritten does what follows every write of a config of ours (chained
+// into the primary's or owned): the write and reinstall counters, the log
+// lines (the istio-cni takeover's, how it was done, first) and the
+// installed mark.
+func (i *Installer) noteWritten(target string, takeover bool, tookHow, msg string, attrs ...any) {
 	i.configWrites.Add(1)
 	if i.installed {
 		i.countReinstall()
 	}
 	if takeover {
-		i.log.Info("took over from istio-cni: its entry replaced by ours in one write", "file", target)
+		i.log.Info("took over from istio-cni: "+tookHow, "file", target)
 	}
-	i.log.Info("chained plugin into primary CNI config", "file", target, "from", path, "reinstall", i.installed)
+	i.log.Info(msg, append(attrs, "reinstall", i.installed)...)
 	i.markInstalled(target)
-	return 0, nil
 }
 
 // sameWithoutOurs reports whether two lists are equal once our entries

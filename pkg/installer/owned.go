@@ -181,15 +181,8 @@ func (i *Installer) ensureOwned(path string, force bool) (time.Duration, error) 
 		i.noteRemoval(target, time.Now())
 	}
 	i.records[target] = &record{written: out, origPath: target}
-	i.configWrites.Add(1)
-	if i.installed {
-		i.countReinstall()
-	}
-	if takeover {
-		i.log.Info("took over from istio-cni: owned config written without its entry", "file", target)
-	}
-	i.log.Info("wrote owned CNI config from the primary's", "file", target, "primary", path, "reinstall", i.installed)
-	i.markInstalled(target)
+	i.noteWritten(target, takeover, "owned config written without its entry",
+		"wrote owned CNI config from the primary's", "file", target, "primary", path)
 	return 0, nil
 }
 

@@ -746,24 +746,12 @@ func (w *Worker) proc(name string) *childproc.Proc {
 // (which would come back) and waits until kubelet has stopped them, their
 // CNI DEL run; the DaemonSets' pods go with the Node.
 func (w *Worker) deletePods(ctx context.Context) error {
-	n := w.first
-	l, err := n.Client.CoreV1().Pods("").List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + w.Name})
+	gone, err := w.deleteBoundPods(ctx, 1, true)
 	if err != nil {
 		return err
 	}
-	one := int64(1)
-	var gone []corev1.Pod
-	for _, p := range l.Items {
-		if owner := metav1.GetControllerOf(&p); owner != nil && owner.Kind == "DaemonSet" {
-			continue
-		}
-		if err := n.Client.CoreV1().Pods(p.Namespace).Delete(ctx, p.Name, metav1.DeleteOptions{GracePeriodSeconds: &one}); err != nil && !apierrors.IsNotFound(err) {
-			return err
-		}
-		gone = append(gone, p)
-	}
 	for _, p := range gone {
-		if err := n.WaitPodGone(ctx, p.Namespace, p.Name); err != nil {
+		if err := w.first.WaitPodGone(ctx, p.Namespace, p.Name); err != nil {
 			return err
 		}
 	}
@@ -774,18 +762,30 @@ func (w *Worker) deletePods(ctx context.Context) error {
 // deleted worker (its DaemonSets' pods), as the pod garbage collector
 // does for a Node that is gone.
 func (w *Worker) forgetPods(ctx context.Context) error {
+	_, err := w.deleteBoundPods(ctx, 0, false)
+	return err
+}
+
+// deleteBoundPods deletes the pods bound to the worker with the grace
+// period given, the DaemonSets' aside when skipDaemonSets, and returns
+// those it deleted.
+func (w *Worker) deleteBoundPods(ctx context.Context, grace int64, skipDaemonSets bool) ([]corev1.Pod, error) {
 	n := w.first
 	l, err := n.Client.CoreV1().Pods("").List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + w.Name})
 	if err != nil {
-		return err
+		return nil, err
 	}
-	zero := int64(0)
+	var deleted []corev1.Pod
 	for _, p := range l.Items {
-		if err := n.Client.CoreV1().Pods(p.Namespace).Delete(ctx, p.Name, metav1.DeleteOptions{GracePeriodSeconds: &zero}); err != nil && !apierrors.IsNotFound(err) {
-			return err
+		if owner := metav1.GetControllerOf(&p); skipDaemonSets && owner != nil && owner.Kind == "DaemonSet" {
+			continue
 		}
+		if err := n.Client.CoreV1().Pods(p.Namespace).Delete(ctx, p.Name, metav1.DeleteOptions{GracePeriodSeconds: &grace}); err != nil && !apierrors.IsNotFound(err) {
+			return nil, err
+		}
+		deleted = append(deleted, p)
 	}
-	return nil
+	return deleted, nil
 }
 
 // killNamespace kills every process in the mount namespace pinned at
