@@ -134,11 +134,12 @@ check-tools: ## build every tool make check needs into the tools cache, download
 
 # The suite must leave a real node's paths (/var/run/ambient-cni, /var/lib/ambient-cni,
 # /etc/cni/net.d, /opt/cni/bin, /var/run/ztunnel) as it found them:
-# hack/node-paths.sh lists them before and compares after.
-test: tools peer-tools image-tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures); fails if a test touched a real node's paths
-	@snap=$$(mktemp); hack/node-paths.sh snapshot $$snap; \
+# hack/node-paths.sh lists them before and compares after; hack/leftovers.sh
+# does the same for the sandboxes tests make (named netns, pod cgroups).
+test: tools peer-tools image-tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures); fails if a test touched a real node's paths or left a sandbox behind
+	@snap=$$(mktemp); left=$$(mktemp); hack/node-paths.sh snapshot $$snap; hack/leftovers.sh snapshot $$left; \
 	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...; rc=$$?; \
-	hack/node-paths.sh check $$snap || rc=1; rm -f $$snap; exit $$rc
+	hack/node-paths.sh check $$snap || rc=1; hack/leftovers.sh check $$left || rc=1; rm -f $$snap $$left; exit $$rc
 
 # The fault-injection suite (test/chaos, docs/reliability.md) takes
 # minutes (its scenarios run side by side, each in a network namespace of
@@ -146,7 +147,9 @@ test: tools peer-tools image-tools check-manifests ## run every test (root tests
 LONG_TIMEOUT  ?= 30m
 
 test-long: tools ## as root: the fault-injection suite (agent SIGKILLs, ztunnel and API server outages, a 5,000-cycle soak; AMBIENT_CHAOS_SEEDS=1,2 replays kill schedules)
-	AMBIENT_TEST_LONG=1 $(GO) test -count=1 -v -timeout $(LONG_TIMEOUT) ./test/chaos/
+	@left=$$(mktemp); hack/leftovers.sh snapshot $$left; \
+	AMBIENT_TEST_LONG=1 $(GO) test -count=1 -v -timeout $(LONG_TIMEOUT) ./test/chaos/; rc=$$?; \
+	hack/leftovers.sh check $$left || rc=1; rm -f $$left; exit $$rc
 
 # A static binary, so Ctrl-C reaches it directly (not through go run) and
 # it tears the node down before make returns.

@@ -53,7 +53,10 @@ type Node struct {
 	t          T
 	cgroupRoot string
 	mu         sync.Mutex
-	pods       map[string]*Pod // by uid
+	// pods are the running sandboxes by sandbox id: a pod whose sandbox
+	// is started again while its old one runs (a runtime's restart) has
+	// both, and both are torn down when the test ends.
+	pods map[string]*Pod
 }
 
 // Pod is a pod running on a Node.
@@ -187,7 +190,7 @@ func (n *Node) StartSandbox(ctx context.Context, obj *corev1.Pod) (*Pod, error) 
 		return nil, n.fail(ctx, p, err)
 	}
 	n.mu.Lock()
-	n.pods[string(obj.UID)] = p
+	n.pods[p.SandboxID] = p
 	n.mu.Unlock()
 	return p, nil
 }
@@ -268,8 +271,8 @@ func (n *Node) Finish(ctx context.Context, p *Pod) error {
 // under a pod the API still shows running. Tearing down twice is a no-op.
 func (n *Node) Teardown(ctx context.Context, p *Pod) error {
 	n.mu.Lock()
-	_, ok := n.pods[string(p.Obj.UID)]
-	delete(n.pods, string(p.Obj.UID))
+	_, ok := n.pods[p.SandboxID]
+	delete(n.pods, p.SandboxID)
 	n.mu.Unlock()
 	if !ok {
 		return nil
