@@ -36,11 +36,9 @@ func pluginRBAC(t *testing.T) []byte {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var out []byte
-	for doc := range strings.SplitSeq(string(manifest), "\n---\n") {
-		if (strings.Contains(doc, "\nkind: ClusterRole\n") || strings.Contains(doc, "\nkind: Role\n")) && strings.Contains(doc, "name: ambient-cni-plugin\n") {
-			out = append(out, []byte("---\n"+doc+"\n")...)
-		}
+	out, err := kubeenv.ExtractPluginRoles(manifest)
+	if err != nil {
+		t.Fatal(err)
 	}
 	if strings.Count(string(out), "name: ambient-cni-plugin\n") != 2 {
 		t.Fatalf("want the ClusterRole and the Role ambient-cni-plugin in the shipped manifest, got:\n%s", out)

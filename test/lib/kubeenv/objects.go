@@ -69,6 +69,21 @@ func ShippedRBAC(t testing.TB) []byte {
 // a YAML stream, in manifest order, each Role without its namespace. A manifest
 // without a ClusterRole is an error: the agent cannot work without one.
 func ExtractRoles(manifest []byte) ([]byte, error) {
+	// The plugin's own roles (<fullname>-plugin) are not the agent's.
+	return extractRoles(manifest, func(name string) bool { return !strings.HasSuffix(name, pluginSuffix) })
+}
+
+// ExtractPluginRoles returns the plugin's own ClusterRole and Role of a
+// manifest (named <fullname>-plugin) as ExtractRoles does the agent's.
+func ExtractPluginRoles(manifest []byte) ([]byte, error) {
+	return extractRoles(manifest, func(name string) bool { return strings.HasSuffix(name, pluginSuffix) })
+}
+
+// pluginSuffix ends the names of the chart's objects for the plugin's own
+// identity.
+const pluginSuffix = "-plugin"
+
+func extractRoles(manifest []byte, want func(name string) bool) ([]byte, error) {
 	objs, err := ParseObjects(manifest)
 	if err != nil {
 		return nil, err
@@ -76,8 +91,7 @@ func ExtractRoles(manifest []byte) ([]byte, error) {
 	var out bytes.Buffer
 	clusterRoles := 0
 	for _, o := range objs {
-		// The plugin's own role (<fullname>-plugin) is not the agent's.
-		if o.GroupVersionKind().Group != rbacv1.GroupName || strings.HasSuffix(o.GetName(), "-plugin") {
+		if o.GroupVersionKind().Group != rbacv1.GroupName || !want(o.GetName()) {
 			continue
 		}
 		switch o.GetKind() {

@@ -1,8 +1,8 @@
 // Package simnode is the one simulated Kubernetes node of the suites (the
 // integration suite, chaos, the benchmark, the sandbox): a real API server
 // env (test/lib/kubeenv), a bridge pod network whose primary conflist the
-// installer chains the plugin into, the agent's ServiceAccount bound to the
-// shipped RBAC, install-cni's settings from the chart's environment (only
+// installer chains the plugin into, the agent's and the plugin's
+// ServiceAccounts bound to the shipped RBAC, install-cni's settings from the chart's environment (only
 // node-local settings pointed at this node: NodeLocal; anything else a
 // suite changes it names in Options.Settings), a ztunnel stand-in on its
 // ZDS socket, and a kubelet simulator (test/lib/kubesim) over the chained

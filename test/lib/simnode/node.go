@@ -248,6 +248,18 @@ func Prepare(ctx context.Context, o Options) (n *Node, err error) {
 	if n.Config, err = installcni.Parse(nil, func(k string) string { return n.AgentEnv[k] }, io.Discard); err != nil {
 		return n, fmt.Errorf("install-cni refuses the node's environment: %w", err)
 	}
+	if sa := n.Config.PluginServiceAccount; sa != "" {
+		// The chart's ServiceAccount for the plugin, with its roles: the
+		// agent writes the plugin a credential of it, which the plugin uses
+		// while the agent cannot answer, as on a node the chart installed.
+		pluginRoles, err := kubeenv.ExtractPluginRoles(o.Chart.Manifest)
+		if err != nil {
+			return n, fmt.Errorf("the plugin's roles: %w", err)
+		}
+		if _, err := o.Env.ServiceAccountConfig(ctx, o.Namespace, sa, pluginRoles); err != nil {
+			return n, fmt.Errorf("the plugin's ServiceAccount %s: %w", sa, err)
+		}
+	}
 	n.MetricsURL = HealthURL(n.Config.MetricsAddr)
 	return n, nil
 }
