@@ -229,8 +229,8 @@ type Agent struct {
 	// (a process may linger in one for a moment).
 	torn map[netns.Identity]tornMark
 	// released are the pods whose sandbox the runtime removed (CNI DEL)
-	// while they were captured, and when; see SandboxReleased.
-	released map[types.UID]time.Time
+	// while they were captured; see SandboxReleased.
+	released map[types.UID]releasedSandbox
 }
 
 // podLock serializes work on one pod while letting different pods proceed
@@ -273,7 +273,7 @@ func NewAgent(cfg Config) (*Agent, error) {
 		pods:        map[types.UID]*entry{},
 		busy:        map[types.UID]*podLock{},
 		torn:        map[netns.Identity]tornMark{},
-		released:    map[types.UID]time.Time{},
+		released:    map[types.UID]releasedSandbox{},
 	}, nil
 }
 

@@ -603,6 +603,10 @@ func TestSandboxReleased(t *testing.T) {
 	if err := h.agent.RemoveSandbox(ctx, SandboxDel{SandboxID: "sb1", UID: "u1"}); err != nil || !h.agent.SandboxReleased("u1") {
 		t.Fatalf("DEL of the captured sandbox not remembered (%v)", err)
 	}
+	// With the sandbox's IPs: a pod showing others runs a new sandbox.
+	if at, ips, ok := h.agent.ReleasedSandbox("u1"); !ok || at.IsZero() || !slices.Equal(ips, info("shop/web", "u1", "sb1").IPs) {
+		t.Fatalf("ReleasedSandbox = %v, %v, %v; want the DEL's time and the sandbox's IPs", at, ips, ok)
+	}
 	if _, err := h.add(ctx, info("shop/web", "u1", "sb2"), pn); err != nil {
 		t.Fatal(err)
 	}

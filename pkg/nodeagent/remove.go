@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"os"
+	"slices"
 	"sync"
 	"time"
 
@@ -158,7 +160,7 @@ func (a *Agent) RemoveSandbox(ctx context.Context, d SandboxDel) error {
 		a.markTorn(e.ns.Identity(), uid)
 	}
 	a.forget(log, e)
-	a.noteReleased(e.Namespace, e.Name, uid)
+	a.noteReleased(e.Namespace, e.Name, uid, e.IPs)
 	return nil
 }
 
@@ -186,7 +188,7 @@ func (a *Agent) removeUnheldSandbox(ctx context.Context, log *slog.Logger, uid t
 		mode = releaseReplayedDel
 	}
 	a.releaseRecord(rec, mode)
-	a.noteReleased(d.Namespace, d.Name, uid)
+	a.noteReleased(d.Namespace, d.Name, uid, rec.IPs)
 	return nil
 }
 
@@ -476,4 +478,14 @@ func (a *Agent) SandboxReleased(uid types.UID) bool {
 	defer a.mu.Unlock()
 	_, ok := a.released[uid]
 	return ok
+}
+
+// ReleasedSandbox is SandboxReleased with when the runtime removed the
+// sandbox and the IPs it had (none when not known): a pod showing other
+// IPs has a new sandbox, which no ADD brought to the agent.
+func (a *Agent) ReleasedSandbox(uid types.UID) (at time.Time, ips []netip.Addr, ok bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	r, ok := a.released[uid]
+	return r.at, slices.Clone(r.ips), ok
 }

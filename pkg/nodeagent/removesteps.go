@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io/fs"
 	"log/slog"
+	"net/netip"
+	"slices"
 	"strings"
 	"time"
 
@@ -280,24 +282,31 @@ func (a *Agent) recordedNetns(uid types.UID) (netns.Identity, bool) {
 // any pod stays between its sandbox's teardown and its object's removal.
 const releasedTTL = time.Hour
 
+// releasedSandbox is what the agent remembers of a captured sandbox the
+// runtime removed: when, and the IPs it had (none when not known).
+type releasedSandbox struct {
+	at  time.Time
+	ips []netip.Addr
+}
+
 // noteReleased records that the runtime removed uid's captured sandbox,
 // unless the pod cache already knows the pod's object gone. PodGone, which
 // drops the mark, then has run or runs next (the cache holds the deletion
 // before it tells, and PodGone waits for a.mu), and a mark made after it
 // would stay for releasedTTL: a DEL often comes after the object is gone.
-func (a *Agent) noteReleased(namespace, name string, uid types.UID) {
+func (a *Agent) noteReleased(namespace, name string, uid types.UID, ips []netip.Addr) {
 	now := time.Now()
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	for u, at := range a.released {
-		if now.Sub(at) > releasedTTL {
+	for u, r := range a.released {
+		if now.Sub(r.at) > releasedTTL {
 			delete(a.released, u)
 		}
 	}
 	if a.podObjectGone(namespace, name, uid) {
 		return
 	}
-	a.released[uid] = now
+	a.released[uid] = releasedSandbox{at: now, ips: slices.Clone(ips)}
 }
 
 // podObjectGone reports whether the pod cache knows that no object with

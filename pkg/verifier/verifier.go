@@ -102,7 +102,10 @@ type Agent interface {
 	// ownership of ns.
 	Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, sb *nodeagent.Sandbox) error
 	EnrolledUID(namespace, name string) (types.UID, bool)
-	SandboxReleased(uid types.UID) bool
+	// ReleasedSandbox reports when the runtime removed uid's captured
+	// sandbox (CNI DEL) and the IPs it had, if no sandbox of it was
+	// captured since.
+	ReleasedSandbox(uid types.UID) (at time.Time, ips []netip.Addr, ok bool)
 }
 
 // Pods is the pod cache (pkg/podcache.Cache).
@@ -372,10 +375,30 @@ func (v *Verifier) uncaptured(p *corev1.Pod) bool {
 	if uid, ok := v.cfg.Agent.EnrolledUID(p.Namespace, p.Name); ok && uid == p.UID {
 		return false
 	}
-	if v.cfg.Agent.SandboxReleased(p.UID) {
+	if v.awaitingSandbox(p) {
 		return false
 	}
 	return v.cfg.Pods.DecideCached(p).Enroll
+}
+
+// awaitingSandbox reports whether the runtime removed p's captured sandbox
+// (CNI DEL) less than a period ago and p still shows that sandbox's IPs:
+// its next sandbox's ADD brings it back, and meanwhile there is nothing to
+// capture. A pod showing other IPs runs a sandbox no ADD brought to the
+// agent (one started while our plugin was not in the runtime's config),
+// and one still showing the old IPs a period on may run a new sandbox
+// that got them again: both are captured as any other.
+func (v *Verifier) awaitingSandbox(p *corev1.Pod) bool {
+	at, ips, ok := v.cfg.Agent.ReleasedSandbox(p.UID)
+	if !ok || v.cfg.now().Sub(at) >= v.cfg.Period {
+		return false
+	}
+	for _, a := range enablement.PodIPs(p) {
+		if len(ips) > 0 && !slices.Contains(ips, a) {
+			return false
+		}
+	}
+	return true
 }
 
 // prove checks one enrolled pod, repairs what drifted and proves it again.

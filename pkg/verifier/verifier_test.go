@@ -33,7 +33,7 @@ type fakeNode struct {
 	listening map[types.UID]map[uint16]bool
 	probe     map[netip.Addr]bool
 	ztunnels  int
-	released  map[types.UID]bool
+	released  map[types.UID]released
 	// recaptures are the repairs asked for, and whether each reset ztunnel.
 	recaptures []string
 	requeued   []types.NamespacedName
@@ -51,7 +51,7 @@ func newFakeNode() *fakeNode {
 	return &fakeNode{
 		enrolled: map[types.UID]*nodeagent.EnrolledPod{}, pods: map[types.UID]*corev1.Pod{},
 		drift: map[types.UID][]string{}, listening: map[types.UID]map[uint16]bool{},
-		probe: map[netip.Addr]bool{}, ztunnels: 1, released: map[types.UID]bool{},
+		probe: map[netip.Addr]bool{}, ztunnels: 1, released: map[types.UID]released{},
 		moved: map[types.UID]bool{}, found: map[types.UID]bool{},
 	}
 }
@@ -179,10 +179,17 @@ func (f *fakeNode) EnrolledUID(namespace, name string) (types.UID, bool) {
 	return "", false
 }
 
-func (f *fakeNode) SandboxReleased(uid types.UID) bool {
+// released is a sandbox the runtime removed: when, and its IPs.
+type released struct {
+	at  time.Time
+	ips []netip.Addr
+}
+
+func (f *fakeNode) ReleasedSandbox(uid types.UID) (time.Time, []netip.Addr, bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return f.released[uid]
+	r, ok := f.released[uid]
+	return r.at, r.ips, ok
 }
 
 type fakeCache struct{ *fakeNode }
@@ -438,7 +445,6 @@ func TestUncapturedPodIsHandedToTheController(t *testing.T) {
 	off := h.pod(3, false)
 	off.Labels = nil // not to be captured
 	h.pod(4, false).Status.PodIPs = nil
-	h.released[h.pod(5, false).UID] = true
 	h.v.round(context.Background()) // first seen
 	if len(h.requeued) > 0 {
 		t.Fatalf("requeued %v before Settle", h.requeued)
@@ -569,5 +575,36 @@ func TestUnresolvedPodIsUnproven(t *testing.T) {
 	proof, ok := h.v.Last(p.UID)
 	if !ok || proof.OK || !strings.Contains(proof.Problem, "network namespace") || h.unproven != 1 || len(h.recaptures) > 0 {
 		t.Fatalf("proof %+v (%v), unproven %d, recaptures %v", proof, ok, h.unproven, h.recaptures)
+	}
+}
+
+// A pod whose captured sandbox the runtime removed (CNI DEL) waits for its
+// next sandbox's ADD while it shows the old sandbox's IPs, for at most a
+// period, and is not counted unproven meanwhile; one showing other IPs
+// runs a sandbox no ADD brought to the agent (started while the plugin was
+// not chained) and is handed over as any uncaptured pod.
+func TestReleasedPodWithNewSandboxIsHandedOver(t *testing.T) {
+	h := newHarness(t, 30*time.Second)
+	h.pod(1, true)
+	moved, same, unknown := h.pod(2, false), h.pod(3, false), h.pod(4, false)
+	h.v.round(context.Background()) // first seen
+	// The DELs came just now (a round lasts a period).
+	h.released[moved.UID] = released{h.now, []netip.Addr{netip.MustParseAddr("10.0.0.99")}}
+	h.released[same.UID] = released{h.now, []netip.Addr{netip.MustParseAddr("10.0.0.3")}}
+	h.released[unknown.UID] = released{at: h.now}
+	h.v.round(context.Background())
+	if want := []types.NamespacedName{{Namespace: "ns", Name: moved.Name}}; !slices.Equal(h.requeued, want) || h.unproven != 1 {
+		t.Fatalf("requeued %v, unproven %d; want only the pod with a new sandbox %v, 1", h.requeued, h.unproven, want)
+	}
+	// A period after the DELs no ADD came: whatever runs under the old
+	// IPs is captured as any other pod.
+	h.v.round(context.Background())
+	h.v.round(context.Background())
+	got := map[string]bool{}
+	for _, n := range h.requeued {
+		got[n.Name] = true
+	}
+	if !got[same.Name] || !got[unknown.Name] || h.unproven != 3 {
+		t.Fatalf("a period after the DELs: requeued %v, unproven %d; want %s and %s among them, 3", h.requeued, h.unproven, same.Name, unknown.Name)
 	}
 }

@@ -301,6 +301,64 @@ func TestVerifierFindsSandboxRecreatedUnchained(t *testing.T) {
 	poll.Within(t, waitLong, "the unproven gauge at 0", func() bool { return gauge(t, n.metrics.PodsUnproven) == 0 })
 }
 
+// TestVerifierCapturesPodReleasedByLateDel: a captured pod's sandbox is
+// recreated while our plugin is not chained, and the runtime's repeated
+// DEL of the old sandbox reaches the agent once the plugin is chained
+// again, after the pod's new IPs were seen: the agent releases the pod
+// and nothing else will bring it back (no ADD came, no pod event
+// follows). The verifier finds the pod uncaptured under IPs its released
+// sandbox never had and it is captured in its new network namespace.
+func TestVerifierCapturesPodReleasedByLateDel(t *testing.T) {
+	n := newNode(t, nodeOptions{VerifyPeriod: testVerifyPeriod})
+	shop := n.namespace("shop", ambientLabel)
+	p := n.runPod(podSpec(shop, "web", nil, nil))
+	client := n.runPod(podSpec(shop, "client", nil, nil))
+	n.waitEnrolled(waitLong, p, client)
+
+	ctx := context.Background()
+	chained := n.kube.Conf
+	unchained, err := libcni.ConfListFromBytes(n.unchainedConf())
+	if err != nil {
+		t.Fatal(err)
+	}
+	n.kube.Conf = unchained
+	if err := n.kube.Teardown(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	np, err := n.kube.Start(ctx, p.Obj)
+	n.kube.Conf = chained
+	if err != nil {
+		t.Fatal(err)
+	}
+	serveApp(t, np)
+	// The agent's pod cache (which explain reads) has the new IP, so the
+	// controller has seen the status change while it still held the pod.
+	poll.Within(t, waitLong, "the agent's pod cache showing the new sandbox's IP", func() bool {
+		return slices.Contains(n.explain(shop, "web").IPs, np.Addr(4).String())
+	})
+	if err := n.kube.DelAgain(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	if n.d.Agent().SandboxReleased(p.Obj.UID) {
+		t.Logf("the late DEL released the pod (%v -> %v)", p.Addr(4), np.Addr(4))
+	} else {
+		// The verifier moved the pod to its new sandbox first: the DEL
+		// then names nothing the agent holds.
+		t.Logf("the verifier had captured the new sandbox before the late DEL")
+	}
+	poll.Within(t, waitLong, "the new sandbox captured", func() bool {
+		proof, ok := n.d.Verifier().Last(np.Obj.UID)
+		return ok && proof.OK && n.podRulesClean(np) && n.inProbeSet(np)
+	})
+	n.waitStandIn(func() bool {
+		w, ok := n.zt.Workload(string(np.Obj.UID))
+		return ok && slices.Contains(w.IPs, np.Addr(4))
+	}, "the stand-in serving the new sandbox")
+	mustGet(t, client, np)
+	n.requireTunneled(client, np)
+	poll.Within(t, waitLong, "the unproven gauge at 0", func() bool { return gauge(t, n.metrics.PodsUnproven) == 0 })
+}
+
 // TestVerifierNoAPIRequestsWhenNothingDrifted: proving a healthy node's
 // pods reads the pod cache only; the agent's client sends no request
 // over several verifier rounds.

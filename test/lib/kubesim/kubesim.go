@@ -286,6 +286,17 @@ func (n *Node) Teardown(ctx context.Context, p *Pod) error {
 	return errors.Join(err, nsErr)
 }
 
+// DelAgain runs CNI DEL of p's sandbox, already torn down, once more
+// through the node's current conflist, as a runtime repeats it when it
+// removes a stopped sandbox or cleans up a dead one (its netns is gone by
+// then).
+func (n *Node) DelAgain(ctx context.Context, p *Pod) error {
+	if err := n.CNI.DelNetworkList(ctx, n.Conf, n.rt(p)); err != nil {
+		return fmt.Errorf("CNI DEL again for %s/%s: %w", p.Obj.Namespace, p.Obj.Name, err)
+	}
+	return nil
+}
+
 // Addr returns the pod's first IP of the given family (4 or 6).
 func (p *Pod) Addr(family int) netip.Addr {
 	for _, a := range p.IPs {
