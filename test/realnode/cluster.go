@@ -205,6 +205,26 @@ func (n *Node) AgentPods(ctx context.Context) ([]corev1.Pod, error) {
 	return l.Items, nil
 }
 
+// AgentLogTail returns the last lines of every agent pod's log, through
+// the API server as kubectl logs reads them, for a failure's report.
+func (n *Node) AgentLogTail(ctx context.Context, lines int64) string {
+	pods, err := n.AgentPods(ctx)
+	if err != nil {
+		return fmt.Sprintf("(agent pods: %v)", err)
+	}
+	var b strings.Builder
+	for _, p := range pods {
+		out, err := n.Client.CoreV1().Pods(p.Namespace).GetLogs(p.Name, &corev1.PodLogOptions{TailLines: &lines}).DoRaw(ctx)
+		fmt.Fprintf(&b, "== %s/%s, last %d lines", p.Namespace, p.Name, lines)
+		if err != nil {
+			fmt.Fprintf(&b, ": %v\n", err)
+			continue
+		}
+		fmt.Fprintf(&b, ":\n%s\n", out)
+	}
+	return b.String()
+}
+
 // AgentMetricsPort is the chart's default metrics port (host network).
 // Health has no port: the chart's exec probes ask the debug socket, as
 // AgentGet does.

@@ -164,7 +164,7 @@ func (e *e2e) testVerifier(t *testing.T) {
 				return ok, err
 			})
 			if err != nil {
-				t.Fatal(err)
+				t.Fatalf("%v\n%s", err, n.AgentLogTail(ctx, 150))
 			}
 			if len(missed) > 0 {
 				t.Errorf("proofs begun after the tamper found no %s drift:\n%s", c.kind, strings.Join(missed, "\n"))
