@@ -59,10 +59,12 @@ func WithRouter(r Router) Option { return func(a *Applier) { a.router = r } }
 
 // TableOwner creates the nf_tables tables and base chains iptables-nft
 // would create, marked as ours, and deletes them once empty
-// (pkg/netfilter's CreateOwned and DeleteOwned); only the nft backend uses it.
+// (pkg/netfilter's CreateOwned, DeleteOwned and, in pods, DeleteInert);
+// only the nft backend uses it.
 type TableOwner interface {
 	CreateOwned(netnsPath string, tables []netfilter.TableRef, chains []netfilter.BaseChain) (netfilter.Created, error)
 	DeleteOwned(netnsPath string, tables []netfilter.TableRef) (netfilter.Created, error)
+	DeleteInert(netnsPath string, tables []netfilter.TableRef) (netfilter.Created, error)
 }
 
 // WithTableOwner replaces the nf_tables table side (tests use a fake).
@@ -676,7 +678,7 @@ func (a *Applier) removeFamily(ctx context.Context, netnsPath string, f ruleset.
 		if err := a.restore(ctx, netnsPath, f, plan); err != nil {
 			return err
 		}
-		a.dropOwnedTables(netnsPath, f, touchedTables(plan))
+		a.dropPodTables(netnsPath, f, touchedTables(plan))
 		a.log.Debug("rules removed", "netns", netnsPath, "family", f.String())
 	}
 	if !routes {
@@ -697,6 +699,19 @@ func (a *Applier) removeFamily(ctx context.Context, netnsPath string, f ruleset.
 // there before us is never deleted. Failure costs only an empty, inert
 // table, so it is logged, not returned. Legacy tables cannot be deleted.
 func (a *Applier) dropOwnedTables(netnsPath string, f ruleset.Family, tables []string) {
+	a.dropTables(netnsPath, f, tables, false)
+}
+
+// dropPodTables is dropOwnedTables in a pod, where a table our removal
+// left inert (nothing but built-in chains without rules, policy accept)
+// goes too, whoever made it: the tables of a pod istio-cni captured are
+// its iptables-nft's, ours wrote into them, and once they are empty they
+// only cost every packet a hook call per chain.
+func (a *Applier) dropPodTables(netnsPath string, f ruleset.Family, tables []string) {
+	a.dropTables(netnsPath, f, tables, true)
+}
+
+func (a *Applier) dropTables(netnsPath string, f ruleset.Family, tables []string, inert bool) {
 	if a.backend != BackendNFT || len(tables) == 0 {
 		return
 	}
@@ -704,7 +719,11 @@ func (a *Applier) dropOwnedTables(netnsPath string, f ruleset.Family, tables []s
 	for i, t := range tables {
 		refs[i] = nftTable(f, t)
 	}
-	if _, err := a.tables.DeleteOwned(netnsPath, refs); err != nil {
+	del := a.tables.DeleteOwned
+	if inert {
+		del = a.tables.DeleteInert
+	}
+	if _, err := del(netnsPath, refs); err != nil {
 		a.log.Debug("empty tables left in place", "netns", netnsPath, "tables", refs, "err", err)
 	}
 }

@@ -342,6 +342,16 @@ func (h *fakeHost) CreateOwned(path string, tables []netfilter.TableRef, _ []net
 // DeleteOwned implements TableOwner: only owned tables with no rules and
 // no user chains go.
 func (h *fakeHost) DeleteOwned(path string, tables []netfilter.TableRef) (netfilter.Created, error) {
+	return h.deleteTables(path, tables, false)
+}
+
+// DeleteInert implements TableOwner: DeleteOwned, and tables of others
+// holding only built-in chains without rules, policy ACCEPT.
+func (h *fakeHost) DeleteInert(path string, tables []netfilter.TableRef) (netfilter.Created, error) {
+	return h.deleteTables(path, tables, true)
+}
+
+func (h *fakeHost) deleteTables(path string, tables []netfilter.TableRef, inert bool) (netfilter.Created, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.log = append(h.log, "delete-owned")
@@ -350,12 +360,12 @@ func (h *fakeHost) DeleteOwned(path string, tables []netfilter.TableRef) (netfil
 	for _, t := range tables {
 		s := n.saves[fakeFamily(t)]
 		tbl := s.Table(t.Name)
-		if tbl == nil || !n.owned[t.String()] {
+		if tbl == nil || (!n.owned[t.String()] && !inert) {
 			continue
 		}
 		empty := true
 		for _, c := range tbl.Chains {
-			if len(c.Rules) > 0 || c.Policy == "-" {
+			if len(c.Rules) > 0 || c.Policy == "-" || (!n.owned[t.String()] && c.Policy != "ACCEPT") {
 				empty = false
 			}
 		}

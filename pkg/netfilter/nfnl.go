@@ -130,6 +130,10 @@ func listTables(c *netlink.Conn, family uint8) ([]tableInfo, error) {
 type chainInfo struct {
 	name    string
 	comment string
+	// base: the chain is attached to a hook; policy is its verdict for
+	// packets no rule decides (NF_ACCEPT, NF_DROP).
+	base   bool
+	policy uint32
 }
 
 // listChains dumps the chains of one table.
@@ -151,6 +155,7 @@ func listChains(c *netlink.Conn, family uint8, table string) ([]chainInfo, error
 		if err != nil {
 			return nil, err
 		}
+		ad.ByteOrder = binary.BigEndian
 		var tbl string
 		var ch chainInfo
 		for ad.Next() {
@@ -159,6 +164,10 @@ func listChains(c *netlink.Conn, family uint8, table string) ([]chainInfo, error
 				tbl = ad.String()
 			case unix.NFTA_CHAIN_NAME:
 				ch.name = ad.String()
+			case unix.NFTA_CHAIN_HOOK:
+				ch.base = true
+			case unix.NFTA_CHAIN_POLICY:
+				ch.policy = ad.Uint32()
 			case nftaChainUserdata:
 				ch.comment = udataComment(ad.Bytes())
 			}

@@ -12,9 +12,10 @@ import (
 )
 
 // OwnerComment is the comment on every nf_tables table this project
-// creates (`nft list ruleset` shows it). Removal deletes a table only when
-// it carries this comment, so a table that existed before us, empty or
-// not, is never taken away.
+// creates (`nft list ruleset` shows it). DeleteOwned deletes a table only
+// when it carries this comment, so a table that existed before us, empty
+// or not, is never taken away; in a pod, DeleteInert also takes a table
+// that no longer decides anything.
 const OwnerComment = "ambient-cni: created by the node agent; deleted when empty"
 
 // TableFamily is an nf_tables address family.
@@ -207,7 +208,29 @@ func tablesByFamily(c *netlink.Conn, refs []TableRef) (map[TableRef]tableInfo, e
 // stays. It returns what it deleted; what it keeps because it is not ours
 // or not empty is no error.
 func DeleteOwned(netnsPath string, tables []TableRef) (Created, error) {
-	return deleteOwned(netnsPath, tables, func(c *netlink.Conn) { _ = c.Close() })
+	return deleteOwned(netnsPath, tables, false, func(c *netlink.Conn) { _ = c.Close() })
+}
+
+// DeleteInert is DeleteOwned that also deletes, whoever made it, each
+// table among tables that holds nothing but built-in chains without rules
+// whose policy is accept: such a table decides nothing, yet each of its
+// chains still costs every packet a hook call. It is for a pod's
+// namespace, where the tables our rules were written into may be another
+// mesh agent's (istio-cni's iptables-nft, which made them and whose rules
+// ours replaced); a host's tables are DeleteOwned's alone.
+func DeleteInert(netnsPath string, tables []TableRef) (Created, error) {
+	return deleteOwned(netnsPath, tables, true, func(c *netlink.Conn) { _ = c.Close() })
+}
+
+// inert reports whether chains are all built-in chains with policy
+// accept: emptied of rules, their table does nothing.
+func inert(chains []chainInfo) bool {
+	for _, ch := range chains {
+		if !ch.base || ch.policy != nfAccept {
+			return false
+		}
+	}
+	return true
 }
 
 // Owner runs CreateOwned and DeleteOwned for a long-lived caller: a
@@ -225,8 +248,15 @@ func (o *Owner) CreateOwned(netnsPath string, tables []TableRef, chains []BaseCh
 
 // DeleteOwned is the package's DeleteOwned, closing in the background.
 func (o *Owner) DeleteOwned(netnsPath string, tables []TableRef) (Created, error) {
-	return deleteOwned(netnsPath, tables, func(c *netlink.Conn) { o.closing.Go(func() { _ = c.Close() }) })
+	return deleteOwned(netnsPath, tables, false, o.closeLater)
 }
+
+// DeleteInert is the package's DeleteInert, closing in the background.
+func (o *Owner) DeleteInert(netnsPath string, tables []TableRef) (Created, error) {
+	return deleteOwned(netnsPath, tables, true, o.closeLater)
+}
+
+func (o *Owner) closeLater(c *netlink.Conn) { o.closing.Go(func() { _ = c.Close() }) }
 
 // Close waits for background closes.
 func (o *Owner) Close() error {
@@ -234,7 +264,7 @@ func (o *Owner) Close() error {
 	return nil
 }
 
-func deleteOwned(netnsPath string, tables []TableRef, closeConn func(*netlink.Conn)) (Created, error) {
+func deleteOwned(netnsPath string, tables []TableRef, inertToo bool, closeConn func(*netlink.Conn)) (Created, error) {
 	var deleted Created
 	if len(tables) == 0 {
 		return deleted, nil
@@ -272,7 +302,7 @@ func deleteOwned(netnsPath string, tables []TableRef, closeConn func(*netlink.Co
 			errs = append(errs, err)
 			continue
 		}
-		if info.comment == OwnerComment {
+		if info.comment == OwnerComment || (inertToo && inert(chains)) {
 			var msgs []netlink.Message
 			for _, ch := range chains {
 				msgs = append(msgs, delChain(t, ch.name))

@@ -103,3 +103,56 @@ func TestUdataComment(t *testing.T) {
 		t.Errorf("comment after another TLV: %q", got)
 	}
 }
+
+// DeleteInert deletes another program's table once it holds nothing but
+// built-in chains without rules whose policy is accept; one that still
+// decides something (a rule, a user chain, a drop policy, a set) stays,
+// and DeleteOwned leaves them all.
+func TestDeleteInert(t *testing.T) {
+	testnet.RequireRoot(t)
+	testnet.RequireCommands(t, "nft", "iptables-nft")
+	n := testnet.NewNS(t)
+	path := n.Path()
+	nat, mangle, raw, filter := TableRef{FamilyIPv4, "nat"}, TableRef{FamilyIPv4, "mangle"}, TableRef{FamilyIPv4, "raw"}, TableRef{FamilyIPv6, "filter"}
+	all := []TableRef{nat, mangle, raw, filter}
+
+	// As iptables-nft leaves them once its rules are gone: empty built-in
+	// chains with policy accept.
+	sh(t, n, "iptables-nft", "-t", "nat", "-A", "OUTPUT", "-j", "RETURN")
+	sh(t, n, "iptables-nft", "-t", "nat", "-A", "PREROUTING", "-j", "RETURN")
+	sh(t, n, "iptables-nft", "-t", "mangle", "-N", "KEEP")
+	sh(t, n, "iptables-nft", "-t", "raw", "-A", "OUTPUT", "-j", "ACCEPT")
+	sh(t, n, "ip6tables-nft", "-P", "FORWARD", "DROP")
+	sh(t, n, "iptables-nft", "-t", "nat", "-F")
+	if del, err := DeleteOwned(path, all); err != nil || !del.Empty() {
+		t.Fatalf("DeleteOwned of others' tables: %v %v", del, err)
+	}
+	del, err := DeleteInert(path, all)
+	if err != nil || !slices.Equal(del.Tables, []TableRef{nat}) {
+		t.Fatalf("DeleteInert: %v %v; want only ip nat", del, err)
+	}
+	ruleset := sh(t, n, "nft", "list", "ruleset")
+	for _, want := range []string{"table ip mangle", "table ip raw", "table ip6 filter"} {
+		if !strings.Contains(ruleset, want) {
+			t.Fatalf("%s deleted:\n%s", want, ruleset)
+		}
+	}
+	if strings.Contains(ruleset, "table ip nat") {
+		t.Fatalf("inert ip nat kept:\n%s", ruleset)
+	}
+	// Emptied, each goes; the drop policy keeps its table.
+	sh(t, n, "iptables-nft", "-t", "mangle", "-X", "KEEP")
+	sh(t, n, "iptables-nft", "-t", "raw", "-F")
+	sh(t, n, "nft", "add", "set", "ip", "raw", "s", "{ type ipv4_addr; }")
+	if del, err := DeleteInert(path, all); err != nil || !slices.Equal(del.Tables, []TableRef{mangle}) {
+		t.Fatalf("DeleteInert after emptying: %v %v; want ip mangle", del, err)
+	}
+	sh(t, n, "nft", "delete", "set", "ip", "raw", "s")
+	sh(t, n, "ip6tables-nft", "-P", "FORWARD", "ACCEPT")
+	if del, err := DeleteInert(path, all); err != nil || !slices.Equal(del.Tables, []TableRef{raw, filter}) {
+		t.Fatalf("DeleteInert of the rest: %v %v", del, err)
+	}
+	if ruleset := sh(t, n, "nft", "list", "ruleset"); strings.TrimSpace(ruleset) != "" {
+		t.Fatalf("left:\n%s", ruleset)
+	}
+}

@@ -1,9 +1,15 @@
 package rulesbackend
 
 import (
+	"bytes"
+	"fmt"
 	"net/netip"
+	"os"
+	"os/exec"
 	"strings"
 	"testing"
+
+	"github.com/containernetworking/plugins/pkg/ns"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/test/lib/captureproxy"
@@ -177,5 +183,79 @@ func TestHostMigration(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// TestIstioCNIRulesLeaveNothing: a pod istio-cni captured with its
+// iptables-nft rules (testdata: as Istio's agent wrote them on the real
+// node) is taken over by each backend with capture holding, and removal
+// leaves the pod as it was before istio-cni: the nf_tables tables
+// istio-cni's iptables made go once nothing but empty built-in chains is
+// left in them, whichever backend emptied them.
+func TestIstioCNIRulesLeaveNothing(t *testing.T) {
+	testnet.RequireRoot(t)
+	testnet.RequireCommands(t, "iptables-nft-restore", "ip6tables-nft-restore", "nft")
+	for _, bc := range backends {
+		t.Run(bc.name, func(t *testing.T) {
+			bc.require(t)
+			cur := bc.build(t, "")
+			cfg := ruleset.PodConfig{DNSCapture: true}
+
+			ref := testnet.NewPair(t)
+			if err := cur.Rules.Apply(ref.A.NS.Path(), cfg); err != nil {
+				t.Fatal(err)
+			}
+			want := dt.Snapshot(t, ref.A.NS.Path())
+
+			pair := testnet.NewPair(t)
+			A := pair.A.NS.Path()
+			before := dt.Snapshot(t, A)
+			restoreFile(t, A, "iptables-nft-restore", "testdata/istio-cni-inpod-v4.rules")
+			restoreFile(t, A, "ip6tables-nft-restore", "testdata/istio-cni-inpod-v6.rules")
+			proxA := dt.StartProxy(t, A, captureproxy.Config{TCPPorts: []uint16{15001}})
+			dt.Flow{Name: "captured by istio-cni", From: A, Dst: dt.AP(pair.B.V4, 8080), At: proxA, WantPort: 15001, WantOrig: dt.AP(pair.B.V4, 8080)}.Check(t)
+
+			if err := cur.Rules.Apply(A, cfg); err != nil {
+				t.Fatal(err)
+			}
+			if d, err := cur.Rules.Verify(A, cfg); err != nil || !d.Empty() {
+				t.Fatalf("verify after taking over: %v\n%s", err, d)
+			}
+			// The nftables backend leaves nothing of istio-cni's; the
+			// iptables ones fill its tables with their own rules.
+			if bc.value == "nftables" {
+				if got := dt.Snapshot(t, A); got != want {
+					t.Fatalf("after taking over, the pod holds more than the backend's rules:\n%s\n--- want\n%s", got, want)
+				}
+			}
+			dt.Flow{Name: "captured after the move", From: A, Dst: dt.AP(pair.B.V4, 8080), At: proxA, WantPort: 15001, WantOrig: dt.AP(pair.B.V4, 8080)}.Check(t)
+
+			if err := cur.Rules.Remove(A); err != nil {
+				t.Fatal(err)
+			}
+			if after := dt.Snapshot(t, A); after != before {
+				t.Fatalf("remove left something:\n%s\n--- want\n%s", after, before)
+			}
+		})
+	}
+}
+
+// restoreFile feeds a rules file to an iptables-restore in the namespace.
+func restoreFile(t *testing.T, netnsPath, restore, file string) {
+	t.Helper()
+	in, err := os.ReadFile(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = ns.WithNetNSPath(netnsPath, func(ns.NetNS) error {
+		c := exec.Command(restore)
+		c.Stdin = bytes.NewReader(in)
+		if out, err := c.CombinedOutput(); err != nil {
+			return fmt.Errorf("%s < %s: %w: %s", restore, file, err, out)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 }
