@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -13,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -239,6 +241,48 @@ func TestDelOfControllerCapturedPod(t *testing.T) {
 	})
 	if err := h.agent.RemoveSandbox(ctx, withNetns(base, "")); err != nil || len(h.agent.Pods()) != 0 {
 		t.Fatalf("unclear DEL of a terminating pod: %v, state %v", err, h.agent.Pods())
+	}
+}
+
+// TestNewSandboxWithTornIdentityIsCaptured: the kernel hands a freed
+// namespace's inode number to the next one, so the same pod's next
+// sandbox, started right after the DEL without an ADD to the agent (our
+// plugin not chained), can carry the torn namespace's identity. The
+// controller's capture of it is refused only while the namespace holds
+// nothing but the torn sandbox's IPs.
+func TestNewSandboxWithTornIdentityIsCaptured(t *testing.T) {
+	h := newHarness(t)
+	ctx := context.Background()
+	pn := testnet.NewNS(t)
+	ip := func(args ...string) {
+		t.Helper()
+		if out, err := exec.Command("nsenter", append([]string{"--net=" + pn.Path(), "ip"}, args...)...).CombinedOutput(); err != nil {
+			t.Fatalf("ip %v: %v: %s", args, err, out)
+		}
+	}
+	ip("link", "set", "lo", "up")
+	ip("addr", "add", "10.1.0.5/32", "dev", "lo")
+	p := pod("shop", "web", "u1", nil)
+	p.Status.PodIPs = []corev1.PodIP{{IP: "10.1.0.5"}}
+	h.kube.SetPod(p)
+	if err := h.agent.Capture(ctx, p, openNS(t, pn), nil); err != nil {
+		t.Fatal(err)
+	}
+	del := SandboxDel{SandboxID: "sb-unknown", UID: "u1", Namespace: "shop", Name: "web", Netns: pn.Path()}
+	if err := h.agent.RemoveSandbox(ctx, del); err != nil || len(h.agent.Pods()) != 0 {
+		t.Fatalf("DEL: %v, state %v", err, h.agent.Pods())
+	}
+	if err := h.agent.Capture(ctx, p, openNS(t, pn), nil); !IsRetryable(err) {
+		t.Fatalf("capture of the torn sandbox's namespace (only its IPs): %v", err)
+	}
+	// The new sandbox got another address.
+	ip("addr", "del", "10.1.0.5/32", "dev", "lo")
+	ip("addr", "add", "10.1.0.6/32", "dev", "lo")
+	p = p.DeepCopy()
+	p.Status.PodIPs = []corev1.PodIP{{IP: "10.1.0.6"}}
+	h.kube.SetPod(p)
+	if err := h.agent.Capture(ctx, p, openNS(t, pn), nil); err != nil || len(h.agent.Pods()) != 1 {
+		t.Fatalf("capture of the new sandbox in a namespace with the torn identity: %v, state %v", err, h.agent.Pods())
 	}
 }
 

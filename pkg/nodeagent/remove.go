@@ -144,7 +144,7 @@ func (a *Agent) RemoveSandbox(ctx context.Context, d SandboxDel) error {
 			}
 		}
 		if id, ok := a.netnsIdentity(d.Netns); ok {
-			a.markTorn(id, uid)
+			a.markTorn(id, uid, e.IPs)
 		}
 	case d.Replayed:
 		if id, ok := a.netnsIdentity(d.Netns); ok && id == e.ns.Identity() {
@@ -155,9 +155,9 @@ func (a *Agent) RemoveSandbox(ctx context.Context, d SandboxDel) error {
 				log.Warn("remove rules of a replayed DEL's sandbox", "err", err)
 			}
 		}
-		a.markTorn(e.ns.Identity(), uid)
+		a.markTorn(e.ns.Identity(), uid, e.IPs)
 	default:
-		a.markTorn(e.ns.Identity(), uid)
+		a.markTorn(e.ns.Identity(), uid, e.IPs)
 	}
 	a.forget(log, e)
 	a.noteReleased(e.Namespace, e.Name, uid, e.IPs)

@@ -324,20 +324,21 @@ func (a *Agent) podObjectGone(namespace, name string, uid types.UID) bool {
 const tornTTL = time.Minute
 
 // tornMark is a namespace whose sandbox a CNI DEL tore down: which pod's,
-// and when.
+// when, and the IPs the sandbox had (none when not known).
 type tornMark struct {
 	uid types.UID
 	at  time.Time
+	ips []netip.Addr
 }
 
 // markTorn notes that the runtime is tearing down pod uid's sandbox, whose
-// namespace is id.
-func (a *Agent) markTorn(id netns.Identity, uid types.UID) {
+// namespace is id and whose IPs were ips.
+func (a *Agent) markTorn(id netns.Identity, uid types.UID, ips []netip.Addr) {
 	now := time.Now()
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.pruneTornLocked(now)
-	a.torn[id] = tornMark{uid: uid, at: now}
+	a.torn[id] = tornMark{uid: uid, at: now, ips: slices.Clone(ips)}
 }
 
 // pruneTornLocked drops the marks older than tornTTL: a DEL that came after
@@ -356,10 +357,26 @@ func (a *Agent) pruneTornLocked(now time.Time) {
 // namespace is freed the kernel reuses its inode number, so another pod's
 // new namespace can carry a torn one's identity within the minute (seen
 // in make bench: 500 new pods after hundreds of DELs, some refused for a
-// minute).
+// minute). So can the same pod's next sandbox, started right after the
+// DEL (one no ADD brought to the agent, while our plugin was not chained:
+// seen on the real node, the pod left uncaptured for the minute): a
+// namespace holding an address the torn sandbox did not have is that new
+// one, not the torn one, whose interfaces the primary's DEL removes.
 func (a *Agent) tornDown(ns *netns.Handle, uid types.UID) bool {
 	a.mu.Lock()
-	defer a.mu.Unlock()
 	m, ok := a.torn[ns.Identity()]
-	return ok && m.uid == uid && time.Since(m.at) <= tornTTL
+	a.mu.Unlock()
+	if !ok || m.uid != uid || time.Since(m.at) > tornTTL {
+		return false
+	}
+	if len(m.ips) == 0 {
+		return true
+	}
+	have, err := netns.Addrs(ns.File())
+	if err != nil {
+		return true
+	}
+	return !slices.ContainsFunc(have, func(h netip.Addr) bool {
+		return h.IsGlobalUnicast() && !slices.Contains(m.ips, h)
+	})
 }

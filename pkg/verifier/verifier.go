@@ -209,13 +209,18 @@ type Verifier struct {
 	proofs map[types.UID]Proof
 	// missing are the pods found uncaptured, and since when.
 	missing map[types.UID]*missingPod
+	// caught are the pods found uncaptured that the agent now holds, until
+	// their first proof, which shows that drift as its last.
+	caught map[types.UID]missingPod
 }
 
 // missingPod is a pod found uncaptured: since when, and whether it was
-// reported (once per time it goes missing).
+// reported (once per time it goes missing), when and how.
 type missingPod struct {
-	since time.Time
-	told  bool
+	since   time.Time
+	told    bool
+	toldAt  time.Time
+	finding Finding
 }
 
 // New returns a verifier for cfg.
@@ -241,7 +246,7 @@ func New(cfg Config) *Verifier {
 		cfg.sleep = sleepCtx
 	}
 	return &Verifier{cfg: cfg, log: cfg.Logger.With("component", "verifier"),
-		proofs: map[types.UID]Proof{}, missing: map[types.UID]*missingPod{}}
+		proofs: map[types.UID]Proof{}, missing: map[types.UID]*missingPod{}, caught: map[types.UID]missingPod{}}
 }
 
 func sleepCtx(ctx context.Context, d time.Duration) bool {
@@ -309,6 +314,11 @@ func (v *Verifier) forget(enrolled []nodeagent.EnrolledPod) {
 			delete(v.proofs, uid)
 		}
 	}
+	for uid := range v.caught {
+		if !keep[uid] {
+			delete(v.caught, uid)
+		}
+	}
 	v.report()
 }
 
@@ -338,16 +348,17 @@ func (v *Verifier) findUncaptured(ctx context.Context) {
 		}
 		ripe := known && now.Sub(m.since) >= v.cfg.Settle
 		tell := ripe && !m.told
+		var f Finding
 		if tell {
-			m.told = true
+			d := v.cfg.Pods.DecideCached(p)
+			f = Finding{Kind: KindUncaptured, Detail: fmt.Sprintf("the pod should be captured (%s) but the agent does not hold it; capturing it", d.Reason)}
+			m.told, m.toldAt, m.finding = true, now, f
 		}
 		v.mu.Unlock()
 		if !ripe {
 			continue
 		}
 		if tell {
-			d := v.cfg.Pods.DecideCached(p)
-			f := Finding{Kind: KindUncaptured, Detail: fmt.Sprintf("the pod should be captured (%s) but the agent does not hold it; capturing it", d.Reason)}
 			v.found(p, []Finding{f})
 		}
 		// Every round while it stays uncaptured: the controller's own
@@ -357,8 +368,12 @@ func (v *Verifier) findUncaptured(ctx context.Context) {
 		}
 	}
 	v.mu.Lock()
-	for uid := range v.missing {
+	for uid, m := range v.missing {
 		if !seen[uid] {
+			// Captured since (or gone: forget drops it then).
+			if m.told {
+				v.caught[uid] = *m
+			}
 			delete(v.missing, uid)
 		}
 	}
@@ -418,7 +433,10 @@ func (v *Verifier) prove(ctx context.Context, uid types.UID) {
 	v.mu.Lock()
 	if prev, ok := v.proofs[uid]; ok {
 		proof.LastDriftAt, proof.LastDrift = prev.LastDriftAt, prev.LastDrift
+	} else if m, ok := v.caught[uid]; ok {
+		proof.LastDriftAt, proof.LastDrift = m.toldAt, []Finding{m.finding}
 	}
+	delete(v.caught, uid)
 	v.mu.Unlock()
 	found, problem := v.check(e, pod)
 	proof.Found = found

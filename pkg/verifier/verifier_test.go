@@ -473,6 +473,11 @@ func TestUncapturedPodIsHandedToTheController(t *testing.T) {
 	if h.unproven != 0 || len(h.requeued) != 2 {
 		t.Fatalf("after capture: unproven %d, requeued %v", h.unproven, h.requeued)
 	}
+	// Its first proof shows the drift that got it captured (explain).
+	proof, ok := h.v.Last(p.UID)
+	if !ok || !proof.OK || len(proof.LastDrift) != 1 || proof.LastDrift[0].Kind != KindUncaptured || proof.LastDriftAt.IsZero() {
+		t.Fatalf("first proof after capture %+v (%v): want proven, last drift uncaptured", proof, ok)
+	}
 }
 
 // Pods going away, no longer to be captured, or gone are not proven, and
