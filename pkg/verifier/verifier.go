@@ -348,17 +348,20 @@ func (v *Verifier) findUncaptured(ctx context.Context) {
 		}
 		ripe := known && now.Sub(m.since) >= v.cfg.Settle
 		tell := ripe && !m.told
-		var f Finding
 		if tell {
-			d := v.cfg.Pods.DecideCached(p)
-			f = Finding{Kind: KindUncaptured, Detail: fmt.Sprintf("the pod should be captured (%s) but the agent does not hold it; capturing it", d.Reason)}
-			m.told, m.toldAt, m.finding = true, now, f
+			m.told = true
 		}
 		v.mu.Unlock()
 		if !ripe {
 			continue
 		}
 		if tell {
+			d := v.cfg.Pods.DecideCached(p)
+			f := Finding{Kind: KindUncaptured, Detail: fmt.Sprintf("the pod should be captured (%s) but the agent does not hold it; capturing it", d.Reason)}
+			// Kept for the pod's first proof once captured.
+			v.mu.Lock()
+			m.toldAt, m.finding = now, f
+			v.mu.Unlock()
 			v.found(p, []Finding{f})
 		}
 		// Every round while it stays uncaptured: the controller's own
