@@ -82,12 +82,7 @@ func TestMigration(t *testing.T) {
 				old, cur := from.build(t, ""), to.build(t, "")
 				cfg := ruleset.PodConfig{DNSCapture: true}
 
-				// What the new backend alone leaves in a pod.
-				ref := testnet.NewPair(t)
-				if err := cur.Rules.Apply(ref.A.NS.Path(), cfg); err != nil {
-					t.Fatal(err)
-				}
-				want := dt.Snapshot(t, ref.A.NS.Path())
+				want := aloneSnapshot(t, cur, cfg)
 
 				pair := testnet.NewPair(t)
 				A := pair.A.NS.Path()
@@ -201,11 +196,7 @@ func TestIstioCNIRulesLeaveNothing(t *testing.T) {
 			cur := bc.build(t, "")
 			cfg := ruleset.PodConfig{DNSCapture: true}
 
-			ref := testnet.NewPair(t)
-			if err := cur.Rules.Apply(ref.A.NS.Path(), cfg); err != nil {
-				t.Fatal(err)
-			}
-			want := dt.Snapshot(t, ref.A.NS.Path())
+			want := aloneSnapshot(t, cur, cfg)
 
 			pair := testnet.NewPair(t)
 			A := pair.A.NS.Path()
@@ -238,6 +229,16 @@ func TestIstioCNIRulesLeaveNothing(t *testing.T) {
 			}
 		})
 	}
+}
+
+// aloneSnapshot is what backend b alone leaves in a new pod.
+func aloneSnapshot(t *testing.T, b *Backend, cfg ruleset.PodConfig) string {
+	t.Helper()
+	ref := testnet.NewPair(t)
+	if err := b.Rules.Apply(ref.A.NS.Path(), cfg); err != nil {
+		t.Fatal(err)
+	}
+	return dt.Snapshot(t, ref.A.NS.Path())
 }
 
 // restoreFile feeds a rules file to an iptables-restore in the namespace.
