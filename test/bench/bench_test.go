@@ -247,6 +247,11 @@ func TestQuickBench(t *testing.T) {
 		if len(br.Latency) != 8 || len(br.Enroll) != 2 || br.RSSIdleMB <= 0 || br.RSSPodsMB <= 0 || br.Detected == "" {
 			t.Errorf("%s: incomplete figures %+v", br.Name, br)
 		}
+		// Both verifier counts (the second after deleting pods, as the
+		// full run does) and the drift found and repaired.
+		if len(br.Verifier) != 2 || br.VerifierDrift == nil || br.VerifierDrift.RepairSeconds <= 0 {
+			t.Errorf("%s: verifier figures %+v, drift %+v", br.Name, br.Verifier, br.VerifierDrift)
+		}
 		for _, l := range br.Latency {
 			if l.Samples == 0 || l.Errors != 0 || l.P50Ms <= 0 || l.ChainP50Ms <= 0 {
 				t.Errorf("%s: %s %s x%d: %+v", br.Name, l.Kind, l.Op, l.Concurrency, l)

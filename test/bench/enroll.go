@@ -59,6 +59,19 @@ func startPods(ctx context.Context, node *kubesim.Node, namespace string, n int)
 // teardown removes pods' sandboxes (CNI DEL through node.Conf, process,
 // netns) a few at a time; the objects stay (the API server goes with the run).
 func teardown(node *kubesim.Node, pods []*kubesim.Pod) error {
+	return eachPod(pods, func(p *kubesim.Pod) error { return node.Teardown(context.Background(), p) })
+}
+
+// deletePods deletes pods as a user and kubelet do (the object marked,
+// the sandbox torn down, the object removed) a few at a time. A running
+// pod's sandbox is not torn down under an object left showing it
+// running: the agent takes such a pod for one to capture.
+func deletePods(ctx context.Context, node *kubesim.Node, pods []*kubesim.Pod) error {
+	return eachPod(pods, func(p *kubesim.Pod) error { return node.Delete(ctx, p) })
+}
+
+// eachPod runs do for every pod, eight at a time, and joins the errors.
+func eachPod(pods []*kubesim.Pod, do func(*kubesim.Pod) error) error {
 	errs := make(chan error, len(pods))
 	sem := make(chan struct{}, 8)
 	var wg sync.WaitGroup
@@ -66,7 +79,7 @@ func teardown(node *kubesim.Node, pods []*kubesim.Pod) error {
 		wg.Go(func() {
 			sem <- struct{}{}
 			defer func() { <-sem }()
-			if err := node.Teardown(context.Background(), p); err != nil {
+			if err := do(p); err != nil {
 				errs <- err
 			}
 		})

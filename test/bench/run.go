@@ -58,16 +58,21 @@ type sizes struct {
 	seq, conc int   // latency pods per kind and block at 1 and 8 at a time
 	reps      int   // blocks per arm (baseline, measured) of each latency figure
 	enroll    []int // running pods per namespace flip, small then large
-	execRuns  int
+	// nodePods is the verifier's second count of captured pods, reached
+	// by deleting the others.
+	nodePods int
+	execRuns int
 	// quietWait bounds the wait for a quiet machine before each block.
 	quietWait time.Duration
 }
 
 func (o Options) sizes() sizes {
 	if o.Quick {
-		return sizes{seq: 2, conc: 8, reps: 2, enroll: []int{4, 12}, execRuns: 10}
+		// Half the pods deleted before the drift: a smoke run goes the
+		// full run's way.
+		return sizes{seq: 2, conc: 8, reps: 2, enroll: []int{4, 12}, nodePods: 8, execRuns: 10}
 	}
-	return sizes{seq: 34, conc: 32, reps: 3, enroll: []int{100, 500}, execRuns: 100, quietWait: 10 * time.Second}
+	return sizes{seq: 34, conc: 32, reps: 3, enroll: []int{100, 500}, nodePods: verifierNodePods, execRuns: 100, quietWait: 10 * time.Second}
 }
 
 // peers are the istio-cni runs: a quick run keeps the smoke test short

@@ -20,7 +20,8 @@ import (
 // idle (its host probe resync, metrics, heartbeats). The idle agent's
 // CPU is read first, over one period with no pod captured, and taken
 // off. It is measured with every pod of the enrollment captured and
-// again with verifierNodePods of them, the node's default pod limit;
+// again with verifierNodePods of them (the node's default pod limit; the
+// others deleted);
 // then one pod's rules are flushed from the host and the drift is timed
 // until the agent counts it and until it is repaired.
 
@@ -83,9 +84,8 @@ func (r *backendRun) verifyPeriod() (time.Duration, error) {
 }
 
 // verifierFigures measures the verifier on node's captured pods: its cost
-// with all of them and with verifierNodePods, then the time to find and
-// repair a pod's flushed rules. It tears pods down to get to
-// verifierNodePods.
+// with all of them and with r.sz.nodePods, then the time to find and
+// repair a pod's flushed rules. It deletes pods to get to r.sz.nodePods.
 func (r *backendRun) verifierFigures(ctx context.Context, node *enrollNode, idle time.Duration) error {
 	period, err := r.verifyPeriod()
 	if err != nil {
@@ -93,14 +93,14 @@ func (r *backendRun) verifierFigures(ctx context.Context, node *enrollNode, idle
 	}
 	idlePerSecond := idle.Seconds() / period.Seconds() // CPU seconds a second
 	counts := []int{len(node.running)}
-	if len(node.running) > verifierNodePods {
-		counts = append(counts, verifierNodePods)
+	if len(node.running) > r.sz.nodePods {
+		counts = append(counts, r.sz.nodePods)
 	}
 	for _, n := range counts {
 		if len(node.running) > n {
-			r.logf("tearing down %d of the %d running pods, to measure the verifier with %d", len(node.running)-n, len(node.running), n)
-			if err := teardown(node.kube, node.running[n:]); err != nil {
-				return fmt.Errorf("tear pods down: %w", err)
+			r.logf("deleting %d of the %d running pods, to measure the verifier with %d", len(node.running)-n, len(node.running), n)
+			if err := deletePods(ctx, node.kube, node.running[n:]); err != nil {
+				return fmt.Errorf("delete pods: %w", err)
 			}
 			node.running = node.running[:n]
 		}
@@ -243,10 +243,11 @@ func (r *backendRun) verifierDrift(ctx context.Context, node *enrollNode, period
 	// leave a loaded machine room.
 	deadline := t0.Add(3*period + 30*time.Second)
 	d := &VerifierDrift{PeriodSeconds: period.Seconds()}
+	back, unproven := false, -1.0
 	for d.DetectSeconds == 0 || d.RepairSeconds == 0 {
 		if time.Now().After(deadline) {
-			return nil, fmt.Errorf("a pod's flushed rules: drift counted after %.1f s, repaired after %.1f s (0: not by %v)",
-				d.DetectSeconds, d.RepairSeconds, deadline.Sub(t0).Round(time.Second))
+			return nil, fmt.Errorf("a pod's flushed rules: drift counted after %.1f s, repaired after %.1f s (0: not by %v); last seen: rules back %v, %s %v",
+				d.DetectSeconds, d.RepairSeconds, deadline.Sub(t0).Round(time.Second), back, unprovenMetric, unproven)
 		}
 		if err := sleep(ctx, 50*time.Millisecond); err != nil {
 			return nil, err
@@ -258,12 +259,15 @@ func (r *backendRun) verifierDrift(ctx context.Context, node *enrollNode, period
 			}
 			continue
 		}
-		back, err := ours()
-		if err != nil {
+		if back, err = ours(); err != nil {
 			return nil, err
 		}
 		vals, err := scrape.Values(r.metricsURL, unprovenMetric)
-		if err == nil && back && vals[unprovenMetric] == 0 {
+		v, ok := vals[unprovenMetric]
+		if err != nil || !ok {
+			continue // a gauge not shown is not 0
+		}
+		if unproven = v; back && unproven == 0 {
 			d.RepairSeconds = now
 		}
 	}
