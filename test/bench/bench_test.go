@@ -265,6 +265,13 @@ func TestQuickBench(t *testing.T) {
 			if l.Kind == "ambient" && l.Op == "ADD" && l.APIPerPod <= 0 {
 				t.Errorf("%s: ambient ADD made no API request? %+v", br.Name, l)
 			}
+			// A refused request is a harness gap (an object a real node has)
+			// or a bug, never part of a figure.
+			for req := range l.APIRequests {
+				if strings.Contains(req, "(4") || strings.Contains(req, "(5") {
+					t.Errorf("%s: %s %s x%d: failed API request %q", br.Name, l.Kind, l.Op, l.Concurrency, req)
+				}
+			}
 		}
 		for _, e := range br.Enroll {
 			if e.Seconds <= 0 || e.APIPerPod <= 0 {
