@@ -160,7 +160,7 @@ func (r *backendRun) verifierCost(ctx context.Context, n int, period time.Durati
 	// (no clean verify yet whose generation to compare with): two
 	// iptables-save runs with iptables, a cost of the capture rather
 	// than of the steady verifier. One period first, so the window holds
-	// proofs by generation only, and what a teardown left is done; a
+	// proofs by generation only, and what the deletions left is done; a
 	// quick run's figures are produced, not read, and skip it.
 	if !r.o.Quick {
 		if err := sleep(ctx, period); err != nil {
