@@ -301,9 +301,8 @@ func runFleetSystem(ctx context.Context, o FleetOptions, sz fleetSizes, k fleetK
 		}
 		p.nodeIP = nn.addr.String()
 		ipToNode[p.nodeIP] = p.name
-		node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: p.name, Labels: map[string]string{"kubernetes.io/hostname": p.name}}}
-		if _, err := env.Client.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
-			return sys, fmt.Errorf("create node %s: %w", p.name, err)
+		if err := createNode(ctx, env.Client, p.name); err != nil {
+			return sys, err
 		}
 		places[i] = p
 	}

@@ -594,6 +594,16 @@ func createNamespace(ctx context.Context, c kubernetes.Interface, name string, l
 	return name, nil
 }
 
+// createNode registers a Node as kubelet does (no kubelet runs here): the
+// plugin's tokens are bound to it.
+func createNode(ctx context.Context, c kubernetes.Interface, name string) error {
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{"kubernetes.io/hostname": name}}}
+	if _, err := c.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
+		return fmt.Errorf("create node %s: %w", name, err)
+	}
+	return nil
+}
+
 // detectedBackend reads the backend the agent logged at start.
 func detectedBackend(logPath string) string {
 	b, err := os.ReadFile(logPath)

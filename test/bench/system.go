@@ -10,8 +10,6 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
-	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
@@ -144,11 +142,9 @@ func (r *backendRun) fail(err error) {
 // prepare builds the system's node and the latency figures' namespaces.
 func (r *backendRun) prepare(ctx context.Context) (err error) {
 	r.res.Node = "bench-" + r.res.Name
-	// As kubelet registers it: the plugin's tokens are bound to it, and
-	// without it every renewal is a failing API request in the figures.
-	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: r.res.Node, Labels: map[string]string{"kubernetes.io/hostname": r.res.Node}}}
-	if _, err := r.client.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
-		return fmt.Errorf("create node %s: %w", r.res.Node, err)
+	// Without it every token renewal is a refused request in the figures.
+	if err := createNode(ctx, r.client, r.res.Node); err != nil {
+		return err
 	}
 	if err := os.MkdirAll(r.dir, 0o755); err != nil {
 		return err
