@@ -230,9 +230,9 @@ type decision struct {
 //  2. agentUnreachable fail-closed: every pod fails closed;
 //  3. the API server, asked with the plugin's own credential by the
 //     fallback binary: the agent's own decision, from live labels;
-//  4. failing that, the persistent snapshot, failing closed for anything
-//     it cannot vouch for; the control plane's namespaces pass unless the
-//     snapshot shows them enabled.
+//  4. failing that, the persistent snapshot: only the control plane's
+//     namespaces and the excluded ones pass, unless the snapshot shows the
+//     pod captured or its namespace enabled; every other pod waits.
 //
 // It returns whether the pod may start uncaptured, and why.
 //
@@ -266,12 +266,14 @@ func (p *Plugin) withoutAgent(c *call, ev *ambient.PodEvent) decision {
 	}
 	snap, serr := nodefiles.ReadSnapshot(c.cfg.files().StateSnapshot())
 	enabled := snap != nil && slices.Contains(snap.EnabledNamespaces, ns)
+	// The snapshot is as old as the agent's absence: a label put on the
+	// pod or its namespace since is not in it. So it may make a pod wait
+	// (captured then, or its namespace enabled then) but never vouches
+	// that a pod may start uncaptured; only the control plane's
+	// namespaces and the excluded ones start on its word.
 	switch {
-	case snap != nil && snap.Pods != nil && ev.PodUID != "" && hasKey(snap.Pods, ev.PodUID):
-		if snap.Pods[ev.PodUID] {
-			return wait(fmt.Sprintf("the API server cannot be asked (%v) and the agent's snapshot shows the pod captured", apiErr))
-		}
-		return pass(fmt.Sprintf("the API server cannot be asked (%v); the agent's snapshot shows the pod outside the mesh", apiErr))
+	case snap != nil && ev.PodUID != "" && snap.Pods[ev.PodUID]:
+		return wait(fmt.Sprintf("the API server cannot be asked (%v) and the agent's snapshot shows the pod captured", apiErr))
 	case enabled:
 		return wait(fmt.Sprintf("the API server cannot be asked (%v) and namespace %q is enabled per the agent's snapshot", apiErr, ns))
 	case c.cfg.controlPlane(ns):
@@ -281,12 +283,7 @@ func (p *Plugin) withoutAgent(c *call, ev *ambient.PodEvent) decision {
 	case slices.Contains(snap.ExcludedNamespaces, ns):
 		return pass(fmt.Sprintf("the API server cannot be asked (%v); namespace %q is excluded", apiErr, ns))
 	}
-	return wait(fmt.Sprintf("the API server cannot be asked (%v) and the agent's snapshot cannot vouch for the pod (its labels are unknown)", apiErr))
-}
-
-func hasKey[V any](m map[string]V, k string) bool {
-	_, ok := m[k]
-	return ok
+	return wait(fmt.Sprintf("the API server cannot be asked (%v) and the pod's and its namespace's labels are unknown (the agent's snapshot may predate a label)", apiErr))
 }
 
 // passThrough prints prevResult in the config's version.

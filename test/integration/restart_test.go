@@ -203,12 +203,13 @@ func roundTrip(t *testing.T, c net.Conn, msg string) {
 
 // TestPodStartedWhileAgentGoneRecheckedOnReturn: with the agent gone and
 // no API server to ask (this node's agent has no plugin credential), the
-// real plugin decides by the persistent snapshot: a new pod opted in by
-// its own label in a plain namespace waits (code 11: its labels are
-// unknown to the snapshot), however long the agent has been gone; a pod
-// the snapshot lists as outside the mesh (its sandbox restarted, same UID)
-// starts and is recorded. When the agent returns the retried pod is
-// captured and the record re-checked.
+// real plugin decides by the persistent snapshot, which may predate a
+// label put on a pod or its namespace while the agent was away: a new pod
+// opted in by its own label waits (code 11), and so does a pod the
+// snapshot lists as outside the mesh (its sandbox restarted, same UID);
+// a pod of the control plane's namespaces starts and is recorded. When
+// the agent returns the retried pods start, the labelled one captured,
+// and the record is re-checked.
 func TestPodStartedWhileAgentGoneRecheckedOnReturn(t *testing.T) {
 	n := newNode(t, nodeOptions{Upgrade: true})
 	shop := n.namespace("shop", ambientLabel)
@@ -232,13 +233,21 @@ func TestPodStartedWhileAgentGoneRecheckedOnReturn(t *testing.T) {
 	if _, err := n.kube.Start(ctx, obj); !errors.As(err, &te) || te.Code != types.ErrTryAgainLater {
 		t.Fatalf("SECURITY: a pod opted in by its label started while the agent was gone: %v; want code 11", err)
 	}
-	// The runtime restarts the sandbox of a pod the snapshot vouches for.
-	restarted, err := n.kube.Start(ctx, outside.Obj)
+	// The snapshot cannot tell whether the pod it saw outside the mesh
+	// has been labelled since: the restarted sandbox waits too.
+	if _, err := n.kube.Start(ctx, outside.Obj); !errors.As(err, &te) || te.Code != types.ErrTryAgainLater {
+		t.Fatalf("SECURITY: a pod the snapshot lists outside the mesh started while neither the agent nor the API server could vouch for it: %v; want code 11", err)
+	}
+	cpObj, err := n.kube.Create(ctx, podSpec(simnode.ReleaseNamespace, testnet.RandName("cp-", 6), nil, nil))
 	if err != nil {
-		t.Fatalf("a pod the snapshot lists outside the mesh, agent gone: %v", err)
+		t.Fatal(err)
+	}
+	cp, err := n.kube.Start(ctx, cpObj)
+	if err != nil {
+		t.Fatalf("a control-plane pod, agent gone: %v", err)
 	}
 	if e, err := nodefiles.ListAdds(n.cfg.Layout().AddSpool()); err != nil || len(e) != 1 {
-		t.Fatalf("recorded ADDs while the agent is gone: %+v, %v; want the restarted pod's", e, err)
+		t.Fatalf("recorded ADDs while the agent is gone: %+v, %v; want the control-plane pod's", e, err)
 	}
 
 	n.startDaemon()
@@ -250,10 +259,14 @@ func TestPodStartedWhileAgentGoneRecheckedOnReturn(t *testing.T) {
 	if err != nil {
 		t.Fatalf("the runtime's retry once the agent is back: %v", err)
 	}
+	restarted, err := n.kube.Start(ctx, outside.Obj)
+	if err != nil {
+		t.Fatalf("the runtime's retry of the restarted pod once the agent is back: %v", err)
+	}
 	serveApp(t, late)
 	n.waitEnrolled(waitLong, late)
-	if n.hasRules(restarted) {
-		t.Error("the pod outside the mesh got rules on the agent's return")
+	if n.hasRules(restarted) || n.hasRules(cp) {
+		t.Error("a pod outside the mesh got rules on the agent's return")
 	}
 	mustGet(t, late, a)
 }
