@@ -39,9 +39,6 @@ type Config struct {
 	Policy   enablement.Policy
 	// Self is the agent's own pod, never enrolled.
 	Self types.NamespacedName
-	// AssumePodLevelEnablement makes EnablementState report pod-level
-	// enablement even when no pod on this node uses it yet.
-	AssumePodLevelEnablement bool
 	// OnEvent, when set, is called for every informer event of a pod of
 	// this node or of a namespace, with "add", "update" or "delete": what
 	// istio-cni counts as nodeagent_reconcile_events_total. It runs on the
@@ -323,8 +320,7 @@ func (c *Cache) NodeState() (namespaces []string, pods map[string]bool) {
 // EnablementState is what the plugin's fallback snapshot needs: the
 // namespaces where a pod may be enabled whatever its own labels (the
 // enablement selectors select the namespace), and whether any pod on this
-// node is enabled by its own labels alone outside them (or the operator
-// said to assume so).
+// node is enabled by its own labels alone outside them.
 func (c *Cache) EnablementState() (enabled []string, podLevel bool) {
 	nss, _ := c.nss.List(labels.Everything())
 	for _, n := range nss {
@@ -333,14 +329,11 @@ func (c *Cache) EnablementState() (enabled []string, podLevel bool) {
 		}
 	}
 	slices.Sort(enabled)
-	podLevel = c.cfg.AssumePodLevelEnablement
-	if !podLevel {
-		pods, _ := c.pods.List(labels.Everything())
-		for _, p := range pods {
-			if c.cfg.Policy.Selectors.PodLevel(p.Labels) && !slices.Contains(enabled, p.Namespace) {
-				podLevel = true
-				break
-			}
+	pods, _ := c.pods.List(labels.Everything())
+	for _, p := range pods {
+		if c.cfg.Policy.Selectors.PodLevel(p.Labels) && !slices.Contains(enabled, p.Namespace) {
+			podLevel = true
+			break
 		}
 	}
 	return enabled, podLevel

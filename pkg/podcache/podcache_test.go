@@ -176,14 +176,12 @@ func TestNotifications(t *testing.T) {
 	}
 }
 
-func TestAssumePodLevelEnablement(t *testing.T) {
-	k := fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy(), AssumePodLevelEnablement: true})
-	k.Start()
-	if _, pl := k.Cache.EnablementState(); !pl {
-		t.Error("pod-level enablement not assumed")
-	}
+func TestPodLevelEnablement(t *testing.T) {
 	k2 := fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy()})
 	k2.Start()
+	if _, pl := k2.Cache.EnablementState(); pl {
+		t.Error("pod-level enablement with no pod using it")
+	}
 	k2.SetPod(pod("plain", "solo", "u5", map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}))
 	if _, pl := k2.Cache.EnablementState(); !pl {
 		t.Error("a pod labelled outside an enabled namespace is pod-level enablement")

@@ -1,6 +1,7 @@
 package deploy
 
 import (
+	"bytes"
 	"encoding/json"
 	"os"
 	"path/filepath"
@@ -150,5 +151,23 @@ func TestAllValuesReachTheOutput(t *testing.T) {
 		if !strings.Contains(out, l) {
 			t.Errorf("%q from %s does not appear in the rendered manifest", l, allValues)
 		}
+	}
+}
+
+// TestRemovedPodLevelEnablement: agent.assumePodLevelEnablement changed
+// nothing once the plugin stopped reading it; a values file that turns it
+// on is refused with what to set instead, and one that keeps it off (the
+// old default, as a stored release's values hold it) still installs.
+func TestRemovedPodLevelEnablement(t *testing.T) {
+	if _, msg := renderValues(t, "agent:\n  assumePodLevelEnablement: true\n"); !strings.Contains(msg, "agent.assumePodLevelEnablement was removed") ||
+		!strings.Contains(msg, "cni.agentUnreachable=fail-closed") {
+		t.Errorf("assumePodLevelEnablement true: %q, want the removal and what to set instead", msg)
+	}
+	out, msg := renderValues(t, "agent:\n  assumePodLevelEnablement: false\n")
+	if msg != "" {
+		t.Fatalf("assumePodLevelEnablement false: %s", msg)
+	}
+	if bytes.Contains(out, []byte("POD_LEVEL")) {
+		t.Error("the removed setting still reaches the agent's environment")
 	}
 }

@@ -289,7 +289,6 @@ func New(o Options) (*App, error) {
 		Client: o.Client, NodeName: c.NodeName,
 		Policy:                   policy,
 		Self:                     types.NamespacedName{Namespace: c.PodNamespace, Name: c.PodName},
-		AssumePodLevelEnablement: c.AssumePodLevelEnablement,
 		OnEvent:                  m.ObserveEvent,
 		Logger:                   a.log,
 	})

@@ -113,7 +113,6 @@ type Config struct {
 	PluginServiceAccount string
 	// PluginTokenLifetime is how long each of its tokens is valid.
 	PluginTokenLifetime      time.Duration
-	AssumePodLevelEnablement bool
 	ZtunnelWait              time.Duration
 	// VerifyPeriod is how often every captured pod is proven again; 0
 	// turns the verifier off.
@@ -389,7 +388,6 @@ func options() []option {
 			c.PluginTokenLifetime = d
 			return nil
 		}},
-		{"assume-pod-level-enablement", "With plugin-agent-unreachable=snapshot: tell the plugin's fallback that any namespace may hold a pod enabled by its own label, so it fails closed everywhere but excluded namespaces however long the agent is gone. No effect with fail-closed.", "false", boolean(func(c *Config) *bool { return &c.AssumePodLevelEnablement })},
 		{"ztunnel-wait", "How long CNI ADD waits for a connected ztunnel to acknowledge a pod before failing with a retryable error.", nodeagent.DefaultZtunnelTimeout.String(), duration(func(c *Config) *time.Duration { return &c.ZtunnelWait })},
 		{"verify-period", "How often every captured pod is proven still captured (its rules, ztunnel's in-pod listeners, its probe-set entry, its annotation), spread evenly over the period; drift is repaired and reported, and a pod that should be captured and is not is captured. 0 turns the verifier off.", verifier.DefaultPeriod.String(), period(time.Second, func(c *Config) *time.Duration { return &c.VerifyPeriod })},
 		{"dns-capture", "Capture DNS (port 53) to ztunnel by default, as Istio's chart does (ambient.dnsCapture); per pod: annotation ambient.istio.io/dns-capture.", "true", boolean(func(c *Config) *bool { return &c.DNSCapture })},

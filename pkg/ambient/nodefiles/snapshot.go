@@ -25,7 +25,9 @@ type EnablementSnapshot struct {
 	EnabledNamespaces []string `json:"enabledNamespaces"`
 	// PodLevelEnablement is true when some pod outside an enabled namespace
 	// is enabled by its own labels alone (by default, the ambient label), so
-	// any namespace may hold a captured pod.
+	// any namespace may hold a captured pod. The plugin decides by the
+	// pods listed captured and the enabled namespaces; this is for people
+	// reading the file.
 	PodLevelEnablement bool `json:"podLevelEnablement"`
 	// ExcludedNamespaces are never captured.
 	ExcludedNamespaces []string `json:"excludedNamespaces"`

@@ -109,8 +109,9 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ .Values.cni.pluginTokenLifetime | quote }}
 - name: AMBIENT_ENABLEMENT_SELECTOR
   value: {{ .Values.ambient.enablementSelectors | toJson | quote }}
-- name: AMBIENT_ASSUME_POD_LEVEL_ENABLEMENT
-  value: {{ .Values.agent.assumePodLevelEnablement | toString | quote }}
+{{- if .Values.agent.assumePodLevelEnablement }}
+{{- fail "agent.assumePodLevelEnablement was removed: with neither the agent nor the API server to ask, every pod outside the control plane's and the excluded namespaces already waits; to make the control plane's wait too, set cni.agentUnreachable=fail-closed" }}
+{{- end }}
 - name: AMBIENT_ZTUNNEL_WAIT
   value: {{ .Values.agent.ztunnelWait | quote }}
 - name: AMBIENT_VERIFY_PERIOD
