@@ -35,12 +35,18 @@ func TestFindTakesTheSandboxProcess(t *testing.T) {
 		sandboxPID, decoyPID int
 		// sandboxHasIP: the sandbox's namespace holds the pod's IP.
 		sandboxHasIP bool
+		// hostFirst: a process of the pod in the host's namespace starts
+		// before the sandbox, with the lowest PID.
+		hostFirst bool
 	}{
 		// PIDs wrapped: the younger decoy is listed first.
-		{"decoy with a lower PID", 500, 100, true},
+		{"decoy with a lower PID", 500, 100, true, false},
 		// The sandbox's namespace fails the check: a younger process
 		// holding the IP is no fallback.
-		{"no fallback to a younger process", 100, 500, false},
+		{"no fallback to a younger process", 100, 500, false, false},
+		// A process in the host's namespace is never the pod's sandbox
+		// (a runtime's helper placed in the pod's cgroup), however old.
+		{"older process in the host's namespace", 500, 100, true, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			u, ip := randUID(), randIP()
@@ -49,6 +55,7 @@ func TestFindTakesTheSandboxProcess(t *testing.T) {
 			// process in it) goes before the netns and cgroups it used.
 			sandboxCg := makeCgroup(t, hier, podproc.CgroupPath(podproc.Cgroupfs, root, string(u), testnet.RandName("", 64)))
 			decoyCg := makeCgroup(t, hier, podproc.CgroupPath(podproc.Cgroupfs, root, string(u), testnet.RandName("", 64)))
+			hostCg := makeCgroup(t, hier, podproc.CgroupPath(podproc.Cgroupfs, root, string(u), testnet.RandName("", 64)))
 			sandboxIP := ip
 			if !c.sandboxHasIP {
 				sandboxIP = randIP()
@@ -56,6 +63,12 @@ func TestFindTakesTheSandboxProcess(t *testing.T) {
 			sandboxNetns, decoyNetns := podNS(t, sandboxIP), podNS(t, ip)
 			p := newPidns(t)
 
+			if c.hostFirst {
+				p.run(t, "echo 50 > /proc/sys/kernel/ns_last_pid; echo ok")
+				helper := p.sleeper(t, "/proc/self/ns/net", hostCg)
+				helperBorn := startTime(t, p.Proc, helper)
+				poll.Until(t, "a clock tick after the host process started", func() bool { return bootTicks(t) > helperBorn })
+			}
 			p.run(t, fmt.Sprintf("echo %d > /proc/sys/kernel/ns_last_pid; echo ok", c.sandboxPID))
 			sandbox := p.sleeper(t, sandboxNetns.Path(), sandboxCg)
 			born := startTime(t, p.Proc, sandbox)
@@ -171,6 +184,7 @@ func TestFindOldestTie(t *testing.T) {
 		{"same namespace", map[int]fakeProc{7: {100, a.Path()}, 9: {100, a.Path()}, 3: {200, b.Path()}}, a.Path()},
 		{"two namespaces", map[int]fakeProc{7: {100, a.Path()}, 9: {100, b.Path()}}, ""},
 		{"an older one settles it", map[int]fakeProc{7: {100, a.Path()}, 9: {100, b.Path()}, 11: {99, b.Path()}}, b.Path()},
+		{"the host's namespace never counts", map[int]fakeProc{7: {100, a.Path()}, 9: {100, b.Path()}, 11: {99, "/proc/self/ns/net"}, 13: {100, "/proc/self/ns/net"}}, ""},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			proc := t.TempDir()

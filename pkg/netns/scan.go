@@ -125,14 +125,16 @@ func (s Scanner) Find(pods map[types.UID][]netip.Addr) (map[types.UID]*Handle, e
 // returned.
 //
 // The sandbox process is the pod's oldest: the one with the earliest start
-// time among the processes whose cgroup names the pod. The runtime starts it
-// before any container, so a process the pod starts later, in a namespace
-// of its own that holds a copy of the pod's IP, can never stand in for it,
-// whatever its PID. Only the oldest process's namespace is checked: when it
-// fails the checks the pod is not found, even if a younger process's
-// namespace would pass them. Two processes of a pod started in the same
-// clock tick in different namespaces leave the pod not found, as neither
-// can be told to be the sandbox.
+// time among the processes whose cgroup names the pod and that are not in
+// the host's namespace (the agent's own, never a pod's: a hostNetwork pod's
+// processes, or a runtime's helper placed in the pod's cgroup, are there).
+// The runtime starts it before any container, so a process the pod starts
+// later, in a namespace of its own that holds a copy of the pod's IP, can
+// never stand in for it, whatever its PID. Only the oldest process's
+// namespace is checked: when it fails the checks the pod is not found, even
+// if a younger process's namespace would pass them. Two processes of a pod
+// started in the same clock tick in different namespaces leave the pod not
+// found, as neither can be told to be the sandbox.
 //
 // Each candidate's /proc/<pid> directory is opened first and its cgroup,
 // stat and ns/net files are opened through that descriptor, so all come
@@ -168,11 +170,11 @@ func (s Scanner) Scan(pods map[types.UID][]netip.Addr) (map[types.UID]Found, err
 		if err != nil || pid <= 0 {
 			continue
 		}
-		s.consider(pid, pods, oldest)
+		s.consider(pid, pods, oldest, host)
 	}
 	out := make(map[types.UID]Found, len(oldest))
 	for uid, c := range oldest {
-		if f, ok := s.confirm(uid, c, pods[uid], host); ok {
+		if f, ok := s.confirm(uid, c, pods[uid]); ok {
 			out[uid] = f
 			delete(oldest, uid) // handed to the caller
 		}
@@ -189,9 +191,10 @@ type candidate struct {
 	tied bool
 }
 
-// consider looks at one process and, if it belongs to a wanted pod and is
-// older than the pod's oldest so far, makes it the pod's candidate.
-func (s Scanner) consider(pid int, pods map[types.UID][]netip.Addr, oldest map[types.UID]*candidate) {
+// consider looks at one process and, if it belongs to a wanted pod, is not
+// in the host's namespace and is older than the pod's oldest so far, makes
+// it the pod's candidate.
+func (s Scanner) consider(pid int, pods map[types.UID][]netip.Addr, oldest map[types.UID]*candidate, host Identity) {
 	dir := filepath.Join(s.root(), strconv.Itoa(pid))
 	dfd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
@@ -242,6 +245,12 @@ func (s Scanner) consider(pid int, pods map[types.UID][]netip.Addr, oldest map[t
 		return
 	}
 	n := Identity{Dev: st.Dev, Ino: st.Ino}
+	if n == host {
+		// hostNetwork, or a runtime's helper placed in the pod's cgroup:
+		// never the pod's namespace, and no sandbox to compare with.
+		_ = file.Close()
+		return
+	}
 	if prev != nil && start == prev.start {
 		if n != prev.Netns {
 			prev.tied = true
@@ -257,15 +266,10 @@ func (s Scanner) consider(pid int, pods map[types.UID][]netip.Addr, oldest map[t
 
 // confirm checks the namespace of a pod's oldest process and returns it if
 // it is the pod's.
-func (s Scanner) confirm(uid types.UID, c *candidate, ips []netip.Addr, host Identity) (Found, bool) {
+func (s Scanner) confirm(uid types.UID, c *candidate, ips []netip.Addr) (Found, bool) {
 	if c.tied {
 		s.log().Warn("the pod's oldest processes started together in different netns; cannot tell its sandbox, not touching either",
 			"uid", uid, "pid", c.PID)
-		return Found{}, false
-	}
-	if c.Netns == host {
-		// hostNetwork, or a sandbox that left its namespace: never the
-		// pod's namespace.
 		return Found{}, false
 	}
 	holds, err := HoldsAnyOf(c.File, ips)
