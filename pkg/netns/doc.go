@@ -7,8 +7,9 @@
 //   - the path policy (Policy): which netns paths the runtime may name;
 //   - discovery of running pods' namespaces (Scanner): one scan of /proc for
 //     processes whose cgroup path names the pod UID, the way kubelet lays
-//     cgroups out, each namespace held open from the moment it is checked
-//     and confirmed by the pod's addresses; one scan serves a whole batch;
+//     cgroups out; the pod's oldest (its sandbox's) namespace, held open
+//     from the moment it is checked and confirmed by the pod's addresses;
+//     one scan serves a whole batch;
 //   - the namespace state the capture rules depend on (State: lo up, IPv6,
 //     x_tables);
 //   - Do and DoInNew, the only code that moves a thread into another

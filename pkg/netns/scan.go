@@ -1,6 +1,7 @@
 package netns
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"io"
@@ -60,7 +61,7 @@ type Scanner struct {
 	Logger *slog.Logger
 
 	// beforeOpen, in tests, runs between reading a process's cgroup and
-	// opening its namespace.
+	// reading its start time and opening its namespace.
 	beforeOpen func(pid int)
 }
 
@@ -90,7 +91,8 @@ func (s Scanner) HostNetns() (Identity, error) {
 	return Identity{Dev: st.Dev, Ino: st.Ino}, nil
 }
 
-// Find locates running pods' network namespaces with one Scan and turns
+// Find locates running pods' network namespaces (each pod's sandbox
+// process's, see Scan) with one Scan and turns
 // each into a Handle: the pod controller's find step, between deciding and
 // capturing. Scan confirms a namespace (not the host's, holds one of the
 // pod's IPs) on the descriptor it opened, and the handle is adopted from
@@ -117,16 +119,29 @@ func (s Scanner) Find(pods map[types.UID][]netip.Addr) (map[types.UID]*Handle, e
 }
 
 // Scan makes one pass over the proc filesystem and returns, for each pod in
-// pods (UID to its IPs), a held network namespace that a process of the pod
-// is in, that is not the host's, and that has one of the pod's IPs on an
-// interface. A pod without IPs cannot be confirmed and is never returned.
+// pods (UID to its IPs), the held network namespace of the pod's sandbox
+// process, if that namespace is not the host's and has one of the pod's IPs
+// on an interface. A pod without IPs cannot be confirmed and is never
+// returned.
 //
-// Each candidate's /proc/<pid> directory is opened first and its cgroup
-// file and ns/net are opened through that descriptor, so both come from the
-// same process even if the PID is reused meanwhile; the checks run on the
-// opened namespace, which is then returned as it is. The caller owns every
-// returned File; everything else Scan opened is closed before it returns.
-// Processes that vanish mid-scan are skipped.
+// The sandbox process is the pod's oldest: the one with the earliest start
+// time among the processes whose cgroup names the pod and that are not in
+// the host's namespace (the agent's own, never a pod's: a hostNetwork pod's
+// processes, or a runtime's helper placed in the pod's cgroup, are there).
+// The runtime starts it before any container, so a process the pod starts
+// later, in a namespace of its own that holds a copy of the pod's IP, can
+// never stand in for it, whatever its PID. Only the oldest process's
+// namespace is checked: when it fails the checks the pod is not found, even
+// if a younger process's namespace would pass them. Two processes of a pod
+// started in the same clock tick in different namespaces leave the pod not
+// found, as neither can be told to be the sandbox.
+//
+// Each candidate's /proc/<pid> directory is opened first and its cgroup,
+// stat and ns/net files are opened through that descriptor, so all come
+// from the same process even if the PID is reused meanwhile; the checks run
+// on the opened namespace, which is then returned as it is. The caller owns
+// every returned File; everything else Scan opened is closed before it
+// returns. Processes that vanish mid-scan are skipped.
 func (s Scanner) Scan(pods map[types.UID][]netip.Addr) (map[types.UID]Found, error) {
 	host, err := s.HostNetns()
 	if err != nil {
@@ -141,108 +156,150 @@ func (s Scanner) Scan(pods map[types.UID][]netip.Addr) (map[types.UID]Found, err
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", s.root(), err)
 	}
-	wanted := 0
-	for _, ips := range pods {
-		if len(ips) > 0 {
-			wanted++
+	// Every process of every wanted pod is looked at, so the oldest is
+	// known only once the pass is over; until then each pod holds the
+	// namespace of its oldest process so far.
+	oldest := map[types.UID]*candidate{}
+	defer func() {
+		for _, c := range oldest {
+			_ = c.Close()
 		}
-	}
-	out := make(map[types.UID]Found, wanted)
-	// Namespaces already found wanting for a pod: its other processes
-	// there need no second look.
-	rejected := map[types.UID]map[Identity]bool{}
+	}()
 	for _, name := range names {
-		if len(out) == wanted {
-			break
-		}
 		pid, err := strconv.Atoi(name)
 		if err != nil || pid <= 0 {
 			continue
 		}
-		f, ok := s.candidate(pid, pods, out, rejected, host)
-		if ok {
-			out[f.uid] = f.Found
+		s.consider(pid, pods, oldest, host)
+	}
+	out := make(map[types.UID]Found, len(oldest))
+	for uid, c := range oldest {
+		if f, ok := s.confirm(uid, c, pods[uid]); ok {
+			out[uid] = f
+			delete(oldest, uid) // handed to the caller
 		}
 	}
 	return out, nil
 }
 
+// candidate is the oldest process of a pod seen so far in a scan.
 type candidate struct {
 	Found
-	uid types.UID
+	start uint64
+	// tied is set when a process started in the same tick is in another
+	// namespace: which is the sandbox cannot be told.
+	tied bool
 }
 
-// candidate looks at one process and returns its pod's held namespace if
-// it is one Scan should return.
-func (s Scanner) candidate(pid int, pods map[types.UID][]netip.Addr, out map[types.UID]Found,
-	rejected map[types.UID]map[Identity]bool, host Identity) (candidate, bool) {
+// consider looks at one process and, if it belongs to a wanted pod, is not
+// in the host's namespace and is older than the pod's oldest so far, makes
+// it the pod's candidate.
+func (s Scanner) consider(pid int, pods map[types.UID][]netip.Addr, oldest map[types.UID]*candidate, host Identity) {
 	dir := filepath.Join(s.root(), strconv.Itoa(pid))
 	dfd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return candidate{}, false // gone
+		return // gone
 	}
 	defer unix.Close(dfd)
 	cg, err := readAt(dfd, "cgroup")
 	if err != nil {
-		return candidate{}, false // gone, or not ours to read
+		return // gone, or not ours to read
 	}
 	pc, err := ParseCgroup(cg)
 	if err != nil {
 		if !errors.Is(err, ErrNotPod) {
 			s.log().Debug("ignoring process with an unusable cgroup file", "pid", pid, "err", err)
 		}
-		return candidate{}, false
+		return
 	}
-	ips := pods[pc.UID]
-	if len(ips) == 0 {
-		return candidate{}, false
-	}
-	if _, done := out[pc.UID]; done {
-		return candidate{}, false
+	if len(pods[pc.UID]) == 0 {
+		return
 	}
 	if s.beforeOpen != nil {
 		s.beforeOpen(pid)
 	}
 	// Through the directory descriptor: if pid has exited (and perhaps
-	// been reused) since the cgroup file was read, this fails rather than
-	// open another process's namespace.
+	// been reused) since the cgroup file was read, these fail rather than
+	// read another process's.
+	stat, err := readAt(dfd, "stat")
+	if err != nil {
+		return
+	}
+	start, err := parseStartTime(stat)
+	if err != nil {
+		s.log().Debug("ignoring process with an unusable stat file", "pid", pid, "err", err)
+		return
+	}
+	prev := oldest[pc.UID]
+	if prev != nil && start > prev.start {
+		return
+	}
 	nfd, err := unix.Openat(dfd, "ns/net", unix.O_RDONLY|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return candidate{}, false
+		return
 	}
-	nsPath := filepath.Join(dir, "ns", "net")
-	file := os.NewFile(uintptr(nfd), nsPath)
-	keep := false
-	defer func() {
-		if !keep {
-			_ = file.Close()
-		}
-	}()
+	file := os.NewFile(uintptr(nfd), filepath.Join(dir, "ns", "net"))
 	var st unix.Stat_t
 	if err := unix.Fstat(nfd, &st); err != nil {
-		return candidate{}, false
+		_ = file.Close()
+		return
 	}
 	n := Identity{Dev: st.Dev, Ino: st.Ino}
 	if n == host {
-		// hostNetwork, or a process of the pod that left its sandbox:
-		// never the pod's namespace.
-		return candidate{}, false
+		// hostNetwork, or a runtime's helper placed in the pod's cgroup:
+		// never the pod's namespace, and no sandbox to compare with.
+		_ = file.Close()
+		return
 	}
-	if rejected[pc.UID][n] {
-		return candidate{}, false
-	}
-	holds, err := HoldsAnyOf(file, ips)
-	if err != nil || !holds {
-		s.log().Warn("netns found by cgroup does not hold the pod's IPs; not touching it",
-			"uid", pc.UID, "pid", pid, "netns", n.Ino, "err", err)
-		if rejected[pc.UID] == nil {
-			rejected[pc.UID] = map[Identity]bool{}
+	if prev != nil && start == prev.start {
+		if n != prev.Netns {
+			prev.tied = true
 		}
-		rejected[pc.UID][n] = true
-		return candidate{}, false
+		_ = file.Close()
+		return
 	}
-	keep = true
-	return candidate{uid: pc.UID, Found: Found{PID: pid, ContainerID: pc.ContainerID, Netns: n, File: file}}, true
+	if prev != nil {
+		_ = prev.Close()
+	}
+	oldest[pc.UID] = &candidate{Found: Found{PID: pid, ContainerID: pc.ContainerID, Netns: n, File: file}, start: start}
+}
+
+// confirm checks the namespace of a pod's oldest process and returns it if
+// it is the pod's.
+func (s Scanner) confirm(uid types.UID, c *candidate, ips []netip.Addr) (Found, bool) {
+	if c.tied {
+		s.log().Warn("the pod's oldest processes started together in different netns; cannot tell its sandbox, not touching either",
+			"uid", uid, "pid", c.PID)
+		return Found{}, false
+	}
+	holds, err := HoldsAnyOf(c.File, ips)
+	if err != nil || !holds {
+		s.log().Warn("netns of the pod's sandbox process does not hold the pod's IPs; not touching it",
+			"uid", uid, "pid", c.PID, "netns", c.Netns.Ino, "err", err)
+		return Found{}, false
+	}
+	return c.Found, true
+}
+
+// parseStartTime returns the start time (field 22, clock ticks since boot)
+// from a /proc/<pid>/stat file. The command name (field 2) may contain
+// spaces and parentheses, so fields are counted from the last ')'.
+func parseStartTime(stat []byte) (uint64, error) {
+	end := bytes.LastIndexByte(stat, ')')
+	if end < 0 {
+		return 0, errors.New("stat has no command name")
+	}
+	fields := bytes.Fields(stat[end+1:])
+	// fields[0] is field 3 (state).
+	const startField = 22 - 3
+	if len(fields) <= startField {
+		return 0, fmt.Errorf("stat has %d fields after the command name, want more than %d", len(fields), startField)
+	}
+	start, err := strconv.ParseUint(string(fields[startField]), 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("stat start time: %w", err)
+	}
+	return start, nil
 }
 
 // readAt reads a small file below the directory descriptor dfd.

@@ -231,6 +231,10 @@ type Agent struct {
 	// released are the pods whose sandbox the runtime removed (CNI DEL)
 	// while they were captured; see SandboxReleased.
 	released map[types.UID]releasedSandbox
+
+	// recaptureGap, in tests, runs in Recapture after it let go of the
+	// pod's lock and before it captures.
+	recaptureGap func(uid types.UID)
 }
 
 // podLock serializes work on one pod while letting different pods proceed

@@ -38,6 +38,14 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, 
 // asked for it (the event server's), which goes on timing the capture's
 // phases and logs them with its own; nil times the capture alone.
 func (a *Agent) capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, sb *Sandbox, t *phaseTimer) error {
+	return a.captureIfHeld(ctx, pod, ns, sb, t, false)
+}
+
+// captureIfHeld is capture. With held, the pod must still be held in ns
+// once its lock is taken (Recapture: ns is a copy of the agent's hold,
+// made before the lock was let go); otherwise ns is closed, nothing is
+// done, and the error wraps ErrNotHeld.
+func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, sb *Sandbox, t *phaseTimer, held bool) error {
 	if pod == nil || pod.UID == "" {
 		_ = ns.Close()
 		return errors.New("capture: pod without uid")
@@ -56,6 +64,16 @@ func (a *Agent) capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, 
 	defer unlock()
 	log := a.log.With("pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID)
 
+	if held {
+		if e := a.get(pod.UID); e == nil || !e.ns.SameAs(ns) {
+			// The pod moved on while the lock was let go (released, or
+			// captured in its new sandbox's namespace): ns may be kept
+			// alive by this copy alone, and handing it to ztunnel would
+			// blackhole the pod.
+			_ = ns.Close()
+			return fmt.Errorf("pod %s/%s is no longer held in netns %s: %w", pod.Namespace, pod.Name, ns.Source(), ErrNotHeld)
+		}
+	}
 	if sb == nil && a.tornDown(ns, pod.UID) {
 		// The controller found a namespace whose sandbox a CNI DEL just
 		// tore down (a process lingers): the pod's next sandbox comes

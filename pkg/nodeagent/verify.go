@@ -33,7 +33,10 @@ func (a *Agent) InPod(uid types.UID, fn func(ns *os.File) error) error {
 // in the host probe set, ztunnel handed the pod and the annotation
 // rewritten. With resetZtunnel, ztunnel is first told to drop the pod: one
 // that lost the pod's listeners may take a repeated Add of a pod it
-// already has for done.
+// already has for done. The capture runs only if the pod is still held in
+// that namespace once the pod's lock is taken again: a pod released or
+// moved to a new sandbox's namespace meanwhile is left as it is, and the
+// error wraps ErrNotHeld.
 func (a *Agent) Recapture(ctx context.Context, pod *corev1.Pod, resetZtunnel bool) error {
 	unlock := a.lock(pod.UID)
 	e := a.get(pod.UID)
@@ -53,11 +56,17 @@ func (a *Agent) Recapture(ctx context.Context, pod *corev1.Pod, resetZtunnel boo
 	if err != nil {
 		return fmt.Errorf("recapture %s/%s: %w", pod.Namespace, pod.Name, err)
 	}
+	if a.recaptureGap != nil {
+		a.recaptureGap(pod.UID)
+	}
 	// The verifier read the pod's annotation from the cache and found it
 	// changed: the value this agent last wrote no longer says what the
 	// object carries.
 	a.annotations.forgetWritten(pod.UID)
-	return a.Capture(ctx, pod, ns, nil)
+	if err := a.captureIfHeld(ctx, pod, ns, nil, nil, true); err != nil {
+		return fmt.Errorf("recapture: %w", err)
+	}
+	return nil
 }
 
 // forgetWritten drops the value last written on uid, so the next write

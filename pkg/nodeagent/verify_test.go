@@ -7,6 +7,9 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/containernetworking/plugins/pkg/ns"
+	"k8s.io/apimachinery/pkg/types"
+
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
@@ -60,5 +63,101 @@ func TestInPodAndRecapture(t *testing.T) {
 	}
 	if got := h.annotations(t, "u1"); !strings.HasSuffix(got, ambient.RedirectionEnabled+","+ambient.RedirectionEnabled) {
 		t.Fatalf("the changed annotation was not written again: history %q", got)
+	}
+}
+
+// TestRecaptureAfterHoldChanged: Recapture copies the namespace the agent
+// holds the pod in and lets go of the pod's lock before capturing. If
+// meanwhile the pod moved on, the copy is all that keeps the old namespace
+// alive, and capturing in it would hand ztunnel a namespace no pod lives
+// in (every connection of the pod blackholed until the next proof), or
+// re-enroll a pod the controller just let go. Recapture must then do
+// nothing: no ztunnel Add, the agent's hold as the other path left it.
+func TestRecaptureAfterHoldChanged(t *testing.T) {
+	for _, c := range []struct {
+		name string
+		// gap runs in Recapture's gap: old is the namespace the agent
+		// held the pod in, and it returns the namespace the agent must
+		// hold the pod in afterwards (nil: none).
+		gap func(t *testing.T, h *harness, old ns.NetNS) ns.NetNS
+	}{
+		{"sandbox recreated without our plugin", func(t *testing.T, h *harness, old ns.NetNS) ns.NetNS {
+			// The runtime recreated the sandbox while our plugin was
+			// not chained (no DEL, no ADD reached the agent); the
+			// controller found the new namespace and captured it, and
+			// the old one is torn down.
+			next := testnet.NewNS(t)
+			p, err := h.kube.Cache.Pod("shop", "web")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := h.agent.Capture(context.Background(), p, openNS(t, next), nil); err != nil {
+				t.Fatalf("capture in the new sandbox's netns: %v", err)
+			}
+			if err := testnet.RemoveNS(old); err != nil {
+				t.Fatal(err)
+			}
+			return next
+		}},
+		{"unenrolled", func(t *testing.T, h *harness, old ns.NetNS) ns.NetNS {
+			if err := h.agent.Unenroll(context.Background(), "u1"); err != nil {
+				t.Fatalf("unenroll: %v", err)
+			}
+			if err := testnet.RemoveNS(old); err != nil {
+				t.Fatal(err)
+			}
+			return nil
+		}},
+		{"CNI DEL", func(t *testing.T, h *harness, old ns.NetNS) ns.NetNS {
+			del := SandboxDel{SandboxID: "sb1", UID: "u1", Namespace: "shop", Name: "web", Netns: old.Path()}
+			if err := h.agent.RemoveSandbox(context.Background(), del); err != nil {
+				t.Fatalf("DEL: %v", err)
+			}
+			if err := testnet.RemoveNS(old); err != nil {
+				t.Fatal(err)
+			}
+			return nil
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			h := newHarness(t)
+			pn := testnet.NewNS(t)
+			h.kube.SetPod(pod("shop", "web", "u1", nil))
+			ctx := context.Background()
+			if _, err := h.add(ctx, info("shop/web", "u1", "sb1"), pn); err != nil {
+				t.Fatal(err)
+			}
+			p, _ := h.kube.Cache.Pod("shop", "web")
+			var want ns.NetNS
+			addsAfterGap := -1
+			h.agent.recaptureGap = func(uid types.UID) {
+				want = c.gap(t, h, pn)
+				addsAfterGap = h.zt.addCount("u1")
+			}
+			err := h.agent.Recapture(ctx, p, true)
+			if addsAfterGap < 0 {
+				t.Fatal("Recapture never reached its gap")
+			}
+			if n := h.zt.addCount("u1"); n != addsAfterGap {
+				t.Errorf("ztunnel got %d Add(s) from Recapture after the pod moved on; want none", n-addsAfterGap)
+			}
+			if !errors.Is(err, ErrNotHeld) {
+				t.Errorf("Recapture = %v; want ErrNotHeld", err)
+			}
+			got, held := h.agent.Pod("u1")
+			switch {
+			case want == nil && held:
+				t.Errorf("the agent holds the pod again, in netns %s (inode %d); want it let go", got.Netns, got.NetnsID)
+			case want != nil && !held:
+				t.Errorf("the agent lost the pod; want it held in %s", want.Path())
+			case want != nil && got.Netns != want.Path():
+				t.Errorf("the agent holds the pod in %s (inode %d); want %s", got.Netns, got.NetnsID, want.Path())
+			}
+			// An unenroll drops the record once the annotation is cleared.
+			h.annotations(t, "u1")
+			if recs := h.recorded(t); want == nil && len(recs) != 0 {
+				t.Errorf("capture records %v; want none", recs)
+			}
+		})
 	}
 }
