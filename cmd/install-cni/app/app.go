@@ -287,10 +287,10 @@ func New(o Options) (*App, error) {
 	policy := c.EnablementPolicy()
 	a.pods = podcache.New(podcache.Config{
 		Client: o.Client, NodeName: c.NodeName,
-		Policy:                   policy,
-		Self:                     types.NamespacedName{Namespace: c.PodNamespace, Name: c.PodName},
-		OnEvent:                  m.ObserveEvent,
-		Logger:                   a.log,
+		Policy:  policy,
+		Self:    types.NamespacedName{Namespace: c.PodNamespace, Name: c.PodName},
+		OnEvent: m.ObserveEvent,
+		Logger:  a.log,
 	})
 
 	// The agent and what it drives: rules, host probe set, ztunnel,

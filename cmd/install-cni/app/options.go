@@ -112,8 +112,8 @@ type Config struct {
 	// agent's namespace; "" writes no credential.
 	PluginServiceAccount string
 	// PluginTokenLifetime is how long each of its tokens is valid.
-	PluginTokenLifetime      time.Duration
-	ZtunnelWait              time.Duration
+	PluginTokenLifetime time.Duration
+	ZtunnelWait         time.Duration
 	// VerifyPeriod is how often every captured pod is proven again; 0
 	// turns the verifier off.
 	VerifyPeriod time.Duration
