@@ -1,6 +1,9 @@
 package ambient
 
-import "time"
+import (
+	"strings"
+	"time"
+)
 
 // PluginConf is ambient-cni's own keys in its entry of the primary
 // conflist: the installer writes it (its "type" is the plugin name, which
@@ -79,4 +82,16 @@ const (
 // itself. Very short timeouts keep at least half.
 func HandlerTimeout(pluginTimeout time.Duration) time.Duration {
 	return max(pluginTimeout-handlerMargin, pluginTimeout/2)
+}
+
+// InNamespaces reports whether ns is one of namespaces, where an entry
+// ending in "*" is a prefix ("openshift-*"): the form of
+// ControlPlaneNamespaces, read alike by the plugin and the agent.
+func InNamespaces(namespaces []string, ns string) bool {
+	for _, e := range namespaces {
+		if p, ok := strings.CutSuffix(e, "*"); ok && strings.HasPrefix(ns, p) || e == ns {
+			return true
+		}
+	}
+	return false
 }

@@ -1,6 +1,7 @@
 package nodeagent
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -9,7 +10,10 @@ import (
 	"sync"
 	"testing"
 
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/runtime"
+	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
@@ -38,6 +42,75 @@ func TestServerNetnsCheckedOnlyForCapture(t *testing.T) {
 	in.PodUID = "u2"
 	if resp, err := s.send(t, in); err != nil || resp.Error == "" || resp.Retryable || !strings.Contains(resp.Error, "not under an allowed root") {
 		t.Errorf("ADD of a pod to capture = %+v, %v; want the netns refused", resp, err)
+	}
+}
+
+// TestServerControlPlaneWithoutAPIServer: with the API server down, an ADD
+// of a pod the agent's cache does not hold yet starts it uncaptured when
+// its namespace is a control-plane one the cache does not show enabled,
+// recorded to be decided again (its CHECK agrees); any other such pod,
+// and one the API server says does not exist, waits (retryable). Once the
+// cache holds the pod, the re-check decides it: captured, as its labels
+// say.
+func TestServerControlPlaneWithoutAPIServer(t *testing.T) {
+	s := newServer(t, nil, func(c *ServerConfig) { c.ControlPlaneNamespaces = []string{"istio-system", "openshift-*", "mesh-cp"} })
+	s.kube.SetNamespace(namespace("istio-system", false))
+	s.kube.SetNamespace(namespace("mesh-cp", true))
+	s.kube.Client.PrependReactor("get", "pods", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		if name := a.(k8stesting.GetAction).GetName(); name == "gone" {
+			return true, nil, apierrors.NewNotFound(corev1.Resource("pods"), name)
+		}
+		return true, nil, errors.New("dial tcp 10.96.0.1:443: connect: connection refused")
+	})
+	pn := testnet.NewNS(t)
+	ev := func(ns, name, uid string) *ambient.PodEvent {
+		return &ambient.PodEvent{Command: ambient.CommandAdd, PodName: name, PodNamespace: ns, PodUID: uid, SandboxID: "sb-" + uid, Netns: pn.Path(), IPs: []string{"10.9.0.5"}}
+	}
+	for _, c := range []struct {
+		ev    *ambient.PodEvent
+		start bool
+	}{
+		{ev("istio-system", "istiod", "u1"), true},
+		{ev("openshift-dns", "dns", "u2"), true}, // its namespace not in the cache either
+		{ev("mesh-cp", "web", "u3"), false},      // the cache shows the namespace enabled
+		{ev("plain", "web", "u4"), false},
+		{ev("istio-system", "gone", "u5"), false}, // the API server answered: no such pod
+	} {
+		resp, err := s.send(t, c.ev)
+		name := c.ev.PodNamespace + "/" + c.ev.PodName
+		switch {
+		case err != nil:
+			t.Errorf("ADD %s: %v", name, err)
+		case c.start && resp.Verdict != ambient.VerdictNotEnrolled:
+			t.Errorf("ADD %s = %+v; want it started uncaptured", name, resp)
+		case !c.start && (resp.Error == "" || !resp.Retryable):
+			t.Errorf("ADD %s = %+v; want it to wait (retryable)", name, resp)
+		}
+		check := *c.ev
+		check.Command = ambient.CommandCheck
+		if resp, err := s.send(t, &check); err != nil || (resp.Error == "") != c.start {
+			t.Errorf("CHECK %s = %+v, %v; want it to agree with ADD", name, resp, err)
+		}
+	}
+	entries, err := nodefiles.ListAdds(s.layout.AddSpool())
+	var uids []string
+	for _, e := range entries {
+		uids = append(uids, e.Event.PodUID)
+	}
+	slices.Sort(uids)
+	if err != nil || !slices.Equal(uids, []string{"u1", "u2"}) {
+		t.Fatalf("ADD spool holds %v, %v; want the two pods started", uids, err)
+	}
+	if n := len(s.agent.Pods()); n != 0 {
+		t.Fatalf("%d pods captured while their labels were unknown", n)
+	}
+	// The watch catches up: istiod turns out labelled ambient.
+	s.kube.SetPod(pod("istio-system", "istiod", "u1", map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}))
+	if _, err := s.srv.RecheckPassedThrough(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if pods := s.agent.Pods(); len(pods) != 1 || pods[0].UID != "u1" {
+		t.Errorf("captured after the re-check: %+v; want istio-system/istiod", pods)
 	}
 }
 

@@ -42,6 +42,13 @@ type ServerConfig struct {
 	// ReadHeaderTimeout, ReadTimeout and IdleTimeout bound slow clients
 	// (defaults 2s, 5s, 10s).
 	ReadHeaderTimeout, ReadTimeout, IdleTimeout time.Duration
+	// ControlPlaneNamespaces ("prefix-*" entries match by prefix) never
+	// wait on the API server: an ADD of a pod the cache does not hold,
+	// while the API server cannot be asked, starts it uncaptured unless
+	// the cache shows its namespace enabled, recorded in the ADD spool to
+	// be decided again, as the plugin does without the agent. Empty: every
+	// such pod waits (fail-closed).
+	ControlPlaneNamespaces []string
 	// Observe, when set, is told about every request: verb (ADD, DEL,
 	// CHECK, GC, STATUS), result (enrolled, not-enrolled, removed, ok,
 	// retry, error, rejected, mismatch) and handling time. Wire metrics
@@ -71,9 +78,14 @@ func (c ServerConfig) withDefaults() ServerConfig {
 }
 
 // Decider answers the CNI path's question: should this pod be captured?
-// It returns the pod too (pkg/podcache.Cache).
+// It returns the pod too (pkg/podcache.Cache); an error wrapping
+// enablement.ErrUnanswered says the API server could not be asked about a
+// pod the cache does not hold.
 type Decider interface {
 	Decide(ctx context.Context, namespace, name, uid string) (enablement.Decision, *corev1.Pod, error)
+	// NamespaceEnabled reports whether the cache shows the namespace
+	// enabling pods whatever their own labels.
+	NamespaceEnabled(namespace string) bool
 }
 
 // Server is the plugin event server: HTTP+JSON on a root-only Unix socket.
@@ -324,7 +336,31 @@ func (s *Server) dispatch(ctx context.Context, ev *ambient.PodEvent, t *phaseTim
 	if ev.Command == ambient.CommandCheck {
 		return ambient.VerdictOK, s.checkPath(ctx, p, ev.Netns)
 	}
-	return s.addPath(ctx, p, ev.Netns, t)
+	v, err := s.addPath(ctx, p, ev.Netns, t)
+	if why := s.unseenControlPlane(p, err); why != "" {
+		if serr := nodefiles.Spool(s.cfg.Layout.AddSpool(), *ev); serr != nil {
+			// The pod controller still decides the pod once the cache
+			// holds it; the spool only puts it first.
+			s.log.Error("could not record the pod to decide again", "pod", p.Namespace+"/"+p.Name, "err", serr)
+		}
+		s.log.Warn("pod starts uncaptured, recorded to be decided again", "pod", p.Namespace+"/"+p.Name, "sandbox", p.SandboxID, "reason", why)
+		return ambient.VerdictNotEnrolled, nil
+	}
+	return v, err
+}
+
+// unseenControlPlane says why a pod whose decision failed may start
+// uncaptured ("" when it may not): the cache does not hold it, the API
+// server cannot be asked, and its namespace is one of the control plane's
+// the cache does not show enabled. The plugin's snapshot tier decides
+// such a pod the same way while the agent cannot answer; without this the
+// control plane would wait on the API server whenever the cache lags.
+func (s *Server) unseenControlPlane(p PodInfo, err error) string {
+	if err == nil || !errors.Is(err, enablement.ErrUnanswered) || !ambient.InNamespaces(s.cfg.ControlPlaneNamespaces, p.Namespace) ||
+		s.decider.NamespaceEnabled(p.Namespace) {
+		return ""
+	}
+	return fmt.Sprintf("%v; namespace %q is the control plane's and not enabled per the agent's cache", err, p.Namespace)
 }
 
 // podInfo is the pod a CNI event names.
@@ -385,6 +421,10 @@ func (s *Server) capture(ctx context.Context, p PodInfo, d enablement.Decision, 
 func (s *Server) checkPath(ctx context.Context, p PodInfo, path string) error {
 	d, pod, err := s.decider.Decide(ctx, p.Namespace, p.Name, string(p.UID))
 	if err != nil {
+		if s.unseenControlPlane(p, err) != "" && s.agent.get(p.UID) == nil {
+			// As ADD decided: started uncaptured, to be decided again.
+			return nil
+		}
 		return Retryable(fmt.Errorf("decide on pod %s/%s: %w", p.Namespace, p.Name, err))
 	}
 	if p.UID == "" && pod != nil {

@@ -200,12 +200,7 @@ func (c *Config) files() nodefiles.Layout {
 // controlPlane reports whether ns is one of the control plane's
 // namespaces, which never wait on the agent.
 func (c *Config) controlPlane(ns string) bool {
-	for _, e := range c.ControlPlaneNamespaces {
-		if p, ok := strings.CutSuffix(e, "*"); ok && strings.HasPrefix(ns, p) || e == ns {
-			return true
-		}
-	}
-	return false
+	return ambient.InNamespaces(c.ControlPlaneNamespaces, ns)
 }
 
 func invalidConfig(format string, a ...any) error {

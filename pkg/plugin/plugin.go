@@ -145,6 +145,10 @@ const slowAgent = 5 * time.Second
 // askAgent sends the ADD to the agent. If the agent has not answered
 // within slowAgent, it asks the API server too: when that shows the pod
 // outside the mesh, early says why and the agent's answer is not awaited.
+// When the API server cannot be asked either, a pod of a control-plane
+// namespace the snapshot does not show enabled starts then too
+// (slowControlPlane): the snapshot tier would start it once the timeout
+// is out, and the control plane must not wait on a hung agent.
 func (p *Plugin) askAgent(c *call, log *slog.Logger, ev *ambient.PodEvent) (resp *ambient.PodEventResponse, early string, err error) {
 	type answer struct {
 		resp *ambient.PodEventResponse
@@ -163,17 +167,40 @@ func (p *Plugin) askAgent(c *call, log *slog.Logger, ev *ambient.PodEvent) (resp
 		return a.resp, "", a.err
 	case <-t.C:
 	}
+	slow := min(slowAgent, c.cfg.Timeout/2)
 	if v, err := p.askAPIServer(c, ev, false); err == nil && !*v.Enroll {
-		return nil, fmt.Sprintf("the node agent has not answered in %s and the API server shows the pod outside the mesh (%s)", min(slowAgent, c.cfg.Timeout/2), v.Reason), nil
+		return nil, fmt.Sprintf("the node agent has not answered in %s and the API server shows the pod outside the mesh (%s)", slow, v.Reason), nil
 	} else if err != nil {
+		if why := p.slowControlPlane(c, ev); why != "" {
+			return nil, fmt.Sprintf("the node agent has not answered in %s and the API server cannot be asked (%v); %s", slow, err, why), nil
+		}
 		log.Debug("agent slow and API server not asked", "err", err)
 	}
 	a := <-done
 	return a.resp, "", a.err
 }
 
-// passEarly lets a pod the API server shows outside the mesh start while
-// the agent is slow to answer, recorded for the agent to re-check.
+// slowControlPlane says why a pod may start while the agent is slow and
+// the API server cannot be asked ("" when it may not): its namespace is
+// the control plane's and the agent's snapshot shows neither the namespace
+// enabled nor the pod captured: a subset of what the snapshot tier of
+// withoutAgent starts, decided before the agent's timeout. Never under
+// fail-closed, where that tier is not reached.
+func (p *Plugin) slowControlPlane(c *call, ev *ambient.PodEvent) string {
+	ns := ev.PodNamespace
+	if c.cfg.AgentUnreachable == ambient.AgentUnreachableFailClosed || !c.cfg.controlPlane(ns) {
+		return ""
+	}
+	snap, _ := nodefiles.ReadSnapshot(c.cfg.files().StateSnapshot())
+	if snap != nil && (slices.Contains(snap.EnabledNamespaces, ns) || ev.PodUID != "" && snap.Pods[ev.PodUID]) {
+		return ""
+	}
+	return fmt.Sprintf("namespace %q is the control plane's and not enabled per the agent's snapshot", ns)
+}
+
+// passEarly lets a pod the API server or, for the control plane, the
+// snapshot shows outside the mesh start while the agent is slow to
+// answer, recorded for the agent to re-check.
 func (p *Plugin) passEarly(c *call, log *slog.Logger, ev *ambient.PodEvent, why string) error {
 	rec := *ev
 	rec.Command = ambient.CommandAdd

@@ -373,6 +373,63 @@ func TestHungAgentPlainPodStartsEarly(t *testing.T) {
 	}
 }
 
+// addLogged runs ADD and returns the plugin's log with the error.
+func addLogged(t *testing.T, stdin []byte, args string) (string, error) {
+	t.Helper()
+	var out, logs strings.Builder
+	err := New(&out, &logs).Add(&CmdArgs{ContainerID: "sb1", Netns: "/var/run/netns/cni-1", IfName: "eth0", Args: args, StdinData: stdin})
+	t.Logf("plugin log:\n%s", logs.String())
+	return logs.String(), err
+}
+
+// TestHungAgentControlPlaneStartsEarly: with the API server down too, a
+// hung agent does not hold the control plane for its whole timeout: a pod
+// of a control-plane namespace the snapshot does not show enabled starts
+// once the agent is slow, recorded for the agent to re-check. A pod of a
+// control-plane namespace the snapshot shows enabled, a pod the snapshot
+// cannot vouch for, and every pod under fail-closed still wait.
+func TestHungAgentControlPlaneStartsEarly(t *testing.T) {
+	const early = "has not answered in 1s and the API server cannot be asked"
+	istiod, platform := tablePods[4], tablePods[5]
+	fresh := tablePod{"new plain pod", "default", "new", "uid-new", false}
+	for _, c := range []struct {
+		name      string
+		pod       tablePod
+		snapshot  *nodefiles.EnablementSnapshot
+		extra     string
+		wantEarly bool
+	}{
+		{"istio-system", istiod, nil, "", true},
+		{"platform namespace, no snapshot", platform, nil, "", true},
+		{"istio-system enabled per the snapshot", istiod, &nodefiles.EnablementSnapshot{Generation: 1, EnabledNamespaces: []string{"istio-system"}}, "", false},
+		{"istio-system pod captured per the snapshot", istiod, &nodefiles.EnablementSnapshot{Generation: 1, Pods: map[string]bool{istiod.uid: true}}, "", false},
+		{"plain pod the snapshot does not list", fresh, nil, "", false},
+		{"fail-closed", istiod, nil, `,"agentUnreachable":"fail-closed"`, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			n := newNode(t)
+			hungAgent(t, n.sock)
+			n.fallback(t, fakeAPIDown)
+			if c.snapshot == nil {
+				n.snapshot(t, time.Now())
+			} else if err := nodefiles.WriteSnapshot(n.layout().StateSnapshot(), c.snapshot); err != nil {
+				t.Fatal(err)
+			}
+			logs, err := addLogged(t, n.conf(`,"timeout":"2s"`+c.extra), c.pod.args())
+			if got := strings.Contains(logs, early); got != c.wantEarly || c.wantEarly && err != nil {
+				t.Errorf("%s/%s: %v, started once the agent was slow: %v; want %v", c.pod.ns, c.pod.pod, err, got, c.wantEarly)
+			}
+			if !c.wantEarly {
+				return
+			}
+			entries, err := nodefiles.ListAdds(n.layout().AddSpool())
+			if err != nil || len(entries) != 1 || entries[0].Event.PodUID != c.pod.uid {
+				t.Errorf("ADD spool %+v, %v; want the pod recorded for the agent to re-check", entries, err)
+			}
+		})
+	}
+}
+
 // FuzzParseVerdict: the only answer that lets a pod start is an object
 // whose enroll is false.
 func FuzzParseVerdict(f *testing.F) {

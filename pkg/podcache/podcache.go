@@ -264,11 +264,15 @@ func (c *Cache) Pods() ([]*corev1.Pod, error) {
 // Decide answers the CNI path: the enablement decision for a pod the
 // runtime is starting, with the pod. It reads the cache and, on a miss (or
 // a stale entry with another UID), the API server once; uid, when set,
-// must match.
+// must match. When that read gets no answer (anything but a not-found),
+// the error wraps enablement.ErrUnanswered.
 func (c *Cache) Decide(ctx context.Context, namespace, name, uid string) (enablement.Decision, *corev1.Pod, error) {
 	p, err := c.pods.Pods(namespace).Get(name)
 	if err != nil || (uid != "" && string(p.UID) != uid) {
 		p, err = c.cfg.Client.GetPod(ctx, namespace, name)
+		if err != nil && !apierrors.IsNotFound(err) {
+			return enablement.Decision{}, nil, fmt.Errorf("get pod %s/%s: %w: %w", namespace, name, enablement.ErrUnanswered, err)
+		}
 		if err != nil {
 			return enablement.Decision{}, nil, fmt.Errorf("get pod %s/%s: %w", namespace, name, err)
 		}
@@ -283,6 +287,14 @@ func (c *Cache) Decide(ctx context.Context, namespace, name, uid string) (enable
 		}
 	}
 	return c.decide(p, ns), p, nil
+}
+
+// NamespaceEnabled reports whether the cached namespace name may enable a
+// pod whatever the pod's own labels (the snapshot's enabled namespaces);
+// a namespace not in the cache does not.
+func (c *Cache) NamespaceEnabled(name string) bool {
+	ns, err := c.nss.Get(name)
+	return err == nil && c.cfg.Policy.MayEnableNamespace(ns)
 }
 
 // DecideCached is the pod controller's decision for a cached pod, with its

@@ -286,6 +286,26 @@ func TestChartDefaultsMatchProcessDefaults(t *testing.T) {
 	}
 }
 
+// Istio's namespace is the control plane's whatever the release namespace:
+// a release in kube-system (as GKE installs often are) still lets istiod,
+// ztunnel and Istio's gateways start while the agent cannot answer; a
+// platform's system namespaces come on top.
+func TestControlPlaneNamespacesNamed(t *testing.T) {
+	for _, c := range []struct {
+		ns    string
+		extra []string
+		want  []string
+	}{
+		{"kube-system", nil, []string{"istio-system", "kube-system"}},
+		{namespace, nil, []string{"istio-system"}},
+		{"mesh", []string{"--set", "platform=openshift"}, []string{"istio-system", "mesh", "openshift-*"}},
+	} {
+		if got := decode(t, render(t, releaseName, c.ns, c.extra...)).config(t).ControlPlane(); !slices.Equal(got, c.want) {
+			t.Errorf("release in %s %v: control-plane namespaces %v, want %v", c.ns, c.extra, got, c.want)
+		}
+	}
+}
+
 // The shipped agentDownAfter is 2m, in the chart and in the plugin alike:
 // longer than an agent restart or upgrade takes (pods to capture are never
 // let through during one), short enough that pods outside the mesh start

@@ -353,6 +353,10 @@ func New(o Options) (*App, error) {
 		// span both.
 		Logger: agentCfg.Logger,
 	}
+	if c.AgentUnreachable != ambient.AgentUnreachableFailClosed {
+		// Under fail-closed the control plane waits too, agent or not.
+		serverCfg.ControlPlaneNamespaces = c.ControlPlane()
+	}
 	if o.ServerHook != nil {
 		o.ServerHook(&serverCfg)
 	}

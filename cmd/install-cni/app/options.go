@@ -104,9 +104,10 @@ type Config struct {
 	// EnablementSelectorText is the enablement-selector setting as given,
 	// for the plugin's credential file (its fallback parses it again).
 	EnablementSelectorText string
-	// ControlPlaneNamespaces never wait on the agent (the platform's
-	// system namespaces; "prefix-*" matches by prefix); the agent's own
-	// and the data-plane namespaces are added.
+	// ControlPlaneNamespaces never wait on the agent (Istio's system
+	// namespace by default, the platform's system namespaces; "prefix-*"
+	// matches by prefix); the agent's own and the data-plane namespaces
+	// are added.
 	ControlPlaneNamespaces []string
 	// PluginServiceAccount is the plugin's own ServiceAccount in the
 	// agent's namespace; "" writes no credential.
@@ -378,7 +379,7 @@ func options() []option {
 			c.EnablementSelectors, c.EnablementSelectorText = s, v
 			return nil
 		}},
-		{"control-plane-namespaces", "Comma-separated namespaces that never wait on the agent (the platform's system namespaces; an entry ending in * is a prefix, as openshift-*), besides the agent's own and the data-plane namespaces: while the agent cannot answer, the plugin decides their pods by the API server and, failing that, lets them start unless the agent's snapshot shows their namespace enabled.", "", list(func(c *Config) *[]string { return &c.ControlPlaneNamespaces })},
+		{"control-plane-namespaces", "Comma-separated namespaces that never wait on the agent: Istio's own (istio-system, where istiod, ztunnel and its gateways run whatever namespace the agent is installed in) and the platform's system namespaces (an entry ending in * is a prefix, as openshift-*), besides the agent's own and the data-plane namespaces. While the agent cannot answer, the plugin decides their pods by the API server and, failing that, lets them start unless the agent's snapshot shows their namespace enabled; the agent does the same for a pod it has not seen yet while the API server cannot be asked.", enablement.DefaultDataPlaneNamespace, list(func(c *Config) *[]string { return &c.ControlPlaneNamespaces })},
 		{"plugin-service-account", "The plugin's own ServiceAccount in pod-namespace, allowed only to get pods, namespaces, nodes and the agent's DaemonSet: the agent writes a token of it, bound to the node, into state-dir for the plugin to ask the API server while the agent cannot answer. Empty: no credential (the plugin decides by the snapshot alone).", "", str(func(c *Config) *string { return &c.PluginServiceAccount })},
 		{"plugin-token-lifetime", "Lifetime of each token of plugin-service-account; the agent renews it after half.", "24h", func(c *Config, v string) error {
 			d, err := time.ParseDuration(v)

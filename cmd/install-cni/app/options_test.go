@@ -305,6 +305,26 @@ func TestDataPlaneNamespaces(t *testing.T) {
 	}
 }
 
+// Istio's namespace is the control plane's wherever the agent is installed
+// (GKE installs often use kube-system): istiod, ztunnel and the gateways
+// never wait on the agent; an explicit list replaces the default.
+func TestControlPlaneNamespaces(t *testing.T) {
+	c, err := Parse([]string{"--node-name=n1", "--pod-namespace=kube-system"}, env(nil), io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := c.ControlPlane(); !slices.Equal(got, []string{"istio-system", "kube-system"}) {
+		t.Errorf("control-plane namespaces of an agent in kube-system %v, want istio-system and kube-system", got)
+	}
+	c, err = Parse([]string{"--node-name=n1", "--pod-namespace=mesh"}, env(map[string]string{"AMBIENT_CONTROL_PLANE_NAMESPACES": "openshift-*"}), io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := c.ControlPlane(); !slices.Equal(got, []string{"mesh", "openshift-*"}) {
+		t.Errorf("control-plane namespaces %v, want the configured ones and the agent's own", got)
+	}
+}
+
 // The selector setting reaches the policy; without it the policy decides
 // as Istio's default list does.
 func TestEnablementSelector(t *testing.T) {

@@ -5,6 +5,7 @@
 package enablement
 
 import (
+	"errors"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -52,6 +53,12 @@ const DefaultDataPlaneNamespace = "istio-system"
 func DefaultPolicy() Policy {
 	return Policy{ExcludedNamespaces: []string{ambient.DefaultExcludedNamespace}, DataPlaneNamespaces: []string{DefaultDataPlaneNamespace}}
 }
+
+// ErrUnanswered marks a decision that needed the API server (the pod was
+// not in the agent's cache) and got no answer from it: down, unreachable,
+// refusing the credential or too slow. The pod's labels are then unknown.
+// An answer that the pod does not exist is not this error.
+var ErrUnanswered = errors.New("the API server cannot be asked")
 
 // Reason explains an enablement decision; it is stable text for logs,
 // events and metrics labels.
