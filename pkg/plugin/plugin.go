@@ -148,7 +148,8 @@ const slowAgent = 5 * time.Second
 // When the API server cannot be asked either, a pod of a control-plane
 // namespace the snapshot does not show enabled starts then too
 // (slowControlPlane): the snapshot tier would start it once the timeout
-// is out, and the control plane must not wait on a hung agent.
+// is out, and the control plane must not wait on a hung agent. Under
+// agentUnreachable fail-closed it only waits for the agent.
 func (p *Plugin) askAgent(c *call, log *slog.Logger, ev *ambient.PodEvent) (resp *ambient.PodEventResponse, early string, err error) {
 	type answer struct {
 		resp *ambient.PodEventResponse
@@ -160,14 +161,19 @@ func (p *Plugin) askAgent(c *call, log *slog.Logger, ev *ambient.PodEvent) (resp
 		r, err := c.client.PodEvent(c.ctx, ev)
 		done <- answer{r, err}
 	}()
-	t := time.NewTimer(min(slowAgent, c.cfg.Timeout/2))
+	if c.cfg.AgentUnreachable == ambient.AgentUnreachableFailClosed {
+		// Strict: a slow agent may still answer, and nothing else decides.
+		a := <-done
+		return a.resp, "", a.err
+	}
+	slow := min(slowAgent, c.cfg.Timeout/2)
+	t := time.NewTimer(slow)
 	defer t.Stop()
 	select {
 	case a := <-done:
 		return a.resp, "", a.err
 	case <-t.C:
 	}
-	slow := min(slowAgent, c.cfg.Timeout/2)
 	if v, err := p.askAPIServer(c, ev, false); err == nil && !*v.Enroll {
 		return nil, fmt.Sprintf("the node agent has not answered in %s and the API server shows the pod outside the mesh (%s)", slow, v.Reason), nil
 	} else if err != nil {
@@ -184,11 +190,11 @@ func (p *Plugin) askAgent(c *call, log *slog.Logger, ev *ambient.PodEvent) (resp
 // the API server cannot be asked ("" when it may not): its namespace is
 // the control plane's and the agent's snapshot shows neither the namespace
 // enabled nor the pod captured: a subset of what the snapshot tier of
-// withoutAgent starts, decided before the agent's timeout. Never under
-// fail-closed, where that tier is not reached.
+// withoutAgent starts, decided before the agent's timeout (askAgent never
+// gets here under fail-closed, where that tier is not reached either).
 func (p *Plugin) slowControlPlane(c *call, ev *ambient.PodEvent) string {
 	ns := ev.PodNamespace
-	if c.cfg.AgentUnreachable == ambient.AgentUnreachableFailClosed || !c.cfg.controlPlane(ns) {
+	if !c.cfg.controlPlane(ns) {
 		return ""
 	}
 	snap, _ := nodefiles.ReadSnapshot(c.cfg.files().StateSnapshot())

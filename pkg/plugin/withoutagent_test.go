@@ -464,3 +464,23 @@ func TestFallbackChildHoldsPipes(t *testing.T) {
 		t.Errorf("pod-label-enabled pod: %v, want code 11", err)
 	}
 }
+
+// TestHungAgentFailClosedWaits: under agentUnreachable fail-closed a hung
+// agent is a dead one for every pod: nothing starts once the agent is
+// slow, and the API server is not asked, even for a plain pod it would
+// show outside the mesh.
+func TestHungAgentFailClosedWaits(t *testing.T) {
+	n := newNode(t)
+	hungAgent(t, n.sock)
+	asked := filepath.Join(t.TempDir(), "asked")
+	n.fallback(t, "#!/bin/sh\ntouch "+asked+"\necho '{\"enroll\":false,\"reason\":\"neither pod nor namespace labelled ambient\"}'\n")
+	for _, pod := range []tablePod{tablePods[3], tablePods[4]} {
+		logs, err := addLogged(t, n.conf(`,"timeout":"2s","agentUnreachable":"fail-closed"`), pod.args())
+		if err == nil || cniCode(t, err) != types.ErrTryAgainLater || !strings.Contains(err.Error(), "fail-closed") {
+			t.Errorf("%s/%s, hung agent, fail-closed: %v; want code 11 naming fail-closed\n%s", pod.ns, pod.pod, err, logs)
+		}
+	}
+	if _, err := os.Stat(asked); err == nil {
+		t.Error("the API server was asked under fail-closed")
+	}
+}
