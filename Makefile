@@ -29,7 +29,7 @@ STAMP_LDFLAGS := -X $(BUILDINFO).version=$(VERSION) -X $(BUILDINFO).commit=$(COM
 PLUGIN_LDFLAGS := -s -w $(STAMP_LDFLAGS)
 AGENT_LDFLAGS  := -s -w $(STAMP_LDFLAGS)
 
-.PHONY: deps archcheck tidy check check-tools all build version image image-push image-tools chart chart-push tools peer-tools node-tools bench bench-scale bench-agents test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: deps flake archcheck tidy check check-tools all build version image image-push image-tools chart chart-push tools peer-tools node-tools bench bench-scale bench-agents test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -176,6 +176,18 @@ demo-down: $(BIN)/ambient-node ## tear down a node whose demo was killed (Ctrl-C
 
 e2e: node-tools peer-tools ## as root: the end-to-end tests on a real node (kubelet, containerd, helm-installed DaemonSet; Istio's istio-cni for the switch from it)
 	$(GO) test -tags realnode -count=1 -timeout $(E2E_TIMEOUT) -p 1 -v ./test/realnode/...
+
+# make flake RUN=TestX PKG=./test/chaos/ [N=20] [LOAD=2] [TAGS=realnode]:
+# one test run N times, under LOAD busy loops (hack/flake.sh).
+N             ?= 20
+LOAD          ?= 0
+RUN           ?=
+PKG           ?=
+TAGS          ?=
+FLAKE_TIMEOUT ?= 30m
+
+flake: ## run one test N times (RUN=regexp PKG=./pkg/ N=20, LOAD=2 busy loops beside it, TAGS=realnode): passes, failures and the failed runs' logs
+	@GO='$(GO)' hack/flake.sh -run '$(RUN)' -n '$(N)' -load '$(LOAD)' -tags '$(TAGS)' -timeout '$(FLAKE_TIMEOUT)' $(PKG)
 
 test-unit: ## run the tests that need neither root nor built tools
 	AMBIENT_UNIT_ONLY=1 $(GO) test -count=1 ./...
