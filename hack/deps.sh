@@ -84,7 +84,7 @@ if [ -z "$todo" ]; then
 	exit 0
 fi
 
-list=$(printf '%s\n' "$todo" | tr '\n' ' ')
+list=$(printf "%s" "$todo" | tr "\n" " ")
 if [ "$(id -u)" -ne 0 ]; then
 	echo "make deps: missing Debian packages: $list" >&2
 	echo "Installing them runs apt-get, which changes the system's packages and so needs root: run make deps as root (sudo make deps), or install them yourself. Why each is needed: $0 --list" >&2
@@ -126,7 +126,7 @@ if ! { apt-get update -q && apt-get install -y -q --no-install-recommends $list;
 fi
 still=$(missing)
 if [ -n "$still" ]; then
-	echo "make deps: apt-get succeeded but these are still not installed: $(printf '%s\n' "$still" | tr '\n' ' ')" >&2
+	echo "make deps: apt-get succeeded but these are still not installed: $(printf '%s' "$still" | tr '\n' ' ')" >&2
 	exit 1
 fi
 echo "make deps: installed $list"

@@ -70,7 +70,7 @@ for ((i = 0; i < load; i++)); do
 done
 
 read -r load1 _ </proc/loadavg
-echo "flake: $run in $pkg, $n runs, $load busy loops (load average $load1 at the start); logs in $out"
+echo "flake: $run in $pkg, $n runs, $load busy loops (load average $load1 at the start); the logs of failed runs go to $out"
 pass=0 fail=0 skip=0
 for ((i = 1; i <= n; i++)); do
 	log="$out/run-$i.log"
