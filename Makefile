@@ -29,7 +29,7 @@ STAMP_LDFLAGS := -X $(BUILDINFO).version=$(VERSION) -X $(BUILDINFO).commit=$(COM
 PLUGIN_LDFLAGS := -s -w $(STAMP_LDFLAGS)
 AGENT_LDFLAGS  := -s -w $(STAMP_LDFLAGS)
 
-.PHONY: archcheck tidy check check-tools all build version image image-push image-tools chart chart-push tools peer-tools node-tools bench bench-scale bench-agents test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: deps flake archcheck tidy check check-tools all build version image image-push image-tools chart chart-push tools peer-tools node-tools bench bench-scale bench-agents test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -124,7 +124,19 @@ BENCH_AGENTS  ?= 50
 bench-agents: build tools peer-tools ## as root: what BENCH_AGENTS (50) node agents, each on a simulated node, cost one API server (requests, watches, memory, CPU at start, at rest, at a namespace flip), ours beside istio-cni's (docs/performance.md); BENCH_QUICK=1 for a smoke run
 	$(GO) run ./test/bench/cmd/bench -agents $(BENCH_AGENTS) -install-cni $(BIN)/install-cni -plugin $(BIN)/ambient-cni -out $(BENCH_OUT)
 
-check: check-tools lint test test-long e2e ## as root: everything CI runs (.ci/run runs exactly this)
+# make deps: the Debian packages make check and make demo need (the list,
+# and why each: hack/deps.sh --list). As root it installs what is missing;
+# when nothing is, it prints one line and touches nothing.
+deps: ## as root: install the Debian packages make check and make demo need (apt-get; one line and nothing else when all are there)
+	@hack/deps.sh
+
+# make check runs its stages in this order, each a make of its own, and
+# stops at the first failure (make -k: goes on). hack/stages.sh times
+# them when STAGE_TIMES names a file: .ci/run prints the table.
+CHECK_STAGES  := check-tools lint test test-long e2e
+
+check: deps ## as root: everything CI runs (.ci/run runs exactly this): check-tools, lint, test, test-long, e2e
+	@MAKE='$(MAKE)' KEEP_GOING='$(findstring k,$(firstword -$(MAKEFLAGS)))' hack/stages.sh make $(CHECK_STAGES)
 
 # Every tool make check needs, in one run of hack/kube-tools.sh: on a cold
 # cache the Debian bases and the module downloads then overlap the Go
@@ -156,7 +168,7 @@ test-long: tools ## as root: the fault-injection suite (agent SIGKILLs, ztunnel 
 $(BIN)/ambient-node: FORCE
 	CGO_ENABLED=0 $(GO) build -trimpath -o $@ ./test/realnode/cmd/node
 
-demo: node-tools $(BIN)/ambient-node ## as root: a real kubelet + containerd node, ambient-cni installed by helm, the story with checked proofs, then teardown (KEEP=1: stay up to explore)
+demo: deps node-tools $(BIN)/ambient-node ## as root: a real kubelet + containerd node, ambient-cni installed by helm, the story with checked proofs, then teardown (KEEP=1: stay up to explore)
 	$(BIN)/ambient-node demo $(if $(KEEP),-keep)
 
 demo-down: $(BIN)/ambient-node ## tear down a node whose demo was killed (Ctrl-C tears down by itself)
@@ -164,6 +176,18 @@ demo-down: $(BIN)/ambient-node ## tear down a node whose demo was killed (Ctrl-C
 
 e2e: node-tools peer-tools ## as root: the end-to-end tests on a real node (kubelet, containerd, helm-installed DaemonSet; Istio's istio-cni for the switch from it)
 	$(GO) test -tags realnode -count=1 -timeout $(E2E_TIMEOUT) -p 1 -v ./test/realnode/...
+
+# make flake RUN=TestX PKG=./test/chaos/ [N=20] [LOAD=2] [TAGS=realnode]:
+# one test run N times, under LOAD busy loops (hack/flake.sh).
+N             ?= 20
+LOAD          ?= 0
+RUN           ?=
+PKG           ?=
+TAGS          ?=
+FLAKE_TIMEOUT ?= 30m
+
+flake: ## run one test N times (RUN=regexp PKG=./pkg/ N=20, LOAD=2 busy loops beside it, TAGS=realnode): passes, failures and the failed runs' logs
+	@GO='$(GO)' hack/flake.sh -run '$(RUN)' -n '$(N)' -load '$(LOAD)' -tags '$(TAGS)' -timeout '$(FLAKE_TIMEOUT)' $(PKG)
 
 test-unit: ## run the tests that need neither root nor built tools
 	AMBIENT_UNIT_ONLY=1 $(GO) test -count=1 ./...

@@ -26,9 +26,9 @@
 # flannel is flanneld (kube subnet manager, vxlan and host-gw backends) from
 # a small main of its own in hack/tools/flannel: flannel's main package does
 # not build from the Go module proxy.
-# runc is the one cgo build: it needs gcc and Debian's libseccomp-dev
-# (.ci/run installs them) and links libseccomp dynamically, as Debian's own
-# runc package does.
+# runc is the one cgo build: it needs gcc, pkgconf and Debian's
+# libseccomp-dev (make deps installs them) and links libseccomp
+# dynamically, as Debian's own runc package does.
 # Nothing else is downloaded. What is already in the cache is not rebuilt.
 #
 # usage: hack/kube-tools.sh [name...]   build (default: etcd kube-apiserver helm promtool)
@@ -299,7 +299,7 @@ compile() {
 # mmdebstrap; as root it needs no daemon and no registry).
 rootfs() {
 	if ! command -v mmdebstrap >/dev/null; then
-		echo "kube-tools: debian-rootfs needs mmdebstrap (Debian package mmdebstrap; .ci/run installs it)" >&2
+		echo "kube-tools: debian-rootfs needs mmdebstrap (Debian package mmdebstrap; make deps installs it)" >&2
 		return 1
 	fi
 	mmdebstrap --quiet --format=tar "${rootfs_args[@]}" "$rootfs_suite" "$1"
@@ -309,7 +309,7 @@ rootfs() {
 # image_rootfs_args); SOURCE_DATE_EPOCH pins the times mmdebstrap sets.
 image_rootfs() {
 	if ! command -v mmdebstrap >/dev/null; then
-		echo "kube-tools: image-rootfs needs mmdebstrap (Debian package mmdebstrap; .ci/run installs it)" >&2
+		echo "kube-tools: image-rootfs needs mmdebstrap (Debian package mmdebstrap; make deps installs it)" >&2
 		return 1
 	fi
 	SOURCE_DATE_EPOCH=0 mmdebstrap --quiet --format=tar --architectures="$1" "${image_rootfs_args[@]}" \

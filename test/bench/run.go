@@ -122,7 +122,7 @@ func Run(ctx context.Context, o Options) (res *Result, err error) {
 	}
 	for _, c := range []string{"iptables-save", "iptables-restore", "ip6tables-restore", "nsenter", "sleep"} {
 		if _, err := exec.LookPath(c); err != nil {
-			return nil, fmt.Errorf("%s not found: install the packages .ci/run installs", c)
+			return nil, fmt.Errorf("%s not found: as root, make deps installs the packages the tests need", c)
 		}
 	}
 	if o.Profile {

@@ -88,7 +88,7 @@ func FindTools() (Tools, error) {
 		errs = append(errs, fmt.Errorf("not built: %s; build them with %s (minutes the first time, then cached)", strings.Join(missing, ", "), BuildCommand))
 	}
 	if len(pkgs) > 0 {
-		errs = append(errs, fmt.Errorf("not installed: %s (Debian packages runc, mmdebstrap, nftables, ipset, iptables; .ci/run installs them)", strings.Join(pkgs, ", ")))
+		errs = append(errs, fmt.Errorf("not installed: %s (Debian packages runc, mmdebstrap, nftables, ipset, iptables; make deps installs them)", strings.Join(pkgs, ", ")))
 	}
 	return t, errors.Join(errs...)
 }

@@ -48,7 +48,7 @@ func RequireCommands(t testing.TB, cmds ...string) {
 	t.Helper()
 	for _, c := range cmds {
 		if _, err := exec.LookPath(c); err != nil {
-			Missing(t, fmt.Sprintf("command %q not found (install the Debian packages .ci/run lists)", c))
+			Missing(t, fmt.Sprintf("command %q not found (as root, make deps installs the Debian packages the tests need)", c))
 		}
 	}
 }
