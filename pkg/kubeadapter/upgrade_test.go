@@ -79,11 +79,22 @@ func newAgentOn(t *testing.T, env *kubeenv.Env, withDaemonSet bool, node *corev1
 
 func (a *agentNode) createDaemonSet(tmpl func(*corev1.PodSpec)) {
 	a.t.Helper()
-	labels := map[string]string{"app": "x"}
+	a.createNamed(dsName, map[string]string{"app": "x"}, tmpl)
+}
+
+// chartLabels are what the chart stamps on its DaemonSet, whatever its
+// name: its selector labels.
+var chartLabels = map[string]string{"app.kubernetes.io/name": "ambient-cni", "app.kubernetes.io/instance": "mesh"}
+
+// createNamed creates DaemonSet name in the agent's namespace with labels
+// (its selector too) and the pod template changed by tmpl; held by a
+// finalizer once deleted, until the test ends or release.
+func (a *agentNode) createNamed(name string, labels map[string]string, tmpl func(*corev1.PodSpec)) {
+	a.t.Helper()
 	ds := &appsv1.DaemonSet{
 		// The finalizer holds a deleted DaemonSet in "being deleted", as
 		// foreground deletion does while its pods stop.
-		ObjectMeta: metav1.ObjectMeta{Name: dsName, Namespace: a.ns, Finalizers: []string{"test.ambient-cni/hold"}},
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: a.ns, Labels: labels, Finalizers: []string{"test.ambient-cni/hold"}},
 		Spec: appsv1.DaemonSetSpec{
 			Selector: &metav1.LabelSelector{MatchLabels: labels},
 			Template: corev1.PodTemplateSpec{
@@ -98,7 +109,7 @@ func (a *agentNode) createDaemonSet(tmpl func(*corev1.PodSpec)) {
 	if _, err := a.env.Client.AppsV1().DaemonSets(a.ns).Create(context.Background(), ds, metav1.CreateOptions{}); err != nil {
 		a.t.Fatal(err)
 	}
-	a.t.Cleanup(func() { a.release() })
+	a.t.Cleanup(func() { a.releaseNamed(name) })
 }
 
 // deleteDaemonSet deletes it (admin); held by the finalizer until release.
@@ -110,9 +121,11 @@ func (a *agentNode) deleteDaemonSet() {
 }
 
 // release drops the finalizer so a deleted DaemonSet goes.
-func (a *agentNode) release() {
+func (a *agentNode) release() { a.releaseNamed(dsName) }
+
+func (a *agentNode) releaseNamed(name string) {
 	patch := []byte(`{"metadata":{"finalizers":null}}`)
-	_, _ = a.env.Client.AppsV1().DaemonSets(a.ns).Patch(context.Background(), dsName, "application/merge-patch+json", patch, metav1.PatchOptions{})
+	_, _ = a.env.Client.AppsV1().DaemonSets(a.ns).Patch(context.Background(), name, "application/merge-patch+json", patch, metav1.PatchOptions{})
 }
 
 // revokeRBAC deletes the agent's RoleBindings, as helm uninstall does, and
@@ -138,6 +151,16 @@ func (a *agentNode) revokeRBAC() {
 func (a *agentNode) waitSeen(state string) {
 	a.t.Helper()
 	poll.Until(a.t, "watch sees the DaemonSet "+state, func() bool { return a.checker.Seen() == state })
+}
+
+// waitGone waits until the watch saw the agent's DaemonSet go, whatever
+// it makes of that.
+func (a *agentNode) waitGone() {
+	a.t.Helper()
+	poll.Until(a.t, "watch sees the DaemonSet go", func() bool {
+		s := a.checker.Seen()
+		return s != "" && s != "present"
+	})
 }
 
 // isUpgrade is the shutdown decision as install-cni makes it.
@@ -277,6 +300,79 @@ func TestUpgradeChecker(t *testing.T) {
 			t.Error("DaemonSet deleted, then RBAC gone: reported an upgrade, the plugin would stay")
 		}
 	})
+}
+
+// TestUpgradeCheckerRenamedDaemonSet: an upgrade that renames the
+// DaemonSet (istioCompat.names, nameOverride) creates the new one and then
+// deletes the agent's own. No uninstall while another DaemonSet of this
+// chart (its selector labels, whatever its name) still schedules onto this
+// node: its agent takes the node over, and an uninstall would strip every
+// pod's rules under it. Another chart's DaemonSet, or one of this chart
+// that does not schedule here or is going too, changes nothing.
+func TestUpgradeCheckerRenamedDaemonSet(t *testing.T) {
+	env := kubeenv.Start(t)
+	ownDeleted := func(a *agentNode) {
+		a.t.Helper()
+		a.deleteDaemonSet()
+		a.release()
+		a.waitGone()
+	}
+
+	t.Run("renamed", func(t *testing.T) {
+		a := newAgentNode(t, env, false)
+		a.createNamed(dsName, chartLabels, nil)
+		a.waitSeen("present")
+		a.createNamed("istio-cni-node", chartLabels, nil)
+		ownDeleted(a)
+		if !a.isUpgrade() {
+			t.Error("own DaemonSet deleted while the renamed one schedules here: an uninstall")
+		}
+		// The watch's verdict, which keeps the uninstall marker away.
+		a.waitSeen("replaced")
+	})
+
+	t.Run("renamed, rights gone first", func(t *testing.T) {
+		// helm's order: the new objects, then the old release's RBAC
+		// deleted before its DaemonSet. Only the watch saw the new one.
+		a := newAgentNode(t, env, false)
+		a.createNamed(dsName, chartLabels, nil)
+		a.waitSeen("present")
+		a.createNamed("istio-cni-node", chartLabels, nil)
+		a.revokeRBAC()
+		a.deleteDaemonSet()
+		a.release()
+		a.waitSeen("replaced")
+		if !a.isUpgrade() {
+			t.Error("own DaemonSet deleted, the renamed one seen by the watch, rights gone: an uninstall")
+		}
+	})
+
+	for _, tc := range []struct {
+		name   string
+		labels map[string]string
+		tmpl   func(*corev1.PodSpec)
+		going  bool
+	}{
+		{"another chart's daemonset", map[string]string{"app.kubernetes.io/name": "ztunnel", "app.kubernetes.io/instance": "mesh"}, nil, false},
+		{"renamed, not on this node", chartLabels, func(s *corev1.PodSpec) { s.NodeSelector = map[string]string{"mesh": "off"} }, false},
+		{"renamed, being deleted too", chartLabels, nil, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := newAgentNode(t, env, false)
+			a.createNamed(dsName, chartLabels, nil)
+			a.waitSeen("present")
+			a.createNamed("other", tc.labels, tc.tmpl)
+			if tc.going {
+				if err := env.Client.AppsV1().DaemonSets(a.ns).Delete(context.Background(), "other", metav1.DeleteOptions{}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			ownDeleted(a)
+			if a.isUpgrade() {
+				t.Error("own DaemonSet deleted, no other of this chart scheduling here: reported an upgrade")
+			}
+		})
+	}
 }
 
 func nodeAffinity(terms ...corev1.NodeSelectorTerm) *corev1.Affinity {

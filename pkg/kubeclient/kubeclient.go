@@ -58,9 +58,11 @@ type Nodes interface {
 // DaemonSetReader reads DaemonSets, and lists and watches their metadata
 // only: every agent watches its own DaemonSet, and each status write the
 // DaemonSet controller makes goes to every agent, so the watch carries
-// the object's metadata (about a twelfth of it), all it looks for.
+// the object's metadata (about a twelfth of it), all it looks for. Whole
+// objects are read once, at shutdown.
 type DaemonSetReader interface {
 	GetDaemonSet(ctx context.Context, namespace, name string) (*appsv1.DaemonSet, error)
+	ListDaemonSets(ctx context.Context, namespace string, opts metav1.ListOptions) (*appsv1.DaemonSetList, error)
 	ListDaemonSetsMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (*metav1.PartialObjectMetadataList, error)
 	WatchDaemonSetsMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (watch.Interface, error)
 }
@@ -254,6 +256,12 @@ func (c *Client) PatchNode(ctx context.Context, name string, pt types.PatchType,
 func (c *Client) GetDaemonSet(ctx context.Context, namespace, name string) (*appsv1.DaemonSet, error) {
 	d := &appsv1.DaemonSet{}
 	return d, c.get(ctx, c.apps, namespace, "daemonsets", name, d)
+}
+
+// ListDaemonSets implements DaemonSetReader.
+func (c *Client) ListDaemonSets(ctx context.Context, namespace string, opts metav1.ListOptions) (*appsv1.DaemonSetList, error) {
+	l := &appsv1.DaemonSetList{}
+	return l, c.list(ctx, c.apps, namespace, "daemonsets", opts, l)
 }
 
 // ListDaemonSetsMetadata implements DaemonSetReader.

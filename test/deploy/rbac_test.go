@@ -66,8 +66,15 @@ func TestManifestRBACIsShippedRBAC(t *testing.T) {
 			}
 			continue
 		}
-		if !reflect.DeepEqual(r.ResourceNames, []string{o.ds.Name}) {
-			t.Errorf("Role rule %+v: want it limited to DaemonSet %s", r, o.ds.Name)
+		// DaemonSets in its namespace: get its own by name; list and
+		// watch any (the chart's others by label: a rename is no
+		// uninstall).
+		want := rbacv1.PolicyRule{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{o.ds.Name}, Verbs: []string{"get"}}
+		if r.ResourceNames == nil {
+			want = rbacv1.PolicyRule{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, Verbs: []string{"list", "watch"}}
+		}
+		if !reflect.DeepEqual(r, want) {
+			t.Errorf("Role rule %+v, want %+v", r, want)
 		}
 	}
 
@@ -82,7 +89,8 @@ func TestManifestRBACIsShippedRBAC(t *testing.T) {
 	if !reflect.DeepEqual(all.cr.Rules, wantCluster) {
 		t.Errorf("all-values ClusterRole rules %+v differ from the manifest's plus the SCC's and the startup taint's %+v", all.cr.Rules, wantCluster)
 	}
-	want := []rbacv1.PolicyRule{{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{"mesh-node"}, Verbs: []string{"get", "list", "watch"}},
+	want := []rbacv1.PolicyRule{{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{"mesh-node"}, Verbs: []string{"get"}},
+		{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, Verbs: []string{"list", "watch"}},
 		{APIGroups: []string{""}, Resources: []string{"serviceaccounts/token"}, ResourceNames: []string{"mesh-node-plugin"}, Verbs: []string{"create"}}}
 	if !reflect.DeepEqual(all.role.Rules, want) {
 		t.Errorf("all-values Role rules %+v, want %+v", all.role.Rules, want)
@@ -138,7 +146,8 @@ func TestManifestDryRun(t *testing.T) {
 }
 
 // Applied for real, the chart's own bindings give its ServiceAccount what
-// the agent needs and nothing beyond its own DaemonSet.
+// the agent needs and nothing beyond: of DaemonSets, its own by name and a
+// list and watch of its namespace's.
 func TestChartBindingsGrantTheAgent(t *testing.T) {
 	env := kube.Env(t)
 	ctx := context.Background()
@@ -156,6 +165,8 @@ func TestChartBindingsGrantTheAgent(t *testing.T) {
 		{Verb: "create", Resource: "events", Namespace: "default"},
 		{Verb: "patch", Resource: "events", Namespace: "default"},
 		{Verb: "get", Group: "apps", Resource: "daemonsets", Namespace: ns, Name: name},
+		{Verb: "list", Group: "apps", Resource: "daemonsets", Namespace: ns},
+		{Verb: "watch", Group: "apps", Resource: "daemonsets", Namespace: ns},
 		{Verb: "get", Resource: "nodes", Name: "some-node"},
 	}
 	// The RBAC authorizer sees new bindings through a watch: wait for them.
@@ -170,7 +181,7 @@ func TestChartBindingsGrantTheAgent(t *testing.T) {
 	deny := []authorizationv1.ResourceAttributes{
 		{Verb: "get", Group: "apps", Resource: "daemonsets", Namespace: ns, Name: "ztunnel"},
 		{Verb: "get", Group: "apps", Resource: "daemonsets", Namespace: "default", Name: name},
-		{Verb: "list", Group: "apps", Resource: "daemonsets", Namespace: ns},
+		{Verb: "list", Group: "apps", Resource: "daemonsets", Namespace: "default"},
 		{Verb: "update", Resource: "pods", Namespace: "default", Name: "p"},
 		{Verb: "delete", Resource: "pods", Namespace: "default", Name: "p"},
 		{Verb: "list", Resource: "secrets"},

@@ -5,10 +5,13 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
@@ -16,6 +19,8 @@ import (
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
 // releaseWatch notes, at the first rule removal of an uninstall (the
@@ -137,5 +142,63 @@ func TestUninstallMarkerOnDaemonSetDeletion(t *testing.T) {
 	}
 	if b, err := os.ReadFile(filepath.Join(n.confDir, simnode.PrimaryConf)); err != nil || bytes.Contains(b, []byte(`"`+cnibin.PluginName+`"`)) {
 		t.Errorf("plugin still chained after the uninstall (%v)", err)
+	}
+}
+
+// TestRenamedDaemonSetIsAnUpgrade: helm upgrade with a new name for the
+// DaemonSet (istioCompat.names, nameOverride) creates the new DaemonSet,
+// deletes the old release's RBAC, then its DaemonSet, and the old agent
+// stops. Another DaemonSet of the chart schedules onto the node, so its
+// agent takes over: the stop is an upgrade. The pods keep their rules,
+// ztunnel gets no Del, the plugin stays chained, and the uninstall marker
+// is never written.
+func TestRenamedDaemonSetIsAnUpgrade(t *testing.T) {
+	n := newNode(t, nodeOptions{Upgrade: true})
+	ctx := context.Background()
+	shop := n.namespace("shop", ambientLabel)
+	a := n.runPod(podSpec(shop, "a", nil, nil))
+	b := n.runPod(podSpec(shop, "b", nil, nil))
+	n.waitEnrolled(waitLong, a, b)
+	poll.Within(t, waitLong, "the watch seeing the DaemonSet", func() bool { return n.d.DaemonSetSeen() == "present" })
+
+	// The new release's DaemonSet: the chart's selector labels, a new name.
+	labels := map[string]string{"app.kubernetes.io/name": "ambient-cni", "app.kubernetes.io/instance": "mesh"}
+	renamed := &appsv1.DaemonSet{
+		ObjectMeta: metav1.ObjectMeta{Name: testnet.RandName("istio-cni-node-", 6), Namespace: n.agentNS, Labels: labels},
+		Spec: appsv1.DaemonSetSpec{
+			Selector: &metav1.LabelSelector{MatchLabels: labels},
+			Template: corev1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{Labels: labels},
+				Spec:       corev1.PodSpec{Containers: []corev1.Container{{Name: "install-cni", Image: "x"}}},
+			},
+		},
+	}
+	if _, err := n.env.Client.AppsV1().DaemonSets(n.agentNS).Create(ctx, renamed, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	n.revokeAgentRBAC()
+	if err := n.env.Client.AppsV1().DaemonSets(n.agentNS).Delete(ctx, n.cfg.DaemonSet, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := poll.Wait(ctx, waitLong, func() bool { return n.d.DaemonSetSeen() == "replaced" }); err != nil {
+		t.Errorf("the watch, after the rename: %q, want replaced", n.d.DaemonSetSeen())
+	}
+	n.stopDaemon()
+
+	// The new agent takes the pods over as they are.
+	if !n.hasRules(a) || !n.hasRules(b) {
+		t.Errorf("a pod lost its rules in a rename: a %v, b %v", n.hasRules(a), n.hasRules(b))
+	}
+	if dels := slices.DeleteFunc(n.zt.Messages(), func(m ztunnel.Message) bool { return m.Kind != ztunnel.KindDel }); len(dels) > 0 {
+		t.Errorf("ztunnel got a Del in a rename: %+v", dels)
+	}
+	if bin, chained := n.pluginInstalled(); !bin || !chained {
+		t.Errorf("rename: plugin binary %v, chained %v; want both kept", bin, chained)
+	}
+	if _, err := os.Lstat(n.cfg.Layout().Uninstalling()); !os.IsNotExist(err) {
+		t.Errorf("the uninstall marker left behind by a rename: %v", err)
+	}
+	if logs := strings.Join(n.logs.all(), "\n"); strings.Contains(logs, "uninstall: marker written") {
+		t.Error("the uninstall marker was written in a rename")
 	}
 }

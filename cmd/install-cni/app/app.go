@@ -801,8 +801,10 @@ func (a *App) warnOwnPod(ctx context.Context, reason, msg string) {
 // (helm uninstall's hook deletes it in the foreground before the agents
 // get SIGTERM) or gone means an uninstall, so the marker is written at
 // once and a kill anywhere in the shutdown to come finds it there; one
-// that comes back (deleted and created again, orphaning its pods) takes
-// the marker away, unless this agent already decided to uninstall.
+// that comes back (deleted and created again, orphaning its pods) or is
+// replaced (another DaemonSet of the chart present: a rename, whose agent
+// takes the node over) takes the marker away, unless this agent already
+// decided to uninstall.
 func (a *App) daemonSetChanged(prev, next string) {
 	layout := a.cfg.Layout()
 	switch {
@@ -813,11 +815,15 @@ func (a *App) daemonSetChanged(prev, next string) {
 			return
 		}
 		a.log.Info("uninstall: marker written", "why", "agent DaemonSet "+next, "marker", layout.Uninstalling())
-	case next == "present" && (prev == "being deleted" || prev == "deleted") && !a.leaving.Load():
+	case (next == "present" || next == "replaced") && (prev == "being deleted" || prev == "deleted") && !a.leaving.Load():
+		why := "is back"
+		if next == "replaced" {
+			why = "replaced by another DaemonSet of the chart"
+		}
 		if had, err := nodefiles.ClearUninstalling(layout); err != nil {
-			a.log.Error("cannot remove the uninstall marker of a DaemonSet that is back", "err", err)
+			a.log.Error("cannot remove the uninstall marker of a DaemonSet that "+why, "err", err)
 		} else if had {
-			a.log.Info("agent DaemonSet is back: uninstall marker removed")
+			a.log.Info("agent DaemonSet " + why + ": uninstall marker removed")
 		}
 	}
 }
@@ -833,6 +839,17 @@ func (a *App) leave() (upgrade bool, err error) {
 	defer cancel()
 	upgrade = kubeadapter.IsUpgrade(ctx, a.upgrade, a.log)
 	if upgrade {
+		// The watch may have written the marker for a deletion the
+		// decision found to be a rename (the other DaemonSet seen late):
+		// the next agent takes the node over, and a marker left behind
+		// would let every pod through in any later outage.
+		if seen := a.upgrade.Seen(); seen == "being deleted" || seen == "deleted" || seen == "replaced" {
+			if had, err := nodefiles.ClearUninstalling(a.cfg.Layout()); err != nil {
+				a.log.Error("upgrade: cannot remove the uninstall marker the DaemonSet watch wrote", "err", err)
+			} else if had {
+				a.log.Info("upgrade: the uninstall marker the DaemonSet watch wrote removed")
+			}
+		}
 		return true, nil
 	}
 	a.leaving.Store(true)

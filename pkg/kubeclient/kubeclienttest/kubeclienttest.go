@@ -86,6 +86,11 @@ func (c Clientset) GetDaemonSet(ctx context.Context, namespace, name string) (*a
 	return c.AppsV1().DaemonSets(namespace).Get(ctx, name, metav1.GetOptions{})
 }
 
+// ListDaemonSets implements kubeclient.DaemonSetReader.
+func (c Clientset) ListDaemonSets(ctx context.Context, namespace string, opts metav1.ListOptions) (*appsv1.DaemonSetList, error) {
+	return c.AppsV1().DaemonSets(namespace).List(ctx, opts)
+}
+
 // ListDaemonSetsMetadata implements kubeclient.DaemonSetReader, cutting
 // the full objects down to their metadata as the API server would.
 func (c Clientset) ListDaemonSetsMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (*metav1.PartialObjectMetadataList, error) {

@@ -187,6 +187,17 @@ func TestServiceAccountClientHasExactlyShippedRBAC(t *testing.T) {
 			}
 			return err
 		},
+		"list and watch the chart's daemonsets by label": func() error {
+			byLabel := metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=ambient-cni"}
+			if _, err := sa.AppsV1().DaemonSets(agentNS).List(ctx, byLabel); err != nil {
+				return err
+			}
+			w, err := sa.AppsV1().DaemonSets(agentNS).Watch(ctx, byLabel)
+			if err == nil {
+				w.Stop()
+			}
+			return err
+		},
 		"get own daemonset (NotFound, not Forbidden)": func() error {
 			_, err := sa.AppsV1().DaemonSets(agentNS).Get(ctx, "ambient-cni", metav1.GetOptions{})
 			if apierrors.IsNotFound(err) {
@@ -227,14 +238,6 @@ func TestServiceAccountClientHasExactlyShippedRBAC(t *testing.T) {
 		},
 		"get another daemonset in its namespace": func() error {
 			_, err := sa.AppsV1().DaemonSets(agentNS).Get(ctx, "ztunnel", metav1.GetOptions{})
-			return err
-		},
-		"list daemonsets in its namespace": func() error {
-			_, err := sa.AppsV1().DaemonSets(agentNS).List(ctx, metav1.ListOptions{})
-			return err
-		},
-		"watch another daemonset by name": func() error {
-			_, err := sa.AppsV1().DaemonSets(agentNS).Watch(ctx, metav1.ListOptions{FieldSelector: "metadata.name=ztunnel"})
 			return err
 		},
 		"create events.k8s.io events": func() error {
@@ -303,8 +306,11 @@ func TestShippedRBACRules(t *testing.T) {
 		{"cluster", "", "events", "", "create,patch"},
 		// Its own Node, read at shutdown (no per-node name in RBAC).
 		{"cluster", "", "nodes", "", "get"},
-		// Only its own DaemonSet (the default release's name).
-		{"namespace", "apps", "daemonsets", "ambient-cni", "get,list,watch"},
+		// Its own DaemonSet read by name (the default release's name);
+		// the DaemonSets of its namespace listed and watched (the chart's
+		// others, by label: a rename is no uninstall).
+		{"namespace", "apps", "daemonsets", "ambient-cni", "get"},
+		{"namespace", "apps", "daemonsets", "", "list,watch"},
 		// Tokens of the plugin's own ServiceAccount only (its credential
 		// for when the agent cannot answer).
 		{"namespace", "", "serviceaccounts/token", "ambient-cni-plugin", "create"},
