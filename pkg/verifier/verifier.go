@@ -83,9 +83,16 @@ func Kinds() []Kind {
 const ReasonDrift = "AmbientCaptureDrift"
 
 // ztunnelPorts are the ports ztunnel listens on inside every pod it
-// serves (outbound, inbound plaintext, inbound HBONE).
-func ztunnelPorts() []uint16 {
-	return []uint16{ambient.ZtunnelOutboundPort, ambient.ZtunnelInboundPlaintextPort, ambient.ZtunnelInboundHBONEPort}
+// serves (outbound, inbound plaintext, inbound HBONE) and, for a pod whose
+// DNS is captured, its DNS proxy's: the pod's DNS goes there. ztunnel binds
+// the DNS proxy's TCP and UDP sockets together (the pod's proxy does not
+// start without both), so its TCP listener stands for the two.
+func ztunnelPorts(dnsCapture bool) []uint16 {
+	ports := []uint16{ambient.ZtunnelOutboundPort, ambient.ZtunnelInboundPlaintextPort, ambient.ZtunnelInboundHBONEPort}
+	if dnsCapture {
+		ports = append(ports, ambient.ZtunnelDNSPort)
+	}
+	return ports
 }
 
 // Agent is the node agent as the verifier uses it (*nodeagent.Agent).
@@ -601,7 +608,7 @@ func (v *Verifier) look(e nodeagent.EnrolledPod) podView {
 	var pv podView
 	pv.err = v.cfg.Agent.InPod(e.UID, func(ns *os.File) error {
 		var err error
-		pv.addrs, pv.listening, err = v.cfg.Look(ns, ztunnelPorts())
+		pv.addrs, pv.listening, err = v.cfg.Look(ns, ztunnelPorts(e.Rules.DNSCapture))
 		return err
 	})
 	return pv
@@ -633,7 +640,7 @@ func (v *Verifier) checkZtunnel(e nodeagent.EnrolledPod, settled bool, seen podV
 		return nil, "ztunnel's listeners could not be read: " + err.Error()
 	}
 	var down []string
-	for _, p := range ztunnelPorts() {
+	for _, p := range ztunnelPorts(e.Rules.DNSCapture) {
 		if !ports[p] {
 			down = append(down, fmt.Sprint(p))
 		}

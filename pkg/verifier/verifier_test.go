@@ -56,16 +56,18 @@ func newFakeNode() *fakeNode {
 	}
 }
 
+// allPorts are ztunnel's listeners in a pod whose DNS is captured.
 func allPorts() map[uint16]bool {
 	m := map[uint16]bool{}
-	for _, p := range ztunnelPorts() {
+	for _, p := range ztunnelPorts(true) {
 		m[p] = true
 	}
 	return m
 }
 
 // pod adds a pod that should be captured, with IP 10.0.0.<n>; captured
-// makes the agent hold it, healthy, since long ago.
+// makes the agent hold it, healthy, since long ago, its DNS captured (the
+// default).
 func (f *fakeNode) pod(n int, captured bool) *corev1.Pod {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -79,6 +81,7 @@ func (f *fakeNode) pod(n int, captured bool) *corev1.Pod {
 		p.Annotations = map[string]string{ambient.RedirectionAnnotation: ambient.RedirectionEnabled}
 		f.enrolled[uid] = &nodeagent.EnrolledPod{UID: uid, Namespace: "ns", Name: p.Name, IPs: []netip.Addr{ip},
 			State: nodeagent.StateEnabled, Since: time.Unix(0, 0)}
+		f.enrolled[uid].Rules.DNSCapture = true
 		f.listening[uid] = allPorts()
 		f.probe[ip] = true
 	}
@@ -400,6 +403,30 @@ func TestFailedRepairStaysUnproven(t *testing.T) {
 	h.v.round(context.Background())
 	if proof, _ := h.v.Last(p.UID); !proof.OK || h.unproven != 0 {
 		t.Fatalf("second round: proof %+v, unproven %d", proof, h.unproven)
+	}
+}
+
+// With DNS captured, ztunnel's DNS listener (15053) is proven with the
+// others: without it the pod's DNS goes nowhere, and ztunnel is handed
+// the pod again. A pod whose DNS is not captured needs none.
+func TestDNSListenerIsProvenWhenDNSIsCaptured(t *testing.T) {
+	h := newHarness(t, time.Minute)
+	dns, plain := h.pod(1, true), h.pod(2, true)
+	h.enrolled[plain.UID].Rules.DNSCapture = false
+	for _, p := range []*corev1.Pod{dns, plain} {
+		delete(h.listening[p.UID], ambient.ZtunnelDNSPort)
+	}
+	h.v.round(context.Background())
+	if h.drifts[KindZtunnel] != 1 || len(h.drifts) != 1 || !slices.Equal(h.recaptures, []string{"pod-1 reset=true"}) {
+		t.Fatalf("drifts %v, recaptures %v: want ztunnel drift on pod-1 only", h.drifts, h.recaptures)
+	}
+	if len(h.ev.events) != 1 || !strings.Contains(h.ev.events[0], "ztunnel: ztunnel is not listening on 15053 in the pod") {
+		t.Fatalf("events %q", h.ev.events)
+	}
+	for _, p := range []*corev1.Pod{dns, plain} {
+		if proof, _ := h.v.Last(p.UID); !proof.OK {
+			t.Errorf("%s: proof %+v", p.Name, proof)
+		}
 	}
 }
 

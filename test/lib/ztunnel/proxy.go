@@ -42,7 +42,10 @@ type listener struct {
 	port int
 }
 
-var podPorts = []int{ambient.ZtunnelOutboundPort, ambient.ZtunnelInboundPlaintextPort, ambient.ZtunnelInboundHBONEPort}
+// podPorts are the in-pod TCP listeners, ztunnel's: 15053 is its DNS
+// proxy's, held as ztunnel holds it (the verifier proves it) though the
+// stand-in answers no DNS.
+var podPorts = []int{ambient.ZtunnelOutboundPort, ambient.ZtunnelInboundPlaintextPort, ambient.ZtunnelInboundHBONEPort, ambient.ZtunnelDNSPort}
 
 // startPod opens the in-pod listeners; it owns nsfd from here on (closed
 // on failure or by stop).
@@ -171,6 +174,8 @@ func (p *pod) handle(c *net.TCPConn, port int) {
 			return
 		}
 		src, up, err = p.inboundTunnel(c, br, &rec)
+	default:
+		err = errors.New("the stand-in answers no DNS")
 	}
 	if err != nil {
 		rec.Err = err.Error()

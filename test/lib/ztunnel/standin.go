@@ -3,9 +3,10 @@
 // speaks ZDS to the node agent exactly as the compatibility spec describes
 // (hello, snapshot, one ack per request, protocol errors that hang up) and,
 // for every pod it is handed, opens real listeners inside the pod's network
-// namespace on 15001 (outbound), 15006 (inbound plaintext) and 15008
-// (tunnel), proxies the traffic with ztunnel's mark, and records every
-// connection so tests can see which way it went.
+// namespace on 15001 (outbound), 15006 (inbound plaintext), 15008
+// (tunnel) and 15053 (DNS, TCP only, answering nothing), proxies the
+// traffic with ztunnel's mark, and records every connection so tests can
+// see which way it went.
 //
 // The tunnel between pods is shaped like HBONE (an HTTP/2 CONNECT stream
 // to the destination pod's 15008, without mTLS); 15008 also takes a plain
@@ -96,7 +97,7 @@ type Message struct {
 // Record is one connection the stand-in proxied.
 type Record struct {
 	UID      string         // the pod whose listener accepted it
-	Port     int            // 15001, 15006 or 15008
+	Port     int            // 15001, 15006, 15008 or 15053
 	Source   netip.AddrPort // the peer of the accepted connection
 	OrigDst  netip.AddrPort // original destination (15001/15006) or tunnel target (15008)
 	Upstream netip.AddrPort // where the stand-in dialed
