@@ -38,6 +38,16 @@ type fakeNode struct {
 	recaptures []string
 	requeued   []types.NamespacedName
 	failRepair error
+	// deaf are the pods whose ztunnel listeners a repair does not bring
+	// back (ztunnel acks the Add and never listens).
+	deaf map[types.UID]bool
+	// annotationLag is how long the annotation a repair writes takes to
+	// reach the pod cache (the agent writes it asynchronously); negative:
+	// it never does (the write fails). written holds the pending writes.
+	annotationLag time.Duration
+	written       map[types.UID]time.Time
+	// clock is the node's time (the harness's).
+	clock func() time.Time
 	// current is the pod whose namespace InPod entered last.
 	current types.UID
 	// moved are the pods whose sandbox was recreated: the held namespace
@@ -53,6 +63,7 @@ func newFakeNode() *fakeNode {
 		drift: map[types.UID][]string{}, listening: map[types.UID]map[uint16]bool{},
 		probe: map[netip.Addr]bool{}, ztunnels: 1, released: map[types.UID]released{},
 		moved: map[types.UID]bool{}, found: map[types.UID]bool{},
+		deaf: map[types.UID]bool{}, written: map[types.UID]time.Time{}, clock: time.Now,
 	}
 }
 
@@ -142,12 +153,17 @@ func (f *fakeNode) Recapture(_ context.Context, pod *corev1.Pod, reset bool) err
 	}
 	e := f.enrolled[pod.UID]
 	delete(f.drift, pod.UID)
-	f.listening[pod.UID] = allPorts()
+	if !f.deaf[pod.UID] {
+		f.listening[pod.UID] = allPorts()
+	}
 	for _, ip := range e.IPs {
 		f.probe[ip] = true
 	}
 	e.State = nodeagent.StateEnabled
-	e.Since = time.Now()
+	e.Since = f.clock()
+	if f.annotationLag >= 0 {
+		f.written[pod.UID] = f.clock().Add(f.annotationLag)
+	}
 	return nil
 }
 
@@ -211,6 +227,14 @@ func (c fakeCache) Pod(namespace, name string) (*corev1.Pod, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for _, p := range c.pods {
+		if at, ok := c.written[p.UID]; ok && !c.clock().Before(at) {
+			// A repair's annotation write reached the cache.
+			if p.Annotations == nil {
+				p.Annotations = map[string]string{}
+			}
+			p.Annotations[ambient.RedirectionAnnotation] = ambient.RedirectionEnabled
+			delete(c.written, p.UID)
+		}
 		if p.Namespace == namespace && p.Name == name {
 			return p, nil
 		}
@@ -259,11 +283,14 @@ type harness struct {
 	sleeps   []time.Duration
 	drifts   map[Kind]int
 	unproven int
+	// reported is every value OnUnproven was told, in order.
+	reported []int
 }
 
 func newHarness(t *testing.T, period time.Duration) *harness {
 	t.Helper()
 	h := &harness{fakeNode: newFakeNode(), ev: &recorder{}, now: time.Unix(1000, 0), drifts: map[Kind]int{}}
+	h.clock = func() time.Time { return h.now }
 	h.v = New(Config{
 		Agent: h.fakeNode, Pods: fakeCache{h.fakeNode}, Probe: h.fakeNode,
 		Ztunnels: func() int { h.mu.Lock(); defer h.mu.Unlock(); return h.ztunnels },
@@ -284,7 +311,7 @@ func newHarness(t *testing.T, period time.Duration) *harness {
 		Events:     h.ev,
 		Period:     period,
 		OnDrift:    func(k Kind) { h.drifts[k]++ },
-		OnUnproven: func(n int) { h.unproven = n },
+		OnUnproven: func(n int) { h.unproven = n; h.reported = append(h.reported, n) },
 		now:        func() time.Time { return h.now },
 		sleep: func(ctx context.Context, d time.Duration) bool {
 			h.sleeps = append(h.sleeps, d)
@@ -403,6 +430,92 @@ func TestFailedRepairStaysUnproven(t *testing.T) {
 	h.v.round(context.Background())
 	if proof, _ := h.v.Last(p.UID); !proof.OK || h.unproven != 0 {
 		t.Fatalf("second round: proof %+v, unproven %d", proof, h.unproven)
+	}
+}
+
+// A repair that does not hold (ztunnel acks the pod again and never
+// listens in it: rules redirect into ports nobody listens on) keeps the
+// pod unproven, proof after proof, without a moment at 0 for the critical
+// alert's "for" to restart on; the fresh capture the repair made earns no
+// grace, whatever Settle is. Once a repair holds, the pod is proven again.
+func TestRepairThatDoesNotHoldStaysUnproven(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		settle time.Duration
+	}{
+		{"default settle", 0},
+		{"settle longer than the period", 2 * time.Minute},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			h := newHarness(t, time.Minute)
+			if c.settle > 0 {
+				h.v.cfg.Settle = c.settle
+			}
+			p := h.pod(1, true)
+			h.pod(2, true)
+			h.deaf[p.UID] = true
+			h.listening[p.UID] = nil
+			for round := 1; round <= 3; round++ {
+				h.v.round(context.Background())
+				proof, _ := h.v.Last(p.UID)
+				if proof.OK || proof.Repaired || !strings.Contains(proof.Problem, "ztunnel: ztunnel is not listening on 15001, 15006, 15008, 15053") {
+					t.Fatalf("round %d: proof %+v, want unproven: ztunnel not listening", round, proof)
+				}
+				if h.drifts[KindZtunnel] != round || h.unproven != 1 || h.v.Unproven() != 1 {
+					t.Fatalf("round %d: drifts %v, unproven %d (%d), want %d ztunnel drifts, 1 unproven", round, h.drifts, h.unproven, h.v.Unproven(), round)
+				}
+			}
+			// From the first failed repair on, the gauge never said 0.
+			first := slices.Index(h.reported, 1)
+			if first < 0 || slices.Contains(h.reported[first:], 0) {
+				t.Fatalf("unproven gauge went %v: back at 0 while the pod was unproven", h.reported)
+			}
+			if want := slices.Repeat([]string{"pod-1 reset=true"}, 3); !slices.Equal(h.recaptures, want) {
+				t.Fatalf("recaptures %v, want %v", h.recaptures, want)
+			}
+			// ztunnel listens again after the next repair.
+			delete(h.deaf, p.UID)
+			h.v.round(context.Background())
+			if proof, _ := h.v.Last(p.UID); !proof.OK || !proof.Repaired || h.unproven != 0 {
+				t.Fatalf("repair that holds: proof %+v, unproven %d", proof, h.unproven)
+			}
+		})
+	}
+}
+
+// The annotation a repair writes reaches the pod cache a moment later:
+// the proof after the repair waits for it (within Settle) rather than
+// pass it on a fresh capture's grace; an annotation that never comes
+// (its write failing) keeps the pod unproven.
+func TestRepairWaitsForItsAnnotation(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		lag   time.Duration
+		holds bool
+	}{
+		{"written a moment later", 300 * time.Millisecond, true},
+		{"never written", -1, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			h := newHarness(t, time.Minute)
+			p := h.pod(1, true)
+			p.Annotations[ambient.RedirectionAnnotation] = "disabled"
+			h.annotationLag = c.lag
+			h.v.round(context.Background())
+			proof, _ := h.v.Last(p.UID)
+			if h.drifts[KindAnnotation] != 1 || len(h.drifts) != 1 {
+				t.Fatalf("drifts %v, want one annotation", h.drifts)
+			}
+			if c.holds {
+				if !proof.OK || !proof.Repaired || h.unproven != 0 {
+					t.Fatalf("proof %+v, unproven %d: want repaired once the write showed", proof, h.unproven)
+				}
+				return
+			}
+			if proof.OK || proof.Repaired || !strings.Contains(proof.Problem, "annotation: ") || h.unproven != 1 {
+				t.Fatalf("proof %+v, unproven %d: want unproven, the annotation still wrong", proof, h.unproven)
+			}
+		})
 	}
 }
 
