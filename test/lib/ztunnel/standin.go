@@ -56,6 +56,10 @@ type Faults struct {
 	// RejectAdd, when it returns non-empty text for a uid, acks that Add
 	// with the text as error instead of serving the pod.
 	RejectAdd func(uid string) string
+	// Deaf, when it returns true for a uid, acks that Add and serves the
+	// pod without opening its in-pod listeners: a ztunnel that lost a pod
+	// for good, whose Del and Add do not bring the listeners back.
+	Deaf func(uid string) bool
 }
 
 // NetnsID identifies a network namespace (nsfs device and inode).
@@ -435,7 +439,7 @@ func (z *StandIn) add(log *slog.Logger, uid string, wi *zdspb.WorkloadInfo, fd i
 	}
 	z.mu.Lock()
 	old := z.pods[uid]
-	reject := z.faults.RejectAdd
+	reject, deaf := z.faults.RejectAdd, z.faults.Deaf
 	z.mu.Unlock()
 	if old != nil && old.ns == id {
 		_ = unix.Close(fd) // same pod, same netns: nothing to do
@@ -448,7 +452,7 @@ func (z *StandIn) add(log *slog.Logger, uid string, wi *zdspb.WorkloadInfo, fd i
 		}
 	}
 	info := WorkloadInfo{Name: wi.GetName(), Namespace: wi.GetNamespace(), ServiceAccount: wi.GetServiceAccount()}
-	p, err := z.startPod(uid, info, fd, id)
+	p, err := z.startPod(uid, info, fd, id, deaf == nil || !deaf(uid))
 	if err != nil {
 		return fmt.Sprintf("serve pod %s: %v", uid, err)
 	}
