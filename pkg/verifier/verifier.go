@@ -83,10 +83,23 @@ func Kinds() []Kind {
 const ReasonDrift = "AmbientCaptureDrift"
 
 // ztunnelPorts are the ports ztunnel listens on inside every pod it
-// serves (outbound, inbound plaintext, inbound HBONE).
-func ztunnelPorts() []uint16 {
-	return []uint16{ambient.ZtunnelOutboundPort, ambient.ZtunnelInboundPlaintextPort, ambient.ZtunnelInboundHBONEPort}
+// serves (outbound, inbound plaintext, inbound HBONE) and, for a pod whose
+// DNS is captured, its DNS proxy's: the pod's DNS goes there. ztunnel binds
+// the DNS proxy's TCP and UDP sockets together (the pod's proxy does not
+// start without both), so its TCP listener stands for the two.
+func ztunnelPorts(dnsCapture bool) []uint16 {
+	ports := []uint16{ambient.ZtunnelOutboundPort, ambient.ZtunnelInboundPlaintextPort, ambient.ZtunnelInboundHBONEPort}
+	if dnsCapture {
+		ports = append(ports, ambient.ZtunnelDNSPort)
+	}
+	return ports
 }
+
+// repairPoll is the first wait between the proofs that follow a repair,
+// doubling up to a second: what a repair restores asynchronously (the
+// annotation, through the API server and the pod cache) usually shows
+// within the first few.
+const repairPoll = 50 * time.Millisecond
 
 // Agent is the node agent as the verifier uses it (*nodeagent.Agent).
 type Agent interface {
@@ -159,8 +172,9 @@ type Config struct {
 	// (default DefaultPeriod).
 	Period time.Duration
 	// Settle is the grace of a fresh capture's annotation, ztunnel
-	// listeners, and of a pod not captured yet (default DefaultSettle, at
-	// most half the period).
+	// listeners, and of a pod not captured yet, and how long a repair is
+	// given to show (default DefaultSettle, at most half the period); a
+	// repair's own capture gets no grace.
 	Settle time.Duration
 	// OnDrift is told every drift found, by kind; OnUnproven the number
 	// of pods not proven after every proof. Wire metrics here.
@@ -441,7 +455,7 @@ func (v *Verifier) prove(ctx context.Context, uid types.UID) {
 	}
 	delete(v.caught, uid)
 	v.mu.Unlock()
-	found, problem := v.check(e, pod)
+	found, problem := v.check(e, pod, false)
 	proof.Found = found
 	if len(found) > 0 {
 		proof.LastDriftAt, proof.LastDrift = proof.At, found
@@ -454,11 +468,12 @@ func (v *Verifier) prove(ctx context.Context, uid types.UID) {
 			v.log.Warn("repair drifted pod", "pod", pod.Namespace+"/"+pod.Name, "err", err)
 			break
 		}
-		// Proven again from scratch: a repair that did not hold shows.
-		if e, pod, ok = v.subject(uid); !ok {
+		// Proven again from scratch, in full: a repair that did not hold
+		// shows, and keeps the pod unproven.
+		again, p2, ok := v.recheck(ctx, uid)
+		if !ok {
 			return
 		}
-		again, p2 := v.check(e, pod)
 		proof.Repaired = len(again) == 0 && p2 == ""
 		proof.OK = proof.Repaired
 		proof.Problem = joinProblems(again, p2)
@@ -468,6 +483,30 @@ func (v *Verifier) prove(ctx context.Context, uid types.UID) {
 		proof.OK = true
 	}
 	v.record(uid, proof)
+}
+
+// recheck proves uid in full after a repair, again and again until it
+// holds or Settle has passed: what the repair restores asynchronously (the
+// annotation) is waited for, and nothing is passed on a fresh capture's
+// grace (ztunnel acks an Add once the pod's listeners are bound, so
+// listeners missing after the ack are missing). Either way the capture the
+// repair made is past its grace by the pod's next proof, which is a full
+// one too. False when the pod is no longer to be proven.
+func (v *Verifier) recheck(ctx context.Context, uid types.UID) (found []Finding, problem string, ok bool) {
+	deadline := v.cfg.now().Add(v.cfg.Settle)
+	wait := repairPoll
+	for {
+		e, pod, ok := v.subject(uid)
+		if !ok {
+			return nil, "", false
+		}
+		found, problem = v.check(e, pod, true)
+		left := deadline.Sub(v.cfg.now())
+		if (len(found) == 0 && problem == "") || left <= 0 || !v.cfg.sleep(ctx, min(wait, left)) {
+			return found, problem, true
+		}
+		wait = min(2*wait, time.Second)
+	}
 }
 
 // record keeps uid's proof, keeping the last drift an earlier one found.
@@ -537,10 +576,10 @@ func (v *Verifier) repair(ctx context.Context, pod *corev1.Pod, found []Finding)
 
 // check proves one pod: what drifted, and problem when something could
 // not be proven but is not drift to repair (no ztunnel connected, a read
-// that failed).
-func (v *Verifier) check(e nodeagent.EnrolledPod, pod *corev1.Pod) (found []Finding, problem string) {
+// that failed). full gives a fresh capture no grace.
+func (v *Verifier) check(e nodeagent.EnrolledPod, pod *corev1.Pod, full bool) (found []Finding, problem string) {
 	var problems []string
-	settled := v.cfg.now().Sub(e.Since) >= v.cfg.Settle
+	settled := full || v.cfg.now().Sub(e.Since) >= v.cfg.Settle
 	// One look into the pod's namespace serves the sandbox and ztunnel
 	// checks: every entry into a namespace costs system time, and a node
 	// proves several pods a second.
@@ -601,7 +640,7 @@ func (v *Verifier) look(e nodeagent.EnrolledPod) podView {
 	var pv podView
 	pv.err = v.cfg.Agent.InPod(e.UID, func(ns *os.File) error {
 		var err error
-		pv.addrs, pv.listening, err = v.cfg.Look(ns, ztunnelPorts())
+		pv.addrs, pv.listening, err = v.cfg.Look(ns, ztunnelPorts(e.Rules.DNSCapture))
 		return err
 	})
 	return pv
@@ -633,7 +672,7 @@ func (v *Verifier) checkZtunnel(e nodeagent.EnrolledPod, settled bool, seen podV
 		return nil, "ztunnel's listeners could not be read: " + err.Error()
 	}
 	var down []string
-	for _, p := range ztunnelPorts() {
+	for _, p := range ztunnelPorts(e.Rules.DNSCapture) {
 		if !ports[p] {
 			down = append(down, fmt.Sprint(p))
 		}

@@ -38,6 +38,16 @@ type fakeNode struct {
 	recaptures []string
 	requeued   []types.NamespacedName
 	failRepair error
+	// deaf are the pods whose ztunnel listeners a repair does not bring
+	// back (ztunnel acks the Add and never listens).
+	deaf map[types.UID]bool
+	// annotationLag is how long the annotation a repair writes takes to
+	// reach the pod cache (the agent writes it asynchronously); negative:
+	// it never does (the write fails). written holds the pending writes.
+	annotationLag time.Duration
+	written       map[types.UID]time.Time
+	// clock is the node's time (the harness's).
+	clock func() time.Time
 	// current is the pod whose namespace InPod entered last.
 	current types.UID
 	// moved are the pods whose sandbox was recreated: the held namespace
@@ -53,19 +63,22 @@ func newFakeNode() *fakeNode {
 		drift: map[types.UID][]string{}, listening: map[types.UID]map[uint16]bool{},
 		probe: map[netip.Addr]bool{}, ztunnels: 1, released: map[types.UID]released{},
 		moved: map[types.UID]bool{}, found: map[types.UID]bool{},
+		deaf: map[types.UID]bool{}, written: map[types.UID]time.Time{}, clock: time.Now,
 	}
 }
 
+// allPorts are ztunnel's listeners in a pod whose DNS is captured.
 func allPorts() map[uint16]bool {
 	m := map[uint16]bool{}
-	for _, p := range ztunnelPorts() {
+	for _, p := range ztunnelPorts(true) {
 		m[p] = true
 	}
 	return m
 }
 
 // pod adds a pod that should be captured, with IP 10.0.0.<n>; captured
-// makes the agent hold it, healthy, since long ago.
+// makes the agent hold it, healthy, since long ago, its DNS captured (the
+// default).
 func (f *fakeNode) pod(n int, captured bool) *corev1.Pod {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -79,6 +92,7 @@ func (f *fakeNode) pod(n int, captured bool) *corev1.Pod {
 		p.Annotations = map[string]string{ambient.RedirectionAnnotation: ambient.RedirectionEnabled}
 		f.enrolled[uid] = &nodeagent.EnrolledPod{UID: uid, Namespace: "ns", Name: p.Name, IPs: []netip.Addr{ip},
 			State: nodeagent.StateEnabled, Since: time.Unix(0, 0)}
+		f.enrolled[uid].Rules.DNSCapture = true
 		f.listening[uid] = allPorts()
 		f.probe[ip] = true
 	}
@@ -139,12 +153,17 @@ func (f *fakeNode) Recapture(_ context.Context, pod *corev1.Pod, reset bool) err
 	}
 	e := f.enrolled[pod.UID]
 	delete(f.drift, pod.UID)
-	f.listening[pod.UID] = allPorts()
+	if !f.deaf[pod.UID] {
+		f.listening[pod.UID] = allPorts()
+	}
 	for _, ip := range e.IPs {
 		f.probe[ip] = true
 	}
 	e.State = nodeagent.StateEnabled
-	e.Since = time.Now()
+	e.Since = f.clock()
+	if f.annotationLag >= 0 {
+		f.written[pod.UID] = f.clock().Add(f.annotationLag)
+	}
 	return nil
 }
 
@@ -208,6 +227,14 @@ func (c fakeCache) Pod(namespace, name string) (*corev1.Pod, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for _, p := range c.pods {
+		if at, ok := c.written[p.UID]; ok && !c.clock().Before(at) {
+			// A repair's annotation write reached the cache.
+			if p.Annotations == nil {
+				p.Annotations = map[string]string{}
+			}
+			p.Annotations[ambient.RedirectionAnnotation] = ambient.RedirectionEnabled
+			delete(c.written, p.UID)
+		}
 		if p.Namespace == namespace && p.Name == name {
 			return p, nil
 		}
@@ -256,11 +283,14 @@ type harness struct {
 	sleeps   []time.Duration
 	drifts   map[Kind]int
 	unproven int
+	// reported is every value OnUnproven was told, in order.
+	reported []int
 }
 
 func newHarness(t *testing.T, period time.Duration) *harness {
 	t.Helper()
 	h := &harness{fakeNode: newFakeNode(), ev: &recorder{}, now: time.Unix(1000, 0), drifts: map[Kind]int{}}
+	h.clock = func() time.Time { return h.now }
 	h.v = New(Config{
 		Agent: h.fakeNode, Pods: fakeCache{h.fakeNode}, Probe: h.fakeNode,
 		Ztunnels: func() int { h.mu.Lock(); defer h.mu.Unlock(); return h.ztunnels },
@@ -281,7 +311,7 @@ func newHarness(t *testing.T, period time.Duration) *harness {
 		Events:     h.ev,
 		Period:     period,
 		OnDrift:    func(k Kind) { h.drifts[k]++ },
-		OnUnproven: func(n int) { h.unproven = n },
+		OnUnproven: func(n int) { h.unproven = n; h.reported = append(h.reported, n) },
 		now:        func() time.Time { return h.now },
 		sleep: func(ctx context.Context, d time.Duration) bool {
 			h.sleeps = append(h.sleeps, d)
@@ -400,6 +430,116 @@ func TestFailedRepairStaysUnproven(t *testing.T) {
 	h.v.round(context.Background())
 	if proof, _ := h.v.Last(p.UID); !proof.OK || h.unproven != 0 {
 		t.Fatalf("second round: proof %+v, unproven %d", proof, h.unproven)
+	}
+}
+
+// A repair that does not hold (ztunnel acks the pod again and never
+// listens in it: rules redirect into ports nobody listens on) keeps the
+// pod unproven, proof after proof, without a moment at 0 for the critical
+// alert's "for" to restart on; the fresh capture the repair made earns no
+// grace, whatever Settle is. Once a repair holds, the pod is proven again.
+func TestRepairThatDoesNotHoldStaysUnproven(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		settle time.Duration
+	}{
+		{"default settle", 0},
+		{"settle longer than the period", 2 * time.Minute},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			h := newHarness(t, time.Minute)
+			if c.settle > 0 {
+				h.v.cfg.Settle = c.settle
+			}
+			p := h.pod(1, true)
+			h.pod(2, true)
+			h.deaf[p.UID] = true
+			h.listening[p.UID] = nil
+			for round := 1; round <= 3; round++ {
+				h.v.round(context.Background())
+				proof, _ := h.v.Last(p.UID)
+				if proof.OK || proof.Repaired || !strings.Contains(proof.Problem, "ztunnel: ztunnel is not listening on 15001, 15006, 15008, 15053") {
+					t.Fatalf("round %d: proof %+v, want unproven: ztunnel not listening", round, proof)
+				}
+				if h.drifts[KindZtunnel] != round || h.unproven != 1 || h.v.Unproven() != 1 {
+					t.Fatalf("round %d: drifts %v, unproven %d (%d), want %d ztunnel drifts, 1 unproven", round, h.drifts, h.unproven, h.v.Unproven(), round)
+				}
+			}
+			// From the first failed repair on, the gauge never said 0.
+			first := slices.Index(h.reported, 1)
+			if first < 0 || slices.Contains(h.reported[first:], 0) {
+				t.Fatalf("unproven gauge went %v: back at 0 while the pod was unproven", h.reported)
+			}
+			if want := slices.Repeat([]string{"pod-1 reset=true"}, 3); !slices.Equal(h.recaptures, want) {
+				t.Fatalf("recaptures %v, want %v", h.recaptures, want)
+			}
+			// ztunnel listens again after the next repair.
+			delete(h.deaf, p.UID)
+			h.v.round(context.Background())
+			if proof, _ := h.v.Last(p.UID); !proof.OK || !proof.Repaired || h.unproven != 0 {
+				t.Fatalf("repair that holds: proof %+v, unproven %d", proof, h.unproven)
+			}
+		})
+	}
+}
+
+// The annotation a repair writes reaches the pod cache a moment later:
+// the proof after the repair waits for it (within Settle) rather than
+// pass it on a fresh capture's grace; an annotation that never comes
+// (its write failing) keeps the pod unproven.
+func TestRepairWaitsForItsAnnotation(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		lag   time.Duration
+		holds bool
+	}{
+		{"written a moment later", 300 * time.Millisecond, true},
+		{"never written", -1, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			h := newHarness(t, time.Minute)
+			p := h.pod(1, true)
+			p.Annotations[ambient.RedirectionAnnotation] = "disabled"
+			h.annotationLag = c.lag
+			h.v.round(context.Background())
+			proof, _ := h.v.Last(p.UID)
+			if h.drifts[KindAnnotation] != 1 || len(h.drifts) != 1 {
+				t.Fatalf("drifts %v, want one annotation", h.drifts)
+			}
+			if c.holds {
+				if !proof.OK || !proof.Repaired || h.unproven != 0 {
+					t.Fatalf("proof %+v, unproven %d: want repaired once the write showed", proof, h.unproven)
+				}
+				return
+			}
+			if proof.OK || proof.Repaired || !strings.Contains(proof.Problem, "annotation: ") || h.unproven != 1 {
+				t.Fatalf("proof %+v, unproven %d: want unproven, the annotation still wrong", proof, h.unproven)
+			}
+		})
+	}
+}
+
+// With DNS captured, ztunnel's DNS listener (15053) is proven with the
+// others: without it the pod's DNS goes nowhere, and ztunnel is handed
+// the pod again. A pod whose DNS is not captured needs none.
+func TestDNSListenerIsProvenWhenDNSIsCaptured(t *testing.T) {
+	h := newHarness(t, time.Minute)
+	dns, plain := h.pod(1, true), h.pod(2, true)
+	h.enrolled[plain.UID].Rules.DNSCapture = false
+	for _, p := range []*corev1.Pod{dns, plain} {
+		delete(h.listening[p.UID], ambient.ZtunnelDNSPort)
+	}
+	h.v.round(context.Background())
+	if h.drifts[KindZtunnel] != 1 || len(h.drifts) != 1 || !slices.Equal(h.recaptures, []string{"pod-1 reset=true"}) {
+		t.Fatalf("drifts %v, recaptures %v: want ztunnel drift on pod-1 only", h.drifts, h.recaptures)
+	}
+	if len(h.ev.events) != 1 || !strings.Contains(h.ev.events[0], "ztunnel: ztunnel is not listening on 15053 in the pod") {
+		t.Fatalf("events %q", h.ev.events)
+	}
+	for _, p := range []*corev1.Pod{dns, plain} {
+		if proof, _ := h.v.Last(p.UID); !proof.OK {
+			t.Errorf("%s: proof %+v", p.Name, proof)
+		}
 	}
 }
 

@@ -27,6 +27,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
 	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
+	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
 // testVerifyPeriod is the verifier's period in these tests: short, so a
@@ -188,6 +189,74 @@ func TestVerifierRepairsTampering(t *testing.T) {
 				t.Errorf("pod b, untouched, was found drifted: %+v", p)
 			}
 		})
+	}
+}
+
+// TestVerifierRepairThatDoesNotHold: ztunnel loses one pod's listeners
+// for good (it acks the repair's Del and Add and never listens in the pod
+// again: its rules redirect into ports nobody listens on). Every proof
+// finds it and tries again, and the pod stays unproven: the gauge holds
+// at 1 proof after proof, never back at 0, so the critical alert fires.
+// Once ztunnel listens again, the next repair holds and the gauge is 0;
+// the other pod is left alone throughout.
+func TestVerifierRepairThatDoesNotHold(t *testing.T) {
+	n := newNode(t, nodeOptions{VerifyPeriod: testVerifyPeriod})
+	shop := n.namespace("shop", ambientLabel)
+	a := n.runPod(podSpec(shop, "a", nil, nil))
+	b := n.runPod(podSpec(shop, "b", nil, nil))
+	n.waitEnrolled(waitLong, a, b)
+	v := n.d.Verifier()
+	if v == nil {
+		t.Fatal("the verifier is off")
+	}
+	start := time.Now()
+	for _, p := range []*kubesim.Pod{a, b} {
+		if proof := n.proofAfter(p, start); !proof.OK {
+			t.Fatalf("healthy pod %s not proven: %+v", p.Obj.Name, proof)
+		}
+	}
+	drifts := n.metrics.VerifyDrift.WithLabelValues(string(verifier.KindZtunnel))
+	counted := counter(t, drifts)
+	uid := string(a.Obj.UID)
+	n.zt.SetFaults(ztunnel.Faults{Deaf: func(u string) bool { return u == uid }})
+	if !n.zt.CloseListeners(uid) {
+		t.Fatal("the stand-in does not serve pod a")
+	}
+	tampered := time.Now()
+	proof := n.proofAfter(a, tampered)
+	if proof.OK || proof.Repaired || !slices.ContainsFunc(proof.Found, func(f verifier.Finding) bool { return f.Kind == verifier.KindZtunnel }) ||
+		!strings.Contains(proof.Problem, "ztunnel: ztunnel is not listening on") {
+		t.Fatalf("the first proof after the listeners went: %+v, want ztunnel drift found and the pod unproven", proof)
+	}
+	// Two more proofs, each finding it and repairing in vain; the gauge
+	// sampled all along never leaves 1.
+	var low []float64
+	poll.Within(t, waitLong, "two more failed repairs of pod a", func() bool {
+		if g := gauge(t, n.metrics.PodsUnproven); g != 1 {
+			low = append(low, g)
+		}
+		return counter(t, drifts) >= counted+3
+	})
+	if len(low) > 0 {
+		t.Fatalf("unproven gauge left 1 while pod a stayed unproven: %v", low)
+	}
+	if p, _ := v.Last(a.Obj.UID); p.OK || p.Repaired || p.Problem == "" {
+		t.Fatalf("pod a after failed repairs: %+v", p)
+	}
+	for _, port := range []int{ambient.ZtunnelOutboundPort, ambient.ZtunnelInboundPlaintextPort, ambient.ZtunnelInboundHBONEPort} {
+		if listening(a, port) {
+			t.Fatalf("pod a has a listener on %d: the stand-in is not deaf to it", port)
+		}
+	}
+	n.zt.SetFaults(ztunnel.Faults{})
+	poll.Within(t, waitLong, "pod a proven after a repair that holds", func() bool {
+		p, _ := v.Last(a.Obj.UID)
+		return p.OK && gauge(t, n.metrics.PodsUnproven) == 0
+	})
+	mustGet(t, b, a)
+	n.requireTunneled(b, a)
+	if p, _ := v.Last(b.Obj.UID); !p.OK || !p.LastDriftAt.IsZero() {
+		t.Errorf("pod b, untouched, was found drifted: %+v", p)
 	}
 }
 

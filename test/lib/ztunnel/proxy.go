@@ -42,11 +42,14 @@ type listener struct {
 	port int
 }
 
-var podPorts = []int{ambient.ZtunnelOutboundPort, ambient.ZtunnelInboundPlaintextPort, ambient.ZtunnelInboundHBONEPort}
+// podPorts are the in-pod TCP listeners, ztunnel's: 15053 is its DNS
+// proxy's, held as ztunnel holds it (the verifier proves it) though the
+// stand-in answers no DNS.
+var podPorts = []int{ambient.ZtunnelOutboundPort, ambient.ZtunnelInboundPlaintextPort, ambient.ZtunnelInboundHBONEPort, ambient.ZtunnelDNSPort}
 
-// startPod opens the in-pod listeners; it owns nsfd from here on (closed
-// on failure or by stop).
-func (z *StandIn) startPod(uid string, info WorkloadInfo, nsfd int, id NetnsID) (*pod, error) {
+// startPod opens the in-pod listeners (none unless listen); it owns nsfd
+// from here on (closed on failure or by stop).
+func (z *StandIn) startPod(uid string, info WorkloadInfo, nsfd int, id NetnsID, listen bool) (*pod, error) {
 	ips, err := podAddrs(nsfd)
 	if err != nil {
 		_ = unix.Close(nsfd)
@@ -55,7 +58,11 @@ func (z *StandIn) startPod(uid string, info WorkloadInfo, nsfd int, id NetnsID) 
 	ctx, cancel := context.WithCancel(context.Background())
 	p := &pod{z: z, uid: uid, info: info, nsfd: nsfd, ns: id, ips: ips, ctx: ctx, cancel: cancel, active: map[net.Conn]struct{}{}}
 	has6 := slices.ContainsFunc(ips, func(a netip.Addr) bool { return a.Is6() })
-	for _, port := range podPorts {
+	ports := podPorts
+	if !listen {
+		ports = nil
+	}
+	for _, port := range ports {
 		for _, network := range []string{"tcp4", "tcp6"} {
 			ln, err := listenIn(nsfd, network, port)
 			if err != nil {
@@ -171,6 +178,8 @@ func (p *pod) handle(c *net.TCPConn, port int) {
 			return
 		}
 		src, up, err = p.inboundTunnel(c, br, &rec)
+	default:
+		err = errors.New("the stand-in answers no DNS")
 	}
 	if err != nil {
 		rec.Err = err.Error()

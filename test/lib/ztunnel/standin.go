@@ -3,9 +3,10 @@
 // speaks ZDS to the node agent exactly as the compatibility spec describes
 // (hello, snapshot, one ack per request, protocol errors that hang up) and,
 // for every pod it is handed, opens real listeners inside the pod's network
-// namespace on 15001 (outbound), 15006 (inbound plaintext) and 15008
-// (tunnel), proxies the traffic with ztunnel's mark, and records every
-// connection so tests can see which way it went.
+// namespace on 15001 (outbound), 15006 (inbound plaintext), 15008
+// (tunnel) and 15053 (DNS, TCP only, answering nothing), proxies the
+// traffic with ztunnel's mark, and records every connection so tests can
+// see which way it went.
 //
 // The tunnel between pods is shaped like HBONE (an HTTP/2 CONNECT stream
 // to the destination pod's 15008, without mTLS); 15008 also takes a plain
@@ -55,6 +56,10 @@ type Faults struct {
 	// RejectAdd, when it returns non-empty text for a uid, acks that Add
 	// with the text as error instead of serving the pod.
 	RejectAdd func(uid string) string
+	// Deaf, when it returns true for a uid, acks that Add and serves the
+	// pod without opening its in-pod listeners: a ztunnel that lost a pod
+	// for good, whose Del and Add do not bring the listeners back.
+	Deaf func(uid string) bool
 }
 
 // NetnsID identifies a network namespace (nsfs device and inode).
@@ -96,7 +101,7 @@ type Message struct {
 // Record is one connection the stand-in proxied.
 type Record struct {
 	UID      string         // the pod whose listener accepted it
-	Port     int            // 15001, 15006 or 15008
+	Port     int            // 15001, 15006, 15008 or 15053
 	Source   netip.AddrPort // the peer of the accepted connection
 	OrigDst  netip.AddrPort // original destination (15001/15006) or tunnel target (15008)
 	Upstream netip.AddrPort // where the stand-in dialed
@@ -434,7 +439,7 @@ func (z *StandIn) add(log *slog.Logger, uid string, wi *zdspb.WorkloadInfo, fd i
 	}
 	z.mu.Lock()
 	old := z.pods[uid]
-	reject := z.faults.RejectAdd
+	reject, deaf := z.faults.RejectAdd, z.faults.Deaf
 	z.mu.Unlock()
 	if old != nil && old.ns == id {
 		_ = unix.Close(fd) // same pod, same netns: nothing to do
@@ -447,7 +452,7 @@ func (z *StandIn) add(log *slog.Logger, uid string, wi *zdspb.WorkloadInfo, fd i
 		}
 	}
 	info := WorkloadInfo{Name: wi.GetName(), Namespace: wi.GetNamespace(), ServiceAccount: wi.GetServiceAccount()}
-	p, err := z.startPod(uid, info, fd, id)
+	p, err := z.startPod(uid, info, fd, id, deaf == nil || !deaf(uid))
 	if err != nil {
 		return fmt.Sprintf("serve pod %s: %v", uid, err)
 	}
