@@ -9,6 +9,7 @@ import (
 	authenticationv1 "k8s.io/api/authentication/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
+	"github.com/ambient-cni/ambient-cni/pkg/plugincred"
 )
 
 // PluginTokens issues the plugin's own tokens (package plugincred's
@@ -23,8 +24,10 @@ type PluginTokens struct {
 	NodeName string
 }
 
-// Token asks the TokenRequest API for a token valid for lifetime.
-func (p PluginTokens) Token(ctx context.Context, lifetime time.Duration) (string, error) {
+// Token asks the TokenRequest API for a token valid for lifetime, and
+// returns it with the expiry the API server granted (its
+// --service-account-max-token-expiration may shorten the lifetime).
+func (p PluginTokens) Token(ctx context.Context, lifetime time.Duration) (plugincred.Token, error) {
 	secs := int64(lifetime / time.Second)
 	tr := &authenticationv1.TokenRequest{Spec: authenticationv1.TokenRequestSpec{
 		ExpirationSeconds: &secs,
@@ -34,10 +37,10 @@ func (p PluginTokens) Token(ctx context.Context, lifetime time.Duration) (string
 	defer cancel()
 	out, err := p.Client.CreateToken(ctx, p.Namespace, p.ServiceAccount, tr)
 	if err != nil {
-		return "", fmt.Errorf("token for ServiceAccount %s/%s bound to node %s: %w", p.Namespace, p.ServiceAccount, p.NodeName, err)
+		return plugincred.Token{}, fmt.Errorf("token for ServiceAccount %s/%s bound to node %s: %w", p.Namespace, p.ServiceAccount, p.NodeName, err)
 	}
 	if out.Status.Token == "" {
-		return "", errors.New("TokenRequest answered no token")
+		return plugincred.Token{}, errors.New("TokenRequest answered no token")
 	}
-	return out.Status.Token, nil
+	return plugincred.Token{Value: out.Status.Token, Expires: out.Status.ExpirationTimestamp.Time}, nil
 }

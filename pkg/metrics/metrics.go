@@ -57,6 +57,16 @@ type Metrics struct {
 	// InstallerReinstalls counts how often the installer restored the
 	// plugin binary or its conflist entry.
 	InstallerReinstalls prometheus.Counter
+	// PluginCredentialIssued and PluginCredentialExpiry are when the
+	// token in the plugin's own API credential was issued and when it
+	// expires (Unix seconds; 0 while the agent has none): its age is
+	// time() minus the first. PluginCredentialFailures counts failed
+	// attempts to obtain or renew it. The plugin reads the credential
+	// only while the agent cannot answer; once expired, pods it cannot
+	// vouch for wait for the agent.
+	PluginCredentialIssued   prometheus.Gauge
+	PluginCredentialExpiry   prometheus.Gauge
+	PluginCredentialFailures prometheus.Counter
 
 	// IstioInstallReady is istio-cni's istio_cni_install_ready: 1 while
 	// the plugin is installed and chained, else 0.
@@ -142,6 +152,18 @@ func New() *Metrics {
 			Namespace: namespace, Name: "installer_reinstalls_total",
 			Help: "Times the installer restored the plugin binary or its config entry.",
 		}),
+		PluginCredentialIssued: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: namespace, Name: "plugin_credential_issued_timestamp_seconds",
+			Help: "When the token of the plugin's API credential in place was issued (Unix seconds); 0 while there is none.",
+		}),
+		PluginCredentialExpiry: prometheus.NewGauge(prometheus.GaugeOpts{
+			Namespace: namespace, Name: "plugin_credential_expiry_timestamp_seconds",
+			Help: "When the token of the plugin's API credential in place expires (Unix seconds); 0 while there is none.",
+		}),
+		PluginCredentialFailures: prometheus.NewCounter(prometheus.CounterOpts{
+			Namespace: namespace, Name: "plugin_credential_renewal_failures_total",
+			Help: "Failed attempts to obtain or renew the plugin's API credential.",
+		}),
 		BuildInfo: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: namespace, Name: "build_info",
 			Help: "Always 1; labels: the agent's version and commit.",
@@ -169,6 +191,7 @@ func New() *Metrics {
 	}
 	r.MustRegister(m.CNIRequests, m.AddLatency, m.EnrolledPods, m.ZtunnelConnections, m.TrackedPods,
 		m.RuleErrors, m.RuleDrift, m.VerifyDrift, m.PodsUnproven, m.NetnsScans, m.InstallerReinstalls, m.BuildInfo,
+		m.PluginCredentialIssued, m.PluginCredentialExpiry, m.PluginCredentialFailures,
 		m.IstioInstallReady, m.IstioZtunnelConnected, m.IstioPluginRequests, m.IstioInstalls, m.IstioReconcileEvents,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.BuildInfo.WithLabelValues(buildinfo.Version(), buildinfo.Commit()).Set(1)
@@ -187,6 +210,20 @@ func New() *Metrics {
 		m.IstioReconcileEvents.WithLabelValues(e)
 	}
 	return m
+}
+
+// ObservePluginCredential sets the plugin credential's issue and expiry
+// times.
+func (m *Metrics) ObservePluginCredential(issued, expires time.Time) {
+	m.PluginCredentialIssued.Set(unixSeconds(issued))
+	m.PluginCredentialExpiry.Set(unixSeconds(expires))
+}
+
+func unixSeconds(t time.Time) float64 {
+	if t.IsZero() {
+		return 0
+	}
+	return float64(t.UnixMilli()) / 1000
 }
 
 // ObserveInstall counts one result of the installer in IstioInstalls

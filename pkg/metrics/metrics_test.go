@@ -124,3 +124,27 @@ func TestBuildInfo(t *testing.T) {
 		t.Fatalf(`ambient_cni_build_info{version="dev",commit="unknown"} = %v (present %v), want 1`, got, ok)
 	}
 }
+
+// The plugin credential's series exist from the start (0: none yet, so
+// an alert sees a node without one), then carry its issue and expiry
+// times; failures count.
+func TestPluginCredential(t *testing.T) {
+	m := New()
+	for _, name := range []string{"ambient_cni_plugin_credential_issued_timestamp_seconds", "ambient_cni_plugin_credential_expiry_timestamp_seconds", "ambient_cni_plugin_credential_renewal_failures_total"} {
+		if v, ok := value(t, m, name); !ok || v != 0 {
+			t.Errorf("%s = %v (served %v), want 0 before any credential", name, v, ok)
+		}
+	}
+	issued := time.Unix(1_700_000_000, 0)
+	m.ObservePluginCredential(issued, issued.Add(365*24*time.Hour))
+	m.PluginCredentialFailures.Inc()
+	if v, _ := value(t, m, "ambient_cni_plugin_credential_issued_timestamp_seconds"); v != 1_700_000_000 {
+		t.Errorf("issued = %v", v)
+	}
+	if v, _ := value(t, m, "ambient_cni_plugin_credential_expiry_timestamp_seconds"); v != 1_700_000_000+365*24*3600 {
+		t.Errorf("expiry = %v", v)
+	}
+	if v, _ := value(t, m, "ambient_cni_plugin_credential_renewal_failures_total"); v != 1 {
+		t.Errorf("failures = %v", v)
+	}
+}

@@ -9,6 +9,7 @@ package plugincred
 
 import (
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -18,6 +19,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -177,11 +179,25 @@ func Write(path string, f *File) error {
 	return nil
 }
 
-// TokenSource issues a token of the plugin's identity valid for about
-// lifetime (the API server may shorten it).
-type TokenSource interface {
-	Token(ctx context.Context, lifetime time.Duration) (string, error)
+// Token is an issued token and when it expires.
+type Token struct {
+	// Value is the bearer token.
+	Value string
+	// Expires is when the API server said it expires; zero when it did
+	// not say (the rotator then assumes the lifetime it asked for).
+	Expires time.Time
 }
+
+// TokenSource issues a token of the plugin's identity valid for about
+// lifetime (the API server may shorten it, and says so in Expires).
+type TokenSource interface {
+	Token(ctx context.Context, lifetime time.Duration) (Token, error)
+}
+
+// DefaultRenewAfter is the longest a token goes unrenewed: a long-lived
+// token is still renewed daily, so after any renewal it outlasts an
+// outage of its whole lifetime but a day.
+const DefaultRenewAfter = 24 * time.Hour
 
 // Rotator writes the credential and renews its token well before expiry.
 // Its waits are Go timers, which run on the monotonic clock: a wall-clock
@@ -193,37 +209,184 @@ type Rotator struct {
 	Base File
 	// Source issues the tokens.
 	Source TokenSource
-	// Lifetime is the token lifetime asked for; a renewal comes after half.
+	// Lifetime is the token lifetime asked for.
 	Lifetime time.Duration
+	// RenewAfter caps the wait before a renewal: a token is renewed after
+	// half the lifetime the API server granted or RenewAfter, whichever
+	// comes first (zero: DefaultRenewAfter).
+	RenewAfter time.Duration
 	// Retry is the wait after a failed renewal (default 10 s).
 	Retry time.Duration
 	// Logger receives renewals and failures.
 	Logger *slog.Logger
+	// OnCredential, when set, is told when the token in place was issued
+	// and when it expires, each time that changes (metrics).
+	OnCredential func(issued, expires time.Time)
+	// OnFailure, when set, is told of every failed attempt to obtain a
+	// token (metrics).
+	OnFailure func(error)
 
-	// written: the last WriteOnce succeeded, so Run waits half a lifetime
-	// before the next; else it retries soon.
-	written bool
+	mu sync.Mutex
+	// issued and expires describe the token in place; zero: none.
+	issued, expires time.Time
+	// fresh: the last WriteOnce succeeded, so Run waits before the next;
+	// else it retries soon.
+	fresh     bool
+	ready     chan struct{}
+	readyOnce sync.Once
+}
+
+func (r *Rotator) readyCh() chan struct{} {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.ready == nil {
+		r.ready = make(chan struct{})
+	}
+	return r.ready
+}
+
+// Ready is closed once a credential is in place (written by WriteOnce or
+// kept by KeepValid): the plugin may be chained from then on.
+func (r *Rotator) Ready() <-chan struct{} { return r.readyCh() }
+
+// InPlace returns when the token in place was issued and expires; ok is
+// false while there is none.
+func (r *Rotator) InPlace() (issued, expires time.Time, ok bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.issued, r.expires, !r.expires.IsZero()
+}
+
+// Check says why the plugin has no usable credential now: none was
+// obtained yet, or the one in place has expired. nil: it has one.
+func (r *Rotator) Check() error {
+	_, exp, ok := r.InPlace()
+	if !ok {
+		return errors.New("no plugin credential obtained yet")
+	}
+	if !time.Now().Before(exp) {
+		return fmt.Errorf("the plugin credential expired at %s and could not be renewed", exp.UTC().Format(time.RFC3339))
+	}
+	return nil
+}
+
+// inPlace records the token in place and closes Ready.
+func (r *Rotator) inPlace(issued, expires time.Time, fresh bool) {
+	ch := r.readyCh()
+	r.mu.Lock()
+	r.issued, r.expires, r.fresh = issued, expires, fresh
+	r.mu.Unlock()
+	r.readyOnce.Do(func() { close(ch) })
+	if r.OnCredential != nil {
+		r.OnCredential(issued, expires)
+	}
 }
 
 // WriteOnce issues a token and writes the file.
 func (r *Rotator) WriteOnce(ctx context.Context) error {
-	r.written = false
+	r.mu.Lock()
+	r.fresh = false
+	r.mu.Unlock()
+	err := r.writeOnce(ctx)
+	if err != nil && r.OnFailure != nil {
+		r.OnFailure(err)
+	}
+	return err
+}
+
+func (r *Rotator) writeOnce(ctx context.Context) error {
+	issued := time.Now()
 	tok, err := r.Source.Token(ctx, r.Lifetime)
 	if err != nil {
 		return fmt.Errorf("plugin credential: token: %w", err)
 	}
 	f := r.Base
-	f.Token = tok
+	f.Token = tok.Value
 	if err := Write(r.Path, &f); err != nil {
 		return err
 	}
-	r.written = true
+	exp := tok.Expires
+	if exp.IsZero() {
+		exp = issued.Add(r.Lifetime)
+	}
+	r.inPlace(issued, exp, true)
 	return nil
 }
 
-// Run renews the token every half lifetime until ctx ends, retrying a
-// failure every Retry; a token that could not be renewed in time expires,
-// and the plugin then decides by its snapshot.
+// KeepValid adopts the credential a previous agent left at Path when no
+// new token can be had: if it is for the same API server and node and
+// its token (a JWT, read for its iat and exp claims only) is still valid,
+// it is rewritten with Base (this agent's policy) around the same token
+// and counts as in place. It returns when that token expires.
+func (r *Rotator) KeepValid() (time.Time, error) {
+	old, err := Read(r.Path)
+	if err != nil {
+		return time.Time{}, err
+	}
+	if old.Server != r.Base.Server || old.NodeName != r.Base.NodeName {
+		return time.Time{}, fmt.Errorf("plugin credential on disk is for %s on node %q, not %s on %q", old.Server, old.NodeName, r.Base.Server, r.Base.NodeName)
+	}
+	issued, exp, err := Claims(old.Token)
+	if err != nil {
+		return time.Time{}, err
+	}
+	if !time.Now().Before(exp) {
+		return exp, fmt.Errorf("plugin credential on disk expired at %s", exp.UTC().Format(time.RFC3339))
+	}
+	f := r.Base
+	f.Token = old.Token
+	if err := Write(r.Path, &f); err != nil {
+		return exp, err
+	}
+	r.inPlace(issued, exp, false)
+	return exp, nil
+}
+
+// Claims reads a JWT's iat and exp claims, unverified: the agent only
+// learns when a token it holds expires. A token without exp is refused.
+func Claims(token string) (issued, expires time.Time, err error) {
+	parts := strings.Split(token, ".")
+	if len(parts) != 3 {
+		return time.Time{}, time.Time{}, errors.New("plugin credential: token is not a JWT")
+	}
+	b, err := base64.RawURLEncoding.DecodeString(strings.TrimRight(parts[1], "="))
+	if err != nil {
+		return time.Time{}, time.Time{}, fmt.Errorf("plugin credential: token claims: %w", err)
+	}
+	var c struct {
+		IssuedAt  int64 `json:"iat"`
+		ExpiresAt int64 `json:"exp"`
+	}
+	if err := json.Unmarshal(b, &c); err != nil {
+		return time.Time{}, time.Time{}, fmt.Errorf("plugin credential: token claims: %w", err)
+	}
+	if c.ExpiresAt <= 0 {
+		return time.Time{}, time.Time{}, errors.New("plugin credential: token has no expiry")
+	}
+	if c.IssuedAt > 0 {
+		issued = time.Unix(c.IssuedAt, 0)
+	}
+	return issued, time.Unix(c.ExpiresAt, 0), nil
+}
+
+// renewIn is how long after its issue the token in place is renewed:
+// half the lifetime granted, at most RenewAfter.
+func (r *Rotator) renewIn() time.Duration {
+	after := r.RenewAfter
+	if after <= 0 {
+		after = DefaultRenewAfter
+	}
+	issued, exp, _ := r.InPlace()
+	if half := exp.Sub(issued) / 2; half < after {
+		after = half
+	}
+	return after
+}
+
+// Run renews the token until ctx ends: after half the lifetime granted
+// (at most RenewAfter), retrying a failure every Retry. A token that
+// could not be renewed in time expires, and the plugin then decides by
+// its snapshot.
 func (r *Rotator) Run(ctx context.Context) error {
 	retry := r.Retry
 	if retry <= 0 {
@@ -233,10 +396,14 @@ func (r *Rotator) Run(ctx context.Context) error {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	wait := r.Lifetime / 2
-	if !r.written {
-		wait = retry
+	r.mu.Lock()
+	fresh := r.fresh
+	r.mu.Unlock()
+	wait := retry
+	if fresh {
+		wait = r.renewIn()
 	}
+	failing := 0
 	for {
 		t := time.NewTimer(wait)
 		select {
@@ -249,11 +416,22 @@ func (r *Rotator) Run(ctx context.Context) error {
 			if ctx.Err() != nil {
 				return nil
 			}
-			log.Warn("renew the plugin's API credential", "err", err, "retry", retry)
+			failing++
+			// Once, then every few minutes: the metric counts each.
+			if failing == 1 || failing%30 == 0 {
+				_, exp, ok := r.InPlace()
+				log.Warn("renew the plugin's API credential", "err", err, "retry", retry, "failures", failing,
+					"inPlace", ok, "expires", exp)
+			}
 			wait = retry
 			continue
 		}
-		log.Debug("plugin's API credential renewed", "path", r.Path)
-		wait = r.Lifetime / 2
+		if failing > 0 {
+			log.Info("plugin's API credential renewed after failures", "path", r.Path, "failures", failing)
+		} else {
+			log.Debug("plugin's API credential renewed", "path", r.Path)
+		}
+		failing = 0
+		wait = r.renewIn()
 	}
 }

@@ -2,7 +2,9 @@ package plugincred
 
 import (
 	"context"
+	"encoding/base64"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -142,17 +144,30 @@ type tokens struct {
 	n     int
 	fail  bool
 	asked []time.Duration
+	// grant, when set, is the lifetime the API server grants (its
+	// --service-account-max-token-expiration), whatever was asked.
+	grant time.Duration
 }
 
-func (s *tokens) Token(_ context.Context, lifetime time.Duration) (string, error) {
+func (s *tokens) Token(_ context.Context, lifetime time.Duration) (Token, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.asked = append(s.asked, lifetime)
 	if s.fail {
-		return "", errors.New("API server down")
+		return Token{}, errors.New("API server down")
 	}
 	s.n++
-	return "tok" + string(rune('a'+s.n)), nil
+	t := Token{Value: "tok" + string(rune('a'+s.n))}
+	if s.grant > 0 {
+		t.Expires = time.Now().Add(s.grant)
+	}
+	return t, nil
+}
+
+func (s *tokens) setFail(fail bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.fail = fail
 }
 
 func (s *tokens) count() int {
@@ -191,5 +206,160 @@ func TestRotator(t *testing.T) {
 		if l != r.Lifetime {
 			t.Errorf("asked for lifetime %s, want %s", l, r.Lifetime)
 		}
+	}
+}
+
+// jwt is a token shaped as the API server's, with the given claims.
+func jwt(iat, exp int64) string {
+	enc := base64.RawURLEncoding.EncodeToString
+	return enc([]byte(`{"alg":"RS256"}`)) + "." + enc(fmt.Appendf(nil, `{"iat":%d,"exp":%d,"sub":"system:serviceaccount:istio-system:ambient-cni-plugin"}`, iat, exp)) + ".sig"
+}
+
+// A server that grants less than asked (its max token expiration) is
+// renewed within what it granted: a renewal after half the asked
+// lifetime would leave the plugin without a valid token for the rest.
+func TestRotatorRenewsWithinGrantedLifetime(t *testing.T) {
+	src := &tokens{grant: 200 * time.Millisecond}
+	r := &Rotator{Path: filepath.Join(t.TempDir(), FileName), Base: *valid(), Source: src, Lifetime: 365 * 24 * time.Hour}
+	if err := r.WriteOnce(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if _, exp, ok := r.InPlace(); !ok || time.Until(exp) > time.Second {
+		t.Fatalf("expiry in place %v (%v), want the granted one", exp, ok)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error)
+	go func() { done <- r.Run(ctx) }()
+	poll.Until(t, "renewals within the granted lifetime", func() bool { return src.count() >= 4 })
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A long-lived token is still renewed after RenewAfter (a day by
+// default), so it always outlasts a long node outage.
+func TestRotatorRenewsLongTokensEarly(t *testing.T) {
+	src := &tokens{}
+	r := &Rotator{Path: filepath.Join(t.TempDir(), FileName), Base: *valid(), Source: src, Lifetime: 365 * 24 * time.Hour, RenewAfter: 20 * time.Millisecond}
+	if err := r.WriteOnce(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error)
+	go func() { done <- r.Run(ctx) }()
+	poll.Until(t, "renewals after RenewAfter", func() bool { return src.count() >= 3 })
+	cancel()
+	<-done
+	if DefaultRenewAfter > 24*time.Hour {
+		t.Errorf("default renewal %v, want at most a day", DefaultRenewAfter)
+	}
+}
+
+// Ready, Check and the metric hooks follow what is in place: nothing
+// before the first token, every failure counted, the expiry granted.
+func TestRotatorReadyAndHooks(t *testing.T) {
+	src := &tokens{fail: true}
+	var mu sync.Mutex
+	var failures int
+	var gotExp time.Time
+	r := &Rotator{Path: filepath.Join(t.TempDir(), FileName), Base: *valid(), Source: src, Lifetime: time.Hour, Retry: 10 * time.Millisecond,
+		OnFailure:    func(error) { mu.Lock(); failures++; mu.Unlock() },
+		OnCredential: func(_, exp time.Time) { mu.Lock(); gotExp = exp; mu.Unlock() }}
+	if err := r.WriteOnce(context.Background()); err == nil {
+		t.Fatal("a token with the API server down")
+	}
+	select {
+	case <-r.Ready():
+		t.Fatal("ready without a credential")
+	default:
+	}
+	if err := r.Check(); err == nil {
+		t.Fatal("Check passes without a credential")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error)
+	go func() { done <- r.Run(ctx) }()
+	poll.Until(t, "failures counted", func() bool { mu.Lock(); defer mu.Unlock(); return failures >= 3 })
+	src.setFail(false)
+	poll.Until(t, "ready once a token is in place", func() bool {
+		select {
+		case <-r.Ready():
+			return true
+		default:
+			return false
+		}
+	})
+	cancel()
+	<-done
+	if err := r.Check(); err != nil {
+		t.Errorf("Check with a credential: %v", err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if d := time.Until(gotExp); d < 59*time.Minute || d > time.Hour {
+		t.Errorf("expiry reported %v from now, want the hour asked", d)
+	}
+}
+
+// Without a new token, a valid credential a previous agent left on the
+// node is kept (rewritten with this agent's policy), never one that
+// expired or belongs to another node or server.
+func TestKeepValid(t *testing.T) {
+	now := time.Now().Unix()
+	for name, c := range map[string]struct {
+		token  string
+		mutate func(*File)
+		keep   bool
+	}{
+		"valid":          {token: jwt(now-3600, now+3600), keep: true},
+		"expired":        {token: jwt(now-7200, now-60)},
+		"no expiry":      {token: jwt(now, 0)},
+		"not a JWT":      {token: "opaque"},
+		"another node":   {token: jwt(now, now+3600), mutate: func(f *File) { f.NodeName = "n2" }},
+		"another server": {token: jwt(now, now+3600), mutate: func(f *File) { f.Server = "https://10.96.0.2" }},
+	} {
+		t.Run(name, func(t *testing.T) {
+			p := filepath.Join(t.TempDir(), FileName)
+			old := valid()
+			old.Token = c.token
+			old.Policy.ExcludedNamespaces = []string{"old"}
+			if c.mutate != nil {
+				c.mutate(old)
+			}
+			if err := Write(p, old); err != nil {
+				t.Fatal(err)
+			}
+			r := &Rotator{Path: p, Base: *valid(), Source: &tokens{fail: true}, Lifetime: time.Hour}
+			if err := r.WriteOnce(context.Background()); err == nil {
+				t.Fatal("a token with the API server down")
+			}
+			exp, err := r.KeepValid()
+			f, rerr := Read(p)
+			if rerr != nil {
+				t.Fatal(rerr)
+			}
+			_, inExp, ok := r.InPlace()
+			if !c.keep {
+				if err == nil || ok || f.Policy.ExcludedNamespaces[0] != "old" {
+					t.Fatalf("kept (%v, in place %v): %+v", err, ok, f)
+				}
+				return
+			}
+			if err != nil || !ok || !inExp.Equal(exp) || exp.Unix() != now+3600 {
+				t.Fatalf("KeepValid = %v, %v; in place %v %v", exp, err, inExp, ok)
+			}
+			if f.Token != c.token || f.Policy.ExcludedNamespaces[0] != "kube-system" {
+				t.Errorf("kept file %+v, want the old token with this agent's policy", f)
+			}
+			select {
+			case <-r.Ready():
+			default:
+				t.Error("not ready with a kept credential")
+			}
+		})
 	}
 }

@@ -219,6 +219,10 @@ var shippedFor = map[string]string{
 	"AmbientCNIAddRetrying":            "15m",
 	"AmbientCNIRuleErrors":             "1m",
 	"AmbientCNIVerifierDrift":          "1m",
+	// Renewals fail for a long time before the credential is at risk
+	// (it is renewed with half its lifetime or more left).
+	"AmbientCNIPluginCredentialRenewalFailing": "30m",
+	"AmbientCNIPluginCredentialExpiring":       "10m",
 }
 
 // Every alert ships with its pinned for:, a severity and a runbook_url

@@ -104,6 +104,14 @@ type nodeOptions struct {
 	EnablementSelector string
 	// VerifyPeriod is the agent's --verify-period (default: the chart's).
 	VerifyPeriod time.Duration
+	// PluginCredential hands the daemon the API server's URL and CA, as
+	// install-cni reads them from its kubeconfig, so it writes the plugin
+	// its credential (a token of the chart's plugin ServiceAccount, bound
+	// to the node); a failed attempt is retried after 100 ms.
+	PluginCredential bool
+	// NoWaitReady returns from newNode once the daemon runs, before it is
+	// ready: no stand-in, no kubelet simulator.
+	NoWaitReady bool
 }
 
 // startupTaintRBAC is the rule startupTaint.enabled adds to the chart's
@@ -261,6 +269,9 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 		}
 	})
 	n.startDaemon()
+	if opts.NoWaitReady {
+		return n
+	}
 	if !opts.NoStandIn {
 		n.startStandIn(opts.Faults)
 	}
@@ -395,6 +406,15 @@ func (n *node) startDaemon() {
 	// delays without delaying readiness.
 	maddr := make(chan string, 1)
 	n.metricsAddr, n.maddr = "", maddr
+	var apiServer string
+	var apiCA []byte
+	if n.opts.PluginCredential {
+		apiServer = n.sim.AgentConfig.Host
+		var err error
+		if apiCA, err = os.ReadFile(n.env.CAFile); err != nil {
+			t.Fatal(err)
+		}
+	}
 	d, err := installcni.New(installcni.Options{
 		Config: n.cfg, Client: n.agentClient, Logger: n.log, Metrics: n.metrics,
 		HostNetns: n.hostNS.Path(),
@@ -404,10 +424,13 @@ func (n *node) startDaemon() {
 			default:
 			}
 		},
-		MetricsRetry:   200 * time.Millisecond,
-		AgentHook:      n.hook,
-		ServerHook:     n.opts.ServerHook,
-		WatchdogPeriod: n.opts.WatchdogPeriod,
+		MetricsRetry:          200 * time.Millisecond,
+		APIServer:             apiServer,
+		APICA:                 apiCA,
+		PluginCredentialRetry: 100 * time.Millisecond,
+		AgentHook:             n.hook,
+		ServerHook:            n.opts.ServerHook,
+		WatchdogPeriod:        n.opts.WatchdogPeriod,
 	})
 	if err != nil {
 		t.Fatalf("daemon: %v", err)
@@ -429,6 +452,9 @@ func (n *node) startDaemon() {
 	n.d, n.stopD = d, stop
 	n.exited, n.runErr = done, func() error { <-done; return runErr }
 	n.requireAgentBackend()
+	if n.opts.NoWaitReady {
+		return
+	}
 
 	deadline := time.After(waitLong)
 	for {

@@ -44,6 +44,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/nodedirs"
 	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
+	"github.com/ambient-cni/ambient-cni/pkg/plugincred"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
@@ -135,6 +136,9 @@ type Options struct {
 	// APIServer writes no credential.
 	APIServer string
 	APICA     []byte
+	// PluginCredentialRetry is the wait between attempts to obtain the
+	// plugin's credential after a failure; zero is 10 seconds.
+	PluginCredentialRetry time.Duration
 	// AgentHook, when set, may change the node agent's configuration
 	// before the agent is built: tests wrap its side effects (rules,
 	// ztunnel, annotations) to stop it at a chosen step.
@@ -202,7 +206,8 @@ type App struct {
 	ctrl      *controller.Controller
 	health    *health.Server
 	explain   *explain.Explainer
-	verifier  *verifier.Verifier // nil when verify-period is 0
+	cred      *plugincred.Rotator // nil when no plugin credential is configured
+	verifier  *verifier.Verifier  // nil when verify-period is 0
 
 	// hung is closed when the watchdog gave up on the event server.
 	hung     chan struct{}
@@ -420,6 +425,12 @@ func New(o Options) (*App, error) {
 		return a.server.Answering(ctx)
 	})
 	a.health.AddCheck("installer", a.installer.Check)
+	// The plugin is chained only with a credential; one that expired
+	// unrenewed keeps the pod unready (the chain stays: taking it away
+	// would start pods that must be captured uncaptured).
+	if a.cred = a.pluginRotator(); a.cred != nil {
+		a.health.AddCheck("plugin-credential", a.cred.Check)
+	}
 	a.health.AddCheck("restore", func() error {
 		if !closed(a.ctrl.Restored()) {
 			return errors.New("startup reconcile not done")
@@ -529,8 +540,9 @@ func (a *App) Run(ctx context.Context) (err error) {
 		return err
 	}
 	// What the plugin decides by while the agent cannot answer, in place
-	// before the installer chains it: a chained plugin always has them.
-	cred := a.writePluginFiles(ctx)
+	// before the installer chains it: the installer waits for a
+	// credential (chainAfterCredential).
+	a.writePluginFiles(ctx)
 	// What a previous agent recorded it captured; restored with the
 	// annotated pods once the pod cache is synced.
 	if err := a.agent.LoadRecords(); err != nil {
@@ -614,9 +626,9 @@ func (a *App) Run(ctx context.Context) (err error) {
 	} else if had {
 		a.log.Info("removed the marker of an uninstall cut short; the plugin is chained again", "marker", layout.Uninstalling())
 	}
-	run("installer", a.installer.Run)
-	if cred != nil {
-		run("plugin-credential", cred.Run)
+	run("installer", chainAfterCredential(a.cred, a.installer.Run))
+	if a.cred != nil {
+		run("plugin-credential", a.cred.Run)
 	}
 	run("snapshot-refresh", func(ctx context.Context) error {
 		// The snapshot lists this node's pods by UID; pods come and go

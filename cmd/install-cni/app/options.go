@@ -55,6 +55,19 @@ const (
 	defaultKubeClientBurst = 160
 )
 
+// The plugin's token lifetime. A year, as istio-cni's plugin token (its
+// agent's projected token, which the API server extends to a year): the
+// plugin still starts pods by the API server's word after a node was off,
+// or its agent could not start, for that long less a day (tokens are
+// renewed daily). The token is bound to the node, reads only what the
+// plugin's role allows, and a helm uninstall (which deletes the
+// ServiceAccount) ends it at once. The maximum stays well under the
+// TokenRequest API's 2^32 seconds.
+const (
+	DefaultPluginTokenLifetime = 365 * 24 * time.Hour
+	MaxPluginTokenLifetime     = 2 * DefaultPluginTokenLifetime
+)
+
 // Config is the parsed configuration of install-cni.
 type Config struct {
 	NodeName     string
@@ -381,10 +394,10 @@ func options() []option {
 		}},
 		{"control-plane-namespaces", "Comma-separated namespaces that never wait on the agent: Istio's own (istio-system, where istiod, ztunnel and its gateways run whatever namespace the agent is installed in) and the platform's system namespaces (an entry ending in * is a prefix, as openshift-*), besides the agent's own and the data-plane namespaces. While the agent cannot answer, the plugin decides their pods by the API server and, failing that, lets them start unless the agent's snapshot shows their namespace enabled; the agent does the same for a pod it has not seen yet while the API server cannot be asked.", enablement.DefaultDataPlaneNamespace, list(func(c *Config) *[]string { return &c.ControlPlaneNamespaces })},
 		{"plugin-service-account", "The plugin's own ServiceAccount in pod-namespace, allowed only to get pods, namespaces, nodes and the agent's DaemonSet: the agent writes a token of it, bound to the node, into state-dir for the plugin to ask the API server while the agent cannot answer. Empty: no credential (the plugin decides by the snapshot alone).", "", str(func(c *Config) *string { return &c.PluginServiceAccount })},
-		{"plugin-token-lifetime", "Lifetime of each token of plugin-service-account; the agent renews it after half.", "24h", func(c *Config, v string) error {
+		{"plugin-token-lifetime", "Lifetime asked for each token of plugin-service-account (the API server may shorten it); the agent renews it daily, or after half the lifetime granted if that comes first. It bounds how long the plugin can still ask the API server while no agent runs (a node off, an agent that cannot start): a year by default, as istio-cni's plugin token.", "8760h", func(c *Config, v string) error {
 			d, err := time.ParseDuration(v)
-			if err != nil || d < 10*time.Minute || d > 48*time.Hour {
-				return errors.New("want a duration in [10m, 48h]")
+			if err != nil || d < 10*time.Minute || d > MaxPluginTokenLifetime {
+				return fmt.Errorf("want a duration in [10m, %s]", MaxPluginTokenLifetime)
 			}
 			c.PluginTokenLifetime = d
 			return nil

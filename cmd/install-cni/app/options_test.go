@@ -396,3 +396,29 @@ func TestLogFormat(t *testing.T) {
 		t.Error("--log-format=xml accepted")
 	}
 }
+
+// The plugin's token lasts a year by default, as istio-cni's plugin token
+// (its agent's projected token, which the API server extends to a year):
+// plain pods keep starting on the API server's word through a node that
+// was off, or an agent that cannot start, for that long less a day (the
+// renewal interval). A day (the old default) turned a weekend with the
+// node off into plain pods waiting without bound.
+func TestPluginTokenLifetime(t *testing.T) {
+	c, err := Parse([]string{"--node-name=n1"}, env(nil), io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.PluginTokenLifetime < 365*24*time.Hour {
+		t.Errorf("default plugin token lifetime %v, want at least a year", c.PluginTokenLifetime)
+	}
+	for v, ok := range map[string]bool{"8760h": true, "17520h": true, "10m": true, "9m": false, "17521h": false, "forever": false} {
+		c, err := Parse([]string{"--node-name=n1", "--plugin-token-lifetime=" + v}, env(nil), io.Discard)
+		if (err == nil) != ok {
+			t.Errorf("--plugin-token-lifetime=%s: %v, want accepted %v", v, err, ok)
+		} else if ok {
+			if d, _ := time.ParseDuration(v); c.PluginTokenLifetime != d {
+				t.Errorf("--plugin-token-lifetime=%s: %v", v, c.PluginTokenLifetime)
+			}
+		}
+	}
+}

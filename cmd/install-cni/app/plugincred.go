@@ -2,7 +2,9 @@ package app
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"time"
@@ -16,17 +18,41 @@ import (
 // binary in the image.
 const fallbackBinaryName = "ambient-cni-fallback"
 
+// pluginRotator builds the rotator of the plugin's own API credential, or
+// nil when none is configured (no plugin ServiceAccount, or no API
+// server URL to put in it).
+func (a *App) pluginRotator() *plugincred.Rotator {
+	c := a.cfg
+	if c.PluginServiceAccount == "" || a.opts.APIServer == "" {
+		return nil
+	}
+	m := a.metrics
+	return &plugincred.Rotator{
+		Path: c.Layout().PluginCredential(),
+		Base: plugincred.File{Server: a.opts.APIServer, CA: string(a.opts.APICA), NodeName: c.NodeName,
+			Policy: plugincred.Policy{ExcludedNamespaces: nonNil(c.ExcludedNamespaces), DataPlaneNamespaces: c.EnablementPolicy().DataPlaneNamespaces,
+				EnablementSelectors: c.EnablementSelectorText},
+			DaemonSet: daemonSetRef(c)},
+		Source:       kubeadapter.PluginTokens{Client: a.opts.Client, Namespace: c.PodNamespace, ServiceAccount: c.PluginServiceAccount, NodeName: c.NodeName},
+		Lifetime:     c.PluginTokenLifetime,
+		Retry:        a.opts.PluginCredentialRetry,
+		Logger:       a.log.With("component", "plugin-credential"),
+		OnCredential: m.ObservePluginCredential,
+		OnFailure:    func(error) { m.PluginCredentialFailures.Inc() },
+	}
+}
+
 // writePluginFiles puts into the state directory what the plugin decides
 // by while the agent cannot answer: the fallback binary and a first
-// credential. It returns the rotator that keeps the credential fresh, or
-// nil when there is none to keep. Failures are logged, not fatal: the
-// plugin then decides by the snapshot alone, failing closed.
-func (a *App) writePluginFiles(ctx context.Context) *plugincred.Rotator {
+// credential. When no new token can be had, a still valid credential a
+// previous agent left is kept; with neither, the installer waits for the
+// rotator (see chainAfterCredential). Failures are logged, not fatal.
+func (a *App) writePluginFiles(ctx context.Context) {
 	c := a.cfg
 	layout := c.Layout()
 	if err := os.MkdirAll(layout.StateDir(), 0o700); err != nil {
 		a.log.Error("state directory", "err", err)
-		return nil
+		return
 	}
 	if err := os.Chmod(layout.StateDir(), 0o700); err != nil {
 		a.log.Error("state directory", "err", err)
@@ -35,29 +61,45 @@ func (a *App) writePluginFiles(ctx context.Context) *plugincred.Rotator {
 	if err := copyBinary(src, layout.FallbackBinary()); err != nil {
 		a.log.Warn("the plugin's fallback binary is not in place; while the agent cannot answer the plugin decides by the snapshot alone", "err", err)
 	}
-	if c.PluginServiceAccount == "" || a.opts.APIServer == "" {
-		a.log.Info("no plugin credential configured; while the agent cannot answer the plugin decides by the snapshot alone")
+	r := a.cred
+	if r == nil {
+		a.log.Info("no plugin credential configured; while the agent cannot answer the plugin decides by the snapshot alone, and pods it cannot vouch for wait")
 		_ = os.Remove(layout.PluginCredential())
-		return nil
-	}
-	r := &plugincred.Rotator{
-		Path: layout.PluginCredential(),
-		Base: plugincred.File{Server: a.opts.APIServer, CA: string(a.opts.APICA), NodeName: c.NodeName,
-			Policy: plugincred.Policy{ExcludedNamespaces: nonNil(c.ExcludedNamespaces), DataPlaneNamespaces: c.EnablementPolicy().DataPlaneNamespaces,
-				EnablementSelectors: c.EnablementSelectorText},
-			DaemonSet: daemonSetRef(c)},
-		Source:   kubeadapter.PluginTokens{Client: a.opts.Client, Namespace: c.PodNamespace, ServiceAccount: c.PluginServiceAccount, NodeName: c.NodeName},
-		Lifetime: c.PluginTokenLifetime,
-		Logger:   a.log.With("component", "plugin-credential"),
+		return
 	}
 	wctx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	defer cancel()
-	if err := r.WriteOnce(wctx); err != nil {
-		a.log.Warn("first plugin credential; renewing in the background", "err", err)
-	} else {
-		a.log.Info("plugin credential written", "path", r.Path, "serviceAccount", c.PluginServiceAccount)
+	err := r.WriteOnce(wctx)
+	if err == nil {
+		_, exp, _ := r.InPlace()
+		a.log.Info("plugin credential written", "path", r.Path, "serviceAccount", c.PluginServiceAccount, "expires", exp)
+		return
 	}
-	return r
+	if exp, kerr := r.KeepValid(); kerr == nil {
+		a.log.Warn("no new plugin credential; kept the one on disk, still valid, and renewing in the background", "err", err, "expires", exp)
+		return
+	} else if !errors.Is(kerr, fs.ErrNotExist) {
+		a.log.Warn("the plugin credential on disk cannot be kept", "err", kerr)
+	}
+	a.log.Error("no plugin credential: the plugin is not chained until one is obtained (retrying in the background)",
+		"err", err, "serviceAccount", c.PluginServiceAccount)
+}
+
+// chainAfterCredential runs install once the plugin has a credential (at
+// once when none is configured): a plugin chained without one could
+// start no pod it cannot vouch for while the agent is away. A config
+// still chained by a previous agent stays as it is meanwhile.
+func chainAfterCredential(cred *plugincred.Rotator, install func(context.Context) error) func(context.Context) error {
+	return func(ctx context.Context) error {
+		if cred != nil {
+			select {
+			case <-cred.Ready():
+			case <-ctx.Done():
+				return nil
+			}
+		}
+		return install(ctx)
+	}
 }
 
 // daemonSetRef names the agent's DaemonSet for the fallback, which checks

@@ -7,6 +7,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
+	"github.com/ambient-cni/ambient-cni/pkg/plugincred"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
 	"github.com/ambient-cni/ambient-cni/pkg/rulesbackend"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
@@ -21,6 +22,7 @@ var (
 	_ nodeagent.Decider          = (*podcache.Cache)(nil)
 	_ nodeagent.EnablementSource = (*podcache.Cache)(nil)
 	_ nodeagent.Annotator        = kubeadapter.Annotator{}
+	_ plugincred.TokenSource     = kubeadapter.PluginTokens{}
 	_ nodeagent.Ztunnel          = (*zds.Server)(nil)
 	_ nodeagent.HostProbe        = (rulesbackend.HostProbe)(nil)
 	_ ruleset.Applier            = (*iptables.Applier)(nil)

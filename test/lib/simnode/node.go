@@ -20,6 +20,9 @@ import (
 	"github.com/containernetworking/cni/pkg/version"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/rest"
 
 	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
@@ -112,6 +115,9 @@ type Node struct {
 	mu     sync.Mutex
 	agent  *childproc.Proc
 	starts int
+	// nodeKnown: the node's Node object exists; registered: StartAgent
+	// created it (Close deletes it).
+	nodeKnown, registered bool
 
 	ztMu   sync.Mutex
 	zt     *ztunnel.StandIn
@@ -276,6 +282,16 @@ func (n *Node) StartAgent() (*childproc.Proc, error) {
 	if n.opts.InstallCNI == "" {
 		return nil, errors.New("simnode: no InstallCNI binary to start")
 	}
+	if !n.nodeKnown {
+		// kubelet registers its Node before it runs the node's pods: the
+		// agent's credential for the plugin is a token bound to it, and
+		// the plugin is chained only once the agent has one.
+		created, err := n.register(context.Background())
+		if err != nil {
+			return nil, err
+		}
+		n.nodeKnown, n.registered = true, created
+	}
 	n.starts++
 	if f, err := os.OpenFile(n.LogPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600); err == nil {
 		fmt.Fprintf(f, "{\"msg\":\"simnode: starting install-cni #%d\"}\n", n.starts)
@@ -438,6 +454,14 @@ func (n *Node) CNI(pluginLog io.Writer) *libcni.CNIConfig {
 // the bridge and unmounts the tmpfs. Dir is the caller's to remove.
 func (n *Node) Close() error {
 	err := errors.Join(n.StopStandIn(), n.StopAgent())
+	n.mu.Lock()
+	registered := n.registered
+	n.mu.Unlock()
+	if registered {
+		if derr := n.opts.Env.Client.CoreV1().Nodes().Delete(context.Background(), n.Name, metav1.DeleteOptions{}); derr != nil && !apierrors.IsNotFound(derr) {
+			err = errors.Join(err, fmt.Errorf("delete node %s: %w", n.Name, derr))
+		}
+	}
 	if l, lerr := netlink.LinkByName(n.Bridge); lerr == nil {
 		err = errors.Join(err, netlink.LinkDel(l))
 	}
@@ -473,4 +497,19 @@ func LogTail(path string, lines int) string {
 		all = all[len(all)-lines:]
 	}
 	return strings.Join(all, "\n")
+}
+
+// register creates the node's Node object as kubelet does, unless the
+// test made one already (then Close leaves it alone, as that test owns it).
+// It reports whether it created it.
+func (n *Node) register(ctx context.Context) (bool, error) {
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: n.Name, Labels: map[string]string{"kubernetes.io/hostname": n.Name}}}
+	_, err := n.opts.Env.Client.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{})
+	if apierrors.IsAlreadyExists(err) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("register node %s: %w", n.Name, err)
+	}
+	return true, nil
 }
