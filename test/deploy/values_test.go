@@ -21,6 +21,10 @@ type schemaNode struct {
 	// Ref is set on Istio's keys (definitions.istio): accepted for istio-cni
 	// values files, they have no default here (istio_values_test.go).
 	Ref string `json:"$ref"`
+	// Description starting "Removed:" marks a key kept only so stored
+	// values files still install: it has no default and no effect
+	// (TestRemovedPodLevelEnablement).
+	Description string `json:"description"`
 }
 
 // fixed reports whether the node is an object whose keys the chart defines
@@ -61,7 +65,7 @@ func knobs(n *schemaNode, prefix string) []string {
 	var out []string
 	for name, p := range n.Properties {
 		path := strings.TrimPrefix(prefix+"."+name, ".")
-		if p.Ref != "" {
+		if p.Ref != "" || strings.HasPrefix(p.Description, "Removed:") {
 			continue
 		}
 		if p.fixed() {
