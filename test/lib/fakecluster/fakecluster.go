@@ -26,7 +26,7 @@ const NodeName = "node-a"
 
 // wait bounds how long a write may take to reach the cache; it is
 // generous because the machine may be busy, and only a bug exhausts it.
-const wait = 10 * time.Second
+const wait = 30 * time.Second
 
 // Cluster is a fake API server and the pod cache following it.
 type Cluster struct {
