@@ -16,6 +16,9 @@ import (
 	dto "github.com/prometheus/client_model/go"
 
 	"github.com/containernetworking/cni/pkg/types"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
@@ -238,7 +241,13 @@ func TestPodStartedWhileAgentGoneRecheckedOnReturn(t *testing.T) {
 	if _, err := n.kube.Start(ctx, outside.Obj); !errors.As(err, &te) || te.Code != types.ErrTryAgainLater {
 		t.Fatalf("SECURITY: a pod the snapshot lists outside the mesh started while neither the agent nor the API server could vouch for it: %v; want code 11", err)
 	}
-	cpObj, err := n.kube.Create(ctx, podSpec(simnode.ReleaseNamespace, testnet.RandName("cp-", 6), nil, nil))
+	// The agent's own namespace is the control plane's; its pods need the
+	// default ServiceAccount no controller made here.
+	if _, err := n.env.Client.CoreV1().ServiceAccounts(n.cfg.PodNamespace).Create(ctx,
+		&corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Name: "default"}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+	cpObj, err := n.kube.Create(ctx, podSpec(n.cfg.PodNamespace, testnet.RandName("cp-", 6), nil, nil))
 	if err != nil {
 		t.Fatal(err)
 	}
