@@ -21,9 +21,10 @@ import (
 // rules go in); the status annotation is then written
 // asynchronously (see Run). ns is the pod's network namespace, held open:
 // Capture owns it, keeps it in the state on success and closes it
-// otherwise. sb is the sandbox at CNI ADD; nil (the controller) takes the
-// IPs from the pod's status. Idempotent; a failure that may pass is
-// Retryable.
+// otherwise. sb is the sandbox at CNI ADD; nil (the controller, a
+// repair) takes the IPs from the pod's status, except in the namespace
+// the agent already holds the pod in, whose IPs it keeps. Idempotent; a
+// failure that may pass is Retryable.
 //
 // A failed apply leaves nothing behind (no rules of ours in a namespace
 // that had none, no record, no state). A failed ztunnel handoff leaves
@@ -93,9 +94,19 @@ func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Ha
 			ns.Source(), pod.Namespace, pod.Name, holder.Namespace, holder.Name, holder.UID))
 	}
 	prevRec, hadRec := a.records.get(pod.UID)
-	if old != nil && old.ns.SameAs(ns) && sandboxID == "" {
-		// The controller re-enrolling a pod the CNI path enrolled.
-		sandboxID, network = old.SandboxID, old.Network
+	if old != nil && old.ns.SameAs(ns) {
+		// The controller re-enrolling a pod the CNI path enrolled, or the
+		// verifier's repair: the same sandbox, so the same IPs. Those the
+		// agent holds came with its ADD; the status may still show the
+		// previous sandbox's (kubelet's update not in the cache yet, or an
+		// API-server outage froze it), and taking them would drop the
+		// pod's own from the probe set.
+		if sandboxID == "" {
+			sandboxID, network = old.SandboxID, old.Network
+		}
+		if sb == nil && len(old.IPs) > 0 {
+			ips = old.IPs
+		}
 	}
 	cfg := a.ruleConfig(pod)
 	a.reportInvalidAnnotations(log, pod)
