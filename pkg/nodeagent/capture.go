@@ -39,14 +39,17 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, 
 // asked for it (the event server's), which goes on timing the capture's
 // phases and logs them with its own; nil times the capture alone.
 func (a *Agent) capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, sb *Sandbox, t *phaseTimer) error {
-	return a.captureIfHeld(ctx, pod, ns, sb, t, false)
+	return a.captureIfHeld(ctx, pod, ns, sb, t, false, false)
 }
 
 // captureIfHeld is capture. With held, the pod must still be held in ns
 // once its lock is taken (Recapture: ns is a copy of the agent's hold,
 // made before the lock was let go); otherwise ns is closed, nothing is
-// done, and the error wraps ErrNotHeld.
-func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, sb *Sandbox, t *phaseTimer, held bool) error {
+// done, and the error wraps ErrNotHeld. With resetZtunnel, a pod already
+// held is dropped from ztunnel before it is handed over again, once its
+// rules are in: a capture that fails before leaves ztunnel serving it as
+// before.
+func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, sb *Sandbox, t *phaseTimer, held, resetZtunnel bool) error {
 	if pod == nil || pod.UID == "" {
 		_ = ns.Close()
 		return errors.New("capture: pod without uid")
@@ -176,6 +179,11 @@ func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Ha
 			err = <-handoff
 		} else {
 			zctx, cancel := context.WithTimeout(ctx, a.cfg.ZtunnelTimeout)
+			if resetZtunnel {
+				if derr := a.cfg.Ztunnel.Del(zctx, string(pod.UID)); derr != nil {
+					log.Warn("ztunnel did not ack the Del before the new Add", "err", derr)
+				}
+			}
 			err = a.cfg.Ztunnel.Add(zctx, a.workload(e))
 			cancel()
 		}

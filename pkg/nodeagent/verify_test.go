@@ -200,3 +200,41 @@ func TestRecaptureKeepsTheHeldSandboxIPs(t *testing.T) {
 			h.probe.has("10.9.0.7"), h.probe.has("10.9.0.5"), e.IPs, add.IPs)
 	}
 }
+
+// A repair that cannot complete leaves the pod exactly as it was: its
+// rules apply fails, and ztunnel still serves the pod (it was not told to
+// drop it first, as a repair of lost listeners asks), the probe set still
+// has its IP, its annotation and its state are unchanged.
+func TestFailedRecaptureLeavesThePodAsItWas(t *testing.T) {
+	h := newHarness(t)
+	pn := testnet.NewNS(t)
+	ctx := context.Background()
+	h.kube.SetPod(pod("shop", "web", "u1", nil))
+	if _, err := h.add(ctx, info("shop/web", "u1", "sb1"), pn); err != nil {
+		t.Fatal(err)
+	}
+	before := h.annotations(t, "u1")
+	was, _ := h.agent.Pod("u1")
+	p, _ := h.kube.Cache.Pod("shop", "web")
+	h.rules.setApplyErr(errors.New("xtables lock held"))
+	if err := h.agent.Recapture(ctx, p, true); err == nil {
+		t.Fatal("Recapture succeeded with the rules failing")
+	}
+	h.rules.setApplyErr(nil)
+	if dels := h.zt.delLog(); dels != "" {
+		t.Errorf("ztunnel was told to drop the pod (%q) by a repair that failed", dels)
+	}
+	if !h.probe.has("10.9.0.5") {
+		t.Error("the probe set lost the pod's IP")
+	}
+	if got := h.annotations(t, "u1"); got != before {
+		t.Errorf("annotation writes %q, want %q as before", got, before)
+	}
+	now, ok := h.agent.Pod("u1")
+	if !ok || now.State != was.State || now.NetnsID != was.NetnsID || !slices.Equal(now.IPs, was.IPs) {
+		t.Errorf("the agent holds %+v (%v), want %+v", now, ok, was)
+	}
+	if in, _ := h.agent.Inspect("u1"); len(in.Drift) > 0 || in.VerifyError != "" {
+		t.Errorf("rules after the failed repair: %+v", in)
+	}
+}
