@@ -42,6 +42,7 @@ type harness struct {
 	zt    *fakeZtunnel
 	ann   *fakeAnnotator
 	kube  *fakecluster.Cluster
+	probe *fakeProbe
 	dir   string
 	stop  func() // stops the agent's writer and releases its handles
 }
@@ -49,7 +50,7 @@ type harness struct {
 func newHarness(t *testing.T) *harness {
 	t.Helper()
 	testnet.RequireRoot(t)
-	h := &harness{rules: newRecordedRules(), zt: &fakeZtunnel{}, ann: &fakeAnnotator{}, dir: t.TempDir(),
+	h := &harness{rules: newRecordedRules(), zt: &fakeZtunnel{}, ann: &fakeAnnotator{}, probe: &fakeProbe{ips: map[netip.Addr]bool{}}, dir: t.TempDir(),
 		kube: fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy()})}
 	// Writes reach the pod objects, as through the API server.
 	h.ann.onWrite = func(namespace, name string, uid types.UID, value string) {
@@ -87,7 +88,7 @@ func (h *harness) layout() nodefiles.Layout { return nodefiles.InDir(h.dir) }
 // config is the harness agent's configuration.
 func (h *harness) config() Config {
 	return Config{
-		Rules: h.rules, Ztunnel: h.zt, Annotator: h.ann, Enablement: h.kube.Cache, Pods: h.kube.Cache,
+		Rules: h.rules, Ztunnel: h.zt, Annotator: h.ann, HostProbe: h.probe, Enablement: h.kube.Cache, Pods: h.kube.Cache,
 		Layout: h.layout(),
 		Netns:  netns.Policy{Roots: []string{"/var/run/netns", "/run/netns"}},
 	}

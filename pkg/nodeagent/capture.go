@@ -21,9 +21,10 @@ import (
 // rules go in); the status annotation is then written
 // asynchronously (see Run). ns is the pod's network namespace, held open:
 // Capture owns it, keeps it in the state on success and closes it
-// otherwise. sb is the sandbox at CNI ADD; nil (the controller) takes the
-// IPs from the pod's status. Idempotent; a failure that may pass is
-// Retryable.
+// otherwise. sb is the sandbox at CNI ADD; nil (the controller, a
+// repair) takes the IPs from the pod's status, except in the namespace
+// the agent already holds the pod in, whose IPs it keeps. Idempotent; a
+// failure that may pass is Retryable.
 //
 // A failed apply leaves nothing behind (no rules of ours in a namespace
 // that had none, no record, no state). A failed ztunnel handoff leaves
@@ -38,14 +39,17 @@ func (a *Agent) Capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, 
 // asked for it (the event server's), which goes on timing the capture's
 // phases and logs them with its own; nil times the capture alone.
 func (a *Agent) capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, sb *Sandbox, t *phaseTimer) error {
-	return a.captureIfHeld(ctx, pod, ns, sb, t, false)
+	return a.captureIfHeld(ctx, pod, ns, sb, t, false, false)
 }
 
 // captureIfHeld is capture. With held, the pod must still be held in ns
 // once its lock is taken (Recapture: ns is a copy of the agent's hold,
 // made before the lock was let go); otherwise ns is closed, nothing is
-// done, and the error wraps ErrNotHeld.
-func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, sb *Sandbox, t *phaseTimer, held bool) error {
+// done, and the error wraps ErrNotHeld. With resetZtunnel, a pod already
+// held is dropped from ztunnel before it is handed over again, once its
+// rules are in: a capture that fails before leaves ztunnel serving it as
+// before.
+func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, sb *Sandbox, t *phaseTimer, held, resetZtunnel bool) error {
 	if pod == nil || pod.UID == "" {
 		_ = ns.Close()
 		return errors.New("capture: pod without uid")
@@ -93,9 +97,19 @@ func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Ha
 			ns.Source(), pod.Namespace, pod.Name, holder.Namespace, holder.Name, holder.UID))
 	}
 	prevRec, hadRec := a.records.get(pod.UID)
-	if old != nil && old.ns.SameAs(ns) && sandboxID == "" {
-		// The controller re-enrolling a pod the CNI path enrolled.
-		sandboxID, network = old.SandboxID, old.Network
+	if old != nil && old.ns.SameAs(ns) {
+		// The controller re-enrolling a pod the CNI path enrolled, or the
+		// verifier's repair: the same sandbox, so the same IPs. Those the
+		// agent holds came with its ADD; the status may still show the
+		// previous sandbox's (kubelet's update not in the cache yet, or an
+		// API-server outage froze it), and taking them would drop the
+		// pod's own from the probe set.
+		if sandboxID == "" {
+			sandboxID, network = old.SandboxID, old.Network
+		}
+		if sb == nil && len(old.IPs) > 0 {
+			ips = old.IPs
+		}
 	}
 	cfg := a.ruleConfig(pod)
 	a.reportInvalidAnnotations(log, pod)
@@ -165,6 +179,11 @@ func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Ha
 			err = <-handoff
 		} else {
 			zctx, cancel := context.WithTimeout(ctx, a.cfg.ZtunnelTimeout)
+			if resetZtunnel {
+				if derr := a.cfg.Ztunnel.Del(zctx, string(pod.UID)); derr != nil {
+					log.Warn("ztunnel did not ack the Del before the new Add", "err", derr)
+				}
+			}
 			err = a.cfg.Ztunnel.Add(zctx, a.workload(e))
 			cancel()
 		}

@@ -31,9 +31,10 @@ func (a *Agent) InPod(uid types.UID, fn func(ns *os.File) error) error {
 // Recapture captures the enrolled pod again, through Capture, in the
 // namespace the agent holds it in: its rules re-applied, its IPs put back
 // in the host probe set, ztunnel handed the pod and the annotation
-// rewritten. With resetZtunnel, ztunnel is first told to drop the pod: one
-// that lost the pod's listeners may take a repeated Add of a pod it
-// already has for done. The capture runs only if the pod is still held in
+// rewritten. With resetZtunnel, ztunnel is first told to drop the pod
+// (one that lost the pod's listeners may take a repeated Add of a pod it
+// already has for done), only once the rules are in: a repair that fails
+// before leaves ztunnel serving the pod. The capture runs only if the pod is still held in
 // that namespace once the pod's lock is taken again: a pod released or
 // moved to a new sandbox's namespace meanwhile is left as it is, and the
 // error wraps ErrNotHeld.
@@ -45,13 +46,6 @@ func (a *Agent) Recapture(ctx context.Context, pod *corev1.Pod, resetZtunnel boo
 		return fmt.Errorf("recapture %s/%s: %w", pod.Namespace, pod.Name, ErrNotHeld)
 	}
 	ns, err := e.ns.Dup()
-	if err == nil && resetZtunnel && a.cfg.Ztunnel != nil {
-		zctx, cancel := context.WithTimeout(ctx, a.cfg.ZtunnelTimeout)
-		if derr := a.cfg.Ztunnel.Del(zctx, string(pod.UID)); derr != nil {
-			a.log.Warn("recapture: ztunnel did not ack the Del before the new Add", "pod", pod.Namespace+"/"+pod.Name, "err", derr)
-		}
-		cancel()
-	}
 	unlock()
 	if err != nil {
 		return fmt.Errorf("recapture %s/%s: %w", pod.Namespace, pod.Name, err)
@@ -63,7 +57,7 @@ func (a *Agent) Recapture(ctx context.Context, pod *corev1.Pod, resetZtunnel boo
 	// changed: the value this agent last wrote no longer says what the
 	// object carries.
 	a.annotations.forgetWritten(pod.UID)
-	if err := a.captureIfHeld(ctx, pod, ns, nil, nil, true); err != nil {
+	if err := a.captureIfHeld(ctx, pod, ns, nil, nil, true, resetZtunnel && a.cfg.Ztunnel != nil); err != nil {
 		return fmt.Errorf("recapture: %w", err)
 	}
 	return nil

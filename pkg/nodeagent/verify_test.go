@@ -3,11 +3,14 @@ package nodeagent
 import (
 	"context"
 	"errors"
+	"net/netip"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 
 	"github.com/containernetworking/plugins/pkg/ns"
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
@@ -159,5 +162,79 @@ func TestRecaptureAfterHoldChanged(t *testing.T) {
 				t.Errorf("capture records %v; want none", recs)
 			}
 		})
+	}
+}
+
+// A repair while the pod's status lags its sandbox (the new sandbox's ADD
+// came, kubelet's status update did not: an ordinary recreation, or an
+// API-server outage that froze the status) re-captures the pod with the
+// IPs of the namespace the agent holds, which the ADD gave: the status's
+// stale IPs neither replace them in the agent's state nor take the pod's
+// entry out of the host probe set.
+func TestRecaptureKeepsTheHeldSandboxIPs(t *testing.T) {
+	h := newHarness(t)
+	pn := testnet.NewNS(t)
+	ctx := context.Background()
+	stale := pod("shop", "web", "u1", nil)
+	stale.Status.PodIPs = []corev1.PodIP{{IP: "10.9.0.5"}} // the old sandbox's
+	h.kube.SetPod(stale)
+	poll.Until(t, "the pod in the cache", func() bool {
+		_, err := h.kube.Cache.Pod("shop", "web")
+		return err == nil
+	})
+	add := info("shop/web", "u1", "sb2")
+	add.IPs = []netip.Addr{netip.MustParseAddr("10.9.0.7")} // the new sandbox's
+	if _, err := h.add(ctx, add, pn); err != nil {
+		t.Fatal(err)
+	}
+	if !h.probe.has("10.9.0.7") {
+		t.Fatal("the ADD's IP is not in the probe set")
+	}
+	p, _ := h.kube.Cache.Pod("shop", "web")
+	if err := h.agent.Recapture(ctx, p, true); err != nil {
+		t.Fatal(err)
+	}
+	e, _ := h.agent.Pod("u1")
+	if !h.probe.has("10.9.0.7") || !slices.Equal(e.IPs, add.IPs) {
+		t.Fatalf("after a repair with the stale status: probe set has 10.9.0.7 %v (10.9.0.5 %v), the agent holds IPs %v; want the ADD's %v",
+			h.probe.has("10.9.0.7"), h.probe.has("10.9.0.5"), e.IPs, add.IPs)
+	}
+}
+
+// A repair that cannot complete leaves the pod exactly as it was: its
+// rules apply fails, and ztunnel still serves the pod (it was not told to
+// drop it first, as a repair of lost listeners asks), the probe set still
+// has its IP, its annotation and its state are unchanged.
+func TestFailedRecaptureLeavesThePodAsItWas(t *testing.T) {
+	h := newHarness(t)
+	pn := testnet.NewNS(t)
+	ctx := context.Background()
+	h.kube.SetPod(pod("shop", "web", "u1", nil))
+	if _, err := h.add(ctx, info("shop/web", "u1", "sb1"), pn); err != nil {
+		t.Fatal(err)
+	}
+	before := h.annotations(t, "u1")
+	was, _ := h.agent.Pod("u1")
+	p, _ := h.kube.Cache.Pod("shop", "web")
+	h.rules.setApplyErr(errors.New("xtables lock held"))
+	if err := h.agent.Recapture(ctx, p, true); err == nil {
+		t.Fatal("Recapture succeeded with the rules failing")
+	}
+	h.rules.setApplyErr(nil)
+	if dels := h.zt.delLog(); dels != "" {
+		t.Errorf("ztunnel was told to drop the pod (%q) by a repair that failed", dels)
+	}
+	if !h.probe.has("10.9.0.5") {
+		t.Error("the probe set lost the pod's IP")
+	}
+	if got := h.annotations(t, "u1"); got != before {
+		t.Errorf("annotation writes %q, want %q as before", got, before)
+	}
+	now, ok := h.agent.Pod("u1")
+	if !ok || now.State != was.State || now.NetnsID != was.NetnsID || !slices.Equal(now.IPs, was.IPs) {
+		t.Errorf("the agent holds %+v (%v), want %+v", now, ok, was)
+	}
+	if in, _ := h.agent.Inspect("u1"); len(in.Drift) > 0 || in.VerifyError != "" {
+		t.Errorf("rules after the failed repair: %+v", in)
 	}
 }

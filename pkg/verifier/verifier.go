@@ -647,13 +647,22 @@ func (v *Verifier) look(e nodeagent.EnrolledPod) podView {
 }
 
 // checkSandbox proves the namespace the agent holds is still the pod's:
-// it has one of the IPs the pod's status shows.
+// it has one of the IPs the pod's status shows, or one of those the agent
+// captured it with. The status lags the runtime: after an ordinary
+// sandbox recreation the new sandbox's ADD moves the agent to its
+// namespace seconds before kubelet's status update reaches the cache, and
+// an API-server outage keeps that update away for as long as it lasts. A
+// namespace that still has the addresses it was captured with is the
+// sandbox the runtime runs; one recreated without the agent leaves the
+// held namespace without them (the primary network's DEL took its
+// interface).
 func (v *Verifier) checkSandbox(e nodeagent.EnrolledPod, pod *corev1.Pod, seen podView) *Finding {
 	want := enablement.PodIPs(pod)
-	if len(want) == 0 {
+	if len(want) == 0 || seen.err != nil {
 		return nil
 	}
-	if seen.err != nil || slices.ContainsFunc(want, func(a netip.Addr) bool { return slices.Contains(seen.addrs, a) }) {
+	holds := func(a netip.Addr) bool { return slices.Contains(seen.addrs, a) }
+	if slices.ContainsFunc(want, holds) || slices.ContainsFunc(e.IPs, holds) {
 		return nil
 	}
 	return &Finding{KindSandbox, fmt.Sprintf("the network namespace the agent holds the pod in (%s) has none of its IPs %v: its sandbox was recreated without the agent; capturing the new one", e.Netns, want)}

@@ -753,3 +753,37 @@ func TestReleasedPodWithNewSandboxIsHandedOver(t *testing.T) {
 		t.Fatalf("a period after the DELs: requeued %v, unproven %d; want %s and %s among them, 3", h.requeued, h.unproven, same.Name, unknown.Name)
 	}
 }
+
+// An ordinary sandbox recreation: the new sandbox's ADD moved the agent to
+// its namespace (the IPs the ADD gave are there, in the probe set and in
+// ztunnel), while the pod's status still shows the old sandbox's IPs,
+// until kubelet's status update reaches the cache, or for as long as an
+// API-server outage keeps it from coming. The status lags the namespace
+// the agent holds: that is not drift, and nothing is repaired or told.
+func TestStatusLaggingARecreatedSandboxIsNotDrift(t *testing.T) {
+	h := newHarness(t, time.Minute)
+	p := h.pod(1, true)
+	h.pod(2, true)
+	newIP := netip.MustParseAddr("10.0.1.1")
+	h.mu.Lock()
+	delete(h.probe, netip.MustParseAddr("10.0.0.1"))
+	h.probe[newIP] = true
+	h.enrolled[p.UID].IPs = []netip.Addr{newIP}
+	h.mu.Unlock()
+	for range 3 {
+		h.v.round(context.Background())
+		proof, _ := h.v.Last(p.UID)
+		if !proof.OK || len(proof.Found) > 0 || len(h.drifts) > 0 || len(h.ev.events) > 0 || len(h.captures) > 0 || len(h.recaptures) > 0 || h.unproven != 0 {
+			t.Fatalf("status lagging the recreated sandbox: proof %+v, drifts %v, events %q, captures %v, recaptures %v, unproven %d",
+				proof, h.drifts, h.ev.events, h.captures, h.recaptures, h.unproven)
+		}
+	}
+	// The status update arrives: still nothing to find.
+	h.mu.Lock()
+	p.Status.PodIPs = []corev1.PodIP{{IP: newIP.String()}}
+	h.mu.Unlock()
+	h.v.round(context.Background())
+	if proof, _ := h.v.Last(p.UID); !proof.OK || len(h.drifts) > 0 || len(h.ev.events) > 0 {
+		t.Fatalf("after the status update: proof %+v, drifts %v, events %q", proof, h.drifts, h.ev.events)
+	}
+}

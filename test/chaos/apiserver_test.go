@@ -19,6 +19,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
 	"github.com/ambient-cni/ambient-cni/test/lib/poll"
+	"github.com/ambient-cni/ambient-cni/test/lib/scrape"
 )
 
 // apiPending are the API-outage checks waiting for fixes being made on
@@ -28,6 +29,9 @@ var apiPending = pending{}
 
 // outage is how long the API server stays away (issue 12: 30 s).
 const outage = 30 * time.Second
+
+// outageVerifyPeriod is the agent's verify period in the outage test.
+const outageVerifyPeriod = time.Second
 
 // Leak tolerances after an outage, against the same agent's figures before
 // it: what a long-lived process may legitimately vary by (an HTTP/2
@@ -54,7 +58,11 @@ func TestAPIServerOutage(t *testing.T) {
 	requireLong(t)
 	env := kubeenv.Start(t) // its own: this test stops it
 	proxy := newAPIProxy(t, env.Config.Host)
-	n := newNode(t, nodeOptions{env: env, apiHost: proxy.URL(), subnet: netip.MustParsePrefix("10.121.0.0/16")})
+	// Every pod proven every second: the verifier looks at each sandbox
+	// recreated during the outage while the pod's status, frozen by it,
+	// still shows the old sandbox's IPs (that window lasts until kubelet's
+	// status write after the outage), whatever the machine's load.
+	n := newNode(t, nodeOptions{env: env, apiHost: proxy.URL(), subnet: netip.MustParsePrefix("10.121.0.0/16"), verifyPeriod: outageVerifyPeriod})
 	w := newWorld(n)
 	amb := w.namespace("amb", ambient.DataplaneModeAmbient)
 	plain := w.namespace("plain", "")
@@ -214,6 +222,14 @@ func TestAPIServerOutage(t *testing.T) {
 	for c, v := range problems {
 		r[c] = append(r[c], v...)
 	}
+	// up-0's new sandbox, captured by its ADD, was proven every second
+	// while its status still showed the old sandbox's IPs: a status the
+	// outage froze is not drift.
+	if m, err := scrape.Values(n.metricsURL(), sandboxDrift); err != nil {
+		r.add(checkOutageVerifier, "read the drift counter: %v", err)
+	} else if v, ok := m[sandboxDrift]; !ok || v != 0 {
+		r.add(checkOutageVerifier, "%s is %v (present %v), want 0", sandboxDrift, v, ok)
+	}
 	t.Logf("%s", w.summary())
 
 	// The same agent, idle again: nothing leaked.
@@ -232,7 +248,7 @@ func TestAPIServerOutage(t *testing.T) {
 		r.add(checkOutageLeak, "goroutines: %d before, %d after", base.goroutines, after.goroutines)
 	}
 	judge(t, r, apiPending)
-	for _, c := range []string{checkOutageKnownStart, checkOutageAnnotated, checkOutageUnknown, checkOutageLeak} {
+	for _, c := range []string{checkOutageKnownStart, checkOutageAnnotated, checkOutageUnknown, checkOutageVerifier, checkOutageLeak} {
 		judgeOne(t, c, r[c], apiPending)
 	}
 	if t.Failed() {
@@ -306,8 +322,12 @@ const (
 	checkOutageKnownStart = "pods known from the cache start during the outage"
 	checkOutageAnnotated  = "annotations owed from the outage are written once it ends"
 	checkOutageUnknown    = "unknown pods fail closed (retryable) and start after it"
+	checkOutageVerifier   = "the verifier finds no sandbox drift in a status the outage froze"
 	checkOutageLeak       = "the agent neither exits nor leaks"
 )
+
+// sandboxDrift is the verifier's counter of recreated sandboxes it found.
+const sandboxDrift = `ambient_cni_verify_drift_total{kind="sandbox"}`
 
 // tornDown records that a pod's sandbox is gone while its object stays.
 func (w *world) tornDown(p *kubesim.Pod) {

@@ -50,6 +50,9 @@ type nodeOptions struct {
 	// namespace is the agent's namespace, for a node with a DaemonSet of
 	// its own (default: the chart's, shared, with none).
 	namespace string
+	// verifyPeriod, when set, is the agent's verify period instead of the
+	// chart's (a scenario that needs every pod proven within its window).
+	verifyPeriod time.Duration
 }
 
 // node is one simulated node (test/lib/simnode: the shipped install-cni as
@@ -101,10 +104,14 @@ func newNode(t *testing.T, o nodeOptions) *node {
 		}
 		_ = os.RemoveAll(n.dir)
 	})
+	var settings map[string]string
+	if o.verifyPeriod > 0 {
+		settings = map[string]string{"verify-period": o.verifyPeriod.String()}
+	}
 	n.sim, err = simnode.Prepare(context.Background(), simnode.Options{
 		Env: env, Chart: sh.chart, InstallCNI: sh.installCNI, Plugin: sh.plugin,
 		ReferencePlugins: cnibin.Paths(t)[0], Dir: n.dir, Name: n.name, Subnet: o.subnet, APIHost: o.apiHost,
-		Namespace: o.namespace,
+		Namespace: o.namespace, Settings: settings,
 	})
 	if err != nil {
 		t.Fatal(err)
