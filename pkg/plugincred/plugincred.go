@@ -257,19 +257,6 @@ func (r *Rotator) InPlace() (issued, expires time.Time, ok bool) {
 	return r.issued, r.expires, !r.expires.IsZero()
 }
 
-// Check says why the plugin has no usable credential now: none was
-// obtained yet, or the one in place has expired. nil: it has one.
-func (r *Rotator) Check() error {
-	_, exp, ok := r.InPlace()
-	if !ok {
-		return errors.New("no plugin credential obtained yet")
-	}
-	if !time.Now().Before(exp) {
-		return fmt.Errorf("the plugin credential expired at %s and could not be renewed", exp.UTC().Format(time.RFC3339))
-	}
-	return nil
-}
-
 // inPlace records the token in place and closes Ready.
 func (r *Rotator) inPlace(issued, expires time.Time, fresh bool) {
 	ch := r.readyCh()

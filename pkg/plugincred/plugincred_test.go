@@ -276,8 +276,8 @@ func TestRotatorReadyAndHooks(t *testing.T) {
 		t.Fatal("ready without a credential")
 	default:
 	}
-	if err := r.Check(); err == nil {
-		t.Fatal("Check passes without a credential")
+	if _, _, ok := r.InPlace(); ok {
+		t.Fatal("a credential in place without a token")
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -295,8 +295,8 @@ func TestRotatorReadyAndHooks(t *testing.T) {
 	})
 	cancel()
 	<-done
-	if err := r.Check(); err != nil {
-		t.Errorf("Check with a credential: %v", err)
+	if _, exp, ok := r.InPlace(); !ok || !time.Now().Before(exp) {
+		t.Errorf("credential in place %v, expires %v", ok, exp)
 	}
 	mu.Lock()
 	defer mu.Unlock()

@@ -21,16 +21,18 @@ import (
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 )
 
-// The agent never chains the plugin without the plugin's own credential:
-// a plugin chained without one cannot ask the API server while the agent
-// is away, so every pod its snapshot cannot vouch for (a new plain pod)
-// would wait for an agent that may not come. Here the API server refuses
-// the token (the token is bound to the node's Node object, not registered
-// yet): the agent counts the failures, stays unready and leaves the
-// conflist alone. Once the Node exists the next attempt gets a token of
-// the chart's default lifetime from a real kube-apiserver with default
-// flags (a year, granted in full), and only then is the plugin chained.
-func TestNoChainWithoutPluginCredential(t *testing.T) {
+// The agent chains the plugin even without the plugin's own credential:
+// unchained, a pod that must be captured would start uncaptured while the
+// agent is up; chained without one, only pods the snapshot cannot vouch
+// for wait, and only while the agent is away. The missing credential is
+// told by the metrics the critical AmbientCNIPluginCredentialExpiring
+// alert reads (expiry 0), not by readiness, which would hold a rollout and
+// the node's startup taint. Here the API server refuses the token (it is
+// bound to the node's Node object, not registered yet): the agent counts
+// the failures, chains the plugin and stays ready. Once the Node exists
+// the next attempt gets a token of the chart's default lifetime from a
+// real kube-apiserver with default flags (a year, granted in full).
+func TestChainedWithoutPluginCredential(t *testing.T) {
 	n := newNode(t, nodeOptions{PluginCredential: true, NoWaitReady: true})
 	conf := filepath.Join(n.confDir, simnode.PrimaryConf)
 	chained := func() bool {
@@ -39,15 +41,12 @@ func TestNoChainWithoutPluginCredential(t *testing.T) {
 	}
 	failures := func() float64 { return counterValue(t, n.metrics.PluginCredentialFailures) }
 	poll.Until(t, "the agent to count refused token requests", func() bool { return failures() >= 3 })
-	if chained() {
-		b, _ := os.ReadFile(conf)
-		t.Fatalf("the plugin is chained without a credential:\n%s", b)
-	}
+	poll.Until(t, "the plugin chained without a credential", chained)
 	if _, err := os.Stat(n.cfg.Layout().PluginCredential()); err == nil {
 		t.Fatal("a credential file exists though no token was issued")
 	}
-	if r := n.d.Ready(); !slices.ContainsFunc(r, func(s string) bool { return strings.Contains(s, "plugin-credential") }) {
-		t.Errorf("readiness without a credential: %v, want plugin-credential failing", r)
+	if r := n.d.Ready(); slices.ContainsFunc(r, func(s string) bool { return strings.Contains(s, "plugin-credential") }) {
+		t.Errorf("readiness without a credential: %v, want no plugin-credential check", r)
 	}
 	if v := gaugeValue(t, n.metrics.PluginCredentialExpiry); v != 0 {
 		t.Errorf("expiry metric %v without a credential, want 0", v)
@@ -58,11 +57,12 @@ func TestNoChainWithoutPluginCredential(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = n.env.Client.CoreV1().Nodes().Delete(context.Background(), n.Name, metav1.DeleteOptions{}) })
 	start := time.Now()
-	poll.Until(t, "the plugin chained once a credential is in place", chained)
-	f, err := plugincred.Read(n.cfg.Layout().PluginCredential())
-	if err != nil {
-		t.Fatalf("chained, but the credential: %v", err)
-	}
+	var f *plugincred.File
+	poll.Until(t, "a credential in place once the Node exists", func() bool {
+		var err error
+		f, err = plugincred.Read(n.cfg.Layout().PluginCredential())
+		return err == nil
+	})
 	_, exp, err := plugincred.Claims(f.Token)
 	if err != nil {
 		t.Fatal(err)

@@ -425,12 +425,12 @@ func New(o Options) (*App, error) {
 		return a.server.Answering(ctx)
 	})
 	a.health.AddCheck("installer", a.installer.Check)
-	// The plugin is chained only with a credential; one that expired
-	// unrenewed keeps the pod unready (the chain stays: taking it away
-	// would start pods that must be captured uncaptured).
-	if a.cred = a.pluginRotator(); a.cred != nil {
-		a.health.AddCheck("plugin-credential", a.cred.Check)
-	}
+	// No readiness check for the plugin's credential: the plugin is
+	// chained without one (unchained, pods that must be captured would
+	// start uncaptured while the agent is up), and an unready agent would
+	// hold a rollout and the node's startup taint for a credential only
+	// needed while the agent is away. Its metrics and alerts tell.
+	a.cred = a.pluginRotator()
 	a.health.AddCheck("restore", func() error {
 		if !closed(a.ctrl.Restored()) {
 			return errors.New("startup reconcile not done")
@@ -540,8 +540,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 		return err
 	}
 	// What the plugin decides by while the agent cannot answer, in place
-	// before the installer chains it: the installer waits for a
-	// credential (chainAfterCredential).
+	// before the installer chains it when the API server grants a token.
 	a.writePluginFiles(ctx)
 	// What a previous agent recorded it captured; restored with the
 	// annotated pods once the pod cache is synced.
@@ -626,7 +625,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 	} else if had {
 		a.log.Info("removed the marker of an uninstall cut short; the plugin is chained again", "marker", layout.Uninstalling())
 	}
-	run("installer", chainAfterCredential(a.cred, a.installer.Run))
+	run("installer", a.installer.Run)
 	if a.cred != nil {
 		run("plugin-credential", a.cred.Run)
 	}

@@ -45,8 +45,10 @@ func (a *App) pluginRotator() *plugincred.Rotator {
 // writePluginFiles puts into the state directory what the plugin decides
 // by while the agent cannot answer: the fallback binary and a first
 // credential. When no new token can be had, a still valid credential a
-// previous agent left is kept; with neither, the installer waits for the
-// rotator (see chainAfterCredential). Failures are logged, not fatal.
+// previous agent left is kept; with neither, the rotator retries in the
+// background and the plugin is chained all the same (pods that must be
+// captured never start uncaptured; while the agent is away, pods the
+// snapshot cannot vouch for wait). Failures are logged, not fatal.
 func (a *App) writePluginFiles(ctx context.Context) {
 	c := a.cfg
 	layout := c.Layout()
@@ -81,25 +83,8 @@ func (a *App) writePluginFiles(ctx context.Context) {
 	} else if !errors.Is(kerr, fs.ErrNotExist) {
 		a.log.Warn("the plugin credential on disk cannot be kept", "err", kerr)
 	}
-	a.log.Error("no plugin credential: the plugin is not chained until one is obtained (retrying in the background)",
+	a.log.Error("no plugin credential (retrying in the background): while the agent cannot answer, the plugin cannot ask the API server and pods it cannot vouch for wait",
 		"err", err, "serviceAccount", c.PluginServiceAccount)
-}
-
-// chainAfterCredential runs install once the plugin has a credential (at
-// once when none is configured): a plugin chained without one could
-// start no pod it cannot vouch for while the agent is away. A config
-// still chained by a previous agent stays as it is meanwhile.
-func chainAfterCredential(cred *plugincred.Rotator, install func(context.Context) error) func(context.Context) error {
-	return func(ctx context.Context) error {
-		if cred != nil {
-			select {
-			case <-cred.Ready():
-			case <-ctx.Done():
-				return nil
-			}
-		}
-		return install(ctx)
-	}
 }
 
 // daemonSetRef names the agent's DaemonSet for the fallback, which checks

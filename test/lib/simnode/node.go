@@ -285,7 +285,7 @@ func (n *Node) StartAgent() (*childproc.Proc, error) {
 	if !n.nodeKnown {
 		// kubelet registers its Node before it runs the node's pods: the
 		// agent's credential for the plugin is a token bound to it, and
-		// the plugin is chained only once the agent has one.
+		// the plugin asks the API server with it while the agent is away.
 		created, err := n.register(context.Background())
 		if err != nil {
 			return nil, err
