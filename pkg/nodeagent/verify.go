@@ -34,10 +34,10 @@ func (a *Agent) InPod(uid types.UID, fn func(ns *os.File) error) error {
 // rewritten. With resetZtunnel, ztunnel is first told to drop the pod
 // (one that lost the pod's listeners may take a repeated Add of a pod it
 // already has for done), only once the rules are in: a repair that fails
-// before leaves ztunnel serving the pod. The capture runs only if the pod is still held in
-// that namespace once the pod's lock is taken again: a pod released or
-// moved to a new sandbox's namespace meanwhile is left as it is, and the
-// error wraps ErrNotHeld.
+// before leaves ztunnel serving the pod. The capture runs only if the
+// pod is still held in that namespace once the pod's lock is taken again:
+// a pod released or moved to a new sandbox's namespace meanwhile is left
+// as it is, and the error wraps ErrNotHeld.
 func (a *Agent) Recapture(ctx context.Context, pod *corev1.Pod, resetZtunnel bool) error {
 	unlock := a.lock(pod.UID)
 	e := a.get(pod.UID)

@@ -107,21 +107,7 @@ func (n *node) podRulesClean(p *kubesim.Pod) bool {
 // counter of its kind, and explain's verification; the unproven gauge
 // returns to 0, and the other pod is left alone.
 func TestVerifierRepairsTampering(t *testing.T) {
-	n := newNode(t, nodeOptions{VerifyPeriod: testVerifyPeriod})
-	shop := n.namespace("shop", ambientLabel)
-	a := n.runPod(podSpec(shop, "a", nil, nil))
-	b := n.runPod(podSpec(shop, "b", nil, nil))
-	n.waitEnrolled(waitLong, a, b)
-	v := n.d.Verifier()
-	if v == nil {
-		t.Fatal("the verifier is off")
-	}
-	start := time.Now()
-	for _, p := range []*kubesim.Pod{a, b} {
-		if proof := n.proofAfter(p, start); !proof.OK {
-			t.Fatalf("healthy pod %s not proven: %+v", p.Obj.Name, proof)
-		}
-	}
+	n, v, a, b := twoProvenPods(t)
 	if g := gauge(t, n.metrics.PodsUnproven); g != 0 {
 		t.Fatalf("unproven gauge %v on a healthy node", g)
 	}
@@ -146,7 +132,7 @@ func TestVerifierRepairsTampering(t *testing.T) {
 		}, func() bool { return n.inProbeSet(a) }},
 		{verifier.KindAnnotation, func() {
 			patch := fmt.Sprintf(`{"metadata":{"annotations":{%q:"disabled"}}}`, ambient.RedirectionAnnotation)
-			if _, err := n.env.Client.CoreV1().Pods(shop).Patch(context.Background(), "a", types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+			if _, err := n.env.Client.CoreV1().Pods(a.Obj.Namespace).Patch(context.Background(), "a", types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
 				t.Fatal(err)
 			}
 		}, func() bool { return n.annotation(a) == ambient.RedirectionEnabled }},
@@ -177,7 +163,7 @@ func TestVerifierRepairsTampering(t *testing.T) {
 				msgs = n.driftEvents(a)
 				return len(msgs) > events && slices.ContainsFunc(msgs, func(m string) bool { return strings.Contains(m, string(c.kind)+":") })
 			})
-			r := n.explain(shop, "a")
+			r := n.explain(a.Obj.Namespace, "a")
 			if r.Captured == nil || r.Captured.Verification == nil || r.Captured.Verification.LastDriftAt == nil ||
 				!slices.ContainsFunc(r.Captured.Verification.LastDrift, func(s string) bool { return strings.HasPrefix(s, string(c.kind)+":") }) {
 				t.Errorf("explain does not show the drift: %+v", r.Captured)
@@ -200,21 +186,7 @@ func TestVerifierRepairsTampering(t *testing.T) {
 // Once ztunnel listens again, the next repair holds and the gauge is 0;
 // the other pod is left alone throughout.
 func TestVerifierRepairThatDoesNotHold(t *testing.T) {
-	n := newNode(t, nodeOptions{VerifyPeriod: testVerifyPeriod})
-	shop := n.namespace("shop", ambientLabel)
-	a := n.runPod(podSpec(shop, "a", nil, nil))
-	b := n.runPod(podSpec(shop, "b", nil, nil))
-	n.waitEnrolled(waitLong, a, b)
-	v := n.d.Verifier()
-	if v == nil {
-		t.Fatal("the verifier is off")
-	}
-	start := time.Now()
-	for _, p := range []*kubesim.Pod{a, b} {
-		if proof := n.proofAfter(p, start); !proof.OK {
-			t.Fatalf("healthy pod %s not proven: %+v", p.Obj.Name, proof)
-		}
-	}
+	n, v, a, b := twoProvenPods(t)
 	drifts := n.metrics.VerifyDrift.WithLabelValues(string(verifier.KindZtunnel))
 	counted := counter(t, drifts)
 	uid := string(a.Obj.UID)
@@ -467,4 +439,25 @@ func TestVerifierShippedPeriod(t *testing.T) {
 	if err != nil || off.VerifyPeriod != 0 {
 		t.Fatalf("--verify-period=0: %v, %v", off, err)
 	}
+}
+
+// twoProvenPods starts a node whose verifier runs on the tests' period
+// and two captured pods of an ambient namespace, each proven once.
+func twoProvenPods(t *testing.T) (n *node, v *verifier.Verifier, a, b *kubesim.Pod) {
+	t.Helper()
+	n = newNode(t, nodeOptions{VerifyPeriod: testVerifyPeriod})
+	shop := n.namespace("shop", ambientLabel)
+	a = n.runPod(podSpec(shop, "a", nil, nil))
+	b = n.runPod(podSpec(shop, "b", nil, nil))
+	n.waitEnrolled(waitLong, a, b)
+	if v = n.d.Verifier(); v == nil {
+		t.Fatal("the verifier is off")
+	}
+	start := time.Now()
+	for _, p := range []*kubesim.Pod{a, b} {
+		if proof := n.proofAfter(p, start); !proof.OK {
+			t.Fatalf("healthy pod %s not proven: %+v", p.Obj.Name, proof)
+		}
+	}
+	return n, v, a, b
 }
