@@ -146,9 +146,7 @@ const slowAgent = 5 * time.Second
 // within slowAgent, it asks the API server too: when that shows the pod
 // outside the mesh, early says why and the agent's answer is not awaited.
 // When the API server cannot be asked either, a pod of a control-plane
-// namespace the snapshot does not show enabled starts then too
-// (slowControlPlane): the snapshot tier would start it once the timeout
-// is out, and the control plane must not wait on a hung agent. Under
+// namespace the snapshot tier (fromSnapshot) would start starts then too. Under
 // agentUnreachable fail-closed it only waits for the agent.
 func (p *Plugin) askAgent(c *call, log *slog.Logger, ev *ambient.PodEvent) (resp *ambient.PodEventResponse, early string, err error) {
 	type answer struct {
@@ -177,31 +175,15 @@ func (p *Plugin) askAgent(c *call, log *slog.Logger, ev *ambient.PodEvent) (resp
 	if v, err := p.askAPIServer(c, ev, false); err == nil && !*v.Enroll {
 		return nil, fmt.Sprintf("the node agent has not answered in %s and the API server shows the pod outside the mesh (%s)", slow, v.Reason), nil
 	} else if err != nil {
-		if why := p.slowControlPlane(c, ev); why != "" {
-			return nil, fmt.Sprintf("the node agent has not answered in %s and the API server cannot be asked (%v); %s", slow, err, why), nil
+		// The snapshot tier would start a control-plane pod once the
+		// timeout is out; the control plane must not wait on a hung agent.
+		if d := fromSnapshot(c, ev, err); d.pass && c.cfg.controlPlane(ev.PodNamespace) {
+			return nil, fmt.Sprintf("the node agent has not answered in %s and %s", slow, d.why), nil
 		}
 		log.Debug("agent slow and API server not asked", "err", err)
 	}
 	a := <-done
 	return a.resp, "", a.err
-}
-
-// slowControlPlane says why a pod may start while the agent is slow and
-// the API server cannot be asked ("" when it may not): its namespace is
-// the control plane's and the agent's snapshot shows neither the namespace
-// enabled nor the pod captured: a subset of what the snapshot tier of
-// withoutAgent starts, decided before the agent's timeout (askAgent never
-// gets here under fail-closed, where that tier is not reached either).
-func (p *Plugin) slowControlPlane(c *call, ev *ambient.PodEvent) string {
-	ns := ev.PodNamespace
-	if !c.cfg.controlPlane(ns) {
-		return ""
-	}
-	snap, _ := nodefiles.ReadSnapshot(c.cfg.files().StateSnapshot())
-	if snap != nil && (slices.Contains(snap.EnabledNamespaces, ns) || ev.PodUID != "" && snap.Pods[ev.PodUID]) {
-		return ""
-	}
-	return fmt.Sprintf("namespace %q is the control plane's and not enabled per the agent's snapshot", ns)
 }
 
 // passEarly lets a pod the API server or, for the control plane, the
@@ -276,7 +258,6 @@ type decision struct {
 // pod while its agent is gone. The wait is then explained, with what ends
 // it, instead of pointing at an agent that is not coming.
 func (p *Plugin) withoutAgent(c *call, ev *ambient.PodEvent) decision {
-	ns := ev.PodNamespace
 	pass := func(why string) decision { return decision{pass: true, why: why} }
 	wait := func(why string) decision { return decision{why: why} }
 	if _, err := os.Lstat(c.cfg.files().Uninstalling()); err == nil {
@@ -297,17 +278,24 @@ func (p *Plugin) withoutAgent(c *call, ev *ambient.PodEvent) decision {
 		}
 		return pass(fmt.Sprintf("the API server shows the pod outside the mesh (%s)", v.Reason))
 	}
+	return fromSnapshot(c, ev, apiErr)
+}
+
+// fromSnapshot is withoutAgent's last tier, for a pod the API server
+// cannot be asked about (apiErr says why). The snapshot is as old as the
+// agent's absence: a label put on the pod or its namespace since is not
+// in it. So it may make a pod wait (captured then, or its namespace
+// enabled then) but never vouches that a pod may start uncaptured; only
+// the control plane's namespaces and the excluded ones start on its word.
+func fromSnapshot(c *call, ev *ambient.PodEvent, apiErr error) decision {
+	ns := ev.PodNamespace
+	pass := func(why string) decision { return decision{pass: true, why: why} }
+	wait := func(why string) decision { return decision{why: why} }
 	snap, serr := nodefiles.ReadSnapshot(c.cfg.files().StateSnapshot())
-	enabled := snap != nil && slices.Contains(snap.EnabledNamespaces, ns)
-	// The snapshot is as old as the agent's absence: a label put on the
-	// pod or its namespace since is not in it. So it may make a pod wait
-	// (captured then, or its namespace enabled then) but never vouches
-	// that a pod may start uncaptured; only the control plane's
-	// namespaces and the excluded ones start on its word.
 	switch {
 	case snap != nil && ev.PodUID != "" && snap.Pods[ev.PodUID]:
 		return wait(fmt.Sprintf("the API server cannot be asked (%v) and the agent's snapshot shows the pod captured", apiErr))
-	case enabled:
+	case snap != nil && slices.Contains(snap.EnabledNamespaces, ns):
 		return wait(fmt.Sprintf("the API server cannot be asked (%v) and namespace %q is enabled per the agent's snapshot", apiErr, ns))
 	case c.cfg.controlPlane(ns):
 		return pass(fmt.Sprintf("the API server cannot be asked (%v); namespace %q is the control plane's and not enabled per the agent's snapshot", apiErr, ns))
