@@ -231,23 +231,8 @@ type Rotator struct {
 	issued, expires time.Time
 	// fresh: the last WriteOnce succeeded, so Run waits before the next;
 	// else it retries soon.
-	fresh     bool
-	ready     chan struct{}
-	readyOnce sync.Once
+	fresh bool
 }
-
-func (r *Rotator) readyCh() chan struct{} {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.ready == nil {
-		r.ready = make(chan struct{})
-	}
-	return r.ready
-}
-
-// Ready is closed once a credential is in place (written by WriteOnce or
-// kept by KeepValid): the plugin may be chained from then on.
-func (r *Rotator) Ready() <-chan struct{} { return r.readyCh() }
 
 // InPlace returns when the token in place was issued and expires; ok is
 // false while there is none.
@@ -257,13 +242,11 @@ func (r *Rotator) InPlace() (issued, expires time.Time, ok bool) {
 	return r.issued, r.expires, !r.expires.IsZero()
 }
 
-// inPlace records the token in place and closes Ready.
+// inPlace records the token in place.
 func (r *Rotator) inPlace(issued, expires time.Time, fresh bool) {
-	ch := r.readyCh()
 	r.mu.Lock()
 	r.issued, r.expires, r.fresh = issued, expires, fresh
 	r.mu.Unlock()
-	r.readyOnce.Do(func() { close(ch) })
 	if r.OnCredential != nil {
 		r.OnCredential(issued, expires)
 	}

@@ -271,13 +271,8 @@ func TestRotatorReadyAndHooks(t *testing.T) {
 	if err := r.WriteOnce(context.Background()); err == nil {
 		t.Fatal("a token with the API server down")
 	}
-	select {
-	case <-r.Ready():
-		t.Fatal("ready without a credential")
-	default:
-	}
 	if _, _, ok := r.InPlace(); ok {
-		t.Fatal("a credential in place without a token")
+		t.Fatal("ready without a credential")
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -286,12 +281,8 @@ func TestRotatorReadyAndHooks(t *testing.T) {
 	poll.Until(t, "failures counted", func() bool { mu.Lock(); defer mu.Unlock(); return failures >= 3 })
 	src.setFail(false)
 	poll.Until(t, "ready once a token is in place", func() bool {
-		select {
-		case <-r.Ready():
-			return true
-		default:
-			return false
-		}
+		_, _, ok := r.InPlace()
+		return ok
 	})
 	cancel()
 	<-done
@@ -355,9 +346,7 @@ func TestKeepValid(t *testing.T) {
 			if f.Token != c.token || f.Policy.ExcludedNamespaces[0] != "kube-system" {
 				t.Errorf("kept file %+v, want the old token with this agent's policy", f)
 			}
-			select {
-			case <-r.Ready():
-			default:
+			if _, _, ok := r.InPlace(); !ok {
 				t.Error("not ready with a kept credential")
 			}
 		})
