@@ -203,17 +203,28 @@ func (s *soaker) firstErr() error {
 	return s.errs[0]
 }
 
-// run runs total cycles over the workers' pods.
+// run runs total cycles over the workers' pods, each worker its share.
+// A fixed share, not a shared counter: on a busy machine one worker may
+// lag, and a warm-up that never reached some of its pods leaves their
+// per-pod memory (a released sandbox) to appear only during the cycles,
+// which the table check would take for growth.
 func (s *soaker) run(ctx context.Context, t *testing.T, pods [soakWorkers][]*corev1.Pod, total int) {
-	var next atomic.Int64
+	var done atomic.Int64
 	var wg sync.WaitGroup
 	for k := range soakWorkers {
+		share := total / soakWorkers
+		if k < total%soakWorkers {
+			share++
+		}
+		if share < len(pods[k]) {
+			t.Fatalf("soak: %d cycles leave some of worker %d's %d pods unvisited", total, k, len(pods[k]))
+		}
 		wg.Go(func() {
-			for j := 0; ; j++ {
-				i := next.Add(1)
-				if i > int64(total) || ctx.Err() != nil {
+			for j := range share {
+				if ctx.Err() != nil {
 					return
 				}
+				i := done.Add(1)
 				obj := pods[k][j%len(pods[k])]
 				// Every 50th ambient cycle also checks the capture is
 				// in place between ADD and DEL.
