@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -16,11 +17,15 @@ import (
 	"testing"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"sigs.k8s.io/yaml"
 
+	"github.com/ambient-cni/ambient-cni/pkg/explain"
+	"github.com/ambient-cni/ambient-cni/pkg/verifier"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
 // alertFor is the for: the test renders the chart's alerts with
@@ -29,35 +34,43 @@ import (
 // as the test needs anyway.
 const alertFor = "10s"
 
-// TestRealNodeAlerts is the SRE kit's proof on a node of its own (one
-// case, cheaper than a subtest of TestRealNode, whose first steps it does
-// not need): the chart installed with its defaults and the ztunnel
-// stand-in, then testAlerts.
+// alertsVerifyPeriod is the verifier's period on TestRealNodeAlerts's
+// node, the one value it sets beyond the chart's defaults: a repair that
+// does not hold is shown over several proofs in a row, and the shipped
+// minute would make that minutes of waiting. The shipped default is
+// pinned by TestVerifierShippedPeriod (test/integration).
+const alertsVerifyPeriod = e2eVerifyPeriod
+
+// TestRealNodeAlerts is the SRE kit's proof on a node of its own (cheaper
+// than subtests of TestRealNode, whose first steps it does not need): the
+// chart installed with its defaults but the verifier's period
+// (alertsVerifyPeriod), the ztunnel stand-in, and a real Prometheus, a
+// host process on the node, scraping the agent's /metrics as the chart's
+// PodMonitor does (job ambient-cni, the node label) and evaluating the
+// chart's own alert rules.
 func TestRealNodeAlerts(t *testing.T) {
-	e := startAgentNode(t)
-	t.Run("a real Prometheus fires and clears the agent's and ztunnel's alerts", e.testAlerts)
+	e := startAgentNode(t, "--set", "agent.verifyPeriod="+alertsVerifyPeriod.String())
+	prom := e.startPrometheus(t, kubeenv.RequireTool(t, kubeenv.Prometheus))
+	if err := e.n.Poll(context.Background(), "Prometheus scrapes the agent and loaded the chart's rules", prom.ready); err != nil {
+		t.Fatal(err)
+	}
+	t.Run("a real Prometheus fires and clears the agent's and ztunnel's alerts", func(t *testing.T) { e.testAlerts(t, prom) })
+	t.Run("a repair that does not hold keeps the pod unproven and fires the critical alert", func(t *testing.T) {
+		e.testRepairThatDoesNotHold(t, prom)
+	})
 	t.Run("nothing was sent off the machine", testNoEgress(e.n))
 }
 
-// A real Prometheus, a host process on the node, scrapes the agent's
-// /metrics as the chart's PodMonitor does (job ambient-cni, the node
-// label) and evaluates the chart's own alert rules. Freezing the agent
-// (SIGSTOP) fires AmbientCNIAgentDown and only it; stopping the ztunnel
-// stand-in while a pod is enrolled fires AmbientCNIZtunnelDisconnected and
-// only it; each clears once the agent runs again and ztunnel is back.
-func (e *e2e) testAlerts(t *testing.T) {
+// Freezing the agent (SIGSTOP) fires AmbientCNIAgentDown and only it;
+// stopping the ztunnel stand-in while a pod is enrolled fires
+// AmbientCNIZtunnelDisconnected and only it; each clears once the agent
+// runs again and ztunnel is back.
+func (e *e2e) testAlerts(t *testing.T, prom *prometheus) {
 	ctx := context.Background()
-	bin := kubeenv.RequireTool(t, kubeenv.Prometheus)
 	ns := "alerts-" + randHex(4)
 	e.namespace(t, ns, true)
 	e.mustCaptured(t, e.start(t, ns, "enrolled", AppOptions{}))
 
-	prom := e.startPrometheus(t, bin)
-	if err := e.n.Poll(ctx, "Prometheus scrapes the agent and loaded the chart's rules", func(ctx context.Context) (bool, error) {
-		return prom.ready(ctx)
-	}); err != nil {
-		t.Fatal(err)
-	}
 	quiet := func(what string) {
 		t.Helper()
 		if err := e.n.Poll(ctx, what, func(ctx context.Context) (bool, error) {
@@ -105,6 +118,196 @@ func (e *e2e) testAlerts(t *testing.T) {
 	}
 	e.standIn = true
 	quiet("AmbientCNIZtunnelDisconnected clears once ztunnel is back")
+}
+
+// The stand-in goes deaf to one captured pod: its in-pod listeners
+// closed, and every Add of the pod acked without listening again, as a
+// ztunnel that lost the pod for good (its rules redirect into ports
+// nobody listens on). The pod's next proof finds ztunnel drift; the
+// agent's repair (a Del and an Add, acked) does not hold, so the pod stays
+// unproven proof after proof: explain shows it unproven, the gauge is 1
+// at every sample, and the critical AmbientCNIPodsUnproven fires. Once
+// the stand-in listens again, the agent's next repair holds: the pod is
+// proven, the gauge is 0 and the alert clears. The other pods stay
+// proven throughout (the gauge counts the deaf pod alone).
+func (e *e2e) testRepairThatDoesNotHold(t *testing.T, prom *prometheus) {
+	const (
+		gauge    = "ambient_cni_pods_unproven"
+		unproven = "AmbientCNIPodsUnproven"
+	)
+	ctx := context.Background()
+	n := e.n
+	ns := "unproven-" + randHex(4)
+	e.namespace(t, ns, true)
+	target := e.start(t, ns, "target", AppOptions{})
+	other := e.start(t, ns, "bystander", AppOptions{})
+	started := time.Now()
+	for _, p := range []*corev1.Pod{target, other} {
+		e.mustCaptured(t, p)
+		if err := n.Poll(ctx, p.Name+" proven", func(ctx context.Context) (bool, error) {
+			v, err := e.verificationIn(ctx, ns, p.Name)
+			if err != nil {
+				return false, err
+			}
+			if !v.At.After(started) || !v.Proven {
+				return false, fmt.Errorf("last proof %+v", v)
+			}
+			return true, nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e.unprovenZero(t)
+	nodeAlert := func(firing map[string][]alert) *alert {
+		for i, a := range firing[unproven] {
+			if a.Labels["node"] == n.Name && a.Labels["job"] == "ambient-cni" {
+				return &firing[unproven][i]
+			}
+		}
+		return nil
+	}
+	if err := n.Poll(ctx, unproven+" not firing on the healthy node", func(ctx context.Context) (bool, error) {
+		firing, err := prom.firing(ctx)
+		if err != nil {
+			return false, err
+		}
+		if a := nodeAlert(firing); a != nil {
+			return false, fmt.Errorf("firing: %v", *a)
+		}
+		return true, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	otherBefore, err := e.verificationIn(ctx, ns, other.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	drifts := fmt.Sprintf(`ambient_cni_verify_drift_total{kind=%q}`, verifier.KindZtunnel)
+	counted := e.metric(t, drifts)
+	adds := func() int {
+		t.Helper()
+		msgs, err := n.StandInMessages(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		k := 0
+		for _, m := range msgs {
+			if m.Kind == ztunnel.KindAdd && m.UID == string(target.UID) && m.AckError == "" {
+				k++
+			}
+		}
+		return k
+	}
+	addsBefore := adds()
+
+	uid := string(target.UID)
+	if err := n.standInFault(ctx, http.MethodPost, "/deaf", uid); err != nil {
+		t.Fatal(err)
+	}
+	deaf := true
+	restore := func() {
+		if deaf {
+			if err := n.standInFault(context.Background(), http.MethodDelete, "/deaf", uid); err != nil {
+				t.Errorf("the stand-in listens again: %v", err)
+			}
+			deaf = false
+		}
+	}
+	t.Cleanup(restore)
+	tampered := time.Now()
+
+	// Three proofs begun after the listeners went (the first finds them
+	// gone, two more periods try again), each unproven; the gauge read
+	// after every look at explain, so it reflects that proof or a later
+	// one.
+	var proofs []explain.Verification
+	var fired *alert
+	var bad []string
+	if err := n.Poll(ctx, "three unproven proofs of the deaf pod and "+unproven+" firing", func(ctx context.Context) (bool, error) {
+		v, err := e.verificationIn(ctx, ns, target.Name)
+		if err != nil {
+			return false, err
+		}
+		if v.At.After(tampered) && (len(proofs) == 0 || v.At.After(proofs[len(proofs)-1].At)) {
+			proofs = append(proofs, v)
+			if v.Proven || !hasKind(v.Found, verifier.KindZtunnel) || v.Problem == "" {
+				bad = append(bad, fmt.Sprintf("proof %d after the listeners went: %+v", len(proofs), v))
+				return true, nil
+			}
+		}
+		if len(proofs) > 0 {
+			if g := e.metric(t, gauge); g != 1 {
+				bad = append(bad, fmt.Sprintf("%s = %v after %d unproven proofs of the deaf pod alone", gauge, g, len(proofs)))
+				return true, nil
+			}
+		}
+		if fired == nil {
+			firing, err := prom.firing(ctx)
+			if err != nil {
+				return false, err
+			}
+			fired = nodeAlert(firing)
+		}
+		if len(proofs) < 3 || fired == nil {
+			return false, fmt.Errorf("%d proofs since the listeners went (last %+v), %s firing: %v", len(proofs), v, unproven, fired != nil)
+		}
+		return true, nil
+	}); err != nil {
+		t.Fatalf("%v\n%s", err, n.AgentLogTail(ctx, 100))
+	}
+	if len(bad) > 0 {
+		t.Fatalf("the deaf pod was not kept unproven: %s\n%s", strings.Join(bad, "\n"), n.AgentLogTail(ctx, 100))
+	}
+	t.Logf("FIGURE unproven-repair: %d proofs unproven over %v (period %v); %s fired %v after the listeners went; last proof %+v",
+		len(proofs), proofs[len(proofs)-1].At.Sub(proofs[0].At).Round(time.Millisecond), alertsVerifyPeriod, unproven,
+		time.Since(tampered).Round(time.Second), proofs[len(proofs)-1])
+	if fired.Labels["severity"] != "critical" {
+		t.Errorf("%s fires with labels %v, want severity critical", unproven, fired.Labels)
+	}
+	// Every proof repaired in vain: the agent handed the pod to ztunnel
+	// again each time (acked), and the pod still has no listener.
+	if got, want := adds()-addsBefore, len(proofs); got < want {
+		t.Errorf("ztunnel acked %d Adds of the deaf pod over %d failed repairs", got, want)
+	}
+	if got := e.metric(t, drifts); got < counted+float64(len(proofs)) {
+		t.Errorf("%s = %v, was %v before %d proofs found the drift", drifts, got, counted, len(proofs))
+	}
+	if ok, _ := e.standInListens(ctx, target); ok {
+		t.Fatal("the stand-in listens in the deaf pod")
+	}
+
+	// ztunnel listens again: the agent's next repair holds.
+	restore()
+	restored := time.Now()
+	if err := n.Poll(ctx, "the pod proven once a repair holds", func(ctx context.Context) (bool, error) {
+		v, err := e.verificationIn(ctx, ns, target.Name)
+		if err != nil {
+			return false, err
+		}
+		if !v.At.After(restored) || !v.Proven {
+			return false, fmt.Errorf("last proof %+v", v)
+		}
+		return e.standInListens(ctx, target)
+	}); err != nil {
+		t.Fatalf("%v\n%s", err, n.AgentLogTail(ctx, 100))
+	}
+	e.unprovenZero(t)
+	if err := n.Poll(ctx, unproven+" clears", func(ctx context.Context) (bool, error) {
+		firing, err := prom.firing(ctx)
+		if err != nil {
+			return false, err
+		}
+		if a := nodeAlert(firing); a != nil {
+			return false, fmt.Errorf("firing: %v", *a)
+		}
+		return true, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("FIGURE unproven-restored: proven and %s cleared %v after ztunnel listened again", unproven, time.Since(restored).Round(time.Second))
+	if v, err := e.verificationIn(ctx, ns, other.Name); err != nil || !v.Proven || !sameTime(v.LastDriftAt, otherBefore.LastDriftAt) {
+		t.Errorf("the untouched pod: %+v (%v); before %+v", v, err, otherBefore)
+	}
 }
 
 // prometheus is a Prometheus server the test started, reached over its

@@ -250,7 +250,12 @@ func (e *e2e) setVerifyPeriod(t *testing.T, want string, extra ...string) {
 
 // explainPod asks the agent's explain about a pod of verifierNS.
 func (e *e2e) explainPod(ctx context.Context, name string) (*explain.Report, error) {
-	b, err := e.n.AgentGet(ctx, "/debug/explain?pod="+url.QueryEscape(verifierNS+"/"+name))
+	return e.explainIn(ctx, verifierNS, name)
+}
+
+// explainIn asks the agent's explain about a pod.
+func (e *e2e) explainIn(ctx context.Context, ns, name string) (*explain.Report, error) {
+	b, err := e.n.AgentGet(ctx, "/debug/explain?pod="+url.QueryEscape(ns+"/"+name))
 	if err != nil {
 		return nil, err
 	}
@@ -263,7 +268,12 @@ func (e *e2e) explainPod(ctx context.Context, name string) (*explain.Report, err
 
 // verification is explain's last verification of a pod of verifierNS.
 func (e *e2e) verification(ctx context.Context, name string) (explain.Verification, error) {
-	r, err := e.explainPod(ctx, name)
+	return e.verificationIn(ctx, verifierNS, name)
+}
+
+// verificationIn is explain's last verification of a pod.
+func (e *e2e) verificationIn(ctx context.Context, ns, name string) (explain.Verification, error) {
+	r, err := e.explainIn(ctx, ns, name)
 	if err != nil {
 		return explain.Verification{}, err
 	}
@@ -376,9 +386,14 @@ func (e *e2e) flushPodRules(t *testing.T, p *corev1.Pod) {
 // standInCloseListeners has the stand-in close its in-pod listeners of
 // one pod, as a ztunnel that lost them while still serving the pod.
 func (n *Node) standInCloseListeners(ctx context.Context, uid string) error {
+	return n.standInFault(ctx, http.MethodPost, "/close-listeners", uid)
+}
+
+// standInFault sends one of the stand-in's fault requests about a pod.
+func (n *Node) standInFault(ctx context.Context, method, path, uid string) error {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, fmt.Sprintf("http://127.0.0.1:%d/close-listeners?uid=%s", n.standInPort, url.QueryEscape(uid)), nil)
+	req, err := http.NewRequestWithContext(ctx, method, fmt.Sprintf("http://127.0.0.1:%d%s?uid=%s", n.standInPort, path, url.QueryEscape(uid)), nil)
 	if err != nil {
 		return err
 	}
@@ -388,7 +403,7 @@ func (n *Node) standInCloseListeners(ctx context.Context, uid string) error {
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusNoContent {
-		return fmt.Errorf("stand-in close-listeners %s: %s", uid, resp.Status)
+		return fmt.Errorf("stand-in %s %s %s: %s", method, path, uid, resp.Status)
 	}
 	return nil
 }

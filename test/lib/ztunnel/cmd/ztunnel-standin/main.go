@@ -1,8 +1,11 @@
 // Command ztunnel-standin runs the test ztunnel stand-in against a node
 // agent's ZDS socket until SIGTERM or SIGINT. With -debug-addr it serves its
-// state as JSON (GET /workloads, /records and /messages) and takes one
-// fault to inject: POST /close-listeners?uid=UID closes one pod's in-pod
-// listeners, as a ztunnel that lost them.
+// state as JSON (GET /workloads, /records and /messages) and takes faults
+// to inject: POST /close-listeners?uid=UID closes one pod's in-pod
+// listeners, as a ztunnel that lost them (the pod's next Del and Add open
+// them again); POST /deaf?uid=UID closes them for good, as a ztunnel that
+// lost the pod: it acks the pod's later Adds without listening, until
+// DELETE /deaf?uid=UID.
 package main
 
 import (
@@ -17,6 +20,7 @@ import (
 	"net/netip"
 	"os"
 	"os/signal"
+	"sync"
 	"syscall"
 	"time"
 
@@ -93,5 +97,56 @@ func debugMux(z *ztunnel.StandIn) *http.ServeMux {
 		}
 		w.WriteHeader(http.StatusNoContent)
 	})
+	d := &deafPods{uids: map[string]bool{}}
+	z.SetFaults(ztunnel.Faults{Deaf: d.has})
+	mux.HandleFunc("POST /deaf", func(w http.ResponseWriter, r *http.Request) {
+		uid := r.URL.Query().Get("uid")
+		// Deaf before the listeners close, so no Add in between opens them.
+		if !d.set(uid, true) {
+			http.Error(w, "already deaf to the pod", http.StatusConflict)
+			return
+		}
+		if !z.CloseListeners(uid) {
+			d.set(uid, false)
+			http.Error(w, "no such pod served", http.StatusNotFound)
+			return
+		}
+		w.WriteHeader(http.StatusNoContent)
+	})
+	mux.HandleFunc("DELETE /deaf", func(w http.ResponseWriter, r *http.Request) {
+		if !d.set(r.URL.Query().Get("uid"), false) {
+			http.Error(w, "not deaf to the pod", http.StatusNotFound)
+			return
+		}
+		w.WriteHeader(http.StatusNoContent)
+	})
 	return mux
+}
+
+// deafPods are the pods the stand-in acks without listening in them.
+type deafPods struct {
+	mu   sync.Mutex
+	uids map[string]bool
+}
+
+func (d *deafPods) has(uid string) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.uids[uid]
+}
+
+// set makes the stand-in deaf to uid or not; false when it already was
+// (or was not).
+func (d *deafPods) set(uid string, deaf bool) bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.uids[uid] == deaf {
+		return false
+	}
+	if deaf {
+		d.uids[uid] = true
+	} else {
+		delete(d.uids, uid)
+	}
+	return true
 }
