@@ -250,7 +250,12 @@ func (e *e2e) setVerifyPeriod(t *testing.T, want string, extra ...string) {
 
 // explainPod asks the agent's explain about a pod of verifierNS.
 func (e *e2e) explainPod(ctx context.Context, name string) (*explain.Report, error) {
-	b, err := e.n.AgentGet(ctx, "/debug/explain?pod="+url.QueryEscape(verifierNS+"/"+name))
+	return e.explainIn(ctx, verifierNS, name)
+}
+
+// explainIn is the agent's explain report of pod ns/name.
+func (e *e2e) explainIn(ctx context.Context, ns, name string) (*explain.Report, error) {
+	b, err := e.n.AgentGet(ctx, "/debug/explain?pod="+url.QueryEscape(ns+"/"+name))
 	if err != nil {
 		return nil, err
 	}
