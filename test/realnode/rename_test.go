@@ -123,7 +123,9 @@ func (l *life) renameUnderTraffic(t *testing.T, s renameStep, prove bool) bool {
 	report("the plugin unchained", res.unchained)
 	report("a pod not served by the stand-in", res.unserved)
 	report("a pod's address missing from the host probe set", res.unprobed)
-	report("ztunnel got a Del", dels)
+	if len(dels) > 0 {
+		t.Errorf("%s: ztunnel got %d Dels:\n%s", s.set, len(dels), strings.Join(dels, "\n"))
+	}
 	if _, err := os.Lstat(l.n.Layout().Uninstalling()); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("%s: the uninstall marker %s is left behind (%v)", s.set, l.n.Layout().Uninstalling(), err)
 	}
