@@ -105,6 +105,7 @@ func TestRealNodeLifecycle(t *testing.T) {
 
 	t.Run("containerd and kubelet restarts re-enroll nothing", l.testRuntimeRestarts)
 	t.Run("agent upgrade and rollout restart under traffic", l.testAgentRollUnderTraffic)
+	t.Run("helm upgrade renaming the DaemonSet under traffic", l.testRenameUnderTraffic)
 	t.Run("ztunnel restart under traffic", l.testZtunnelRestart)
 	t.Run("the primary CNI rewrites its config", l.testPrimaryRewritesConfig)
 	t.Run("reboot without drain", l.testReboot)
