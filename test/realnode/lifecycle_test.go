@@ -29,7 +29,9 @@ import (
 
 // A node's life with traffic running (issue 19): runtime restarts, an
 // agent upgrade and rollout restart, a ztunnel restart, the primary CNI
-// rewriting its config, and a reboot without drain, on a node of its own.
+// rewriting its config, and a reboot without drain, on a node of its own;
+// then reboots during which the agent, or the agent and the API server,
+// cannot answer the plugin (rebootdown_test.go, rebootnoapi_test.go).
 // Promises are asserted; the figures are printed as "FIGURE name value"
 // lines (docs/reliability.md collects them).
 
