@@ -29,7 +29,9 @@ import (
 
 // A node's life with traffic running (issue 19): runtime restarts, an
 // agent upgrade and rollout restart, a ztunnel restart, the primary CNI
-// rewriting its config, and a reboot without drain, on a node of its own.
+// rewriting its config, and a reboot without drain, on a node of its own;
+// then reboots during which the agent, or the agent and the API server,
+// cannot answer the plugin (rebootdown_test.go, rebootnoapi_test.go).
 // Promises are asserted; the figures are printed as "FIGURE name value"
 // lines (docs/reliability.md collects them).
 
@@ -111,6 +113,7 @@ func TestRealNodeLifecycle(t *testing.T) {
 	t.Run("reboot without drain", l.testReboot)
 	t.Run("image unpullable after a reboot", l.testImageUnpullableAfterReboot)
 	t.Run("DaemonSet left the node while down", l.testDaemonSetLeftWhileDown)
+	t.Run("namespace labelled while down and API server unreachable at boot", l.testLabelledWhileDownNoAPI)
 }
 
 // startSink starts the host-network sink on a free port.
@@ -708,11 +711,14 @@ func (l *life) testPrimaryRewritesConfig(t *testing.T) {
 	figure(t, "primary-rewrite-window-pod-captured-ms", time.Since(begin).Milliseconds())
 }
 
-// readySandbox is a ready pod sandbox of the ambient namespace.
+// readySandbox is a ready pod sandbox: its id and pod (namespace/name).
 type readySandbox struct{ id, pod string }
 
-func (l *life) readySandboxes(ctx context.Context) ([]readySandbox, error) {
-	out, err := l.n.crictl(ctx, "pods", "--namespace", lifeNS, "--state", "ready", "-o", "json")
+// readySandboxes lists the ready sandboxes of the pods of namespaces.
+func (l *life) readySandboxes(ctx context.Context, namespaces []string) ([]readySandbox, error) {
+	// crictl's namespace filter is a pattern ("life" matches more) and
+	// takes one: the namespaces are picked here.
+	out, err := l.n.crictl(ctx, "pods", "--state", "ready", "-o", "json")
 	if err != nil {
 		return nil, err
 	}
@@ -727,11 +733,9 @@ func (l *life) readySandboxes(ctx context.Context) ([]readySandbox, error) {
 	}
 	var sbs []readySandbox
 	for _, it := range list.Items {
-		// crictl's namespace filter is a pattern: "life" matches more.
-		if it.Metadata.Namespace != lifeNS {
-			continue
+		if slices.Contains(namespaces, it.Metadata.Namespace) {
+			sbs = append(sbs, readySandbox{id: it.ID, pod: it.Metadata.Namespace + "/" + it.Metadata.Name})
 		}
-		sbs = append(sbs, readySandbox{id: it.ID, pod: it.Metadata.Name})
 	}
 	return sbs, nil
 }
@@ -764,6 +768,11 @@ func (l *life) sandboxRules(ctx context.Context, id string) (string, error) {
 // ambient pod has capture rules; it returns the number of checks, of
 // distinct sandboxes checked, and what it saw uncaptured.
 func (l *life) sampleCapture() (stop func() (samples, sandboxes int, uncaptured []string)) {
+	return l.sampleCaptureIn(lifeNS)
+}
+
+// sampleCaptureIn is sampleCapture for the pods of namespaces.
+func (l *life) sampleCaptureIn(namespaces ...string) (stop func() (samples, sandboxes int, uncaptured []string)) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	samples := 0
@@ -772,7 +781,7 @@ func (l *life) sampleCapture() (stop func() (samples, sandboxes int, uncaptured 
 	go func() { // owner: stop, which cancels and waits
 		defer close(done)
 		for ctx.Err() == nil {
-			sbs, err := l.readySandboxes(ctx)
+			sbs, err := l.readySandboxes(ctx, namespaces)
 			if err == nil {
 				for _, sb := range sbs {
 					rules, err := l.sandboxRules(ctx, sb.id)

@@ -50,6 +50,37 @@ func (l *life) rebootWithout(t *testing.T, prefix string, whileDown func() error
 	plainNS, meshNS := prefix+"-plain-"+suffix, prefix+"-mesh-"+suffix
 	l.namespace(t, plainNS, false)
 	l.namespace(t, meshNS, true)
+	l.rebootAgentAway(t, whileDown, agentGone)
+
+	var r rebootAgentless
+	r.mesh = l.createHello(t, meshNS, "waits-"+suffix)
+	r.plain = l.createHello(t, plainNS, "plain-"+suffix)
+	r.cp = l.createHello(t, ReleaseNamespace, prefix+"-cp-"+suffix)
+	t.Cleanup(func() {
+		_ = l.n.Client.CoreV1().Pods(ReleaseNamespace).Delete(context.Background(), r.cp.Name, metav1.DeleteOptions{})
+	})
+	r.plain = l.startsUncaptured(t, r.plain)
+	r.cp = l.startsUncaptured(t, r.cp)
+	// Code 11 (try again later): kubelet retries the sandbox until the
+	// agent answers, and never starts the pod uncaptured.
+	l.waitSandboxError(t, r.mesh, "must be captured", waitSays...)
+	cur, err := l.n.Client.CoreV1().Pods(meshNS).Get(ctx, r.mesh.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !containerCreating(cur) {
+		t.Errorf("%s/%s while the agent is gone: %s, want ContainerCreating", meshNS, r.mesh.Name, podSummary(cur))
+	}
+	return r
+}
+
+// rebootAgentAway reboots the node running whileDown while it is down,
+// then waits until the agent pod from before the reboot is deleted,
+// agentGone says the agent cannot serve, and the stand-in (host network:
+// no CNI) is back.
+func (l *life) rebootAgentAway(t *testing.T, whileDown func() error, agentGone func([]corev1.Pod) error) {
+	t.Helper()
+	ctx := context.Background()
 	standIn, err := l.n.Client.CoreV1().Pods(ReleaseNamespace).Get(ctx, StandInName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -110,43 +141,31 @@ func (l *life) rebootWithout(t *testing.T, prefix string, whileDown func() error
 		t.Fatal(err)
 	}
 
-	var r rebootAgentless
-	r.mesh = l.createHello(t, meshNS, "waits-"+suffix)
-	r.plain = l.createHello(t, plainNS, "plain-"+suffix)
-	r.cp = l.createHello(t, ReleaseNamespace, prefix+"-cp-"+suffix)
-	t.Cleanup(func() {
-		_ = l.n.Client.CoreV1().Pods(ReleaseNamespace).Delete(context.Background(), r.cp.Name, metav1.DeleteOptions{})
-	})
-	for _, p := range []**corev1.Pod{&r.plain, &r.cp} {
-		ready, err := l.n.WaitPodReady(ctx, (*p).Namespace, (*p).Name)
-		if err != nil {
-			l.logEvents(t, *p)
-			t.Fatal(err)
-		}
-		*p = ready
-		if ok, err := l.n.released(ctx, ready); !ok {
-			t.Errorf("%s/%s, started while the agent is gone: %v", ready.Namespace, ready.Name, err)
-		}
-		if err := l.n.Poll(ctx, ready.Name+"'s hello", func(ctx context.Context) (bool, error) {
-			c, err := l.hellos(ctx, "/hello-"+ready.Name)
-			return c > 0, err
-		}); err != nil {
-			t.Error(err)
-		} else if recs := l.records(t, ready.UID, ambient.ZtunnelOutboundPort, l.sink); len(recs) > 0 {
-			t.Errorf("%s/%s: the stand-in proxied %d of its connections, want none", ready.Namespace, ready.Name, len(recs))
-		}
-	}
-	// Code 11 (try again later): kubelet retries the sandbox until the
-	// agent answers, and never starts the pod uncaptured.
-	l.waitSandboxError(t, r.mesh, "must be captured", waitSays...)
-	cur, err := l.n.Client.CoreV1().Pods(meshNS).Get(ctx, r.mesh.Name, metav1.GetOptions{})
+}
+
+// startsUncaptured waits until a pod created while the agent is gone is
+// Ready, and checks that it is not captured and that its hello at start
+// went straight to the sink.
+func (l *life) startsUncaptured(t *testing.T, p *corev1.Pod) *corev1.Pod {
+	t.Helper()
+	ctx := context.Background()
+	ready, err := l.n.WaitPodReady(ctx, p.Namespace, p.Name)
 	if err != nil {
+		l.logEvents(t, p)
 		t.Fatal(err)
 	}
-	if !containerCreating(cur) {
-		t.Errorf("%s/%s while the agent is gone: %s, want ContainerCreating", meshNS, r.mesh.Name, podSummary(cur))
+	if ok, err := l.n.released(ctx, ready); !ok {
+		t.Errorf("%s/%s, started while the agent is gone: %v", ready.Namespace, ready.Name, err)
 	}
-	return r
+	if err := l.n.Poll(ctx, ready.Name+"'s hello", func(ctx context.Context) (bool, error) {
+		c, err := l.hellos(ctx, "/hello-"+ready.Name)
+		return c > 0, err
+	}); err != nil {
+		t.Error(err)
+	} else if recs := l.records(t, ready.UID, ambient.ZtunnelOutboundPort, l.sink); len(recs) > 0 {
+		t.Errorf("%s/%s: the stand-in proxied %d of its connections, want none", ready.Namespace, ready.Name, len(recs))
+	}
+	return ready
 }
 
 // logEvents logs a pod's events: why a pod that should have started did
@@ -206,6 +225,19 @@ func (l *life) agentReturns(t *testing.T, restore func() error, r rebootAgentles
 	}
 }
 
+// agentCannotPull is nil when the one agent pod cannot pull its image.
+func agentCannotPull(pods []corev1.Pod) error {
+	if len(pods) != 1 {
+		return fmt.Errorf("%d agent pods, want the one that cannot pull", len(pods))
+	}
+	for _, cs := range pods[0].Status.ContainerStatuses {
+		if w := cs.State.Waiting; w != nil && (w.Reason == "ErrImagePull" || w.Reason == "ImagePullBackOff") {
+			return nil
+		}
+	}
+	return fmt.Errorf("agent %s: %s, want ErrImagePull or ImagePullBackOff", pods[0].Name, podSummary(&pods[0]))
+}
+
 // While the node is down, the DaemonSet is upgraded to an agent image the
 // node cannot pull (a tag its registry lacks), so the agent
 // never runs after the reboot. Plain and istio-system pods start
@@ -216,17 +248,7 @@ func (l *life) testImageUnpullableAfterReboot(t *testing.T) {
 	restore := l.restoreChartOnFailure(t, nil)
 	r := l.rebootWithout(t, "unpull",
 		func() error { return l.n.UpgradeAgentNoWait(ctx, missingTag) },
-		func(pods []corev1.Pod) error {
-			if len(pods) != 1 {
-				return fmt.Errorf("%d agent pods, want the one that cannot pull", len(pods))
-			}
-			for _, cs := range pods[0].Status.ContainerStatuses {
-				if w := cs.State.Waiting; w != nil && (w.Reason == "ErrImagePull" || w.Reason == "ImagePullBackOff") {
-					return nil
-				}
-			}
-			return fmt.Errorf("agent %s: %s, want ErrImagePull or ImagePullBackOff", pods[0].Name, podSummary(&pods[0]))
-		},
+		agentCannotPull,
 		// The DaemonSet still runs on the node: the wait is for its agent.
 		"the API server shows the pod must be captured", "check that the ambient-cni node agent is running")
 	l.agentReturns(t, restore, r)

@@ -825,12 +825,15 @@ func killNamespace(file string) []error {
 // forwarder listens on a loopback port inside a network namespace and
 // carries each connection to the same port on the host's loopback: the
 // first node's API server and registry, for a worker's processes that
-// reach them at 127.0.0.1 as the first node's do.
+// reach them at 127.0.0.1 as the first node's do. (startLoopbackProxy
+// makes one in the host's own namespace, to another port.)
 type forwarder struct {
-	l     net.Listener
-	wg    sync.WaitGroup
-	mu    sync.Mutex
-	conns map[net.Conn]bool
+	l net.Listener
+	// target is the host address each connection is carried to.
+	target string
+	wg     sync.WaitGroup
+	mu     sync.Mutex
+	conns  map[net.Conn]bool
 }
 
 func startForwarder(netnsFile string, port int) (*forwarder, error) {
@@ -839,8 +842,8 @@ func startForwarder(netnsFile string, port int) (*forwarder, error) {
 		return nil, err
 	}
 	defer target.Close()
-	f := &forwarder{conns: map[net.Conn]bool{}}
 	addr := "127.0.0.1:" + strconv.Itoa(port)
+	f := &forwarder{target: addr, conns: map[net.Conn]bool{}}
 	if err := target.Do(func(ns.NetNS) error {
 		// The socket belongs to the namespace it was made in.
 		f.l, err = net.Listen("tcp", addr)
@@ -848,6 +851,27 @@ func startForwarder(netnsFile string, port int) (*forwarder, error) {
 	}); err != nil {
 		return nil, fmt.Errorf("listen on %s in %s: %w", addr, netnsFile, err)
 	}
+	f.serve()
+	return f, nil
+}
+
+// startLoopbackProxy carries each connection to 127.0.0.1:listen (0: any
+// free port) to 127.0.0.1:target, in the host's network namespace.
+func startLoopbackProxy(listen, target int) (*forwarder, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(listen))
+	if err != nil {
+		return nil, err
+	}
+	f := &forwarder{l: l, target: "127.0.0.1:" + strconv.Itoa(target), conns: map[net.Conn]bool{}}
+	f.serve()
+	return f, nil
+}
+
+// port is the port the forwarder listens on.
+func (f *forwarder) port() int { return f.l.Addr().(*net.TCPAddr).Port }
+
+// serve accepts connections until stop.
+func (f *forwarder) serve() {
 	f.wg.Add(1)
 	go func() { // owner: f; stop closes the listener and waits
 		defer f.wg.Done()
@@ -859,11 +883,10 @@ func startForwarder(netnsFile string, port int) (*forwarder, error) {
 			f.wg.Add(1)
 			go func() { // owner: f; stop closes c
 				defer f.wg.Done()
-				f.pipe(c, addr)
+				f.pipe(c)
 			}()
 		}
 	}()
-	return f, nil
 }
 
 func (f *forwarder) track(c net.Conn, add bool) bool {
@@ -880,9 +903,9 @@ func (f *forwarder) track(c net.Conn, add bool) bool {
 	return true
 }
 
-func (f *forwarder) pipe(c net.Conn, addr string) {
+func (f *forwarder) pipe(c net.Conn) {
 	defer c.Close()
-	up, err := net.Dial("tcp", addr)
+	up, err := net.Dial("tcp", f.target)
 	if err != nil {
 		return
 	}
