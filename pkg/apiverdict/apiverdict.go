@@ -25,6 +25,7 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/dstarget"
@@ -64,7 +65,7 @@ type Verdict struct {
 // req and decides with cred's policy. Any error means no verdict: the
 // caller falls back to what it can vouch for without the API server.
 func Decide(ctx context.Context, cred *plugincred.File, req Request) (Verdict, error) {
-	policy, err := policyOf(cred.Policy)
+	policy, err := Policy(cred.Policy)
 	if err != nil {
 		return Verdict{}, err
 	}
@@ -139,8 +140,14 @@ func agentGone(ctx context.Context, hc *http.Client, cred *plugincred.File, base
 	return fmt.Sprintf("the agent's DaemonSet %s no longer runs on node %s (%s)", name, cred.NodeName, why), nil
 }
 
-func policyOf(p plugincred.Policy) (enablement.Policy, error) {
+// Policy is the agent's enablement policy as the plugin's credential
+// carries it, ready to decide with: the fallback binary decides by it with
+// the agent's own function (enablement.Policy.Decide).
+func Policy(p plugincred.Policy) (enablement.Policy, error) {
 	out := enablement.Policy{ExcludedNamespaces: p.ExcludedNamespaces, DataPlaneNamespaces: p.DataPlaneNamespaces}
+	if p.Self != nil {
+		out.Self = types.NamespacedName{Namespace: p.Self.Namespace, Name: p.Self.Name}
+	}
 	if p.EnablementSelectors != "" {
 		s, err := enablement.ParseSelectors([]byte(p.EnablementSelectors))
 		if err != nil {

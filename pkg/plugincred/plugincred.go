@@ -68,6 +68,9 @@ type Policy struct {
 	// EnablementSelectors is the agent's enablement-selector setting (YAML
 	// or JSON); empty is Istio's default list.
 	EnablementSelectors string `json:"enablementSelectors,omitempty"`
+	// Self is the agent's own pod, never captured. Absent (a file of an
+	// older agent): no pod is exempt by name.
+	Self *ObjectRef `json:"self,omitempty"`
 }
 
 // Parse decodes and checks a credential file's contents.
