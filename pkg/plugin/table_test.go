@@ -9,6 +9,7 @@ import (
 
 	"github.com/containernetworking/cni/pkg/types"
 
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/test/lib/decisiontable"
 )
@@ -51,5 +52,27 @@ func TestDecisionTable(t *testing.T) {
 				t.Errorf("a pod of an excluded namespace waits: %v", err)
 			}
 		})
+	}
+}
+
+// TestFallbackContract: every verdict the fallback binary can print (the
+// contract's type, every field set) is read back as printed, and the
+// request a runtime without pod UIDs gives carries none.
+func TestFallbackContract(t *testing.T) {
+	for _, v := range []ambient.FallbackVerdict{
+		{Enroll: true, Reason: "namespace labelled ambient", AgentGone: "the agent's DaemonSet istio-system/ambient-cni is deleted"},
+		{Reason: "pod labelled none"},
+	} {
+		b, err := json.Marshal(v)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got, err := parseVerdict(b); err != nil || got != v {
+			t.Errorf("%s: read as %+v, %v", b, got, err)
+		}
+	}
+	b, _ := json.Marshal(ambient.FallbackRequest{Namespace: "shop", Name: "web"})
+	if string(b) != `{"namespace":"shop","name":"web"}` {
+		t.Errorf("request %s", b)
 	}
 }

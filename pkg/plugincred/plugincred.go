@@ -26,9 +26,6 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
 )
 
-// FileName is the credential's name in the agent's state directory.
-const FileName = "plugin-credential.json"
-
 // MaxBytes bounds the file the fallback reads: a CA bundle, a token and a
 // policy are a few KiB.
 const MaxBytes = 256 << 10
