@@ -14,6 +14,8 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/apiverdict"
 	"github.com/ambient-cni/ambient-cni/pkg/plugincred"
 )
@@ -32,15 +34,15 @@ func run() error {
 	if len(os.Args) != 2 {
 		return fmt.Errorf("usage: %s STATE_DIR < request.json", filepath.Base(os.Args[0]))
 	}
-	b, err := io.ReadAll(io.LimitReader(os.Stdin, 4096))
+	b, err := io.ReadAll(io.LimitReader(os.Stdin, ambient.MaxFallbackBytes))
 	if err != nil {
 		return err
 	}
-	var req apiverdict.Request
+	var req ambient.FallbackRequest
 	if err := json.Unmarshal(b, &req); err != nil || req.Namespace == "" || req.Name == "" {
 		return fmt.Errorf("bad request %q", b)
 	}
-	cred, err := plugincred.Read(filepath.Join(os.Args[1], plugincred.FileName))
+	cred, err := plugincred.Read(nodefiles.Default().WithStateDir(os.Args[1]).PluginCredential())
 	if err != nil {
 		return err
 	}

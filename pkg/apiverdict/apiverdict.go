@@ -25,7 +25,9 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/dstarget"
 	"github.com/ambient-cni/ambient-cni/pkg/plugincred"
@@ -35,63 +37,38 @@ import (
 // few hundred KiB (its annotations are capped at 256 KiB).
 const MaxObjectBytes = 4 << 20
 
-// Request names the pod the runtime is starting.
-type Request struct {
-	Namespace string `json:"namespace"`
-	Name      string `json:"name"`
-	// UID, when set, must be the pod's: another pod of the same name
-	// (deleted and recreated) is not the one being started.
-	UID string `json:"uid,omitempty"`
-	// CheckAgent: the pod will wait for the node agent if it must be
-	// captured, so check that an agent can still come (AgentGone).
-	CheckAgent bool `json:"checkAgent,omitempty"`
-}
-
-// Verdict is the answer, printed as JSON for the plugin.
-type Verdict struct {
-	// Enroll: the pod must be captured.
-	Enroll bool `json:"enroll"`
-	// Reason is the enablement reason.
-	Reason string `json:"reason"`
-	// AgentGone, set only for a pod that must be captured and a request
-	// with CheckAgent, says why no agent will come back to this node: the
-	// agent's DaemonSet is gone, being deleted, or no longer runs on the
-	// node. Empty when it still does, or when that cannot be told.
-	AgentGone string `json:"agentGone,omitempty"`
-}
-
 // Decide asks the API server, with the credential cred, about the pod of
 // req and decides with cred's policy. Any error means no verdict: the
 // caller falls back to what it can vouch for without the API server.
-func Decide(ctx context.Context, cred *plugincred.File, req Request) (Verdict, error) {
-	policy, err := policyOf(cred.Policy)
+func Decide(ctx context.Context, cred *plugincred.File, req ambient.FallbackRequest) (ambient.FallbackVerdict, error) {
+	policy, err := Policy(cred.Policy)
 	if err != nil {
-		return Verdict{}, err
+		return ambient.FallbackVerdict{}, err
 	}
 	hc, err := httpClient(cred)
 	if err != nil {
-		return Verdict{}, err
+		return ambient.FallbackVerdict{}, err
 	}
 	base := strings.TrimSuffix(cred.Server, "/")
 	var pod corev1.Pod
 	if err := get(ctx, hc, cred.Token, base+"/api/v1/namespaces/"+url.PathEscape(req.Namespace)+"/pods/"+url.PathEscape(req.Name), "v1", "Pod", &pod); err != nil {
-		return Verdict{}, err
+		return ambient.FallbackVerdict{}, err
 	}
 	if pod.Namespace != req.Namespace || pod.Name != req.Name {
-		return Verdict{}, fmt.Errorf("API server answered pod %s/%s for %s/%s", pod.Namespace, pod.Name, req.Namespace, req.Name)
+		return ambient.FallbackVerdict{}, fmt.Errorf("API server answered pod %s/%s for %s/%s", pod.Namespace, pod.Name, req.Namespace, req.Name)
 	}
 	if req.UID != "" && string(pod.UID) != req.UID {
-		return Verdict{}, fmt.Errorf("pod %s/%s has uid %s, the runtime starts %s", req.Namespace, req.Name, pod.UID, req.UID)
+		return ambient.FallbackVerdict{}, fmt.Errorf("pod %s/%s has uid %s, the runtime starts %s", req.Namespace, req.Name, pod.UID, req.UID)
 	}
 	var ns corev1.Namespace
 	if err := get(ctx, hc, cred.Token, base+"/api/v1/namespaces/"+url.PathEscape(req.Namespace), "v1", "Namespace", &ns); err != nil {
-		return Verdict{}, err
+		return ambient.FallbackVerdict{}, err
 	}
 	if ns.Name != req.Namespace {
-		return Verdict{}, fmt.Errorf("API server answered namespace %q for %q", ns.Name, req.Namespace)
+		return ambient.FallbackVerdict{}, fmt.Errorf("API server answered namespace %q for %q", ns.Name, req.Namespace)
 	}
 	d := policy.Decide(&pod, &ns)
-	v := Verdict{Enroll: d.Enroll, Reason: string(d.Reason)}
+	v := ambient.FallbackVerdict{Enroll: d.Enroll, Reason: string(d.Reason)}
 	if v.Enroll && req.CheckAgent {
 		// Best effort: the verdict stands whatever this finds, and an
 		// error (no RBAC for it under an older chart, a timeout) only
@@ -139,8 +116,14 @@ func agentGone(ctx context.Context, hc *http.Client, cred *plugincred.File, base
 	return fmt.Sprintf("the agent's DaemonSet %s no longer runs on node %s (%s)", name, cred.NodeName, why), nil
 }
 
-func policyOf(p plugincred.Policy) (enablement.Policy, error) {
+// Policy is the agent's enablement policy as the plugin's credential
+// carries it, ready to decide with: the fallback binary decides by it with
+// the agent's own function (enablement.Policy.Decide).
+func Policy(p plugincred.Policy) (enablement.Policy, error) {
 	out := enablement.Policy{ExcludedNamespaces: p.ExcludedNamespaces, DataPlaneNamespaces: p.DataPlaneNamespaces}
+	if p.Self != nil {
+		out.Self = types.NamespacedName{Namespace: p.Self.Namespace, Name: p.Self.Name}
+	}
 	if p.EnablementSelectors != "" {
 		s, err := enablement.ParseSelectors([]byte(p.EnablementSelectors))
 		if err != nil {

@@ -17,6 +17,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/plugincred"
 	"github.com/ambient-cni/ambient-cni/test/lib/fuzzseed"
 )
@@ -110,11 +111,11 @@ func newServer(t *testing.T) (*apiServer, *plugincred.File) {
 	return s, cred
 }
 
-func decide(t *testing.T, cred *plugincred.File, ns, name, uid string) (Verdict, error) {
+func decide(t *testing.T, cred *plugincred.File, ns, name, uid string) (ambient.FallbackVerdict, error) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 	defer cancel()
-	return Decide(ctx, cred, Request{Namespace: ns, Name: name, UID: uid})
+	return Decide(ctx, cred, ambient.FallbackRequest{Namespace: ns, Name: name, UID: uid})
 }
 
 func TestDecide(t *testing.T) {
@@ -247,7 +248,7 @@ func TestDecideAgentGone(t *testing.T) {
 			c.setup(s)
 			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 			defer cancel()
-			v, err := Decide(ctx, cred, Request{Namespace: "shop", Name: "web", CheckAgent: true})
+			v, err := Decide(ctx, cred, ambient.FallbackRequest{Namespace: "shop", Name: "web", CheckAgent: true})
 			if err != nil || !v.Enroll {
 				t.Fatalf("%+v, %v: want the verdict whatever the DaemonSet check finds", v, err)
 			}
@@ -272,7 +273,7 @@ func TestDecideAgentGone(t *testing.T) {
 			cred.DaemonSet = c.ref
 			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 			defer cancel()
-			v, err := Decide(ctx, cred, Request{Namespace: "plain", Name: c.pod, CheckAgent: c.check})
+			v, err := Decide(ctx, cred, ambient.FallbackRequest{Namespace: "plain", Name: c.pod, CheckAgent: c.check})
 			if err != nil || v.AgentGone != "" {
 				t.Errorf("%+v, %v", v, err)
 			}

@@ -256,6 +256,13 @@ type env struct {
 
 var self = types.NamespacedName{Namespace: "istio-system", Name: "ambient-cni-x1"}
 
+// selfPolicy is Istio's default policy with self as the agent's own pod.
+func selfPolicy() enablement.Policy {
+	p := enablement.DefaultPolicy()
+	p.Self = self
+	return p
+}
+
 // newEnv starts the pod cache (seeded with objs, as if they existed before
 // the agent) and the controller, and waits for its startup restore.
 func newEnv(t *testing.T, running []types.UID, objs ...*corev1.Pod) *env {
@@ -274,7 +281,7 @@ func newEnvWithRecords(t *testing.T, running []types.UID, records []nodeagent.Re
 func newEnvWithAgent(t *testing.T, running []types.UID, records []nodeagent.Record, setup func(*fakeAgent), objs ...*corev1.Pod) *env {
 	t.Helper()
 	e := &env{
-		kube:   fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy(), Self: self}),
+		kube:   fakecluster.New(t, podcache.Config{Policy: selfPolicy()}),
 		agent:  newFakeAgent(),
 		finder: &fakeFinder{running: map[types.UID]bool{}},
 		events: record.NewFakeRecorder(100),

@@ -19,19 +19,6 @@ import (
 // It runs after the agent's own deadline, inside the runtime's.
 const fallbackTimeout = 8 * time.Second
 
-// maxVerdictBytes bounds the fallback binary's answer.
-const maxVerdictBytes = 4096
-
-// apiVerdict is the fallback binary's answer (package apiverdict).
-type apiVerdict struct {
-	Enroll *bool  `json:"enroll"`
-	Reason string `json:"reason"`
-	// AgentGone, for a pod that must be captured, says why no agent will
-	// come back to the node (its DaemonSet gone or no longer running
-	// there); empty when one may.
-	AgentGone string `json:"agentGone,omitempty"`
-}
-
 // askAPIServer runs the fallback binary the agent keeps in its state
 // directory: it asks the API server about the pod with the plugin's own
 // credential and decides with the agent's policy. It is a binary of its
@@ -40,45 +27,43 @@ type apiVerdict struct {
 // bad answer) is an error: the caller decides without the API server.
 // With checkAgent (the caller makes a pod that must be captured wait for
 // the agent) the binary also tells whether an agent can still come.
-func (p *Plugin) askAPIServer(c *call, ev *ambient.PodEvent, checkAgent bool) (apiVerdict, error) {
+func (p *Plugin) askAPIServer(c *call, ev *ambient.PodEvent, checkAgent bool) (ambient.FallbackVerdict, error) {
 	bin := c.cfg.files().FallbackBinary()
 	if err := ownedByUs(bin); err != nil {
-		return apiVerdict{}, err
+		return ambient.FallbackVerdict{}, err
 	}
-	req, err := json.Marshal(fallbackRequest{Namespace: ev.PodNamespace, Name: ev.PodName, UID: ev.PodUID, CheckAgent: checkAgent})
+	req, err := json.Marshal(ambient.FallbackRequest{Namespace: ev.PodNamespace, Name: ev.PodName, UID: ev.PodUID, CheckAgent: checkAgent})
 	if err != nil {
-		return apiVerdict{}, err
+		return ambient.FallbackVerdict{}, err
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), fallbackTimeout)
 	defer cancel()
 	out, err := runFallback(ctx, bin, []string{bin, c.cfg.files().StateDir()}, req)
 	if err != nil {
-		return apiVerdict{}, err
+		return ambient.FallbackVerdict{}, err
 	}
 	return parseVerdict(out)
 }
 
-// fallbackRequest is the fallback binary's request (package apiverdict).
-type fallbackRequest struct {
-	Namespace  string `json:"namespace"`
-	Name       string `json:"name"`
-	UID        string `json:"uid"`
-	CheckAgent bool   `json:"checkAgent,omitempty"`
-}
-
 // parseVerdict reads the fallback binary's answer: one JSON object with
 // enroll set, nothing unknown, nothing after it.
-func parseVerdict(out []byte) (apiVerdict, error) {
-	var v apiVerdict
+func parseVerdict(out []byte) (ambient.FallbackVerdict, error) {
+	var v struct {
+		ambient.FallbackVerdict
+		// Enroll shadows the contract's field, so an answer without it
+		// is told from one with enroll false.
+		Enroll *bool `json:"enroll"`
+	}
 	dec := json.NewDecoder(bytes.NewReader(out))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&v); err != nil || v.Enroll == nil {
-		return apiVerdict{}, fmt.Errorf("fallback binary: bad answer %q", truncate(out))
+		return ambient.FallbackVerdict{}, fmt.Errorf("fallback binary: bad answer %q", truncate(out))
 	}
 	if dec.More() {
-		return apiVerdict{}, fmt.Errorf("fallback binary: more than one answer %q", truncate(out))
+		return ambient.FallbackVerdict{}, fmt.Errorf("fallback binary: more than one answer %q", truncate(out))
 	}
-	return v, nil
+	v.FallbackVerdict.Enroll = *v.Enroll
+	return v.FallbackVerdict, nil
 }
 
 // ownedByUs refuses a fallback binary anyone but us could have written.
@@ -148,11 +133,11 @@ func runFallback(ctx context.Context, bin string, argv []string, in []byte) ([]b
 	}
 	errc := make(chan read, 1)
 	go func() {
-		b, err := io.ReadAll(io.LimitReader(errR, maxVerdictBytes))
+		b, err := io.ReadAll(io.LimitReader(errR, ambient.MaxFallbackBytes))
 		_, _ = io.Copy(io.Discard, errR)
 		errc <- read{b, err}
 	}()
-	out, rerr := io.ReadAll(io.LimitReader(outR, maxVerdictBytes+1))
+	out, rerr := io.ReadAll(io.LimitReader(outR, ambient.MaxFallbackBytes+1))
 	_, _ = io.Copy(io.Discard, outR)
 	outR.Close()
 	stderr := <-errc
@@ -168,7 +153,7 @@ func runFallback(ctx context.Context, bin string, argv []string, in []byte) ([]b
 		return nil, fmt.Errorf("fallback binary: %s: %s", st, strings.TrimSpace(truncate(stderr.b)))
 	case rerr != nil:
 		return nil, fmt.Errorf("fallback binary: %w", rerr)
-	case len(out) > maxVerdictBytes:
+	case len(out) > ambient.MaxFallbackBytes:
 		return nil, errors.New("fallback binary: answer too long")
 	}
 	return out, nil

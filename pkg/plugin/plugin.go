@@ -172,7 +172,7 @@ func (p *Plugin) askAgent(c *call, log *slog.Logger, ev *ambient.PodEvent) (resp
 		return a.resp, "", a.err
 	case <-t.C:
 	}
-	if v, err := p.askAPIServer(c, ev, false); err == nil && !*v.Enroll {
+	if v, err := p.askAPIServer(c, ev, false); err == nil && !v.Enroll {
 		return nil, fmt.Sprintf("the node agent has not answered in %s and the API server shows the pod outside the mesh (%s)", slow, v.Reason), nil
 	} else if err != nil {
 		// The snapshot tier would start a control-plane pod once the
@@ -268,7 +268,7 @@ func (p *Plugin) withoutAgent(c *call, ev *ambient.PodEvent) decision {
 	}
 	v, apiErr := p.askAPIServer(c, ev, true)
 	if apiErr == nil {
-		if *v.Enroll {
+		if v.Enroll {
 			d := wait(fmt.Sprintf("the API server shows the pod must be captured (%s)", v.Reason))
 			if v.AgentGone != "" {
 				d.why += "; " + v.AgentGone + ", so no node agent will return to this node"

@@ -26,9 +26,6 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
 )
 
-// FileName is the credential's name in the agent's state directory.
-const FileName = "plugin-credential.json"
-
 // MaxBytes bounds the file the fallback reads: a CA bundle, a token and a
 // policy are a few KiB.
 const MaxBytes = 256 << 10
@@ -68,6 +65,9 @@ type Policy struct {
 	// EnablementSelectors is the agent's enablement-selector setting (YAML
 	// or JSON); empty is Istio's default list.
 	EnablementSelectors string `json:"enablementSelectors,omitempty"`
+	// Self is the agent's own pod, never captured. Absent (a file of an
+	// older agent): no pod is exempt by name.
+	Self *ObjectRef `json:"self,omitempty"`
 }
 
 // Parse decodes and checks a credential file's contents.

@@ -27,7 +27,7 @@ func valid() *File {
 
 func TestWriteRead(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "state")
-	p := filepath.Join(dir, FileName)
+	p := filepath.Join(dir, "plugin-credential.json")
 	if err := Write(p, valid()); err != nil {
 		t.Fatal(err)
 	}
@@ -114,7 +114,7 @@ func TestValidate(t *testing.T) {
 func TestReadWithoutDaemonSet(t *testing.T) {
 	f := valid()
 	f.DaemonSet = nil
-	p := filepath.Join(t.TempDir(), FileName)
+	p := filepath.Join(t.TempDir(), "plugin-credential.json")
 	if err := Write(p, f); err != nil {
 		t.Fatal(err)
 	}
@@ -180,7 +180,7 @@ func (s *tokens) count() int {
 // failure retries at the retry interval, never waiting a whole half
 // lifetime on a missing token.
 func TestRotator(t *testing.T) {
-	p := filepath.Join(t.TempDir(), FileName)
+	p := filepath.Join(t.TempDir(), "plugin-credential.json")
 	src := &tokens{fail: true}
 	r := &Rotator{Path: p, Base: *valid(), Source: src, Lifetime: 200 * time.Millisecond, Retry: 20 * time.Millisecond}
 	if err := r.WriteOnce(context.Background()); err == nil {
@@ -220,7 +220,7 @@ func jwt(iat, exp int64) string {
 // lifetime would leave the plugin without a valid token for the rest.
 func TestRotatorRenewsWithinGrantedLifetime(t *testing.T) {
 	src := &tokens{grant: 200 * time.Millisecond}
-	r := &Rotator{Path: filepath.Join(t.TempDir(), FileName), Base: *valid(), Source: src, Lifetime: 365 * 24 * time.Hour}
+	r := &Rotator{Path: filepath.Join(t.TempDir(), "plugin-credential.json"), Base: *valid(), Source: src, Lifetime: 365 * 24 * time.Hour}
 	if err := r.WriteOnce(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -242,7 +242,7 @@ func TestRotatorRenewsWithinGrantedLifetime(t *testing.T) {
 // default), so it always outlasts a long node outage.
 func TestRotatorRenewsLongTokensEarly(t *testing.T) {
 	src := &tokens{}
-	r := &Rotator{Path: filepath.Join(t.TempDir(), FileName), Base: *valid(), Source: src, Lifetime: 365 * 24 * time.Hour, RenewAfter: 20 * time.Millisecond}
+	r := &Rotator{Path: filepath.Join(t.TempDir(), "plugin-credential.json"), Base: *valid(), Source: src, Lifetime: 365 * 24 * time.Hour, RenewAfter: 20 * time.Millisecond}
 	if err := r.WriteOnce(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -265,7 +265,7 @@ func TestRotatorReadyAndHooks(t *testing.T) {
 	var mu sync.Mutex
 	var failures int
 	var gotExp time.Time
-	r := &Rotator{Path: filepath.Join(t.TempDir(), FileName), Base: *valid(), Source: src, Lifetime: time.Hour, Retry: 10 * time.Millisecond,
+	r := &Rotator{Path: filepath.Join(t.TempDir(), "plugin-credential.json"), Base: *valid(), Source: src, Lifetime: time.Hour, Retry: 10 * time.Millisecond,
 		OnFailure:    func(error) { mu.Lock(); failures++; mu.Unlock() },
 		OnCredential: func(_, exp time.Time) { mu.Lock(); gotExp = exp; mu.Unlock() }}
 	if err := r.WriteOnce(context.Background()); err == nil {
@@ -314,7 +314,7 @@ func TestKeepValid(t *testing.T) {
 		"another server": {token: jwt(now, now+3600), mutate: func(f *File) { f.Server = "https://10.96.0.2" }},
 	} {
 		t.Run(name, func(t *testing.T) {
-			p := filepath.Join(t.TempDir(), FileName)
+			p := filepath.Join(t.TempDir(), "plugin-credential.json")
 			old := valid()
 			old.Token = c.token
 			old.Policy.ExcludedNamespaces = []string{"old"}

@@ -36,9 +36,8 @@ type Client interface {
 type Config struct {
 	Client   Client
 	NodeName string
-	Policy   enablement.Policy
-	// Self is the agent's own pod, never enrolled.
-	Self types.NamespacedName
+	// Policy decides every pod (its Self is the agent's own pod).
+	Policy enablement.Policy
 	// OnEvent, when set, is called for every informer event of a pod of
 	// this node or of a namespace, with "add", "update" or "delete": what
 	// istio-cni counts as nodeagent_reconcile_events_total. It runs on the
@@ -286,7 +285,7 @@ func (c *Cache) Decide(ctx context.Context, namespace, name, uid string) (enable
 			return enablement.Decision{}, nil, fmt.Errorf("get namespace %s: %w", namespace, err)
 		}
 	}
-	return c.decide(p, ns), p, nil
+	return c.cfg.Policy.Decide(p, ns), p, nil
 }
 
 // NamespaceEnabled reports whether the cached namespace name may enable a
@@ -302,13 +301,6 @@ func (c *Cache) NamespaceEnabled(name string) bool {
 // labelled).
 func (c *Cache) DecideCached(p *corev1.Pod) enablement.Decision {
 	ns, _ := c.nss.Get(p.Namespace)
-	return c.decide(p, ns)
-}
-
-func (c *Cache) decide(p *corev1.Pod, ns *corev1.Namespace) enablement.Decision {
-	if p.Namespace == c.cfg.Self.Namespace && p.Name == c.cfg.Self.Name {
-		return enablement.Decision{Enroll: false, Reason: enablement.ReasonDataPlanePod}
-	}
 	return c.cfg.Policy.Decide(p, ns)
 }
 

@@ -61,7 +61,9 @@ func (r *recorder) state() ([]string, int) {
 
 func TestDecide(t *testing.T) {
 	self := types.NamespacedName{Namespace: "istio-system", Name: "ambient-cni-x1"}
-	k := fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy(), Self: self})
+	policy := enablement.DefaultPolicy()
+	policy.Self = self
+	k := fakecluster.New(t, podcache.Config{Policy: policy})
 	k.Start()
 	ctx := context.Background()
 	k.SetNamespace(namespace("shop", true))

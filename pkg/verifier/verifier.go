@@ -398,10 +398,11 @@ func (v *Verifier) findUncaptured(ctx context.Context) {
 	v.mu.Unlock()
 }
 
-// uncaptured reports whether p should be captured, has its network, and
-// the agent does not hold it.
+// uncaptured reports whether p should be captured (the pod cache's
+// decision, which alone says what must be captured), has its network, is
+// not going, and the agent does not hold it.
 func (v *Verifier) uncaptured(p *corev1.Pod) bool {
-	if p.Spec.HostNetwork || p.DeletionTimestamp != nil || enablement.IsTerminal(p) || len(enablement.PodIPs(p)) == 0 {
+	if p.DeletionTimestamp != nil || len(enablement.PodIPs(p)) == 0 {
 		return false
 	}
 	if uid, ok := v.cfg.Agent.EnrolledUID(p.Namespace, p.Name); ok && uid == p.UID {
@@ -541,7 +542,7 @@ func (v *Verifier) subject(uid types.UID) (nodeagent.EnrolledPod, *corev1.Pod, b
 		return e, nil, false
 	}
 	pod, err := v.cfg.Pods.Pod(e.Namespace, e.Name)
-	if err != nil || pod.UID != uid || pod.DeletionTimestamp != nil || enablement.IsTerminal(pod) {
+	if err != nil || pod.UID != uid || pod.DeletionTimestamp != nil {
 		return e, nil, false
 	}
 	if !v.cfg.Pods.DecideCached(pod).Enroll {

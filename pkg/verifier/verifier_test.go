@@ -242,11 +242,19 @@ func (c fakeCache) Pod(namespace, name string) (*corev1.Pod, error) {
 	return nil, errors.New("not found")
 }
 
-func (c fakeCache) DecideCached(p *corev1.Pod) enablement.Decision {
-	if p.Labels["mesh"] == "yes" {
-		return enablement.Decision{Enroll: true, Reason: "pod label"}
+// meshPolicy enables the pods labelled mesh=yes: the verifier's tests
+// decide with the real policy, so its exclusions (hostNetwork, finished
+// pods) hold here as on a node.
+var meshPolicy = func() enablement.Policy {
+	s, err := enablement.ParseSelectors([]byte(`[{podSelector: {matchLabels: {mesh: "yes"}}}]`))
+	if err != nil {
+		panic(err)
 	}
-	return enablement.Decision{Reason: "no label"}
+	return enablement.Policy{Selectors: s}
+}()
+
+func (c fakeCache) DecideCached(p *corev1.Pod) enablement.Decision {
+	return meshPolicy.Decide(p, nil)
 }
 
 func (f *fakeNode) Lacks(ips []netip.Addr) ([]netip.Addr, error) {

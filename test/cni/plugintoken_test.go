@@ -53,7 +53,7 @@ func TestPluginTokenLifetimeGranted(t *testing.T) {
 		t.Fatal(err)
 	}
 	r := &plugincred.Rotator{
-		Path: t.TempDir() + "/" + plugincred.FileName,
+		Path: t.TempDir() + "/plugin-credential.json",
 		Base: plugincred.File{Server: env.Config.Host, CA: string(ca), NodeName: node,
 			Policy: plugincred.Policy{ExcludedNamespaces: []string{"kube-system"}, DataPlaneNamespaces: []string{sysNS}}},
 		Source:   kubeadapter.PluginTokens{Client: agent, Namespace: sysNS, ServiceAccount: sa, NodeName: node},

@@ -293,7 +293,6 @@ func New(o Options) (*App, error) {
 	a.pods = podcache.New(podcache.Config{
 		Client: o.Client, NodeName: c.NodeName,
 		Policy:  policy,
-		Self:    types.NamespacedName{Namespace: c.PodNamespace, Name: c.PodName},
 		OnEvent: m.ObserveEvent,
 		Logger:  a.log,
 	})

@@ -16,6 +16,8 @@ import (
 	"strings"
 	"time"
 
+	"k8s.io/apimachinery/pkg/types"
+
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
@@ -517,9 +519,11 @@ func Parse(args []string, getenv func(string) string, stderr io.Writer) (*Config
 }
 
 // EnablementPolicy is the policy the agent decides with: the excluded
-// namespaces, and the data-plane namespaces (by default the agent's own).
+// namespaces, the data-plane namespaces (by default the agent's own), the
+// enablement selectors and the agent's own pod.
 func (c *Config) EnablementPolicy() enablement.Policy {
-	p := enablement.Policy{ExcludedNamespaces: c.ExcludedNamespaces, DataPlaneNamespaces: c.DataPlaneNamespaces, Selectors: c.EnablementSelectors}
+	p := enablement.Policy{ExcludedNamespaces: c.ExcludedNamespaces, DataPlaneNamespaces: c.DataPlaneNamespaces, Selectors: c.EnablementSelectors,
+		Self: types.NamespacedName{Namespace: c.PodNamespace, Name: c.PodName}}
 	if len(p.DataPlaneNamespaces) == 0 && c.PodNamespace != "" {
 		p.DataPlaneNamespaces = []string{c.PodNamespace}
 	}

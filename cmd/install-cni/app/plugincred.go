@@ -30,8 +30,7 @@ func (a *App) pluginRotator() *plugincred.Rotator {
 	return &plugincred.Rotator{
 		Path: c.Layout().PluginCredential(),
 		Base: plugincred.File{Server: a.opts.APIServer, CA: string(a.opts.APICA), NodeName: c.NodeName,
-			Policy: plugincred.Policy{ExcludedNamespaces: nonNil(c.ExcludedNamespaces), DataPlaneNamespaces: c.EnablementPolicy().DataPlaneNamespaces,
-				EnablementSelectors: c.EnablementSelectorText},
+			Policy:    credentialPolicy(c),
 			DaemonSet: daemonSetRef(c)},
 		Source:       kubeadapter.PluginTokens{Client: a.opts.Client, Namespace: c.PodNamespace, ServiceAccount: c.PluginServiceAccount, NodeName: c.NodeName},
 		Lifetime:     c.PluginTokenLifetime,
@@ -90,6 +89,19 @@ func (a *App) writePluginFiles(ctx context.Context) {
 // daemonSetRef names the agent's DaemonSet for the fallback, which checks
 // before a pod waits for an agent that one can still come; nil when the
 // agent does not know its namespace.
+// credentialPolicy is the agent's enablement policy (EnablementPolicy) as
+// the credential carries it to the fallback binary, which decides by it
+// with the same function the agent does.
+func credentialPolicy(c *Config) plugincred.Policy {
+	p := c.EnablementPolicy()
+	out := plugincred.Policy{ExcludedNamespaces: nonNil(p.ExcludedNamespaces), DataPlaneNamespaces: p.DataPlaneNamespaces,
+		EnablementSelectors: c.EnablementSelectorText}
+	if p.Self.Name != "" {
+		out.Self = &plugincred.ObjectRef{Namespace: p.Self.Namespace, Name: p.Self.Name}
+	}
+	return out
+}
+
 func daemonSetRef(c *Config) *plugincred.ObjectRef {
 	if c.PodNamespace == "" || c.DaemonSet == "" {
 		return nil

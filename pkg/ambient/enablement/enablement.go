@@ -16,6 +16,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
 )
 
 // Labels that identify pods which must never be captured because they are
@@ -43,6 +44,9 @@ type Policy struct {
 	// Selectors decide, past the exclusions, which pods are enabled
 	// (istio-cni's enablement selectors). Nil: Istio's default list.
 	Selectors *Selectors
+	// Self is the node agent's own pod, never enrolled whatever its
+	// labels and namespace; empty names no pod.
+	Self types.NamespacedName
 }
 
 // DefaultDataPlaneNamespace is Istio's system namespace, where its chart
@@ -99,7 +103,12 @@ func (p Policy) IsExcludedNamespace(ns string) bool {
 }
 
 // Decide applies the enablement rule to a pod and its namespace (ns may be
-// nil when the namespace is unknown, which counts as not labelled). A pod
+// nil when the namespace is unknown, which counts as not labelled). It is
+// the one answer to "must this pod be captured, and why": the CNI path,
+// the pod controller, the verifier, the explain view and the plugin's
+// snapshot ask it through the agent's pod cache, and the plugin's fallback
+// binary asks it with the policy the agent hands over in the plugin's
+// credential. A pod
 // being deleted (deletionTimestamp set) is decided like any other: it stays
 // in the mesh through its grace period, so its preStop hooks and draining
 // connections keep going through ztunnel, until its object is gone or its
@@ -108,6 +117,8 @@ func (p Policy) Decide(pod *corev1.Pod, ns *corev1.Namespace) Decision {
 	switch {
 	case pod == nil:
 		return Decision{Reason: ReasonNoPod}
+	case p.Self.Name != "" && pod.Namespace == p.Self.Namespace && pod.Name == p.Self.Name:
+		return Decision{Reason: ReasonDataPlanePod}
 	case pod.Spec.HostNetwork:
 		return Decision{Reason: ReasonHostNetwork}
 	case IsTerminal(pod):
