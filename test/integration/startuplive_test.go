@@ -14,6 +14,8 @@ import (
 	"time"
 
 	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
+	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
+	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 )
 
@@ -142,5 +144,55 @@ func TestStartupWaitingForAPIServerIsLive(t *testing.T) {
 	poll.Within(t, waitLong, "the agent to be ready once the API server answers", func() bool { return len(n.d.Ready()) == 0 })
 	if err := n.probeLive(); err != nil {
 		t.Errorf("liveness once ready: %v", err)
+	}
+}
+
+// hangingVerify is a rules applier whose Verify (what the startup restore
+// proves each captured pod's rules with) blocks while hung: a deadlock in
+// the restore, which waits on nothing outside the agent.
+type hangingVerify struct {
+	ruleset.Applier
+	hung    atomic.Bool
+	release chan struct{}
+	held    atomic.Int32
+}
+
+func (h *hangingVerify) Verify(netnsPath string, cfg ruleset.PodConfig) (ruleset.Drift, error) {
+	if h.hung.Load() {
+		h.held.Add(1)
+		<-h.release
+	}
+	return h.Applier.Verify(netnsPath, cfg)
+}
+
+// TestStartupStuckInRestoreIsNotLive: an agent restarted on a node with
+// a captured pod, whose startup restore hangs (the pod's rules are never
+// proven), fails liveness once the restore overran its bound, saying it
+// waits on nothing outside the agent; the API server answers throughout.
+func TestStartupStuckInRestoreIsNotLive(t *testing.T) {
+	h := &hangingVerify{release: make(chan struct{})}
+	var once sync.Once
+	n := newNode(t, nodeOptions{Upgrade: true, StartupStepBound: testStartupBound,
+		AgentHook: func(c *nodeagent.Config) { h.Applier = c.Rules; c.Rules = h }})
+	t.Cleanup(func() { once.Do(func() { close(h.release) }) }) // before the daemon stops
+	p := n.runPod(podSpec(n.namespace("shop", ambientLabel), "p", nil, nil))
+	n.waitEnrolled(waitLong, p)
+
+	n.stopDaemon()
+	h.hung.Store(true)
+	n.opts.NoWaitReady = true
+	n.startDaemon()
+	n.waitDebugSocket()
+	var answer string
+	poll.Within(t, waitLong, "liveness to fail with the startup restore stuck", func() bool {
+		code, body := n.livez()
+		answer = body
+		return code == http.StatusServiceUnavailable
+	})
+	if !strings.Contains(answer, `start-up step "restore of the pods captured before" has run for`) || !strings.Contains(answer, "waiting on nothing outside the agent") {
+		t.Errorf("/livez of a stuck restore: %q; want the step, how long it ran, and that it waits on nothing outside the agent", answer)
+	}
+	if h.held.Load() == 0 {
+		t.Fatal("the restore never proved the pod's rules: the start-up was not stuck where the test holds it")
 	}
 }
