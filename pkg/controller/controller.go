@@ -108,6 +108,7 @@ type Controller struct {
 	log   *slog.Logger
 	queue workqueue.TypedRateLimitingInterface[types.NamespacedName]
 
+	synced   chan struct{} // closed once the pod cache synced (restore begins)
 	restored chan struct{} // closed once startup restore is done
 
 	// toldIstioCNI holds the pods already told that they expect istio-cni,
@@ -138,6 +139,7 @@ func New(cfg Config) *Controller {
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
 			workqueue.NewTypedItemExponentialFailureRateLimiter[types.NamespacedName](200*time.Millisecond, 30*time.Second),
 			workqueue.TypedRateLimitingQueueConfig[types.NamespacedName]{Name: "pods"}),
+		synced:       make(chan struct{}),
 		restored:     make(chan struct{}),
 		toldIstioCNI: map[types.NamespacedName]types.UID{},
 	}
@@ -152,6 +154,7 @@ func (c *Controller) Run(ctx context.Context) error {
 	if err := c.cfg.Pods.WaitForSync(ctx); err != nil {
 		return fmt.Errorf("pod controller: %w", err)
 	}
+	close(c.synced)
 	c.restore(ctx)
 	close(c.restored)
 
@@ -170,6 +173,10 @@ func (c *Controller) Run(ctx context.Context) error {
 // would: the verifier hands it the pods it found uncaptured, so the
 // controller's decision is the one that captures them.
 func (c *Controller) Requeue(pod types.NamespacedName) { c.queue.Add(pod) }
+
+// Synced is closed once the pod cache synced and the startup restore
+// begins: start-up liveness times the two steps apart.
+func (c *Controller) Synced() <-chan struct{} { return c.synced }
 
 // Restored is closed once the pods enrolled before a restart are back in
 // the agent's state; the ZDS snapshot and readiness wait for it.

@@ -85,8 +85,17 @@ type ServiceAccountTokens interface {
 	CreateToken(ctx context.Context, namespace, name string, tr *authenticationv1.TokenRequest) (*authenticationv1.TokenRequest, error)
 }
 
+// Readiness asks whether the API server serves.
+type Readiness interface {
+	// Readyz returns nil when the API server answers GET /readyz with 200
+	// (a path every identity may read, through the default
+	// system:public-info-viewer role).
+	Readyz(ctx context.Context) error
+}
+
 // Interface is every verb of the client. Users declare the part they need.
 type Interface interface {
+	Readiness
 	PodReader
 	PodStatusPatcher
 	NamespaceReader
@@ -300,6 +309,14 @@ func (c *Client) UpdateEvent(ctx context.Context, e *corev1.Event) (*corev1.Even
 func (c *Client) PatchEvent(ctx context.Context, e *corev1.Event, data []byte) (*corev1.Event, error) {
 	out := &corev1.Event{}
 	return out, c.patch(ctx, c.core, e.Namespace, "events", e.Name, "", types.StrategicMergePatchType, data, out)
+}
+
+// Readyz implements Readiness.
+func (c *Client) Readyz(ctx context.Context) error {
+	if err := c.core.Get().AbsPath("/readyz").Do(ctx).Error(); err != nil {
+		return fmt.Errorf("API server /readyz: %w", err)
+	}
+	return nil
 }
 
 // EventSink sends the event recorder's events (record.EventSink) through

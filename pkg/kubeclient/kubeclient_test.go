@@ -30,7 +30,8 @@ func TestMain(m *testing.M) { os.Exit(kube.Run(m)) }
 // API server, in JSON and in protobuf (the agent's content type): an
 // informer over the pod list-watch with the agent's field selector sees
 // this node's pods only, and the namespace informer every namespace; the
-// status patch sets an annotation; the event recorder's events arrive.
+// status patch sets an annotation; the event recorder's events arrive;
+// /readyz answers.
 func TestClientAgainstAPIServer(t *testing.T) {
 	env := kube.Env(t)
 	for name, accept := range map[string]string{
@@ -50,6 +51,9 @@ func TestClientAgainstAPIServer(t *testing.T) {
 				cancel()
 				running.Wait()
 			}()
+			if err := c.Readyz(ctx); err != nil {
+				t.Errorf("Readyz of a serving API server: %v", err)
+			}
 			ns := env.CreateNamespace(t, "", map[string]string{"k": name}).Name
 			node := testnet.RandName("node-", 8)
 			mine := createPod(t, env, ns, "mine", node)

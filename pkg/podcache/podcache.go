@@ -12,6 +12,8 @@ import (
 	"log/slog"
 	"slices"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -57,6 +59,10 @@ type Cache struct {
 	start  func(stop <-chan struct{})
 	stop   func()
 
+	// listFailed is when the informers last failed to list or watch
+	// (unix nanoseconds; 0: never).
+	listFailed atomic.Int64
+
 	mu           sync.Mutex
 	onChange     []func(types.NamespacedName)
 	onEnablement []func()
@@ -85,6 +91,15 @@ func New(cfg Config) *Cache {
 	// namespaces, not by what users write into them.
 	_ = podInf.SetTransform(TrimPod)
 	_ = nsInf.SetTransform(NamespaceTransform(NamespaceLabelKeys(cfg.Policy)))
+	// A failed list or watch is noted (and logged, as client-go does by
+	// default): a sync that waits on an API server refusing or failing
+	// the agent's lists is waiting, not hung (LastListError).
+	noteFailure := func(ctx context.Context, r *cache.Reflector, err error) {
+		c.listFailed.Store(time.Now().UnixNano())
+		cache.DefaultWatchErrorHandler(ctx, r, err)
+	}
+	_ = podInf.SetWatchErrorHandlerWithContext(noteFailure)
+	_ = nsInf.SetWatchErrorHandlerWithContext(noteFailure)
 	c.pods, c.nss = listerscorev1.NewPodLister(podInf.GetIndexer()), listerscorev1.NewNamespaceLister(nsInf.GetIndexer())
 	c.synced = []cache.InformerSynced{podInf.HasSynced, nsInf.HasSynced}
 
@@ -243,6 +258,15 @@ func (c *Cache) HasSynced() bool {
 		}
 	}
 	return true
+}
+
+// LastListError is when an informer last failed to list or watch (zero:
+// never).
+func (c *Cache) LastListError() time.Time {
+	if n := c.listFailed.Load(); n != 0 {
+		return time.Unix(0, n)
+	}
+	return time.Time{}
 }
 
 // Pod returns a pod of this node from the cache.

@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/ambient-cni/ambient-cni/test/lib/poll"
@@ -13,8 +14,11 @@ import (
 	"github.com/google/go-cmp/cmp"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
@@ -312,4 +316,29 @@ func TestEventsCounted(t *testing.T) {
 	k.DeletePod("shop", "a")
 	want := map[string]int{"add": 2, "update": 1, "delete": 1}
 	poll.Until(t, "events counted", func() bool { return maps.Equal(c.get(), want) })
+}
+
+// TestLastListErrorNotesFailedLists: a list the API server fails is
+// noted (what start-up liveness reads as "waiting on the API server"),
+// and the cache still syncs once lists succeed; a cache whose lists
+// never failed notes nothing.
+func TestLastListErrorNotesFailedLists(t *testing.T) {
+	k := fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy()})
+	var failures atomic.Int32
+	k.Client.PrependReactor("list", "namespaces", func(k8stesting.Action) (bool, runtime.Object, error) {
+		if failures.Add(1) <= 1 {
+			return true, nil, apierrors.NewTooManyRequests("overloaded", 1)
+		}
+		return false, nil, nil
+	})
+	k.Start()
+	if k.Cache.LastListError().IsZero() {
+		t.Error("a failed namespace list was not noted")
+	}
+
+	ok := fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy()})
+	ok.Start()
+	if at := ok.Cache.LastListError(); !at.IsZero() {
+		t.Errorf("a cache whose lists succeeded noted a failure at %v", at)
+	}
 }

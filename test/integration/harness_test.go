@@ -91,6 +91,12 @@ type nodeOptions struct {
 	// watchdog's period. Not settings either.
 	ServerHook     func(*nodeagent.ServerConfig)
 	WatchdogPeriod time.Duration
+	// AgentTransport wraps the transport of the agent's API client (an
+	// API server that hangs or fails for the agent only; see
+	// startuplive_test.go); StartupStepBound shortens the bound of each
+	// start-up step. Not settings either.
+	AgentTransport   func(http.RoundTripper) http.RoundTripper
+	StartupStepBound time.Duration
 	// MetricsAddr is the agent's --metrics-addr (default: a free loopback
 	// port); TestMetricsPortTaken points it at a port already held.
 	MetricsAddr string
@@ -236,6 +242,9 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 	// shipped rate limit; kubeenv's raised QPS is for the test's own
 	// clients (kubesim, assertions) only. requireShippedClient pins it.
 	agentConfig := n.cfg.KubeClientConfig(saConfig)
+	if opts.AgentTransport != nil {
+		agentConfig.Wrap(opts.AgentTransport)
+	}
 	agentConfig.Wrap(func(rt http.RoundTripper) http.RoundTripper {
 		return roundTripFunc(func(r *http.Request) (*http.Response, error) {
 			if r.URL.Query().Get("watch") != "true" {
@@ -431,6 +440,7 @@ func (n *node) startDaemon() {
 		AgentHook:             n.hook,
 		ServerHook:            n.opts.ServerHook,
 		WatchdogPeriod:        n.opts.WatchdogPeriod,
+		StartupStepBound:      n.opts.StartupStepBound,
 	})
 	if err != nil {
 		t.Fatalf("daemon: %v", err)

@@ -149,6 +149,10 @@ type Options struct {
 	// WatchdogPeriod is the time between the watchdog's checks of the
 	// event server; zero is watchdogPeriod.
 	WatchdogPeriod time.Duration
+	// StartupStepBound is how long one start-up step may run while what
+	// it waits on answers before liveness fails; zero is startupStepBound.
+	// Tests shorten it; it is not a setting.
+	StartupStepBound time.Duration
 }
 
 // shutdownTimeout bounds the upgrade check and the uninstall at shutdown.
@@ -205,6 +209,7 @@ type App struct {
 	zds       *zds.Server
 	ctrl      *controller.Controller
 	health    *health.Server
+	startup   *health.Startup
 	explain   *explain.Explainer
 	cred      *plugincred.Rotator // nil when no plugin credential is configured
 	verifier  *verifier.Verifier  // nil when verify-period is 0
@@ -414,9 +419,16 @@ func New(o Options) (*App, error) {
 	if a.verifier != nil {
 		a.explain.Verified = a.verification
 	}
-	// Alive is answering: once the event server listens, it must answer
-	// the plugin's cheapest request through its socket (before, startup
-	// reconcile runs and readiness says so).
+	// Alive is making progress: until the event server listens, no
+	// start-up step may overrun its bound while what it waits on answers
+	// (startupStepBound); then the event server must answer the plugin's
+	// cheapest request through its socket.
+	bound := o.StartupStepBound
+	if bound <= 0 {
+		bound = startupStepBound
+	}
+	a.startup = health.NewStartup(bound, nil, a.log.With("component", "startup"))
+	a.health.AddLiveCheck("startup", a.startup.Check)
 	a.health.AddLiveCheck("event-server", func(ctx context.Context) error {
 		if !a.server.Listening() {
 			return nil
@@ -646,6 +658,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 		}
 	})
 	run("daemonset-watch", a.upgrade.Run)
+	a.startup.Begin("pod cache sync", a.apiServer())
 	run("pod-cache", a.pods.Run)
 	run("annotations", a.agent.Run)
 	run("controller", a.ctrl.Run)
@@ -660,27 +673,39 @@ func (a *App) Run(ctx context.Context) (err error) {
 	// ztunnel must not get a snapshot before the pods enrolled by a
 	// previous agent are back in the state, or it would drop them all:
 	// listen only once the controller restored them.
-	select {
-	case <-a.ctrl.Restored():
-	case err := <-errs:
-		cancel()
-		wg.Wait()
-		return err
-	case <-ctx.Done():
-		upgrade, leaveErr := a.leave()
-		cancel()
-		wg.Wait()
-		return errors.Join(leaveErr, a.shutdown(upgrade, stopZtunnel))
+	for _, step := range []struct {
+		done <-chan struct{}
+		next string // the step that begins once done is closed
+	}{
+		{a.ctrl.Synced(), "restore of the pods captured before"},
+		{a.ctrl.Restored(), "enablement snapshot"},
+	} {
+		select {
+		case <-step.done:
+			a.startup.Begin(step.next, nil)
+		case err := <-errs:
+			cancel()
+			wg.Wait()
+			return err
+		case <-ctx.Done():
+			upgrade, leaveErr := a.leave()
+			cancel()
+			wg.Wait()
+			return errors.Join(leaveErr, a.shutdown(upgrade, stopZtunnel))
+		}
 	}
 	if err := a.agent.RefreshSnapshot(); err != nil {
 		a.log.Error("enablement snapshot", "err", err)
 	}
+	a.startup.Begin("DEL spool drain", nil)
 	if _, err := a.agent.DrainSpool(runCtx); err != nil {
 		a.log.Warn("drain DEL spool", "err", err)
 	}
+	a.startup.Begin("host probe set sync", nil)
 	if err := a.agent.SyncHostProbe(); err != nil {
 		a.log.Warn("sync host probe set", "err", err)
 	}
+	a.startup.Begin("listen", nil)
 	if err := a.zds.Listen(); err != nil {
 		cancel()
 		wg.Wait()
@@ -692,6 +717,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 		_ = a.zds.Close()
 		return fmt.Errorf("event server: %w", err)
 	}
+	a.startup.Done()
 	start(&zdsWG, zdsCtx, "zds", a.zds.Serve)
 	run("event-server", a.server.Serve)
 	run("watchdog", a.watchdog)

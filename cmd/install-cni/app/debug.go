@@ -76,7 +76,8 @@ debug socket (debug.sock next to the agent socket), so the agent holds no
 host port for it:
 
   live    /livez: the plugin event server answers a STATUS round trip
-          through its socket
+          through its socket; before it listens, no start-up step has run
+          over a minute while what it waits on answers
   ready   /readyz: plugin installed and chained, sockets listening, startup
           reconcile done (what fails is printed)
 

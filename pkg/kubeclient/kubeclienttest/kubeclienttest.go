@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/util/watchlist"
 
 	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
@@ -34,6 +35,16 @@ func FromClientset(cs kubernetes.Interface) Clientset { return Clientset{Interfa
 // fake cannot stream the initial list), which the informers ask.
 func (c Clientset) IsWatchListSemanticsUnSupported() bool {
 	return watchlist.DoesClientNotSupportWatchListSemantics(c.Interface)
+}
+
+// Readyz implements kubeclient.Readiness.
+// A fake clientset has no REST client: it always answers.
+func (c Clientset) Readyz(ctx context.Context) error {
+	rc, ok := c.Discovery().RESTClient().(*rest.RESTClient)
+	if !ok || rc == nil {
+		return nil
+	}
+	return rc.Get().AbsPath("/readyz").Do(ctx).Error()
 }
 
 // GetPod implements kubeclient.PodReader.
