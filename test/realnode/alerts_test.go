@@ -32,9 +32,10 @@ const alertFor = "10s"
 // TestRealNodeAlerts is the SRE kit's proof on a node of its own (one
 // case, cheaper than a subtest of TestRealNode, whose first steps it does
 // not need): the chart installed with its defaults and the ztunnel
-// stand-in, then testAlerts.
+// stand-in, then testConfined and testAlerts.
 func TestRealNodeAlerts(t *testing.T) {
 	e := startAgentNode(t)
+	t.Run("the agent runs confined and its node files are private", e.testConfined)
 	t.Run("a real Prometheus fires and clears the agent's and ztunnel's alerts", e.testAlerts)
 	t.Run("nothing was sent off the machine", testNoEgress(e.n))
 }
