@@ -29,7 +29,7 @@ STAMP_LDFLAGS := -X $(BUILDINFO).version=$(VERSION) -X $(BUILDINFO).commit=$(COM
 PLUGIN_LDFLAGS := -s -w $(STAMP_LDFLAGS)
 AGENT_LDFLAGS  := -s -w $(STAMP_LDFLAGS)
 
-.PHONY: deps flake archcheck tidy check check-tools all build version image image-push image-tools chart chart-push tools peer-tools node-tools bench bench-scale bench-agents test test-long test-unit e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: deps flake archcheck tidy check check-tools all build version image image-push image-tools chart chart-push tools peer-tools node-tools bench bench-scale bench-agents test test-long test-unit fuzz e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -148,10 +148,22 @@ check-tools: ## build every tool make check needs into the tools cache, download
 # /etc/cni/net.d, /opt/cni/bin, /var/run/ztunnel) as it found them:
 # hack/node-paths.sh lists them before and compares after; hack/leftovers.sh
 # does the same for the sandboxes tests make (named netns, pod cgroups).
-test: tools peer-tools image-tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures); fails if a test touched a real node's paths or left a sandbox behind
+# Go native fuzz targets (hack/fuzz.sh): go test replays each one's seeds;
+# make test then fuzzes each for TEST_FUZZTIME (empty, the default: not at
+# all), make fuzz for FUZZTIME. Off in make test because fuzzing builds an
+# instrumented copy of every dependency (client-go included): about 23
+# minutes of a cold CI on two cores for one second of fuzzing per target.
+FUZZTIME      ?= 60s
+TEST_FUZZTIME ?=
+
+test: tools peer-tools image-tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures), then each fuzz target for TEST_FUZZTIME if set; fails if a test touched a real node's paths or left a sandbox behind
 	@snap=$$(mktemp); left=$$(mktemp); hack/node-paths.sh snapshot $$snap; hack/leftovers.sh snapshot $$left; \
 	$(GO) test -count=1 -timeout $(TEST_TIMEOUT) ./...; rc=$$?; \
+	{ [ -z '$(TEST_FUZZTIME)' ] || GO='$(GO)' FUZZTIME='$(TEST_FUZZTIME)' hack/fuzz.sh; } || rc=1; \
 	hack/node-paths.sh check $$snap || rc=1; hack/leftovers.sh check $$left || rc=1; rm -f $$snap $$left; exit $$rc
+
+fuzz: ## run every Go fuzz target for FUZZTIME (60s) each; a failing input lands in the package's testdata/fuzz/, which go test then replays
+	GO='$(GO)' FUZZTIME='$(FUZZTIME)' hack/fuzz.sh
 
 # The fault-injection suite (test/chaos, docs/reliability.md) takes
 # minutes (its scenarios run side by side, each in a network namespace of

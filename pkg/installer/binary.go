@@ -70,8 +70,9 @@ func (c *copyStamps) set(dst string, s stamp) {
 	c.m[dst] = s
 }
 
-// isOurs reports whether dst is an executable copy of src: by its stamp
-// when one was proven, else by content, stamping it when it settled.
+// isOurs reports whether dst is an executable copy of src that only its
+// owner may write: by its stamp when one was proven, else by content,
+// stamping it when it settled.
 func (c *copyStamps) isOurs(src, dst string) (bool, error) {
 	checked := time.Now() // before the stat: see trustedStamp
 	fi, err := os.Stat(dst)
@@ -84,7 +85,10 @@ func (c *copyStamps) isOurs(src, dst string) (bool, error) {
 	if c.proven(dst, fi) {
 		return true, nil
 	}
-	if !fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0 {
+	// A copy that is not executable, or that group or others may write
+	// (anyone could swap what the runtime runs as root), is replaced by
+	// a 0755 one; a tighter mode an operator set is kept.
+	if !fi.Mode().IsRegular() || fi.Mode().Perm()&0o111 == 0 || fi.Mode().Perm()&0o022 != 0 {
 		return false, nil
 	}
 	same, err := sameContent(src, dst)

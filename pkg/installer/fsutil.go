@@ -78,3 +78,19 @@ func readLimited(path string) ([]byte, fs.FileInfo, error) {
 	}
 	return b, fi, nil
 }
+
+// tighten takes from path's mode every permission bit mode lacks; a file
+// already as closed is left alone (no write, no event for the watch).
+func tighten(path string, mode fs.FileMode) error {
+	fi, err := os.Lstat(path)
+	if err != nil {
+		return fmt.Errorf("stat %s: %w", path, err)
+	}
+	if !fi.Mode().IsRegular() || fi.Mode().Perm()&^mode == 0 {
+		return nil
+	}
+	if err := os.Chmod(path, fi.Mode().Perm()&mode); err != nil {
+		return fmt.Errorf("chmod %s: %w", path, err)
+	}
+	return nil
+}

@@ -148,3 +148,34 @@ func FuzzUnchain(f *testing.F) {
 		}
 	})
 }
+
+// istio-cni's entries in a primary's list (someone else's file) name the
+// run directory the takeover asks; each is named, one per entry libcni
+// finds.
+func FuzzIstioRunDirs(f *testing.F) {
+	addSeeds(f, "FuzzIstioRunDirs")
+	f.Fuzz(func(t *testing.T, in []byte, _ uint8) {
+		dirs, err := istioRunDirs(in)
+		if err != nil {
+			return
+		}
+		list, err := libcni.ConfListFromBytes(in)
+		if err != nil {
+			t.Fatalf("run dirs of a list libcni refuses: %v", err)
+		}
+		n := 0
+		for _, p := range list.Plugins {
+			if p.Network.Type == IstioCNIType {
+				n++
+			}
+		}
+		if len(dirs) != n {
+			t.Fatalf("%d run dirs for %d istio-cni entries", len(dirs), n)
+		}
+		for _, d := range dirs {
+			if d == "" {
+				t.Fatal("an empty run dir")
+			}
+		}
+	})
+}

@@ -308,6 +308,34 @@ func TestInstallBinaryOnlyWhenDifferent(t *testing.T) {
 	}
 }
 
+// An identical copy anyone may write (a group- or world-writable mode)
+// is not ours: it is replaced by a 0755 one.
+func TestInstallBinaryLooseModeReplaced(t *testing.T) {
+	e := newEnv(t)
+	e.write(t, "10-bridge.conflist", bridgeList, 0o644)
+	dst := filepath.Join(e.bin, testType)
+	if err := os.WriteFile(dst, e.srcBytes, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(dst, 0o777); err != nil { // past the umask
+		t.Fatal(err)
+	}
+	i := e.installer(t, nil)
+	if err := i.Install(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.binaryOK(); err != nil || i.Stats().BinaryCopies != 1 {
+		t.Errorf("a world-writable copy kept: %v, %d copies", err, i.Stats().BinaryCopies)
+	}
+	fi, err := os.Stat(dst)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi.Mode().Perm() != 0o755 {
+		t.Errorf("binary mode %04o, want 0755", fi.Mode().Perm())
+	}
+}
+
 func TestInstallNoPrimary(t *testing.T) {
 	e := newEnv(t)
 	i := e.installer(t, nil)

@@ -27,6 +27,11 @@ import (
 // every primary's usual name (05-cilium, 10-calico, 10-flannel, ...).
 const DefaultOwnedConfName = "02-ambient-cni.conflist"
 
+// ownedConfMode is the owned conflist's mode whatever the primary's: the
+// file is ours and only the runtime, as root, reads it (the CIS Kubernetes
+// benchmark asks 0600 of CNI files; istio-cni writes its own conflist so).
+const ownedConfMode = 0o600
+
 // DefaultOwnedGrace is Config.OwnedGrace's default: longer than a
 // primary's agent takes to restart and write its config again.
 const DefaultOwnedGrace = 2 * time.Minute
@@ -151,6 +156,10 @@ func (i *Installer) ensureOwned(path string, force bool) (time.Duration, error) 
 	case rerr != nil && !errors.Is(rerr, fs.ErrNotExist):
 		return 0, fmt.Errorf("read owned config: %w", rerr)
 	case rerr == nil && bytes.Equal(had, out):
+		// Right already, but an older version copied the primary's mode.
+		if err := tighten(target, ownedConfMode); err != nil {
+			return 0, err
+		}
 		i.markInstalled(target)
 		return 0, nil
 	}
@@ -169,7 +178,7 @@ func (i *Installer) ensureOwned(path string, force bool) (time.Duration, error) 
 		}
 		return nil
 	}
-	if err := atomicfile.WriteFile(target, out, atomicfile.Options{Mode: fi.Mode().Perm(), Owner: atomicfile.OwnerOf(fi), Guard: guard}); err != nil {
+	if err := atomicfile.WriteFile(target, out, atomicfile.Options{Mode: ownedConfMode, Owner: atomicfile.OwnerOf(fi), Guard: guard}); err != nil {
 		if errors.Is(err, atomicfile.ErrChanged) {
 			return i.cfg.Debounce, nil
 		}

@@ -86,8 +86,10 @@ func TestOwnedLeavesThePrimaryAlone(t *testing.T) {
 	if err := e.ownedOK(t, bridgeList)(); err != nil {
 		t.Fatal(err)
 	}
-	if fi, _ := os.Stat(e.path(owned)); fi.Mode().Perm() != 0o640 {
-		t.Errorf("owned config mode %v, want the primary's 0640", fi.Mode().Perm())
+	// Ours, so closed to group and others whatever the primary's mode:
+	// the runtime reads it as root.
+	if fi, _ := os.Stat(e.path(owned)); fi.Mode().Perm() != ownedConfMode {
+		t.Errorf("owned config mode %04o, want %04o", fi.Mode().Perm(), ownedConfMode)
 	}
 	if name, ours := e.runtimeChoice(t); name != owned || !ours {
 		t.Errorf("the runtime loads %s (ours: %v), want %s with our plugin", name, ours, owned)
@@ -102,6 +104,25 @@ func TestOwnedLeavesThePrimaryAlone(t *testing.T) {
 	}
 	if got := i.Stats().ConfigWrites; got != writes {
 		t.Errorf("a pass with nothing changed wrote the config (%d writes, was %d)", got, writes)
+	}
+}
+
+// An owned conflist an older version left group- and world-readable (it
+// copied the primary's mode) is closed on the next pass, even with its
+// content already right.
+func TestOwnedModeTightened(t *testing.T) {
+	e := newEnv(t)
+	e.write(t, "10-bridge.conflist", bridgeList, 0o644)
+	e.write(t, owned, mustChain(t, bridgeList, "x.conflist"), 0o644)
+	i := e.installer(t, ownedOn)
+	if err := i.Install(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.ownedOK(t, bridgeList)(); err != nil {
+		t.Fatal(err)
+	}
+	if fi, _ := os.Stat(e.path(owned)); fi.Mode().Perm() != ownedConfMode {
+		t.Errorf("owned config mode %04o after a pass, want %04o", fi.Mode().Perm(), ownedConfMode)
 	}
 }
 

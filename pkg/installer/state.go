@@ -58,6 +58,13 @@ func (i *Installer) loadState() {
 		return
 	}
 	defer f.Close()
+	// An older version's file may be open to others; close it now, not
+	// only at the next save, which a pass with nothing to do never makes.
+	if fi, err := f.Stat(); err == nil && fi.Mode().Perm()&^stateFileMode != 0 {
+		if err := f.Chmod(fi.Mode().Perm() & stateFileMode); err != nil {
+			i.log.Warn("cannot make the installer state private", "file", i.cfg.StateFile, "err", err)
+		}
+	}
 	b, err := io.ReadAll(io.LimitReader(f, maxStateSize+1))
 	if err == nil && len(b) > maxStateSize {
 		err = fmt.Errorf("larger than %d bytes", maxStateSize)

@@ -509,6 +509,12 @@ func TestDaemonSetShape(t *testing.T) {
 	if sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
 		t.Errorf("root filesystem writable")
 	}
+	// The runtime's default seccomp profile, not Unconfined: the agent's
+	// syscalls need nothing it refuses a container holding SYS_ADMIN
+	// (TestRealNodeAlerts runs the chart's defaults on containerd).
+	if sp := sc.SeccompProfile; sp == nil || sp.Type != corev1.SeccompProfileTypeRuntimeDefault {
+		t.Errorf("seccompProfile %+v, want RuntimeDefault", sp)
+	}
 	if sc.AllowPrivilegeEscalation == nil || *sc.AllowPrivilegeEscalation {
 		t.Errorf("privilege escalation allowed")
 	}

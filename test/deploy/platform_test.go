@@ -129,6 +129,11 @@ func TestPlatformLayouts(t *testing.T) {
 		if seType != c.want.seLinuxType {
 			t.Errorf("%s: SELinux type %q, want %q", name, seType, c.want.seLinuxType)
 		}
+		// No platform loosens the agent's confinement.
+		if sc := o.container(t).SecurityContext; sc == nil || sc.SeccompProfile == nil || sc.SeccompProfile.Type != corev1.SeccompProfileTypeRuntimeDefault ||
+			sc.ReadOnlyRootFilesystem == nil || !*sc.ReadOnlyRootFilesystem {
+			t.Errorf("%s: security context %+v: want the RuntimeDefault seccomp profile and a read-only root", name, sc)
+		}
 		var scc bool
 		for _, r := range o.cr.Rules {
 			if slices.Contains(r.APIGroups, "security.openshift.io") {

@@ -47,13 +47,14 @@ const alertsVerifyPeriod = e2eVerifyPeriod
 // (alertsVerifyPeriod), the ztunnel stand-in, and a real Prometheus, a
 // host process on the node, scraping the agent's /metrics as the chart's
 // PodMonitor does (job ambient-cni, the node label) and evaluating the
-// chart's own alert rules.
+// chart's own alert rules; first, testConfined.
 func TestRealNodeAlerts(t *testing.T) {
 	e := startAgentNode(t, "--set", "agent.verifyPeriod="+alertsVerifyPeriod.String())
 	prom := e.startPrometheus(t, kubeenv.RequireTool(t, kubeenv.Prometheus))
 	if err := e.n.Poll(context.Background(), "Prometheus scrapes the agent and loaded the chart's rules", prom.ready); err != nil {
 		t.Fatal(err)
 	}
+	t.Run("the agent runs confined and its node files are private", e.testConfined)
 	t.Run("a real Prometheus fires and clears the agent's and ztunnel's alerts", func(t *testing.T) { e.testAlerts(t, prom) })
 	t.Run("a repair that does not hold keeps the pod unproven and fires the critical alert", func(t *testing.T) {
 		e.testRepairThatDoesNotHold(t, prom)

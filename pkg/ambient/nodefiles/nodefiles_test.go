@@ -11,6 +11,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/test/lib/fuzzseed"
 )
 
 // TestPaths: the run directory's files are where the plugin, the agent,
@@ -212,4 +213,41 @@ func TestUninstallMarker(t *testing.T) {
 	if _, err := os.Lstat(l.Uninstalling()); !os.IsNotExist(err) {
 		t.Errorf("marker left after clear: %v", err)
 	}
+}
+
+// The spools are the plugin's files the agent reads: whatever one holds,
+// an entry it takes is a valid event of the spool's command, and writing
+// that event again reads back the same.
+func FuzzReadSpoolEntry(f *testing.F) {
+	fuzzseed.Add(f, "FuzzReadSpoolEntry")
+	dir := f.TempDir()
+	f.Fuzz(func(t *testing.T, b []byte) {
+		p := filepath.Join(dir, "x"+spoolSuffix)
+		if err := os.WriteFile(p, b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		for _, cmd := range []ambient.Command{ambient.CommandDel, ambient.CommandAdd} {
+			ev, err := readEntry(p, cmd)
+			if err != nil {
+				continue
+			}
+			if ev.Command != cmd {
+				t.Fatalf("the %s spool took a %s", cmd, ev.Command)
+			}
+			if err := ev.Validate(); err != nil {
+				t.Fatalf("took an invalid event: %v", err)
+			}
+			again := filepath.Join(dir, "again")
+			if err := Spool(again, *ev); err != nil {
+				continue // a sandbox id no plugin could have spooled
+			}
+			back, err := readEntry(filepath.Join(again, ev.SandboxID+spoolSuffix), cmd)
+			if err != nil || !cmp.Equal(back, ev) {
+				t.Fatalf("round trip: %+v, %v; want %+v", back, err, ev)
+			}
+			if err := os.RemoveAll(again); err != nil {
+				t.Fatal(err)
+			}
+		}
+	})
 }
