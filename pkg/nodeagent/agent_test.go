@@ -109,10 +109,7 @@ func (h *harness) run(t *testing.T) {
 			cancel()
 			<-done
 			_ = a.Close()
-			// Every test's pods went only where the state diagram goes.
-			if n := a.InvalidTransitions(); n != 0 {
-				t.Errorf("the agent refused %d invalid pod state transitions (see the log)", n)
-			}
+			requireNoInvalidTransitions(t, a)
 		})
 	}
 	t.Cleanup(h.stop)

@@ -181,16 +181,6 @@ func (a *Agent) transit(l *podLife, ev lifeEvent, e *entry) error {
 	return nil
 }
 
-// transitUID is transit for uid's life, taking a.mu.
-func (a *Agent) transitUID(uid types.UID, ev lifeEvent, e *entry) error {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	l := a.lifeLocked(uid)
-	err := a.transit(l, ev, e)
-	a.tidyLocked(l)
-	return err
-}
-
 // InvalidTransitions is how many pod state transitions the agent refused
 // because its state diagram does not have them: a bug if ever not zero.
 func (a *Agent) InvalidTransitions() uint64 {

@@ -18,6 +18,15 @@ var (
 	allEvents = []lifeEvent{evCapture, evRestore, evAck, evAckTimeout, evUnenroll, evDel, evStop}
 )
 
+// requireNoInvalidTransitions fails the test if a refused a state
+// transition: every test's pods go only where the diagram goes.
+func requireNoInvalidTransitions(t *testing.T, a *Agent) {
+	t.Helper()
+	if n := a.InvalidTransitions(); n != 0 {
+		t.Errorf("the agent refused %d invalid pod state transitions (see the log)", n)
+	}
+}
+
 type lifeEdge struct {
 	from lifeState
 	ev   lifeEvent
