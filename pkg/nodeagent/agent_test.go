@@ -104,14 +104,7 @@ func (h *harness) run(t *testing.T) {
 	done := make(chan struct{})
 	go func() { _ = a.Run(ctx); close(done) }()
 	var once sync.Once
-	h.stop = func() {
-		once.Do(func() {
-			cancel()
-			<-done
-			_ = a.Close()
-			requireNoInvalidTransitions(t, a)
-		})
-	}
+	h.stop = func() { once.Do(func() { cancel(); <-done; _ = a.Close(); requireNoInvalidTransitions(t, a) }) }
 	t.Cleanup(h.stop)
 }
 
