@@ -31,29 +31,6 @@ type Ztunnel interface {
 	DelNoWait(uid string) error
 }
 
-// PodLister reads this node's pods from the pod cache (pkg/podcache.Cache):
-// the annotation writer skips writing a value the pod already carries, and
-// a CNI DEL that cannot tell which sandbox it names asks whether the pod
-// is going away.
-type PodLister interface {
-	Pod(namespace, name string) (*corev1.Pod, error)
-}
-
-// EnablementSource is the node-wide view the enablement snapshot is built
-// from: the namespaces the enablement selectors enable, and whether
-// pod-level enablement is in use (pkg/podcache.Cache).
-type EnablementSource interface {
-	EnablementState() (enabled []string, podLevel bool)
-}
-
-// Annotator writes the pod's redirection status annotation; value "" removes
-// it (pkg/kubeadapter.Annotator). The pod controller uses it too, to clear
-// stale annotations. A pod gone, or replaced by another pod under its
-// name, is an error apierrors.IsNotFound reports.
-type Annotator interface {
-	SetRedirection(ctx context.Context, namespace, name string, uid types.UID, value string) error
-}
-
 // HostProbe keeps the host's probe SNAT set (pkg/rulesbackend): the
 // IPs of enrolled pods, whose kubelet probes are SNATed to the probe
 // address so the in-pod rules let them reach the application directly.
@@ -203,6 +180,22 @@ type entry struct {
 	// the next Inspect need not read them again (ruleset.GenVerifier).
 	// Guarded by the pod's lock; a capture makes a new entry.
 	verifiedGen uint32
+	// snapshotAcked: a ztunnel acked the entry in its snapshot while its
+	// capture was in flight (guarded by Agent.mu); the capture makes the
+	// pod enabled once it holds it, whatever its own Add gets.
+	snapshotAcked bool
+}
+
+// record is the capture record of the entry.
+func (e *entry) record() Record {
+	r := Record{
+		UID: e.UID, Namespace: e.Namespace, Name: e.Name, SandboxID: e.SandboxID, Network: e.Network,
+		Netns: e.Netns, IPs: e.IPs,
+	}
+	if e.ns != nil {
+		r.NetnsDev, r.NetnsIno = e.ns.Identity().Dev, e.ns.Identity().Ino
+	}
+	return r
 }
 
 // Agent is the node agent's core: the one way pods get in (Capture, and
@@ -217,31 +210,19 @@ type Agent struct {
 	records     *recordStore
 	annotations *annotationWriter
 
-	mu   sync.Mutex
-	pods map[types.UID]*entry
-	busy map[types.UID]*podLock
+	mu sync.Mutex
+	// lives holds every pod the agent knows by uid (see podLife).
+	lives map[types.UID]*podLife
+	// invalidTransitions counts the state transitions transit refused.
+	invalidTransitions uint64
 	// probePruneDeferred: SyncHostProbe left the probe set unpruned
 	// because an unresolved pod's IPs are unknown; the prune runs once
 	// the last such pod is resolved or gone.
 	probePruneDeferred bool
-	// torn are the namespaces whose sandbox a CNI DEL tore down: the
-	// controller must not capture them again while the runtime finishes
-	// (a process may linger in one for a moment).
-	torn map[netns.Identity]tornMark
-	// released are the pods whose sandbox the runtime removed (CNI DEL)
-	// while they were captured; see SandboxReleased.
-	released map[types.UID]releasedSandbox
 
 	// recaptureGap, in tests, runs in Recapture after it let go of the
 	// pod's lock and before it captures.
 	recaptureGap func(uid types.UID)
-}
-
-// podLock serializes work on one pod while letting different pods proceed
-// in parallel.
-type podLock struct {
-	mu   sync.Mutex
-	refs int
 }
 
 // NewAgent checks cfg and returns an agent with empty state.
@@ -274,10 +255,7 @@ func NewAgent(cfg Config) (*Agent, error) {
 		snapshot:    newSnapshotWriter(cfg.Layout.Snapshot(), cfg.Layout.ExplicitStateSnapshot()),
 		records:     newRecordStore(cfg.Layout.Records()),
 		annotations: newAnnotationWriter(cfg.Annotator, cfg.Pods, rate.NewLimiter(rate.Limit(cfg.AnnotationQPS), cfg.AnnotationBurst), log.With("component", "annotations")),
-		pods:        map[types.UID]*entry{},
-		busy:        map[types.UID]*podLock{},
-		torn:        map[netns.Identity]tornMark{},
-		released:    map[types.UID]releasedSandbox{},
+		lives:       map[types.UID]*podLife{},
 	}, nil
 }
 
@@ -316,30 +294,32 @@ func (a *Agent) PendingAnnotations() int {
 	return a.annotations.pending()
 }
 
-func (a *Agent) lock(uid types.UID) func() {
+// lock takes uid's pod lock: work on one pod is serialized while
+// different pods proceed in parallel. The life lives at least until the
+// returned unlock.
+func (a *Agent) lock(uid types.UID) (unlock func()) {
 	a.mu.Lock()
-	l := a.busy[uid]
-	if l == nil {
-		l = &podLock{}
-		a.busy[uid] = l
-	}
+	l := a.lifeLocked(uid)
 	l.refs++
 	a.mu.Unlock()
 	l.mu.Lock()
 	return func() {
 		l.mu.Unlock()
 		a.mu.Lock()
-		if l.refs--; l.refs == 0 {
-			delete(a.busy, uid)
-		}
+		l.refs--
+		a.tidyLocked(l)
 		a.mu.Unlock()
 	}
 }
 
+// get returns the entry uid is held by (or being captured with), if any.
 func (a *Agent) get(uid types.UID) *entry {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	return a.pods[uid]
+	if l := a.lives[uid]; l != nil {
+		return l.entry
+	}
+	return nil
 }
 
 func (a *Agent) ruleError(op string) {

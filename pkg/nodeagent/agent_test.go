@@ -95,7 +95,8 @@ func (h *harness) config() Config {
 }
 
 // run runs the agent's annotation writer until the test ends, then
-// releases the agent's handles.
+// releases the agent's handles and checks that no pod state transition
+// was refused.
 func (h *harness) run(t *testing.T) {
 	t.Helper()
 	a := h.agent
@@ -103,7 +104,7 @@ func (h *harness) run(t *testing.T) {
 	done := make(chan struct{})
 	go func() { _ = a.Run(ctx); close(done) }()
 	var once sync.Once
-	h.stop = func() { once.Do(func() { cancel(); <-done; _ = a.Close() }) }
+	h.stop = func() { once.Do(func() { cancel(); <-done; _ = a.Close(); requireNoInvalidTransitions(t, a) }) }
 	t.Cleanup(h.stop)
 }
 
@@ -550,8 +551,8 @@ func TestEnrollCyclesLeakNothing(t *testing.T) {
 	if n := testnet.OpenFDs(t); n != fds {
 		t.Errorf("open fds %d after 200 add/del cycles, want %d", n, fds)
 	}
-	if len(h.agent.busy) != 0 {
-		t.Errorf("per-pod locks left: %d", len(h.agent.busy))
+	if sz := h.agent.TableSizes(); sz["locks"] != 0 || sz["lives"] > 1 {
+		t.Errorf("per-pod locks left: %d, lives %d (want at most the one pod's)", sz["locks"], sz["lives"])
 	}
 	if got := h.recorded(t); len(got) != 0 {
 		t.Errorf("capture records left: %v", got)

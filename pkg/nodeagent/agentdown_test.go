@@ -248,7 +248,7 @@ func TestCaptureReportsInvalidAnnotation(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = a.Close() })
+	t.Cleanup(func() { _ = a.Close(); requireNoInvalidTransitions(t, a) })
 	p := pod("shop", "typo", "u-typo", nil)
 	p.Annotations = map[string]string{ambient.DNSCaptureAnnotation: "maybe"}
 	if err := a.Capture(t.Context(), p, openNS(t, testnet.NewNS(t)), &Sandbox{ID: "sb-typo"}); err != nil {

@@ -7,12 +7,29 @@ import (
 	"time"
 
 	"golang.org/x/time/rate"
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/util/workqueue"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 )
+
+// Annotator writes the pod's redirection status annotation; value "" removes
+// it (pkg/kubeadapter.Annotator). The pod controller uses it too, to clear
+// stale annotations. A pod gone, or replaced by another pod under its
+// name, is an error apierrors.IsNotFound reports.
+type Annotator interface {
+	SetRedirection(ctx context.Context, namespace, name string, uid types.UID, value string) error
+}
+
+// PodLister reads this node's pods from the pod cache (pkg/podcache.Cache):
+// the annotation writer skips writing a value the pod already carries, and
+// a CNI DEL that cannot tell which sandbox it names asks whether the pod
+// is going away.
+type PodLister interface {
+	Pod(namespace, name string) (*corev1.Pod, error)
+}
 
 // annotationWorkers is how many annotation writes run at once. The
 // writer's own rate limit paces them; a few in flight keep its burst

@@ -86,7 +86,8 @@ func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Ha
 		return Retryable(fmt.Errorf("netns %s of pod %s/%s %w", ns.Source(), pod.Namespace, pod.Name, ErrSandboxTornDown))
 	}
 	a.mu.Lock()
-	old := a.pods[pod.UID]
+	l := a.lifeLocked(pod.UID)
+	old := l.entry
 	holder := a.holderOf(ns, pod.UID)
 	a.mu.Unlock()
 	if holder != nil {
@@ -130,14 +131,14 @@ func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Ha
 	// in: the two are independent until the pod starts, which waits for
 	// both, and ztunnel's ack (queued behind the other pods' on its
 	// connection) no longer follows the rules' time. The entry is in the
-	// state first, so a ztunnel that connects meanwhile finds the pod in
-	// its snapshot. A pod already held (a repeated ADD, a recreated
+	// life first, in flight, so a ztunnel that connects meanwhile finds the
+	// pod in its snapshot. A pod already held (a repeated ADD, a recreated
 	// sandbox) keeps the order rules, then handoff: a failed apply then
 	// leaves ztunnel serving it as before.
 	var handoff chan error
 	if a.cfg.Ztunnel != nil && old == nil {
 		a.mu.Lock()
-		a.pods[pod.UID] = e
+		l.entry = e
 		a.mu.Unlock()
 		handoff = make(chan error, 1)
 		w := a.workload(e)
@@ -150,7 +151,7 @@ func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Ha
 	if err := a.cfg.Rules.Apply(ns.Path(), cfg); err != nil {
 		a.ruleError("apply")
 		if handoff != nil {
-			a.undoHandoff(log, e, <-handoff)
+			a.undoHandoff(log, l, e, <-handoff)
 		}
 		a.undoFailedApply(log, pod.UID, old, ns, prevRec, hadRec)
 		_ = ns.Close()
@@ -158,8 +159,12 @@ func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Ha
 	}
 	t.lap("rules")
 	a.mu.Lock()
-	a.pods[pod.UID] = e
-	delete(a.released, pod.UID)
+	if err := a.transit(l, evCapture, e); err == nil {
+		l.sandboxGone = nil
+		if e.snapshotAcked {
+			_ = a.transit(l, evAck, nil)
+		}
+	}
 	a.mu.Unlock()
 	if old != nil {
 		// Same netns: a repeated ADD. Another netns: the sandbox was
@@ -190,6 +195,9 @@ func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Ha
 		if err != nil {
 			// A snapshot may have acked the pod meanwhile.
 			a.mu.Lock()
+			if l.entry == e && l.state == statePending {
+				_ = a.transit(l, evAckTimeout, nil)
+			}
 			st := e.State
 			a.mu.Unlock()
 			a.wantAnnotation(&e.EnrolledPod, st, nil)
@@ -198,7 +206,9 @@ func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Ha
 	}
 	t.lap("ztunnel")
 	a.mu.Lock()
-	e.State = StateEnabled
+	if l.entry == e && l.state == statePending {
+		_ = a.transit(l, evAck, nil)
+	}
 	a.mu.Unlock()
 	a.wantAnnotation(&e.EnrolledPod, StateEnabled, nil)
 	if own {
@@ -265,7 +275,7 @@ func (a *Agent) reportInvalidAnnotations(log *slog.Logger, pod *corev1.Pod) {
 // unlike a torn-down one's. Called with a.mu held.
 func (a *Agent) holderOf(ns *netns.Handle, uid types.UID) *entry {
 	id := ns.Identity()
-	for u, e := range a.pods {
+	for u, e := range a.entriesLocked() {
 		if u != uid && e.ns != nil && e.ns.Identity() == id {
 			return e
 		}
@@ -274,13 +284,14 @@ func (a *Agent) holderOf(ns *netns.Handle, uid types.UID) *entry {
 }
 
 // undoHandoff takes back a pod handed to ztunnel while its rules went in,
-// once the rules failed (addErr is the handoff's outcome): the pod leaves
-// the state, and ztunnel, which may have it even when the Add failed (a
-// lost ack), is told to forget it. Called with the pod's lock held.
-func (a *Agent) undoHandoff(log *slog.Logger, e *entry, addErr error) {
+// once the rules failed (addErr is the handoff's outcome): the entry in
+// flight leaves l (whose state never changed), and ztunnel, which may
+// have the pod even when the Add failed (a lost ack), is told to forget
+// it. Called with the pod's lock held.
+func (a *Agent) undoHandoff(log *slog.Logger, l *podLife, e *entry, addErr error) {
 	a.mu.Lock()
-	if a.pods[e.UID] == e {
-		delete(a.pods, e.UID)
+	if l.entry == e {
+		l.entry = nil
 	}
 	a.mu.Unlock()
 	uid := string(e.UID)

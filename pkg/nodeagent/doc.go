@@ -4,8 +4,9 @@
 // Which file holds what, callers first: a file calls only files below it,
 // never one above it or beside it on the same line.
 //
-//   - server.go: the plugin's requests on the agent's Unix socket (ADD,
-//     CHECK, DEL, GC, STATUS), the heartbeat and the ADD-spool re-check.
+//   - server.go, verify.go: the plugin's requests on the agent's Unix
+//     socket (ADD, CHECK, DEL, GC, STATUS), the heartbeat and the
+//     ADD-spool re-check; the verifier's way in (InPod, Recapture).
 //   - capture.go, restore.go, remove.go: the ways a pod comes in (Capture,
 //     CHECK), comes back after a restart (Restore, RestoreUnresolved), and
 //     goes out (Unenroll, RemoveSandbox, GC, DrainSpool, Release,
@@ -20,8 +21,12 @@
 //   - probeset.go, spool.go: the host's kubelet-probe SNAT set; draining
 //     the plugin's spools.
 //   - agent.go: the Agent, its Config and types, the per-pod lock.
-//   - annotations.go, record.go, snapshot.go, errors.go: the annotation
-//     writer, the capture records, the enablement snapshot, the error kinds.
+//   - life.go, annotations.go, record.go, snapshot.go, errors.go: each
+//     pod's life (podLife: its lock, state, held entry and what a DEL left
+//     remembered) and transit, the one function that changes its state,
+//     checked against the diagram in docs/how-it-works.md; the annotation
+//     writer, the capture records, the enablement snapshot, the error
+//     kinds.
 //
 // The ADD path: server.go decides with the pod cache and opens the
 // runtime's netns only for a pod that will be captured; Capture writes

@@ -45,7 +45,7 @@ func (a *Agent) enrolledIPs() map[netip.Addr]bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	out := map[netip.Addr]bool{}
-	for _, e := range a.pods {
+	for _, e := range a.entriesLocked() {
 		for _, ip := range e.IPs {
 			out[ip] = true
 		}
@@ -128,7 +128,7 @@ func (a *Agent) unresolvedWithoutIPs() int {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	n := 0
-	for _, e := range a.pods {
+	for _, e := range a.entriesLocked() {
 		if e.Unresolved && len(e.IPs) == 0 {
 			n++
 		}

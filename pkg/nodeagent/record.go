@@ -295,3 +295,17 @@ func parseRecord(b []byte) (Record, error) {
 	}
 	return r, nil
 }
+
+// sameRecord reports whether two records say the same.
+func sameRecord(a, b Record) bool {
+	if a.UID != b.UID || a.Namespace != b.Namespace || a.Name != b.Name || a.SandboxID != b.SandboxID ||
+		a.Netns != b.Netns || a.NetnsDev != b.NetnsDev || a.NetnsIno != b.NetnsIno || len(a.IPs) != len(b.IPs) {
+		return false
+	}
+	for i := range a.IPs {
+		if a.IPs[i] != b.IPs[i] {
+			return false
+		}
+	}
+	return true
+}

@@ -79,6 +79,7 @@ func TestUnenrollRecreatedPod(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { requireNoInvalidTransitions(t, a) })
 	runCtx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
 	go func() { _ = a.Run(runCtx); close(done) }()

@@ -50,7 +50,7 @@ func (a *Agent) Unenroll(ctx context.Context, uid types.UID) error {
 	if err := a.removeRules(log, e); err != nil && !errors.Is(err, errNetnsUnknown) {
 		return Retryable(fmt.Errorf("remove rules of %s/%s: %w", e.Namespace, e.Name, err))
 	}
-	a.drop(e)
+	a.drop(e, evUnenroll)
 	if a.cfg.Ztunnel != nil {
 		zctx, cancel := context.WithTimeout(ctx, a.cfg.ZtunnelTimeout)
 		if err := a.cfg.Ztunnel.Del(zctx, string(e.UID)); err != nil {
@@ -159,7 +159,7 @@ func (a *Agent) RemoveSandbox(ctx context.Context, d SandboxDel) error {
 	default:
 		a.markTorn(e.ns.Identity(), uid, e.IPs)
 	}
-	a.forget(log, e)
+	a.forget(log, e, evDel)
 	a.noteReleased(e.Namespace, e.Name, uid, e.IPs)
 	return nil
 }
@@ -229,7 +229,7 @@ func (a *Agent) GC(ctx context.Context, network string, valid []string) int {
 	var drop []stale
 	seen := map[types.UID]bool{}
 	a.mu.Lock()
-	for uid, e := range a.pods {
+	for uid, e := range a.entriesLocked() {
 		seen[uid] = true
 		if e.SandboxID != "" && mine(e.Network) && !keep[e.SandboxID] {
 			drop = append(drop, stale{e.SandboxID, uid})
@@ -350,9 +350,9 @@ const releaseWorkers = 8
 // them) are released through it. It returns every error it met.
 func (a *Agent) ReleaseAll(ctx context.Context) error {
 	a.mu.Lock()
-	held := make([]EnrolledPod, 0, len(a.pods))
-	isHeld := make(map[types.UID]bool, len(a.pods))
-	for uid, e := range a.pods {
+	var held []EnrolledPod
+	isHeld := map[types.UID]bool{}
+	for uid, e := range a.entriesLocked() {
 		held = append(held, e.EnrolledPod)
 		isHeld[uid] = true
 	}
@@ -426,7 +426,7 @@ func (a *Agent) releaseHeld(uid types.UID) error {
 	case err != nil:
 		err = fmt.Errorf("remove rules of %s/%s: %w", e.Namespace, e.Name, err)
 	}
-	a.forget(log, e)
+	a.forget(log, e, evUnenroll)
 	return err
 }
 
@@ -461,11 +461,9 @@ func (a *Agent) PodGone(uid types.UID) {
 	a.annotations.podGone(uid)
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	delete(a.released, uid)
-	for id, m := range a.torn {
-		if m.uid == uid {
-			delete(a.torn, id)
-		}
+	if l := a.lives[uid]; l != nil {
+		l.sandboxGone, l.torn = nil, nil
+		a.tidyLocked(l)
 	}
 }
 
@@ -476,8 +474,8 @@ func (a *Agent) PodGone(uid types.UID) {
 func (a *Agent) SandboxReleased(uid types.UID) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	_, ok := a.released[uid]
-	return ok
+	l := a.lives[uid]
+	return l != nil && l.sandboxGone != nil
 }
 
 // ReleasedSandbox is SandboxReleased with when the runtime removed the
@@ -486,6 +484,9 @@ func (a *Agent) SandboxReleased(uid types.UID) bool {
 func (a *Agent) ReleasedSandbox(uid types.UID) (at time.Time, ips []netip.Addr, ok bool) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	r, ok := a.released[uid]
-	return r.at, slices.Clone(r.ips), ok
+	l := a.lives[uid]
+	if l == nil || l.sandboxGone == nil {
+		return time.Time{}, nil, false
+	}
+	return l.sandboxGone.at, slices.Clone(l.sandboxGone.ips), true
 }

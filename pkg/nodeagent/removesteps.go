@@ -128,13 +128,14 @@ func (a *Agent) removeRulesAt(log *slog.Logger, path string, want *netns.Identit
 	return nil
 }
 
-// forget takes the pod out: out of the state first (so no ztunnel that
-// connects from now on gets an Add for it), then ztunnel is told (without
-// waiting for its ack), the netns handle is closed, the probe-set IPs, the
-// capture record and any annotation write still wanted go. Called with
-// the pod's lock held.
-func (a *Agent) forget(log *slog.Logger, e *entry) {
-	a.drop(e)
+// forget takes the pod out through ev (a CNI DEL, an uninstall's
+// release): out of the state first (so no ztunnel that connects from now
+// on gets an Add for it), then ztunnel is told (without waiting for its
+// ack), the netns handle is closed, the probe-set IPs, the capture record
+// and any annotation write still wanted go. Called with the pod's lock
+// held.
+func (a *Agent) forget(log *slog.Logger, e *entry, ev lifeEvent) {
+	a.drop(e, ev)
 	if a.cfg.Ztunnel != nil {
 		if err := a.cfg.Ztunnel.DelNoWait(string(e.UID)); err != nil {
 			// A ztunnel that missed the Del drops the pod at its next snapshot.
@@ -153,13 +154,15 @@ func (a *Agent) forget(log *slog.Logger, e *entry) {
 	log.Info("pod removed")
 }
 
-// drop removes the entry from the state (the ZDS snapshot source).
-func (a *Agent) drop(e *entry) {
+// drop lets go of e, the entry its pod is held by, through ev (unenroll,
+// CNI DEL): the pod leaves the state (the ZDS snapshot source). Called
+// with the pod's lock held.
+func (a *Agent) drop(e *entry, ev lifeEvent) {
 	a.mu.Lock()
-	if a.pods[e.UID] == e {
-		delete(a.pods, e.UID)
+	defer a.mu.Unlock()
+	if l := a.lives[e.UID]; l != nil && l.entry == e {
+		_ = a.transit(l, ev, nil)
 	}
-	a.mu.Unlock()
 }
 
 // clearThenForget removes the pod's annotation and, once that is done (or
@@ -236,7 +239,7 @@ func (a *Agent) netnsIdentity(path string) (netns.Identity, bool) {
 // record of a pod other than uid names it.
 func (a *Agent) heldElsewhere(id netns.Identity, uid types.UID) bool {
 	a.mu.Lock()
-	for _, e := range a.pods {
+	for _, e := range a.entriesLocked() {
 		if e.ns != nil && e.ns.Identity() == id {
 			a.mu.Unlock()
 			return true
@@ -253,7 +256,7 @@ func (a *Agent) heldElsewhere(id netns.Identity, uid types.UID) bool {
 
 func (a *Agent) uidOfSandbox(sandboxID string) types.UID {
 	a.mu.Lock()
-	for uid, e := range a.pods {
+	for uid, e := range a.entriesLocked() {
 		if e.SandboxID == sandboxID {
 			a.mu.Unlock()
 			return uid
@@ -278,17 +281,6 @@ func (a *Agent) recordedNetns(uid types.UID) (netns.Identity, bool) {
 	return netns.Identity{Dev: rec.NetnsDev, Ino: rec.NetnsIno}, true
 }
 
-// releasedTTL is how long SandboxReleased remembers a pod: far longer than
-// any pod stays between its sandbox's teardown and its object's removal.
-const releasedTTL = time.Hour
-
-// releasedSandbox is what the agent remembers of a captured sandbox the
-// runtime removed: when, and the IPs it had (none when not known).
-type releasedSandbox struct {
-	at  time.Time
-	ips []netip.Addr
-}
-
 // noteReleased records that the runtime removed uid's captured sandbox,
 // unless the pod cache already knows the pod's object gone. PodGone, which
 // drops the mark, then has run or runs next (the cache holds the deletion
@@ -298,15 +290,16 @@ func (a *Agent) noteReleased(namespace, name string, uid types.UID, ips []netip.
 	now := time.Now()
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	for u, r := range a.released {
-		if now.Sub(r.at) > releasedTTL {
-			delete(a.released, u)
+	for _, l := range a.lives {
+		if l.sandboxGone != nil && now.Sub(l.sandboxGone.at) > releasedTTL {
+			l.sandboxGone = nil
+			a.tidyLocked(l)
 		}
 	}
 	if a.podObjectGone(namespace, name, uid) {
 		return
 	}
-	a.released[uid] = releasedSandbox{at: now, ips: slices.Clone(ips)}
+	a.lifeLocked(uid).sandboxGone = &releasedSandbox{at: now, ips: slices.Clone(ips)}
 }
 
 // podObjectGone reports whether the pod cache knows that no object with
@@ -319,18 +312,6 @@ func (a *Agent) podObjectGone(namespace, name string, uid types.UID) bool {
 	return gone
 }
 
-// tornTTL is how long a namespace whose sandbox a CNI DEL tore down is
-// refused to the controller.
-const tornTTL = time.Minute
-
-// tornMark is a namespace whose sandbox a CNI DEL tore down: which pod's,
-// when, and the IPs the sandbox had (none when not known).
-type tornMark struct {
-	uid types.UID
-	at  time.Time
-	ips []netip.Addr
-}
-
 // markTorn notes that the runtime is tearing down pod uid's sandbox, whose
 // namespace is id and whose IPs were ips.
 func (a *Agent) markTorn(id netns.Identity, uid types.UID, ips []netip.Addr) {
@@ -338,17 +319,24 @@ func (a *Agent) markTorn(id netns.Identity, uid types.UID, ips []netip.Addr) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.pruneTornLocked(now)
-	a.torn[id] = tornMark{uid: uid, at: now, ips: slices.Clone(ips)}
+	l := a.lifeLocked(uid)
+	if l.torn == nil {
+		l.torn = map[netns.Identity]tornMark{}
+	}
+	l.torn[id] = tornMark{at: now, ips: slices.Clone(ips)}
 }
 
 // pruneTornLocked drops the marks older than tornTTL: a DEL that came after
 // its pod's object was gone (PodGone ran first) leaves a mark only time
 // removes. a.mu is held.
 func (a *Agent) pruneTornLocked(now time.Time) {
-	for id, m := range a.torn {
-		if now.Sub(m.at) > tornTTL {
-			delete(a.torn, id)
+	for _, l := range a.lives {
+		for id, m := range l.torn {
+			if now.Sub(m.at) > tornTTL {
+				delete(l.torn, id)
+			}
 		}
+		a.tidyLocked(l)
 	}
 }
 
@@ -364,9 +352,13 @@ func (a *Agent) pruneTornLocked(now time.Time) {
 // one, not the torn one, whose interfaces the primary's DEL removes.
 func (a *Agent) tornDown(ns *netns.Handle, uid types.UID) bool {
 	a.mu.Lock()
-	m, ok := a.torn[ns.Identity()]
+	var m tornMark
+	ok := false
+	if l := a.lives[uid]; l != nil {
+		m, ok = l.torn[ns.Identity()]
+	}
 	a.mu.Unlock()
-	if !ok || m.uid != uid || time.Since(m.at) > tornTTL {
+	if !ok || time.Since(m.at) > tornTTL {
 		return false
 	}
 	if len(m.ips) == 0 {

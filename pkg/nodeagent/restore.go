@@ -51,13 +51,9 @@ func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, ns *netns.Handle) 
 			a.cfg.OnDriftRepaired()
 		}
 	}
-	state := StatePending
-	if pod.Annotations[ambient.RedirectionAnnotation] == ambient.RedirectionEnabled {
-		state = StateEnabled
-	}
 	e := &entry{ns: ns, EnrolledPod: EnrolledPod{
 		UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, ServiceAccount: pod.Spec.ServiceAccountName,
-		Netns: ns.Source(), NetnsID: ns.ID(), IPs: enablement.PodIPs(pod), State: state, Rules: cfg, Since: time.Now(),
+		Netns: ns.Source(), NetnsID: ns.ID(), IPs: enablement.PodIPs(pod), State: StatePending, Rules: cfg, Since: time.Now(),
 	}}
 	rec, recorded := a.records.get(pod.UID)
 	if recorded && (netns.Identity{Dev: rec.NetnsDev, Ino: rec.NetnsIno}) == ns.Identity() {
@@ -69,11 +65,12 @@ func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, ns *netns.Handle) 
 		}
 	}
 	a.mu.Lock()
-	old := a.pods[pod.UID]
+	l := a.lifeLocked(pod.UID)
+	old := l.entry
 	if old != nil {
 		e.SandboxID = old.SandboxID
 	}
-	a.pods[pod.UID] = e
+	a.restoreLocked(l, e, pod)
 	a.mu.Unlock()
 	if old != nil {
 		_ = old.ns.Close()
@@ -109,13 +106,9 @@ func (a *Agent) Restore(ctx context.Context, pod *corev1.Pod, ns *netns.Handle) 
 func (a *Agent) RestoreUnresolved(pod *corev1.Pod) {
 	unlock := a.lock(pod.UID)
 	defer unlock()
-	state := StatePending
-	if pod.Annotations[ambient.RedirectionAnnotation] == ambient.RedirectionEnabled {
-		state = StateEnabled
-	}
 	e := &entry{EnrolledPod: EnrolledPod{
 		UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, ServiceAccount: pod.Spec.ServiceAccountName,
-		IPs: enablement.PodIPs(pod), State: state, Rules: a.ruleConfig(pod), Since: time.Now(), Unresolved: true,
+		IPs: enablement.PodIPs(pod), State: StatePending, Rules: a.ruleConfig(pod), Since: time.Now(), Unresolved: true,
 	}}
 	if rec, ok := a.records.get(pod.UID); ok {
 		e.SandboxID, e.Network, e.Netns = rec.SandboxID, rec.Network, rec.Netns
@@ -124,22 +117,32 @@ func (a *Agent) RestoreUnresolved(pod *corev1.Pod) {
 		}
 	}
 	a.mu.Lock()
-	if a.pods[pod.UID] != nil {
+	l := a.lifeLocked(pod.UID)
+	if l.entry != nil {
 		a.mu.Unlock()
 		return
 	}
-	a.pods[pod.UID] = e
+	a.restoreLocked(l, e, pod)
 	a.mu.Unlock()
 	a.log.Warn("restored a captured pod without its netns; ztunnel keeps it until the netns is found",
 		"pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID, "ips", e.IPs, "recorded_netns", e.Netns)
 }
 
+// restoreLocked makes l held by e, restored: Pending, or Enabled when the
+// pod is annotated so (a previous agent's ztunnel acked it). a.mu is held.
+func (a *Agent) restoreLocked(l *podLife, e *entry, pod *corev1.Pod) {
+	if a.transit(l, evRestore, e) != nil {
+		return
+	}
+	if pod.Annotations[ambient.RedirectionAnnotation] == ambient.RedirectionEnabled {
+		_ = a.transit(l, evAck, nil)
+	}
+}
+
 // Unresolved reports whether uid was restored without its netns and has
 // not been captured again since (see RestoreUnresolved).
 func (a *Agent) Unresolved(uid types.UID) bool {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	e := a.pods[uid]
+	e := a.get(uid)
 	return e != nil && e.Unresolved
 }
 
@@ -150,39 +153,26 @@ func (a *Agent) Unresolved(uid types.UID) bool {
 // left pending, converge once a ztunnel is back.
 func (a *Agent) SnapshotAcked(uid string, netns *os.File) {
 	a.mu.Lock()
-	e := a.pods[types.UID(uid)]
-	if e == nil || e.State != StatePending || e.ns == nil || e.ns.File() != netns {
+	l := a.lives[types.UID(uid)]
+	if l == nil || l.entry == nil || l.entry.ns == nil || l.entry.ns.File() != netns {
 		a.mu.Unlock()
 		return
 	}
-	e.State = StateEnabled
+	e := l.entry
+	if !l.state.held() {
+		// A capture in flight: it makes the pod enabled once its rules
+		// are in. Annotating it now would mark a pod enabled whose rules
+		// may yet fail.
+		e.snapshotAcked = true
+		a.mu.Unlock()
+		return
+	}
+	if l.state != statePending || a.transit(l, evAck, nil) != nil {
+		a.mu.Unlock()
+		return
+	}
 	p := e.EnrolledPod
 	a.mu.Unlock()
 	a.log.Info("ztunnel acked a pending pod in its snapshot", "pod", p.Namespace+"/"+p.Name, "uid", uid)
 	a.wantAnnotation(&p, StateEnabled, nil)
-}
-
-// record is the capture record of the entry.
-func (e *entry) record() Record {
-	r := Record{
-		UID: e.UID, Namespace: e.Namespace, Name: e.Name, SandboxID: e.SandboxID, Network: e.Network,
-		Netns: e.Netns, IPs: e.IPs,
-	}
-	if e.ns != nil {
-		r.NetnsDev, r.NetnsIno = e.ns.Identity().Dev, e.ns.Identity().Ino
-	}
-	return r
-}
-
-func sameRecord(a, b Record) bool {
-	if a.UID != b.UID || a.Namespace != b.Namespace || a.Name != b.Name || a.SandboxID != b.SandboxID ||
-		a.Netns != b.Netns || a.NetnsDev != b.NetnsDev || a.NetnsIno != b.NetnsIno || len(a.IPs) != len(b.IPs) {
-		return false
-	}
-	for i := range a.IPs {
-		if a.IPs[i] != b.IPs[i] {
-			return false
-		}
-	}
-	return true
 }

@@ -12,6 +12,13 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 )
 
+// EnablementSource is the node-wide view the enablement snapshot is built
+// from: the namespaces the enablement selectors enable, and whether
+// pod-level enablement is in use (pkg/podcache.Cache).
+type EnablementSource interface {
+	EnablementState() (enabled []string, podLevel bool)
+}
+
 // snapshotWriter keeps the enablement snapshot file that the plugin reads
 // when the agent is unreachable. It writes only when the content changes,
 // atomically (temp file and rename) with mode 0600, and continues the

@@ -16,29 +16,46 @@ import (
 // restart did not restore it): either way not fully captured.
 func (a *Agent) Pending(uid types.UID) bool {
 	a.mu.Lock()
-	e := a.pods[uid]
+	var st PodState
+	if l := a.lives[uid]; l != nil && l.entry != nil {
+		st = l.entry.State
+	}
 	a.mu.Unlock()
-	if e != nil {
-		return e.State == StatePending
+	if st != "" {
+		return st == StatePending
 	}
 	_, recorded := a.records.get(uid)
 	return recorded
 }
 
 // TableSizes is how many pods each of the agent's per-pod tables holds,
-// by table: state (held pods), locks, released, torn, annotations_wanted,
-// annotations_written, records. Exported as a gauge: each must return to
-// its size once the pods it counted are gone.
+// by table: lives (every pod the agent knows, see podLife), and of
+// those: state (held pods), locks, released, torn (namespaces); then
+// annotations_wanted, annotations_written, records. Exported as a gauge:
+// each must return to its size once the pods it counted are gone.
 func (a *Agent) TableSizes() map[string]int {
 	want, written := a.annotations.sizes()
 	records := a.records.size()
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.pruneTornLocked(time.Now())
-	return map[string]int{
-		"state": len(a.pods), "locks": len(a.busy), "released": len(a.released), "torn": len(a.torn),
+	out := map[string]int{
+		"lives": len(a.lives), "state": 0, "locks": 0, "released": 0, "torn": 0,
 		"annotations_wanted": want, "annotations_written": written, "records": records,
 	}
+	for _, l := range a.lives {
+		if l.entry != nil {
+			out["state"]++
+		}
+		if l.refs > 0 {
+			out["locks"]++
+		}
+		if l.sandboxGone != nil {
+			out["released"]++
+		}
+		out["torn"] += len(l.torn)
+	}
+	return out
 }
 
 // EnrolledUID reports the uid enrolled under namespace/name, if any: in
@@ -46,7 +63,7 @@ func (a *Agent) TableSizes() map[string]int {
 // capture on it, so it is not free of us yet).
 func (a *Agent) EnrolledUID(namespace, name string) (types.UID, bool) {
 	a.mu.Lock()
-	for uid, e := range a.pods {
+	for uid, e := range a.entriesLocked() {
 		if e.Namespace == namespace && e.Name == name {
 			a.mu.Unlock()
 			return uid, true
@@ -65,7 +82,7 @@ func (a *Agent) StateCounts() map[string]int {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	out := map[string]int{string(StatePending): 0, string(StateEnabled): 0}
-	for _, e := range a.pods {
+	for _, e := range a.entriesLocked() {
 		out[string(e.State)]++
 	}
 	return out
@@ -74,8 +91,8 @@ func (a *Agent) StateCounts() map[string]int {
 // Pods returns a copy of the enrolled-pod state, sorted by namespace/name.
 func (a *Agent) Pods() []EnrolledPod {
 	a.mu.Lock()
-	out := make([]EnrolledPod, 0, len(a.pods))
-	for _, e := range a.pods {
+	out := make([]EnrolledPod, 0, len(a.lives))
+	for _, e := range a.entriesLocked() {
 		p := e.EnrolledPod
 		p.IPs = slices.Clone(p.IPs)
 		out = append(out, p)
@@ -95,10 +112,11 @@ func (a *Agent) Pods() []EnrolledPod {
 func (a *Agent) Pod(uid types.UID) (EnrolledPod, bool) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	e := a.pods[uid]
-	if e == nil {
+	l := a.lives[uid]
+	if l == nil || l.entry == nil {
 		return EnrolledPod{}, false
 	}
+	e := l.entry
 	p := e.EnrolledPod
 	p.IPs = slices.Clone(p.IPs)
 	return p, true
@@ -110,8 +128,8 @@ func (a *Agent) Pod(uid types.UID) (EnrolledPod, bool) {
 func (a *Agent) Workloads() []zds.Workload {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	out := make([]zds.Workload, 0, len(a.pods))
-	for _, e := range a.pods {
+	out := make([]zds.Workload, 0, len(a.lives))
+	for _, e := range a.entriesLocked() {
 		out = append(out, a.workload(e))
 	}
 	return out
@@ -123,9 +141,17 @@ func (a *Agent) Workloads() []zds.Workload {
 func (a *Agent) Close() error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	for uid, e := range a.pods {
-		_ = e.ns.Close()
-		delete(a.pods, uid)
+	for _, l := range a.lives {
+		if l.entry == nil {
+			continue
+		}
+		_ = l.entry.ns.Close()
+		if l.state.held() {
+			_ = a.transit(l, evStop, nil)
+		} else {
+			l.entry = nil // a capture in flight, which fails on the closed handle
+		}
+		a.tidyLocked(l)
 	}
 	return nil
 }

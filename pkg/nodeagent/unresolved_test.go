@@ -85,7 +85,7 @@ func TestRestoreUnresolvedKeepsPod(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = a.Close() })
+	t.Cleanup(func() { _ = a.Close(); requireNoInvalidTransitions(t, a) })
 	ctx := context.Background()
 
 	// Restored with its netns (10.9.0.1), without it but with IPs known
@@ -178,7 +178,7 @@ func TestUnresolvedPodInspectAndReleaseAll(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = a.Close() })
+	t.Cleanup(func() { _ = a.Close(); requireNoInvalidTransitions(t, a) })
 	a.RestoreUnresolved(markedPod("lost", "u-lost", "10.9.0.5"))
 
 	in, ok := a.Inspect("u-lost")

@@ -457,6 +457,10 @@ func (n *node) startDaemon() {
 			if runErr != nil && !n.exitExpected {
 				t.Errorf("daemon Run: %v", runErr)
 			}
+			// Every pod went only where the agent's state diagram goes.
+			if a := d.Agent(); a != nil && a.InvalidTransitions() != 0 {
+				t.Errorf("the agent refused %d invalid pod state transitions (see its log)", a.InvalidTransitions())
+			}
 		})
 	}
 	n.d, n.stopD = d, stop
