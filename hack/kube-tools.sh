@@ -507,7 +507,6 @@ build() {
 	if [[ $rc -ne 0 ]]; then
 		rm -rf "$tmp"
 		for lock in "${locks[@]}"; do exec {lock}>&-; done
-		for n in "${names[@]}"; do mark done "$n"; done
 		echo "kube-tools: building ${names[*]} $v failed" >&2
 		return "$rc"
 	fi
@@ -616,6 +615,11 @@ build_all() {
 			break
 		}
 	done
+	if [[ $rc -ne 0 && -n "$beat" ]]; then
+		# No more estimates once a build failed.
+		kill "$beat" 2>/dev/null || true
+		[[ -z "$baser" ]] || echo "kube-tools: waiting for the Debian bases building beside it"
+	fi
 	if [[ -n "$fetcher" ]]; then
 		# Done long before the last build, unless a build failed: then
 		# stop it (a go list it started finishes on its own).
