@@ -38,7 +38,7 @@
 #
 # usage: hack/kube-tools.sh [name...]   build (default: etcd kube-apiserver helm promtool)
 #        hack/kube-tools.sh node        build everything the real node needs
-#        hack/kube-tools.sh all         build every tool (make check's first step)
+#        hack/kube-tools.sh all         build every tool
 #        hack/kube-tools.sh --path name print the cached binary's path
 #        hack/kube-tools.sh --list      print name, version, path and state of each
 set -euo pipefail
@@ -327,7 +327,7 @@ expect() {
 # estimate NAME prints the seconds NAME's build should take: what its
 # newest build (of any version) recorded in the cache, else expect's.
 estimate() {
-	local f newest=""
+	local f newest="" s
 	for f in "$cache/$1"-*/.seconds; do
 		[[ -f "$f" && "${f%/.seconds}" == "$cache/$1-"* ]] || continue
 		[[ -n "$newest" && ! "$f" -nt "$newest" ]] || newest=$f
