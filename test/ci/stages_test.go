@@ -25,8 +25,8 @@ echo "stage $s done"
 
 // stages runs hack/stages.sh make STAGES... with the fake make and env,
 // bounded by a deadline far beyond what the stages take, and returns its
-// output, its error and the recorded timings' table.
-func stages(t *testing.T, env []string, args ...string) (string, error, string) {
+// output, the recorded timings' table and its error.
+func stages(t *testing.T, env []string, args ...string) (string, string, error) {
 	t.Helper()
 	dir := t.TempDir()
 	times := filepath.Join(dir, "times")
@@ -45,7 +45,7 @@ func stages(t *testing.T, env []string, args ...string) (string, error, string) 
 	if terr != nil {
 		t.Fatalf("stages.sh table: %v\n%s", terr, table)
 	}
-	return string(out), err, string(table)
+	return string(out), string(table), err
 }
 
 // row returns the table's row of a stage.
@@ -61,7 +61,7 @@ func row(t *testing.T, table, stage string) string {
 }
 
 func TestStagesBackgroundOverlapsAndIsWaitedFor(t *testing.T) {
-	out, err, table := stages(t, []string{"FAKE_SLEEP_b=2"}, "a", "bg:b", "c", "wait:b", "d")
+	out, table, err := stages(t, []string{"FAKE_SLEEP_b=2"}, "a", "bg:b", "c", "wait:b", "d")
 	if err != nil {
 		t.Fatalf("stages failed: %v\n%s", err, out)
 	}
@@ -87,7 +87,7 @@ func TestStagesBackgroundOverlapsAndIsWaitedFor(t *testing.T) {
 }
 
 func TestStagesFailedBackgroundFailsWithItsLog(t *testing.T) {
-	out, err, table := stages(t, []string{"FAKE_FAIL=b"}, "a", "bg:b", "c", "wait:b", "d")
+	out, table, err := stages(t, []string{"FAKE_FAIL=b"}, "a", "bg:b", "c", "wait:b", "d")
 	var exit *exec.ExitError
 	if !errors.As(err, &exit) {
 		t.Fatalf("stages passed (%v) though the background stage failed:\n%s", err, out)
@@ -105,7 +105,7 @@ func TestStagesFailedBackgroundFailsWithItsLog(t *testing.T) {
 
 func TestStagesFailureStopsBackground(t *testing.T) {
 	// b would never end: the failure of c must stop it, not wait for it.
-	out, err, table := stages(t, []string{"FAKE_SLEEP_b=infinity", "FAKE_FAIL=c"}, "a", "bg:b", "c", "wait:b", "d")
+	out, table, err := stages(t, []string{"FAKE_SLEEP_b=infinity", "FAKE_FAIL=c"}, "a", "bg:b", "c", "wait:b", "d")
 	if err == nil {
 		t.Fatalf("stages passed though c failed:\n%s", out)
 	}
