@@ -95,7 +95,7 @@ chart-push: ## push the packaged chart (make chart) to REGISTRY as an OCI artifa
 version: ## print the version make stamps into the binaries, the image and the chart
 	@echo $(VERSION)
 
-tools: ## build etcd, kube-apiserver, helm and promtool (the alert rules' tests) from the Go module proxy into the tools cache (minutes the first time, then cached)
+tools: ## build etcd, kube-apiserver, helm and promtool (the alert rules' tests) from the Go module proxy into the tools cache (minutes the first time, with a line every 30 s saying the time left; then cached)
 	GO='$(GO)' hack/kube-tools.sh
 
 # make test's quick bench runs Istio's istio-cni beside ours too.
@@ -105,7 +105,7 @@ peer-tools: ## build Istio's istio-cni (install-cni and its plugin) from istio.i
 image-tools: ## build make image's Debian bases (hack/kube-tools.sh image-rootfs-ARCH, one per architecture) into the tools cache
 	GO='$(GO)' hack/kube-tools.sh $(addprefix image-rootfs-,$(IMAGE_ARCHES))
 
-node-tools: ## build everything a real node needs: kubelet, kube-controller-manager, kube-scheduler, crictl, CNI plugins, the Multus thin plugin, the image's Debian rootfs, istiod, the Prometheus server (cached)
+node-tools: ## build everything a real node needs: kubelet, kube-controller-manager, kube-scheduler, kubectl (one go build), crictl, containerd, runc, CNI plugins, the Multus thin plugin, flannel, the image's Debian rootfs, istiod, the Prometheus server, the registry (cached; a line every 30 s with the time left)
 	GO='$(GO)' hack/kube-tools.sh node
 
 # Where make bench writes its JSON (gitignored).
@@ -131,18 +131,23 @@ deps: ## as root: install the Debian packages make check and make demo need (apt
 	@hack/deps.sh
 
 # make check runs its stages in this order, each a make of its own, and
-# stops at the first failure (make -k: goes on). hack/stages.sh times
-# them when STAGE_TIMES names a file: .ci/run prints the table.
-CHECK_STAGES  := check-tools lint test test-long e2e
+# stops at the first failure (make -k: goes on). bg:node-tools starts
+# make node-tools in the background (niced, its lines prefixed
+# [node-tools]): the real node's tools build while lint and the tests run,
+# and wait:node-tools holds make e2e until they are built (a failed build
+# fails make check there, with the end of its log). hack/stages.sh times
+# the stages when STAGE_TIMES names a file: .ci/run prints the table.
+CHECK_STAGES  := check-tools bg:node-tools lint test test-long wait:node-tools e2e
 
-check: deps ## as root: everything CI runs (.ci/run runs exactly this): check-tools, lint, test, test-long, e2e
+check: deps ## as root: everything CI runs (.ci/run runs exactly this): check-tools, then lint, test, test-long while node-tools builds in the background, then e2e
 	@MAKE='$(MAKE)' KEEP_GOING='$(findstring k,$(firstword -$(MAKEFLAGS)))' hack/stages.sh make $(CHECK_STAGES)
 
-# Every tool make check needs, in one run of hack/kube-tools.sh: on a cold
-# cache the Debian bases and the module downloads then overlap the Go
-# builds, rather than each target building its own tools one by one.
-check-tools: ## build every tool make check needs into the tools cache, downloads overlapping the builds
-	GO='$(GO)' hack/kube-tools.sh all
+# The tools lint and the tests need (make test, make test-long), in one run
+# of hack/kube-tools.sh: on a cold cache the Debian bases and the module
+# downloads then overlap the Go builds. make check builds the rest
+# (make node-tools) beside its tests.
+check-tools: ## build the tools make test and make test-long need into the tools cache, downloads overlapping the builds
+	GO='$(GO)' hack/kube-tools.sh etcd kube-apiserver helm promtool istio-cni $(addprefix image-rootfs-,$(IMAGE_ARCHES))
 
 # The suite must leave a real node's paths (/var/run/ambient-cni, /var/lib/ambient-cni,
 # /etc/cni/net.d, /opt/cni/bin, /var/run/ztunnel) as it found them:

@@ -30,10 +30,15 @@
 # libseccomp-dev (make deps installs them) and links libseccomp
 # dynamically, as Debian's own runc package does.
 # Nothing else is downloaded. What is already in the cache is not rebuilt.
+# The Kubernetes binaries missing from the cache build in one go build (one
+# compile DAG), as do promtool and prometheus. While anything builds, a
+# line every 30 s says how many tools are built, each build's elapsed and
+# expected time (its last build's, recorded in the cache as .seconds, else
+# a table of cold builds on 2 cores) and about how many minutes are left.
 #
 # usage: hack/kube-tools.sh [name...]   build (default: etcd kube-apiserver helm promtool)
 #        hack/kube-tools.sh node        build everything the real node needs
-#        hack/kube-tools.sh all         build every tool (make check's first step)
+#        hack/kube-tools.sh all         build every tool
 #        hack/kube-tools.sh --path name print the cached binary's path
 #        hack/kube-tools.sh --list      print name, version, path and state of each
 set -euo pipefail
@@ -173,16 +178,16 @@ version() {
 ldflags() {
 	local v="$2"
 	case "$1" in
-	kube-apiserver | kubelet | kube-controller-manager | kube-scheduler)
-		local minor="${v#v1.}"
+	kube-apiserver | kubelet | kube-controller-manager | kube-scheduler | kubectl)
+		# Both version packages, for every binary, as Kubernetes' own
+		# release build stamps them (kubectl version reports client-go's):
+		# the binaries of one go build share one set of flags.
+		local minor="${v#v1.}" p
 		minor="${minor%%.*}"
-		echo "-X k8s.io/component-base/version.gitVersion=$v -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
-		;;
-	kubectl)
-		# kubectl version reports client-go's version variables.
-		local minor="${v#v1.}"
-		minor="${minor%%.*}"
-		echo "-X k8s.io/client-go/pkg/version.gitVersion=$v -X k8s.io/client-go/pkg/version.gitMajor=1 -X k8s.io/client-go/pkg/version.gitMinor=$minor -X k8s.io/client-go/pkg/version.gitTreeState=clean -X k8s.io/component-base/version.gitVersion=$v -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor -X k8s.io/component-base/version.gitTreeState=clean"
+		for p in k8s.io/client-go/pkg/version k8s.io/component-base/version; do
+			printf -- '-X %s.gitVersion=%s -X %s.gitMajor=1 -X %s.gitMinor=%s -X %s.gitTreeState=clean ' "$p" "$v" "$p" "$p" "$minor" "$p"
+		done
+		echo
 		;;
 	helm)
 		local kv
@@ -271,10 +276,118 @@ binpath() {
 	echo "$cache/$1-$(version "$dir" "$mod")/$1"
 }
 
-# heartbeat NAME START prints progress every 30 s until killed: go build
-# and mmdebstrap's download are silent for minutes on a cold cache.
+# group NAME names the tools built by one go build with NAME when several
+# of them are missing: one compile DAG keeps both cores busy to the end and
+# links beside compiles, where one go build per binary idles through each
+# link and each DAG's narrow tail. Members share a tools module, tags and
+# ldflags, and each package's last element is the binary's name.
+# It sets REPLY (no subshell: a warm run asks it of every tool).
+group() {
+	case "$1" in
+	kube-apiserver | kubelet | kube-controller-manager | kube-scheduler | kubectl) REPLY=kubernetes ;;
+	promtool | prometheus) REPLY=prometheus ;;
+	*) REPLY=$1 ;;
+	esac
+}
+
+# versions holds version's answers by "MODDIR MODULE": build_all asks each
+# once, build reuses them.
+declare -A versions=()
+
+# expect NAME prints the seconds a cold build of NAME took on a quiet
+# 2-core machine (empty Go build cache, module downloads included, after
+# the tools before it in make check's order: hack/README.md): the
+# estimate when the cache records no earlier build of NAME.
+expect() {
+	case "$1" in
+	etcd) echo 80 ;;
+	kube-apiserver) echo 380 ;;
+	kubelet) echo 120 ;;
+	kube-controller-manager) echo 50 ;;
+	kube-scheduler) echo 15 ;;
+	kubectl) echo 40 ;;
+	helm) echo 95 ;;
+	crictl) echo 50 ;;
+	containerd) echo 90 ;;
+	runc) echo 60 ;;
+	cni-plugins) echo 10 ;;
+	multus) echo 75 ;;
+	flannel) echo 150 ;;
+	debian-rootfs) echo 40 ;;
+	istio-cni) echo 170 ;;
+	istiod) echo 200 ;;
+	image-rootfs-*) echo 60 ;;
+	promtool) echo 150 ;;
+	prometheus) echo 60 ;;
+	registry) echo 120 ;;
+	*) echo 60 ;;
+	esac
+}
+
+# estimate NAME prints the seconds NAME's build should take: what its
+# newest build (of any version) recorded in the cache, else expect's.
+estimate() {
+	local f newest="" s
+	for f in "$cache/$1"-*/.seconds; do
+		[[ -f "$f" && "${f%/.seconds}" == "$cache/$1-"* ]] || continue
+		[[ -n "$newest" && ! "$f" -nt "$newest" ]] || newest=$f
+	done
+	if [[ -n "$newest" ]] && read -r s <"$newest" && [[ "$s" =~ ^[0-9]+$ ]]; then
+		echo "$s"
+	else
+		expect "$1"
+	fi
+}
+
+# mmss SECONDS prints M:SS.
+mmss() { printf '%d:%02d' $(($1 / 60)) $(($1 % 60)); }
+
+# Progress: build_all writes its plan into the directory $progress, one
+# line per build ("QUEUE SECONDS NAME..."), and build marks each start
+# (start.FIRSTNAME, the epoch second) and each tool done (done.NAME).
+progress=""
+
+mark() { # mark start|done NAME, whole or not at all (report reads it)
+	[[ -z "$progress" ]] || { date +%s >"$progress/.$1.$2" && mv -f "$progress/.$1.$2" "$progress/$1.$2"; }
+}
+
+# report prints one line: how many tools are built, each build under way
+# with its elapsed and expected time, and the time left. The Go tools build
+# one after another, the Debian bases beside them: the time left is the
+# longer of the two queues.
+report() {
+	local now q e names first n all=0 built=0 el rem line="" left
+	local -A queue=()
+	now=$(date +%s)
+	while read -r q e names; do
+		first=${names%% *}
+		for n in $names; do
+			all=$((all + 1))
+			[[ ! -e "$progress/done.$n" ]] || built=$((built + 1))
+		done
+		[[ ! -e "$progress/done.${names##* }" ]] || continue
+		rem=$e
+		if [[ -e "$progress/start.$first" ]]; then
+			el=$((now - $(<"$progress/start.$first")))
+			rem=$((e > el ? e - el : 0))
+			line+="; building ${names// /+} $(mmss "$el") of about $(mmss "$e")"
+		fi
+		queue[$q]=$((${queue[$q]:-0} + rem))
+	done <"$progress/plan"
+	left=0
+	for q in "${!queue[@]}"; do ((queue[$q] <= left)) || left=${queue[$q]}; done
+	if ((left > 0)); then
+		left="about $(((left + 59) / 60)) min left"
+	else
+		left="past the estimate"
+	fi
+	echo "kube-tools: $built of $all tools built, $left$line"
+}
+
+# heartbeat prints report every 30 s (KUBE_TOOLS_HEARTBEAT) until killed:
+# go build and mmdebstrap's download are silent for minutes on a cold cache.
 heartbeat() {
-	while sleep 30; do echo "kube-tools:   still building $1 ($((SECONDS - $2)) s)"; done
+	while sleep "${KUBE_TOOLS_HEARTBEAT:-30}"; do report || true; done
 }
 
 # compile NAME VERSION SRCDIR TMP PKG... runs go build; TMP is the binary,
@@ -316,69 +429,103 @@ image_rootfs() {
 		--extract-hook="$image_rootfs_hook" "$rootfs_suite" "$2"
 }
 
+# build NAME... builds one tool, or several of one group (see group) in one
+# go build. A tool the cache holds is not rebuilt. Each tool's directory
+# has a lock, one builder at a time: a second caller waits, then finds it
+# cached. Locks are taken in all_tools' order (build_all's), so two
+# builders of overlapping groups never wait on each other in a circle.
 build() {
-	local name="$1" s dir mod v out tmp start pid rc
-	s="$(spec "$name")"
+	local s dir mod pkgs v n out lock start rc tmp src="" secs total=0
+	local -a names=() outs=() locks=() pkg=()
+	s="$(spec "$1")"
 	read -r dir mod pkgs <<<"$s"
-	local -a pkg
-	read -r -a pkg <<<"$pkgs"
-	v="$(version "$dir" "$mod")"
-	out="$cache/$name-$v/$name"
-	if [[ -e "$out" ]]; then
-		echo "kube-tools: $name $v cached at $out"
-		return 0
-	fi
-	mkdir -p "$(dirname "$out")"
-	# One builder per binary: a second caller waits, then finds it cached.
-	exec {lock}>"$(dirname "$out")/.lock"
-	if command -v flock >/dev/null; then
-		flock "$lock"
-	fi
-	if [[ -e "$out" ]]; then
-		echo "kube-tools: $name $v cached at $out (built by another process)"
-		exec {lock}>&-
-		return 0
-	fi
+	v=${versions["$dir $mod"]:-}
+	[[ -n "$v" ]] || v="$(version "$dir" "$mod")"
+	for n in "$@"; do
+		out="$cache/$n-$v/$n"
+		if [[ -e "$out" ]]; then
+			echo "kube-tools: $n $v cached at $out"
+			mark done "$n"
+			continue
+		fi
+		mkdir -p "$(dirname "$out")"
+		exec {lock}>"$(dirname "$out")/.lock"
+		if command -v flock >/dev/null; then
+			flock "$lock"
+		fi
+		if [[ -e "$out" ]]; then
+			echo "kube-tools: $n $v cached at $out (built by another process)"
+			exec {lock}>&-
+			mark done "$n"
+			continue
+		fi
+		names+=("$n")
+		outs+=("$out")
+		locks+=("$lock")
+		if [[ $# -gt 1 ]]; then
+			pkg+=("$(spec "$n" | cut -d' ' -f3)")
+		fi
+	done
+	[[ ${#names[@]} -gt 0 ]] || return 0
+	[[ $# -gt 1 ]] || read -r -a pkg <<<"$pkgs"
+	mark start "${names[0]}"
 	start=$SECONDS
-	tmp="$(dirname "$out")/.$name.tmp.$$"
+	tmp="$(dirname "${outs[0]}")/.${names[0]}.tmp.$$"
 	rm -rf "$tmp"
-	local src=""
+	for n in "${names[@]}"; do total=$((total + $(expect "$n"))); done
+	secs=0
+	for n in "${names[@]}"; do secs=$((secs + $(estimate "$n"))); done
 	if [[ "$dir" != - && "$dir" != rootfs:* ]]; then
-		echo "kube-tools: downloading modules for $name $v ..."
+		echo "kube-tools: downloading modules for ${names[*]} $v ..."
 		src="$(moddir "$dir" "$mod" "$v")"
 		if [[ -z "$src" ]]; then
 			echo "kube-tools: cannot download $mod $v" >&2
-			exec {lock}>&-
+			for lock in "${locks[@]}"; do exec {lock}>&-; done
 			return 1
 		fi
 		# go list fetches exactly the modules the build needs, so the silent
 		# compile that follows is split from the network part.
-		(cd "$src" && "$GO" list -mod=readonly -tags "$(buildtags "$name")" -deps "${pkg[@]}" >/dev/null)
-		echo "kube-tools: building $name $v (a cold build takes minutes on 2 cores: etcd ~2, kube-apiserver ~5-10, then kubelet, kube-controller-manager, kube-scheduler, kubectl ~1.5 each, helm ~1.5, crictl ~1, runc ~1, multus ~1, flannel ~3-5, istiod ~7, istio-cni ~1 after istiod, registry ~2) ..."
+		(cd "$src" && "$GO" list -mod=readonly -tags "$(buildtags "${names[0]}")" -deps "${pkg[@]}" >/dev/null)
+		local how=""
+		[[ ${#names[@]} -eq 1 ]] || how=" in one go build"
+		echo "kube-tools: building ${names[*]} $v$how (about $(mmss "$secs") on 2 cores) ..."
 	else
-		echo "kube-tools: building $name $v with mmdebstrap from the Debian packages (~1 min) ..."
+		echo "kube-tools: building ${names[0]} $v with mmdebstrap from the Debian packages (about $(mmss "$secs")) ..."
 	fi
-	heartbeat "$name" "$start" &
-	pid=$!
 	rc=0
 	if [[ "$dir" == - ]]; then
 		rootfs "$tmp" || rc=$?
 	elif [[ "$dir" == rootfs:* ]]; then
 		image_rootfs "${dir#rootfs:}" "$tmp" || rc=$?
+	elif [[ $# -gt 1 ]]; then
+		# A group's go build writes each binary under its package's name.
+		mkdir -p "$tmp"
+		compile "${names[0]}" "$v" "$src" "$tmp/" "${pkg[@]}" || rc=$?
 	else
-		compile "$name" "$v" "$src" "$tmp" "${pkg[@]}" || rc=$?
+		compile "${names[0]}" "$v" "$src" "$tmp" "${pkg[@]}" || rc=$?
 	fi
-	kill "$pid" 2>/dev/null || true
-	wait "$pid" 2>/dev/null || true
 	if [[ $rc -ne 0 ]]; then
 		rm -rf "$tmp"
-		exec {lock}>&-
-		echo "kube-tools: building $name $v failed" >&2
+		for lock in "${locks[@]}"; do exec {lock}>&-; done
+		echo "kube-tools: building ${names[*]} $v failed" >&2
 		return "$rc"
 	fi
-	mv -fT "$tmp" "$out"
-	exec {lock}>&-
-	echo "kube-tools: built $name $v in $((SECONDS - start)) s -> $out"
+	secs=$((SECONDS - start))
+	for n in "${!names[@]}"; do
+		if [[ $# -gt 1 ]]; then
+			mv -fT "$tmp/${names[$n]}" "${outs[$n]}"
+		else
+			mv -fT "$tmp" "${outs[$n]}"
+		fi
+		# The next build's estimate: a group's time shared as expect's
+		# figures share it.
+		echo $((secs * $(expect "${names[$n]}") / total)) >"$(dirname "${outs[$n]}")/.seconds"
+		lock=${locks[$n]}
+		exec {lock}>&-
+		mark done "${names[$n]}"
+		echo "kube-tools: built ${names[$n]} $v in $secs s -> ${outs[$n]}"
+	done
+	rm -rf "$tmp"
 }
 
 # prefetch NAME... downloads, one tool after another, the modules each Go
@@ -401,36 +548,78 @@ prefetch() {
 	done
 }
 
-# build_all NAME... builds the tools named. The Go tools build one at a
-# time (go build already uses every core, and one after another they
+# build_all NAME... builds the tools named. The Go tools build one group
+# at a time (go build already uses every core, and one after another they
 # share the build cache), with the next ones' modules downloaded meanwhile;
 # the Debian bases, which wait on the network and dpkg rather than the CPU,
 # build beside them. A cold make check thus overlaps most of its
-# downloads with compiling.
+# downloads with compiling. While anything builds, heartbeat reports.
 build_all() {
-	local -a gotools=() rootfses=()
-	local n rc=0 fetcher="" baser=""
-	for n in "$@"; do
-		case "$n" in
-		debian-rootfs | image-rootfs-*) rootfses+=("$n") ;;
-		*) gotools+=("$n") ;;
-		esac
+	local -a units=() gotools=() rootfses=()
+	local -A unit_of=()
+	local n t g u rc=0 fetcher="" baser="" beat="" q secs missing dir mod
+	# Units in all_tools' order (the lock order), a group's members
+	# together.
+	for t in "${all_tools[@]}"; do
+		for n in "$@"; do
+			[[ "$n" == "$t" ]] || continue
+			group "$n"
+			g=$REPLY
+			if [[ -n "${unit_of[$g]:-}" ]]; then
+				units[${unit_of[$g]}]+=" $n"
+			else
+				unit_of[$g]=${#units[@]}
+				units+=("$n")
+			fi
+			break
+		done
 	done
+	progress=$(mktemp -d)
+	trap 'rm -rf "$progress" "$cache"/*/.*.tmp."$$"' EXIT
+	trap 'exit 143' TERM
+	trap 'exit 130' INT
+	: >"$progress/plan"
+	for u in "${units[@]}"; do
+		case "$u" in
+		debian-rootfs | image-rootfs-*) rootfses+=("$u") q=deb ;;
+		*) gotools+=("$u") q=go ;;
+		esac
+		missing="" secs=0
+		read -r dir mod _ <<<"$(spec "${u%% *}")"
+		[[ -n "${versions["$dir $mod"]:-}" ]] || versions["$dir $mod"]=$(version "$dir" "$mod")
+		for n in $u; do
+			[[ ! -e "$cache/$n-${versions["$dir $mod"]}/$n" ]] || continue
+			missing+=" $n"
+			secs=$((secs + $(estimate "$n")))
+		done
+		[[ -z "$missing" ]] || echo "$q $secs$missing" >>"$progress/plan"
+	done
+	if [[ -s "$progress/plan" ]]; then
+		heartbeat &
+		beat=$!
+	fi
 	if [[ ${#rootfses[@]} -gt 0 && ${#gotools[@]} -gt 0 ]]; then
 		(for n in "${rootfses[@]}"; do build "$n" || exit 1; done) &
 		baser=$!
 		rootfses=()
 	fi
 	if [[ ${#gotools[@]} -gt 1 ]]; then
-		prefetch "${gotools[@]:1}" &
+		# shellcheck disable=SC2086 # units are lists of names
+		prefetch ${gotools[*]:1} &
 		fetcher=$!
 	fi
-	for n in "${gotools[@]}" "${rootfses[@]}"; do
-		build "$n" || {
+	for u in "${gotools[@]}" "${rootfses[@]}"; do
+		# shellcheck disable=SC2086 # a unit is a list of names
+		build $u || {
 			rc=1
 			break
 		}
 	done
+	if [[ $rc -ne 0 && -n "$beat" ]]; then
+		# No more estimates once a build failed.
+		kill "$beat" 2>/dev/null || true
+		[[ -z "$baser" ]] || echo "kube-tools: waiting for the Debian bases building beside it"
+	fi
 	if [[ -n "$fetcher" ]]; then
 		# Done long before the last build, unless a build failed: then
 		# stop it (a go list it started finishes on its own).
@@ -439,6 +628,10 @@ build_all() {
 	fi
 	if [[ -n "$baser" ]]; then
 		wait "$baser" || rc=1
+	fi
+	if [[ -n "$beat" ]]; then
+		kill "$beat" 2>/dev/null || true
+		wait "$beat" 2>/dev/null || true
 	fi
 	return "$rc"
 }

@@ -3,17 +3,26 @@
 #
 # usage: hack/stages.sh make STAGE...     run make STAGE for each, in order, stopping
 #                                          at the first failure (make -k: going on);
-#                                          make check's recipe
+#                                          make check's recipe. bg:STAGE starts STAGE
+#                                          in the background (niced, its lines prefixed
+#                                          [STAGE], its log kept) and goes on;
+#                                          wait:STAGE waits for it, and fails, printing
+#                                          the end of its log, if it failed
 #        hack/stages.sh run NAME CMD...   run one command as the stage NAME
 #        hack/stages.sh caches            one line: the tools cache (cold, warm or
 #                                          partly) and the Go module and build caches
-#        hack/stages.sh table FILE [NOTE] print FILE's stages as a table of seconds
+#        hack/stages.sh table FILE [NOTE] print FILE's stages as a table: each one's
+#                                          start and seconds, then the wall clock
 #
 # When STAGE_TIMES names a file, make and run append to it what table reads:
-# "plan NAME..." (the stages to come), "start NAME MS" and "end NAME MS RC"
-# (milliseconds since the epoch). A stage that started but never ended (the
-# run was killed) is timed up to the table. Without STAGE_TIMES nothing is
-# recorded: make check then runs exactly as a list of prerequisites would.
+# "plan NAME..." (the stages to come), "bg NAME" (a background stage),
+# "start NAME MS" and "end NAME MS RC" (milliseconds since the epoch). A
+# stage that started but never ended (the run was killed) is timed up to the
+# table. Without STAGE_TIMES nothing is recorded: make check then runs
+# exactly as a list of prerequisites would, background stages included.
+# A background stage still running when a stage fails (without make -k),
+# or when this script is killed, is killed with everything it started; one
+# never waited for is waited for at the end, and its failure fails the run.
 set -euo pipefail
 
 now() { date +%s%3N; }
@@ -31,17 +40,79 @@ run() { # run NAME CMD...
 	return "$rc"
 }
 
+# Background stages: pid (its own process group) and log, by name.
+declare -A bg_pid=() bg_log=()
+
+start_bg() { # start_bg STAGE
+	local s=$1 log
+	log=$(mktemp "${TMPDIR:-/tmp}/stage-$s.XXXXXX.log")
+	bg_log[$s]=$log
+	record bg "$s"
+	echo "stages: $s runs in the background (log: $log)"
+	# A process group of its own (set -m), to be killed whole. Niced: the
+	# stages beside it, tests among them, keep the CPU they ask for, and
+	# it builds in what they leave.
+	set -m
+	(run "$s" nice -n "${STAGE_BG_NICE:-19}" "${MAKE:-make}" --no-print-directory "$s" 2>&1 |
+		tee "$log" | sed -u "s/^/[$s] /") &
+	bg_pid[$s]=$!
+	set +m
+}
+
+wait_bg() { # wait_bg STAGE: 0 if it passed
+	local s=$1 rc=0
+	[[ -n "${bg_pid[$s]:-}" ]] || return 0
+	wait "${bg_pid[$s]}" || rc=$?
+	unset "bg_pid[$s]"
+	if [[ $rc -ne 0 ]]; then
+		echo "stages: background stage $s FAILED (exit $rc); the end of its log (${bg_log[$s]}):" >&2
+		tail -n 60 "${bg_log[$s]}" >&2
+		return "$rc"
+	fi
+	rm -f "${bg_log[$s]}"
+}
+
+kill_bg() {
+	local s
+	for s in "${!bg_pid[@]}"; do
+		echo "stages: stopping background stage $s (log: ${bg_log[$s]})" >&2
+		kill -TERM -- "-${bg_pid[$s]}" 2>/dev/null || true
+		wait "${bg_pid[$s]}" 2>/dev/null || true
+		unset "bg_pid[$s]"
+	done
+}
+
 case "${1:-}" in
 make)
 	shift
-	record plan "$@"
+	plan=()
+	for s in "$@"; do plan+=("${s#bg:}"); done
+	record plan "${plan[@]}"
+	trap 'kill_bg' EXIT
+	trap 'exit 143' TERM
+	trap 'exit 130' INT
 	rc=0
 	for s in "$@"; do
-		if ! run "$s" "${MAKE:-make}" --no-print-directory "$s"; then
-			rc=1
-			[[ -n "${KEEP_GOING:-}" ]] || break
-		fi
+		case "$s" in
+		bg:*)
+			start_bg "${s#bg:}"
+			continue
+			;;
+		wait:*)
+			s=${s#wait:}
+			[[ -n "${bg_pid[$s]:-}" ]] || continue
+			run "wait:$s" wait_bg "$s" && continue
+			;;
+		*)
+			run "$s" "${MAKE:-make}" --no-print-directory "$s" && continue
+			;;
+		esac
+		rc=1
+		[[ -n "${KEEP_GOING:-}" ]] || break
 	done
+	if [[ $rc -eq 0 || -n "${KEEP_GOING:-}" ]]; then
+		for s in "${!bg_pid[@]}"; do wait_bg "$s" || rc=1; done
+	fi
 	exit "$rc"
 	;;
 run)
@@ -81,7 +152,7 @@ caches)
 table)
 	file=${2:?usage: $0 table FILE [NOTE]}
 	note=${3:-}
-	declare -A start end rc
+	declare -A start end rc bg
 	order=()
 	seen() {
 		local o
@@ -93,6 +164,9 @@ table)
 		plan)
 			for n in $name $rest; do seen "$n" || order+=("$n"); done
 			;;
+		bg)
+			bg[$name]=1
+			;;
 		start)
 			seen "$name" || order+=("$name")
 			start[$name]=$rest
@@ -103,17 +177,22 @@ table)
 			;;
 		esac
 	done <"$file"
-	t=$(now) total=0
+	t=$(now) first="" last=0
+	for n in "${order[@]}"; do
+		[[ -n "${start[$n]:-}" ]] || continue
+		[[ -n "$first" ]] && ((first <= ${start[$n]})) || first=${start[$n]}
+		e=${end[$n]:-$t}
+		((e <= last)) || last=$e
+	done
 	echo
-	echo "stage         seconds  result"
+	echo "stage              start  seconds  result"
 	for n in "${order[@]}"; do
 		if [[ -z "${start[$n]:-}" ]]; then
-			printf '%-12s %8s  %s\n' "$n" - "not run"
+			printf '%-16s %7s %8s  %s\n' "$n" - - "not run"
 			continue
 		fi
 		e=${end[$n]:-$t}
 		ms=$((e - ${start[$n]}))
-		total=$((total + ms))
 		if [[ -z "${end[$n]:-}" ]]; then
 			r="interrupted"
 		elif [[ "${rc[$n]}" == 0 ]]; then
@@ -121,9 +200,12 @@ table)
 		else
 			r="FAILED (exit ${rc[$n]})"
 		fi
-		printf '%-12s %8d  %s\n' "$n" $(((ms + 500) / 1000)) "$r"
+		[[ -z "${bg[$n]:-}" ]] || r="$r, in the background"
+		printf '%-16s %7d %8d  %s\n' "$n" $(((${start[$n]} - first + 500) / 1000)) $(((ms + 500) / 1000)) "$r"
 	done
-	printf '%-12s %8d\n' total $(((total + 500) / 1000))
+	if [[ -n "$first" ]]; then
+		printf '%-16s %7s %8d  %s\n' "wall clock" "" $(((last - first + 500) / 1000)) "first start to last end (stages overlap)"
+	fi
 	[[ -z "$note" ]] || echo "at the start: $note"
 	;;
 *)

@@ -1,0 +1,137 @@
+package ci
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+)
+
+// fakeGo stands in for go: it logs each call ("DIR: ARGS") to
+// FAKE_GO_LOG, answers go env GOARCH, and go build sleeps FAKE_GO_SLEEP
+// seconds, then writes each package's binary (-o DIR/) or the one named.
+const fakeGo = `#!/usr/bin/env bash
+echo "$PWD: $*" >>"$FAKE_GO_LOG"
+case "$1" in
+env) echo amd64 ;;
+build)
+	out="" prev="" pkgs=()
+	for a in "$@"; do
+		[[ "$prev" != -o ]] || out=$a
+		case "$a" in k8s.io/* | github.com/* | helm.sh/* | .) pkgs+=("$a") ;; esac
+		prev=$a
+	done
+	sleep "${FAKE_GO_SLEEP:-0}"
+	if [[ "$out" == */ ]]; then
+		mkdir -p "$out"
+		for p in "${pkgs[@]}"; do echo bin >"$out/${p##*/}"; done
+	else
+		echo bin >"$out"
+	fi
+	;;
+esac
+`
+
+// kubeTools runs hack/kube-tools.sh ARGS... with the fake go on the tools
+// cache dir and returns its output and the go builds it ran.
+func kubeTools(t *testing.T, cache string, env []string, args ...string) (string, []string) {
+	t.Helper()
+	dir := t.TempDir()
+	log := filepath.Join(dir, "go.log")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, "bash", append([]string{script(t, "kube-tools.sh")}, args...)...)
+	cmd.Env = append(os.Environ(), append(env, "GO="+writeExe(t, dir, "go", fakeGo), "FAKE_GO_LOG="+log, "AMBIENT_TOOLS_CACHE="+cache)...)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("kube-tools.sh %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	calls, err := os.ReadFile(log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var builds []string
+	for l := range strings.SplitSeq(string(calls), "\n") {
+		if strings.Contains(l, ": build ") {
+			builds = append(builds, l)
+		}
+	}
+	return string(out), builds
+}
+
+func TestKubeToolsOneGoBuildForKubernetes(t *testing.T) {
+	cache := t.TempDir()
+	// kubelet is cached already: not rebuilt, and not in the go build.
+	kubelet := filepath.Join(cache, "kubelet-v1.37.2", "kubelet")
+	if err := os.MkdirAll(filepath.Dir(kubelet), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(kubelet, []byte("cached"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	out, builds := kubeTools(t, cache, nil, "kubectl", "etcd", "kubelet", "kube-apiserver", "kube-scheduler")
+	var kube []string
+	for _, b := range builds {
+		if strings.Contains(b, "/hack/tools/kubernetes: ") {
+			kube = append(kube, b)
+		}
+	}
+	if len(kube) != 1 {
+		t.Fatalf("want one go build of the Kubernetes binaries, got %d:\n%s", len(kube), strings.Join(builds, "\n"))
+	}
+	for _, cmd := range []string{"kube-apiserver", "kube-scheduler", "kubectl"} {
+		if !strings.Contains(kube[0], "k8s.io/kubernetes/cmd/"+cmd) {
+			t.Errorf("the go build lacks %s: %s", cmd, kube[0])
+		}
+		p := filepath.Join(cache, cmd+"-v1.37.2", cmd)
+		if b, err := os.ReadFile(p); err != nil || string(b) != "bin\n" {
+			t.Errorf("%s: %q, %v", p, b, err)
+		}
+	}
+	if strings.Contains(kube[0], "cmd/kubelet") {
+		t.Errorf("the cached kubelet was rebuilt: %s", kube[0])
+	}
+	if !strings.Contains(out, "kubelet v1.37.2 cached at") {
+		t.Errorf("no line says kubelet is cached:\n%s", out)
+	}
+	if b, _ := os.ReadFile(kubelet); string(b) != "cached" {
+		t.Errorf("the cached kubelet was replaced: %q", b)
+	}
+	// Everything cached: no build at all.
+	if _, again := kubeTools(t, cache, nil, "kubectl", "etcd", "kubelet", "kube-apiserver", "kube-scheduler"); len(again) != 0 {
+		t.Errorf("a warm cache rebuilt:\n%s", strings.Join(again, "\n"))
+	}
+}
+
+func TestKubeToolsProgressWithEstimate(t *testing.T) {
+	cache := t.TempDir()
+	env := []string{"KUBE_TOOLS_HEARTBEAT=1", "FAKE_GO_SLEEP=4"}
+	out, _ := kubeTools(t, cache, env, "kube-apiserver", "kubelet")
+	// Nothing built before: the estimate is the committed table's (cold,
+	// 2 cores): 380 s and 120 s, 9 minutes in all.
+	progress := regexp.MustCompile(`(?m)^kube-tools: 0 of 2 tools built, about [89] min left; building kube-apiserver\+kubelet \d+:\d\d of about 8:20$`)
+	if !progress.MatchString(out) {
+		t.Fatalf("no progress line with the estimate:\n%s", out)
+	}
+	// The build's time is recorded beside each binary, and the next
+	// build of another version estimates from it rather than the table.
+	secs, err := os.ReadFile(filepath.Join(cache, "kube-apiserver-v1.37.2", ".seconds"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !regexp.MustCompile(`^\d+\n$`).Match(secs) {
+		t.Fatalf(".seconds holds %q", secs)
+	}
+	if err := os.Rename(filepath.Join(cache, "kube-apiserver-v1.37.2"), filepath.Join(cache, "kube-apiserver-v1.36.0")); err != nil {
+		t.Fatal(err)
+	}
+	out, _ = kubeTools(t, cache, env, "kube-apiserver")
+	want := regexp.MustCompile(`(?m)^kube-tools: building kube-apiserver v1\.37\.2 \(about 0:\d\d on 2 cores\)`)
+	if !want.MatchString(out) {
+		t.Errorf("the estimate is not the recorded build's:\n%s", out)
+	}
+}
