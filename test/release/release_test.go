@@ -12,8 +12,11 @@ import (
 	"debug/elf"
 	"debug/macho"
 	"encoding/hex"
+	"fmt"
 	"io"
 	"io/fs"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path"
@@ -23,16 +26,21 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/google/go-containerregistry/pkg/name"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"sigs.k8s.io/yaml"
 
 	"github.com/ambient-cni/ambient-cni/hack/imagebuild/ociimage"
+	"github.com/ambient-cni/ambient-cni/test/lib/childproc"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
-// The release the tests cut, and the registry it is made for (nothing
-// is pushed: make release only names it).
+// The release the tests cut, and the registry the refusals name (they
+// push nothing; TestReleaseReproducible pushes to a loopback registry).
 const (
 	testVersion  = "0.0.1-test"
 	testRegistry = "registry.invalid:5000/ambient-test"
@@ -206,9 +214,11 @@ func sum(b []byte) string { s := sha256.Sum256(b); return hex.EncodeToString(s[:
 // source tree's manifest otherwise), the chart defaults to that image,
 // SHA256SUMS holds every file's sum, the krew manifest the archives'
 // sums, each archive the plugin for its platform stamped with the
-// version. It builds everything twice (the image for two architectures,
-// the plugin for four platforms: minutes), so it runs with
-// AMBIENT_TEST_RELEASE=1 (make check's e2e stage).
+// version; then make release-push to a loopback registry, from which the
+// chart pulls and renders as the release's (checkPush). It builds
+// everything twice (the image for two architectures, the plugin for four
+// platforms: minutes), so it runs with AMBIENT_TEST_RELEASE=1 (make
+// check's e2e stage).
 func TestReleaseReproducible(t *testing.T) {
 	if os.Getenv("AMBIENT_TEST_RELEASE") == "" {
 		t.Skip("builds two whole releases (minutes); AMBIENT_TEST_RELEASE=1 runs it (make e2e does)")
@@ -216,14 +226,16 @@ func TestReleaseReproducible(t *testing.T) {
 	if _, err := exec.LookPath("make"); err != nil {
 		testnet.Missing(t, "needs make")
 	}
+	registry := startRegistry(t) + "/ambient-test"
 	var rel [2]map[string][]byte
-	var dirs [2]string
+	var dirs, srcs [2]string
 	for i := range rel {
 		src := sourceTree(t, testVersion)
-		out, err := makeRelease(t, src, "release", "VERSION="+testVersion, "REGISTRY="+testRegistry)
+		out, err := makeRelease(t, src, "release", "VERSION="+testVersion, "REGISTRY="+registry)
 		if err != nil {
 			t.Fatalf("make release (run %d): %v\n%s", i+1, err, out)
 		}
+		srcs[i] = src
 		dirs[i] = filepath.Join(src, "bin", "release", testVersion)
 		rel[i] = files(t, dirs[i])
 		if _, err := os.Stat(dirs[i] + ".work"); !os.IsNotExist(err) {
@@ -276,15 +288,15 @@ func TestReleaseReproducible(t *testing.T) {
 	if slices.Sort(arches); !slices.Equal(arches, []string{"linux/amd64", "linux/arm64"}) {
 		t.Errorf("the index holds %v, want linux/amd64 and linux/arm64", arches)
 	}
-	image := testRegistry + "/ambient-cni@" + digest.String()
+	image := registry + "/ambient-cni@" + digest.String()
 	t.Logf("image index %s, the same in both runs", image)
 
 	checkManifest(t, string(a["ambient-cni.yaml"]), image)
-	checkChart(t, a["ambient-cni-"+testVersion+".tgz"], digest.String())
+	checkChart(t, a["ambient-cni-"+testVersion+".tgz"], registry, digest.String())
 	checkSums(t, a)
 	checkKrew(t, a)
 	notes := string(a["RELEASE_NOTES.md"])
-	for _, want := range []string{"# ambient-cni " + testVersion + "\n", image, "oci://" + testRegistry + "/charts/ambient-cni"} {
+	for _, want := range []string{"# ambient-cni " + testVersion + "\n", image, "oci://" + registry + "/charts/ambient-cni"} {
 		if !strings.Contains(notes, want) {
 			t.Errorf("RELEASE_NOTES.md lacks %q", want)
 		}
@@ -295,6 +307,114 @@ func TestReleaseReproducible(t *testing.T) {
 	if !strings.Contains(notes, strings.TrimSpace(section)) {
 		t.Error("RELEASE_NOTES.md does not hold CHANGELOG's section")
 	}
+
+	checkPush(t, srcs[0], registry, digest.String(), a)
+}
+
+// startRegistry runs the CNCF distribution registry (make node-tools
+// builds it) on loopback, plain HTTP, storage in a temporary directory,
+// and returns its host:port.
+func startRegistry(t *testing.T) string {
+	t.Helper()
+	root, err := kubeenv.RepoRoot()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command(filepath.Join(root, "hack", "kube-tools.sh"), "--path", "registry").Output()
+	bin := strings.TrimSpace(string(out))
+	if err != nil || bin == "" {
+		testnet.Missing(t, "the registry is not built: make node-tools")
+	}
+	if _, err := os.Stat(bin); err != nil {
+		testnet.Missing(t, "the registry is not built ("+err.Error()+"): make node-tools")
+	}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "config.yml")
+	write(t, cfg, fmt.Sprintf("version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: %q\nhttp:\n  addr: %q\n", filepath.Join(dir, "storage"), addr))
+	p, err := childproc.Start("registry", bin, []string{"serve", cfg}, []string{"OTEL_TRACES_EXPORTER=none", "OTEL_SDK_DISABLED=true"}, filepath.Join(dir, "registry.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Stop(5 * time.Second) })
+	poll.Within(t, time.Minute, "the registry answers on "+addr, func() bool {
+		resp, err := http.Get("http://" + addr + "/v2/")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK
+	})
+	return addr
+}
+
+// checkPush: make release-push refuses a registry the release was not
+// made for, then pushes the image and the chart and prints their digests;
+// the registry then serves the index under the release's tag, helm pulls
+// the release's chart archive byte for byte, and what README's helm
+// install would apply is the release's manifest.
+func checkPush(t *testing.T, src, registry, digest string, rel map[string][]byte) {
+	t.Helper()
+	out, err := makeRelease(t, src, "release-push", "REGISTRY=other.invalid/x", "PLAIN_HTTP=1")
+	if err == nil || !strings.Contains(out, "push it to REGISTRY="+registry) {
+		t.Errorf("make release-push to another registry: %v, want refused naming %s:\n%s", err, registry, out)
+	}
+	out, err = makeRelease(t, src, "release-push", "REGISTRY="+registry, "PLAIN_HTTP=1")
+	if err != nil {
+		t.Fatalf("make release-push: %v\n%s", err, out)
+	}
+	t.Logf("make release-push:\n%s", out)
+	if !strings.Contains(out, "pushed "+registry+"/ambient-cni@"+digest) || !strings.Contains(out, "Digest: sha256:") {
+		t.Errorf("make release-push did not print the image's digest %s and the chart's", digest)
+	}
+	ref, err := name.ParseReference(registry + "/ambient-cni:" + testVersion)
+	if err != nil {
+		t.Fatal(err)
+	}
+	desc, err := remote.Head(ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if desc.Digest.String() != digest {
+		t.Errorf("the registry's %s is %s, want the release's index %s", ref, desc.Digest, digest)
+	}
+	chartRef := "oci://" + registry + "/charts/ambient-cni"
+	dir := t.TempDir()
+	helm(t, "pull", chartRef, "--version", testVersion, "--plain-http", "-d", dir)
+	tgz := "ambient-cni-" + testVersion + ".tgz"
+	if got, err := os.ReadFile(filepath.Join(dir, tgz)); err != nil || !bytes.Equal(got, rel[tgz]) {
+		t.Errorf("helm pull %s --version %s: %v, not the release's archive", chartRef, testVersion, err)
+	}
+	m := helm(t, "template", "ambient-cni", chartRef, "--version", testVersion, "--plain-http", "--namespace", "istio-system", "--no-hooks")
+	body := func(s string) string { return s[strings.Index(s, "\n---\n"):] }
+	if want := string(rel["ambient-cni.yaml"]); body("\n"+string(m)) != body(want) {
+		t.Errorf("the pushed chart with its defaults does not render the release's manifest (first difference at line %d)", firstDiffLine(body("\n"+string(m)), body(want)))
+	}
+}
+
+// helm runs the cached helm with its cache and config in a temporary
+// directory, so nothing of the user's is read or written.
+func helm(t *testing.T, args ...string) []byte {
+	t.Helper()
+	bin := kubeenv.RequireTool(t, kubeenv.Helm)
+	home := t.TempDir()
+	cmd := exec.Command(bin, args...)
+	cmd.Env = append(os.Environ(),
+		"HELM_CACHE_HOME="+filepath.Join(home, "cache"),
+		"HELM_CONFIG_HOME="+filepath.Join(home, "config"),
+		"HELM_DATA_HOME="+filepath.Join(home, "data"),
+		"KUBECONFIG="+filepath.Join(home, "no-kubeconfig"))
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("helm %s: %v\n%s", strings.Join(args, " "), err, stderr.String())
+	}
+	return stdout.Bytes()
 }
 
 var imageLine = regexp.MustCompile(`(?m)^\s*image:\s*"?([^"\s]+)"?\s*$`)
@@ -372,7 +492,7 @@ func untar(t *testing.T, b []byte) map[string]*struct {
 
 // checkChart: the chart's version is the release's and its default image
 // the index by digest in the release's registry.
-func checkChart(t *testing.T, tgz []byte, digest string) {
+func checkChart(t *testing.T, tgz []byte, registry, digest string) {
 	t.Helper()
 	if tgz == nil {
 		t.Fatal("no chart archive")
@@ -394,8 +514,8 @@ func checkChart(t *testing.T, tgz []byte, digest string) {
 	if chart.Version != testVersion || chart.AppVersion != testVersion {
 		t.Errorf("chart version %s appVersion %s, want %s", chart.Version, chart.AppVersion, testVersion)
 	}
-	if values.Image.Repository != testRegistry+"/ambient-cni" || values.Image.Digest != digest || values.Image.Tag != "" {
-		t.Errorf("the chart's default image %+v, want %s/ambient-cni@%s", values.Image, testRegistry, digest)
+	if values.Image.Repository != registry+"/ambient-cni" || values.Image.Digest != digest || values.Image.Tag != "" {
+		t.Errorf("the chart's default image %+v, want %s/ambient-cni@%s", values.Image, registry, digest)
 	}
 }
 
