@@ -19,7 +19,8 @@ E2E_TIMEOUT   ?= 45m
 KEEP          ?=
 # The version every binary, the image and the chart carry: git describe
 # of the checkout (a tag, or tag-N-gCOMMIT, -dirty with local changes),
-# else a VERSION file, else dev. COMMIT is the full commit.
+# else the VERSION file, else dev. COMMIT is the full commit. make release
+# is different: a release is exactly the VERSION file (docs/release.md).
 VERSION       ?= $(shell git describe --tags --always --dirty 2>/dev/null || cat VERSION 2>/dev/null || echo dev)
 COMMIT        ?= $(shell git rev-parse HEAD 2>/dev/null || echo unknown)
 BUILDINFO     := github.com/ambient-cni/ambient-cni/pkg/buildinfo
@@ -29,7 +30,7 @@ STAMP_LDFLAGS := -X $(BUILDINFO).version=$(VERSION) -X $(BUILDINFO).commit=$(COM
 PLUGIN_LDFLAGS := -s -w $(STAMP_LDFLAGS)
 AGENT_LDFLAGS  := -s -w $(STAMP_LDFLAGS)
 
-.PHONY: deps flake archcheck tidy check check-tools all build version image image-push image-tools chart chart-push tools peer-tools node-tools bench bench-scale bench-agents test test-long test-unit fuzz e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: deps flake archcheck tidy check check-tools all build version image image-push image-tools chart chart-push kubectl-plugins release release-push test-release tools peer-tools node-tools bench bench-scale bench-agents test test-long test-unit fuzz e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -70,17 +71,20 @@ image-push: ## push $(IMAGE_DIR) (make image) to REGISTRY as ambient-cni:$(IMAGE
 	$(GO) run ./hack/imagebuild push -layout $(IMAGE_DIR) -ref '$(REGISTRY)/ambient-cni:$(IMAGE_TAG)'
 
 # make chart: the chart packaged with the same version. A chart version
-# must be SemVer: VERSION without its v, or 0.0.0-VERSION when VERSION is
-# not a tag (a bare commit). appVersion, and so the image tag the chart
-# uses by default, is VERSION itself.
-CHART_VERSION ?= $(shell v='$(VERSION)'; case "$$v" in (v[0-9]*) echo "$${v#v}";; (*) echo "0.0.0-$$v";; esac)
+# must be SemVer: VERSION itself when it is (a release's X.Y.Z), without
+# its v for a tag (v1.2.3), or 0.0.0-VERSION when VERSION is not a tag (a
+# bare commit). appVersion, and so the image tag the chart uses by
+# default, is VERSION itself. CHART_SRC: make release packages a copy
+# whose default image is the release's.
+CHART_VERSION ?= $(shell v='$(VERSION)'; case "$$v" in ([0-9]*.[0-9]*.[0-9]*) echo "$$v";; (v[0-9]*) echo "$${v#v}";; (*) echo "0.0.0-$$v";; esac)
 CHART_OUT     ?= $(BIN)/chart
+CHART_SRC     ?= deploy/charts/ambient-cni
 
 chart: ## lint and package the chart as $(CHART_OUT)/ambient-cni-$(CHART_VERSION).tgz (version and appVersion from VERSION); builds helm if needed
 	GO='$(GO)' hack/kube-tools.sh helm
 	@helm=$$(hack/kube-tools.sh --path helm); set -e; \
-	$$helm lint --strict deploy/charts/ambient-cni; \
-	$$helm package deploy/charts/ambient-cni --version '$(CHART_VERSION)' --app-version '$(VERSION)' -d $(CHART_OUT)
+	$$helm lint --strict $(CHART_SRC); \
+	$$helm package $(CHART_SRC) --version '$(CHART_VERSION)' --app-version '$(VERSION)' -d $(CHART_OUT)
 
 # make chart-push puts the chart beside the image, under charts/ (as
 # Istio publishes its charts): helm install oci://$(REGISTRY)/charts/ambient-cni.
@@ -94,6 +98,37 @@ chart-push: ## push the packaged chart (make chart) to REGISTRY as an OCI artifa
 
 version: ## print the version make stamps into the binaries, the image and the chart
 	@echo $(VERSION)
+
+# make kubectl-plugins: the kubectl plugin for every platform operators
+# run kubectl on, static, as make build stamps it.
+PLUGIN_PLATFORMS ?= linux/amd64 linux/arm64 darwin/amd64 darwin/arm64
+
+kubectl-plugins: ## build the kubectl plugin for $(PLUGIN_PLATFORMS) into $(BIN)/kubectl-OS-ARCH/
+	@set -e; for p in $(PLUGIN_PLATFORMS); do \
+		os=$${p%/*}; arch=$${p#*/}; echo "building the kubectl plugin for $$os/$$arch"; \
+		CGO_ENABLED=0 GOOS=$$os GOARCH=$$arch $(GO) build -trimpath -ldflags='$(AGENT_LDFLAGS)' -o $(BIN)/kubectl-$$os-$$arch/kubectl-ambient_cni ./cmd/kubectl-ambient_cni; \
+	done
+
+# make release: everything a release ships, from a clean tree, into
+# RELEASE_DIR (gitignored); the version is the VERSION file's, and
+# VERSION=X.Y.Z on the command line must agree with it. REGISTRY is where
+# make release-push will push (the operator's own registry until the
+# project publishes one): the chart's default image and the manifest name
+# REGISTRY/ambient-cni by digest. Archive times are SOURCE_DATE_EPOCH, by
+# default the commit's time; hack/release.sh says every step and
+# docs/release.md how to cut a release.
+RELEASE_VERSION = $(shell cat VERSION 2>/dev/null)
+RELEASE_DIR   ?= $(BIN)/release/$(RELEASE_VERSION)
+# krew's uri: where the kubectl plugin's archives are published.
+KREW_URL      ?= $(IMAGE_SOURCE)/releases/download/v$(RELEASE_VERSION)
+
+release: ## from a clean tree: the image index, chart, digest-pinned manifest, kubectl plugin archives + krew manifest, notes and SHA256SUMS of the VERSION file's version, for REGISTRY, into bin/release/VERSION (reproducible)
+	@GO='$(GO)' MAKE='$(MAKE)' VERSION_ARG='$(if $(filter command line environment,$(origin VERSION)),$(VERSION))' \
+	REGISTRY='$(REGISTRY)' RELEASE_DIR='$(RELEASE_DIR)' KREW_URL='$(KREW_URL)' IMAGE_SOURCE='$(IMAGE_SOURCE)' \
+	IMAGE_ARCHES='$(IMAGE_ARCHES)' PLUGIN_PLATFORMS='$(PLUGIN_PLATFORMS)' hack/release.sh build
+
+release-push: ## push make release's image and chart to REGISTRY (the one the release was made for) and print their digests
+	@GO='$(GO)' MAKE='$(MAKE)' REGISTRY='$(REGISTRY)' RELEASE_DIR='$(RELEASE_DIR)' PLAIN_HTTP='$(PLAIN_HTTP)' hack/release.sh push
 
 tools: ## build etcd, kube-apiserver, helm and promtool (the alert rules' tests) from the Go module proxy into the tools cache (minutes the first time, with a line every 30 s saying the time left; then cached)
 	GO='$(GO)' hack/kube-tools.sh
@@ -191,8 +226,15 @@ demo: deps node-tools $(BIN)/ambient-node ## as root: a real kubelet + container
 demo-down: $(BIN)/ambient-node ## tear down a node whose demo was killed (Ctrl-C tears down by itself)
 	$(BIN)/ambient-node down
 
-e2e: node-tools peer-tools ## as root: the end-to-end tests on a real node (kubelet, containerd, helm-installed DaemonSet; Istio's istio-cni for the switch from it)
+e2e: node-tools peer-tools image-tools ## as root: the end-to-end tests on a real node (kubelet, containerd, helm-installed DaemonSet; Istio's istio-cni for the switch from it)
 	$(GO) test -tags realnode -count=1 -timeout $(E2E_TIMEOUT) -p 1 -v ./test/realnode/...
+
+# make test-release builds a whole release twice and compares the two
+# (test/release): minutes warm, and the first darwin builds of a cold
+# cache many more, so make check leaves it to the release's own checks
+# (docs/release.md); make test runs its refusals.
+test-release: image-tools ## build make release twice into two trees and compare every artifact byte for byte, then push to a loopback registry and pull it back
+	AMBIENT_TEST_RELEASE=1 $(GO) test -count=1 -timeout 30m -v -run '^TestReleaseReproducible$$' ./test/release/
 
 # make flake RUN=TestX PKG=./test/chaos/ [N=20] [LOAD=2] [TAGS=realnode]:
 # one test run N times, under LOAD busy loops (hack/flake.sh).

@@ -58,3 +58,23 @@ func TestChartPackage(t *testing.T) {
 		t.Errorf("packaged chart deploys image %s, want the tag v1.2.3-rc.1 (appVersion)", img)
 	}
 }
+
+// The VERSION file is the one source of a release's version: the source
+// tree's chart (and so deploy/manifests' labels and image tag) carries
+// the same, as version and appVersion.
+func TestChartVersionIsVersionFile(t *testing.T) {
+	b, err := os.ReadFile(filepath.Join(repoRoot(t), "VERSION"))
+	if err != nil {
+		t.Fatalf("%v: the VERSION file holds the version a release carries", err)
+	}
+	v := strings.TrimSpace(string(b))
+	out, err := helm(t, "show", "chart", chartDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"\nversion: " + v + "\n", "\nappVersion: " + v + "\n"} {
+		if !strings.Contains("\n"+string(out), want) {
+			t.Errorf("Chart.yaml lacks %q: set its version and appVersion to the VERSION file's %s (then make manifests)", strings.TrimSpace(want), v)
+		}
+	}
+}

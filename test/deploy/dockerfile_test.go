@@ -3,6 +3,7 @@ package deploy
 import (
 	"encoding/json"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -17,6 +18,8 @@ type dockerfile struct {
 	entrypoint []string
 	packages   []string // apt-get install
 	runs       []string
+	// versionArgs are the ARG VERSION lines' arguments (VERSION=default).
+	versionArgs []string
 }
 
 func parseDockerfile(t testing.TB) dockerfile {
@@ -65,6 +68,10 @@ func parseDockerfile(t testing.TB) dockerfile {
 			if len(f) == 3 && strings.HasPrefix(f[0], "--from=") {
 				d.copies[f[2]] = f[1]
 			}
+		case "ARG":
+			if rest == "VERSION" || strings.HasPrefix(rest, "VERSION=") {
+				d.versionArgs = append(d.versionArgs, rest)
+			}
 		case "ENTRYPOINT":
 			if err := json.Unmarshal([]byte(rest), &d.entrypoint); err != nil {
 				t.Fatalf("ENTRYPOINT %s: want exec form: %v", rest, err)
@@ -109,6 +116,41 @@ func TestDockerfileMatchesChart(t *testing.T) {
 	for _, p := range []string{"iptables", "nftables", "ipset"} {
 		if !slices.Contains(d.packages, p) {
 			t.Errorf("image lacks Debian package %s (installs %v)", p, d.packages)
+		}
+	}
+}
+
+// docker build without --build-arg VERSION fails, before downloading
+// anything, with the argument to pass, rather than stamp a made-up
+// version (a label cannot read the VERSION file); given one, it goes on.
+func TestDockerfileNeedsVersion(t *testing.T) {
+	d := parseDockerfile(t)
+	if len(d.versionArgs) != 2 {
+		t.Fatalf("ARG VERSION lines %q, want one per stage", d.versionArgs)
+	}
+	for _, a := range d.versionArgs {
+		if a != "VERSION" {
+			t.Errorf("ARG %s: want no default (a default version is made up)", a)
+		}
+	}
+	var guard string
+	for _, r := range d.runs {
+		if strings.Contains(r, "--build-arg VERSION=") {
+			guard = r
+		}
+	}
+	if guard == "" {
+		t.Fatal("no RUN refuses a build without VERSION")
+	}
+	for _, v := range []string{"", "1.2.3"} {
+		cmd := exec.Command("sh", "-c", guard)
+		cmd.Env = []string{"VERSION=" + v}
+		out, err := cmd.CombinedOutput()
+		if v == "" && (err == nil || !strings.Contains(string(out), "needs --build-arg VERSION=$(cat VERSION)")) {
+			t.Errorf("without VERSION: %v %q, want refused naming the argument", err, out)
+		}
+		if v != "" && err != nil {
+			t.Errorf("VERSION=%s: %v %q", v, err, out)
 		}
 	}
 }
