@@ -207,23 +207,22 @@ func (c *Cluster) await(resource, namespace, name, what string, cond func() bool
 		if a.GetResource().Resource != resource || a.GetNamespace() != namespace {
 			continue
 		}
+		switch a.GetVerb() {
+		case "create", "update", "patch", "delete":
+		default:
+			continue
+		}
+		n := ""
 		switch a := a.(type) {
-		case k8stesting.CreateAction:
-			if m, err := meta.Accessor(a.GetObject()); err == nil && m.GetName() == name {
-				writes = append(writes, a.GetVerb())
+		case k8stesting.CreateAction: // an update too: both carry the object
+			if m, err := meta.Accessor(a.GetObject()); err == nil {
+				n = m.GetName()
 			}
-		case k8stesting.UpdateAction:
-			if m, err := meta.Accessor(a.GetObject()); err == nil && m.GetName() == name {
-				writes = append(writes, a.GetVerb())
-			}
-		case k8stesting.PatchAction:
-			if a.GetName() == name {
-				writes = append(writes, a.GetVerb())
-			}
-		case k8stesting.DeleteAction:
-			if a.GetName() == name {
-				writes = append(writes, a.GetVerb())
-			}
+		case interface{ GetName() string }: // a patch or a delete
+			n = a.GetName()
+		}
+		if n == name {
+			writes = append(writes, a.GetVerb())
 		}
 	}
 	obj := strings.TrimSuffix(resource, "s") + " " + path.Join(namespace, name)
