@@ -20,6 +20,7 @@ import (
 
 	"github.com/containernetworking/plugins/pkg/ns"
 	"golang.org/x/sys/unix"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
@@ -52,22 +53,12 @@ func newHarness(t *testing.T) *harness {
 	testnet.RequireRoot(t)
 	h := &harness{rules: newRecordedRules(), zt: &fakeZtunnel{}, ann: &fakeAnnotator{}, probe: &fakeProbe{ips: map[netip.Addr]bool{}}, dir: t.TempDir(),
 		kube: fakecluster.New(t, podcache.Config{Policy: enablement.DefaultPolicy()})}
-	// Writes reach the pod objects, as through the API server.
+	// Writes reach the pod objects as the agent's patch does: never to a
+	// pod that is gone or replaced (a NotFound then, as from the patch).
 	h.ann.onWrite = func(namespace, name string, uid types.UID, value string) {
-		p, err := h.kube.Cache.Pod(namespace, name)
-		if err != nil || p.UID != uid {
-			return
+		if err := h.kube.AnnotatePod(namespace, name, uid, ambient.RedirectionAnnotation, value); err != nil && !apierrors.IsNotFound(err) {
+			t.Errorf("carry the annotator's write to the pod: %v", err)
 		}
-		p = p.DeepCopy()
-		if p.Annotations == nil {
-			p.Annotations = map[string]string{}
-		}
-		if value == "" {
-			delete(p.Annotations, ambient.RedirectionAnnotation)
-		} else {
-			p.Annotations[ambient.RedirectionAnnotation] = value
-		}
-		h.kube.SetPod(p)
 	}
 	a, err := NewAgent(h.config())
 	if err != nil {

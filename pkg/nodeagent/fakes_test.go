@@ -12,8 +12,11 @@ import (
 
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
+	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
@@ -290,6 +293,34 @@ func (a *fakeAnnotator) SetRedirection(ctx context.Context, namespace, name stri
 		onWrite(namespace, name, uid, value)
 	}
 	return nil
+}
+
+// TestAnnotatorWriteLeavesDeletedPodGone: the harness carries the
+// annotator's writes to the pod object as the agent's uid-preconditioned
+// patch would, so a write that races the pod's delete fails rather than
+// creating the pod again (which left a test waiting for a delete the
+// cache then never showed).
+func TestAnnotatorWriteLeavesDeletedPodGone(t *testing.T) {
+	h := newHarness(t)
+	h.kube.SetPod(pod("shop", "web", "u1", nil))
+	pods := corev1.SchemeGroupVersion.WithResource("pods")
+	// The delete lands after the write has read the pod, before it writes.
+	var once sync.Once
+	h.kube.Client.PrependReactor("*", "pods", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		if a.GetVerb() != "update" && a.GetVerb() != "patch" {
+			return false, nil, nil
+		}
+		once.Do(func() {
+			if err := h.kube.Client.Tracker().Delete(pods, "shop", "web"); err != nil {
+				t.Errorf("delete the pod: %v", err)
+			}
+		})
+		return false, nil, nil
+	})
+	_ = h.ann.SetRedirection(context.Background(), "shop", "web", "u1", ambient.RedirectionEnabled)
+	if _, err := h.kube.Client.Tracker().Get(pods, "shop", "web"); !apierrors.IsNotFound(err) {
+		t.Fatalf("after a write that raced its delete the pod is in the API server again (get: %v)", err)
+	}
 }
 
 func (a *fakeAnnotator) history(uid types.UID) string {
