@@ -179,6 +179,8 @@ func New(o Options) (*App, error) {
 	if err != nil {
 		return nil, err
 	}
+	// The one event recorder (its broadcaster runs from here): every part
+	// records through it, Run starts and stops it.
 	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
 	var istioGone func(string) error
 	if c.IstioCNIRunDir != "" {
@@ -231,7 +233,6 @@ func New(o Options) (*App, error) {
 		// previous agent crashed first) is enabled once a snapshot acks it.
 		SnapshotAcked: func(uid string, netns *os.File) { a.agent.SnapshotAcked(uid, netns) },
 	})
-	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
 	// Which netns paths the runtime may name (the agent's DELs and the
 	// plugin's events alike), and how running pods' namespaces are found
 	// (the controller's enrollment and the explainer alike).
