@@ -252,7 +252,7 @@ func TestUninstallOrderDocumented(t *testing.T) {
 		{"The uninstall marker", []string{"uninstall marker written"}},
 		{"The plugin is unchained", []string{"plugin unchained"}},
 		{"The captured pods are released", []string{"pods released"}},
-		{"The rest: the host probe SNAT, the agent's node files and directories, and last the marker",
+		{"The rest: the host probe SNAT, the agent's node files",
 			[]string{"host probe SNAT removed", "node files removed", "node directories put back", "uninstall marker removed"}},
 	}
 	items := mdItems(t, filepath.Join("..", "..", "..", "docs", "deploy.md"), "## Uninstall")

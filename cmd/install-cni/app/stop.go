@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
@@ -177,7 +176,11 @@ func (a *App) uninstallSteps(decided context.Context, cs *components) []step {
 			return unchain(ctx)
 		}},
 		{name: "host probe SNAT removed", goOn: true, do: func(context.Context) error { return a.agent.RemoveHostProbe() }},
-		{name: "node files removed", goOn: true, do: func(context.Context) error { return a.removeNodeFiles() }},
+		{name: "node files removed", goOn: true, do: func(context.Context) error {
+			// The agent is closed and the plugin unchained: neither reads
+			// them any more.
+			return nodefiles.RemoveForUninstall(a.layout)
+		}},
 		{name: "node directories put back", goOn: true, do: func(context.Context) error {
 			return nodedirs.Restore(a.layout.NodeDirsLedger())
 		}},
@@ -191,17 +194,6 @@ func (a *App) uninstallSteps(decided context.Context, cs *components) []step {
 			return err
 		}},
 	}
-}
-
-// removeNodeFiles deletes what the agent and the plugin keep on the node,
-// once the plugin is unchained: neither the heartbeat, the spools nor the
-// snapshot have a reader left.
-func (a *App) removeNodeFiles() error {
-	errs := []error{a.agent.RemoveNodeFiles(), nodefiles.RemoveHeartbeat(a.layout.Heartbeat())}
-	if err := os.RemoveAll(a.layout.AddSpool()); err != nil {
-		errs = append(errs, fmt.Errorf("remove ADD spool: %w", err))
-	}
-	return errors.Join(errs...)
 }
 
 func (a *App) closeAgent(context.Context) error {
