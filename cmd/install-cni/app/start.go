@@ -49,10 +49,10 @@ func (a *App) Run(ctx context.Context) (err error) {
 // startSteps is the start, in order (docs/how-it-works.md "The agent's
 // start" lists the same names): node directories and files first, the
 // components next, then the steps start-up liveness follows (live), and
-// last the sockets and what serves on them. The sockets come after the
-// restore on purpose: ztunnel must not get a snapshot before the pods
-// enrolled by a previous agent are back in the state, or it would drop
-// them all.
+// last the plugin's socket and what serves on both. The ZDS socket is
+// bound first, but served only after the restore: ztunnel must not get a
+// snapshot before the pods enrolled by a previous agent are back in the
+// state, or it would drop them all.
 func (a *App) startSteps(cs *components) []step {
 	c, l := a.cfg, a.layout
 	// waitFor ends its step when done is closed; a component's failure
@@ -74,6 +74,17 @@ func (a *App) startSteps(cs *components) []step {
 			// Private directories for the sockets and the node files,
 			// noted as found so an uninstall leaves them as they were.
 			return nodedirs.Ensure(l.NodeDirsLedger(), l.Dir(), filepath.Dir(c.ZDSSocket))
+		}},
+		{name: "ZDS socket", undo: cs.stopZtunnel, do: func(context.Context) error {
+			// Bound at once, so that a ztunnel that connects meanwhile (after
+			// a reboot both start together) waits in the socket's queue
+			// rather than backing off (up to 15 s, every ADD failing "no
+			// ztunnel connection" until it is back). It gets nothing until
+			// "serve", after the restore.
+			if err := a.zds.Listen(); err != nil {
+				return fmt.Errorf("zds: %w", err)
+			}
+			return nil
 		}},
 		{name: "host probe SNAT", do: func(context.Context) error { return a.agent.EnsureHostProbe() }},
 		{name: "plugin files", do: func(ctx context.Context) error {
@@ -146,12 +157,8 @@ func (a *App) startSteps(cs *components) []step {
 			}
 			return nil
 		}},
-		{name: "listen", live: true, undo: cs.stopZtunnel, do: func(context.Context) error {
-			if err := a.zds.Listen(); err != nil {
-				return fmt.Errorf("zds: %w", err)
-			}
+		{name: "listen", live: true, do: func(context.Context) error {
 			if err := a.server.Listen(); err != nil {
-				_ = a.zds.Close()
 				return fmt.Errorf("event server: %w", err)
 			}
 			return nil
