@@ -227,7 +227,7 @@ func New(o Options) (*App, error) {
 		SocketPath: c.ZDSSocket, Logger: a.log.With("component", "zds"),
 		// Every ztunnel that connects (a restarted one, or ours after an
 		// agent restart) must get the enrolled pods, or it drops them all.
-		// The agent exists before Run lets the server listen.
+		// The agent exists before Run lets the server serve.
 		Snapshot: func() []zds.Workload { return a.agent.Workloads() },
 		// A pod left pending (its ADD timed out waiting for ztunnel, or a
 		// previous agent crashed first) is enabled once a snapshot acks it.

@@ -24,7 +24,7 @@ func TestNewBuildsOneEventRecorder(t *testing.T) {
 	const n = 5
 	for range n {
 		a := testApp(t)
-		a.events.Shutdown() // what Run's start and stop leave
+		a.events.Shutdown() // as the unwind of Run's start does
 	}
 	if err := poll.Wait(t.Context(), poll.Deadline, func() bool { return broadcasters() <= before }); err != nil {
 		t.Errorf("%d Apps built, their event recorders shut down: %d event broadcasters left running (%v)", n, broadcasters()-before, err)

@@ -17,10 +17,11 @@ import (
 )
 
 // Run starts the agent (startSteps), serves until ctx ends or a component
-// fails, then stops (stopSteps): servers stop, the held netns handles are
-// released (rules stay in the pods), and unless this is an upgrade the
-// node goes back to plain networking. Last, once every goroutine using
-// them has stopped, the rules backend's connections are closed.
+// fails, then stops (stop, by upgradeSteps or uninstallSteps): servers
+// stop, the held netns handles are released (rules stay in the pods), and
+// unless this is an upgrade the node goes back to plain networking. Last,
+// once every goroutine using them has stopped, the unwind of the start
+// runs and the rules backend's connections are closed.
 func (a *App) Run(ctx context.Context) (err error) {
 	defer func() {
 		if cerr := a.rules.Close(); cerr != nil {

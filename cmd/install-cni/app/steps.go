@@ -7,7 +7,8 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/health"
 )
 
-// step is one named step of a lifecycle list (startSteps, stopSteps).
+// step is one named step of a lifecycle list (startSteps, upgradeSteps,
+// uninstallSteps).
 type step struct {
 	// name says what the step does, in the words the docs use (the
 	// start-up's liveness names the step it is in by it).
