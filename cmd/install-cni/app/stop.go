@@ -38,9 +38,11 @@ func (a *App) stop(cs *components, runErr error, flush bool) error {
 	ctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
 	defer cancel()
 	upgrade := kubeadapter.IsUpgrade(ctx, a.upgrade, a.log)
-	steps := a.uninstallSteps(ctx, cs)
+	var steps []step
 	if upgrade {
 		steps = a.upgradeSteps(cs, flush && runErr == nil)
+	} else {
+		steps = a.uninstallSteps(ctx, cs)
 	}
 	_, err := runSteps(ctx, steps, nil)
 	a.log.Info("install-cni stopped", "upgrade", upgrade)
