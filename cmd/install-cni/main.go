@@ -1,7 +1,7 @@
 // Command install-cni is the ambient-cni DaemonSet process: it installs
 // the CNI plugin on the node, runs the node agent, and serves health and
-// metrics. The process is assembled in ./app; see docs/install-cni.md for
-// its settings.
+// metrics. The process is assembled in ./app (its package doc maps its
+// files by job); see docs/install-cni.md for its settings.
 package main
 
 import (

@@ -10,7 +10,7 @@
 //   - capture.go, restore.go, remove.go: the ways a pod comes in (Capture,
 //     CHECK), comes back after a restart (Restore, RestoreUnresolved), and
 //     goes out (Unenroll, RemoveSandbox, GC, DrainSpool, Release,
-//     ReleaseAll, ClearStale, RemoveNodeFiles, PodGone).
+//     ReleaseAll, ClearStale, PodGone).
 //   - state.go: reading the enrolled-pod state (the ZDS snapshot, metrics,
 //     Inspect).
 //   - removesteps.go: the steps every way out is made of: removeRules and

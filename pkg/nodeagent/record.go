@@ -228,18 +228,6 @@ func (s *recordStore) load() error {
 	return nil
 }
 
-// removeAll deletes every record and the directory (an uninstall).
-func (s *recordStore) removeAll() error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.gen = map[types.UID]uint64{}
-	s.known = map[types.UID]Record{}
-	if err := os.RemoveAll(s.dir); err != nil {
-		return fmt.Errorf("remove capture records: %w", err)
-	}
-	return nil
-}
-
 func readRecord(p string) (Record, error) {
 	// O_NOFOLLOW: a symlink planted in the directory must not make the
 	// agent read some other file.

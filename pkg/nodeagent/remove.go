@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
-	"os"
 	"slices"
 	"sync"
 	"time"
@@ -436,19 +435,6 @@ func (a *Agent) releaseHeld(uid types.UID) error {
 // annotation writer like every other write.
 func (a *Agent) ClearStale(pod *corev1.Pod) {
 	a.annotations.set(pod.Namespace, pod.Name, pod.UID, "", nil)
-}
-
-// RemoveNodeFiles deletes what the agent and the plugin keep on the node
-// for an uninstall, once the plugin is no longer chained: the capture
-// records, the enablement snapshot and the DEL spool (the plugin's
-// fallbacks while the agent is away). Nothing else in their directory is
-// touched.
-func (a *Agent) RemoveNodeFiles() error {
-	errs := []error{a.records.removeAll(), a.snapshot.Remove()}
-	if err := os.RemoveAll(a.cfg.Layout.DelSpool()); err != nil {
-		errs = append(errs, fmt.Errorf("remove DEL spool: %w", err))
-	}
-	return errors.Join(errs...)
 }
 
 // PodGone is told (podcache OnPodDeleted) that uid's object is gone: what

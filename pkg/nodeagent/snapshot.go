@@ -1,8 +1,6 @@
 package nodeagent
 
 import (
-	"errors"
-	"fmt"
 	"maps"
 	"os"
 	"slices"
@@ -82,22 +80,6 @@ func (w *snapshotWriter) Update(enabled []string, podLevel bool, excluded []stri
 	}
 	w.gen, w.last = next.Generation, next
 	return true, nil
-}
-
-// Remove deletes the snapshot file (for an uninstall); missing is fine.
-func (w *snapshotWriter) Remove() error {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	w.last = nil
-	for _, p := range []string{w.path, w.state} {
-		if p == "" {
-			continue
-		}
-		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return fmt.Errorf("remove enablement snapshot: %w", err)
-		}
-	}
-	return nil
 }
 
 func sortedCopy(s []string) []string {

@@ -47,7 +47,7 @@ type uninstallStep struct {
 }
 
 // uninstallSteps follow the uninstall's order (see install-cni's
-// daemonSetChanged, leave and shutdown): the marker written when the
+// daemonSetChanged and its uninstall's list of steps): the marker written when the
 // DaemonSet is seen being deleted, the SIGTERM and the unchaining, the
 // pods' release, the end; and a random moment.
 var uninstallSteps = []uninstallStep{

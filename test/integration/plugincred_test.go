@@ -80,6 +80,15 @@ func TestChainedWithoutPluginCredential(t *testing.T) {
 		t.Errorf("issued metric %v, want about %d", v, start.Unix())
 	}
 	poll.Until(t, "the agent ready", func() bool { return len(n.d.Ready()) == 0 })
+
+	// An uninstall (this node has no DaemonSet) takes the credential
+	// away with the agent's other node files: once the plugin is
+	// unchained nothing reads it, and an API token has no business on a
+	// node the mesh has left.
+	n.stopDaemon()
+	if _, err := os.Lstat(n.cfg.Layout().PluginCredential()); !os.IsNotExist(err) {
+		t.Errorf("the plugin's credential outlived the uninstall: %v", err)
+	}
 }
 
 func counterValue(t *testing.T, c prometheus.Metric) float64 {

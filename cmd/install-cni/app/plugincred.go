@@ -3,7 +3,6 @@ package app
 import (
 	"context"
 	"errors"
-	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -13,10 +12,6 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
 	"github.com/ambient-cni/ambient-cni/pkg/plugincred"
 )
-
-// fallbackBinaryName is the plugin's second tier, beside the plugin
-// binary in the image.
-const fallbackBinaryName = "ambient-cni-fallback"
 
 // pluginRotator builds the rotator of the plugin's own API credential, or
 // nil when none is configured (no plugin ServiceAccount, or no API
@@ -28,7 +23,7 @@ func (a *App) pluginRotator() *plugincred.Rotator {
 	}
 	m := a.metrics
 	return &plugincred.Rotator{
-		Path: c.Layout().PluginCredential(),
+		Path: a.layout.PluginCredential(),
 		Base: plugincred.File{Server: a.opts.APIServer, CA: string(a.opts.APICA), NodeName: c.NodeName,
 			Policy:    credentialPolicy(c),
 			DaemonSet: daemonSetRef(c)},
@@ -49,8 +44,7 @@ func (a *App) pluginRotator() *plugincred.Rotator {
 // captured never start uncaptured; while the agent is away, pods the
 // snapshot cannot vouch for wait). Failures are logged, not fatal.
 func (a *App) writePluginFiles(ctx context.Context) {
-	c := a.cfg
-	layout := c.Layout()
+	c, layout := a.cfg, a.layout
 	if err := os.MkdirAll(layout.StateDir(), 0o700); err != nil {
 		a.log.Error("state directory", "err", err)
 		return
@@ -58,8 +52,10 @@ func (a *App) writePluginFiles(ctx context.Context) {
 	if err := os.Chmod(layout.StateDir(), 0o700); err != nil {
 		a.log.Error("state directory", "err", err)
 	}
-	src := filepath.Join(filepath.Dir(c.PluginBinary), fallbackBinaryName)
-	if err := copyBinary(src, layout.FallbackBinary()); err != nil {
+	// The fallback binary is beside the plugin binary in the image, under
+	// the name it has in the state directory.
+	src := filepath.Join(filepath.Dir(c.PluginBinary), filepath.Base(layout.FallbackBinary()))
+	if err := atomicfile.CopyFile(src, layout.FallbackBinary(), atomicfile.Options{Mode: 0o700}); err != nil {
 		a.log.Warn("the plugin's fallback binary is not in place; while the agent cannot answer the plugin decides by the snapshot alone", "err", err)
 	}
 	r := a.cred
@@ -86,9 +82,6 @@ func (a *App) writePluginFiles(ctx context.Context) {
 		"err", err, "serviceAccount", c.PluginServiceAccount)
 }
 
-// daemonSetRef names the agent's DaemonSet for the fallback, which checks
-// before a pod waits for an agent that one can still come; nil when the
-// agent does not know its namespace.
 // credentialPolicy is the agent's enablement policy (EnablementPolicy) as
 // the credential carries it to the fallback binary, which decides by it
 // with the same function the agent does.
@@ -102,21 +95,12 @@ func credentialPolicy(c *Config) plugincred.Policy {
 	return out
 }
 
+// daemonSetRef names the agent's DaemonSet for the fallback, which checks
+// before a pod waits for an agent that one can still come; nil when the
+// agent does not know its namespace.
 func daemonSetRef(c *Config) *plugincred.ObjectRef {
 	if c.PodNamespace == "" || c.DaemonSet == "" {
 		return nil
 	}
 	return &plugincred.ObjectRef{Namespace: c.PodNamespace, Name: c.DaemonSet}
-}
-
-// copyBinary replaces dst with src's content, mode 0700, atomically.
-func copyBinary(src, dst string) error {
-	b, err := os.ReadFile(src)
-	if err != nil {
-		return err
-	}
-	if err := atomicfile.WriteFile(dst, b, atomicfile.Options{Mode: 0o700}); err != nil {
-		return fmt.Errorf("copy %s: %w", src, err)
-	}
-	return nil
 }

@@ -1,16 +1,12 @@
 package app
 
 import (
-	"io"
 	"os"
 	"path/filepath"
 	"testing"
 	"time"
 
-	"k8s.io/client-go/kubernetes/fake"
 	"sigs.k8s.io/yaml"
-
-	"github.com/ambient-cni/ambient-cni/pkg/kubeclient/kubeclienttest"
 )
 
 // TestStartupStepBoundShipped pins the shipped start-up bound and what it
@@ -41,25 +37,7 @@ func TestStartupStepBoundShipped(t *testing.T) {
 			restart, startupStepBound, p.PeriodSeconds, p.FailureThreshold)
 	}
 
-	// New touches nothing on the node; it only needs the plugin binary
-	// to exist.
-	dir := t.TempDir()
-	plugin := filepath.Join(dir, "ambient-cni")
-	if err := os.WriteFile(plugin, []byte("#!/bin/sh\n"), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	cfg, err := Parse([]string{"--node-name=x", "--plugin-binary=" + plugin,
-		"--cni-bin-dir=" + filepath.Join(dir, "bin"), "--cni-conf-dir=" + filepath.Join(dir, "net.d"),
-		"--agent-socket=" + filepath.Join(dir, "run", "agent.sock"), "--state-dir=" + filepath.Join(dir, "state"),
-		"--zds-socket=" + filepath.Join(dir, "zds", "ztunnel.sock")}, func(string) string { return "" }, io.Discard)
-	if err != nil {
-		t.Fatal(err)
-	}
-	a, err := New(Options{Config: cfg, Client: kubeclienttest.FromClientset(fake.NewClientset())})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = a.rules.Close() })
+	a := testApp(t)
 	if got := a.startup.Bound(); got != startupStepBound {
 		t.Errorf("an App without a test bound allows a start-up step %v; want the shipped %v", got, startupStepBound)
 	}

@@ -1,0 +1,243 @@
+package app
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
+	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
+	"github.com/ambient-cni/ambient-cni/pkg/nodedirs"
+	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
+)
+
+// shutdownTimeout bounds the upgrade decision with the unchaining that
+// follows it, the startup taint, and the installer's stop.
+const shutdownTimeout = 10 * time.Second
+
+// annotationFlushTimeout bounds the wait for queued annotation writes at
+// shutdown.
+const annotationFlushTimeout = 2 * time.Second
+
+// releaseTimeout bounds releasing the captured pods on an uninstall.
+const releaseTimeout = 12 * time.Second
+
+// ztunnelDelTimeout bounds the wait for ztunnel's acks of the released
+// pods' Dels on an uninstall.
+const ztunnelDelTimeout = 3 * time.Second
+
+// stop stops a started agent. The decision (kubeadapter's DaemonSet check:
+// upgrade or uninstall) is taken first, while every component still runs
+// (the event server answers, the annotation writer writes); then the
+// decision's list runs (upgradeSteps, uninstallSteps), every step whatever
+// an earlier one did. flush: the annotation writes queued by the last
+// captures get a moment on an upgrade (not for a component's failure, nor
+// a stop during the start-up).
+func (a *App) stop(cs *components, runErr error, flush bool) error {
+	ctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
+	defer cancel()
+	upgrade := kubeadapter.IsUpgrade(ctx, a.upgrade, a.log)
+	var steps []step
+	if upgrade {
+		steps = a.upgradeSteps(cs, flush && runErr == nil)
+	} else {
+		steps = a.uninstallSteps(ctx, cs)
+	}
+	_, err := runSteps(ctx, steps, nil)
+	a.log.Info("install-cni stopped", "upgrade", upgrade)
+	return errors.Join(runErr, err)
+}
+
+// upgradeSteps is the stop when the next agent takes over: pods keep their
+// rules, the plugin stays chained and new pods wait for that agent.
+func (a *App) upgradeSteps(cs *components, flush bool) []step {
+	return []step{
+		{name: "uninstall marker the watch wrote removed", goOn: true, do: func(context.Context) error {
+			// The watch may have written it for a deletion the decision
+			// found to be a rename (the other DaemonSet seen late): the
+			// next agent takes the node over, and a marker left behind
+			// would let every pod through in any later outage.
+			if seen := a.upgrade.Seen(); seen == "being deleted" || seen == "deleted" || seen == "replaced" {
+				if had, err := nodefiles.ClearUninstalling(a.layout); err != nil {
+					a.log.Error("upgrade: cannot remove the uninstall marker the DaemonSet watch wrote", "err", err)
+				} else if had {
+					a.log.Info("upgrade: the uninstall marker the DaemonSet watch wrote removed")
+				}
+			}
+			return nil
+		}},
+		{name: "annotation writes flushed", goOn: true, do: func(context.Context) error {
+			if !flush {
+				return nil
+			}
+			// Whatever is left the next agent repairs.
+			fctx, fcancel := context.WithTimeout(context.Background(), annotationFlushTimeout)
+			defer fcancel()
+			if err := a.agent.FlushAnnotations(fctx); err != nil {
+				a.log.Info("annotation writes left to the next agent", "pending", a.agent.PendingAnnotations())
+			}
+			return nil
+		}},
+		{name: "components stopped", goOn: true, do: stopped(cs.stop)},
+		{name: "startup taint", goOn: true, do: func(context.Context) error {
+			if !a.cfg.StartupTaintOnShutdown {
+				return nil
+			}
+			// Before the ZDS server and the installer stop, so that
+			// nothing is scheduled onto the node while it has no agent.
+			ctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
+			defer cancel()
+			added, err := nodetaint.Add(ctx, a.opts.Client, a.cfg.NodeName)
+			if err != nil {
+				return fmt.Errorf("startup taint: %w", err)
+			}
+			if added {
+				a.log.Info("startup taint put back until the next agent is ready", "node", a.cfg.NodeName)
+			}
+			return nil
+		}},
+		{name: "ZDS server stopped", goOn: true, do: stopped(cs.stopZtunnel)},
+		{name: "agent closed", goOn: true, do: a.closeAgent},
+		{name: "installer stopped, the plugin kept", goOn: true, do: func(context.Context) error {
+			ctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
+			defer cancel()
+			if err := a.installer.Shutdown(ctx, true); err != nil {
+				return fmt.Errorf("installer shutdown: %w", err)
+			}
+			return nil
+		}},
+	}
+}
+
+// uninstallSteps is the stop that puts the node back to plain networking,
+// in the order docs/deploy.md "Uninstall" gives: the uninstall marker,
+// then the plugin unchained (both while every component still runs), then
+// the pods released, then the rest and, last, the marker. The marker comes
+// first so that a kill at any later step leaves a plugin that, finding no
+// agent, lets pods through; it goes last, and only once no config names
+// the plugin. Every step runs whatever an earlier one did: an unchaining
+// that failed is tried again once the agent is closed. decided bounds the
+// unchaining with the decision.
+func (a *App) uninstallSteps(decided context.Context, cs *components) []step {
+	unchain := func(ctx context.Context) error {
+		if a.unchained {
+			return nil
+		}
+		if err := a.installer.Shutdown(ctx, false); err != nil {
+			return fmt.Errorf("installer shutdown: %w", err)
+		}
+		a.unchained = true
+		return nil
+	}
+	return []step{
+		{name: "uninstall marker written", goOn: true, do: func(context.Context) error {
+			// From here the DaemonSet watch no longer clears the marker.
+			a.leaving.Store(true)
+			note := fmt.Sprintf("uninstall of ambient-cni from node %s begun by agent pod %s/%s", a.cfg.NodeName, a.cfg.PodNamespace, a.cfg.PodName)
+			if err := nodefiles.MarkUninstalling(a.layout, note); err != nil {
+				// Unchain anyway: a plugin left chained without an agent
+				// blocks the node's pods for good.
+				a.log.Error("uninstall: cannot write the uninstall marker; unchaining the plugin without it", "err", err)
+				return nil
+			}
+			a.log.Info("uninstall: marker written", "marker", a.layout.Uninstalling())
+			return nil
+		}},
+		{name: "plugin unchained", goOn: true, do: func(context.Context) error {
+			if err := unchain(decided); err != nil {
+				return err
+			}
+			a.log.Info("uninstall: plugin unchained; releasing the pods")
+			return nil
+		}},
+		{name: "components stopped", goOn: true, do: stopped(cs.stop)},
+		{name: "pods released", goOn: true, do: func(context.Context) error {
+			// Its own budget (within the chart's 30 s grace period): one
+			// API call and one rule removal per pod.
+			ctx, cancel := context.WithTimeout(context.Background(), releaseTimeout)
+			defer cancel()
+			if err := a.agent.ReleaseAll(ctx); err != nil {
+				return fmt.Errorf("release pods: %w", err)
+			}
+			return nil
+		}},
+		{name: "ztunnel's acks of the Dels", goOn: true, do: func(context.Context) error {
+			ctx, cancel := context.WithTimeout(context.Background(), ztunnelDelTimeout)
+			defer cancel()
+			if err := a.zds.Drain(ctx); err != nil {
+				a.log.Warn("ztunnel did not ack every Del of the released pods; it drops them when it reconnects or stops", "err", err)
+			}
+			return nil
+		}},
+		{name: "ZDS server stopped", goOn: true, do: stopped(cs.stopZtunnel)},
+		{name: "agent closed", goOn: true, do: a.closeAgent},
+		{name: "plugin unchained, second try", goOn: true, do: func(context.Context) error {
+			ctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
+			defer cancel()
+			return unchain(ctx)
+		}},
+		{name: "host probe SNAT removed", goOn: true, do: func(context.Context) error { return a.agent.RemoveHostProbe() }},
+		{name: "node files removed", goOn: true, do: func(context.Context) error {
+			// The agent is closed and the plugin unchained: neither reads
+			// them any more.
+			return nodefiles.RemoveForUninstall(a.layout)
+		}},
+		{name: "node directories put back", goOn: true, do: func(context.Context) error {
+			return nodedirs.Restore(a.layout.NodeDirsLedger())
+		}},
+		{name: "uninstall marker removed", goOn: true, do: func(context.Context) error {
+			// Only once no config names the plugin: until then the marker
+			// is what lets pods through.
+			if !a.unchained {
+				return nil
+			}
+			_, err := nodefiles.ClearUninstalling(a.layout)
+			return err
+		}},
+	}
+}
+
+func (a *App) closeAgent(context.Context) error {
+	_ = a.agent.Close()
+	return nil
+}
+
+// stopped is a step's do that runs f.
+func stopped(f func()) func(context.Context) error {
+	return func(context.Context) error {
+		f()
+		return nil
+	}
+}
+
+// daemonSetChanged follows the DaemonSet watch: a DaemonSet being deleted
+// (helm uninstall's hook deletes it in the foreground before the agents
+// get SIGTERM) or gone means an uninstall, so the marker is written at
+// once and a kill anywhere in the shutdown to come finds it there; one
+// that comes back (deleted and created again, orphaning its pods) or is
+// replaced (another DaemonSet of the chart present: a rename, whose agent
+// takes the node over) takes the marker away, unless this agent already
+// decided to uninstall.
+func (a *App) daemonSetChanged(prev, next string) {
+	layout := a.layout
+	switch {
+	case next == "being deleted" || next == "deleted":
+		note := fmt.Sprintf("agent DaemonSet %s/%s %s, seen by agent pod %s/%s on node %s", a.cfg.PodNamespace, a.cfg.DaemonSet, next, a.cfg.PodNamespace, a.cfg.PodName, a.cfg.NodeName)
+		if err := nodefiles.MarkUninstalling(layout, note); err != nil {
+			a.log.Error("uninstall: cannot write the uninstall marker", "err", err)
+			return
+		}
+		a.log.Info("uninstall: marker written", "why", "agent DaemonSet "+next, "marker", layout.Uninstalling())
+	case (next == "present" || next == "replaced") && (prev == "being deleted" || prev == "deleted") && !a.leaving.Load():
+		why := "is back"
+		if next == "replaced" {
+			why = "replaced by another DaemonSet of the chart"
+		}
+		if had, err := nodefiles.ClearUninstalling(layout); err != nil {
+			a.log.Error("cannot remove the uninstall marker of a DaemonSet that "+why, "err", err)
+		} else if had {
+			a.log.Info("agent DaemonSet " + why + ": uninstall marker removed")
+		}
+	}
+}
