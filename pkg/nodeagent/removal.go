@@ -160,6 +160,9 @@ func planRemoval(ev removal, f lifeFacts) []step {
 		} else {
 			add(stepClearThenRecord)
 		}
+		if f.held && !f.handle {
+			add(stepUnresolvedGone)
+		}
 	case rmRelease:
 		add(stepRules, stepProbeIPs, stepClearThenRecord)
 	case rmUninstall:

@@ -62,7 +62,7 @@ func TestPlanRemoval(t *testing.T) {
 		{"unenroll, held, deleting", rmUnenroll, with(held, func(f *lifeFacts) { f.deleting = true }),
 			[]step{stepRules, stepLeaveState, stepZtunnelDel, stepCloseHandle, stepProbeIPs, stepForgetAnnotation, stepRecord}},
 		{"unenroll, unresolved", rmUnenroll, unresolved,
-			[]step{stepRules, stepLeaveState, stepZtunnelDel, stepCloseHandle, stepProbeIPs, stepClearThenRecord}},
+			[]step{stepRules, stepLeaveState, stepZtunnelDel, stepCloseHandle, stepProbeIPs, stepClearThenRecord, stepUnresolvedGone}},
 		{"unenroll, recorded", rmUnenroll, recorded, []step{stepRulesAtRecord, stepProbeIPs, stepClearThenRecord}},
 		{"unenroll, recorded, deleting", rmUnenroll, with(recorded, func(f *lifeFacts) { f.deleting = true }),
 			[]step{stepRulesAtRecord, stepProbeIPs, stepForgetAnnotation, stepRecord}},
