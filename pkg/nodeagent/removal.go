@@ -404,26 +404,17 @@ func (a *Agent) noteReleased(namespace, name string, uid types.UID, ips []netip.
 	a.noteReleasedLocked(uid, ips, a.podObjectGone(namespace, name, uid))
 }
 
-// clearAnnotationNow removes the pod's redirection annotation with one
-// API request (none for a pod the cache knows is going away).
-func (a *Agent) clearAnnotationNow(ctx context.Context, namespace, name string, uid types.UID) error {
-	if a.cfg.Annotator == nil || a.podDeleting(namespace, name, uid) {
-		return nil
-	}
-	err := a.cfg.Annotator.SetRedirection(ctx, namespace, name, uid, "")
-	if err != nil && !apierrors.IsNotFound(err) {
-		return fmt.Errorf("clear the annotation of %s/%s: %w", namespace, name, err)
-	}
-	return nil
-}
-
 // The facts a plan is made from.
 
-// delFacts reads what a DEL's plan depends on, for pod uid (held by e,
+// delFacts reads what a DEL's (ev's) plan depends on, for pod uid (held by e,
 // nil if not; its record rec, if hasRec). Called with the pod's lock held.
-func (a *Agent) delFacts(uid types.UID, e *entry, rec Record, hasRec bool, d SandboxDel) (lifeFacts, *leaving) {
+func (a *Agent) delFacts(ev removal, uid types.UID, e *entry, rec Record, hasRec bool, d SandboxDel) (lifeFacts, *leaving) {
 	p := &leaving{uid: uid, namespace: d.Namespace, name: d.Name, e: e, rec: rec, hasRec: hasRec, del: d}
-	p.delID, p.delNetns = a.netnsIdentity(d.Netns)
+	// The DEL's namespace is looked at only where the plan depends on it:
+	// a live DEL of a pod captured at its ADD (the common one) needs not.
+	if ev == rmSpooledDel || (e != nil && (e.SandboxID == "" || e.ns == nil)) || (e == nil && hasRec && rec.SandboxID == "") {
+		p.delID, p.delNetns = a.netnsIdentity(d.Netns)
+	}
 	f := lifeFacts{held: e != nil, record: hasRec, delNetns: p.delNetns}
 	switch {
 	case e != nil:

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
@@ -83,7 +84,7 @@ func (a *Agent) removeSandbox(ctx context.Context, d SandboxDel, ev removal) err
 	}
 	uid := a.uidOfDel(d)
 	if uid == "" {
-		f, p := a.delFacts("", nil, Record{}, false, d)
+		f, p := a.delFacts(ev, "", nil, Record{}, false, d)
 		_ = a.runRemoval(ctx, ev, p, planRemoval(ev, f))
 		return nil
 	}
@@ -91,7 +92,7 @@ func (a *Agent) removeSandbox(ctx context.Context, d SandboxDel, ev removal) err
 	defer unlock()
 	e := a.get(uid)
 	rec, hasRec := a.records.get(uid)
-	f, p := a.delFacts(uid, e, rec, hasRec, d)
+	f, p := a.delFacts(ev, uid, e, rec, hasRec, d)
 	if e != nil && !f.named {
 		a.log.Debug("DEL of another sandbox of an enrolled pod; enrollment kept", "uid", uid, "sandbox", d.SandboxID, "enrolled_sandbox", e.SandboxID, "enrolled_netns", e.Netns)
 	}
@@ -258,6 +259,19 @@ func (a *Agent) uninstallOne(ctx context.Context, uid types.UID, rec *Record) er
 	}
 	f := lifeFacts{held: e != nil, handle: e != nil && e.ns != nil, record: p.hasRec}
 	return a.runRemoval(ctx, rmUninstall, p, planRemoval(rmUninstall, f))
+}
+
+// clearAnnotationNow removes the pod's redirection annotation with one
+// API request (none for a pod the cache knows is going away).
+func (a *Agent) clearAnnotationNow(ctx context.Context, namespace, name string, uid types.UID) error {
+	if a.cfg.Annotator == nil || a.podDeleting(namespace, name, uid) {
+		return nil
+	}
+	err := a.cfg.Annotator.SetRedirection(ctx, namespace, name, uid, "")
+	if err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("clear the annotation of %s/%s: %w", namespace, name, err)
+	}
+	return nil
 }
 
 // ClearStale removes the redirection annotation of a pod the agent neither
