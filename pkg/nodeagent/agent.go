@@ -294,40 +294,6 @@ func (a *Agent) PendingAnnotations() int {
 	return a.annotations.pending()
 }
 
-// lock takes uid's pod lock: work on one pod is serialized while
-// different pods proceed in parallel. The life lives at least until the
-// returned unlock.
-func (a *Agent) lock(uid types.UID) (unlock func()) {
-	a.mu.Lock()
-	l := a.lifeLocked(uid)
-	l.refs++
-	a.mu.Unlock()
-	l.mu.Lock()
-	return func() {
-		l.mu.Unlock()
-		a.mu.Lock()
-		l.refs--
-		a.tidyLocked(l)
-		a.mu.Unlock()
-	}
-}
-
-// get returns the entry uid is held by (or being captured with), if any.
-func (a *Agent) get(uid types.UID) *entry {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if l := a.lives[uid]; l != nil {
-		return l.entry
-	}
-	return nil
-}
-
-func (a *Agent) ruleError(op string) {
-	if a.cfg.OnRuleError != nil {
-		a.cfg.OnRuleError(op)
-	}
-}
-
 // wantAnnotation hands the pod's wanted annotation value to the writer.
 func (a *Agent) wantAnnotation(e *EnrolledPod, value PodState, then func()) {
 	a.annotations.set(e.Namespace, e.Name, e.UID, string(value), then)

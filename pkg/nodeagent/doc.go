@@ -2,25 +2,29 @@
 // wired by install-cni and driven by the pod controller too.
 //
 // Which file holds what, callers first: a file calls only files below it,
-// never one above it or beside it on the same line.
+// never one above it or beside it on the same line (go run ./hack/walk
+// measures each event's walk through them; docs/architecture.md has the
+// figures).
 //
-//   - server.go, verify.go: the plugin's requests on the agent's Unix
-//     socket (ADD, CHECK, DEL, GC, STATUS), the heartbeat and the
-//     ADD-spool re-check; the verifier's way in (InPod, Recapture).
+//   - server.go, verify.go, delqueue.go: the plugin's requests on the
+//     agent's Unix socket (ADD, CHECK, DEL, GC, STATUS), the heartbeat and
+//     the ADD-spool re-check; the verifier's way in (InPod, Recapture); the
+//     DEL queue, which replays the DELs the plugin spooled (DrainSpool,
+//     RunSpoolDrain).
 //   - capture.go, restore.go, remove.go: the ways a pod comes in (Capture,
 //     CHECK), comes back after a restart (Restore, RestoreUnresolved), and
-//     goes out (Unenroll, RemoveSandbox, GC, DrainSpool, Release,
-//     ReleaseAll, ClearStale, PodGone).
+//     goes out (Unenroll, RemoveSandbox, GC, Release, ReleaseAll,
+//     ClearStale, PodGone).
 //   - state.go: reading the enrolled-pod state (the ZDS snapshot, metrics,
 //     Inspect).
-//   - removesteps.go: the steps every way out is made of: removeRules and
-//     removeRulesAt (our rules), forget and drop (the state, ztunnel, the
-//     handle), releaseRecord (a pod known only by its capture record),
-//     clearThenForget and clearAnnotationNow (the annotation, then the
-//     record), noteReleased and markTorn (what a DEL leaves remembered).
+//   - removal.go: every way out as a plan, then its execution: the facts
+//     a plan depends on (which pod a DEL names, whether it names its
+//     sandbox, what the pod cache says), planRemoval (pure: an event and
+//     the facts to an ordered list of steps) and runRemoval, which carries
+//     the steps out.
 //   - probeset.go, spool.go: the host's kubelet-probe SNAT set; draining
-//     the plugin's spools.
-//   - agent.go: the Agent, its Config and types, the per-pod lock.
+//     one of the plugin's spools.
+//   - agent.go: the Agent, its Config and types.
 //   - life.go, annotations.go, record.go, snapshot.go, errors.go: each
 //     pod's life (podLife: its lock, state, held entry and what a DEL left
 //     remembered) and transit, the one function that changes its state,
@@ -33,14 +37,15 @@
 // the capture record, applies the rules, adds the pod's IPs to the probe
 // set, hands the pod to ztunnel, and queues the annotation.
 //
-// The removal path: a CNI DEL (RemoveSandbox; also replayed from the DEL
-// spool, or for sandboxes GC finds gone) lets the rules go with the
+// The removal path: a CNI DEL (RemoveSandbox; also replayed by the DEL
+// queue, or for sandboxes GC finds gone) lets the rules go with the
 // namespace and forgets the pod: state, ztunnel, probe set, record, no API
-// request. The controller's Unenroll and the startup Release remove the
-// rules first, then the probe-set IPs, then the annotation, and only then
-// the record, so every crash point is one the next agent repairs.
-// ReleaseAll does the same for every pod at an uninstall. A pod known only
-// by its record goes through releaseRecord.
+// request; a replayed DEL first removes our rules from a namespace the
+// runtime left in place. The controller's Unenroll and the startup
+// Release remove the rules first, then the probe-set IPs, then the
+// annotation, and only then the record, so every crash point is one the
+// next agent repairs. ReleaseAll does the same for every pod at an
+// uninstall. A pod known only by its record is released through it.
 //
 // Namespaces themselves (the held handles, which paths the plugin may name,
 // finding running pods' namespaces in /proc) are pkg/netns's.

@@ -80,3 +80,11 @@ func IsMismatch(err error) bool {
 	var m *MismatchError
 	return errors.As(err, &m)
 }
+
+// ruleError tells OnRuleError (the metrics) about a failed rule
+// operation: "apply", "verify", "remove", "probe".
+func (a *Agent) ruleError(op string) {
+	if a.cfg.OnRuleError != nil {
+		a.cfg.OnRuleError(op)
+	}
+}

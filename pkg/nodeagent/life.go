@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"iter"
 	"net/netip"
+	"slices"
 	"sync"
 	"time"
 
@@ -209,4 +210,111 @@ const tornTTL = time.Minute
 type tornMark struct {
 	at  time.Time
 	ips []netip.Addr
+}
+
+// lock takes uid's pod lock: work on one pod is serialized while
+// different pods proceed in parallel. The life lives at least until the
+// returned unlock.
+func (a *Agent) lock(uid types.UID) (unlock func()) {
+	a.mu.Lock()
+	l := a.lifeLocked(uid)
+	l.refs++
+	a.mu.Unlock()
+	l.mu.Lock()
+	return func() {
+		l.mu.Unlock()
+		a.mu.Lock()
+		l.refs--
+		a.tidyLocked(l)
+		a.mu.Unlock()
+	}
+}
+
+// get returns the entry uid is held by (or being captured with), if any.
+func (a *Agent) get(uid types.UID) *entry {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if l := a.lives[uid]; l != nil {
+		return l.entry
+	}
+	return nil
+}
+
+// noteReleasedLocked remembers that the runtime removed uid's captured
+// sandbox, which had ips, unless the pod's object is gone (the caller
+// asked the pod cache with a.mu held; see noteReleased), and forgets the
+// marks older than releasedTTL. a.mu is held.
+func (a *Agent) noteReleasedLocked(uid types.UID, ips []netip.Addr, objectGone bool) {
+	now := time.Now()
+	for _, l := range a.lives {
+		if l.sandboxGone != nil && now.Sub(l.sandboxGone.at) > releasedTTL {
+			l.sandboxGone = nil
+			a.tidyLocked(l)
+		}
+	}
+	if objectGone {
+		return
+	}
+	a.lifeLocked(uid).sandboxGone = &releasedSandbox{at: now, ips: slices.Clone(ips)}
+}
+
+// markTorn notes that the runtime is tearing down pod uid's sandbox, whose
+// namespace is id and whose IPs were ips.
+func (a *Agent) markTorn(id netns.Identity, uid types.UID, ips []netip.Addr) {
+	now := time.Now()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.pruneTornLocked(now)
+	l := a.lifeLocked(uid)
+	if l.torn == nil {
+		l.torn = map[netns.Identity]tornMark{}
+	}
+	l.torn[id] = tornMark{at: now, ips: slices.Clone(ips)}
+}
+
+// pruneTornLocked drops the marks older than tornTTL: a DEL that came after
+// its pod's object was gone (PodGone ran first) leaves a mark only time
+// removes. a.mu is held.
+func (a *Agent) pruneTornLocked(now time.Time) {
+	for _, l := range a.lives {
+		for id, m := range l.torn {
+			if now.Sub(m.at) > tornTTL {
+				delete(l.torn, id)
+			}
+		}
+		a.tidyLocked(l)
+	}
+}
+
+// tornDown reports whether a CNI DEL lately tore down pod uid's sandbox
+// whose namespace is ns. The pod counts, not only the identity: once a
+// namespace is freed the kernel reuses its inode number, so another pod's
+// new namespace can carry a torn one's identity within the minute (seen
+// in make bench: 500 new pods after hundreds of DELs, some refused for a
+// minute). So can the same pod's next sandbox, started right after the
+// DEL (one no ADD brought to the agent, while our plugin was not chained:
+// seen on the real node, the pod left uncaptured for the minute): a
+// namespace holding an address the torn sandbox did not have is that new
+// one, not the torn one, whose interfaces the primary's DEL removes.
+func (a *Agent) tornDown(ns *netns.Handle, uid types.UID) bool {
+	a.mu.Lock()
+	var m tornMark
+	ok := false
+	if l := a.lives[uid]; l != nil {
+		m, ok = l.torn[ns.Identity()]
+	}
+	a.mu.Unlock()
+	if !ok || time.Since(m.at) > tornTTL {
+		return false
+	}
+	if len(m.ips) == 0 {
+		return true
+	}
+	have, err := netns.Addrs(ns.File())
+	if err != nil {
+		return true
+	}
+	return !slices.ContainsFunc(have, func(h netip.Addr) bool {
+		return h.IsGlobalUnicast() && !slices.Contains(m.ips, h)
+	})
 }

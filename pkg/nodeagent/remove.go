@@ -4,18 +4,16 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"net/netip"
 	"slices"
 	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
-	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 )
 
@@ -34,43 +32,19 @@ import (
 // netns (Unresolved) has no handle: our rules go from the namespace its
 // record names if that still exists (the controller unenrolls such a pod
 // only once its sandbox is gone, and otherwise finds its netns and
-// restores it first). An unknown uid is fine.
+// restores it first). An unknown uid is fine. See planRemoval.
 func (a *Agent) Unenroll(ctx context.Context, uid types.UID) error {
 	unlock := a.lock(uid)
 	defer unlock()
 	e := a.get(uid)
-	if e == nil {
-		if rec, ok := a.records.get(uid); ok {
-			a.releaseRecord(rec, releaseUnenroll)
-		}
-		return nil
+	rec, hasRec := a.records.get(uid)
+	p := &leaving{uid: uid, e: e, rec: rec, hasRec: hasRec, namespace: rec.Namespace, name: rec.Name, ips: rec.IPs}
+	if e != nil {
+		p.namespace, p.name, p.ns, p.ips = e.Namespace, e.Name, e.ns, e.IPs
 	}
-	log := a.log.With("pod", e.Namespace+"/"+e.Name, "uid", uid)
-	if err := a.removeRules(log, e); err != nil && !errors.Is(err, errNetnsUnknown) {
-		return Retryable(fmt.Errorf("remove rules of %s/%s: %w", e.Namespace, e.Name, err))
-	}
-	a.drop(e, evUnenroll)
-	if a.cfg.Ztunnel != nil {
-		zctx, cancel := context.WithTimeout(ctx, a.cfg.ZtunnelTimeout)
-		if err := a.cfg.Ztunnel.Del(zctx, string(e.UID)); err != nil {
-			// A ztunnel that missed the Del drops the pod at its next snapshot.
-			log.Warn("ztunnel del", "err", err)
-		}
-		cancel()
-	}
-	_ = e.ns.Close()
-	a.dropProbeIPs(log, e.IPs, nil)
-	if a.podDeleting(e.Namespace, e.Name, uid) {
-		// Gone or going: nothing worth an API request to un-annotate.
-		a.annotations.forget(uid)
-		if err := a.records.remove(uid); err != nil {
-			log.Warn("remove capture record", "err", err)
-		}
-	} else {
-		a.clearThenForget(e.Namespace, e.Name, uid)
-	}
-	log.Info("pod unenrolled")
-	return nil
+	f := lifeFacts{held: e != nil, handle: e != nil && e.ns != nil, record: hasRec}
+	f.deleting = (f.held || f.record) && a.podDeleting(p.namespace, p.name, uid)
+	return a.runRemoval(ctx, rmUnenroll, p, planRemoval(rmUnenroll, f))
 }
 
 // SandboxDel is a CNI DEL as the agent needs it.
@@ -82,10 +56,6 @@ type SandboxDel struct {
 	Namespace, Name string
 	// Netns is the path the runtime passed; it may be empty, or gone.
 	Netns string
-	// Replayed marks a DEL from the plugin's spool: the runtime has moved
-	// on, so a namespace that still exists is one the runtime will not
-	// destroy soon, and gets our rules removed.
-	Replayed bool
 }
 
 // RemoveSandbox is the CNI DEL: forget the pod whose sandbox this is. The
@@ -99,114 +69,36 @@ type SandboxDel struct {
 // path, or gone), only if the pod itself is going (deleted, terminating or
 // finished). A DEL of an older sandbox leaves the pod's current enrollment
 // alone. Every step is best effort and an unknown sandbox is fine: DEL
-// must not wedge the runtime.
+// must not wedge the runtime. The DEL queue replays spooled DELs through
+// the same removal (removeSandbox).
 func (a *Agent) RemoveSandbox(ctx context.Context, d SandboxDel) error {
+	return a.removeSandbox(ctx, d, rmDel)
+}
+
+// removeSandbox is a DEL, live (rmDel) or spooled (rmSpooledDel): the
+// facts under the pod's lock, the plan, its execution.
+func (a *Agent) removeSandbox(ctx context.Context, d SandboxDel, ev removal) error {
 	if d.SandboxID == "" {
 		return invalid(errors.New("remove sandbox: empty sandbox id"))
 	}
-	uid := d.UID
+	uid := a.uidOfDel(d)
 	if uid == "" {
-		uid = a.uidOfSandbox(d.SandboxID)
-	}
-	if uid == "" && d.Namespace != "" {
-		uid, _ = a.EnrolledUID(d.Namespace, d.Name)
-	}
-	log := a.log.With("pod", d.Namespace+"/"+d.Name, "uid", uid, "sandbox", d.SandboxID)
-	if uid == "" {
-		if d.Replayed {
-			_ = a.removeRulesAt(log, d.Netns, nil, "")
-		}
+		f, p := a.delFacts(ev, "", nil, Record{}, false, d)
+		_ = a.runRemoval(ctx, ev, p, planRemoval(ev, f))
 		return nil
 	}
 	unlock := a.lock(uid)
 	defer unlock()
 	e := a.get(uid)
-	if e == nil {
-		return a.removeUnheldSandbox(ctx, log, uid, d)
+	rec, hasRec := a.records.get(uid)
+	f, p := a.delFacts(ev, uid, e, rec, hasRec, d)
+	if e != nil && !f.named {
+		a.log.Debug("DEL of another sandbox of an enrolled pod; enrollment kept", "uid", uid, "sandbox", d.SandboxID, "enrolled_sandbox", e.SandboxID, "enrolled_netns", e.Netns)
 	}
-	if !a.delNames(e, d) {
-		log.Debug("DEL of another sandbox of an enrolled pod; enrollment kept", "enrolled_sandbox", e.SandboxID, "enrolled_netns", e.Netns)
-		return nil
-	}
-	switch {
-	case e.ns == nil:
-		// Restored without its netns: a replayed DEL's namespace that
-		// still exists loses our rules (checked against the record's
-		// identity when there is one); the namespace is torn down either
-		// way.
-		want, known := a.recordedNetns(uid)
-		if d.Replayed {
-			if known {
-				_ = a.removeRulesAt(log, d.Netns, &want, uid)
-			} else {
-				_ = a.removeRulesAt(log, d.Netns, nil, uid)
-			}
-		}
-		if id, ok := a.netnsIdentity(d.Netns); ok {
-			a.markTorn(id, uid, e.IPs)
-		}
-	case d.Replayed:
-		if id, ok := a.netnsIdentity(d.Netns); ok && id == e.ns.Identity() {
-			// The runtime left the namespace in place: do not leave our
-			// rules in it.
-			if err := a.cfg.Rules.Remove(e.ns.Path()); err != nil {
-				a.ruleError("remove")
-				log.Warn("remove rules of a replayed DEL's sandbox", "err", err)
-			}
-		}
-		a.markTorn(e.ns.Identity(), uid, e.IPs)
-	default:
-		a.markTorn(e.ns.Identity(), uid, e.IPs)
-	}
-	a.forget(log, e, evDel)
-	a.noteReleased(e.Namespace, e.Name, uid, e.IPs)
+	// Every step of a DEL is best effort: a failure is logged, never
+	// returned, so the runtime (or the queue) is not held up.
+	_ = a.runRemoval(ctx, ev, p, planRemoval(ev, f))
 	return nil
-}
-
-// removeUnheldSandbox handles a DEL for a pod the agent does not hold: a
-// pod it only has a record of (a restart did not restore it) loses what
-// the record says the agent left; a replayed DEL also loses our rules in a
-// namespace that still exists. Called with the pod's lock held.
-func (a *Agent) removeUnheldSandbox(ctx context.Context, log *slog.Logger, uid types.UID, d SandboxDel) error {
-	rec, ok := a.records.get(uid)
-	if !ok {
-		if d.Replayed {
-			_ = a.removeRulesAt(log, d.Netns, nil, uid)
-		}
-		return nil
-	}
-	if rec.SandboxID != "" && rec.SandboxID != d.SandboxID {
-		return nil // another sandbox than the recorded one
-	}
-	recID := netns.Identity{Dev: rec.NetnsDev, Ino: rec.NetnsIno}
-	if id, ok := a.netnsIdentity(d.Netns); ok && rec.SandboxID == "" && id != recID {
-		return nil // the DEL's namespace is not the recorded one
-	}
-	mode := releaseDel
-	if d.Replayed {
-		mode = releaseReplayedDel
-	}
-	a.releaseRecord(rec, mode)
-	a.noteReleased(d.Namespace, d.Name, uid, rec.IPs)
-	return nil
-}
-
-// delNames reports whether a DEL names the sandbox e is enrolled in.
-func (a *Agent) delNames(e *entry, d SandboxDel) bool {
-	if e.SandboxID != "" {
-		return e.SandboxID == d.SandboxID
-	}
-	held, known := netns.Identity{}, e.ns != nil
-	if known {
-		held = e.ns.Identity()
-	} else {
-		// Restored without its netns: the record names the namespace.
-		held, known = a.recordedNetns(e.UID)
-	}
-	if id, ok := a.netnsIdentity(d.Netns); ok && known {
-		return id == held
-	}
-	return a.podGoing(e.Namespace, e.Name, e.UID)
 }
 
 // GC forgets every CNI-enrolled pod attached through network whose sandbox
@@ -250,52 +142,6 @@ func (a *Agent) GC(ctx context.Context, network string, valid []string) int {
 	return len(drop)
 }
 
-// DrainSpool replays the DELs the plugin spooled while the agent was
-// unreachable, removing each entry once handled (unusable entries are
-// logged and removed). A replayed DEL also cleans a pod the agent did not
-// restore: its record, and our rules in its namespace if that still
-// exists (see RemoveSandbox). Call it at startup after restoring state,
-// then leave it to RunSpoolDrain.
-func (a *Agent) DrainSpool(ctx context.Context) (int, error) {
-	entries, err := nodefiles.List(a.cfg.Layout.DelSpool())
-	if err != nil {
-		return 0, err
-	}
-	n := drainSpool(a.log, "DEL spool", entries, func(ev *ambient.PodEvent) spoolStep {
-		del := SandboxDel{SandboxID: ev.SandboxID, UID: types.UID(ev.PodUID), Namespace: ev.PodNamespace, Name: ev.PodName, Netns: ev.Netns, Replayed: true}
-		if err := a.RemoveSandbox(ctx, del); err != nil {
-			a.log.Warn("replay spooled DEL", "sandbox", ev.SandboxID, "err", err)
-			return spoolKeep
-		}
-		return spoolCounted
-	})
-	if n > 0 {
-		a.log.Info("replayed spooled DELs", "count", n)
-	}
-	return n, nil
-}
-
-// spoolDrainInterval is how often RunSpoolDrain replays spooled DELs.
-const spoolDrainInterval = 30 * time.Second
-
-// RunSpoolDrain replays spooled DELs every spoolDrainInterval until ctx
-// ends: the plugin also spools a DEL that timed out while the agent stayed
-// up, not only while it was away.
-func (a *Agent) RunSpoolDrain(ctx context.Context) error {
-	t := time.NewTicker(spoolDrainInterval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-t.C:
-			if _, err := a.DrainSpool(ctx); err != nil {
-				a.log.Warn("drain DEL spool", "err", err)
-			}
-		}
-	}
-}
-
 // Release takes capture off a pod the agent finds captured at startup but
 // does not want captured any more (unlabelled while no agent ran, or an
 // unenroll a crash interrupted): rules, probe set, then annotation, then
@@ -308,19 +154,10 @@ func (a *Agent) Release(ctx context.Context, pod *corev1.Pod, ns *netns.Handle) 
 	if a.get(pod.UID) != nil {
 		return fmt.Errorf("release %s/%s: the pod is enrolled; unenroll it", pod.Namespace, pod.Name)
 	}
-	log := a.log.With("pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID)
-	if err := a.cfg.Rules.Remove(ns.Path()); err != nil {
-		a.ruleError("remove")
-		return Retryable(fmt.Errorf("remove rules of %s/%s: %w", pod.Namespace, pod.Name, err))
-	}
-	ips := enablement.PodIPs(pod)
-	if rec, ok := a.records.get(pod.UID); ok {
-		ips = append(ips, rec.IPs...)
-	}
-	a.dropProbeIPs(log, ips, nil)
-	a.clearThenForget(pod.Namespace, pod.Name, pod.UID)
-	log.Info("released a pod captured before the restart")
-	return nil
+	p := &leaving{uid: pod.UID, namespace: pod.Namespace, name: pod.Name, ns: ns, ips: enablement.PodIPs(pod)}
+	p.rec, p.hasRec = a.records.get(pod.UID)
+	p.ips = append(p.ips, p.rec.IPs...)
+	return a.runRemoval(ctx, rmRelease, p, planRemoval(rmRelease, lifeFacts{record: p.hasRec}))
 }
 
 // releaseWorkers is how many pods ReleaseAll works on at once: an
@@ -391,15 +228,9 @@ func (a *Agent) ReleaseAll(ctx context.Context) error {
 	})
 	each(len(held)+len(recs), func(i int) error {
 		if i < len(held) {
-			return a.releaseHeld(held[i].UID)
+			return a.uninstallOne(ctx, held[i].UID, nil)
 		}
-		r := recs[i-len(held)]
-		unlock := a.lock(r.UID)
-		defer unlock()
-		if a.get(r.UID) == nil { // not restored meanwhile (not expected once the agent stopped)
-			a.releaseRecord(r, releaseUninstall)
-		}
-		return nil
+		return a.uninstallOne(ctx, recs[i-len(held)].UID, &recs[i-len(held)])
 	})
 	if n := len(held) + len(recs); n > 0 {
 		a.log.Info("released every pod for the uninstall", "pods", n, "errors", len(errs))
@@ -407,26 +238,39 @@ func (a *Agent) ReleaseAll(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
-// releaseHeld removes a held pod's rules and forgets it (ReleaseAll's
-// second pass).
-func (a *Agent) releaseHeld(uid types.UID) error {
+// uninstallOne is ReleaseAll's second pass for one pod: held (rec nil),
+// it loses its rules and is forgotten; known by its record rec alone, it
+// is released through the record. A pod that moved on since it was
+// listed (not expected once the agent stopped) is left alone.
+func (a *Agent) uninstallOne(ctx context.Context, uid types.UID, rec *Record) error {
 	unlock := a.lock(uid)
 	defer unlock()
 	e := a.get(uid)
-	if e == nil {
+	if (e == nil) == (rec == nil) {
 		return nil
 	}
-	log := a.log.With("pod", e.Namespace+"/"+e.Name, "uid", uid)
-	err := a.removeRules(log, e)
-	switch {
-	case errors.Is(err, errNetnsUnknown):
-		// Said, not hidden: the pod needs a restart to leave the mesh.
-		err = fmt.Errorf("remove rules of %s/%s: its network namespace was never found since the agent restarted; restart the pod", e.Namespace, e.Name)
-	case err != nil:
-		err = fmt.Errorf("remove rules of %s/%s: %w", e.Namespace, e.Name, err)
+	p := &leaving{uid: uid, e: e}
+	if e != nil {
+		p.namespace, p.name, p.ns, p.ips = e.Namespace, e.Name, e.ns, e.IPs
+		p.rec, p.hasRec = a.records.get(uid)
+	} else {
+		p.namespace, p.name, p.ips, p.rec, p.hasRec = rec.Namespace, rec.Name, rec.IPs, *rec, true
 	}
-	a.forget(log, e, evUnenroll)
-	return err
+	f := lifeFacts{held: e != nil, handle: e != nil && e.ns != nil, record: p.hasRec}
+	return a.runRemoval(ctx, rmUninstall, p, planRemoval(rmUninstall, f))
+}
+
+// clearAnnotationNow removes the pod's redirection annotation with one
+// API request (none for a pod the cache knows is going away).
+func (a *Agent) clearAnnotationNow(ctx context.Context, namespace, name string, uid types.UID) error {
+	if a.cfg.Annotator == nil || a.podDeleting(namespace, name, uid) {
+		return nil
+	}
+	err := a.cfg.Annotator.SetRedirection(ctx, namespace, name, uid, "")
+	if err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("clear the annotation of %s/%s: %w", namespace, name, err)
+	}
+	return nil
 }
 
 // ClearStale removes the redirection annotation of a pod the agent neither

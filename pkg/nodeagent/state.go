@@ -58,24 +58,6 @@ func (a *Agent) TableSizes() map[string]int {
 	return out
 }
 
-// EnrolledUID reports the uid enrolled under namespace/name, if any: in
-// the state, or known by a capture record only (the agent may have left
-// capture on it, so it is not free of us yet).
-func (a *Agent) EnrolledUID(namespace, name string) (types.UID, bool) {
-	a.mu.Lock()
-	for uid, e := range a.entriesLocked() {
-		if e.Namespace == namespace && e.Name == name {
-			a.mu.Unlock()
-			return uid, true
-		}
-	}
-	a.mu.Unlock()
-	if r, ok := a.records.byName(namespace, name); ok {
-		return r.UID, true
-	}
-	return "", false
-}
-
 // StateCounts counts the enrolled pods per state (the redirection
 // annotation's value), every state present, for the metrics.
 func (a *Agent) StateCounts() map[string]int {

@@ -256,8 +256,11 @@ func TestRecordedPodRestoredWithoutNetns(t *testing.T) {
 		t.Errorf("DEL: held %v, rules %v, records %v, ztunnel dels %v", h.agent.get("u-del") != nil, rulesIn("del"), h.recorded(t), h.zt.dels)
 	}
 	// A replayed DEL: the runtime left the namespace; our rules go.
-	if err := h.agent.RemoveSandbox(ctx, SandboxDel{SandboxID: "sb-replayed", Netns: nss["replayed"], Replayed: true}); err != nil {
+	if err := nodefiles.Spool(h.layout().DelSpool(), ambient.PodEvent{Command: ambient.CommandDel, SandboxID: "sb-replayed", Netns: nss["replayed"]}); err != nil {
 		t.Fatal(err)
+	}
+	if n, err := h.agent.DrainSpool(ctx); err != nil || n != 1 {
+		t.Fatalf("DrainSpool = %d, %v", n, err)
 	}
 	if h.agent.get("u-replayed") != nil || rulesIn("replayed") {
 		t.Errorf("replayed DEL: held %v, rules %v", h.agent.get("u-replayed") != nil, rulesIn("replayed"))
@@ -311,5 +314,35 @@ func TestRuleConfigIPv4Only(t *testing.T) {
 		if got := a.ruleConfig(&corev1.Pod{}).IPv4Only; got != v4only {
 			t.Errorf("IPv4Only %v: pod options say %v", v4only, got)
 		}
+	}
+}
+
+// TestUnenrollOfLastUnresolvedPodRunsDeferredPrune: the probe-set prune
+// deferred while a pod restored without its netns had unknown IPs runs
+// once that pod is unenrolled (the controller's way for an unresolved pod
+// whose sandbox is gone), as it does when a DEL or a capture resolves it:
+// the IP of a pod deleted while the agent was down does not stay in the
+// set.
+func TestUnenrollOfLastUnresolvedPodRunsDeferredPrune(t *testing.T) {
+	testnet.RequireRoot(t)
+	probe := &fakeProbe{ips: map[netip.Addr]bool{}}
+	_ = probe.AddIP(netip.MustParseAddr("10.9.0.99"))
+	a, err := NewAgent(Config{Rules: newRecordedRules(), Ztunnel: &fakeZtunnel{}, Annotator: &fakeAnnotator{}, HostProbe: probe, Layout: nodefiles.InDir(t.TempDir())})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = a.Close(); requireNoInvalidTransitions(t, a) })
+	a.RestoreUnresolved(markedPod("noips", "u-noips"))
+	if err := a.SyncHostProbe(); err != nil {
+		t.Fatal(err)
+	}
+	if !probe.has("10.9.0.99") {
+		t.Fatal("pruned while a pod's IPs are unknown")
+	}
+	if err := a.Unenroll(context.Background(), "u-noips"); err != nil {
+		t.Fatal(err)
+	}
+	if probe.has("10.9.0.99") {
+		t.Error("the deferred prune did not run once the last unknown pod was unenrolled")
 	}
 }
