@@ -3,6 +3,7 @@ package realnode
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
@@ -272,16 +273,45 @@ func (n *Node) nodeAddress(ctx context.Context) error {
 	return nil
 }
 
-// freePorts returns n loopback TCP ports that were free a moment ago.
+// freePorts returns n distinct TCP ports, free on every address a moment
+// ago, outside the kernel's ephemeral range
+// (net.ipv4.ip_local_port_range). The services given them (the sink, the
+// kubelet, the registry) listen again after each of the node's reboots,
+// while containerd, restarted first, binds its streaming server to a port
+// the kernel picks from that range: a port from the same range was taken
+// from under a rebooted sink that way.
 func freePorts(n int) ([]int, error) {
-	var ports []int
-	for range n {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return nil, err
+	lo, hi := 49152, 65535 // used when the range cannot be read or fills the port space
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+		if f := strings.Fields(string(b)); len(f) == 2 {
+			l, errL := strconv.Atoi(f[0])
+			h, errH := strconv.Atoi(f[1])
+			switch {
+			case errL != nil || errH != nil:
+			case l-1024 >= 4096:
+				lo, hi = max(1024, l-16384), l-1
+			case 65535-h >= 4096:
+				lo, hi = h+1, 65535
+			}
 		}
-		defer l.Close()
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+	}
+	var ports []int
+	seen := map[int]bool{}
+	for tries := 0; len(ports) < n; tries++ {
+		if tries > 1000 {
+			return nil, fmt.Errorf("no free TCP port in %d-%d after %d tries", lo, hi, tries)
+		}
+		p := lo + rand.IntN(hi-lo+1)
+		if seen[p] {
+			continue
+		}
+		seen[p] = true
+		l, err := net.Listen("tcp", ":"+strconv.Itoa(p))
+		if err != nil {
+			continue
+		}
+		l.Close()
+		ports = append(ports, p)
 	}
 	return ports, nil
 }
