@@ -195,9 +195,10 @@ func (a assembly) run() error {
 # Written by "make release"; do not edit.
 # The namespace must exist: kubectl create namespace %s
 # helm's uninstall hook is left out: to uninstall, first
+#   kubectl -n %s delete service %s-installed
 #   kubectl -n %s delete daemonset %s --cascade=foreground --wait
 # so the agents release the pods they captured, then delete the rest.
-`, a.version, ChartName(a.version), releaseName, namespace, image, namespace, namespace, releaseName)
+`, a.version, ChartName(a.version), releaseName, namespace, image, namespace, namespace, releaseName, namespace, releaseName)
 	if err := a.write(filepath.Join(a.dir, ManifestName), append([]byte(header), m...)); err != nil {
 		return err
 	}

@@ -55,10 +55,11 @@ type Explainer struct {
 	Finder Finder
 	// Backend names the rules backend ("nftables", "iptables-nft", ...).
 	Backend string
-	// Ztunnels counts connected ztunnels; DaemonSet says what the agent
-	// last saw of its DaemonSet. Either may be nil.
-	Ztunnels  func() int
-	DaemonSet func() string
+	// Ztunnels counts connected ztunnels; ReleaseSignal says what the
+	// agent last saw of its release's signal (deleted: an uninstall).
+	// Either may be nil.
+	Ztunnels      func() int
+	ReleaseSignal func() string
 	// Verified, when set, is the verifier's last proof of a pod.
 	Verified func(uid types.UID) (Verification, bool)
 	// Policy is the enablement policy the agent decides with, for the
@@ -163,7 +164,7 @@ type Netns struct {
 type NodeReport struct {
 	RulesBackend       string    `json:"rulesBackend,omitempty"`
 	ZtunnelConnections *int      `json:"ztunnelConnections,omitempty"`
-	DaemonSet          string    `json:"daemonSet,omitempty"`
+	ReleaseSignal      string    `json:"releaseSignal,omitempty"`
 	Pods               int       `json:"pods"`
 	Captured           int       `json:"captured"`
 	WithProblems       int       `json:"withProblems"`
@@ -214,8 +215,8 @@ func (e *Explainer) ExplainAll(_ context.Context) *NodeReport {
 		n := e.Ztunnels()
 		out.ZtunnelConnections = &n
 	}
-	if e.DaemonSet != nil {
-		out.DaemonSet = e.DaemonSet()
+	if e.ReleaseSignal != nil {
+		out.ReleaseSignal = e.ReleaseSignal()
 	}
 	seen := map[types.UID]bool{}
 	for _, p := range pods {
