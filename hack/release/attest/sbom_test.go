@@ -1,12 +1,14 @@
 package attest
 
 import (
+	"debug/buildinfo"
 	"fmt"
 	"maps"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"runtime/debug"
 	"slices"
 	"strings"
 	"testing"
@@ -35,12 +37,26 @@ func rootfsTool(t *testing.T, arch string) string {
 	return p
 }
 
+// cachedTool is a Go binary of the tools cache (hack/kube-tools.sh NAME).
+func cachedTool(t *testing.T, name string) string {
+	t.Helper()
+	out, err := exec.Command("bash", "../../kube-tools.sh", "--path", name).Output()
+	p := strings.TrimSpace(string(out))
+	if err != nil || p == "" {
+		t.Fatalf("kube-tools.sh --path %s: %v", name, err)
+	}
+	if _, err := os.Stat(p); err != nil {
+		testnet.Missing(t, name+" is not built: make tools")
+	}
+	return p
+}
+
 // The SBOM of an image make image builds (the real builder, the real
-// Debian base, Go binaries: this test's own) lists every module go
-// version -m finds in each binary and every package dpkg-query finds
-// installed in the base, and nothing else; the base's dpkg database
-// lists the packages make image's base is made of (the extract variant
-// leaves it empty but for a placeholder unless the rootfs hook fills it).
+// Debian base, real Go binaries: etcd and this test) lists every module go version -m
+// finds in each binary and every package dpkg-query finds installed in
+// the base, and nothing else; the base's dpkg database lists the packages
+// make image's base is made of (the extract variant leaves it empty but
+// for a placeholder unless the rootfs hook fills it).
 func TestSBOMListsEveryGoModuleAndDebianPackage(t *testing.T) {
 	arch := runtime.GOARCH
 	rootfs := rootfsTool(t, arch)
@@ -48,9 +64,15 @@ func TestSBOMListsEveryGoModuleAndDebianPackage(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	sources := map[string]string{
+		ociimage.AgentCommand:     cachedTool(t, "etcd"),
+		ociimage.PluginBinary:     cachedTool(t, "etcd"),
+		ociimage.FallbackBinary:   exe,
+		ociimage.UninstallCommand: exe,
+	}
 	bins := t.TempDir()
-	for _, name := range ociimage.AgentFiles {
-		if err := os.Symlink(exe, filepath.Join(bins, name)); err != nil {
+	for path, name := range ociimage.AgentFiles {
+		if err := os.Symlink(sources[path], filepath.Join(bins, name)); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -93,10 +115,12 @@ func TestSBOMListsEveryGoModuleAndDebianPackage(t *testing.T) {
 		t.Errorf("spdxVersion %q", doc.SPDXVersion)
 	}
 
-	wantMods, goVersion := sbomcheck.GoVersionM(t, exe)
-	slices.Sort(wantMods)
 	got := sbomcheck.ImageOf(doc, arch)
+	goVersions := map[string]string{}
 	for _, bin := range slices.Sorted(maps.Keys(ociimage.AgentFiles)) {
+		wantMods, goVersion := sbomcheck.GoVersionM(t, sources[bin])
+		slices.Sort(wantMods)
+		goVersions[bin] = goVersion
 		mods, ok := got.Binaries[bin]
 		if !ok {
 			t.Errorf("the SBOM does not list the image's Go binary %s", bin)
@@ -106,13 +130,14 @@ func TestSBOMListsEveryGoModuleAndDebianPackage(t *testing.T) {
 			t.Errorf("%s: the SBOM lists %d modules, go version -m %d:\n  only in the SBOM: %v\n  only in go version -m: %v",
 				bin, len(mods), len(wantMods), sbomcheck.Minus(mods, wantMods), sbomcheck.Minus(wantMods, mods))
 		}
+		t.Logf("%s (%s): %d modules", bin, filepath.Base(sources[bin]), len(mods))
 	}
 	if len(got.Binaries) != len(ociimage.AgentFiles) {
 		t.Errorf("the SBOM lists the Go binaries %v, want the image's %d", slices.Sorted(maps.Keys(got.Binaries)), len(ociimage.AgentFiles))
 	}
 	for _, p := range doc.Packages {
-		if p.PackageFileName != "" && !strings.Contains(p.PackageComment, goVersion) {
-			t.Errorf("%s: comment %q does not name %s", p.PackageFileName, p.PackageComment, goVersion)
+		if p.PackageFileName != "" && !strings.Contains(p.PackageComment, goVersions[p.PackageFileName]) {
+			t.Errorf("%s: comment %q does not name %s", p.PackageFileName, p.PackageComment, goVersions[p.PackageFileName])
 		}
 	}
 	installed := sbomcheck.DpkgInstalled(t, rootfs)
@@ -127,7 +152,7 @@ func TestSBOMListsEveryGoModuleAndDebianPackage(t *testing.T) {
 			t.Errorf("the base's dpkg database lacks %s (%d packages listed: %v)", name, len(installed), installed)
 		}
 	}
-	t.Logf("SBOM of %s: %d Go binaries of %d modules each, %d Debian packages (%s)", digest, len(got.Binaries), len(wantMods), len(got.Debs), c.Distro)
+	t.Logf("SBOM of %s: %d Go binaries, %d Debian packages (%s)", digest, len(got.Binaries), len(got.Debs), c.Distro)
 }
 
 func TestParseDpkgStatus(t *testing.T) {
@@ -144,5 +169,25 @@ func TestParseDpkgStatus(t *testing.T) {
 	}
 	if _, err := ParseDpkgStatus([]byte("Status: install ok installed\n"), false); err == nil {
 		t.Error("a paragraph without Package: no error")
+	}
+}
+
+// A replaced module is listed as its replacement, as go version -m's
+// "=>" line says, and the standard library as stdlib at the Go version.
+func TestModulesResolveReplacements(t *testing.T) {
+	info := &buildinfo.BuildInfo{GoVersion: "go1.26.8"}
+	info.Main = debug.Module{Path: "example.com/main", Version: "(devel)"}
+	info.Deps = []*debug.Module{
+		{Path: "example.com/a", Version: "v1.0.0", Sum: "h1:a"},
+		{Path: "example.com/b", Version: "v0.1.0", Replace: &debug.Module{Path: "example.com/fork/b", Version: "v0.1.1", Sum: "h1:b"}},
+	}
+	want := []Module{
+		{Path: "example.com/main", Version: "(devel)"},
+		{Path: "example.com/a", Version: "v1.0.0", Sum: "h1:a"},
+		{Path: "example.com/fork/b", Version: "v0.1.1", Sum: "h1:b"},
+		{Path: "stdlib", Version: "go1.26.8"},
+	}
+	if got := Modules(info); fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("Modules: %v, want %v", got, want)
 	}
 }
