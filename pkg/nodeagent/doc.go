@@ -25,12 +25,14 @@
 //   - probeset.go, spool.go: the host's kubelet-probe SNAT set; draining
 //     one of the plugin's spools.
 //   - agent.go: the Agent, its Config and types.
-//   - life.go, annotations.go, record.go, snapshot.go, errors.go: each
-//     pod's life (podLife: its lock, state, held entry and what a DEL left
-//     remembered) and transit, the one function that changes its state,
-//     checked against the diagram in docs/how-it-works.md; the annotation
+//   - annotations.go, record.go, snapshot.go, errors.go: the annotation
 //     writer, the capture records, the enablement snapshot, the error
 //     kinds.
+//   - life.go: each pod's life (podLife: its lock, state, held entry, what
+//     a DEL left remembered, its annotation wanted and written, its
+//     capture record and the record's generation), the lifeTable that
+//     holds the lives, and transit, the one function that changes a
+//     pod's state, checked against the diagram in docs/how-it-works.md.
 //
 // The ADD path: server.go decides with the pod cache and opens the
 // runtime's netns only for a pod that will be captured; Capture writes
