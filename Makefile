@@ -30,7 +30,7 @@ STAMP_LDFLAGS := -X $(BUILDINFO).version=$(VERSION) -X $(BUILDINFO).commit=$(COM
 PLUGIN_LDFLAGS := -s -w $(STAMP_LDFLAGS)
 AGENT_LDFLAGS  := -s -w $(STAMP_LDFLAGS)
 
-.PHONY: deps flake archcheck tidy check check-tools all build version image image-push image-tools chart chart-push kubectl-plugins release release-push test-release tools peer-tools node-tools bench bench-scale bench-agents test test-long test-unit fuzz e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: deps flake archcheck tidy check check-tools all build version image image-push image-tools chart chart-push kubectl-plugins release release-push release-key verify-release test-release tools peer-tools node-tools bench bench-scale bench-agents test test-long test-unit fuzz e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -127,8 +127,23 @@ release: ## from a clean tree: the image index, chart, digest-pinned manifest, k
 	REGISTRY='$(REGISTRY)' RELEASE_DIR='$(RELEASE_DIR)' KREW_URL='$(KREW_URL)' IMAGE_SOURCE='$(IMAGE_SOURCE)' \
 	IMAGE_ARCHES='$(IMAGE_ARCHES)' PLUGIN_PLATFORMS='$(PLUGIN_PLATFORMS)' hack/release.sh build
 
-release-push: ## push make release's image and chart to REGISTRY (the one the release was made for) and print their digests
-	@GO='$(GO)' MAKE='$(MAKE)' REGISTRY='$(REGISTRY)' RELEASE_DIR='$(RELEASE_DIR)' PLAIN_HTTP='$(PLAIN_HTTP)' hack/release.sh push
+release-push: ## push make release's image and chart to REGISTRY (the one the release was made for), sign them with SIGNING_KEY (with the SBOM and provenance attached), verify and print their digests
+	@GO='$(GO)' MAKE='$(MAKE)' REGISTRY='$(REGISTRY)' RELEASE_DIR='$(RELEASE_DIR)' PLAIN_HTTP='$(PLAIN_HTTP)' \
+	SIGNING_KEY='$(SIGNING_KEY)' RELEASE_PUBKEY='$(RELEASE_PUBKEY)' hack/release.sh push
+
+# Signing (docs/release.md#signing): SIGNING_KEY is the release key's
+# private half, kept outside the tree, its password in COSIGN_PASSWORD;
+# RELEASE_PUBKEY its public half, committed, what every verifier uses.
+SIGNING_KEY    ?=
+RELEASE_PUBKEY ?= deploy/release/cosign.pub
+
+release-key: ## make the release key pair: the private key to SIGNING_KEY (outside the tree, encrypted with COSIGN_PASSWORD), the public key to RELEASE_PUBKEY (commit it)
+	$(GO) run ./hack/release keygen -private '$(SIGNING_KEY)' -pub '$(RELEASE_PUBKEY)'
+
+verify-release: ## before installing: verify the signatures of REGISTRY's ambient-cni image and chart of the VERSION file's version, and the image's SBOM and provenance, with RELEASE_PUBKEY; prints the digests to install by
+	@test -n '$(REGISTRY)' || { echo "make verify-release needs REGISTRY=host[:port]/path"; exit 1; }
+	$(GO) run ./hack/release verify -key '$(RELEASE_PUBKEY)' $(if $(filter 1 true,$(PLAIN_HTTP)),-plain-http) \
+		-image '$(REGISTRY)/ambient-cni:$(RELEASE_VERSION)' -chart '$(REGISTRY)/charts/ambient-cni:$(RELEASE_VERSION)'
 
 tools: ## build etcd, kube-apiserver, helm and promtool (the alert rules' tests) from the Go module proxy into the tools cache (minutes the first time, with a line every 30 s saying the time left; then cached)
 	GO='$(GO)' hack/kube-tools.sh
@@ -233,8 +248,8 @@ e2e: node-tools peer-tools image-tools ## as root: the end-to-end tests on a rea
 # (test/release): minutes warm, and the first darwin builds of a cold
 # cache many more, so make check leaves it to the release's own checks
 # (docs/release.md); make test runs its refusals.
-test-release: image-tools ## build make release twice into two trees and compare every artifact byte for byte, then push to a loopback registry and pull it back
-	AMBIENT_TEST_RELEASE=1 $(GO) test -count=1 -timeout 30m -v -run '^TestReleaseReproducible$$' ./test/release/
+test-release: image-tools ## build make release twice into two trees and compare every artifact byte for byte, then push to a loopback registry, sign, verify and pull it back; then a signed release whose tampering verification refuses
+	AMBIENT_TEST_RELEASE=1 $(GO) test -count=1 -timeout 40m -v -run '^(TestReleaseReproducible|TestReleaseSigned)$$' ./test/release/
 
 # make flake RUN=TestX PKG=./test/chaos/ [N=20] [LOAD=2] [TAGS=realnode]:
 # one test run N times, under LOAD busy loops (hack/flake.sh).

@@ -70,7 +70,10 @@ rootfs_args=(--variant=apt --include=iptables,nftables,ipset
 # hook does what the unrun scripts would have done that matters here:
 # /etc/passwd and /etc/group from base-passwd, /bin/sh (dash), and the iptables
 # alternatives pointing at the nft flavour (bookworm's default; the agent
-# itself names iptables-nft-* or iptables-legacy-* as the node uses).
+# itself names iptables-nft-* or iptables-legacy-* as the node uses), and
+# dpkg's status: unpacked without dpkg, the packages would be in no
+# database, so the hook lists each one installed with its control fields,
+# for the release's SBOM (hack/release) and any image scanner.
 image_rootfs_args=(--variant=extract --include='?essential' --include=usr-is-merged,iptables,nftables,ipset
 	--setup-hook=/usr/share/mmdebstrap/hooks/merged-usr/setup00.sh
 	--dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*'
@@ -84,7 +87,14 @@ for t in iptables ip6tables arptables ebtables; do for s in "" -restore -save; d
 		ln -sfn "/usr/sbin/$t-nft$s" "$r/etc/alternatives/$t$s"
 		ln -sfn "/etc/alternatives/$t$s" "$r/usr/sbin/$t$s"
 	fi
-done; done'
+done; done
+st="$r/var/lib/dpkg/status"
+mkdir -p "${st%/*}"; touch "$st"
+for d in $(printf "%s\n" $MMDEBSTRAP_ESSENTIAL | sort); do
+	p="$(dpkg-deb -f "$r/$d" Package)"
+	if grep -qx "Package: $p" "$st"; then continue; fi
+	{ echo; echo "Package: $p"; echo "Status: install ok installed"; dpkg-deb -f "$r/$d" | grep -v "^Package:"; } >>"$st"
+done'
 
 # spec NAME prints: tools-module-dir version-module package
 spec() {

@@ -4,7 +4,10 @@
 #
 #   hack/release.sh build   the release of the VERSION file's version, for
 #                           REGISTRY, into RELEASE_DIR
-#   hack/release.sh push    push RELEASE_DIR's image and chart to REGISTRY
+#   hack/release.sh push    push RELEASE_DIR's image and chart to REGISTRY,
+#                           then sign them with SIGNING_KEY (attaching the
+#                           signed SBOM and provenance) and verify them
+#                           with RELEASE_PUBKEY
 #
 # build refuses a dirty tree, a VERSION_ARG (make release VERSION=...)
 # other than the VERSION file, a version that is not SemVer and a
@@ -12,7 +15,8 @@
 # building anything. Then: the image index (make image), the chart with
 # its default image set to REGISTRY/ambient-cni@DIGEST (make chart), the
 # kubectl plugin for every platform (make kubectl-plugins), and hack/release
-# assembles the rest. Every archive's times are SOURCE_DATE_EPOCH (the
+# assembles the rest, the image's SBOM and the release's provenance among
+# them (unsigned: signatures are made when the release is pushed). Every archive's times are SOURCE_DATE_EPOCH (the
 # commit's time unless set), the image's the Unix epoch (hack/imagebuild):
 # two releases of one commit are byte for byte the same.
 set -euo pipefail
@@ -51,7 +55,12 @@ build() {
 		-layout "$RELEASE_DIR/image" -repository "$REGISTRY/ambient-cni"
 	"${sub[@]}" chart CHART_SRC="$work/chart-src/ambient-cni" CHART_OUT="$work/chart" CHART_VERSION="$v"
 	"${sub[@]}" kubectl-plugins PLUGIN_PLATFORMS="$PLUGIN_PLATFORMS"
+	local bases=() a
+	for a in $IMAGE_ARCHES; do
+		bases+=(-base "$a=$(hack/kube-tools.sh --path "image-rootfs-$a")")
+	done
 	"$GO" run ./hack/release assemble -version "$v" -dir "$RELEASE_DIR" \
+		"${bases[@]}" -platforms "$PLUGIN_PLATFORMS" -gosum go.sum \
 		-chart "$work/chart/ambient-cni-$v.tgz" -plugins "$work" \
 		-helm "$(hack/kube-tools.sh --path helm)" -registry "$REGISTRY" \
 		-url "$KREW_URL" -homepage "$IMAGE_SOURCE" -commit "$commit" -epoch "$epoch"
@@ -62,6 +71,9 @@ build() {
 
 push() {
 	[ -n "${REGISTRY:-}" ] || die "make release-push needs REGISTRY=host[:port]/path (the one make release was given)"
+	local plain=()
+	case "${PLAIN_HTTP:-}" in 1 | true) plain=(-plain-http) ;; esac
+	"$GO" run ./hack/release check-key -key "${SIGNING_KEY:-}" -pub "$RELEASE_PUBKEY"
 	"$GO" run ./hack/release check-push -dir "$RELEASE_DIR" -registry "$REGISTRY"
 	local v tgz
 	tgz="$(cd "$RELEASE_DIR" && ls ambient-cni-*.tgz)"
@@ -69,6 +81,7 @@ push() {
 	v="${v%.tgz}"
 	"$MAKE" --no-print-directory image-push REGISTRY="$REGISTRY" IMAGE_DIR="$RELEASE_DIR/image" IMAGE_TAG="$v"
 	"$MAKE" --no-print-directory chart-push REGISTRY="$REGISTRY" CHART_OUT="$RELEASE_DIR" CHART_VERSION="$v" PLAIN_HTTP="${PLAIN_HTTP:-}"
+	"$GO" run ./hack/release sign -dir "$RELEASE_DIR" -registry "$REGISTRY" -key "$SIGNING_KEY" -pub "$RELEASE_PUBKEY" "${plain[@]}"
 }
 
 case "${1:-}" in

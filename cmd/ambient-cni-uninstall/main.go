@@ -1,10 +1,11 @@
 // Command ambient-cni-uninstall is the chart's pre-delete hook (package
-// uninstall): it deletes the agent's DaemonSet in the foreground and waits
-// until its pods are gone, so that each agent releases the pods it
-// captured while it still has its RBAC.
+// uninstall): it deletes the release's signal Service, then the agent's
+// DaemonSet in the foreground, and waits until its pods are gone, so that
+// each agent releases the pods it captured while it still has its RBAC.
 //
 // Settings come from the environment: AMBIENT_POD_NAMESPACE (the
-// release namespace), AMBIENT_DAEMONSET_NAME, AMBIENT_UNINSTALL_TIMEOUT
+// release namespace), AMBIENT_DAEMONSET_NAME, AMBIENT_RELEASE_SIGNAL
+// (optional), AMBIENT_UNINSTALL_TIMEOUT
 // (a Go duration, default 5m), AMBIENT_LOG_FORMAT (text, the default, or
 // json, as the agent's). It uses the in-cluster configuration.
 // --version prints the version and exits.
@@ -70,5 +71,6 @@ func run(log *slog.Logger) error {
 	defer stop()
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	return uninstall.DeleteDaemonSet(ctx, uninstall.Options{Client: client, Namespace: ns, Name: name, Logger: log})
+	return uninstall.DeleteDaemonSet(ctx, uninstall.Options{Client: client, Namespace: ns, Name: name,
+		ReleaseSignal: os.Getenv("AMBIENT_RELEASE_SIGNAL"), Logger: log})
 }

@@ -5,15 +5,23 @@
 //	release stamp-chart -src CHART -out DIR -layout IMAGE -repository REPO
 //	release assemble -version V -dir RELEASE -chart TGZ -plugins DIR -helm HELM -epoch SECONDS ...
 //	release check-push -dir RELEASE -registry REGISTRY
+//	release check-key -key SIGNING_KEY -pub PUBLIC_KEY
+//	release sign -dir RELEASE -registry REGISTRY -key SIGNING_KEY -pub PUBLIC_KEY
+//	release verify -image REF -chart REF -key PUBLIC_KEY [-chart-archive TGZ]
+//	release keygen -private PATH -pub PUBLIC_KEY
 //
 // check refuses a version that is not SemVer and a CHANGELOG without the
 // version's section, before anything is built. stamp-chart copies the
 // chart with its default image set to the release's repository and the
 // image index's digest. assemble writes the release directory: the
 // chart's archive made reproducible, the plain manifest rendered from it,
-// the kubectl plugin's archives and their krew manifest, the release
-// notes and SHA256SUMS. check-push refuses to push a release to a
-// registry other than the one its chart and manifest name.
+// the kubectl plugin's archives and their krew manifest, the image's SBOM
+// and the release's provenance, the release notes and SHA256SUMS.
+// check-push refuses to push a release to a registry other than the one
+// its chart and manifest name. check-key refuses a signing key whose
+// public half is not the release's; sign signs a pushed release (image,
+// chart, SBOM, provenance: package attest) and verifies it; verify checks
+// a pushed release before an install; keygen makes a release key pair.
 package main
 
 import (
@@ -56,7 +64,7 @@ func ChartName(version string) string { return "ambient-cni-" + version + ".tgz"
 
 func run(args []string) error {
 	if len(args) == 0 {
-		return errors.New("usage: release check|stamp-chart|assemble|check-push [flags]")
+		return errors.New("usage: release check|stamp-chart|assemble|check-push|check-key|sign|verify|keygen [flags]")
 	}
 	fs := flag.NewFlagSet("release "+args[0], flag.ContinueOnError)
 	switch args[0] {
@@ -100,6 +108,10 @@ func run(args []string) error {
 		fs.StringVar(&a.homepage, "homepage", "", "the project's URL")
 		fs.StringVar(&a.commit, "commit", "", "the released commit")
 		fs.StringVar(&a.changelog, "changelog", "CHANGELOG.md", "the changelog")
+		fs.StringVar(&a.gosum, "gosum", "go.sum", "the go.sum the binaries were built with (the provenance records its digest)")
+		a.bases = archFlag{}
+		fs.Var(a.bases, "base", "ARCH=PATH: an architecture's Debian base tarball (repeated; the provenance records their digests)")
+		platforms := fs.String("platforms", strings.Join(pluginPlatforms, " "), "the kubectl plugin's platforms (PLUGIN_PLATFORMS)")
 		epoch := fs.Int64("epoch", -1, "the time of every archive entry (SOURCE_DATE_EPOCH)")
 		if err := fs.Parse(args[1:]); err != nil {
 			return err
@@ -108,6 +120,7 @@ func run(args []string) error {
 			return errors.New("assemble: -epoch is required")
 		}
 		a.mtime = time.Unix(*epoch, 0).UTC()
+		a.platforms = strings.Fields(*platforms)
 		return a.run()
 	case "check-push":
 		dir := fs.String("dir", "", "the release directory")
@@ -116,6 +129,8 @@ func run(args []string) error {
 			return err
 		}
 		return checkPush(*dir, *registry)
+	case "check-key", "sign", "verify", "keygen":
+		return runSigning(args[0], fs, args[1:])
 	}
 	return fmt.Errorf("unknown command %q", args[0])
 }
@@ -154,18 +169,22 @@ func stampChart(src, out, repo, digest string) error {
 }
 
 type assembly struct {
-	version, dir, chart, plugins, helm, registry, url, homepage, commit, changelog string
-	mtime                                                                          time.Time
+	version, dir, chart, plugins, helm, registry, url, homepage, commit, changelog, gosum string
+	bases                                                                                 archFlag
+	platforms                                                                             []string
+	mtime                                                                                 time.Time
 }
 
-// pluginPlatforms are the kubectl plugin's builds (make kubectl-plugins).
+// pluginPlatforms are the kubectl plugin's builds (make kubectl-plugins's
+// PLUGIN_PLATFORMS), assemble's default.
 var pluginPlatforms = []string{"darwin/amd64", "darwin/arm64", "linux/amd64", "linux/arm64"}
 
 func (a assembly) run() error {
-	digest, err := indexDigest(filepath.Join(a.dir, ImageDir))
+	idx, d, err := readIndex(filepath.Join(a.dir, ImageDir))
 	if err != nil {
 		return err
 	}
+	digest := d.String()
 	image := a.registry + "/" + AgentRepo + "@" + digest
 
 	// The chart, reproducible; its file time is helm push's "created".
@@ -195,16 +214,17 @@ func (a assembly) run() error {
 # Written by "make release"; do not edit.
 # The namespace must exist: kubectl create namespace %s
 # helm's uninstall hook is left out: to uninstall, first
+#   kubectl -n %s delete service %s-installed
 #   kubectl -n %s delete daemonset %s --cascade=foreground --wait
 # so the agents release the pods they captured, then delete the rest.
-`, a.version, ChartName(a.version), releaseName, namespace, image, namespace, namespace, releaseName)
+`, a.version, ChartName(a.version), releaseName, namespace, image, namespace, namespace, releaseName, namespace, releaseName)
 	if err := a.write(filepath.Join(a.dir, ManifestName), append([]byte(header), m...)); err != nil {
 		return err
 	}
 
 	// The kubectl plugin's archives and their krew manifest.
 	archives := map[string][]byte{}
-	for _, p := range pluginPlatforms {
+	for _, p := range a.platforms {
 		goos, goarch, _ := strings.Cut(p, "/")
 		bin, err := os.ReadFile(filepath.Join(a.plugins, "kubectl-"+goos+"-"+goarch, PluginBinary))
 		if err != nil {
@@ -222,6 +242,11 @@ func (a assembly) run() error {
 		return err
 	}
 	if err := a.write(filepath.Join(a.dir, KrewName), krew); err != nil {
+		return err
+	}
+
+	// The image's SBOM and the release's provenance.
+	if err := a.attestations(idx, d); err != nil {
 		return err
 	}
 

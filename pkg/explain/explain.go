@@ -56,10 +56,11 @@ type Explainer struct {
 	Finder Finder
 	// Backend names the rules backend ("nftables", "iptables-nft", ...).
 	Backend string
-	// Ztunnels counts connected ztunnels; DaemonSet says what the agent
-	// last saw of its DaemonSet. Either may be nil.
-	Ztunnels  func() int
-	DaemonSet func() string
+	// Ztunnels counts connected ztunnels; ReleaseSignal says what the
+	// agent last saw of its release's signal (deleted: an uninstall).
+	// Either may be nil.
+	Ztunnels      func() int
+	ReleaseSignal func() string
 	// Verified, when set, is the verifier's last proof of a pod.
 	Verified func(uid types.UID) (explainwire.Verification, bool)
 	// Policy is the enablement policy the agent decides with, for the
@@ -111,8 +112,8 @@ func (e *Explainer) ExplainAll(_ context.Context) *explainwire.NodeReport {
 		n := e.Ztunnels()
 		out.ZtunnelConnections = &n
 	}
-	if e.DaemonSet != nil {
-		out.DaemonSet = e.DaemonSet()
+	if e.ReleaseSignal != nil {
+		out.ReleaseSignal = e.ReleaseSignal()
 	}
 	seen := map[types.UID]bool{}
 	for _, p := range pods {

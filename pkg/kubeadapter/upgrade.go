@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"slices"
 	"sync"
 
 	appsv1 "k8s.io/api/apps/v1"
@@ -56,16 +55,29 @@ const (
 // DaemonSetUpgradeChecker tells an upgrade from an uninstall when the
 // agent shuts down. Only proof counts as an uninstall: the agent's
 // DaemonSet is gone (NotFound) or being deleted (deletionTimestamp), read
-// at shutdown or seen earlier by the watch Run keeps on it, or it lives
-// but no longer schedules onto this node (its nodeSelector, required node
-// affinity or an untolerated taint on the node, read at shutdown): no
-// next agent comes to this node, and a plugin left chained would keep
-// every new pod from starting. Anything else,
-// including 401/403 (RBAC can be briefly wrong, or removed before the pods
-// stop), leaves the plugin installed: pods then wait for the next agent
-// rather than start uncaptured. helm uninstall deletes the DaemonSet before
-// its RBAC, so the watch has seen the deletion by the time the pods get
-// SIGTERM, even when the RBAC is already gone.
+// at shutdown, or it lives but no longer schedules onto this node (its
+// nodeSelector, required node affinity or an untolerated taint on the
+// node, read at shutdown): no next agent comes to this node, and a plugin
+// left chained would keep every new pod from starting; or, when that read
+// fails, the release's signal was seen deleted. Anything else, including
+// 401/403 (RBAC can be briefly wrong, or removed before the pods stop),
+// leaves the plugin installed: pods then wait for the next agent rather
+// than start uncaptured.
+//
+// The release's signal is a Service of the release (ReleaseSignalWatch)
+// that never changes until the uninstall deletes it, watched by name.
+// helm's uninstall deletes Services before DaemonSets and RBAC (its
+// pre-delete hook deletes it first too), and so does `kubectl delete -f`
+// of the plain manifest before the DaemonSet, so the watch has seen it go
+// by the time the pods get SIGTERM, even when the RBAC is already gone;
+// the agent marks the node as being uninstalled then (OnChange). Its name
+// comes from the release's name alone, never from the DaemonSet's, so an
+// upgrade that renames the DaemonSet leaves it in place. The agent does
+// not watch its DaemonSet: each status write the DaemonSet controller
+// makes (about one per node in a rollout) would reach every agent, events
+// quadratic in the nodes; the signal carries two events in its life,
+// whatever the cluster's size. A DaemonSet deleted alone (the signal
+// left in place) is read at shutdown, while the agent keeps its RBAC.
 //
 // An upgrade that renames the DaemonSet (istioCompat.names, nameOverride)
 // creates the new one, then deletes the old one, its RBAC first: the
@@ -73,23 +85,20 @@ const (
 // the agent's own DaemonSet going is an uninstall only when no other
 // DaemonSet of this chart (ChartNameLabel, any name), present and not
 // being deleted, schedules onto this node, read at shutdown; when that
-// read fails, one that a second watch saw present is not proof of an
-// uninstall.
+// read fails, only a signal seen deleted proves an uninstall.
 type DaemonSetUpgradeChecker struct {
 	client          UpgradeClient
 	namespace, name string
+	signal          string
 	nodeName        string
 	log             *slog.Logger
 
-	mu   sync.Mutex
-	seen watchState
-	// others is what the second watch saw of the chart's other
-	// DaemonSets, by name: present or being deleted.
-	others   map[string]watchState
+	mu       sync.Mutex
+	seen     watchState
 	onChange func(prev, next string)
 }
 
-// watchState is what the watch saw of the DaemonSet, latest first.
+// watchState is what the watch saw of the release's signal, latest first.
 type watchState string
 
 const (
@@ -97,35 +106,32 @@ const (
 	seenAlive    watchState = "present"
 	seenDeleting watchState = "being deleted"
 	seenGone     watchState = "deleted"
-	// seenReplaced: the agent's DaemonSet is being deleted or gone while
-	// another DaemonSet of this chart is present (a rename): not, by
-	// itself, an uninstall.
-	seenReplaced watchState = "replaced"
 )
 
-// UpgradeClient is what the upgrade check reads: the agent's DaemonSet
-// and its node.
+// UpgradeClient is what the upgrade check reads: the agent's DaemonSet,
+// its node, and the release's signal.
 type UpgradeClient interface {
 	kubeclient.DaemonSetReader
+	kubeclient.ServiceMetadataReader
 	GetNode(ctx context.Context, name string) (*corev1.Node, error)
 }
 
 // NewDaemonSetUpgradeChecker returns a checker for the DaemonSet
-// namespace/name of the agent on node nodeName; Run its watch for the
-// agent's lifetime.
-func NewDaemonSetUpgradeChecker(client UpgradeClient, namespace, name, nodeName string, log *slog.Logger) *DaemonSetUpgradeChecker {
+// namespace/name of the agent on node nodeName, with the release's signal
+// Service signal in namespace (empty: none; the read at shutdown alone
+// decides); Run its watch for the agent's lifetime.
+func NewDaemonSetUpgradeChecker(client UpgradeClient, namespace, name, signal, nodeName string, log *slog.Logger) *DaemonSetUpgradeChecker {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &DaemonSetUpgradeChecker{client: client, namespace: namespace, name: name, nodeName: nodeName,
-		others: map[string]watchState{},
-		log:    log.With("component", "daemonset-watch", "daemonset", namespace+"/"+name)}
+	return &DaemonSetUpgradeChecker{client: client, namespace: namespace, name: name, signal: signal, nodeName: nodeName,
+		log: log.With("component", "release-signal-watch", "daemonset", namespace+"/"+name, "signal", signal)}
 }
 
-// OnChange has f told, from the watch, each change of what it saw (the
-// values Seen reports): the agent marks the node as being uninstalled the
-// moment its DaemonSet is being deleted, before any pod gets SIGTERM, and
-// not when it is replaced. Call it before Run.
+// OnChange has f told, from the watch, each change of what it saw of the
+// release's signal (the values Seen reports): the agent marks the node as
+// being uninstalled the moment the signal is deleted, before any pod gets
+// SIGTERM. Call it before Run.
 func (d *DaemonSetUpgradeChecker) OnChange(f func(prev, next string)) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -138,140 +144,82 @@ func (d *DaemonSetUpgradeChecker) othersSelector(o *metav1.ListOptions) {
 	o.FieldSelector = fields.OneTermNotEqualSelector("metadata.name", d.name).String()
 }
 
-// Run watches, until ctx ends, the metadata of the agent's DaemonSet
-// (list and watch by name) and of the chart's other DaemonSets in its
-// namespace (by label; none but during a rename). Metadata is all the
-// watches look for (a deletion, a DaemonSet present), and each status
-// write of the DaemonSet reaches every agent: the whole object would be
-// about twelve times the bytes.
+// Run watches, until ctx ends, the metadata of the release's signal (list
+// and watch by name: kubeclient.ReleaseSignalWatch). With no signal it
+// only waits for ctx.
 func (d *DaemonSetUpgradeChecker) Run(ctx context.Context) error {
-	own, err := d.informer(func(o *metav1.ListOptions) {
-		o.FieldSelector = fields.OneTermEqualSelector("metadata.name", d.name).String()
-	}, d.observe)
-	if err != nil {
-		return err
+	if d.signal == "" {
+		d.log.Info("no release signal configured: the read of the DaemonSet at shutdown alone tells an uninstall")
+		<-ctx.Done()
+		return nil
 	}
-	others, err := d.informer(d.othersSelector, d.observeOther)
+	w := kubeclient.ReleaseSignalWatch(d.client, d.namespace, d.signal)
+	inf := cache.NewSharedIndexInformerWithOptions(w.ListerWatcher, w.ExpectedType, cache.SharedIndexInformerOptions{})
+	_, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(o any) { d.observe(o, false) },
+		UpdateFunc: func(_, o any) { d.observe(o, false) },
+		DeleteFunc: func(o any) { d.observe(o, true) },
+	})
 	if err != nil {
-		return err
+		return fmt.Errorf("watch the release signal: %w", err)
 	}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		others.RunWithContext(ctx)
-	}()
-	own.RunWithContext(ctx)
-	<-done
+	inf.RunWithContext(ctx)
 	return nil
 }
 
-func (d *DaemonSetUpgradeChecker) informer(tweak func(*metav1.ListOptions), observe func(any, bool)) (cache.SharedIndexInformer, error) {
-	inf := cache.NewSharedIndexInformerWithOptions(
-		kubeclient.DaemonSetMetadataListWatch(d.client, d.namespace, tweak),
-		&metav1.PartialObjectMetadata{}, cache.SharedIndexInformerOptions{})
-	_, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(o any) { observe(o, false) },
-		UpdateFunc: func(_, o any) { observe(o, false) },
-		DeleteFunc: func(o any) { observe(o, true) },
-	})
-	if err != nil {
-		return nil, fmt.Errorf("watch daemonsets: %w", err)
-	}
-	return inf, nil
-}
-
-// stateOf is what an event says of a DaemonSet.
+// stateOf is what an event says of the signal.
 func stateOf(o any, deleted bool) (metav1.Object, watchState) {
 	if t, ok := o.(cache.DeletedFinalStateUnknown); ok {
 		o, deleted = t.Obj, true
 	}
-	ds, ok := o.(metav1.Object)
+	m, ok := o.(metav1.Object)
 	if !ok {
 		return nil, seenNothing
 	}
 	switch {
 	case deleted:
-		return ds, seenGone
-	case ds.GetDeletionTimestamp() != nil:
-		return ds, seenDeleting
+		return m, seenGone
+	case m.GetDeletionTimestamp() != nil:
+		return m, seenDeleting
 	}
-	return ds, seenAlive
+	return m, seenAlive
 }
 
 func (d *DaemonSetUpgradeChecker) observe(o any, deleted bool) {
-	ds, next := stateOf(o, deleted)
-	if ds == nil || ds.GetName() != d.name {
+	m, next := stateOf(o, deleted)
+	if m == nil || m.GetName() != d.signal {
 		return
 	}
-	d.update(func() { d.seen = next })
-}
-
-func (d *DaemonSetUpgradeChecker) observeOther(o any, deleted bool) {
-	ds, next := stateOf(o, deleted)
-	if ds == nil || ds.GetName() == d.name {
-		return
-	}
-	d.update(func() {
-		if next == seenGone {
-			delete(d.others, ds.GetName())
-		} else {
-			d.others[ds.GetName()] = next
-		}
-	})
-}
-
-// update applies change under the lock, then logs and reports the change
-// of what Seen says, if any.
-func (d *DaemonSetUpgradeChecker) update(change func()) {
 	d.mu.Lock()
-	prev := d.stateLocked()
-	change()
-	next := d.stateLocked()
-	others := d.presentLocked()
+	prev := d.seen
+	d.seen = next
 	notify := d.onChange
 	d.mu.Unlock()
 	if next == prev {
 		return
 	}
-	switch next {
-	case seenDeleting, seenGone:
-		d.log.Info("agent DaemonSet " + string(next) + ": this agent uninstalls the plugin when it stops")
-	case seenReplaced:
-		d.log.Info("agent DaemonSet being deleted or deleted while another DaemonSet of this chart is present (a rename): "+
-			"no uninstall if it schedules onto this node", "others", others)
+	if next == seenDeleting || next == seenGone {
+		d.log.Info("release signal " + string(next) + ": an uninstall; this agent uninstalls the plugin when it stops, unless its DaemonSet, read then, lives and schedules here")
 	}
 	if notify != nil {
 		notify(string(prev), string(next))
 	}
 }
 
-// stateLocked is what Seen reports.
-func (d *DaemonSetUpgradeChecker) stateLocked() watchState {
-	if (d.seen == seenDeleting || d.seen == seenGone) && len(d.presentLocked()) > 0 {
-		return seenReplaced
-	}
-	return d.seen
-}
-
-// presentLocked names the chart's other DaemonSets seen present, sorted.
-func (d *DaemonSetUpgradeChecker) presentLocked() []string {
-	var names []string
-	for name, s := range d.others {
-		if s == seenAlive {
-			names = append(names, name)
-		}
-	}
-	slices.Sort(names)
-	return names
-}
-
-// Seen reports what the watch last saw of the DaemonSet: "" (nothing yet),
-// "present", "being deleted", "deleted", or "replaced" (being deleted or
-// deleted while another DaemonSet of this chart is present).
+// Seen reports what the watch last saw of the release's signal: ""
+// (nothing yet, or no signal), "present", "being deleted" or "deleted".
 func (d *DaemonSetUpgradeChecker) Seen() string {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return string(d.stateLocked())
+	return string(d.seen)
+}
+
+// signalGone reports whether the watch saw the signal being deleted or
+// deleted: proof of an uninstall.
+func (d *DaemonSetUpgradeChecker) signalGone() (watchState, bool) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.seen, d.seen == seenDeleting || d.seen == seenGone
 }
 
 // IsUpgrade implements UpgradeChecker: false only on proof of
@@ -296,20 +244,21 @@ func (d *DaemonSetUpgradeChecker) ownIsUpgrade(ctx context.Context) (bool, error
 	case apierrors.IsNotFound(err):
 		return false, nil
 	}
-	d.mu.Lock()
-	seen := d.seen
-	d.mu.Unlock()
-	if seen == seenDeleting || seen == seenGone {
-		d.log.Info("cannot read the agent DaemonSet at shutdown, but it was seen "+string(seen)+": uninstall", "err", err)
+	seen, gone := d.signalGone()
+	if gone {
+		d.log.Info("cannot read the agent DaemonSet at shutdown, but the release signal was seen "+string(seen)+": uninstall", "err", err)
 		return false, nil
 	}
 	why := "not proof of an uninstall"
 	if apierrors.IsForbidden(err) || apierrors.IsUnauthorized(err) {
 		why = "lost rights are not proof of an uninstall (RBAC may be briefly wrong, or removed before the pods stop)"
 	}
-	last := "it was never seen"
-	if seen != seenNothing {
-		last = "it was last seen " + string(seen)
+	last := "the release signal was never seen"
+	switch {
+	case d.signal == "":
+		last = "no release signal is configured"
+	case seen != seenNothing:
+		last = "the release signal was last seen " + string(seen)
 	}
 	return false, fmt.Errorf("get daemonset %s/%s: %w; %s, and %s", d.namespace, d.name, err, why, last)
 }
@@ -339,25 +288,19 @@ func (d *DaemonSetUpgradeChecker) targetsThisNode(ctx context.Context, ds *appsv
 // replaced tells, once the agent's own DaemonSet is out, whether another
 // DaemonSet of this chart still schedules onto this node (a rename): then
 // its agent takes the node over and this is an upgrade. The read failing
-// (a rename deletes the old release's RBAC before its DaemonSet) is not
-// proof of an uninstall while the watch saw one present: an upgrade.
+// (a rename deletes the old release's RBAC before its DaemonSet) is proof
+// of nothing unless the release signal was seen deleted: a rename leaves
+// it in place.
 func (d *DaemonSetUpgradeChecker) replaced(ctx context.Context) (bool, error) {
 	var opts metav1.ListOptions
 	d.othersSelector(&opts)
 	list, err := d.client.ListDaemonSets(ctx, d.namespace, opts)
 	if err != nil {
-		d.mu.Lock()
-		present := d.presentLocked()
-		d.mu.Unlock()
-		if len(present) > 0 {
-			// Not proof of an uninstall: whether they schedule here is
-			// unknown, and a rename is what this looks like.
-			d.log.Info("agent DaemonSet out while other DaemonSets of this chart were seen present (a rename), which cannot be read now: "+
-				"upgrade, the pods keep their rules", "others", present, "err", err)
-			return true, nil
+		if seen, gone := d.signalGone(); gone {
+			d.log.Info("cannot list the DaemonSets of this chart, but the release signal was seen "+string(seen)+": uninstall", "err", err)
+			return false, nil
 		}
-		d.log.Info("cannot list the DaemonSets of this chart, and the watch saw none besides the agent's: uninstall", "err", err)
-		return false, nil
+		return false, fmt.Errorf("agent DaemonSet %s/%s out; list the other DaemonSets of this chart to tell a rename: %w; not proof of an uninstall", d.namespace, d.name, err)
 	}
 	var node *corev1.Node
 	for i := range list.Items {

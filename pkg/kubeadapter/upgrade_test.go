@@ -21,11 +21,16 @@ import (
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
-// dsName is the DaemonSet the shipped Role names.
-const dsName = "ambient-cni"
+// dsName and signalName are the DaemonSet and the release's signal the
+// shipped Role names.
+const (
+	dsName     = "ambient-cni"
+	signalName = "ambient-cni-installed"
+)
 
-// agentNode is one agent's view: its namespace, its ServiceAccount client
-// under the shipped RBAC, and its checker with the watch running.
+// agentNode is one agent's view: its namespace (with the release's
+// signal), its ServiceAccount client under the shipped RBAC, and its
+// checker with the watch running.
 type agentNode struct {
 	t       *testing.T
 	env     *kubeenv.Env
@@ -61,10 +66,13 @@ func newAgentOn(t *testing.T, env *kubeenv.Env, withDaemonSet bool, node *corev1
 	if err != nil {
 		t.Fatal(err)
 	}
+	if err := kubeenv.CreateReleaseSignal(ctx, env.Client, a.ns, signalName); err != nil {
+		t.Fatal(err)
+	}
 	if withDaemonSet {
 		a.createDaemonSet(tmpl)
 	}
-	a.checker = NewDaemonSetUpgradeChecker(agentClient, a.ns, dsName, a.node, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	a.checker = NewDaemonSetUpgradeChecker(agentClient, a.ns, dsName, signalName, a.node, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- a.checker.Run(ctx) }()
@@ -150,17 +158,16 @@ func (a *agentNode) revokeRBAC() {
 
 func (a *agentNode) waitSeen(state string) {
 	a.t.Helper()
-	poll.Until(a.t, "watch sees the DaemonSet "+state, func() bool { return a.checker.Seen() == state })
+	poll.Until(a.t, "watch sees the release signal "+state, func() bool { return a.checker.Seen() == state })
 }
 
-// waitGone waits until the watch saw the agent's DaemonSet go, whatever
-// it makes of that.
-func (a *agentNode) waitGone() {
+// deleteSignal deletes the release's signal, as helm's uninstall does
+// first.
+func (a *agentNode) deleteSignal() {
 	a.t.Helper()
-	poll.Until(a.t, "watch sees the DaemonSet go", func() bool {
-		s := a.checker.Seen()
-		return s != "" && s != "present"
-	})
+	if err := kubeenv.DeleteReleaseSignal(context.Background(), a.env.Client, a.ns, signalName); err != nil {
+		a.t.Fatal(err)
+	}
 }
 
 // isUpgrade is the shutdown decision as install-cni makes it.
@@ -173,8 +180,9 @@ func (a *agentNode) isUpgrade() bool {
 
 // TestUpgradeChecker runs against a real API server with the shipped
 // RBAC: the plugin is removed only on proof of an uninstall (the
-// DaemonSet gone or being deleted, read at shutdown or seen by the watch),
-// never because the agent lost its rights.
+// DaemonSet gone or being deleted, read at shutdown; or, when that read
+// fails, the release's signal seen deleted), never because the agent lost
+// its rights.
 func TestUpgradeChecker(t *testing.T) {
 	env := kubeenv.Start(t)
 	ctx := context.Background()
@@ -216,17 +224,41 @@ func TestUpgradeChecker(t *testing.T) {
 	})
 
 	t.Run("daemonset being deleted", func(t *testing.T) {
+		// kubectl delete daemonset --cascade=foreground, the release's
+		// signal left in place.
 		a := newAgentNode(t, env, true)
 		a.waitSeen("present")
 		a.deleteDaemonSet()
-		a.waitSeen("being deleted")
 		if a.isUpgrade() {
 			t.Error("DaemonSet being deleted (read with RBAC intact): reported an upgrade")
 		}
-		// The RBAC goes too before the pod stops: the watch saw it.
+	})
+
+	t.Run("signal deleted alone", func(t *testing.T) {
+		// The DaemonSet lives and schedules here: its read decides.
+		a := newAgentNode(t, env, true)
+		a.waitSeen("present")
+		a.deleteSignal()
+		a.waitSeen("deleted")
+		if !a.isUpgrade() {
+			t.Error("release signal deleted, DaemonSet alive and readable: reported an uninstall")
+		}
+	})
+
+	t.Run("hook order", func(t *testing.T) {
+		// helm uninstall's hook: the signal, then the DaemonSet in the
+		// foreground; here the RBAC goes too before the pod stops.
+		a := newAgentNode(t, env, true)
+		a.waitSeen("present")
+		a.deleteSignal()
+		a.deleteDaemonSet()
+		a.waitSeen("deleted")
+		if a.isUpgrade() {
+			t.Error("signal deleted, DaemonSet being deleted: reported an upgrade")
+		}
 		a.revokeRBAC()
 		if a.isUpgrade() {
-			t.Error("DaemonSet seen being deleted, then RBAC gone: reported an upgrade")
+			t.Error("signal seen deleted, DaemonSet being deleted, then RBAC gone: reported an upgrade")
 		}
 	})
 
@@ -288,10 +320,12 @@ func TestUpgradeChecker(t *testing.T) {
 	})
 
 	t.Run("helm uninstall order", func(t *testing.T) {
-		// helm deletes the DaemonSet (background: it goes at once), then
-		// the RBAC and ServiceAccount; the pods get SIGTERM after that.
+		// helm deletes Services (the signal), the DaemonSet (background:
+		// it goes at once), then the RBAC and ServiceAccount; the pods get
+		// SIGTERM after that.
 		a := newAgentNode(t, env, true)
 		a.waitSeen("present")
+		a.deleteSignal()
 		a.deleteDaemonSet()
 		a.release()
 		a.waitSeen("deleted")
@@ -315,7 +349,6 @@ func TestUpgradeCheckerRenamedDaemonSet(t *testing.T) {
 		a.t.Helper()
 		a.deleteDaemonSet()
 		a.release()
-		a.waitGone()
 	}
 
 	t.Run("renamed", func(t *testing.T) {
@@ -327,13 +360,16 @@ func TestUpgradeCheckerRenamedDaemonSet(t *testing.T) {
 		if !a.isUpgrade() {
 			t.Error("own DaemonSet deleted while the renamed one schedules here: an uninstall")
 		}
-		// The watch's verdict, which keeps the uninstall marker away.
-		a.waitSeen("replaced")
+		// The signal is the release's: a rename leaves it.
+		if s := a.checker.Seen(); s != "present" {
+			t.Errorf("release signal %q after a rename, want present", s)
+		}
 	})
 
 	t.Run("renamed, rights gone first", func(t *testing.T) {
 		// helm's order: the new objects, then the old release's RBAC
-		// deleted before its DaemonSet. Only the watch saw the new one.
+		// deleted before its DaemonSet. Nothing is readable at shutdown,
+		// and the signal was never seen deleted: no proof.
 		a := newAgentNode(t, env, false)
 		a.createNamed(dsName, chartLabels, nil)
 		a.waitSeen("present")
@@ -341,9 +377,8 @@ func TestUpgradeCheckerRenamedDaemonSet(t *testing.T) {
 		a.revokeRBAC()
 		a.deleteDaemonSet()
 		a.release()
-		a.waitSeen("replaced")
 		if !a.isUpgrade() {
-			t.Error("own DaemonSet deleted, the renamed one seen by the watch, rights gone: an uninstall")
+			t.Error("own DaemonSet deleted, the renamed one created, rights gone: an uninstall")
 		}
 	})
 

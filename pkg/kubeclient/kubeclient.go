@@ -1,11 +1,12 @@
 // Package kubeclient is the agent's Kubernetes client: exactly the verbs
 // the agent and the uninstall hook use (pods, namespaces, nodes,
-// DaemonSets, events), on REST clients whose scheme registers only core/v1
-// and apps/v1. client-go's full clientset and informer factory link every
-// API group's types and scheme into the binary, and their pages are most of
-// the agent's file-backed memory; this client links two groups. The
-// ListWatch helpers build informers over it with the same list-and-watch
-// semantics as the factory's.
+// DaemonSets, the release's signal Service, events), on REST clients
+// whose scheme registers only core/v1 and apps/v1. client-go's full
+// clientset and informer factory link every API group's types and scheme
+// into the binary, and their pages are most of the agent's file-backed
+// memory; this client links two groups. The ListWatch helpers build
+// informers over it with the same list-and-watch semantics as the
+// factory's; AgentWatches is every watch the agent holds.
 package kubeclient
 
 import (
@@ -55,16 +56,26 @@ type Nodes interface {
 	PatchNode(ctx context.Context, name string, pt types.PatchType, data []byte) (*corev1.Node, error)
 }
 
-// DaemonSetReader reads DaemonSets, and lists and watches their metadata
-// only: every agent watches its own DaemonSet, and each status write the
-// DaemonSet controller makes goes to every agent, so the watch carries
-// the object's metadata (about a twelfth of it), all it looks for. Whole
-// objects are read once, at shutdown.
+// DaemonSetReader reads DaemonSets: the agent's own by name, and the
+// chart's by label, once, at shutdown. Nothing of the agent watches a
+// DaemonSet: each status write the DaemonSet controller makes would reach
+// every agent (ReleaseSignalWatch says what tells an uninstall instead).
 type DaemonSetReader interface {
 	GetDaemonSet(ctx context.Context, namespace, name string) (*appsv1.DaemonSet, error)
 	ListDaemonSets(ctx context.Context, namespace string, opts metav1.ListOptions) (*appsv1.DaemonSetList, error)
-	ListDaemonSetsMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (*metav1.PartialObjectMetadataList, error)
-	WatchDaemonSetsMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (watch.Interface, error)
+}
+
+// ServiceMetadataReader lists and watches the metadata of Services: the
+// release's signal Service, by name (ReleaseSignalWatch).
+type ServiceMetadataReader interface {
+	ListServicesMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (*metav1.PartialObjectMetadataList, error)
+	WatchServicesMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (watch.Interface, error)
+}
+
+// ServiceDeleter deletes Services (the uninstall hook: the release's
+// signal Service, first).
+type ServiceDeleter interface {
+	DeleteService(ctx context.Context, namespace, name string, opts metav1.DeleteOptions) error
 }
 
 // DaemonSetDeleter deletes DaemonSets (the uninstall hook).
@@ -102,6 +113,8 @@ type Interface interface {
 	Nodes
 	DaemonSetReader
 	DaemonSetDeleter
+	ServiceMetadataReader
+	ServiceDeleter
 	Events
 	ServiceAccountTokens
 }
@@ -273,14 +286,19 @@ func (c *Client) ListDaemonSets(ctx context.Context, namespace string, opts meta
 	return l, c.list(ctx, c.apps, namespace, "daemonsets", opts, l)
 }
 
-// ListDaemonSetsMetadata implements DaemonSetReader.
-func (c *Client) ListDaemonSetsMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (*metav1.PartialObjectMetadataList, error) {
-	return c.meta.Resource(appsv1.SchemeGroupVersion.WithResource("daemonsets")).Namespace(namespace).List(ctx, opts)
+// ListServicesMetadata implements ServiceMetadataReader.
+func (c *Client) ListServicesMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (*metav1.PartialObjectMetadataList, error) {
+	return c.meta.Resource(corev1.SchemeGroupVersion.WithResource("services")).Namespace(namespace).List(ctx, opts)
 }
 
-// WatchDaemonSetsMetadata implements DaemonSetReader.
-func (c *Client) WatchDaemonSetsMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (watch.Interface, error) {
-	return c.meta.Resource(appsv1.SchemeGroupVersion.WithResource("daemonsets")).Namespace(namespace).Watch(ctx, opts)
+// WatchServicesMetadata implements ServiceMetadataReader.
+func (c *Client) WatchServicesMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (watch.Interface, error) {
+	return c.meta.Resource(corev1.SchemeGroupVersion.WithResource("services")).Namespace(namespace).Watch(ctx, opts)
+}
+
+// DeleteService implements ServiceDeleter.
+func (c *Client) DeleteService(ctx context.Context, namespace, name string, opts metav1.DeleteOptions) error {
+	return c.core.Delete().Namespace(namespace).Resource("services").Name(name).Body(&opts).Do(ctx).Error()
 }
 
 // DeleteDaemonSet implements DaemonSetDeleter.
@@ -388,16 +406,16 @@ func NamespaceListWatch(c NamespaceReader, tweak func(*metav1.ListOptions)) cach
 		})
 }
 
-// DaemonSetMetadataListWatch lists and watches the metadata of the
-// DaemonSets of namespace (*metav1.PartialObjectMetadata), with tweak (may
+// ServiceMetadataListWatch lists and watches the metadata of the
+// Services of namespace (*metav1.PartialObjectMetadata), with tweak (may
 // be nil) applied to every request's options.
-func DaemonSetMetadataListWatch(c DaemonSetReader, namespace string, tweak func(*metav1.ListOptions)) cache.ListerWatcher {
+func ServiceMetadataListWatch(c ServiceMetadataReader, namespace string, tweak func(*metav1.ListOptions)) cache.ListerWatcher {
 	return listWatch(c, tweak,
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-			return c.ListDaemonSetsMetadata(ctx, namespace, o)
+			return c.ListServicesMetadata(ctx, namespace, o)
 		},
 		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-			return c.WatchDaemonSetsMetadata(ctx, namespace, o)
+			return c.WatchServicesMetadata(ctx, namespace, o)
 		})
 }
 

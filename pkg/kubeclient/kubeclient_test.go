@@ -3,6 +3,7 @@ package kubeclient_test
 import (
 	"context"
 	"os"
+	"slices"
 	"sync"
 	"testing"
 
@@ -151,4 +152,35 @@ func createPod(t *testing.T, env *kubeenv.Env, ns, name, node string) *corev1.Po
 		t.Fatalf("create pod %s/%s: %v", ns, name, err)
 	}
 	return p
+}
+
+// TestAgentWatches: the agent's watch set, which a fleet simulator opens
+// as N agents would: its node's pods (by field selector), every namespace
+// (whole objects: nothing narrower exists for them), and the release's
+// signal by name, metadata only; no DaemonSet. No signal, no third watch.
+func TestAgentWatches(t *testing.T) {
+	c := &kubeclient.Client{}
+	got := kubeclient.AgentWatches(c, kubeclient.AgentWatchConfig{NodeName: "n1", Namespace: "istio-system", ReleaseSignal: "ambient-cni-installed"})
+	type shape struct {
+		name, resource, namespace, fieldSelector string
+		metadataOnly                             bool
+	}
+	var shapes []shape
+	for _, w := range got {
+		if w.ListerWatcher == nil || w.ExpectedType == nil || w.Version != "v1" || w.Group != "" || w.Options.LabelSelector != "" {
+			t.Errorf("watch %+v: want a core/v1 list-watch without label selector", w)
+		}
+		shapes = append(shapes, shape{w.Name, w.Resource, w.Namespace, w.Options.FieldSelector, w.MetadataOnly})
+	}
+	want := []shape{
+		{"pods", "pods", "", "spec.nodeName=n1", false},
+		{"namespaces", "namespaces", "", "", false},
+		{"release-signal", "services", "istio-system", "metadata.name=ambient-cni-installed", true},
+	}
+	if !slices.Equal(shapes, want) {
+		t.Errorf("AgentWatches:\n got %+v\nwant %+v", shapes, want)
+	}
+	if n := len(kubeclient.AgentWatches(c, kubeclient.AgentWatchConfig{NodeName: "n1"})); n != 2 {
+		t.Errorf("without a release signal: %d watches, want 2", n)
+	}
 }

@@ -73,7 +73,7 @@ func fixtures() map[string]any {
 	}
 	one := 1
 	node := &explainwire.NodeReport{
-		RulesBackend: "nftables", ZtunnelConnections: &one, DaemonSet: "present",
+		RulesBackend: "nftables", ZtunnelConnections: &one, ReleaseSignal: "present",
 		Pods: 5, Captured: 2, WithProblems: 3,
 		Reports: []*explainwire.Report{drifted, shouldBe, failing, uncaptured, captured},
 	}

@@ -237,8 +237,8 @@ func RenderNode(w io.Writer, a NodeAnswer) error {
 	if nr.ZtunnelConnections != nil {
 		fmt.Fprintf(b, "Ztunnel:  %d connected\n", *nr.ZtunnelConnections)
 	}
-	if nr.DaemonSet != "" {
-		fmt.Fprintf(b, "DaemonSet: %s\n", nr.DaemonSet)
+	if nr.ReleaseSignal != "" {
+		fmt.Fprintf(b, "Release signal: %s\n", nr.ReleaseSignal)
 	}
 	fmt.Fprintf(b, "Pods:     %d on the node, %d captured, %d need attention\n", nr.Pods, nr.Captured, nr.WithProblems)
 	var bad []*explainwire.Report

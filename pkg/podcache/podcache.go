@@ -17,8 +17,6 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
 	listerscorev1 "k8s.io/client-go/listers/core/v1"
@@ -75,17 +73,15 @@ func New(cfg Config) *Cache {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	c := &Cache{cfg: cfg, log: cfg.Logger.With("component", "pod-cache")}
-	podInf := cache.NewSharedIndexInformerWithOptions(
-		kubeclient.PodListWatch(cfg.Client, metav1.NamespaceAll, func(o *metav1.ListOptions) {
-			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", cfg.NodeName).String()
-		}),
-		&corev1.Pod{},
+	// The watches are the agent's (kubeclient.AgentWatches), as a fleet
+	// simulator opens them.
+	podW, nsW := kubeclient.PodsOfNodeWatch(cfg.Client, cfg.NodeName), kubeclient.NamespacesWatch(cfg.Client)
+	podInf := cache.NewSharedIndexInformerWithOptions(podW.ListerWatcher, podW.ExpectedType,
 		cache.SharedIndexInformerOptions{Indexers: cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc}})
 	// Namespaces are only ever looked up by name or listed whole, so
 	// their informer has no index: a namespace index would hold every
 	// namespace of the cluster once more, under one key.
-	nsInf := cache.NewSharedIndexInformerWithOptions(kubeclient.NamespaceListWatch(cfg.Client, nil),
-		&corev1.Namespace{}, cache.SharedIndexInformerOptions{})
+	nsInf := cache.NewSharedIndexInformerWithOptions(nsW.ListerWatcher, nsW.ExpectedType, cache.SharedIndexInformerOptions{})
 	// The cache keeps what the agent reads of each object and nothing
 	// else (trim.go): its memory is bounded by the number of pods and
 	// namespaces, not by what users write into them.

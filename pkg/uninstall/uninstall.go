@@ -3,10 +3,11 @@
 // agent's ServiceAccount and RBAC, while the agent pods are still
 // stopping: an agent that releases the pods it captured at shutdown would
 // find itself without the rights to clear their annotations. So the hook
-// deletes the DaemonSet first, in the foreground, and waits until it and
-// its pods are gone: every agent shuts down seeing its DaemonSet being
-// deleted (an uninstall, not an upgrade) with its RBAC intact, and only
-// then does helm delete the rest.
+// deletes the release's signal Service (every agent writes its uninstall
+// marker the moment it sees it go), then the DaemonSet, in the
+// foreground, and waits until it and its pods are gone: every agent shuts
+// down seeing its DaemonSet being deleted (an uninstall, not an upgrade)
+// with its RBAC intact, and only then does helm delete the rest.
 package uninstall
 
 import (
@@ -20,16 +21,21 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
-// Client deletes and reads the DaemonSet (kubeclient's DaemonSet verbs).
+// Client deletes and reads the DaemonSet and deletes the signal
+// (kubeclient's verbs).
 type Client interface {
 	GetDaemonSet(ctx context.Context, namespace, name string) (*appsv1.DaemonSet, error)
 	DeleteDaemonSet(ctx context.Context, namespace, name string, opts metav1.DeleteOptions) error
+	DeleteService(ctx context.Context, namespace, name string, opts metav1.DeleteOptions) error
 }
 
 // Options say which DaemonSet to remove.
 type Options struct {
 	Client          Client
 	Namespace, Name string
+	// ReleaseSignal is the release's signal Service, deleted first (empty:
+	// none).
+	ReleaseSignal string
 	// Poll is how often the DaemonSet is checked (default 1s).
 	Poll   time.Duration
 	Logger *slog.Logger
@@ -45,6 +51,17 @@ func DeleteDaemonSet(ctx context.Context, o Options) error {
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	if o.ReleaseSignal != "" {
+		// Not fatal: the agents still read their DaemonSet being deleted
+		// at SIGTERM, with their RBAC; only the early marker is lost.
+		switch err := o.Client.DeleteService(ctx, o.Namespace, o.ReleaseSignal, metav1.DeleteOptions{}); {
+		case err == nil:
+			o.Logger.Info("release signal deleted: every agent marks its node as being uninstalled", "namespace", o.Namespace, "name", o.ReleaseSignal)
+		case apierrors.IsNotFound(err):
+		default:
+			o.Logger.Warn("delete the release signal", "namespace", o.Namespace, "name", o.ReleaseSignal, "err", err)
+		}
 	}
 	fg := metav1.DeletePropagationForeground
 	err := o.Client.DeleteDaemonSet(ctx, o.Namespace, o.Name, metav1.DeleteOptions{PropagationPolicy: &fg})

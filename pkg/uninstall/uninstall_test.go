@@ -40,7 +40,8 @@ func daemonSet(ns string) *appsv1.DaemonSet {
 // Against a real API server (no garbage collector runs there, so the test
 // plays it): the DaemonSet is deleted in the foreground — it stays, marked
 // for deletion with the foregroundDeletion finalizer, while its pods go —
-// and the hook returns only once it is gone.
+// and the hook returns only once it is gone. The release's signal is gone
+// by the time the DaemonSet is being deleted: the agents see it first.
 func TestDeleteDaemonSetWaitsForForegroundDeletion(t *testing.T) {
 	env := kube.Env(t)
 	ctx := context.Background()
@@ -48,9 +49,15 @@ func TestDeleteDaemonSetWaitsForForegroundDeletion(t *testing.T) {
 	if _, err := env.Client.AppsV1().DaemonSets(ns).Create(ctx, daemonSet(ns), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	signal := &corev1.Service{ObjectMeta: metav1.ObjectMeta{Name: "ambient-cni-installed", Namespace: ns},
+		Spec: corev1.ServiceSpec{ClusterIP: corev1.ClusterIPNone}}
+	if _, err := env.Client.CoreV1().Services(ns).Create(ctx, signal, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
 	done := make(chan error, 1)
 	go func() {
-		done <- DeleteDaemonSet(ctx, Options{Client: adminClient(t, env), Namespace: ns, Name: "ambient-cni", Poll: 20 * time.Millisecond})
+		done <- DeleteDaemonSet(ctx, Options{Client: adminClient(t, env), Namespace: ns, Name: "ambient-cni",
+			ReleaseSignal: signal.Name, Poll: 20 * time.Millisecond})
 	}()
 	deadline := time.Now().Add(time.Minute)
 	for {
@@ -61,6 +68,9 @@ func TestDeleteDaemonSetWaitsForForegroundDeletion(t *testing.T) {
 		if ds.DeletionTimestamp != nil {
 			if !slices.Contains(ds.Finalizers, metav1.FinalizerDeleteDependents) {
 				t.Fatalf("deleted without foreground propagation: finalizers %v", ds.Finalizers)
+			}
+			if _, err := env.Client.CoreV1().Services(ns).Get(ctx, signal.Name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+				t.Fatalf("DaemonSet being deleted, the release signal not deleted first: %v", err)
 			}
 			break
 		}

@@ -667,15 +667,16 @@ func (f *ourFleet) install(ctx context.Context, env *kubeenv.Env) (string, strin
 	return installChart(ctx, env, f.shipped.Manifest, simnode.ReleaseNamespace)
 }
 
-// installChart creates a rendered chart's ServiceAccounts and DaemonSet
-// (in namespace when they name none).
+// installChart creates a rendered chart's ServiceAccounts, Services (ours:
+// the release's signal, which every agent watches) and DaemonSet (in
+// namespace when they name none).
 func installChart(ctx context.Context, env *kubeenv.Env, manifest []byte, namespace string) (dsNS, dsName string, err error) {
 	objs, err := kubeenv.ParseObjects(manifest)
 	if err != nil {
 		return "", "", err
 	}
 	for _, o := range objs {
-		if o.GetKind() != "ServiceAccount" && o.GetKind() != "DaemonSet" {
+		if o.GetKind() != "ServiceAccount" && o.GetKind() != "DaemonSet" && o.GetKind() != "Service" {
 			continue
 		}
 		if o.GetNamespace() == "" {
@@ -693,6 +694,16 @@ func installChart(ctx context.Context, env *kubeenv.Env, manifest []byte, namesp
 				return "", "", fmt.Errorf("create the chart's DaemonSet %s/%s: %w", ds.Namespace, ds.Name, err)
 			}
 			dsNS, dsName = ds.Namespace, ds.Name
+			continue
+		}
+		if o.GetKind() == "Service" {
+			svc := &corev1.Service{}
+			if err := k8sruntime.DefaultUnstructuredConverter.FromUnstructured(o.Object, svc); err != nil {
+				return "", "", fmt.Errorf("decode the chart's Service: %w", err)
+			}
+			if _, err := env.Client.CoreV1().Services(svc.Namespace).Create(ctx, svc, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+				return "", "", fmt.Errorf("create the chart's Service %s/%s: %w", svc.Namespace, svc.Name, err)
+			}
 			continue
 		}
 		sa := &corev1.ServiceAccount{ObjectMeta: metav1.ObjectMeta{Namespace: o.GetNamespace(), Name: o.GetName()}}

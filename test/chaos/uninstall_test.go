@@ -21,6 +21,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
@@ -99,15 +100,19 @@ func uninstallKillRun(t *testing.T, rng *rand.Rand, step uninstallStep, subnet n
 		t.Fatal(err)
 	}
 
-	// helm uninstall's hook: the DaemonSet deleted in the foreground (held
-	// "being deleted" here: no garbage collector runs), then the agent's
-	// pod is deleted and the agent gets SIGTERM.
+	// helm uninstall's hook: the release's signal deleted, the DaemonSet
+	// deleted in the foreground (held "being deleted" here: no garbage
+	// collector runs), then the agent's pod is deleted and the agent gets
+	// SIGTERM.
+	if err := kubeenv.DeleteReleaseSignal(ctx, n.env.Client, ns, n.cfg.ReleaseSignal); err != nil {
+		t.Fatal(err)
+	}
 	fg := metav1.DeletePropagationForeground
 	if err := n.env.Client.AppsV1().DaemonSets(ns).Delete(ctx, ds, metav1.DeleteOptions{PropagationPolicy: &fg}); err != nil {
 		t.Fatal(err)
 	}
 	marker := n.cfg.Layout().Uninstalling()
-	waitFor(t, 30*time.Second, "the agent marking the uninstall once its DaemonSet is being deleted", func() bool {
+	waitFor(t, 30*time.Second, "the agent marking the uninstall once the release's signal is deleted", func() bool {
 		_, err := os.Lstat(marker)
 		return err == nil
 	})
@@ -188,6 +193,9 @@ func (n *node) createDaemonSet(ctx context.Context, ns string) string {
 	}
 	if _, err := n.env.Client.AppsV1().DaemonSets(ns).Create(ctx, ds, metav1.CreateOptions{}); err != nil {
 		n.t.Fatalf("create daemonset: %v", err)
+	}
+	if err := kubeenv.CreateReleaseSignal(ctx, n.env.Client, ns, n.cfg.ReleaseSignal); err != nil {
+		n.t.Fatal(err)
 	}
 	n.t.Cleanup(func() {
 		patch := []byte(`{"metadata":{"finalizers":null}}`)

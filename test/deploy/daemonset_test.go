@@ -37,6 +37,8 @@ type objects struct {
 	crb  *rbacv1.ClusterRoleBinding
 	role *rbacv1.Role
 	rb   *rbacv1.RoleBinding
+	// signal is the release's signal Service.
+	signal *corev1.Service
 	// rq is the ResourceQuota for the priority class, on the platforms
 	// that need one (nil elsewhere).
 	rq *corev1.ResourceQuota
@@ -120,6 +122,9 @@ func decode(t testing.TB, manifest []byte) *objects {
 			case "ResourceQuota":
 				out.rq = &corev1.ResourceQuota{}
 				dst = out.rq
+			case "Service":
+				out.signal = &corev1.Service{}
+				dst = out.signal
 			case "ValidatingAdmissionPolicy":
 				out.policy = &admissionregistrationv1.ValidatingAdmissionPolicy{}
 				dst = out.policy
@@ -135,9 +140,9 @@ func decode(t testing.TB, manifest []byte) *objects {
 		}
 	}
 	slices.Sort(out.kinds)
-	want := []string{"ClusterRole", "ClusterRoleBinding", "DaemonSet", "Role", "RoleBinding", "ServiceAccount"}
+	want := []string{"ClusterRole", "ClusterRoleBinding", "DaemonSet", "Role", "RoleBinding", "Service", "ServiceAccount"}
 	if out.policy != nil || out.binding != nil {
-		want = []string{"ClusterRole", "ClusterRoleBinding", "DaemonSet", "Role", "RoleBinding", "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+		want = []string{"ClusterRole", "ClusterRoleBinding", "DaemonSet", "Role", "RoleBinding", "Service", "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
 	}
 	if !slices.Equal(out.kinds, want) {
 		t.Fatalf("manifest holds %v, want one each of %v", out.kinds, want)
@@ -276,8 +281,10 @@ func TestChartDefaultsMatchProcessDefaults(t *testing.T) {
 	want.PodName = "agent-x1"
 	want.PodNamespace = namespace
 	want.ProcRoot = "/host/proc" // the host's /proc, mounted read-only
-	// The plugin's ServiceAccount is named for the release.
+	// The plugin's ServiceAccount and the release's signal are named for
+	// the release (the process has no release: no signal by default).
 	want.PluginServiceAccount = releaseName + "-plugin"
+	want.ReleaseSignal = releaseName + "-installed"
 	// The selector setting as given (JSON from the chart): its meaning is
 	// compared through EnablementSelectors.
 	want.EnablementSelectorText = got.EnablementSelectorText
@@ -327,7 +334,7 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 	got := o.config(t)
 	want := &app.Config{
 		NodeName: "node-a", PodName: "agent-x1", PodNamespace: "all-values-ns",
-		DaemonSet: "mesh-node", Kubeconfig: "/etc/mesh/kubeconfig",
+		DaemonSet: "mesh-node", ReleaseSignal: "ambient-cni-all-installed", Kubeconfig: "/etc/mesh/kubeconfig",
 		CNIBinDir: "/host/opt/cni/bin", CNIExtraBinDirs: []string{"/host/extra-cni-bin/opt/cni/bin", "/host/extra-cni-bin/usr/libexec/cni"}, CNIConfDir: "/host/etc/cni/net.d", CNIConfName: "10-primary.conflist",
 		CNIOwnedConfig: true, CNIOwnedConfName: "01-mesh.conflist",
 		IstioCNIRunDir: "/run/istio-cni-all-values",

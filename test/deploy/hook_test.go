@@ -61,8 +61,9 @@ func decodeHooks(t *testing.T, objs []*unstructured.Unstructured) hookObjects {
 }
 
 // helm uninstall's pre-delete hook: a Job with just the right to delete
-// the release's DaemonSet, reaching the API server as the agent does, that
-// runs the image's uninstall program. Its RBAC is created before it.
+// the release's DaemonSet and its signal (the same the agents watch),
+// reaching the API server as the agent does, that runs the image's
+// uninstall program. Its RBAC is created before it.
 func TestUninstallHook(t *testing.T) {
 	for name, c := range map[string]struct {
 		args                       []string
@@ -76,9 +77,15 @@ func TestUninstallHook(t *testing.T) {
 		if h.weights["Job"] != "0" || h.weights["Role"] != "-10" || h.weights["RoleBinding"] != "-10" || h.weights["ServiceAccount"] != "-10" {
 			t.Errorf("%s: weights %v: RBAC must come before the Job", name, h.weights)
 		}
-		want := []rbacv1.PolicyRule{{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{c.ds}, Verbs: []string{"get", "delete"}}}
-		if len(h.role.Rules) != 1 || !slices.Equal(h.role.Rules[0].Verbs, want[0].Verbs) || !slices.Equal(h.role.Rules[0].ResourceNames, want[0].ResourceNames) ||
-			!slices.Equal(h.role.Rules[0].Resources, want[0].Resources) || !slices.Equal(h.role.Rules[0].APIGroups, want[0].APIGroups) {
+		const signal = "ambient-cni-rel-installed"
+		want := []rbacv1.PolicyRule{
+			{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{c.ds}, Verbs: []string{"get", "delete"}},
+			{APIGroups: []string{""}, Resources: []string{"services"}, ResourceNames: []string{signal}, Verbs: []string{"delete"}},
+		}
+		if !slices.EqualFunc(h.role.Rules, want, func(a, b rbacv1.PolicyRule) bool {
+			return slices.Equal(a.Verbs, b.Verbs) && slices.Equal(a.ResourceNames, b.ResourceNames) &&
+				slices.Equal(a.Resources, b.Resources) && slices.Equal(a.APIGroups, b.APIGroups)
+		}) {
 			t.Errorf("%s: hook role rules %+v, want %+v", name, h.role.Rules, want)
 		}
 		if h.rb.RoleRef.Name != h.role.Name || len(h.rb.Subjects) != 1 || h.rb.Subjects[0].Name != h.sa.Name || h.rb.Subjects[0].Namespace != "hook-ns" {
@@ -99,6 +106,7 @@ func TestUninstallHook(t *testing.T) {
 		}
 		agentEnv := o.env(t)
 		if env["AMBIENT_DAEMONSET_NAME"] != c.ds || env["AMBIENT_UNINSTALL_TIMEOUT"] != c.timeout ||
+			env["AMBIENT_RELEASE_SIGNAL"] != signal || agentEnv["AMBIENT_RELEASE_SIGNAL"] != signal ||
 			env["KUBERNETES_SERVICE_HOST"] != c.host || env["KUBERNETES_SERVICE_HOST"] != agentEnv["KUBERNETES_SERVICE_HOST"] ||
 			env["KUBERNETES_SERVICE_PORT"] != agentEnv["KUBERNETES_SERVICE_PORT"] ||
 			env["AMBIENT_LOG_FORMAT"] != agentEnv["AMBIENT_LOG_FORMAT"] {

@@ -558,9 +558,18 @@ func TestIstioProfiles(t *testing.T) {
 }
 
 // istioCompat.names keeps Istio's DaemonSet name, its label and metrics
-// port for runbooks and dashboards.
+// port for runbooks and dashboards. The release's signal keeps its name
+// (that of the release): an upgrade that renames the DaemonSet must not
+// delete it, which the agents would take for an uninstall.
 func TestIstioCompatNames(t *testing.T) {
 	o := decode(t, render(t, releaseName, namespace, "--set", "istioCompat.names=true"))
+	plain := decode(t, render(t, releaseName, namespace))
+	for _, r := range []*objects{o, plain} {
+		if env := r.env(t); env["AMBIENT_RELEASE_SIGNAL"] != "ambient-cni-installed" ||
+			!bytes.Contains(r.manifest, []byte("kind: Service\nmetadata:\n  name: ambient-cni-installed\n")) {
+			t.Errorf("release signal %q, or no Service of that name: want ambient-cni-installed whatever the DaemonSet's name", env["AMBIENT_RELEASE_SIGNAL"])
+		}
+	}
 	if o.ds.Name != "istio-cni-node" || o.ds.Labels["k8s-app"] != "istio-cni-node" || o.ds.Spec.Template.Labels["k8s-app"] != "istio-cni-node" {
 		t.Errorf("DaemonSet %s labels %v pod labels %v, want istio-cni-node with k8s-app: istio-cni-node", o.ds.Name, o.ds.Labels, o.ds.Spec.Template.Labels)
 	}

@@ -66,12 +66,16 @@ func TestManifestRBACIsShippedRBAC(t *testing.T) {
 			}
 			continue
 		}
-		// DaemonSets in its namespace: get its own by name; list and
-		// watch any (the chart's others by label: a rename is no
-		// uninstall).
+		// DaemonSets in its namespace: get its own by name; list any
+		// (the chart's others by label: a rename is no uninstall); watch
+		// none. The release's signal: get, list and watch by name, it
+		// alone.
 		want := rbacv1.PolicyRule{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{o.ds.Name}, Verbs: []string{"get"}}
-		if r.ResourceNames == nil {
-			want = rbacv1.PolicyRule{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, Verbs: []string{"list", "watch"}}
+		switch {
+		case reflect.DeepEqual(r.Resources, []string{"services"}):
+			want = rbacv1.PolicyRule{APIGroups: []string{""}, Resources: []string{"services"}, ResourceNames: []string{o.signal.Name}, Verbs: []string{"get", "list", "watch"}}
+		case r.ResourceNames == nil:
+			want = rbacv1.PolicyRule{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, Verbs: []string{"list"}}
 		}
 		if !reflect.DeepEqual(r, want) {
 			t.Errorf("Role rule %+v, want %+v", r, want)
@@ -90,7 +94,8 @@ func TestManifestRBACIsShippedRBAC(t *testing.T) {
 		t.Errorf("all-values ClusterRole rules %+v differ from the manifest's plus the SCC's and the startup taint's %+v", all.cr.Rules, wantCluster)
 	}
 	want := []rbacv1.PolicyRule{{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, ResourceNames: []string{"mesh-node"}, Verbs: []string{"get"}},
-		{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, Verbs: []string{"list", "watch"}},
+		{APIGroups: []string{"apps"}, Resources: []string{"daemonsets"}, Verbs: []string{"list"}},
+		{APIGroups: []string{""}, Resources: []string{"services"}, ResourceNames: []string{"ambient-cni-all-installed"}, Verbs: []string{"get", "list", "watch"}},
 		{APIGroups: []string{""}, Resources: []string{"serviceaccounts/token"}, ResourceNames: []string{"mesh-node-plugin"}, Verbs: []string{"create"}}}
 	if !reflect.DeepEqual(all.role.Rules, want) {
 		t.Errorf("all-values Role rules %+v, want %+v", all.role.Rules, want)
@@ -147,7 +152,8 @@ func TestManifestDryRun(t *testing.T) {
 
 // Applied for real, the chart's own bindings give its ServiceAccount what
 // the agent needs and nothing beyond: of DaemonSets, its own by name and a
-// list and watch of its namespace's.
+// list of its namespace's, no watch; of Services, the release's signal by
+// name.
 func TestChartBindingsGrantTheAgent(t *testing.T) {
 	env := kube.Env(t)
 	ctx := context.Background()
@@ -157,6 +163,7 @@ func TestChartBindingsGrantTheAgent(t *testing.T) {
 		t.Fatal(err)
 	}
 	allowed := accessOf(t, env, ns, name)
+	signal := "ambient-cni-" + name + "-installed"
 	grant := []authorizationv1.ResourceAttributes{
 		{Verb: "list", Resource: "pods"},
 		{Verb: "watch", Resource: "pods"},
@@ -166,7 +173,8 @@ func TestChartBindingsGrantTheAgent(t *testing.T) {
 		{Verb: "patch", Resource: "events", Namespace: "default"},
 		{Verb: "get", Group: "apps", Resource: "daemonsets", Namespace: ns, Name: name},
 		{Verb: "list", Group: "apps", Resource: "daemonsets", Namespace: ns},
-		{Verb: "watch", Group: "apps", Resource: "daemonsets", Namespace: ns},
+		{Verb: "watch", Resource: "services", Namespace: ns, Name: signal},
+		{Verb: "list", Resource: "services", Namespace: ns, Name: signal},
 		{Verb: "get", Resource: "nodes", Name: "some-node"},
 	}
 	// The RBAC authorizer sees new bindings through a watch: wait for them.
@@ -182,6 +190,10 @@ func TestChartBindingsGrantTheAgent(t *testing.T) {
 		{Verb: "get", Group: "apps", Resource: "daemonsets", Namespace: ns, Name: "ztunnel"},
 		{Verb: "get", Group: "apps", Resource: "daemonsets", Namespace: "default", Name: name},
 		{Verb: "list", Group: "apps", Resource: "daemonsets", Namespace: "default"},
+		{Verb: "watch", Group: "apps", Resource: "daemonsets", Namespace: ns},
+		{Verb: "watch", Resource: "services", Namespace: ns},
+		{Verb: "get", Resource: "services", Namespace: ns, Name: "kubernetes"},
+		{Verb: "delete", Resource: "services", Namespace: ns, Name: signal},
 		{Verb: "update", Resource: "pods", Namespace: "default", Name: "p"},
 		{Verb: "delete", Resource: "pods", Namespace: "default", Name: "p"},
 		{Verb: "list", Resource: "secrets"},

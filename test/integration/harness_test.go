@@ -158,9 +158,11 @@ type node struct {
 	// apiRequests counts the agent client's requests other than watches
 	// (a watch is one long request; its events are not requests).
 	apiRequests atomic.Int64
-	cfg         *installcni.Config
-	logs        *logSink
-	log         *slog.Logger
+	// traffic counts them by resource, and the bytes of each watch.
+	traffic apiTraffic
+	cfg     *installcni.Config
+	logs    *logSink
+	log     *slog.Logger
 
 	d           *installcni.App
 	hook        func(*nodeagent.Config)
@@ -250,7 +252,7 @@ func newNode(t testing.TB, opts nodeOptions) *node {
 			if r.URL.Query().Get("watch") != "true" {
 				n.apiRequests.Add(1)
 			}
-			return rt.RoundTrip(r)
+			return n.traffic.roundTrip(rt, r)
 		})
 	})
 	if n.agentClient, err = kubeclient.NewForConfig(agentConfig); err != nil {
@@ -382,9 +384,13 @@ func requireShippedClient(t testing.TB, c *kubeclient.Client) {
 }
 
 // createDaemonSet creates the agent's DaemonSet (as admin), which makes
-// the agent's shutdown an upgrade.
+// the agent's shutdown an upgrade, and the release's signal unless it
+// exists.
 func (n *node) createDaemonSet() {
 	n.t.Helper()
+	if err := kubeenv.CreateReleaseSignal(context.Background(), n.env.Client, n.agentNS, n.cfg.ReleaseSignal); err != nil {
+		n.t.Fatal(err)
+	}
 	labels := map[string]string{"app": "ambient-cni"}
 	ds := &appsv1.DaemonSet{
 		ObjectMeta: metav1.ObjectMeta{Name: n.cfg.DaemonSet, Namespace: n.agentNS},
@@ -400,6 +406,15 @@ func (n *node) createDaemonSet() {
 	}
 	if _, err := n.env.Client.AppsV1().DaemonSets(n.agentNS).Create(context.Background(), ds, metav1.CreateOptions{}); err != nil {
 		n.t.Fatalf("create daemonset: %v", err)
+	}
+}
+
+// deleteReleaseSignal deletes the release's signal, as helm's uninstall
+// and its hook do before the DaemonSet.
+func (n *node) deleteReleaseSignal() {
+	n.t.Helper()
+	if err := kubeenv.DeleteReleaseSignal(context.Background(), n.env.Client, n.agentNS, n.cfg.ReleaseSignal); err != nil {
+		n.t.Fatal(err)
 	}
 }
 

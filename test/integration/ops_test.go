@@ -220,6 +220,11 @@ func TestShippedRBACSuffices(t *testing.T) {
 	_, forbidden["list nodes"] = n.client.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
 	_, forbidden["patch nodes"] = n.client.CoreV1().Nodes().Patch(ctx, n.Name, types.MergePatchType, []byte(`{"metadata":{"labels":{"x":"y"}}}`), metav1.PatchOptions{DryRun: dry})
 	_, forbidden["list daemonsets elsewhere"] = n.client.AppsV1().DaemonSets(shop).List(ctx, metav1.ListOptions{})
+	// Of Services, only the release's signal, by name; no DaemonSet watched.
+	_, forbidden["watch daemonsets"] = n.client.AppsV1().DaemonSets(n.agentNS).Watch(ctx, metav1.ListOptions{})
+	_, forbidden["list services"] = n.client.CoreV1().Services(n.agentNS).List(ctx, metav1.ListOptions{})
+	_, forbidden["get another service"] = n.client.CoreV1().Services(n.agentNS).Get(ctx, "kubernetes", metav1.GetOptions{})
+	forbidden["delete the release signal"] = n.client.CoreV1().Services(n.agentNS).Delete(ctx, n.cfg.ReleaseSignal, metav1.DeleteOptions{DryRun: dry})
 	for verb, err := range forbidden {
 		if !apierrors.IsForbidden(err) {
 			t.Errorf("%s with the shipped RBAC: %v, want Forbidden", verb, err)

@@ -211,12 +211,13 @@ func (n *node) pluginInstalled() (binary, chained bool) {
 // TestShutdownUninstallsOnlyOnProof: a stopping agent removes the plugin
 // only on proof of an uninstall. Losing its RBAC while its DaemonSet lives
 // (RBAC briefly wrong) leaves the plugin installed and says why; the order
-// helm uninstall deletes things in (DaemonSet, then RBAC, then the pods
-// stop) still removes it, because the agent's watch saw the DaemonSet go.
+// helm uninstall deletes things in (the release's signal, the DaemonSet,
+// then RBAC, then the pods stop) still removes it, because the agent's
+// watch saw the signal go.
 func TestShutdownUninstallsOnlyOnProof(t *testing.T) {
 	t.Run("rbac lost", func(t *testing.T) {
 		n := newNode(t, nodeOptions{Upgrade: true})
-		poll.Within(t, waitLong, "the agent's watch sees its DaemonSet", func() bool { return n.d.DaemonSetSeen() == "present" })
+		poll.Within(t, waitLong, "the agent's watch sees the release signal", func() bool { return n.d.ReleaseSignalSeen() == "present" })
 		n.revokeAgentRBAC()
 		mark := n.logs.mark()
 		n.stopDaemon()
@@ -231,11 +232,12 @@ func TestShutdownUninstallsOnlyOnProof(t *testing.T) {
 	})
 	t.Run("helm uninstall order", func(t *testing.T) {
 		n := newNode(t, nodeOptions{Upgrade: true})
-		poll.Within(t, waitLong, "the agent's watch sees its DaemonSet", func() bool { return n.d.DaemonSetSeen() == "present" })
+		poll.Within(t, waitLong, "the agent's watch sees the release signal", func() bool { return n.d.ReleaseSignalSeen() == "present" })
+		n.deleteReleaseSignal()
 		if err := n.env.Client.AppsV1().DaemonSets(n.agentNS).Delete(context.Background(), n.cfg.DaemonSet, metav1.DeleteOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		poll.Within(t, waitLong, "the agent's watch sees its DaemonSet deleted", func() bool { return n.d.DaemonSetSeen() == "deleted" })
+		poll.Within(t, waitLong, "the agent's watch sees the release signal deleted", func() bool { return n.d.ReleaseSignalSeen() == "deleted" })
 		n.revokeAgentRBAC()
 		n.stopDaemon()
 		if bin, chained := n.pluginInstalled(); bin || chained {

@@ -17,6 +17,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 	"github.com/ambient-cni/ambient-cni/test/lib/simnode"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
@@ -105,37 +106,38 @@ func TestUninstallOrder(t *testing.T) {
 	}
 }
 
-// TestUninstallMarkerOnDaemonSetDeletion: the agent writes the uninstall
-// marker the moment its watch sees the DaemonSet deleted (helm uninstall's
-// hook deletes it before any agent gets SIGTERM), so a kill anywhere in
-// the shutdown that follows finds it; a DaemonSet created again (its pods
-// orphaned) takes the marker away. The agent serves throughout.
-func TestUninstallMarkerOnDaemonSetDeletion(t *testing.T) {
+// TestUninstallMarkerOnReleaseSignalDeletion: the agent writes the
+// uninstall marker the moment its watch sees the release's signal deleted
+// (helm uninstall's hook deletes it before the DaemonSet, helm's own
+// uninstall before the DaemonSet and the RBAC, so before any agent gets
+// SIGTERM), so a kill anywhere in the shutdown that follows finds it; a
+// signal created again takes the marker away. The agent serves
+// throughout. Then the helm order: signal, DaemonSet, the agent stops: an
+// uninstall, marker gone last.
+func TestUninstallMarkerOnReleaseSignalDeletion(t *testing.T) {
 	n := newNode(t, nodeOptions{Upgrade: true})
 	marker := n.cfg.Layout().Uninstalling()
 	exists := func() bool { _, err := os.Lstat(marker); return err == nil }
-	poll.Within(t, waitLong, "the watch seeing the DaemonSet", func() bool { return n.d.DaemonSetSeen() == "present" })
+	poll.Within(t, waitLong, "the watch seeing the release signal", func() bool { return n.d.ReleaseSignalSeen() == "present" })
 	if exists() {
-		t.Fatal("marker written while the DaemonSet lives")
+		t.Fatal("marker written while the release lives")
 	}
 	ctx := context.Background()
-	// No garbage collector runs here: the DaemonSet goes at once and
-	// nothing deletes the agent (as with --cascade=orphan).
-	if err := n.env.Client.AppsV1().DaemonSets(n.agentNS).Delete(ctx, n.cfg.DaemonSet, metav1.DeleteOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	poll.Within(t, waitLong, "the marker after the DaemonSet's deletion", exists)
+	n.deleteReleaseSignal()
+	poll.Within(t, waitLong, "the marker after the signal's deletion", exists)
 	if failed := n.d.Ready(); len(failed) > 0 {
-		t.Errorf("the agent stopped serving when its DaemonSet went: %v", failed)
+		t.Errorf("the agent stopped serving when the release signal went: %v", failed)
 	}
-	n.createDaemonSet()
-	poll.Within(t, waitLong, "the marker gone once the DaemonSet is back", func() bool { return !exists() })
+	if err := kubeenv.CreateReleaseSignal(ctx, n.env.Client, n.agentNS, n.cfg.ReleaseSignal); err != nil {
+		t.Fatal(err)
+	}
+	poll.Within(t, waitLong, "the marker gone once the signal is back", func() bool { return !exists() })
 
-	// Deleted again, and the agent stops: an uninstall, marker gone last.
+	n.deleteReleaseSignal()
+	poll.Within(t, waitLong, "the marker after the second deletion", exists)
 	if err := n.env.Client.AppsV1().DaemonSets(n.agentNS).Delete(ctx, n.cfg.DaemonSet, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	poll.Within(t, waitLong, "the marker after the second deletion", exists)
 	n.stopDaemon()
 	if exists() {
 		t.Error("the marker outlived a complete uninstall")
@@ -145,11 +147,43 @@ func TestUninstallMarkerOnDaemonSetDeletion(t *testing.T) {
 	}
 }
 
+// TestDaemonSetDeletedWhileRunning: the DaemonSet deleted alone (the
+// release's signal left in place; no garbage collector here, so nothing
+// deletes the agent, as with --cascade=orphan) writes no marker while the
+// agent runs; when it stops, its read of the DaemonSet (NotFound, its RBAC
+// intact) is proof of an uninstall: pods released, plugin unchained,
+// marker gone.
+func TestDaemonSetDeletedWhileRunning(t *testing.T) {
+	n := newNode(t, nodeOptions{Upgrade: true})
+	shop := n.namespace("shop", ambientLabel)
+	a := n.runPod(podSpec(shop, "a", nil, nil))
+	n.waitEnrolled(waitLong, a)
+	marker := n.cfg.Layout().Uninstalling()
+	if err := n.env.Client.AppsV1().DaemonSets(n.agentNS).Delete(context.Background(), n.cfg.DaemonSet, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if failed := n.d.Ready(); len(failed) > 0 {
+		t.Errorf("the agent stopped serving when its DaemonSet went: %v", failed)
+	}
+	n.stopDaemon()
+	if n.hasRules(a) {
+		t.Error("the pod keeps its rules after the uninstall")
+	}
+	if bin, chained := n.pluginInstalled(); bin || chained {
+		t.Errorf("DaemonSet deleted, agent stopped: plugin binary %v, chained %v; want both gone", bin, chained)
+	}
+	if _, err := os.Lstat(marker); !os.IsNotExist(err) {
+		t.Errorf("the marker outlived a complete uninstall: %v", err)
+	}
+}
+
 // TestRenamedDaemonSetIsAnUpgrade: helm upgrade with a new name for the
 // DaemonSet (istioCompat.names, nameOverride) creates the new DaemonSet,
 // deletes the old release's RBAC, then its DaemonSet, and the old agent
-// stops. Another DaemonSet of the chart schedules onto the node, so its
-// agent takes over: the stop is an upgrade. The pods keep their rules,
+// stops; the release's signal, named for the release, stays. The agent's
+// read at shutdown is refused, and the signal was never seen deleted: no
+// proof of an uninstall, so the stop is an upgrade (another DaemonSet of
+// the chart schedules onto the node: its agent takes over). The pods keep their rules,
 // ztunnel gets no Del, the plugin stays chained, and the uninstall marker
 // is never written.
 func TestRenamedDaemonSetIsAnUpgrade(t *testing.T) {
@@ -159,7 +193,7 @@ func TestRenamedDaemonSetIsAnUpgrade(t *testing.T) {
 	a := n.runPod(podSpec(shop, "a", nil, nil))
 	b := n.runPod(podSpec(shop, "b", nil, nil))
 	n.waitEnrolled(waitLong, a, b)
-	poll.Within(t, waitLong, "the watch seeing the DaemonSet", func() bool { return n.d.DaemonSetSeen() == "present" })
+	poll.Within(t, waitLong, "the watch seeing the release signal", func() bool { return n.d.ReleaseSignalSeen() == "present" })
 
 	// The new release's DaemonSet: the chart's selector labels, a new name.
 	labels := map[string]string{"app.kubernetes.io/name": "ambient-cni", "app.kubernetes.io/instance": "mesh"}
@@ -180,8 +214,8 @@ func TestRenamedDaemonSetIsAnUpgrade(t *testing.T) {
 	if err := n.env.Client.AppsV1().DaemonSets(n.agentNS).Delete(ctx, n.cfg.DaemonSet, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if err := poll.Wait(ctx, waitLong, func() bool { return n.d.DaemonSetSeen() == "replaced" }); err != nil {
-		t.Errorf("the watch, after the rename: %q, want replaced", n.d.DaemonSetSeen())
+	if seen := n.d.ReleaseSignalSeen(); seen != "present" {
+		t.Errorf("the release signal, after the rename: %q, want present", seen)
 	}
 	n.stopDaemon()
 

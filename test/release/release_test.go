@@ -50,9 +50,9 @@ const (
 // sourceTree copies the repository's files (tracked, and untracked but
 // not ignored: the change under test) to a new directory, sets the
 // VERSION file to version and turns CHANGELOG's Unreleased into the
-// version's section, and commits it all with fixed names and times, so
-// two copies are one commit.
-func sourceTree(t *testing.T, version string) string {
+// version's section, writes the extra files (path: content), and commits
+// it all with fixed names and times, so two copies are one commit.
+func sourceTree(t *testing.T, version string, extra map[string]string) string {
 	t.Helper()
 	root, err := kubeenv.RepoRoot()
 	if err != nil {
@@ -90,6 +90,12 @@ func sourceTree(t *testing.T, version string) string {
 		t.Fatal("CHANGELOG.md has no \"## Unreleased\" section to cut")
 	}
 	write(t, filepath.Join(dst, "CHANGELOG.md"), strings.Replace(cl, "\n## Unreleased\n", "\n"+testSection+"\n", 1))
+	for name, content := range extra {
+		if err := os.MkdirAll(filepath.Dir(filepath.Join(dst, name)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		write(t, filepath.Join(dst, name), content)
+	}
 	git(t, dst, "init", "-q")
 	git(t, dst, "add", "-A")
 	git(t, dst, "commit", "-q", "-m", "release "+version)
@@ -131,7 +137,7 @@ func makeRelease(t *testing.T, dir string, args ...string) (string, error) {
 	for _, kv := range os.Environ() {
 		k, _, _ := strings.Cut(kv, "=")
 		switch k {
-		case "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "VERSION", "REGISTRY", "RELEASE_DIR", "BIN", "SOURCE_DATE_EPOCH", "COMMIT":
+		case "MAKEFLAGS", "MFLAGS", "MAKELEVEL", "VERSION", "REGISTRY", "RELEASE_DIR", "BIN", "SOURCE_DATE_EPOCH", "COMMIT", "SIGNING_KEY", "RELEASE_PUBKEY", "IMAGE_ARCHES", "PLUGIN_PLATFORMS":
 			continue
 		}
 		cmd.Env = append(cmd.Env, kv)
@@ -147,7 +153,7 @@ func TestReleaseRefuses(t *testing.T) {
 	if _, err := exec.LookPath("make"); err != nil {
 		testnet.Missing(t, "needs make")
 	}
-	dir := sourceTree(t, testVersion)
+	dir := sourceTree(t, testVersion, nil)
 	reg := "REGISTRY=" + testRegistry
 	steps := []struct {
 		name   string
@@ -170,6 +176,7 @@ func TestReleaseRefuses(t *testing.T) {
 			write(t, filepath.Join(dir, "VERSION"), "v0.0.2\n")
 			git(t, dir, "commit", "-q", "-a", "-m", "v0.0.2")
 		}, []string{"release", reg}, "is not SemVer"},
+		{"release-push without SIGNING_KEY", func() {}, []string{"release-push", reg}, "SIGNING_KEY=path is needed"},
 	}
 	for _, s := range steps {
 		s.change()
@@ -227,10 +234,11 @@ func TestReleaseReproducible(t *testing.T) {
 		testnet.Missing(t, "needs make")
 	}
 	registry := startRegistry(t) + "/ambient-test"
+	key, pub := releaseKey(t)
 	var rel [2]map[string][]byte
 	var dirs, srcs [2]string
 	for i := range rel {
-		src := sourceTree(t, testVersion)
+		src := sourceTree(t, testVersion, map[string]string{releasePubKey: pub})
 		out, err := makeRelease(t, src, "release", "VERSION="+testVersion, "REGISTRY="+registry)
 		if err != nil {
 			t.Fatalf("make release (run %d): %v\n%s", i+1, err, out)
@@ -308,7 +316,8 @@ func TestReleaseReproducible(t *testing.T) {
 		t.Error("RELEASE_NOTES.md does not hold CHANGELOG's section")
 	}
 
-	checkPush(t, srcs[0], registry, digest.String(), a)
+	checkSBOM(t, a["sbom.spdx.json"], filepath.Join(dirs[0], "image"))
+	checkPush(t, srcs[0], registry, key, digest.String(), a)
 }
 
 // startRegistry runs the CNCF distribution registry (make node-tools
@@ -358,19 +367,22 @@ func startRegistry(t *testing.T) string {
 // the registry then serves the index under the release's tag, helm pulls
 // the release's chart archive byte for byte, and what README's helm
 // install would apply is the release's manifest.
-func checkPush(t *testing.T, src, registry, digest string, rel map[string][]byte) {
+func checkPush(t *testing.T, src, registry, key, digest string, rel map[string][]byte) {
 	t.Helper()
-	out, err := makeRelease(t, src, "release-push", "REGISTRY=other.invalid/x", "PLAIN_HTTP=1")
+	out, err := makeRelease(t, src, "release-push", "REGISTRY=other.invalid/x", "PLAIN_HTTP=1", "SIGNING_KEY="+key)
 	if err == nil || !strings.Contains(out, "push it to REGISTRY="+registry) {
 		t.Errorf("make release-push to another registry: %v, want refused naming %s:\n%s", err, registry, out)
 	}
-	out, err = makeRelease(t, src, "release-push", "REGISTRY="+registry, "PLAIN_HTTP=1")
+	out, err = makeRelease(t, src, "release-push", "REGISTRY="+registry, "PLAIN_HTTP=1", "SIGNING_KEY="+key)
 	if err != nil {
 		t.Fatalf("make release-push: %v\n%s", err, out)
 	}
 	t.Logf("make release-push:\n%s", out)
 	if !strings.Contains(out, "pushed "+registry+"/ambient-cni@"+digest) || !strings.Contains(out, "Digest: sha256:") {
 		t.Errorf("make release-push did not print the image's digest %s and the chart's", digest)
+	}
+	if !strings.Contains(out, "verified with "+releasePubKey) {
+		t.Errorf("make release-push did not sign and verify the release")
 	}
 	ref, err := name.ParseReference(registry + "/ambient-cni:" + testVersion)
 	if err != nil {

@@ -15,7 +15,7 @@
 //     docs/how-it-works.md "The agent's start" gives.
 //   - stop.go: the stop as a list, the upgrade's or the uninstall's
 //     (in the order docs/deploy.md "Uninstall" gives), and the uninstall
-//     marker the DaemonSet watch writes.
+//     marker the release signal's watch writes.
 //   - health.go, startup.go: liveness (start-up steps, the event server,
 //     the watchdog) and readiness; servers.go: the health, metrics and
 //     debug servers.
@@ -139,8 +139,8 @@ type App struct {
 	// unchained is set once an uninstall took the plugin out of every
 	// config (uninstallSteps: the first try, or the second).
 	unchained bool
-	// leaving is set once the stop decided on an uninstall: the DaemonSet
-	// watch no longer clears the uninstall marker.
+	// leaving is set once the stop decided on an uninstall: the release
+	// signal's watch no longer clears the uninstall marker.
 	leaving atomic.Bool
 }
 
@@ -210,8 +210,8 @@ func New(o Options) (*App, error) {
 	if err != nil {
 		return nil, fmt.Errorf("installer: %w", err)
 	}
-	a.upgrade = kubeadapter.NewDaemonSetUpgradeChecker(o.Client, c.PodNamespace, c.DaemonSet, c.NodeName, a.log)
-	a.upgrade.OnChange(a.daemonSetChanged)
+	a.upgrade = kubeadapter.NewDaemonSetUpgradeChecker(o.Client, c.PodNamespace, c.DaemonSet, c.ReleaseSignal, c.NodeName, a.log)
+	a.upgrade.OnChange(a.releaseSignalChanged)
 
 	// What the agent decides with: the pod cache.
 	policy := c.EnablementPolicy()
@@ -329,11 +329,11 @@ func New(o Options) (*App, error) {
 	a.health = health.New()
 	a.explain = &explain.Explainer{
 		Pods: a.pods, Agent: a.agent,
-		Finder:    finder,
-		Backend:   rules.Name,
-		Ztunnels:  a.zds.Connections,
-		DaemonSet: a.upgrade.Seen,
-		Policy:    policy,
+		Finder:        finder,
+		Backend:       rules.Name,
+		Ztunnels:      a.zds.Connections,
+		ReleaseSignal: a.upgrade.Seen,
+		Policy:        policy,
 	}
 	if a.verifier != nil {
 		a.explain.Verified = a.verification
@@ -385,9 +385,9 @@ func closed(ch <-chan struct{}) bool {
 // Agent is the node agent core (for tests and debugging).
 func (a *App) Agent() *nodeagent.Agent { return a.agent }
 
-// DaemonSetSeen is what the watch on the agent's DaemonSet last saw: ""
-// (nothing yet), "present", "being deleted" or "deleted".
-func (a *App) DaemonSetSeen() string { return a.upgrade.Seen() }
+// ReleaseSignalSeen is what the watch on the release's signal last saw:
+// "" (nothing yet, or no signal), "present", "being deleted" or "deleted".
+func (a *App) ReleaseSignalSeen() string { return a.upgrade.Seen() }
 
 // DebugSocket is where the debug endpoints are served: in the agent
 // socket's (root-only) directory.

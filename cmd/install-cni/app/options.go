@@ -75,7 +75,10 @@ type Config struct {
 	PodName      string
 	PodNamespace string
 	DaemonSet    string
-	Kubeconfig   string
+	// ReleaseSignal is the release's signal Service in PodNamespace,
+	// whose deletion is an uninstall (kubeadapter.DaemonSetUpgradeChecker).
+	ReleaseSignal string
+	Kubeconfig    string
 	// KubeClientQPS and KubeClientBurst are the API client's client-side
 	// rate limit (client-go's token bucket); KubeClientConfig applies them.
 	KubeClientQPS   float32
@@ -223,7 +226,8 @@ func options() []option {
 		{"node-name", "Name of this node (from the downward API); required.", "", str(func(c *Config) *string { return &c.NodeName })},
 		{"pod-name", "Name of the agent's own pod, never enrolled.", "", str(func(c *Config) *string { return &c.PodName })},
 		{"pod-namespace", "Namespace of the agent's own pod and DaemonSet.", "", str(func(c *Config) *string { return &c.PodNamespace })},
-		{"daemonset-name", "The agent's DaemonSet, watched by name. Shutdown uninstalls the plugin only on proof: the DaemonSet is gone or being deleted (read at shutdown, or seen by the watch before the agent lost its RBAC), or no longer schedules onto this node (nodeSelector, required node affinity, an untolerated taint); otherwise, including 401/403, the plugin stays installed.", defaultDaemonSet, str(func(c *Config) *string { return &c.DaemonSet })},
+		{"daemonset-name", "The agent's DaemonSet, read by name at shutdown. Shutdown uninstalls the plugin only on proof: the DaemonSet is gone or being deleted, or no longer schedules onto this node (nodeSelector, required node affinity, an untolerated taint), read then; or, when that read fails, release-signal was seen deleted. Otherwise, including 401/403, the plugin stays installed.", defaultDaemonSet, str(func(c *Config) *string { return &c.DaemonSet })},
+		{"release-signal", "The release's signal: a Service in pod-namespace that never changes until the uninstall deletes it (before the DaemonSet and the RBAC), watched by name. Seeing it deleted writes the uninstall marker at once, and is the proof of an uninstall when the agent can no longer read its DaemonSet at shutdown. Its name comes from the release's, not the DaemonSet's, so an upgrade that renames the DaemonSet keeps it. Empty: no watch; the read at shutdown alone decides.", "", str(func(c *Config) *string { return &c.ReleaseSignal })},
 		{"kubeconfig", "Kubeconfig file; empty means in-cluster configuration.", "", str(func(c *Config) *string { return &c.Kubeconfig })},
 		{"kube-client-qps", "Requests per second the agent's Kubernetes client may send on average (client-side limit; ambient ADDs, DELs and enrollments each cost requests). Istio's CNI agent uses 80.", strconv.Itoa(defaultKubeClientQPS), positiveFloat(func(c *Config) *float32 { return &c.KubeClientQPS })},
 		{"kube-client-burst", "Requests the agent's Kubernetes client may send at once above kube-client-qps, e.g. when a namespace label enrolls many running pods. Istio's CNI agent uses 160.", strconv.Itoa(defaultKubeClientBurst), positiveInt(func(c *Config) *int { return &c.KubeClientBurst })},

@@ -123,7 +123,7 @@ func (a *App) startSteps(cs *components) []step {
 				cs.run("plugin-credential", a.cred.Run)
 			}
 			cs.run("snapshot-refresh", a.refreshSnapshot)
-			cs.run("daemonset-watch", a.upgrade.Run)
+			cs.run("release-signal-watch", a.upgrade.Run)
 			return nil
 		}},
 		{name: "pod cache sync", live: true, waitsOn: a.apiServer(), do: func(ctx context.Context) error {

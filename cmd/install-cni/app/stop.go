@@ -54,15 +54,16 @@ func (a *App) stop(cs *components, runErr error, flush bool) error {
 func (a *App) upgradeSteps(cs *components, flush bool) []step {
 	return []step{
 		{name: "uninstall marker the watch wrote removed", goOn: true, do: func(context.Context) error {
-			// The watch may have written it for a deletion the decision
-			// found to be a rename (the other DaemonSet seen late): the
-			// next agent takes the node over, and a marker left behind
-			// would let every pod through in any later outage.
-			if seen := a.upgrade.Seen(); seen == "being deleted" || seen == "deleted" || seen == "replaced" {
+			// The watch may have written it for a signal the decision
+			// overruled (deleted by hand while the DaemonSet lives and
+			// schedules here): the next agent takes the node over, and a
+			// marker left behind would let every pod through in any later
+			// outage.
+			if seen := a.upgrade.Seen(); seen == "being deleted" || seen == "deleted" {
 				if had, err := nodefiles.ClearUninstalling(a.layout); err != nil {
-					a.log.Error("upgrade: cannot remove the uninstall marker the DaemonSet watch wrote", "err", err)
+					a.log.Error("upgrade: cannot remove the uninstall marker the release signal's watch wrote", "err", err)
 				} else if had {
-					a.log.Info("upgrade: the uninstall marker the DaemonSet watch wrote removed")
+					a.log.Info("upgrade: the uninstall marker the release signal's watch wrote removed")
 				}
 			}
 			return nil
@@ -132,7 +133,7 @@ func (a *App) uninstallSteps(decided context.Context, cs *components) []step {
 	}
 	return []step{
 		{name: "uninstall marker written", goOn: true, do: func(context.Context) error {
-			// From here the DaemonSet watch no longer clears the marker.
+			// From here the release signal's watch no longer clears the marker.
 			a.leaving.Store(true)
 			note := fmt.Sprintf("uninstall of ambient-cni from node %s begun by agent pod %s/%s", a.cfg.NodeName, a.cfg.PodNamespace, a.cfg.PodName)
 			if err := nodefiles.MarkUninstalling(a.layout, note); err != nil {
@@ -211,33 +212,28 @@ func stopped(f func()) func(context.Context) error {
 	}
 }
 
-// daemonSetChanged follows the DaemonSet watch: a DaemonSet being deleted
-// (helm uninstall's hook deletes it in the foreground before the agents
-// get SIGTERM) or gone means an uninstall, so the marker is written at
-// once and a kill anywhere in the shutdown to come finds it there; one
-// that comes back (deleted and created again, orphaning its pods) or is
-// replaced (another DaemonSet of the chart present: a rename, whose agent
-// takes the node over) takes the marker away, unless this agent already
-// decided to uninstall.
-func (a *App) daemonSetChanged(prev, next string) {
+// releaseSignalChanged follows the watch on the release's signal: the
+// signal being deleted or gone means an uninstall (helm's pre-delete hook
+// deletes it before the DaemonSet, helm's uninstall before the DaemonSet
+// and the RBAC), so the marker is written at once and a kill anywhere in
+// the shutdown to come finds it there; a signal that comes back (deleted
+// by hand, then restored by helm upgrade) takes the marker away, unless
+// this agent already decided to uninstall.
+func (a *App) releaseSignalChanged(prev, next string) {
 	layout := a.layout
 	switch {
 	case next == "being deleted" || next == "deleted":
-		note := fmt.Sprintf("agent DaemonSet %s/%s %s, seen by agent pod %s/%s on node %s", a.cfg.PodNamespace, a.cfg.DaemonSet, next, a.cfg.PodNamespace, a.cfg.PodName, a.cfg.NodeName)
+		note := fmt.Sprintf("release signal %s/%s %s, seen by agent pod %s/%s on node %s", a.cfg.PodNamespace, a.cfg.ReleaseSignal, next, a.cfg.PodNamespace, a.cfg.PodName, a.cfg.NodeName)
 		if err := nodefiles.MarkUninstalling(layout, note); err != nil {
 			a.log.Error("uninstall: cannot write the uninstall marker", "err", err)
 			return
 		}
-		a.log.Info("uninstall: marker written", "why", "agent DaemonSet "+next, "marker", layout.Uninstalling())
-	case (next == "present" || next == "replaced") && (prev == "being deleted" || prev == "deleted") && !a.leaving.Load():
-		why := "is back"
-		if next == "replaced" {
-			why = "replaced by another DaemonSet of the chart"
-		}
+		a.log.Info("uninstall: marker written", "why", "release signal "+next, "marker", layout.Uninstalling())
+	case next == "present" && (prev == "being deleted" || prev == "deleted") && !a.leaving.Load():
 		if had, err := nodefiles.ClearUninstalling(layout); err != nil {
-			a.log.Error("cannot remove the uninstall marker of a DaemonSet that "+why, "err", err)
+			a.log.Error("cannot remove the uninstall marker of a release signal that is back", "err", err)
 		} else if had {
-			a.log.Info("agent DaemonSet " + why + ": uninstall marker removed")
+			a.log.Info("release signal is back: uninstall marker removed")
 		}
 	}
 }

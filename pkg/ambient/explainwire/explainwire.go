@@ -105,7 +105,7 @@ type Netns struct {
 type NodeReport struct {
 	RulesBackend       string    `json:"rulesBackend,omitempty"`
 	ZtunnelConnections *int      `json:"ztunnelConnections,omitempty"`
-	DaemonSet          string    `json:"daemonSet,omitempty"`
+	ReleaseSignal      string    `json:"releaseSignal,omitempty"`
 	Pods               int       `json:"pods"`
 	Captured           int       `json:"captured"`
 	WithProblems       int       `json:"withProblems"`

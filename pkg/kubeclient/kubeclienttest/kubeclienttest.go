@@ -102,10 +102,10 @@ func (c Clientset) ListDaemonSets(ctx context.Context, namespace string, opts me
 	return c.AppsV1().DaemonSets(namespace).List(ctx, opts)
 }
 
-// ListDaemonSetsMetadata implements kubeclient.DaemonSetReader, cutting
-// the full objects down to their metadata as the API server would.
-func (c Clientset) ListDaemonSetsMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (*metav1.PartialObjectMetadataList, error) {
-	l, err := c.AppsV1().DaemonSets(namespace).List(ctx, opts)
+// ListServicesMetadata implements kubeclient.ServiceMetadataReader,
+// cutting the full objects down to their metadata as the API server would.
+func (c Clientset) ListServicesMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (*metav1.PartialObjectMetadataList, error) {
+	l, err := c.CoreV1().Services(namespace).List(ctx, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -116,10 +116,10 @@ func (c Clientset) ListDaemonSetsMetadata(ctx context.Context, namespace string,
 	return out, nil
 }
 
-// WatchDaemonSetsMetadata implements kubeclient.DaemonSetReader, cutting
-// the full objects down to their metadata as the API server would.
-func (c Clientset) WatchDaemonSetsMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (watch.Interface, error) {
-	w, err := c.AppsV1().DaemonSets(namespace).Watch(ctx, opts)
+// WatchServicesMetadata implements kubeclient.ServiceMetadataReader,
+// cutting the full objects down to their metadata as the API server would.
+func (c Clientset) WatchServicesMetadata(ctx context.Context, namespace string, opts metav1.ListOptions) (watch.Interface, error) {
+	w, err := c.CoreV1().Services(namespace).Watch(ctx, opts)
 	if err != nil {
 		return nil, err
 	}
@@ -129,6 +129,11 @@ func (c Clientset) WatchDaemonSetsMetadata(ctx context.Context, namespace string
 		}
 		return e, true
 	}), nil
+}
+
+// DeleteService implements kubeclient.ServiceDeleter.
+func (c Clientset) DeleteService(ctx context.Context, namespace, name string, opts metav1.DeleteOptions) error {
+	return c.CoreV1().Services(namespace).Delete(ctx, name, opts)
 }
 
 // DeleteDaemonSet implements kubeclient.DaemonSetDeleter.

@@ -169,12 +169,12 @@ func TestServiceAccountClientHasExactlyShippedRBAC(t *testing.T) {
 			}, metav1.CreateOptions{})
 			return err
 		},
-		"list and watch own daemonset by name": func() error {
-			byName := metav1.ListOptions{FieldSelector: "metadata.name=ambient-cni"}
-			if _, err := sa.AppsV1().DaemonSets(agentNS).List(ctx, byName); err != nil {
+		"list and watch the release's signal by name": func() error {
+			byName := metav1.ListOptions{FieldSelector: "metadata.name=ambient-cni-installed"}
+			if _, err := sa.CoreV1().Services(agentNS).List(ctx, byName); err != nil {
 				return err
 			}
-			w, err := sa.AppsV1().DaemonSets(agentNS).Watch(ctx, byName)
+			w, err := sa.CoreV1().Services(agentNS).Watch(ctx, byName)
 			if err == nil {
 				w.Stop()
 			}
@@ -187,15 +187,9 @@ func TestServiceAccountClientHasExactlyShippedRBAC(t *testing.T) {
 			}
 			return err
 		},
-		"list and watch the chart's daemonsets by label": func() error {
+		"list the chart's daemonsets by label": func() error {
 			byLabel := metav1.ListOptions{LabelSelector: "app.kubernetes.io/name=ambient-cni"}
-			if _, err := sa.AppsV1().DaemonSets(agentNS).List(ctx, byLabel); err != nil {
-				return err
-			}
-			w, err := sa.AppsV1().DaemonSets(agentNS).Watch(ctx, byLabel)
-			if err == nil {
-				w.Stop()
-			}
+			_, err := sa.AppsV1().DaemonSets(agentNS).List(ctx, byLabel)
 			return err
 		},
 		"get own daemonset (NotFound, not Forbidden)": func() error {
@@ -222,6 +216,17 @@ func TestServiceAccountClientHasExactlyShippedRBAC(t *testing.T) {
 		},
 		"list secrets": func() error {
 			_, err := sa.CoreV1().Secrets("").List(ctx, metav1.ListOptions{})
+			return err
+		},
+		"watch daemonsets (each status write would reach every agent)": func() error {
+			w, err := sa.AppsV1().DaemonSets(agentNS).Watch(ctx, metav1.ListOptions{FieldSelector: "metadata.name=ambient-cni"})
+			if err == nil {
+				w.Stop()
+			}
+			return err
+		},
+		"list services but the release's signal": func() error {
+			_, err := sa.CoreV1().Services(agentNS).List(ctx, metav1.ListOptions{})
 			return err
 		},
 		"list nodes": func() error {
@@ -307,10 +312,12 @@ func TestShippedRBACRules(t *testing.T) {
 		// Its own Node, read at shutdown (no per-node name in RBAC).
 		{"cluster", "", "nodes", "", "get"},
 		// Its own DaemonSet read by name (the default release's name);
-		// the DaemonSets of its namespace listed and watched (the chart's
-		// others, by label: a rename is no uninstall).
+		// the DaemonSets of its namespace listed (the chart's others, by
+		// label: a rename is no uninstall), never watched.
 		{"namespace", "apps", "daemonsets", "ambient-cni", "get"},
-		{"namespace", "apps", "daemonsets", "", "list,watch"},
+		{"namespace", "apps", "daemonsets", "", "list"},
+		// The release's signal, by name: its deletion is an uninstall.
+		{"namespace", "", "services", "ambient-cni-installed", "get,list,watch"},
 		// Tokens of the plugin's own ServiceAccount only (its credential
 		// for when the agent cannot answer).
 		{"namespace", "", "serviceaccounts/token", "ambient-cni-plugin", "create"},

@@ -7,6 +7,20 @@ resourceNames and AMBIENT_DAEMONSET_NAME both come from here.
 {{- .Values.nameOverride | default (.Values.istioCompat.names | ternary "istio-cni-node" "ambient-cni") | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/*
+Name of the release's signal (release-signal.yaml): from the release's name
+alone, never from nameOverride or istioCompat.names, so an upgrade that
+renames the DaemonSet keeps it and is no uninstall. The agent's Role names
+it, and AMBIENT_RELEASE_SIGNAL tells the agent and the uninstall hook.
+*/}}
+{{- define "ambient-cni.releaseSignal" -}}
+{{- if contains "ambient-cni" .Release.Name -}}
+{{- printf "%s-installed" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "ambient-cni-%s-installed" .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "ambient-cni.labels" -}}
 {{ include "ambient-cni.selector" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
@@ -57,6 +71,8 @@ mounted at the same path in the container, so one value serves both sides.
   valueFrom: {fieldRef: {fieldPath: metadata.namespace}}
 - name: AMBIENT_DAEMONSET_NAME
   value: {{ include "ambient-cni.fullname" . | quote }}
+- name: AMBIENT_RELEASE_SIGNAL
+  value: {{ include "ambient-cni.releaseSignal" . | quote }}
 - name: AMBIENT_CNI_BIN_DIR
   value: {{ include "ambient-cni.containerBinDir" . | quote }}
 - name: AMBIENT_CNI_EXTRA_BIN_DIRS
