@@ -39,6 +39,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/explainwire"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/controller"
 	"github.com/ambient-cni/ambient-cni/pkg/explain"
@@ -347,12 +348,12 @@ func New(o Options) (*App, error) {
 }
 
 // verification is the verifier's last proof of uid, as explain shows it.
-func (a *App) verification(uid types.UID) (explain.Verification, bool) {
+func (a *App) verification(uid types.UID) (explainwire.Verification, bool) {
 	p, ok := a.verifier.Last(uid)
 	if !ok {
-		return explain.Verification{}, false
+		return explainwire.Verification{}, false
 	}
-	v := explain.Verification{At: p.At, Proven: p.OK, Repaired: p.Repaired, Problem: p.Problem}
+	v := explainwire.Verification{At: p.At, Proven: p.OK, Repaired: p.Repaired, Problem: p.Problem}
 	for _, f := range p.Found {
 		v.Found = append(v.Found, f.String())
 	}
