@@ -224,6 +224,7 @@ var notInChart = map[string]string{
 	"AMBIENT_KUBECONFIG":                  "the agent uses its ServiceAccount (in-cluster configuration); extraEnv can still set it",
 	"AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE": "as in Istio, whose chart has no value for it either: the variable, set with extraEnv",
 	"AMBIENT_ISTIO_CNI_RUN_DIR":           "set only with migration.fromIstioCNI.enabled, for the switch from istio-cni",
+	"AMBIENT_ISTIO_CNI_DAEMONSET":         "set only with migration.fromIstioCNI.enabled, for the switch from istio-cni",
 }
 
 // Every AMBIENT_* variable the chart sets is a real setting of install-cni,
