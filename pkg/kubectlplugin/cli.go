@@ -85,9 +85,9 @@ func ParseArgs(args []string, stderr io.Writer) (Options, error) {
 	for _, n := range []string{"f", "values"} {
 		fs.StringVar(&o.Values, n, "", "the istio-cni values file")
 	}
-	fs.StringVar(&o.Chart, "chart", PageParams.Chart, "ambient-cni's chart")
-	fs.StringVar(&o.IstioNamespace, "istio-namespace", PageParams.Namespace, "istio-cni's namespace")
-	fs.StringVar(&o.IstioDaemonSet, "istio-daemonset", PageParams.DaemonSet, "istio-cni's DaemonSet")
+	fs.StringVar(&o.Chart, "chart", "", "ambient-cni's chart")
+	fs.StringVar(&o.IstioNamespace, "istio-namespace", "", "istio-cni's namespace")
+	fs.StringVar(&o.IstioDaemonSet, "istio-daemonset", "", "istio-cni's DaemonSet")
 	fs.StringVar(&o.ImageRepository, "image-repository", "", "ambient-cni's image repository")
 	fs.StringVar(&o.ImageTag, "image-tag", "", "ambient-cni's image tag")
 	fs.StringVar(&o.Kubeconfig, "kubeconfig", "", "kubeconfig file")
@@ -108,6 +108,16 @@ func ParseArgs(args []string, stderr io.Writer) (Options, error) {
 			return o, errors.New("preflight: -f ISTIO_CNI_VALUES is required")
 		}
 		o.Verb = pos[0]
+		for _, d := range []struct {
+			v   *string
+			def string
+		}{
+			{&o.Chart, PageParams.Chart}, {&o.IstioNamespace, PageParams.Namespace}, {&o.IstioDaemonSet, PageParams.DaemonSet},
+		} {
+			if *d.v == "" {
+				*d.v = d.def
+			}
+		}
 		return o, nil
 	}
 	if len(pos) != 2 || (pos[0] != "explain" && pos[0] != "status") || pos[1] == "" {
