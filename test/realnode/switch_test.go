@@ -256,7 +256,10 @@ func (s *switchTest) waitChain(ctx context.Context, in, out string) error {
 		if err != nil {
 			return false, err
 		}
-		return strings.Contains(string(b), fmt.Sprintf("%q", in)) && !strings.Contains(string(b), fmt.Sprintf("%q", out)), fmt.Errorf("the chain:\n%s", b)
+		if strings.Contains(string(b), fmt.Sprintf("%q", in)) && !strings.Contains(string(b), fmt.Sprintf("%q", out)) {
+			return true, nil
+		}
+		return false, fmt.Errorf("the chain:\n%s", b)
 	})
 }
 
