@@ -145,6 +145,11 @@ type App struct {
 	// leaving is set once the stop decided on an uninstall: the release
 	// signal's watch no longer clears the uninstall marker.
 	leaving atomic.Bool
+	// standby is set while the agent waits for istio-cni to leave the
+	// node (standbySteps): it is then ready, doing what it should.
+	standby atomic.Bool
+	// istioLeft reads istio-cni's DaemonSet, with the takeover on.
+	istioLeft kubeadapter.IstioCNILeft
 }
 
 // New builds every part; nothing runs or touches the node until Run.
@@ -188,7 +193,8 @@ func New(o Options) (*App, error) {
 	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
 	var istioGone func(string) error
 	if c.IstioCNIRunDir != "" {
-		istioGone = installer.IstioCNIAgentGone(c.IstioCNIRunDir)
+		a.istioLeft = kubeadapter.IstioCNILeft{Client: o.Client, Namespace: c.PodNamespace, DaemonSet: c.IstioCNIDaemonSet, Node: c.NodeName}
+		istioGone = istioCNIGone(installer.IstioCNIAgentGone(c.IstioCNIRunDir), a.istioLeft)
 	}
 	a.installer, err = installer.New(installer.Config{
 		BinDir: c.CNIBinDir, ExtraBinDirs: c.CNIExtraBinDirs, ConfDir: c.CNIConfDir, PluginBinary: c.PluginBinary, PluginName: c.PluginType,
