@@ -49,11 +49,13 @@ start_bg() { # start_bg STAGE
 	bg_log[$s]=$log
 	record bg "$s"
 	echo "stages: $s runs in the background (log: $log)"
-	# A process group of its own (set -m), to be killed whole. Niced: the
-	# stages beside it, tests among them, keep the CPU they ask for, and
-	# it builds in what they leave.
+	# A process group of its own (set -m), to be killed whole. Niced
+	# (STAGE_BG_NICE, 19; STAGE_BG_NICE_<stage, - as _> for one stage):
+	# the stages beside it keep the CPU they ask for, and it runs in what
+	# they leave.
 	set -m
-	(run "$s" nice -n "${STAGE_BG_NICE:-19}" "${MAKE:-make}" --no-print-directory "$s" 2>&1 |
+	local var="STAGE_BG_NICE_${s//-/_}"
+	(run "$s" nice -n "${!var:-${STAGE_BG_NICE:-19}}" "${MAKE:-make}" --no-print-directory "$s" 2>&1 |
 		tee "$log" | sed -u "s/^/[$s] /") &
 	bg_pid[$s]=$!
 	set +m

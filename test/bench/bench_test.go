@@ -205,6 +205,10 @@ func buildBench(t *testing.T) (root, tmp, bin, benchBin string) {
 // and nothing is left behind. Figures are not asserted: this machine is
 // shared and busy.
 func TestQuickBench(t *testing.T) {
+	// Side by side with the other quick runs: each has its own API server,
+	// work dir and binaries, none asserts a figure, and in series they are
+	// make test's longest package.
+	t.Parallel()
 	root, tmp, bin, benchBin := buildBench(t)
 	out := filepath.Join(tmp, "out")
 	cmd := exec.Command(benchBin, "-quick", "-out", out,
