@@ -58,9 +58,12 @@ func TestBenchRunsShipped(t *testing.T) {
 	}
 	defaults.PodName, defaults.PodNamespace = "pod", simnode.ReleaseNamespace
 	defaults.ProcRoot = chart.ProcRoot // the host's /proc, mounted at /host/proc
-	// The plugin's ServiceAccount is named for the release; the selector
-	// text is the chart's JSON (its meaning compares as EnablementSelectors).
+	// The plugin's ServiceAccount and the release signal are named for the
+	// release (install-cni alone has no release, so no signal to watch;
+	// test/deploy pins the chart's); the selector text is the chart's JSON
+	// (its meaning compares as EnablementSelectors).
 	defaults.PluginServiceAccount, defaults.EnablementSelectorText = chart.PluginServiceAccount, chart.EnablementSelectorText
+	defaults.ReleaseSignal = chart.ReleaseSignal
 	if !reflect.DeepEqual(chart, defaults) {
 		t.Errorf("the chart's defaults differ from install-cni's:\n chart %+v\n  flag %+v", chart, defaults)
 	}
