@@ -67,16 +67,30 @@ wait_bg() { # wait_bg STAGE: 0 if it passed
 	wait "${bg_pid[$s]}" || rc=$?
 	unset "bg_pid[$s]"
 	if [[ $rc -ne 0 ]]; then
-		echo "stages: background stage $s FAILED (exit $rc); the end of its log (${bg_log[$s]}):" >&2
+		echo "stages: background stage $s FAILED (exit $rc); its failures, then the end of its log (${bg_log[$s]}):" >&2
+		grep -E -e '^(--- FAIL|FAIL|panic:)' -e '^ +--- FAIL' "${bg_log[$s]}" | head -n 40 >&2 || true
 		tail -n 60 "${bg_log[$s]}" >&2
 		return "$rc"
 	fi
 	rm -f "${bg_log[$s]}"
 }
 
+ended() { # ended PID: the process is gone or a zombie (ended, not yet waited for)
+	local st
+	st=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null) || return 0
+	[[ "${st%% *}" == Z ]]
+}
+
 kill_bg() {
-	local s
+	local s rc
 	for s in "${!bg_pid[@]}"; do
+		# One that already ended is waited for, not stopped: a failure of
+		# its own is shown, or the run's end would hide it behind the
+		# stage that stopped the run.
+		if ended "${bg_pid[$s]}"; then
+			wait_bg "$s" || true
+			continue
+		fi
 		echo "stages: stopping background stage $s (log: ${bg_log[$s]})" >&2
 		kill -TERM -- "-${bg_pid[$s]}" 2>/dev/null || true
 		wait "${bg_pid[$s]}" 2>/dev/null || true
