@@ -3,7 +3,6 @@
 package realnode
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -12,11 +11,10 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
-	"sync/atomic"
+	"sync"
 	"testing"
 	"time"
 
@@ -28,6 +26,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/pkg/verifier"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // e2eVerifyPeriod is the verifier's period in testVerifier only: each
@@ -461,12 +460,14 @@ func inHostProbeSet(ip string) (bool, error) {
 }
 
 // recreateSandboxUnchained removes our entry from the primary conflist
-// and holds it out (rewriting the primary's file whenever the installer
-// puts the entry back, as a primary CNI agent racing ours at boot would)
-// while the pod's sandbox is stopped and removed and kubelet creates a
-// new one: the new sandbox comes up without the plugin, and only the
-// verifier can find it. It returns when the new sandbox is ready, the
-// entry no longer held out.
+// and holds it out while the pod's sandbox is stopped and removed and
+// kubelet creates a new one: the new sandbox comes up without the plugin,
+// and only the verifier can find it. The sandbox is stopped only once
+// containerd itself has loaded the unchained list: a rewrite raced against
+// the installer's repairs could lose, under load, to a repair containerd
+// loaded just before the ADD, and the new sandbox would be captured by the
+// plugin, leaving nothing to find. It returns when the new sandbox exists,
+// the entry no longer held out.
 func (e *e2e) recreateSandboxUnchained(t *testing.T, p *corev1.Pod) time.Time {
 	t.Helper()
 	ctx := context.Background()
@@ -475,13 +476,17 @@ func (e *e2e) recreateSandboxUnchained(t *testing.T, p *corev1.Pod) time.Time {
 	if err != nil {
 		t.Fatal(err)
 	}
-	stop, rewrites := e.holdUnchained(t)
-	defer func() {
-		t.Logf("the installer put our entry back %d times while it was held out", stop())
-	}()
-	if err := n.Poll(ctx, "the conflist unchained", func(context.Context) (bool, error) {
-		err := pluginInstalled(n)
-		return err != nil, nil
+	release := e.holdUnchained(t)
+	defer release()
+	if err := n.Poll(ctx, "containerd loads the unchained conflist", func(ctx context.Context) (bool, error) {
+		if err := pluginInstalled(n); err == nil {
+			return false, fmt.Errorf("the conflist chains ambient-cni")
+		}
+		chained, err := e.runtimeChains(ctx)
+		if err != nil || chained {
+			return false, fmt.Errorf("containerd's loaded CNI config chains ambient-cni: %v (%v)", chained, err)
+		}
+		return true, nil
 	}); err != nil {
 		t.Fatal(err)
 	}
@@ -498,58 +503,90 @@ func (e *e2e) recreateSandboxUnchained(t *testing.T, p *corev1.Pod) time.Time {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("sandbox %s recreated as %s while unchained (%v after the stop; %d rewrites of the conflist so far)",
-		old[:12], id[:12], time.Since(tampered).Round(time.Millisecond), rewrites.Load())
+	t.Logf("sandbox %s recreated as %s while unchained (%v after the stop)", old[:12], id[:12], time.Since(tampered).Round(time.Millisecond))
 	rules, err := n.PodRules(ctx, p.Namespace, p.Name)
 	if err == nil && HasCaptureRules(rules) {
-		// Either the plugin saw the ADD (the window was missed) or the
-		// verifier already captured it; the drift reported tells which.
+		// The verifier may already have captured it; the drift reported
+		// tells.
 		t.Logf("the new sandbox already has capture rules")
 	}
 	return tampered
 }
 
-// holdUnchained writes the primary's conflist without our entry and
-// keeps writing it whenever the file differs, until stop, which returns
-// how many times it had to.
-func (e *e2e) holdUnchained(t *testing.T) (stop func() int64, rewrites *atomic.Int64) {
+// holdUnchained writes the primary's conflist without our entry and keeps
+// the installer from putting it back, until release: the conf directory
+// is made immutable (chattr +i), which refuses the installer's temp file
+// and rename, and the file is then rewritten in place, as a primary CNI's
+// agent would. Release (also a cleanup) lifts the attribute; the installer
+// repairs the list on its next try.
+func (e *e2e) holdUnchained(t *testing.T) (release func()) {
 	t.Helper()
 	n := e.n
-	tmp := filepath.Join(n.CNIConfDir, ".verifier-unchain.tmp")
-	write := func() error {
-		if err := os.WriteFile(tmp, n.CNIConfOriginal, 0o644); err != nil {
-			return err
-		}
-		return os.Rename(tmp, n.CNIConfFile)
+	dir := n.CNIConfDir
+	var once sync.Once
+	release = func() {
+		once.Do(func() {
+			if out, err := exec.Command("chattr", "-i", dir).CombinedOutput(); err != nil {
+				t.Errorf("chattr -i %s: %v: %s", dir, err, out)
+			}
+		})
 	}
-	if err := write(); err != nil {
-		t.Fatal(err)
+	if out, err := exec.Command("chattr", "+i", dir).CombinedOutput(); err != nil {
+		testnet.Missing(t, fmt.Sprintf("chattr +i on the node's CNI conf dir: %v: %s", err, out))
 	}
-	rewrites = new(atomic.Int64)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { // owner: stop, which cancels and waits
-		defer close(done)
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-time.After(5 * time.Millisecond):
+	t.Cleanup(release)
+	if err := os.WriteFile(n.CNIConfFile, n.CNIConfOriginal, 0o644); err != nil {
+		t.Fatalf("rewrite the primary conflist in place: %v", err)
+	}
+	return release
+}
+
+// runtimeChains says whether the CNI config containerd has loaded (crictl
+// info's cniconfig, what its next ADD runs) has a plugin of type
+// ambient-cni, and fails while containerd's last load did not succeed.
+func (e *e2e) runtimeChains(ctx context.Context) (bool, error) {
+	out, err := e.n.crictl(ctx, "info")
+	if err != nil {
+		return false, err
+	}
+	var info struct {
+		CNIConfig         json.RawMessage `json:"cniconfig"`
+		LastCNILoadStatus string          `json:"lastCNILoadStatus"`
+	}
+	if err := json.Unmarshal([]byte(out), &info); err != nil {
+		return false, fmt.Errorf("crictl info: %w", err)
+	}
+	if info.LastCNILoadStatus != "" && info.LastCNILoadStatus != "OK" {
+		return false, fmt.Errorf("containerd's last CNI config load: %s", info.LastCNILoadStatus)
+	}
+	raw := info.CNIConfig
+	var s string
+	if json.Unmarshal(raw, &s) == nil { // a runtime that passes it on as a string
+		raw = json.RawMessage(s)
+	}
+	var conf struct {
+		Networks []struct {
+			Config struct {
+				Plugins []struct {
+					Network struct {
+						Type string `json:"type"`
+					}
+				}
 			}
-			b, err := os.ReadFile(n.CNIConfFile)
-			if err == nil && bytes.Equal(b, n.CNIConfOriginal) {
-				continue
-			}
-			if err := write(); err != nil {
-				t.Errorf("rewrite the primary conflist: %v", err)
-				return
-			}
-			rewrites.Add(1)
 		}
-	}()
-	return func() int64 {
-		cancel()
-		<-done
-		return rewrites.Load()
-	}, rewrites
+	}
+	if err := json.Unmarshal(raw, &conf); err != nil {
+		return false, fmt.Errorf("crictl info's cniconfig: %w", err)
+	}
+	primary, chained := false, false
+	for _, nw := range conf.Networks {
+		for _, pl := range nw.Config.Plugins {
+			primary = primary || pl.Network.Type != "loopback"
+			chained = chained || pl.Network.Type == "ambient-cni"
+		}
+	}
+	if !primary {
+		return false, fmt.Errorf("containerd has no CNI network but the loopback loaded: %s", raw)
+	}
+	return chained, nil
 }
