@@ -129,9 +129,9 @@ type App struct {
 	health    *health.Server
 	startup   *health.Startup
 	explain   *explain.Explainer
-	cred      *plugincred.Rotator // nil when no plugin credential is configured
+	cred      *plugincred.Rotator       // nil when no plugin credential is configured
 	tokens    *kubeadapter.PluginTokens // the credential's source; nil as cred
-	verifier  *verifier.Verifier  // nil when verify-period is 0
+	verifier  *verifier.Verifier        // nil when verify-period is 0
 
 	// hung is closed when the watchdog gave up on the event server.
 	hung     chan struct{}
