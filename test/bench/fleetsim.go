@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"sync"
 	"time"
 
@@ -118,6 +119,9 @@ type FleetSimRun struct {
 	// agent held its watches.
 	APIRestart        FleetPhase `json:"apiRestart"`
 	APIRestartSeconds float64    `json:"apiRestartSeconds"`
+	// APIRestartError says why the API server's restart was not measured
+	// (it failed to start again): the other phases stand.
+	APIRestartError string `json:"apiRestartError,omitempty"`
 	// SimCPUSeconds is the simulator's own CPU over the run: it shares
 	// the machine with the API server.
 	SimCPUSeconds float64 `json:"simCpuSeconds"`
@@ -440,7 +444,12 @@ func runFleetSim(ctx context.Context, o FleetSimOptions, sz fleetSimSizes, sys s
 
 	env.StopAPIServer()
 	if err := env.StartAPIServer(ctx, 5*time.Minute); err != nil {
-		return fmt.Errorf("restart the API server: %w", err)
+		// On a loaded machine its post-start hooks can time out: the
+		// phases before stand.
+		msg, _, _ := strings.Cut(err.Error(), "\n")
+		r.APIRestartError = "the API server did not start again: " + msg
+		logf("%s", r.APIRestartError)
+		return nil
 	}
 	if err := audit.forgetOpen(); err != nil {
 		return err
