@@ -161,7 +161,7 @@ bench-agents: build tools peer-tools ## as root: what BENCH_AGENTS (50) node age
 
 # The fleet sizes make bench-fleet simulates, comma-separated.
 BENCH_FLEET ?= 100,1000
-bench-fleet: tools peer-tools ## what BENCH_FLEET (100,1000) simulated node agents of each system (the agent's own watch set, one process) cost one API server: at rest, a namespace flip, DaemonSet status writes, a restart wave, ours beside istio-cni's (docs/performance.md); about 8 minutes; BENCH_QUICK=1 for a smoke run
+bench-fleet: tools peer-tools ## what BENCH_FLEET (100,1000) simulated node agents of each system (the agent's own watch set, one process) cost one API server: at rest, a namespace flip, DaemonSet status writes, a restart wave, ours beside istio-cni's (docs/performance.md); about 15 minutes on 2 shared cores; BENCH_QUICK=1 for a smoke run
 	$(GO) run ./test/bench/cmd/bench -fleet $(BENCH_FLEET) -out $(BENCH_OUT)
 
 # make deps: the Debian packages make check and make demo need (the list,
