@@ -15,6 +15,7 @@ PROTOC        ?= protoc
 TEST_TIMEOUT  ?= 20m
 # The real-node end-to-end tests (build tag realnode) and their timeout.
 E2E_TIMEOUT   ?= 45m
+E2E_TEST       = $(GO) test -tags realnode -count=1 -timeout $(E2E_TIMEOUT) -p 1 -v ./test/realnode/...
 # make demo KEEP=1 leaves the node up until Ctrl-C.
 KEEP          ?=
 # The version every binary, the image and the chart carry: git describe
@@ -186,16 +187,21 @@ deps: ## as root: install the Debian packages make check and make demo need (apt
 	@hack/deps.sh
 
 # make check runs its stages in this order, each a make of its own, and
-# stops at the first failure (make -k: goes on). bg:node-tools starts
-# make node-tools in the background (niced, its lines prefixed
-# [node-tools]): the real node's tools build while lint and the tests run,
-# and wait:node-tools holds make e2e until they are built (a failed build
-# fails make check there, with the end of its log). hack/stages.sh times
+# stops at the first failure (make -k: goes on). bg:STAGE starts a stage in
+# the background (its lines prefixed [STAGE]) and wait:STAGE waits for it
+# (a failed one fails make check there, with the end of its log). The
+# critical path is the tools, then the real node's e2e, which mostly waits
+# on the node (a core left idle). So node-tools builds beside make test at
+# the tests' priority (STAGE_BG_NICE_node_tools), the e2e starts before
+# its last tools are built (each test waits for what it needs), and lint
+# and the fault-injection suite run niced beside the e2e (their own
+# network namespaces; the real node keeps its files under its own
+# directory, its ports outside the ephemeral range). hack/stages.sh times
 # the stages when STAGE_TIMES names a file: .ci/run prints the table.
-CHECK_STAGES  := check-tools bg:node-tools lint test test-long wait:node-tools e2e
+CHECK_STAGES  := check-tools bg:node-tools test bg:lint bg:test-long e2e-beside-tools wait:node-tools wait:lint wait:test-long
 
-check: deps ## as root: everything CI runs (.ci/run runs exactly this): check-tools, then lint, test, test-long while node-tools builds in the background, then e2e
-	@MAKE='$(MAKE)' KEEP_GOING='$(findstring k,$(firstword -$(MAKEFLAGS)))' hack/stages.sh make $(CHECK_STAGES)
+check: deps ## as root: everything CI runs (.ci/run runs exactly this): check-tools, then test while node-tools builds in the background, then e2e with lint and test-long beside it
+	@STAGE_BG_NICE_node_tools=0 MAKE='$(MAKE)' KEEP_GOING='$(findstring k,$(firstword -$(MAKEFLAGS)))' hack/stages.sh make $(CHECK_STAGES)
 
 # The tools lint and the tests need (make test, make test-long), in one run
 # of hack/kube-tools.sh: on a cold cache the Debian bases and the module
@@ -247,7 +253,14 @@ demo-down: $(BIN)/ambient-node ## tear down a node whose demo was killed (Ctrl-C
 	$(BIN)/ambient-node down
 
 e2e: node-tools peer-tools image-tools ## as root: the end-to-end tests on a real node (kubelet, containerd, helm-installed DaemonSet; Istio's istio-cni for the switch from it)
-	$(GO) test -tags realnode -count=1 -timeout $(E2E_TIMEOUT) -p 1 -v ./test/realnode/...
+	$(E2E_TEST)
+
+# make check's e2e: the same tests, started while bg:node-tools still
+# builds; a test that needs a tool that build has not finished waits for it
+# (test/lib/kubeenv AwaitTool), so istiod, runc and Multus, built last,
+# build beside the first tests.
+e2e-beside-tools:
+	$(E2E_TEST)
 
 # make test-release builds a whole release twice and compares the two
 # (test/release): minutes warm, and the first darwin builds of a cold

@@ -51,7 +51,10 @@ default_tools=(etcd kube-apiserver helm promtool)
 # The real node runs the agent's image make image builds: its base for
 # this machine's architecture.
 node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler kubectl crictl containerd runc cni-plugins multus debian-rootfs istiod prometheus registry flannel "image-rootfs-$("$GO" env GOARCH)")
-all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler kubectl helm crictl containerd runc cni-plugins multus flannel debian-rootfs istiod istio-cni image-rootfs-amd64 image-rootfs-arm64 promtool prometheus registry)
+# all_tools' order is the order tools build in (and their locks are
+# taken in): make check starts the e2e once the node's first tools are
+# there, so what only its later tests need (istiod, runc, multus) is last.
+all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler kubectl helm crictl containerd cni-plugins flannel debian-rootfs image-rootfs-amd64 image-rootfs-arm64 promtool prometheus registry istio-cni istiod runc multus)
 
 # The DaemonSet image's base, as deploy/Dockerfile's: Debian bookworm with
 # the netfilter tools, without documentation. Changing this list changes
@@ -585,7 +588,13 @@ build_all() {
 		done
 	done
 	progress=$(mktemp -d)
-	trap 'rm -rf "$progress" "$cache"/*/.*.tmp."$$"' EXIT
+	# The tools this run will build, under its pid, while it runs: a test
+	# that finds one of them missing waits for it rather than failing
+	# (test/lib/kubeenv; make check starts the e2e while the real node's
+	# last tools still build).
+	mkdir -p "$cache/.builders"
+	printf '%s\n' "$@" >"$cache/.builders/$$"
+	trap 'rm -rf "$progress" "$cache"/*/.*.tmp."$$" "$cache/.builders/$$"' EXIT
 	trap 'exit 143' TERM
 	trap 'exit 130' INT
 	: >"$progress/plan"

@@ -49,11 +49,13 @@ start_bg() { # start_bg STAGE
 	bg_log[$s]=$log
 	record bg "$s"
 	echo "stages: $s runs in the background (log: $log)"
-	# A process group of its own (set -m), to be killed whole. Niced: the
-	# stages beside it, tests among them, keep the CPU they ask for, and
-	# it builds in what they leave.
+	# A process group of its own (set -m), to be killed whole. Niced
+	# (STAGE_BG_NICE, 19; STAGE_BG_NICE_<stage, - as _> for one stage):
+	# the stages beside it keep the CPU they ask for, and it runs in what
+	# they leave.
 	set -m
-	(run "$s" nice -n "${STAGE_BG_NICE:-19}" "${MAKE:-make}" --no-print-directory "$s" 2>&1 |
+	local var="STAGE_BG_NICE_${s//-/_}"
+	(run "$s" nice -n "${!var:-${STAGE_BG_NICE:-19}}" "${MAKE:-make}" --no-print-directory "$s" 2>&1 |
 		tee "$log" | sed -u "s/^/[$s] /") &
 	bg_pid[$s]=$!
 	set +m
@@ -65,16 +67,30 @@ wait_bg() { # wait_bg STAGE: 0 if it passed
 	wait "${bg_pid[$s]}" || rc=$?
 	unset "bg_pid[$s]"
 	if [[ $rc -ne 0 ]]; then
-		echo "stages: background stage $s FAILED (exit $rc); the end of its log (${bg_log[$s]}):" >&2
+		echo "stages: background stage $s FAILED (exit $rc); its failures, then the end of its log (${bg_log[$s]}):" >&2
+		grep -E -e '^(--- FAIL|FAIL|panic:)' -e '^ +--- FAIL' "${bg_log[$s]}" | head -n 40 >&2 || true
 		tail -n 60 "${bg_log[$s]}" >&2
 		return "$rc"
 	fi
 	rm -f "${bg_log[$s]}"
 }
 
+ended() { # ended PID: the process is gone or a zombie (ended, not yet waited for)
+	local st
+	st=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null) || return 0
+	[[ "${st%% *}" == Z ]]
+}
+
 kill_bg() {
-	local s
+	local s rc
 	for s in "${!bg_pid[@]}"; do
+		# One that already ended is waited for, not stopped: a failure of
+		# its own is shown, or the run's end would hide it behind the
+		# stage that stopped the run.
+		if ended "${bg_pid[$s]}"; then
+			wait_bg "$s" || true
+			continue
+		fi
 		echo "stages: stopping background stage $s (log: ${bg_log[$s]})" >&2
 		kill -TERM -- "-${bg_pid[$s]}" 2>/dev/null || true
 		wait "${bg_pid[$s]}" 2>/dev/null || true

@@ -7,7 +7,9 @@
 // binary and the agent both import it, so it needs only the standard
 // library. The enablement policy (Kubernetes API types) is in the
 // enablement subpackage, the files the plugin and agent share on the node
-// in nodefiles, the ZDS messages the agent and ztunnel exchange in zdspb.
+// in nodefiles, the ZDS messages the agent and ztunnel exchange in zdspb,
+// the explain report the agent answers and kubectl ambient-cni renders in
+// explainwire.
 //
 // Every key, port and mark here is an interface fact that the real ztunnel
 // and istiod depend on; change none of them without checking the

@@ -21,6 +21,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/explainwire"
 	"github.com/ambient-cni/ambient-cni/pkg/health"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
@@ -61,119 +62,15 @@ type Explainer struct {
 	Ztunnels      func() int
 	ReleaseSignal func() string
 	// Verified, when set, is the verifier's last proof of a pod.
-	Verified func(uid types.UID) (Verification, bool)
+	Verified func(uid types.UID) (explainwire.Verification, bool)
 	// Policy is the enablement policy the agent decides with, for the
 	// notes on a decision (why a data-plane label did not exempt a pod).
 	Policy enablement.Policy
 }
 
-// Report explains one pod.
-type Report struct {
-	// Pod is namespace/name.
-	Pod   string    `json:"pod"`
-	UID   types.UID `json:"uid,omitempty"`
-	Phase string    `json:"phase,omitempty"`
-	// Terminating: the pod has a deletionTimestamp (it stays captured
-	// until it is gone).
-	Terminating bool     `json:"terminating,omitempty"`
-	IPs         []string `json:"ips,omitempty"`
-	// Verdict is the one-line answer; OK is false when something needs
-	// attention, and Problems says what.
-	Verdict  string   `json:"verdict"`
-	OK       bool     `json:"ok"`
-	Problems []string `json:"problems,omitempty"`
-	Policy   Policy   `json:"policy"`
-	// Captured is the agent's state for the pod; absent when the agent
-	// does not hold it.
-	Captured *Capture `json:"captured,omitempty"`
-	Netns    Netns    `json:"netns"`
-	// Annotation is the pod's ambient.istio.io/redirection as the agent's
-	// cache sees it ("" when absent): what istiod reads.
-	Annotation string `json:"annotation"`
-}
-
-// Policy is the enablement decision.
-type Policy struct {
-	Capture bool   `json:"capture"`
-	Reason  string `json:"reason"`
-	// PodLabel and NamespaceLabel are the istio.io/dataplane-mode labels.
-	PodLabel       string `json:"podLabel,omitempty"`
-	NamespaceLabel string `json:"namespaceLabel,omitempty"`
-	// Selector is the 1-based index of the enablement selector entry that
-	// enabled the pod (0, omitted, when none did).
-	Selector int `json:"selector,omitempty"`
-	// Note says what the decision did not follow, when that matters: a
-	// data-plane label outside the data-plane namespaces.
-	Note string `json:"note,omitempty"`
-}
-
-// Capture is the agent's state for a captured pod.
-type Capture struct {
-	// State is the redirection state: pending (rules in place, ztunnel
-	// has not acknowledged) or enabled.
-	State        string `json:"state"`
-	ZtunnelAcked bool   `json:"ztunnelAcked"`
-	// Via is "cni" (captured at its CNI ADD, SandboxID set) or
-	// "controller" (captured while running).
-	Via       string    `json:"via"`
-	SandboxID string    `json:"sandboxID,omitempty"`
-	Since     time.Time `json:"since"`
-	Rules     Rules     `json:"rules"`
-	// Verification is the verifier's last proof of the pod; absent
-	// before the first (or with the verifier off).
-	Verification *Verification `json:"verification,omitempty"`
-}
-
-// Verification is the outcome of the verifier's last proof of a pod.
-type Verification struct {
-	At time.Time `json:"at"`
-	// Proven: the pod was proven captured (after any repair).
-	Proven bool `json:"proven"`
-	// Found is the drift the proof found (and repaired, when Repaired).
-	Found    []string `json:"found,omitempty"`
-	Repaired bool     `json:"repaired,omitempty"`
-	// Problem says why the pod is not proven.
-	Problem string `json:"problem,omitempty"`
-	// LastDriftAt and LastDrift are the latest proof that found drift.
-	LastDriftAt *time.Time `json:"lastDriftAt,omitempty"`
-	LastDrift   []string   `json:"lastDrift,omitempty"`
-}
-
-// Rules is the result of verifying the pod's rules just now.
-type Rules struct {
-	Backend string `json:"backend,omitempty"`
-	// Clean: the rules in the pod are exactly what the agent applied.
-	Clean bool `json:"clean"`
-	// Drift names each difference; Error says why they could not be read.
-	Drift             []string `json:"drift,omitempty"`
-	Error             string   `json:"error,omitempty"`
-	DNSCapture        bool     `json:"dnsCapture"`
-	InboundCapture    bool     `json:"inboundCapture"`
-	VirtualInterfaces []string `json:"virtualInterfaces,omitempty"`
-}
-
-// Netns says whether the pod's network namespace was found.
-type Netns struct {
-	Found bool   `json:"found"`
-	How   string `json:"how"`
-	Path  string `json:"path,omitempty"`
-	Inode uint64 `json:"inode,omitempty"`
-}
-
-// NodeReport explains every pod of the node.
-type NodeReport struct {
-	RulesBackend       string    `json:"rulesBackend,omitempty"`
-	ZtunnelConnections *int      `json:"ztunnelConnections,omitempty"`
-	ReleaseSignal      string    `json:"releaseSignal,omitempty"`
-	Pods               int       `json:"pods"`
-	Captured           int       `json:"captured"`
-	WithProblems       int       `json:"withProblems"`
-	Reports            []*Report `json:"reports"`
-}
-
 // Explain reports on one pod: in the pod cache, or only in the agent's
 // state (its object is gone). A pod neither knows is health.ErrNoSuchPod.
-func (e *Explainer) Explain(_ context.Context, namespace, name string) (*Report, error) {
+func (e *Explainer) Explain(_ context.Context, namespace, name string) (*explainwire.Report, error) {
 	p, _ := e.Pods.Pod(namespace, name)
 	var entry *nodeagent.EnrolledPod
 	if uid, ok := e.Agent.EnrolledUID(namespace, name); ok && (p == nil || p.UID != uid) {
@@ -203,14 +100,14 @@ func (e *Explainer) Explain(_ context.Context, namespace, name string) (*Report,
 // ExplainAll reports on every pod in the cache and every pod the agent
 // holds, with one /proc scan for the pods that should be captured and are
 // not.
-func (e *Explainer) ExplainAll(_ context.Context) *NodeReport {
+func (e *Explainer) ExplainAll(_ context.Context) *explainwire.NodeReport {
 	pods, _ := e.Pods.Pods()
 	slices.SortFunc(pods, func(a, b *corev1.Pod) int {
 		return strings.Compare(a.Namespace+"/"+a.Name, b.Namespace+"/"+b.Name)
 	})
 	found := e.find(pods)
 	defer found.close()
-	out := &NodeReport{RulesBackend: e.Backend, Reports: []*Report{}}
+	out := &explainwire.NodeReport{RulesBackend: e.Backend, Reports: []*explainwire.Report{}}
 	if e.Ztunnels != nil {
 		n := e.Ztunnels()
 		out.ZtunnelConnections = &n
@@ -274,12 +171,12 @@ func (e *Explainer) find(pods []*corev1.Pod) *scan {
 	return s
 }
 
-func (e *Explainer) report(p *corev1.Pod, found *scan) *Report {
+func (e *Explainer) report(p *corev1.Pod, found *scan) *explainwire.Report {
 	d := e.Pods.DecideCached(p)
-	r := &Report{
-		Pod: p.Namespace + "/" + p.Name, UID: p.UID, Phase: string(p.Status.Phase),
+	r := &explainwire.Report{
+		Pod: p.Namespace + "/" + p.Name, UID: string(p.UID), Phase: string(p.Status.Phase),
 		Terminating: p.DeletionTimestamp != nil,
-		Policy:      Policy{Capture: d.Enroll, Reason: string(d.Reason), PodLabel: p.Labels[ambient.DataplaneModeLabel], Selector: d.Selector},
+		Policy:      explainwire.Policy{Capture: d.Enroll, Reason: string(d.Reason), PodLabel: p.Labels[ambient.DataplaneModeLabel], Selector: d.Selector},
 		Annotation:  p.Annotations[ambient.RedirectionAnnotation],
 	}
 	if ns, err := e.Pods.Namespace(p.Namespace); err == nil {
@@ -314,18 +211,18 @@ func (e *Explainer) report(p *corev1.Pod, found *scan) *Report {
 
 // heldNetns is the netns of a pod the agent holds: its handle, or none for
 // a pod restored without it after a restart.
-func heldNetns(ep nodeagent.EnrolledPod) Netns {
+func heldNetns(ep nodeagent.EnrolledPod) explainwire.Netns {
 	if ep.Unresolved {
-		return Netns{How: "not found since the agent restarted: the agent keeps the pod in ztunnel (ZDS Keep) and its rules in place until it finds it (its capture record names the path shown)", Path: ep.Netns}
+		return explainwire.Netns{How: "not found since the agent restarted: the agent keeps the pod in ztunnel (ZDS Keep) and its rules in place until it finds it (its capture record names the path shown)", Path: ep.Netns}
 	}
-	return Netns{Found: true, How: "held by the agent since it captured the pod", Path: ep.Netns, Inode: ep.NetnsID}
+	return explainwire.Netns{Found: true, How: "held by the agent since it captured the pod", Path: ep.Netns, Inode: ep.NetnsID}
 }
 
-func (e *Explainer) capture(in nodeagent.Inspection) *Capture {
-	c := &Capture{
+func (e *Explainer) capture(in nodeagent.Inspection) *explainwire.Capture {
+	c := &explainwire.Capture{
 		State: string(in.State), ZtunnelAcked: in.State == nodeagent.StateEnabled,
 		Via: "controller", SandboxID: in.SandboxID, Since: in.Since,
-		Rules: Rules{
+		Rules: explainwire.Rules{
 			Backend: e.Backend, Clean: in.VerifyError == "" && len(in.Drift) == 0,
 			Drift: in.Drift, Error: in.VerifyError,
 			DNSCapture: in.Rules.DNSCapture, InboundCapture: !in.Rules.BypassInbound,
@@ -338,25 +235,25 @@ func (e *Explainer) capture(in nodeagent.Inspection) *Capture {
 	return c
 }
 
-func (e *Explainer) netnsOf(p *corev1.Pod, d enablement.Decision, ips []netip.Addr, found *scan) Netns {
+func (e *Explainer) netnsOf(p *corev1.Pod, d enablement.Decision, ips []netip.Addr, found *scan) explainwire.Netns {
 	switch {
 	case !d.Enroll:
-		return Netns{How: "not looked for: the pod is not to be captured"}
+		return explainwire.Netns{How: "not looked for: the pod is not to be captured"}
 	case len(ips) == 0:
-		return Netns{How: "not looked for: the pod has no IP yet (its sandbox is being set up; its CNI ADD captures it)"}
+		return explainwire.Netns{How: "not looked for: the pod has no IP yet (its sandbox is being set up; its CNI ADD captures it)"}
 	}
 	if ns, ok := found.m[p.UID]; ok {
-		return Netns{Found: true, How: "found by a /proc scan just now (a process of the pod in a namespace holding its IP)", Path: ns.Source(), Inode: ns.ID()}
+		return explainwire.Netns{Found: true, How: "found by a /proc scan just now (a process of the pod in a namespace holding its IP)", Path: ns.Source(), Inode: ns.ID()}
 	}
 	how := "not found by a /proc scan just now: no process of the pod (by its kubelet cgroup) in a network namespace holding its IPs"
 	if found.err != nil {
 		how += fmt.Sprintf(" (the scan reported: %v)", found.err)
 	}
-	return Netns{How: how}
+	return explainwire.Netns{How: how}
 }
 
 // judge sets the verdict, OK and the problems.
-func (e *Explainer) judge(r *Report, p *corev1.Pod, d enablement.Decision, ips []netip.Addr) {
+func (e *Explainer) judge(r *explainwire.Report, p *corev1.Pod, d enablement.Decision, ips []netip.Addr) {
 	problems := enablement.InvalidAnnotations(p)
 	if msg := enablement.IstioCNIExpected(p); msg != "" {
 		problems = append(problems, msg)
@@ -412,10 +309,10 @@ func (e *Explainer) judge(r *Report, p *corev1.Pod, d enablement.Decision, ips [
 
 // orphan reports on a pod the agent holds whose object is no longer in the
 // cache.
-func (e *Explainer) orphan(ep nodeagent.EnrolledPod) *Report {
-	r := &Report{
-		Pod: ep.Namespace + "/" + ep.Name, UID: ep.UID,
-		Policy: Policy{Reason: string(enablement.ReasonNoPod)},
+func (e *Explainer) orphan(ep nodeagent.EnrolledPod) *explainwire.Report {
+	r := &explainwire.Report{
+		Pod: ep.Namespace + "/" + ep.Name, UID: string(ep.UID),
+		Policy: explainwire.Policy{Reason: string(enablement.ReasonNoPod)},
 		Netns:  heldNetns(ep),
 	}
 	for _, a := range ep.IPs {

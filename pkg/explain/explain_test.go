@@ -16,6 +16,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/explainwire"
 	"github.com/ambient-cni/ambient-cni/pkg/health"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
@@ -229,12 +230,12 @@ func TestVerification(t *testing.T) {
 	okIn, badIn := held(ok, nodeagent.StateEnabled), held(bad, nodeagent.StateEnabled)
 	agent := &fakeAgent{held: map[types.UID]nodeagent.Inspection{ok.UID: okIn, bad.UID: badIn}}
 	at := time.Unix(1700000000, 0)
-	proofs := map[types.UID]Verification{
+	proofs := map[types.UID]explainwire.Verification{
 		ok.UID:  {At: at, Proven: true, LastDriftAt: &at, LastDrift: []string{"rules: flushed"}},
 		bad.UID: {At: at, Problem: "repair failed: xtables lock"},
 	}
 	e := &Explainer{Pods: pods, Agent: agent, Finder: &fakeFinder{}, Backend: "nftables",
-		Verified: func(uid types.UID) (Verification, bool) { v, ok := proofs[uid]; return v, ok }}
+		Verified: func(uid types.UID) (explainwire.Verification, bool) { v, ok := proofs[uid]; return v, ok }}
 	r, err := e.Explain(context.Background(), "shop", "ok")
 	if err != nil || r.Captured == nil || r.Captured.Verification == nil || !r.Captured.Verification.Proven || !r.OK {
 		t.Fatalf("proven pod: %+v, %v", r, err)

@@ -103,3 +103,30 @@ func IstioCNIAgentGone(runDir string) func(entryRunDir string) error {
 		return fmt.Errorf("cannot tell whether istio-cni's node agent is gone (%s): %w", sock, err)
 	}
 }
+
+// IstioCNIHolds returns an error, saying why, while istio-cni is chained
+// in the primary config and Config.IstioCNIGone does not yet say its node
+// agent has left the node for good: until then an agent set to take over
+// must stand by, serving nothing istio-cni serves (ztunnel's socket) and
+// touching no pod. nil when istio-cni is not chained, when the takeover
+// may go ahead, when there is no primary config yet, and without
+// IstioCNIGone; the install pass reports any other problem.
+func (i *Installer) IstioCNIHolds() error {
+	if i.cfg.IstioCNIGone == nil {
+		return nil
+	}
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	path, err := i.findPrimary()
+	if err != nil {
+		return nil
+	}
+	cur, _, err := readLimited(path)
+	if err != nil {
+		return nil
+	}
+	if _, _, err := i.takeOver(cur, filepath.Base(path)); err != nil {
+		return fmt.Errorf("primary config %s: %w", path, err)
+	}
+	return nil
+}

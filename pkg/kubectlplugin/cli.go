@@ -15,6 +15,7 @@ import (
 // Usage is the help of `kubectl ambient-cni`.
 const Usage = `usage: kubectl ambient-cni explain NAMESPACE/POD | POD -n NAMESPACE [flags]
        kubectl ambient-cni status NODE [flags]
+       kubectl ambient-cni preflight -f ISTIO_CNI_VALUES [flags]
 
 Asks ambient-cni's node agent on the pod's node (its DaemonSet pod there,
 through the API server's pods/exec) and prints its answer:
@@ -25,6 +26,10 @@ through the API server's pods/exec) and prints its answer:
             and what to do
   status    the node's agent: ready or not (and why), ztunnel connections,
             pod counts, and every pod of the node that needs attention
+  preflight before the switch from istio-cni, changing nothing: the
+            values file through the chart (helm template), istio-cni's
+            version and mode as it runs, what would stop the switch, and
+            the exact plan; exits non-zero on a blocker
 
 flags:
   -o, --output FORMAT      text (default) or json (the agent's report as is,
@@ -34,6 +39,14 @@ flags:
   --agent-namespace NS     where ambient-cni is installed (default istio-system)
   --kubeconfig FILE        kubeconfig (default: $KUBECONFIG, ~/.kube/config)
   --context NAME           kubeconfig context
+  -f, --values FILE        preflight: the istio-cni values file
+  --chart DIR              preflight: ambient-cni's chart (default
+                           ./deploy/charts/ambient-cni)
+  --istio-namespace NS     preflight: istio-cni's namespace (default
+                           istio-system); ambient-cni is installed there
+  --istio-daemonset NAME   preflight: istio-cni's DaemonSet (istio-cni-node)
+  --image-repository R, --image-tag T
+                           preflight: ambient-cni's image, for the plan
   --version                print the version
 
 RBAC: get pods in the pod's namespace; list pods, and get and create
@@ -47,6 +60,9 @@ type Options struct {
 	Output                    string
 	Namespace, AgentNamespace string
 	Kubeconfig, Context       string
+	// Preflight's.
+	Values, Chart, IstioNamespace, IstioDaemonSet string
+	ImageRepository, ImageTag                     string
 }
 
 // ErrUsage is a command line that is not one of Usage's.
@@ -66,6 +82,14 @@ func ParseArgs(args []string, stderr io.Writer) (Options, error) {
 		fs.StringVar(&o.Namespace, n, "", "the pod's namespace")
 	}
 	fs.StringVar(&o.AgentNamespace, "agent-namespace", o.AgentNamespace, "where ambient-cni is installed")
+	for _, n := range []string{"f", "values"} {
+		fs.StringVar(&o.Values, n, "", "the istio-cni values file")
+	}
+	fs.StringVar(&o.Chart, "chart", "", "ambient-cni's chart")
+	fs.StringVar(&o.IstioNamespace, "istio-namespace", "", "istio-cni's namespace")
+	fs.StringVar(&o.IstioDaemonSet, "istio-daemonset", "", "istio-cni's DaemonSet")
+	fs.StringVar(&o.ImageRepository, "image-repository", "", "ambient-cni's image repository")
+	fs.StringVar(&o.ImageTag, "image-tag", "", "ambient-cni's image tag")
 	fs.StringVar(&o.Kubeconfig, "kubeconfig", "", "kubeconfig file")
 	fs.StringVar(&o.Context, "context", "", "kubeconfig context")
 	var pos []string
@@ -78,6 +102,23 @@ func ParseArgs(args []string, stderr io.Writer) (Options, error) {
 		}
 		pos = append(pos, fs.Arg(0))
 		args = fs.Args()[1:]
+	}
+	if len(pos) == 1 && pos[0] == "preflight" {
+		if o.Values == "" {
+			return o, errors.New("preflight: -f ISTIO_CNI_VALUES is required")
+		}
+		o.Verb = pos[0]
+		for _, d := range []struct {
+			v   *string
+			def string
+		}{
+			{&o.Chart, PageParams.Chart}, {&o.IstioNamespace, PageParams.Namespace}, {&o.IstioDaemonSet, PageParams.DaemonSet},
+		} {
+			if *d.v == "" {
+				*d.v = d.def
+			}
+		}
+		return o, nil
 	}
 	if len(pos) != 2 || (pos[0] != "explain" && pos[0] != "status") || pos[1] == "" {
 		fs.Usage()
@@ -113,6 +154,23 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	c := &Client{Kube: kube, Config: cfg, AgentNamespace: o.AgentNamespace}
 	switch o.Verb {
+	case "preflight":
+		p := &Preflight{
+			Kube: kube, Namespace: o.IstioNamespace, DaemonSet: o.IstioDaemonSet,
+			ValuesFile: o.Values, Chart: o.Chart, ImageRepository: o.ImageRepository, ImageTag: o.ImageTag,
+			Render: HelmTemplate(o.Kubeconfig, o.Context), FindNAD: FindIstioNAD(kube),
+		}
+		r, err := p.Run(ctx)
+		if err != nil {
+			return err
+		}
+		if err := RenderPreflight(stdout, r); err != nil {
+			return err
+		}
+		if r.Blocked() {
+			return ErrBlocked
+		}
+		return nil
 	case "explain":
 		ns, name, ok := strings.Cut(o.Target, "/")
 		if !ok {

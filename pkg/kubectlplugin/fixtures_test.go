@@ -6,7 +6,6 @@ import (
 	"flag"
 	"os"
 	"path/filepath"
-	"reflect"
 	"testing"
 	"time"
 
@@ -14,69 +13,69 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
-	"github.com/ambient-cni/ambient-cni/pkg/explain"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/explainwire"
 )
 
-var update = flag.Bool("update", false, "rewrite testdata/ from pkg/explain's types")
+var update = flag.Bool("update", false, "rewrite testdata/ from the explain report's wire types")
 
-// The fixtures are pkg/explain's own types marshalled: the agent's JSON as
-// it prints it. go test -run TestFixtures -update rewrites them.
+// The fixtures are the explain report's wire types marshalled: the agent's
+// JSON as it prints it. go test -run TestFixtures -update rewrites them.
 func fixtures() map[string]any {
 	since := time.Date(2026, 11, 30, 13, 16, 5, 0, time.UTC)
-	captured := &explain.Report{
+	captured := &explainwire.Report{
 		Pod: "demo/web", UID: "0e3f3763-c01b-4751-97ea-b20cc73313f0", Phase: "Running", IPs: []string{"10.244.0.7"},
 		Verdict: "captured (" + string(enablement.ReasonNamespaceLabel) + ")", OK: true,
-		Policy: explain.Policy{Capture: true, Reason: string(enablement.ReasonNamespaceLabel), NamespaceLabel: "ambient"},
-		Captured: &explain.Capture{
+		Policy: explainwire.Policy{Capture: true, Reason: string(enablement.ReasonNamespaceLabel), NamespaceLabel: "ambient"},
+		Captured: &explainwire.Capture{
 			State: "enabled", ZtunnelAcked: true, Via: "cni", SandboxID: "5d1c0ffee", Since: since,
-			Rules:        explain.Rules{Backend: "nftables", Clean: true, DNSCapture: true, InboundCapture: true},
-			Verification: &explain.Verification{At: since.Add(time.Minute), Proven: true},
+			Rules:        explainwire.Rules{Backend: "nftables", Clean: true, DNSCapture: true, InboundCapture: true},
+			Verification: &explainwire.Verification{At: since.Add(time.Minute), Proven: true},
 		},
-		Netns:      explain.Netns{Found: true, How: "held by the agent since it captured the pod", Path: "/var/run/netns/cni-1234", Inode: 4026532531},
+		Netns:      explainwire.Netns{Found: true, How: "held by the agent since it captured the pod", Path: "/var/run/netns/cni-1234", Inode: 4026532531},
 		Annotation: "enabled",
 	}
-	uncaptured := &explain.Report{
+	uncaptured := &explainwire.Report{
 		Pod: "plain/web", UID: "7a1d0c55-2f1e-4d0b-9a43-6a2c1d1c9e01", Phase: "Running", IPs: []string{"10.244.0.8"},
 		Verdict: "not captured: " + string(enablement.ReasonNotEnabled), OK: true,
-		Policy: explain.Policy{Reason: string(enablement.ReasonNotEnabled)},
-		Netns:  explain.Netns{How: "not looked for: the pod is not to be captured"},
+		Policy: explainwire.Policy{Reason: string(enablement.ReasonNotEnabled)},
+		Netns:  explainwire.Netns{How: "not looked for: the pod is not to be captured"},
 	}
 	sidecarPod := &corev1.Pod{Spec: corev1.PodSpec{InitContainers: []corev1.Container{{Name: ambient.IstioValidationInitContainer}}}}
-	failing := &explain.Report{
+	failing := &explainwire.Report{
 		Pod: "demo/sidecar", UID: "c3a7e1f0-8d9b-4e1c-b2a5-0f6e7d8c9b10", Phase: "Pending", IPs: []string{"10.244.0.9"},
 		Verdict: "not captured: " + string(enablement.ReasonSidecar), OK: false,
 		Problems: []string{enablement.IstioCNIExpected(sidecarPod)},
-		Policy:   explain.Policy{Reason: string(enablement.ReasonSidecar), NamespaceLabel: "ambient"},
-		Netns:    explain.Netns{How: "not looked for: the pod is not to be captured"},
+		Policy:   explainwire.Policy{Reason: string(enablement.ReasonSidecar), NamespaceLabel: "ambient"},
+		Netns:    explainwire.Netns{How: "not looked for: the pod is not to be captured"},
 	}
 	drift := "inet istio-ambient-nat output: missing nft rule #1 \"ip daddr 169.254.7.127 meta l4proto tcp return\""
-	drifted := &explain.Report{
+	drifted := &explainwire.Report{
 		Pod: "demo/api", UID: "1b2c3d4e-5f60-4718-8293-a4b5c6d7e8f9", Phase: "Running", IPs: []string{"10.244.0.10"},
 		Verdict: "captured (" + string(enablement.ReasonNamespaceLabel) + ")", OK: false,
 		Problems: []string{
 			"ztunnel has not acknowledged the pod (state pending): its traffic is redirected but no ztunnel serves it; the agent retries (is ztunnel running on this node?)",
 			"the pod's rules drifted from what the agent applied: " + drift,
 		},
-		Policy: explain.Policy{Capture: true, Reason: string(enablement.ReasonNamespaceLabel), NamespaceLabel: "ambient"},
-		Captured: &explain.Capture{
+		Policy: explainwire.Policy{Capture: true, Reason: string(enablement.ReasonNamespaceLabel), NamespaceLabel: "ambient"},
+		Captured: &explainwire.Capture{
 			State: "pending", Via: "controller", Since: since,
-			Rules: explain.Rules{Backend: "nftables", Drift: []string{drift}, DNSCapture: true, InboundCapture: true},
+			Rules: explainwire.Rules{Backend: "nftables", Drift: []string{drift}, DNSCapture: true, InboundCapture: true},
 		},
-		Netns:      explain.Netns{Found: true, How: "held by the agent since it captured the pod", Path: "/host/proc/14049/ns/net", Inode: 4026532600},
+		Netns:      explainwire.Netns{Found: true, How: "held by the agent since it captured the pod", Path: "/host/proc/14049/ns/net", Inode: 4026532600},
 		Annotation: "pending",
 	}
-	shouldBe := &explain.Report{
+	shouldBe := &explainwire.Report{
 		Pod: "demo/late", UID: "9f8e7d6c-5b4a-4392-8170-6e5d4c3b2a19", Phase: "Running", IPs: []string{"10.244.0.11"},
 		Verdict: "NOT CAPTURED, but should be (" + string(enablement.ReasonNamespaceLabel) + ")", OK: false,
 		Problems: []string{"its network namespace is found, but the agent does not hold the pod: the pod controller retries (see the pod's events, reason AmbientEnrollFailed, and the agent's log)"},
-		Policy:   explain.Policy{Capture: true, Reason: string(enablement.ReasonNamespaceLabel), NamespaceLabel: "ambient"},
-		Netns:    explain.Netns{Found: true, How: "found by a /proc scan just now (a process of the pod in a namespace holding its IP)", Path: "/host/proc/15000/ns/net", Inode: 4026532700},
+		Policy:   explainwire.Policy{Capture: true, Reason: string(enablement.ReasonNamespaceLabel), NamespaceLabel: "ambient"},
+		Netns:    explainwire.Netns{Found: true, How: "found by a /proc scan just now (a process of the pod in a namespace holding its IP)", Path: "/host/proc/15000/ns/net", Inode: 4026532700},
 	}
 	one := 1
-	node := &explain.NodeReport{
+	node := &explainwire.NodeReport{
 		RulesBackend: "nftables", ZtunnelConnections: &one, ReleaseSignal: "present",
 		Pods: 5, Captured: 2, WithProblems: 3,
-		Reports: []*explain.Report{drifted, shouldBe, failing, uncaptured, captured},
+		Reports: []*explainwire.Report{drifted, shouldBe, failing, uncaptured, captured},
 	}
 	return map[string]any{
 		"captured.json": captured, "uncaptured.json": uncaptured, "failing-sidecar.json": failing,
@@ -108,75 +107,7 @@ func TestFixtures(t *testing.T) {
 			continue
 		}
 		if got := fixture(t, name); !bytes.Equal(got, want) {
-			t.Errorf("%s is not what pkg/explain's types marshal today; go test -run TestFixtures -update\ngot:\n%s\nwant:\n%s", path, got, want)
+			t.Errorf("%s is not what the explain report's wire types marshal today; go test -run TestFixtures -update\ngot:\n%s\nwant:\n%s", path, got, want)
 		}
-	}
-}
-
-// Every field the plugin reads is one pkg/explain writes, with the same
-// value: the mirror types never drift from the agent's JSON.
-func TestMirrorMatchesExplain(t *testing.T) {
-	for name := range fixtures() {
-		raw := fixture(t, name)
-		var mirror any = &Report{}
-		if name == "node.json" {
-			mirror = &NodeReport{}
-		}
-		if err := json.Unmarshal(raw, mirror); err != nil {
-			t.Fatalf("%s: %v", name, err)
-		}
-		again, err := json.Marshal(mirror)
-		if err != nil {
-			t.Fatal(err)
-		}
-		var sub, full any
-		if err := json.Unmarshal(again, &sub); err != nil {
-			t.Fatal(err)
-		}
-		if err := json.Unmarshal(raw, &full); err != nil {
-			t.Fatal(err)
-		}
-		if path, ok := subset(sub, full, name); !ok {
-			t.Errorf("the plugin's view of %s has %s, which pkg/explain's JSON lacks or differs on", name, path)
-		}
-	}
-}
-
-// subset reports whether every key of a (recursively) is in b with an
-// equal value; false values the mirror writes without omitempty may be
-// absent from b.
-func subset(a, b any, path string) (string, bool) {
-	switch av := a.(type) {
-	case map[string]any:
-		bv, ok := b.(map[string]any)
-		if !ok {
-			return path, false
-		}
-		for k, v := range av {
-			w, present := bv[k]
-			if !present {
-				if v == false || v == "" || v == nil {
-					continue
-				}
-				return path + "." + k, false
-			}
-			if p, ok := subset(v, w, path+"."+k); !ok {
-				return p, false
-			}
-		}
-		return "", true
-	case []any:
-		bv, ok := b.([]any)
-		if !ok || len(av) != len(bv) {
-			return path, false
-		}
-		for i := range av {
-			if p, ok := subset(av[i], bv[i], path); !ok {
-				return p, false
-			}
-		}
-		return "", true
-	default:
-		return path, reflect.DeepEqual(a, b)
 	}
 }

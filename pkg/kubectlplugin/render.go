@@ -6,22 +6,24 @@ import (
 	"io"
 	"strings"
 	"time"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/explainwire"
 )
 
 // advice is one rule of what to do: when matches the report, say do (with
 // {ns} the pod's namespace, {pod} its name, {agentns} the agent's
 // namespace, {agent} the agent's pod). Rules are matched in order; every match is said.
 type advice struct {
-	when func(r *Report) bool
+	when func(r *explainwire.Report) bool
 	do   string
 }
 
-func verdictHas(prefix string) func(*Report) bool {
-	return func(r *Report) bool { return strings.HasPrefix(r.Verdict, prefix) }
+func verdictHas(prefix string) func(*explainwire.Report) bool {
+	return func(r *explainwire.Report) bool { return strings.HasPrefix(r.Verdict, prefix) }
 }
 
-func problemHas(s string) func(*Report) bool {
-	return func(r *Report) bool {
+func problemHas(s string) func(*explainwire.Report) bool {
+	return func(r *explainwire.Report) bool {
 		for _, p := range r.Problems {
 			if strings.Contains(p, s) {
 				return true
@@ -31,8 +33,8 @@ func problemHas(s string) func(*Report) bool {
 	}
 }
 
-func reasonIs(reason string) func(*Report) bool {
-	return func(r *Report) bool {
+func reasonIs(reason string) func(*explainwire.Report) bool {
+	return func(r *explainwire.Report) bool {
 		return !r.Policy.Capture && strings.HasPrefix(r.Verdict, "not captured: "+reason)
 	}
 }
@@ -40,7 +42,7 @@ func reasonIs(reason string) func(*Report) bool {
 // advices maps the agent's verdicts and problems (pkg/explain) to what an
 // operator does next; docs/troubleshooting.md's table says the same.
 var advices = []advice{
-	{func(r *Report) bool { return r.OK && strings.HasPrefix(r.Verdict, "captured (") }, "nothing: the pod is in the mesh"},
+	{func(r *explainwire.Report) bool { return r.OK && strings.HasPrefix(r.Verdict, "captured (") }, "nothing: the pod is in the mesh"},
 	{problemHas("ztunnel has not acknowledged"), "check ztunnel on this node (is it running and connected? `kubectl ambient-cni status` shows its connections); its log says why it refused the pod"},
 	{problemHas("rules drifted"), "find what changed the pod's rules (another CNI, an operator); restarting the node's agent (`kubectl -n {agentns} delete pod {agent}`) or recreating the pod re-applies them"},
 	{problemHas("could not be verified"), "read the agent's log: `kubectl -n {agentns} logs {agent}`"},
@@ -61,7 +63,7 @@ var advices = []advice{
 	{reasonIs("ztunnel or node-agent pod"), "nothing: the mesh's own data plane is never captured"},
 	{reasonIs("pod phase is terminal"), "nothing: the pod has finished"},
 	{problemHas("injected for istio-cni's sidecar mode"), "run this sidecar pod where istio-cni runs, or inject it with istio-init (pilot.cni.enabled=false): see docs/differences-from-istio.md"},
-	{func(r *Report) bool { return r.OK && reasonIs("sidecar-injected pod")(r) }, "nothing for ambient: sidecar pods are served by their sidecar, not captured"},
+	{func(r *explainwire.Report) bool { return r.OK && reasonIs("sidecar-injected pod")(r) }, "nothing for ambient: sidecar pods are served by their sidecar, not captured"},
 	{problemHas("is not a boolean"), "fix the pod's annotation (true or false)"},
 	{problemHas("still holds an earlier pod of this name"), "nothing if it passes: the agent releases the earlier pod"},
 	{problemHas("stale annotation"), "nothing if it passes: the agent clears it"},
@@ -70,7 +72,7 @@ var advices = []advice{
 
 // whatToDo is the advice for a report; a report no rule covers that needs
 // attention gets the troubleshooting guide and the agent's log.
-func whatToDo(r *Report, a Agent) []string {
+func whatToDo(r *explainwire.Report, a Agent) []string {
 	ns, name, _ := strings.Cut(r.Pod, "/")
 	fill := strings.NewReplacer("{ns}", ns, "{pod}", name, "{agentns}", a.Namespace, "{agent}", a.Pod)
 	var out []string
@@ -90,7 +92,7 @@ func whatToDo(r *Report, a Agent) []string {
 }
 
 // checks are the lines of what the agent checked.
-func checks(r *Report) [][2]string {
+func checks(r *explainwire.Report) [][2]string {
 	var out [][2]string
 	p := r.Policy
 	pol := "not to be captured: " + p.Reason
@@ -171,7 +173,7 @@ func checks(r *Report) [][2]string {
 
 // RenderPod writes the human answer to `explain NS/POD`.
 func RenderPod(w io.Writer, a PodAnswer) error {
-	var r Report
+	var r explainwire.Report
 	if err := json.Unmarshal(a.Report, &r); err != nil {
 		return fmt.Errorf("read the agent's report: %w", err)
 	}
@@ -181,7 +183,7 @@ func RenderPod(w io.Writer, a PodAnswer) error {
 	return renderReport(w, &r, a.Agent)
 }
 
-func renderReport(w io.Writer, r *Report, a Agent) error {
+func renderReport(w io.Writer, r *explainwire.Report, a Agent) error {
 	b := &strings.Builder{}
 	fmt.Fprintf(b, "Pod:      %s", r.Pod)
 	if r.Phase != "" {
@@ -218,7 +220,7 @@ func renderReport(w io.Writer, r *Report, a Agent) error {
 
 // RenderNode writes the human answer to `status NODE`.
 func RenderNode(w io.Writer, a NodeAnswer) error {
-	var nr NodeReport
+	var nr explainwire.NodeReport
 	if err := json.Unmarshal(a.Report, &nr); err != nil {
 		return fmt.Errorf("read the agent's report: %w", err)
 	}
@@ -239,7 +241,7 @@ func RenderNode(w io.Writer, a NodeAnswer) error {
 		fmt.Fprintf(b, "Release signal: %s\n", nr.ReleaseSignal)
 	}
 	fmt.Fprintf(b, "Pods:     %d on the node, %d captured, %d need attention\n", nr.Pods, nr.Captured, nr.WithProblems)
-	var bad []*Report
+	var bad []*explainwire.Report
 	for _, r := range nr.Reports {
 		if r != nil && !r.OK {
 			bad = append(bad, r)

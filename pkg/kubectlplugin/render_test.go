@@ -7,6 +7,8 @@ import (
 	"io"
 	"strings"
 	"testing"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/explainwire"
 )
 
 var testAgent = Agent{Node: "node-1", Namespace: "istio-system", Pod: "ambient-cni-x7k2p"}
@@ -121,7 +123,7 @@ func TestRenderJSON(t *testing.T) {
 	}
 	var back struct {
 		Agent  Agent
-		Report Report
+		Report explainwire.Report
 	}
 	if err := json.Unmarshal(b.Bytes(), &back); err != nil {
 		t.Fatal(err)

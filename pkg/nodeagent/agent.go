@@ -5,7 +5,6 @@ import (
 	"errors"
 	"log/slog"
 	"net/netip"
-	"sync"
 	"time"
 
 	"golang.org/x/time/rate"
@@ -213,9 +212,9 @@ type Agent struct {
 	records     *recordStore
 	annotations *annotationWriter
 
-	mu sync.Mutex
-	// lives holds every pod the agent knows by uid (see podLife).
-	lives map[types.UID]*podLife
+	// lifeTable holds every pod the agent knows by uid (see podLife);
+	// its mu guards the lives and the fields below.
+	lifeTable
 	// invalidTransitions counts the state transitions transit refused.
 	invalidTransitions uint64
 	// probePruneDeferred: SyncHostProbe left the probe set unpruned
@@ -252,14 +251,16 @@ func NewAgent(cfg Config) (*Agent, error) {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	log := cfg.Logger.With("component", "nodeagent")
-	return &Agent{
-		cfg:         cfg,
-		log:         log,
-		snapshot:    newSnapshotWriter(cfg.Layout.Snapshot(), cfg.Layout.ExplicitStateSnapshot()),
-		records:     newRecordStore(cfg.Layout.Records()),
-		annotations: newAnnotationWriter(cfg.Annotator, cfg.Pods, rate.NewLimiter(rate.Limit(cfg.AnnotationQPS), cfg.AnnotationBurst), log.With("component", "annotations")),
-		lives:       map[types.UID]*podLife{},
-	}, nil
+	a := &Agent{
+		cfg:       cfg,
+		log:       log,
+		snapshot:  newSnapshotWriter(cfg.Layout.Snapshot(), cfg.Layout.ExplicitStateSnapshot()),
+		lifeTable: lifeTable{lives: map[types.UID]*podLife{}},
+	}
+	a.records = newRecordStore(cfg.Layout.Records(), &a.lifeTable)
+	a.annotations = newAnnotationWriter(cfg.Annotator, cfg.Pods, &a.lifeTable,
+		rate.NewLimiter(rate.Limit(cfg.AnnotationQPS), cfg.AnnotationBurst), log.With("component", "annotations"))
+	return a, nil
 }
 
 // LoadRecords reads the capture records a previous agent left (call it

@@ -65,16 +65,17 @@ type annotationWriter struct {
 
 	queue workqueue.TypedRateLimitingInterface[types.UID]
 
-	mu sync.Mutex
-	// want is the value each pod should get; written what this agent last
-	// wrote (or found) on the object.
-	want    map[types.UID]*wantedAnnotation
-	written map[types.UID]string
+	// t holds the pods' lives: each pod's wanted and written values are
+	// in its life (podLife.annotation). Its mu guards them and the
+	// fields below.
+	t *lifeTable
+	// wanted counts the pods whose life wants a value written.
+	wanted int
 	// thens counts the then callbacks running: a retired write is done
 	// only once its then ran (a capture record removed, say).
 	thens int
-	// idle is closed and replaced whenever want becomes empty and no then
-	// runs (for Flush).
+	// idle is closed and replaced whenever no pod wants a write and no
+	// then runs (for Flush).
 	idle chan struct{}
 	// holds counts the holds in force; the writes wait while any is, until
 	// heldSince + maxAnnotationHold. unheld is closed when the last one
@@ -95,14 +96,12 @@ type wantedAnnotation struct {
 	then func()
 }
 
-func newAnnotationWriter(ann Annotator, pods PodLister, limit *rate.Limiter, log *slog.Logger) *annotationWriter {
+func newAnnotationWriter(ann Annotator, pods PodLister, t *lifeTable, limit *rate.Limiter, log *slog.Logger) *annotationWriter {
 	return &annotationWriter{
-		ann: ann, pods: pods, log: log, limit: limit,
+		ann: ann, pods: pods, t: t, log: log, limit: limit,
 		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
 			workqueue.NewTypedItemExponentialFailureRateLimiter[types.UID](annotationRetryMin, annotationRetryMax),
 			workqueue.TypedRateLimitingQueueConfig[types.UID]{Name: "annotations"}),
-		want:    map[types.UID]*wantedAnnotation{},
-		written: map[types.UID]string{},
 		idle:    make(chan struct{}),
 		maxHold: maxAnnotationHold,
 	}
@@ -117,9 +116,13 @@ func (w *annotationWriter) set(namespace, name string, uid types.UID, value stri
 		}
 		return
 	}
-	w.mu.Lock()
-	w.want[uid] = &wantedAnnotation{namespace: namespace, name: name, value: value, then: then}
-	w.mu.Unlock()
+	w.t.mu.Lock()
+	a := &w.t.lifeLocked(uid).annotation
+	if a.want == nil {
+		w.wanted++
+	}
+	a.want = &wantedAnnotation{namespace: namespace, name: name, value: value, then: then}
+	w.t.mu.Unlock()
 	w.queue.Add(uid)
 }
 
@@ -130,7 +133,7 @@ func (w *annotationWriter) set(namespace, name string, uid types.UID, value stri
 // handoff never waits for an annotation, and a pod is annotated enabled
 // only once ztunnel acked it, held or not.
 func (w *annotationWriter) hold() (release func()) {
-	w.mu.Lock()
+	w.t.mu.Lock()
 	if w.holds == 0 {
 		if now := time.Now(); now.Sub(w.heldUntil) > w.maxHold {
 			// Not a continuation of the previous run of holds: a new bound.
@@ -139,12 +142,12 @@ func (w *annotationWriter) hold() (release func()) {
 		w.unheld = make(chan struct{})
 	}
 	w.holds++
-	w.mu.Unlock()
+	w.t.mu.Unlock()
 	var once sync.Once
 	return func() {
 		once.Do(func() {
-			w.mu.Lock()
-			defer w.mu.Unlock()
+			w.t.mu.Lock()
+			defer w.t.mu.Unlock()
 			if w.holds--; w.holds == 0 {
 				w.heldUntil = time.Now()
 				close(w.unheld)
@@ -156,18 +159,18 @@ func (w *annotationWriter) hold() (release func()) {
 // waitUnheld returns once no hold is in force, the holds' bound has
 // passed, or ctx ends; it reports whether it waited.
 func (w *annotationWriter) waitUnheld(ctx context.Context) bool {
-	w.mu.Lock()
+	w.t.mu.Lock()
 	if w.holds == 0 {
-		w.mu.Unlock()
+		w.t.mu.Unlock()
 		return false
 	}
 	ch, left := w.unheld, w.maxHold-time.Since(w.heldSince)
 	if left <= 0 {
-		w.mu.Unlock()
+		w.t.mu.Unlock()
 		return false
 	}
 	w.waiting++
-	w.mu.Unlock()
+	w.t.mu.Unlock()
 	t := time.NewTimer(left)
 	defer t.Stop()
 	select {
@@ -175,53 +178,68 @@ func (w *annotationWriter) waitUnheld(ctx context.Context) bool {
 	case <-t.C:
 	case <-ctx.Done():
 	}
-	w.mu.Lock()
+	w.t.mu.Lock()
 	w.waiting--
-	w.mu.Unlock()
+	w.t.mu.Unlock()
 	return true
 }
 
 // forget drops whatever the pod still wanted written: its sandbox is gone.
 func (w *annotationWriter) forget(uid types.UID) {
-	w.mu.Lock()
-	delete(w.want, uid)
-	delete(w.written, uid)
+	w.t.mu.Lock()
+	if l := w.t.lives[uid]; l != nil {
+		w.dropWantLocked(l)
+		l.annotation = podAnnotation{}
+		w.t.tidyLocked(l)
+	}
 	w.notifyIdleLocked()
-	w.mu.Unlock()
+	w.t.mu.Unlock()
 	w.queue.Forget(uid)
 }
 
-// podGone drops what the writer remembers of a pod whose object is gone:
-// the value it last wrote (kept otherwise, see doneLocked). A write still
-// wanted stays: it finds the pod gone and retires itself, running its
+// forgetWritten drops the value last written on the pod (kept
+// otherwise, see doneLocked), so the next write compares with the pod
+// cache again; a write still wanted stays. For a pod whose object is
+// gone, the wanted write finds it gone and retires itself, running its
 // then.
-func (w *annotationWriter) podGone(uid types.UID) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	delete(w.written, uid)
+func (w *annotationWriter) forgetWritten(uid types.UID) {
+	w.t.mu.Lock()
+	defer w.t.mu.Unlock()
+	if l := w.t.lives[uid]; l != nil {
+		l.annotation.written, l.annotation.hasWritten = "", false
+		w.t.tidyLocked(l)
+	}
 }
 
-// sizes is how many pods the writer holds a wanted and a written value
-// for.
-func (w *annotationWriter) sizes() (want, written int) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return len(w.want), len(w.written)
+// wantLocked is the value the pod wants written, if any. t.mu is held.
+func (w *annotationWriter) wantLocked(uid types.UID) *wantedAnnotation {
+	if l := w.t.lives[uid]; l != nil {
+		return l.annotation.want
+	}
+	return nil
+}
+
+// dropWantLocked retires l's wanted value, if any. t.mu is held.
+func (w *annotationWriter) dropWantLocked(l *podLife) {
+	if l.annotation.want != nil {
+		l.annotation.want = nil
+		w.wanted--
+	}
 }
 
 // pending is how many pods still wait for a write.
 func (w *annotationWriter) pending() int {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return len(w.want)
+	w.t.mu.Lock()
+	defer w.t.mu.Unlock()
+	return w.wanted
 }
 
 // flush waits until nothing is left to write, or ctx ends.
 func (w *annotationWriter) flush(ctx context.Context) error {
 	for {
-		w.mu.Lock()
-		n, ch := len(w.want)+w.thens, w.idle
-		w.mu.Unlock()
+		w.t.mu.Lock()
+		n, ch := w.wanted+w.thens, w.idle
+		w.t.mu.Unlock()
 		if n == 0 {
 			return nil
 		}
@@ -234,7 +252,7 @@ func (w *annotationWriter) flush(ctx context.Context) error {
 }
 
 func (w *annotationWriter) notifyIdleLocked() {
-	if len(w.want) == 0 && w.thens == 0 {
+	if w.wanted == 0 && w.thens == 0 {
 		close(w.idle)
 		w.idle = make(chan struct{})
 	}
@@ -267,28 +285,29 @@ func (w *annotationWriter) next(ctx context.Context) bool {
 
 // write makes one attempt at the pod's wanted value.
 func (w *annotationWriter) write(ctx context.Context, uid types.UID) {
-	w.mu.Lock()
-	want := w.want[uid]
+	w.t.mu.Lock()
+	want := w.wantLocked(uid)
 	if want == nil {
-		w.mu.Unlock()
+		w.t.mu.Unlock()
 		w.queue.Forget(uid)
 		return
 	}
-	have, known := w.written[uid]
+	a := &w.t.lives[uid].annotation
+	have, known := a.written, a.hasWritten
 	if !known {
 		have, known = w.onObject(want.namespace, want.name, uid)
 	}
 	if known && have == want.value {
-		w.written[uid] = have
+		a.written, a.hasWritten = have, true
 		w.doneLocked(uid, want)
 		return
 	}
-	w.mu.Unlock()
+	w.t.mu.Unlock()
 
 	if w.waitUnheld(ctx) {
-		w.mu.Lock()
-		stale := w.want[uid] != want
-		w.mu.Unlock()
+		w.t.mu.Lock()
+		stale := w.wantLocked(uid) != want
+		w.t.mu.Unlock()
 		if stale {
 			// Replaced (the queue holds the pod again) or forgotten
 			// while held.
@@ -301,18 +320,21 @@ func (w *annotationWriter) write(ctx context.Context, uid types.UID) {
 	}
 	err := w.ann.SetRedirection(ctx, want.namespace, want.name, uid, want.value)
 	gone := apierrors.IsNotFound(err)
-	w.mu.Lock()
+	w.t.mu.Lock()
 	switch {
 	case err == nil:
-		w.written[uid] = want.value
+		a := &w.t.lifeLocked(uid).annotation
+		a.written, a.hasWritten = want.value, true
 	case gone:
 		// Deleted, or replaced by a pod of another UID under the name
 		// (the Annotator reports both as NotFound): there is nothing of
 		// ours left to mark.
-		delete(w.written, uid)
+		if l := w.t.lives[uid]; l != nil {
+			l.annotation.written, l.annotation.hasWritten = "", false
+		}
 		w.log.Debug("pod gone; annotation not written", "pod", want.namespace+"/"+want.name, "uid", uid, "value", want.value)
 	default:
-		w.mu.Unlock()
+		w.t.mu.Unlock()
 		if ctx.Err() != nil {
 			return
 		}
@@ -321,32 +343,38 @@ func (w *annotationWriter) write(ctx context.Context, uid types.UID) {
 		w.queue.AddRateLimited(uid)
 		return
 	}
-	if w.want[uid] != want {
-		// A newer value came meanwhile; the queue holds the pod again.
-		w.mu.Unlock()
+	if w.wantLocked(uid) != want {
+		// A newer value came meanwhile (the queue holds the pod again),
+		// or the pod was forgotten.
+		if l := w.t.lives[uid]; l != nil {
+			w.t.tidyLocked(l)
+		}
+		w.t.mu.Unlock()
 		return
 	}
 	w.doneLocked(uid, want)
 }
 
-// doneLocked retires want (the value on the object) and runs its then,
-// after unlocking.
+// doneLocked retires want (the value on the object), the pod's wanted
+// value, and runs its then, after unlocking.
 func (w *annotationWriter) doneLocked(uid types.UID, want *wantedAnnotation) {
 	// written keeps even a removal: the pod cache may still show the old
 	// value for a while, and must not be trusted for this pod again.
-	delete(w.want, uid)
+	l := w.t.lives[uid]
+	w.dropWantLocked(l)
+	w.t.tidyLocked(l)
 	if want.then != nil {
 		w.thens++
 	}
 	w.notifyIdleLocked()
-	w.mu.Unlock()
+	w.t.mu.Unlock()
 	w.queue.Forget(uid)
 	if want.then != nil {
 		want.then()
-		w.mu.Lock()
+		w.t.mu.Lock()
 		w.thens--
 		w.notifyIdleLocked()
-		w.mu.Unlock()
+		w.t.mu.Unlock()
 	}
 }
 

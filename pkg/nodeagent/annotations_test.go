@@ -40,7 +40,7 @@ func TestAnnotationBudget(t *testing.T) {
 // given hold bound until the test ends.
 func startWriter(t *testing.T, ann *fakeAnnotator, maxHold time.Duration) *annotationWriter {
 	t.Helper()
-	w := newAnnotationWriter(ann, nil, rate.NewLimiter(rate.Inf, 1), slog.New(slog.DiscardHandler))
+	w := newAnnotationWriter(ann, nil, newLifeTable(), rate.NewLimiter(rate.Inf, 1), slog.New(slog.DiscardHandler))
 	w.maxHold = maxHold
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
@@ -50,8 +50,8 @@ func startWriter(t *testing.T, ann *fakeAnnotator, maxHold time.Duration) *annot
 }
 
 func (w *annotationWriter) waitingOnHold() int {
-	w.mu.Lock()
-	defer w.mu.Unlock()
+	w.t.mu.Lock()
+	defer w.t.mu.Unlock()
 	return w.waiting
 }
 

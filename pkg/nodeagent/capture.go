@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"slices"
 	"time"
 
@@ -49,14 +50,21 @@ func (a *Agent) capture(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, 
 // held is dropped from ztunnel before it is handed over again, once its
 // rules are in: a capture that fails before leaves ztunnel serving it as
 // before.
+//
+// Like every way out, every way in is a plan, then its execution: the
+// event and what the agent knows of the pod, read under the pod's lock,
+// go to planCapture, and runCapture carries out its steps in order.
 func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Handle, sb *Sandbox, t *phaseTimer, held, resetZtunnel bool) error {
 	if pod == nil || pod.UID == "" {
 		_ = ns.Close()
 		return errors.New("capture: pod without uid")
 	}
-	sandboxID, network, ips := "", "", enablement.PodIPs(pod)
-	if sb != nil {
-		sandboxID, network, ips = sb.ID, sb.Network, sb.IPs
+	ev := capEnroll
+	switch {
+	case held:
+		ev = capRecapture
+	case sb != nil:
+		ev = capAdd
 	}
 	own := t == nil
 	if own {
@@ -66,39 +74,163 @@ func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Ha
 	}
 	unlock := a.lock(pod.UID)
 	defer unlock()
-	log := a.log.With("pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID)
-
-	if held {
-		if e := a.get(pod.UID); e == nil || !e.ns.SameAs(ns) {
-			// The pod moved on while the lock was let go (released, or
-			// captured in its new sandbox's namespace): ns may be kept
-			// alive by this copy alone, and handing it to ztunnel would
-			// blackhole the pod.
-			_ = ns.Close()
-			return fmt.Errorf("pod %s/%s is no longer held in netns %s: %w", pod.Namespace, pod.Name, ns.Source(), ErrNotHeld)
-		}
+	c, f := a.arrival(pod, ns, sb, t)
+	c.requestTimer = !own
+	f.resetZtunnel = resetZtunnel
+	if err := a.runCapture(ctx, c, planCapture(ev, f)); err != nil {
+		return err
 	}
-	if sb == nil && a.tornDown(ns, pod.UID) {
-		// The controller found a namespace whose sandbox a CNI DEL just
-		// tore down (a process lingers): the pod's next sandbox comes
-		// through its own ADD.
-		_ = ns.Close()
-		return Retryable(fmt.Errorf("netns %s of pod %s/%s %w", ns.Source(), pod.Namespace, pod.Name, ErrSandboxTornDown))
+	if own {
+		t.log(c.log, captureTimings)
+	}
+	return nil
+}
+
+// capturing is the event a capture is planned for.
+type capturing string
+
+// The events.
+const (
+	// capAdd: a CNI ADD, which names the sandbox and its IPs.
+	capAdd capturing = "CNI ADD"
+	// capEnroll: the pod controller, or the verifier's search for pods
+	// that should be captured and are not, found the pod running; its
+	// IPs are its status's.
+	capEnroll capturing = "enroll"
+	// capRecapture: the verifier's repair of a pod it found drifted, in
+	// the namespace the agent holds it in.
+	capRecapture capturing = "recapture"
+)
+
+// captureFacts is what a capture's plan depends on, read under the pod's
+// lock.
+type captureFacts struct {
+	// held: the agent holds the pod (or a capture of it is in flight);
+	// unresolved: without its netns handle, since a restart.
+	held, unresolved bool
+	// ztunnel: the agent has a ztunnel to hand pods to; resetZtunnel:
+	// a recapture asked that ztunnel drop the pod before the new Add.
+	ztunnel, resetZtunnel bool
+}
+
+// The steps of a capture, each carried out by runCapture.
+const (
+	// stepStillHeld refuses (ErrNotHeld) a pod that moved on while the
+	// recapture let go of its lock.
+	stepStillHeld step = "check the pod is still held in the netns"
+	// stepNotTorn refuses (Retryable) a namespace whose sandbox a CNI DEL
+	// just tore down: a process lingers in it.
+	stepNotTorn step = "refuse a netns a DEL tore down"
+	// stepNotOthers refuses a namespace another live pod is held in.
+	stepNotOthers step = "refuse another pod's netns"
+	// stepWriteRecord writes the capture record, first: from the moment
+	// rules may exist in the namespace, a crashed agent's successor knows
+	// of the pod.
+	stepWriteRecord step = "write the record"
+	// stepHandoffStart hands a pod not held yet to ztunnel while its rules
+	// go in (the entry in flight in its life first, so a ztunnel that
+	// connects meanwhile finds the pod in its snapshot); stepHandoffWait
+	// waits for that handoff's outcome.
+	stepHandoffStart step = "hand to ztunnel while the rules go in"
+	stepHandoffWait  step = "wait for the ztunnel handoff"
+	// stepApply applies the rules; a failure undoes the handoff and what
+	// the capture wrote, and ends it with a Retryable error.
+	stepApply step = "apply rules"
+	// stepEnterState makes the pod held by its new entry, through its
+	// life's transition.
+	stepEnterState step = "enter the state"
+	// stepLetOldGo closes the handle the pod was held by and drops the
+	// IPs only it had from the probe set.
+	stepLetOldGo step = "let the old hold go"
+	// stepProbeIPsAdd adds the pod's IPs to the host probe set.
+	stepProbeIPsAdd step = "add probe-set IPs"
+	// stepZtunnelAdd hands a held pod to ztunnel again (ztunnel replaces
+	// the old netns on Add); stepZtunnelReAdd first has it drop the pod.
+	stepZtunnelAdd   step = "ztunnel Add"
+	stepZtunnelReAdd step = "ztunnel Del, then Add"
+	// stepAck makes the pod enabled once ztunnel acked it.
+	stepAck step = "ztunnel acked"
+	// stepAnnotate queues the annotation enabled.
+	stepAnnotate step = "annotate enabled"
+)
+
+// planCapture is the ordered list of steps event ev takes on a pod the
+// agent knows as f. Pure, like planRemoval; TestPlanCapture holds each
+// (event, facts) to its steps. A pod already held keeps the order rules,
+// then handoff: a failed apply then leaves ztunnel serving it as before.
+// One not held yet goes to ztunnel while its rules go in: the two are
+// independent until the pod starts, which waits for both.
+func planCapture(ev capturing, f captureFacts) []step {
+	var s []step
+	if ev == capRecapture {
+		s = append(s, stepStillHeld)
+	}
+	if ev != capAdd {
+		s = append(s, stepNotTorn)
+	}
+	s = append(s, stepNotOthers, stepWriteRecord)
+	inFlight := f.ztunnel && !f.held
+	if inFlight {
+		s = append(s, stepHandoffStart)
+	}
+	s = append(s, stepApply, stepEnterState)
+	if f.held {
+		s = append(s, stepLetOldGo)
+	}
+	s = append(s, stepProbeIPsAdd)
+	if f.held && f.unresolved {
+		s = append(s, stepUnresolvedGone)
+	}
+	switch {
+	case inFlight:
+		s = append(s, stepHandoffWait)
+	case f.ztunnel && f.resetZtunnel:
+		s = append(s, stepZtunnelReAdd)
+	case f.ztunnel:
+		s = append(s, stepZtunnelAdd)
+	}
+	return append(s, stepAck, stepAnnotate)
+}
+
+// arriving is the pod a capture works on, as its steps need it.
+type arriving struct {
+	pod *corev1.Pod
+	ns  *netns.Handle
+	l   *podLife
+	// old is the entry the pod was held by (nil if not held); e the one
+	// it is to be held by; ips are e's.
+	old, e *entry
+	ips    []netip.Addr
+	// prevRec is the pod's capture record before this capture, if hadRec.
+	prevRec Record
+	hadRec  bool
+	// handoff is the in-flight handoff's outcome (stepHandoffStart);
+	// acked is when ztunnel acked the pod (written before the send on
+	// handoff).
+	handoff chan error
+	acked   time.Time
+	// requestTimer is whether t is the request's (an ADD's): its start is
+	// the ADD's arrival, for ztunnel's ack time (Config.OnAddAcked).
+	requestTimer bool
+	log          *slog.Logger
+	t            *phaseTimer
+}
+
+// arrival reads what the agent knows of the pod a capture in ns (with
+// sb, at an ADD) works on: the facts its plan depends on, and the entry
+// it is to be held by. Called with the pod's lock held.
+func (a *Agent) arrival(pod *corev1.Pod, ns *netns.Handle, sb *Sandbox, t *phaseTimer) (*arriving, captureFacts) {
+	c := &arriving{pod: pod, ns: ns, t: t, log: a.log.With("pod", pod.Namespace+"/"+pod.Name, "uid", pod.UID)}
+	sandboxID, network, ips := "", "", enablement.PodIPs(pod)
+	if sb != nil {
+		sandboxID, network, ips = sb.ID, sb.Network, sb.IPs
 	}
 	a.mu.Lock()
-	l := a.lifeLocked(pod.UID)
-	old := l.entry
-	holder := a.holderOf(ns, pod.UID)
+	c.l = a.lifeLocked(pod.UID)
+	c.old = c.l.entry
 	a.mu.Unlock()
-	if holder != nil {
-		// Handing it to ztunnel under this pod's uid would give this pod
-		// the other pod's traffic and identity.
-		_ = ns.Close()
-		return invalid(fmt.Errorf("netns %s of pod %s/%s is the network namespace of live pod %s/%s (uid %s)",
-			ns.Source(), pod.Namespace, pod.Name, holder.Namespace, holder.Name, holder.UID))
-	}
-	prevRec, hadRec := a.records.get(pod.UID)
-	if old != nil && old.ns.SameAs(ns) {
+	c.prevRec, c.hadRec = a.records.get(pod.UID)
+	if old := c.old; old != nil && old.ns.SameAs(ns) {
 		// The controller re-enrolling a pod the CNI path enrolled, or the
 		// verifier's repair: the same sandbox, so the same IPs. Those the
 		// agent holds came with its ADD; the status may still show the
@@ -112,115 +244,146 @@ func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Ha
 			ips = old.IPs
 		}
 	}
-	cfg := a.ruleConfig(pod)
-	a.reportInvalidAnnotations(log, pod)
-	e := &entry{ns: ns, EnrolledPod: EnrolledPod{
+	c.ips = ips
+	c.e = &entry{ns: ns, EnrolledPod: EnrolledPod{
 		UID: pod.UID, Namespace: pod.Namespace, Name: pod.Name, ServiceAccount: pod.Spec.ServiceAccountName,
 		SandboxID: sandboxID, Network: network, Netns: ns.Source(), NetnsID: ns.ID(), IPs: slices.Clone(ips),
-		State: StatePending, Rules: cfg, Since: time.Now(),
+		State: StatePending, Rules: a.ruleConfig(pod), Since: time.Now(),
 	}}
-	// The record goes first: from the moment rules may exist in the
-	// namespace, a crashed agent's successor knows of the pod.
-	t.lap("prepare")
-	if err := a.records.write(e.record()); err != nil {
-		_ = ns.Close()
-		return Retryable(err)
-	}
-	t.lap("record")
-	// A pod the agent does not hold yet goes to ztunnel while its rules go
-	// in: the two are independent until the pod starts, which waits for
-	// both, and ztunnel's ack (queued behind the other pods' on its
-	// connection) no longer follows the rules' time. The entry is in the
-	// life first, in flight, so a ztunnel that connects meanwhile finds the
-	// pod in its snapshot. A pod already held (a repeated ADD, a recreated
-	// sandbox) keeps the order rules, then handoff: a failed apply then
-	// leaves ztunnel serving it as before.
-	var handoff chan error
-	var acked time.Time // when ztunnel acked; written before the send on handoff
-	if a.cfg.Ztunnel != nil && old == nil {
-		a.mu.Lock()
-		l.entry = e
-		a.mu.Unlock()
-		handoff = make(chan error, 1)
-		w := a.workload(e)
-		go func() {
-			zctx, cancel := context.WithTimeout(ctx, a.cfg.ZtunnelTimeout)
-			defer cancel()
-			err := a.cfg.Ztunnel.Add(zctx, w)
-			acked = time.Now()
-			handoff <- err
-		}()
-	}
-	if err := a.cfg.Rules.Apply(ns.Path(), cfg); err != nil {
-		a.ruleError("apply")
-		if handoff != nil {
-			a.undoHandoff(log, l, e, <-handoff)
-		}
-		a.undoFailedApply(log, pod.UID, old, ns, prevRec, hadRec)
-		_ = ns.Close()
-		return Retryable(fmt.Errorf("apply in-pod rules in netns %s: %w", ns.Source(), err))
-	}
-	t.lap("rules")
-	a.mu.Lock()
-	if err := a.transit(l, evCapture, e); err == nil {
-		l.sandboxGone = nil
-		if e.snapshotAcked {
-			_ = a.transit(l, evAck, nil)
-		}
-	}
-	a.mu.Unlock()
-	if old != nil {
-		// Same netns: a repeated ADD. Another netns: the sandbox was
-		// recreated; ztunnel replaces the old netns on Add.
-		_ = old.ns.Close()
-		a.dropProbeIPs(log, old.IPs, ips)
-	}
-	a.addProbeIPs(log, ips)
-	if old != nil && old.Unresolved {
-		a.unresolvedGone()
-	}
-	t.lap("probe")
+	f := captureFacts{held: c.old != nil, unresolved: c.old != nil && c.old.Unresolved, ztunnel: a.cfg.Ztunnel != nil}
+	return c, f
+}
 
-	if a.cfg.Ztunnel != nil {
-		var err error
-		if handoff != nil {
-			err = <-handoff
-		} else {
-			zctx, cancel := context.WithTimeout(ctx, a.cfg.ZtunnelTimeout)
-			if resetZtunnel {
-				if derr := a.cfg.Ztunnel.Del(zctx, string(pod.UID)); derr != nil {
-					log.Warn("ztunnel did not ack the Del before the new Add", "err", derr)
+// runCapture carries out steps on the arriving pod c, in order. A step
+// that fails ends the capture: the refusals and a failed record or apply
+// close c's netns and leave the pod as it was; a failed ztunnel handoff
+// leaves it captured and pending (the runtime retries the ADD). Called
+// with the pod's lock held.
+func (a *Agent) runCapture(ctx context.Context, c *arriving, steps []step) error {
+	pod, ns, l, e, log := c.pod, c.ns, c.l, c.e, c.log
+	for _, st := range steps {
+		switch st {
+		case stepStillHeld:
+			if c.old == nil || !c.old.ns.SameAs(ns) {
+				// The pod moved on while the lock was let go (released, or
+				// captured in its new sandbox's namespace): ns may be kept
+				// alive by this copy alone, and handing it to ztunnel would
+				// blackhole the pod.
+				_ = ns.Close()
+				return fmt.Errorf("pod %s/%s is no longer held in netns %s: %w", pod.Namespace, pod.Name, ns.Source(), ErrNotHeld)
+			}
+		case stepNotTorn:
+			if a.tornDown(ns, pod.UID) {
+				// The controller found a namespace whose sandbox a CNI DEL
+				// just tore down (a process lingers): the pod's next
+				// sandbox comes through its own ADD.
+				_ = ns.Close()
+				return Retryable(fmt.Errorf("netns %s of pod %s/%s %w", ns.Source(), pod.Namespace, pod.Name, ErrSandboxTornDown))
+			}
+		case stepNotOthers:
+			a.mu.Lock()
+			holder := a.holderOf(ns, pod.UID)
+			a.mu.Unlock()
+			if holder != nil {
+				// Handing it to ztunnel under this pod's uid would give
+				// this pod the other pod's traffic and identity.
+				_ = ns.Close()
+				return invalid(fmt.Errorf("netns %s of pod %s/%s is the network namespace of live pod %s/%s (uid %s)",
+					ns.Source(), pod.Namespace, pod.Name, holder.Namespace, holder.Name, holder.UID))
+			}
+			a.reportInvalidAnnotations(log, pod)
+			c.t.lap("prepare")
+		case stepWriteRecord:
+			if err := a.records.write(e.record()); err != nil {
+				_ = ns.Close()
+				return Retryable(err)
+			}
+			c.t.lap("record")
+		case stepHandoffStart:
+			a.mu.Lock()
+			l.entry = e
+			a.mu.Unlock()
+			c.handoff = make(chan error, 1)
+			w := a.workload(e)
+			go func() {
+				zctx, cancel := context.WithTimeout(ctx, a.cfg.ZtunnelTimeout)
+				defer cancel()
+				err := a.cfg.Ztunnel.Add(zctx, w)
+				c.acked = time.Now()
+				c.handoff <- err
+			}()
+		case stepApply:
+			if err := a.cfg.Rules.Apply(ns.Path(), e.Rules); err != nil {
+				a.ruleError("apply")
+				if c.handoff != nil {
+					a.undoHandoff(log, l, e, <-c.handoff)
+				}
+				a.undoFailedApply(log, pod.UID, c.old, ns, c.prevRec, c.hadRec)
+				_ = ns.Close()
+				return Retryable(fmt.Errorf("apply in-pod rules in netns %s: %w", ns.Source(), err))
+			}
+			c.t.lap("rules")
+		case stepEnterState:
+			a.mu.Lock()
+			if err := a.transit(l, evCapture, e); err == nil {
+				l.sandboxGone = nil
+				if e.snapshotAcked {
+					_ = a.transit(l, evAck, nil)
 				}
 			}
-			err = a.cfg.Ztunnel.Add(zctx, a.workload(e))
-			acked = time.Now()
-			cancel()
-		}
-		if err != nil {
-			// A snapshot may have acked the pod meanwhile.
+			a.mu.Unlock()
+		case stepLetOldGo:
+			// Same netns: a repeated ADD. Another netns: the sandbox was
+			// recreated; ztunnel replaces the old netns on Add.
+			_ = c.old.ns.Close()
+			a.dropProbeIPs(log, c.old.IPs, c.ips)
+		case stepProbeIPsAdd:
+			a.addProbeIPs(log, c.ips)
+		case stepUnresolvedGone:
+			a.unresolvedGone()
+		case stepHandoffWait, stepZtunnelAdd, stepZtunnelReAdd:
+			c.t.lap("probe")
+			var err error
+			if st == stepHandoffWait {
+				err = <-c.handoff
+			} else {
+				zctx, cancel := context.WithTimeout(ctx, a.cfg.ZtunnelTimeout)
+				if st == stepZtunnelReAdd {
+					if derr := a.cfg.Ztunnel.Del(zctx, string(pod.UID)); derr != nil {
+						log.Warn("ztunnel did not ack the Del before the new Add", "err", derr)
+					}
+				}
+				err = a.cfg.Ztunnel.Add(zctx, a.workload(e))
+				c.acked = time.Now()
+				cancel()
+			}
+			if err != nil {
+				// A snapshot may have acked the pod meanwhile.
+				a.mu.Lock()
+				if l.entry == e && l.state == statePending {
+					_ = a.transit(l, evAckTimeout, nil)
+				}
+				state := e.State
+				a.mu.Unlock()
+				a.wantAnnotation(&e.EnrolledPod, state, nil)
+				return Retryable(fmt.Errorf("hand pod %s/%s to ztunnel: %w", pod.Namespace, pod.Name, err))
+			}
+		case stepAck:
+			if a.cfg.Ztunnel == nil {
+				c.t.lap("probe")
+			}
+			c.t.lap("ztunnel")
+			if c.requestTimer && a.cfg.Ztunnel != nil && a.cfg.OnAddAcked != nil {
+				a.cfg.OnAddAcked(c.acked.Sub(c.t.begun))
+			}
 			a.mu.Lock()
 			if l.entry == e && l.state == statePending {
-				_ = a.transit(l, evAckTimeout, nil)
+				_ = a.transit(l, evAck, nil)
 			}
-			st := e.State
 			a.mu.Unlock()
-			a.wantAnnotation(&e.EnrolledPod, st, nil)
-			return Retryable(fmt.Errorf("hand pod %s/%s to ztunnel: %w", pod.Namespace, pod.Name, err))
+		case stepAnnotate:
+			a.wantAnnotation(&e.EnrolledPod, StateEnabled, nil)
 		}
-	}
-	t.lap("ztunnel")
-	if !own && a.cfg.Ztunnel != nil && a.cfg.OnAddAcked != nil {
-		// The request's timer: an ADD's capture.
-		a.cfg.OnAddAcked(acked.Sub(t.begun))
-	}
-	a.mu.Lock()
-	if l.entry == e && l.state == statePending {
-		_ = a.transit(l, evAck, nil)
-	}
-	a.mu.Unlock()
-	a.wantAnnotation(&e.EnrolledPod, StateEnabled, nil)
-	if own {
-		t.log(log, captureTimings)
 	}
 	return nil
 }

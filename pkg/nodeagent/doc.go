@@ -11,10 +11,10 @@
 //     the ADD-spool re-check; the verifier's way in (InPod, Recapture); the
 //     DEL queue, which replays the DELs the plugin spooled (DrainSpool,
 //     RunSpoolDrain).
-//   - capture.go, restore.go, remove.go: the ways a pod comes in (Capture,
-//     CHECK), comes back after a restart (Restore, RestoreUnresolved), and
-//     goes out (Unenroll, RemoveSandbox, GC, Release, ReleaseAll,
-//     ClearStale, PodGone).
+//   - capture.go, restore.go, remove.go: the ways a pod comes in (Capture:
+//     planCapture and runCapture; CHECK), comes back after a restart
+//     (Restore, RestoreUnresolved), and goes out (Unenroll, RemoveSandbox,
+//     GC, Release, ReleaseAll, ClearStale, PodGone).
 //   - state.go: reading the enrolled-pod state (the ZDS snapshot, metrics,
 //     Inspect).
 //   - removal.go: every way out as a plan, then its execution: the facts
@@ -25,17 +25,22 @@
 //   - probeset.go, spool.go: the host's kubelet-probe SNAT set; draining
 //     one of the plugin's spools.
 //   - agent.go: the Agent, its Config and types.
-//   - life.go, annotations.go, record.go, snapshot.go, errors.go: each
-//     pod's life (podLife: its lock, state, held entry and what a DEL left
-//     remembered) and transit, the one function that changes its state,
-//     checked against the diagram in docs/how-it-works.md; the annotation
+//   - annotations.go, record.go, snapshot.go, errors.go: the annotation
 //     writer, the capture records, the enablement snapshot, the error
 //     kinds.
+//   - life.go: each pod's life (podLife: its lock, state, held entry, what
+//     a DEL left remembered, its annotation wanted and written, its
+//     capture record and the record's generation), the lifeTable that
+//     holds the lives, and transit, the one function that changes a
+//     pod's state, checked against the diagram in docs/how-it-works.md.
 //
 // The ADD path: server.go decides with the pod cache and opens the
-// runtime's netns only for a pod that will be captured; Capture writes
-// the capture record, applies the rules, adds the pod's IPs to the probe
-// set, hands the pod to ztunnel, and queues the annotation.
+// runtime's netns only for a pod that will be captured; Capture plans
+// (planCapture, pure, like planRemoval) and carries out (runCapture) the
+// steps: write the capture record, apply the rules, add the pod's IPs to
+// the probe set, hand the pod to ztunnel, and queue the annotation. The
+// controller's enroll and the verifier's recapture are the same plan with
+// their own guards.
 //
 // The removal path: a CNI DEL (RemoveSandbox; also replayed by the DEL
 // queue, or for sandboxes GC finds gone) lets the rules go with the

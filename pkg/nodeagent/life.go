@@ -85,7 +85,8 @@ func nextState(s lifeState, ev lifeEvent) (next lifeState, ok bool) {
 
 // podLife is everything the agent knows of one pod (by uid), in one
 // place: its lock, its state, the entry it is held by (netns handle, IPs,
-// rules), and what a CNI DEL left remembered. Lives are in Agent.lives;
+// rules), what a CNI DEL left remembered, its annotation (wanted and
+// written) and its capture record. Lives are in the lifeTable;
 // a life that holds nothing (unlocked, not held, nothing remembered) is
 // dropped, so the map holds only pods in use or lately seen going.
 type podLife struct {
@@ -113,27 +114,64 @@ type podLife struct {
 	// the controller must not capture the pod in one of them again while
 	// the runtime finishes (a process may linger in one for a moment).
 	torn map[netns.Identity]tornMark
+
+	// annotation is the pod's redirection annotation as the annotation
+	// writer knows it: the value wanted and the value last written.
+	annotation podAnnotation
+	// record is the pod's capture record as on disk (written by this
+	// agent or left by its predecessor); nil when there is none.
+	// recordGen is the generation this agent last wrote it at (0: not
+	// since it was last removed); see recordStore.
+	record    *Record
+	recordGen uint64
+}
+
+// podAnnotation is what the annotation writer knows of one pod's
+// redirection annotation.
+type podAnnotation struct {
+	// want is the value the pod should get, with what runs once it has
+	// it; nil when nothing is left to write.
+	want *wantedAnnotation
+	// written is the value this agent last wrote (or found) on the
+	// object, when hasWritten: a removal too, since the pod cache may
+	// still show the old value for a while.
+	written    string
+	hasWritten bool
 }
 
 // holdsNothing reports whether the life can be dropped.
 func (l *podLife) holdsNothing() bool {
-	return l.refs == 0 && l.entry == nil && l.sandboxGone == nil && len(l.torn) == 0
+	return l.refs == 0 && l.entry == nil && l.sandboxGone == nil && len(l.torn) == 0 &&
+		l.annotation == (podAnnotation{}) && l.record == nil && l.recordGen == 0
 }
 
-// lifeLocked returns uid's life, made if there is none. a.mu is held.
-func (a *Agent) lifeLocked(uid types.UID) *podLife {
-	l := a.lives[uid]
+// lifeTable is every pod's life by uid, and the lock that guards them.
+// The Agent embeds it; the annotation writer and the record store keep
+// their per-pod state in the same lives, through it, so no other table
+// of pods exists.
+type lifeTable struct {
+	mu    sync.Mutex
+	lives map[types.UID]*podLife
+}
+
+func newLifeTable() *lifeTable {
+	return &lifeTable{lives: map[types.UID]*podLife{}}
+}
+
+// lifeLocked returns uid's life, made if there is none. t.mu is held.
+func (t *lifeTable) lifeLocked(uid types.UID) *podLife {
+	l := t.lives[uid]
 	if l == nil {
 		l = &podLife{uid: uid, state: stateUncaptured}
-		a.lives[uid] = l
+		t.lives[uid] = l
 	}
 	return l
 }
 
-// tidyLocked drops l from the map once it holds nothing. a.mu is held.
-func (a *Agent) tidyLocked(l *podLife) {
-	if l.holdsNothing() && a.lives[l.uid] == l {
-		delete(a.lives, l.uid)
+// tidyLocked drops l from the map once it holds nothing. t.mu is held.
+func (t *lifeTable) tidyLocked(l *podLife) {
+	if l.holdsNothing() && t.lives[l.uid] == l {
+		delete(t.lives, l.uid)
 	}
 }
 

@@ -3,7 +3,12 @@ package nodeagent
 import (
 	"context"
 	"errors"
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"go/types"
 	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
@@ -225,5 +230,101 @@ func TestSnapshotAckDuringCapture(t *testing.T) {
 	}
 	if got := h.annotations(t, "u1"); got != "enabled" {
 		t.Errorf("annotation writes %q, want enabled", got)
+	}
+}
+
+// TestNoPodTableOutsideLives: the package keeps no table of pods beside
+// the lives: no struct field of its production code is a map keyed by a
+// pod uid but lifeTable.lives. Whatever the agent knows of a pod is in
+// its life.
+func TestNoPodTableOutsideLives(t *testing.T) {
+	fset := token.NewFileSet()
+	paths, err := filepath.Glob("*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, path := range paths {
+		if strings.HasSuffix(path, "_test.go") {
+			continue
+		}
+		f, err := parser.ParseFile(fset, path, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ast.Inspect(f, func(n ast.Node) bool {
+			ts, ok := n.(*ast.TypeSpec)
+			if !ok {
+				return true
+			}
+			st, ok := ts.Type.(*ast.StructType)
+			if !ok {
+				return true
+			}
+			for _, fld := range st.Fields.List {
+				m, ok := fld.Type.(*ast.MapType)
+				if !ok || types.ExprString(m.Key) != "types.UID" {
+					continue
+				}
+				for _, name := range fld.Names {
+					if ts.Name.Name+"."+name.Name != "lifeTable.lives" {
+						t.Errorf("%s: %s.%s is a table of pods beside the lives; keep it in podLife", fset.Position(fld.Pos()), ts.Name.Name, name.Name)
+					}
+				}
+			}
+			return true
+		})
+	}
+}
+
+// TestLifeHoldsAnnotationAndRecord: a captured pod's capture record and
+// the annotation written on it are in its life; once unenrolled, what
+// the agent still remembers of it (the removal it wrote, kept because the
+// pod cache may lag) is in its life too, until its object is gone. No
+// count of what the agent knows of pods exceeds its lives.
+func TestLifeHoldsAnnotationAndRecord(t *testing.T) {
+	h := newHarness(t)
+	ctx := context.Background()
+	p := pod("shop", "web", "u1", nil)
+	h.kube.SetPod(p)
+	within := func(when string) {
+		t.Helper()
+		sz := h.agent.TableSizes()
+		for k, n := range sz {
+			if n > sz["lives"] && k != "torn" {
+				t.Errorf("%s: %s counts %d pods, lives only %d: %v", when, k, n, sz["lives"], sz)
+			}
+		}
+	}
+	if err := h.agent.Capture(ctx, p, openNS(t, testnet.NewNS(t)), nil); err != nil {
+		t.Fatal(err)
+	}
+	if got := h.annotations(t, "u1"); got != "enabled" {
+		t.Fatalf("annotations %q", got)
+	}
+	within("captured")
+	h.agent.mu.Lock()
+	l := h.agent.lives["u1"]
+	ok := l != nil && l.record != nil && l.recordGen != 0 && l.annotation.hasWritten && l.annotation.written == "enabled"
+	h.agent.mu.Unlock()
+	if !ok {
+		t.Errorf("the captured pod's life lacks its record or its written annotation: %+v", l)
+	}
+	if err := h.agent.Unenroll(ctx, "u1"); err != nil {
+		t.Fatal(err)
+	}
+	if got := h.annotations(t, "u1"); got != "enabled," {
+		t.Fatalf("annotations %q, want the removal written", got)
+	}
+	within("unenrolled")
+	h.agent.mu.Lock()
+	l = h.agent.lives["u1"]
+	ok = l != nil && l.record == nil && l.recordGen == 0 && l.annotation.hasWritten && l.annotation.written == "" && l.state == stateReleased
+	h.agent.mu.Unlock()
+	if !ok {
+		t.Errorf("the unenrolled pod's life: %+v, want released, no record, the removal written", l)
+	}
+	h.agent.PodGone("u1")
+	if sz := h.agent.TableSizes(); sz["lives"] != 0 {
+		t.Errorf("lives left once the pod is gone: %v", sz)
 	}
 }

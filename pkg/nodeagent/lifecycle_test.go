@@ -432,7 +432,7 @@ func TestAnnotationWriter(t *testing.T) {
 // directory are removed and reported, never followed or trusted.
 func TestRecordFiles(t *testing.T) {
 	dir := t.TempDir()
-	s := newRecordStore(nodefiles.InDir(dir).Records())
+	s := newRecordStore(nodefiles.InDir(dir).Records(), newLifeTable())
 	good := Record{UID: "0b2e6c1e-1d6b-4c1e-9a52-4b8a0c4b0f11", Namespace: "shop", Name: "web", SandboxID: "sb",
 		Netns: "/var/run/netns/cni-1", NetnsDev: 4, NetnsIno: 4026532000, IPs: []netip.Addr{netip.MustParseAddr("10.0.0.1")}}
 	if err := s.write(good); err != nil {
@@ -469,7 +469,7 @@ func TestRecordFiles(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	s2 := newRecordStore(s.dir)
+	s2 := newRecordStore(s.dir, newLifeTable())
 	err := s2.load()
 	if err == nil || !strings.Contains(err.Error(), "junk.json") {
 		t.Errorf("load reported %v, want the unusable files named", err)

@@ -65,19 +65,21 @@ func validRecordUID(uid types.UID) bool {
 // recordStore reads and writes the records. Every write of a pod's record
 // bumps the pod's generation, so a removal decided earlier (an unenroll
 // waiting for its annotation write) cannot delete the record of a capture
-// that happened since.
+// that happened since. What is on disk, and the generation, are kept in
+// the pod's life (podLife.record, recordGen), for cheap lookups.
 type recordStore struct {
 	dir string
+	t   *lifeTable
 
+	// mu serializes the file operations with the lives' record fields
+	// (taken before t.mu, never after), so a removal checks a generation
+	// and removes the file with no write in between.
 	mu  sync.Mutex
-	gen map[types.UID]uint64
 	seq uint64
-	// known caches what is on disk, for cheap lookups by name.
-	known map[types.UID]Record
 }
 
-func newRecordStore(dir string) *recordStore {
-	return &recordStore{dir: dir, gen: map[types.UID]uint64{}, known: map[types.UID]Record{}}
+func newRecordStore(dir string, t *lifeTable) *recordStore {
+	return &recordStore{dir: dir, t: t}
 }
 
 func (s *recordStore) path(uid types.UID) string {
@@ -109,31 +111,29 @@ func (s *recordStore) write(r Record) error {
 		}
 	}
 	s.seq++
-	s.gen[r.UID] = s.seq
-	s.known[r.UID] = r
+	s.t.mu.Lock()
+	l := s.t.lifeLocked(r.UID)
+	l.record, l.recordGen = &r, s.seq
+	s.t.mu.Unlock()
 	return nil
-}
-
-// size is how many pods the store knows a record of.
-func (s *recordStore) size() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return max(len(s.known), len(s.gen))
 }
 
 // generation is the pod's current record generation (0: none written by
 // this agent).
 func (s *recordStore) generation(uid types.UID) uint64 {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.gen[uid]
+	s.t.mu.Lock()
+	defer s.t.mu.Unlock()
+	if l := s.t.lives[uid]; l != nil {
+		return l.recordGen
+	}
+	return 0
 }
 
 // removeIf removes the pod's record unless it was rewritten since gen.
 func (s *recordStore) removeIf(uid types.UID, gen uint64) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.gen[uid] != gen {
+	if s.generation(uid) != gen {
 		return nil
 	}
 	return s.removeLocked(uid)
@@ -147,8 +147,12 @@ func (s *recordStore) remove(uid types.UID) error {
 }
 
 func (s *recordStore) removeLocked(uid types.UID) error {
-	delete(s.gen, uid)
-	delete(s.known, uid)
+	s.t.mu.Lock()
+	if l := s.t.lives[uid]; l != nil {
+		l.record, l.recordGen = nil, 0
+		s.t.tidyLocked(l)
+	}
+	s.t.mu.Unlock()
 	if !validRecordUID(uid) {
 		return nil
 	}
@@ -160,19 +164,21 @@ func (s *recordStore) removeLocked(uid types.UID) error {
 
 // get returns the pod's record as last read or written.
 func (s *recordStore) get(uid types.UID) (Record, bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	r, ok := s.known[uid]
-	return r, ok
+	s.t.mu.Lock()
+	defer s.t.mu.Unlock()
+	if l := s.t.lives[uid]; l != nil && l.record != nil {
+		return *l.record, true
+	}
+	return Record{}, false
 }
 
 // byName finds a recorded pod by namespace and name.
 func (s *recordStore) byName(namespace, name string) (Record, bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for _, r := range s.known {
-		if r.Namespace == namespace && r.Name == name {
-			return r, true
+	s.t.mu.Lock()
+	defer s.t.mu.Unlock()
+	for _, l := range s.t.lives {
+		if r := l.record; r != nil && r.Namespace == namespace && r.Name == name {
+			return *r, true
 		}
 	}
 	return Record{}, false
@@ -180,11 +186,13 @@ func (s *recordStore) byName(namespace, name string) (Record, bool) {
 
 // all returns every known record.
 func (s *recordStore) all() []Record {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	out := make([]Record, 0, len(s.known))
-	for _, r := range s.known {
-		out = append(out, r)
+	s.t.mu.Lock()
+	defer s.t.mu.Unlock()
+	var out []Record
+	for _, l := range s.t.lives {
+		if l.record != nil {
+			out = append(out, *l.record)
+		}
 	}
 	return out
 }
@@ -220,7 +228,9 @@ func (s *recordStore) load() error {
 			_ = os.Remove(p)
 			continue
 		}
-		s.known[r.UID] = r
+		s.t.mu.Lock()
+		s.t.lifeLocked(r.UID).record = &r
+		s.t.mu.Unlock()
 	}
 	if len(bad) > 0 {
 		return fmt.Errorf("removed unusable capture records: %w", errors.Join(bad...))

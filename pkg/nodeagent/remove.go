@@ -283,12 +283,12 @@ func (a *Agent) ClearStale(pod *corev1.Pod) {
 
 // PodGone is told (podcache OnPodDeleted) that uid's object is gone: what
 // the agent remembered of it outside its state (the annotation last
-// written, a released sandbox, torn namespaces) is dropped, so those
-// tables hold only pods that exist, however many come and go (finished
+// written, a released sandbox, torn namespaces) is dropped from its life,
+// so the lives hold only pods that exist, however many come and go (finished
 // Job pods, pods unenrolled then deleted). A pod the agent still holds is
 // released by the controller as before.
 func (a *Agent) PodGone(uid types.UID) {
-	a.annotations.podGone(uid)
+	a.annotations.forgetWritten(uid)
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if l := a.lives[uid]; l != nil {

@@ -28,20 +28,18 @@ func (a *Agent) Pending(uid types.UID) bool {
 	return recorded
 }
 
-// TableSizes is how many pods each of the agent's per-pod tables holds,
-// by table: lives (every pod the agent knows, see podLife), and of
-// those: state (held pods), locks, released, torn (namespaces); then
-// annotations_wanted, annotations_written, records. Exported as a gauge:
-// each must return to its size once the pods it counted are gone.
+// TableSizes is how many pods the agent knows, by what it knows of them:
+// lives (every pod the agent knows, see podLife), and of those: state
+// (held pods), locks, released, torn (namespaces), annotations_wanted,
+// annotations_written, records. Exported as a gauge: each must return to
+// its size once the pods it counted are gone.
 func (a *Agent) TableSizes() map[string]int {
-	want, written := a.annotations.sizes()
-	records := a.records.size()
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	a.pruneTornLocked(time.Now())
 	out := map[string]int{
 		"lives": len(a.lives), "state": 0, "locks": 0, "released": 0, "torn": 0,
-		"annotations_wanted": want, "annotations_written": written, "records": records,
+		"annotations_wanted": 0, "annotations_written": 0, "records": 0,
 	}
 	for _, l := range a.lives {
 		if l.entry != nil {
@@ -54,6 +52,15 @@ func (a *Agent) TableSizes() map[string]int {
 			out["released"]++
 		}
 		out["torn"] += len(l.torn)
+		if l.annotation.want != nil {
+			out["annotations_wanted"]++
+		}
+		if l.annotation.hasWritten {
+			out["annotations_written"]++
+		}
+		if l.record != nil || l.recordGen != 0 {
+			out["records"]++
+		}
 	}
 	return out
 }

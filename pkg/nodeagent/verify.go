@@ -62,11 +62,3 @@ func (a *Agent) Recapture(ctx context.Context, pod *corev1.Pod, resetZtunnel boo
 	}
 	return nil
 }
-
-// forgetWritten drops the value last written on uid, so the next write
-// compares with the pod cache again.
-func (w *annotationWriter) forgetWritten(uid types.UID) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	delete(w.written, uid)
-}

@@ -58,9 +58,12 @@ func TestBenchRunsShipped(t *testing.T) {
 	}
 	defaults.PodName, defaults.PodNamespace = "pod", simnode.ReleaseNamespace
 	defaults.ProcRoot = chart.ProcRoot // the host's /proc, mounted at /host/proc
-	// The plugin's ServiceAccount is named for the release; the selector
-	// text is the chart's JSON (its meaning compares as EnablementSelectors).
+	// The plugin's ServiceAccount and the release signal are named for the
+	// release (install-cni alone has no release, so no signal to watch;
+	// test/deploy pins the chart's); the selector text is the chart's JSON
+	// (its meaning compares as EnablementSelectors).
 	defaults.PluginServiceAccount, defaults.EnablementSelectorText = chart.PluginServiceAccount, chart.EnablementSelectorText
+	defaults.ReleaseSignal = chart.ReleaseSignal
 	if !reflect.DeepEqual(chart, defaults) {
 		t.Errorf("the chart's defaults differ from install-cni's:\n chart %+v\n  flag %+v", chart, defaults)
 	}
@@ -205,6 +208,10 @@ func buildBench(t *testing.T) (root, tmp, bin, benchBin string) {
 // and nothing is left behind. Figures are not asserted: this machine is
 // shared and busy.
 func TestQuickBench(t *testing.T) {
+	// Side by side with the other quick runs: each has its own API server,
+	// work dir and binaries, none asserts a figure, and in series they are
+	// make test's longest package.
+	t.Parallel()
 	root, tmp, bin, benchBin := buildBench(t)
 	out := filepath.Join(tmp, "out")
 	cmd := exec.Command(benchBin, "-quick", "-out", out,

@@ -24,7 +24,7 @@ import (
 
 	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/explain"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/explainwire"
 	"github.com/ambient-cni/ambient-cni/test/lib/childproc"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
@@ -376,7 +376,7 @@ func waitCaughtUp(ctx context.Context, c kubernetes.Interface, node *simnode.Nod
 		case code != http.StatusOK:
 			last = fmt.Sprintf("%d: %s", code, bytes.TrimSpace(buf.Bytes()))
 		default:
-			var r explain.Report
+			var r explainwire.Report
 			if err := json.Unmarshal(buf.Bytes(), &r); err != nil {
 				return fmt.Errorf("the agent's explain answer: %w: %s", err, buf.Bytes())
 			}

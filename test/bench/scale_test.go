@@ -22,6 +22,7 @@ import (
 // not asserted: this machine is shared and busy, and a small load says
 // nothing about scale.
 func TestQuickScale(t *testing.T) {
+	t.Parallel() // as TestQuickBench
 	var res ScaleResult
 	report := runQuick(t, "scale", &res, "-scale", "-quick")
 	if !res.Quick || res.Namespaces != 200 || res.Pods != 400 || res.AnnotationBytes != 10<<10 {
@@ -64,6 +65,7 @@ func TestQuickScale(t *testing.T) {
 // mount left under its directory). istio-cni's column runs when it is
 // built. Figures are not asserted.
 func TestQuickAgents(t *testing.T) {
+	t.Parallel() // as TestQuickBench
 	var res FleetResult
 	report := runQuick(t, "agents", &res, "-agents", "5", "-quick")
 	if !res.Quick || res.Agents != 5 || len(res.Systems) == 0 {

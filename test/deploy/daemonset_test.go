@@ -229,6 +229,7 @@ var notInChart = map[string]string{
 	"AMBIENT_KUBECONFIG":                  "the agent uses its ServiceAccount (in-cluster configuration); extraEnv can still set it",
 	"AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE": "as in Istio, whose chart has no value for it either: the variable, set with extraEnv",
 	"AMBIENT_ISTIO_CNI_RUN_DIR":           "set only with migration.fromIstioCNI.enabled, for the switch from istio-cni",
+	"AMBIENT_ISTIO_CNI_DAEMONSET":         "set only with migration.fromIstioCNI.enabled, for the switch from istio-cni",
 }
 
 // Every AMBIENT_* variable the chart sets is a real setting of install-cni,
@@ -337,8 +338,8 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 		DaemonSet: "mesh-node", ReleaseSignal: "ambient-cni-all-installed", Kubeconfig: "/etc/mesh/kubeconfig",
 		CNIBinDir: "/host/opt/cni/bin", CNIExtraBinDirs: []string{"/host/extra-cni-bin/opt/cni/bin", "/host/extra-cni-bin/usr/libexec/cni"}, CNIConfDir: "/host/etc/cni/net.d", CNIConfName: "10-primary.conflist",
 		CNIOwnedConfig: true, CNIOwnedConfName: "01-mesh.conflist",
-		IstioCNIRunDir: "/run/istio-cni-all-values",
-		PluginType:     "mesh-cni", PluginBinary: "/custom/plugins/ambient-cni",
+		IstioCNIRunDir: "/run/istio-cni-all-values", IstioCNIDaemonSet: "istio-cni-all-values",
+		PluginType: "mesh-cni", PluginBinary: "/custom/plugins/ambient-cni",
 		PluginTimeout: 45 * time.Second, PluginLogLevel: "debug", StatusChecksAgent: true, AgentUnreachable: "fail-closed", AgentDownAfter: 5 * time.Minute,
 		AgentSocket: "/var/run/mesh-agent/agent.sock", StateDir: "/var/lib/mesh-agent", ZDSSocket: "/var/run/ztunnel-custom/zds.sock",
 		ProcRoot: "/host/proc", NetnsDirs: []string{"/var/run/custom-netns", "/run/custom/netns"},

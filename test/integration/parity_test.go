@@ -26,7 +26,7 @@ import (
 	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
-	"github.com/ambient-cni/ambient-cni/pkg/explain"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/explainwire"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubesim"
 	"github.com/ambient-cni/ambient-cni/test/lib/poll"
@@ -269,13 +269,13 @@ func (n *node) debugGet(path string) (int, []byte) {
 }
 
 // explain is the agent's answer for one pod.
-func (n *node) explain(namespace, name string) *explain.Report {
+func (n *node) explain(namespace, name string) *explainwire.Report {
 	n.t.Helper()
 	code, body := n.debugGet("/debug/explain?pod=" + namespace + "/" + name)
 	if code != http.StatusOK {
 		n.t.Fatalf("explain %s/%s: HTTP %d %s", namespace, name, code, body)
 	}
-	var r explain.Report
+	var r explainwire.Report
 	if err := json.Unmarshal(body, &r); err != nil {
 		n.t.Fatalf("explain %s/%s: %v\n%s", namespace, name, err, body)
 	}
@@ -388,11 +388,11 @@ func TestExplain(t *testing.T) {
 
 	// The annotation is read from the agent's informer cache, a moment
 	// behind the API.
-	var r *explain.Report
+	var r *explainwire.Report
 	poll.Within(t, waitLong, "the captured pod explained as fine", func() bool { r = n.explain(shop, "good"); return r.OK })
 	if !r.OK || r.Verdict != "captured (namespace labelled ambient)" || !r.Policy.Capture || r.Policy.NamespaceLabel != ambient.DataplaneModeAmbient ||
 		r.Captured == nil || !r.Captured.ZtunnelAcked || r.Captured.Via != "controller" || !r.Captured.Rules.Clean ||
-		r.Captured.Rules.Backend != n.rules.Name || !r.Netns.Found || r.Annotation != ambient.RedirectionEnabled || r.UID != good.Obj.UID {
+		r.Captured.Rules.Backend != n.rules.Name || !r.Netns.Found || r.Annotation != ambient.RedirectionEnabled || r.UID != string(good.Obj.UID) {
 		t.Errorf("captured pod explained as %+v", r)
 	}
 	r = n.explain(shop, "drifted")
@@ -426,7 +426,7 @@ func TestExplain(t *testing.T) {
 		t.Errorf("unknown pod: HTTP %d %s", code, body)
 	}
 	code, body := n.debugGet("/debug/explain")
-	var all explain.NodeReport
+	var all explainwire.NodeReport
 	if err := json.Unmarshal(body, &all); code != http.StatusOK || err != nil {
 		t.Fatalf("explain all: HTTP %d %v\n%s", code, err, body)
 	}

@@ -22,7 +22,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"sigs.k8s.io/yaml"
 
-	"github.com/ambient-cni/ambient-cni/pkg/explain"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/explainwire"
 	"github.com/ambient-cni/ambient-cni/pkg/verifier"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
@@ -221,7 +221,7 @@ func (e *e2e) testRepairThatDoesNotHold(t *testing.T, prom *prometheus) {
 	// gone, two more periods try again), each unproven; the gauge read
 	// after every look at explain, so it reflects that proof or a later
 	// one.
-	var proofs []explain.Verification
+	var proofs []explainwire.Verification
 	var fired *alert
 	var bad []string
 	if err := n.Poll(ctx, "three unproven proofs of the deaf pod and "+unproven+" firing", func(ctx context.Context) (bool, error) {

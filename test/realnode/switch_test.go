@@ -16,9 +16,9 @@ import (
 	"github.com/containernetworking/cni/libcni"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/kubectlplugin"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
@@ -36,10 +36,6 @@ func TestRealNodeSwitch(t *testing.T) {
 	}
 }
 
-// switchMark is the nodeSelector label the migration page moves
-// istio-cni's DaemonSet off the nodes with: no node has it.
-const switchMark = "ambient-cni.io/istio-cni"
-
 // preSwitch are the ambient pods running before the switch.
 var preSwitch = []string{"srv", "a1", "a2"}
 
@@ -50,6 +46,8 @@ type switchTest struct {
 	nft bool
 	// hostBefore is what of istio-cni's the host held before the node.
 	hostBefore IstioHostState
+	// page runs the migration page's blocks.
+	page *pageRunner
 }
 
 func testSwitch(t *testing.T, nft bool) {
@@ -99,6 +97,7 @@ func testSwitch(t *testing.T, nft bool) {
 	s := &switchTest{life: &life{e2e: e2e{n: n, out: out, standIn: true}}, ic: ic, ist: ist, nft: nft, hostBefore: hostBefore}
 	s.namespace(t, sinkNS, false)
 	s.namespace(t, lifeNS, true)
+	s.namespace(t, optNS, false)
 	s.startSink(t)
 	for _, name := range preSwitch {
 		s.mustCaptured(t, s.startAmbient(t, name))
@@ -116,10 +115,14 @@ func testSwitch(t *testing.T, nft bool) {
 		}
 	})
 
+	s.page = s.pageRunner(t)
 	if !t.Run("switch", s.testSwitchToOurs) {
 		return
 	}
-	t.Run("rollback", s.testRollback)
+	if !t.Run("rollback of the node", s.testRollback) {
+		return
+	}
+	t.Run("switch again, istio-cni removed", s.testSwitchAgain)
 	t.Run("nothing was sent off the machine", testNoEgress(n))
 }
 
@@ -189,37 +192,43 @@ func chainOf(line string) string {
 	return line
 }
 
-// switchToOurs is the switch as the migration page says it.
-func (s *switchTest) switchToOurs(ctx context.Context, ourValues string, marks map[string]time.Time, mu *sync.Mutex) error {
-	mark := func(what string) {
-		mu.Lock()
-		marks[what] = time.Now()
-		mu.Unlock()
+// switchToOurs is the switch as the migration page says it, its blocks
+// run as written: block 1 (istio-cni fails closed) is done at istio-cni's
+// install, whose values have the retry on (preflight would not print it);
+// blocks 2 to 4 here, block 5 once the node went back and forth.
+func (s *switchTest) switchToOurs(ctx context.Context, t *testing.T, mark func(string)) error {
+	r := s.page
+	if !strings.Contains(r.switchBlk[0], "enableAmbientDetectionRetry=true") {
+		return fmt.Errorf("the page's first block is not istio-cni's retry:\n%s", r.switchBlk[0])
 	}
-	// Step 2: istio-cni's DaemonSet off the node with a nodeSelector
-	// (kubectl -n istio-system patch daemonset istio-cni-node -p ...).
-	patch := fmt.Sprintf(`{"spec":{"template":{"spec":{"nodeSelector":{%q:"off"}}}}}`, switchMark)
-	mark("patch")
-	if _, err := s.n.Client.AppsV1().DaemonSets(ReleaseNamespace).Patch(ctx, IstioCNIDaemonSet, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
-		return fmt.Errorf("move istio-cni off the node: %w", err)
+	mark("label")
+	if err := r.run(ctx, t, r.switchBlk[1]); err != nil {
+		return err
 	}
-	if err := s.n.Poll(ctx, "istio-cni's pod gone from the node", func(ctx context.Context) (bool, error) {
-		pods, err := s.n.IstioCNIPods(ctx)
-		if err != nil || len(pods) > 0 {
-			return false, fmt.Errorf("istio-cni pods %v (%v)", pods, err)
-		}
-		return true, nil
-	}); err != nil {
+	mark("istio-cni on labelled nodes")
+	if err := r.run(ctx, t, r.switchBlk[2]); err != nil {
+		return err
+	}
+	if err := s.waitStandingBy(ctx); err != nil {
+		return err
+	}
+	mark("ours standing by")
+	return s.switchNode(ctx, t, mark)
+}
+
+// switchNode runs the page's node block and waits until ambient-cni's
+// agent chained itself in istio-cni's place and holds the pods istio-cni
+// captured.
+func (s *switchTest) switchNode(ctx context.Context, t *testing.T, mark func(string)) error {
+	mark("node switch")
+	if err := s.page.run(ctx, t, s.page.switchBlk[3]); err != nil {
 		return err
 	}
 	mark("istio-cni gone")
-	// Step 3: ambient-cni with the istio-cni values and the takeover.
-	if err := s.n.InstallAgent(ctx, "install", ImageTag, "-f", ourValues,
-		"--set", "migration.fromIstioCNI.enabled=true", "--set", "migration.fromIstioCNI.runDir="+s.ic.RunDir); err != nil {
-		return fmt.Errorf("helm install ambient-cni: %w", err)
+	if err := s.waitChain(ctx, "ambient-cni", "istio-cni"); err != nil {
+		return err
 	}
-	mark("ours ready")
-	// Step 4: every pod istio-cni captured is ours.
+	mark("ours chained")
 	if err := s.n.Poll(ctx, "the agent holds the pods istio-cni captured", func(ctx context.Context) (bool, error) {
 		st, err := s.n.AgentState(ctx)
 		if err != nil {
@@ -237,41 +246,52 @@ func (s *switchTest) switchToOurs(ctx context.Context, ourValues string, marks m
 		return err
 	}
 	mark("adopted")
-	// Step 5: istio-cni's release goes.
-	if err := s.n.UninstallIstioCNI(ctx); err != nil {
-		return err
-	}
-	mark("istio-cni uninstalled")
 	return nil
 }
 
-func (s *switchTest) testSwitchToOurs(t *testing.T) {
-	ctx := context.Background()
-	m := s.mode()
-	tr := s.traffic.Counts()
-	stopAnn := s.watchAnnotations(t)
-	stopSample := s.sampleCapture()
-	stopChain := s.chainSampler()
-	marks := map[string]time.Time{}
-	var mu sync.Mutex
-	values := s.ourValues(t)
-	begin := time.Now()
-	pods, err := s.createDuring(t, "switch", func() error { return s.switchToOurs(ctx, values, marks, &mu) })
-	chains := stopChain()
-	samples, sandboxes, bad := stopSample()
-	changes := stopAnn()
-	d := s.traffic.Counts().Sub(tr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, w := range []string{"patch", "istio-cni gone", "ours ready", "adopted", "istio-cni uninstalled"} {
-		t.Logf("switch step %q at +%v", w, marks[w].Sub(begin).Round(10*time.Millisecond))
-	}
-	figure(t, m+"-switch-seconds", time.Since(begin).Round(100*time.Millisecond).Seconds())
-	figure(t, m+"-switch-istio-cni-gone-to-ours-ready-seconds", marks["ours ready"].Sub(marks["istio-cni gone"]).Round(100*time.Millisecond).Seconds())
+// waitChain waits until the primary config holds plugin in and not out.
+func (s *switchTest) waitChain(ctx context.Context, in, out string) error {
+	return s.n.Poll(ctx, in+" chained in "+out+"'s place", func(ctx context.Context) (bool, error) {
+		b, err := os.ReadFile(s.n.CNIConfFile)
+		if err != nil {
+			return false, err
+		}
+		if strings.Contains(string(b), fmt.Sprintf("%q", in)) && !strings.Contains(string(b), fmt.Sprintf("%q", out)) {
+			return true, nil
+		}
+		return false, fmt.Errorf("the chain:\n%s", b)
+	})
+}
 
-	// The chain: istio-cni's, then ours, never both nor neither.
-	t.Logf("the primary config's chains during the switch:\n%s", strings.Join(chains, "\n"))
+// marker records when each step was reached.
+type marker struct {
+	mu    sync.Mutex
+	at    map[string]time.Time
+	begin time.Time
+}
+
+func newMarker() *marker { return &marker{at: map[string]time.Time{}, begin: time.Now()} }
+
+func (m *marker) mark(what string) {
+	m.mu.Lock()
+	m.at[what] = time.Now()
+	m.mu.Unlock()
+}
+
+// span prints the time from one step to another as a figure.
+func (m *marker) span(t *testing.T, name, from, to string) {
+	t.Helper()
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	figure(t, name, m.at[to].Sub(m.at[from]).Round(100*time.Millisecond).Seconds())
+}
+
+// checkChains asserts the primary config's chain ended in exactly one of
+// istio-cni and ambient-cni at every sample, or in neither when neither
+// is allowed, and returns the order of what ended it.
+func checkChains(t *testing.T, what string, chains []string, neither bool) []string {
+	t.Helper()
+	t.Logf("the primary config's chains during the %s:\n%s", what, strings.Join(chains, "\n"))
 	var order []string
 	for _, c := range chains {
 		types := strings.Split(chainOf(c), ",")
@@ -282,33 +302,69 @@ func (s *switchTest) testSwitchToOurs(t *testing.T) {
 				mesh++
 			}
 		}
-		if mesh != 1 || (last != "istio-cni" && last != "ambient-cni") {
-			t.Errorf("the primary config held the chain %s: want exactly one of istio-cni and ambient-cni, last", c)
+		switch {
+		case mesh == 0 && neither:
+			last = "neither"
+		case mesh != 1 || (last != "istio-cni" && last != "ambient-cni"):
+			t.Errorf("%s: the primary config held the chain %s: want exactly one of istio-cni and ambient-cni, last", what, c)
 			continue
 		}
 		if len(order) == 0 || order[len(order)-1] != last {
 			order = append(order, last)
 		}
 	}
-	if strings.Join(order, ",") != "istio-cni,ambient-cni" {
+	return order
+}
+
+// checkCalm asserts a step with no window: no ambient pod seen
+// uncaptured, no held connection reset, no request failed.
+func (s *switchTest) checkCalm(t *testing.T, what string, samples, sandboxes int, bad []string, d TrafficCounts) {
+	t.Helper()
+	figure(t, what+"-capture-samples", samples)
+	figure(t, what+"-sandboxes-sampled", sandboxes)
+	figure(t, what+"-window-uncaptured-samples", len(bad))
+	if len(bad) > 0 {
+		t.Errorf("%s: ambient pods seen uncaptured:\n%s", what, strings.Join(bad, "\n"))
+	}
+	figure(t, what+"-connections-reset", d.Broken)
+	figure(t, what+"-requests-failed", d.LoopFailed)
+	if d.Broken > 0 || d.LoopFailed > 0 {
+		t.Errorf("%s: %d held connections broke, %d requests failed: %v", what, d.Broken, d.LoopFailed, d.Failures)
+	}
+}
+
+func (s *switchTest) testSwitchToOurs(t *testing.T) {
+	ctx := context.Background()
+	m := s.mode()
+	tr := s.traffic.Counts()
+	stopAnn := s.watchAnnotations(t)
+	stopSample := s.sampleCaptureIn(lifeNS, optNS)
+	stopChain := s.chainSampler()
+	mk := newMarker()
+	pods, err := s.createKindsDuring(t, "switch", func() error { return s.switchToOurs(ctx, t, mk.mark) })
+	chains := stopChain()
+	samples, sandboxes, bad := stopSample()
+	changes := stopAnn()
+	d := s.traffic.Counts().Sub(tr)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, s.n.AgentLogTail(ctx, 40))
+	}
+	mk.span(t, m+"-switch-istio-cni-on-labelled-nodes-seconds", "label", "istio-cni on labelled nodes")
+	mk.span(t, m+"-switch-ours-standing-by-seconds", "istio-cni on labelled nodes", "ours standing by")
+	mk.span(t, m+"-switch-node-label-to-istio-cni-gone-seconds", "node switch", "istio-cni gone")
+	mk.span(t, m+"-switch-node-label-to-ours-chained-seconds", "node switch", "ours chained")
+	mk.span(t, m+"-switch-node-label-to-pods-adopted-seconds", "node switch", "adopted")
+	figure(t, m+"-switch-seconds", time.Since(mk.begin).Round(100*time.Millisecond).Seconds())
+
+	if order := checkChains(t, "switch", chains, false); strings.Join(order, ",") != "istio-cni,ambient-cni" {
 		t.Errorf("the chain ended in %v during the switch, want istio-cni's then ours", order)
 	}
-
-	// The window: no ready ambient sandbox without capture rules.
-	figure(t, m+"-switch-capture-samples", samples)
-	figure(t, m+"-switch-sandboxes-sampled", sandboxes)
-	figure(t, m+"-switch-window-uncaptured-samples", len(bad))
-	if len(bad) > 0 {
-		t.Errorf("ambient pods seen uncaptured during the switch:\n%s", strings.Join(bad, "\n"))
-	}
-	figure(t, m+"-switch-connections-reset", d.Broken)
-	figure(t, m+"-switch-requests-failed", d.LoopFailed)
-	if d.Broken > 0 {
-		t.Errorf("switch: %d held connections broke: %v", d.Broken, d.Failures)
-	}
-	// Pods created during the switch were captured from their first
-	// packet (their hello at start went through the stand-in) or waited.
-	s.checkRollPods(t, m+"-switch", pods)
+	s.checkCalm(t, m+"-switch", samples, sandboxes, bad, d)
+	// Every kind of pod created on the node throughout: the ambient ones
+	// captured from their first packet (or they waited), the others
+	// started.
+	s.checkKinds(t, m+"-switch", pods, false)
+	s.deleteKinds(pods)
 
 	// istiod saw no pod leave the mesh: the running pods' redirection
 	// annotation never changed.
@@ -327,12 +383,6 @@ func (s *switchTest) testSwitchToOurs(t *testing.T) {
 		s.sameRules(t, name, "ref-ours", ref)
 	}
 	s.finalView(t)
-
-	left, err := IstioHost()
-	if err != nil {
-		t.Fatal(err)
-	}
-	figure(t, m+"-switch-istio-cni-host-leftovers", fmt.Sprintf("%q", left.Sub(s.hostBefore).String()))
 }
 
 // emptyTableLine matches what an iptables-save dump shows of a table
@@ -391,61 +441,74 @@ func (s *switchTest) finalView(t *testing.T) {
 	}
 }
 
-// Rollback: ambient-cni's uninstall releases every pod, and istio-cni,
-// installed again, enrolls them; nothing chains istio-cni in one write
-// with our entry leaving, so the window (and the connections it resets)
-// is measured, not asserted zero. The end state is asserted: every pod
-// captured by istio-cni with its rules only, ztunnel holding exactly the
-// live pods, istiod seeing them HBONE.
+// Rollback of the node, as the page says it: labelled back, istio-cni's
+// pod is scheduled onto the node, ambient-cni's agent gives the node back
+// (unchained, every pod released) and stands by, and istio-cni enrolls
+// the pods again. The chain never holds both plugins; the window (no
+// plugin, pods released) is measured, not asserted zero, and so are the
+// connections it resets. The end state is asserted: every pod captured by
+// istio-cni with its rules only, ztunnel holding exactly the live pods,
+// istiod seeing them HBONE.
 func (s *switchTest) testRollback(t *testing.T) {
 	ctx := context.Background()
 	m := s.mode()
 	tr := s.traffic.Counts()
-	stopSample := s.sampleCapture()
+	stopSample := s.sampleCaptureIn(lifeNS, optNS)
 	stopChain := s.chainSampler()
-	begin := time.Now()
-	var uninstalled, reinstalled time.Time
-	pods, err := s.createDuring(t, "rollback", func() error {
-		if err := s.n.UninstallAgent(ctx); err != nil {
+	mk := newMarker()
+	pods, err := s.createKindsDuring(t, "rollback", func() error {
+		mk.mark("label")
+		if err := s.page.run(ctx, t, s.page.rollBlk[0]); err != nil {
 			return err
 		}
-		uninstalled = time.Now()
-		if err := s.n.InstallIstioCNI(ctx, s.ic, s.n.IstioCNIValues(s.ic, s.nft)); err != nil {
+		if err := s.waitChain(ctx, "istio-cni", "ambient-cni"); err != nil {
 			return err
 		}
-		reinstalled = time.Now()
+		mk.mark("istio-cni chained")
 		// istio-cni enrolls the running ambient pods again.
-		return s.n.Poll(ctx, "istio-cni captured the running pods", func(ctx context.Context) (bool, error) {
-			pods, err := s.n.Client.CoreV1().Pods(lifeNS).List(ctx, metav1.ListOptions{})
-			if err != nil {
-				return false, err
-			}
-			for _, p := range pods.Items {
-				if p.DeletionTimestamp != nil || p.Status.Phase != corev1.PodRunning {
-					continue
+		if err := s.n.Poll(ctx, "istio-cni captured the running pods", func(ctx context.Context) (bool, error) {
+			for _, ns := range []string{lifeNS, optNS} {
+				pods, err := s.n.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+				if err != nil {
+					return false, err
 				}
-				if ok, err := s.n.captured(ctx, &p); !ok {
-					return false, fmt.Errorf("%s: %v", p.Name, err)
+				for _, p := range pods.Items {
+					if p.DeletionTimestamp != nil || p.Status.Phase != corev1.PodRunning {
+						continue
+					}
+					if ok, err := s.n.captured(ctx, &p); !ok {
+						return false, fmt.Errorf("%s: %v", p.Name, err)
+					}
 				}
 			}
 			return true, nil
-		})
+		}); err != nil {
+			return err
+		}
+		mk.mark("enrolled")
+		if err := s.waitStandingBy(ctx); err != nil {
+			return err
+		}
+		mk.mark("ours standing by")
+		return nil
 	})
 	chains := stopChain()
 	samples, sandboxes, bad := stopSample()
 	d := s.traffic.Counts().Sub(tr)
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("%v\n%s", err, s.n.AgentLogTail(ctx, 40))
 	}
-	t.Logf("rollback: ours uninstalled at +%v, istio-cni ready at +%v, every pod captured at +%v",
-		uninstalled.Sub(begin).Round(10*time.Millisecond), reinstalled.Sub(begin).Round(10*time.Millisecond), time.Since(begin).Round(10*time.Millisecond))
-	t.Logf("the primary config's chains during the rollback:\n%s", strings.Join(chains, "\n"))
-	figure(t, m+"-rollback-seconds", time.Since(begin).Round(100*time.Millisecond).Seconds())
+	if order := checkChains(t, "rollback", chains, true); len(order) == 0 || order[len(order)-1] != "istio-cni" {
+		t.Errorf("the chain ended in %v during the rollback, want istio-cni's last", order)
+	}
+	figure(t, m+"-rollback-seconds", time.Since(mk.begin).Round(100*time.Millisecond).Seconds())
+	mk.span(t, m+"-rollback-label-to-istio-cni-chained-seconds", "label", "istio-cni chained")
+	mk.span(t, m+"-rollback-label-to-pods-enrolled-seconds", "label", "enrolled")
+	mk.span(t, m+"-rollback-label-to-ours-standing-by-seconds", "label", "ours standing by")
 	figure(t, m+"-rollback-capture-samples", samples)
 	figure(t, m+"-rollback-sandboxes-sampled", sandboxes)
 	figure(t, m+"-rollback-window-uncaptured-samples", len(bad))
-	window := uncapturedSpan(bad)
-	figure(t, m+"-rollback-window-seconds", window.Round(100*time.Millisecond).Seconds())
+	figure(t, m+"-rollback-window-seconds", uncapturedSpan(bad).Round(100*time.Millisecond).Seconds())
 	if len(bad) > 0 {
 		t.Logf("ambient pods seen uncaptured during the rollback (the measured window):\n%s", strings.Join(bad, "\n"))
 	}
@@ -456,23 +519,8 @@ func (s *switchTest) testRollback(t *testing.T) {
 	if d.Broken > 0 {
 		t.Logf("rollback: %d held connections broke (redialled): %v", d.Broken, d.Failures)
 	}
-	startedOut := 0
-	var longest time.Duration
-	for _, rp := range pods {
-		if rp.err != nil {
-			t.Errorf("%s: %v", rp.name, rp.err)
-			continue
-		}
-		longest = max(longest, rp.waited)
-		p := s.pod(t, rp.name)
-		s.mustCaptured(t, p)
-		if !s.startedCaptured(t, p) {
-			startedOut++
-		}
-	}
-	figure(t, m+"-rollback-pods-created", len(pods))
-	figure(t, m+"-rollback-pods-started-uncaptured", startedOut)
-	figure(t, m+"-rollback-longest-pod-wait-seconds", longest.Round(100*time.Millisecond).Seconds())
+	s.checkKinds(t, m+"-rollback", pods, true)
+	s.deleteKinds(pods)
 
 	// Nothing of ours left in the pods: each holds exactly the rules of a
 	// pod istio-cni captured at its start.
@@ -482,6 +530,79 @@ func (s *switchTest) testRollback(t *testing.T) {
 		s.sameRules(t, name, "ref-istio", ref)
 	}
 	s.finalView(t)
+}
+
+// testSwitchAgain switches the node again (the page's node block) and
+// ends the switch (its last block: istio-cni's release uninstalled, the
+// takeover off, the labels gone), under traffic, with every kind of pod
+// created throughout.
+func (s *switchTest) testSwitchAgain(t *testing.T) {
+	ctx := context.Background()
+	m := s.mode()
+	tr := s.traffic.Counts()
+	stopSample := s.sampleCaptureIn(lifeNS, optNS)
+	stopChain := s.chainSampler()
+	mk := newMarker()
+	pods, err := s.createKindsDuring(t, "again", func() error {
+		if err := s.switchNode(ctx, t, mk.mark); err != nil {
+			return err
+		}
+		mk.mark("last block")
+		if err := s.page.run(ctx, t, s.page.switchBlk[4]); err != nil {
+			return err
+		}
+		mk.mark("done")
+		return nil
+	})
+	chains := stopChain()
+	samples, sandboxes, bad := stopSample()
+	d := s.traffic.Counts().Sub(tr)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, s.n.AgentLogTail(ctx, 40))
+	}
+	mk.span(t, m+"-again-node-label-to-ours-chained-seconds", "node switch", "ours chained")
+	mk.span(t, m+"-again-last-block-seconds", "last block", "done")
+	if order := checkChains(t, "switch again", chains, false); strings.Join(order, ",") != "istio-cni,ambient-cni" {
+		t.Errorf("the chain ended in %v, want istio-cni's then ours", order)
+	}
+	s.checkCalm(t, m+"-again", samples, sandboxes, bad, d)
+	s.checkKinds(t, m+"-again", pods, false)
+	s.deleteKinds(pods)
+
+	// Nothing of istio-cni's release, nor of the switch, is left: its
+	// DaemonSet, the node's label; ours runs without the takeover.
+	if _, err := s.n.Client.AppsV1().DaemonSets(ReleaseNamespace).Get(ctx, IstioCNIDaemonSet, metav1.GetOptions{}); err == nil {
+		t.Errorf("istio-cni's DaemonSet is still there")
+	}
+	node, err := s.n.Client.CoreV1().Nodes().Get(ctx, s.n.Name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v, ok := node.Labels[kubectlplugin.SwitchLabel]; ok {
+		t.Errorf("the node still has %s=%s", kubectlplugin.SwitchLabel, v)
+	}
+	agents, err := s.n.AgentPods(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range agents {
+		for _, e := range p.Spec.Containers[0].Env {
+			if e.Name == "AMBIENT_ISTIO_CNI_RUN_DIR" {
+				t.Errorf("agent %s still runs with the takeover on", p.Name)
+			}
+		}
+	}
+	s.mustCaptured(t, s.startAmbient(t, "ref-ours-again"))
+	ref := s.normalizedRules(t, "ref-ours-again")
+	for _, name := range preSwitch {
+		s.sameRules(t, name, "ref-ours-again", ref)
+	}
+	s.finalView(t)
+	left, err := IstioHost()
+	if err != nil {
+		t.Fatal(err)
+	}
+	figure(t, m+"-switch-istio-cni-host-leftovers", fmt.Sprintf("%q", left.Sub(s.hostBefore).String()))
 }
 
 // uncapturedSpan is the time from the first to the last uncaptured

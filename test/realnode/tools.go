@@ -94,7 +94,9 @@ func FindTools() (Tools, error) {
 }
 
 // toolPath asks hack/kube-tools.sh where it caches a tool (the one place
-// that knows versions and cache keys); AMBIENT_TOOL_<NAME> overrides it.
+// that knows versions and cache keys), waiting for it while a running
+// kube-tools.sh builds it (kubeenv.AwaitTool); AMBIENT_TOOL_<NAME>
+// overrides it.
 func toolPath(repo, name string) (string, error) {
 	if p := os.Getenv("AMBIENT_TOOL_" + strings.ToUpper(strings.ReplaceAll(name, "-", "_"))); p != "" {
 		return p, statTool(p)
@@ -104,6 +106,7 @@ func toolPath(repo, name string) (string, error) {
 		return "", fmt.Errorf("kube-tools.sh --path %s: %w", name, err)
 	}
 	p := strings.TrimSpace(string(out))
+	kubeenv.AwaitTool(name, p, func(format string, args ...any) { fmt.Fprintf(os.Stderr, "realnode: "+format+"\n", args...) })
 	return p, statTool(p)
 }
 
@@ -126,16 +129,17 @@ func statTool(p string) error {
 }
 
 // lockPath is the machine-wide lock of real nodes: kubelet's cgroups and
-// iptables chains are the host's, so two nodes would fight over them.
+// iptables chains are the host's, so two nodes would fight over them. It
+// lives in the machine's /run/lock, not in the tools cache: two checkouts
+// with caches of their own (a cold CI run beside a developer's tests) share
+// the machine, so they must share the lock too. A chroot that runs real
+// nodes binds the host's /run/lock (hack/freshroot.sh).
 func lockPath() (string, error) {
-	c, err := kubeenv.CacheDir()
-	if err != nil {
-		return "", err
+	const dir = "/run/lock"
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return "", fmt.Errorf("real-node lock directory: %w", err)
 	}
-	if err := os.MkdirAll(c, 0o755); err != nil {
-		return "", err
-	}
-	return filepath.Join(c, "realnode.lock"), nil
+	return filepath.Join(dir, "ambient-cni-realnode.lock"), nil
 }
 
 func acquireLock(ctx context.Context, logf func(string, ...any)) (*os.File, error) {

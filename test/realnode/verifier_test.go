@@ -24,7 +24,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
-	"github.com/ambient-cni/ambient-cni/pkg/explain"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/explainwire"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
 	"github.com/ambient-cni/ambient-cni/pkg/ruleset"
 	"github.com/ambient-cni/ambient-cni/pkg/verifier"
@@ -152,7 +152,7 @@ func (e *e2e) testVerifier(t *testing.T) {
 			tampered := c.tamper(t)
 			var missed []string
 			var found, repaired time.Time
-			var last explain.Verification
+			var last explainwire.Verification
 			err = n.Poll(ctx, string(c.kind)+" drift found and repaired", func(ctx context.Context) (bool, error) {
 				v, err := e.verification(ctx, target.Name)
 				if err != nil {
@@ -249,17 +249,17 @@ func (e *e2e) setVerifyPeriod(t *testing.T, want string, extra ...string) {
 }
 
 // explainPod asks the agent's explain about a pod of verifierNS.
-func (e *e2e) explainPod(ctx context.Context, name string) (*explain.Report, error) {
+func (e *e2e) explainPod(ctx context.Context, name string) (*explainwire.Report, error) {
 	return e.explainIn(ctx, verifierNS, name)
 }
 
 // explainIn asks the agent's explain about a pod.
-func (e *e2e) explainIn(ctx context.Context, ns, name string) (*explain.Report, error) {
+func (e *e2e) explainIn(ctx context.Context, ns, name string) (*explainwire.Report, error) {
 	b, err := e.n.AgentGet(ctx, "/debug/explain?pod="+url.QueryEscape(ns+"/"+name))
 	if err != nil {
 		return nil, err
 	}
-	var r explain.Report
+	var r explainwire.Report
 	if err := json.Unmarshal(b, &r); err != nil {
 		return nil, fmt.Errorf("decode explain: %w: %s", err, b)
 	}
@@ -267,18 +267,18 @@ func (e *e2e) explainIn(ctx context.Context, ns, name string) (*explain.Report, 
 }
 
 // verification is explain's last verification of a pod of verifierNS.
-func (e *e2e) verification(ctx context.Context, name string) (explain.Verification, error) {
+func (e *e2e) verification(ctx context.Context, name string) (explainwire.Verification, error) {
 	return e.verificationIn(ctx, verifierNS, name)
 }
 
 // verificationIn is explain's last verification of a pod.
-func (e *e2e) verificationIn(ctx context.Context, ns, name string) (explain.Verification, error) {
+func (e *e2e) verificationIn(ctx context.Context, ns, name string) (explainwire.Verification, error) {
 	r, err := e.explainIn(ctx, ns, name)
 	if err != nil {
-		return explain.Verification{}, err
+		return explainwire.Verification{}, err
 	}
 	if r.Captured == nil || r.Captured.Verification == nil {
-		return explain.Verification{}, fmt.Errorf("explain shows no verification: %s", r.Verdict)
+		return explainwire.Verification{}, fmt.Errorf("explain shows no verification: %s", r.Verdict)
 	}
 	return *r.Captured.Verification, nil
 }

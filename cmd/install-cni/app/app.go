@@ -39,6 +39,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
+	"github.com/ambient-cni/ambient-cni/pkg/ambient/explainwire"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
 	"github.com/ambient-cni/ambient-cni/pkg/controller"
 	"github.com/ambient-cni/ambient-cni/pkg/explain"
@@ -145,6 +146,11 @@ type App struct {
 	// leaving is set once the stop decided on an uninstall: the release
 	// signal's watch no longer clears the uninstall marker.
 	leaving atomic.Bool
+	// standby is set while the agent waits for istio-cni to leave the
+	// node (standbySteps): it is then ready, doing what it should.
+	standby atomic.Bool
+	// istioLeft reads istio-cni's DaemonSet, with the takeover on.
+	istioLeft kubeadapter.IstioCNILeft
 }
 
 // New builds every part; nothing runs or touches the node until Run.
@@ -188,7 +194,8 @@ func New(o Options) (*App, error) {
 	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
 	var istioGone func(string) error
 	if c.IstioCNIRunDir != "" {
-		istioGone = installer.IstioCNIAgentGone(c.IstioCNIRunDir)
+		a.istioLeft = kubeadapter.IstioCNILeft{Client: o.Client, Namespace: c.PodNamespace, DaemonSet: c.IstioCNIDaemonSet, Node: c.NodeName}
+		istioGone = istioCNIGone(installer.IstioCNIAgentGone(c.IstioCNIRunDir), a.istioLeft)
 	}
 	a.installer, err = installer.New(installer.Config{
 		BinDir: c.CNIBinDir, ExtraBinDirs: c.CNIExtraBinDirs, ConfDir: c.CNIConfDir, PluginBinary: c.PluginBinary, PluginName: c.PluginType,
@@ -344,12 +351,12 @@ func New(o Options) (*App, error) {
 }
 
 // verification is the verifier's last proof of uid, as explain shows it.
-func (a *App) verification(uid types.UID) (explain.Verification, bool) {
+func (a *App) verification(uid types.UID) (explainwire.Verification, bool) {
 	p, ok := a.verifier.Last(uid)
 	if !ok {
-		return explain.Verification{}, false
+		return explainwire.Verification{}, false
 	}
-	v := explain.Verification{At: p.At, Proven: p.OK, Repaired: p.Repaired, Problem: p.Problem}
+	v := explainwire.Verification{At: p.At, Proven: p.OK, Repaired: p.Repaired, Problem: p.Problem}
 	for _, f := range p.Found {
 		v.Found = append(v.Found, f.String())
 	}

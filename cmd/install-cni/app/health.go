@@ -38,24 +38,36 @@ func (a *App) checkHealth() {
 		}
 		return a.server.Answering(ctx)
 	})
-	a.health.AddCheck("installer", a.installer.Check)
+	// Standing by while istio-cni holds the node (standby.go), the agent
+	// is ready: started, its options accepted, doing what it should; a
+	// rollout of the chart goes on, and helm --wait proves every node got
+	// this far before istio-cni leaves any.
+	standing := func(check func() error) func() error {
+		return func() error {
+			if a.standby.Load() {
+				return nil
+			}
+			return check()
+		}
+	}
+	a.health.AddCheck("installer", standing(a.installer.Check))
 	// No readiness check for the plugin's credential: the plugin is
 	// chained without one (unchained, pods that must be captured would
 	// start uncaptured while the agent is up), and an unready agent would
 	// hold a rollout and the node's startup taint for a credential only
 	// needed while the agent is away. Its metrics and alerts tell.
-	a.health.AddCheck("restore", func() error {
+	a.health.AddCheck("restore", standing(func() error {
 		if !closed(a.ctrl.Restored()) {
 			return errors.New("startup reconcile not done")
 		}
 		return nil
-	})
-	a.health.AddCheck("sockets", func() error {
+	}))
+	a.health.AddCheck("sockets", standing(func() error {
 		if !a.server.Listening() || !a.zds.Listening() {
 			return errors.New("event and ZDS servers not listening yet")
 		}
 		return nil
-	})
+	}))
 	// Pods can be captured only once a ztunnel has the node's pods; the
 	// agent's own pod is ready before (ztunnel may come later).
 	a.health.AddCaptureCheck("ztunnel", func() error {

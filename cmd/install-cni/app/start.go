@@ -30,7 +30,7 @@ func (a *App) Run(ctx context.Context) (err error) {
 	}()
 	cs := newComponents(ctx, a.zds, a.log)
 	defer cs.release()
-	unwind, err := runSteps(ctx, a.startSteps(cs), a.beginStep)
+	unwind, err := runSteps(ctx, a.withStandby(cs, a.startSteps(cs)), a.beginStep)
 	defer unwind()
 	switch {
 	case errors.Is(err, errStopRequested):

@@ -38,6 +38,11 @@ func (a *App) stop(cs *components, runErr error, flush bool) error {
 	ctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
 	defer cancel()
 	upgrade := kubeadapter.IsUpgrade(ctx, a.upgrade, a.log)
+	if errors.Is(runErr, errIstioCNIReturns) {
+		// The node goes back to istio-cni (standby.go): unchained and
+		// every pod released before istio-cni's agent chains itself.
+		upgrade = false
+	}
 	var steps []step
 	if upgrade {
 		steps = a.upgradeSteps(cs, flush && runErr == nil)

@@ -135,7 +135,8 @@ func ToolCachePath(name string) (string, error) {
 }
 
 // ToolPath returns the path of a built tool: the file named by
-// AMBIENT_TOOL_<NAME> if set, else the cached binary. The error wraps
+// AMBIENT_TOOL_<NAME> if set, else the cached binary, once a running
+// hack/kube-tools.sh that builds it has (AwaitTool). The error wraps
 // ErrToolMissing when the binary is not there.
 func ToolPath(name string) (string, error) {
 	p := os.Getenv(toolEnv(name))
@@ -145,6 +146,7 @@ func ToolPath(name string) (string, error) {
 			return "", err
 		}
 	}
+	AwaitTool(name, p, stderrLog)
 	st, err := os.Stat(p)
 	if err != nil || st.IsDir() || st.Mode()&0o111 == 0 {
 		return "", fmt.Errorf("%s: %w at %s; build it with %s", name, ErrToolMissing, p, BuildCommand)

@@ -88,6 +88,8 @@ mounted at the same path in the container, so one value serves both sides.
 {{- if .Values.migration.fromIstioCNI.enabled }}
 - name: AMBIENT_ISTIO_CNI_RUN_DIR
   value: {{ .Values.migration.fromIstioCNI.runDir | quote }}
+- name: AMBIENT_ISTIO_CNI_DAEMONSET
+  value: {{ .Values.migration.fromIstioCNI.daemonSet | quote }}
 {{- end }}
 - name: AMBIENT_CNI_PLUGIN_TYPE
   value: {{ .Values.cni.pluginType | quote }}

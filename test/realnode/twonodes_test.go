@@ -27,7 +27,9 @@ import (
 // kubelet, containerd, network and mount namespaces, joined by flannel
 // (kube subnet manager, host-gw). A pod on each node reaches the other
 // across the nodes, and each sees the other's pod address (no
-// masquerading between nodes).
+// masquerading between nodes). The file's name puts it after the
+// single-node tests (go test runs files in name order): it needs istiod,
+// which make check builds beside the first e2e tests.
 func TestRealNodeCluster(t *testing.T) {
 	ctx, out, _ := startNodeTest(t)
 	n, err := Up(ctx, Options{Out: out})

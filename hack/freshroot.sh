@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# hack/freshroot.sh: run the README's two commands in a clean Debian root
+# filesystem that holds only Go and git, the proof that a fresh machine
+# needs no other step (test/README.md keeps the last run's figures).
+#
+# usage: hack/freshroot.sh [DIR] [SUITE]   (root; DIR: a new folder, by
+#        default a fresh one under /var/tmp; SUITE: bookworm, the default,
+#        or trixie)
+#
+# It builds DIR with mmdebstrap (--variant=minbase --include=git: Debian's
+# required packages, apt and git; no make, no gcc, no iptables), copies in
+# the Go tree that runs this script, clones this repository's HEAD into
+# DIR/src, binds /proc, /sys, /dev and the machine's real-node lock
+# (/run/lock: two real nodes on one machine would fight over the host's
+# cgroups and iptables), and then runs, as the README says for a machine
+# without make: hack/deps.sh, make demo, CI=true make check. Every step is
+# timed; the log is DIR/freshroot.log. The mounts are undone at the end, the
+# folder is kept (its caches are large: rm -rf it when done).
+set -euo pipefail
+
+[[ $(id -u) == 0 ]] || { echo "freshroot: needs root (mmdebstrap, chroot, mounts)" >&2; exit 1; }
+command -v mmdebstrap >/dev/null || { echo "freshroot: needs mmdebstrap (make deps installs it)" >&2; exit 1; }
+
+repo=$(cd "$(dirname "$0")/.." && pwd)
+dir=${1:-$(mktemp -d /var/tmp/freshroot.XXXXXX)}
+suite=${2:-bookworm}
+goroot=$(go env GOROOT)
+log=$dir/freshroot.log
+
+mkdir -p "$dir"
+[[ -z $(ls -A "$dir" 2>/dev/null) ]] || { echo "freshroot: $dir is not empty" >&2; exit 1; }
+
+stamp() { date +%s; }
+step() { # step NAME CMD...: run and time one step, into the log and stdout
+	local name=$1 t0 rc=0
+	shift
+	t0=$(stamp)
+	echo "freshroot: $name ..." | tee -a "$log"
+	"$@" 2>&1 | tee -a "$log" || rc=${PIPESTATUS[0]}
+	echo "freshroot: $name: rc=$rc in $(($(stamp) - t0)) s" | tee -a "$log"
+	return "$rc"
+}
+
+root=$dir/root
+mounted=()
+cleanup() {
+	local m
+	for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do
+		m=${mounted[i]}
+		umount -R "$m" 2>/dev/null || umount -l -R "$m" 2>/dev/null || echo "freshroot: could not unmount $m" >&2
+	done
+}
+trap cleanup EXIT
+
+bind() { # bind SRC DST: a recursive bind, undone at the end
+	mkdir -p "$2"
+	mount --rbind "$1" "$2"
+	mount --make-rslave "$2"
+	mounted+=("$2")
+}
+
+: >"$log"
+step "mmdebstrap $suite (minbase + git)" mmdebstrap --variant=minbase --include=git "$suite" "$root"
+step "copy Go ($(go env GOVERSION))" cp -a "$goroot" "$root/usr/local/go"
+step "clone $(git -C "$repo" rev-parse --short HEAD)" git clone -q "$repo" "$root/src"
+cp /etc/resolv.conf "$root/etc/resolv.conf"
+
+mount -t proc proc "$root/proc"
+mounted+=("$root/proc")
+bind /sys "$root/sys"
+bind /dev "$root/dev"
+mount -t tmpfs tmpfs "$root/run"
+mounted+=("$root/run")
+bind /run/lock "$root/run/lock"
+
+in_root() { # in_root CMD: a login-like root shell in the chroot, Go on PATH
+	chroot "$root" /usr/bin/env -i HOME=/root TERM="${TERM:-dumb}" \
+		PATH=/usr/local/go/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+		/bin/bash -c "cd /src && $1"
+}
+
+t0=$(stamp)
+rc=0
+step "hack/deps.sh (no make yet)" in_root 'hack/deps.sh' || rc=$?
+[[ $rc != 0 ]] || step "make demo" in_root 'make demo' || rc=$?
+[[ $rc != 0 ]] || step "make check (CI=true)" in_root 'CI=true make check' || rc=$?
+echo "freshroot: rc=$rc, $(($(stamp) - t0)) s from hack/deps.sh on; log: $log" | tee -a "$log"
+exit "$rc"
