@@ -31,7 +31,7 @@ STAMP_LDFLAGS := -X $(BUILDINFO).version=$(VERSION) -X $(BUILDINFO).commit=$(COM
 PLUGIN_LDFLAGS := -s -w $(STAMP_LDFLAGS)
 AGENT_LDFLAGS  := -s -w $(STAMP_LDFLAGS)
 
-.PHONY: deps flake archcheck tidy check check-tools all build version image image-push image-tools chart chart-push kubectl-plugins release release-push release-key verify-release test-release tools peer-tools node-tools bench bench-scale bench-agents test test-long test-unit fuzz e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: deps flake archcheck tidy check check-tools all build version image image-push image-tools chart chart-push kubectl-plugins release release-push release-key verify-release test-release tools peer-tools node-tools bench bench-scale bench-agents bench-fleet test test-long test-unit fuzz e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -174,6 +174,11 @@ bench-scale: build tools ## as root: the agent's RSS idle and with 10,000 namesp
 BENCH_AGENTS  ?= 50
 bench-agents: build tools peer-tools ## as root: what BENCH_AGENTS (50) node agents, each on a simulated node, cost one API server (requests, watches, memory, CPU at start, at rest, at a namespace flip), ours beside istio-cni's (docs/performance.md); BENCH_QUICK=1 for a smoke run
 	$(GO) run ./test/bench/cmd/bench -agents $(BENCH_AGENTS) -install-cni $(BIN)/install-cni -plugin $(BIN)/ambient-cni -out $(BENCH_OUT)
+
+# The fleet sizes make bench-fleet simulates, comma-separated.
+BENCH_FLEET ?= 100,1000
+bench-fleet: tools peer-tools ## what BENCH_FLEET (100,1000) simulated node agents of each system (the agent's own watch set, one process) cost one API server: at rest, a namespace flip, DaemonSet status writes, a restart wave, ours beside istio-cni's (docs/performance.md); about 15 minutes on 2 shared cores; BENCH_QUICK=1 for a smoke run
+	$(GO) run ./test/bench/cmd/bench -fleet $(BENCH_FLEET) -out $(BENCH_OUT)
 
 # make deps: the Debian packages make check and make demo need (the list,
 # and why each: hack/deps.sh --list). As root it installs what is missing;

@@ -6,7 +6,8 @@
 // into the binary, and their pages are most of the agent's file-backed
 // memory; this client links two groups. The ListWatch helpers build
 // informers over it with the same list-and-watch semantics as the
-// factory's; AgentWatches is every watch the agent holds.
+// factory's; PodsOfNodeWatch, NamespacesWatch and ReleaseSignalWatch are
+// the agent's watches, each defined once.
 package kubeclient
 
 import (

@@ -154,13 +154,17 @@ func createPod(t *testing.T, env *kubeenv.Env, ns, name, node string) *corev1.Po
 	return p
 }
 
-// TestAgentWatches: the agent's watch set, which a fleet simulator opens
-// as N agents would: its node's pods (by field selector), every namespace
+// TestAgentWatches: the agent's watches, as the pod cache and the upgrade
+// check open them: its node's pods (by field selector), every namespace
 // (whole objects: nothing narrower exists for them), and the release's
-// signal by name, metadata only; no DaemonSet. No signal, no third watch.
+// signal by name, metadata only; no DaemonSet.
 func TestAgentWatches(t *testing.T) {
 	c := &kubeclient.Client{}
-	got := kubeclient.AgentWatches(c, kubeclient.AgentWatchConfig{NodeName: "n1", Namespace: "istio-system", ReleaseSignal: "ambient-cni-installed"})
+	got := []kubeclient.Watch{
+		kubeclient.PodsOfNodeWatch(c, "n1"),
+		kubeclient.NamespacesWatch(c),
+		kubeclient.ReleaseSignalWatch(c, "istio-system", "ambient-cni-installed"),
+	}
 	type shape struct {
 		name, resource, namespace, fieldSelector string
 		metadataOnly                             bool
@@ -178,9 +182,6 @@ func TestAgentWatches(t *testing.T) {
 		{"release-signal", "services", "istio-system", "metadata.name=ambient-cni-installed", true},
 	}
 	if !slices.Equal(shapes, want) {
-		t.Errorf("AgentWatches:\n got %+v\nwant %+v", shapes, want)
-	}
-	if n := len(kubeclient.AgentWatches(c, kubeclient.AgentWatchConfig{NodeName: "n1"})); n != 2 {
-		t.Errorf("without a release signal: %d watches, want 2", n)
+		t.Errorf("the agent's watches:\n got %+v\nwant %+v", shapes, want)
 	}
 }

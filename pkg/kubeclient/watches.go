@@ -11,8 +11,9 @@ import (
 // Watch is one list-and-watch the node agent keeps open for its whole
 // life: what it asks the API server for, and the informer's ListerWatcher
 // and object type that ask it. The agent's informers are built from these
-// values and nothing else, so a fleet simulator that opens AgentWatches
-// opens exactly what N agents open.
+// values and nothing else. Which of them the agent opens is decided in one
+// place, install-cni's NewAPIWatches, which the fleet simulator calls for
+// each simulated node.
 type Watch struct {
 	// Name says what it is for: "pods", "namespaces", "release-signal".
 	Name string
@@ -28,36 +29,6 @@ type Watch struct {
 	// objects are of ExpectedType's type.
 	ListerWatcher cache.ListerWatcher
 	ExpectedType  runtime.Object
-}
-
-// AgentWatchConfig names what the agent's watches select.
-type AgentWatchConfig struct {
-	// NodeName is the agent's node: its pods are the only ones watched.
-	NodeName string
-	// Namespace and ReleaseSignal are the release's namespace and its
-	// signal Service (empty: no signal watch).
-	Namespace, ReleaseSignal string
-}
-
-// WatchClient is what the agent's watches read.
-type WatchClient interface {
-	PodReader
-	NamespaceReader
-	ServiceMetadataReader
-}
-
-// AgentWatches is every watch the node agent holds open, as it opens
-// them: the pod cache's (PodsOfNodeWatch, NamespacesWatch) and the
-// upgrade check's (ReleaseSignalWatch). None carries an event whose count
-// grows with the nodes of the cluster: each agent sees its own node's pods,
-// the namespaces (one event per change, as istio-cni's agent) and one
-// Service that never changes until the uninstall.
-func AgentWatches(c WatchClient, cfg AgentWatchConfig) []Watch {
-	ws := []Watch{PodsOfNodeWatch(c, cfg.NodeName), NamespacesWatch(c)}
-	if cfg.ReleaseSignal != "" {
-		ws = append(ws, ReleaseSignalWatch(c, cfg.Namespace, cfg.ReleaseSignal))
-	}
-	return ws
 }
 
 // PodsOfNodeWatch is the pods of node nodeName, in every namespace (field

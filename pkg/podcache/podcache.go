@@ -73,8 +73,9 @@ func New(cfg Config) *Cache {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	c := &Cache{cfg: cfg, log: cfg.Logger.With("component", "pod-cache")}
-	// The watches are the agent's (kubeclient.AgentWatches), as a fleet
-	// simulator opens them.
+	// The watches are defined in kubeclient, once; install-cni's
+	// NewAPIWatches, which the fleet simulator calls too, builds this
+	// cache.
 	podW, nsW := kubeclient.PodsOfNodeWatch(cfg.Client, cfg.NodeName), kubeclient.NamespacesWatch(cfg.Client)
 	podInf := cache.NewSharedIndexInformerWithOptions(podW.ListerWatcher, podW.ExpectedType,
 		cache.SharedIndexInformerOptions{Indexers: cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc}})

@@ -160,6 +160,15 @@ type FleetPhase struct {
 	// Go runtime's metrics): what each watch holds, steadier than RSS.
 	Goroutines   float64 `json:"goroutines"`
 	HeapInuseMiB float64 `json:"heapInuseMiB"`
+	// EventsByResource are WatchEvents and WatchEventBytes by the API
+	// server's resource label (its kind label on older ones).
+	EventsByResource map[string]ResourceEvents `json:"eventsByResource,omitempty"`
+}
+
+// ResourceEvents are the watch events of one resource and their bytes.
+type ResourceEvents struct {
+	Events float64 `json:"events"`
+	Bytes  float64 `json:"bytes"`
 }
 
 // RunFleet runs the fleet benchmark: ours, then istio-cni's when built.
@@ -564,6 +573,7 @@ type apiSample struct {
 	cpu                 time.Duration
 	watches, registered float64
 	events, eventBytes  float64
+	byResource          map[string]ResourceEvents
 	requests            float64
 	goroutines, heap    float64
 	agents              auditCounts
@@ -594,6 +604,17 @@ func sampleAPI(ctx context.Context, env *kubeenv.Env, audit *fleetAudit) (apiSam
 	}
 	s.events, _ = metricSum(text, "apiserver_watch_events_total", "")
 	s.eventBytes, _ = metricSum(text, "apiserver_watch_events_sizes_sum", "")
+	s.byResource = map[string]ResourceEvents{}
+	for res, v := range metricByResource(text, "apiserver_watch_events_total") {
+		e := s.byResource[res]
+		e.Events = v
+		s.byResource[res] = e
+	}
+	for res, v := range metricByResource(text, "apiserver_watch_events_sizes_sum") {
+		e := s.byResource[res]
+		e.Bytes = v
+		s.byResource[res] = e
+	}
 	s.requests, _ = metricSum(text, "apiserver_request_total", "")
 	s.goroutines, _ = metricSum(text, "go_goroutines", "")
 	s.heap, _ = metricSum(text, "go_memstats_heap_inuse_bytes", "")
@@ -621,6 +642,39 @@ func metricSum(text, name, match string) (float64, bool) {
 	return sum, seen
 }
 
+// metricByResource adds up the samples of name by their resource label,
+// or kind label where the API server names none.
+func metricByResource(text, name string) map[string]float64 {
+	out := map[string]float64{}
+	for l := range strings.SplitSeq(text, "\n") {
+		if !strings.HasPrefix(l, name+"{") {
+			continue
+		}
+		res := labelValue(l, "resource")
+		if res == "" {
+			res = labelValue(l, "kind")
+		}
+		f := strings.Fields(l)
+		if v, err := strconv.ParseFloat(f[len(f)-1], 64); err == nil && res != "" {
+			out[res] += v
+		}
+	}
+	return out
+}
+
+// labelValue is the value of label key in a sample line, "" if absent.
+func labelValue(line, key string) string {
+	_, rest, ok := strings.Cut(line, "{"+key+`="`)
+	if !ok {
+		_, rest, ok = strings.Cut(line, ","+key+`="`)
+	}
+	if !ok {
+		return ""
+	}
+	v, _, _ := strings.Cut(rest, `"`)
+	return v
+}
+
 // since is the window from a to s.
 func (s apiSample) since(a apiSample) FleetPhase {
 	p := FleetPhase{
@@ -633,6 +687,15 @@ func (s apiSample) since(a apiSample) FleetPhase {
 		LongRunningWatches: s.watches, RegisteredWatchers: s.registered,
 		WatchEvents: s.events - a.events, WatchEventBytes: s.eventBytes - a.eventBytes,
 		Goroutines: s.goroutines, HeapInuseMiB: s.heap / (1 << 20),
+	}
+	if len(s.byResource) > 0 {
+		p.EventsByResource = map[string]ResourceEvents{}
+		for res, e := range s.byResource {
+			was := a.byResource[res]
+			if d := (ResourceEvents{Events: e.Events - was.Events, Bytes: e.Bytes - was.Bytes}); d.Events > 0 {
+				p.EventsByResource[res] = d
+			}
+		}
 	}
 	for k, v := range s.agents.byKey {
 		if d := v - a.agents.byKey[k]; d > 0 {

@@ -139,6 +139,18 @@ func (a *fleetAudit) openWatches() (map[string]map[string]int, error) {
 	return out, nil
 }
 
+// forgetOpen drops the watches noted open: after the API server
+// restarted, those it did not log as ended are gone all the same.
+func (a *fleetAudit) forgetOpen() error {
+	if err := a.poll(); err != nil {
+		return err
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.open = map[string]openWatch{}
+	return nil
+}
+
 // quietFor is how long ago the agents' latest request was logged.
 func (a *fleetAudit) quietFor() (time.Duration, error) {
 	if err := a.poll(); err != nil {

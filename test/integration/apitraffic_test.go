@@ -109,7 +109,7 @@ func resourceOf(path string) string {
 // or a rollout; an agent that watched its DaemonSet would get every write,
 // events quadratic in the nodes across the cluster. The agent watches
 // exactly the pods of its node, the namespaces and the release's signal
-// (kubeclient.AgentWatches), never reads a DaemonSet while it runs, and 30
+// (install-cni's NewAPIWatches), never reads a DaemonSet while it runs, and 30
 // status writes bring its watches nothing: once a namespace created after
 // them reached the agent, no other watch of it carried more than a
 // bookmark's bytes.

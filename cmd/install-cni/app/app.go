@@ -133,8 +133,9 @@ type App struct {
 	health    *health.Server
 	startup   *health.Startup
 	explain   *explain.Explainer
-	cred      *plugincred.Rotator // nil when no plugin credential is configured
-	verifier  *verifier.Verifier  // nil when verify-period is 0
+	cred      *plugincred.Rotator       // nil when no plugin credential is configured
+	tokens    *kubeadapter.PluginTokens // the credential's source; nil as cred
+	verifier  *verifier.Verifier        // nil when verify-period is 0
 
 	// hung is closed when the watchdog gave up on the event server.
 	hung     chan struct{}
@@ -219,17 +220,13 @@ func New(o Options) (*App, error) {
 	if err != nil {
 		return nil, fmt.Errorf("installer: %w", err)
 	}
-	a.upgrade = kubeadapter.NewDaemonSetUpgradeChecker(o.Client, c.PodNamespace, c.DaemonSet, c.ReleaseSignal, c.NodeName, a.log)
+	// What the agent watches (APIWatches): the pod cache it decides
+	// with, and the release's signal.
+	watches := NewAPIWatches(c, o.Client, m.ObserveEvent, a.log)
+	a.upgrade = watches.Upgrade
 	a.upgrade.OnChange(a.releaseSignalChanged)
-
-	// What the agent decides with: the pod cache.
-	policy := c.EnablementPolicy()
-	a.pods = podcache.New(podcache.Config{
-		Client: o.Client, NodeName: c.NodeName,
-		Policy:  policy,
-		OnEvent: m.ObserveEvent,
-		Logger:  a.log,
-	})
+	a.pods = watches.Pods
+	a.tokens = watches.Tokens
 
 	// The agent and what it drives: rules, host probe set, ztunnel,
 	// annotations.
@@ -343,7 +340,7 @@ func New(o Options) (*App, error) {
 		Backend:       rules.Name,
 		Ztunnels:      a.zds.Connections,
 		ReleaseSignal: a.upgrade.Seen,
-		Policy:        policy,
+		Policy:        c.EnablementPolicy(),
 	}
 	if a.verifier != nil {
 		a.explain.Verified = a.verification

@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/atomicfile"
-	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
 	"github.com/ambient-cni/ambient-cni/pkg/plugincred"
 )
 
@@ -18,7 +17,7 @@ import (
 // server URL to put in it).
 func (a *App) pluginRotator() *plugincred.Rotator {
 	c := a.cfg
-	if c.PluginServiceAccount == "" || a.opts.APIServer == "" {
+	if a.tokens == nil || a.opts.APIServer == "" {
 		return nil
 	}
 	m := a.metrics
@@ -27,7 +26,7 @@ func (a *App) pluginRotator() *plugincred.Rotator {
 		Base: plugincred.File{Server: a.opts.APIServer, CA: string(a.opts.APICA), NodeName: c.NodeName,
 			Policy:    credentialPolicy(c),
 			DaemonSet: daemonSetRef(c)},
-		Source:       kubeadapter.PluginTokens{Client: a.opts.Client, Namespace: c.PodNamespace, ServiceAccount: c.PluginServiceAccount, NodeName: c.NodeName},
+		Source:       *a.tokens,
 		Lifetime:     c.PluginTokenLifetime,
 		Retry:        a.opts.PluginCredentialRetry,
 		Logger:       a.log.With("component", "plugin-credential"),

@@ -4,7 +4,8 @@
 // With -scale (`make bench-scale`) it measures the agent's memory with a
 // large cluster's namespaces and pods in the API server instead; with
 // -agents N (`make bench-agents`) what N node agents cost one API server,
-// ours beside istio-cni's.
+// ours beside istio-cni's; with -fleet N,M (`make bench-fleet`) what N,
+// then M simulated agents of each system cost one API server.
 package main
 
 import (
@@ -19,6 +20,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -45,10 +47,16 @@ func run() int {
 	profile := flag.Bool("profile", envBool("BENCH_PROFILE"), "attach perf to the agent and write reports next to the JSON; inflates the figures (env BENCH_PROFILE)")
 	scale := flag.Bool("scale", false, "measure the agent's memory with 10,000 namespaces and 20,000 pods of other nodes in the API server (with -quick: 200 and 400)")
 	agents := flag.Int("agents", 0, "measure what this many node agents (ours, then istio-cni's) cost one API server (with -quick: at most 5)")
+	fleet := flag.String("fleet", "", "measure what this many simulated node agents of each system cost one API server, comma-separated sizes, e.g. 100,1000 (with -quick: 20)")
 	flag.Parse()
 	fail := func(err error) int {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		return 1
+	}
+	if *fleet != "" {
+		// Loopback only and no agent process: no network namespace of
+		// its own, no root.
+		return runFleetSim(*fleet, *quick, *out)
 	}
 	if (*scale || *agents > 0) && *profile {
 		return fail(errors.New("-scale and -agents measure memory and the API server: -profile (perf) does not apply to them"))
@@ -164,6 +172,59 @@ func runScale(ctx context.Context, o bench.ScaleOptions, out string) int {
 	}
 	if err := writeResult(out, "scale", res, res.Started, res.Quick, res.Seconds); err != nil {
 		return fail(err)
+	}
+	return 0
+}
+
+// runFleetSim runs the fleet simulation for the sizes in list, writes its
+// JSON and report next to the other results and prints the report.
+func runFleetSim(list string, quick bool, out string) int {
+	fail := func(err error) int {
+		fmt.Fprintln(os.Stderr, "bench -fleet:", err)
+		return 1
+	}
+	var nodes []int
+	for f := range strings.SplitSeq(list, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n <= 0 {
+			return fail(fmt.Errorf("-fleet %q: sizes are positive numbers", list))
+		}
+		nodes = append(nodes, n)
+	}
+	if quick {
+		nodes = []int{20}
+	}
+	out, err := filepath.Abs(out)
+	if err != nil {
+		return fail(err)
+	}
+	if err := os.MkdirAll(out, 0o755); err != nil {
+		return fail(err)
+	}
+	root, err := kubeenv.RepoRoot()
+	if err != nil {
+		return fail(err)
+	}
+	// Istio's chart for its column: its absence is reported, never a
+	// failure of our figures.
+	_, _, istioVersion, istioErr := bench.IstioBinaries(root)
+	istioMissing := ""
+	if istioErr != nil {
+		istioMissing = istioErr.Error()
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	res, runErr := bench.RunFleetSim(ctx, bench.FleetSimOptions{
+		RepoRoot: root, Nodes: nodes, Quick: quick, Log: os.Stderr, IstioVersion: istioVersion, IstioMissing: istioMissing,
+	})
+	if res == nil {
+		return fail(runErr)
+	}
+	if err := writeResult(out, "fleet", res, res.Started, res.Quick, res.Seconds); err != nil {
+		return fail(err)
+	}
+	if runErr != nil {
+		return fail(runErr)
 	}
 	return 0
 }
