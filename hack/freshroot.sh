@@ -51,6 +51,8 @@ cleanup() {
 	done
 }
 trap cleanup EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
 
 bind() { # bind SRC DST: a recursive bind, undone at the end
 	mkdir -p "$2"
@@ -63,7 +65,15 @@ bind() { # bind SRC DST: a recursive bind, undone at the end
 step "mmdebstrap $suite (minbase + git)" mmdebstrap --variant=minbase --include=git "$suite" "$root"
 step "copy Go ($(go env GOVERSION))" cp -a "$goroot" "$root/usr/local/go"
 step "clone $(git -C "$repo" rev-parse --short HEAD)" git clone -q "$repo" "$root/src"
+# The machine's network settings, which are not the project's to install:
+# its resolver, and the certificate authorities it added (a network that
+# inspects TLS has one), which Debian's ca-certificates, installed by
+# hack/deps.sh, adds to the chroot's bundle.
 cp /etc/resolv.conf "$root/etc/resolv.conf"
+if compgen -G '/usr/local/share/ca-certificates/*' >/dev/null; then
+	mkdir -p "$root/usr/local/share/ca-certificates"
+	cp -a /usr/local/share/ca-certificates/. "$root/usr/local/share/ca-certificates/"
+fi
 
 mount -t proc proc "$root/proc"
 mounted+=("$root/proc")
