@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math/rand/v2"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -354,9 +355,13 @@ func (r *Rotator) renewIn() time.Duration {
 }
 
 // Run renews the token until ctx ends: after half the lifetime granted
-// (at most RenewAfter), retrying a failure every Retry. A token that
-// could not be renewed in time expires, and the plugin then decides by
-// its snapshot.
+// (at most RenewAfter, less up to a tenth), retrying a failure after
+// Retry, spread by ±50 %. The spread is for the fleet: agents that start
+// together (a cluster's first install, a node pool created at once) would
+// otherwise ask the API server for their tokens in the same instant at
+// every retry and every renewal, and its fairness limits turn most of
+// such a burst away. A token that could not be renewed in time expires,
+// and the plugin then decides by its snapshot.
 func (r *Rotator) Run(ctx context.Context) error {
 	retry := r.Retry
 	if retry <= 0 {
@@ -369,9 +374,9 @@ func (r *Rotator) Run(ctx context.Context) error {
 	r.mu.Lock()
 	fresh := r.fresh
 	r.mu.Unlock()
-	wait := retry
+	wait := jitter(retry, 0.5, 1.5)
 	if fresh {
-		wait = r.renewIn()
+		wait = jitter(r.renewIn(), 0.9, 1)
 	}
 	failing := 0
 	for {
@@ -393,7 +398,7 @@ func (r *Rotator) Run(ctx context.Context) error {
 				log.Warn("renew the plugin's API credential", "err", err, "retry", retry, "failures", failing,
 					"inPlace", ok, "expires", exp)
 			}
-			wait = retry
+			wait = jitter(retry, 0.5, 1.5)
 			continue
 		}
 		if failing > 0 {
@@ -402,6 +407,11 @@ func (r *Rotator) Run(ctx context.Context) error {
 			log.Debug("plugin's API credential renewed", "path", r.Path)
 		}
 		failing = 0
-		wait = r.renewIn()
+		wait = jitter(r.renewIn(), 0.9, 1)
 	}
+}
+
+// jitter is d scaled by a random factor in [lo, hi).
+func jitter(d time.Duration, lo, hi float64) time.Duration {
+	return time.Duration(float64(d) * (lo + rand.Float64()*(hi-lo)))
 }

@@ -352,3 +352,23 @@ func TestKeepValid(t *testing.T) {
 		})
 	}
 }
+
+// TestJitterSpreads: retries and renewals are spread over their window,
+// never outside it, so agents started together do not ask together.
+func TestJitterSpreads(t *testing.T) {
+	for _, c := range []struct{ lo, hi float64 }{{0.5, 1.5}, {0.9, 1}} {
+		d := 10 * time.Second
+		lo, hi := time.Duration(float64(d)*c.lo), time.Duration(float64(d)*c.hi)
+		minSeen, maxSeen := hi, lo
+		for range 2000 {
+			got := jitter(d, c.lo, c.hi)
+			if got < lo || got >= hi {
+				t.Fatalf("jitter(%v, %v, %v) = %v, outside [%v, %v)", d, c.lo, c.hi, got, lo, hi)
+			}
+			minSeen, maxSeen = min(minSeen, got), max(maxSeen, got)
+		}
+		if spread := maxSeen - minSeen; spread < (hi-lo)*8/10 {
+			t.Errorf("jitter(%v, %v, %v) spread over %v of a %v window in 2,000 draws", d, c.lo, c.hi, spread, hi-lo)
+		}
+	}
+}
