@@ -1,5 +1,5 @@
 // Command ambient-cni-fallback is the plugin's second tier (package
-// apiverdict): the plugin execs it, from the agent's state directory, only
+// fallback): the plugin execs it, from the agent's state directory, only
 // while the node agent cannot answer. It reads one request (JSON) on
 // stdin, prints one verdict (JSON) on stdout and exits 0, or says on
 // stderr why it has none and exits 1.
@@ -16,7 +16,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
-	"github.com/ambient-cni/ambient-cni/pkg/apiverdict"
+	"github.com/ambient-cni/ambient-cni/pkg/fallback"
 	"github.com/ambient-cni/ambient-cni/pkg/plugincred"
 )
 
@@ -48,7 +48,7 @@ func run() error {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	v, err := apiverdict.Decide(ctx, cred, req)
+	v, err := fallback.Decide(ctx, cred, req)
 	if err != nil {
 		return err
 	}

@@ -1,5 +1,5 @@
 // Command ambient-cni-uninstall is the chart's pre-delete hook (package
-// uninstall): it deletes the release's signal Service, then the agent's
+// predelete): it deletes the release's signal Service, then the agent's
 // DaemonSet in the foreground, and waits until its pods are gone, so that
 // each agent releases the pods it captured while it still has its RBAC.
 //
@@ -25,7 +25,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/buildinfo"
 	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
-	"github.com/ambient-cni/ambient-cni/pkg/uninstall"
+	"github.com/ambient-cni/ambient-cni/pkg/predelete"
 )
 
 func main() {
@@ -71,6 +71,6 @@ func run(log *slog.Logger) error {
 	defer stop()
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	return uninstall.DeleteDaemonSet(ctx, uninstall.Options{Client: client, Namespace: ns, Name: name,
+	return predelete.DeleteDaemonSet(ctx, predelete.Options{Client: client, Namespace: ns, Name: name,
 		ReleaseSignal: os.Getenv("AMBIENT_RELEASE_SIGNAL"), Logger: log})
 }

@@ -2,7 +2,7 @@ package ambient
 
 // Plugin → fallback binary wire contract. While the agent cannot answer,
 // the plugin execs the fallback binary (ambient-cni-fallback, package
-// apiverdict) with the state directory as its one argument, writes one
+// fallback) with the state directory as its one argument, writes one
 // FallbackRequest (JSON) to its stdin and reads one FallbackVerdict (JSON)
 // from its stdout. Both binaries use these types, so the two sides cannot
 // drift apart.

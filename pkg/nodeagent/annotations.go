@@ -16,7 +16,7 @@ import (
 )
 
 // Annotator writes the pod's redirection status annotation; value "" removes
-// it (pkg/kubeadapter.Annotator). The pod controller uses it too, to clear
+// it (pkg/apicalls.Annotator). The pod controller uses it too, to clear
 // stale annotations. A pod gone, or replaced by another pod under its
 // name, is an error apierrors.IsNotFound reports.
 type Annotator interface {

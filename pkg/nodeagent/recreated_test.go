@@ -13,7 +13,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
-	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
+	"github.com/ambient-cni/ambient-cni/pkg/apicalls"
 	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/poll"
@@ -72,7 +72,7 @@ func TestUnenrollRecreatedPod(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ann := &countingAnnotator{Annotator: kubeadapter.Annotator{Client: client}}
+	ann := &countingAnnotator{Annotator: apicalls.Annotator{Client: client}}
 	dir := t.TempDir()
 	layout := nodefiles.InDir(dir)
 	a, err := NewAgent(Config{Rules: newRecordedRules(), Annotator: ann, Layout: layout})

@@ -24,7 +24,7 @@ func TestPluginBinaryStaysThin(t *testing.T) {
 		t.Fatalf("go list -deps: %v", err)
 	}
 	deps := strings.Fields(string(out))
-	forbidden := []string{"k8s.io/", "net/http", "crypto/tls", "crypto/x509", "os/exec", "github.com/ambient-cni/ambient-cni/pkg/apiverdict", "github.com/ambient-cni/ambient-cni/pkg/ambient/enablement", "k8s.io/client-go", "github.com/prometheus/", "google.golang.org/protobuf", "github.com/vishvananda/netlink",
+	forbidden := []string{"k8s.io/", "net/http", "crypto/tls", "crypto/x509", "os/exec", "github.com/ambient-cni/ambient-cni/pkg/fallback", "github.com/ambient-cni/ambient-cni/pkg/ambient/enablement", "k8s.io/client-go", "github.com/prometheus/", "google.golang.org/protobuf", "github.com/vishvananda/netlink",
 		"github.com/coreos/go-iptables", "github.com/containernetworking/plugins/", "github.com/ambient-cni/ambient-cni/pkg/nodeagent",
 		"github.com/google/nftables", "github.com/mdlayher/", "github.com/ambient-cni/ambient-cni/pkg/iptables",
 		"github.com/ambient-cni/ambient-cni/pkg/nftables", "github.com/ambient-cni/ambient-cni/pkg/rulesbackend",

@@ -17,7 +17,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
-	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
+	"github.com/ambient-cni/ambient-cni/pkg/apicalls"
 	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
 	"github.com/ambient-cni/ambient-cni/pkg/plugin"
 	"github.com/ambient-cni/ambient-cni/pkg/plugincred"
@@ -145,7 +145,7 @@ func writeCredential(t *testing.T, env *kubeenv.Env, client *kubeclient.Client, 
 		Base: plugincred.File{Server: env.Config.Host, CA: string(ca), NodeName: node,
 			Policy:    plugincred.Policy{ExcludedNamespaces: []string{"kube-system"}, DataPlaneNamespaces: []string{ns}},
 			DaemonSet: &plugincred.ObjectRef{Namespace: ns, Name: ds}},
-		Source:   kubeadapter.PluginTokens{Client: client, Namespace: ns, ServiceAccount: sa, NodeName: node},
+		Source:   apicalls.PluginTokens{Client: client, Namespace: ns, ServiceAccount: sa, NodeName: node},
 		Lifetime: 3600e9,
 	}
 	return run, state, rot.WriteOnce(context.Background())

@@ -15,7 +15,7 @@ import (
 	"k8s.io/client-go/rest"
 
 	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
-	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
+	"github.com/ambient-cni/ambient-cni/pkg/apicalls"
 	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
 	"github.com/ambient-cni/ambient-cni/pkg/plugincred"
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
@@ -56,7 +56,7 @@ func TestPluginTokenLifetimeGranted(t *testing.T) {
 		Path: t.TempDir() + "/plugin-credential.json",
 		Base: plugincred.File{Server: env.Config.Host, CA: string(ca), NodeName: node,
 			Policy: plugincred.Policy{ExcludedNamespaces: []string{"kube-system"}, DataPlaneNamespaces: []string{sysNS}}},
-		Source:   kubeadapter.PluginTokens{Client: agent, Namespace: sysNS, ServiceAccount: sa, NodeName: node},
+		Source:   apicalls.PluginTokens{Client: agent, Namespace: sysNS, ServiceAccount: sa, NodeName: node},
 		Lifetime: defaults.PluginTokenLifetime,
 	}
 	asked := time.Now()

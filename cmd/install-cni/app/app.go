@@ -41,11 +41,11 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/explainwire"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
+	"github.com/ambient-cni/ambient-cni/pkg/apicalls"
 	"github.com/ambient-cni/ambient-cni/pkg/controller"
 	"github.com/ambient-cni/ambient-cni/pkg/explain"
 	"github.com/ambient-cni/ambient-cni/pkg/health"
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
-	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
 	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
 	"github.com/ambient-cni/ambient-cni/pkg/metrics"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
@@ -122,9 +122,9 @@ type App struct {
 	started time.Time
 
 	installer *installer.Installer
-	upgrade   *kubeadapter.DaemonSetUpgradeChecker
+	upgrade   *apicalls.DaemonSetUpgradeChecker
 	rules     *rulesbackend.Backend
-	events    *kubeadapter.Events
+	events    *apicalls.Events
 	pods      *podcache.Cache
 	agent     *nodeagent.Agent
 	server    *nodeagent.Server
@@ -133,9 +133,9 @@ type App struct {
 	health    *health.Server
 	startup   *health.Startup
 	explain   *explain.Explainer
-	cred      *plugincred.Rotator       // nil when no plugin credential is configured
-	tokens    *kubeadapter.PluginTokens // the credential's source; nil as cred
-	verifier  *verifier.Verifier        // nil when verify-period is 0
+	cred      *plugincred.Rotator    // nil when no plugin credential is configured
+	tokens    *apicalls.PluginTokens // the credential's source; nil as cred
+	verifier  *verifier.Verifier     // nil when verify-period is 0
 
 	// hung is closed when the watchdog gave up on the event server.
 	hung     chan struct{}
@@ -150,7 +150,7 @@ type App struct {
 	// node (standbySteps): it is then ready, doing what it should.
 	standby atomic.Bool
 	// istioLeft reads istio-cni's DaemonSet, with the takeover on.
-	istioLeft kubeadapter.IstioCNILeft
+	istioLeft apicalls.IstioCNILeft
 }
 
 // New builds every part; nothing runs or touches the node until Run.
@@ -191,10 +191,10 @@ func New(o Options) (*App, error) {
 	}
 	// The one event recorder (its broadcaster runs from here): every part
 	// records through it, Run starts and stops it.
-	a.events = kubeadapter.NewEvents(o.Client, c.NodeName)
+	a.events = apicalls.NewEvents(o.Client, c.NodeName)
 	var istioGone func(string) error
 	if c.IstioCNIRunDir != "" {
-		a.istioLeft = kubeadapter.IstioCNILeft{Client: o.Client, Namespace: c.PodNamespace, DaemonSet: c.IstioCNIDaemonSet, Node: c.NodeName}
+		a.istioLeft = apicalls.IstioCNILeft{Client: o.Client, Namespace: c.PodNamespace, DaemonSet: c.IstioCNIDaemonSet, Node: c.NodeName}
 		istioGone = istioCNIGone(installer.IstioCNIAgentGone(c.IstioCNIRunDir), a.istioLeft)
 	}
 	a.installer, err = installer.New(installer.Config{
@@ -251,7 +251,7 @@ func New(o Options) (*App, error) {
 		HostProbe:          rules.Probe,
 		Ztunnel:            a.zds,
 		ZtunnelTimeout:     c.ZtunnelWait,
-		Annotator:          kubeadapter.Annotator{Client: o.Client},
+		Annotator:          apicalls.Annotator{Client: o.Client},
 		AnnotationQPS:      float64(c.AnnotationQPS),
 		AnnotationBurst:    c.AnnotationBurst,
 		Pods:               a.pods,

@@ -4,7 +4,7 @@ import (
 	"io"
 	"testing"
 
-	"github.com/ambient-cni/ambient-cni/pkg/apiverdict"
+	"github.com/ambient-cni/ambient-cni/pkg/fallback"
 	"github.com/ambient-cni/ambient-cni/test/lib/decisiontable"
 )
 
@@ -25,7 +25,7 @@ func TestCredentialPolicyDecidesAsTheAgent(t *testing.T) {
 			t.Fatalf("%q: %v", args, err)
 		}
 		agent := c.EnablementPolicy()
-		fallback, err := apiverdict.Policy(credentialPolicy(c))
+		fallback, err := fallback.Policy(credentialPolicy(c))
 		if err != nil {
 			t.Fatalf("%q: %v", args, err)
 		}

@@ -20,9 +20,9 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
+	"github.com/ambient-cni/ambient-cni/pkg/apicalls"
 	"github.com/ambient-cni/ambient-cni/pkg/health"
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
-	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
 	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
@@ -77,7 +77,7 @@ type Config struct {
 	PodNamespace string
 	DaemonSet    string
 	// ReleaseSignal is the release's signal Service in PodNamespace,
-	// whose deletion is an uninstall (kubeadapter.DaemonSetUpgradeChecker).
+	// whose deletion is an uninstall (apicalls.DaemonSetUpgradeChecker).
 	ReleaseSignal string
 	Kubeconfig    string
 	// KubeClientQPS and KubeClientBurst are the API client's client-side
@@ -245,7 +245,7 @@ func options() []option {
 		{"cni-owned-config", "Write a conflist of the agent's own, named cni-owned-conf-name, holding the primary's plugins and ours, instead of chaining into the primary's file: it sorts first, so the runtime loads it, and a primary that rewrites its own file (its agent does at every start, before ours after a reboot) cannot drop our entry. Kept in step with every write of the primary's file, removed when that file goes and at uninstall; while no agent runs (after a reboot, or an agent gone for good) the runtime runs our copy of the primary's last config. When the name does not sort before the primary's (or cni-conf-name is not the runtime's choice) the agent chains instead. docs/reliability.md weighs the two.", "false", boolean(func(c *Config) *bool { return &c.CNIOwnedConfig })},
 		{"cni-owned-conf-name", "Name of the owned conflist (a .conflist in cni-conf-dir that sorts before the primary's). With cni-owned-config off, a file of that name holding our entry is removed.", installer.DefaultOwnedConfName, str(func(c *Config) *string { return &c.CNIOwnedConfName })},
 		{"istio-cni-run-dir", "istio-cni's run directory on the host (its chart's /var/run/istio-cni), as mounted in the container. When set, an istio-cni found chained in the primary config is replaced by our entry in one write once nothing answers on its plugin event socket there and istio-cni's DaemonSet (istio-cni-daemonset) no longer schedules onto this node; until then the agent stands by: it binds no socket, chains nothing and touches no pod. Unset, the agent refuses to chain next to istio-cni.", "", str(func(c *Config) *string { return &c.IstioCNIRunDir })},
-		{"istio-cni-daemonset", "istio-cni's DaemonSet, in the agent's namespace, that the takeover (istio-cni-run-dir) waits to see no longer scheduling onto this node: a node label its nodeSelector no longer matches, or the DaemonSet being deleted. Not found, the agent does not take over.", kubeadapter.IstioCNIDaemonSet, str(func(c *Config) *string { return &c.IstioCNIDaemonSet })},
+		{"istio-cni-daemonset", "istio-cni's DaemonSet, in the agent's namespace, that the takeover (istio-cni-run-dir) waits to see no longer scheduling onto this node: a node label its nodeSelector no longer matches, or the DaemonSet being deleted. Not found, the agent does not take over.", apicalls.IstioCNIDaemonSet, str(func(c *Config) *string { return &c.IstioCNIDaemonSet })},
 		{"cni-plugin-type", "Plugin type (and binary name) written into the conflist.", installer.DefaultPluginName, str(func(c *Config) *string { return &c.PluginType })},
 		{"plugin-binary", "Plugin binary inside the image, copied into cni-bin-dir and cni-extra-bin-dirs.", defaultPluginBinary, str(func(c *Config) *string { return &c.PluginBinary })},
 		{"plugin-timeout", "How long the plugin waits for the agent's answer; must exceed ztunnel-wait.", ambient.DefaultPluginTimeout.String(), duration(func(c *Config) *time.Duration { return &c.PluginTimeout })},

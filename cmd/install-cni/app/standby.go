@@ -7,7 +7,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 
-	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
+	"github.com/ambient-cni/ambient-cni/pkg/apicalls"
 )
 
 // The switch from istio-cni, node by node: ambient-cni is installed on
@@ -32,7 +32,7 @@ const standbyStep = "istio-cni gone from the node"
 // itself next to ours. Either alone is not enough: the socket is missing
 // while istio-cni's pod restarts, and a DaemonSet that moved off the node
 // may still have its pod there, terminating.
-func istioCNIGone(sock func(string) error, left kubeadapter.IstioCNILeft) func(string) error {
+func istioCNIGone(sock func(string) error, left apicalls.IstioCNILeft) func(string) error {
 	return func(runDir string) error {
 		if err := sock(runDir); err != nil {
 			return err

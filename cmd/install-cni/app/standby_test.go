@@ -16,8 +16,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
 
+	"github.com/ambient-cni/ambient-cni/pkg/apicalls"
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
-	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
 	"github.com/ambient-cni/ambient-cni/pkg/kubeclient/kubeclienttest"
 	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 )
@@ -53,7 +53,7 @@ func takeoverApp(t *testing.T) (a *App, cs *fake.Clientset, conf, runDir string)
 	cs = fake.NewClientset(
 		&corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "x", Labels: map[string]string{switchLabel: "on"}}},
 		&appsv1.DaemonSet{
-			ObjectMeta: metav1.ObjectMeta{Namespace: "istio-system", Name: kubeadapter.IstioCNIDaemonSet},
+			ObjectMeta: metav1.ObjectMeta{Namespace: "istio-system", Name: apicalls.IstioCNIDaemonSet},
 			Spec: appsv1.DaemonSetSpec{Template: corev1.PodTemplateSpec{Spec: corev1.PodSpec{
 				NodeSelector: map[string]string{switchLabel: "on"},
 			}}},
@@ -136,7 +136,7 @@ func TestTakeoverWaitsForIstioCNIsDaemonSetToLeave(t *testing.T) {
 // found (another name, another namespace) is no proof that istio-cni left.
 func TestTakeoverNeedsIstioCNIsDaemonSetFound(t *testing.T) {
 	a, cs, _, _ := takeoverApp(t)
-	if err := cs.AppsV1().DaemonSets("istio-system").Delete(t.Context(), kubeadapter.IstioCNIDaemonSet, metav1.DeleteOptions{}); err != nil {
+	if err := cs.AppsV1().DaemonSets("istio-system").Delete(t.Context(), apicalls.IstioCNIDaemonSet, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	if err := a.installer.IstioCNIHolds(); err == nil || !strings.Contains(err.Error(), "not found") {
@@ -218,9 +218,9 @@ func TestGivesTheNodeBackWhenIstioCNIReturns(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	istio := map[string]string{"k8s-app": kubeadapter.IstioCNIDaemonSet, "app.kubernetes.io/name": "istio-cni"}
+	istio := map[string]string{"k8s-app": apicalls.IstioCNIDaemonSet, "app.kubernetes.io/name": "istio-cni"}
 	pod("istio-cni-old", istio, true)
-	pod("ours", map[string]string{"k8s-app": kubeadapter.IstioCNIDaemonSet, "app.kubernetes.io/name": "ambient-cni"}, false)
+	pod("ours", map[string]string{"k8s-app": apicalls.IstioCNIDaemonSet, "app.kubernetes.io/name": "ambient-cni"}, false)
 
 	if err := a.pods.WaitForSync(t.Context()); err != nil {
 		t.Fatal(err)

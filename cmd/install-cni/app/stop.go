@@ -7,7 +7,7 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/nodefiles"
-	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
+	"github.com/ambient-cni/ambient-cni/pkg/apicalls"
 	"github.com/ambient-cni/ambient-cni/pkg/nodedirs"
 	"github.com/ambient-cni/ambient-cni/pkg/nodetaint"
 )
@@ -27,7 +27,7 @@ const releaseTimeout = 12 * time.Second
 // pods' Dels on an uninstall.
 const ztunnelDelTimeout = 3 * time.Second
 
-// stop stops a started agent. The decision (kubeadapter's DaemonSet check:
+// stop stops a started agent. The decision (apicalls's DaemonSet check:
 // upgrade or uninstall) is taken first, while every component still runs
 // (the event server answers, the annotation writer writes); then the
 // decision's list runs (upgradeSteps, uninstallSteps), every step whatever
@@ -37,7 +37,7 @@ const ztunnelDelTimeout = 3 * time.Second
 func (a *App) stop(cs *components, runErr error, flush bool) error {
 	ctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
 	defer cancel()
-	upgrade := kubeadapter.IsUpgrade(ctx, a.upgrade, a.log)
+	upgrade := apicalls.IsUpgrade(ctx, a.upgrade, a.log)
 	if errors.Is(runErr, errIstioCNIReturns) {
 		// The node goes back to istio-cni (standby.go): unchained and
 		// every pod released before istio-cni's agent chains itself.

@@ -5,7 +5,7 @@ import (
 	"log/slog"
 	"sync"
 
-	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
+	"github.com/ambient-cni/ambient-cni/pkg/apicalls"
 	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
 	"github.com/ambient-cni/ambient-cni/pkg/podcache"
 )
@@ -26,10 +26,10 @@ type APIWatches struct {
 	// Upgrade watches the release's signal Service, metadata only, by
 	// name (an uninstall told from an upgrade); no watch without a
 	// signal configured.
-	Upgrade *kubeadapter.DaemonSetUpgradeChecker
+	Upgrade *apicalls.DaemonSetUpgradeChecker
 	// Tokens issues the plugin's credential: one token at start, then one
 	// each half lifetime; nil without a plugin ServiceAccount.
-	Tokens *kubeadapter.PluginTokens
+	Tokens *apicalls.PluginTokens
 }
 
 // NewAPIWatches builds the watches of the agent configured by c, through
@@ -37,7 +37,7 @@ type APIWatches struct {
 // (may be nil) is told each informer event of the pod cache.
 func NewAPIWatches(c *Config, client kubeclient.Interface, onEvent func(string), log *slog.Logger) APIWatches {
 	w := APIWatches{
-		Upgrade: kubeadapter.NewDaemonSetUpgradeChecker(client, c.PodNamespace, c.DaemonSet, c.ReleaseSignal, c.NodeName, log),
+		Upgrade: apicalls.NewDaemonSetUpgradeChecker(client, c.PodNamespace, c.DaemonSet, c.ReleaseSignal, c.NodeName, log),
 		Pods: podcache.New(podcache.Config{
 			Client: client, NodeName: c.NodeName,
 			Policy:  c.EnablementPolicy(),
@@ -46,7 +46,7 @@ func NewAPIWatches(c *Config, client kubeclient.Interface, onEvent func(string),
 		}),
 	}
 	if c.PluginServiceAccount != "" {
-		w.Tokens = &kubeadapter.PluginTokens{Client: client, Namespace: c.PodNamespace, ServiceAccount: c.PluginServiceAccount, NodeName: c.NodeName}
+		w.Tokens = &apicalls.PluginTokens{Client: client, Namespace: c.PodNamespace, ServiceAccount: c.PluginServiceAccount, NodeName: c.NodeName}
 	}
 	return w
 }

@@ -1,9 +1,9 @@
 package app_test
 
 import (
+	"github.com/ambient-cni/ambient-cni/pkg/apicalls"
 	"github.com/ambient-cni/ambient-cni/pkg/controller"
 	"github.com/ambient-cni/ambient-cni/pkg/iptables"
-	"github.com/ambient-cni/ambient-cni/pkg/kubeadapter"
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
 	"github.com/ambient-cni/ambient-cni/pkg/nftables"
 	"github.com/ambient-cni/ambient-cni/pkg/nodeagent"
@@ -21,8 +21,8 @@ var (
 	_ controller.Pods            = (*podcache.Cache)(nil)
 	_ nodeagent.Decider          = (*podcache.Cache)(nil)
 	_ nodeagent.EnablementSource = (*podcache.Cache)(nil)
-	_ nodeagent.Annotator        = kubeadapter.Annotator{}
-	_ plugincred.TokenSource     = kubeadapter.PluginTokens{}
+	_ nodeagent.Annotator        = apicalls.Annotator{}
+	_ plugincred.TokenSource     = apicalls.PluginTokens{}
 	_ nodeagent.Ztunnel          = (*zds.Server)(nil)
 	_ nodeagent.HostProbe        = (rulesbackend.HostProbe)(nil)
 	_ ruleset.Applier            = (*iptables.Applier)(nil)

@@ -1,4 +1,4 @@
-package dstarget
+package dsplacement
 
 import (
 	"strings"

@@ -1,4 +1,4 @@
-package uninstall
+package predelete
 
 import (
 	"context"

@@ -1,4 +1,4 @@
-package apiverdict
+package fallback
 
 import (
 	"testing"

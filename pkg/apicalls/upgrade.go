@@ -1,4 +1,4 @@
-package kubeadapter
+package apicalls
 
 import (
 	"context"
@@ -14,7 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/client-go/tools/cache"
 
-	"github.com/ambient-cni/ambient-cni/pkg/dstarget"
+	"github.com/ambient-cni/ambient-cni/pkg/dsplacement"
 	"github.com/ambient-cni/ambient-cni/pkg/kubeclient"
 )
 
@@ -274,7 +274,7 @@ func (d *DaemonSetUpgradeChecker) targetsThisNode(ctx context.Context, ds *appsv
 	if err != nil {
 		return false, fmt.Errorf("daemonset %s/%s lives; get node %s to tell whether it still schedules here: %w; not proof of an uninstall", d.namespace, d.name, d.nodeName, err)
 	}
-	targets, why, err := dstarget.TargetsNode(ds, node)
+	targets, why, err := dsplacement.TargetsNode(ds, node)
 	if err != nil {
 		return false, fmt.Errorf("%w; not proof of an uninstall", err)
 	}
@@ -317,7 +317,7 @@ func (d *DaemonSetUpgradeChecker) replaced(ctx context.Context) (bool, error) {
 				return false, fmt.Errorf("daemonset %s/%s of this chart lives; get node %s to tell whether it schedules here: %w; not proof of an uninstall", d.namespace, ds.Name, d.nodeName, err)
 			}
 		}
-		targets, why, err := dstarget.TargetsNode(ds, node)
+		targets, why, err := dsplacement.TargetsNode(ds, node)
 		if err != nil {
 			return false, fmt.Errorf("%w; not proof of an uninstall", err)
 		}

@@ -1,4 +1,4 @@
-package kubeadapter
+package apicalls
 
 import (
 	"context"

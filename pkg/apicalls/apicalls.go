@@ -1,11 +1,11 @@
-// Package kubeadapter holds the node agent's Kubernetes API calls that are
+// Package apicalls holds the node agent's Kubernetes API calls that are
 // not informers: the redirection annotation patch (used by the agent and
 // the pod controller), the event recorder (the pod controller's warnings),
 // and the decision whether a shutdown is an upgrade or an uninstall (the
 // DaemonSet check, whose answer install-cni hands to the installer's
 // Shutdown). Each satisfies a narrow interface its user declares;
 // install-cni wires them.
-package kubeadapter
+package apicalls
 
 import (
 	"context"

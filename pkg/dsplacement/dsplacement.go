@@ -1,8 +1,8 @@
-// Package dstarget tells whether a DaemonSet's controller would run its
+// Package dsplacement tells whether a DaemonSet's controller would run its
 // pod on a node, as its own predicate decides. It is pure (API types and
 // the scheduler's helpers, no client), so both the agent and the plugin's
 // fallback binary link it.
-package dstarget
+package dsplacement
 
 import (
 	"fmt"

@@ -1,4 +1,4 @@
-// Package uninstall is what the chart's pre-delete hook runs before helm
+// Package predelete is what the chart's pre-delete hook runs before helm
 // removes a release. helm deletes the DaemonSet and, a moment later, the
 // agent's ServiceAccount and RBAC, while the agent pods are still
 // stopping: an agent that releases the pods it captured at shutdown would
@@ -8,7 +8,7 @@
 // foreground, and waits until it and its pods are gone: every agent shuts
 // down seeing its DaemonSet being deleted (an uninstall, not an upgrade)
 // with its RBAC intact, and only then does helm delete the rest.
-package uninstall
+package predelete
 
 import (
 	"context"

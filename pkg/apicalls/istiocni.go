@@ -1,4 +1,4 @@
-package kubeadapter
+package apicalls
 
 import (
 	"context"
@@ -7,7 +7,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 
-	"github.com/ambient-cni/ambient-cni/pkg/dstarget"
+	"github.com/ambient-cni/ambient-cni/pkg/dsplacement"
 )
 
 // IstioCNIDaemonSet is the name of istio-cni's DaemonSet in Istio's chart.
@@ -71,7 +71,7 @@ func (l IstioCNILeft) targets(ctx context.Context) (found, targets bool, err err
 		if err != nil {
 			return true, false, err
 		}
-		t, _, err := dstarget.TargetsNode(ds, node)
+		t, _, err := dsplacement.TargetsNode(ds, node)
 		return true, t, err
 	}
 	return false, false, nil

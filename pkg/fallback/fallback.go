@@ -1,4 +1,4 @@
-// Package apiverdict is the plugin's second tier, run only while the node
+// Package fallback is the plugin's second tier, run only while the node
 // agent cannot answer: it reads the plugin's own credential, asks the API
 // server for the pod and its namespace (two GETs, plain net/http, no
 // Kubernetes client), and decides with the agent's enablement policy.
@@ -8,7 +8,7 @@
 // It lives in its own small binary (ambient-cni-fallback), which the
 // plugin execs only then, so the plugin the runtime execs for every pod
 // links no TLS or HTTP stack and starts no slower.
-package apiverdict
+package fallback
 
 import (
 	"context"
@@ -29,7 +29,7 @@ import (
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/enablement"
-	"github.com/ambient-cni/ambient-cni/pkg/dstarget"
+	"github.com/ambient-cni/ambient-cni/pkg/dsplacement"
 	"github.com/ambient-cni/ambient-cni/pkg/plugincred"
 )
 
@@ -81,7 +81,7 @@ func Decide(ctx context.Context, cred *plugincred.File, req ambient.FallbackRequ
 // agentGone says why the agent's DaemonSet will never run an agent on the
 // credential's node again, or "" when it still does; two more GETs, the
 // DaemonSet and the Node, judged by the DaemonSet controller's predicate
-// (dstarget). An error means it cannot tell: the caller says nothing.
+// (dsplacement). An error means it cannot tell: the caller says nothing.
 func agentGone(ctx context.Context, hc *http.Client, cred *plugincred.File, base string) (string, error) {
 	ref := cred.DaemonSet
 	if ref == nil || cred.NodeName == "" {
@@ -109,7 +109,7 @@ func agentGone(ctx context.Context, hc *http.Client, cred *plugincred.File, base
 	if node.Name != cred.NodeName {
 		return "", fmt.Errorf("API server answered node %q for %q", node.Name, cred.NodeName)
 	}
-	targets, why, err := dstarget.TargetsNode(&ds, &node)
+	targets, why, err := dsplacement.TargetsNode(&ds, &node)
 	if err != nil || targets {
 		return "", err
 	}
