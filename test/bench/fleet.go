@@ -517,6 +517,9 @@ func waitEstablished(ctx context.Context, audit *fleetAudit, ipToNode map[string
 			return first, nil
 		}
 		if time.Now().After(deadline) {
+			if why == "" {
+				why = fmt.Sprintf("every node held %v at the last poll, but not at %d polls in a row", first, 5)
+			}
 			return nil, fmt.Errorf("the agents' watches were not all established within %v: %s", within, why)
 		}
 		if err := sleep(ctx, time.Second); err != nil {

@@ -139,8 +139,8 @@ func (a *fleetAudit) openWatches() (map[string]map[string]int, error) {
 	return out, nil
 }
 
-// forgetOpen drops the watches noted open: after the API server
-// restarted, those it did not log as ended are gone all the same.
+// forgetOpen drops the watches noted open: once the API server stopped,
+// those it did not log as ended are gone all the same.
 func (a *fleetAudit) forgetOpen() error {
 	if err := a.poll(); err != nil {
 		return err

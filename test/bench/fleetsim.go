@@ -445,6 +445,14 @@ func runFleetSim(ctx context.Context, o FleetSimOptions, sz fleetSimSizes, sys s
 	logf("restart wave %.1f s, API server CPU %.1f s; restarting the API server", r.RestartSeconds, r.Restart.APIServerCPUSeconds)
 
 	env.StopAPIServer()
+	// The stopped server's watches are gone whether or not it logged their
+	// end; forgotten now, before the new one starts: agents reconnect
+	// while it is still starting (its post-start hooks take long at 1,000
+	// agents), and a watch begun then, forgotten after, would count as
+	// missing until its timeout (up to 10 minutes) renewed it.
+	if err := audit.forgetOpen(); err != nil {
+		return err
+	}
 	if err := env.StartAPIServer(ctx, 5*time.Minute); err != nil {
 		// On a loaded machine its post-start hooks can time out: the
 		// phases before stand.
@@ -452,9 +460,6 @@ func runFleetSim(ctx context.Context, o FleetSimOptions, sz fleetSimSizes, sys s
 		r.APIRestartError = "the API server did not start again: " + msg
 		logf("%s", r.APIRestartError)
 		return nil
-	}
-	if err := audit.forgetOpen(); err != nil {
-		return err
 	}
 	t2 := time.Now()
 	s8, err := sampleAPI(ctx, env, audit)
