@@ -6,6 +6,8 @@
 # usage: hack/freshroot.sh [DIR] [SUITE]   (root; DIR: a new folder, by
 #        default a fresh one under /var/tmp; SUITE: bookworm, the default,
 #        or trixie)
+#        RESUME=1 hack/freshroot.sh DIR   the same steps again in an earlier
+#        run's root, its caches kept, its source moved to HEAD
 #
 # It builds DIR with mmdebstrap (--variant=minbase --include=git: Debian's
 # required packages, apt and git; no make, no gcc, no iptables), copies in
@@ -27,8 +29,17 @@ suite=${2:-bookworm}
 goroot=$(go env GOROOT)
 log=$dir/freshroot.log
 
+root=$dir/root
+# RESUME=1 with the DIR of an earlier run: its root and caches are kept,
+# its source is moved to this repository's HEAD, and the steps run again
+# (after a failure that was the chroot's, not the project's).
+resume=${RESUME:-}
 mkdir -p "$dir"
-[[ -z $(ls -A "$dir" 2>/dev/null) ]] || { echo "freshroot: $dir is not empty" >&2; exit 1; }
+if [[ -n $resume ]]; then
+	[[ -d $root/src ]] || { echo "freshroot: RESUME=1 but $root/src does not exist" >&2; exit 1; }
+else
+	[[ -z $(ls -A "$dir" 2>/dev/null) ]] || { echo "freshroot: $dir is not empty" >&2; exit 1; }
+fi
 
 stamp() { date +%s; }
 step() { # step NAME CMD...: run and time one step, into the log and stdout
@@ -41,7 +52,6 @@ step() { # step NAME CMD...: run and time one step, into the log and stdout
 	return "$rc"
 }
 
-root=$dir/root
 mounted=()
 cleanup() {
 	local m
@@ -61,10 +71,16 @@ bind() { # bind SRC DST: a recursive bind, undone at the end
 	mounted+=("$2")
 }
 
-: >"$log"
-step "mmdebstrap $suite (minbase + git)" mmdebstrap --variant=minbase --include=git "$suite" "$root"
-step "copy Go ($(go env GOVERSION))" cp -a "$goroot" "$root/usr/local/go"
-step "clone $(git -C "$repo" rev-parse --short HEAD)" git clone -q "$repo" "$root/src"
+if [[ -n $resume ]]; then
+	echo "freshroot: resuming in $root" | tee -a "$log"
+	step "move the source to $(git -C "$repo" rev-parse --short HEAD)" \
+		sh -c 'git -C "$1/src" fetch -q "$2" HEAD && git -C "$1/src" checkout -q FETCH_HEAD' _ "$root" "$repo"
+else
+	: >"$log"
+	step "mmdebstrap $suite (minbase + git)" mmdebstrap --variant=minbase --include=git "$suite" "$root"
+	step "copy Go ($(go env GOVERSION))" cp -a "$goroot" "$root/usr/local/go"
+	step "clone $(git -C "$repo" rev-parse --short HEAD)" git clone -q "$repo" "$root/src"
+fi
 # The machine's network settings, which are not the project's to install:
 # its resolver, and the certificate authorities it added (a network that
 # inspects TLS has one), which Debian's ca-certificates, installed by
@@ -75,6 +91,11 @@ if compgen -G '/usr/local/share/ca-certificates/*' >/dev/null; then
 	cp -a /usr/local/share/ca-certificates/. "$root/usr/local/share/ca-certificates/"
 fi
 
+# The root a mount point of its own, as on a machine: the chroot's
+# /proc/self/mountinfo shows only mounts at or below its root, and kubelet
+# refuses to start when no mount holds its root directory.
+mount --bind "$root" "$root"
+mounted+=("$root")
 mount -t proc proc "$root/proc"
 mounted+=("$root/proc")
 bind /sys "$root/sys"
