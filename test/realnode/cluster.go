@@ -145,11 +145,44 @@ func (n *Node) waitRollout(ctx context.Context) error {
 		ds := l.Items[0]
 		st := ds.Status
 		if st.ObservedGeneration < ds.Generation || st.UpdatedNumberScheduled < st.DesiredNumberScheduled || st.NumberAvailable < st.DesiredNumberScheduled {
-			return false, fmt.Errorf("DaemonSet %s: generation %d (observed %d), desired %d, updated %d, available %d",
-				ds.Name, ds.Generation, st.ObservedGeneration, st.DesiredNumberScheduled, st.UpdatedNumberScheduled, st.NumberAvailable)
+			return false, fmt.Errorf("DaemonSet %s: generation %d (observed %d), desired %d, updated %d, available %d%s",
+				ds.Name, ds.Generation, st.ObservedGeneration, st.DesiredNumberScheduled, st.UpdatedNumberScheduled, st.NumberAvailable,
+				n.agentPodsWhy(ctx))
 		}
 		return true, nil
 	})
+}
+
+// agentPodsWhy says, for a rollout that does not finish, what each agent
+// pod is waiting for and the latest warning events about it: the reason is
+// otherwise only in kubelet's log, gone with the node.
+func (n *Node) agentPodsWhy(ctx context.Context) string {
+	pods, err := n.AgentPods(ctx)
+	if err != nil {
+		return "; agent pods: " + err.Error()
+	}
+	var b strings.Builder
+	for i := range pods {
+		p := &pods[i]
+		fmt.Fprintf(&b, "; pod %s: %s", p.Name, podSummary(p))
+		evs, err := n.PodEvents(ctx, p.Namespace, p.Name)
+		if err != nil {
+			continue
+		}
+		var warnings []string
+		for _, ev := range evs {
+			if ev.Type == corev1.EventTypeWarning {
+				warnings = append(warnings, ev.Reason+": "+ev.Message)
+			}
+		}
+		if len(warnings) > 3 {
+			warnings = warnings[len(warnings)-3:]
+		}
+		if len(warnings) > 0 {
+			fmt.Fprintf(&b, " (events: %s)", strings.Join(warnings, " | "))
+		}
+	}
+	return b.String()
 }
 
 // UpgradeAgentNoWait runs helm upgrade with ChartValues(tag) and extra
