@@ -20,7 +20,7 @@
 # folder is kept (its caches are large: rm -rf it when done).
 set -euo pipefail
 
-[[ $(id -u) == 0 ]] || { echo "freshroot: needs root (mmdebstrap, chroot, mounts)" >&2; exit 1; }
+[[ $(id -u) == 0 ]] || { echo "freshroot: needs root (mmdebstrap, mount namespaces, mounts)" >&2; exit 1; }
 command -v mmdebstrap >/dev/null || { echo "freshroot: needs mmdebstrap (make deps installs it)" >&2; exit 1; }
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -32,7 +32,7 @@ log=$dir/freshroot.log
 root=$dir/root
 # RESUME=1 with the DIR of an earlier run: its root and caches are kept,
 # its source is moved to this repository's HEAD, and the steps run again
-# (after a failure that was the chroot's, not the project's).
+# (after a failure that was the harness's, not the project's).
 resume=${RESUME:-}
 mkdir -p "$dir"
 if [[ -n $resume ]]; then
@@ -84,16 +84,15 @@ fi
 # The machine's network settings, which are not the project's to install:
 # its resolver, and the certificate authorities it added (a network that
 # inspects TLS has one), which Debian's ca-certificates, installed by
-# hack/deps.sh, adds to the chroot's bundle.
+# hack/deps.sh, adds to the new root's bundle.
 cp /etc/resolv.conf "$root/etc/resolv.conf"
 if compgen -G '/usr/local/share/ca-certificates/*' >/dev/null; then
 	mkdir -p "$root/usr/local/share/ca-certificates"
 	cp -a /usr/local/share/ca-certificates/. "$root/usr/local/share/ca-certificates/"
 fi
 
-# The root a mount point of its own, as on a machine: the chroot's
-# /proc/self/mountinfo shows only mounts at or below its root, and kubelet
-# refuses to start when no mount holds its root directory.
+# The root a mount point of its own, as on a machine (pivot_root needs
+# one; kubelet too, which looks its root directory's mount up).
 mount --bind "$root" "$root"
 mounted+=("$root")
 mount -t proc proc "$root/proc"
@@ -104,10 +103,20 @@ mount -t tmpfs tmpfs "$root/run"
 mounted+=("$root/run")
 bind /run/lock "$root/run/lock"
 
-in_root() { # in_root CMD: a login-like root shell in the chroot, Go on PATH
-	chroot "$root" /usr/bin/env -i HOME=/root TERM="${TERM:-dumb}" \
-		PATH=/usr/local/go/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-		/bin/bash -c "cd /src && $1"
+in_root() { # in_root CMD: a login-like root shell in the new root, Go on PATH
+	# Not a chroot: a mount namespace of its own whose root the new root
+	# is (pivot_root), as on a machine. In a chroot, runc's exec, which
+	# kubelet's exec probes use, resolves paths from the namespace's real
+	# root, not the container's, and every exec probe fails.
+	unshare --mount --propagation slave -- /bin/sh -ec '
+		cd "$1"
+		mkdir -p .oldroot
+		pivot_root . .oldroot
+		umount -l /.oldroot
+		cd /src
+		exec /usr/bin/env -i HOME=/root TERM="$2" \
+			PATH=/usr/local/go/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+			/bin/bash -c "$3"' _ "$root" "${TERM:-dumb}" "$1"
 }
 
 t0=$(stamp)
