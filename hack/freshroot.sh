@@ -86,6 +86,12 @@ fi
 # inspects TLS has one), which Debian's ca-certificates, installed by
 # hack/deps.sh, adds to the new root's bundle.
 cp /etc/resolv.conf "$root/etc/resolv.conf"
+# And the machine's name resolving to itself, as Debian's installer writes
+# it (127.0.1.1): mmdebstrap leaves it out, so a lookup of the hostname
+# went to the resolver, off the machine, and the real node's egress guard
+# caught it.
+host=$(cat "$root/etc/hostname" 2>/dev/null || hostname)
+grep -qw -- "$host" "$root/etc/hosts" 2>/dev/null || printf '127.0.1.1\t%s\n' "$host" >>"$root/etc/hosts"
 if compgen -G '/usr/local/share/ca-certificates/*' >/dev/null; then
 	mkdir -p "$root/usr/local/share/ca-certificates"
 	cp -a /usr/local/share/ca-certificates/. "$root/usr/local/share/ca-certificates/"
