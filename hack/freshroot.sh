@@ -9,15 +9,17 @@
 #        RESUME=1 hack/freshroot.sh DIR   the same steps again in an earlier
 #        run's root, its caches kept, its source moved to HEAD
 #
-# It builds DIR with mmdebstrap (--variant=minbase --include=git: Debian's
-# required packages, apt and git; no make, no gcc, no iptables), copies in
-# the Go tree that runs this script, clones this repository's HEAD into
-# DIR/src, binds /proc, /sys, /dev and the machine's real-node lock
-# (/run/lock: two real nodes on one machine would fight over the host's
-# cgroups and iptables), and then runs, as the README says for a machine
-# without make: hack/deps.sh, make demo, CI=true make check. Every step is
-# timed; the log is DIR/freshroot.log. The mounts are undone at the end, the
-# folder is kept (its caches are large: rm -rf it when done).
+# It builds DIR/root with mmdebstrap (--variant=minbase --include=git:
+# Debian's required packages, apt and git; no make, no gcc, no iptables),
+# copies in the Go tree that runs this script, clones this repository's
+# HEAD into DIR/root/src, binds /proc, /sys, /dev and the machine's
+# real-node lock (/run/lock: two real nodes on one machine would fight over
+# the host's cgroups and iptables), and then runs in it, entered as a
+# machine's root (a mount namespace, pivot_root), as the README says for a
+# machine without make: hack/deps.sh, make demo, CI=true make check. Every
+# step is timed; the log is DIR/freshroot.log. The mounts are undone at the
+# end, the folder is kept (its caches take about 22 GB: rm -rf it when
+# done).
 set -euo pipefail
 
 [[ $(id -u) == 0 ]] || { echo "freshroot: needs root (mmdebstrap, mount namespaces, mounts)" >&2; exit 1; }
@@ -86,16 +88,16 @@ fi
 # inspects TLS has one), which Debian's ca-certificates, installed by
 # hack/deps.sh, adds to the new root's bundle.
 cp /etc/resolv.conf "$root/etc/resolv.conf"
-# And the machine's name resolving to itself, as Debian's installer writes
+if compgen -G '/usr/local/share/ca-certificates/*' >/dev/null; then
+	mkdir -p "$root/usr/local/share/ca-certificates"
+	cp -a /usr/local/share/ca-certificates/. "$root/usr/local/share/ca-certificates/"
+fi
+# The machine's name resolving to itself, as Debian's installer writes
 # it (127.0.1.1): mmdebstrap leaves it out, so a lookup of the hostname
 # went to the resolver, off the machine, and the real node's egress guard
 # caught it.
 host=$(cat "$root/etc/hostname" 2>/dev/null || hostname)
 grep -qw -- "$host" "$root/etc/hosts" 2>/dev/null || printf '127.0.1.1\t%s\n' "$host" >>"$root/etc/hosts"
-if compgen -G '/usr/local/share/ca-certificates/*' >/dev/null; then
-	mkdir -p "$root/usr/local/share/ca-certificates"
-	cp -a /usr/local/share/ca-certificates/. "$root/usr/local/share/ca-certificates/"
-fi
 
 # The root a mount point of its own, as on a machine (pivot_root needs
 # one; kubelet too, which looks its root directory's mount up).
