@@ -100,19 +100,11 @@ func TestSoak(t *testing.T) {
 	// the last cycle's pod captured and its released-sandbox mark not yet
 	// there; compared with that, the rest after the cycles read as one
 	// more mark (released 23 -> 24), the flake this wait removes.
-	var baseTables map[string]float64
-	restDeadline := time.Now().Add(3 * time.Minute)
-	for {
-		if baseTables, err = n.trackedPods(); err != nil {
-			t.Fatal(err)
-		}
-		if baseTables["state"] == 0 && baseTables["records"] == 0 {
-			break
-		}
-		if time.Now().After(restDeadline) {
-			t.Fatalf("after the warm-up the agent still holds pods: %v", baseTables)
-		}
-		time.Sleep(time.Second)
+	baseTables, atRest := n.trackedPodsUntil(t, func(tables map[string]float64) bool {
+		return tables["state"] == 0 && tables["records"] == 0
+	})
+	if !atRest {
+		t.Fatalf("after the warm-up the agent still holds pods: %v", baseTables)
 	}
 	t.Logf("after %d warm-up cycles (%v): agent %s", soakWarmup, time.Since(start).Round(time.Second), base)
 
@@ -150,26 +142,18 @@ func TestSoak(t *testing.T) {
 	// gauge is sampled every few seconds, and a torn-namespace mark of a
 	// DEL that came after its pod's object was gone lasts its minute,
 	// hence the wait.
-	var tables map[string]float64
-	deadline := time.Now().Add(3 * time.Minute)
-	for {
-		if tables, err = n.trackedPods(); err != nil {
-			t.Fatal(err)
-		}
-		grown := ""
+	grown := func(tables map[string]float64) string {
+		g := ""
 		for table, v := range tables {
 			if v > baseTables[table] {
-				grown += fmt.Sprintf(" %s %v -> %v", table, baseTables[table], v)
+				g += fmt.Sprintf(" %s %v -> %v", table, baseTables[table], v)
 			}
 		}
-		if grown == "" {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Errorf("per-pod tables grew over %d cycles:%s", soakCycles, grown)
-			break
-		}
-		time.Sleep(time.Second)
+		return g
+	}
+	tables, _ := n.trackedPodsUntil(t, func(tables map[string]float64) bool { return grown(tables) == "" })
+	if g := grown(tables); g != "" {
+		t.Errorf("per-pod tables grew over %d cycles:%s", soakCycles, g)
 	}
 	t.Logf("per-pod tables after the warm-up %v, after the cycles %v", baseTables, tables)
 	s.requireNothingLeft(ctx, t, amb, plain)
@@ -196,6 +180,28 @@ func (n *node) trackedPods() (map[string]float64, error) {
 		return nil, fmt.Errorf("no ambient_cni_agent_tracked_pods series in /metrics")
 	}
 	return out, nil
+}
+
+// trackedPodsUntil reads the agent's per-pod table sizes every second
+// until done holds of them or three minutes passed (the gauge is sampled
+// every few seconds, and a torn-namespace mark lasts its minute); it
+// returns the last sizes read and whether done held.
+func (n *node) trackedPodsUntil(t *testing.T, done func(map[string]float64) bool) (map[string]float64, bool) {
+	t.Helper()
+	deadline := time.Now().Add(3 * time.Minute)
+	for {
+		tables, err := n.trackedPods()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if done(tables) {
+			return tables, true
+		}
+		if time.Now().After(deadline) {
+			return tables, false
+		}
+		time.Sleep(time.Second)
+	}
 }
 
 // soaker runs ADD/DEL cycles.

@@ -4,7 +4,6 @@ package realnode
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"strings"
 	"testing"
@@ -18,29 +17,16 @@ import (
 // calling CNI STATUS on every plugin of a conflist of cniVersion 1.1.0 or
 // later, so a crictl info is a STATUS call made now.
 func (e *e2e) runtimeNetwork(ctx context.Context) (ready bool, message string, err error) {
-	out, err := e.n.crictl(ctx, "info")
+	info, err := e.runtimeInfo(ctx)
 	if err != nil {
 		return false, "", err
-	}
-	var info struct {
-		Status struct {
-			Conditions []struct {
-				Type    string `json:"type"`
-				Status  bool   `json:"status"`
-				Reason  string `json:"reason"`
-				Message string `json:"message"`
-			} `json:"conditions"`
-		} `json:"status"`
-	}
-	if err := json.Unmarshal([]byte(out), &info); err != nil {
-		return false, "", fmt.Errorf("crictl info: %w", err)
 	}
 	for _, c := range info.Status.Conditions {
 		if c.Type == "NetworkReady" {
 			return c.Status, c.Reason + ": " + c.Message, nil
 		}
 	}
-	return false, "", fmt.Errorf("crictl info has no NetworkReady condition: %s", out)
+	return false, "", fmt.Errorf("crictl info has no NetworkReady condition: %+v", info.Status)
 }
 
 // nodeReady is the node's Ready condition as kubelet last wrote it.

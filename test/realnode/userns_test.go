@@ -60,17 +60,9 @@ func (e *e2e) testRuntimeUserns(t *testing.T) {
 // runtimeUserns reports whether containerd says any runtime handler
 // supports user namespaces.
 func (e *e2e) runtimeUserns(ctx context.Context) (bool, error) {
-	out, err := e.n.crictl(ctx, "info")
+	info, err := e.runtimeInfo(ctx)
 	if err != nil {
 		return false, err
-	}
-	var info struct {
-		RuntimeHandlers []struct {
-			Features map[string]any `json:"features"`
-		} `json:"runtimeHandlers"`
-	}
-	if err := json.Unmarshal([]byte(out), &info); err != nil {
-		return false, fmt.Errorf("crictl info: %w", err)
 	}
 	for _, h := range info.RuntimeHandlers {
 		if h.Features["userNamespaces"] == true || h.Features["user_namespaces"] == true {

@@ -545,16 +545,9 @@ func (e *e2e) holdUnchained(t *testing.T) (release func()) {
 // info's cniconfig, what its next ADD runs) has a plugin of type
 // ambient-cni, and fails while containerd's last load did not succeed.
 func (e *e2e) runtimeChains(ctx context.Context) (bool, error) {
-	out, err := e.n.crictl(ctx, "info")
+	info, err := e.runtimeInfo(ctx)
 	if err != nil {
 		return false, err
-	}
-	var info struct {
-		CNIConfig         json.RawMessage `json:"cniconfig"`
-		LastCNILoadStatus string          `json:"lastCNILoadStatus"`
-	}
-	if err := json.Unmarshal([]byte(out), &info); err != nil {
-		return false, fmt.Errorf("crictl info: %w", err)
 	}
 	if info.LastCNILoadStatus != "" && info.LastCNILoadStatus != "OK" {
 		return false, fmt.Errorf("containerd's last CNI config load: %s", info.LastCNILoadStatus)
