@@ -147,29 +147,32 @@ func TestRunRepairsEveryBinDir(t *testing.T) {
 		waitFor(t, "first copy restored", e.copyOK(e.bin))
 	})
 	t.Run("extra dir removed", func(t *testing.T) {
-		if err := os.RemoveAll(extra[0]); err != nil {
-			t.Fatal(err)
-		}
+		// The installer repairs the folder as RemoveAll empties it (the
+		// copy's removal is an event), which can leave it not empty for
+		// RemoveAll's last step: as an operator would, remove it again
+		// until it is gone. Each repair it undid is one more copy.
+		waitFor(t, "extra dir removed", func() error { return os.RemoveAll(extra[0]) })
 		waitFor(t, "extra dir and copy restored", e.copyOK(extra[0]))
 	})
 	waitFor(t, "ready again", i.Check)
 	waitFor(t, "reinstall count", func() error {
-		if st := i.Stats(); st.BinaryCopies != 6 || st.Reinstalls < 4 {
-			return fmt.Errorf("want 2 first copies and 4 repairs: %+v", st)
+		if st := i.Stats(); st.BinaryCopies < 6 || st.Reinstalls < 4 {
+			return fmt.Errorf("want 2 first copies and at least 4 repairs: %+v", st)
 		}
 		return nil
 	})
 	// Once stamped, the copies stay quiet: no repair without a change.
-	// The count goes up just before its log line, so the sixth line may
+	// The count goes up just before its log line, so the last line may
 	// still be on its way.
-	waitFor(t, "six copies logged", func() error {
-		if got := e.logs.count("installed plugin binary"); got < 6 {
-			return fmt.Errorf("%d copies logged", got)
+	copies := int(i.Stats().BinaryCopies)
+	waitFor(t, "every copy logged", func() error {
+		if got := e.logs.count("installed plugin binary"); got < copies {
+			return fmt.Errorf("%d of %d copies logged", got, copies)
 		}
 		return nil
 	})
-	if got := e.logs.count("installed plugin binary"); got != 6 {
-		t.Errorf("%d copies logged, want 6", got)
+	if got, st := e.logs.count("installed plugin binary"), i.Stats(); got != copies || int(st.BinaryCopies) != copies {
+		t.Errorf("%d copies logged, %d counted, want %d: a repair without a change", got, st.BinaryCopies, copies)
 	}
 }
 
