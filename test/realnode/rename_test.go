@@ -26,12 +26,18 @@ import (
 // a moment and the old one sees its own DaemonSet deleted. That is an
 // upgrade, not an uninstall: no pod loses its rules, ztunnel gets no Del,
 // the uninstall marker is never written, the plugin stays chained, and no
-// connection breaks. The rename back (istioCompat.names=false) is the same
-// and leaves the node as the subtests after this one expect.
+// connection breaks. The rename back is a `helm rollback` to the revision
+// before (docs/upgrade.md's way back from a bad upgrade): the same rename
+// the other way, with the old revision's values, and it leaves the node as
+// the subtests after this one expect.
 
-// renameStep is one renaming upgrade: the value set and the DaemonSet it
-// leaves.
+// renameStep is one renaming upgrade or rollback: what it does (a value
+// set with --reuse-values, or "rollback" to the previous revision) and
+// the DaemonSet it leaves.
 type renameStep struct{ set, daemonSet string }
+
+// rollbackStep is the renameStep that runs helm rollback.
+const rollbackStep = "rollback"
 
 // samplePause is the pause between two samples of one pod's rules or of
 // the node's state.
@@ -50,7 +56,7 @@ func (l *life) testRenameUnderTraffic(t *testing.T) {
 	})
 	steps := []renameStep{
 		{"istioCompat.names=true", "istio-cni-node"},
-		{"istioCompat.names=false", "ambient-cni"},
+		{rollbackStep, "ambient-cni"},
 	}
 	for i, s := range steps {
 		// The new agent's first proofs spread over the verifier's
@@ -67,6 +73,16 @@ func (l *life) testRenameUnderTraffic(t *testing.T) {
 func (l *life) upgradeReusing(ctx context.Context, set string) error {
 	if _, err := l.n.Helm(ctx, "upgrade", Release, l.n.ChartRef(), "--version", ChartVersion, "--plain-http",
 		"--namespace", ReleaseNamespace, "--reuse-values", "--set", set, "--wait", "--timeout", "5m"); err != nil {
+		return err
+	}
+	return l.n.waitRollout(ctx)
+}
+
+// rollbackPrevious runs helm rollback to the revision before the current
+// one, as docs/upgrade.md says, and waits until the chart's one DaemonSet
+// has rolled out.
+func (l *life) rollbackPrevious(ctx context.Context) error {
+	if _, err := l.n.Helm(ctx, "rollback", Release, "--namespace", ReleaseNamespace, "--wait", "--timeout", "5m"); err != nil {
 		return err
 	}
 	return l.n.waitRollout(ctx)
@@ -90,14 +106,20 @@ func (l *life) renameUnderTraffic(t *testing.T, s renameStep, prove bool) bool {
 	tr := l.traffic.Counts()
 	begin := time.Now()
 	smp := l.sampleUninstall(pods)
-	err = l.upgradeReusing(ctx, s.set)
+	how := "helm upgrade --reuse-values --set " + s.set
+	if s.set == rollbackStep {
+		how = "helm rollback"
+		err = l.rollbackPrevious(ctx)
+	} else {
+		err = l.upgradeReusing(ctx, s.set)
+	}
 	if err == nil {
 		err = l.waitAgentOf(ctx, old.Name, s.daemonSet)
 	}
 	res := smp.stop()
 	took := time.Since(begin)
 	if err != nil {
-		t.Errorf("helm upgrade --reuse-values --set %s: %v", s.set, err)
+		t.Errorf("%s: %v", how, err)
 		return false
 	}
 	d := l.traffic.Counts().Sub(tr)
