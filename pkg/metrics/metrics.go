@@ -31,6 +31,13 @@ type Metrics struct {
 	CNIRequests *prometheus.CounterVec
 	// AddLatency observes the agent's handling time of CNI ADD.
 	AddLatency prometheus.Histogram
+	// AddZtunnelAck observes, for each pod a CNI ADD captured, the time
+	// from the ADD's arrival at the agent to ztunnel's ack of the pod.
+	AddZtunnelAck prometheus.Histogram
+	// StartToZtunnel observes, once per agent start, the time from the
+	// start to the first ztunnel connection whose snapshot ztunnel
+	// acknowledged: from then on pods can be captured.
+	StartToZtunnel prometheus.Histogram
 	// EnrolledPods is the number of enrolled pods by redirection state.
 	EnrolledPods *prometheus.GaugeVec
 	// ZtunnelConnections is the number of connected ztunnels.
@@ -116,6 +123,16 @@ func New() *Metrics {
 			Help:    "Time the agent took to answer a CNI ADD.",
 			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10},
 		}),
+		AddZtunnelAck: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Namespace: namespace, Name: "cni_add_ztunnel_ack_seconds",
+			Help:    "Time from a CNI ADD's arrival at the agent to ztunnel's ack of the pod it captured.",
+			Buckets: []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10},
+		}),
+		StartToZtunnel: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Namespace: namespace, Name: "start_to_ztunnel_seconds",
+			Help:    "Time from the agent's start to the first ztunnel connection whose snapshot ztunnel acknowledged, once per start.",
+			Buckets: []float64{.1, .25, .5, 1, 2, 5, 10, 15, 30, 60, 120, 300},
+		}),
 		EnrolledPods: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Namespace: namespace, Name: "enrolled_pods",
 			Help: "Pods enrolled in the mesh on this node, by redirection state.",
@@ -189,7 +206,7 @@ func New() *Metrics {
 			Help: "The total number of node agent reconcile events (pod and namespace informer events), by type; istio-cni's name.",
 		}, []string{"type"}),
 	}
-	r.MustRegister(m.CNIRequests, m.AddLatency, m.EnrolledPods, m.ZtunnelConnections, m.TrackedPods,
+	r.MustRegister(m.CNIRequests, m.AddLatency, m.AddZtunnelAck, m.StartToZtunnel, m.EnrolledPods, m.ZtunnelConnections, m.TrackedPods,
 		m.RuleErrors, m.RuleDrift, m.VerifyDrift, m.PodsUnproven, m.NetnsScans, m.InstallerReinstalls, m.BuildInfo,
 		m.PluginCredentialIssued, m.PluginCredentialExpiry, m.PluginCredentialFailures,
 		m.IstioInstallReady, m.IstioZtunnelConnected, m.IstioPluginRequests, m.IstioInstalls, m.IstioReconcileEvents,

@@ -112,6 +112,9 @@ type Config struct {
 	// rule set re-applied at restore. Wire metrics here.
 	OnRuleError     func(op string)
 	OnDriftRepaired func()
+	// OnAddAcked, when set, is told for each pod a CNI ADD captured how
+	// long after the ADD reached the agent ztunnel acked the pod.
+	OnAddAcked func(time.Duration)
 	// Logger receives structured logs (default: discarded).
 	Logger *slog.Logger
 }

@@ -136,6 +136,7 @@ func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Ha
 	// sandbox) keeps the order rules, then handoff: a failed apply then
 	// leaves ztunnel serving it as before.
 	var handoff chan error
+	var acked time.Time // when ztunnel acked; written before the send on handoff
 	if a.cfg.Ztunnel != nil && old == nil {
 		a.mu.Lock()
 		l.entry = e
@@ -145,7 +146,9 @@ func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Ha
 		go func() {
 			zctx, cancel := context.WithTimeout(ctx, a.cfg.ZtunnelTimeout)
 			defer cancel()
-			handoff <- a.cfg.Ztunnel.Add(zctx, w)
+			err := a.cfg.Ztunnel.Add(zctx, w)
+			acked = time.Now()
+			handoff <- err
 		}()
 	}
 	if err := a.cfg.Rules.Apply(ns.Path(), cfg); err != nil {
@@ -190,6 +193,7 @@ func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Ha
 				}
 			}
 			err = a.cfg.Ztunnel.Add(zctx, a.workload(e))
+			acked = time.Now()
 			cancel()
 		}
 		if err != nil {
@@ -205,6 +209,10 @@ func (a *Agent) captureIfHeld(ctx context.Context, pod *corev1.Pod, ns *netns.Ha
 		}
 	}
 	t.lap("ztunnel")
+	if !own && a.cfg.Ztunnel != nil && a.cfg.OnAddAcked != nil {
+		// The request's timer: an ADD's capture.
+		a.cfg.OnAddAcked(acked.Sub(t.begun))
+	}
 	a.mu.Lock()
 	if l.entry == e && l.state == statePending {
 		_ = a.transit(l, evAck, nil)
@@ -227,11 +235,14 @@ type phaseTimer struct {
 	on       bool
 	t0, last time.Time
 	attrs    []any
+	// begun is when the timer was made, at any log level: the ADD's
+	// arrival for ztunnel's ack time (Config.OnAddAcked).
+	begun time.Time
 }
 
 // newPhaseTimer starts timing now if log logs at debug level.
 func newPhaseTimer(log *slog.Logger) *phaseTimer {
-	t := &phaseTimer{on: log.Enabled(context.Background(), slog.LevelDebug)}
+	t := &phaseTimer{on: log.Enabled(context.Background(), slog.LevelDebug), begun: time.Now()}
 	if t.on {
 		t.t0 = time.Now()
 		t.last = t.t0

@@ -116,6 +116,9 @@ type App struct {
 	log     *slog.Logger
 	opts    Options
 	metrics *metrics.Metrics
+	// started is when New began: the agent's start, for the time to its
+	// first ztunnel (metrics.StartToZtunnel).
+	started time.Time
 
 	installer *installer.Installer
 	upgrade   *kubeadapter.DaemonSetUpgradeChecker
@@ -155,7 +158,7 @@ func New(o Options) (*App, error) {
 	if o.Metrics == nil {
 		o.Metrics = metrics.New()
 	}
-	a := &App{cfg: c, layout: c.Layout(), log: o.Logger, opts: o, metrics: o.Metrics, hung: make(chan struct{})}
+	a := &App{cfg: c, layout: c.Layout(), log: o.Logger, opts: o, metrics: o.Metrics, hung: make(chan struct{}), started: time.Now()}
 	m := a.metrics
 
 	// Rules in pods and the host probe SNAT: nothing is dialled or
@@ -258,6 +261,7 @@ func New(o Options) (*App, error) {
 		IPv4Only:           !c.IPv6,
 		OnRuleError:        func(op string) { m.RuleErrors.WithLabelValues(op).Inc() },
 		OnDriftRepaired:    m.RuleDrift.Inc,
+		OnAddAcked:         func(d time.Duration) { m.AddZtunnelAck.Observe(d.Seconds()) },
 		Logger:             a.log,
 	}
 	if o.AgentHook != nil {

@@ -169,6 +169,7 @@ func (a *App) startSteps(cs *components) []step {
 			cs.runZDS(a.zds.Serve)
 			cs.run("event-server", a.server.Serve)
 			cs.run("watchdog", a.watchdog)
+			cs.run("first-ztunnel", a.timeFirstZtunnel)
 			cs.run("spool", a.agent.RunSpoolDrain)
 			if a.verifier != nil {
 				// Once the pods are restored and the servers listen: a
@@ -187,6 +188,19 @@ func (a *App) startSteps(cs *components) []step {
 			return nil
 		}},
 	}
+}
+
+// timeFirstZtunnel observes the time from the agent's start to its first
+// ztunnel connection whose snapshot ztunnel acknowledged (from then on pods
+// can be captured), once; it ends then, or with ctx.
+func (a *App) timeFirstZtunnel(ctx context.Context) error {
+	if err := a.zds.WaitReady(ctx); err != nil {
+		return nil // stopped before any ztunnel came
+	}
+	took := time.Since(a.started)
+	a.metrics.StartToZtunnel.Observe(took.Seconds())
+	a.log.Info("first ztunnel connected", "since_start", took.Round(time.Millisecond))
+	return nil
 }
 
 // beginStep tells start-up liveness which step runs (the live ones).
