@@ -881,7 +881,7 @@ func (l *life) testReboot(t *testing.T) {
 		t.Error(err)
 	}
 	figure(t, "reboot-all-pods-ready-seconds", time.Since(begin).Round(100*time.Millisecond).Seconds())
-	l.checkBootGate(t, stopGate())
+	l.checkBootGate(t, begin, stopGate())
 	samples, sandboxes, uncaptured := stopSampling()
 	figure(t, "reboot-capture-samples", samples)
 	figure(t, "reboot-sandboxes-sampled", fmt.Sprintf("%d of %d pods", sandboxes, len(before)))
