@@ -33,11 +33,6 @@ type PluginConf struct {
 	// StatusRequiresAgent makes CNI STATUS fail while the agent is
 	// unreachable (a failing STATUS marks the whole node NotReady).
 	StatusRequiresAgent bool `json:"statusRequiresAgent,omitempty"`
-	// StatusBootHold bounds how long after a boot CNI STATUS fails while
-	// the agent has not been ready since that boot, as a Go duration,
-	// counted from the boot's first STATUS (default DefaultStatusBootHold,
-	// at most MaxStatusBootHold; "0s" never holds the node).
-	StatusBootHold string `json:"statusBootHold,omitempty"`
 	// AgentUnreachable is what ADD and CHECK do for a pod outside the
 	// excluded namespaces while the agent cannot answer:
 	// AgentUnreachableSnapshot (default) or AgentUnreachableFailClosed.
@@ -74,15 +69,6 @@ const (
 	DefaultAgentDownAfter = 2 * time.Minute
 	// MaxAgentDownAfter bounds AgentDownAfter.
 	MaxAgentDownAfter = 24 * time.Hour
-	// DefaultStatusBootHold is how long at most CNI STATUS holds a node
-	// that booted for its agent to be ready: longer than an agent takes
-	// to start after a boot, well short of the five minutes after which
-	// Kubernetes evicts the pods of a NotReady node. An agent that does
-	// not come within it (its image unpullable, its DaemonSet gone) then
-	// holds only the pods it must capture, at ADD.
-	DefaultStatusBootHold = time.Minute
-	// MaxStatusBootHold bounds StatusBootHold.
-	MaxStatusBootHold = time.Hour
 	// DefaultPluginLogLevel is the plugin's default log level.
 	DefaultPluginLogLevel = "warn"
 	// handlerMargin is how much sooner than the plugin's timeout the agent

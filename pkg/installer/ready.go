@@ -71,30 +71,3 @@ func (i *Installer) Check() error {
 	}
 	return i.contestedNow(time.Now())
 }
-
-// RunsOurs reports whether the runtime, loading its CNI config now, would
-// run this agent's plugin: the config it loads (the lexically first that
-// loads, the owned conflist included) holds our entry, and every copy of
-// the plugin binary is this agent's. Called before Run, it tells a node
-// whose plugin is already this version's, chained (a reboot, an agent
-// restart), from a first install or an upgrade from another version.
-func (i *Installer) RunsOurs() bool {
-	for _, dst := range i.bins {
-		if ours, err := i.copies.isOurs(i.cfg.PluginBinary, dst); err != nil || !ours {
-			return false
-		}
-	}
-	ents, err := os.ReadDir(i.cfg.ConfDir) // sorted by name, as libcni sorts
-	if err != nil {
-		return false
-	}
-	for _, e := range ents {
-		p := filepath.Join(i.cfg.ConfDir, e.Name())
-		if e.IsDir() || !isConfigName(e.Name()) || loadable(p) != nil {
-			continue
-		}
-		b, _, err := readLimited(p)
-		return err == nil && i.hasOurEntry(b)
-	}
-	return false
-}

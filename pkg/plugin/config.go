@@ -81,10 +81,6 @@ type Config struct {
 	// unreachable (key "statusRequiresAgent"; default false, because a
 	// failing STATUS marks the whole node NotReady).
 	StatusRequiresAgent bool
-	// StatusBootHold bounds how long after a boot STATUS fails while the
-	// agent has not been ready since (key "statusBootHold"; default
-	// ambient.DefaultStatusBootHold, 0 never holds).
-	StatusBootHold time.Duration
 	// AgentUnreachable is what ADD and CHECK do for a pod outside the
 	// excluded namespaces while the agent is unreachable (key
 	// "agentUnreachable"): ambient.AgentUnreachableSnapshot (default) or
@@ -127,7 +123,6 @@ func configFrom(raw *rawConfig) (*Config, error) {
 		AgentDownAfter:      ambient.DefaultAgentDownAfter,
 		ExcludedNamespaces:  []string{ambient.DefaultExcludedNamespace},
 		StatusRequiresAgent: raw.StatusRequiresAgent,
-		StatusBootHold:      ambient.DefaultStatusBootHold,
 		AgentUnreachable:    raw.AgentUnreachable,
 		ValidAttachments:    raw.ValidAttachments,
 	}
@@ -167,13 +162,6 @@ func configFrom(raw *rawConfig) (*Config, error) {
 			return nil, invalidConfig("timeout %q must be a Go duration in (0, %s]", raw.Timeout, ambient.MaxPluginTimeout)
 		}
 		c.Timeout = d
-	}
-	if raw.StatusBootHold != "" {
-		d, err := time.ParseDuration(raw.StatusBootHold)
-		if err != nil || d < 0 || d > ambient.MaxStatusBootHold {
-			return nil, invalidConfig("statusBootHold %q must be a Go duration in [0, %s]", raw.StatusBootHold, ambient.MaxStatusBootHold)
-		}
-		c.StatusBootHold = d
 	}
 	lvl := raw.LogLevel
 	if lvl == "" {

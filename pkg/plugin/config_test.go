@@ -32,7 +32,7 @@ func TestParseConfigDefaults(t *testing.T) {
 		SnapshotFile: "/var/run/ambient-cni/enablement.json", SpoolDir: "/var/run/ambient-cni/pending-del",
 		AddSpoolDir: "/var/run/ambient-cni/pending-add", HeartbeatFile: "/var/run/ambient-cni/agent-alive", AgentDownAfter: ambient.DefaultAgentDownAfter,
 		Timeout: ambient.DefaultPluginTimeout, LogLevel: slog.LevelWarn, ExcludedNamespaces: []string{"kube-system"},
-		StatusBootHold: ambient.DefaultStatusBootHold, AgentUnreachable: ambient.AgentUnreachableSnapshot,
+		AgentUnreachable: ambient.AgentUnreachableSnapshot,
 	}
 	if diff := cmp.Diff(want, c, cmpopts.IgnoreUnexported(Config{})); diff != "" {
 		t.Errorf("defaults wrong (-want +got):\n%s", diff)
@@ -41,7 +41,7 @@ func TestParseConfigDefaults(t *testing.T) {
 
 func TestParseConfigKeys(t *testing.T) {
 	in := `{"cniVersion":"0.4.0","name":"k8s","type":"ambient-cni","agentSocket":"/run/a/agent.sock","timeout":"1.5s","logLevel":"debug",` +
-		`"excludedNamespaces":[],"statusRequiresAgent":true,"statusBootHold":"45s","agentUnreachable":"fail-closed","agentDownAfter":"5m","runtimeConfig":{"x":1},"prevResult":` + prevV1 + `}`
+		`"excludedNamespaces":[],"statusRequiresAgent":true,"agentUnreachable":"fail-closed","agentDownAfter":"5m","runtimeConfig":{"x":1},"prevResult":` + prevV1 + `}`
 	in = strings.Replace(in, `"cniVersion":"1.0.0","interfaces"`, `"cniVersion":"0.4.0","interfaces"`, 1)
 	c, err := ParseConfig([]byte(in))
 	if err != nil {
@@ -55,7 +55,7 @@ func TestParseConfigKeys(t *testing.T) {
 		SnapshotFile: "/run/a/enablement.json", SpoolDir: "/run/a/pending-del",
 		AddSpoolDir: "/run/a/pending-add", HeartbeatFile: "/run/a/agent-alive", AgentDownAfter: 5 * time.Minute,
 		Timeout: 1500 * time.Millisecond, LogLevel: slog.LevelDebug, ExcludedNamespaces: []string{}, StatusRequiresAgent: true,
-		StatusBootHold: 45 * time.Second, AgentUnreachable: ambient.AgentUnreachableFailClosed,
+		AgentUnreachable: ambient.AgentUnreachableFailClosed,
 	}
 	if diff := cmp.Diff(want, c, cmpopts.IgnoreFields(Config{}, "PrevResult"), cmpopts.IgnoreUnexported(Config{})); diff != "" {
 		t.Errorf("keys not honoured (-want +got):\n%s", diff)

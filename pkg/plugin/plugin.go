@@ -383,25 +383,14 @@ func (p *Plugin) Check(args *CmdArgs) (err error) {
 	return nil
 }
 
-// Status fails (code 50) from the node's boot until the agent is first
-// ready on it (its boot-ready marker), so the runtime starts no pod
-// before the agent can capture it, but never longer than statusBootHold
-// after the boot's first STATUS: an agent that does not come (its image
-// unpullable, its DaemonSet gone) then holds only the pods it must
-// capture, at ADD. Once the agent was ready it succeeds for the rest of
-// the boot, whatever becomes of the agent, because a failing STATUS marks
-// the whole node NotReady: an agent restart or upgrade must not. With
-// statusRequiresAgent, the operator's choice, it also fails while the
-// agent is unreachable.
+// Status succeeds unless configured to require the agent, because a
+// failing STATUS marks the whole node NotReady.
 func (p *Plugin) Status(args *CmdArgs) (err error) {
 	c, err := p.start("STATUS", args)
 	if err != nil {
 		return err
 	}
 	defer func() { c.finish(err) }()
-	if err := c.bootHold(c.cfg.files()); err != nil {
-		return err
-	}
 	if !c.cfg.StatusRequiresAgent {
 		return nil
 	}
@@ -409,38 +398,6 @@ func (p *Plugin) Status(args *CmdArgs) (err error) {
 		return types.NewError(types.ErrPluginNotAvailable,
 			fmt.Sprintf("ambient-cni: %v; pods cannot be enrolled until the node agent is back", err), "")
 	}
-	return nil
-}
-
-// bootHold is STATUS's hold from boot (see Status): a code-50 error while
-// it holds the node. An uninstall in progress (its marker) holds nothing
-// back, and a hold that cannot be timed (its marker cannot be written)
-// does not hold: the node must never stay NotReady for good.
-func (c *call) bootHold(files nodefiles.Layout) error {
-	hold := c.cfg.StatusBootHold
-	if hold <= 0 {
-		return nil
-	}
-	if _, err := os.Lstat(files.Uninstalling()); err == nil {
-		return nil // the mesh is leaving the node: nothing to wait for
-	}
-	notReady := nodefiles.BootReady(files, nodefiles.BootIDFile)
-	if notReady == nil {
-		return nil
-	}
-	now := time.Now()
-	since, err := nodefiles.HeldSince(files, nodefiles.BootIDFile, now)
-	if err != nil {
-		c.log.Warn("not holding the node for the agent: the hold cannot be timed", "err", err)
-		return nil
-	}
-	if left := hold - now.Sub(since); left > 0 {
-		return types.NewError(types.ErrPluginNotAvailable,
-			fmt.Sprintf("ambient-cni: %v; the node's pods wait for the ambient-cni node agent to be ready, at most %s more (statusBootHold %s)",
-				notReady, left.Round(time.Second), hold), "")
-	}
-	c.log.Info("the node agent has not been ready since the node booted; no longer holding the node's pods (each that must be captured waits at ADD)",
-		"reason", notReady, "statusBootHold", hold)
 	return nil
 }
 

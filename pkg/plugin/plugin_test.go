@@ -13,9 +13,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
-	"time"
 
 	"github.com/google/go-cmp/cmp"
 
@@ -311,175 +309,22 @@ func TestCheck(t *testing.T) {
 	}
 }
 
-func status(p *Plugin) func(*CmdArgs) error { return p.Status }
-
-// markBootReady writes the agent's boot-ready marker next to sock.
-func markBootReady(t *testing.T, sock string) {
-	t.Helper()
-	if err := nodefiles.MarkBootReady(nodefiles.ForSocket(sock), nodefiles.BootIDFile); err != nil {
-		t.Fatal(err)
-	}
-}
-
 func TestStatus(t *testing.T) {
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "agent.sock")
-	markBootReady(t, sock)
 	stdin := []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q}`, sock))
-	if _, err := run(t, status, stdin, ""); err != nil {
+	if _, err := run(t, func(p *Plugin) func(*CmdArgs) error { return p.Status }, stdin, ""); err != nil {
 		t.Errorf("default STATUS with agent down: %v", err)
 	}
 	strict := []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q,"statusRequiresAgent":true}`, sock))
-	_, err := run(t, status, strict, "")
+	_, err := run(t, func(p *Plugin) func(*CmdArgs) error { return p.Status }, strict, "")
 	if cniCode(t, err) != types.ErrPluginNotAvailable {
 		t.Errorf("strict STATUS with agent down: %v", err)
 	}
 	a := newFakeAgent(t, verdict(ambient.VerdictOK))
-	markBootReady(t, a.sock)
 	strict = []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q,"statusRequiresAgent":true}`, a.sock))
-	if _, err := run(t, status, strict, ""); err != nil {
+	if _, err := run(t, func(p *Plugin) func(*CmdArgs) error { return p.Status }, strict, ""); err != nil {
 		t.Errorf("strict STATUS with agent up: %v", err)
-	}
-}
-
-// TestStatusFailsUntilTheAgentWasReadyThisBoot: STATUS fails with code 50
-// (plugin not available) while the agent has not been ready since the
-// node booted, even with the agent answering (it may be starting), and
-// passes once its boot-ready marker names this boot, with the agent gone
-// again (a restart or an upgrade must not make the node NotReady). A
-// marker of an earlier boot, or anything but a regular file in its place,
-// does not count. An uninstall in progress holds nothing back.
-func TestStatusFailsUntilTheAgentWasReadyThisBoot(t *testing.T) {
-	a := newFakeAgent(t, verdict(ambient.VerdictOK))
-	l := nodefiles.ForSocket(a.sock)
-	stdin := []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q,"stateDir":%q}`, a.sock, filepath.Join(a.dir, "state")))
-	notReady := func(why string) {
-		t.Helper()
-		_, err := run(t, status, stdin, "")
-		if cniCode(t, err) != types.ErrPluginNotAvailable || !strings.Contains(err.Error(), "since the node booted") {
-			t.Errorf("%s: STATUS %v, want code 50 saying the agent has not been ready since boot", why, err)
-		}
-	}
-	notReady("no marker, agent answering")
-
-	if err := os.WriteFile(l.BootReady(), []byte("00000000-0000-0000-0000-000000000000\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	notReady("a marker of an earlier boot")
-	if err := os.Remove(l.BootReady()); err != nil {
-		t.Fatal(err)
-	}
-	if err := syscall.Mkfifo(l.BootReady(), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	notReady("a FIFO in the marker's place")
-	if err := os.Remove(l.BootReady()); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Symlink(nodefiles.BootIDFile, l.BootReady()); err != nil {
-		t.Fatal(err)
-	}
-	notReady("a symlink to the boot id in the marker's place")
-	if err := os.Remove(l.BootReady()); err != nil {
-		t.Fatal(err)
-	}
-
-	markBootReady(t, a.sock)
-	if _, err := run(t, status, stdin, ""); err != nil {
-		t.Errorf("marker of this boot: %v", err)
-	}
-	stopped := nodefiles.ForSocket(filepath.Join(t.TempDir(), "agent.sock"))
-	if err := os.MkdirAll(stopped.Dir(), 0o700); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Rename(l.BootReady(), stopped.BootReady()); err != nil {
-		t.Fatal(err)
-	}
-	gone := []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q}`, stopped.AgentSocket()))
-	if _, err := run(t, status, gone, ""); err != nil {
-		t.Errorf("marker of this boot, agent gone (a restart): %v", err)
-	}
-
-	if err := nodefiles.MarkUninstalling(l.WithStateDir(filepath.Join(a.dir, "state")), "test"); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := run(t, status, stdin, ""); err != nil {
-		t.Errorf("no marker, uninstall in progress: %v", err)
-	}
-}
-
-// TestStatusBootHoldIsBounded: the hold from boot ends statusBootHold
-// after the boot's first STATUS even if no agent was ready (an agent that
-// never comes must not keep the node NotReady for good); "0s" never
-// holds; a hold marker of an earlier boot starts a new hold.
-func TestStatusBootHoldIsBounded(t *testing.T) {
-	sock := filepath.Join(t.TempDir(), "agent.sock")
-	l := nodefiles.ForSocket(sock)
-	conf := func(hold string) []byte {
-		return []byte(fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q,"statusBootHold":%q}`, sock, hold))
-	}
-	if _, err := run(t, status, conf("0s"), ""); err != nil {
-		t.Errorf("statusBootHold 0s, no agent since boot: %v, want success", err)
-	}
-	_, err := run(t, status, conf("10m"), "")
-	if cniCode(t, err) != types.ErrPluginNotAvailable || !strings.Contains(err.Error(), "at most") {
-		t.Fatalf("first STATUS of the boot: %v, want code 50 saying how long at most", err)
-	}
-	st, err := os.Stat(l.BootHeld())
-	if err != nil {
-		t.Fatalf("the hold's start not recorded: %v", err)
-	}
-	if _, err := run(t, status, conf("10m"), ""); cniCode(t, err) != types.ErrPluginNotAvailable {
-		t.Errorf("second STATUS within the hold: %v", err)
-	}
-	if st2, err := os.Stat(l.BootHeld()); err != nil || !st2.ModTime().Equal(st.ModTime()) {
-		t.Errorf("a later STATUS moved the hold's start: %v %v", st2, err)
-	}
-	past := time.Now().Add(-11 * time.Minute)
-	if err := os.Chtimes(l.BootHeld(), past, past); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := run(t, status, conf("10m"), ""); err != nil {
-		t.Errorf("STATUS past the hold: %v, want success", err)
-	}
-	if err := os.WriteFile(l.BootHeld(), []byte("00000000-0000-0000-0000-000000000000\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Chtimes(l.BootHeld(), past, past); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := run(t, status, conf("10m"), ""); cniCode(t, err) != types.ErrPluginNotAvailable {
-		t.Errorf("a hold marker of an earlier boot: %v, want a new hold (code 50)", err)
-	}
-}
-
-// TestStatusHostileConfig: STATUS refuses a configuration it cannot
-// trust with the CNI code naming it, before it looks at any file.
-func TestStatusHostileConfig(t *testing.T) {
-	sock := filepath.Join(t.TempDir(), "agent.sock")
-	markBootReady(t, sock)
-	for name, c := range map[string]struct {
-		conf string
-		code uint
-	}{
-		"not JSON":                  {`{"cniVersion":"1.1.0","name":`, types.ErrDecodingFailure},
-		"a list, not an object":     {`[1,2]`, types.ErrDecodingFailure},
-		"relative agent socket":     {`{"cniVersion":"1.1.0","name":"k8s","agentSocket":"run/agent.sock"}`, types.ErrInvalidNetworkConfig},
-		"unclean agent socket":      {fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q}`, filepath.Dir(sock)+"/../x/agent.sock"), types.ErrInvalidNetworkConfig},
-		"relative state dir":        {fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q,"stateDir":"state"}`, sock), types.ErrInvalidNetworkConfig},
-		"unsupported version":       {fmt.Sprintf(`{"cniVersion":"9.9.9","name":"k8s","agentSocket":%q}`, sock), types.ErrIncompatibleCNIVersion},
-		"agent socket of a number":  {`{"cniVersion":"1.1.0","name":"k8s","agentSocket":7}`, types.ErrDecodingFailure},
-		"statusRequiresAgent typed": {fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q,"statusRequiresAgent":"yes"}`, sock), types.ErrDecodingFailure},
-		"negative boot hold":        {fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q,"statusBootHold":"-1s"}`, sock), types.ErrInvalidNetworkConfig},
-		"boot hold over its bound":  {fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q,"statusBootHold":"2h"}`, sock), types.ErrInvalidNetworkConfig},
-		"boot hold not a duration":  {fmt.Sprintf(`{"cniVersion":"1.1.0","name":"k8s","agentSocket":%q,"statusBootHold":"soon"}`, sock), types.ErrInvalidNetworkConfig},
-	} {
-		t.Run(name, func(t *testing.T) {
-			_, err := run(t, status, []byte(c.conf), "")
-			if got := cniCode(t, err); got != c.code {
-				t.Errorf("STATUS: code %d (%v), want %d", got, err, c.code)
-			}
-		})
 	}
 }
 

@@ -16,7 +16,7 @@ import (
 // ambient.PluginConf is read back by the plugin with every value intact.
 func TestEntryRoundTrip(t *testing.T) {
 	e := ambient.PluginConf{AgentSocket: "/run/x/agent.sock", StateDir: "/var/lib/x", Timeout: "12s", LogLevel: "debug",
-		ExcludedNamespaces: []string{"infra", "kube-system"}, StatusRequiresAgent: true, StatusBootHold: "0s",
+		ExcludedNamespaces: []string{"infra", "kube-system"}, StatusRequiresAgent: true,
 		AgentUnreachable: ambient.AgentUnreachableFailClosed, AgentDownAfter: "90s"}
 	b, err := json.Marshal(e)
 	if err != nil {
@@ -35,7 +35,7 @@ func TestEntryRoundTrip(t *testing.T) {
 		SnapshotFile: "/run/x/enablement.json", SpoolDir: "/run/x/pending-del",
 		AddSpoolDir: "/run/x/pending-add", HeartbeatFile: "/run/x/agent-alive", AgentDownAfter: 90 * time.Second,
 		Timeout: 12 * time.Second, LogLevel: slog.LevelDebug, ExcludedNamespaces: e.ExcludedNamespaces, StatusRequiresAgent: true,
-		StatusBootHold: 0, AgentUnreachable: ambient.AgentUnreachableFailClosed,
+		AgentUnreachable: ambient.AgentUnreachableFailClosed,
 	}
 	if diff := cmp.Diff(want, c, cmpopts.IgnoreUnexported(Config{})); diff != "" {
 		t.Fatalf("entry %s parsed wrong (-want +got):\n%s", b, diff)

@@ -372,17 +372,9 @@ func TestChainDelFIFONetns(t *testing.T) {
 	}
 }
 
-// TestChainStatusAndGC: through libcni, which asks every plugin of the
-// list, STATUS fails with code 50 until the agent has been ready on this
-// boot (its marker), then passes, with the agent down too (a restart must
-// not make the node NotReady), unless statusRequiresAgent.
 func TestChainStatusAndGC(t *testing.T) {
 	n := newNode(t, "1.1.0", nil)
 	ctx := context.Background()
-	if err := n.cni.GetStatusNetworkList(ctx, n.list); cniCode(err) != types.ErrPluginNotAvailable {
-		t.Errorf("STATUS before the agent was ready on this boot: %v, want code 50", err)
-	}
-	markBootReady(t, n)
 	if err := n.cni.GetStatusNetworkList(ctx, n.list); err != nil {
 		t.Errorf("STATUS: %v", err)
 	}
@@ -405,21 +397,12 @@ func TestChainStatusAndGC(t *testing.T) {
 		t.Errorf("default STATUS with agent down must succeed: %v", err)
 	}
 	strict := newNode(t, "1.1.0", map[string]any{"statusRequiresAgent": true})
-	markBootReady(t, strict)
 	if err := strict.cni.GetStatusNetworkList(ctx, strict.list); err != nil {
 		t.Errorf("strict STATUS with agent up: %v", err)
 	}
 	strict.stopAgent()
 	if err := strict.cni.GetStatusNetworkList(ctx, strict.list); cniCode(err) != types.ErrPluginNotAvailable {
 		t.Errorf("strict STATUS with agent down: %v", err)
-	}
-}
-
-// markBootReady writes what the agent writes once first ready on a boot.
-func markBootReady(t *testing.T, n *node) {
-	t.Helper()
-	if err := nodefiles.MarkBootReady(n.layout, nodefiles.BootIDFile); err != nil {
-		t.Fatal(err)
 	}
 }
 

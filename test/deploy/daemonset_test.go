@@ -340,7 +340,7 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 		CNIOwnedConfig: true, CNIOwnedConfName: "01-mesh.conflist",
 		IstioCNIRunDir: "/run/istio-cni-all-values", IstioCNIDaemonSet: "istio-cni-all-values",
 		PluginType: "mesh-cni", PluginBinary: "/custom/plugins/ambient-cni",
-		PluginTimeout: 45 * time.Second, PluginLogLevel: "debug", StatusChecksAgent: true, StatusBootHold: 30 * time.Second, AgentUnreachable: "fail-closed", AgentDownAfter: 5 * time.Minute,
+		PluginTimeout: 45 * time.Second, PluginLogLevel: "debug", StatusChecksAgent: true, AgentUnreachable: "fail-closed", AgentDownAfter: 5 * time.Minute,
 		AgentSocket: "/var/run/mesh-agent/agent.sock", StateDir: "/var/lib/mesh-agent", ZDSSocket: "/var/run/ztunnel-custom/zds.sock",
 		ProcRoot: "/host/proc", NetnsDirs: []string{"/var/run/custom-netns", "/run/custom/netns"},
 		ExcludedNamespaces:  []string{"kube-system", "istio-system", "monitoring"},

@@ -183,7 +183,7 @@ func New(o Options) (*App, error) {
 	entry, err := json.Marshal(ambient.PluginConf{
 		AgentSocket: c.AgentSocket, StateDir: c.StateDir, ControlPlaneNamespaces: c.ControlPlane(), Timeout: c.PluginTimeout.String(),
 		LogLevel: c.PluginLogLevel, ExcludedNamespaces: nonNil(c.ExcludedNamespaces),
-		StatusRequiresAgent: c.StatusChecksAgent, StatusBootHold: c.StatusBootHold.String(), AgentUnreachable: c.AgentUnreachable,
+		StatusRequiresAgent: c.StatusChecksAgent, AgentUnreachable: c.AgentUnreachable,
 		AgentDownAfter: c.AgentDownAfter.String(),
 	})
 	if err != nil {

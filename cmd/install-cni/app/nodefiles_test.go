@@ -23,7 +23,7 @@ func TestUninstallRemovesEveryNodeFile(t *testing.T) {
 		}
 	}
 	gone := []string{filepath.Join(l.Records(), "x.json"), l.Snapshot(), l.StateSnapshot(), filepath.Join(l.DelSpool(), "x.json"),
-		filepath.Join(l.AddSpool(), "x.json"), l.Heartbeat(), l.BootReady(), l.BootHeld(), l.PluginCredential(), l.FallbackBinary()}
+		filepath.Join(l.AddSpool(), "x.json"), l.Heartbeat(), l.PluginCredential(), l.FallbackBinary()}
 	kept := []string{l.Uninstalling(), l.NodeDirsLedger()}
 	for _, p := range slices.Concat(gone, kept) {
 		if err := os.WriteFile(p, []byte("x"), 0o600); err != nil {

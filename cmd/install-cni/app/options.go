@@ -111,7 +111,6 @@ type Config struct {
 	PluginTimeout     time.Duration
 	PluginLogLevel    string
 	StatusChecksAgent bool
-	StatusBootHold    time.Duration
 	AgentUnreachable  string
 	AgentDownAfter    time.Duration
 
@@ -252,14 +251,6 @@ func options() []option {
 		{"plugin-timeout", "How long the plugin waits for the agent's answer; must exceed ztunnel-wait.", ambient.DefaultPluginTimeout.String(), duration(func(c *Config) *time.Duration { return &c.PluginTimeout })},
 		{"plugin-log-level", "Log level of the plugin on the runtime's log (debug, info, warn, error).", ambient.DefaultPluginLogLevel, str(func(c *Config) *string { return &c.PluginLogLevel })},
 		{"plugin-status-checks-agent", "Make CNI STATUS fail (error 50) while the agent is unreachable; off by default because a failing STATUS marks the node NotReady.", "false", boolean(func(c *Config) *bool { return &c.StatusChecksAgent })},
-		{"plugin-status-boot-hold", "How long at most CNI STATUS fails (error 50, the node NotReady) after a boot while the agent has not been ready since, counted from the boot's first STATUS: the runtime starts no pod before the agent can capture it. From the agent's first ready, STATUS passes for the rest of the boot. 0s never holds the node. docs/reliability.md (CNI STATUS from boot) says why.", ambient.DefaultStatusBootHold.String(), func(c *Config, v string) error {
-			d, err := time.ParseDuration(v)
-			if err != nil || d < 0 || d > ambient.MaxStatusBootHold {
-				return fmt.Errorf("want a duration in [0, %s]", ambient.MaxStatusBootHold)
-			}
-			c.StatusBootHold = d
-			return nil
-		}},
 		{"plugin-agent-unreachable", "What the plugin does for a pod outside excluded-namespaces while the agent cannot answer: snapshot (ask the API server with the plugin's own credential and decide as the agent would: a pod that must be captured fails with CNI error 11, any other starts and is re-checked; with the API server down too, decide by the agent's snapshot in state-dir, failing closed for what it cannot vouch for) or fail-closed (every such pod fails with error 11 until the agent answers).", ambient.AgentUnreachableSnapshot, func(c *Config, v string) error {
 			switch v {
 			case ambient.AgentUnreachableFailClosed, ambient.AgentUnreachableSnapshot:

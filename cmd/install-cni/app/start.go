@@ -117,7 +117,6 @@ func (a *App) startSteps(cs *components) []step {
 			}
 			return err
 		}},
-		{name: "boot-ready marker", do: a.markBootBeforeChaining},
 		{name: "installer and watches", do: func(context.Context) error {
 			cs.run("installer", a.installer.Run)
 			if a.cred != nil {
@@ -170,7 +169,6 @@ func (a *App) startSteps(cs *components) []step {
 			cs.runZDS(a.zds.Serve)
 			cs.run("event-server", a.server.Serve)
 			cs.run("watchdog", a.watchdog)
-			cs.run("boot-ready", a.markBootReady)
 			cs.run("first-ztunnel", a.timeFirstZtunnel)
 			cs.run("spool", a.agent.RunSpoolDrain)
 			if a.verifier != nil {

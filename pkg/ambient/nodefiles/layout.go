@@ -68,17 +68,6 @@ func (l Layout) Snapshot() string { return l.join("enablement.json") }
 // last alive.
 func (l Layout) Heartbeat() string { return l.join("agent-alive") }
 
-// BootReady is the marker the agent writes once it is first ready after a
-// boot, holding the boot's id: until then the plugin's CNI STATUS fails,
-// so the runtime starts no pod on the node before the agent can capture.
-// In the run directory, tmpfs on a node, so a reboot removes it.
-func (l Layout) BootReady() string { return l.join("ready-this-boot") }
-
-// BootHeld is the marker of when CNI STATUS first held the node on this
-// boot (its modification time), holding the boot's id: the hold ends
-// there plus the plugin's statusBootHold even if no agent became ready.
-func (l Layout) BootHeld() string { return l.join("held-since-boot") }
-
 // DelSpool is the directory of the DELs the plugin recorded while the
 // agent was unreachable.
 func (l Layout) DelSpool() string { return l.join("pending-del") }

@@ -24,8 +24,6 @@ func TestPaths(t *testing.T) {
 		d.DebugSocket():    "/var/run/ambient-cni/debug.sock",
 		d.Snapshot():       "/var/run/ambient-cni/enablement.json",
 		d.Heartbeat():      "/var/run/ambient-cni/agent-alive",
-		d.BootReady():      "/var/run/ambient-cni/ready-this-boot",
-		d.BootHeld():       "/var/run/ambient-cni/held-since-boot",
 		d.DelSpool():       "/var/run/ambient-cni/pending-del",
 		d.AddSpool():       "/var/run/ambient-cni/pending-add",
 		d.Records():        "/var/run/ambient-cni/captured",

@@ -44,15 +44,14 @@ func ClearUninstalling(l Layout) (bool, error) {
 // RemoveForUninstall deletes every file the agent and the plugin keep on
 // the node for each other, in the run directory and the state directory:
 // the capture records, both enablement snapshots, the DEL and ADD spools,
-// the heartbeat, the boot-ready and boot-hold markers, the plugin's
-// credential and the fallback binary. An uninstall calls it once the
-// plugin is unchained, when none of them has a reader left. It is the one
-// place they are removed; what others own stays for them: the marker
-// (ClearUninstalling, last), the installer's state, the node directories'
-// ledger, the sockets. Missing is fine.
+// the heartbeat, the plugin's credential and the fallback binary. An
+// uninstall calls it once the plugin is unchained, when none of them has
+// a reader left. It is the one place they are removed; what others own
+// stays for them: the marker (ClearUninstalling, last), the installer's
+// state, the node directories' ledger, the sockets. Missing is fine.
 func RemoveForUninstall(l Layout) error {
 	var errs []error
-	for _, p := range []string{l.Records(), l.Snapshot(), l.StateSnapshot(), l.DelSpool(), l.AddSpool(), l.Heartbeat(), l.BootReady(), l.BootHeld(),
+	for _, p := range []string{l.Records(), l.Snapshot(), l.StateSnapshot(), l.DelSpool(), l.AddSpool(), l.Heartbeat(),
 		l.PluginCredential(), l.FallbackBinary()} {
 		if err := os.RemoveAll(p); err != nil {
 			errs = append(errs, fmt.Errorf("remove %s: %w", p, err))

@@ -101,8 +101,6 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ .Values.cni.pluginLogLevel | quote }}
 - name: AMBIENT_PLUGIN_STATUS_CHECKS_AGENT
   value: {{ .Values.cni.statusChecksAgent | toString | quote }}
-- name: AMBIENT_PLUGIN_STATUS_BOOT_HOLD
-  value: {{ .Values.cni.statusBootHold | quote }}
 - name: AMBIENT_PLUGIN_AGENT_UNREACHABLE
   value: {{ .Values.cni.agentUnreachable | quote }}
 - name: AMBIENT_PLUGIN_AGENT_DOWN_AFTER
