@@ -451,6 +451,15 @@ func (e *e2e) waitSandboxError(t *testing.T, p *corev1.Pod, want string, more ..
 		return false, fmt.Errorf("no sandbox failure saying %q; seen: %q", append([]string{want}, more...), seen)
 	})
 	if err != nil {
+		// What the pod waits for instead: its state and every event.
+		if cur, gerr := e.n.Client.CoreV1().Pods(p.Namespace).Get(context.Background(), p.Name, metav1.GetOptions{}); gerr == nil {
+			t.Logf("%s/%s: %s", p.Namespace, p.Name, podSummary(cur))
+		}
+		if evs, eerr := e.n.PodEvents(context.Background(), p.Namespace, p.Name); eerr == nil {
+			for _, ev := range evs {
+				t.Logf("%s/%s event %s (x%d): %s", p.Namespace, p.Name, ev.Reason, ev.Count, ev.Message)
+			}
+		}
 		t.Fatalf("%s/%s: %v", p.Namespace, p.Name, err)
 	}
 }
