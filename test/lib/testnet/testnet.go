@@ -75,28 +75,33 @@ func RandName(prefix string, n int) string {
 	return prefix + hex.EncodeToString(b)[:n]
 }
 
+// busyGrace is how long RemoveNS waits for a namespace's mount to be free.
+const busyGrace = 30 * time.Second
+
 // RemoveNS closes a namespace made by testutils.NewNS and removes its
 // mount. umount without MNT_DETACH fails with EBUSY while any descriptor
 // opened through the mount exists, which is how an agent pinning the
 // namespace would show. But a child process being forked anywhere in the
 // test process holds a copy of every descriptor until its exec (libcni
-// runs plugins all the time), so EBUSY is retried for a moment before it
-// counts; a mount still busy then is detached (nothing leaks: testutils'
-// UnmountNS gives up there and leaves the mount behind) and reported.
+// runs plugins all the time), and on a busy machine a forked child may
+// wait seconds for its turn to exec: EBUSY is retried up to busyGrace
+// before it counts (an agent that pins a namespace pins it for good, and
+// the suites count the agent's namespace descriptors besides); a mount
+// still busy then is detached (nothing leaks: testutils' UnmountNS gives
+// up there and leaves the mount behind) and reported.
 func RemoveNS(n ns.NetNS) error {
 	path := n.Path()
 	_ = n.Close()
 	var err error
-	for range 50 {
-		if err = unix.Unmount(path, 0); !errors.Is(err, unix.EBUSY) {
+	for deadline := time.Now().Add(busyGrace); ; time.Sleep(20 * time.Millisecond) {
+		if err = unix.Unmount(path, 0); !errors.Is(err, unix.EBUSY) || time.Now().After(deadline) {
 			break
 		}
-		time.Sleep(20 * time.Millisecond)
 	}
 	if errors.Is(err, unix.EBUSY) {
 		_ = unix.Unmount(path, unix.MNT_DETACH)
 		_ = os.Remove(path)
-		return fmt.Errorf("netns %s stayed busy for a second (a descriptor opened through its mount is held): %w", path, err)
+		return fmt.Errorf("netns %s stayed busy for %s (a descriptor opened through its mount is held): %w", path, busyGrace, err)
 	}
 	if rerr := os.Remove(path); rerr != nil && !os.IsNotExist(rerr) {
 		return errors.Join(err, rerr)
