@@ -6,7 +6,6 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
-	"time"
 
 	"github.com/containernetworking/cni/libcni"
 
@@ -25,16 +24,7 @@ import (
 func TestSiblingThroughTheRuntime(t *testing.T) {
 	n := newNode(t, "1.0.0", nil)
 	ctx := context.Background()
-	binDir, confDir := filepath.Join(n.dir, "bin"), filepath.Join(n.dir, "net.d")
-	for _, d := range []string{binDir, confDir} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			t.Fatal(err)
-		}
-	}
-	cnibin.InstallInto(t, binDir)
-	if err := os.Remove(filepath.Join(binDir, cnibin.PluginName)); err != nil {
-		t.Fatal(err)
-	}
+	binDir, confDir := n.runtimeDirs(t)
 	// The primary: the node's list without our entry.
 	primary, err := installer.Unchain(n.list.Bytes, cnibin.PluginName)
 	if err != nil {
@@ -71,14 +61,7 @@ func TestSiblingThroughTheRuntime(t *testing.T) {
 		t.Fatalf("the runtime's chain is %s, want %s", got, want)
 	}
 
-	cniCfg := libcni.NewCNIConfigWithCacheDir([]string{binDir}, filepath.Join(n.dir, "cache-sibling"), n.rec)
-	add := func(s *sandbox, l *libcni.NetworkConfigList) error {
-		ctx, cancel := context.WithTimeout(ctx, time.Minute)
-		defer cancel()
-		_, err := cniCfg.AddNetworkList(ctx, l, s.rt())
-		t.Cleanup(func() { _ = cniCfg.DelNetworkList(context.Background(), l, s.rt()) })
-		return err
-	}
+	add := n.runtimeAdd(t, binDir)
 	web := n.newPod("shop", "web", nil)
 	if err := add(web, list); err != nil {
 		t.Fatalf("ADD through the primary's network with our entry in its folder: %v", err)
