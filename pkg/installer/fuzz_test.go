@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/containernetworking/cni/libcni"
@@ -176,6 +177,32 @@ func FuzzIstioRunDirs(f *testing.F) {
 			if d == "" {
 				t.Fatal("an empty run dir")
 			}
+		}
+	})
+}
+
+// FuzzSiblingNetwork: whatever the primary's list holds, the folder our
+// entry would go into is one plain name inside the conf dir, and only for
+// a list libcni itself would run with its folder.
+func FuzzSiblingNetwork(f *testing.F) {
+	addSeeds(f, "FuzzSiblingNetwork")
+	f.Fuzz(func(t *testing.T, in []byte, _ uint8) {
+		network, why := siblingNetwork(in)
+		if why != "" {
+			if network != "" {
+				t.Fatalf("refused (%s) and still named %q", why, network)
+			}
+			return
+		}
+		if !plainName(network) || strings.HasPrefix(network, ".") || filepath.Base(network) != network {
+			t.Fatalf("folder %q is not one plain name", network)
+		}
+		list, err := libcni.NetworkConfFromBytes(in)
+		if err != nil {
+			return // the runtime would not load it: no primary to chain into
+		}
+		if list.LoadOnlyInlinedPlugins || list.Name != network {
+			t.Fatalf("folder %q for a list named %q (loadOnlyInlinedPlugins %v)", network, list.Name, list.LoadOnlyInlinedPlugins)
 		}
 	})
 }

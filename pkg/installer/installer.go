@@ -105,6 +105,16 @@ type Config struct {
 	// primary's file (or a configured primary is not the runtime's
 	// choice) the installer chains into the primary instead.
 	Owned bool
+	// Sibling puts our entry in the primary network's folder
+	// (<ConfDir>/<network name>/, "zz-<PluginName>.conf") instead of the
+	// primary's file: libcni 1.3 and later (containerd 2.1, CRI-O 1.33)
+	// runs it after the list's own plugins, and a primary that rewrites
+	// its file cannot drop it. Set it only for such a runtime: an older
+	// one never runs the plugin from there. A primary that cannot carry
+	// it there (a single-plugin .conf, loadOnlyInlinedPlugins, a network
+	// name that is no folder name, istio-cni chained in its file) is
+	// chained into as without it. Owned wins over it.
+	Sibling bool
 	// OwnedConfName is the owned conflist's name (a plain .conflist name;
 	// default DefaultOwnedConfName). Set it with Owned off too: a file of
 	// that name holding our entry is then removed, as left by an owned
@@ -220,6 +230,9 @@ type Installer struct {
 	lastErr     string // last pass error logged at Warn
 	// ownRefused is why owning was last found impossible (logged once).
 	ownRefused string
+	// siblingRefused is why sibling chaining was last found impossible
+	// (logged once).
+	siblingRefused string
 	// primaryGone is when a pass first found no primary config while the
 	// owned conflist was there; zero otherwise.
 	primaryGone time.Time
@@ -479,9 +492,11 @@ func (i *Installer) pass(force bool) (retry time.Duration, err error) {
 }
 
 // ensureConfig puts our entry where the runtime will run it: in the owned
-// conflist when owning is on and can work, else chained into the primary
-// (and any owned conflist of ours removed, since the runtime would either
-// not load it or load it in place of the primary's current config).
+// conflist when owning is on and can work, else in the primary network's
+// folder when sibling chaining is on and can work, else chained into the
+// primary (and any owned conflist of ours removed, since the runtime would
+// either not load it or load it in place of the primary's current config;
+// and our entry in a folder, once the primary's list holds it).
 func (i *Installer) ensureConfig(path string, force bool) (time.Duration, error) {
 	own, why, err := i.canOwn(path)
 	if err != nil {
@@ -498,7 +513,24 @@ func (i *Installer) ensureConfig(path string, force bool) (time.Duration, error)
 	if err := i.removeOwned("chaining into the primary's config instead"); err != nil {
 		return 0, err
 	}
-	return i.ensureChained(path, force)
+	dir, why, err := i.canSibling(path)
+	if err != nil {
+		return 0, err
+	}
+	if dir != "" {
+		i.siblingRefused = ""
+		return i.ensureSibling(path, dir, force)
+	}
+	if why != "" && why != i.siblingRefused {
+		i.log.Warn("not chaining in the primary network's folder; chaining into the primary's config instead", "reason", why)
+		i.siblingRefused = why
+	}
+	retry, err := i.ensureChained(path, force)
+	if err != nil || retry > 0 {
+		return retry, err
+	}
+	// Only now that our entry is in the primary's list: the folder's may go.
+	return 0, i.removeSiblings("chained into the primary's config instead")
 }
 
 // outcome reports what a pass came to (Config.OnOutcome).

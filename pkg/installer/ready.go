@@ -14,7 +14,8 @@ func (i *Installer) Ready() bool { return i.Check() == nil }
 // the binary must be in BinDir and every extra bin dir, executable and
 // identical to ours (by content, or by the stamp of the version last
 // proven so: a stat per copy), and the primary config must end with our
-// entry (with Config.Owned, the owned conflist must be the runtime's
+// entry (with Config.Sibling, where it can work, our file must be in the
+// primary network's folder instead; with Config.Owned, the owned conflist must be the runtime's
 // choice and hold exactly the primary's list with our entry last). A primary that keeps removing
 // the entry (ErrPrimaryContested) fails it too, until it has left the
 // entry alone for a minute: chained one moment, it is not the next. nil
@@ -48,6 +49,11 @@ func (i *Installer) Check() error {
 	}
 	if i.isOwnedFile(i.ownedPath()) {
 		return fmt.Errorf("owned config %s is still there while chaining into %s", i.ownedPath(), path)
+	}
+	if dir, _, err := i.canSibling(path); err != nil {
+		return err
+	} else if dir != "" {
+		return i.checkSibling(dir)
 	}
 	if filepath.Ext(path) != ConflistExt {
 		return fmt.Errorf("primary config %s is a single-plugin config, not chained yet", path)

@@ -15,7 +15,8 @@ import (
 
 // Shutdown stops all further repairs. During an upgrade it leaves the
 // binary (in every bin dir), the owned conflist and our entry in place.
-// Otherwise it removes the owned conflist, then our entry from every config in ConfDir (putting back the primary's exact
+// Otherwise it removes the owned conflist and our file from every network
+// folder (sibling chaining), then our entry from every config in ConfDir (putting back the primary's exact
 // bytes, or the original .conf we converted, when the file is still as we
 // wrote it; else cutting out only our entry) and then removes the binary
 // from every bin dir, in that order
@@ -33,6 +34,9 @@ func (i *Installer) Shutdown(ctx context.Context, upgrade bool) error {
 	// The owned conflist first: it is a whole copy of ours, to remove,
 	// not a primary's file to take our entry out of.
 	if err := i.removeOwned("uninstall"); err != nil {
+		errs = append(errs, err)
+	}
+	if err := i.removeSiblings("uninstall"); err != nil {
 		errs = append(errs, err)
 	}
 	ents, err := os.ReadDir(i.cfg.ConfDir)

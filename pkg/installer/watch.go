@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/fsnotify/fsnotify"
@@ -73,6 +75,11 @@ func (i *Installer) Run(ctx context.Context) error {
 				watching = i.addWatches(w)
 			}
 			retry, err := i.pass(false)
+			if i.cfg.Sibling {
+				// The folder a pass may just have made: its file's removal
+				// is repaired at once, as the primary's file's.
+				i.watchSiblingDirs(w)
+			}
 			switch {
 			case errors.Is(err, errClosed):
 				// Shut down: nothing more to guard, but keep Run's contract
@@ -106,6 +113,23 @@ func (i *Installer) addWatches(w *fsnotify.Watcher) bool {
 	return ok
 }
 
+// watchSiblingDirs watches every network folder holding our file (a
+// watch added again is the same watch).
+func (i *Installer) watchSiblingDirs(w *fsnotify.Watcher) {
+	ents, err := os.ReadDir(i.cfg.ConfDir)
+	if err != nil {
+		return
+	}
+	for _, e := range ents {
+		dir := filepath.Join(i.cfg.ConfDir, e.Name())
+		if _, err := os.Lstat(filepath.Join(dir, i.siblingName())); e.IsDir() && err == nil {
+			if err := w.Add(dir); err != nil {
+				i.log.Debug("cannot watch the network's folder", "dir", dir, "err", err)
+			}
+		}
+	}
+}
+
 // relevant filters events down to the files we care about.
 func (i *Installer) relevant(ev fsnotify.Event) bool {
 	dir, base := filepath.Dir(ev.Name), filepath.Base(ev.Name)
@@ -114,6 +138,14 @@ func (i *Installer) relevant(ev fsnotify.Event) bool {
 	}
 	if base == i.cfg.PluginName && slices.Contains(i.binDirs(), dir) {
 		return true
+	}
+	if i.cfg.Sibling {
+		if base == i.siblingName() && filepath.Dir(dir) == i.cfg.ConfDir {
+			return true // our file in a network's folder
+		}
+		if dir == i.cfg.ConfDir && !ev.Has(fsnotify.Chmod) && !ev.Has(fsnotify.Write) && !strings.HasPrefix(base, ".") {
+			return true // a network's folder made, renamed or removed
+		}
 	}
 	// A chmod of a config changes nothing the runtime reads.
 	return dir == i.cfg.ConfDir && isConfigName(base) && !ev.Has(fsnotify.Chmod)

@@ -47,6 +47,37 @@ func runtimeNetwork(dir string) (*libcni.NetworkConfigList, string, error) {
 	return l, first, err
 }
 
+// runtimeDirs makes a CNI bin dir and conf dir in the node's folder as a
+// node has them before an install: the reference plugins in the bin dir,
+// not ours (the installer copies it), and no config.
+func (n *node) runtimeDirs(t *testing.T) (binDir, confDir string) {
+	t.Helper()
+	binDir, confDir = filepath.Join(n.dir, "bin"), filepath.Join(n.dir, "net.d")
+	for _, d := range []string{binDir, confDir} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cnibin.InstallInto(t, binDir)
+	if err := os.Remove(filepath.Join(binDir, cnibin.PluginName)); err != nil {
+		t.Fatal(err)
+	}
+	return binDir, confDir
+}
+
+// runtimeAdd returns an ADD of a sandbox through a network the runtime
+// loaded, with the plugins of binDir; the sandbox's DEL runs at cleanup.
+func (n *node) runtimeAdd(t *testing.T, binDir string) func(*sandbox, *libcni.NetworkConfigList) error {
+	cniCfg := libcni.NewCNIConfigWithCacheDir([]string{binDir}, t.TempDir(), n.rec)
+	return func(s *sandbox, l *libcni.NetworkConfigList) error {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		_, err := cniCfg.AddNetworkList(ctx, l, s.rt())
+		t.Cleanup(func() { _ = cniCfg.DelNetworkList(context.Background(), l, s.rt()) })
+		return err
+	}
+}
+
 // TestConfPrimaryThroughTheRuntime: a node whose primary is a
 // single-plugin .conf (bridge with host-local). The real installer
 // converts it; the network the runtime then loads runs the bridge first
@@ -57,16 +88,7 @@ func runtimeNetwork(dir string) (*libcni.NetworkConfigList, string, error) {
 func TestConfPrimaryThroughTheRuntime(t *testing.T) {
 	n := newNode(t, "1.0.0", nil)
 	ctx := context.Background()
-	binDir, confDir := filepath.Join(n.dir, "bin"), filepath.Join(n.dir, "net.d")
-	for _, d := range []string{binDir, confDir} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			t.Fatal(err)
-		}
-	}
-	cnibin.InstallInto(t, binDir)
-	if err := os.Remove(filepath.Join(binDir, cnibin.PluginName)); err != nil {
-		t.Fatal(err)
-	}
+	binDir, confDir := n.runtimeDirs(t)
 	// The single-plugin config: the bridge entry of the node's list, with
 	// the list's name and version.
 	bridge := n.list.Plugins[0].Bytes
@@ -117,14 +139,7 @@ func TestConfPrimaryThroughTheRuntime(t *testing.T) {
 		t.Fatalf("the runtime's chain is %v, want the bridge, then ours", types)
 	}
 
-	cniCfg := libcni.NewCNIConfigWithCacheDir([]string{binDir}, filepath.Join(n.dir, "cache-conf"), n.rec)
-	add := func(s *sandbox, l *libcni.NetworkConfigList) error {
-		ctx, cancel := context.WithTimeout(ctx, time.Minute)
-		defer cancel()
-		_, err := cniCfg.AddNetworkList(ctx, l, s.rt())
-		t.Cleanup(func() { _ = cniCfg.DelNetworkList(context.Background(), l, s.rt()) })
-		return err
-	}
+	add := n.runtimeAdd(t, binDir)
 	web := n.newPod("shop", "web", nil)
 	if err := add(web, list); err != nil {
 		t.Fatalf("ADD through the converted config: %v", err)

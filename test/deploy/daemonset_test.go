@@ -337,7 +337,7 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 		NodeName: "node-a", PodName: "agent-x1", PodNamespace: "all-values-ns",
 		DaemonSet: "mesh-node", ReleaseSignal: "ambient-cni-all-installed", Kubeconfig: "/etc/mesh/kubeconfig",
 		CNIBinDir: "/host/opt/cni/bin", CNIExtraBinDirs: []string{"/host/extra-cni-bin/opt/cni/bin", "/host/extra-cni-bin/usr/libexec/cni"}, CNIConfDir: "/host/etc/cni/net.d", CNIConfName: "10-primary.conflist",
-		CNIOwnedConfig: true, CNIOwnedConfName: "01-mesh.conflist",
+		CNIOwnedConfig: true, CNIOwnedConfName: "01-mesh.conflist", CNIChainInNetworkFolder: true,
 		IstioCNIRunDir: "/run/istio-cni-all-values", IstioCNIDaemonSet: "istio-cni-all-values",
 		PluginType: "mesh-cni", PluginBinary: "/custom/plugins/ambient-cni",
 		PluginTimeout: 45 * time.Second, PluginLogLevel: "debug", StatusChecksAgent: true, AgentUnreachable: "fail-closed", AgentDownAfter: 5 * time.Minute,

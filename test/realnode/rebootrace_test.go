@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/containernetworking/cni/libcni"
 	corev1 "k8s.io/api/core/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
@@ -28,10 +29,22 @@ import (
 // back or is captured at ADD. Figures go to docs/reliability.md.
 
 // raceCycles is how many reboots the race is run with the owned
-// conflist; chainedCycles how many more, chained, to show the race.
+// conflist; folderCycles how many more with our entry in the primary
+// network's folder (cni.chainInNetworkFolder); chainedCycles how many
+// more, chained, to show the race.
 const (
 	raceCycles    = 20
+	folderCycles  = 5
 	chainedCycles = 2
+)
+
+// raceMode is where our entry is while the primary rewrites its file.
+type raceMode int
+
+const (
+	raceOwned   raceMode = iota // our own conflist, sorting first
+	raceFolder                  // the primary network's folder
+	raceChained                 // the primary's own file: the race shows
 )
 
 // bootKey is the top-level key the fake primary agent stamps into its
@@ -60,20 +73,35 @@ func primaryBoot(n *Node, boot int) error {
 }
 
 // confState is what one conflist holds: the primary's boot stamp and
-// whether our plugin is in its list.
+// whether the chain the runtime runs for it has our plugin, read as
+// containerd 2.4 reads it (libcni 1.3: the list's plugins, then its
+// network's folder).
 func confState(path string) (boot int, ours bool, err error) {
 	b, err := os.ReadFile(path)
 	if err != nil {
 		return 0, false, err
 	}
 	var conf struct {
-		Boot    int `json:"x-primary-boot"`
-		Plugins []struct{ Type string }
+		Boot int `json:"x-primary-boot"`
 	}
 	if err := json.Unmarshal(b, &conf); err != nil {
 		return 0, false, fmt.Errorf("%s: %w", path, err)
 	}
-	return conf.Boot, slices.ContainsFunc(conf.Plugins, func(p struct{ Type string }) bool { return p.Type == installer.DefaultPluginName }), nil
+	list, err := libcni.ConfListFromFile(path)
+	if err != nil {
+		return 0, false, err
+	}
+	return conf.Boot, slices.ContainsFunc(list.Plugins, func(p *libcni.PluginConfig) bool { return p.Network.Type == installer.DefaultPluginName }), nil
+}
+
+// networkName is a conflist's network name, which names its folder.
+func networkName(t *testing.T, conf []byte) string {
+	t.Helper()
+	var l struct{ Name string }
+	if err := json.Unmarshal(conf, &l); err != nil || l.Name == "" {
+		t.Fatalf("the primary's conflist has no network name (%v)", err)
+	}
+	return l.Name
 }
 
 // runtimeConf is the conflist the runtime loads: the lexically first
@@ -230,7 +258,7 @@ func TestRealNodeRebootRace(t *testing.T) {
 	cyclesBegin := time.Now()
 	var cycles []raceCycle
 	for boot := 1; boot <= raceCycles && !t.Failed(); boot++ {
-		cycles = append(cycles, l.raceOnce(t, boot, ownedPath, true))
+		cycles = append(cycles, l.raceOnce(t, boot, ownedPath, raceOwned))
 	}
 	cyclesTook := time.Since(cyclesBegin)
 
@@ -260,24 +288,68 @@ func TestRealNodeRebootRace(t *testing.T) {
 		t.Errorf("%d reboot cycles, want %d", len(cycles), raceCycles)
 	}
 
-	// The same race chained, for comparison: the owned conflist goes
+	// Our entry in the primary network's folder: the owned conflist goes,
+	// the primary's file stays as its agent writes it, and its rewrites at
+	// boot leave the runtime's chain with our plugin.
+	l.stopTraffic()
+	if err := l.n.InstallAgent(ctx, "upgrade", ImageTag, "--set", "cni.ownedConfig=false", "--set", "cni.chainInNetworkFolder=true"); err != nil {
+		t.Fatal(err)
+	}
+	folderFile := filepath.Join(l.n.CNIConfDir, networkName(t, l.n.CNIConfOriginal), "zz-"+installer.DefaultPluginName+".conf")
+	if err := l.n.Poll(ctx, "our entry in the primary network's folder, the owned conflist gone", func(context.Context) (bool, error) {
+		if _, err := os.Stat(ownedPath); !os.IsNotExist(err) {
+			return false, fmt.Errorf("the owned conflist is still there (%v)", err)
+		}
+		if _, err := os.Stat(folderFile); err != nil {
+			return false, err
+		}
+		if b, err := os.ReadFile(l.n.CNIConfFile); err != nil || strings.Contains(string(b), installer.DefaultPluginName) {
+			return false, fmt.Errorf("the primary's conflist holds our entry (%v)", err)
+		}
+		if _, ours, err := confState(l.n.CNIConfFile); err != nil || !ours {
+			return false, fmt.Errorf("the runtime's chain lacks our plugin (%v)", err)
+		}
+		// What containerd itself loaded: install-cni made it reload.
+		if chained, err := l.runtimeChains(ctx); err != nil || !chained {
+			return false, fmt.Errorf("containerd's loaded config runs our plugin: %v (%v)", chained, err)
+		}
+		return true, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	folderBegin, folder, folderBad := time.Now(), 0, 0
+	for boot := len(cycles) + 1; boot <= len(cycles)+folderCycles && !t.Failed(); boot++ {
+		c := l.raceOnce(t, boot, ownedPath, raceFolder)
+		folder++
+		folderBad += c.uncaptured + c.startedUncaptured
+		t.Logf("FIGURE reboot-race-folder-cycle %d window-ms %d sandboxes-in-window %d refused %d back-s %.1f samples %d uncaptured %d started-uncaptured %d",
+			folder, c.window.Milliseconds(), c.windowSandboxes, c.refused, c.back.Seconds(), c.samples, c.uncaptured, c.startedUncaptured)
+	}
+	figure(t, "reboot-race-folder-cycles", folder)
+	figure(t, "reboot-race-folder-pods-uncaptured", folderBad)
+	figure(t, "reboot-race-folder-seconds", time.Since(folderBegin).Round(100*time.Millisecond).Seconds())
+
+	// The same race chained, for comparison: the folder's entry goes
 	// with the option, and the primary's rewrite at boot drops our entry
 	// until the agent is back. Measured, not asserted.
 	l.stopTraffic()
-	if err := l.n.InstallAgent(ctx, "upgrade", ImageTag, "--set", "cni.ownedConfig=false"); err != nil {
+	if err := l.n.InstallAgent(ctx, "upgrade", ImageTag, "--set", "cni.ownedConfig=false", "--set", "cni.chainInNetworkFolder=false"); err != nil {
 		t.Fatal(err)
 	}
 	if err := l.n.Poll(ctx, "chained into the primary's conflist, the owned one gone", func(context.Context) (bool, error) {
 		if _, err := os.Stat(ownedPath); !os.IsNotExist(err) {
 			return false, fmt.Errorf("the owned conflist is still there (%v)", err)
 		}
+		if _, err := os.Stat(folderFile); !os.IsNotExist(err) {
+			return false, fmt.Errorf("our entry is still in the folder (%v)", err)
+		}
 		return true, pluginInstalled(l.n)
 	}); err != nil {
 		t.Fatal(err)
 	}
 	chained := 0
-	for boot := len(cycles) + 1; boot <= len(cycles)+chainedCycles && !t.Failed(); boot++ {
-		c := l.raceOnce(t, boot, ownedPath, false)
+	for boot := len(cycles) + folder + 1; boot <= len(cycles)+folder+chainedCycles && !t.Failed(); boot++ {
+		c := l.raceOnce(t, boot, ownedPath, raceChained)
 		chained++
 		t.Logf("FIGURE reboot-race-chained-cycle %d window-ms %d sandboxes-in-window %d back-s %.1f samples %d uncaptured %d started-uncaptured %d",
 			chained, c.window.Milliseconds(), c.windowSandboxes, c.back.Seconds(), c.samples, c.uncaptured, c.startedUncaptured)
@@ -292,8 +364,8 @@ func TestRealNodeRebootRace(t *testing.T) {
 	if _, err := os.Stat(ownedPath); !os.IsNotExist(err) {
 		t.Errorf("the owned conflist is still there after helm uninstall (%v)", err)
 	}
-	if boot, ours, err := confState(l.n.CNIConfFile); err != nil || ours || boot != len(cycles)+chained {
-		t.Errorf("the primary's conflist after uninstall: boot %d (want %d), ours %v, %v", boot, len(cycles)+chained, ours, err)
+	if boot, ours, err := confState(l.n.CNIConfFile); err != nil || ours || boot != len(cycles)+folder+chained {
+		t.Errorf("the primary's conflist after uninstall: boot %d (want %d), ours %v, %v", boot, len(cycles)+folder+chained, ours, err)
 	}
 	figure(t, "reboot-race-total-seconds", time.Since(begin).Round(time.Second).Seconds())
 }
@@ -303,10 +375,9 @@ func TestRealNodeRebootRace(t *testing.T) {
 // without our entry; the node comes back and kubelet recreates every
 // sandbox while a sampler checks every ready ambient sandbox for its
 // rules; then every pod is checked captured and started captured, and
-// traffic is proved through the stand-in again. Chained (owned false),
-// the race is only measured: pods that start uncaptured are counted, not
-// failed.
-func (l *life) raceOnce(t *testing.T, boot int, ownedPath string, owned bool) raceCycle {
+// traffic is proved through the stand-in again. Chained, the race is only
+// measured: pods that start uncaptured are counted, not failed.
+func (l *life) raceOnce(t *testing.T, boot int, ownedPath string, mode raceMode) raceCycle {
 	t.Helper()
 	ctx := context.Background()
 	var c raceCycle
@@ -339,7 +410,7 @@ func (l *life) raceOnce(t *testing.T, boot int, ownedPath string, owned bool) ra
 		bootErr      error
 	)
 	watched := ownedPath
-	if !owned {
+	if mode != raceOwned {
 		watched = l.n.CNIConfFile
 	}
 	down := time.Now()
@@ -350,21 +421,22 @@ func (l *life) raceOnce(t *testing.T, boot int, ownedPath string, owned bool) ra
 		}
 		rewroteAt = time.Now()
 		stopWatch = inStepWatch(watched, boot)
-		if _, ours, err := confState(l.n.CNIConfFile); err != nil || ours {
+		if b, err := os.ReadFile(l.n.CNIConfFile); err != nil || strings.Contains(string(b), installer.DefaultPluginName) {
 			bootErr = fmt.Errorf("the fake primary's conflist holds our entry (%v)", err)
 			return
 		}
-		if !owned {
+		if mode == raceChained {
 			return
 		}
 		// The primary dropped us from its own file; the runtime still
-		// loads ours, with our plugin.
+		// loads a chain with our plugin: the owned conflist's, or the
+		// primary's with its folder.
 		p, err := runtimeConf(l.n)
-		if err == nil && p != ownedPath {
+		if err == nil && p != watched {
 			err = fmt.Errorf("the runtime would load %s", p)
 		}
-		if _, ours, cerr := confState(ownedPath); err == nil && (cerr != nil || !ours) {
-			err = fmt.Errorf("the owned conflist lost our plugin (%v)", cerr)
+		if _, ours, cerr := confState(watched); err == nil && (cerr != nil || !ours) {
+			err = fmt.Errorf("the runtime's chain from %s lost our plugin (%v)", watched, cerr)
 		}
 		if err != nil {
 			bootErr = fmt.Errorf("at boot, before our agent: %w", err)
@@ -407,7 +479,7 @@ func (l *life) raceOnce(t *testing.T, boot int, ownedPath string, owned bool) ra
 	var bad []string
 	c.samples, _, bad = stopSampling()
 	c.uncaptured = len(bad)
-	if len(bad) > 0 && !owned {
+	if len(bad) > 0 && mode == raceChained {
 		t.Logf("boot %d, chained: ambient pods ran uncaptured:\n%s", boot, strings.Join(bad, "\n"))
 	} else if len(bad) > 0 {
 		t.Errorf("boot %d: ambient pods ran uncaptured:\n%s", boot, strings.Join(bad, "\n"))
@@ -422,7 +494,7 @@ func (l *life) raceOnce(t *testing.T, boot int, ownedPath string, owned bool) ra
 			t.Errorf("boot %d: %v", boot, err)
 		} else if !l.startedCaptured(t, p) {
 			c.startedUncaptured++
-			if owned {
+			if mode != raceChained {
 				t.Errorf("boot %d: %s started uncaptured: its hello at start bypassed the stand-in", boot, name)
 			}
 		}

@@ -200,7 +200,7 @@ func New(o Options) (*App, error) {
 	a.installer, err = installer.New(installer.Config{
 		BinDir: c.CNIBinDir, ExtraBinDirs: c.CNIExtraBinDirs, ConfDir: c.CNIConfDir, PluginBinary: c.PluginBinary, PluginName: c.PluginType,
 		PrimaryConfName: c.CNIConfName, PluginConfig: entry,
-		Owned: c.CNIOwnedConfig, OwnedConfName: c.CNIOwnedConfName,
+		Owned: c.CNIOwnedConfig, OwnedConfName: c.CNIOwnedConfName, Sibling: c.CNIChainInNetworkFolder,
 		IstioCNIGone: istioGone,
 		StateFile:    a.layout.InstallerState(),
 		OnReinstall:  m.InstallerReinstalls.Inc,

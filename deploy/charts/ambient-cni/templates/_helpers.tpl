@@ -85,6 +85,8 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ .Values.cni.ownedConfig | quote }}
 - name: AMBIENT_CNI_OWNED_CONF_NAME
   value: {{ .Values.cni.ownedConfName | quote }}
+- name: AMBIENT_CNI_CHAIN_IN_NETWORK_FOLDER
+  value: {{ .Values.cni.chainInNetworkFolder | quote }}
 {{- if .Values.migration.fromIstioCNI.enabled }}
 - name: AMBIENT_ISTIO_CNI_RUN_DIR
   value: {{ .Values.migration.fromIstioCNI.runDir | quote }}
