@@ -233,6 +233,8 @@ type Installer struct {
 	// siblingRefused is why sibling chaining was last found impossible
 	// (logged once).
 	siblingRefused string
+	// converted is what publishConverted last published.
+	converted atomic.Pointer[map[string]bool]
 	// primaryGone is when a pass first found no primary config while the
 	// owned conflist was there; zero otherwise.
 	primaryGone time.Time
@@ -426,6 +428,7 @@ func (i *Installer) pass(force bool) (retry time.Duration, err error) {
 	if i.closed {
 		return 0, errClosed
 	}
+	defer i.publishConverted()
 	defer func() {
 		if err == nil || errors.Is(err, ErrNoPrimaryConfig) || errors.Is(err, ErrConfigInFlux) {
 			i.lastErr = ""

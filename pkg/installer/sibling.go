@@ -77,7 +77,7 @@ func (i *Installer) canSibling(path string) (dir, why string, err error) {
 		// The runtime reads a .conf alone; chained, it becomes a list.
 		return "", "the primary config is a single-plugin config, which libcni runs without its folder", nil
 	}
-	if rec := i.records[path]; rec != nil && rec.origPath != path {
+	if i.isConverted(path) {
 		// A list we made of the primary's .conf: back in the folder, an
 		// uninstall would restore the .conf, and the next start convert it.
 		return "", "the primary's list is one the installer converted from a single-plugin config", nil
@@ -167,6 +167,27 @@ func (i *Installer) checkSibling(dir string) error {
 		return fmt.Errorf("%s is not our entry as the installer writes it", p)
 	}
 	return nil
+}
+
+// publishConverted publishes the lists the installer made of a primary's
+// single-plugin config, for Check, which reads them without the
+// installer's lock (the records are the pass's). Called at the end of
+// every pass.
+func (i *Installer) publishConverted() {
+	m := map[string]bool{}
+	for p, r := range i.records {
+		if r.origPath != p {
+			m[p] = true
+		}
+	}
+	i.converted.Store(&m)
+}
+
+// isConverted reports whether the list at path is one the installer made
+// of a primary's single-plugin config (as of the last pass).
+func (i *Installer) isConverted(path string) bool {
+	m := i.converted.Load()
+	return m != nil && (*m)[path]
 }
 
 // removeSiblings removes our file from every network folder of the conf
