@@ -95,10 +95,13 @@ if compgen -G '/usr/local/share/ca-certificates/*' >/dev/null; then
 	mkdir -p "$root/usr/local/share/ca-certificates"
 	cp -a /usr/local/share/ca-certificates/. "$root/usr/local/share/ca-certificates/"
 fi
-# The machine's name resolving to itself, as Debian's installer writes
-# it (127.0.1.1): mmdebstrap leaves it out, so a lookup of the hostname
-# went to the resolver, off the machine, and the real node's egress guard
-# caught it.
+# The loopback names and the machine's name resolving to itself, as
+# Debian's installer writes them (127.0.0.1 localhost, ::1, 127.0.1.1
+# <hostname>): mmdebstrap writes none, so a lookup of either went to the
+# resolver, off the machine, and the real node's egress guard caught it
+# (the suites that run istiod failed on four such packets).
+grep -qE '^127\.0\.0\.1[[:space:]].*\blocalhost\b' "$root/etc/hosts" 2>/dev/null ||
+	printf '127.0.0.1\tlocalhost\n::1\t\tlocalhost ip6-localhost ip6-loopback\n' >>"$root/etc/hosts"
 host=$(cat "$root/etc/hostname" 2>/dev/null || hostname)
 grep -qw -- "$host" "$root/etc/hosts" 2>/dev/null || printf '127.0.1.1\t%s\n' "$host" >>"$root/etc/hosts"
 
