@@ -41,6 +41,9 @@ const reloadName = atomicfile.TempPrefix + "reload" + atomicfile.TempSuffix
 // siblingName is our file's name in a network's folder.
 func (i *Installer) siblingName() string { return siblingPrefix + i.cfg.PluginName + ".conf" }
 
+// siblingContent is our file in a network's folder: our entry, one line.
+func (i *Installer) siblingContent() []byte { return append(bytes.Clone(i.entry), '\n') }
+
 // siblingNetwork reads what sibling chaining needs from a conflist: the
 // network's name, which names the folder. why says why the list cannot
 // carry our entry in its folder ("" when it can).
@@ -109,7 +112,7 @@ func (i *Installer) canSibling(path string) (dir, why string, err error) {
 // chained install put it.
 func (i *Installer) ensureSibling(path, dir string, force bool) (time.Duration, error) {
 	p := filepath.Join(dir, i.siblingName())
-	want := append(bytes.Clone(i.entry), '\n')
+	want := i.siblingContent()
 	cur, _, err := readLimited(p)
 	wrote := false
 	if err != nil || !bytes.Equal(cur, want) {
@@ -163,7 +166,7 @@ func (i *Installer) checkSibling(dir string) error {
 	if err != nil {
 		return fmt.Errorf("plugin not chained in the primary network's folder: %w", err)
 	}
-	if !bytes.Equal(b, append(bytes.Clone(i.entry), '\n')) {
+	if !bytes.Equal(b, i.siblingContent()) {
 		return fmt.Errorf("%s is not our entry as the installer writes it", p)
 	}
 	return nil

@@ -25,23 +25,15 @@ func (e *env) siblingFile() string {
 // containerd 2.1 and later do): the types of the list's plugins, in order.
 func (e *env) chainOf(t testing.TB, name string) []string {
 	t.Helper()
-	list, err := loadList(e.path(name))
+	l, err := libcni.ConfListFromFile(e.path(name))
 	if err != nil {
 		t.Fatal(err)
-	}
-	return list
-}
-
-func loadList(p string) ([]string, error) {
-	l, err := libcni.ConfListFromFile(p)
-	if err != nil {
-		return nil, err
 	}
 	var types []string
 	for _, pl := range l.Plugins {
 		types = append(types, pl.Network.Type)
 	}
-	return types, nil
+	return types
 }
 
 // In the folder, the primary's file untouched: the runtime's chain ends

@@ -78,6 +78,23 @@ func (n *node) runtimeAdd(t *testing.T, binDir string) func(*sandbox, *libcni.Ne
 	}
 }
 
+// startsUncapturedAfterUninstall adds a new ambient pod through list, the
+// runtime's network after an uninstall: it starts, and the agent (still
+// holding the one pod captured before) does not capture it.
+func (n *node) startsUncapturedAfterUninstall(t *testing.T, add func(*sandbox, *libcni.NetworkConfigList) error, list *libcni.NetworkConfigList) {
+	t.Helper()
+	later := n.newPod("shop", "later", nil)
+	if err := add(later, list); err != nil {
+		t.Fatalf("ADD after the uninstall: %v", err)
+	}
+	if p := n.agent.Pods(); len(p) != 1 {
+		t.Errorf("a pod started after the uninstall was captured: %+v", p)
+	}
+	if n.ourChains(t, later) {
+		t.Error("a pod started after the uninstall has capture rules")
+	}
+}
+
 // TestConfPrimaryThroughTheRuntime: a node whose primary is a
 // single-plugin .conf (bridge with host-local). The real installer
 // converts it; the network the runtime then loads runs the bridge first
@@ -168,14 +185,5 @@ func TestConfPrimaryThroughTheRuntime(t *testing.T) {
 	if err != nil || file != confPath || len(list.Plugins) != 1 || list.Plugins[0].Network.Type != "bridge" {
 		t.Fatalf("the runtime's network after the uninstall: %s %v", file, err)
 	}
-	later := n.newPod("shop", "later", nil)
-	if err := add(later, list); err != nil {
-		t.Fatalf("ADD after the uninstall: %v", err)
-	}
-	if p := n.agent.Pods(); len(p) != 1 {
-		t.Errorf("a pod started after the uninstall was captured: %+v", p)
-	}
-	if n.ourChains(t, later) {
-		t.Error("a pod started after the uninstall has capture rules")
-	}
+	n.startsUncapturedAfterUninstall(t, add, list)
 }

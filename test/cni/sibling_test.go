@@ -89,16 +89,7 @@ func TestSiblingThroughTheRuntime(t *testing.T) {
 	if err != nil || fmt.Sprint(typesOfList(list)) != primaryTypes {
 		t.Fatalf("the runtime's network after the uninstall: %v, %v, want %s", err, typesOfList(list), primaryTypes)
 	}
-	later := n.newPod("shop", "later", nil)
-	if err := add(later, list); err != nil {
-		t.Fatalf("ADD after the uninstall: %v", err)
-	}
-	if p := n.agent.Pods(); len(p) != 1 {
-		t.Errorf("a pod started after the uninstall was captured: %+v", p)
-	}
-	if n.ourChains(t, later) {
-		t.Error("a pod started after the uninstall has capture rules")
-	}
+	n.startsUncapturedAfterUninstall(t, add, list)
 }
 
 func typesOf(t *testing.T, path string) []string {
