@@ -5,6 +5,11 @@ BIN           ?= bin
 TOOLS_CACHE   ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ambient-cni/tools
 STATICCHECK_VERSION ?= v0.8.2
 STATICCHECK   := $(TOOLS_CACHE)/staticcheck-$(STATICCHECK_VERSION)/staticcheck
+# The long suites' runner: go test -v's output as it comes, then each failed
+# test's output again at the end, so the end of a CI log says why.
+GOTESTSUM_VERSION ?= v1.13.0
+GOTESTSUM     := $(TOOLS_CACHE)/gotestsum-$(GOTESTSUM_VERSION)/gotestsum
+VERBOSE_TEST   = $(GOTESTSUM) --format standard-verbose --hide-summary=skipped --raw-command -- $(GO) test -json
 # hack/kube-tools.sh and test/lib/kubeenv find etcd, kube-apiserver and helm here.
 export AMBIENT_TOOLS_CACHE ?= $(TOOLS_CACHE)
 # protoc-gen-go tracks the google.golang.org/protobuf version in go.mod.
@@ -15,7 +20,7 @@ PROTOC        ?= protoc
 TEST_TIMEOUT  ?= 20m
 # The real-node end-to-end tests (build tag realnode) and their timeout.
 E2E_TIMEOUT   ?= 45m
-E2E_TEST       = $(GO) test -tags realnode -count=1 -timeout $(E2E_TIMEOUT) -p 1 -v ./test/realnode/...
+E2E_TEST       = $(VERBOSE_TEST) -tags realnode -count=1 -timeout $(E2E_TIMEOUT) -p 1 ./test/realnode/...
 # make demo KEEP=1 leaves the node up until Ctrl-C.
 KEEP          ?=
 # The version every binary, the image and the chart carry: git describe
@@ -207,7 +212,7 @@ check: deps ## as root: everything CI runs (.ci/run runs exactly this): check-to
 # of hack/kube-tools.sh: on a cold cache the Debian bases and the module
 # downloads then overlap the Go builds. make check builds the rest
 # (make node-tools) beside its tests.
-check-tools: ## build the tools make test and make test-long need into the tools cache, downloads overlapping the builds
+check-tools: $(GOTESTSUM) ## build the tools make test and make test-long need into the tools cache, downloads overlapping the builds
 	GO='$(GO)' hack/kube-tools.sh etcd kube-apiserver helm promtool istio-cni $(addprefix image-rootfs-,$(IMAGE_ARCHES))
 
 # The suite must leave a real node's paths (/var/run/ambient-cni, /var/lib/ambient-cni,
@@ -236,9 +241,9 @@ fuzz: ## run every Go fuzz target for FUZZTIME (60s) each; a failing input lands
 # its own), so make test skips it; CI runs both.
 LONG_TIMEOUT  ?= 30m
 
-test-long: tools ## as root: the fault-injection suite (agent SIGKILLs, ztunnel and API server outages, a 5,000-cycle soak; AMBIENT_CHAOS_SEEDS=1,2 replays kill schedules)
+test-long: tools $(GOTESTSUM) ## as root: the fault-injection suite (agent SIGKILLs, ztunnel and API server outages, a 5,000-cycle soak; AMBIENT_CHAOS_SEEDS=1,2 replays kill schedules)
 	@left=$$(mktemp); hack/leftovers.sh snapshot $$left; \
-	AMBIENT_TEST_LONG=1 $(GO) test -count=1 -v -timeout $(LONG_TIMEOUT) ./test/chaos/; rc=$$?; \
+	AMBIENT_TEST_LONG=1 $(VERBOSE_TEST) -count=1 -timeout $(LONG_TIMEOUT) ./test/chaos/; rc=$$?; \
 	hack/leftovers.sh check $$left || rc=1; rm -f $$left; exit $$rc
 
 # A static binary, so Ctrl-C reaches it directly (not through go run) and
@@ -252,14 +257,14 @@ demo: deps node-tools $(BIN)/ambient-node ## as root: a real kubelet + container
 demo-down: $(BIN)/ambient-node ## tear down a node whose demo was killed (Ctrl-C tears down by itself)
 	$(BIN)/ambient-node down
 
-e2e: node-tools peer-tools image-tools ## as root: the end-to-end tests on a real node (kubelet, containerd, helm-installed DaemonSet; Istio's istio-cni for the switch from it)
+e2e: node-tools peer-tools image-tools $(GOTESTSUM) ## as root: the end-to-end tests on a real node (kubelet, containerd, helm-installed DaemonSet; Istio's istio-cni for the switch from it)
 	$(E2E_TEST)
 
 # make check's e2e: the same tests, started while bg:node-tools still
 # builds; a test that needs a tool that build has not finished waits for it
 # (test/lib/kubeenv AwaitTool), so istiod, runc and Multus, built last,
 # build beside the first tests.
-e2e-beside-tools:
+e2e-beside-tools: $(GOTESTSUM)
 	$(E2E_TEST)
 
 # make test-release builds a whole release twice and compares the two
@@ -308,6 +313,9 @@ staticcheck: $(STATICCHECK)
 
 $(STATICCHECK):
 	GOBIN=$(dir $(STATICCHECK)) $(GO) install honnef.co/go/tools/cmd/staticcheck@$(STATICCHECK_VERSION)
+
+$(GOTESTSUM):
+	GOBIN=$(dir $(GOTESTSUM)) $(GO) install gotest.tools/gotestsum@$(GOTESTSUM_VERSION)
 
 generate: $(PROTOC_GEN_GO) ## regenerate committed protobuf Go code (needs protoc: Debian protobuf-compiler)
 	$(PROTOC) --plugin=protoc-gen-go=$(PROTOC_GEN_GO) -I pkg/ambient/zdspb \
