@@ -212,8 +212,12 @@ check: deps ## as root: everything CI runs (.ci/run runs exactly this): check-to
 # of hack/kube-tools.sh: on a cold cache the Debian bases and the module
 # downloads then overlap the Go builds. make check builds the rest
 # (make node-tools) beside its tests.
-check-tools: $(GOTESTSUM) ## build the tools make test and make test-long need into the tools cache, downloads overlapping the builds
-	GO='$(GO)' hack/kube-tools.sh etcd kube-apiserver helm promtool istio-cni $(addprefix image-rootfs-,$(IMAGE_ARCHES))
+# gotestsum (for make e2e and make test-long) builds beside them: its
+# build is mostly module downloads.
+check-tools: ## build the tools make test and make test-long need into the tools cache, downloads overlapping the builds
+	@$(MAKE) --no-print-directory $(GOTESTSUM) & gts=$$!; \
+	GO='$(GO)' hack/kube-tools.sh etcd kube-apiserver helm promtool istio-cni $(addprefix image-rootfs-,$(IMAGE_ARCHES)); rc=$$?; \
+	wait $$gts || rc=1; exit $$rc
 
 # The suite must leave a real node's paths (/var/run/ambient-cni, /var/lib/ambient-cni,
 # /etc/cni/net.d, /opt/cni/bin, /var/run/ztunnel) as it found them:
