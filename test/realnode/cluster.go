@@ -206,15 +206,41 @@ func (n *Node) imageValues(tag string) map[string]any {
 }
 
 // applyChart installs or upgrades the release from the chart in the
-// node's registry, as helm install oci:// does on a cluster.
+// node's registry, as docs/release.md says to: verified first
+// (VerifyRelease), then helm install oci://…@digest with the image by the
+// digest verified. A tag never pushed (a test of an image the node cannot
+// pull) has no image to verify: the chart is verified with the release's
+// first image (ImageTag), and the image left to fail its pull.
 func (n *Node) applyChart(ctx context.Context, verb, tag string, wait, extra []string) error {
+	chart, err := n.verifiedChart(ctx, tag)
+	if err != nil {
+		return err
+	}
 	vf, err := n.writeValues("values-"+tag+".yaml", n.ChartValues(tag))
 	if err != nil {
 		return err
 	}
-	args := append([]string{verb, Release, n.ChartRef(), "--version", ChartVersion, "--plain-http", "--namespace", ReleaseNamespace, "-f", vf}, wait...)
+	args := append([]string{verb, Release, chart, "--plain-http", "--namespace", ReleaseNamespace, "-f", vf}, wait...)
 	_, err = n.Helm(ctx, append(args, extra...)...)
 	return err
+}
+
+// verifiedChart verifies the release under tag (under ImageTag for a tag
+// never pushed) and returns the chart's reference by digest; it fails if
+// the registry serves another image under tag than the node pushed.
+func (n *Node) verifiedChart(ctx context.Context, tag string) (string, error) {
+	verifyTag := tag
+	if n.AgentDigest(tag) == "" {
+		verifyTag = ImageTag
+	}
+	v, err := n.VerifyRelease(ctx, verifyTag)
+	if err != nil {
+		return "", fmt.Errorf("not installed: %w", err)
+	}
+	if d := n.AgentDigest(verifyTag); v.Image != d {
+		return "", fmt.Errorf("not installed: the registry serves %s under %s, the node pushed %s", v.Image, verifyTag, d)
+	}
+	return v.Chart, nil
 }
 
 // UninstallAgent runs helm uninstall and waits until the agent pods are

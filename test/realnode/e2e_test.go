@@ -108,6 +108,7 @@ func TestRealNode(t *testing.T) {
 
 	t.Run("the egress guard catches traffic off the machine", e.testGuardCatches)
 	t.Run("agent runs as the chart's DaemonSet pod", e.testAgentPod)
+	t.Run("a tampered image or chart is refused before helm runs", e.testTamperedRefused)
 	t.Run("kubectl ambient-cni explains captured, uncaptured and failing pods", e.testKubectlPlugin)
 	t.Run("story", e.testStory)
 	t.Run("graceful deletion keeps the pod captured until its container is gone", e.testGracefulDeletion)

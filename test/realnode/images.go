@@ -32,6 +32,10 @@ type Images struct {
 	// digests the index digest pushed under each tag.
 	agentLayout string
 	digests     map[string]string
+	// key signs what is pushed and verifies it before an install
+	// (signing.go); chartTgz is the chart archive pushed.
+	key      *releaseKey
+	chartTgz []byte
 }
 
 // ImageRepository and ImageTag name the local test images: fully

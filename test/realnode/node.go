@@ -264,6 +264,9 @@ func Up(ctx context.Context, opts Options) (n *Node, err error) {
 	if err := n.startRegistry(ctx); err != nil {
 		return n, err
 	}
+	if n.Images.key, err = newReleaseKey(); err != nil {
+		return n, err
+	}
 	if _, err := n.pushAgent(ctx, ImageTag); err != nil {
 		return n, err
 	}

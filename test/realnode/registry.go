@@ -152,26 +152,27 @@ func (n *Node) pushAgent(ctx context.Context, tag string) (string, error) {
 		return "", err
 	}
 	var d v1.Hash
-	if tag == ImageTag {
-		d, err = ociimage.Push(n.Images.agentLayout, ref, remote.WithContext(ctx))
-	} else {
-		var idx v1.ImageIndex
-		if idx, err = ociimage.ReadLayout(n.Images.agentLayout); err == nil {
-			if idx, err = relabel(idx, tag); err == nil {
-				if err = remote.WriteIndex(ref, idx, remote.WithContext(ctx)); err == nil {
-					d, err = idx.Digest()
-				}
+	idx, err := ociimage.ReadLayout(n.Images.agentLayout)
+	if err == nil {
+		if tag == ImageTag {
+			d, err = ociimage.Push(n.Images.agentLayout, ref, remote.WithContext(ctx))
+		} else if idx, err = relabel(idx, tag); err == nil {
+			if err = remote.WriteIndex(ref, idx, remote.WithContext(ctx)); err == nil {
+				d, err = idx.Digest()
 			}
 		}
 	}
 	if err != nil {
 		return "", fmt.Errorf("push the agent image as %s: %w", ref, err)
 	}
+	if err := n.signAgent(ctx, ref.Context().Digest(d.String()), idx, tag); err != nil {
+		return "", fmt.Errorf("sign the agent image %s: %w", ref, err)
+	}
 	if n.Images.digests == nil {
 		n.Images.digests = map[string]string{}
 	}
 	n.Images.digests[tag] = d.String()
-	n.logf("   pushed %s@%s in %v", ref, d, time.Since(start).Round(10*time.Millisecond))
+	n.logf("   pushed and signed %s@%s, its SBOM and provenance in %v", ref, d, time.Since(start).Round(10*time.Millisecond))
 	return d.String(), nil
 }
 
@@ -215,8 +216,8 @@ func relabel(idx v1.ImageIndex, version string) (v1.ImageIndex, error) {
 }
 
 // pushChart packages the chart as make chart does (version ChartVersion,
-// appVersion ImageTag) and pushes it as make chart-push does, to
-// oci://REGISTRY/charts.
+// appVersion ImageTag), pushes it as make chart-push does, to
+// oci://REGISTRY/charts, and signs it as make release-push does.
 func (n *Node) pushChart(ctx context.Context) error {
 	start := time.Now()
 	out := filepath.Join(n.Dir, "images", "chart")
@@ -227,7 +228,14 @@ func (n *Node) pushChart(ctx context.Context) error {
 	if _, err := n.Helm(ctx, "push", tgz, "oci://"+n.Images.Registry+"/"+chartRepoPath, "--plain-http"); err != nil {
 		return err
 	}
-	n.logf("   pushed the chart %s --version %s in %v", n.ChartRef(), ChartVersion, time.Since(start).Round(10*time.Millisecond))
+	b, err := os.ReadFile(tgz)
+	if err != nil {
+		return err
+	}
+	if err := n.signChart(ctx, b); err != nil {
+		return fmt.Errorf("sign the chart: %w", err)
+	}
+	n.logf("   pushed and signed the chart %s --version %s in %v", n.ChartRef(), ChartVersion, time.Since(start).Round(10*time.Millisecond))
 	return nil
 }
 
@@ -315,12 +323,18 @@ func (n *Node) CheckAgentFromRegistry(ctx context.Context) error {
 	if rel.Version != ChartVersion || rel.AppVersion != ImageTag {
 		return fmt.Errorf("release chart %s (appVersion %s), want the pushed %s (%s)", rel.Version, rel.AppVersion, ChartVersion, ImageTag)
 	}
-	agents, err = n.RegistryPulls("/v2/" + chartRepoPath + "/" + Release + "/manifests/" + ChartVersion)
+	// Installed by the digest verified (signing.go).
+	v, err := n.VerifyRelease(ctx, ImageTag)
+	if err != nil {
+		return err
+	}
+	chart := v.Chart[strings.LastIndexByte(v.Chart, '@')+1:]
+	agents, err = n.RegistryPulls("/v2/" + chartRepoPath + "/" + Release + "/manifests/" + chart)
 	if err != nil {
 		return err
 	}
 	if !hasPrefixed(agents, "Helm/") {
-		return fmt.Errorf("the registry's log has no request of the chart %s:%s by helm (user agents: %v)", chartRepoPath+"/"+Release, ChartVersion, agents)
+		return fmt.Errorf("the registry's log has no request of the chart %s@%s by helm (user agents: %v)", chartRepoPath+"/"+Release, chart, agents)
 	}
 	return nil
 }

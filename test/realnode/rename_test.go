@@ -71,7 +71,11 @@ func (l *life) testRenameUnderTraffic(t *testing.T) {
 // value (--reuse-values --set set) and waits until the chart's one
 // DaemonSet has rolled out.
 func (l *life) upgradeReusing(ctx context.Context, set string) error {
-	if _, err := l.n.Helm(ctx, "upgrade", Release, l.n.ChartRef(), "--version", ChartVersion, "--plain-http",
+	chart, err := l.n.verifiedChart(ctx, ImageTag)
+	if err != nil {
+		return err
+	}
+	if _, err := l.n.Helm(ctx, "upgrade", Release, chart, "--plain-http",
 		"--namespace", ReleaseNamespace, "--reuse-values", "--set", set, "--wait", "--timeout", "5m"); err != nil {
 		return err
 	}
@@ -152,7 +156,7 @@ func (l *life) renameUnderTraffic(t *testing.T, s renameStep, prove bool) bool {
 		t.Errorf("%s: the uninstall marker %s is left behind (%v)", s.set, l.n.Layout().Uninstalling(), err)
 	}
 	if d.Broken > 0 || d.LoopFailed > 0 {
-		t.Errorf("%s: %d held connections broke, %d requests failed: %v", s.set, d.Broken, d.LoopFailed, d.Failures)
+		t.Errorf("%s: %d held connections broke, %d requests failed: %v", s.set, d.Broken, d.LoopFailed, d.Listed())
 	}
 	// Every request of the loop during the rename went through the
 	// stand-in: none left the pod uncaptured.
