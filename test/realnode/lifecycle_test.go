@@ -346,7 +346,7 @@ func (l *life) testRuntimeRestarts(t *testing.T) {
 			t.Errorf("%s restart: the redirection annotation changed: %v", c.name, changes)
 		}
 		if d.Broken > 0 || d.LoopFailed > 0 {
-			t.Errorf("%s restart: %d held connections broke, %d requests failed: %v", c.name, d.Broken, d.LoopFailed, d.Failures)
+			t.Errorf("%s restart: %d held connections broke, %d requests failed: %v", c.name, d.Broken, d.LoopFailed, d.Listed())
 		}
 		for name, b := range before {
 			a := after[name]
@@ -498,7 +498,7 @@ func (l *life) testAgentRollUnderTraffic(t *testing.T) {
 	figure(t, "helm-upgrade-connections-reset", d.Broken)
 	figure(t, "helm-upgrade-requests-failed", d.LoopFailed)
 	if d.Broken > 0 {
-		t.Errorf("helm upgrade: %d held connections broke: %v", d.Broken, d.Failures)
+		t.Errorf("helm upgrade: %d held connections broke: %v", d.Broken, d.Listed())
 	}
 	l.checkRollPods(t, "helm-upgrade", pods)
 
@@ -523,7 +523,7 @@ func (l *life) testAgentRollUnderTraffic(t *testing.T) {
 	figure(t, "rollout-restart-connections-reset", d.Broken)
 	figure(t, "rollout-restart-requests-failed", d.LoopFailed)
 	if d.Broken > 0 {
-		t.Errorf("rollout restart: %d held connections broke: %v", d.Broken, d.Failures)
+		t.Errorf("rollout restart: %d held connections broke: %v", d.Broken, d.Listed())
 	}
 	l.checkRollPods(t, "rollout-restart", pods)
 }

@@ -400,7 +400,7 @@ func (l *life) raceOnce(t *testing.T, boot int, ownedPath string, mode raceMode)
 		c.trafficOK, c.trafficFail = d.LoopOK+d.HeldRequests, d.LoopFailed+d.Broken
 		l.traffic = nil
 		if c.trafficFail > 0 {
-			t.Errorf("boot %d: before the reboot %d requests failed, %d held connections broke: %v", boot, d.LoopFailed, d.Broken, d.Failures)
+			t.Errorf("boot %d: before the reboot %d requests failed, %d held connections broke: %v", boot, d.LoopFailed, d.Broken, d.Listed())
 		}
 	}
 	var (

@@ -318,7 +318,7 @@ func checkChains(t *testing.T, what string, chains []string, neither bool) []str
 
 // checkCalm asserts a step with no window: no ambient pod seen
 // uncaptured, no held connection reset, no request failed.
-func (s *switchTest) checkCalm(t *testing.T, what string, samples, sandboxes int, bad []string, d TrafficCounts) {
+func (s *switchTest) checkCalm(t *testing.T, what string, samples, sandboxes int, bad []string, d TrafficCounts, zdsFrom int) {
 	t.Helper()
 	figure(t, what+"-capture-samples", samples)
 	figure(t, what+"-sandboxes-sampled", sandboxes)
@@ -329,13 +329,50 @@ func (s *switchTest) checkCalm(t *testing.T, what string, samples, sandboxes int
 	figure(t, what+"-connections-reset", d.Broken)
 	figure(t, what+"-requests-failed", d.LoopFailed)
 	if d.Broken > 0 || d.LoopFailed > 0 {
-		t.Errorf("%s: %d held connections broke, %d requests failed: %v", what, d.Broken, d.LoopFailed, d.Failures)
+		t.Errorf("%s: %d held connections broke, %d requests failed: %s\n%s\n%s", what, d.Broken, d.LoopFailed, d.Listed(), s.zdsSince(zdsFrom), s.n.AgentLogTail(context.Background(), 80))
 	}
+}
+
+// zdsMark is the number of ZDS requests the stand-in has received: a
+// step's start, for zdsSince.
+func (s *switchTest) zdsMark(t *testing.T) int {
+	t.Helper()
+	m, err := s.n.StandInMessages(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(m)
+}
+
+// zdsSince lists the ZDS requests the stand-in received from the from-th
+// on, each with its pod's name: what told ztunnel to drop or replace a
+// pod whose connections broke.
+func (s *switchTest) zdsSince(from int) string {
+	ctx := context.Background()
+	m, err := s.n.StandInMessages(ctx)
+	if err != nil {
+		return fmt.Sprintf("(the stand-in's ZDS requests: %v)", err)
+	}
+	names := map[string]string{}
+	for _, ns := range []string{lifeNS, optNS} {
+		if l, err := s.n.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{}); err == nil {
+			for _, p := range l.Items {
+				names[string(p.UID)] = p.Namespace + "/" + p.Name
+			}
+		}
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "the stand-in's ZDS requests since the step began (%d before):", from)
+	for _, x := range m[min(from, len(m)):] {
+		fmt.Fprintf(&b, "\n  conn %d %s %s (%s) netns %v ack %q torn down %v", x.Conn, x.Kind, x.UID, names[x.UID], x.Netns, x.AckError, x.TornDown)
+	}
+	return b.String()
 }
 
 func (s *switchTest) testSwitchToOurs(t *testing.T) {
 	ctx := context.Background()
 	m := s.mode()
+	zdsFrom := s.zdsMark(t)
 	tr := s.traffic.Counts()
 	stopAnn := s.watchAnnotations(t)
 	stopSample := s.sampleCaptureIn(lifeNS, optNS)
@@ -359,7 +396,7 @@ func (s *switchTest) testSwitchToOurs(t *testing.T) {
 	if order := checkChains(t, "switch", chains, false); strings.Join(order, ",") != "istio-cni,ambient-cni" {
 		t.Errorf("the chain ended in %v during the switch, want istio-cni's then ours", order)
 	}
-	s.checkCalm(t, m+"-switch", samples, sandboxes, bad, d)
+	s.checkCalm(t, m+"-switch", samples, sandboxes, bad, d, zdsFrom)
 	// Every kind of pod created on the node throughout: the ambient ones
 	// captured from their first packet (or they waited), the others
 	// started.
@@ -517,7 +554,7 @@ func (s *switchTest) testRollback(t *testing.T) {
 	figure(t, m+"-rollback-connections-reset", d.Broken)
 	figure(t, m+"-rollback-requests-failed", d.LoopFailed)
 	if d.Broken > 0 {
-		t.Logf("rollback: %d held connections broke (redialled): %v", d.Broken, d.Failures)
+		t.Logf("rollback: %d held connections broke (redialled): %v", d.Broken, d.Listed())
 	}
 	s.checkKinds(t, m+"-rollback", pods, true)
 	s.deleteKinds(pods)
@@ -539,6 +576,7 @@ func (s *switchTest) testRollback(t *testing.T) {
 func (s *switchTest) testSwitchAgain(t *testing.T) {
 	ctx := context.Background()
 	m := s.mode()
+	zdsFrom := s.zdsMark(t)
 	tr := s.traffic.Counts()
 	stopSample := s.sampleCaptureIn(lifeNS, optNS)
 	stopChain := s.chainSampler()
@@ -565,7 +603,7 @@ func (s *switchTest) testSwitchAgain(t *testing.T) {
 	if order := checkChains(t, "switch again", chains, false); strings.Join(order, ",") != "istio-cni,ambient-cni" {
 		t.Errorf("the chain ended in %v, want istio-cni's then ours", order)
 	}
-	s.checkCalm(t, m+"-again", samples, sandboxes, bad, d)
+	s.checkCalm(t, m+"-again", samples, sandboxes, bad, d, zdsFrom)
 	s.checkKinds(t, m+"-again", pods, false)
 	s.deleteKinds(pods)
 

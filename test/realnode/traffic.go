@@ -47,8 +47,19 @@ func (c TrafficCounts) Sub(before TrafficCounts) TrafficCounts {
 	}
 }
 
-// maxFailures bounds TrafficCounts.Failures.
-const maxFailures = 20
+// Listed is the first of c's failures, for a report: at most 20, and how
+// many more there were.
+func (c TrafficCounts) Listed() string {
+	const shown = 20
+	if len(c.Failures) <= shown {
+		return fmt.Sprint(c.Failures)
+	}
+	return fmt.Sprintf("%v and %d more", c.Failures[:shown], len(c.Failures)-shown)
+}
+
+// maxFailures bounds TrafficCounts.Failures: enough that a late step's
+// failures are still listed after an earlier step's (Sub).
+const maxFailures = 2000
 
 // Traffic keeps long-lived connections open, each carrying a keep-alive
 // request every heldEvery, and runs a loop of one-request connections,
