@@ -39,31 +39,13 @@ const (
 // attestations writes the SBOM of the release's image index and the
 // release's provenance into the release directory.
 func (a assembly) attestations(idx v1.ImageIndex, digest v1.Hash) error {
-	im, err := idx.IndexManifest()
+	cs, plat, goVersion, err := attest.IndexContents(idx)
 	if err != nil {
 		return err
 	}
 	in := attest.SBOMInput{
 		Name: a.registry + "/" + AgentRepo, Version: a.version, Index: digest,
-		Namespace: a.homepage, Created: a.mtime,
-	}
-	plat := map[string]v1.Hash{}
-	goVersion := ""
-	for _, m := range im.Manifests {
-		img, err := idx.Image(m.Digest)
-		if err != nil {
-			return err
-		}
-		c, err := attest.ReadContents(img)
-		if err != nil {
-			return fmt.Errorf("the %s image: %w", m.Platform.Architecture, err)
-		}
-		if len(c.Binaries) == 0 || len(c.Debs) == 0 {
-			return fmt.Errorf("the %s image: %d Go binaries and %d Debian packages found, want some of each (is the base's dpkg status there?)", c.Arch, len(c.Binaries), len(c.Debs))
-		}
-		goVersion = c.Binaries[0].Info.GoVersion
-		plat[c.Arch] = c.Digest
-		in.Platforms = append(in.Platforms, c)
+		Namespace: a.homepage, Created: a.mtime, Platforms: cs,
 	}
 	sbom, err := attest.WriteSBOM(attest.SBOM(in))
 	if err != nil {

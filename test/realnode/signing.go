@@ -61,29 +61,12 @@ func (n *Node) signAgent(ctx context.Context, d name.Digest, idx v1.ImageIndex, 
 	if err != nil {
 		return err
 	}
-	im, err := idx.IndexManifest()
+	cs, plat, goVersion, err := attest.IndexContents(idx)
 	if err != nil {
-		return err
+		return fmt.Errorf("the agent image's contents: %w", err)
 	}
 	repo := d.Context().Name()
-	sin := attest.SBOMInput{Name: repo, Version: tag, Index: h, Namespace: imageSource, Created: time.Unix(0, 0).UTC()}
-	plat := map[string]v1.Hash{}
-	goVersion := runtime.Version()
-	for _, m := range im.Manifests {
-		img, err := idx.Image(m.Digest)
-		if err != nil {
-			return err
-		}
-		c, err := attest.ReadContents(img)
-		if err != nil {
-			return fmt.Errorf("the agent image's contents: %w", err)
-		}
-		if len(c.Binaries) > 0 {
-			goVersion = c.Binaries[0].Info.GoVersion
-		}
-		plat[c.Arch] = c.Digest
-		sin.Platforms = append(sin.Platforms, c)
-	}
+	sin := attest.SBOMInput{Name: repo, Version: tag, Index: h, Namespace: imageSource, Created: time.Unix(0, 0).UTC(), Platforms: cs}
 	sbom, err := attest.WriteSBOM(attest.SBOM(sin))
 	if err != nil {
 		return err

@@ -17,6 +17,7 @@ import (
 	"archive/tar"
 	"bufio"
 	"bytes"
+	"cmp"
 	"crypto/sha256"
 	"debug/buildinfo"
 	"encoding/hex"
@@ -58,6 +59,36 @@ type Contents struct {
 	Debs     []DebPackage
 	// Distro is os-release's ID-VERSION_ID (debian-12), if the image has it.
 	Distro string
+}
+
+// IndexContents reads every image of an index (ReadContents), each of
+// which must hold Go binaries and Debian packages: what a release's SBOM
+// lists. Platforms maps each architecture to its image's digest, and
+// GoVersion is the toolchain of the first binary, as the provenance names
+// them.
+func IndexContents(idx v1.ImageIndex) (cs []Contents, platforms map[string]v1.Hash, goVersion string, err error) {
+	im, err := idx.IndexManifest()
+	if err != nil {
+		return nil, nil, "", err
+	}
+	platforms = map[string]v1.Hash{}
+	for _, m := range im.Manifests {
+		img, err := idx.Image(m.Digest)
+		if err != nil {
+			return nil, nil, "", err
+		}
+		c, err := ReadContents(img)
+		if err != nil {
+			return nil, nil, "", fmt.Errorf("the %s image: %w", m.Platform.Architecture, err)
+		}
+		if len(c.Binaries) == 0 || len(c.Debs) == 0 {
+			return nil, nil, "", fmt.Errorf("the %s image: %d Go binaries and %d Debian packages found, want some of each (is the base's dpkg status there?)", c.Arch, len(c.Binaries), len(c.Debs))
+		}
+		goVersion = cmp.Or(goVersion, c.Binaries[0].Info.GoVersion)
+		platforms[c.Arch] = c.Digest
+		cs = append(cs, c)
+	}
+	return cs, platforms, goVersion, nil
 }
 
 // maxBinary bounds what is read of one executable (the agent is ~60 MB).
