@@ -333,6 +333,17 @@ func (s *switchTest) checkCalm(t *testing.T, what string, samples, sandboxes int
 	}
 }
 
+// settled waits until the traffic has settled after a step (Settle) and
+// returns what broke during the step, since tr: a connection broken by
+// the step's last moments is counted in it, not in the next step.
+func (s *switchTest) settled(t *testing.T, tr TrafficCounts) TrafficCounts {
+	t.Helper()
+	if err := s.traffic.Settle(context.Background(), time.Now(), time.Minute); err != nil {
+		t.Error(err)
+	}
+	return s.traffic.Counts().Sub(tr)
+}
+
 // zdsMark is the number of ZDS requests the stand-in has received: a
 // step's start, for zdsSince.
 func (s *switchTest) zdsMark(t *testing.T) int {
@@ -382,7 +393,7 @@ func (s *switchTest) testSwitchToOurs(t *testing.T) {
 	chains := stopChain()
 	samples, sandboxes, bad := stopSample()
 	changes := stopAnn()
-	d := s.traffic.Counts().Sub(tr)
+	d := s.settled(t, tr)
 	if err != nil {
 		t.Fatalf("%v\n%s", err, s.n.AgentLogTail(ctx, 40))
 	}
@@ -531,7 +542,7 @@ func (s *switchTest) testRollback(t *testing.T) {
 	})
 	chains := stopChain()
 	samples, sandboxes, bad := stopSample()
-	d := s.traffic.Counts().Sub(tr)
+	d := s.settled(t, tr)
 	if err != nil {
 		t.Fatalf("%v\n%s", err, s.n.AgentLogTail(ctx, 40))
 	}
@@ -594,7 +605,7 @@ func (s *switchTest) testSwitchAgain(t *testing.T) {
 	})
 	chains := stopChain()
 	samples, sandboxes, bad := stopSample()
-	d := s.traffic.Counts().Sub(tr)
+	d := s.settled(t, tr)
 	if err != nil {
 		t.Fatalf("%v\n%s", err, s.n.AgentLogTail(ctx, 40))
 	}

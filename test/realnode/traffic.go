@@ -70,6 +70,9 @@ type Traffic struct {
 
 	mu sync.Mutex
 	c  TrafficCounts
+	// answered is, per held connection, when the last request it
+	// answered was sent (Settle).
+	answered []time.Time
 }
 
 const (
@@ -98,7 +101,7 @@ func StartTraffic(ctx context.Context, held []Flow, loop Flow) (*Traffic, error)
 		conns = append(conns, c)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	t := &Traffic{cancel: cancel}
+	t := &Traffic{cancel: cancel, answered: make([]time.Time, len(held))}
 	t.c.Held = len(held)
 	for i, f := range held {
 		t.wg.Add(1)
@@ -145,6 +148,7 @@ func (t *Traffic) hold(ctx context.Context, f Flow, c net.Conn, i int) {
 			return
 		case <-time.After(heldEvery):
 		}
+		sent := time.Now()
 		if err := request(c, br, fmt.Sprintf("/held-%d", i)); err != nil {
 			if ctx.Err() != nil {
 				return
@@ -170,7 +174,36 @@ func (t *Traffic) hold(ctx context.Context, f Flow, c net.Conn, i int) {
 		}
 		t.mu.Lock()
 		t.c.HeldRequests++
+		t.answered[i] = sent
 		t.mu.Unlock()
+	}
+}
+
+// Settle waits until every held connection has answered a request sent
+// at or after since, for at most wait. A step under traffic settles
+// before it reads its counts: a request in flight when the step ended
+// fails only when its deadline passes (trafficTimeout), and that failure
+// is the step's, not the next one's.
+func (t *Traffic) Settle(ctx context.Context, since time.Time, wait time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, wait)
+	defer cancel()
+	for {
+		t.mu.Lock()
+		behind := 0
+		for _, a := range t.answered {
+			if a.Before(since) {
+				behind++
+			}
+		}
+		t.mu.Unlock()
+		if behind == 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%d of %d held connections answered nothing sent since %s within %s", behind, len(t.answered), since.Format("15:04:05.000"), wait)
+		case <-time.After(50 * time.Millisecond):
+		}
 	}
 }
 
