@@ -25,7 +25,7 @@ import (
 // signed in-toto attestations), and every helm install or upgrade first
 // verifies them all with the public key, as make verify-release does,
 // then installs the chart and the image by the digests verified. The key
-// is made per node: a release's private key never is on a test machine.
+// is made per node: a release's private key is never on a test machine.
 
 // releaseKey is the node's signing key and the verifier of its public half.
 type releaseKey struct {

@@ -34,7 +34,8 @@ type TrafficCounts struct {
 	// LoopOK and LoopFailed count the request loop's one-request
 	// connections.
 	LoopOK, LoopFailed int
-	// Failures are the first failures, with their time.
+	// Failures are the failures, each with its time (the first
+	// maxFailures; Listed shows the first few).
 	Failures []string
 }
 
@@ -47,7 +48,7 @@ func (c TrafficCounts) Sub(before TrafficCounts) TrafficCounts {
 	}
 }
 
-// Listed is the first of c's failures, for a report: at most 20, and how
+// Listed shows c's first failures, for a report: at most 20, and how
 // many more there were.
 func (c TrafficCounts) Listed() string {
 	const shown = 20
