@@ -330,8 +330,8 @@ var istioValueCases = map[string][]istioCase{
 		{values: "logging: {level: error}\nglobal: {logging: {level: debug}}", check: wantEnv("AMBIENT_LOG_LEVEL", "error")},
 	},
 	"global.logAsJson": {
-		{values: `global: {logAsJson: true}`, fail: "global.logAsJson: ambient-cni's agent logs text only"},
-		{values: `global: {logAsJson: false}`},
+		{values: `global: {logAsJson: true}`, check: wantEnv("AMBIENT_LOG_FORMAT", "json")},
+		{values: `global: {logAsJson: false}`, check: wantEnv("AMBIENT_LOG_FORMAT", "text")},
 	},
 	// Istio's NetworkPolicy; the agent runs in the host network, where
 	// NetworkPolicy does not apply.

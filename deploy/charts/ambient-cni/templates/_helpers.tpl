@@ -386,8 +386,9 @@ charts rely on the same order).
 {{- end -}}
 {{- end -}}
 {{- /* Istio's globals the CNI chart reads; the rest concern other charts. */ -}}
-{{- if $g.logAsJson -}}
-{{- fail "global.logAsJson: ambient-cni's agent logs text only" -}}
+{{- /* Istio's JSON logs are ours (agent.logFormat), unless that is set otherwise. */ -}}
+{{- if and $g.logAsJson (eq $v.agent.logFormat "text") -}}
+{{- $_ := set $v.agent "logFormat" "json" -}}
 {{- end -}}
 {{- with $g.resourceScope -}}
 {{- if ne . "all" -}}
