@@ -66,8 +66,7 @@ func TestAPIServerOutage(t *testing.T) {
 	w := newWorld(n)
 	amb := w.namespace("amb", ambient.DataplaneModeAmbient)
 	plain := w.namespace("plain", "")
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
-	defer cancel()
+	ctx := runContext(t)
 	rng := rand.New(rand.NewPCG(1, 2)) // back-off jitter only
 
 	var up []*kubesim.Pod

@@ -53,6 +53,25 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
+// cleanupMargin is what a test keeps of go test's -timeout for its
+// cleanups (nodes torn down, namespaces removed) after its work's context
+// ends.
+const cleanupMargin = 2 * time.Minute
+
+// runContext is a test's context for its work: no budget of its own (on
+// a busy machine every step is slower), ending cleanupMargin before go
+// test's -timeout would panic, so that a hang fails the test with its
+// cleanups run.
+func runContext(t *testing.T) context.Context {
+	d, ok := t.Deadline()
+	if !ok {
+		return t.Context()
+	}
+	ctx, cancel := context.WithDeadline(t.Context(), d.Add(-cleanupMargin))
+	t.Cleanup(cancel)
+	return ctx
+}
+
 // requireLong skips unless the long suite was asked for, and checks every
 // prerequisite (a missing one fails under CI=true).
 func requireLong(t *testing.T) {

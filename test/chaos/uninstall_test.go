@@ -88,8 +88,7 @@ func uninstallKillRun(t *testing.T, rng *rand.Rand, step uninstallStep, subnet n
 	w := newWorld(n)
 	amb := w.namespace("amb", ambient.DataplaneModeAmbient)
 	plain := w.namespace("plain", "")
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
+	ctx := runContext(t)
 	ds := n.createDaemonSet(ctx, ns)
 	for i := range 3 {
 		if _, err := w.run(ctx, rng, podObject(amb, "a"+strconv.Itoa(i), "")); err != nil {
