@@ -2,12 +2,9 @@ package main
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"flag"
 	"fmt"
-	"io"
 	"maps"
 	"os"
 	"path/filepath"
@@ -56,7 +53,7 @@ func (a assembly) attestations(idx v1.ImageIndex, digest v1.Hash) error {
 	}
 	bases := map[string]string{}
 	for arch, p := range a.bases {
-		if bases[arch], err = fileSHA256(p); err != nil {
+		if bases[arch], err = attest.FileSHA256(p); err != nil {
 			return fmt.Errorf("the %s base: %w", arch, err)
 		}
 	}
@@ -73,19 +70,6 @@ func (a assembly) attestations(idx v1.ImageIndex, digest v1.Hash) error {
 		return err
 	}
 	return a.write(filepath.Join(a.dir, ProvenanceName), prov)
-}
-
-func fileSHA256(p string) (string, error) {
-	f, err := os.Open(p)
-	if err != nil {
-		return "", err
-	}
-	defer f.Close()
-	h := sha256.New()
-	if _, err := io.Copy(h, f); err != nil {
-		return "", err
-	}
-	return hex.EncodeToString(h.Sum(nil)), nil
 }
 
 // archFlag collects -base ARCH=PATH.

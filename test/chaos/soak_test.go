@@ -126,7 +126,7 @@ func TestSoak(t *testing.T) {
 
 	if r := s.retried.Load(); r > 0 {
 		s.mu.Lock()
-		first := s.retries[0]
+		first := s.firstRetry
 		s.mu.Unlock()
 		t.Logf("%d ADDs failed \"try again later\" and got a new sandbox, as kubelet gives one; the first: %v", r, first)
 	}
@@ -226,7 +226,8 @@ type soaker struct {
 	retried atomic.Int64
 	mu      sync.Mutex
 	errs    []error
-	retries []error
+	// firstRetry is the first ADD that got a new sandbox.
+	firstRetry error
 }
 
 // soakAddTries is how many sandboxes a cycle's pod gets when its ADD is
@@ -281,10 +282,11 @@ func (s *soaker) run(ctx context.Context, t *testing.T, pods [soakWorkers][]*cor
 				// does; the retries are printed, and a pod that does not
 				// start within soakAddTries sandboxes fails the soak.
 				for try := 1; try < soakAddTries && isTryAgain(err); try++ {
-					s.retried.Add(1)
-					s.mu.Lock()
-					s.retries = append(s.retries, err)
-					s.mu.Unlock()
+					if s.retried.Add(1) == 1 {
+						s.mu.Lock()
+						s.firstRetry = err
+						s.mu.Unlock()
+					}
 					err = s.cycle(ctx, obj, i%50 == 0)
 				}
 				if err != nil {

@@ -240,6 +240,7 @@ func (n *Node) verifiedChart(ctx context.Context, tag string) (string, error) {
 	if d := n.AgentDigest(verifyTag); v.Image != d {
 		return "", fmt.Errorf("not installed: the registry serves %s under %s, the node pushed %s", v.Image, verifyTag, d)
 	}
+	n.logf("   verified the image %s (signature, SBOM, provenance) and the chart %s", v.Image, v.Chart)
 	return v.Chart, nil
 }
 

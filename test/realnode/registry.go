@@ -19,6 +19,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/types"
 
 	"github.com/ambient-cni/ambient-cni/hack/imagebuild/ociimage"
+	"github.com/ambient-cni/ambient-cni/hack/release/attest"
 	"github.com/ambient-cni/ambient-cni/test/lib/childproc"
 )
 
@@ -323,12 +324,16 @@ func (n *Node) CheckAgentFromRegistry(ctx context.Context) error {
 	if rel.Version != ChartVersion || rel.AppVersion != ImageTag {
 		return fmt.Errorf("release chart %s (appVersion %s), want the pushed %s (%s)", rel.Version, rel.AppVersion, ChartVersion, ImageTag)
 	}
-	// Installed by the digest verified (signing.go).
-	v, err := n.VerifyRelease(ctx, ImageTag)
+	// Installed by the digest verified (signing.go): the tag's.
+	tag, err := n.chartTag()
 	if err != nil {
 		return err
 	}
-	chart := v.Chart[strings.LastIndexByte(v.Chart, '@')+1:]
+	cd, err := attest.Resolve(ctx, tag, remote.WithContext(ctx))
+	if err != nil {
+		return err
+	}
+	chart := cd.DigestStr()
 	agents, err = n.RegistryPulls("/v2/" + chartRepoPath + "/" + Release + "/manifests/" + chart)
 	if err != nil {
 		return err

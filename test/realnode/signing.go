@@ -79,7 +79,7 @@ func (n *Node) signAgent(ctx context.Context, d name.Digest, idx v1.ImageIndex, 
 	if err != nil {
 		return err
 	}
-	base, err := fileDigest(n.Tools.ImageRootfs)
+	base, err := attest.FileSHA256(n.Tools.ImageRootfs)
 	if err != nil {
 		return fmt.Errorf("the image's base: %w", err)
 	}
@@ -108,20 +108,6 @@ func repoCommit(repo string) string {
 	return strings.TrimSpace(string(out))
 }
 
-// fileDigest is the hex sha256 of the file at p.
-func fileDigest(p string) (string, error) {
-	f, err := os.Open(p)
-	if err != nil {
-		return "", err
-	}
-	defer f.Close()
-	h, _, err := v1.SHA256(f)
-	if err != nil {
-		return "", err
-	}
-	return h.Hex, nil
-}
-
 // signChart signs the chart pushed under ChartVersion after checking that
 // the registry holds exactly the archive packaged (tgz).
 func (n *Node) signChart(ctx context.Context, tgz []byte) error {
@@ -146,10 +132,10 @@ func (n *Node) chartTag() (name.Tag, error) {
 }
 
 // Verified is what a verification of the node's release found, to
-// install by: the chart's reference by digest and the agent image's
-// index digest.
+// install by: the chart's reference by digest (oci://…@sha256:…), its
+// digest alone, and the agent image's index digest.
 type Verified struct {
-	Chart, Image string
+	Chart, ChartDigest, Image string
 }
 
 // VerifyRelease checks the agent's image under tag and the chart as make
@@ -183,5 +169,5 @@ func (n *Node) VerifyRelease(ctx context.Context, tag string) (Verified, error) 
 	if err := attest.CheckChart(ctx, c, n.Images.chartTgz, remote.WithContext(ctx)); err != nil {
 		return Verified{}, fmt.Errorf("the chart refused: %w", err)
 	}
-	return Verified{Chart: "oci://" + n.Images.Registry + "/" + chartRepoPath + "/" + Release + "@" + c.DigestStr(), Image: d.DigestStr()}, nil
+	return Verified{Chart: "oci://" + c.String(), ChartDigest: c.DigestStr(), Image: d.DigestStr()}, nil
 }

@@ -87,7 +87,7 @@ func (e *e2e) testTamperedRefused(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	signed := chartTag.Context().Digest(before.Chart[strings.LastIndexByte(before.Chart, '@')+1:])
+	signed := chartTag.Context().Digest(before.ChartDigest)
 	desc, err := remote.Get(signed, remote.WithContext(ctx))
 	if err != nil {
 		t.Fatal(err)

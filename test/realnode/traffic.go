@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/pkg/netns"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 )
 
 // Flow is TCP traffic from inside a pod's network namespace to an app
@@ -186,26 +187,21 @@ func (t *Traffic) hold(ctx context.Context, f Flow, c net.Conn, i int) {
 // fails only when its deadline passes (trafficTimeout), and that failure
 // is the step's, not the next one's.
 func (t *Traffic) Settle(ctx context.Context, since time.Time, wait time.Duration) error {
-	ctx, cancel := context.WithTimeout(ctx, wait)
-	defer cancel()
-	for {
+	behind := func() int {
 		t.mu.Lock()
-		behind := 0
+		defer t.mu.Unlock()
+		n := 0
 		for _, a := range t.answered {
 			if a.Before(since) {
-				behind++
+				n++
 			}
 		}
-		t.mu.Unlock()
-		if behind == 0 {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("%d of %d held connections answered nothing sent since %s within %s", behind, len(t.answered), since.Format("15:04:05.000"), wait)
-		case <-time.After(50 * time.Millisecond):
-		}
+		return n
 	}
+	if err := poll.Wait(ctx, wait, func() bool { return behind() == 0 }); err != nil {
+		return fmt.Errorf("%d of %d held connections answered nothing sent since %s: %w", behind(), len(t.answered), since.Format("15:04:05.000"), err)
+	}
+	return nil
 }
 
 // loop makes one request over a new connection every loopEvery.

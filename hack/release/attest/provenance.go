@@ -7,7 +7,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"maps"
+	"os"
 	"slices"
 	"strings"
 
@@ -47,6 +49,21 @@ type ProvenanceInput struct {
 	Bases map[string]string
 	// Platforms names each architecture's image manifest digest.
 	Platforms map[string]v1.Hash
+}
+
+// FileSHA256 is the hex sha256 of the file at p: how the provenance names
+// each architecture's Debian base (ProvenanceInput.Bases).
+func FileSHA256(p string) (string, error) {
+	f, err := os.Open(p)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err != nil {
+		return "", err
+	}
+	return hex.EncodeToString(h.Sum(nil)), nil
 }
 
 // Provenance returns the release's SLSA v1 provenance as an in-toto
