@@ -200,11 +200,14 @@ table)
 		e=${end[$n]:-$t}
 		((e <= last)) || last=$e
 	done
+	# The first column as wide as the longest name (wait:e2e-beside-tools).
+	w=16
+	for n in "${order[@]}"; do ((${#n} <= w)) || w=${#n}; done
 	echo
-	echo "stage              start  seconds  result"
+	printf '%-*s %7s %8s  %s\n' "$w" stage start seconds result
 	for n in "${order[@]}"; do
 		if [[ -z "${start[$n]:-}" ]]; then
-			printf '%-16s %7s %8s  %s\n' "$n" - - "not run"
+			printf '%-*s %7s %8s  %s\n' "$w" "$n" - - "not run"
 			continue
 		fi
 		e=${end[$n]:-$t}
@@ -217,10 +220,10 @@ table)
 			r="FAILED (exit ${rc[$n]})"
 		fi
 		[[ -z "${bg[$n]:-}" ]] || r="$r, in the background"
-		printf '%-16s %7d %8d  %s\n' "$n" $(((${start[$n]} - first + 500) / 1000)) $(((ms + 500) / 1000)) "$r"
+		printf '%-*s %7d %8d  %s\n' "$w" "$n" $(((${start[$n]} - first + 500) / 1000)) $(((ms + 500) / 1000)) "$r"
 	done
 	if [[ -n "$first" ]]; then
-		printf '%-16s %7s %8d  %s\n' "wall clock" "" $(((last - first + 500) / 1000)) "first start to last end (stages overlap)"
+		printf '%-*s %7s %8d  %s\n' "$w" "wall clock" "" $(((last - first + 500) / 1000)) "first start to last end (stages overlap)"
 	fi
 	[[ -z "$note" ]] || echo "at the start: $note"
 	;;
