@@ -198,9 +198,12 @@ deps: ## as root: install the Debian packages make check and make demo need (apt
 # critical path is the tools, then the real node's e2e, which mostly waits
 # on the node (a core left idle). So the e2e starts as soon as
 # check-tools is done, beside node-tools and make test (each e2e test
-# waits for the tools it needs), both at the tests' priority
-# (STAGE_BG_NICE_*), and lint and the fault-injection suite run niced
-# after make test, still beside the e2e. make test's suites and the chaos
+# waits for the tools it needs), and lint and the fault-injection suite
+# run after make test, still beside the e2e. The critical path comes
+# first for the CPU: node-tools and the e2e run at nice 0, make test at 10
+# (STAGE_NICE_test), lint and the fault-injection suite at 19; beside a
+# make test at the same priority, a cold node-tools took twice as long
+# and the e2e's tests half as long again. make test's suites and the chaos
 # suite's nodes live in network namespaces of their own and never touch a
 # real node's paths (make test checks it); the real node keeps its files
 # under its own directory, its ports outside the ephemeral range.
@@ -209,17 +212,20 @@ deps: ## as root: install the Debian packages make check and make demo need (apt
 CHECK_STAGES  := check-tools bg:node-tools bg:e2e-beside-tools test bg:lint bg:test-long wait:node-tools wait:e2e-beside-tools wait:lint wait:test-long
 
 check: deps ## as root: everything CI runs (.ci/run runs exactly this): check-tools, then e2e and node-tools in the background beside test, then lint and test-long beside the e2e
-	@STAGE_BG_NICE_node_tools=0 STAGE_BG_NICE_e2e_beside_tools=0 MAKE='$(MAKE)' KEEP_GOING='$(findstring k,$(firstword -$(MAKEFLAGS)))' hack/stages.sh make $(CHECK_STAGES)
+	@STAGE_BG_NICE_node_tools=0 STAGE_BG_NICE_e2e_beside_tools=0 STAGE_NICE_test=10 MAKE='$(MAKE)' KEEP_GOING='$(findstring k,$(firstword -$(MAKEFLAGS)))' hack/stages.sh make $(CHECK_STAGES)
 
-# The tools lint and the tests need (make test, make test-long), in one run
-# of hack/kube-tools.sh: on a cold cache the Debian bases and the module
-# downloads then overlap the Go builds. make check builds the rest
-# (make node-tools) beside its tests.
+# The tools every later stage of make check needs first (the real node's
+# API server, helm, the image bases), in one run of hack/kube-tools.sh: on
+# a cold cache the Debian bases and the module downloads then overlap the
+# Go builds. The rest builds beside the e2e: the real node's (make
+# node-tools, first), and promtool and Istio's istio-cni as make test's
+# prerequisites (the e2e needs istio-cni only in its switch tests, and
+# waits for it if it is still building).
 # gotestsum (for make e2e and make test-long) builds beside them: its
 # build is mostly module downloads.
-check-tools: ## build the tools make test and make test-long need into the tools cache, downloads overlapping the builds
+check-tools: ## build the tools every stage of make check needs first into the tools cache, downloads overlapping the builds
 	@$(MAKE) --no-print-directory $(GOTESTSUM) & gts=$$!; \
-	GO='$(GO)' hack/kube-tools.sh etcd kube-apiserver helm promtool istio-cni $(addprefix image-rootfs-,$(IMAGE_ARCHES)); rc=$$?; \
+	GO='$(GO)' hack/kube-tools.sh etcd kube-apiserver helm $(addprefix image-rootfs-,$(IMAGE_ARCHES)); rc=$$?; \
 	wait $$gts || rc=1; exit $$rc
 
 # The suite must leave a real node's paths (/var/run/ambient-cni, /var/lib/ambient-cni,

@@ -52,9 +52,13 @@ default_tools=(etcd kube-apiserver helm promtool)
 # this machine's architecture.
 node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler kubectl crictl containerd runc cni-plugins multus debian-rootfs istiod prometheus registry flannel "image-rootfs-$("$GO" env GOARCH)")
 # all_tools' order is the order tools build in (and their locks are
-# taken in): make check starts the e2e once the node's first tools are
-# there, so what only its later tests need (istiod, runc, multus) is last.
-all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler kubectl helm crictl containerd cni-plugins flannel debian-rootfs image-rootfs-amd64 image-rootfs-arm64 promtool prometheus registry istio-cni istiod runc multus)
+# taken in): make check starts the e2e with the node's tools, and each
+# real-node test waits for what it needs, so they build in the order the
+# tests first need them: every node (the Kubernetes binaries, containerd,
+# the CNI plugins, the image bases, the registry), then the Prometheus
+# server (TestRealNodeAlerts, the first), istiod, Multus (the layouts),
+# flannel (the cluster) and runc (user namespaces, the last).
+all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler kubectl helm crictl containerd cni-plugins debian-rootfs image-rootfs-amd64 image-rootfs-arm64 registry promtool prometheus istio-cni istiod multus flannel runc)
 
 # The DaemonSet image's base, as deploy/Dockerfile's: Debian bookworm with
 # the netfilter tools, without documentation. Changing this list changes

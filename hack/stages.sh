@@ -6,6 +6,9 @@
 #                                          make check's recipe. bg:STAGE starts STAGE
 #                                          in the background (niced, its lines prefixed
 #                                          [STAGE], its log kept) and goes on;
+#                                          STAGE_NICE_<stage> nices a foreground
+#                                          stage, STAGE_BG_NICE_<stage> a
+#                                          background one (19 unless set);
 #                                          wait:STAGE waits for it, and fails, printing
 #                                          the end of its log, if it failed
 #        hack/stages.sh run NAME CMD...   run one command as the stage NAME
@@ -31,12 +34,44 @@ record() {
 	[[ -z "${STAGE_TIMES:-}" ]] || echo "$*" >>"$STAGE_TIMES"
 }
 
+# children_cpu sets CHILDREN_CPU_MS to the CPU time (user + system) of
+# this shell's children it has waited for: a stage's processes, all of
+# them waited for by their parents, add up into it. Read in this process
+# (a command substitution would read its own).
+CLK_TCK=$(getconf CLK_TCK 2>/dev/null || echo 100)
+children_cpu() {
+	local st f
+	read -r st <"/proc/$BASHPID/stat"
+	read -ra f <<<"${st##*) }"
+	CHILDREN_CPU_MS=$(((f[13] + f[14]) * 1000 / CLK_TCK))
+}
+
+# machine_cpu records the machine's busy and total CPU time so far (all
+# cores, in jiffies): the table tells from the first and the last how busy
+# the machine was over the run, CPU-bound or waiting.
+machine_cpu() {
+	local _c u n s i w q sq st
+	read -r _c u n s i w q sq st _ </proc/stat
+	record stat "$(now)" $((u + n + s + q + sq + st)) $((u + n + s + q + sq + st + i + w))
+}
+
 run() { # run NAME CMD...
-	local name=$1 rc=0
+	local name=$1 rc=0 c0
 	shift
+	children_cpu
+	c0=$CHILDREN_CPU_MS
+	machine_cpu
 	record start "$name" "$(now)"
 	"$@" || rc=$?
-	record end "$name" "$(now)" "$rc"
+	children_cpu
+	# A wait:STAGE's children are the background stage's: its CPU is
+	# that stage's row, not the wait's.
+	if [[ $name == wait:* ]]; then
+		record end "$name" "$(now)" "$rc"
+	else
+		record end "$name" "$(now)" "$rc" $((CHILDREN_CPU_MS - c0))
+	fi
+	machine_cpu
 	return "$rc"
 }
 
@@ -120,7 +155,11 @@ make)
 			run "wait:$s" wait_bg "$s" && continue
 			;;
 		*)
-			run "$s" "${MAKE:-make}" --no-print-directory "$s" && continue
+			# STAGE_NICE_<stage, - as _>: a foreground stage's niceness
+			# (default 0), so the background stages on the critical path
+			# keep the CPU they ask for.
+			var="STAGE_NICE_${s//-/_}"
+			run "$s" nice -n "${!var:-0}" "${MAKE:-make}" --no-print-directory "$s" && continue
 			;;
 		esac
 		rc=1
@@ -168,7 +207,8 @@ caches)
 table)
 	file=${2:?usage: $0 table FILE [NOTE]}
 	note=${3:-}
-	declare -A start end rc bg
+	declare -A start end rc bg cpu
+	busy0="" tot0="" busy1="" tot1=""
 	order=()
 	seen() {
 		local o
@@ -188,8 +228,12 @@ table)
 			start[$name]=$rest
 			;;
 		end)
-			end[$name]=${rest% *}
-			rc[$name]=${rest#* }
+			read -r end[$name] rc[$name] cpu[$name] <<<"$rest"
+			;;
+		stat)
+			read -r busy tot <<<"$rest"
+			[[ -n "${busy0:-}" ]] || { busy0=$busy tot0=$tot; }
+			busy1=$busy tot1=$tot
 			;;
 		esac
 	done <"$file"
@@ -204,10 +248,10 @@ table)
 	w=16
 	for n in "${order[@]}"; do ((${#n} <= w)) || w=${#n}; done
 	echo
-	printf '%-*s %7s %8s  %s\n' "$w" stage start seconds result
+	printf '%-*s %7s %8s %8s  %s\n' "$w" stage start seconds "cpu s" result
 	for n in "${order[@]}"; do
 		if [[ -z "${start[$n]:-}" ]]; then
-			printf '%-*s %7s %8s  %s\n' "$w" "$n" - - "not run"
+			printf '%-*s %7s %8s %8s  %s\n' "$w" "$n" - - - "not run"
 			continue
 		fi
 		e=${end[$n]:-$t}
@@ -220,10 +264,18 @@ table)
 			r="FAILED (exit ${rc[$n]})"
 		fi
 		[[ -z "${bg[$n]:-}" ]] || r="$r, in the background"
-		printf '%-*s %7d %8d  %s\n' "$w" "$n" $(((${start[$n]} - first + 500) / 1000)) $(((ms + 500) / 1000)) "$r"
+		c=-
+		[[ -z "${cpu[$n]:-}" ]] || c=$(((${cpu[$n]} + 500) / 1000))
+		printf '%-*s %7d %8d %8s  %s\n' "$w" "$n" $(((${start[$n]} - first + 500) / 1000)) $(((ms + 500) / 1000)) "$c" "$r"
 	done
 	if [[ -n "$first" ]]; then
-		printf '%-*s %7s %8d  %s\n' "$w" "wall clock" "" $(((last - first + 500) / 1000)) "first start to last end (stages overlap)"
+		printf '%-*s %7s %8d %8s  %s\n' "$w" "wall clock" "" $(((last - first + 500) / 1000)) "" "first start to last end (stages overlap)"
+	fi
+	# cpu s is each stage's own CPU time (user + system, every core); the
+	# machine's line says whether the run was CPU-bound (busy near 100 %:
+	# only less work makes it faster) or waiting (room to overlap more).
+	if [[ -n "$busy0" ]] && ((tot1 > tot0)); then
+		echo "machine CPU busy $(((busy1 - busy0) * 100 / (tot1 - tot0))) % of the time on $(nproc) cores (every process, not only the stages')"
 	fi
 	[[ -z "$note" ]] || echo "at the start: $note"
 	;;

@@ -80,10 +80,19 @@ func TestStagesBackgroundOverlapsAndIsWaitedFor(t *testing.T) {
 	if r := row(t, table, "b"); !strings.Contains(r, "ok, in the background") {
 		t.Errorf("b's row: %q\n%s", r, table)
 	}
-	if r := row(t, table, "wait:b"); !strings.Contains(r, "ok") {
-		t.Errorf("wait:b's row: %q\n%s", r, table)
+	if r := row(t, table, "wait:b"); !regexp.MustCompile(`\s-\s+ok$`).MatchString(r) {
+		t.Errorf("wait:b's row (no CPU of its own): %q\n%s", r, table)
+	}
+	// Every stage that ran has its CPU time (the fake make's, a fraction
+	// of a second: 0), foreground or background, and the machine's is
+	// summed up.
+	for _, s := range []string{"a", "b", "c", "d"} {
+		if r := row(t, table, s); !regexp.MustCompile(`^\S+\s+\d+\s+\d+\s+\d+\s+ok`).MatchString(r) {
+			t.Errorf("%s's row has no CPU time: %q\n%s", s, r, table)
+		}
 	}
 	row(t, table, "wall clock")
+	row(t, table, "machine CPU busy")
 }
 
 func TestStagesFailedBackgroundFailsWithItsLog(t *testing.T) {
@@ -119,9 +128,11 @@ func TestStagesFailureStopsBackground(t *testing.T) {
 
 func TestStagesTableWallClock(t *testing.T) {
 	// A background stage of 100 s beside two of 40 s and 50 s: the wall
-	// clock is 100 s, not the 190 s the stages sum to.
+	// clock is 100 s, not the 190 s the stages sum to. a used 75 s of CPU
+	// (c's record has none: "-"), and the machine was busy 300 of the 400
+	// jiffies between the first and the last sample.
 	f := filepath.Join(t.TempDir(), "times")
-	rec := "plan a b c wait:b\nbg b\nstart a 1000000\nstart b 1000000\nend a 1040000 0\nstart c 1040000\nend c 1090000 0\nstart wait:b 1090000\nend b 1100000 0\nend wait:b 1100000 0\n"
+	rec := "plan a b c wait:b\nbg b\nstat 1000000 1000 2000\nstart a 1000000\nstart b 1000000\nend a 1040000 0 75000\nstart c 1040000\nend c 1090000 0\nstart wait:b 1090000\nend b 1100000 0 120400\nend wait:b 1100000 0\nstat 1100000 1300 2400\n"
 	if err := os.WriteFile(f, []byte(rec), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -131,11 +142,12 @@ func TestStagesTableWallClock(t *testing.T) {
 	}
 	table := string(out)
 	for stage, want := range map[string]string{
-		"a":          `^a\s+0\s+40\s+ok$`,
-		"b":          `^b\s+0\s+100\s+ok, in the background$`,
-		"c":          `^c\s+40\s+50\s+ok$`,
-		"wait:b":     `^wait:b\s+90\s+10\s+ok$`,
+		"a":          `^a\s+0\s+40\s+75\s+ok$`,
+		"b":          `^b\s+0\s+100\s+120\s+ok, in the background$`,
+		"c":          `^c\s+40\s+50\s+-\s+ok$`,
+		"wait:b":     `^wait:b\s+90\s+10\s+-\s+ok$`,
 		"wall clock": `^wall clock\s+100\s`,
+		"machine":    `^machine CPU busy 75 % `,
 	} {
 		if r := row(t, table, stage); !regexp.MustCompile(want).MatchString(r) {
 			t.Errorf("%s's row %q does not match %s\n%s", stage, r, want, table)
