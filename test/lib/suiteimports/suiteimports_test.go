@@ -7,14 +7,17 @@ package suiteimports
 import (
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"testing"
 )
 
 func TestSuitesImportOnlyLibraries(t *testing.T) {
-	_, self, _, _ := runtime.Caller(0)
-	root := filepath.Join(filepath.Dir(self), "..", "..", "..")
+	// go test runs in the package's directory (runtime.Caller's path is
+	// module-relative under -trimpath, as make builds).
+	root, err := filepath.Abs(filepath.Join("..", "..", ".."))
+	if err != nil {
+		t.Fatal(err)
+	}
 	module, err := goList(root, "list", "-m")
 	if err != nil {
 		t.Fatal(err)
