@@ -136,8 +136,20 @@ func TestRunExclusivePrimaryIsReported(t *testing.T) {
 	run(t, i)
 	waitFor(t, "install", i.Check)
 	for n := range contestedRemovals + 2 {
+		wrote := time.Now()
 		e.write(t, "05-cilium.conflist", list, 0o644)
 		waitFor(t, fmt.Sprintf("re-chained after removal %d", n+1), e.chainedOK(t, "05-cilium.conflist", list))
+		// The installer notes the removal just after its write, which
+		// the file shows first: without this wait the last removal can
+		// land after the episode's end below and open another.
+		waitFor(t, fmt.Sprintf("removal %d noted", n+1), func() error {
+			i.contestMu.Lock()
+			defer i.contestMu.Unlock()
+			if k := len(i.removals); k == 0 || i.removals[k-1].Before(wrote) {
+				return errors.New("not yet")
+			}
+			return nil
+		})
 	}
 	err := i.Check()
 	if !errors.Is(err, ErrPrimaryContested) || !strings.Contains(err.Error(), "cni.exclusive=false") || !strings.Contains(err.Error(), "05-cilium.conflist") {
