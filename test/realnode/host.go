@@ -118,12 +118,26 @@ func existing(paths []string) map[string]bool {
 func removeNew(before map[string]bool) []error {
 	paths := slices.Clone(hostPaths)
 	sort.Slice(paths, func(i, j int) bool { return strings.Count(paths[i], "/") > strings.Count(paths[j], "/") })
+	// A path that is itself a mount point now is another program's: the
+	// node only mounts below its paths, while ip netns (and the suites'
+	// netns helpers, which run beside the e2e in make check) make
+	// /run/netns a bind mount of its own. Removing it is not ours to do
+	// (and fails busy).
+	mounted := map[string]bool{}
+	if ms, err := mountPoints(); err == nil {
+		for _, m := range ms {
+			mounted[m.Point] = true
+		}
+	}
 	var errs []error
 	for _, p := range paths {
 		if before[p] {
 			continue
 		}
 		if _, err := os.Lstat(p); err != nil {
+			continue
+		}
+		if real, err := filepath.EvalSymlinks(p); err == nil && mounted[real] {
 			continue
 		}
 		// Whatever kubelet left mounted below is gone by now (unmountUnder),

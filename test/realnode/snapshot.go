@@ -113,10 +113,23 @@ func (s HostSnapshot) Diff(before HostSnapshot) []string {
 // their veths), and those are not ours to report.
 func Relevant(diff []string) []string {
 	markers := []string{"KUBE-", dirPrefix, guardPrefix, "ambient-probe", "containerd", "kubelet", "veth", "ztunnel"}
+	// A host path that became a mount point was made by another program
+	// (Down leaves it, removeNew says why).
+	mountedNow := map[string]bool{}
+	for _, l := range diff {
+		if rest, ok := strings.CutPrefix(l, "mounts: + "); ok {
+			mountedNow[strings.Fields(rest)[0]] = true
+		}
+	}
 	var out []string
 	for _, l := range diff {
 		section, _, _ := strings.Cut(l, ":")
 		if section == "files" || section == "sysctl" {
+			if p, ok := strings.CutPrefix(l, "files: + "); ok {
+				if real, err := filepath.EvalSymlinks(p); err == nil && mountedNow[real] {
+					continue
+				}
+			}
 			out = append(out, l)
 			continue
 		}
