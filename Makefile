@@ -224,15 +224,19 @@ check: deps ## as root: everything CI runs (.ci/run runs exactly this): check-to
 # The tools every later stage of make check needs first (the real node's
 # API server, helm, the image bases), in one run of hack/kube-tools.sh: on
 # a cold cache the Debian bases and the module downloads then overlap the
-# Go builds. The rest builds beside the e2e: the real node's (make
-# node-tools, first), and promtool and Istio's istio-cni as make test's
-# prerequisites (the e2e needs istio-cni only in its switch tests, and
-# waits for it if it is still building).
+# Go builds. promtool (make test's) and the Prometheus server (the real
+# node's) build here too, in one go build: built apart, make test's
+# promtool at nice 10 and node-tools' server overlapped and compiled the
+# same packages twice, and make test waited 22 minutes for its promtool.
+# The rest builds beside the e2e: the real node's (make node-tools,
+# first), and Istio's istio-cni as make test's prerequisite (the e2e needs
+# istio-cni only in its switch tests, and waits for it if it is still
+# building).
 # gotestsum (for make e2e and make test-long) builds beside them: its
 # build is mostly module downloads.
 check-tools: ## build the tools every stage of make check needs first into the tools cache, downloads overlapping the builds
 	@$(MAKE) --no-print-directory $(GOTESTSUM) & gts=$$!; \
-	GO='$(GO)' hack/kube-tools.sh etcd kube-apiserver helm $(addprefix image-rootfs-,$(IMAGE_ARCHES)); rc=$$?; \
+	GO='$(GO)' hack/kube-tools.sh etcd kube-apiserver helm promtool prometheus $(addprefix image-rootfs-,$(IMAGE_ARCHES)); rc=$$?; \
 	wait $$gts || rc=1; exit $$rc
 
 # The suite must leave a real node's paths (/var/run/ambient-cni, /var/lib/ambient-cni,
