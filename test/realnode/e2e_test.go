@@ -46,7 +46,24 @@ func TestMain(m *testing.M) {
 	if uids := os.Getenv(scanHelperEnv); uids != "" {
 		os.Exit(scanHelper(uids))
 	}
-	os.Exit(m.Run())
+	os.Exit(runWithImages(m))
+}
+
+// testImages are the images the nodes of this test binary run, built by
+// the first node's start (NewImageCache says why).
+var testImages *ImageCache
+
+// runWithImages runs the tests with testImages kept in a directory of
+// their own, removed after the last test.
+func runWithImages(m *testing.M) int {
+	dir, err := os.MkdirTemp("", "realnode-images-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "image cache:", err)
+		return 1
+	}
+	defer os.RemoveAll(dir)
+	testImages = NewImageCache(dir)
+	return m.Run()
 }
 
 // lineWriter sends each written line to t.Log (streamed under -v).
@@ -79,7 +96,7 @@ func TestRealNode(t *testing.T) {
 
 	// Registered with the startup taint, and the agent installed to
 	// remove it, as a node pool set up against the scheduling race.
-	n, err := Up(ctx, Options{Out: out, StartupTaint: true})
+	n, err := Up(ctx, Options{Out: out, Images: testImages, StartupTaint: true})
 	if err != nil {
 		t.Fatalf("node up: %v", err)
 	}

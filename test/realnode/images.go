@@ -7,7 +7,9 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ambient-cni/ambient-cni/hack/imagebuild/ociimage"
@@ -47,6 +49,42 @@ const (
 )
 
 func imageName(name string) string { return ImageRepository + "/" + name + ":" + ImageTag }
+
+// ImageCache holds the images BuildImages built once, for every node a
+// process starts: the images come from the same checkout, so compiling
+// and linking the binaries and writing the layers again at each node's
+// start (seven links and a compressed Debian layer) is CPU a busy CI
+// spends for nothing. Its directory belongs to whoever made it.
+type ImageCache struct {
+	dir  string
+	mu   sync.Mutex
+	imgs *Images
+}
+
+// NewImageCache keeps the images it builds under dir.
+func NewImageCache(dir string) *ImageCache { return &ImageCache{dir: dir} }
+
+// build returns the images, built into the cache's directory the first
+// time; a nil cache builds them into dir each time.
+func (c *ImageCache) build(ctx context.Context, dir string, t Tools, logf func(string, ...any)) (Images, error) {
+	if c == nil {
+		return BuildImages(ctx, dir, t, logf)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.imgs == nil {
+		imgs, err := BuildImages(ctx, c.dir, t, logf)
+		if err != nil {
+			return Images{}, err
+		}
+		c.imgs = &imgs
+	} else {
+		logf("   the images this process built before, in %s", c.dir)
+	}
+	imgs := *c.imgs
+	imgs.archives = slices.Clone(imgs.archives)
+	return imgs, nil
+}
 
 // BuildImages builds the binaries of every image from the repository
 // (static, like make image), writes the agent's image as make image does

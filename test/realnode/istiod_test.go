@@ -28,7 +28,7 @@ func TestRealNodeIstiod(t *testing.T) {
 	}
 	// Registered with the startup taint, as a node pool set up for
 	// istiod's taint.enabled is.
-	n, err := Up(ctx, Options{Out: out, StartupTaint: true})
+	n, err := Up(ctx, Options{Out: out, Images: testImages, StartupTaint: true})
 	if err != nil {
 		t.Fatalf("node up: %v", err)
 	}

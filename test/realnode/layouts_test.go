@@ -48,7 +48,7 @@ func testLayout(t *testing.T, l Layout) {
 	}
 	ctx := context.Background()
 	out := &lineWriter{t: t}
-	n, err := Up(ctx, Options{Out: out, Layout: l})
+	n, err := Up(ctx, Options{Out: out, Images: testImages, Layout: l})
 	if err != nil {
 		t.Fatalf("node up: %v", err)
 	}

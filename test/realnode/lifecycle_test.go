@@ -70,7 +70,7 @@ func startAgentNode(t *testing.T, extra ...string) e2e {
 func startAgentNodeWith(t *testing.T, o Options, extra ...string) e2e {
 	t.Helper()
 	ctx, out, _ := startNodeTest(t)
-	o.Out = out
+	o.Out, o.Images = out, testImages
 	n, err := Up(ctx, o)
 	if err != nil {
 		t.Fatalf("node up: %v", err)

@@ -73,6 +73,9 @@ type Options struct {
 	// Runc is the OCI runtime under containerd (empty: Tools.Runc, the
 	// Debian package's), e.g. RecentRunc for user-namespaced pods.
 	Runc string
+	// Images reuses the images an earlier node of the process built (nil:
+	// built into the node's directory).
+	Images *ImageCache
 }
 
 // Node is a running node.
@@ -258,7 +261,7 @@ func Up(ctx context.Context, opts Options) (n *Node, err error) {
 		return n, err
 	}
 	n.logf("== images: the agent's and the chart pushed to a loopback registry, the test images imported")
-	if n.Images, err = BuildImages(ctx, n.Dir, n.Tools, n.logf); err != nil {
+	if n.Images, err = opts.Images.build(ctx, n.Dir, n.Tools, n.logf); err != nil {
 		return n, err
 	}
 	if err := n.startRegistry(ctx); err != nil {

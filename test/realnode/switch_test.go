@@ -70,7 +70,7 @@ func testSwitch(t *testing.T, nft bool) {
 			t.Errorf("istio-cni's host leftovers: %v", err)
 		}
 	})
-	n, err := Up(ctx, Options{Out: out})
+	n, err := Up(ctx, Options{Out: out, Images: testImages})
 	if err != nil {
 		t.Fatalf("node up: %v", err)
 	}

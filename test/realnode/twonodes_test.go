@@ -32,7 +32,7 @@ import (
 // which make check builds beside the first e2e tests.
 func TestRealNodeCluster(t *testing.T) {
 	ctx, out, _ := startNodeTest(t)
-	n, err := Up(ctx, Options{Out: out})
+	n, err := Up(ctx, Options{Out: out, Images: testImages})
 	if err != nil {
 		t.Fatal(err)
 	}
