@@ -147,7 +147,10 @@ func (n *Node) importImages(ctx context.Context) error {
 			return err
 		}
 		n.logf("   imported %s in %v", filepath.Base(a), time.Since(start).Round(10*time.Millisecond))
-		_ = os.Remove(a)
+		// The node's own copy goes; an ImageCache's stays for the next node.
+		if strings.HasPrefix(a, n.Dir+string(filepath.Separator)) {
+			_ = os.Remove(a)
+		}
 	}
 	return nil
 }
