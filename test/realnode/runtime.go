@@ -139,7 +139,9 @@ func (n *Node) ctr(ctx context.Context, args ...string) (string, error) {
 	return string(out), nil
 }
 
-// importImages loads the image archives into containerd.
+// importImages loads the image archives into containerd. The archives
+// stay where they are: the node's directory goes with the node, an
+// ImageCache's with its owner.
 func (n *Node) importImages(ctx context.Context) error {
 	for _, a := range n.Images.archives {
 		start := time.Now()
@@ -147,10 +149,6 @@ func (n *Node) importImages(ctx context.Context) error {
 			return err
 		}
 		n.logf("   imported %s in %v", filepath.Base(a), time.Since(start).Round(10*time.Millisecond))
-		// The node's own copy goes; an ImageCache's stays for the next node.
-		if strings.HasPrefix(a, n.Dir+string(filepath.Separator)) {
-			_ = os.Remove(a)
-		}
 	}
 	return nil
 }
