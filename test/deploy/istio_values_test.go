@@ -128,6 +128,16 @@ func wantHostPath(volume, path string) func(*testing.T, *objects) {
 	}
 }
 
+// wantImage checks the agent's image starts with prefix.
+func wantImage(prefix string) func(*testing.T, *objects) {
+	return func(t *testing.T, o *objects) {
+		t.Helper()
+		if got := o.container(t).Image; !strings.HasPrefix(got, prefix) {
+			t.Errorf("image %s, want %s…", got, prefix)
+		}
+	}
+}
+
 func wantPullPolicy(p corev1.PullPolicy) func(*testing.T, *objects) {
 	return func(t *testing.T, o *objects) {
 		t.Helper()
@@ -318,8 +328,17 @@ var istioValueCases = map[string][]istioCase{
 		{values: `repair: {enabled: false}`},
 	},
 	// Istio's global values the istio-cni chart reads.
-	"global.hub":     {{values: `global: {hub: docker.io/istio}`}},
-	"global.tag":     {{values: `global: {tag: 1.28.0}`}},
+	// Where Istio's images come from: refused while our image is the
+	// source chart's placeholder (it would be pulled from there), of no
+	// effect once image.repository names ours.
+	"global.hub": {
+		{values: `global: {hub: docker.io/istio}`, fail: "global.hub: docker.io/istio says where Istio's images come from; ambient-cni's image is image.repository, still the chart's placeholder ghcr.io/ambient-cni/ambient-cni"},
+		{values: "image: {repository: mirror.example/ambient-cni}\nglobal: {hub: mirror.example/istio}", check: wantImage("mirror.example/ambient-cni:")},
+	},
+	"global.tag": {
+		{values: `global: {tag: 1.28.0}`, fail: "global.tag: 1.28.0 says where Istio's images come from"},
+		{values: "image: {repository: mirror.example/ambient-cni, tag: v1}\nglobal: {tag: 1.28.0}", check: wantImage("mirror.example/ambient-cni:v1")},
+	},
 	"global.variant": {{values: `global: {variant: distroless}`}},
 	"global.imagePullPolicy": {
 		{values: `global: {imagePullPolicy: Always}`, check: wantPullPolicy(corev1.PullAlways)},
@@ -456,7 +475,9 @@ func TestIstioValuesFile(t *testing.T) {
 	if _, failed := renderValues(t, mustYAML(t, d)); !strings.Contains(failed, "image: install-cni is Istio's install-cni image name") {
 		t.Errorf("Istio's defaults: want the image failure first, got %q", failed)
 	}
-	delete(d, "image")
+	// Our image in place of Istio's (global.hub, which Istio's defaults
+	// set, is refused while image.repository is the placeholder).
+	d["image"] = map[string]any{"repository": "registry.example/ambient-cni"}
 	d["ambient"].(map[string]any)["enabled"] = true
 	d["ambient"].(map[string]any)["shareHostNetworkNamespace"] = true
 	d["repair"].(map[string]any)["enabled"] = false
@@ -596,7 +617,7 @@ func TestSubchartWithIstioGlobals(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(parent, "Chart.yaml"), []byte("apiVersion: v2\nname: mesh\nversion: 0.1.0\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	values := "global: {hub: docker.io/istio, tag: 1.28.0, istioNamespace: istio-system, logging: {level: \"default:debug\"}}\nambient-cni: {profile: ambient}\n"
+	values := "global: {hub: docker.io/istio, tag: 1.28.0, istioNamespace: istio-system, logging: {level: \"default:debug\"}}\nambient-cni: {profile: ambient, image: {repository: registry.example/ambient-cni}}\n"
 	if err := os.WriteFile(filepath.Join(parent, "values.yaml"), []byte(values), 0o600); err != nil {
 		t.Fatal(err)
 	}

@@ -284,6 +284,18 @@ charts rely on the same order).
 {{- fail (printf "%s: %v names Istio's install-cni image; ambient-cni runs its own: set image.repository and image.tag instead" $k .) -}}
 {{- end -}}
 {{- end -}}
+{{- /* Istio's global.hub and global.tag say where a user's images come
+from (often a mirror). While image.repository is still the source tree's
+placeholder, which publishes nothing yet (values.yaml), our image would be
+pulled from there: refuse and name the key to set. Once image.repository
+is set (a release's chart sets it), they concern Istio's images only. */ -}}
+{{- if eq $v.image.repository "ghcr.io/ambient-cni/ambient-cni" -}}
+{{- range $k := list "hub" "tag" -}}
+{{- with index $g $k -}}
+{{- fail (printf "global.%s: %v says where Istio's images come from; ambient-cni's image is image.repository, still the chart's placeholder %s (nothing is published there yet): set image.repository (and image.tag or image.digest) to where you pushed ambient-cni's image" $k . $v.image.repository) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- with index $i "pullPolicy" | default $g.imagePullPolicy -}}
 {{- $_ := set $v.image "pullPolicy" . -}}
 {{- end -}}
