@@ -300,17 +300,19 @@ e2e-beside-tools: $(GOTESTSUM)
 test-release: image-tools ## build make release twice into two trees and compare every artifact byte for byte, then push to a loopback registry, sign, verify and pull it back; then a signed release whose tampering verification refuses
 	AMBIENT_TEST_RELEASE=1 $(GO) test -count=1 -timeout 40m -v -run '^(TestReleaseReproducible|TestReleaseSigned)$$' ./test/release/
 
-# make flake RUN=TestX PKG=./test/chaos/ [N=20] [LOAD=2] [TAGS=realnode]:
-# one test run N times, under LOAD busy loops (hack/flake.sh).
+# make flake RUN=TestX PKG=./test/chaos/ [N=20] [LOAD=2] [TAGS=realnode]
+# [SHOW=regexp]: one test run N times, under LOAD busy loops, each run's
+# log lines SHOW matches printed (hack/flake.sh).
 N             ?= 20
 LOAD          ?= 0
 RUN           ?=
 PKG           ?=
 TAGS          ?=
+SHOW          ?=
 FLAKE_TIMEOUT ?= 30m
 
-flake: ## run one test N times (RUN=regexp PKG=./pkg/ N=20, LOAD=2 busy loops beside it, TAGS=realnode): passes, failures and the failed runs' logs
-	@GO='$(GO)' hack/flake.sh -run '$(RUN)' -n '$(N)' -load '$(LOAD)' -tags '$(TAGS)' -timeout '$(FLAKE_TIMEOUT)' $(PKG)
+flake: ## run one test N times (RUN=regexp PKG=./pkg/ N=20, LOAD=2 busy loops beside it, TAGS=realnode, SHOW=regexp of log lines to print): passes, failures and the failed runs' logs
+	@GO='$(GO)' hack/flake.sh -run '$(RUN)' -n '$(N)' -load '$(LOAD)' -tags '$(TAGS)' -timeout '$(FLAKE_TIMEOUT)' -show '$(SHOW)' $(PKG)
 
 test-unit: ## run the tests that need neither root nor built tools
 	AMBIENT_UNIT_ONLY=1 $(GO) test -count=1 ./...

@@ -2,10 +2,12 @@
 # hack/flake.sh (make flake): run one test N times, optionally under CPU
 # load, count passes and failures, and keep the logs of the failed runs.
 #
-# usage: hack/flake.sh -run REGEXP [-n N] [-load L] [-tags TAGS] [-timeout D] PKG
+# usage: hack/flake.sh -run REGEXP [-n N] [-load L] [-tags TAGS] [-timeout D] [-show REGEXP] PKG
 #
 # The package's test binary is built once (go test -c) and run N times as
 # go test -count=1 -run REGEXP -v would run it, from the package directory.
+# -show REGEXP prints, under each run's line, its log lines that match
+# (grep -E), so that a passed run's figures are not lost with its log.
 # -load L starts L busy loops (one core each) for the length of the runs;
 # they stop when the runs end, and by themselves if this script is killed.
 # CI=true (root tests fail instead of skipping) and AMBIENT_TEST_LONG=1 (the
@@ -15,7 +17,7 @@
 # or none passed.
 set -euo pipefail
 
-n=20 load=0 run= tags= timeout=30m pkg=
+n=20 load=0 run= tags= timeout=30m pkg= show=
 usage() {
 	sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//' >&2
 	exit 2
@@ -27,6 +29,7 @@ while [[ $# -gt 0 ]]; do
 	-run) run=${2:-}; shift 2 ;;
 	-tags) tags=${2:-}; shift 2 ;;
 	-timeout) timeout=${2:?}; shift 2 ;;
+	-show) show=${2:-}; shift 2 ;;
 	-*) usage ;;
 	*) [[ -z "$pkg" ]] || usage; pkg=$1; shift ;;
 	esac
@@ -78,13 +81,17 @@ for ((i = 1; i <= n; i++)); do
 	rc=0
 	(cd "$dirs" && exec "$out/pkg.test" -test.run "$run" -test.count=1 -test.v -test.timeout "$timeout") >"$log" 2>&1 || rc=$?
 	s=$(($(date +%s) - t0))
+	shown=
+	[[ -z "$show" ]] || shown=$(grep -E -- "$show" "$log" | head -n 10 | sed 's/^ */flake:   /' || true)
 	if ((rc != 0)); then
 		fail=$((fail + 1))
 		echo "flake: run $i/$n FAILED in $s s (exit $rc): $log"
 		grep -E '^\s*--- FAIL|^panic:' "$log" | head -n 5 | sed 's/^/flake:   /' || true
+		[[ -z "$shown" ]] || echo "$shown"
 	elif grep -q '^--- PASS' "$log"; then
 		pass=$((pass + 1))
 		echo "flake: run $i/$n passed in $s s"
+		[[ -z "$shown" ]] || echo "$shown"
 		rm -f "$log"
 	elif grep -q '^--- SKIP' "$log"; then
 		skip=$((skip + 1))
