@@ -37,7 +37,7 @@
 # a table of cold builds on 2 cores) and about how many minutes are left.
 #
 # usage: hack/kube-tools.sh [name...]   build (default: etcd kube-apiserver helm promtool)
-#        hack/kube-tools.sh node        build everything the real node needs
+#        hack/kube-tools.sh node [name...] build everything the real node needs (and more)
 #        hack/kube-tools.sh all         build every tool
 #        hack/kube-tools.sh --path name print the cached binary's path
 #        hack/kube-tools.sh --list      print name, version, path and state of each
@@ -56,9 +56,11 @@ node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-schedu
 # real-node test waits for what it needs, so they build in the order the
 # tests first need them: every node (the Kubernetes binaries, containerd,
 # the CNI plugins, the image bases, the registry), then the Prometheus
-# server (TestRealNodeAlerts, the first), istiod, Multus (the layouts),
-# flannel (the cluster) and runc (user namespaces, the last).
-all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler kubectl helm crictl containerd cni-plugins debian-rootfs image-rootfs-amd64 image-rootfs-arm64 registry promtool prometheus istio-cni istiod multus flannel runc)
+# server (TestRealNodeAlerts, the first), istiod, Istio's istio-cni (the
+# switch, and make test's bench: right after istiod, whose build leaves it
+# most of their common packages compiled), Multus (the layouts), flannel
+# (the cluster) and runc (user namespaces, the last).
+all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler kubectl helm crictl containerd cni-plugins debian-rootfs image-rootfs-amd64 image-rootfs-arm64 registry promtool prometheus istiod istio-cni multus flannel runc)
 
 # The DaemonSet image's base, as deploy/Dockerfile's: Debian bookworm with
 # the netfilter tools, without documentation. Changing this list changes
@@ -683,11 +685,18 @@ case "${1:-}" in
 *)
 	if [[ $# -eq 0 ]]; then
 		set -- "${default_tools[@]}"
-	elif [[ $# -eq 1 && "$1" == node ]]; then
-		set -- "${node_tools[@]}"
-	elif [[ $# -eq 1 && "$1" == all ]]; then
-		set -- "${all_tools[@]}"
 	fi
+	# node and all stand for their lists, beside other names too
+	# (make check's node-tools: node istio-cni).
+	args=()
+	for n in "$@"; do
+		case "$n" in
+		node) args+=("${node_tools[@]}") ;;
+		all) args+=("${all_tools[@]}") ;;
+		*) args+=("$n") ;;
+		esac
+	done
+	set -- "${args[@]}"
 	for n in "$@"; do
 		spec "$n" >/dev/null
 	done

@@ -89,6 +89,10 @@ func IstioBinaries(root string) (installCNI, plugin, version string, err error) 
 		dir = strings.TrimSpace(string(out))
 		// <cache>/istio-cni-<version>/istio-cni
 		version = strings.TrimPrefix(filepath.Base(filepath.Dir(dir)), IstioTool+"-")
+		// make check builds it beside make test, in node-tools.
+		kubeenv.AwaitTool(IstioTool, dir, func(format string, args ...any) {
+			fmt.Fprintf(os.Stderr, "bench: "+format+"\n", args...)
+		})
 	}
 	installCNI, plugin = filepath.Join(dir, "install-cni"), filepath.Join(dir, "istio-cni")
 	for _, p := range []string{installCNI, plugin} {

@@ -12,17 +12,19 @@ import (
 )
 
 // fakeGo stands in for go: it logs each call ("DIR: ARGS") to
-// FAKE_GO_LOG, answers go env GOARCH, and go build sleeps FAKE_GO_SLEEP
-// seconds, then writes each package's binary (-o DIR/) or the one named.
+// FAKE_GO_LOG, answers go env GOARCH, names FAKE_MOD_DIR as any module's
+// download, and go build sleeps FAKE_GO_SLEEP seconds, then writes each
+// package's binary (-o DIR/) or the one named.
 const fakeGo = `#!/usr/bin/env bash
 echo "$PWD: $*" >>"$FAKE_GO_LOG"
 case "$1" in
 env) echo amd64 ;;
+mod) [[ "$2" != download ]] || printf '{\n\t"Dir": "%s"\n}\n' "$FAKE_MOD_DIR" ;;
 build)
 	out="" prev="" pkgs=()
 	for a in "$@"; do
 		[[ "$prev" != -o ]] || out=$a
-		case "$a" in k8s.io/* | github.com/* | helm.sh/* | .) pkgs+=("$a") ;; esac
+		case "$a" in k8s.io/* | github.com/* | helm.sh/* | istio.io/* | .) pkgs+=("$a") ;; esac
 		prev=$a
 	done
 	sleep "${FAKE_GO_SLEEP:-0}"
@@ -104,6 +106,35 @@ func TestKubeToolsOneGoBuildForKubernetes(t *testing.T) {
 	// Everything cached: no build at all.
 	if _, again := kubeTools(t, cache, nil, "kubectl", "etcd", "kubelet", "kube-apiserver", "kube-scheduler"); len(again) != 0 {
 		t.Errorf("a warm cache rebuilt:\n%s", strings.Join(again, "\n"))
+	}
+}
+
+// istiod builds before Istio's istio-cni, whatever the order asked (make
+// check's node-tools asks for both): the real node needs istiod first, and
+// istio-cni's build then finds most of their common packages compiled.
+func TestKubeToolsIstiodBeforeIstioCNI(t *testing.T) {
+	cache, src := t.TempDir(), t.TempDir()
+	for _, f := range []string{"VERSION", "manifests/charts/base/files/crd-all.gen.yaml", "manifests/charts/istio-control/istio-discovery/Chart.yaml"} {
+		p := filepath.Join(src, f)
+		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, []byte("1.32.0\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	_, builds := kubeTools(t, cache, []string{"FAKE_MOD_DIR=" + src}, "istio-cni", "istiod")
+	istiod, cni := -1, -1
+	for i, b := range builds {
+		switch {
+		case strings.Contains(b, "istio.io/istio/pilot/cmd/pilot-discovery"):
+			istiod = i
+		case strings.Contains(b, "istio.io/istio/cni/cmd/install-cni"):
+			cni = i
+		}
+	}
+	if istiod < 0 || cni < 0 || istiod > cni {
+		t.Fatalf("want istiod's go build, then istio-cni's; got:\n%s", strings.Join(builds, "\n"))
 	}
 }
 
