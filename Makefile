@@ -232,10 +232,9 @@ check: deps ## as root: everything CI runs (.ci/run runs exactly this): check-to
 # node's) build here too, in one go build: built apart, make test's
 # promtool at nice 10 and node-tools' server overlapped and compiled the
 # same packages twice, and make test waited 22 minutes for its promtool.
-# The rest builds beside the e2e: the real node's (make node-tools,
-# first), and Istio's istio-cni as make test's prerequisite (the e2e needs
-# istio-cni only in its switch tests, and waits for it if it is still
-# building).
+# The rest builds beside the e2e and make test, in make node-tools: the
+# real node's, with Istio's istio-cni right after istiod (the e2e's switch
+# tests and make test's bench wait for it if it is still building).
 # gotestsum (for make e2e and make test-long) builds beside them: its
 # build is mostly module downloads.
 check-tools: ## build the tools every stage of make check needs first into the tools cache, downloads overlapping the builds
