@@ -49,9 +49,15 @@ var hostPaths = []string{
 	"/var/run/netns",
 	"/var/run/ztunnel",
 	"/var/run/ambient-cni",
-	"/run/xtables.lock",
 	"/etc/kubernetes",
 }
+
+// Not in hostPaths: /run/xtables.lock, which the chart mounts (created
+// if missing) and every iptables command creates on first use. It is a
+// lock file: removing it while another program's iptables holds it would
+// let the next one take a second lock, and on a host where make test's
+// iptables tests run beside the e2e it appears whenever they first run,
+// not because of the node. Leaving it is what any iptables user does.
 
 // hostSysctls are the kernel settings the node changes: the bridge plugin
 // turns on forwarding (isGateway), kubelet sets its kernel tunables
