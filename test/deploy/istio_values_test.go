@@ -332,11 +332,11 @@ var istioValueCases = map[string][]istioCase{
 	// source chart's placeholder (it would be pulled from there), of no
 	// effect once image.repository names ours.
 	"global.hub": {
-		{values: `global: {hub: docker.io/istio}`, fail: "global.hub: docker.io/istio says where Istio's images come from; ambient-cni's image is image.repository, still the chart's placeholder ghcr.io/ambient-cni/ambient-cni"},
+		{values: `global: {hub: docker.io/istio}`, fail: "global.hub: docker.io/istio is for Istio's images; ambient-cni's image is image.repository, still the chart's placeholder ghcr.io/ambient-cni/ambient-cni"},
 		{values: "image: {repository: mirror.example/ambient-cni}\nglobal: {hub: mirror.example/istio}", check: wantImage("mirror.example/ambient-cni:")},
 	},
 	"global.tag": {
-		{values: `global: {tag: 1.28.0}`, fail: "global.tag: 1.28.0 says where Istio's images come from"},
+		{values: `global: {tag: 1.28.0}`, fail: "global.tag: 1.28.0 is for Istio's images"},
 		{values: "image: {repository: mirror.example/ambient-cni, tag: v1}\nglobal: {tag: 1.28.0}", check: wantImage("mirror.example/ambient-cni:v1")},
 	},
 	"global.variant": {{values: `global: {variant: distroless}`}},

@@ -292,7 +292,7 @@ is set (a release's chart sets it), they concern Istio's images only. */ -}}
 {{- if eq $v.image.repository "ghcr.io/ambient-cni/ambient-cni" -}}
 {{- range $k := list "hub" "tag" -}}
 {{- with index $g $k -}}
-{{- fail (printf "global.%s: %v says where Istio's images come from; ambient-cni's image is image.repository, still the chart's placeholder %s (nothing is published there yet): set image.repository (and image.tag or image.digest) to where you pushed ambient-cni's image" $k . $v.image.repository) -}}
+{{- fail (printf "global.%s: %v is for Istio's images; ambient-cni's image is image.repository, still the chart's placeholder %s (nothing is published there yet): set image.repository (and image.tag or image.digest) to where ambient-cni's image is" $k . $v.image.repository) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
