@@ -168,12 +168,13 @@ peer-tools: ## build Istio's istio-cni (install-cni and its plugin) from istio.i
 image-tools: ## build make image's Debian bases (hack/kube-tools.sh image-rootfs-ARCH, one per architecture) into the tools cache
 	GO='$(GO)' hack/kube-tools.sh $(addprefix image-rootfs-,$(IMAGE_ARCHES))
 
-# NODE_TOOLS_MORE: tools node-tools builds beside the node's, in the
-# tools' order (make check: istio-cni, right after istiod).
-NODE_TOOLS_MORE ?=
+# ISTIO_CNI_IN_NODE_TOOLS (make check sets it): node-tools builds Istio's
+# istio-cni too, right after istiod, and make test does not build it first
+# (TEST_PEER_TOOLS, below).
+ISTIO_CNI_IN_NODE_TOOLS ?=
 
 node-tools: ## build everything a real node needs: kubelet, kube-controller-manager, kube-scheduler, kubectl (one go build), crictl, containerd, runc, CNI plugins, the Multus thin plugin, flannel, the image's Debian rootfs, istiod, the Prometheus server, the registry (cached; a line every 30 s with the time left)
-	GO='$(GO)' hack/kube-tools.sh node $(NODE_TOOLS_MORE)
+	GO='$(GO)' hack/kube-tools.sh node $(if $(ISTIO_CNI_IN_NODE_TOOLS),istio-cni)
 
 # Where make bench writes its JSON (gitignored).
 BENCH_OUT     ?= .bench
@@ -223,7 +224,7 @@ deps: ## as root: install the Debian packages make check and make demo need (apt
 CHECK_STAGES  := check-tools bg:node-tools bg:e2e-beside-tools test bg:lint bg:test-long wait:node-tools wait:e2e-beside-tools wait:lint wait:test-long
 
 check: deps ## as root: everything CI runs (.ci/run runs exactly this): check-tools, then e2e and node-tools in the background beside test, then lint and test-long beside the e2e
-	@NODE_TOOLS_MORE=istio-cni TEST_PEER_TOOLS= STAGE_BG_NICE_node_tools=0 STAGE_BG_NICE_e2e_beside_tools=0 STAGE_NICE_test=10 MAKE='$(MAKE)' KEEP_GOING='$(findstring k,$(firstword -$(MAKEFLAGS)))' hack/stages.sh make $(CHECK_STAGES)
+	@ISTIO_CNI_IN_NODE_TOOLS=1 STAGE_BG_NICE_node_tools=0 STAGE_BG_NICE_e2e_beside_tools=0 STAGE_NICE_test=10 MAKE='$(MAKE)' KEEP_GOING='$(findstring k,$(firstword -$(MAKEFLAGS)))' hack/stages.sh make $(CHECK_STAGES)
 
 # The tools every later stage of make check needs first (the real node's
 # API server, helm, the image bases), in one run of hack/kube-tools.sh: on
@@ -254,12 +255,13 @@ check-tools: ## build the tools every stage of make check needs first into the t
 FUZZTIME      ?= 60s
 TEST_FUZZTIME ?=
 # Istio's istio-cni, for make test's bench (its peer column). make check
-# empties it and builds istio-cni in node-tools, right after istiod (most
-# of their packages shared), instead of at make test's start: built there
-# at make test's nice 10 beside istiod, it compiled their common packages
-# twice and held make test back 20 minutes of a cold run; the bench waits
-# for it (test/bench's IstioBinaries) while the other packages run.
-TEST_PEER_TOOLS ?= peer-tools
+# builds it in node-tools (ISTIO_CNI_IN_NODE_TOOLS), right after istiod,
+# most of their packages shared, instead of at make test's start: built
+# there at make test's nice 10 beside istiod, it compiled their common
+# packages twice and held make test back 20 minutes of a cold run; the
+# bench waits for it (test/bench's IstioBinaries) while the other
+# packages run.
+TEST_PEER_TOOLS := $(if $(ISTIO_CNI_IN_NODE_TOOLS),,peer-tools)
 
 test: tools $(TEST_PEER_TOOLS) image-tools check-manifests ## run every test (root tests need root; CI=true turns skips into failures), then each fuzz target for TEST_FUZZTIME if set; fails if a test touched a real node's paths or left a sandbox behind
 	@snap=$$(mktemp); left=$$(mktemp); hack/node-paths.sh snapshot $$snap; hack/leftovers.sh snapshot $$left; \
