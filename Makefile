@@ -43,7 +43,7 @@ STAMP_LDFLAGS := -X $(BUILDINFO).version=$(VERSION) -X $(BUILDINFO).commit=$(COM
 PLUGIN_LDFLAGS := -s -w $(STAMP_LDFLAGS)
 AGENT_LDFLAGS  := -s -w $(STAMP_LDFLAGS)
 
-.PHONY: deps flake archcheck tidy check check-tools all build version image image-push image-tools chart chart-push kubectl-plugins release release-push release-key verify-release test-release tools peer-tools node-tools bench bench-scale bench-agents bench-fleet test test-long test-unit fuzz e2e demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
+.PHONY: deps flake archcheck tidy check check-tools all build version image image-push image-tools chart chart-push kubectl-plugins release release-push release-key verify-release test-release tools peer-tools node-tools bench bench-scale bench-agents bench-fleet test test-long test-unit fuzz e2e e2e-matrix demo demo-down lint fmt vet staticcheck generate manifests check-manifests help clean sandbox
 
 all: build
 
@@ -162,7 +162,7 @@ tools: ## build etcd, kube-apiserver, helm and promtool (the alert rules' tests)
 	GO='$(GO)' hack/kube-tools.sh
 
 # make test's quick bench runs Istio's istio-cni beside ours too.
-peer-tools: ## build Istio's istio-cni (install-cni and its plugin) from istio.io/istio into the tools cache, for make bench's peer column (cached)
+peer-tools: ## build Istio's istio-cni (install-cni, its plugin and chart) of the default Istio minor from its source into the tools cache, for make bench's peer column (cached)
 	GO='$(GO)' hack/kube-tools.sh istio-cni
 
 image-tools: ## build make image's Debian bases (hack/kube-tools.sh image-rootfs-ARCH, one per architecture) into the tools cache
@@ -173,7 +173,7 @@ image-tools: ## build make image's Debian bases (hack/kube-tools.sh image-rootfs
 # (TEST_PEER_TOOLS, below).
 ISTIO_CNI_IN_NODE_TOOLS ?=
 
-node-tools: ## build everything a real node needs: kubelet, kube-controller-manager, kube-scheduler, kubectl (one go build), crictl, containerd, runc, CNI plugins, the Multus thin plugin, flannel, the image's Debian rootfs, istiod, the Prometheus server, the registry (cached; a line every 30 s with the time left)
+node-tools: ## build everything a real node needs: kubelet, kube-controller-manager, kube-scheduler, kubectl (one go build), crictl, containerd, runc, CNI plugins, the Multus thin plugin, flannel, the image's Debian rootfs, istiod (the default Istio minor's), the Prometheus server, the registry (cached; a line every 30 s with the time left)
 	GO='$(GO)' hack/kube-tools.sh node $(if $(ISTIO_CNI_IN_NODE_TOOLS),istio-cni)
 
 # Where make bench writes its JSON (gitignored).
@@ -295,6 +295,20 @@ demo-down: $(BIN)/ambient-node ## tear down a node whose demo was killed (Ctrl-C
 
 e2e: node-tools peer-tools image-tools $(GOTESTSUM) ## as root: the end-to-end tests on a real node (kubelet, containerd, helm-installed DaemonSet; Istio's istio-cni for the switch from it)
 	$(E2E_TEST)
+
+# Istio's minors make e2e-matrix runs the Istio suites against: every one
+# hack/kube-tools.sh builds (the released minors from their tags' source,
+# and istio.io/istio's master as next), the default (make check's) first.
+ISTIO_MINORS    ?= $(shell hack/kube-tools.sh --istio-minors)
+E2E_MATRIX_RUN  := ^(TestRealNodeSwitch|TestRealNodeIstiod)$$
+
+e2e-matrix: node-tools image-tools $(GOTESTSUM) ## as root: the real node's Istio suites (the switch from Istio's istio-cni and back, istiod's view of the pods) against each of Istio's minors (ISTIO_MINORS), one after another, then a line per minor; builds each minor's istiod and istio-cni first (cached)
+	@rc=0; sum=""; for m in $(ISTIO_MINORS); do \
+		echo "== e2e-matrix: Istio $$m"; \
+		if GO='$(GO)' hack/kube-tools.sh istiod-$$m istio-cni-$$m && \
+			AMBIENT_ISTIO=$$m $(VERBOSE_TEST) -tags realnode -count=1 -timeout $(E2E_TIMEOUT) -p 1 -run '$(E2E_MATRIX_RUN)' ./test/realnode/; \
+		then sum="$$sum\n  Istio $$m: passed"; else sum="$$sum\n  Istio $$m: FAILED"; rc=1; fi; \
+	done; printf "e2e-matrix:$$sum\n"; exit $$rc
 
 # make check's e2e: the same tests, started while bg:node-tools still
 # builds; a test that needs a tool that build has not finished waits for it

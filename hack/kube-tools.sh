@@ -12,11 +12,19 @@
 # go.mod and go.sum, so builds are reproducible); versions are read from those
 # go.mod files, so bumping a version is a go.mod edit. cni-plugins is a
 # directory (bridge, host-local, loopback) built from the project's own
-# module at the version its go.mod requires. istiod (pilot-discovery, the
-# CRDs of Istio's base chart and istiod's chart) and istio-cni (install-cni
-# and the istio-cni plugin) are directories built from istio.io/istio at
-# the version hack/tools/istio requires (istio-cni is built only on
-# request: make bench runs it). registry is the CNCF distribution
+# module at the version its go.mod requires. istiod-MINOR (pilot-discovery,
+# the CRDs of Istio's base chart and istiod's chart) and istio-cni-MINOR
+# (install-cni, the istio-cni plugin and Istio's istio-cni chart) are
+# directories built from Istio's source, one pair per minor in
+# istio_minors: a released minor from the source archive of its tag
+# (hack/tools/istio-MINOR/source names it and its sha256; the archive is
+# looked up in $ISTIO_SOURCES if set, else in the shared/istio folder beside the
+# repository: the module proxy does not serve istio.io/istio at release
+# commits), built with the tag's own go.mod plus the few replacements
+# hack/tools/istio-MINOR/go.mod adds (-modfile); "next" is istio.io/istio's
+# master from the module proxy (hack/tools/istio-next). istiod and
+# istio-cni name the default minor's (istio_default): make check runs
+# that one. registry is the CNCF distribution
 # registry (cmd/registry of github.com/distribution/distribution/v3, the
 # version hack/tools/distribution requires). debian-rootfs is a tarball made
 # by mmdebstrap (Debian package); its version is a hash of what it includes.
@@ -41,6 +49,8 @@
 #        hack/kube-tools.sh all         build every tool
 #        hack/kube-tools.sh --path name print the cached binary's path
 #        hack/kube-tools.sh --list      print name, version, path and state of each
+#        hack/kube-tools.sh --istio-minors  print Istio's minors here, the default first
+#        hack/kube-tools.sh --istio-src minor  print the source tree of that minor's Istio
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -48,9 +58,14 @@ tools="$repo/hack/tools"
 cache="${AMBIENT_TOOLS_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ambient-cni/tools}"
 GO="${GO:-go}"
 default_tools=(etcd kube-apiserver helm promtool)
+# Istio's builds the tests can run (AMBIENT_ISTIO=MINOR; make e2e-matrix
+# runs each), and the one istiod and istio-cni stand for: the newest
+# released minor, which make check runs.
+istio_minors=(1.30 1.29 1.31 next)
+istio_default=1.30
 # The real node runs the agent's image make image builds: its base for
 # this machine's architecture.
-node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler kubectl crictl containerd runc cni-plugins multus debian-rootfs istiod prometheus registry flannel "image-rootfs-$("$GO" env GOARCH)")
+node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-scheduler kubectl crictl containerd runc cni-plugins multus debian-rootfs "istiod-$istio_default" prometheus registry flannel "image-rootfs-$("$GO" env GOARCH)")
 # all_tools' order is the order tools build in (and their locks are
 # taken in): make check starts the e2e with the node's tools, and each
 # real-node test waits for what it needs, so they build in the order the
@@ -60,7 +75,20 @@ node_tools=(etcd kube-apiserver helm kubelet kube-controller-manager kube-schedu
 # switch, and make test's bench: right after istiod, whose build leaves it
 # most of their common packages compiled), Multus (the layouts), flannel
 # (the cluster) and runc (user namespaces, the last).
-all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler kubectl helm crictl containerd cni-plugins debian-rootfs image-rootfs-amd64 image-rootfs-arm64 registry promtool prometheus istiod istio-cni multus flannel runc)
+# The other minors' Istio builds come last: only make e2e-matrix runs them.
+all_tools=(etcd kube-apiserver kubelet kube-controller-manager kube-scheduler kubectl helm crictl containerd cni-plugins debian-rootfs image-rootfs-amd64 image-rootfs-arm64 registry promtool prometheus "istiod-$istio_default" "istio-cni-$istio_default" multus flannel runc)
+for m in "${istio_minors[@]}"; do
+	[[ "$m" == "$istio_default" ]] || all_tools+=("istiod-$m" "istio-cni-$m")
+done
+
+# resolve NAME prints the tool NAME stands for: istiod and istio-cni are
+# the default minor's.
+resolve() {
+	case "$1" in
+	istiod | istio-cni) echo "$1-$istio_default" ;;
+	*) echo "$1" ;;
+	esac
+}
 
 # The DaemonSet image's base, as deploy/Dockerfile's: Debian bookworm with
 # the netfilter tools, without documentation. Changing this list changes
@@ -137,8 +165,18 @@ spec() {
 	# CRDs of Istio's base chart) and istiod's chart istio-discovery, both
 	# copied from the same module source; istio-cni holds install-cni and
 	# the istio-cni plugin.
-	istiod) echo "istio istio.io/istio istio.io/istio/pilot/cmd/pilot-discovery" ;;
-	istio-cni) echo "istio istio.io/istio istio.io/istio/cni/cmd/install-cni istio.io/istio/cni/cmd/istio-cni" ;;
+	istiod-* | istio-cni-*)
+		local m="${1#istiod-}"
+		m="${m#istio-cni-}"
+		if [[ ! " ${istio_minors[*]} " =~ " $m " ]]; then
+			echo "unknown tool $1: Istio's minors here are ${istio_minors[*]}" >&2
+			return 1
+		fi
+		case "$1" in
+		istiod-*) echo "istio-$m istio.io/istio istio.io/istio/pilot/cmd/pilot-discovery" ;;
+		*) echo "istio-$m istio.io/istio istio.io/istio/cni/cmd/install-cni istio.io/istio/cni/cmd/istio-cni" ;;
+		esac
+		;;
 	# promtool runs the alert rules' unit tests (make test); the server
 	# scrapes the agent on the real node (make e2e). Both from one
 	# module, without service discovery (remove_all_sd) or UI assets.
@@ -157,14 +195,75 @@ spec() {
 	esac
 }
 
-# moddir MODDIR [MODULE VERSION] is the directory of a tools module, or for
-# "@" the downloaded source of MODULE at VERSION.
+# moddir MODDIR [MODULE VERSION] is the directory of a tools module, for
+# "@" the downloaded source of MODULE at VERSION, and for a released
+# Istio's the source tree of its tag (istio_tree).
 moddir() {
 	if [[ "$1" == @ ]]; then
 		(cd "$repo" && "$GO" mod download -json "$2@$3" | awk -F'"' '$2 == "Dir" { print $4 }')
+	elif [[ -f "$tools/$1/source" ]]; then
+		istio_tree "$1"
 	else
 		echo "$tools/$1"
 	fi
+}
+
+# modfile MODDIR prints the go flag a build in moddir's directory takes: a
+# released Istio's tree builds with the go.mod (and go.sum) beside its
+# source file, the tag's own plus replacements, and is left as unpacked.
+modfile() {
+	[[ ! -f "$tools/$1/source" ]] || echo "-modfile=$tools/$1/go.mod"
+}
+
+# source_field MODDIR KEY reads KEY=value from hack/tools/MODDIR/source.
+source_field() {
+	awk -F= -v k="$2" '$1 == k { print $2; exit }' "$tools/$1/source"
+}
+
+# istio_tree MODDIR prints the unpacked source tree of the released Istio
+# hack/tools/MODDIR/source names (tag, commit, archive, sha256), unpacking
+# its archive into the cache once: from the folder $ISTIO_SOURCES names,
+# else the shared/istio folder beside the repository, checked against the
+# sha256.
+istio_tree() {
+	local tag archive sum d f="" lock got tmp
+	tag="$(source_field "$1" tag)"
+	archive="$(source_field "$1" archive)"
+	sum="$(source_field "$1" sha256)"
+	d="$cache/.src/istio-$tag-${sum:0:12}"
+	if [[ -f "$d/go.mod" ]]; then
+		echo "$d"
+		return 0
+	fi
+	f="${ISTIO_SOURCES:-$repo/../shared/istio}/$archive"
+	if [[ ! -f "$f" ]]; then
+		echo "kube-tools: Istio $tag's source archive $archive is not in ${ISTIO_SOURCES:-the shared/istio folder beside the repository} ($(dirname "$f")); set ISTIO_SOURCES to a folder holding it (git archive of istio/istio's tag $tag, xz-compressed, sha256 $sum)" >&2
+		return 1
+	fi
+	got="$(sha256sum "$f" | cut -d' ' -f1)"
+	if [[ "$got" != "$sum" ]]; then
+		echo "kube-tools: $f has sha256 $got, want $sum (hack/tools/$1/source)" >&2
+		return 1
+	fi
+	mkdir -p "$cache/.src"
+	exec {lock}>"$d.lock"
+	if command -v flock >/dev/null; then
+		flock "$lock"
+	fi
+	if [[ ! -f "$d/go.mod" ]]; then
+		tmp="$d.tmp.$$"
+		rm -rf "$tmp"
+		mkdir -p "$tmp"
+		if ! tar -xJf "$f" -C "$tmp"; then
+			rm -rf "$tmp"
+			exec {lock}>&-
+			echo "kube-tools: cannot unpack $f" >&2
+			return 1
+		fi
+		mv -fT "$tmp" "$d"
+	fi
+	exec {lock}>&-
+	echo "$d"
 }
 
 # version MODDIR MODULE reads MODULE's required version from the tools go.mod.
@@ -172,6 +271,10 @@ moddir() {
 # mmdebstrap arguments.
 version() {
 	local v
+	if [[ -f "$tools/$1/source" ]]; then
+		source_field "$1" tag
+		return 0
+	fi
 	if [[ "$1" == - ]]; then
 		v="$(printf '%s\n' "$rootfs_suite" "${rootfs_args[@]}" | sha256sum)"
 		echo "$rootfs_suite-${v:0:12}"
@@ -236,13 +339,21 @@ ldflags() {
 	multus)
 		echo "-X gopkg.in/k8snetworkplumbingwg/multus-cni.v4/pkg/multus.version=$v -X gopkg.in/k8snetworkplumbingwg/multus-cni.v4/pkg/multus.gitTreeState=clean -X gopkg.in/k8snetworkplumbingwg/multus-cni.v4/pkg/multus.releaseStatus=,released"
 		;;
-	istiod | istio-cni)
-		# As Istio's Makefile stamps a build of its branch: VERSION file
-		# plus -dev, and the commit of the pseudo-version.
-		local src iv
-		src="$(istio_src "$v")" || return 1
-		iv="$(tr -d '[:space:]' <"$src/VERSION")-dev"
-		echo "-X istio.io/istio/pkg/version.buildVersion=$iv -X istio.io/istio/pkg/version.buildGitRevision=${v##*-} -X istio.io/istio/pkg/version.buildStatus=Clean -X istio.io/istio/pkg/version.buildTag=$v"
+	istiod-* | istio-cni-*)
+		local dir src iv rev
+		read -r dir _ <<<"$(spec "$1")"
+		if [[ -f "$tools/$dir/source" ]]; then
+			# As Istio's release build stamps a tag.
+			iv=$v
+			rev="$(source_field "$dir" commit)"
+		else
+			# As Istio's Makefile stamps a build of its branch: VERSION
+			# file plus -dev, and the commit of the pseudo-version.
+			src="$(istio_src "$dir" "$v")" || return 1
+			iv="$(tr -d '[:space:]' <"$src/VERSION")-dev"
+			rev=${v##*-}
+		fi
+		echo "-X istio.io/istio/pkg/version.buildVersion=$iv -X istio.io/istio/pkg/version.buildGitRevision=$rev -X istio.io/istio/pkg/version.buildStatus=Clean -X istio.io/istio/pkg/version.buildTag=$v"
 		;;
 	esac
 }
@@ -251,8 +362,8 @@ ldflags() {
 # (STANDARD_TAGS for istiod, AGENT_TAGS for the node agents).
 buildtags() {
 	case "$1" in
-	istiod) echo "vtprotobuf,disable_pgv" ;;
-	istio-cni) echo "agent,disable_pgv,grpcnotrace,retrynotrace" ;;
+	istiod-*) echo "vtprotobuf,disable_pgv" ;;
+	istio-cni-*) echo "agent,disable_pgv,grpcnotrace,retrynotrace" ;;
 	# As containerd's static release builds: no snapshotters this host
 	# lacks (btrfs, devmapper and zfs need cgo or kernel headers).
 	containerd) echo "no_btrfs,no_devmapper,no_zfs" ;;
@@ -266,24 +377,36 @@ buildtags() {
 	esac
 }
 
-# istio_src VERSION is the downloaded source of istio.io/istio (for its
-# VERSION file and its base chart's CRDs), from the module cache.
+# istio_src MODDIR VERSION is the source of Istio that MODDIR builds (for
+# its VERSION file and its charts): a released minor's unpacked tree, or
+# next's istio.io/istio from the module cache.
 istio_src() {
-	(cd "$tools/istio" && "$GO" mod download -json "istio.io/istio@$1" | awk -F'"' '$2 == "Dir" { print $4 }')
+	if [[ -f "$tools/$1/source" ]]; then
+		istio_tree "$1"
+	else
+		(cd "$tools/$1" && "$GO" mod download -json "istio.io/istio@$2" | awk -F'"' '$2 == "Dir" { print $4 }')
+	fi
 }
 
 # finish NAME VERSION TMP adds what a tool directory holds beside its
 # binaries.
 finish() {
+	local dir src
 	case "$1" in
-	istiod)
+	istiod-*)
 		# The CRDs of Istio's base chart, and istiod's own chart, whose
 		# rendering says how istiod runs (environment, RBAC, mesh config).
-		local src
-		src="$(istio_src "$2")" || return 1
+		read -r dir _ <<<"$(spec "$1")"
+		src="$(istio_src "$dir" "$2")" || return 1
 		install -m 0644 "$src/manifests/charts/base/files/crd-all.gen.yaml" "$3/crd-all.gen.yaml" &&
 			cp -R "$src/manifests/charts/istio-control/istio-discovery" "$3/istio-discovery" &&
 			chmod -R u+w "$3/istio-discovery"
+		;;
+	istio-cni-*)
+		# Istio's istio-cni chart of the same source, as chart/.
+		read -r dir _ <<<"$(spec "$1")"
+		src="$(istio_src "$dir" "$2")" || return 1
+		cp -R "$src/manifests/charts/istio-cni" "$3/chart" && chmod -R u+w "$3/chart"
 		;;
 	esac
 }
@@ -333,8 +456,8 @@ expect() {
 	multus) echo 75 ;;
 	flannel) echo 150 ;;
 	debian-rootfs) echo 40 ;;
-	istio-cni) echo 170 ;;
-	istiod) echo 200 ;;
+	istio-cni-*) echo 170 ;;
+	istiod-*) echo 200 ;;
 	image-rootfs-*) echo 60 ;;
 	promtool) echo 150 ;;
 	prometheus) echo 60 ;;
@@ -405,8 +528,11 @@ report() {
 
 # heartbeat prints report every 30 s (KUBE_TOOLS_HEARTBEAT) until killed:
 # go build and mmdebstrap's download are silent for minutes on a cold cache.
+# The sleep holds none of the script's output: killing heartbeat leaves it
+# to end alone, and a reader of that output (make, a test) would otherwise
+# wait for it up to 30 s after the script has ended.
 heartbeat() {
-	while sleep "${KUBE_TOOLS_HEARTBEAT:-30}"; do report || true; done
+	while sleep "${KUBE_TOOLS_HEARTBEAT:-30}" >/dev/null 2>&1; do report || true; done
 }
 
 # compile NAME VERSION SRCDIR TMP PKG... runs go build; TMP is the binary,
@@ -415,7 +541,7 @@ compile() {
 	local name="$1" v="$2" src="$3" tmp="$4"
 	shift 4
 	local out="$tmp" flags
-	if [[ $# -gt 1 || "$name" == istiod ]]; then
+	if [[ $# -gt 1 || "$name" == istiod-* ]]; then
 		mkdir -p "$tmp"
 		out="$tmp/"
 	fi
@@ -423,7 +549,10 @@ compile() {
 	local cgo=0
 	# runc's nsenter is C, and seccomp goes through libseccomp.
 	[[ "$name" == runc ]] && cgo=1
-	(cd "$src" && CGO_ENABLED=$cgo "$GO" build -mod=readonly -trimpath -tags "$(buildtags "$name")" -ldflags "-s -w $flags" -o "$out" "$@") &&
+	local dir mf
+	read -r dir _ <<<"$(spec "$name")"
+	mf="$(modfile "$dir")"
+	(cd "$src" && CGO_ENABLED=$cgo "$GO" build -mod=readonly ${mf:+"$mf"} -trimpath -tags "$(buildtags "$name")" -ldflags "-s -w $flags" -o "$out" "$@") &&
 		finish "$name" "$v" "$tmp"
 }
 
@@ -504,7 +633,9 @@ build() {
 		fi
 		# go list fetches exactly the modules the build needs, so the silent
 		# compile that follows is split from the network part.
-		(cd "$src" && "$GO" list -mod=readonly -tags "$(buildtags "${names[0]}")" -deps "${pkg[@]}" >/dev/null)
+		local mf
+		mf="$(modfile "$dir")"
+		(cd "$src" && "$GO" list -mod=readonly ${mf:+"$mf"} -tags "$(buildtags "${names[0]}")" -deps "${pkg[@]}" >/dev/null)
 		local how=""
 		[[ ${#names[@]} -eq 1 ]] || how=" in one go build"
 		echo "kube-tools: building ${names[*]} $v$how (about $(mmss "$secs") on 2 cores) ..."
@@ -553,7 +684,7 @@ build() {
 # module cache is touched (it takes its own locks); build repeats the step
 # and finds everything there.
 prefetch() {
-	local n s dir mod pkgs v src
+	local n s dir mod pkgs v src mf
 	for n in "$@"; do
 		s="$(spec "$n")" || continue
 		read -r dir mod pkgs <<<"$s"
@@ -562,8 +693,9 @@ prefetch() {
 		[[ -e "$cache/$n-$v/$n" ]] && continue
 		src="$(moddir "$dir" "$mod" "$v" 2>/dev/null)" || continue
 		[[ -n "$src" ]] || continue
+		mf="$(modfile "$dir")"
 		# shellcheck disable=SC2086 # pkgs is a list of packages
-		(cd "$src" && "$GO" list -mod=readonly -tags "$(buildtags "$n")" -deps $pkgs >/dev/null 2>&1) || true
+		(cd "$src" && "$GO" list -mod=readonly ${mf:+"$mf"} -tags "$(buildtags "$n")" -deps $pkgs >/dev/null 2>&1) || true
 	done
 }
 
@@ -667,7 +799,20 @@ case "${1:-}" in
 		echo "usage: $0 --path name" >&2
 		exit 2
 	}
-	binpath "$2"
+	binpath "$(resolve "$2")"
+	;;
+--istio-minors)
+	# The default first.
+	echo "$istio_default"
+	for m in "${istio_minors[@]}"; do [[ "$m" == "$istio_default" ]] || echo "$m"; done
+	;;
+--istio-src)
+	[[ $# -eq 2 && " ${istio_minors[*]} " =~ " $2 " ]] || {
+		echo "usage: $0 --istio-src minor (one of: ${istio_minors[*]})" >&2
+		exit 2
+	}
+	read -r dir mod _ <<<"$(spec "istiod-$2")"
+	istio_src "$dir" "$(version "$dir" "$mod")"
 	;;
 --list)
 	for n in "${all_tools[@]}"; do
@@ -693,7 +838,7 @@ case "${1:-}" in
 		case "$n" in
 		node) args+=("${node_tools[@]}") ;;
 		all) args+=("${all_tools[@]}") ;;
-		*) args+=("$n") ;;
+		*) args+=("$(resolve "$n")") ;;
 		esac
 	done
 	set -- "${args[@]}"

@@ -49,10 +49,10 @@ type FleetOptions struct {
 	RepoRoot string
 	// InstallCNI and Plugin are the shipped binaries (make build).
 	InstallCNI, Plugin string
-	// IstioInstallCNI and IstioPlugin are Istio's (IstioBinaries), built
-	// from IstioVersion; IstioMissing, when set, says why they are not
+	// IstioInstallCNI, IstioPlugin and IstioChart are Istio's
+	// (IstioBinaries); IstioMissing, when set, says why they are not
 	// there and its column is left out.
-	IstioInstallCNI, IstioPlugin, IstioVersion, IstioMissing string
+	IstioInstallCNI, IstioPlugin, IstioChart, IstioMissing string
 	// Agents is how many nodes (default 50).
 	Agents int
 	// Quick runs 5 agents and short windows: a smoke test of the harness.
@@ -836,7 +836,7 @@ func (f *istioFleet) name() string { return "istio-cni" }
 func (f *istioFleet) user() string { return istioUser }
 
 func (f *istioFleet) setup(ctx context.Context) (err error) {
-	f.chart, err = renderIstioChart(ctx, f.o.RepoRoot, f.o.IstioVersion, false)
+	f.chart, err = renderIstioChart(ctx, f.o.IstioChart, false)
 	return err
 }
 

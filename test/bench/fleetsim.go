@@ -46,10 +46,10 @@ type FleetSimOptions struct {
 	// Nodes are the fleet sizes, each against a fresh API server
 	// (default 100 and 1,000; quick: 20).
 	Nodes []int
-	// IstioVersion is the istio.io/istio whose chart gives istio-cni's
+	// IstioChart is Istio's istio-cni chart, which gives istio-cni's
 	// ServiceAccount and RBAC (IstioBinaries); IstioMissing, when set,
 	// says why istio-cni's column is left out.
-	IstioVersion, IstioMissing string
+	IstioChart, IstioMissing string
 	// Quick runs short windows: the smoke run of `make test`.
 	Quick bool
 	// Log receives progress lines.
@@ -167,7 +167,7 @@ func RunFleetSim(ctx context.Context, o FleetSimOptions) (res *FleetSimResult, e
 	}
 	systems := []simSystem{&ourSim{chart: chart}}
 	if o.IstioMissing == "" {
-		ic, err := renderIstioChart(ctx, o.RepoRoot, o.IstioVersion, false)
+		ic, err := renderIstioChart(ctx, o.IstioChart, false)
 		if err != nil {
 			res.IstioMissing = err.Error()
 		} else {

@@ -1,9 +1,7 @@
 package bench
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -35,13 +33,10 @@ import (
 )
 
 // The peer column is Istio's own istio-cni (install-cni and its CNI
-// plugin) from the istio.io/istio module at the version hack/tools/istio
-// pins; its chart comes from the same module.
+// plugin) as hack/kube-tools.sh builds it from Istio's source, with the
+// chart of the same source (the tool directory's chart/): the default
+// minor's, or the one AMBIENT_ISTIO names.
 const (
-	istioModule = "istio.io/istio"
-	// istioVersion is hack/tools/istio's, for a directory named by
-	// AMBIENT_TOOL_ISTIO_CNI (the cache's name carries its own).
-	istioVersion = "v0.0.0-20260827124520-eed52ebb66ad"
 	// istioNamespace and istioRelease are the chart's release, as
 	// istioctl and the docs install it.
 	istioNamespace = "istio-system"
@@ -54,9 +49,9 @@ const (
 	istioMetricsURL = "http://127.0.0.1:15014"
 )
 
-// IstioTool is the tools cache's directory of Istio's install-cni and
-// istio-cni plugin (hack/kube-tools.sh istio-cni).
-const IstioTool = "istio-cni"
+// IstioTool is the tools cache's directory of Istio's install-cni,
+// istio-cni plugin and chart (hack/kube-tools.sh istio-cni).
+func IstioTool() string { return kubeenv.IstioTool("istio-cni") }
 
 // istioUser is istio-cni's ServiceAccount (the chart's), as the API
 // server's audit log names it; install-cni and its plugin both use it.
@@ -75,32 +70,31 @@ func Peers() []Peer {
 	return []Peer{{Name: "istio-cni"}, {Name: "istio-cni-nftables", NativeNftables: true}}
 }
 
-// IstioBinaries finds install-cni and the istio-cni plugin in the
-// directory named by AMBIENT_TOOL_ISTIO_CNI, else in the tools cache where
-// hack/kube-tools.sh builds them, and the istio.io/istio version they are
-// built from.
-func IstioBinaries(root string) (installCNI, plugin, version string, err error) {
-	dir, version := os.Getenv("AMBIENT_TOOL_ISTIO_CNI"), istioVersion
+// IstioBinaries finds install-cni, the istio-cni plugin and Istio's
+// istio-cni chart (chart/) in the directory named by
+// AMBIENT_TOOL_ISTIO_CNI, else in the tools cache where hack/kube-tools.sh
+// builds them, and the Istio version they are built from.
+func IstioBinaries(root string) (installCNI, plugin, chart, version string, err error) {
+	dir := os.Getenv("AMBIENT_TOOL_ISTIO_CNI")
 	if dir == "" {
-		out, err := exec.Command("bash", filepath.Join(root, "hack", "kube-tools.sh"), "--path", IstioTool).Output()
+		out, err := exec.Command("bash", filepath.Join(root, "hack", "kube-tools.sh"), "--path", IstioTool()).Output()
 		if err != nil {
-			return "", "", "", fmt.Errorf("hack/kube-tools.sh --path %s: %w", IstioTool, err)
+			return "", "", "", "", fmt.Errorf("hack/kube-tools.sh --path %s: %w", IstioTool(), err)
 		}
 		dir = strings.TrimSpace(string(out))
-		// <cache>/istio-cni-<version>/istio-cni
-		version = strings.TrimPrefix(filepath.Base(filepath.Dir(dir)), IstioTool+"-")
 		// make check builds it beside make test, in node-tools.
-		kubeenv.AwaitTool(IstioTool, dir, func(format string, args ...any) {
+		kubeenv.AwaitTool(filepath.Base(dir), dir, func(format string, args ...any) {
 			fmt.Fprintf(os.Stderr, "bench: "+format+"\n", args...)
 		})
 	}
-	installCNI, plugin = filepath.Join(dir, "install-cni"), filepath.Join(dir, "istio-cni")
-	for _, p := range []string{installCNI, plugin} {
+	version = kubeenv.IstioVersion(dir)
+	installCNI, plugin, chart = filepath.Join(dir, "install-cni"), filepath.Join(dir, "istio-cni"), filepath.Join(dir, "chart")
+	for _, p := range []string{installCNI, plugin, filepath.Join(chart, "Chart.yaml")} {
 		if st, err := os.Stat(p); err != nil || st.IsDir() {
-			return "", "", "", fmt.Errorf("%s is not built (hack/kube-tools.sh %s builds it from %s@%s; or set AMBIENT_TOOL_ISTIO_CNI to a directory holding install-cni and istio-cni)", p, IstioTool, istioModule, version)
+			return "", "", "", "", fmt.Errorf("%s is not built (hack/kube-tools.sh %s builds it; or set AMBIENT_TOOL_ISTIO_CNI to a directory holding install-cni, istio-cni and chart/)", p, IstioTool())
 		}
 	}
-	return installCNI, plugin, version, nil
+	return installCNI, plugin, chart, version, nil
 }
 
 // istioChart is what Istio's chart, rendered with its ambient profile,
@@ -118,35 +112,16 @@ type istioChart struct {
 	Manifest       []byte
 }
 
-// renderIstioChart renders manifests/charts/istio-cni of the pinned module
-// with helm, as `helm install istio-cni ... --set profile=ambient` does.
+// renderIstioChart renders Istio's istio-cni chart (a directory) with
+// helm, as `helm install istio-cni ... --set profile=ambient` does.
 // The agents here run as host processes in the node's network namespace,
 // so ambient.shareHostNetworkNamespace is set: the chart's own setting for
 // a DaemonSet on the host network.
-func renderIstioChart(ctx context.Context, root, version string, nativeNft bool) (*istioChart, error) {
+func renderIstioChart(ctx context.Context, chart string, nativeNft bool) (*istioChart, error) {
 	helm, err := kubeenv.ToolPath(kubeenv.Helm)
 	if err != nil {
 		return nil, err
 	}
-	// From hack/tools/istio, whose go.sum holds the module's checksum: the
-	// bench runs in a network namespace without a route out, where a
-	// module missing from go.sum could not be checked against the checksum
-	// database (a cold module cache has no record of it).
-	dl := exec.CommandContext(ctx, "go", "mod", "download", "-json", istioModule+"@"+version)
-	dl.Dir = filepath.Join(root, "hack", "tools", "istio")
-	out, err := dl.Output()
-	if err != nil {
-		var ee *exec.ExitError
-		if errors.As(err, &ee) {
-			return nil, fmt.Errorf("go mod download %s@%s in %s: %w: %s", istioModule, version, dl.Dir, err, bytes.TrimSpace(ee.Stderr))
-		}
-		return nil, fmt.Errorf("go mod download %s@%s in %s: %w", istioModule, version, dl.Dir, err)
-	}
-	var mod struct{ Dir string }
-	if err := json.Unmarshal(out, &mod); err != nil || mod.Dir == "" {
-		return nil, fmt.Errorf("go mod download %s: no module directory in %s", istioModule, out)
-	}
-	chart := filepath.Join(mod.Dir, "manifests", "charts", "istio-cni")
 	args := []string{"template", istioRelease, chart, "--namespace", istioNamespace, "--set", "profile=ambient",
 		"--set", "ambient.shareHostNetworkNamespace=true", "--set", "global.nativeNftables=" + strconv.FormatBool(nativeNft)}
 	manifest, err := exec.CommandContext(ctx, helm, args...).Output()

@@ -3,9 +3,11 @@ package bench
 import (
 	"context"
 	"net/url"
+	"path/filepath"
 	"testing"
 
 	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
+	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // Istio's peer runs with its chart's ambient environment: the ConfigMap
@@ -13,8 +15,19 @@ import (
 // kubelet fills them, and only where-things-are settings added.
 func TestIstioChartEnvironment(t *testing.T) {
 	kubeenv.RequireTool(t, kubeenv.Helm)
+	// The chart of the minor the tests run, from its source: the same
+	// files its istio-cni tool directory holds, without waiting for that
+	// build.
+	minor, err := kubeenv.IstioMinor()
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, err := kubeenv.IstioSource(minor)
+	if err != nil {
+		testnet.Missing(t, err.Error())
+	}
 	for _, nft := range []bool{false, true} {
-		c, err := renderIstioChart(context.Background(), repoRoot(t), istioVersion, nft)
+		c, err := renderIstioChart(context.Background(), filepath.Join(src, "manifests", "charts", "istio-cni"), nft)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -19,9 +19,9 @@ import (
 // simulated node, the same reference chain, API server and ztunnel
 // stand-in, the same latency blocks against its own baseline blocks.
 type peerAgent struct {
-	peer                        Peer
-	installCNI, plugin, version string
-	node                        *istioNode
+	peer                      Peer
+	installCNI, plugin, chart string
+	node                      *istioNode
 	// chained is the primary conflist with istio-cni chained, as its
 	// install-cni wrote it on the latest start.
 	chained []byte
@@ -35,7 +35,7 @@ func (a *peerAgent) prepare(ctx context.Context, r *backendRun) error {
 	} else {
 		r.res.Plugin = &pf
 	}
-	chart, err := renderIstioChart(ctx, r.o.RepoRoot, a.version, a.peer.NativeNftables)
+	chart, err := renderIstioChart(ctx, a.chart, a.peer.NativeNftables)
 	if err != nil {
 		return err
 	}

@@ -3,7 +3,6 @@ package bench
 import (
 	"bufio"
 	"bytes"
-	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -45,10 +44,10 @@ type Options struct {
 	// and the large enrollment and writes its reports to ProfileDir.
 	Profile    bool
 	ProfileDir string
-	// IstioInstallCNI and IstioPlugin are Istio's binaries for the peer
-	// column (IstioBinaries); IstioMissing, when set, says why they are
-	// not there, and the peer is reported n/a.
-	IstioInstallCNI, IstioPlugin, IstioVersion, IstioMissing string
+	// IstioInstallCNI, IstioPlugin and IstioChart are Istio's binaries
+	// and chart for the peer column (IstioBinaries); IstioMissing, when
+	// set, says why they are not there, and the peer is reported n/a.
+	IstioInstallCNI, IstioPlugin, IstioChart, IstioMissing string
 	// Log receives progress lines.
 	Log io.Writer
 }
@@ -200,7 +199,7 @@ func Run(ctx context.Context, o Options) (res *Result, err error) {
 			continue
 		}
 		systems = append(systems, newSystem(o, sz, logf, env, work, cniPaths[0], auditPath, &res.Peers[i],
-			&peerAgent{peer: p, installCNI: o.IstioInstallCNI, plugin: o.IstioPlugin, version: cmp.Or(o.IstioVersion, istioVersion)}))
+			&peerAgent{peer: p, installCNI: o.IstioInstallCNI, plugin: o.IstioPlugin, chart: o.IstioChart}))
 	}
 	interleave(ctx, systems, sz.reps)
 	for _, s := range systems {

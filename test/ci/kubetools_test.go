@@ -112,9 +112,11 @@ func TestKubeToolsOneGoBuildForKubernetes(t *testing.T) {
 // istiod builds before Istio's istio-cni, whatever the order asked (make
 // check's node-tools asks for both): the real node needs istiod first, and
 // istio-cni's build then finds most of their common packages compiled.
+// (next, built from the module proxy, which the fake go answers; a
+// released minor's order is the same list's.)
 func TestKubeToolsIstiodBeforeIstioCNI(t *testing.T) {
 	cache, src := t.TempDir(), t.TempDir()
-	for _, f := range []string{"VERSION", "manifests/charts/base/files/crd-all.gen.yaml", "manifests/charts/istio-control/istio-discovery/Chart.yaml"} {
+	for _, f := range []string{"VERSION", "manifests/charts/base/files/crd-all.gen.yaml", "manifests/charts/istio-control/istio-discovery/Chart.yaml", "manifests/charts/istio-cni/Chart.yaml"} {
 		p := filepath.Join(src, f)
 		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
 			t.Fatal(err)
@@ -123,7 +125,7 @@ func TestKubeToolsIstiodBeforeIstioCNI(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	_, builds := kubeTools(t, cache, []string{"FAKE_MOD_DIR=" + src}, "istio-cni", "istiod")
+	_, builds := kubeTools(t, cache, []string{"FAKE_MOD_DIR=" + src}, "istio-cni-next", "istiod-next")
 	istiod, cni := -1, -1
 	for i, b := range builds {
 		switch {
@@ -135,6 +137,60 @@ func TestKubeToolsIstiodBeforeIstioCNI(t *testing.T) {
 	}
 	if istiod < 0 || cni < 0 || istiod > cni {
 		t.Fatalf("want istiod's go build, then istio-cni's; got:\n%s", strings.Join(builds, "\n"))
+	}
+}
+
+// istiod and istio-cni stand for the default minor's, a released one,
+// whose source is the archive of its tag: looked up where ISTIO_SOURCES
+// says, checked against the sha256 hack/tools/istio-MINOR/source records;
+// a missing or altered archive stops the build with a line saying so.
+func TestKubeToolsIstioReleaseSource(t *testing.T) {
+	out, err := exec.Command("bash", script(t, "kube-tools.sh"), "--path", "istiod").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !regexp.MustCompile(`/istiod-1\.[0-9]+-1\.[0-9]+\.[0-9]+[^/]*/istiod-1\.[0-9]+\n$`).Match(out) {
+		t.Errorf("--path istiod = %q, want a released minor's istiod-1.N", out)
+	}
+	empty := t.TempDir()
+	for name, c := range map[string]struct {
+		archive []byte
+		want    string
+	}{
+		"missing": {want: "source archive istio-1."},
+		"altered": {archive: []byte("not Istio"), want: "has sha256 "},
+	} {
+		t.Run(name, func(t *testing.T) {
+			dir := t.TempDir()
+			if c.archive != nil {
+				minors, err := exec.Command("bash", script(t, "kube-tools.sh"), "--istio-minors").Output()
+				if err != nil {
+					t.Fatal(err)
+				}
+				src, err := os.ReadFile(filepath.Join(filepath.Dir(script(t, "kube-tools.sh")), "tools", "istio-"+strings.Fields(string(minors))[0], "source"))
+				if err != nil {
+					t.Fatal(err)
+				}
+				archive := regexp.MustCompile(`(?m)^archive=(\S+)$`).FindSubmatch(src)
+				if archive == nil {
+					t.Fatalf("no archive= in %s", src)
+				}
+				if err := os.WriteFile(filepath.Join(dir, string(archive[1])), c.archive, 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			cmd := exec.Command("bash", script(t, "kube-tools.sh"), "istiod")
+			bin := t.TempDir()
+			cmd.Env = append(os.Environ(), "ISTIO_SOURCES="+dir, "AMBIENT_TOOLS_CACHE="+empty,
+				"GO="+writeExe(t, bin, "go", fakeGo), "FAKE_GO_LOG="+filepath.Join(bin, "go.log"))
+			out, err := cmd.CombinedOutput()
+			if err == nil || !strings.Contains(string(out), c.want) {
+				t.Errorf("kube-tools.sh istiod with ISTIO_SOURCES holding %q: %v, want a failure saying %q:\n%s", c.archive, err, c.want, out)
+			}
+			if left, _ := filepath.Glob(filepath.Join(empty, "istiod-*", "istiod-*")); len(left) != 0 {
+				t.Errorf("a failed build left %v", left)
+			}
+		})
 	}
 }
 

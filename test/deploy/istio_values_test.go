@@ -2,12 +2,9 @@ package deploy
 
 import (
 	"bytes"
-	"encoding/json"
 	"maps"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -16,40 +13,37 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	"sigs.k8s.io/yaml"
 
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
 )
 
 // An istio-cni values file, as users have it for the istio/cni chart, goes
 // through our chart: each of Istio's keys either sets ours with Istio's
 // meaning or fails at install with a message naming ours (or why there is
-// none). Istio's own files come from the istio.io/istio module the tools
-// pin (hack/tools/istio), so a key Istio adds shows up here.
+// none). Istio's own files come from the source of each minor the tools
+// build (hack/kube-tools.sh --istio-minors: the released minors and
+// master as "next"), so a key any of them has shows up here.
 
-// istioChart returns manifests/charts/istio-cni of the istio.io/istio
-// module hack/tools/istio pins.
-func istioChart(t *testing.T) string {
+// istioChart is manifests/charts/istio-cni of one minor's source.
+type istioChart struct{ minor, dir string }
+
+// istioCharts returns Istio's istio-cni chart of every minor the tools
+// build, the default first.
+func istioCharts(t *testing.T) []istioChart {
 	t.Helper()
-	root := repoRoot(t)
-	tools := filepath.Join(root, "hack", "tools", "istio")
-	gomod, err := os.ReadFile(filepath.Join(tools, "go.mod"))
+	minors, err := kubeenv.IstioMinors()
 	if err != nil {
 		t.Fatal(err)
 	}
-	m := regexp.MustCompile(`(?m)^\s*istio\.io/istio (v\S+)`).FindSubmatch(gomod)
-	if m == nil {
-		t.Fatal("hack/tools/istio/go.mod requires no istio.io/istio")
+	var out []istioChart
+	for _, m := range minors {
+		src, err := kubeenv.IstioSource(m)
+		if err != nil {
+			testnet.Missing(t, err.Error())
+		}
+		out = append(out, istioChart{minor: m, dir: filepath.Join(src, "manifests", "charts", "istio-cni")})
 	}
-	// From hack/tools/istio, whose go.sum holds the module's checksum.
-	cmd := exec.Command("go", "mod", "download", "-json", "istio.io/istio@"+string(m[1]))
-	cmd.Dir = tools
-	var stderr bytes.Buffer
-	cmd.Stderr = &stderr
-	out, err := cmd.Output()
-	var mod struct{ Dir, Error string }
-	if err != nil || json.Unmarshal(out, &mod) != nil || mod.Dir == "" {
-		testnet.Missing(t, "istio.io/istio@"+string(m[1])+" is not in the module cache and cannot be downloaded: "+strings.TrimSpace(stderr.String()+" "+mod.Error))
-	}
-	return filepath.Join(mod.Dir, "manifests", "charts", "istio-cni")
+	return out
 }
 
 // istioDefaults is Istio's values.yaml as its chart takes it: the keys
@@ -417,24 +411,25 @@ func istioPaths(v map[string]any, prefix string) []string {
 // TestIstioValueKeys renders every case of istioValueCases and checks the
 // table covers every key of Istio's values.yaml.
 func TestIstioValueKeys(t *testing.T) {
-	chart := istioChart(t)
-	defaults := istioDefaults(t, chart)
-	// repair.* other than enabled: with enabled (Istio's default true)
-	// the whole group fails; with enabled: false none has an effect.
 	cases := maps.Clone(istioValueCases)
-	repair, _ := defaults["repair"].(map[string]any)
-	for k, v := range repair {
-		if k == "enabled" {
-			continue
+	for _, chart := range istioCharts(t) {
+		defaults := istioDefaults(t, chart.dir)
+		// repair.* other than enabled: with enabled (Istio's default true)
+		// the whole group fails; with enabled: false none has an effect.
+		repair, _ := defaults["repair"].(map[string]any)
+		for k, v := range repair {
+			if k == "enabled" {
+				continue
+			}
+			cases["repair."+k] = []istioCase{
+				{values: mustYAML(t, map[string]any{"repair": map[string]any{k: v}}), fail: "repair: istio-cni's repair of sidecar pods"},
+				{values: mustYAML(t, map[string]any{"repair": map[string]any{"enabled": false, k: v}})},
+			}
 		}
-		cases["repair."+k] = []istioCase{
-			{values: mustYAML(t, map[string]any{"repair": map[string]any{k: v}}), fail: "repair: istio-cni's repair of sidecar pods"},
-			{values: mustYAML(t, map[string]any{"repair": map[string]any{"enabled": false, k: v}})},
-		}
-	}
-	for _, p := range istioPaths(defaults, "") {
-		if _, ok := cases[p]; !ok {
-			t.Errorf("Istio's value %s (istio-cni chart) is not pinned in istioValueCases: decide what it does here, and say so in docs/migrating-from-istio-cni.md", p)
+		for _, p := range istioPaths(defaults, "") {
+			if _, ok := cases[p]; !ok {
+				t.Errorf("Istio %s's value %s (istio-cni chart) is not pinned in istioValueCases: decide what it does here, and say so in docs/migrating-from-istio-cni.md", chart.minor, p)
+			}
 		}
 	}
 	want := string(render(t, releaseName, namespace))
@@ -463,7 +458,12 @@ func TestIstioValueKeys(t *testing.T) {
 // ours must (docs/migrating-from-istio-cni.md), they render with Istio's
 // meaning.
 func TestIstioValuesFile(t *testing.T) {
-	chart := istioChart(t)
+	for _, chart := range istioCharts(t) {
+		t.Run(chart.minor, func(t *testing.T) { testIstioValuesFile(t, chart.dir) })
+	}
+}
+
+func testIstioValuesFile(t *testing.T, chart string) {
 	raw, err := os.ReadFile(filepath.Join(chart, "values.yaml"))
 	if err != nil {
 		t.Fatal(err)
@@ -509,7 +509,12 @@ func TestIstioValuesFile(t *testing.T) {
 // chart reads; the others are other charts'), does what it does in Istio's
 // chart or fails saying why.
 func TestIstioProfiles(t *testing.T) {
-	chart := istioChart(t)
+	for _, chart := range istioCharts(t) {
+		t.Run(chart.minor, func(t *testing.T) { testIstioProfiles(t, chart.dir) })
+	}
+}
+
+func testIstioProfiles(t *testing.T, chart string) {
 	chartKeys := istioDefaults(t, chart)
 	files, err := filepath.Glob(filepath.Join(chart, "files", "profile-*.yaml"))
 	if err != nil || len(files) < 10 {

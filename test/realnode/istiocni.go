@@ -13,6 +13,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/ambient-cni/ambient-cni/test/lib/kubeenv"
 	"github.com/ambient-cni/ambient-cni/test/realnode/imagearchive"
 )
 
@@ -20,8 +21,9 @@ import (
 // binaries on the Debian base), installed with Istio's own chart.
 
 // IstioCNITool is the tools-cache directory hack/kube-tools.sh builds from
-// istio.io/istio: install-cni and the istio-cni plugin.
-const IstioCNITool = "istio-cni"
+// Istio's source: install-cni, the istio-cni plugin and Istio's istio-cni
+// chart (chart/), of the minor the tests run (kubeenv.IstioTool).
+func IstioCNITool() string { return kubeenv.IstioTool("istio-cni") }
 
 // IstioCNIRelease is the helm release of Istio's istio-cni chart, named
 // as Istio's install names it; its DaemonSet is istio-cni-node.
@@ -35,42 +37,26 @@ var IstioCNIImage = imageName("istio-install-cni")
 
 // IstioCNI is what the node needs to run Istio's istio-cni.
 type IstioCNI struct {
-	// Chart is manifests/charts/istio-cni of the pinned istio.io/istio.
+	// Chart is Istio's istio-cni chart of the same source as its binaries.
 	Chart string
+	// Version is the Istio version of the build.
+	Version string
 	// RunDir is istio-cni's run directory on the node (its chart's
 	// /var/run/istio-cni): its plugin event socket is there.
 	RunDir string
 }
 
-// IstioCNIDirs returns the built IstioCNITool directory and Istio's
-// istio-cni chart from the pinned module, or an error naming the command
-// that builds them.
+// IstioCNIDirs returns the built IstioCNITool directory and the Istio
+// istio-cni chart in it, or an error naming the command that builds them.
 func IstioCNIDirs(repo string) (bin, chart string, err error) {
-	p, err := toolPath(repo, IstioCNITool)
+	bin, err = toolPath(repo, IstioCNITool())
 	if err != nil {
-		return "", "", fmt.Errorf("istio-cni not built (%v); build it with hack/kube-tools.sh istio-cni", err)
+		return "", "", fmt.Errorf("istio-cni not built (%v); build it with hack/kube-tools.sh %s", err, IstioCNITool())
 	}
-	bin = p
-	if fi, err := os.Stat(p); err == nil && !fi.IsDir() {
-		bin = filepath.Dir(p)
-	}
-	cmd := exec.Command("go", "mod", "download", "-json", "istio.io/istio")
-	cmd.Dir = filepath.Join(repo, "hack", "tools", "istio")
-	out, err := cmd.Output()
-	if err != nil {
-		return "", "", fmt.Errorf("find istio.io/istio's source: %w", err)
-	}
-	for _, l := range strings.Split(string(out), "\n") {
-		if f := strings.Fields(strings.TrimSpace(l)); len(f) == 2 && f[0] == `"Dir":` {
-			chart = filepath.Join(strings.Trim(f[1], `",`), "manifests", "charts", "istio-cni")
-		}
-	}
-	if chart == "" {
-		return "", "", fmt.Errorf("go mod download of istio.io/istio named no directory:\n%s", out)
-	}
+	chart = filepath.Join(bin, "chart")
 	for _, f := range []string{filepath.Join(bin, "install-cni"), filepath.Join(bin, "istio-cni"), filepath.Join(chart, "Chart.yaml")} {
 		if _, err := os.Stat(f); err != nil {
-			return "", "", fmt.Errorf("istio-cni: %w (hack/kube-tools.sh istio-cni builds it)", err)
+			return "", "", fmt.Errorf("istio-cni: %w (hack/kube-tools.sh %s builds it)", err, IstioCNITool())
 		}
 	}
 	return bin, chart, nil
@@ -106,8 +92,8 @@ func (n *Node) ImportIstioCNI(ctx context.Context) (*IstioCNI, error) {
 		return nil, err
 	}
 	_ = os.Remove(a)
-	n.logf("   imported %s in %v", IstioCNIImage, time.Since(start).Round(10*time.Millisecond))
-	return &IstioCNI{Chart: chart, RunDir: filepath.Join(n.Dir, "run", "istio-cni")}, nil
+	n.logf("   imported %s (Istio %s) in %v", IstioCNIImage, kubeenv.IstioVersion(bin), time.Since(start).Round(10*time.Millisecond))
+	return &IstioCNI{Chart: chart, Version: kubeenv.IstioVersion(bin), RunDir: filepath.Join(n.Dir, "run", "istio-cni")}, nil
 }
 
 // IstioCNIValues are the values istio-cni is installed with: an Istio

@@ -26,12 +26,10 @@ import (
 )
 
 // IstiodTool is the tools-cache directory hack/kube-tools.sh builds from
-// istio.io/istio: pilot-discovery, the CRDs of Istio's base chart
-// (crd-all.gen.yaml) and istiod's chart (istio-discovery).
-const IstiodTool = "istiod"
-
-// IstiodBuildCommand builds IstiodTool (make node-tools builds it too).
-const IstiodBuildCommand = "hack/kube-tools.sh istiod"
+// Istio's source: pilot-discovery, the CRDs of Istio's base chart
+// (crd-all.gen.yaml) and istiod's chart (istio-discovery), of the minor
+// the tests run (kubeenv.IstioTool).
+func IstiodTool() string { return kubeenv.IstioTool("istiod") }
 
 // IstiodRelease is the helm release name istiod's chart is rendered with,
 // as Istio's ambient install names it.
@@ -62,11 +60,12 @@ type Istiod struct {
 }
 
 // IstiodDir returns the built IstiodTool directory, or an error naming
-// the command that builds it. AMBIENT_TOOL_ISTIOD overrides it.
+// the command that builds it. AMBIENT_TOOL_ISTIOD (AMBIENT_TOOL_ISTIOD_1_29
+// for a minor) overrides it.
 func IstiodDir(repo string) (string, error) {
-	d, err := toolPath(repo, IstiodTool)
+	d, err := toolPath(repo, IstiodTool())
 	if err != nil {
-		return "", fmt.Errorf("istiod not built (%v); build it with %s", err, IstiodBuildCommand)
+		return "", fmt.Errorf("istiod not built (%v); build it with hack/kube-tools.sh %s", err, IstiodTool())
 	}
 	return d, nil
 }
@@ -141,7 +140,7 @@ func (n *Node) StartIstiod(ctx context.Context, o IstiodOptions) (*Istiod, error
 		"--httpsAddr=127.0.0.1:"+strconv.Itoa(ports[3]),
 		"--monitoringAddr=127.0.0.1:"+strconv.Itoa(ports[4]),
 	)
-	n.logf("   istiod (pilot-discovery %s) as %s/%s, debug on 127.0.0.1:%d", strings.Join(r.container.Args, " "), ReleaseNamespace, podName, i.HTTPPort)
+	n.logf("   istiod %s (pilot-discovery %s) as %s/%s, debug on 127.0.0.1:%d", kubeenv.IstioVersion(tool), strings.Join(r.container.Args, " "), ReleaseNamespace, podName, i.HTTPPort)
 	p, err := childproc.StartIn(i.Dir, "istiod", filepath.Join(tool, "pilot-discovery"), args, env, filepath.Join(i.Dir, "istiod.log"))
 	if err != nil {
 		return nil, err

@@ -106,7 +106,8 @@ func toolPath(repo, name string) (string, error) {
 		return "", fmt.Errorf("kube-tools.sh --path %s: %w", name, err)
 	}
 	p := strings.TrimSpace(string(out))
-	kubeenv.AwaitTool(name, p, func(format string, args ...any) { fmt.Fprintf(os.Stderr, "realnode: "+format+"\n", args...) })
+	// The name the builder lists: the path's (istiod stands for istiod-MINOR).
+	kubeenv.AwaitTool(filepath.Base(p), p, func(format string, args ...any) { fmt.Fprintf(os.Stderr, "realnode: "+format+"\n", args...) })
 	return p, statTool(p)
 }
 

@@ -93,10 +93,12 @@ func run() int {
 	}
 	// Istio's binaries for the peer column: their absence is reported in
 	// the table, never a failure of our figures.
-	istioInstallCNI, istioPlugin, istioVersion, istioErr := bench.IstioBinaries(root)
+	istioInstallCNI, istioPlugin, istioChart, istioVersion, istioErr := bench.IstioBinaries(root)
 	istioMissing := ""
 	if istioErr != nil {
 		istioMissing = istioErr.Error()
+	} else {
+		fmt.Fprintf(os.Stderr, "bench: Istio's istio-cni %s beside ours\n", istioVersion)
 	}
 	if err := os.MkdirAll(*out, 0o755); err != nil {
 		return fail(err)
@@ -110,7 +112,7 @@ func run() int {
 		}
 		return runFleet(ctx, bench.FleetOptions{
 			RepoRoot: root, InstallCNI: *installCNI, Plugin: *plugin, Agents: n, Quick: *quick, Log: os.Stderr,
-			IstioInstallCNI: istioInstallCNI, IstioPlugin: istioPlugin, IstioVersion: istioVersion, IstioMissing: istioMissing,
+			IstioInstallCNI: istioInstallCNI, IstioPlugin: istioPlugin, IstioChart: istioChart, IstioMissing: istioMissing,
 		}, *out)
 	}
 	if *scale {
@@ -119,7 +121,7 @@ func run() int {
 	res, runErr := bench.Run(ctx, bench.Options{
 		RepoRoot: root, InstallCNI: *installCNI, Plugin: *plugin, Quick: *quick,
 		Profile: *profile, ProfileDir: *out, Log: os.Stderr,
-		IstioInstallCNI: istioInstallCNI, IstioPlugin: istioPlugin, IstioVersion: istioVersion, IstioMissing: istioMissing,
+		IstioInstallCNI: istioInstallCNI, IstioPlugin: istioPlugin, IstioChart: istioChart, IstioMissing: istioMissing,
 	})
 	if res == nil {
 		return fail(runErr)
@@ -207,7 +209,7 @@ func runFleetSim(list string, quick bool, out string) int {
 	}
 	// Istio's chart for its column: its absence is reported, never a
 	// failure of our figures.
-	_, _, istioVersion, istioErr := bench.IstioBinaries(root)
+	_, _, istioChart, _, istioErr := bench.IstioBinaries(root)
 	istioMissing := ""
 	if istioErr != nil {
 		istioMissing = istioErr.Error()
@@ -215,7 +217,7 @@ func runFleetSim(list string, quick bool, out string) int {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
 	res, runErr := bench.RunFleetSim(ctx, bench.FleetSimOptions{
-		RepoRoot: root, Nodes: nodes, Quick: quick, Log: os.Stderr, IstioVersion: istioVersion, IstioMissing: istioMissing,
+		RepoRoot: root, Nodes: nodes, Quick: quick, Log: os.Stderr, IstioChart: istioChart, IstioMissing: istioMissing,
 	})
 	if res == nil {
 		return fail(runErr)

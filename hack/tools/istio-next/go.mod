@@ -1,7 +1,7 @@
 // Tools module: builds istiod (pilot-discovery) and istio-cni's install-cni
 // and plugin from istio.io/istio. Kept apart from the project module so
 // Istio's dependency graph never leaks into go.mod.
-module github.com/ambient-cni/ambient-cni/hack/tools/istio
+module github.com/ambient-cni/ambient-cni/hack/tools/istio-next
 
 go 1.26.0
 
