@@ -484,6 +484,11 @@ func (i *Installer) pass(force bool) (retry time.Duration, err error) {
 		i.waiting = false
 	}
 	retry, err = i.ensureConfig(path, force)
+	if err == nil && retry == 0 {
+		// Our entry is in place for the primary: istio-cni's copy of it,
+		// which the runtime loaded until now, may go.
+		err = i.removeIstioCopies(path)
+	}
 	switch writes := i.configWrites.Load() + i.binaryCopies.Load(); {
 	case err != nil:
 		i.outcome(OutcomeConfigFailed)

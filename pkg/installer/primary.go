@@ -6,6 +6,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -61,6 +62,8 @@ func (i *Installer) findPrimary() (string, error) {
 		}
 		return "", fmt.Errorf("read CNI conf dir: %w", err)
 	}
+	// copyOf is a config that may be istio-cni's copy of the next one.
+	var copyOf *istioCopy
 	for _, e := range ents {
 		if e.IsDir() || !isConfigName(e.Name()) {
 			continue
@@ -76,9 +79,123 @@ func (i *Installer) findPrimary() (string, error) {
 			i.log.Debug("skipping CNI config the runtime would not load", "file", p, "err", err)
 			continue
 		}
+		if copyOf != nil {
+			if copyOf.of(i, p) {
+				return p, nil
+			}
+			return copyOf.path, nil
+		}
+		if c := i.istioCopyCandidate(p); c != nil {
+			copyOf = c
+			continue
+		}
 		return p, nil
 	}
+	if copyOf != nil {
+		return copyOf.path, nil
+	}
 	return "", fmt.Errorf("%w in %s", ErrNoPrimaryConfig, dir)
+}
+
+// istio-cni's own conflist: with istioOwnedCNIConfig, istio-cni leaves
+// the primary's config alone and writes a copy of it with its entry added
+// under a name that sorts first (02-istio-cni.conflist by default), which
+// the runtime then loads. Taken for the primary, that copy would be
+// chained into and kept: a frozen copy of the primary's network, and gone
+// (with our entry) whenever anything cleans istio-cni up. So once
+// istio-cni's node agent has left the node (the takeover may go ahead),
+// the primary is the config the copy was made of, and the copy is removed
+// once our entry is in place (removeIstioCopies): until then the runtime
+// loads the copy, whose istio-cni entry fails pods without its agent, and
+// from then on the primary's, with our entry.
+
+// istioCopy is a loadable conflist istio-cni is chained in while the
+// takeover may go ahead, and its plugin types other than istio-cni's and
+// ours.
+type istioCopy struct {
+	path  string
+	types []string
+}
+
+// istioCopyCandidate returns path as an istioCopy when istio-cni is
+// chained in it and its node agent has left the node, else nil.
+func (i *Installer) istioCopyCandidate(path string) *istioCopy {
+	if filepath.Ext(path) != ConflistExt {
+		return nil
+	}
+	cur, _, err := readLimited(path)
+	if err != nil {
+		return nil
+	}
+	if _, took, err := i.takeOver(cur, filepath.Base(path)); err != nil || !took {
+		return nil
+	}
+	types, err := i.networkTypes(path, cur)
+	if err != nil {
+		return nil
+	}
+	return &istioCopy{path: path, types: types}
+}
+
+// of reports whether c is istio-cni's copy of the config at path: the
+// same plugins in the same order, istio-cni's and ours aside.
+func (c *istioCopy) of(i *Installer, path string) bool {
+	b, _, err := readLimited(path)
+	if err != nil {
+		return false
+	}
+	types, err := i.networkTypes(path, b)
+	return err == nil && len(types) > 0 && slices.Equal(types, c.types)
+}
+
+// networkTypes lists a config's plugin types, istio-cni's and ours aside.
+func (i *Installer) networkTypes(path string, b []byte) ([]string, error) {
+	var all []string
+	if filepath.Ext(path) == ConflistExt {
+		list, err := libcni.NetworkConfFromBytes(b)
+		if err != nil {
+			return nil, err
+		}
+		for _, p := range list.Plugins {
+			all = append(all, p.Network.Type)
+		}
+	} else {
+		c, err := libcni.NetworkPluginConfFromBytes(b)
+		if err != nil {
+			return nil, err
+		}
+		all = append(all, c.Network.Type)
+	}
+	return slices.DeleteFunc(all, func(t string) bool { return t == IstioCNIType || t == i.cfg.PluginName }), nil
+}
+
+// removeIstioCopies removes istio-cni's copies of the primary's config
+// (see istioCopy): the configs that sort before it, hold istio-cni's entry
+// while its agent has left the node, and name the primary's plugins. The
+// caller has put our entry in place first.
+func (i *Installer) removeIstioCopies(primary string) error {
+	if i.cfg.IstioCNIGone == nil || i.cfg.PrimaryConfName != "" {
+		return nil
+	}
+	ents, err := os.ReadDir(i.cfg.ConfDir)
+	if err != nil {
+		return fmt.Errorf("read CNI conf dir: %w", err)
+	}
+	for _, e := range ents {
+		p := filepath.Join(i.cfg.ConfDir, e.Name())
+		if e.IsDir() || !isConfigName(e.Name()) || e.Name() >= filepath.Base(primary) || i.isOwnedFile(p) || loadable(p) != nil {
+			continue
+		}
+		c := i.istioCopyCandidate(p)
+		if c == nil || !c.of(i, primary) {
+			continue
+		}
+		if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("remove istio-cni's copy of the primary's config: %w", err)
+		}
+		i.log.Info("removed istio-cni's copy of the primary CNI config (its istioOwnedCNIConfig): its node agent has left the node, and ours is chained for the primary's", "file", p, "primary", primary)
+	}
+	return nil
 }
 
 // loadable reports whether the runtime (libcni) would load the file.

@@ -129,3 +129,74 @@ func TestNoTakeoverUnlessAsked(t *testing.T) {
 		t.Fatalf("Install: %v, want ErrIstioCNIChained", err)
 	}
 }
+
+// istio-cni with istioOwnedCNIConfig leaves the primary's config alone and
+// the runtime loads its copy, 02-istio-cni.conflist, the primary's list
+// with istio-cni's entry added. While its agent answers, nothing changes;
+// once it is gone, ours is chained into the primary's own config and the
+// copy removed after, so the runtime goes from istio-cni's copy (failing
+// pods without its agent) straight to the primary's list with ours. A
+// config with istio-cni chained that is no copy of the next one is the
+// primary, taken over in place as before.
+func TestTakesOverFromIstioCNIsOwnedConfig(t *testing.T) {
+	const primary = `{"cniVersion": "1.0.0", "name": "containerd-net", "plugins": [
+  {"type": "bridge", "bridge": "cni0", "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.88.0.0/16"}]]}}]}`
+	e := newEnv(t)
+	run := t.TempDir()
+	e.write(t, "10-containerd-net.conflist", primary, 0o644)
+	istioCopy := strings.Replace(istioChained, "/var/run/istio-cni", run, 1)
+	e.write(t, "02-istio-cni.conflist", istioCopy, 0o600)
+	ln, err := net.Listen("unix", filepath.Join(run, IstioCNIEventSocket))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln.(*net.UnixListener).SetUnlinkOnClose(false)
+	i := e.installer(t, func(c *Config) { c.IstioCNIGone = IstioCNIAgentGone(run) })
+
+	err = i.Install(t.Context())
+	if !errors.Is(err, ErrIstioCNIChained) || !strings.Contains(err.Error(), "02-istio-cni.conflist") {
+		t.Fatalf("Install while istio-cni's agent answers: %v, want ErrIstioCNIChained naming its copy", err)
+	}
+	if err := i.IstioCNIHolds(); err == nil {
+		t.Error("IstioCNIHolds while istio-cni's agent answers: nil")
+	}
+	if e.read(t, "02-istio-cni.conflist") != istioCopy || e.read(t, "10-containerd-net.conflist") != primary {
+		t.Fatal("a config was changed while istio-cni's agent answers")
+	}
+
+	if err := ln.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := i.IstioCNIHolds(); err != nil {
+		t.Errorf("IstioCNIHolds once istio-cni's agent is gone: %v", err)
+	}
+	if err := i.Install(t.Context()); err != nil {
+		t.Fatalf("Install once istio-cni's agent is gone: %v", err)
+	}
+	if _, err := os.Stat(e.path("02-istio-cni.conflist")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("istio-cni's copy is still there (%v)", err)
+	}
+	if name, ours := e.runtimeChoice(t); name != "10-containerd-net.conflist" || !ours {
+		t.Errorf("the runtime loads %s (ours in it: %v), want the primary's with ours", name, ours)
+	}
+	if err := i.Check(); err != nil {
+		t.Errorf("Check after the takeover: %v", err)
+	}
+
+	// Not a copy: another network with istio-cni chained, sorting first,
+	// is the primary.
+	e2 := newEnv(t)
+	other := strings.Replace(strings.Replace(istioCopy, `"type": "bridge"`, `"type": "ptp"`, 1), "containerd-net", "other", 1)
+	e2.write(t, "02-other.conflist", other, 0o644)
+	e2.write(t, "10-containerd-net.conflist", primary, 0o644)
+	i2 := e2.installer(t, func(c *Config) { c.IstioCNIGone = IstioCNIAgentGone(run) })
+	if err := i2.Install(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if name, ours := e2.runtimeChoice(t); name != "02-other.conflist" || !ours {
+		t.Errorf("the runtime loads %s (ours in it: %v), want 02-other.conflist taken over in place", name, ours)
+	}
+	if e2.read(t, "10-containerd-net.conflist") != primary {
+		t.Error("the config after the primary was changed")
+	}
+}

@@ -153,7 +153,7 @@ func (p *Preflight) Run(ctx context.Context) (*PreflightResult, error) {
 			block("istio-cni runs as a Multus network (CHAINED_CNI_PLUGIN false): the takeover replaces a chained istio-cni only")
 		}
 		if d["ISTIO_OWNED_CNI_CONFIG"] == "true" {
-			block("istio-cni writes its own conflist (istioOwnedCNIConfig, %s): the takeover would take it for the primary's; turn istioOwnedCNIConfig off first (a helm upgrade of istio-cni, which rolls its pods) and set cni.ownedConfig on ours if you need it", orDefault(d["ISTIO_OWNED_CNI_CONF_FILENAME"], "02-istio-cni.conflist"))
+			note("istio-cni writes its own conflist (istioOwnedCNIConfig, %s), a copy of the primary's: on each node the takeover chains ours for the primary's and then removes that copy", orDefault(d["ISTIO_OWNED_CNI_CONF_FILENAME"], "02-istio-cni.conflist"))
 		}
 		params.NeedRetry = d["ENABLE_AMBIENT_DETECTION_RETRY"] != "true"
 	case apierrors.IsNotFound(err):

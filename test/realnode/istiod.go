@@ -215,6 +215,11 @@ func (n *Node) renderIstiod(ctx context.Context, chart string, o IstiodOptions) 
 	args := []string{"template", IstiodRelease, chart, "--namespace", ReleaseNamespace, "--set", "profile=ambient"}
 	if o.Untaint {
 		args = append(args, "--set", "taint.enabled=true")
+		// Before Istio 1.30 taint.enabled gave istiod only the RBAC; its
+		// users set the controller's switch in env as well.
+		if dep, err := os.ReadFile(filepath.Join(chart, "templates", "deployment.yaml")); err == nil && !bytes.Contains(dep, []byte("PILOT_ENABLE_NODE_UNTAINT_CONTROLLERS")) {
+			args = append(args, "--set-string", "env.PILOT_ENABLE_NODE_UNTAINT_CONTROLLERS=true")
+		}
 	}
 	out, err := n.Helm(ctx, args...)
 	if err != nil {

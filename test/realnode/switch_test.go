@@ -4,8 +4,10 @@ package realnode
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"strings"
@@ -29,10 +31,17 @@ import (
 // migration page collects them).
 func TestRealNodeSwitch(t *testing.T) {
 	for _, mode := range []struct {
-		name string
-		nft  bool
-	}{{"iptables", false}, {"nativeNftables", true}} {
-		t.Run(mode.name, func(t *testing.T) { testSwitch(t, mode.nft) })
+		name       string
+		nft, owned bool
+	}{
+		{"iptables", false, false},
+		{"nativeNftables", true, false},
+		// istio-cni's istioOwnedCNIConfig (Istio's own answer to the
+		// reboot race): the runtime loads istio-cni's copy of the
+		// primary's config, which the takeover must not keep.
+		{"istioOwnedCNIConfig", false, true},
+	} {
+		t.Run(mode.name, func(t *testing.T) { testSwitch(t, mode.nft, mode.owned) })
 	}
 }
 
@@ -44,13 +53,15 @@ type switchTest struct {
 	ic  *IstioCNI
 	ist *Istiod
 	nft bool
+	// owned: istio-cni runs with istioOwnedCNIConfig.
+	owned bool
 	// hostBefore is what of istio-cni's the host held before the node.
 	hostBefore IstioHostState
 	// page runs the migration page's blocks.
 	page *pageRunner
 }
 
-func testSwitch(t *testing.T, nft bool) {
+func testSwitch(t *testing.T, nft, owned bool) {
 	ctx, out, tools := startNodeTest(t)
 	if _, _, err := IstioCNIDirs(tools.Repo); err != nil {
 		testnet.Missing(t, err.Error())
@@ -88,13 +99,25 @@ func testSwitch(t *testing.T, nft bool) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := n.InstallIstioCNI(ctx, ic, n.IstioCNIValues(ic, nft)); err != nil {
+	values := n.IstioCNIValues(ic, nft)
+	if owned {
+		values["istioOwnedCNIConfig"] = true
+	}
+	if err := n.InstallIstioCNI(ctx, ic, values); err != nil {
 		t.Fatalf("helm install of Istio's istio-cni: %v", err)
+	}
+	if owned {
+		if err := n.Poll(ctx, "istio-cni's own conflist is the runtime's choice", func(context.Context) (bool, error) {
+			p, err := runtimeConf(n)
+			return filepath.Base(p) == istioOwnedConfName, err
+		}); err != nil {
+			t.Fatal(err)
+		}
 	}
 	if err := n.StartStandIn(ctx); err != nil {
 		t.Fatalf("ztunnel stand-in: %v", err)
 	}
-	s := &switchTest{life: &life{e2e: e2e{n: n, out: out, standIn: true}}, ic: ic, ist: ist, nft: nft, hostBefore: hostBefore}
+	s := &switchTest{life: &life{e2e: e2e{n: n, out: out, standIn: true}}, ic: ic, ist: ist, nft: nft, owned: owned, hostBefore: hostBefore}
 	s.namespace(t, sinkNS, false)
 	s.namespace(t, lifeNS, true)
 	s.namespace(t, optNS, false)
@@ -126,13 +149,20 @@ func testSwitch(t *testing.T, nft bool) {
 	t.Run("nothing was sent off the machine", testNoEgress(n))
 }
 
-// mode names the rule mode in figures.
+// mode names the rule mode in figures, and istio-cni's own conflist.
 func (s *switchTest) mode() string {
-	if s.nft {
+	switch {
+	case s.nft:
 		return "nftables"
+	case s.owned:
+		return "iptables-istio-owned-config"
 	}
 	return "iptables"
 }
+
+// istioOwnedConfName is istio-cni's own conflist under
+// istioOwnedCNIConfig (its chart's istioOwnedCNIConfigFileName default).
+const istioOwnedConfName = "02-istio-cni.conflist"
 
 // ourValues are the istio-cni values an Istio user carries over to
 // ambient-cni as they are (the migration page's values table).
@@ -149,8 +179,19 @@ func (s *switchTest) ourValues(t *testing.T) string {
 	return p
 }
 
-// chainSampler records every distinct plugin chain the primary conflist
-// holds, reading it every 20 ms until stop.
+// loaded returns the config the runtime loads (runtimeConf) and its bytes.
+func (s *switchTest) loaded() (string, []byte, error) {
+	p, err := runtimeConf(s.n)
+	if err != nil {
+		return "", nil, err
+	}
+	b, err := os.ReadFile(p)
+	return p, b, err
+}
+
+// chainSampler records every distinct plugin chain the config the runtime
+// loads holds (the primary's conflist, or istio-cni's own), reading it
+// every 20 ms until stop.
 func (s *switchTest) chainSampler() (stop func() []string) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
@@ -159,14 +200,14 @@ func (s *switchTest) chainSampler() (stop func() []string) {
 		defer close(done)
 		last := ""
 		for ctx.Err() == nil {
-			if b, err := os.ReadFile(s.n.CNIConfFile); err == nil {
+			if p, b, err := s.loaded(); err == nil {
 				if l, err := libcni.ConfListFromBytes(b); err == nil {
 					var types []string
 					for _, p := range l.Plugins {
 						types = append(types, p.Network.Type)
 					}
 					if c := strings.Join(types, ","); c != last {
-						seen = append(seen, time.Now().Format("15:04:05.000")+" "+c)
+						seen = append(seen, time.Now().Format("15:04:05.000")+" "+c+" ("+filepath.Base(p)+")")
 						last = c
 					}
 				}
@@ -187,7 +228,10 @@ func (s *switchTest) chainSampler() (stop func() []string) {
 // chainOf returns the plugin types of a sampled chain line.
 func chainOf(line string) string {
 	if i := strings.IndexByte(line, ' '); i >= 0 {
-		return line[i+1:]
+		line = line[i+1:]
+	}
+	if i := strings.IndexByte(line, ' '); i >= 0 {
+		line = line[:i]
 	}
 	return line
 }
@@ -252,7 +296,7 @@ func (s *switchTest) switchNode(ctx context.Context, t *testing.T, mark func(str
 // waitChain waits until the primary config holds plugin in and not out.
 func (s *switchTest) waitChain(ctx context.Context, in, out string) error {
 	return s.n.Poll(ctx, in+" chained in "+out+"'s place", func(ctx context.Context) (bool, error) {
-		b, err := os.ReadFile(s.n.CNIConfFile)
+		_, b, err := s.loaded()
 		if err != nil {
 			return false, err
 		}
@@ -629,6 +673,14 @@ func (s *switchTest) testSwitchAgain(t *testing.T) {
 	}
 	if v, ok := node.Labels[kubectlplugin.SwitchLabel]; ok {
 		t.Errorf("the node still has %s=%s", kubectlplugin.SwitchLabel, v)
+	}
+	// The runtime loads the primary's own config with ours, no copy of
+	// istio-cni's (which the takeover removed) nor any other.
+	if p, err := runtimeConf(s.n); err != nil || p != s.n.CNIConfFile {
+		t.Errorf("the runtime loads %s (%v), want the primary's %s", p, err, s.n.CNIConfFile)
+	}
+	if _, err := os.Stat(filepath.Join(s.n.CNIConfDir, istioOwnedConfName)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("istio-cni's own conflist %s is still there (%v)", istioOwnedConfName, err)
 	}
 	agents, err := s.n.AgentPods(ctx)
 	if err != nil {
