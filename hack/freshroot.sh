@@ -86,6 +86,14 @@ else
 	step "copy Go ($(go env GOVERSION))" cp -a "$goroot" "$root/usr/local/go"
 	step "clone $(git -C "$repo" rev-parse --short HEAD)" git clone -q "$repo" "$root/src"
 fi
+# CI's clone has a copy of the shared folder beside it, whose istio/ holds
+# the source archives of Istio's releases (hack/kube-tools.sh): so has
+# this one, beside src.
+if [[ -d "$repo/../shared/istio" ]]; then
+	rm -rf "$root/shared/istio"
+	mkdir -p "$root/shared"
+	cp -a "$repo/../shared/istio" "$root/shared/istio"
+fi
 # The machine's network settings, which are not the project's to install:
 # its resolver, and the certificate authorities it added (a network that
 # inspects TLS has one), which Debian's ca-certificates, installed by

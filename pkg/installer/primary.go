@@ -174,7 +174,7 @@ func (i *Installer) networkTypes(path string, b []byte) ([]string, error) {
 // while its agent has left the node, and name the primary's plugins. The
 // caller has put our entry in place first.
 func (i *Installer) removeIstioCopies(primary string) error {
-	if i.cfg.IstioCNIGone == nil || i.cfg.PrimaryConfName != "" {
+	if i.cfg.IstioCNIGone == nil {
 		return nil
 	}
 	ents, err := os.ReadDir(i.cfg.ConfDir)

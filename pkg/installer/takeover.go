@@ -121,12 +121,20 @@ func (i *Installer) IstioCNIHolds() error {
 	if err != nil {
 		return nil
 	}
-	cur, _, err := readLimited(path)
-	if err != nil {
-		return nil
+	paths := []string{path}
+	// With a configured primary, the runtime may still load another file
+	// first: istio-cni's own copy of the primary's (istioOwnedCNIConfig).
+	if first, err := i.firstLoadable(); err == nil && first != path {
+		paths = append(paths, first)
 	}
-	if _, _, err := i.takeOver(cur, filepath.Base(path)); err != nil {
-		return fmt.Errorf("primary config %s: %w", path, err)
+	for _, p := range paths {
+		cur, _, err := readLimited(p)
+		if err != nil {
+			continue
+		}
+		if _, _, err := i.takeOver(cur, filepath.Base(p)); err != nil {
+			return fmt.Errorf("primary config %s: %w", p, err)
+		}
 	}
 	return nil
 }

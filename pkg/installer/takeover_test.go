@@ -183,6 +183,33 @@ func TestTakesOverFromIstioCNIsOwnedConfig(t *testing.T) {
 		t.Errorf("Check after the takeover: %v", err)
 	}
 
+	// The primary named (cni.confName): istio-cni's copy, which the
+	// runtime loads first, holds the node all the same, and goes too.
+	e3 := newEnv(t)
+	e3.write(t, "10-containerd-net.conflist", primary, 0o644)
+	e3.write(t, "02-istio-cni.conflist", istioCopy, 0o600)
+	_ = os.Remove(filepath.Join(run, IstioCNIEventSocket))
+	ln, err = net.Listen("unix", filepath.Join(run, IstioCNIEventSocket))
+	if err != nil {
+		t.Fatal(err)
+	}
+	i3 := e3.installer(t, func(c *Config) {
+		c.IstioCNIGone = IstioCNIAgentGone(run)
+		c.PrimaryConfName = "10-containerd-net.conflist"
+	})
+	if err := i3.IstioCNIHolds(); err == nil || !strings.Contains(err.Error(), "02-istio-cni.conflist") {
+		t.Errorf("IstioCNIHolds with the primary named, istio-cni's agent answering: %v, want its copy named", err)
+	}
+	if err := ln.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := i3.Install(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if name, ours := e3.runtimeChoice(t); name != "10-containerd-net.conflist" || !ours {
+		t.Errorf("with the primary named, the runtime loads %s (ours in it: %v), want the primary's with ours", name, ours)
+	}
+
 	// Not a copy: another network with istio-cni chained, sorting first,
 	// is the primary.
 	e2 := newEnv(t)
