@@ -161,10 +161,11 @@ spec() {
 	# "@": built inside the plugins' own module (its go.sum pins their
 	# dependencies) at the version the project's go.mod requires.
 	cni-plugins) echo "@ github.com/containernetworking/plugins ./plugins/main/bridge ./plugins/ipam/host-local ./plugins/main/loopback" ;;
-	# Directories: istiod holds pilot-discovery, crd-all.gen.yaml (the
-	# CRDs of Istio's base chart) and istiod's chart istio-discovery, both
-	# copied from the same module source; istio-cni holds install-cni and
-	# the istio-cni plugin.
+	# Directories, one pair per minor: istiod-MINOR holds pilot-discovery,
+	# crd-all.gen.yaml (the CRDs of Istio's base chart) and istiod's chart
+	# istio-discovery; istio-cni-MINOR holds install-cni, the istio-cni
+	# plugin and Istio's istio-cni chart (chart/); each chart copied from
+	# the source the binaries are built from.
 	istiod-* | istio-cni-*)
 		local m="${1#istiod-}"
 		m="${m#istio-cni-}"

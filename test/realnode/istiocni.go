@@ -39,8 +39,6 @@ var IstioCNIImage = imageName("istio-install-cni")
 type IstioCNI struct {
 	// Chart is Istio's istio-cni chart of the same source as its binaries.
 	Chart string
-	// Version is the Istio version of the build.
-	Version string
 	// RunDir is istio-cni's run directory on the node (its chart's
 	// /var/run/istio-cni): its plugin event socket is there.
 	RunDir string
@@ -93,7 +91,7 @@ func (n *Node) ImportIstioCNI(ctx context.Context) (*IstioCNI, error) {
 	}
 	_ = os.Remove(a)
 	n.logf("   imported %s (Istio %s) in %v", IstioCNIImage, kubeenv.IstioVersion(bin), time.Since(start).Round(10*time.Millisecond))
-	return &IstioCNI{Chart: chart, Version: kubeenv.IstioVersion(bin), RunDir: filepath.Join(n.Dir, "run", "istio-cni")}, nil
+	return &IstioCNI{Chart: chart, RunDir: filepath.Join(n.Dir, "run", "istio-cni")}, nil
 }
 
 // IstioCNIValues are the values istio-cni is installed with: an Istio
