@@ -110,11 +110,11 @@ func (i *Installer) findPrimary() (string, error) {
 // from then on the primary's, with our entry.
 
 // istioCopy is a loadable conflist istio-cni is chained in while the
-// takeover may go ahead, and its plugin types other than istio-cni's and
-// ours.
+// takeover may go ahead, its network's name and its plugin types other
+// than istio-cni's and ours.
 type istioCopy struct {
-	path  string
-	types []string
+	path, name string
+	types      []string
 }
 
 // istioCopyCandidate returns path as an istioCopy when istio-cni is
@@ -130,49 +130,54 @@ func (i *Installer) istioCopyCandidate(path string) *istioCopy {
 	if _, took, err := i.takeOver(cur, filepath.Base(path)); err != nil || !took {
 		return nil
 	}
-	types, err := i.networkTypes(path, cur)
+	name, types, err := i.network(path, cur)
 	if err != nil {
 		return nil
 	}
-	return &istioCopy{path: path, types: types}
+	return &istioCopy{path: path, name: name, types: types}
 }
 
 // of reports whether c is istio-cni's copy of the config at path: the
-// same plugins in the same order, istio-cni's and ours aside.
+// same network name (istio-cni copies the file) and the same plugins in
+// the same order, istio-cni's and ours aside.
 func (c *istioCopy) of(i *Installer, path string) bool {
 	b, _, err := readLimited(path)
 	if err != nil {
 		return false
 	}
-	types, err := i.networkTypes(path, b)
-	return err == nil && len(types) > 0 && slices.Equal(types, c.types)
+	name, types, err := i.network(path, b)
+	return err == nil && len(types) > 0 && name == c.name && slices.Equal(types, c.types)
 }
 
-// networkTypes lists a config's plugin types, istio-cni's and ours aside.
-func (i *Installer) networkTypes(path string, b []byte) ([]string, error) {
+// network returns a config's network name and its plugin types,
+// istio-cni's and ours aside.
+func (i *Installer) network(path string, b []byte) (string, []string, error) {
+	var name string
 	var all []string
 	if filepath.Ext(path) == ConflistExt {
 		list, err := libcni.NetworkConfFromBytes(b)
 		if err != nil {
-			return nil, err
+			return "", nil, err
 		}
+		name = list.Name
 		for _, p := range list.Plugins {
 			all = append(all, p.Network.Type)
 		}
 	} else {
 		c, err := libcni.NetworkPluginConfFromBytes(b)
 		if err != nil {
-			return nil, err
+			return "", nil, err
 		}
+		name = c.Network.Name
 		all = append(all, c.Network.Type)
 	}
-	return slices.DeleteFunc(all, func(t string) bool { return t == IstioCNIType || t == i.cfg.PluginName }), nil
+	return name, slices.DeleteFunc(all, func(t string) bool { return t == IstioCNIType || t == i.cfg.PluginName }), nil
 }
 
 // removeIstioCopies removes istio-cni's copies of the primary's config
 // (see istioCopy): the configs that sort before it, hold istio-cni's entry
-// while its agent has left the node, and name the primary's plugins. The
-// caller has put our entry in place first.
+// while its agent has left the node, and name the primary's network and
+// plugins. The caller has put our entry in place first.
 func (i *Installer) removeIstioCopies(primary string) error {
 	if i.cfg.IstioCNIGone == nil {
 		return nil
