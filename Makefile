@@ -48,7 +48,7 @@ AGENT_LDFLAGS  := -s -w $(STAMP_LDFLAGS)
 all: build
 
 help: ## list targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
 build: ## build the plugin, the agent, the uninstall hook and the kubectl plugin into ./bin, version-stamped
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags='$(PLUGIN_LDFLAGS)' -o $(BIN)/ambient-cni $(PLUGIN_PKG)
