@@ -151,6 +151,10 @@ type App struct {
 	standby atomic.Bool
 	// istioLeft reads istio-cni's DaemonSet, with the takeover on.
 	istioLeft apicalls.IstioCNILeft
+	// zdsDeferred is set by the start when another process listened on
+	// ztunnel's socket (zdsguard.go): the socket and the host probe SNAT
+	// wait for it to stop. Start steps only, in order.
+	zdsDeferred bool
 }
 
 // New builds every part; nothing runs or touches the node until Run.

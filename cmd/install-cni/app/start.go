@@ -81,13 +81,22 @@ func (a *App) startSteps(cs *components) []step {
 			// a reboot both start together) waits in the socket's queue
 			// rather than backing off (up to 15 s, every ADD failing "no
 			// ztunnel connection" until it is back). It gets nothing until
-			// "serve", after the restore.
+			// "serve", after the restore. Unless another agent serves
+			// ztunnel on this node: then "ztunnel's socket free" waits.
+			if a.zdsTaken() {
+				return nil
+			}
 			if err := a.zds.Listen(); err != nil {
 				return fmt.Errorf("zds: %w", err)
 			}
 			return nil
 		}},
-		{name: "host probe SNAT", do: func(context.Context) error { return a.agent.EnsureHostProbe() }},
+		{name: "host probe SNAT", do: func(context.Context) error {
+			if a.zdsDeferred {
+				return nil // after "ztunnel's socket free", with the socket
+			}
+			return a.agent.EnsureHostProbe()
+		}},
 		{name: "plugin files", do: func(ctx context.Context) error {
 			// What the plugin decides by while the agent cannot answer, in
 			// place before the installer chains it.
@@ -107,6 +116,7 @@ func (a *App) startSteps(cs *components) []step {
 		// all (they stop together).
 		{name: "health and metrics servers", do: func(context.Context) error { return a.serveHealth(cs) }, undo: cs.stop},
 		{name: "debug socket", do: func(context.Context) error { return a.serveDebug(cs) }},
+		{name: zdsFreeStep, do: a.awaitZDSFree},
 		{name: "marker of an uninstall cut short", do: func(context.Context) error {
 			// That marker makes the plugin let every pod through while no
 			// agent answers; this agent chains the plugin again, so the
