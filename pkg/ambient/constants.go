@@ -95,6 +95,10 @@ var (
 const (
 	// DefaultZDSSocket is where the agent listens for ztunnel.
 	DefaultZDSSocket = "/var/run/ztunnel/ztunnel.sock"
+	// IstioCNIEventSocket is the socket istio-cni's plugin reaches its node
+	// agent on, in istio-cni's run directory (its chart's
+	// /var/run/istio-cni).
+	IstioCNIEventSocket = "pluginevent.sock"
 	// DefaultAgentSocket is where the agent listens for the CNI plugin;
 	// the files it shares with the plugin live beside it (see nodefiles).
 	DefaultAgentSocket = "/var/run/ambient-cni/agent.sock"

@@ -40,6 +40,12 @@ type PluginConf struct {
 	// AgentDownAfter is accepted for existing configurations; no decision
 	// uses it any more.
 	AgentDownAfter string `json:"agentDownAfter,omitempty"`
+	// IstioCNIRunDir, set by an agent that takes over from istio-cni, is
+	// istio-cni's run directory (cni_agent_run_dir): while the agent cannot
+	// answer and istio-cni's node agent answers there (the node given back
+	// to istio-cni with ours broken), the plugin lets istio-cni's plugin,
+	// chained after it, decide the pod.
+	IstioCNIRunDir string `json:"istioCNIRunDir,omitempty"`
 }
 
 // Values of PluginConf.AgentUnreachable.

@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/containernetworking/cni/libcni"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 )
 
 // takeOver returns the config to chain into: cur itself, or, when
@@ -74,10 +76,6 @@ func istioRunDirs(conf []byte) ([]string, error) {
 	return dirs, nil
 }
 
-// IstioCNIEventSocket is the socket istio-cni's plugin reaches its node
-// agent on, in istio-cni's run directory (its chart's /var/run/istio-cni).
-const IstioCNIEventSocket = "pluginevent.sock"
-
 // IstioCNIAgentGone returns a Config.IstioCNIGone that says istio-cni's
 // node agent is gone when nothing answers on its plugin event socket in
 // runDir, the host directory mounted at the same path. istio-cni stops
@@ -87,7 +85,7 @@ const IstioCNIEventSocket = "pluginevent.sock"
 // itself. An entry whose plugin reaches its agent in another directory is
 // not judged: the socket that says would not be the one looked at.
 func IstioCNIAgentGone(runDir string) func(entryRunDir string) error {
-	sock := filepath.Join(runDir, IstioCNIEventSocket)
+	sock := filepath.Join(runDir, ambient.IstioCNIEventSocket)
 	return func(entryRunDir string) error {
 		if filepath.Clean(entryRunDir) != filepath.Clean(runDir) {
 			return fmt.Errorf("istio-cni's plugin reaches its agent in %s, not in %s, the directory mounted to tell: set migration.fromIstioCNI.runDir to %s", entryRunDir, runDir, entryRunDir)

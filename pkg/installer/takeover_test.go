@@ -9,6 +9,8 @@ import (
 	"testing"
 
 	"github.com/containernetworking/cni/libcni"
+
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 )
 
 // The takeover from istio-cni: refused while istio-cni's node agent
@@ -21,7 +23,7 @@ func TestTakesOverFromIstioCNIOnceItsAgentIsGone(t *testing.T) {
 	// istio-cni's entry names the run directory its plugin uses.
 	chained := strings.Replace(istioChained, "/var/run/istio-cni", run, 1)
 	e.write(t, "10-containerd-net.conflist", chained, 0o644)
-	sock := filepath.Join(run, IstioCNIEventSocket)
+	sock := filepath.Join(run, ambient.IstioCNIEventSocket)
 	ln, err := net.Listen("unix", sock)
 	if err != nil {
 		t.Fatal(err)
@@ -146,7 +148,7 @@ func TestTakesOverFromIstioCNIsOwnedConfig(t *testing.T) {
 	e.write(t, "10-containerd-net.conflist", primary, 0o644)
 	istioCopy := strings.Replace(istioChained, "/var/run/istio-cni", run, 1)
 	e.write(t, "02-istio-cni.conflist", istioCopy, 0o600)
-	ln, err := net.Listen("unix", filepath.Join(run, IstioCNIEventSocket))
+	ln, err := net.Listen("unix", filepath.Join(run, ambient.IstioCNIEventSocket))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -188,8 +190,8 @@ func TestTakesOverFromIstioCNIsOwnedConfig(t *testing.T) {
 	e3 := newEnv(t)
 	e3.write(t, "10-containerd-net.conflist", primary, 0o644)
 	e3.write(t, "02-istio-cni.conflist", istioCopy, 0o600)
-	_ = os.Remove(filepath.Join(run, IstioCNIEventSocket))
-	ln, err = net.Listen("unix", filepath.Join(run, IstioCNIEventSocket))
+	_ = os.Remove(filepath.Join(run, ambient.IstioCNIEventSocket))
+	ln, err = net.Listen("unix", filepath.Join(run, ambient.IstioCNIEventSocket))
 	if err != nil {
 		t.Fatal(err)
 	}

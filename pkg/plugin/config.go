@@ -86,6 +86,9 @@ type Config struct {
 	// "agentUnreachable"): ambient.AgentUnreachableSnapshot (default) or
 	// ambient.AgentUnreachableFailClosed.
 	AgentUnreachable string
+	// IstioCNIRunDir is istio-cni's run directory (key "istioCNIRunDir";
+	// empty: istio-cni is never asked about).
+	IstioCNIRunDir string
 	// PrevResult is the previous plugin's result, nil when absent.
 	PrevResult *PrevResult
 	// ValidAttachments is set for GC.
@@ -139,6 +142,12 @@ func configFrom(raw *rawConfig) (*Config, error) {
 	if !filepath.IsAbs(c.AgentSocket) || filepath.Clean(c.AgentSocket) != c.AgentSocket || len(c.AgentSocket) > 107 {
 		// 107: sun_path holds 108 bytes including the terminating NUL.
 		return nil, invalidConfig("agentSocket %q must be a clean absolute path of at most 107 bytes", c.AgentSocket)
+	}
+	if d := raw.IstioCNIRunDir; d != "" {
+		if !filepath.IsAbs(d) || filepath.Clean(d) != d || len(filepath.Join(d, ambient.IstioCNIEventSocket)) > 107 {
+			return nil, invalidConfig("istioCNIRunDir %q must be a clean absolute path whose %s fits in 107 bytes", d, ambient.IstioCNIEventSocket)
+		}
+		c.IstioCNIRunDir = d
 	}
 	if raw.StateDir != "" && (!filepath.IsAbs(raw.StateDir) || filepath.Clean(raw.StateDir) != raw.StateDir) {
 		return nil, invalidConfig("stateDir %q must be a clean absolute path", raw.StateDir)

@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"os"
+	"path/filepath"
 	"slices"
 	"time"
 
@@ -217,6 +219,10 @@ func (p *Plugin) fallback(c *call, log *slog.Logger, ev *ambient.PodEvent, cause
 		log.Warn("node agent cannot answer; failing closed", "err", cause, "reason", d.why)
 		return tryAgain("ambient-cni: %v; %s, so the pod is not started until the node agent answers. The runtime will retry: check that the ambient-cni node agent is running on this node", cause, d.why)
 	}
+	if d.toIstio {
+		log.Warn("node agent cannot answer; passing through to istio-cni", "err", cause, "reason", d.why)
+		return p.passThrough(c.cfg)
+	}
 	rec := *ev
 	rec.Command = ambient.CommandAdd
 	if err := nodefiles.Spool(c.cfg.AddSpoolDir, rec); err != nil {
@@ -237,15 +243,47 @@ type decision struct {
 	// agentGone, for a pod that must be captured, says why no agent will
 	// return to the node; reason is then the enablement reason.
 	agentGone, reason string
+	// toIstio: istio-cni holds the node; its plugin, chained after ours,
+	// decides the pod (nothing is recorded for our agent).
+	toIstio bool
+}
+
+// istioCNIDial bounds the look at istio-cni's socket: a local socket
+// answers in microseconds, and a pod waits on it only while no agent of
+// ours answers.
+const istioCNIDial = 200 * time.Millisecond
+
+// istioCNIAnswers says why istio-cni holds the node when its node agent
+// answers on its plugin event socket in runDir ("" when runDir is empty
+// or nothing answers there). With ours unable to answer, that is a node
+// given back to istio-cni while ours is broken (crashing, its image not
+// pullable): istio-cni's installer chains its plugin after ours, and that
+// plugin captures the pod as before the switch, so ours lets it through
+// rather than holding every ambient pod for an agent that may not come.
+// A connection opened and closed is nothing to istio-cni's server (it
+// serves HTTP on that socket).
+func istioCNIAnswers(runDir string) string {
+	if runDir == "" {
+		return ""
+	}
+	sock := filepath.Join(runDir, ambient.IstioCNIEventSocket)
+	conn, err := net.DialTimeout("unix", sock, istioCNIDial)
+	if err != nil {
+		return ""
+	}
+	_ = conn.Close()
+	return "istio-cni's node agent answers on " + sock + ": the node is istio-cni's again, and its plugin, chained after this one, decides the pod"
 }
 
 // withoutAgent decides a pod while the agent cannot answer, in tiers:
 //  1. an uninstall in progress (its marker in the state directory): every
 //     pod passes, the mesh is leaving the node;
 //  2. agentUnreachable fail-closed: every pod fails closed;
-//  3. the API server, asked with the plugin's own credential by the
+//  3. istio-cni's node agent answering on the node (istioCNIRunDir set by
+//     a takeover): every pod passes to istio-cni's plugin, chained after;
+//  4. the API server, asked with the plugin's own credential by the
 //     fallback binary: the agent's own decision, from live labels;
-//  4. failing that, the persistent snapshot: only the control plane's
+//  5. failing that, the persistent snapshot: only the control plane's
 //     namespaces and the excluded ones pass, unless the snapshot shows the
 //     pod captured or its namespace enabled; every other pod waits.
 //
@@ -265,6 +303,9 @@ func (p *Plugin) withoutAgent(c *call, ev *ambient.PodEvent) decision {
 	}
 	if c.cfg.AgentUnreachable == ambient.AgentUnreachableFailClosed {
 		return wait(fmt.Sprintf("agentUnreachable is %q", ambient.AgentUnreachableFailClosed))
+	}
+	if why := istioCNIAnswers(c.cfg.IstioCNIRunDir); why != "" {
+		return decision{pass: true, toIstio: true, why: why}
 	}
 	v, apiErr := p.askAPIServer(c, ev, true)
 	if apiErr == nil {

@@ -481,3 +481,69 @@ func TestHungAgentFailClosedWaits(t *testing.T) {
 		t.Error("the API server was asked under fail-closed")
 	}
 }
+
+// TestGivenBackToIstioCNI: a node given back to istio-cni while our
+// agent is broken (crashed, its image not pullable) keeps our entry
+// chained, with istio-cni's after it. While istio-cni's node agent
+// answers on its plugin event socket (istioCNIRunDir, written by a
+// takeover), every pod passes to istio-cni's plugin, nothing recorded for
+// our agent; with nothing answering there (a socket file left by a gone
+// istio-cni), or without istioCNIRunDir, pods are decided as before; under
+// fail-closed they wait.
+func TestGivenBackToIstioCNI(t *testing.T) {
+	n := newNode(t)
+	n.fallback(t, fakeAPIUp)
+	staleSocket(t, n.sock)
+	istioRun := filepath.Join(t.TempDir(), "istio-cni")
+	if err := os.MkdirAll(istioRun, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(istioRun, ambient.IstioCNIEventSocket)
+	withIstio := n.conf(fmt.Sprintf(`,"istioCNIRunDir":%q`, istioRun))
+	must := tablePods[0]
+
+	// istio-cni gone: its socket file left, nothing answers.
+	staleSocket(t, sock)
+	if _, err := run(t, add, withIstio, must.args()); err == nil || cniCode(t, err) != types.ErrTryAgainLater {
+		t.Fatalf("%s with istio-cni's socket stale: %v, want code 11", must.name, err)
+	}
+	_ = os.Remove(sock)
+
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			_ = c.Close()
+		}
+	}()
+	for _, pod := range tablePods {
+		logs, err := addLogged(t, withIstio, pod.args())
+		if err != nil {
+			t.Errorf("%s with istio-cni's agent answering: %v, want it passed to istio-cni's plugin", pod.name, err)
+		} else if !strings.Contains(logs, "passing through to istio-cni") {
+			t.Errorf("%s: the log does not say the pod went to istio-cni:\n%s", pod.name, logs)
+		}
+	}
+	if ents, _ := os.ReadDir(n.layout().AddSpool()); len(ents) != 0 {
+		t.Errorf("%d pods recorded for our agent to re-check; istio-cni's are not ours", len(ents))
+	}
+	// The same node without istioCNIRunDir, and under fail-closed.
+	if _, err := run(t, add, n.conf(""), must.args()); err == nil || cniCode(t, err) != types.ErrTryAgainLater {
+		t.Errorf("%s without istioCNIRunDir: %v, want code 11", must.name, err)
+	}
+	if _, err := run(t, add, n.conf(fmt.Sprintf(`,"istioCNIRunDir":%q,"agentUnreachable":"fail-closed"`, istioRun)), must.args()); err == nil || cniCode(t, err) != types.ErrTryAgainLater {
+		t.Errorf("%s under fail-closed: %v, want code 11", must.name, err)
+	}
+	for _, bad := range []string{"relative/dir", "/a/../b", "/" + strings.Repeat("d", 100)} {
+		if _, err := run(t, add, n.conf(fmt.Sprintf(`,"istioCNIRunDir":%q`, bad)), must.args()); cniCode(t, err) != types.ErrInvalidNetworkConfig {
+			t.Errorf("istioCNIRunDir %q: %v, want an invalid config", bad, err)
+		}
+	}
+}

@@ -188,7 +188,7 @@ func New(o Options) (*App, error) {
 		AgentSocket: c.AgentSocket, StateDir: c.StateDir, ControlPlaneNamespaces: c.ControlPlane(), Timeout: c.PluginTimeout.String(),
 		LogLevel: c.PluginLogLevel, ExcludedNamespaces: nonNil(c.ExcludedNamespaces),
 		StatusRequiresAgent: c.StatusChecksAgent, AgentUnreachable: c.AgentUnreachable,
-		AgentDownAfter: c.AgentDownAfter.String(),
+		AgentDownAfter: c.AgentDownAfter.String(), IstioCNIRunDir: c.IstioCNIRunDir,
 	})
 	if err != nil {
 		return nil, err

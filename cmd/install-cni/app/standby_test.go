@@ -16,6 +16,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
 
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/apicalls"
 	"github.com/ambient-cni/ambient-cni/pkg/installer"
 	"github.com/ambient-cni/ambient-cni/pkg/kubeclient/kubeclienttest"
@@ -107,7 +108,7 @@ func TestTakeoverWaitsForIstioCNIsDaemonSetToLeave(t *testing.T) {
 	if _, err := cs.CoreV1().Nodes().Update(t.Context(), node, metav1.UpdateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	ln, err := net.Listen("unix", filepath.Join(runDir, installer.IstioCNIEventSocket))
+	ln, err := net.Listen("unix", filepath.Join(runDir, ambient.IstioCNIEventSocket))
 	if err != nil {
 		t.Fatal(err)
 	}
