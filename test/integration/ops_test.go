@@ -16,8 +16,10 @@ import (
 
 	cnitypes "github.com/containernetworking/cni/pkg/types"
 	authenticationv1 "k8s.io/api/authentication/v1"
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/types"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
@@ -297,4 +299,23 @@ func (n *node) metric(series string) float64 {
 		n.t.Fatalf("metric %s: %v", series, err)
 	}
 	return v
+}
+
+// agentEvent waits for an Event of reason on the agent's pod and returns
+// the first one.
+func (n *node) agentEvent(reason string) corev1.Event {
+	n.t.Helper()
+	var ev corev1.Event
+	poll.Within(n.t, waitLong, "a "+reason+" Event on the agent's pod", func() bool {
+		list, err := n.env.Client.CoreV1().Events(n.agentNS).List(context.Background(), metav1.ListOptions{
+			FieldSelector: fields.AndSelectors(fields.OneTermEqualSelector("involvedObject.name", n.agentPod),
+				fields.OneTermEqualSelector("reason", reason)).String(),
+		})
+		if err != nil || len(list.Items) == 0 {
+			return false
+		}
+		ev = list.Items[0]
+		return true
+	})
+	return ev
 }

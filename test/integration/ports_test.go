@@ -2,7 +2,6 @@ package integration
 
 import (
 	"bytes"
-	"context"
 	"io"
 	"net"
 	"net/http"
@@ -10,11 +9,8 @@ import (
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/fields"
 
 	installcni "github.com/ambient-cni/ambient-cni/cmd/install-cni/app"
-	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 )
 
 // TestMetricsPortTaken: another process on the node holds the metrics
@@ -38,22 +34,7 @@ func TestMetricsPortTaken(t *testing.T) {
 		t.Fatalf("/readyz with the metrics port taken = %d %s", code, body)
 	}
 
-	var ev corev1.Event
-	poll.Within(t, waitLong, "a Warning Event on the agent's pod naming the taken port", func() bool {
-		list, err := n.env.Client.CoreV1().Events(n.agentNS).List(context.Background(), metav1.ListOptions{
-			FieldSelector: fields.OneTermEqualSelector("involvedObject.name", n.agentPod).String(),
-		})
-		if err != nil {
-			return false
-		}
-		for _, e := range list.Items {
-			if e.Reason == "MetricsUnavailable" {
-				ev = e
-				return true
-			}
-		}
-		return false
-	})
+	ev := n.agentEvent("MetricsUnavailable")
 	if ev.Type != corev1.EventTypeWarning || !strings.Contains(ev.Message, addr) || ev.InvolvedObject.Kind != "Pod" {
 		t.Errorf("event %s %s about %+v: %q; want a Warning on the agent's pod naming %s", ev.Type, ev.Reason, ev.InvolvedObject, ev.Message, addr)
 	}

@@ -2,7 +2,6 @@ package integration
 
 import (
 	"bytes"
-	"context"
 	"fmt"
 	"net/http"
 	"os"
@@ -11,8 +10,6 @@ import (
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/fields"
 
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
 	"github.com/ambient-cni/ambient-cni/test/lib/poll"
@@ -36,18 +33,7 @@ func TestExclusivePrimaryReported(t *testing.T) {
 			return err == nil && bytes.Contains(b, []byte(`"`+cnibin.PluginName+`"`))
 		})
 	}
-	var ev corev1.Event
-	poll.Within(t, waitLong, "a Warning Event on the agent's pod about the primary", func() bool {
-		list, err := n.env.Client.CoreV1().Events(n.agentNS).List(context.Background(), metav1.ListOptions{
-			FieldSelector: fields.AndSelectors(fields.OneTermEqualSelector("involvedObject.name", n.agentPod),
-				fields.OneTermEqualSelector("reason", "PrimaryCNIRemovesEntry")).String(),
-		})
-		if err != nil || len(list.Items) == 0 {
-			return false
-		}
-		ev = list.Items[0]
-		return true
-	})
+	ev := n.agentEvent("PrimaryCNIRemovesEntry")
 	if ev.Type != corev1.EventTypeWarning || !strings.Contains(ev.Message, "cni.exclusive=false") || !strings.Contains(ev.Message, simnode.PrimaryConf) {
 		t.Errorf("event %s %s: %q; want a Warning naming the file and Cilium's setting", ev.Type, ev.Reason, ev.Message)
 	}

@@ -2,7 +2,6 @@ package integration
 
 import (
 	"bytes"
-	"context"
 	"net"
 	"net/http"
 	"os"
@@ -13,8 +12,6 @@ import (
 	"testing"
 
 	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/fields"
 
 	"github.com/ambient-cni/ambient-cni/pkg/unixsock"
 	"github.com/ambient-cni/ambient-cni/test/lib/cnibin"
@@ -90,22 +87,7 @@ func TestZtunnelSocketServedByAnotherAgent(t *testing.T) {
 	n.startDaemon()
 	n.waitDebugSocket()
 
-	var ev corev1.Event
-	poll.Within(t, waitLong, "a ZtunnelSocketTaken Event on the agent's pod", func() bool {
-		list, err := n.env.Client.CoreV1().Events(n.agentNS).List(context.Background(), metav1.ListOptions{
-			FieldSelector: fields.OneTermEqualSelector("involvedObject.name", n.agentPod).String(),
-		})
-		if err != nil {
-			return false
-		}
-		for _, e := range list.Items {
-			if e.Reason == "ZtunnelSocketTaken" {
-				ev = e
-				return true
-			}
-		}
-		return false
-	})
+	ev := n.agentEvent("ZtunnelSocketTaken")
 	if ev.Type != corev1.EventTypeWarning || !strings.Contains(ev.Message, n.cfg.ZDSSocket) {
 		t.Errorf("event %s %s: %q; want a Warning naming %s", ev.Type, ev.Reason, ev.Message, n.cfg.ZDSSocket)
 	}

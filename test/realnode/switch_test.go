@@ -570,23 +570,7 @@ func (s *switchTest) testRollback(t *testing.T) {
 		}
 		mk.mark("istio-cni chained")
 		// istio-cni enrolls the running ambient pods again.
-		if err := s.n.Poll(ctx, "istio-cni captured the running pods", func(ctx context.Context) (bool, error) {
-			for _, ns := range []string{lifeNS, optNS} {
-				pods, err := s.n.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
-				if err != nil {
-					return false, err
-				}
-				for _, p := range pods.Items {
-					if p.DeletionTimestamp != nil || p.Status.Phase != corev1.PodRunning {
-						continue
-					}
-					if ok, err := s.n.captured(ctx, &p); !ok {
-						return false, fmt.Errorf("%s: %v", p.Name, err)
-					}
-				}
-			}
-			return true, nil
-		}); err != nil {
+		if err := s.waitRunningCaptured(ctx, "istio-cni captured the running pods"); err != nil {
 			return err
 		}
 		mk.mark("enrolled")
@@ -716,6 +700,28 @@ func (s *switchTest) testSwitchAgain(t *testing.T) {
 		t.Fatal(err)
 	}
 	figure(t, m+"-switch-istio-cni-host-leftovers", fmt.Sprintf("%q", left.Sub(s.hostBefore).String()))
+}
+
+// waitRunningCaptured waits until every running pod of the ambient
+// namespaces (lifeNS, and optNS's opted-in ones) is captured.
+func (s *switchTest) waitRunningCaptured(ctx context.Context, what string) error {
+	return s.n.Poll(ctx, what, func(ctx context.Context) (bool, error) {
+		for _, ns := range []string{lifeNS, optNS} {
+			pods, err := s.n.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+			if err != nil {
+				return false, err
+			}
+			for _, p := range pods.Items {
+				if p.DeletionTimestamp != nil || p.Status.Phase != corev1.PodRunning {
+					continue
+				}
+				if ok, err := s.n.captured(ctx, &p); !ok {
+					return false, fmt.Errorf("%s: %v", p.Name, err)
+				}
+			}
+		}
+		return true, nil
+	})
 }
 
 // uncapturedSpan is the time from the first to the last uncaptured

@@ -8,7 +8,6 @@ import (
 	"strings"
 	"testing"
 
-	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
@@ -96,23 +95,7 @@ func (s *switchTest) testBrokenRollback(t *testing.T) {
 			return err
 		}
 		mk.mark("istio-cni chained")
-		return s.n.Poll(ctx, "the running ambient pods captured", func(ctx context.Context) (bool, error) {
-			for _, ns := range []string{lifeNS, optNS} {
-				l, err := s.n.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
-				if err != nil {
-					return false, err
-				}
-				for _, p := range l.Items {
-					if p.DeletionTimestamp != nil || p.Status.Phase != corev1.PodRunning {
-						continue
-					}
-					if ok, err := s.n.captured(ctx, &p); !ok {
-						return false, fmt.Errorf("%s: %v", p.Name, err)
-					}
-				}
-			}
-			return true, nil
-		})
+		return s.waitRunningCaptured(ctx, "the running ambient pods captured")
 	})
 	chains := stopChain()
 	samples, sandboxes, bad := stopSample()
