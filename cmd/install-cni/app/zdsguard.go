@@ -16,9 +16,9 @@ import (
 // second ambient-cni) keeps this one from binding over it: ztunnel would
 // reconnect here, and two agents would both redirect the node's pods. The
 // agent waits, not ready, saying why, and takes the socket once the other
-// has stopped listening; its plugin is not chained meanwhile (the
-// installer starts after), so the node's pods start as the other agent
-// has them start. The look is the kernel's list of listening sockets, not
+// has stopped listening. It chains nothing meanwhile (its installer
+// starts after): on a node where its plugin is not chained yet, the pods
+// start as the other agent has them start. The look is the kernel's list of listening sockets, not
 // a dial: istio-cni's server takes each connection it accepts for
 // ztunnel's newest.
 
