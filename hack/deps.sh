@@ -30,6 +30,7 @@ git                 git describe: the version make stamps into the binaries
 make                make itself
 runc                the default container runtime of the real node (Debian runc)
 mmdebstrap          the Debian bases of the real node and of the agent image (hack/kube-tools.sh)
+xz-utils            xz: the Istio release archives (shared/istio/*.tar.xz) the tools cache builds istiod and istio-cni from
 gcc                 runc 1.5 in the tools cache, its one cgo build
 libc6-dev           the C library headers of that cgo build
 pkgconf|pkg-config  how that cgo build finds libseccomp (pkg-config)
