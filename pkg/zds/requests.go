@@ -91,7 +91,8 @@ func (s *Server) submitAdd(ctx context.Context, c *conn, w Workload, msg []byte)
 }
 
 // Del removes a pod from every connected ztunnel (past its hello) and waits
-// for their acks. Connections that die meanwhile are ignored: their
+// for their acks, until ctx ends; the Dels are sent either way.
+// Connections that die meanwhile are ignored: their
 // ztunnel's next snapshot will not name the pod, provided the caller removed
 // it from the state Snapshot reads before calling Del. With no connection
 // it returns nil. A refusal by ztunnel is an *AckError.
@@ -102,7 +103,11 @@ func (s *Server) Del(ctx context.Context, uid string) error {
 	}
 	var reqs []*request
 	for _, c := range conns {
-		r := newRequest(ctx, "del", uid, msg, -1)
+		// Sent even if the caller stops waiting first (queued behind
+		// slow acks): the pod is already out of the state, and a ztunnel
+		// whose connection lives on would otherwise serve it until its
+		// next snapshot, which may never come.
+		r := newRequest(context.WithoutCancel(ctx), "del", uid, msg, -1)
 		if c.submit(r) {
 			reqs = append(reqs, r)
 		}

@@ -683,3 +683,37 @@ func TestSocketPathRequired(t *testing.T) {
 		t.Error("a ZDS server with no socket path listened")
 	}
 }
+
+// TestDelSentAfterCallerGaveUp: a Del queued behind an Add whose ack is
+// slow outlives its caller's wait: the caller hears of its deadline, and
+// the Del still reaches ztunnel once the Add is acked, on the same
+// connection. Dropped, the pod would stay served by a ztunnel whose
+// connection lives on (no snapshot to drop it).
+func TestDelSentAfterCallerGaveUp(t *testing.T) {
+	ns := selfNetns(t)
+	s := startServer(t, Config{AckTimeout: 5 * time.Second})
+	p := dialPeer(t, s)
+	p.handshake()
+	poll.Until(t, "ready", func() bool { return s.ReadyConnections() == 1 })
+
+	added := make(chan error, 1)
+	go func() { added <- s.Add(ctxTimeout(t, 5*time.Second), Workload{UID: "slow", Netns: ns}) }()
+	add := p.mustRecv()
+	add.close()
+	if err := s.Del(ctxTimeout(t, 100*time.Millisecond), "gone"); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Del behind an unacked Add = %v, want its deadline", err)
+	}
+	p.ack("")
+	if err := <-added; err != nil {
+		t.Fatalf("Add: %v", err)
+	}
+	del := p.mustRecv()
+	del.close()
+	if got := del.req.GetDel().GetUid(); got != "gone" {
+		t.Fatalf("request after the Add's ack: %v, want the Del of gone", del.req)
+	}
+	p.ack("")
+	if s.ReadyConnections() != 1 {
+		t.Fatal("the connection did not live on")
+	}
+}
