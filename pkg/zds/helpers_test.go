@@ -16,6 +16,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient/zdspb"
+	"github.com/ambient-cni/ambient-cni/test/lib/poll"
 )
 
 // startServer runs a server on a socket in a temp dir until the test ends.
@@ -258,4 +259,14 @@ func ctxTimeout(t testing.TB, d time.Duration) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), d)
 	t.Cleanup(cancel)
 	return ctx
+}
+
+// readyPeer dials s as the first ztunnel, says hello, and waits until the
+// server counts the connection ready.
+func readyPeer(t testing.TB, s *Server) *peer {
+	t.Helper()
+	p := dialPeer(t, s)
+	p.handshake()
+	poll.Until(t, "ready", func() bool { return s.ReadyConnections() == 1 })
+	return p
 }

@@ -273,9 +273,7 @@ func TestMisbehavingPeers(t *testing.T) {
 func TestOneOutstanding(t *testing.T) {
 	ns := selfNetns(t)
 	s := startServer(t, Config{AckTimeout: time.Second})
-	p := dialPeer(t, s)
-	p.handshake()
-	poll.Until(t, "ready", func() bool { return s.ReadyConnections() == 1 })
+	p := readyPeer(t, s)
 
 	var wg sync.WaitGroup
 	errs := make([]error, 2)
@@ -499,9 +497,7 @@ func TestServeShutdown(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- s.Serve(ctx) }()
 	poll.Until(t, "listening", func() bool { _, err := os.Stat(path); return err == nil })
-	p := dialPeer(t, s)
-	p.handshake()
-	poll.Until(t, "ready", func() bool { return s.ReadyConnections() == 1 })
+	p := readyPeer(t, s)
 	addErr := make(chan error, 1)
 	go func() { addErr <- s.Add(context.Background(), Workload{UID: "pending", Netns: ns}) }()
 	p.mustRecv().close() // in flight when we stop
@@ -596,9 +592,7 @@ func TestAddValidates(t *testing.T) {
 	}
 	closed, _ := os.Open("/proc/self/ns/net")
 	_ = closed.Close()
-	p := dialPeer(t, s)
-	p.handshake()
-	poll.Until(t, "ready", func() bool { return s.ReadyConnections() == 1 })
+	readyPeer(t, s)
 	if err := s.Add(ctxTimeout(t, time.Second), Workload{UID: "x", Netns: closed}); err == nil {
 		t.Error("closed netns file accepted")
 	}
@@ -649,9 +643,7 @@ func BenchmarkAddDel(b *testing.B) {
 // bounded by its context when ztunnel does not answer.
 func TestDrain(t *testing.T) {
 	s := startServer(t, Config{AckTimeout: 5 * time.Second})
-	p := dialPeer(t, s)
-	p.handshake()
-	poll.Until(t, "ready", func() bool { return s.ReadyConnections() == 1 })
+	p := readyPeer(t, s)
 	for _, uid := range []string{"one", "two"} {
 		if err := s.DelNoWait(uid); err != nil {
 			t.Fatal(err)
@@ -692,9 +684,7 @@ func TestSocketPathRequired(t *testing.T) {
 func TestDelSentAfterCallerGaveUp(t *testing.T) {
 	ns := selfNetns(t)
 	s := startServer(t, Config{AckTimeout: 5 * time.Second})
-	p := dialPeer(t, s)
-	p.handshake()
-	poll.Until(t, "ready", func() bool { return s.ReadyConnections() == 1 })
+	p := readyPeer(t, s)
 
 	added := make(chan error, 1)
 	go func() { added <- s.Add(ctxTimeout(t, 5*time.Second), Workload{UID: "slow", Netns: ns}) }()

@@ -83,7 +83,7 @@ func (a *App) startSteps(cs *components) []step {
 			// ztunnel connection" until it is back). It gets nothing until
 			// "serve", after the restore. Unless another agent serves
 			// ztunnel on this node: then "ztunnel's socket free" waits.
-			if a.zdsTaken() {
+			if a.zdsDeferred = a.zdsTaken(); a.zdsDeferred {
 				return nil
 			}
 			if err := a.zds.Listen(); err != nil {

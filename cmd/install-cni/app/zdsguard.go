@@ -28,16 +28,15 @@ const zdsFreeStep = "ztunnel's socket free"
 // zdsFreePoll is how often a waiting agent looks again.
 const zdsFreePoll = 500 * time.Millisecond
 
-// zdsTaken reports whether another process listens on ztunnel's socket,
-// and if so defers the socket (zdsDeferred). A look that fails (a kernel
-// without Unix socket diagnostics) binds as before, and says so.
+// zdsTaken reports whether another process listens on ztunnel's socket.
+// A look that fails (a kernel without Unix socket diagnostics) says no,
+// so the agent binds as before, and says so.
 func (a *App) zdsTaken() bool {
 	taken, err := unixsock.Listened(a.cfg.ZDSSocket)
 	if err != nil {
 		a.log.Warn("cannot tell whether another agent serves ztunnel's socket; binding it", "path", a.cfg.ZDSSocket, "err", err)
 		return false
 	}
-	a.zdsDeferred = taken
 	return taken
 }
 
