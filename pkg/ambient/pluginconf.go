@@ -46,6 +46,12 @@ type PluginConf struct {
 	// to istio-cni with ours broken), the plugin lets istio-cni's plugin,
 	// chained after it, decide the pod.
 	IstioCNIRunDir string `json:"istioCNIRunDir,omitempty"`
+	// IstioCNIConfDir, written with IstioCNIRunDir, is the host's CNI
+	// config directory: the plugin lets istio-cni's plugin decide a pod
+	// only once istio-cni's entry has been in the network's chain there
+	// for a while, as istio-cni's agent answers before its installer
+	// chains its plugin.
+	IstioCNIConfDir string `json:"istioCNIConfDir,omitempty"`
 }
 
 // Values of PluginConf.AgentUnreachable.

@@ -89,6 +89,10 @@ type Config struct {
 	// IstioCNIRunDir is istio-cni's run directory (key "istioCNIRunDir";
 	// empty: istio-cni is never asked about).
 	IstioCNIRunDir string
+	// IstioCNIConfDir is the host's CNI config directory, where the
+	// network's chain must hold istio-cni's plugin before a pod goes to it
+	// (key "istioCNIConfDir"; empty: never).
+	IstioCNIConfDir string
 	// PrevResult is the previous plugin's result, nil when absent.
 	PrevResult *PrevResult
 	// ValidAttachments is set for GC.
@@ -148,6 +152,12 @@ func configFrom(raw *rawConfig) (*Config, error) {
 			return nil, invalidConfig("istioCNIRunDir %q must be a clean absolute path whose %s fits in 107 bytes", d, ambient.IstioCNIEventSocket)
 		}
 		c.IstioCNIRunDir = d
+	}
+	if d := raw.IstioCNIConfDir; d != "" {
+		if !filepath.IsAbs(d) || filepath.Clean(d) != d {
+			return nil, invalidConfig("istioCNIConfDir %q must be a clean absolute path", d)
+		}
+		c.IstioCNIConfDir = d
 	}
 	if raw.StateDir != "" && (!filepath.IsAbs(raw.StateDir) || filepath.Clean(raw.StateDir) != raw.StateDir) {
 		return nil, invalidConfig("stateDir %q must be a clean absolute path", raw.StateDir)

@@ -280,7 +280,8 @@ func istioCNIAnswers(runDir string) string {
 //     pod passes, the mesh is leaving the node;
 //  2. agentUnreachable fail-closed: every pod fails closed;
 //  3. istio-cni's node agent answering on the node (istioCNIRunDir set by
-//     a takeover): every pod passes to istio-cni's plugin, chained after;
+//     a takeover) and its plugin in the network's chain for a while
+//     (istioCNIChained): every pod passes to istio-cni's plugin;
 //  4. the API server, asked with the plugin's own credential by the
 //     fallback binary: the agent's own decision, from live labels;
 //  5. failing that, the persistent snapshot: only the control plane's
@@ -304,9 +305,28 @@ func (p *Plugin) withoutAgent(c *call, ev *ambient.PodEvent) decision {
 	if c.cfg.AgentUnreachable == ambient.AgentUnreachableFailClosed {
 		return wait(fmt.Sprintf("agentUnreachable is %q", ambient.AgentUnreachableFailClosed))
 	}
+	notYet := ""
 	if why := istioCNIAnswers(c.cfg.IstioCNIRunDir); why != "" {
-		return decision{pass: true, toIstio: true, why: why}
+		chained, how := istioCNIChained(c.cfg.IstioCNIConfDir, c.cfg.Name, time.Now())
+		if chained {
+			return decision{pass: true, toIstio: true, why: why + "; " + how}
+		}
+		// Its agent answers before its installer chains its plugin: the
+		// pod is decided as if istio-cni were not there, and one that
+		// must be captured waits for istio-cni's plugin.
+		notYet = "; istio-cni's node agent answers, but " + how
 	}
+	d := p.byAPIServer(c, ev)
+	if !d.pass {
+		d.why += notYet
+	}
+	return d
+}
+
+// byAPIServer is withoutAgent's tiers 4 and 5.
+func (p *Plugin) byAPIServer(c *call, ev *ambient.PodEvent) decision {
+	pass := func(why string) decision { return decision{pass: true, why: why} }
+	wait := func(why string) decision { return decision{why: why} }
 	v, apiErr := p.askAPIServer(c, ev, true)
 	if apiErr == nil {
 		if v.Enroll {

@@ -499,8 +499,23 @@ func TestGivenBackToIstioCNI(t *testing.T) {
 		t.Fatal(err)
 	}
 	sock := filepath.Join(istioRun, ambient.IstioCNIEventSocket)
-	withIstio := n.conf(fmt.Sprintf(`,"istioCNIRunDir":%q`, istioRun))
+	confDir := t.TempDir()
+	withIstio := n.conf(fmt.Sprintf(`,"istioCNIRunDir":%q,"istioCNIConfDir":%q`, istioRun, confDir))
 	must := tablePods[0]
+	// The network's chain as the runtime reads it: ours, then istio-cni's
+	// once its installer has chained it.
+	chain := filepath.Join(confDir, "10-k8s.conflist")
+	writeChain := func(types ...string) {
+		t.Helper()
+		var ps []string
+		for _, ty := range types {
+			ps = append(ps, fmt.Sprintf(`{"type":%q}`, ty))
+		}
+		if err := os.WriteFile(chain, []byte(`{"cniVersion":"1.0.0","name":"k8s","plugins":[`+strings.Join(ps, ",")+`]}`), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	writeChain("bridge", "ambient-cni")
 
 	// istio-cni gone: its socket file left, nothing answers.
 	staleSocket(t, sock)
@@ -523,6 +538,23 @@ func TestGivenBackToIstioCNI(t *testing.T) {
 			_ = c.Close()
 		}
 	}()
+	// istio-cni's agent answers before its installer chains its plugin:
+	// a pod passed on now would start with no istio-cni after ours.
+	if _, err := run(t, add, withIstio, must.args()); err == nil || cniCode(t, err) != types.ErrTryAgainLater {
+		t.Fatalf("%s with istio-cni's agent answering and its plugin not chained: %v, want code 11", must.name, err)
+	} else if !strings.Contains(err.Error(), "not in network k8s's chain") {
+		t.Errorf("the wait does not say istio-cni's plugin is not chained: %v", err)
+	}
+	// Chained a moment ago: a runtime may still run the chain it loaded
+	// before.
+	writeChain("bridge", "ambient-cni", "istio-cni")
+	if _, err := run(t, add, withIstio, must.args()); err == nil || cniCode(t, err) != types.ErrTryAgainLater {
+		t.Fatalf("%s with istio-cni's plugin chained just now: %v, want code 11", must.name, err)
+	}
+	settled := time.Now().Add(-2 * istioCNIChainSettle)
+	if err := os.Chtimes(chain, settled, settled); err != nil {
+		t.Fatal(err)
+	}
 	for _, pod := range tablePods {
 		logs, err := addLogged(t, withIstio, pod.args())
 		if err != nil {
@@ -544,6 +576,11 @@ func TestGivenBackToIstioCNI(t *testing.T) {
 	for _, bad := range []string{"relative/dir", "/a/../b", "/" + strings.Repeat("d", 100)} {
 		if _, err := run(t, add, n.conf(fmt.Sprintf(`,"istioCNIRunDir":%q`, bad)), must.args()); cniCode(t, err) != types.ErrInvalidNetworkConfig {
 			t.Errorf("istioCNIRunDir %q: %v, want an invalid config", bad, err)
+		}
+	}
+	for _, bad := range []string{"relative/dir", "/a/../b", "/a/"} {
+		if _, err := run(t, add, n.conf(fmt.Sprintf(`,"istioCNIRunDir":%q,"istioCNIConfDir":%q`, istioRun, bad)), must.args()); cniCode(t, err) != types.ErrInvalidNetworkConfig {
+			t.Errorf("istioCNIConfDir %q: %v, want an invalid config", bad, err)
 		}
 	}
 }

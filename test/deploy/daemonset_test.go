@@ -282,6 +282,9 @@ func TestChartDefaultsMatchProcessDefaults(t *testing.T) {
 	want.PodName = "agent-x1"
 	want.PodNamespace = namespace
 	want.ProcRoot = "/host/proc" // the host's /proc, mounted read-only
+	// The host's name of the mounted config directory, which the process
+	// cannot know: the platform's (generic).
+	want.CNIHostConfDir = "/etc/cni/net.d"
 	// The plugin's ServiceAccount and the release's signal are named for
 	// the release (the process has no release: no signal by default).
 	want.PluginServiceAccount = releaseName + "-plugin"
@@ -336,7 +339,7 @@ func TestAllValuesReachTheProcess(t *testing.T) {
 	want := &app.Config{
 		NodeName: "node-a", PodName: "agent-x1", PodNamespace: "all-values-ns",
 		DaemonSet: "mesh-node", ReleaseSignal: "ambient-cni-all-installed", Kubeconfig: "/etc/mesh/kubeconfig",
-		CNIBinDir: "/host/opt/cni/bin", CNIExtraBinDirs: []string{"/host/extra-cni-bin/opt/cni/bin", "/host/extra-cni-bin/usr/libexec/cni"}, CNIConfDir: "/host/etc/cni/net.d", CNIConfName: "10-primary.conflist",
+		CNIBinDir: "/host/opt/cni/bin", CNIExtraBinDirs: []string{"/host/extra-cni-bin/opt/cni/bin", "/host/extra-cni-bin/usr/libexec/cni"}, CNIConfDir: "/host/etc/cni/net.d", CNIHostConfDir: "/etc/cni/custom.d", CNIConfName: "10-primary.conflist",
 		CNIOwnedConfig: true, CNIOwnedConfName: "01-mesh.conflist", CNIChainInNetworkFolder: true,
 		IstioCNIRunDir: "/run/istio-cni-all-values", IstioCNIDaemonSet: "istio-cni-all-values",
 		PluginType: "mesh-cni", PluginBinary: "/custom/plugins/ambient-cni",

@@ -189,6 +189,7 @@ func New(o Options) (*App, error) {
 		LogLevel: c.PluginLogLevel, ExcludedNamespaces: nonNil(c.ExcludedNamespaces),
 		StatusRequiresAgent: c.StatusChecksAgent, AgentUnreachable: c.AgentUnreachable,
 		AgentDownAfter: c.AgentDownAfter.String(), IstioCNIRunDir: c.IstioCNIRunDir,
+		IstioCNIConfDir: istioCNIConfDir(c),
 	})
 	if err != nil {
 		return nil, err

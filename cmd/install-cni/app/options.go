@@ -94,7 +94,9 @@ type Config struct {
 	// a runtime that searches several (installer.Config.ExtraBinDirs).
 	CNIExtraBinDirs []string
 	CNIConfDir      string
-	CNIConfName     string
+	// CNIHostConfDir is CNIConfDir as the host names it, for the plugin.
+	CNIHostConfDir string
+	CNIConfName    string
 	// CNIOwnedConfig and CNIOwnedConfName: write a conflist of our own
 	// that sorts before the primary's (installer.Config.Owned).
 	CNIOwnedConfig   bool
@@ -244,6 +246,7 @@ func options() []option {
 		{"cni-bin-dir", "Host CNI binary directory, as mounted in the container.", hostRoot + installer.DefaultBinDir, str(func(c *Config) *string { return &c.CNIBinDir })},
 		{"cni-extra-bin-dirs", "Comma-separated more host CNI binary directories, as mounted in the container, that the plugin binary is also copied to and kept in, exactly as in cni-bin-dir. For a runtime that searches a list of directories and runs the first binary named as the config's type (containerd 2.x bin_dirs, CRI-O plugin_dirs): list every directory of the runtime's list besides cni-bin-dir, so none holds an older or foreign " + installer.DefaultPluginName + " that shadows ours. Readiness needs every copy; an uninstall removes every copy, an upgrade leaves them. Each absolute, none twice (cni-bin-dir included).", "", dirList(func(c *Config) *[]string { return &c.CNIExtraBinDirs })},
 		{"cni-conf-dir", "Host CNI config directory, as mounted in the container.", hostRoot + installer.DefaultConfDir, str(func(c *Config) *string { return &c.CNIConfDir })},
+		{"cni-host-conf-dir", "cni-conf-dir as the host names it (the runtime's CNI config directory). With istio-cni-run-dir, the takeover writes it into the plugin's entry: a node given back to istio-cni while our agent cannot answer has its pods passed on to istio-cni's plugin only once that plugin has been in the network's chain there for 5 s (istio-cni's agent answers before its installer chains it). Empty: the plugin never passes a pod on to istio-cni, and a pod that must be captured waits for our agent.", "", str(func(c *Config) *string { return &c.CNIHostConfDir })},
 		{"cni-conf-name", "Primary CNI config file to chain into; empty picks the runtime's choice (lexically first valid file).", "", str(func(c *Config) *string { return &c.CNIConfName })},
 		{"cni-owned-config", "Write a conflist of the agent's own, named cni-owned-conf-name, holding the primary's plugins and ours, instead of chaining into the primary's file: it sorts first, so the runtime loads it, and a primary that rewrites its own file (its agent does at every start, before ours after a reboot) cannot drop our entry. Kept in step with every write of the primary's file, removed when that file goes and at uninstall; while no agent runs (after a reboot, or an agent gone for good) the runtime runs our copy of the primary's last config. When the name does not sort before the primary's (or cni-conf-name is not the runtime's choice) the agent chains instead. docs/reliability.md weighs the two.", "false", boolean(func(c *Config) *bool { return &c.CNIOwnedConfig })},
 		{"cni-chain-in-network-folder", "Put the plugin's entry in the primary network's folder (<cni-conf-dir>/<network name>/zz-<plugin-type>.conf) instead of the primary's conflist: libcni 1.3 and later (containerd 2.1, CRI-O 1.33) runs it after the list's plugins, so a primary that rewrites its own file (its agent does at every start, before ours after a reboot) cannot drop it, and no copy of the primary's config is ours. Only for a runtime that reads the folder: an older one never runs the plugin from there. A primary that cannot carry it there (a single-plugin .conf, loadOnlyInlinedPlugins, istio-cni chained in its file) is chained into as without it; cni-owned-config wins over it.", "false", boolean(func(c *Config) *bool { return &c.CNIChainInNetworkFolder })},
@@ -477,6 +480,11 @@ func (c *Config) validate() error {
 		if !strings.HasPrefix(p.v, "/") {
 			errs = append(errs, fmt.Errorf("%s %q is not an absolute path", p.name, p.v))
 		}
+	}
+	// The plugin refuses an entry whose istioCNIConfDir is not clean and
+	// absolute, so the agent never writes one.
+	if d := c.CNIHostConfDir; d != "" && (!path.IsAbs(d) || path.Clean(d) != d) {
+		errs = append(errs, fmt.Errorf("cni-host-conf-dir %q is not a clean absolute path", d))
 	}
 	if slices.Contains(c.CNIExtraBinDirs, path.Clean(c.CNIBinDir)) {
 		errs = append(errs, fmt.Errorf("cni-extra-bin-dirs lists cni-bin-dir %s again", path.Clean(c.CNIBinDir)))

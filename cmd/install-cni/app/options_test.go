@@ -136,6 +136,8 @@ func TestRejectsBadInput(t *testing.T) {
 		"bad backend env":              {nil, map[string]string{"AMBIENT_NODE_NAME": "n", "AMBIENT_IPTABLES_BACKEND": "ebtables"}, "AMBIENT_IPTABLES_BACKEND"},
 		"relative socket":              {[]string{"--node-name=n", "--agent-socket=agent.sock"}, nil, "absolute"},
 		"relative netns dir":           {[]string{"--node-name=n", "--netns-dirs=/run/netns,netns"}, nil, "not absolute"},
+		"relative host conf dir":       {[]string{"--node-name=n", "--cni-host-conf-dir=etc/cni/net.d"}, nil, "not a clean absolute path"},
+		"unclean host conf dir":        {[]string{"--node-name=n", "--cni-host-conf-dir=/etc/cni/../net.d"}, nil, "not a clean absolute path"},
 		"unknown flag":                 {[]string{"--node-name=n", "--frobnicate"}, nil, "frobnicate"},
 		"stray argument":               {[]string{"--node-name=n", "extra"}, nil, "unexpected"},
 		"bad log level":                {[]string{"--node-name=n", "--log-level=loud"}, nil, "debug, info"},

@@ -172,3 +172,13 @@ func isIstioCNIPod(p *corev1.Pod, daemonSet string) bool {
 func (a *App) selfRef() *corev1.ObjectReference {
 	return &corev1.ObjectReference{APIVersion: "v1", Kind: "Pod", Namespace: a.cfg.PodNamespace, Name: a.cfg.PodName}
 }
+
+// istioCNIConfDir is the plugin entry's istioCNIConfDir: the host's CNI
+// config directory, written only with istio-cni's run directory (the
+// takeover), where the plugin looks for istio-cni's plugin in the chain.
+func istioCNIConfDir(c *Config) string {
+	if c.IstioCNIRunDir == "" {
+		return ""
+	}
+	return c.CNIHostConfDir
+}

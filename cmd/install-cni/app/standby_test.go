@@ -2,6 +2,7 @@ package app
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"io"
 	"net"
@@ -62,7 +63,7 @@ func takeoverApp(t *testing.T) (a *App, cs *fake.Clientset, conf, runDir string)
 	cfg, err := Parse([]string{"--node-name=x", "--pod-namespace=istio-system", "--pod-name=agent", "--plugin-binary=" + plugin,
 		"--cni-bin-dir=" + filepath.Join(dir, "bin"), "--cni-conf-dir=" + filepath.Join(dir, "net.d"),
 		"--agent-socket=" + filepath.Join(dir, "run", "agent.sock"), "--state-dir=" + filepath.Join(dir, "state"),
-		"--zds-socket=" + filepath.Join(dir, "zds", "ztunnel.sock"), "--istio-cni-run-dir=" + runDir}, func(string) string { return "" }, io.Discard)
+		"--zds-socket=" + filepath.Join(dir, "zds", "ztunnel.sock"), "--istio-cni-run-dir=" + runDir, "--cni-host-conf-dir=/etc/cni/net.d"}, func(string) string { return "" }, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -130,6 +131,15 @@ func TestTakeoverWaitsForIstioCNIsDaemonSetToLeave(t *testing.T) {
 	}
 	if strings.Contains(string(got), `"istio-cni"`) || !strings.Contains(string(got), `"`+installer.DefaultPluginName+`"`) {
 		t.Errorf("after the takeover the primary holds:\n%s", got)
+	}
+	// Our entry tells the plugin where istio-cni runs and where the host
+	// keeps the chain, for a node given back while our agent is down.
+	var list struct{ Plugins []ambient.PluginConf }
+	if err := json.Unmarshal(got, &list); err != nil {
+		t.Fatal(err)
+	}
+	if e := list.Plugins[len(list.Plugins)-1]; e.IstioCNIRunDir != runDir || e.IstioCNIConfDir != "/etc/cni/net.d" {
+		t.Errorf("our entry's istioCNIRunDir %q and istioCNIConfDir %q, want %q and the host's /etc/cni/net.d", e.IstioCNIRunDir, e.IstioCNIConfDir, runDir)
 	}
 }
 

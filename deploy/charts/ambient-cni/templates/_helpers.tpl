@@ -79,6 +79,8 @@ mounted at the same path in the container, so one value serves both sides.
   value: {{ $dirs := list }}{{ range (include "ambient-cni.layout" . | fromYaml).extraBinDirs }}{{ $dirs = append $dirs (include "ambient-cni.containerExtraBinDir" .) }}{{ end }}{{ join "," $dirs | quote }}
 - name: AMBIENT_CNI_CONF_DIR
   value: {{ include "ambient-cni.containerConfDir" . | quote }}
+- name: AMBIENT_CNI_HOST_CONF_DIR
+  value: {{ (include "ambient-cni.layout" . | fromYaml).confDir | quote }}
 - name: AMBIENT_CNI_CONF_NAME
   value: {{ .Values.cni.confName | quote }}
 - name: AMBIENT_CNI_OWNED_CONFIG
