@@ -619,7 +619,12 @@ func podSummary(p *corev1.Pod) string {
 
 // SandboxID returns the id of a pod's ready sandbox in containerd.
 func (n *Node) SandboxID(ctx context.Context, namespace, name string) (string, error) {
-	out, err := n.crictl(ctx, "pods", "--namespace", namespace, "--name", "^"+name+"$", "--state", "ready", "-q")
+	return sandboxID(ctx, n.crictl, namespace, name)
+}
+
+// sandboxID is SandboxID through a node's crictl.
+func sandboxID(ctx context.Context, crictl func(context.Context, ...string) (string, error), namespace, name string) (string, error) {
+	out, err := crictl(ctx, "pods", "--namespace", namespace, "--name", "^"+name+"$", "--state", "ready", "-q")
 	if err != nil {
 		return "", err
 	}

@@ -139,18 +139,50 @@ func (n *Node) istioHostProc() (string, error) {
 	if err := os.MkdirAll(d, 0o755); err != nil {
 		return "", err
 	}
-	ns := filepath.Join(d, "1", "ns")
-	for _, c := range [][]string{
-		{"mount", "-t", "proc", "proc", d},
-		{"mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", ns},
-		{"touch", filepath.Join(ns, "net")},
-		{"mount", "--bind", "/proc/self/ns/net", filepath.Join(ns, "net")},
-	} {
+	for _, c := range istioHostProcCmds(d) {
 		if out, err := exec.Command(c[0], c[1:]...).CombinedOutput(); err != nil {
 			return "", fmt.Errorf("istio-cni's host proc: %s: %v: %s", strings.Join(c, " "), err, out)
 		}
 	}
 	return d, nil
+}
+
+// istioHostProcCmds make d a proc mount whose 1/ns/net is the network
+// namespace of whoever runs them.
+func istioHostProcCmds(d string) [][]string {
+	ns := filepath.Join(d, "1", "ns")
+	return [][]string{
+		{"mount", "-t", "proc", "proc", d},
+		{"mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs", ns},
+		{"touch", filepath.Join(ns, "net")},
+		{"mount", "--bind", "/proc/self/ns/net", filepath.Join(ns, "net")},
+	}
+}
+
+// readyForIstioCNI gives the worker what istio-cni's pod mounts from the
+// host at the first node's paths (istioPostRenderer): its run directory,
+// and the host /proc view of istioHostProc, made in the worker's mount
+// namespace with the worker's network as 1/ns/net. Both go with the
+// worker's namespaces.
+func (w *Worker) readyForIstioCNI(ctx context.Context, ic *IstioCNI) error {
+	n := w.first
+	rel, err := filepath.Rel(n.Dir, ic.RunDir)
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(w.host(rel), 0o755); err != nil {
+		return err
+	}
+	d := filepath.Join(n.Dir, "istio-host-proc")
+	if err := os.MkdirAll(w.host("istio-host-proc"), 0o755); err != nil {
+		return err
+	}
+	for _, c := range istioHostProcCmds(d) {
+		if out, err := w.nsExec(ctx, c...); err != nil {
+			return fmt.Errorf("istio-cni's host proc on %s: %s: %v: %s", w.Name, strings.Join(c, " "), err, out)
+		}
+	}
+	return nil
 }
 
 // istioPostRenderer rewrites the host paths Istio's chart fixes (no value

@@ -445,14 +445,30 @@ func (l *life) checkRollPods(t *testing.T, what string, pods []rollPod) {
 // startedCaptured reports whether every hello a pod made to the sink went
 // through the stand-in.
 func (l *life) startedCaptured(t *testing.T, p *corev1.Pod) bool {
+	return l.startedCapturedIn(t, l.n.StandInRecords, p)
+}
+
+// startedCapturedIn is startedCaptured with the records of the stand-in
+// of the pod's node.
+func (l *life) startedCapturedIn(t *testing.T, records func(context.Context) ([]ztunnel.Record, error), p *corev1.Pod) bool {
 	t.Helper()
-	hellos, err := l.hellos(context.Background(), "/hello-"+p.Name)
+	ctx := context.Background()
+	hellos, err := l.hellos(ctx, "/hello-"+p.Name)
 	if err != nil {
 		t.Fatal(err)
 	}
-	recs := l.records(t, p.UID, ambient.ZtunnelOutboundPort, l.sink)
-	if hellos == 0 || len(recs) < hellos {
-		t.Logf("%s: %d hellos reached the sink, the stand-in proxied %d", p.Name, hellos, len(recs))
+	all, err := records(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxied := 0
+	for _, r := range recordsOf(all, p.UID) {
+		if r.Port == ambient.ZtunnelOutboundPort && r.OrigDst == l.sink && r.Err == "" {
+			proxied++
+		}
+	}
+	if hellos == 0 || proxied < hellos {
+		t.Logf("%s: %d hellos reached the sink, the stand-in proxied %d", p.Name, hellos, proxied)
 		return false
 	}
 	return true
@@ -716,9 +732,14 @@ type readySandbox struct{ id, pod string }
 
 // readySandboxes lists the ready sandboxes of the pods of namespaces.
 func (l *life) readySandboxes(ctx context.Context, namespaces []string) ([]readySandbox, error) {
+	return readySandboxesVia(ctx, l.n.crictl, namespaces)
+}
+
+// readySandboxesVia is readySandboxes through a node's crictl.
+func readySandboxesVia(ctx context.Context, crictl func(context.Context, ...string) (string, error), namespaces []string) ([]readySandbox, error) {
 	// crictl's namespace filter is a pattern ("life" matches more) and
 	// takes one: the namespaces are picked here.
-	out, err := l.n.crictl(ctx, "pods", "--state", "ready", "-o", "json")
+	out, err := crictl(ctx, "pods", "--state", "ready", "-o", "json")
 	if err != nil {
 		return nil, err
 	}
@@ -773,6 +794,12 @@ func (l *life) sampleCapture() (stop func() (samples, sandboxes int, uncaptured 
 
 // sampleCaptureIn is sampleCapture for the pods of namespaces.
 func (l *life) sampleCaptureIn(namespaces ...string) (stop func() (samples, sandboxes int, uncaptured []string)) {
+	return sampleCaptureVia(func(ctx context.Context) ([]readySandbox, error) { return l.readySandboxes(ctx, namespaces) }, l.sandboxRules)
+}
+
+// sampleCaptureVia is sampleCapture over the sandboxes list returns, each
+// one's rules as rules reads them: any node's.
+func sampleCaptureVia(list func(context.Context) ([]readySandbox, error), rules func(context.Context, string) (string, error)) (stop func() (samples, sandboxes int, uncaptured []string)) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	samples := 0
@@ -781,10 +808,10 @@ func (l *life) sampleCaptureIn(namespaces ...string) (stop func() (samples, sand
 	go func() { // owner: stop, which cancels and waits
 		defer close(done)
 		for ctx.Err() == nil {
-			sbs, err := l.readySandboxes(ctx, namespaces)
+			sbs, err := list(ctx)
 			if err == nil {
 				for _, sb := range sbs {
-					rules, err := l.sandboxRules(ctx, sb.id)
+					rules, err := rules(ctx, sb.id)
 					if err != nil {
 						continue // gone between the listing and the look
 					}

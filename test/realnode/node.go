@@ -558,11 +558,18 @@ func (n *Node) crictl(ctx context.Context, args ...string) (string, error) {
 }
 
 func runCrictl(ctx context.Context, bin, socket string, args ...string) (string, error) {
+	return runCrictlVia(ctx, nil, bin, socket, args...)
+}
+
+// runCrictlVia is runCrictl under a command that runs it (nsenter into a
+// worker's namespaces): its output alone, its warnings in the error.
+func runCrictlVia(ctx context.Context, via []string, bin, socket string, args ...string) (string, error) {
 	if bin == "" || socket == "" {
 		return "", errors.New("no crictl or containerd socket")
 	}
 	ep := "unix://" + socket
-	cmd := exec.CommandContext(ctx, bin, append([]string{"--runtime-endpoint", ep, "--image-endpoint", ep, "--timeout", "30s"}, args...)...)
+	argv := append(append(via, bin, "--runtime-endpoint", ep, "--image-endpoint", ep, "--timeout", "30s"), args...)
+	cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
 	out, err := cmd.Output()
 	if err != nil {
 		msg := ""

@@ -106,18 +106,21 @@ func networkName(t *testing.T, conf []byte) string {
 
 // runtimeConf is the conflist the runtime loads: the lexically first
 // config file of the conf dir (every file there loads).
-func runtimeConf(n *Node) (string, error) {
-	ents, err := os.ReadDir(n.CNIConfDir)
+func runtimeConf(n *Node) (string, error) { return runtimeConfIn(n.CNIConfDir) }
+
+// runtimeConfIn is runtimeConf for a CNI config directory.
+func runtimeConfIn(dir string) (string, error) {
+	ents, err := os.ReadDir(dir)
 	if err != nil {
 		return "", err
 	}
 	for _, e := range ents {
 		switch filepath.Ext(e.Name()) {
 		case ".conf", ".conflist", ".json":
-			return filepath.Join(n.CNIConfDir, e.Name()), nil
+			return filepath.Join(dir, e.Name()), nil
 		}
 	}
-	return "", fmt.Errorf("no config in %s", n.CNIConfDir)
+	return "", fmt.Errorf("no config in %s", dir)
 }
 
 // inStepWatch polls a conflist from the primary's rewrite on; stop

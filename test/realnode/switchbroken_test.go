@@ -22,8 +22,8 @@ const unpullableDigest = "sha256:" + "000000000000000000000000000000000000000000
 // istio-cni all the same: istio-cni chains itself after our entry, and
 // our plugin passes every pod to it while istio-cni's agent answers. No
 // pod created throughout is left waiting; the ambient ones end captured
-// (by istio-cni), the others start. Mended (the upgrade undone), ours
-// stands by behind istio-cni, and the switch goes on as before.
+// (by istio-cni), the others start. Mended (the page's helm rollback),
+// ours stands by behind istio-cni, and the switch goes on as before.
 func (s *switchTest) testBrokenRollback(t *testing.T) {
 	ctx := context.Background()
 	m := s.mode() + "-broken"
@@ -59,8 +59,8 @@ func (s *switchTest) testBrokenRollback(t *testing.T) {
 
 	tr := s.traffic.Counts()
 	stopSample := s.sampleCaptureIn(lifeNS, optNS)
-	stopChain := s.chainSampler()
-	pods, err := s.createKindsDuring(t, "broken", func() error {
+	stopChain := chainSampler(s.loaded)
+	pods, err := s.createKindsDuring(t, s.onFirst(), podKinds, "broken", func() error {
 		// An ambient pod created meanwhile waits for an agent: its
 		// sandbox fails (the runtime retries) until istio-cni answers.
 		if err := s.n.Poll(ctx, "an ambient pod waiting for the broken agent", func(ctx context.Context) (bool, error) {
@@ -115,19 +115,18 @@ func (s *switchTest) testBrokenRollback(t *testing.T) {
 	}
 	figure(t, m+"-connections-reset", d.Broken)
 	figure(t, m+"-requests-failed", d.LoopFailed)
-	// Every pod of every kind Ready: none left waiting for our agent.
-	s.checkKinds(t, m, pods, true)
+	// Every pod of every kind Ready: none left waiting for our agent, and
+	// no ambient one started before istio-cni's plugin was in the chain
+	// (istio-cni's agent answers before its installer chains it).
+	s.checkKinds(t, s.onFirst(), podKinds, m, pods, false)
 	s.deleteKinds(pods)
 
-	// Mended: the agent back, standing by behind istio-cni.
-	fix := "--set image.digest=null"
-	if dg := s.n.AgentDigest(ImageTag); dg != "" {
-		fix = "--set image.digest=" + dg
-	}
-	if err := s.page.run(ctx, t, "helm upgrade ambient-cni ./deploy/charts/ambient-cni -n istio-system --reuse-values "+fix); err != nil {
+	// Mended by the page's block (the release's previous revision): the
+	// agent back, standing by behind istio-cni.
+	if err := s.page.run(ctx, t, s.page.rollBlk[1]); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.waitStandingBy(ctx); err != nil {
+	if err := s.waitStandingBy(ctx, s.n.Name); err != nil {
 		t.Fatalf("%v\n%s", err, s.n.AgentLogTail(ctx, 40))
 	}
 	// Our entry stays chained in front of istio-cni's, passing every pod

@@ -9,14 +9,17 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/kubectlplugin"
+	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
 // migrationPage is the page whose commands the switch test runs.
@@ -51,8 +54,10 @@ func (s *switchTest) pageRunner(t *testing.T) *pageRunner {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(sw) != 5 || len(rb) < 1 {
-		t.Fatalf("%s: %d switch blocks and %d rollback blocks, want 5 and 1", migrationPage, len(sw), len(rb))
+	// The rollback's section: the node's block, the mend of a broken
+	// release, then the proof's own command.
+	if len(sw) != 5 || len(rb) < 2 || !strings.HasPrefix(rb[1], "helm rollback ambient-cni ") {
+		t.Fatalf("%s: %d switch blocks and %d rollback blocks, want 5, and the node's block then the mend's (%q)", migrationPage, len(sw), len(rb), rb)
 	}
 	dir := t.TempDir()
 	bin := filepath.Join(dir, "bin")
@@ -100,9 +105,17 @@ exec %[4]q "$@"
 // run runs one block with sh -e, as pasted into a shell that stops at the
 // first failing command.
 func (r *pageRunner) run(ctx context.Context, t *testing.T, block string) error {
+	return r.runFor(ctx, t, "", block)
+}
+
+// runFor is run with NODE set to node (the first node's name when empty).
+func (r *pageRunner) runFor(ctx context.Context, t *testing.T, node, block string) error {
 	cmd := exec.CommandContext(ctx, "sh", "-ec", block)
 	cmd.Dir = r.dir
 	cmd.Env = append(append(os.Environ(), "PATH="+r.path), r.env...)
+	if node != "" {
+		cmd.Env = append(cmd.Env, "NODE="+node) // the last of a name wins
+	}
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	begin := time.Now()
@@ -141,9 +154,27 @@ type kindPod struct {
 	err    error
 }
 
-// createKindsDuring creates a pod of each kind in turn every 2 seconds
-// while roll runs, and waits until each is Ready.
-func (s *switchTest) createKindsDuring(t *testing.T, prefix string, roll func() error) ([]kindPod, error) {
+// podPlace is a node a step creates its pods on and checks them: the
+// first node (onFirst) or a worker (onWorker).
+type podPlace struct {
+	appPod func(namespace, name string, o AppOptions) *corev1.Pod
+	// captured: enrolled, rules in its netns, served by the node's stand-in.
+	captured func(context.Context, *corev1.Pod) (bool, error)
+	// records are what the node's stand-in proxied.
+	records func(context.Context) ([]ztunnel.Record, error)
+}
+
+func (s *switchTest) onFirst() podPlace {
+	return podPlace{appPod: s.n.AppPod, captured: s.n.captured, records: s.n.StandInRecords}
+}
+
+func onWorker(w *Worker) podPlace {
+	return podPlace{appPod: w.AppPod, captured: w.captured, records: w.StandInRecords}
+}
+
+// createKindsDuring creates a pod of each kind in turn every 2 seconds on
+// at while roll runs, and waits until each is Ready.
+func (s *switchTest) createKindsDuring(t *testing.T, at podPlace, kinds []podKind, prefix string, roll func() error) ([]kindPod, error) {
 	t.Helper()
 	ctx := context.Background()
 	rolled := make(chan error, 1)
@@ -155,7 +186,7 @@ func (s *switchTest) createKindsDuring(t *testing.T, prefix string, roll func() 
 	)
 	i := 0
 	create := func() {
-		k := podKinds[i%len(podKinds)]
+		k := kinds[i%len(kinds)]
 		i++
 		s.seq++
 		name := fmt.Sprintf("%s-%s-%d", prefix, k.name, s.seq)
@@ -164,7 +195,7 @@ func (s *switchTest) createKindsDuring(t *testing.T, prefix string, roll func() 
 			o.Hello = s.sinkURL("/hello-" + name)
 		}
 		begin := time.Now()
-		_, err := s.n.Client.CoreV1().Pods(k.ns).Create(ctx, s.n.AppPod(k.ns, name, o), metav1.CreateOptions{})
+		_, err := s.n.Client.CoreV1().Pods(k.ns).Create(ctx, at.appPod(k.ns, name, o), metav1.CreateOptions{})
 		wg.Add(1)
 		go func() { // owner: createKindsDuring, which waits on wg
 			defer wg.Done()
@@ -186,18 +217,18 @@ func (s *switchTest) createKindsDuring(t *testing.T, prefix string, roll func() 
 		}
 	}
 	// One of each kind after the step, too.
-	for range podKinds {
+	for range kinds {
 		create()
 	}
 	wg.Wait()
 	return pods, rollErr
 }
 
-// checkKinds asserts every pod created during a step is Ready; the
+// checkKinds asserts every pod created on at during a step is Ready; the
 // ambient ones captured, and started captured unless startedOutOK (the
 // rollback's window, measured); the others not captured. It prints each
 // kind's longest wait.
-func (s *switchTest) checkKinds(t *testing.T, what string, pods []kindPod, startedOutOK bool) {
+func (s *switchTest) checkKinds(t *testing.T, at podPlace, kinds []podKind, what string, pods []kindPod, startedOutOK bool) {
 	t.Helper()
 	ctx := context.Background()
 	longest := map[string]time.Duration{}
@@ -213,17 +244,17 @@ func (s *switchTest) checkKinds(t *testing.T, what string, pods []kindPod, start
 			t.Error(err)
 			continue
 		}
-		captured, cerr := s.n.captured(ctx, p)
+		captured, cerr := at.captured(ctx, p)
 		switch {
 		case kp.kind.ambient && !captured:
 			t.Errorf("%s: ambient pod %s/%s not captured: %v", what, p.Namespace, p.Name, cerr)
 		case !kp.kind.ambient && captured:
 			t.Errorf("%s: pod %s/%s, not ambient, captured", what, p.Namespace, p.Name)
-		case kp.kind.ambient && !s.startedCaptured(t, p):
+		case kp.kind.ambient && !s.startedCapturedIn(t, at.records, p):
 			startedOut++
 		}
 	}
-	for _, k := range podKinds {
+	for _, k := range kinds {
 		figure(t, fmt.Sprintf("%s-longest-wait-seconds-%s", what, k.name), longest[k.name].Round(100*time.Millisecond).Seconds())
 	}
 	figure(t, what+"-pods-created", len(pods))
@@ -241,23 +272,26 @@ func (s *switchTest) deleteKinds(pods []kindPod) {
 	}
 }
 
-// waitStandingBy waits until ambient-cni's agent on the node is ready
-// while istio-cni still holds the chain: it stands by.
-func (s *switchTest) waitStandingBy(ctx context.Context) error {
-	return s.n.Poll(ctx, "ambient-cni standing by", func(ctx context.Context) (bool, error) {
+// waitStandingBy waits until ambient-cni's agent on node is ready while
+// istio-cni still holds the node's chain: it stands by.
+func (s *switchTest) waitStandingBy(ctx context.Context, node string) error {
+	return s.n.Poll(ctx, "ambient-cni standing by on "+node, func(ctx context.Context) (bool, error) {
 		evs, err := s.n.Client.CoreV1().Events(ReleaseNamespace).List(ctx, metav1.ListOptions{FieldSelector: "reason=StandingBy"})
 		if err != nil {
 			return false, err
 		}
-		pods, err := s.n.AgentPods(ctx)
-		if err != nil || len(pods) != 1 || !isReady(&pods[0]) {
-			return false, fmt.Errorf("agent pods %d ready %v (%v)", len(pods), len(pods) == 1 && isReady(&pods[0]), err)
+		agent, err := agentOn(ctx, s.n, node)
+		if err != nil {
+			return false, err
+		}
+		if !isReady(agent) {
+			return false, fmt.Errorf("agent %s not ready: %s", agent.Name, podSummary(agent))
 		}
 		for _, e := range evs.Items {
-			if e.InvolvedObject.Name == pods[0].Name {
+			if e.InvolvedObject.Name == agent.Name {
 				return true, nil
 			}
 		}
-		return false, fmt.Errorf("no StandingBy Event on %s yet", pods[0].Name)
+		return false, fmt.Errorf("no StandingBy Event on %s yet", agent.Name)
 	})
 }

@@ -148,8 +148,47 @@ func testMeshAcrossNodes(ctx context.Context, t *testing.T, n *Node, w *Worker) 
 	}
 	t.Logf("chart installed once, one agent per node ready in %v", time.Since(begin).Round(100*time.Millisecond))
 
+	pods := startMeshPods(ctx, t, n, w, "mesh")
+	tunneled := checkAcross(ctx, t, n, w, pods, "/mesh")
+	t.Logf("connections through the tunnel across nodes: %d", tunneled)
+	// kubelet's probes on each node still reach the captured pods
+	// directly, SNATed by that node's agent to the probe address (through
+	// the stand-in, the app would see its own address).
+	for name, mp := range pods {
+		if _, err := n.WaitPodReady(ctx, mp.pod.Namespace, name); err != nil {
+			t.Error(err)
+		}
+		if !mp.captured {
+			continue
+		}
+		var seen []string
+		err := n.Poll(ctx, "probes of "+name, func(ctx context.Context) (bool, error) {
+			var err error
+			seen, err = n.probedFromSNAT(ctx, mp.pod)
+			return err == nil, err
+		})
+		if err != nil {
+			t.Errorf("%s on %s: %v", name, mp.node, err)
+			continue
+		}
+		t.Logf("%s on %s: kubelet's probes arrive from %s (SNAT); probe sources seen %v", name, mp.node, ambient.DefaultProbeSNATv4, seen)
+	}
+	if t.Failed() {
+		return nil
+	}
+	return pods
+}
+
+// startMeshPods starts a captured pod (an ambient namespace's) and a
+// plain one on each node, in namespaces named after prefix, waits until
+// the captured ones are, and tells each node's stand-in the other's
+// captured pod, as istiod tells ztunnel its HBONE workloads. The pods are
+// named cap-first, plain-first (the first node), cap-second and
+// plain-second (the worker).
+func startMeshPods(ctx context.Context, t *testing.T, n *Node, w *Worker, prefix string) map[string]*meshPod {
+	t.Helper()
 	suffix := randHex(4)
-	mesh, plain := "mesh-"+suffix, "plain-"+suffix
+	mesh, plain := prefix+"-"+suffix, prefix+"-plain-"+suffix
 	if err := n.CreateNamespace(ctx, mesh, map[string]string{ambient.DataplaneModeLabel: ambient.DataplaneModeAmbient}); err != nil {
 		t.Fatal(err)
 	}
@@ -176,42 +215,50 @@ func testMeshAcrossNodes(ctx context.Context, t *testing.T, n *Node, w *Worker) 
 		}
 		pods[name].pod = ready
 	}
-	captured := func(mp *meshPod) func(context.Context) (bool, error) {
-		if mp.node == w.Name {
-			return func(ctx context.Context) (bool, error) { return w.Captured(ctx, mp.pod) }
-		}
-		return func(ctx context.Context) (bool, error) { return n.Captured(ctx, mp.pod) }
-	}
 	for name, mp := range pods {
-		if mp.captured {
-			if err := n.Poll(ctx, name+" captured", captured(mp)); err != nil {
-				t.Fatal(err)
-			}
+		if !mp.captured {
+			continue
+		}
+		captured := func(ctx context.Context) (bool, error) { return n.Captured(ctx, mp.pod) }
+		if mp.node == w.Name {
+			captured = func(ctx context.Context) (bool, error) { return w.Captured(ctx, mp.pod) }
+		}
+		if err := n.Poll(ctx, name+" captured", captured); err != nil {
+			t.Fatal(err)
 		}
 	}
-	// Each stand-in learns the other node's captured pods, as ztunnel
-	// learns HBONE workloads from istiod.
 	if err := n.SetStandInRemote(ctx, []string{pods["cap-second"].pod.Status.PodIP}); err != nil {
 		t.Fatal(err)
 	}
 	if err := w.SetStandInRemote(ctx, []string{pods["cap-first"].pod.Status.PodIP}); err != nil {
 		t.Fatal(err)
 	}
+	return pods
+}
+
+// checkAcross makes a request from each pod of startMeshPods to each pod
+// on the other node and checks its path: a captured client's through its
+// node's stand-in (tunneled when the server is captured), a captured
+// server's through its own; each server sees the source it should (a
+// captured server its own address, as the stand-in inside it delivered;
+// an uncaptured one the client pod's). It returns the number of requests
+// that took the tunnel. marker prefixes the requests' paths: one per call.
+func checkAcross(ctx context.Context, t *testing.T, n *Node, w *Worker, pods map[string]*meshPod, marker string) (tunneled int) {
+	t.Helper()
 	records := func(ctx context.Context, node string) ([]ztunnel.Record, error) {
 		if node == w.Name {
 			return w.StandInRecords(ctx)
 		}
 		return n.StandInRecords(ctx)
 	}
-	tunneled := 0
 	for _, from := range []string{"cap-first", "plain-first", "cap-second", "plain-second"} {
 		for _, to := range []string{"cap-first", "plain-first", "cap-second", "plain-second"} {
 			a, b := pods[from], pods[to]
 			if a.node == b.node {
 				continue
 			}
-			marker := fmt.Sprintf("/mesh-%s-to-%s", from, to)
-			if err := fetch(ctx, a.pod, b.pod, marker); err != nil {
+			path := fmt.Sprintf("%s-%s-to-%s", marker, from, to)
+			if err := fetch(ctx, a.pod, b.pod, path); err != nil {
 				t.Errorf("%s → %s: %v", from, to, err)
 				continue
 			}
@@ -252,7 +299,7 @@ func testMeshAcrossNodes(ctx context.Context, t *testing.T, n *Node, w *Worker) 
 			if a.captured && b.captured {
 				tunneled++
 			}
-			seen, err := seenFrom(ctx, b.pod, marker)
+			seen, err := seenFrom(ctx, b.pod, path)
 			if err != nil {
 				t.Error(err)
 				continue
@@ -266,33 +313,7 @@ func testMeshAcrossNodes(ctx context.Context, t *testing.T, n *Node, w *Worker) 
 			}
 		}
 	}
-	t.Logf("connections through the tunnel across nodes: %d", tunneled)
-	// kubelet's probes on each node still reach the captured pods
-	// directly, SNATed by that node's agent to the probe address (through
-	// the stand-in, the app would see its own address).
-	for name, mp := range pods {
-		if _, err := n.WaitPodReady(ctx, mp.pod.Namespace, name); err != nil {
-			t.Error(err)
-		}
-		if !mp.captured {
-			continue
-		}
-		var seen []string
-		err := n.Poll(ctx, "probes of "+name, func(ctx context.Context) (bool, error) {
-			var err error
-			seen, err = n.probedFromSNAT(ctx, mp.pod)
-			return err == nil, err
-		})
-		if err != nil {
-			t.Errorf("%s on %s: %v", name, mp.node, err)
-			continue
-		}
-		t.Logf("%s on %s: kubelet's probes arrive from %s (SNAT); probe sources seen %v", name, mp.node, ambient.DefaultProbeSNATv4, seen)
-	}
-	if t.Failed() {
-		return nil
-	}
-	return pods
+	return tunneled
 }
 
 // agentOn returns the agent pod on a node.

@@ -126,6 +126,13 @@ type Worker struct {
 type WorkerOptions struct {
 	// StartupTaint registers the node with the CNI startup taint.
 	StartupTaint bool
+	// Labels are the node's labels from its registration on, as a node
+	// pool sets them (kubelet's --node-labels).
+	Labels map[string]string
+	// IstioCNI readies the worker for Istio's istio-cni before its kubelet
+	// starts: its image, its run directory and its view of the host's
+	// /proc (istioHostProc).
+	IstioCNI *IstioCNI
 }
 
 // clusterLink is the host bridge the nodes meet on, made with the first
@@ -204,8 +211,13 @@ func (n *Node) AddWorker(ctx context.Context, o WorkerOptions) (w *Worker, err e
 	if err := w.startContainerd(ctx); err != nil {
 		return w, err
 	}
-	if err := w.importImages(ctx); err != nil {
+	if err := w.importImages(ctx, o); err != nil {
 		return w, err
+	}
+	if o.IstioCNI != nil {
+		if err := w.readyForIstioCNI(ctx, o.IstioCNI); err != nil {
+			return w, err
+		}
 	}
 	if err := w.startKubelet(ctx, o); err != nil {
 		return w, err
@@ -567,17 +579,20 @@ func (w *Worker) startContainerd(ctx context.Context) error {
 
 // crictl runs crictl against the worker's containerd.
 func (w *Worker) crictl(ctx context.Context, args ...string) (string, error) {
-	ep := "unix://" + w.first.ContainerdSocket
-	return w.nsExec(ctx, append([]string{w.first.Tools.Crictl, "--runtime-endpoint", ep, "--image-endpoint", ep, "--timeout", "30s"}, args...)...)
+	return runCrictlVia(ctx, []string{"nsenter", "--net=" + w.NetNS, "--mount=" + w.MountNS, "--"}, w.first.Tools.Crictl, w.first.ContainerdSocket, args...)
 }
 
 // importImages copies the first node's local images (pause, app, the
-// stand-in) into the worker's containerd; the agent's it pulls from the
-// registry, as the first node does.
-func (w *Worker) importImages(ctx context.Context) error {
+// stand-in, istio-cni's when asked) into the worker's containerd; the
+// agent's it pulls from the registry, as the first node does.
+func (w *Worker) importImages(ctx context.Context, o WorkerOptions) error {
 	n := w.first
 	archive := "images.tar"
-	if _, err := n.ctr(ctx, "images", "export", w.host(archive), n.Images.Pause, n.Images.App, n.Images.StandIn); err != nil {
+	images := []string{n.Images.Pause, n.Images.App, n.Images.StandIn}
+	if o.IstioCNI != nil {
+		images = append(images, IstioCNIImage)
+	}
+	if _, err := n.ctr(ctx, append([]string{"images", "export", w.host(archive)}, images...)...); err != nil {
 		return err
 	}
 	defer os.Remove(w.host(archive))
@@ -620,6 +635,14 @@ func (w *Worker) startKubelet(ctx context.Context, o WorkerOptions) error {
 	}
 	if o.StartupTaint {
 		args = append(args, "--register-with-taints="+nodetaint.Key+"=:"+string(nodetaint.Effect))
+	}
+	if len(o.Labels) > 0 {
+		var labels []string
+		for k, v := range o.Labels {
+			labels = append(labels, k+"="+v)
+		}
+		slices.Sort(labels)
+		args = append(args, "--node-labels="+strings.Join(labels, ","))
 	}
 	if err := w.start("kubelet", n.Tools.Kubelet, args, nil); err != nil {
 		return err
@@ -1039,6 +1062,50 @@ func (n *Node) Captured(ctx context.Context, p *corev1.Pod) (bool, error) {
 		return false, err
 	}
 	return servedBy(ctx, n, p, wls)
+}
+
+// PodNetns returns a file of the network namespace of a worker pod's ready
+// sandbox that the host can open: its pause process's. The file the
+// runtime made is a mount inside the worker's mount namespace.
+func (w *Worker) PodNetns(ctx context.Context, namespace, name string) (string, error) {
+	id, err := sandboxID(ctx, w.crictl, namespace, name)
+	if err != nil {
+		return "", err
+	}
+	return w.sandboxNetns(ctx, id)
+}
+
+// sandboxNetns is PodNetns by sandbox id.
+func (w *Worker) sandboxNetns(ctx context.Context, id string) (string, error) {
+	out, err := w.crictl(ctx, "inspectp", "-o", "json", id)
+	if err != nil {
+		return "", fmt.Errorf("inspectp %s: %w: %s", id, err, out)
+	}
+	var info struct{ Info struct{ Pid int } }
+	if err := json.Unmarshal([]byte(out), &info); err != nil {
+		return "", fmt.Errorf("inspectp %s: %w", id, err)
+	}
+	if info.Info.Pid <= 0 {
+		return "", fmt.Errorf("sandbox %s has no process", id)
+	}
+	return fmt.Sprintf("/proc/%d/ns/net", info.Info.Pid), nil
+}
+
+// captured is Node.captured for a pod of the worker: enrolled, rules in
+// its netns, served by the worker's stand-in.
+func (w *Worker) captured(ctx context.Context, p *corev1.Pod) (bool, error) {
+	netns, err := w.PodNetns(ctx, p.Namespace, p.Name)
+	if err != nil {
+		return false, err
+	}
+	rules, err := NetnsRules(ctx, netns)
+	if err != nil {
+		return false, err
+	}
+	if !HasCaptureRules(rules) {
+		return false, errors.New("no capture rules in its netns")
+	}
+	return w.Captured(ctx, p)
 }
 
 // AgentState returns the pods the worker's agent has enrolled, from its
