@@ -277,33 +277,45 @@ func (s *switchTest) switchToOurs(ctx context.Context, t *testing.T, mark func(s
 // agent chained itself in istio-cni's place and holds the pods istio-cni
 // captured.
 func (s *switchTest) switchNode(ctx context.Context, t *testing.T, mark func(string)) error {
+	return s.switchNodeOf(ctx, t, mark, "", s.loaded, holds(s.n.AgentState, lifeNS, preSwitch...))
+}
+
+// switchNodeOf is switchNode for node (the first node when empty), whose
+// chain loaded reads and whose agent adopted finds holding the pods.
+func (s *switchTest) switchNodeOf(ctx context.Context, t *testing.T, mark func(string), node string, loaded func() (string, []byte, error), adopted func(context.Context) (bool, error)) error {
 	mark("node switch")
-	if err := s.page.run(ctx, t, s.page.switchBlk[3]); err != nil {
+	if err := s.page.runFor(ctx, t, node, s.page.switchBlk[3]); err != nil {
 		return err
 	}
 	mark("istio-cni gone")
-	if err := s.waitChain(ctx, "ambient-cni", "istio-cni"); err != nil {
+	if err := s.waitChainIn(ctx, loaded, "ambient-cni", "istio-cni"); err != nil {
 		return err
 	}
 	mark("ours chained")
-	if err := s.n.Poll(ctx, "the agent holds the pods istio-cni captured", func(ctx context.Context) (bool, error) {
-		st, err := s.n.AgentState(ctx)
+	if err := s.n.Poll(ctx, "the agent holds the pods istio-cni captured", adopted); err != nil {
+		return err
+	}
+	mark("adopted")
+	return nil
+}
+
+// holds is a poll condition: the agent whose pods state lists holds the
+// named pods of namespace, enrolled.
+func holds(state func(context.Context) ([]AgentPod, error), namespace string, names ...string) func(context.Context) (bool, error) {
+	return func(ctx context.Context) (bool, error) {
+		st, err := state(ctx)
 		if err != nil {
 			return false, err
 		}
-		for _, name := range preSwitch {
+		for _, name := range names {
 			if !slices.ContainsFunc(st, func(p AgentPod) bool {
-				return p.Namespace == lifeNS && p.Name == name && p.State == ambient.RedirectionEnabled
+				return p.Namespace == namespace && p.Name == name && p.State == ambient.RedirectionEnabled
 			}) {
 				return false, fmt.Errorf("the agent does not hold %s yet: %+v", name, st)
 			}
 		}
 		return true, nil
-	}); err != nil {
-		return err
 	}
-	mark("adopted")
-	return nil
 }
 
 // waitChain waits until the primary config holds plugin in and not out.

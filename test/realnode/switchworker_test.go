@@ -4,7 +4,6 @@ package realnode
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -14,7 +13,6 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/kubectlplugin"
 )
 
@@ -86,28 +84,7 @@ func (s *switchTest) testSecondNode(t *testing.T) {
 	stopSample := sampleWorkerCapture(w, ns)
 	kinds := []podKind{{name: "ns", ns: ns, ambient: true}}
 	created, err := s.createKindsDuring(t, onWorker(w), kinds, "second", func() error {
-		mk.mark("node switch")
-		if err := s.page.runFor(ctx, t, w.Name, s.page.switchBlk[3]); err != nil {
-			return err
-		}
-		mk.mark("istio-cni gone")
-		if err := s.waitChainIn(ctx, loaded, "ambient-cni", "istio-cni"); err != nil {
-			return err
-		}
-		mk.mark("ours chained")
-		return s.n.Poll(ctx, "the new node's agent holds the pod istio-cni captured", func(ctx context.Context) (bool, error) {
-			st, err := w.AgentState(ctx)
-			if err != nil {
-				return false, err
-			}
-			if !slices.ContainsFunc(st, func(p AgentPod) bool {
-				return p.Namespace == ns && p.Name == "cap-second" && p.State == ambient.RedirectionEnabled
-			}) {
-				return false, fmt.Errorf("the agent does not hold cap-second yet: %+v", st)
-			}
-			mk.mark("adopted")
-			return true, nil
-		})
+		return s.switchNodeOf(ctx, t, mk.mark, w.Name, loaded, holds(w.AgentState, ns, "cap-second"))
 	})
 	chains := stopChain()
 	samples, sandboxes, bad := stopSample()
