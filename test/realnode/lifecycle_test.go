@@ -798,7 +798,8 @@ func (l *life) sampleCaptureIn(namespaces ...string) (stop func() (samples, sand
 }
 
 // sampleCaptureVia is sampleCapture over the sandboxes list returns, each
-// one's rules as rules reads them: any node's.
+// one's rules as rules reads them (called from several goroutines at
+// once): any node's.
 func sampleCaptureVia(list func(context.Context) ([]readySandbox, error), rules func(context.Context, string) (string, error)) (stop func() (samples, sandboxes int, uncaptured []string)) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
@@ -810,17 +811,30 @@ func sampleCaptureVia(list func(context.Context) ([]readySandbox, error), rules 
 		for ctx.Err() == nil {
 			sbs, err := list(ctx)
 			if err == nil {
+				// Each sandbox looked at at once: a round takes the slowest
+				// look, not their sum, on a node busy with a switch.
+				var (
+					mu sync.Mutex
+					wg sync.WaitGroup
+				)
 				for _, sb := range sbs {
-					rules, err := rules(ctx, sb.id)
-					if err != nil {
-						continue // gone between the listing and the look
-					}
-					samples++
-					seen[sb.id] = true
-					if !HasCaptureRules(rules) {
-						bad = append(bad, fmt.Sprintf("%s %s sandbox %s ready without capture rules", time.Now().Format("15:04:05.000"), sb.pod, sb.id))
-					}
+					wg.Add(1)
+					go func() { // owner: this round, which waits on wg
+						defer wg.Done()
+						rules, err := rules(ctx, sb.id)
+						if err != nil {
+							return // gone between the listing and the look
+						}
+						mu.Lock()
+						defer mu.Unlock()
+						samples++
+						seen[sb.id] = true
+						if !HasCaptureRules(rules) {
+							bad = append(bad, fmt.Sprintf("%s %s sandbox %s ready without capture rules", time.Now().Format("15:04:05.000"), sb.pod, sb.id))
+						}
+					}()
 				}
+				wg.Wait()
 			}
 			select {
 			case <-ctx.Done():
