@@ -206,9 +206,10 @@ func (s *switchTest) workerRules(t *testing.T, w *Worker, ns, name string) []str
 func sampleWorkerCapture(w *Worker, namespaces ...string) (stop func() (samples, sandboxes int, uncaptured []string)) {
 	var mu sync.Mutex
 	netns := map[string]string{} // by sandbox: a sandbox keeps its process
-	// The listing (crictl in the worker's namespaces) costs a second on a
-	// busy node, the rules a few milliseconds: the sandboxes are listed
-	// again every second, their rules read every round.
+	// A look at a sandbox's rules as NetnsRules takes it (eight processes)
+	// took about a second on a node busy with the switch, so a 3-second
+	// window got two rounds: the look is captureProbe's one process, and
+	// the listing (crictl in the worker's namespaces) is kept a second.
 	var (
 		listed   []readySandbox
 		listedAt time.Time
