@@ -58,6 +58,9 @@ func TestBenchRunsShipped(t *testing.T) {
 	}
 	defaults.PodName, defaults.PodNamespace = "pod", simnode.ReleaseNamespace
 	defaults.ProcRoot = chart.ProcRoot // the host's /proc, mounted at /host/proc
+	// The host's name of the mounted CNI config directory, which
+	// install-cni alone cannot know (test/deploy pins the chart's).
+	defaults.CNIHostConfDir = chart.CNIHostConfDir
 	// The plugin's ServiceAccount and the release signal are named for the
 	// release (install-cni alone has no release, so no signal to watch;
 	// test/deploy pins the chart's); the selector text is the chart's JSON

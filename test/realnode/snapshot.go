@@ -145,8 +145,17 @@ func Relevant(diff []string) []string {
 			}
 			continue
 		}
-		for _, m := range markers {
-			if strings.Contains(l, m) {
+		what, ms := l, markers
+		if section == "links" {
+			// A link by its name ("NAME TYPE"): the node's are its pods'
+			// veth… and its own anode… (bridge, cluster link, workers'
+			// veths), while a suite beside it moves veth pairs of other
+			// names through the host's namespace.
+			what = strings.Fields(strings.TrimPrefix(l, "links: + "))[0]
+			ms = append(slices.Clip(markers), "anode")
+		}
+		for _, m := range ms {
+			if strings.Contains(what, m) {
 				out = append(out, l)
 				break
 			}

@@ -29,3 +29,15 @@ func TestRelevantLeavesOtherProgramsMounts(t *testing.T) {
 		t.Errorf("Relevant = %q, want %q", got, want)
 	}
 }
+
+// TestRelevantLinksByName: a link counts by its name, not its type: a
+// suite beside the e2e makes veth pairs of its own names in the host's
+// namespace for a moment (testnet's tna…/tnb…), the node's pod veths are
+// named veth….
+func TestRelevantLinksByName(t *testing.T) {
+	diff := []string{"links: + tnb383af821 veth", "links: + veth1a2b3c4d veth", "links: + anodec1a2b3 bridge"}
+	got := Relevant(diff)
+	if want := []string{"links: + veth1a2b3c4d veth", "links: + anodec1a2b3 bridge"}; !slices.Equal(got, want) {
+		t.Errorf("Relevant = %q, want %q", got, want)
+	}
+}
