@@ -274,8 +274,11 @@ fuzz: ## run every Go fuzz target for FUZZTIME (60s) each; a failing input lands
 
 # The fault-injection suite (test/chaos, docs/reliability.md) takes
 # minutes (its scenarios run side by side, each in a network namespace of
-# its own), so make test skips it; CI runs both.
-LONG_TIMEOUT  ?= 30m
+# its own), so make test skips it; CI runs both. The timeout is a hang
+# guard, not a budget: beside make check's e2e the soak's 5,100 cycles
+# ran at 3.5 a second, 29 minutes with its setup, and under 30m its time
+# ran out with the cycles nearly done.
+LONG_TIMEOUT  ?= 60m
 
 test-long: tools $(GOTESTSUM) ## as root: the fault-injection suite (agent SIGKILLs, ztunnel and API server outages, a 5,000-cycle soak; AMBIENT_CHAOS_SEEDS=1,2 replays kill schedules)
 	@left=$$(mktemp); hack/leftovers.sh snapshot $$left; \

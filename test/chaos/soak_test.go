@@ -91,6 +91,7 @@ func TestSoak(t *testing.T) {
 	s := &soaker{n: n, w: w, conf: n.kube.Conf, cni: n.kube.CNI}
 	start := time.Now()
 	s.run(ctx, t, pods, soakWarmup)
+	s.requireTime(ctx, t, "the warm-up", soakWarmup)
 	if t.Failed() {
 		return
 	}
@@ -115,6 +116,7 @@ func TestSoak(t *testing.T) {
 
 	start = time.Now()
 	s.run(ctx, t, pods, soakCycles)
+	s.requireTime(ctx, t, "the cycles", soakCycles)
 	took := time.Since(start)
 	n.idle(time.Minute)
 	after, err := n.usage()
@@ -302,6 +304,16 @@ func (s *soaker) run(ctx context.Context, t *testing.T, pods [soakWorkers][]*cor
 		})
 	}
 	wg.Wait()
+}
+
+// requireTime stops the soak, saying so, when its time ran out during
+// what (total cycles): a cycle cut then fails with its plugin killed
+// ("signal: killed"), which is the run's budget, not the agent.
+func (s *soaker) requireTime(ctx context.Context, t *testing.T, what string, total int) {
+	t.Helper()
+	if ctx.Err() != nil {
+		t.Fatalf("the soak's time (go test's -timeout, less %v for cleanups; make's LONG_TIMEOUT) ran out during %s (%d cycles); %d cycles failed, the first: %v", cleanupMargin, what, total, s.failed.Load(), s.firstErr())
+	}
 }
 
 // cycle is one sandbox: netns, ADD through the chain, DEL, netns gone.
