@@ -123,6 +123,9 @@ func readChainFile(path string) ([]byte, time.Time, error) {
 
 // chainTypes decodes a CNI config file (a conflist, or a single plugin's
 // .conf) into its network name and its plugins' types, in chain order.
+// Not libcni's loader, which the installer uses: it would bring crypto and
+// more into the plugin, 3.2 to 4.8 MB of the binary every pod's ADD
+// executes, for the few keys read here.
 func chainTypes(b []byte) (name string, types []string, err error) {
 	var c struct {
 		Name    string

@@ -568,7 +568,7 @@ func runCrictlVia(ctx context.Context, via []string, bin, socket string, args ..
 		return "", errors.New("no crictl or containerd socket")
 	}
 	ep := "unix://" + socket
-	argv := append(append(via, bin, "--runtime-endpoint", ep, "--image-endpoint", ep, "--timeout", "30s"), args...)
+	argv := slices.Concat(via, []string{bin, "--runtime-endpoint", ep, "--image-endpoint", ep, "--timeout", "30s"}, args)
 	cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
 	out, err := cmd.Output()
 	if err != nil {
