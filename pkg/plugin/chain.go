@@ -53,6 +53,7 @@ func networkChain(confDir, network string) (file string, types []string, changed
 	if err != nil {
 		return "", nil, time.Time{}, err
 	}
+	inlinedOnly := false
 	for _, e := range ents { // ReadDir sorts by name, as runtimes load them
 		switch filepath.Ext(e.Name()) {
 		case ".conf", ".conflist", ".json":
@@ -64,15 +65,18 @@ func networkChain(confDir, network string) (file string, types []string, changed
 		if err != nil {
 			continue // a runtime skips a file it cannot load
 		}
-		name, ts, err := chainTypes(b)
+		name, ts, inlined, err := chainTypes(b)
 		if err != nil || name != network {
 			continue
 		}
-		file, types, changed = p, ts, mtime
+		file, types, changed, inlinedOnly = p, ts, mtime, inlined
 		break
 	}
 	if file == "" {
 		return "", nil, time.Time{}, fmt.Errorf("no config file of network %q in %s", network, confDir)
+	}
+	if inlinedOnly {
+		return file, types, changed, nil
 	}
 	folder := filepath.Join(confDir, network)
 	if ents, err := os.ReadDir(folder); err == nil {
@@ -126,29 +130,31 @@ func readChainFile(path string) ([]byte, time.Time, error) {
 // Not libcni's loader, which the installer uses: it would bring crypto and
 // more into the plugin, 3.2 to 4.8 MB of the binary every pod's ADD
 // executes, for the few keys read here.
-func chainTypes(b []byte) (name string, types []string, err error) {
+func chainTypes(b []byte) (name string, types []string, inlinedOnly bool, err error) {
 	var c struct {
 		Name    string
 		Type    string
 		Plugins []struct{ Type string }
+		// The list's plugins alone: libcni skips the network's folder.
+		LoadOnlyInlinedPlugins bool `json:"loadOnlyInlinedPlugins"`
 	}
 	if err := json.Unmarshal(b, &c); err != nil {
-		return "", nil, err
+		return "", nil, false, err
 	}
 	if c.Name == "" {
-		return "", nil, errors.New("no network name")
+		return "", nil, false, errors.New("no network name")
 	}
 	if c.Plugins == nil {
 		if c.Type == "" {
-			return "", nil, errors.New("neither plugins nor a type")
+			return "", nil, false, errors.New("neither plugins nor a type")
 		}
-		return c.Name, []string{c.Type}, nil
+		return c.Name, []string{c.Type}, false, nil
 	}
 	if len(c.Plugins) == 0 {
-		return "", nil, errors.New("no plugins") // libcni refuses such a list
+		return "", nil, false, errors.New("no plugins") // libcni refuses such a list
 	}
 	for _, p := range c.Plugins {
 		types = append(types, p.Type)
 	}
-	return c.Name, types, nil
+	return c.Name, types, c.LoadOnlyInlinedPlugins, nil
 }

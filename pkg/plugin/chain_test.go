@@ -65,6 +65,12 @@ func TestNetworkChain(t *testing.T) {
 		t.Error("istio-cni chained before the settle time")
 	}
 
+	// A list that loads only its inlined plugins: the folder is not run.
+	write("10-k8s.conflist", `{"name":"k8s","loadOnlyInlinedPlugins":true,"plugins":[{"type":"bridge"},{"type":"ambient-cni"}]}`)
+	if ok, why := istioCNIChained(dir, "k8s", time.Now().Add(time.Hour)); ok {
+		t.Errorf("istio-cni in the folder of a list that loads only its inlined plugins: chained (%s)", why)
+	}
+
 	for _, c := range []struct{ dir, network string }{{"", "k8s"}, {dir, "none"}, {filepath.Join(dir, "missing"), "k8s"}} {
 		if ok, why := istioCNIChained(c.dir, c.network, time.Now().Add(time.Hour)); ok || why == "" {
 			t.Errorf("dir %q network %q: chained %v (%q), want not, with a reason", c.dir, c.network, ok, why)
@@ -76,7 +82,7 @@ func TestNetworkChain(t *testing.T) {
 // and plugins (or a type) is refused.
 func TestChainTypesRefusesMalformed(t *testing.T) {
 	for _, b := range []string{``, `null`, `[]`, `{"plugins":[{"type":"x"}]}`, `{"name":"k8s"}`, `{"name":"k8s","plugins":{"type":"x"}}`, `{"name":1,"plugins":[]}`, `{"name":"k8s","plugins":[1]}`, `{"name":"k8s","plugins":[]}`} {
-		if name, types, err := chainTypes([]byte(b)); err == nil {
+		if name, types, _, err := chainTypes([]byte(b)); err == nil {
 			t.Errorf("%q: %q %v, want an error", b, name, types)
 		}
 	}
@@ -85,7 +91,7 @@ func TestChainTypesRefusesMalformed(t *testing.T) {
 func FuzzChainTypes(f *testing.F) {
 	fuzzseed.Add(f, "FuzzChainTypes")
 	f.Fuzz(func(t *testing.T, b []byte) {
-		name, types, err := chainTypes(b)
+		name, types, _, err := chainTypes(b)
 		if err != nil {
 			return
 		}
