@@ -440,6 +440,48 @@ func (n *Node) StandInRecords(ctx context.Context) ([]ztunnel.Record, error) {
 	return standInGet[[]ztunnel.Record](ctx, n, "/records")
 }
 
+// StandInOf says, for each failed loop request in d, what the stand-in
+// recorded of its connection (found by its source address), and ends with
+// the stand-in's log lines about connections it did not proxy: a failure
+// report tells a connection that never reached the stand-in from one it
+// could not forward and from one whose upstream ended it.
+func (n *Node) StandInOf(ctx context.Context, d TrafficCounts) string {
+	recs, err := n.StandInRecords(ctx)
+	if err != nil {
+		return fmt.Sprintf("(stand-in records: %v)", err)
+	}
+	var b strings.Builder
+	for _, f := range d.Failures {
+		i := strings.Index(f, " from ")
+		if i < 0 {
+			continue
+		}
+		src, _, _ := strings.Cut(f[i+len(" from "):], " ")
+		found := false
+		for _, r := range recs {
+			if r.Source.String() == src {
+				fmt.Fprintf(&b, "stand-in record of %s: pod %s port %d to %s via %s tunneled=%v err=%q\n", src, r.UID, r.Port, r.OrigDst, r.Upstream, r.Tunneled, r.Err)
+				found = true
+			}
+		}
+		if !found {
+			fmt.Fprintf(&b, "the stand-in has no record of %s: it never accepted that connection\n", src)
+		}
+	}
+	lines := int64(400)
+	out, err := n.Client.CoreV1().Pods(ReleaseNamespace).GetLogs(StandInName, &corev1.PodLogOptions{TailLines: &lines}).DoRaw(ctx)
+	if err != nil {
+		fmt.Fprintf(&b, "(stand-in log: %v)\n", err)
+		return b.String()
+	}
+	for l := range strings.SplitSeq(string(out), "\n") {
+		if strings.Contains(l, "did not proxy") || strings.Contains(l, "level=WARN") || strings.Contains(l, "level=ERROR") {
+			fmt.Fprintf(&b, "stand-in: %s\n", l)
+		}
+	}
+	return b.String()
+}
+
 // StandInWorkloads returns the pods the stand-in serves.
 func (n *Node) StandInWorkloads(ctx context.Context) ([]ztunnel.Workload, error) {
 	return standInGet[[]ztunnel.Workload](ctx, n, "/workloads")

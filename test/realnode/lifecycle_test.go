@@ -346,7 +346,7 @@ func (l *life) testRuntimeRestarts(t *testing.T) {
 			t.Errorf("%s restart: the redirection annotation changed: %v", c.name, changes)
 		}
 		if d.Broken > 0 || d.LoopFailed > 0 {
-			t.Errorf("%s restart: %d held connections broke, %d requests failed: %v", c.name, d.Broken, d.LoopFailed, d.Listed())
+			t.Errorf("%s restart: %d held connections broke, %d requests failed: %v\n%s", c.name, d.Broken, d.LoopFailed, d.Listed(), l.n.StandInOf(ctx, d))
 		}
 		for name, b := range before {
 			a := after[name]

@@ -156,7 +156,7 @@ func (l *life) renameUnderTraffic(t *testing.T, s renameStep, prove bool) bool {
 		t.Errorf("%s: the uninstall marker %s is left behind (%v)", s.set, l.n.Layout().Uninstalling(), err)
 	}
 	if d.Broken > 0 || d.LoopFailed > 0 {
-		t.Errorf("%s: %d held connections broke, %d requests failed: %v", s.set, d.Broken, d.LoopFailed, d.Listed())
+		t.Errorf("%s: %d held connections broke, %d requests failed: %v\n%s", s.set, d.Broken, d.LoopFailed, d.Listed(), l.n.StandInOf(context.Background(), d))
 	}
 	// Every request of the loop during the rename went through the
 	// stand-in: none left the pod uncaptured.

@@ -407,7 +407,7 @@ func (s *switchTest) checkCalm(t *testing.T, what string, samples, sandboxes int
 	figure(t, what+"-connections-reset", d.Broken)
 	figure(t, what+"-requests-failed", d.LoopFailed)
 	if d.Broken > 0 || d.LoopFailed > 0 {
-		t.Errorf("%s: %d held connections broke, %d requests failed: %s\n%s\n%s", what, d.Broken, d.LoopFailed, d.Listed(), s.zdsSince(zdsFrom), s.n.AgentLogTail(context.Background(), 80))
+		t.Errorf("%s: %d held connections broke, %d requests failed: %s\n%s\n%s\n%s", what, d.Broken, d.LoopFailed, d.Listed(), s.n.StandInOf(context.Background(), d), s.zdsSince(zdsFrom), s.n.AgentLogTail(context.Background(), 80))
 	}
 }
 

@@ -213,9 +213,15 @@ func (t *Traffic) loop(ctx context.Context, f Flow) {
 			return
 		case <-time.After(loopEvery):
 		}
+		began := time.Now()
 		c, err := dialIn(ctx, f)
 		if err == nil {
-			err = request(c, bufio.NewReader(c), "/loop")
+			// The source names the connection in the stand-in's records
+			// (StandInOf): proxied or not, and why; the time taken tells
+			// a peer's timeout from a prompt close.
+			if err = request(c, bufio.NewReader(c), "/loop"); err != nil {
+				err = fmt.Errorf("from %s after %s: %w", c.LocalAddr(), time.Since(began).Round(time.Millisecond), err)
+			}
 			_ = c.Close()
 		}
 		if ctx.Err() != nil {

@@ -59,7 +59,11 @@ func serve(args []string) error {
 		return err
 	}
 	s := &podapp.Server{Name: name}
-	srv := &http.Server{Handler: s.Handler(), ReadHeaderTimeout: 5 * time.Second}
+	// Longer than the tests' own deadline for one request (trafficTimeout,
+	// 10 s): a proxy that stalls is then judged by the client that waits
+	// for it, as a timeout, not cut by this app as an early close that
+	// looks like a dropped connection.
+	srv := &http.Server{Handler: s.Handler(), ReadHeaderTimeout: 30 * time.Second}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	served := make(chan error, 1)
