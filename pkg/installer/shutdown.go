@@ -30,6 +30,59 @@ func (i *Installer) Shutdown(ctx context.Context, upgrade bool) error {
 		i.log.Info("upgrade: leaving plugin binary and config entry in place")
 		return nil
 	}
+	return i.removeLocked(ctx)
+}
+
+// Withdraw takes the plugin off the node as Shutdown does for an
+// uninstall, and reports whether anything of it was there. Unlike
+// Shutdown it leaves the installer usable: an agent standing by behind
+// istio-cni withdraws the entry a give-back (or a broken agent) left
+// chained, and installs again if the node is switched back to it.
+func (i *Installer) Withdraw(ctx context.Context) (bool, error) {
+	i.mu.Lock()
+	defer i.mu.Unlock()
+	i.loadState()
+	if !i.anyOursLocked() {
+		return false, nil
+	}
+	return true, i.removeLocked(ctx)
+}
+
+// anyOursLocked reports whether the conf dir holds any entry or file of
+// ours (the owned conflist, a network folder's file, an entry in a
+// conflist) or a bin dir our binary.
+func (i *Installer) anyOursLocked() bool {
+	if i.isOwnedFile(i.ownedPath()) {
+		return true
+	}
+	ents, _ := os.ReadDir(i.cfg.ConfDir)
+	for _, e := range ents {
+		p := filepath.Join(i.cfg.ConfDir, e.Name())
+		if e.IsDir() {
+			if b, _, err := readLimited(filepath.Join(p, i.siblingName())); err == nil {
+				if t, err := pluginTypeOf(bytes.TrimSpace(b)); err == nil && t == i.cfg.PluginName {
+					return true
+				}
+			}
+			continue
+		}
+		if filepath.Ext(e.Name()) != ConflistExt {
+			continue
+		}
+		if b, _, err := readLimited(p); err == nil && i.hasOurEntry(b) {
+			return true
+		}
+	}
+	for _, dst := range i.bins {
+		if _, err := os.Lstat(dst); err == nil {
+			return true
+		}
+	}
+	return false
+}
+
+// removeLocked is the removal of Shutdown and Withdraw, in their order.
+func (i *Installer) removeLocked(ctx context.Context) error {
 	var errs []error
 	// The owned conflist first: it is a whole copy of ours, to remove,
 	// not a primary's file to take our entry out of.

@@ -1,7 +1,9 @@
 package installer
 
 import (
+	"encoding/json"
 	"errors"
+	"io/fs"
 	"net"
 	"os"
 	"path/filepath"
@@ -227,5 +229,52 @@ func TestTakesOverFromIstioCNIsOwnedConfig(t *testing.T) {
 	}
 	if e2.read(t, "10-containerd-net.conflist") != primary {
 		t.Error("the config after the primary was changed")
+	}
+}
+
+// TestWithdrawLeavesTheInstallerUsable: the next agent, standing by
+// behind istio-cni, withdraws the entry a give-back left chained in front
+// of istio-cni's: ours and the binary go, istio-cni's stays; a second
+// Withdraw finds nothing to do; and the installer still installs (the
+// node switched back to us), which Shutdown's installer refuses.
+func TestWithdrawLeavesTheInstallerUsable(t *testing.T) {
+	e := newEnv(t)
+	e.write(t, "10-bridge.conflist", bridgeList, 0o644)
+	if err := e.installer(t, nil).Install(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	var list map[string]any
+	if err := json.Unmarshal([]byte(e.read(t, "10-bridge.conflist")), &list); err != nil {
+		t.Fatal(err)
+	}
+	list["plugins"] = append(list["plugins"].([]any), map[string]any{"type": IstioCNIType, "cni_agent_run_dir": IstioCNIDefaultRunDir})
+	b, err := json.Marshal(list)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.write(t, "10-bridge.conflist", string(b), 0o644)
+
+	i := e.installer(t, nil)
+	took, err := i.Withdraw(t.Context())
+	if err != nil || !took {
+		t.Fatalf("Withdraw = %v, %v; want true, nil", took, err)
+	}
+	got := e.read(t, "10-bridge.conflist")
+	if strings.Contains(got, `"`+testType+`"`) || !strings.Contains(got, `"`+IstioCNIType+`"`) {
+		t.Errorf("after Withdraw, want istio-cni's entry alone:\n%s", got)
+	}
+	if _, err := os.Stat(filepath.Join(e.bin, testType)); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("the binary is still there: %v", err)
+	}
+	if took, err := i.Withdraw(t.Context()); err != nil || took {
+		t.Errorf("second Withdraw = %v, %v; want false, nil", took, err)
+	}
+	// istio-cni gone again, its entry with it.
+	e.write(t, "10-bridge.conflist", bridgeList, 0o644)
+	if err := i.Install(t.Context()); err != nil {
+		t.Fatalf("Install after Withdraw: %v", err)
+	}
+	if !strings.Contains(e.read(t, "10-bridge.conflist"), `"`+testType+`"`) {
+		t.Error("Install after Withdraw chained nothing")
 	}
 }

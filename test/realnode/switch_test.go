@@ -22,6 +22,7 @@ import (
 	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/kubectlplugin"
 	"github.com/ambient-cni/ambient-cni/test/lib/testnet"
+	"github.com/ambient-cni/ambient-cni/test/lib/ztunnel"
 )
 
 // The switch from Istio's real istio-cni to ambient-cni and back, on the
@@ -59,9 +60,6 @@ type switchTest struct {
 	hostBefore IstioHostState
 	// page runs the migration page's blocks.
 	page *pageRunner
-	// inert: the rollback from a broken agent left our entry chained in
-	// front of istio-cni's (checkChains).
-	inert bool
 }
 
 func testSwitch(t *testing.T, nft, owned bool) {
@@ -363,9 +361,10 @@ func (m *marker) span(t *testing.T, name, from, to string) {
 // checkChains asserts the primary config's chain ended in exactly one of
 // istio-cni and ambient-cni at every sample, or in neither when neither
 // is allowed, and returns the order of what ended it. With inert, ours
-// followed by istio-cni's counts as istio-cni's: the state a rollback
-// from a broken agent leaves (our entry passes every pod on to
-// istio-cni's plugin while istio-cni's agent answers).
+// followed by istio-cni's counts as istio-cni's: the state a give-back
+// leaves until the agent standing by withdraws our entry (with no agent
+// of ours answering, our plugin passes every pod on to istio-cni's once
+// that one is chained and its agent answers).
 func checkChains(t *testing.T, what string, chains []string, neither, inert bool) []string {
 	t.Helper()
 	t.Logf("the primary config's chains during the %s:\n%s", what, strings.Join(chains, "\n"))
@@ -433,6 +432,23 @@ func (s *switchTest) zdsMark(t *testing.T) int {
 	return len(m)
 }
 
+// releasedSince returns the uids the stand-in was told to drop (a Del)
+// from the from-th ZDS request on: in a rollback, the pods ours released.
+func (s *switchTest) releasedSince(t *testing.T, from int) map[string]bool {
+	t.Helper()
+	m, err := s.n.StandInMessages(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]bool{}
+	for _, x := range m[min(from, len(m)):] {
+		if x.Kind == ztunnel.KindDel {
+			out[x.UID] = true
+		}
+	}
+	return out
+}
+
 // zdsSince lists the ZDS requests the stand-in received from the from-th
 // on, each with its pod's name: what told ztunnel to drop or replace a
 // pod whose connections broke.
@@ -489,7 +505,7 @@ func (s *switchTest) testSwitchToOurs(t *testing.T) {
 	// Every kind of pod created on the node throughout: the ambient ones
 	// captured from their first packet (or they waited), the others
 	// started.
-	s.checkKinds(t, s.onFirst(), podKinds, m+"-switch", pods, false)
+	s.checkKinds(t, s.onFirst(), podKinds, m+"-switch", pods, nil)
 	s.deleteKinds(pods)
 
 	// istiod saw no pod leave the mesh: the running pods' redirection
@@ -569,15 +585,18 @@ func (s *switchTest) finalView(t *testing.T) {
 
 // Rollback of the node, as the page says it: labelled back, istio-cni's
 // pod is scheduled onto the node, ambient-cni's agent gives the node back
-// (unchained, every pod released) and stands by, and istio-cni enrolls
-// the pods again. The chain never holds both plugins; the window (no
-// plugin, pods released) is measured, not asserted zero, and so are the
-// connections it resets. The end state is asserted: every pod captured by
-// istio-cni with its rules only, ztunnel holding exactly the live pods,
-// istiod seeing them HBONE.
+// (every pod released, its plugin left chained) and stands by, istio-cni
+// chains itself after our entry and enrolls the pods again, and the agent
+// standing by withdraws our entry. The chain never holds neither plugin,
+// and no ambient pod created meanwhile starts uncaptured (asserted). The
+// running pods' window (released until istio-cni enrolls them) is
+// measured, not asserted zero, and so are the connections it resets. The
+// end state is asserted: every pod captured by istio-cni with its rules
+// only, ztunnel holding exactly the live pods, istiod seeing them HBONE.
 func (s *switchTest) testRollback(t *testing.T) {
 	ctx := context.Background()
 	m := s.mode()
+	zdsFrom := s.zdsMark(t)
 	tr := s.traffic.Counts()
 	stopSample := s.sampleCaptureIn(lifeNS, optNS)
 	stopChain := chainSampler(s.loaded)
@@ -608,7 +627,7 @@ func (s *switchTest) testRollback(t *testing.T) {
 	if err != nil {
 		t.Fatalf("%v\n%s", err, s.n.AgentLogTail(ctx, 40))
 	}
-	if order := checkChains(t, "rollback", chains, true, false); len(order) == 0 || order[len(order)-1] != "istio-cni" {
+	if order := checkChains(t, "rollback", chains, false, true); len(order) == 0 || order[len(order)-1] != "istio-cni" {
 		t.Errorf("the chain ended in %v during the rollback, want istio-cni's last", order)
 	}
 	figure(t, m+"-rollback-seconds", time.Since(mk.begin).Round(100*time.Millisecond).Seconds())
@@ -629,7 +648,7 @@ func (s *switchTest) testRollback(t *testing.T) {
 	if d.Broken > 0 {
 		t.Logf("rollback: %d held connections broke (redialled): %v", d.Broken, d.Listed())
 	}
-	s.checkKinds(t, s.onFirst(), podKinds, m+"-rollback", pods, true)
+	s.checkKinds(t, s.onFirst(), podKinds, m+"-rollback", pods, s.releasedSince(t, zdsFrom))
 	s.deleteKinds(pods)
 
 	// Nothing of ours left in the pods: each holds exactly the rules of a
@@ -673,11 +692,11 @@ func (s *switchTest) testSwitchAgain(t *testing.T) {
 	}
 	mk.span(t, m+"-again-node-label-to-ours-chained-seconds", "node switch", "ours chained")
 	mk.span(t, m+"-again-last-block-seconds", "last block", "done")
-	if order := checkChains(t, "switch again", chains, false, s.inert); strings.Join(order, ",") != "istio-cni,ambient-cni" {
+	if order := checkChains(t, "switch again", chains, false, false); strings.Join(order, ",") != "istio-cni,ambient-cni" {
 		t.Errorf("the chain ended in %v, want istio-cni's then ours", order)
 	}
 	s.checkCalm(t, m+"-again", samples, sandboxes, bad, d, zdsFrom)
-	s.checkKinds(t, s.onFirst(), podKinds, m+"-again", pods, false)
+	s.checkKinds(t, s.onFirst(), podKinds, m+"-again", pods, nil)
 	s.deleteKinds(pods)
 
 	// Nothing of istio-cni's release, nor of the switch, is left: its

@@ -23,7 +23,8 @@ const unpullableDigest = "sha256:" + "000000000000000000000000000000000000000000
 // our plugin passes every pod to it while istio-cni's agent answers. No
 // pod created throughout is left waiting; the ambient ones end captured
 // (by istio-cni), the others start. Mended (the page's helm rollback),
-// ours stands by behind istio-cni, and the switch goes on as before.
+// ours stands by behind istio-cni and withdraws our entry, and the switch
+// goes on as before.
 func (s *switchTest) testBrokenRollback(t *testing.T) {
 	ctx := context.Background()
 	m := s.mode() + "-broken"
@@ -118,7 +119,7 @@ func (s *switchTest) testBrokenRollback(t *testing.T) {
 	// Every pod of every kind Ready: none left waiting for our agent, and
 	// no ambient one started before istio-cni's plugin was in the chain
 	// (istio-cni's agent answers before its installer chains it).
-	s.checkKinds(t, s.onFirst(), podKinds, m, pods, false)
+	s.checkKinds(t, s.onFirst(), podKinds, m, pods, nil)
 	s.deleteKinds(pods)
 
 	// Mended by the page's block (the release's previous revision): the
@@ -129,11 +130,10 @@ func (s *switchTest) testBrokenRollback(t *testing.T) {
 	if err := s.waitStandingBy(ctx, s.n.Name); err != nil {
 		t.Fatalf("%v\n%s", err, s.n.AgentLogTail(ctx, 40))
 	}
-	// Our entry stays chained in front of istio-cni's, passing every pod
-	// on, until the node is switched again or ambient-cni uninstalled.
-	if _, b, err := s.loaded(); err != nil || !strings.Contains(string(b), `"ambient-cni"`) || !strings.Contains(string(b), `"istio-cni"`) {
-		t.Errorf("after the mend, the chain (%v):\n%s\nwant ours and istio-cni's", err, b)
+	// Standing by behind istio-cni, whose agent answers, the agent
+	// withdraws our entry: istio-cni's alone is left.
+	if err := s.waitChain(ctx, "istio-cni", "ambient-cni"); err != nil {
+		t.Errorf("after the mend: %v", err)
 	}
-	s.inert = true
 	mk.span(t, m+"-seconds", "break", "given back")
 }

@@ -3,10 +3,13 @@ package app
 import (
 	"context"
 	"errors"
+	"net"
+	"path/filepath"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 
+	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/apicalls"
 )
 
@@ -45,7 +48,7 @@ func istioCNIGone(sock func(string) error, left apicalls.IstioCNILeft) func(stri
 
 // errIstioCNIReturns ends an agent whose node istio-cni's DaemonSet
 // schedules onto again (a rollback of that node): the agent gives the node
-// back as in an uninstall, and its next start stands by.
+// back (giveBackSteps), and its next start stands by.
 var errIstioCNIReturns = errors.New("istio-cni's DaemonSet schedules onto this node again: giving the node back")
 
 // withStandby returns the start with the standby step placed after the
@@ -88,10 +91,16 @@ func (a *App) withStandby(cs *components, steps []step) []step {
 // agent is ready and says why it waits, once, in its log and in an Event
 // on its pod.
 func (a *App) awaitIstioCNI(ctx context.Context) error {
-	said := false
+	said, withdrawn := false, false
 	defer a.standby.Store(false)
 	for {
 		err := a.installer.IstioCNIHolds()
+		if err != nil && !withdrawn && istioCNIAnswers(a.cfg.IstioCNIRunDir) {
+			// istio-cni chained and its agent serving: our plugin, left
+			// chained by a give-back (or by a broken agent of ours) so
+			// that no pod started in a chain without either, goes.
+			withdrawn = a.withdraw(ctx)
+		}
 		if err == nil {
 			// Not chained: unless it is on its way. An API that does not
 			// answer does not hold the node (after a reboot the node's
@@ -122,11 +131,39 @@ func (a *App) awaitIstioCNI(ctx context.Context) error {
 	}
 }
 
+// withdraw takes our plugin off a node istio-cni holds, saying so when
+// anything of it was there; false when it must be tried again.
+func (a *App) withdraw(ctx context.Context) bool {
+	wctx, cancel := context.WithTimeout(ctx, shutdownTimeout)
+	defer cancel()
+	took, err := a.installer.Withdraw(wctx)
+	if err != nil {
+		a.log.Warn("standing by: cannot withdraw our plugin from behind istio-cni yet", "err", err)
+		return false
+	}
+	if took {
+		a.log.Info("standing by: istio-cni is chained and its agent answers; our plugin withdrawn")
+		a.events.Eventf(a.selfRef(), corev1.EventTypeNormal, "Withdrawn", "istio-cni is chained on the node and its agent answers: our plugin is unchained")
+	}
+	return true
+}
+
+// istioCNIAnswers reports whether istio-cni's node agent accepts a
+// connection on its plugin socket in runDir.
+func istioCNIAnswers(runDir string) bool {
+	c, err := net.DialTimeout("unix", filepath.Join(runDir, ambient.IstioCNIEventSocket), time.Second)
+	if err != nil {
+		return false
+	}
+	_ = c.Close()
+	return true
+}
+
 // watchIstioCNIReturn ends with errIstioCNIReturns once a pod of
 // istio-cni's DaemonSet, not terminating, is on the node (the pod cache,
-// isIstioCNIPod):
-// it is scheduled before it starts, so the agent unchains before
-// istio-cni's agent chains itself.
+// isIstioCNIPod): it is scheduled before it starts, so the agent has
+// released the pods and left no ztunnel connection behind when
+// istio-cni's agent starts.
 func (a *App) watchIstioCNIReturn(ctx context.Context) error {
 	t := time.NewTicker(standbyPoll)
 	defer t.Stop()
@@ -138,7 +175,7 @@ func (a *App) watchIstioCNIReturn(ctx context.Context) error {
 		}
 		if name := a.istioCNIPodHere(); name != "" {
 			a.log.Info("istio-cni's pod is scheduled onto the node: giving the node back", "pod", name)
-			a.events.Eventf(a.selfRef(), corev1.EventTypeNormal, "GivingBack", "istio-cni's pod %s is scheduled onto the node: releasing the pods and unchaining for it", name)
+			a.events.Eventf(a.selfRef(), corev1.EventTypeNormal, "GivingBack", "istio-cni's pod %s is scheduled onto the node: releasing the pods for it; our plugin stays chained until istio-cni's is and its agent answers", name)
 			return errIstioCNIReturns
 		}
 	}

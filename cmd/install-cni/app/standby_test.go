@@ -207,8 +207,8 @@ func TestStandbyIsReady(t *testing.T) {
 
 // TestGivesTheNodeBackWhenIstioCNIReturns: once the agent serves, a pod of
 // istio-cni's DaemonSet scheduled onto the node (the node labelled back)
-// ends the agent with errIstioCNIReturns, which its stop takes as an
-// uninstall; a terminating istio-cni pod (the one that left during the
+// ends the agent with errIstioCNIReturns, which its stop takes as a give-
+// back (giveBackSteps); a terminating istio-cni pod (the one that left during the
 // switch) and our own pods, labelled k8s-app as istio-cni's with
 // istioCompat.names, do not.
 func TestGivesTheNodeBackWhenIstioCNIReturns(t *testing.T) {
@@ -245,5 +245,60 @@ func TestGivesTheNodeBackWhenIstioCNIReturns(t *testing.T) {
 	defer wcancel()
 	if err := a.watchIstioCNIReturn(wctx); !errors.Is(err, errIstioCNIReturns) {
 		t.Fatalf("watch ended with %v, want errIstioCNIReturns", err)
+	}
+}
+
+// TestStandbyWithdrawsOurEntryBehindIstioCNI: the entry a give-back left
+// chained in front of istio-cni's stays while istio-cni's agent does not
+// answer (a pod that must be captured waits rather than start in a chain
+// with neither plugin working), and goes, with our binary, once it
+// answers; istio-cni's entry is untouched.
+func TestStandbyWithdrawsOurEntryBehindIstioCNI(t *testing.T) {
+	a, _, conf, runDir := takeoverApp(t)
+	b, err := os.ReadFile(conf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ours := `{"type": "ambient-cni", "agent_socket": "/run/ambient-cni/agent.sock"},
+  {"type": "istio-cni"`
+	both := strings.Replace(string(b), `{"type": "istio-cni"`, ours, 1)
+	if err := os.WriteFile(conf, []byte(both), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(a.cfg.CNIBinDir, "ambient-cni")
+	if err := os.MkdirAll(filepath.Dir(bin), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(bin, []byte("#!/bin/sh\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- a.awaitIstioCNI(ctx) }() // owner: this test, which cancels and waits
+	defer func() { cancel(); <-done }()
+
+	poll.Until(t, "the agent stands by", a.standby.Load)
+	if got, _ := os.ReadFile(conf); string(got) != both {
+		t.Fatalf("withdrew our entry while istio-cni's agent does not answer:\n%s", got)
+	}
+
+	ln, err := net.Listen("unix", filepath.Join(runDir, ambient.IstioCNIEventSocket))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = ln.Close() }()
+	poll.Until(t, "our entry withdrawn", func() bool {
+		got, _ := os.ReadFile(conf)
+		return !strings.Contains(string(got), `"ambient-cni"`)
+	})
+	got, _ := os.ReadFile(conf)
+	if !strings.Contains(string(got), `"istio-cni"`) {
+		t.Errorf("istio-cni's entry went with ours:\n%s", got)
+	}
+	if _, err := os.Stat(bin); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("our binary is still there: %v", err)
+	}
+	if !a.standby.Load() {
+		t.Error("the agent left the standby while istio-cni holds the node")
 	}
 }

@@ -148,7 +148,7 @@ func TestUninstallStepsGoOnAfterAFailure(t *testing.T) {
 	for _, list := range []struct {
 		name  string
 		steps []step
-	}{{"uninstall", a.uninstallSteps(t.Context(), cs)}, {"upgrade", a.upgradeSteps(cs, true)}} {
+	}{{"uninstall", a.uninstallSteps(t.Context(), cs)}, {"upgrade", a.upgradeSteps(cs, true)}, {"give back", a.giveBackSteps(cs)}} {
 		for _, s := range list.steps {
 			if !s.goOn || s.undo != nil {
 				t.Errorf("%s step %q: goOn %v, undo %v; want every step to go on, none undone", list.name, s.name, s.goOn, s.undo != nil)

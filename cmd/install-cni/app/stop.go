@@ -38,15 +38,15 @@ func (a *App) stop(cs *components, runErr error, flush bool) error {
 	ctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
 	defer cancel()
 	upgrade := apicalls.IsUpgrade(ctx, a.upgrade, a.log)
-	if errors.Is(runErr, errIstioCNIReturns) {
-		// The node goes back to istio-cni (standby.go): unchained and
-		// every pod released before istio-cni's agent chains itself.
-		upgrade = false
-	}
 	var steps []step
-	if upgrade {
+	switch {
+	case errors.Is(runErr, errIstioCNIReturns):
+		// The node goes back to istio-cni (standby.go).
+		upgrade = false
+		steps = a.giveBackSteps(cs)
+	case upgrade:
 		steps = a.upgradeSteps(cs, flush && runErr == nil)
-	} else {
+	default:
 		steps = a.uninstallSteps(ctx, cs)
 	}
 	_, err := runSteps(ctx, steps, nil)
@@ -105,14 +105,40 @@ func (a *App) upgradeSteps(cs *components, flush bool) []step {
 		}},
 		{name: "ZDS server stopped", goOn: true, do: stopped(cs.stopZtunnel)},
 		{name: "agent closed", goOn: true, do: a.closeAgent},
-		{name: "installer stopped, the plugin kept", goOn: true, do: func(context.Context) error {
-			ctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
-			defer cancel()
-			if err := a.installer.Shutdown(ctx, true); err != nil {
-				return fmt.Errorf("installer shutdown: %w", err)
-			}
-			return nil
-		}},
+		a.pluginKeptStep(),
+	}
+}
+
+// pluginKeptStep stops the installer and leaves the plugin chained.
+func (a *App) pluginKeptStep() step {
+	return step{name: "installer stopped, the plugin kept", goOn: true, do: func(context.Context) error {
+		ctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
+		defer cancel()
+		if err := a.installer.Shutdown(ctx, true); err != nil {
+			return fmt.Errorf("installer shutdown: %w", err)
+		}
+		return nil
+	}}
+}
+
+// giveBackSteps is the stop that gives the node back to istio-cni, whose
+// pod is scheduled onto it again (standby.go): every pod released for
+// istio-cni to enroll, while the plugin stays chained with the node files
+// it decides by and no uninstall marker. A pod set up before istio-cni's
+// plugin is chained then finds no agent of ours: it waits if it must be
+// captured, and goes on to istio-cni's plugin once that one has been
+// chained a while and its agent answers, instead of starting uncaptured
+// in a chain that holds neither plugin. The next start, standing by,
+// withdraws the plugin once istio-cni's is chained and its agent answers.
+func (a *App) giveBackSteps(cs *components) []step {
+	return []step{
+		{name: "components stopped", goOn: true, do: stopped(cs.stop)},
+		a.releaseStep(),
+		a.delAcksStep(),
+		{name: "ZDS server stopped", goOn: true, do: stopped(cs.stopZtunnel)},
+		{name: "agent closed", goOn: true, do: a.closeAgent},
+		a.hostProbeRemovedStep(),
+		a.pluginKeptStep(),
 	}
 }
 
@@ -158,24 +184,8 @@ func (a *App) uninstallSteps(decided context.Context, cs *components) []step {
 			return nil
 		}},
 		{name: "components stopped", goOn: true, do: stopped(cs.stop)},
-		{name: "pods released", goOn: true, do: func(context.Context) error {
-			// Its own budget (within the chart's 30 s grace period): one
-			// API call and one rule removal per pod.
-			ctx, cancel := context.WithTimeout(context.Background(), releaseTimeout)
-			defer cancel()
-			if err := a.agent.ReleaseAll(ctx); err != nil {
-				return fmt.Errorf("release pods: %w", err)
-			}
-			return nil
-		}},
-		{name: "ztunnel's acks of the Dels", goOn: true, do: func(context.Context) error {
-			ctx, cancel := context.WithTimeout(context.Background(), ztunnelDelTimeout)
-			defer cancel()
-			if err := a.zds.Drain(ctx); err != nil {
-				a.log.Warn("ztunnel did not ack every Del of the released pods; it drops them when it reconnects or stops", "err", err)
-			}
-			return nil
-		}},
+		a.releaseStep(),
+		a.delAcksStep(),
 		{name: "ZDS server stopped", goOn: true, do: stopped(cs.stopZtunnel)},
 		{name: "agent closed", goOn: true, do: a.closeAgent},
 		{name: "plugin unchained, second try", goOn: true, do: func(context.Context) error {
@@ -183,7 +193,7 @@ func (a *App) uninstallSteps(decided context.Context, cs *components) []step {
 			defer cancel()
 			return unchain(ctx)
 		}},
-		{name: "host probe SNAT removed", goOn: true, do: func(context.Context) error { return a.agent.RemoveHostProbe() }},
+		a.hostProbeRemovedStep(),
 		{name: "node files removed", goOn: true, do: func(context.Context) error {
 			// The agent is closed and the plugin unchained: neither reads
 			// them any more.
@@ -202,6 +212,38 @@ func (a *App) uninstallSteps(decided context.Context, cs *components) []step {
 			return err
 		}},
 	}
+}
+
+// releaseStep releases every captured pod: its rules, ztunnel's Del, its
+// annotation.
+func (a *App) releaseStep() step {
+	return step{name: "pods released", goOn: true, do: func(context.Context) error {
+		// Its own budget (within the chart's 30 s grace period): one
+		// API call and one rule removal per pod.
+		ctx, cancel := context.WithTimeout(context.Background(), releaseTimeout)
+		defer cancel()
+		if err := a.agent.ReleaseAll(ctx); err != nil {
+			return fmt.Errorf("release pods: %w", err)
+		}
+		return nil
+	}}
+}
+
+// delAcksStep waits a moment for ztunnel's acks of the released pods.
+func (a *App) delAcksStep() step {
+	return step{name: "ztunnel's acks of the Dels", goOn: true, do: func(context.Context) error {
+		ctx, cancel := context.WithTimeout(context.Background(), ztunnelDelTimeout)
+		defer cancel()
+		if err := a.zds.Drain(ctx); err != nil {
+			a.log.Warn("ztunnel did not ack every Del of the released pods; it drops them when it reconnects or stops", "err", err)
+		}
+		return nil
+	}}
+}
+
+// hostProbeRemovedStep removes the host probe SNAT.
+func (a *App) hostProbeRemovedStep() step {
+	return step{name: "host probe SNAT removed", goOn: true, do: func(context.Context) error { return a.agent.RemoveHostProbe() }}
 }
 
 func (a *App) closeAgent(context.Context) error {
