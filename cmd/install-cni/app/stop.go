@@ -38,9 +38,10 @@ func (a *App) stop(cs *components, runErr error, flush bool) error {
 	ctx, cancel := context.WithTimeout(context.Background(), shutdownTimeout)
 	defer cancel()
 	upgrade := apicalls.IsUpgrade(ctx, a.upgrade, a.log)
+	giveBack := errors.Is(runErr, errIstioCNIReturns)
 	var steps []step
 	switch {
-	case errors.Is(runErr, errIstioCNIReturns):
+	case giveBack:
 		// The node goes back to istio-cni (standby.go).
 		upgrade = false
 		steps = a.giveBackSteps(cs)
@@ -50,7 +51,8 @@ func (a *App) stop(cs *components, runErr error, flush bool) error {
 		steps = a.uninstallSteps(ctx, cs)
 	}
 	_, err := runSteps(ctx, steps, nil)
-	a.log.Info("install-cni stopped", "upgrade", upgrade)
+	// An operator reading the log tells the three stops apart.
+	a.log.Info("install-cni stopped", "upgrade", upgrade, "gaveBack", giveBack)
 	return errors.Join(runErr, err)
 }
 
