@@ -59,10 +59,8 @@ func (i *Installer) anyOursLocked() bool {
 	for _, e := range ents {
 		p := filepath.Join(i.cfg.ConfDir, e.Name())
 		if e.IsDir() {
-			if b, _, err := readLimited(filepath.Join(p, i.siblingName())); err == nil {
-				if t, err := pluginTypeOf(bytes.TrimSpace(b)); err == nil && t == i.cfg.PluginName {
-					return true
-				}
+			if _, ours := i.ourSiblingIn(p); ours {
+				return true
 			}
 			continue
 		}

@@ -193,6 +193,18 @@ func (i *Installer) isConverted(path string) bool {
 	return m != nil && (*m)[path]
 }
 
+// ourSiblingIn returns the path of our file in the network folder dir and
+// whether it is there and holds our entry.
+func (i *Installer) ourSiblingIn(dir string) (string, bool) {
+	p := filepath.Join(dir, i.siblingName())
+	b, _, err := readLimited(p)
+	if err != nil {
+		return p, false
+	}
+	t, err := pluginTypeOf(bytes.TrimSpace(b))
+	return p, err == nil && t == i.cfg.PluginName
+}
+
 // removeSiblings removes our file from every network folder of the conf
 // dir, and a folder it leaves empty, then makes the runtime reload.
 func (i *Installer) removeSiblings(why string) error {
@@ -210,13 +222,9 @@ func (i *Installer) removeSiblings(why string) error {
 			continue
 		}
 		dir := filepath.Join(i.cfg.ConfDir, e.Name())
-		p := filepath.Join(dir, i.siblingName())
-		b, _, err := readLimited(p)
-		if err != nil {
-			continue
-		}
-		if t, err := pluginTypeOf(bytes.TrimSpace(b)); err != nil || t != i.cfg.PluginName {
-			continue // not an entry of ours: leave it
+		p, ours := i.ourSiblingIn(dir)
+		if !ours {
+			continue // none, or not an entry of ours: leave it
 		}
 		if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			errs = append(errs, fmt.Errorf("remove %s: %w", p, err))

@@ -90,9 +90,8 @@ func IstioCNIAgentGone(runDir string) func(entryRunDir string) error {
 		if filepath.Clean(entryRunDir) != filepath.Clean(runDir) {
 			return fmt.Errorf("istio-cni's plugin reaches its agent in %s, not in %s, the directory mounted to tell: set migration.fromIstioCNI.runDir to %s", entryRunDir, runDir, entryRunDir)
 		}
-		c, err := net.DialTimeout("unix", sock, time.Second)
+		err := dialIstioCNI(sock)
 		if err == nil {
-			_ = c.Close()
 			return fmt.Errorf("istio-cni's node agent still answers on %s: move istio-cni's DaemonSet off this node first", sock)
 		}
 		if errors.Is(err, syscall.ENOENT) || errors.Is(err, syscall.ECONNREFUSED) {
@@ -100,6 +99,22 @@ func IstioCNIAgentGone(runDir string) func(entryRunDir string) error {
 		}
 		return fmt.Errorf("cannot tell whether istio-cni's node agent is gone (%s): %w", sock, err)
 	}
+}
+
+// IstioCNIAnswers reports whether istio-cni's node agent accepts a
+// connection on its plugin event socket in runDir.
+func IstioCNIAnswers(runDir string) bool {
+	return dialIstioCNI(filepath.Join(runDir, ambient.IstioCNIEventSocket)) == nil
+}
+
+// dialIstioCNI connects to istio-cni's plugin event socket sock and hangs
+// up: nil when its agent answers.
+func dialIstioCNI(sock string) error {
+	c, err := net.DialTimeout("unix", sock, time.Second)
+	if err != nil {
+		return err
+	}
+	return c.Close()
 }
 
 // IstioCNIHolds returns an error, saying why, while istio-cni is chained

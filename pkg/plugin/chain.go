@@ -53,7 +53,6 @@ func networkChain(confDir, network string) (file string, types []string, changed
 	if err != nil {
 		return "", nil, time.Time{}, err
 	}
-	inlinedOnly := false
 	for _, e := range ents { // ReadDir sorts by name, as runtimes load them
 		switch filepath.Ext(e.Name()) {
 		case ".conf", ".conflist", ".json":
@@ -69,14 +68,14 @@ func networkChain(confDir, network string) (file string, types []string, changed
 		if err != nil || name != network {
 			continue
 		}
-		file, types, changed, inlinedOnly = p, ts, mtime, inlined
+		if inlined {
+			return p, ts, mtime, nil // libcni skips the network's folder
+		}
+		file, types, changed = p, ts, mtime
 		break
 	}
 	if file == "" {
 		return "", nil, time.Time{}, fmt.Errorf("no config file of network %q in %s", network, confDir)
-	}
-	if inlinedOnly {
-		return file, types, changed, nil
 	}
 	folder := filepath.Join(confDir, network)
 	if ents, err := os.ReadDir(folder); err == nil {

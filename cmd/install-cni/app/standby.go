@@ -3,14 +3,12 @@ package app
 import (
 	"context"
 	"errors"
-	"net"
-	"path/filepath"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 
-	"github.com/ambient-cni/ambient-cni/pkg/ambient"
 	"github.com/ambient-cni/ambient-cni/pkg/apicalls"
+	"github.com/ambient-cni/ambient-cni/pkg/installer"
 )
 
 // The switch from istio-cni, node by node: ambient-cni is installed on
@@ -95,7 +93,7 @@ func (a *App) awaitIstioCNI(ctx context.Context) error {
 	defer a.standby.Store(false)
 	for {
 		err := a.installer.IstioCNIHolds()
-		if err != nil && !withdrawn && istioCNIAnswers(a.cfg.IstioCNIRunDir) {
+		if err != nil && !withdrawn && installer.IstioCNIAnswers(a.cfg.IstioCNIRunDir) {
 			// istio-cni chained and its agent serving: our plugin, left
 			// chained by a give-back (or by a broken agent of ours) so
 			// that no pod started in a chain without either, goes.
@@ -145,17 +143,6 @@ func (a *App) withdraw(ctx context.Context) bool {
 		a.log.Info("standing by: istio-cni is chained and its agent answers; our plugin withdrawn")
 		a.events.Eventf(a.selfRef(), corev1.EventTypeNormal, "Withdrawn", "istio-cni is chained on the node and its agent answers: our plugin is unchained")
 	}
-	return true
-}
-
-// istioCNIAnswers reports whether istio-cni's node agent accepts a
-// connection on its plugin socket in runDir.
-func istioCNIAnswers(runDir string) bool {
-	c, err := net.DialTimeout("unix", filepath.Join(runDir, ambient.IstioCNIEventSocket), time.Second)
-	if err != nil {
-		return false
-	}
-	_ = c.Close()
 	return true
 }
 
