@@ -17,6 +17,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	"sigs.k8s.io/yaml"
@@ -402,6 +403,14 @@ func (n *Node) startStandInPod(ctx context.Context, name, node, host string, por
 					Capabilities: &corev1.Capabilities{Drop: []corev1.Capability{"ALL"}, Add: []corev1.Capability{"NET_ADMIN", "SYS_ADMIN", "NET_RAW"}},
 				},
 				VolumeMounts: []corev1.VolumeMount{{Name: "cni-ztunnel-sock-dir", MountPath: "/var/run/ztunnel"}},
+				// ztunnel's chart requests these. Without a request the pod
+				// is BestEffort (cpu.shares 2): beside a busy agent on a
+				// loaded machine it went unscheduled for seconds, past the
+				// agent's 5 s ack deadline and every proxied connection's.
+				Resources: corev1.ResourceRequirements{Requests: corev1.ResourceList{
+					corev1.ResourceCPU:    resource.MustParse("200m"),
+					corev1.ResourceMemory: resource.MustParse("512Mi"),
+				}},
 				ReadinessProbe: &corev1.Probe{
 					ProbeHandler:  corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Host: host, Path: "/workloads", Port: intstr.FromInt(port)}},
 					PeriodSeconds: 1,
@@ -474,9 +483,45 @@ func (n *Node) StandInOf(ctx context.Context, d TrafficCounts) string {
 		fmt.Fprintf(&b, "(stand-in log: %v)\n", err)
 		return b.String()
 	}
+	const most = 40
+	shown, left := 0, 0
 	for l := range strings.SplitSeq(string(out), "\n") {
-		if strings.Contains(l, "did not proxy") || strings.Contains(l, "level=WARN") || strings.Contains(l, "level=ERROR") {
-			fmt.Fprintf(&b, "stand-in: %s\n", l)
+		if !strings.Contains(l, "did not proxy") && !strings.Contains(l, "level=WARN") && !strings.Contains(l, "level=ERROR") {
+			continue
+		}
+		// Stalls are the cause the rest follows from: always shown.
+		if shown >= most && !strings.Contains(l, "stalled") {
+			left++
+			continue
+		}
+		fmt.Fprintf(&b, "stand-in: %s\n", l)
+		shown++
+	}
+	if left > 0 {
+		fmt.Fprintf(&b, "stand-in: ... and %d more such lines\n", left)
+	}
+	b.WriteString(n.Restarts(ctx))
+	return b.String()
+}
+
+// Restarts lists the node's containers that have restarted, with why the
+// last run ended: a liveness restart of an app breaks its connections.
+func (n *Node) Restarts(ctx context.Context) string {
+	pods, err := n.Client.CoreV1().Pods("").List(ctx, metav1.ListOptions{FieldSelector: "spec.nodeName=" + n.Name})
+	if err != nil {
+		return fmt.Sprintf("(restarts: %v)\n", err)
+	}
+	var b strings.Builder
+	for _, p := range pods.Items {
+		for _, cs := range p.Status.ContainerStatuses {
+			if cs.RestartCount == 0 {
+				continue
+			}
+			fmt.Fprintf(&b, "restarted: %s/%s container %s %d times", p.Namespace, p.Name, cs.Name, cs.RestartCount)
+			if term := cs.LastTerminationState.Terminated; term != nil {
+				fmt.Fprintf(&b, ", last ended %s: %s exit %d", term.FinishedAt.UTC().Format("15:04:05"), term.Reason, term.ExitCode)
+			}
+			b.WriteString("\n")
 		}
 	}
 	return b.String()
@@ -535,10 +580,17 @@ func (n *Node) AppPod(namespace, name string, o AppOptions) *corev1.Pod {
 		Args:            args,
 		Env:             []corev1.EnvVar{{Name: "POD_NAME", ValueFrom: &corev1.EnvVarSource{FieldRef: &corev1.ObjectFieldSelector{FieldPath: "metadata.name"}}}},
 		Ports:           []corev1.ContainerPort{{Name: "http", ContainerPort: AppPort}},
+		// A small request makes the pod Burstable: a BestEffort pod
+		// (cpu.shares 2) starved for seconds on a loaded machine, long
+		// enough for its liveness probe to restart it under the traffic
+		// the tests count.
+		Resources: corev1.ResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceCPU: resource.MustParse("20m")}},
 	}
 	if !o.RestartNever {
 		c.ReadinessProbe = &corev1.Probe{ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/ready", Port: intstr.FromInt(AppPort)}}, PeriodSeconds: 2}
-		c.LivenessProbe = &corev1.Probe{ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/live", Port: intstr.FromInt(AppPort)}}, PeriodSeconds: 2, FailureThreshold: 3}
+		// Liveness tolerates a stall of about 15 s; restarting the app
+		// breaks the held connections the tests count.
+		c.LivenessProbe = &corev1.Probe{ProbeHandler: corev1.ProbeHandler{HTTPGet: &corev1.HTTPGetAction{Path: "/live", Port: intstr.FromInt(AppPort)}}, PeriodSeconds: 2, TimeoutSeconds: 3, FailureThreshold: 6}
 	}
 	if o.PreStopGet != "" {
 		c.Lifecycle = &corev1.Lifecycle{PreStop: &corev1.LifecycleHandler{Exec: &corev1.ExecAction{

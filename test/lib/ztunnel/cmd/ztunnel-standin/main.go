@@ -62,6 +62,7 @@ func main() {
 		}()
 		log.Info("debug endpoint", "addr", ln.Addr().String())
 	}
+	go watchStalls(ctx, log) // owner: main; ends with ctx
 	if err := z.Run(ctx); err != nil {
 		log.Error("stand-in", "err", err)
 		os.Exit(1)
@@ -149,4 +150,26 @@ func (d *deafPods) set(uid string, deaf bool) bool {
 		delete(d.uids, uid)
 	}
 	return true
+}
+
+// watchStalls logs every stretch of a second or more in which the process
+// was not scheduled (a starved container, a stopped process): the agent's
+// ack deadline and the tests' timeouts read differently once it is known
+// that the stand-in itself stood still.
+func watchStalls(ctx context.Context, log *slog.Logger) {
+	const tick = 250 * time.Millisecond
+	t := time.NewTicker(tick)
+	defer t.Stop()
+	last := time.Now()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case now := <-t.C:
+			if gap := now.Sub(last); gap >= time.Second+tick {
+				log.Warn("stand-in stalled: not scheduled", "for", (gap - tick).Round(time.Millisecond))
+			}
+			last = now
+		}
+	}
 }
