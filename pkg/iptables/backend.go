@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os/exec"
+	"slices"
 	"strings"
 	"time"
 
@@ -145,6 +146,50 @@ func inspectNode(ctx context.Context, b Backend) nodeState {
 		}
 	}
 	return st
+}
+
+// IstioCNIHostChain is the chain istio-cni's agent puts in the host's nat
+// table for its kubelet probe SNAT, in the flavour it writes every pod's
+// rules in.
+const IstioCNIHostChain = "ISTIO_POSTRT"
+
+// IstioCNIFlavour reports the flavour istio-cni's agent uses on this node
+// (the caller's namespace must be the host's): the one whose nat table
+// holds its host chain. istio-cni picks its flavour with a rule of its
+// own (legacy wherever iptables-legacy-save prints anything at all), so an
+// agent taking its pods over follows the evidence rather than guess: with
+// both in one flavour, istio-cni adopts our rules in place when the node
+// is given back to it, and nothing of ours is left beside its own. False
+// when neither flavour, or both, hold the chain.
+func IstioCNIFlavour(ctx context.Context) (Backend, bool) {
+	saves := map[Backend]string{}
+	for _, b := range []Backend{BackendNFT, BackendLegacy} {
+		out, err := exec.CommandContext(ctx, b.SaveCmd(ruleset.IPv4), "-t", "nat").Output()
+		if err == nil {
+			saves[b] = string(out)
+		}
+	}
+	return istioCNIFlavourIn(saves)
+}
+
+// istioCNIFlavourIn is IstioCNIFlavour on the nat dumps of each flavour.
+func istioCNIFlavourIn(saves map[Backend]string) (Backend, bool) {
+	var found []Backend
+	for _, b := range []Backend{BackendNFT, BackendLegacy} {
+		s, err := ParseSave(saves[b])
+		if err != nil {
+			continue
+		}
+		for _, t := range s.Tables {
+			if t.Name == "nat" && slices.ContainsFunc(t.Chains, func(c *SavedChain) bool { return c.Name == IstioCNIHostChain }) {
+				found = append(found, b)
+			}
+		}
+	}
+	if len(found) != 1 {
+		return "", false
+	}
+	return found[0], true
 }
 
 // chooseBackend decides between two usable backends from what they show.

@@ -270,6 +270,15 @@ func (a *Agent) LoadRecords() error {
 	return a.records.load()
 }
 
+// ForgetHandedOver drops every capture record, touching no pod, and
+// returns how many there were: the pods were handed over to istio-cni
+// (a give-back, or a broken agent's node rolled back), whose agent
+// adopted them by their annotation, so no later stop of ours may release
+// them. Call it only on an agent that holds no pod (standing by).
+func (a *Agent) ForgetHandedOver() (int, error) {
+	return a.records.removeAll()
+}
+
 // Run writes the redirection annotations the agent's captures and
 // removals want, until ctx ends.
 func (a *Agent) Run(ctx context.Context) error {

@@ -162,6 +162,18 @@ func (s *recordStore) removeLocked(uid types.UID) error {
 	return nil
 }
 
+// removeAll removes every known record and returns how many there were.
+func (s *recordStore) removeAll() (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var errs []error
+	recs := s.all()
+	for _, r := range recs {
+		errs = append(errs, s.removeLocked(r.UID))
+	}
+	return len(recs), errors.Join(errs...)
+}
+
 // get returns the pod's record as last read or written.
 func (s *recordStore) get(uid types.UID) (Record, bool) {
 	s.t.mu.Lock()

@@ -100,6 +100,11 @@ type Config struct {
 	Probe ruleset.HostProbeConfig
 	// Logger receives structured logs (default: discarded).
 	Logger *slog.Logger
+	// FollowIstioCNI: iptables with no flavour asked for takes the one
+	// istio-cni's agent uses on the node, where its host chain shows it
+	// (iptables.IstioCNIFlavour), before the node's own detection. Set
+	// where the agent takes istio-cni's pods over and may give them back.
+	FollowIstioCNI bool
 }
 
 // Backend is the chosen backend's rules and host probe.
@@ -155,6 +160,14 @@ func New(cfg Config) (*Backend, error) {
 	var ipt []*iptables.Applier
 	var iptHosts []*iptables.HostProbe
 	var primaryIPT iptables.Backend
+	if choice == IPTables && flavour == "" && cfg.FollowIstioCNI {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		if f, ok := iptables.IstioCNIFlavour(ctx); ok {
+			log.Info("iptables flavour follows istio-cni's on the node", "flavour", f)
+			flavour = f
+		}
+		cancel()
+	}
 	if choice == IPTables {
 		b, err := iptables.DetectBackend(string(flavour))
 		if err != nil {

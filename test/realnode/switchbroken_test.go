@@ -119,7 +119,7 @@ func (s *switchTest) testBrokenRollback(t *testing.T) {
 	// Every pod of every kind Ready: none left waiting for our agent, and
 	// no ambient one started before istio-cni's plugin was in the chain
 	// (istio-cni's agent answers before its installer chains it).
-	s.checkKinds(t, s.onFirst(), podKinds, m, pods, nil)
+	s.checkKinds(t, s.onFirst(), podKinds, m, pods)
 	s.deleteKinds(pods)
 
 	// Mended by the page's block (the release's previous revision): the

@@ -225,15 +225,13 @@ func (s *switchTest) createKindsDuring(t *testing.T, at podPlace, kinds []podKin
 }
 
 // checkKinds asserts every pod created on at during a step is Ready; the
-// ambient ones captured, and started captured unless released names it
-// (by uid: enrolled, then released by a give-back before its first
-// connection, the running pods' window, measured); the others not
-// captured. It prints each kind's longest wait.
-func (s *switchTest) checkKinds(t *testing.T, at podPlace, kinds []podKind, what string, pods []kindPod, released map[string]bool) {
+// ambient ones captured, and started captured; the others not captured.
+// It prints each kind's longest wait.
+func (s *switchTest) checkKinds(t *testing.T, at podPlace, kinds []podKind, what string, pods []kindPod) {
 	t.Helper()
 	ctx := context.Background()
 	longest := map[string]time.Duration{}
-	startedOut, releasedOut := 0, 0
+	startedOut := 0
 	for _, kp := range pods {
 		if kp.err != nil {
 			t.Errorf("%s: %s (%s): %v", what, kp.name, kp.kind.name, kp.err)
@@ -252,11 +250,6 @@ func (s *switchTest) checkKinds(t *testing.T, at podPlace, kinds []podKind, what
 		case !kp.kind.ambient && captured:
 			t.Errorf("%s: pod %s/%s, not ambient, captured", what, p.Namespace, p.Name)
 		case kp.kind.ambient && !s.startedCapturedIn(t, at.records, p):
-			if released[string(p.UID)] {
-				releasedOut++
-				t.Logf("%s: %s/%s was enrolled, then released by the give-back before its first connection (the running pods' window)", what, p.Namespace, p.Name)
-				continue
-			}
 			startedOut++
 		}
 	}
@@ -265,9 +258,6 @@ func (s *switchTest) checkKinds(t *testing.T, at podPlace, kinds []podKind, what
 	}
 	figure(t, what+"-pods-created", len(pods))
 	figure(t, what+"-ambient-pods-started-uncaptured", startedOut)
-	if released != nil {
-		figure(t, what+"-ambient-pods-released-before-their-first-connection", releasedOut)
-	}
 	if startedOut > 0 {
 		t.Errorf("%s: %d ambient pods started uncaptured", what, startedOut)
 	}

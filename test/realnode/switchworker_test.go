@@ -128,7 +128,7 @@ func (s *switchTest) testSecondNode(t *testing.T) {
 	if first.Broken > 0 || first.LoopFailed > 0 {
 		t.Errorf("on the first node: %d held connections broke, %d requests failed: %s", first.Broken, first.LoopFailed, first.Listed())
 	}
-	s.checkKinds(t, onWorker(w), kinds, m, created, nil)
+	s.checkKinds(t, onWorker(w), kinds, m, created)
 
 	// Both ways across again, both nodes ours; the adopted pod holds
 	// exactly the rules of a pod ours captured at its start there.

@@ -175,6 +175,7 @@ func New(o Options) (*App, error) {
 	// Rules in pods and the host probe SNAT: nothing is dialled or
 	// installed until used; Run closes what the backend holds.
 	rules, err := rulesbackend.New(rulesbackend.Config{Backend: c.RulesBackend, HostNetns: o.HostNetns, Logger: a.log,
+		FollowIstioCNI: c.IstioCNIRunDir != "",
 		Probe: ruleset.HostProbeConfig{ProbeSNATv4: c.ProbeSNATv4, ProbeSNATv6: c.ProbeSNATv6, IPv4Only: !c.IPv6,
 			NoBranchENI: !c.AWSBranchENIProbe}})
 	if err != nil {

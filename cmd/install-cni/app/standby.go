@@ -129,9 +129,27 @@ func (a *App) awaitIstioCNI(ctx context.Context) error {
 	}
 }
 
-// withdraw takes our plugin off a node istio-cni holds, saying so when
-// anything of it was there; false when it must be tried again.
+// withdraw takes what a give-back (or a broken agent of ours) left off a
+// node istio-cni holds, saying so when anything of it was there: the
+// records of the pods handed over (istio-cni's agent adopted them; an
+// uninstall from here must not release them), our host probe SNAT
+// (istio-cni's agent has its own) and our plugin. False when it must be
+// tried again.
 func (a *App) withdraw(ctx context.Context) bool {
+	forgot, err := a.agent.ForgetHandedOver()
+	if err != nil {
+		a.log.Warn("standing by: cannot forget the pods handed over to istio-cni yet", "err", err)
+		return false
+	}
+	if forgot > 0 {
+		a.log.Info("standing by: istio-cni's agent answers; the pods handed over to it forgotten", "pods", forgot)
+	}
+	if err := a.agent.RemoveHostProbe(); err != nil {
+		// Harmless if left (it SNATs probes to the address istio-cni's
+		// does), and the next takeover or uninstall puts it right: not a
+		// reason to keep our plugin in the chain.
+		a.log.Warn("standing by: our host probe SNAT left in place", "err", err)
+	}
 	wctx, cancel := context.WithTimeout(ctx, shutdownTimeout)
 	defer cancel()
 	took, err := a.installer.Withdraw(wctx)
@@ -149,7 +167,7 @@ func (a *App) withdraw(ctx context.Context) bool {
 // watchIstioCNIReturn ends with errIstioCNIReturns once a pod of
 // istio-cni's DaemonSet, not terminating, is on the node (the pod cache,
 // isIstioCNIPod): it is scheduled before it starts, so the agent has
-// released the pods and left no ztunnel connection behind when
+// handed the pods over and left no ztunnel connection behind when
 // istio-cni's agent starts.
 func (a *App) watchIstioCNIReturn(ctx context.Context) error {
 	t := time.NewTicker(standbyPoll)
@@ -162,7 +180,7 @@ func (a *App) watchIstioCNIReturn(ctx context.Context) error {
 		}
 		if name := a.istioCNIPodHere(); name != "" {
 			a.log.Info("istio-cni's pod is scheduled onto the node: giving the node back", "pod", name)
-			a.events.Eventf(a.selfRef(), corev1.EventTypeNormal, "GivingBack", "istio-cni's pod %s is scheduled onto the node: releasing the pods for it; our plugin stays chained until istio-cni's is and its agent answers", name)
+			a.events.Eventf(a.selfRef(), corev1.EventTypeNormal, "GivingBack", "istio-cni's pod %s is scheduled onto the node: handing the pods over to it, captured; our plugin stays chained until istio-cni's is and its agent answers", name)
 			return errIstioCNIReturns
 		}
 	}

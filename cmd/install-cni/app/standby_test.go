@@ -67,7 +67,9 @@ func takeoverApp(t *testing.T) (a *App, cs *fake.Clientset, conf, runDir string)
 	if err != nil {
 		t.Fatal(err)
 	}
-	a, err = New(Options{Config: cfg, Client: kubeclienttest.FromClientset(cs)})
+	// The host's rules are the real node's (a realnode suite may run
+	// beside): the host probe SNAT goes to a namespace that is not there.
+	a, err = New(Options{Config: cfg, Client: kubeclienttest.FromClientset(cs), HostNetns: filepath.Join(dir, "no-host-netns")})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -252,7 +254,9 @@ func TestGivesTheNodeBackWhenIstioCNIReturns(t *testing.T) {
 // chained in front of istio-cni's stays while istio-cni's agent does not
 // answer (a pod that must be captured waits rather than start in a chain
 // with neither plugin working), and goes, with our binary, once it
-// answers; istio-cni's entry is untouched.
+// answers; istio-cni's entry is untouched. The records of the pods handed
+// over go at the same moment, not before: until istio-cni's agent has
+// them, an uninstall releases them.
 func TestStandbyWithdrawsOurEntryBehindIstioCNI(t *testing.T) {
 	a, _, conf, runDir := takeoverApp(t)
 	b, err := os.ReadFile(conf)
@@ -272,6 +276,17 @@ func TestStandbyWithdrawsOurEntryBehindIstioCNI(t *testing.T) {
 	if err := os.WriteFile(bin, []byte("#!/bin/sh\n"), 0o755); err != nil {
 		t.Fatal(err)
 	}
+	// A pod the give-back handed over to istio-cni, still recorded.
+	rec := filepath.Join(a.layout.Records(), "d2b7c1e0-5b0e-4f7e-9a51-1c2d3e4f5a6b.json")
+	if err := os.MkdirAll(filepath.Dir(rec), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(rec, []byte(`{"uid": "d2b7c1e0-5b0e-4f7e-9a51-1c2d3e4f5a6b", "namespace": "shop", "name": "web", "netns": "/var/run/netns/x"}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.agent.LoadRecords(); err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
 	go func() { done <- a.awaitIstioCNI(ctx) }() // owner: this test, which cancels and waits
@@ -280,6 +295,9 @@ func TestStandbyWithdrawsOurEntryBehindIstioCNI(t *testing.T) {
 	poll.Until(t, "the agent stands by", a.standby.Load)
 	if got, _ := os.ReadFile(conf); string(got) != both {
 		t.Fatalf("withdrew our entry while istio-cni's agent does not answer:\n%s", got)
+	}
+	if _, err := os.Stat(rec); err != nil {
+		t.Fatalf("forgot the handed-over pod while istio-cni's agent does not answer: %v", err)
 	}
 
 	ln, err := net.Listen("unix", filepath.Join(runDir, ambient.IstioCNIEventSocket))
@@ -297,6 +315,9 @@ func TestStandbyWithdrawsOurEntryBehindIstioCNI(t *testing.T) {
 	}
 	if _, err := os.Stat(bin); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("our binary is still there: %v", err)
+	}
+	if _, err := os.Stat(rec); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the handed-over pod's record is still there (an uninstall would release istio-cni's pod): %v", err)
 	}
 	if !a.standby.Load() {
 		t.Error("the agent left the standby while istio-cni holds the node")

@@ -75,18 +75,7 @@ func (a *App) upgradeSteps(cs *components, flush bool) []step {
 			}
 			return nil
 		}},
-		{name: "annotation writes flushed", goOn: true, do: func(context.Context) error {
-			if !flush {
-				return nil
-			}
-			// Whatever is left the next agent repairs.
-			fctx, fcancel := context.WithTimeout(context.Background(), annotationFlushTimeout)
-			defer fcancel()
-			if err := a.agent.FlushAnnotations(fctx); err != nil {
-				a.log.Info("annotation writes left to the next agent", "pending", a.agent.PendingAnnotations())
-			}
-			return nil
-		}},
+		a.annotationsFlushedStep(flush),
 		{name: "components stopped", goOn: true, do: stopped(cs.stop)},
 		{name: "startup taint", goOn: true, do: func(context.Context) error {
 			if !a.cfg.StartupTaintOnShutdown {
@@ -111,6 +100,24 @@ func (a *App) upgradeSteps(cs *components, flush bool) []step {
 	}
 }
 
+// annotationsFlushedStep gives the annotation writes queued by the last
+// captures a moment (none when !flush): the next agent, ours or
+// istio-cni's, finds the pods it adopts by their annotation.
+func (a *App) annotationsFlushedStep(flush bool) step {
+	return step{name: "annotation writes flushed", goOn: true, do: func(context.Context) error {
+		if !flush {
+			return nil
+		}
+		// Whatever is left the next agent repairs.
+		fctx, fcancel := context.WithTimeout(context.Background(), annotationFlushTimeout)
+		defer fcancel()
+		if err := a.agent.FlushAnnotations(fctx); err != nil {
+			a.log.Info("annotation writes left to the next agent", "pending", a.agent.PendingAnnotations())
+		}
+		return nil
+	}}
+}
+
 // pluginKeptStep stops the installer and leaves the plugin chained.
 func (a *App) pluginKeptStep() step {
 	return step{name: "installer stopped, the plugin kept", goOn: true, do: func(context.Context) error {
@@ -124,22 +131,26 @@ func (a *App) pluginKeptStep() step {
 }
 
 // giveBackSteps is the stop that gives the node back to istio-cni, whose
-// pod is scheduled onto it again (standby.go): every pod released for
-// istio-cni to enroll, while the plugin stays chained with the node files
-// it decides by and no uninstall marker. A pod set up before istio-cni's
-// plugin is chained then finds no agent of ours: it waits if it must be
-// captured, and goes on to istio-cni's plugin once that one has been
-// chained a while and its agent answers, instead of starting uncaptured
-// in a chain that holds neither plugin. The next start, standing by,
-// withdraws the plugin once istio-cni's is chained and its agent answers.
+// pod is scheduled onto it again (standby.go). The pods are handed over,
+// not released: they keep their annotation, their in-pod rules (under
+// istio-cni's own names, which its agent adopts at its start as it adopts
+// those of a pod it captured itself) and their workload in ztunnel (kept
+// while ztunnel reconnects to istio-cni's socket, and named again by
+// istio-cni's snapshot), so no running pod has a moment outside the mesh.
+// The host probe SNAT stays for istio-cni's agent to start behind it. The
+// plugin stays chained with the node files it decides by and no uninstall
+// marker: a pod set up before istio-cni's plugin is chained finds no agent
+// of ours, and waits if it must be captured, then goes on to istio-cni's
+// plugin once that one has been chained a while and its agent answers. The
+// next start, standing by, forgets the handed-over pods, removes the host
+// probe SNAT and withdraws the plugin once istio-cni's agent answers in
+// the chain (awaitIstioCNI).
 func (a *App) giveBackSteps(cs *components) []step {
 	return []step{
+		a.annotationsFlushedStep(true),
 		{name: "components stopped", goOn: true, do: stopped(cs.stop)},
-		a.releaseStep(),
-		a.delAcksStep(),
 		{name: "ZDS server stopped", goOn: true, do: stopped(cs.stopZtunnel)},
 		{name: "agent closed", goOn: true, do: a.closeAgent},
-		a.hostProbeRemovedStep(),
 		a.pluginKeptStep(),
 	}
 }
