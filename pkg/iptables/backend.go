@@ -164,7 +164,10 @@ const IstioCNIHostChain = "ISTIO_POSTRT"
 func IstioCNIFlavour(ctx context.Context) (Backend, bool) {
 	saves := map[Backend]string{}
 	for _, b := range []Backend{BackendNFT, BackendLegacy} {
-		out, err := exec.CommandContext(ctx, b.SaveCmd(ruleset.IPv4), "-t", "nat").Output()
+		// No -t: iptables-legacy-save loads the module of a table it is
+		// asked for, and a legacy nat table that appears makes istio-cni
+		// (and the node's detection) choose legacy from then on.
+		out, err := exec.CommandContext(ctx, b.SaveCmd(ruleset.IPv4)).Output()
 		if err == nil {
 			saves[b] = string(out)
 		}
