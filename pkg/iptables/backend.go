@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"os/exec"
-	"slices"
 	"strings"
 	"time"
 
@@ -123,17 +122,12 @@ type nodeState struct {
 	rules int
 }
 
-// inspectNode reads both families' dumps; iptables-save never
-// instantiates tables, so looking changes nothing.
+// inspectNode reads both families' dumps.
 func inspectNode(ctx context.Context, b Backend) nodeState {
 	var st nodeState
 	for _, f := range ruleset.Families {
-		out, err := exec.CommandContext(ctx, b.SaveCmd(f)).Output()
-		if err != nil {
-			continue
-		}
-		s, err := ParseSave(string(out))
-		if err != nil {
+		s, ok := nodeDump(ctx, b, f)
+		if !ok {
 			continue
 		}
 		for _, t := range s.Tables {
@@ -146,6 +140,20 @@ func inspectNode(ctx context.Context, b Backend) nodeState {
 		}
 	}
 	return st
+}
+
+// nodeDump is flavour b's whole dump of family f in the caller's
+// namespace. No -t: iptables-save never instantiates a table it lists
+// unasked, while iptables-legacy-save loads the module of one it is asked
+// for (and a legacy table that appears makes istio-cni, and the node's
+// detection, choose legacy from then on); so looking changes nothing.
+func nodeDump(ctx context.Context, b Backend, f ruleset.Family) (*Save, bool) {
+	out, err := exec.CommandContext(ctx, b.SaveCmd(f)).Output()
+	if err != nil {
+		return nil, false
+	}
+	s, err := ParseSave(string(out))
+	return s, err == nil
 }
 
 // IstioCNIHostChain is the chain istio-cni's agent puts in the host's nat
@@ -162,29 +170,21 @@ const IstioCNIHostChain = "ISTIO_POSTRT"
 // is given back to it, and nothing of ours is left beside its own. False
 // when neither flavour, or both, hold the chain.
 func IstioCNIFlavour(ctx context.Context) (Backend, bool) {
-	saves := map[Backend]string{}
+	dumps := map[Backend]*Save{}
 	for _, b := range []Backend{BackendNFT, BackendLegacy} {
-		// No -t: iptables-legacy-save loads the module of a table it is
-		// asked for, and a legacy nat table that appears makes istio-cni
-		// (and the node's detection) choose legacy from then on.
-		out, err := exec.CommandContext(ctx, b.SaveCmd(ruleset.IPv4)).Output()
-		if err == nil {
-			saves[b] = string(out)
+		if s, ok := nodeDump(ctx, b, ruleset.IPv4); ok {
+			dumps[b] = s
 		}
 	}
-	return istioCNIFlavourIn(saves)
+	return istioCNIFlavourIn(dumps)
 }
 
-// istioCNIFlavourIn is IstioCNIFlavour on the nat dumps of each flavour.
-func istioCNIFlavourIn(saves map[Backend]string) (Backend, bool) {
+// istioCNIFlavourIn is IstioCNIFlavour on each flavour's IPv4 dump.
+func istioCNIFlavourIn(dumps map[Backend]*Save) (Backend, bool) {
 	var found []Backend
 	for _, b := range []Backend{BackendNFT, BackendLegacy} {
-		s, err := ParseSave(saves[b])
-		if err != nil {
-			continue
-		}
-		for _, t := range s.Tables {
-			if t.Name == "nat" && slices.ContainsFunc(t.Chains, func(c *SavedChain) bool { return c.Name == IstioCNIHostChain }) {
+		if s := dumps[b]; s != nil {
+			if t := s.Table("nat"); t != nil && t.Chain(IstioCNIHostChain) != nil {
 				found = append(found, b)
 			}
 		}

@@ -36,7 +36,13 @@ COMMIT
 		{"a dump that does not parse", map[Backend]string{BackendLegacy: "*nat\n:ISTIO_POSTRT - [0:0]\n"}, "", false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			got, ok := istioCNIFlavourIn(c.saves)
+			dumps := map[Backend]*Save{}
+			for b, text := range c.saves {
+				if s, err := ParseSave(text); err == nil {
+					dumps[b] = s
+				}
+			}
+			got, ok := istioCNIFlavourIn(dumps)
 			if got != c.want || ok != c.ok {
 				t.Errorf("got %q, %v; want %q, %v", got, ok, c.want, c.ok)
 			}
